@@ -1,0 +1,18 @@
+"""fused_rl: fused Triton kernels for the loss side of large-vocabulary RLHF.
+
+``import fused_rl`` needs neither a GPU nor Triton: without them every op runs its
+plain-PyTorch reference. See ``fused_rl.available_backends(device)``.
+"""
+
+from . import config
+from ._backend import available_backends
+from ._version import __version__
+from .logprobs import token_entropy, token_logprobs
+
+__all__ = [
+    "__version__",
+    "available_backends",
+    "config",
+    "token_entropy",
+    "token_logprobs",
+]

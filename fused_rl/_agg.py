@@ -1,0 +1,66 @@
+"""Loss aggregation (``loss_agg``) as per-token weights: ``loss = sum_t w_t * L_t``.
+
+The weights depend on the mask only, never on the logits, so they are computed before the
+fused kernel (O(B*T) work, no host sync) and the kernel's epilogue needs only ``w_t`` to emit
+both its share of the loss and the backward coefficients ``g_t = w_t * dL_t/dlogp_t``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LOSS_AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+)
+
+
+def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """``num / den`` with 0 where ``den == 0`` (an empty sequence contributes 0, never NaN)."""
+    safe = torch.where(den != 0, den, torch.ones_like(den))
+    return torch.where(den != 0, num / safe, torch.zeros_like(num))
+
+
+def token_weights(
+    mask: torch.Tensor,
+    loss_agg: str,
+    *,
+    max_length: int | None = None,
+    num_items: int | float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fp32 ``(B, T)`` weights ``w`` with ``loss = (w * per_token_loss).sum()``.
+
+    * ``token-mean``: ``m / sum(m)`` (``num_items`` replaces ``sum(m)``: a global token count
+      for DAPO-style normalisation across micro-batches and ranks);
+    * ``seq-mean-token-mean``: ``m / (B * sum_t m)``, an empty sequence weighs 0;
+    * ``seq-mean-token-sum``: ``m / B``;
+    * ``seq-mean-token-sum-norm``: ``m / (B * max_length)`` (Dr. GRPO; ``max_length`` = T
+      by default).
+    """
+    m = mask.to(torch.float32)
+    if m.dim() != 2:
+        raise ValueError(f"mask must be (B, T), got shape {tuple(m.shape)}")
+    n_seq, length = m.shape
+    if loss_agg == "token-mean":
+        if num_items is None:
+            den = m.sum()
+        else:
+            den = torch.as_tensor(num_items, dtype=torch.float32, device=m.device)
+        return _safe_div(m, den)
+    if loss_agg == "seq-mean-token-mean":
+        return _safe_div(m, m.sum(dim=1, keepdim=True)) / max(n_seq, 1)
+    if loss_agg == "seq-mean-token-sum":
+        return m / max(n_seq, 1)
+    if loss_agg == "seq-mean-token-sum-norm":
+        norm = length if max_length is None else max_length
+        if norm <= 0:
+            raise ValueError(f"max_length must be > 0, got {max_length}")
+        return m / (max(n_seq, 1) * norm)
+    raise ValueError(f"loss_agg must be one of {LOSS_AGG_MODES}, got {loss_agg!r}")
+
+
+def masked_mean_all(x: torch.Tensor, mask_f: torch.Tensor) -> torch.Tensor:
+    """``sum(x * m) / sum(m)`` as a 0-dim fp32 tensor, 0 for an empty mask (metrics)."""
+    return _safe_div((x.float() * mask_f).sum(), mask_f.sum())

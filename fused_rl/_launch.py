@@ -1,0 +1,31 @@
+"""Launch configuration shared by the Triton launchers (block sizes, warps, dtypes)."""
+
+from __future__ import annotations
+
+import torch
+
+MAX_BLOCK_V = 4096
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def vocab_block(vocab: int) -> int:
+    """Columns per loop step: the whole row when small, else 4096 (16 B/thread/step in bf16)."""
+    return max(16, min(next_power_of_2(vocab), MAX_BLOCK_V))
+
+
+def vocab_warps(block: int) -> int:
+    return 8 if block >= 2048 else 4
+
+
+def stats_dtype(logits_dtype: torch.dtype) -> torch.dtype:
+    """Per-token statistics are fp32, or fp64 for fp64 logits (so gradcheck can run)."""
+    return torch.float64 if logits_dtype == torch.float64 else torch.float32
+
+
+def triton_acc(logits_dtype: torch.dtype):
+    import triton.language as tl
+
+    return tl.float64 if logits_dtype == torch.float64 else tl.float32

@@ -1,0 +1,109 @@
+"""Argument checks run up front, in Python, with messages that name the argument.
+
+Nothing here runs inside a kernel. Checks that need the tensor's *values* (a host sync)
+run only in eager mode and only while :data:`fused_rl.config.check_values` is True; under
+``torch.compile`` or CUDA-graph capture they are skipped and the kernels turn such inputs
+into NaN instead of reading out of bounds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from . import config
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_tensor(x, name: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+
+
+def check_float(x: torch.Tensor, name: str) -> None:
+    check_tensor(x, name)
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating tensor (fp16/bf16/fp32/fp64), got {x.dtype}")
+
+
+def check_logits(logits: torch.Tensor, name: str = "logits", min_dim: int = 1) -> None:
+    check_float(logits, name)
+    if logits.dim() < min_dim:
+        raise ValueError(f"{name} must have at least {min_dim} dims (..., V), got {logits.dim()}")
+    if logits.shape[-1] < 1:
+        raise ValueError(f"{name} has an empty vocabulary dimension (V = 0)")
+
+
+def check_targets(targets: torch.Tensor, logits: torch.Tensor, name: str = "targets") -> None:
+    check_tensor(targets, name)
+    if targets.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name} must be an int64 or int32 tensor, got {targets.dtype}")
+    if tuple(targets.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"{name} must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, "
+            f"got {tuple(targets.shape)}"
+        )
+    check_same_device(logits=logits, **{name: targets})
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> None:
+    present = {k: v for k, v in tensors.items() if v is not None}
+    if not present:
+        return
+    (first_name, first), *rest = present.items()
+    for name, t in rest:
+        if t.device != first.device:
+            raise ValueError(
+                f"{name} is on {t.device} but {first_name} is on {first.device}; "
+                "all tensors must be on one device"
+            )
+
+
+def check_shape(x: torch.Tensor | None, shape: Sequence[int], name: str, expected: str) -> None:
+    if x is None:
+        return
+    check_tensor(x, name)
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(
+            f"{name} must have shape {expected} = {tuple(shape)}, got {tuple(x.shape)}"
+        )
+
+
+def check_positive(value, name: str) -> None:
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a Python number, not a tensor")
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+def check_choice(value: str, choices: Sequence[str], name: str) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+
+
+def value_checks_enabled(*tensors: torch.Tensor) -> bool:
+    """True when data-dependent checks (which sync with the host) may run."""
+    if not config.check_values:
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    if any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing():
+        return False
+    return True
+
+
+def check_target_range(targets: torch.Tensor, vocab: int, ignore_index: int, name: str) -> None:
+    """Eager-mode check that every target is in ``[0, V)`` or equals ``ignore_index``."""
+    if not value_checks_enabled(targets):
+        return
+    bad = ((targets < 0) | (targets >= vocab)) & (targets != ignore_index)
+    if bool(bad.any()):
+        first = targets[bad].reshape(-1)[0].item()
+        raise ValueError(
+            f"{name} holds {first}, outside [0, V) = [0, {vocab}) and not ignore_index "
+            f"({ignore_index})"
+        )

@@ -1,0 +1,148 @@
+"""Reference per-token log-prob / entropy over the vocabulary (plain PyTorch).
+
+Chunked over rows so that neither the forward nor the backward allocates an fp32 copy of
+all logits: autograd saves only the logits themselves and two floats per row, and the
+backward recomputes ``softmax`` chunk by chunk with the same closed form as the Triton
+kernel (see DESIGN.md):
+
+    dL/dx_j = (1/T) * [ g (1[j = y] - p_j) - h p_j (z_j - E_p[z]) ]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._shapes import as_rows3d
+
+# Rows per chunk: keeps the transient fp32 copy at (CHUNK_ELEMENTS) floats.
+CHUNK_ELEMENTS = 1 << 22
+
+
+def _chunks(outer: int, inner: int, vocab: int):
+    """Index pairs ``(outer_slice, inner_slice)`` covering a ``(outer, inner, V)`` tensor."""
+    rows = max(1, CHUNK_ELEMENTS // max(vocab, 1))
+    if inner <= rows:
+        step = max(1, rows // max(inner, 1))
+        for o in range(0, outer, step):
+            yield slice(o, o + step), slice(None)
+    else:
+        for o in range(outer):
+            for i in range(0, inner, rows):
+                yield slice(o, o + 1), slice(i, i + rows)
+
+
+def row_stats(
+    logits3d: torch.Tensor,
+    targets: torch.Tensor | None,
+    temperature: float,
+    ignore_index: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logp, entropy, lse)`` as fp32 ``(outer, inner)`` tensors, no autograd.
+
+    Ignored rows give 0 for all three. A target outside ``[0, V)`` gives NaN.
+    """
+    outer, inner, vocab = logits3d.shape
+    logp = torch.zeros(outer, inner, dtype=torch.float32, device=logits3d.device)
+    entropy = torch.zeros_like(logp)
+    lse = torch.zeros_like(logp)
+    for idx in _chunks(outer, inner, vocab):
+        z = logits3d[idx].float() / temperature
+        chunk_lse = torch.logsumexp(z, dim=-1)
+        p = torch.exp(z - chunk_lse[..., None])
+        # sum p * z with p == 0 contributing 0 even where z == -inf
+        pz = torch.where(p > 0, p * z, torch.zeros_like(z)).sum(-1)
+        lse[idx] = chunk_lse
+        entropy[idx] = chunk_lse - pz
+        if targets is not None:
+            t = targets[idx].long()
+            in_range = (t >= 0) & (t < vocab)
+            z_y = z.gather(-1, t.clamp(0, vocab - 1)[..., None])[..., 0]
+            logp[idx] = torch.where(in_range, z_y - chunk_lse, torch.full_like(z_y, float("nan")))
+    if targets is not None:
+        ignored = targets == ignore_index
+        zero = torch.zeros_like(logp)
+        logp, entropy, lse = (torch.where(ignored, zero, v) for v in (logp, entropy, lse))
+    return logp, entropy, lse
+
+
+def grad_logits(
+    logits3d: torch.Tensor,
+    targets: torch.Tensor | None,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    g: torch.Tensor | None,
+    h: torch.Tensor | None,
+    temperature: float,
+    ignore_index: int,
+) -> torch.Tensor:
+    """Gradient w.r.t. ``logits3d`` given per-row ``g = dL/dlogp`` and ``h = dL/dH``."""
+    outer, inner, vocab = logits3d.shape
+    grad = torch.empty(logits3d.shape, dtype=logits3d.dtype, device=logits3d.device)
+    active = torch.ones(outer, inner, dtype=torch.bool, device=logits3d.device)
+    if targets is not None:
+        active = targets != ignore_index
+    for idx in _chunks(outer, inner, vocab):
+        z = logits3d[idx].float() / temperature
+        p = torch.exp(z - lse[idx][..., None])
+        out = torch.zeros_like(z)
+        if g is not None:
+            g_rows = g[idx][..., None].float()
+            out -= g_rows * p
+            t = targets[idx].long().clamp(0, vocab - 1)[..., None]
+            out.scatter_add_(-1, t, g_rows)
+        if h is not None:
+            mean_z = (lse[idx] - entropy[idx])[..., None]
+            centred = torch.where(p > 0, p * (z - mean_z), torch.zeros_like(z))
+            out -= h[idx][..., None].float() * centred
+        out = torch.where(active[idx][..., None], out / temperature, torch.zeros_like(out))
+        grad[idx] = out.to(grad.dtype)
+    return grad
+
+
+class TokenStats(torch.autograd.Function):
+    """Differentiable ``(logp, entropy)`` of ``softmax(logits / T)`` for ``(outer, inner, V)``."""
+
+    @staticmethod
+    def forward(ctx, logits3d, targets, temperature, ignore_index):
+        logp, entropy, lse = row_stats(logits3d, targets, temperature, ignore_index)
+        ctx.save_for_backward(logits3d, targets, lse, entropy)
+        ctx.temperature = temperature
+        ctx.ignore_index = ignore_index
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        logits3d, targets, lse, entropy = ctx.saved_tensors
+        grad = grad_logits(
+            logits3d,
+            targets,
+            lse,
+            entropy,
+            grad_logp if targets is not None else None,
+            grad_entropy,
+            ctx.temperature,
+            ctx.ignore_index,
+        )
+        return grad, None, None, None
+
+
+def token_stats(
+    logits: torch.Tensor,
+    targets: torch.Tensor | None,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference ``(logp, entropy)``, fp32 tensors of shape ``logits.shape[:-1]``.
+
+    ``targets=None`` gives a zero ``logp`` and the entropy of every row.
+    """
+    lead = logits.shape[:-1]
+    logits3d = as_rows3d(logits)
+    rows_shape = logits3d.shape[:-1]
+    t3d = None if targets is None else targets.reshape(rows_shape)
+    if torch.is_grad_enabled() and logits.requires_grad:
+        logp, entropy = TokenStats.apply(logits3d, t3d, temperature, ignore_index)
+    else:
+        logp, entropy, _ = row_stats(logits3d, t3d, temperature, ignore_index)
+    return logp.reshape(lead), entropy.reshape(lead)

@@ -1,0 +1,132 @@
+"""Layer 1, vocab-stream forward: one pass over each logits row.
+
+Per row of logits ``x`` (scaled ``z = x / T``) the pass keeps, in fp32:
+
+* ``m``: the running maximum of ``z``;
+* ``s``: ``sum exp(z - m)``;
+* ``w``: ``sum exp(z - m) * (z - m)`` (kept relative to ``m`` so the entropy
+  ``H = log s - w / s`` never cancels two large numbers);
+
+and merges them block by block with :func:`merge_stats` (associative, so the same
+statistics can be merged across vocab shards). The target logit is one scalar load.
+Outputs are per-row floats only: ``logp = z_y - lse``, ``entropy``, ``lse``.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def merge_stats(m_a, s_a, w_a, m_b, s_b, w_b):
+    """Merge two partial row statistics (max, sum-exp, sum-exp*(z-max)).
+
+    Associative and commutative; an empty partial is ``(-inf, 0, 0)``.
+    """
+    m = tl.maximum(m_a, m_b)
+    m_ref = tl.where(m == float("-inf"), 0.0, m)  # both empty: keep everything finite
+    alpha_a = tl.exp(m_a - m_ref)
+    alpha_b = tl.exp(m_b - m_ref)
+    # re-centre each partial's w on the merged max: w + (m_part - m) * s
+    w_a = tl.where(s_a > 0, w_a + (m_a - m_ref) * s_a, 0.0)
+    w_b = tl.where(s_b > 0, w_b + (m_b - m_ref) * s_b, 0.0)
+    return m, s_a * alpha_a + s_b * alpha_b, w_a * alpha_a + w_b * alpha_b
+
+
+@triton.jit
+def block_stats(z, WITH_ENTROPY: tl.constexpr):
+    """Statistics of one block of scaled logits (``-inf`` where masked out)."""
+    m = tl.max(z, 0)
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    d = z - m_ref
+    e = tl.exp(d)
+    s = tl.sum(e, 0)
+    if WITH_ENTROPY:
+        w = tl.sum(tl.where(e > 0, e * d, 0.0), 0)  # 0 * -inf guarded
+    else:
+        w = s * 0.0
+    return m, s, w
+
+
+@triton.jit
+def row_stats(
+    row_ptr,
+    V,
+    stride_v,
+    inv_temperature,
+    active,
+    WITH_ENTROPY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """Stream one logits row once; return ``(lse, entropy)`` of ``softmax(x / T)`` in ``ACC``.
+
+    ``active`` False skips the loads (ignored tokens cost no bandwidth).
+    """
+    m = tl.full((), float("-inf"), ACC)
+    s = tl.zeros((), ACC)
+    w = tl.zeros((), ACC)
+    n_cols = tl.where(active, V, 0)
+    for start in range(0, n_cols, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V, other=float("-inf"))
+        z = x.to(ACC) * inv_temperature
+        m_b, s_b, w_b = block_stats(z, WITH_ENTROPY)
+        m, s, w = merge_stats(m, s, w, m_b, s_b, w_b)
+    lse = m + tl.log(s)
+    entropy = tl.log(s) - w / s
+    return lse, entropy
+
+
+@triton.jit
+def target_logit(row_ptr, target, V, stride_v, inv_temperature, active, ACC: tl.constexpr):
+    """Scaled logit of the target, or NaN for a target outside ``[0, V)`` (never a wild read)."""
+    in_range = (target >= 0) & (target < V)
+    safe = tl.where(in_range, target, 0).to(tl.int64)
+    x = tl.load(row_ptr + safe * stride_v, mask=active & in_range, other=0.0)
+    return tl.where(in_range, x.to(ACC) * inv_temperature, float("nan"))
+
+
+@triton.jit
+def row_pointer(logits_ptr, row, rows_inner, stride_outer, stride_inner):
+    """Pointer to row ``row`` of a logits tensor viewed as ``(outer, inner, V)``."""
+    outer = row // rows_inner
+    inner = row - outer * rows_inner
+    return logits_ptr + outer * stride_outer + inner * stride_inner
+
+
+@triton.jit(do_not_specialize=["rows_inner", "ignore_index"])
+def _token_stats_fwd_kernel(
+    logits_ptr,
+    targets_ptr,
+    logp_ptr,
+    entropy_ptr,
+    lse_ptr,
+    rows_inner,
+    V,
+    stride_outer,
+    stride_inner,
+    stride_v,
+    inv_temperature,
+    ignore_index,
+    HAS_TARGETS: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """One program per row: ``logp`` (if targets), ``entropy`` (if asked) and ``lse``."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = row_pointer(logits_ptr, row, rows_inner, stride_outer, stride_inner)
+    if HAS_TARGETS:
+        target = tl.load(targets_ptr + row).to(tl.int64)
+        active = target != ignore_index
+    else:
+        active = row >= 0
+    lse, entropy = row_stats(
+        row_ptr, V, stride_v, inv_temperature, active, WITH_ENTROPY, BLOCK_V, ACC
+    )
+    tl.store(lse_ptr + row, tl.where(active, lse, 0.0))
+    if WITH_ENTROPY:
+        tl.store(entropy_ptr + row, tl.where(active, entropy, 0.0))
+    if HAS_TARGETS:
+        z_y = target_logit(row_ptr, target, V, stride_v, inv_temperature, active, ACC)
+        tl.store(logp_ptr + row, tl.where(active, z_y - lse, 0.0))
