@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .._launch import stats_dtype
 from .._shapes import as_rows3d
 
 # Rows per chunk: keeps the transient fp32 copy at (CHUNK_ELEMENTS) floats.
@@ -37,27 +38,29 @@ def row_stats(
     temperature: float,
     ignore_index: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(logp, entropy, lse)`` as fp32 ``(outer, inner)`` tensors, no autograd.
+    """``(logp, entropy, lse)`` as fp32 ``(outer, inner)`` tensors (fp64 for fp64 logits),
+    no autograd.
 
     Ignored rows give 0 for all three. A target outside ``[0, V)`` gives NaN.
     """
     outer, inner, vocab = logits3d.shape
-    logp = torch.zeros(outer, inner, dtype=torch.float32, device=logits3d.device)
+    dtype = stats_dtype(logits3d.dtype)
+    logp = torch.zeros(outer, inner, dtype=dtype, device=logits3d.device)
     entropy = torch.zeros_like(logp)
     lse = torch.zeros_like(logp)
     for idx in _chunks(outer, inner, vocab):
-        z = logits3d[idx].float() / temperature
-        chunk_lse = torch.logsumexp(z, dim=-1)
-        p = torch.exp(z - chunk_lse[..., None])
-        # sum p * z with p == 0 contributing 0 even where z == -inf
-        pz = torch.where(p > 0, p * z, torch.zeros_like(z)).sum(-1)
-        lse[idx] = chunk_lse
-        entropy[idx] = chunk_lse - pz
+        z = logits3d[idx].to(dtype) / temperature
+        # log p relative to the row max: ``lse - sum p z`` would cancel for large logits
+        log_p = torch.log_softmax(z, dim=-1)
+        p = log_p.exp()
+        lse[idx] = torch.logsumexp(z, dim=-1)
+        # p == 0 contributes 0 even where log p == -inf
+        entropy[idx] = -torch.where(p > 0, p * log_p, torch.zeros_like(z)).sum(-1)
         if targets is not None:
             t = targets[idx].long()
             in_range = (t >= 0) & (t < vocab)
-            z_y = z.gather(-1, t.clamp(0, vocab - 1)[..., None])[..., 0]
-            logp[idx] = torch.where(in_range, z_y - chunk_lse, torch.full_like(z_y, float("nan")))
+            lp_y = log_p.gather(-1, t.clamp(0, vocab - 1)[..., None])[..., 0]
+            logp[idx] = torch.where(in_range, lp_y, torch.full_like(lp_y, float("nan")))
     if targets is not None:
         ignored = targets == ignore_index
         zero = torch.zeros_like(logp)
@@ -81,19 +84,20 @@ def grad_logits(
     active = torch.ones(outer, inner, dtype=torch.bool, device=logits3d.device)
     if targets is not None:
         active = targets != ignore_index
+    dtype = lse.dtype
     for idx in _chunks(outer, inner, vocab):
-        z = logits3d[idx].float() / temperature
+        z = logits3d[idx].to(dtype) / temperature
         p = torch.exp(z - lse[idx][..., None])
         out = torch.zeros_like(z)
         if g is not None:
-            g_rows = g[idx][..., None].float()
+            g_rows = g[idx][..., None].to(dtype)
             out -= g_rows * p
             t = targets[idx].long().clamp(0, vocab - 1)[..., None]
             out.scatter_add_(-1, t, g_rows)
         if h is not None:
             mean_z = (lse[idx] - entropy[idx])[..., None]
             centred = torch.where(p > 0, p * (z - mean_z), torch.zeros_like(z))
-            out -= h[idx][..., None].float() * centred
+            out -= h[idx][..., None].to(dtype) * centred
         out = torch.where(active[idx][..., None], out / temperature, torch.zeros_like(out))
         grad[idx] = out.to(grad.dtype)
     return grad
@@ -133,7 +137,8 @@ def token_stats(
     temperature: float = 1.0,
     ignore_index: int = -100,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference ``(logp, entropy)``, fp32 tensors of shape ``logits.shape[:-1]``.
+    """Reference ``(logp, entropy)``, fp32 tensors of shape ``logits.shape[:-1]`` (fp64 for
+    fp64 logits).
 
     ``targets=None`` gives a zero ``logp`` and the entropy of every row.
     """
