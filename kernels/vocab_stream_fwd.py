@@ -48,7 +48,7 @@ def block_stats(z, WITH_ENTROPY: tl.constexpr):
 
 
 @triton.jit
-def row_stats(
+def row_moments(
     row_ptr,
     V,
     stride_v,
@@ -58,9 +58,11 @@ def row_stats(
     BLOCK_V: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    """Stream one logits row once; return ``(lse, entropy)`` of ``softmax(x / T)`` in ``ACC``.
+    """Stream one logits row once; return ``(m, log_s, entropy)`` of ``softmax(x / T)``.
 
-    ``active`` False skips the loads (ignored tokens cost no bandwidth).
+    ``lse = m + log_s``; keeping the two apart lets ``logp = (z_y - m) - log_s`` avoid the
+    rounding of a large ``lse`` (|logits| ~ 1e4 in fp32). ``active`` False skips the loads
+    (ignored tokens cost no bandwidth).
     """
     m = tl.full((), float("-inf"), ACC)
     s = tl.zeros((), ACC)
@@ -72,9 +74,26 @@ def row_stats(
         z = x.to(ACC) * inv_temperature
         m_b, s_b, w_b = block_stats(z, WITH_ENTROPY)
         m, s, w = merge_stats(m, s, w, m_b, s_b, w_b)
-    lse = m + tl.log(s)
-    entropy = tl.log(s) - w / s
-    return lse, entropy
+    log_s = tl.log(s)
+    return m, log_s, log_s - w / s
+
+
+@triton.jit
+def row_stats(
+    row_ptr,
+    V,
+    stride_v,
+    inv_temperature,
+    active,
+    WITH_ENTROPY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """``(lse, entropy)`` of ``softmax(x / T)`` in ``ACC`` (see :func:`row_moments`)."""
+    m, log_s, entropy = row_moments(
+        row_ptr, V, stride_v, inv_temperature, active, WITH_ENTROPY, BLOCK_V, ACC
+    )
+    return m + log_s, entropy
 
 
 @triton.jit
@@ -121,12 +140,12 @@ def _token_stats_fwd_kernel(
         active = target != ignore_index
     else:
         active = row >= 0
-    lse, entropy = row_stats(
+    m, log_s, entropy = row_moments(
         row_ptr, V, stride_v, inv_temperature, active, WITH_ENTROPY, BLOCK_V, ACC
     )
-    tl.store(lse_ptr + row, tl.where(active, lse, 0.0))
+    tl.store(lse_ptr + row, tl.where(active, m + log_s, 0.0))
     if WITH_ENTROPY:
         tl.store(entropy_ptr + row, tl.where(active, entropy, 0.0))
     if HAS_TARGETS:
         z_y = target_logit(row_ptr, target, V, stride_v, inv_temperature, active, ACC)
-        tl.store(logp_ptr + row, tl.where(active, z_y - lse, 0.0))
+        tl.store(logp_ptr + row, tl.where(active, (z_y - m) - log_s, 0.0))
