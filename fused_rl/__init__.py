@@ -8,11 +8,14 @@ from . import config
 from ._backend import available_backends
 from ._version import __version__
 from .logprobs import token_entropy, token_logprobs
+from .losses import policy_loss, policy_loss_from_logprobs
 
 __all__ = [
     "__version__",
     "available_backends",
     "config",
+    "policy_loss",
+    "policy_loss_from_logprobs",
     "token_entropy",
     "token_logprobs",
 ]

@@ -42,3 +42,61 @@ def kl_and_grad(logp, ref_logp, KIND: tl.constexpr):
         kl = tl.abs(d)
         grad = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
     return kl, grad
+
+
+# bits of the per-token branch code written by the policy epilogue
+CODE_CLIPPED: tl.constexpr = 1
+CODE_CLIPPED_LOW: tl.constexpr = 2
+CODE_CLIPPED_HIGH: tl.constexpr = 4
+CODE_DUAL: tl.constexpr = 8
+
+
+@triton.jit
+def _min_weight(a, b):
+    """d min(a, b) / da as torch.minimum does it: 1, 0, or 0.5 on a tie."""
+    return tl.where(a < b, 1.0, tl.where(a == b, 0.5, 0.0))
+
+
+@triton.jit
+def clipped_surrogate(
+    ratio,
+    adv,
+    eps_low,
+    eps_high,
+    dual_clip,
+    delta,
+    USE_DUAL: tl.constexpr,
+    USE_DELTA: tl.constexpr,
+):
+    """``(loss, d loss / d ratio, code)`` of ``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)``.
+
+    ``USE_DELTA``: the unclipped ratio is capped at ``delta`` first (TRL's two-sided clip).
+    ``USE_DUAL``: where ``A < 0`` the loss is capped at ``-dual_clip * A``.
+    ``code`` packs the CODE_* flags (clipped branch strictly chosen, its bound, dual clip).
+    """
+    lo = 1.0 - eps_low
+    hi = 1.0 + eps_high
+    if USE_DELTA:
+        r_unc = tl.minimum(ratio, delta)
+        d_unc = tl.where(ratio <= delta, 1.0, 0.0)
+    else:
+        r_unc = ratio
+        d_unc = 1.0
+    r_clip = tl.minimum(tl.maximum(ratio, lo), hi)
+    d_clip = tl.where((ratio >= lo) & (ratio <= hi), 1.0, 0.0)
+    s_unc = r_unc * adv
+    s_clip = r_clip * adv
+    w_unc = _min_weight(s_unc, s_clip)
+    loss = -tl.minimum(s_unc, s_clip)
+    dloss = -(w_unc * d_unc + (1.0 - w_unc) * d_clip) * adv
+    clipped = s_clip < s_unc
+    code = tl.where(clipped, 1, 0)
+    code += tl.where(clipped & (ratio < lo), 2, 0)
+    code += tl.where(clipped & (ratio > hi), 4, 0)
+    if USE_DUAL:
+        cap = -dual_clip * adv
+        negative = adv < 0
+        dloss = tl.where(negative, _min_weight(loss, cap) * dloss, dloss)
+        code += tl.where(negative & (loss > cap), 8, 0)
+        loss = tl.where(negative, tl.minimum(loss, cap), loss)
+    return loss, dloss, code

@@ -1,0 +1,96 @@
+"""Reference token layer of the policy losses (plain PyTorch on ``(B, T)`` tensors).
+
+The same math as the epilogue of the fused kernel (``kernels/token_layer.py``), written for
+reading: the clipped surrogate with asymmetric clip, TRL's two-sided ``delta`` cap, dual
+clip, KL to a reference policy and an entropy bonus. Ties in ``torch.minimum`` split their
+gradient 50/50, ``torch.clamp`` passes gradient on its bounds; the kernel does the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .kl import kl_estimate
+
+
+@dataclass(frozen=True)
+class ClipConfig:
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip: float | None = None
+    delta: float | None = None
+
+
+def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip: ClipConfig):
+    """Per-token ``-min(r A, clip(r) A)`` with the optional caps, and its branch flags.
+
+    Returns ``(loss, clipped, clipped_low, clipped_high, dual_clipped)``; the flags are bool
+    tensors: the clipped branch strictly chosen (and at which bound), the dual clip active.
+    """
+    lo, hi = 1.0 - clip.eps_low, 1.0 + clip.eps_high
+    unclipped_ratio = ratio if clip.delta is None else torch.clamp(ratio, max=clip.delta)
+    surr_unclipped = unclipped_ratio * adv
+    surr_clipped = torch.clamp(ratio, lo, hi) * adv
+    loss = -torch.minimum(surr_unclipped, surr_clipped)
+    clipped = surr_clipped < surr_unclipped
+    dual = torch.zeros_like(clipped)
+    if clip.dual_clip is not None:
+        cap = -clip.dual_clip * adv
+        dual = (adv < 0) & (loss > cap)
+        loss = torch.where(adv < 0, torch.minimum(loss, cap), loss)
+    return loss, clipped, clipped & (ratio < lo), clipped & (ratio > hi), dual
+
+
+def sequence_log_ratio(log_ratio: torch.Tensor, mask_f: torch.Tensor) -> torch.Tensor:
+    """GSPO: the masked mean log-ratio of each sequence, broadcast to its tokens (TRL's
+    formulation, denominator clamped to 1 so an empty sequence gives ratio 1)."""
+    per_seq = (log_ratio * mask_f).sum(-1) / mask_f.sum(-1).clamp(min=1.0)
+    return per_seq[:, None].expand_as(log_ratio)
+
+
+def policy_token_terms(
+    logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask_f: torch.Tensor,
+    *,
+    old_logp: torch.Tensor | None,
+    ref_logp: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+    clip: ClipConfig,
+    beta: float,
+    kl: str,
+    entropy_coef: float,
+    importance_sampling: str,
+) -> dict[str, torch.Tensor]:
+    """Per-token loss (differentiable w.r.t. ``logp`` and ``entropy``) and metric terms.
+
+    ``old_logp=None`` is on-policy: ``old = logp.detach()``, so the ratio is 1 and the
+    gradient is the policy gradient.
+    """
+    old = logp.detach() if old_logp is None else old_logp
+    log_ratio = logp - old
+    if importance_sampling == "sequence":
+        log_ratio = sequence_log_ratio(log_ratio, mask_f)
+    ratio = torch.exp(log_ratio)
+    loss, clipped, low, high, dual = clipped_surrogate(ratio, adv, clip)
+    terms = {
+        "ratio": ratio,
+        "clipped": clipped,
+        "clipped_low": low,
+        "clipped_high": high,
+        "dual_clipped": dual,
+        "neg_log_ratio": old - logp,
+    }
+    if ref_logp is not None:
+        kl_tok = kl_estimate(logp, ref_logp, kl)
+        terms["kl"] = kl_tok
+        if beta != 0.0:
+            loss = loss + beta * kl_tok
+    if entropy is not None:
+        terms["entropy"] = entropy
+        if entropy_coef != 0.0:
+            loss = loss - entropy_coef * entropy
+    terms["loss"] = loss
+    return terms
