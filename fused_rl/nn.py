@@ -1,0 +1,68 @@
+"""``torch.nn`` modules holding the hyper-parameters of the fused losses."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import Tensor
+
+from .losses import policy_loss
+
+# the keyword options of policy_loss that configure the loss (not per-batch tensors)
+_POLICY_OPTIONS = tuple(
+    name
+    for name, p in inspect.signature(policy_loss).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
+    and name not in ("old_logprobs", "ref_logprobs", "mask", "num_items")
+)
+
+
+class PolicyLoss(torch.nn.Module):
+    """PPO / GRPO policy loss over logits (:func:`fused_rl.policy_loss`) as a module.
+
+    The constructor takes the keyword options of ``policy_loss`` (``eps_low``, ``eps_high``,
+    ``dual_clip``, ``delta``, ``beta``, ``kl``, ``entropy_coef``, ``with_entropy``,
+    ``importance_sampling``, ``loss_agg``, ``max_length``, ``temperature``,
+    ``ignore_index``, ``backend``); ``forward`` takes the per-batch tensors.
+
+    Example:
+        >>> import torch
+        >>> from fused_rl.nn import PolicyLoss
+        >>> loss_fn = PolicyLoss(eps_low=0.2, eps_high=0.28, loss_agg="seq-mean-token-mean")
+        >>> logits = torch.randn(2, 4, 16, requires_grad=True)
+        >>> loss, metrics = loss_fn(logits, torch.randint(0, 16, (2, 4)), torch.randn(2))
+        >>> loss.backward()
+    """
+
+    def __init__(self, **config):
+        super().__init__()
+        unknown = sorted(set(config) - set(_POLICY_OPTIONS))
+        if unknown:
+            raise TypeError(f"PolicyLoss got unknown options {unknown}; known: {_POLICY_OPTIONS}")
+        self.config = dict(config)
+
+    def forward(
+        self,
+        logits: Tensor,
+        targets: Tensor,
+        advantages: Tensor,
+        *,
+        old_logprobs: Tensor | None = None,
+        ref_logprobs: Tensor | None = None,
+        mask: Tensor | None = None,
+        num_items: int | float | Tensor | None = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        return policy_loss(
+            logits,
+            targets,
+            advantages,
+            old_logprobs=old_logprobs,
+            ref_logprobs=ref_logprobs,
+            mask=mask,
+            num_items=num_items,
+            **self.config,
+        )
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.config.items())
