@@ -79,24 +79,6 @@ def row_moments(
 
 
 @triton.jit
-def row_stats(
-    row_ptr,
-    V,
-    stride_v,
-    inv_temperature,
-    active,
-    WITH_ENTROPY: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    ACC: tl.constexpr,
-):
-    """``(lse, entropy)`` of ``softmax(x / T)`` in ``ACC`` (see :func:`row_moments`)."""
-    m, log_s, entropy = row_moments(
-        row_ptr, V, stride_v, inv_temperature, active, WITH_ENTROPY, BLOCK_V, ACC
-    )
-    return m + log_s, entropy
-
-
-@triton.jit
 def target_logit(row_ptr, target, V, stride_v, inv_temperature, active, ACC: tl.constexpr):
     """Scaled logit of the target, or NaN for a target outside ``[0, V)`` (never a wild read)."""
     in_range = (target >= 0) & (target < V)

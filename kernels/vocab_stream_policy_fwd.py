@@ -1,6 +1,6 @@
 """Layer 1 + layer 2 fused: one pass over each logits row, with the policy loss as epilogue.
 
-Per token the kernel streams the row once (``row_stats``), then computes the clipped
+Per token the kernel streams the row once (``row_moments``), then computes the clipped
 surrogate, KL and entropy bonus on the resulting scalars and writes only per-token numbers:
 the weighted loss ``w * L`` (summed afterwards, deterministically), the backward
 coefficients ``g = w * dL/dlogp`` and ``h = w * dL/dH``, and the terms the metrics need.
@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .token_layer import clipped_surrogate, kl_and_grad
-from .vocab_stream_fwd import row_pointer, row_stats, target_logit
+from .vocab_stream_fwd import row_moments, row_pointer, target_logit
 
 
 @triton.jit(do_not_specialize=["rows_inner", "ignore_index"])
@@ -70,11 +70,12 @@ def _policy_loss_fwd_kernel(
     active = target != ignore_index
 
     # layer 1: the only pass over the logits
-    lse, entropy = row_stats(
+    m, log_s, entropy = row_moments(
         row_ptr, V, stride_v, inv_temperature, active, WITH_ENTROPY, BLOCK_V, ACC
     )
+    lse = m + log_s
     z_y = target_logit(row_ptr, target, V, stride_v, inv_temperature, active, ACC)
-    logp = tl.where(active, z_y - lse, 0.0)
+    logp = tl.where(active, (z_y - m) - log_s, 0.0)
     entropy = tl.where(active, entropy, 0.0)
 
     # layer 2: token loss math on scalars
