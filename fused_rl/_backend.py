@@ -12,7 +12,6 @@ Every public op takes ``backend="auto" | "triton" | "reference"``:
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 
@@ -21,9 +20,12 @@ import torch
 BACKENDS = ("auto", "triton", "reference")
 
 
-@functools.lru_cache(maxsize=1)
+# looked up once at import: torch.compile warns on every lru_cache-wrapped call it traces
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
+
 def triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_INSTALLED
 
 
 def interpreter_enabled() -> bool:
