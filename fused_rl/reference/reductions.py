@@ -1,0 +1,58 @@
+"""Reference masked reductions (plain PyTorch, differentiable through autograd).
+
+``mask`` is ``None`` (every element counts) or a tensor of ``x``'s shape holding 0/1 or
+non-negative weights (bool, integer or floating). A position whose weight is 0 contributes
+exactly 0 to every statistic and receives exactly 0 gradient, even if ``x`` is NaN or inf
+there. Empty masks give 0, never NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _weights(x: Tensor, mask: Tensor | None) -> Tensor:
+    return torch.ones_like(x) if mask is None else mask.to(x.dtype)
+
+
+def _div_positive(num: Tensor, den: Tensor) -> Tensor:
+    """``num / den`` where ``den > 0``, else 0 (and no NaN gradient through the unused branch)."""
+    ok = den > 0
+    return torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), torch.zeros_like(num))
+
+
+def masked_count(x: Tensor, mask: Tensor | None, dim: int | None = None) -> Tensor:
+    """Sum of the weights (the number of counted elements for a 0/1 mask)."""
+    w = _weights(x, mask)
+    return w.sum() if dim is None else w.sum(dim)
+
+
+def masked_sum(x: Tensor, mask: Tensor | None = None, dim: int | None = None) -> Tensor:
+    """``sum(w * x)`` over everything (``dim=None``) or along ``dim``."""
+    w = _weights(x, mask)
+    terms = torch.where(w != 0, x * w, torch.zeros_like(x))
+    return terms.sum() if dim is None else terms.sum(dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor | None = None, dim: int | None = None) -> Tensor:
+    """``sum(w * x) / sum(w)``; 0 where ``sum(w) == 0``."""
+    return _div_positive(masked_sum(x, mask, dim), masked_count(x, mask, dim))
+
+
+def masked_var(x: Tensor, mask: Tensor | None = None, unbiased: bool = True) -> Tensor:
+    """``sum(w (x - mean)^2) / (n - 1)`` (``/ n`` if not ``unbiased``), ``n = sum(w)``, centred
+    on the masked mean; 0 when there are no degrees of freedom left (``n <= 1`` unbiased)."""
+    dev = x - masked_mean(x, mask)
+    dof = masked_count(x, mask) - (1.0 if unbiased else 0.0)
+    return _div_positive(masked_sum(dev * dev, mask), dof)
+
+
+def masked_whiten(
+    x: Tensor, mask: Tensor | None = None, keep_mean: bool = False, eps: float = 1e-8
+) -> Tensor:
+    """``(x - mean) * rsqrt(var + eps)`` with the masked mean and unbiased masked variance,
+    applied to every position (masked ones too); ``keep_mean`` adds the mean back."""
+    mean = masked_mean(x, mask)
+    y = (x - mean) * torch.rsqrt(masked_var(x, mask, unbiased=True) + eps)
+    return y + mean if keep_mean else y
