@@ -1,0 +1,448 @@
+"""Advantage estimation on token/sequence tensors: ``gae``, ``kl_penalized_rewards``,
+``group_advantages`` (GRPO / Dr. GRPO) and ``rloo_advantages``.
+
+None of these is differentiable: RL computes advantages from detached rollouts, so inputs
+are detached and the outputs carry no graph. Each Triton path is one kernel launch
+(``fused_rl::gae_fwd``, ``fused_rl::kl_penalized_rewards_fwd``,
+``fused_rl::group_advantages_fwd``), each a ``torch.library`` custom op with a fake
+implementation so ``torch.compile(fullgraph=True)`` traces through it. No host syncs, except
+the optional eager-mode range check of ``score_index`` (see ``fused_rl.config.check_values``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from . import _validation as V
+from ._backend import resolve_backend
+from ._launch import next_power_of_2, triton_acc
+from .reference import advantages as ref
+from .reference.kl import KL_KINDS
+
+MAX_BLOCK_T = 1024
+MAX_BLOCK_N = 1024
+
+
+def _f32_pair(x: float) -> tuple[float, float]:
+    """``(hi, lo)``, both fp32-representable, with ``hi + lo == x`` to ~48 bits.
+
+    Triton passes Python floats as fp32; the kernels add the pair back up in their
+    accumulation dtype, so fp64 inputs get (nearly) fp64 hyper-parameters.
+    """
+    hi = float(torch.tensor(x, dtype=torch.float32))
+    return hi, float(torch.tensor(x - hi, dtype=torch.float32))
+
+
+def _time_block(length: int) -> int:
+    return max(16, min(next_power_of_2(length), MAX_BLOCK_T))
+
+
+def _new_out(shape, dtype, device) -> Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def gae_fwd(
+    rewards: Tensor, values: Tensor, mask: Tensor | None, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Launch the GAE kernel on ``(B, T)`` tensors (any strides); contiguous outputs."""
+    from .kernels.token_advantages import _gae_fwd_kernel
+
+    n_rows, length = rewards.shape
+    dtype = ref.acc_dtype(rewards, values)
+    adv = _new_out((n_rows, length), dtype, rewards.device)
+    ret = _new_out((n_rows, length), dtype, rewards.device)
+    if n_rows == 0 or length == 0:
+        return adv, ret
+    m = mask if mask is not None else rewards
+    _gae_fwd_kernel[(n_rows,)](
+        rewards,
+        values,
+        m,
+        adv,
+        ret,
+        length,
+        rewards.stride(0),
+        rewards.stride(1),
+        values.stride(0),
+        values.stride(1),
+        m.stride(0),
+        m.stride(1),
+        *_f32_pair(gamma),
+        *_f32_pair(gamma * lam),
+        HAS_MASK=mask is not None,
+        BLOCK_T=_time_block(length),
+        ACC=triton_acc(dtype),
+    )
+    return adv, ret
+
+
+def kl_penalized_rewards_fwd(
+    scores: Tensor,
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    mask: Tensor | None,
+    score_index: Tensor | None,
+    kl_coef: float,
+    kind: str,
+) -> Tensor:
+    """Launch the KL-penalised-rewards kernel; ``(B, T)`` contiguous output."""
+    from .kernels.token_advantages import _kl_penalized_rewards_fwd_kernel
+
+    n_rows, length = logprobs.shape
+    dtype = ref.acc_dtype(scores, logprobs, ref_logprobs)
+    out = _new_out((n_rows, length), dtype, logprobs.device)
+    if n_rows == 0 or length == 0:
+        return out
+    m = mask if mask is not None else logprobs
+    idx = score_index if score_index is not None else scores
+    _kl_penalized_rewards_fwd_kernel[(n_rows,)](
+        scores,
+        logprobs,
+        ref_logprobs,
+        m,
+        idx,
+        out,
+        length,
+        scores.stride(0),
+        logprobs.stride(0),
+        logprobs.stride(1),
+        ref_logprobs.stride(0),
+        ref_logprobs.stride(1),
+        m.stride(0),
+        m.stride(1),
+        idx.stride(0),
+        *_f32_pair(kl_coef),
+        HAS_MASK=mask is not None,
+        HAS_INDEX=score_index is not None,
+        KIND=KL_KINDS.index(kind),
+        BLOCK_T=_time_block(length),
+        ACC=triton_acc(dtype),
+    )
+    return out
+
+
+_GROUP_MODES = {"std": 0, "none": 1, "rloo": 2}
+
+
+def group_advantages_fwd(scores: Tensor, group_size: int, mode: str, eps: float) -> Tensor:
+    """Launch the group-baseline kernel on flat ``(B,)`` scores; ``(B,)`` output."""
+    from .kernels.token_advantages import _group_advantages_fwd_kernel
+
+    dtype = ref.acc_dtype(scores)
+    out = _new_out(scores.shape, dtype, scores.device)
+    if scores.numel() == 0:
+        return out
+    _group_advantages_fwd_kernel[(scores.shape[0] // group_size,)](
+        scores,
+        out,
+        group_size,
+        scores.stride(0),
+        eps,
+        MODE=_GROUP_MODES[mode],
+        BLOCK_N=max(16, min(next_power_of_2(group_size), MAX_BLOCK_N)),
+        ACC=triton_acc(dtype),
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------- custom ops
+
+
+@torch.library.custom_op("fused_rl::gae_fwd", mutates_args=())
+def _gae_op(
+    rewards: Tensor, values: Tensor, mask: Tensor | None, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    return gae_fwd(rewards, values, mask, gamma, lam)
+
+
+@_gae_op.register_fake
+def _(rewards, values, mask, gamma, lam):
+    dtype = ref.acc_dtype(rewards, values)
+    return rewards.new_empty(rewards.shape, dtype=dtype), rewards.new_empty(
+        rewards.shape, dtype=dtype
+    )
+
+
+@torch.library.custom_op("fused_rl::kl_penalized_rewards_fwd", mutates_args=())
+def _kl_rewards_op(
+    scores: Tensor,
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    mask: Tensor | None,
+    score_index: Tensor | None,
+    kl_coef: float,
+    kind: str,
+) -> Tensor:
+    return kl_penalized_rewards_fwd(
+        scores, logprobs, ref_logprobs, mask, score_index, kl_coef, kind
+    )
+
+
+@_kl_rewards_op.register_fake
+def _(scores, logprobs, ref_logprobs, mask, score_index, kl_coef, kind):
+    return logprobs.new_empty(logprobs.shape, dtype=ref.acc_dtype(scores, logprobs, ref_logprobs))
+
+
+@torch.library.custom_op("fused_rl::group_advantages_fwd", mutates_args=())
+def _group_op(scores: Tensor, group_size: int, mode: str, eps: float) -> Tensor:
+    return group_advantages_fwd(scores, group_size, mode, eps)
+
+
+@_group_op.register_fake
+def _(scores, group_size, mode, eps):
+    return scores.new_empty(scores.shape, dtype=ref.acc_dtype(scores))
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_unit_interval(value, name: str) -> None:
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a Python number, not a tensor")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number in [0, 1], got {type(value).__name__}")
+    if not (0.0 <= value <= 1.0):  # also rejects NaN
+        raise ValueError(f"{name} must be in [0, 1], got {value!r}")
+
+
+def _check_nonneg(value, name: str) -> None:
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a Python number, not a tensor")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+def _check_2d(x: Tensor, name: str) -> None:
+    V.check_float(x, name)
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be a (B, T) tensor, got shape {tuple(x.shape)}")
+
+
+def _check_mask(mask: Tensor | None, like: Tensor, name: str = "mask") -> None:
+    if mask is None:
+        return
+    V.check_tensor(mask, name)
+    if mask.is_complex():
+        raise TypeError(f"{name} must be a bool (or 0/1 numeric) tensor, got {mask.dtype}")
+    V.check_shape(mask, like.shape, name, "(B, T)")
+
+
+def _check_group_size(group_size, n: int, minimum: int) -> None:
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
+    if group_size < minimum:
+        raise ValueError(f"group_size must be >= {minimum}, got {group_size}")
+    if n % group_size != 0:
+        raise ValueError(f"group_size ({group_size}) must divide the number of scores ({n})")
+
+
+def _check_scores_1d(scores: Tensor) -> None:
+    V.check_float(scores, "scores")
+    if scores.dim() != 1:
+        raise ValueError(f"scores must be a flat (B,) tensor, got shape {tuple(scores.shape)}")
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def gae(
+    rewards: Tensor,
+    values: Tensor,
+    *,
+    gamma: float,
+    lam: float,
+    mask: Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over time (dim 1), TRL / seed-004 semantics.
+
+    ``delta_t = r_t + gamma * V_{t+1} - V_t`` (``V_T = 0`` past the end),
+    ``A_t = delta_t + gamma * lam * A_{t+1}``, ``returns = A + V``.
+
+    Args:
+        rewards, values: ``(B, T)`` float tensors, any strides.
+        gamma, lam: Python numbers in ``[0, 1]``.
+        mask: optional ``(B, T)`` bool (or 0/1) tensor, True where the step counts. Masked
+            steps count as zero reward and zero value (TRL's ``values * mask``), so the
+            recursion runs through them, and get advantage 0 and return 0.
+        backend: ``"auto"`` | ``"triton"`` | ``"reference"``.
+
+    Returns:
+        ``(advantages, returns)``, each ``(B, T)`` fp32 (fp64 if an input is fp64), detached.
+        Whitening is left to ``fused_rl.masked_whiten``.
+
+    Triton: one program per sequence, a blocked reverse ``associative_scan``; no loop over T
+    on the host. Reference: a blocked matmul formulation (``fused_rl.reference.advantages``).
+
+    Example:
+        >>> import torch, fused_rl
+        >>> r = torch.tensor([[0.0, 0.0, 1.0]])
+        >>> v = torch.zeros(1, 3)
+        >>> adv, ret = fused_rl.gae(r, v, gamma=1.0, lam=0.5)
+        >>> adv.tolist()
+        [[0.25, 0.5, 1.0]]
+    """
+    _check_2d(rewards, "rewards")
+    _check_2d(values, "values")
+    V.check_shape(values, rewards.shape, "values", "rewards.shape")
+    _check_mask(mask, rewards)
+    _check_unit_interval(gamma, "gamma")
+    _check_unit_interval(lam, "lam")
+    V.check_same_device(rewards=rewards, values=values, mask=mask)
+    which = resolve_backend(backend, rewards, values, mask)
+    rewards, values = rewards.detach(), values.detach()
+    if which == "reference":
+        return ref.gae(rewards, values, float(gamma), float(lam), mask)
+    return _gae_op(rewards, values, mask, float(gamma), float(lam))
+
+
+def kl_penalized_rewards(
+    scores: Tensor,
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    *,
+    kl_coef: float,
+    mask: Tensor | None = None,
+    kind: str = "k1",
+    score_index: Tensor | None = None,
+    backend: str = "auto",
+) -> Tensor:
+    """Per-token RLHF rewards ``score - kl_coef * kl`` (seed 004 / TRL / torchtune).
+
+    ``rewards[b, t] = -kl_coef * kl(logprobs, ref_logprobs)[b, t]`` (0 where ``mask`` is
+    False), plus ``scores[b]`` at one step per row: the last counted step (the last True of
+    ``mask``; ``T - 1`` without a mask; no step for an all-False row), or ``score_index[b]``
+    when given (placed there even if that step is masked, e.g. TRL's "one past the end").
+
+    Args:
+        scores: ``(B,)`` float sequence-level rewards (reward-model outputs).
+        logprobs, ref_logprobs: ``(B, T)`` float, policy and reference log-probs.
+        kl_coef: Python number ``>= 0``.
+        mask: optional ``(B, T)`` bool (or 0/1) tensor, True where the token counts.
+        kind: KL estimator, one of ``"k1"``, ``"k2"``, ``"k3"``, ``"low_var_kl"``, ``"abs"``
+            (``fused_rl.reference.kl.kl_estimate``, ``log_ratio = logprobs - ref_logprobs``).
+        score_index: optional ``(B,)`` int tensor of steps in ``[0, T)``. Out-of-range
+            entries raise ``ValueError`` in eager mode (one host sync, see
+            ``fused_rl.config.check_values``); otherwise they drop that row's score.
+
+    Returns:
+        ``(B, T)`` fp32 (fp64 if an input is fp64), detached. The last counted step is found
+        on the device, no host sync.
+
+    Example:
+        >>> import torch, fused_rl
+        >>> lp = torch.tensor([[-1.0, -1.0, -1.0]])
+        >>> ref_lp = torch.tensor([[-1.5, -1.0, -0.5]])
+        >>> mask = torch.tensor([[True, True, False]])
+        >>> fused_rl.kl_penalized_rewards(torch.tensor([2.0]), lp, ref_lp, kl_coef=0.1,
+        ...                               mask=mask).tolist()
+        [[-0.05000000074505806, 2.0, 0.0]]
+    """
+    V.check_float(scores, "scores")
+    _check_2d(logprobs, "logprobs")
+    _check_2d(ref_logprobs, "ref_logprobs")
+    V.check_shape(ref_logprobs, logprobs.shape, "ref_logprobs", "logprobs.shape")
+    V.check_shape(scores, logprobs.shape[:1], "scores", "(B,)")
+    _check_mask(mask, logprobs)
+    V.check_choice(kind, KL_KINDS, "kind")
+    _check_nonneg(kl_coef, "kl_coef")
+    if score_index is not None:
+        V.check_tensor(score_index, "score_index")
+        if score_index.dtype not in V.INDEX_DTYPES:
+            raise TypeError(
+                f"score_index must be an int64 or int32 tensor, got {score_index.dtype}"
+            )
+        V.check_shape(score_index, logprobs.shape[:1], "score_index", "(B,)")
+    V.check_same_device(
+        logprobs=logprobs,
+        ref_logprobs=ref_logprobs,
+        scores=scores,
+        mask=mask,
+        score_index=score_index,
+    )
+    if score_index is not None and V.value_checks_enabled(score_index):
+        length = logprobs.shape[1]
+        bad = (score_index < 0) | (score_index >= length)
+        if bool(bad.any()):
+            raise ValueError(
+                f"score_index holds {score_index[bad][0].item()}, outside [0, T) = [0, {length})"
+            )
+    which = resolve_backend(backend, logprobs, ref_logprobs, scores, mask, score_index)
+    scores, logprobs, ref_logprobs = scores.detach(), logprobs.detach(), ref_logprobs.detach()
+    if which == "reference":
+        return ref.kl_penalized_rewards(
+            scores, logprobs, ref_logprobs, float(kl_coef), mask, kind, score_index
+        )
+    return _kl_rewards_op(scores, logprobs, ref_logprobs, mask, score_index, float(kl_coef), kind)
+
+
+def group_advantages(
+    scores: Tensor,
+    group_size: int,
+    *,
+    normalize: str = "std",
+    eps: float = 1e-6,
+    backend: str = "auto",
+) -> Tensor:
+    """GRPO outcome advantages over consecutive groups of ``group_size`` responses.
+
+    ``normalize="std"``: ``(s - mean_g) / (std_g + eps)`` with the unbiased sample std (GRPO;
+    a group of one has std 0); ``normalize="none"``: ``s - mean_g`` (Dr. GRPO). A constant
+    group gives exactly 0, never NaN: scores are shifted by the group's first score before the
+    mean is taken.
+
+    Args:
+        scores: flat ``(B,)`` float tensor; group ``g`` is ``scores[g*n:(g+1)*n]``.
+        group_size: ``n >= 1`` dividing ``B``.
+        eps: Python number ``>= 0`` added to the std.
+
+    Returns:
+        ``(B,)`` fp32 (fp64 for fp64 scores), detached.
+
+    Example:
+        >>> import torch, fused_rl
+        >>> s = torch.tensor([1.0, 0.0, 1.0, 1.0])
+        >>> fused_rl.group_advantages(s, 2, normalize="none").tolist()
+        [0.5, -0.5, 0.0, 0.0]
+    """
+    _check_scores_1d(scores)
+    _check_group_size(group_size, scores.shape[0], 1)
+    V.check_choice(normalize, ref.GROUP_NORMALIZE, "normalize")
+    _check_nonneg(eps, "eps")
+    which = resolve_backend(backend, scores)
+    scores = scores.detach()
+    if which == "reference":
+        return ref.group_advantages(scores, group_size, normalize, float(eps))
+    return _group_op(scores, group_size, normalize, float(eps))
+
+
+def rloo_advantages(scores: Tensor, group_size: int, *, backend: str = "auto") -> Tensor:
+    """REINFORCE leave-one-out advantages: ``s_i - mean_{j != i} s_j`` within each group.
+
+    Args:
+        scores: flat ``(B,)`` float tensor of consecutive groups of ``group_size``.
+        group_size: ``>= 2``, dividing ``B``.
+
+    Returns:
+        ``(B,)`` fp32 (fp64 for fp64 scores), detached.
+
+    Example:
+        >>> import torch, fused_rl
+        >>> fused_rl.rloo_advantages(torch.tensor([3.0, 1.0, 2.0]), 3).tolist()
+        [1.5, -1.5, 0.0]
+    """
+    _check_scores_1d(scores)
+    _check_group_size(group_size, scores.shape[0], 2)
+    which = resolve_backend(backend, scores)
+    scores = scores.detach()
+    if which == "reference":
+        return ref.rloo_advantages(scores, group_size)
+    return _group_op(scores, group_size, "rloo", 0.0)

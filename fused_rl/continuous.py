@@ -1,0 +1,317 @@
+"""Continuous actions: diagonal-Gaussian ``gaussian_logprob`` and ``gaussian_entropy``.
+
+``Independent(Normal(mu, sigma), 1)`` semantics (DI-engine's ``ppo_error_continuous``): one
+value per action, summed over the last (action) dimension, so the per-sample log-prob feeds
+the clipped surrogate and value loss of the token-space losses unchanged.
+
+The Triton path is four ``torch.library`` custom ops, one launch each:
+``fused_rl::gaussian_logprob_fwd`` / ``_bwd`` and ``fused_rl::gaussian_entropy_fwd`` /
+``_bwd``, with fake and autograd registrations (``torch.compile(fullgraph=True)`` traces
+through them). Inputs broadcast as in ``torch.distributions``; a broadcast input (say a
+state-independent ``sigma`` of shape ``(N,)``) is read through stride 0, never copied, and
+its gradient is summed by autograd's ``expand`` backward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _validation as V
+from ._backend import resolve_backend
+from ._launch import next_power_of_2, triton_acc
+from .reference import continuous as ref
+
+MAX_BLOCK_N = 64
+TILE = 1024  # elements per (BLOCK_R x BLOCK_N) tile
+
+
+def _blocks(n_cols: int) -> tuple[int, int]:
+    block_n = max(2, min(next_power_of_2(n_cols), MAX_BLOCK_N))
+    return TILE // block_n, block_n
+
+
+def _grid(n_rows: int, block_r: int) -> tuple[int]:
+    return (-(-n_rows // block_r),)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def gaussian_logprob_fwd(mu: Tensor, sigma: Tensor, actions: Tensor) -> Tensor:
+    """Launch the log-prob kernel on ``(R, N)`` views (any strides); ``(R,)`` output."""
+    from .kernels.token_gaussian import _gaussian_logprob_fwd_kernel
+
+    n_rows, n_cols = mu.shape
+    dtype = ref.acc_dtype(mu, sigma, actions)
+    out = torch.empty((n_rows,), dtype=dtype, device=mu.device)
+    if n_rows == 0:
+        return out
+    block_r, block_n = _blocks(n_cols)
+    _gaussian_logprob_fwd_kernel[_grid(n_rows, block_r)](
+        mu,
+        sigma,
+        actions,
+        out,
+        n_rows,
+        n_cols,
+        mu.stride(0),
+        mu.stride(1),
+        sigma.stride(0),
+        sigma.stride(1),
+        actions.stride(0),
+        actions.stride(1),
+        BLOCK_R=block_r,
+        BLOCK_N=block_n,
+        ACC=triton_acc(dtype),
+    )
+    return out
+
+
+def gaussian_logprob_bwd(
+    mu: Tensor, sigma: Tensor, actions: Tensor, grad_out: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Launch the log-prob backward: contiguous ``(R, N)`` grads in mu's / sigma's dtypes."""
+    from .kernels.token_gaussian import _gaussian_logprob_bwd_kernel
+
+    n_rows, n_cols = mu.shape
+    grad_mu = torch.empty((n_rows, n_cols), dtype=mu.dtype, device=mu.device)
+    grad_sigma = torch.empty((n_rows, n_cols), dtype=sigma.dtype, device=mu.device)
+    if grad_mu.numel() == 0:
+        return grad_mu, grad_sigma
+    block_r, block_n = _blocks(n_cols)
+    _gaussian_logprob_bwd_kernel[_grid(n_rows, block_r)](
+        mu,
+        sigma,
+        actions,
+        grad_out,
+        grad_mu,
+        grad_sigma,
+        n_rows,
+        n_cols,
+        mu.stride(0),
+        mu.stride(1),
+        sigma.stride(0),
+        sigma.stride(1),
+        actions.stride(0),
+        actions.stride(1),
+        grad_out.stride(0),
+        BLOCK_R=block_r,
+        BLOCK_N=block_n,
+        ACC=triton_acc(ref.acc_dtype(mu, sigma, actions)),
+    )
+    return grad_mu, grad_sigma
+
+
+def gaussian_entropy_fwd(sigma: Tensor) -> Tensor:
+    """Launch the entropy kernel on an ``(R, N)`` view; ``(R,)`` output."""
+    from .kernels.token_gaussian import _gaussian_entropy_fwd_kernel
+
+    n_rows, n_cols = sigma.shape
+    dtype = ref.acc_dtype(sigma)
+    out = torch.empty((n_rows,), dtype=dtype, device=sigma.device)
+    if n_rows == 0:
+        return out
+    block_r, block_n = _blocks(n_cols)
+    _gaussian_entropy_fwd_kernel[_grid(n_rows, block_r)](
+        sigma,
+        out,
+        n_rows,
+        n_cols,
+        sigma.stride(0),
+        sigma.stride(1),
+        BLOCK_R=block_r,
+        BLOCK_N=block_n,
+        ACC=triton_acc(dtype),
+    )
+    return out
+
+
+def gaussian_entropy_bwd(sigma: Tensor, grad_out: Tensor) -> Tensor:
+    """Launch the entropy backward: contiguous ``(R, N)`` grad in sigma's dtype."""
+    from .kernels.token_gaussian import _gaussian_entropy_bwd_kernel
+
+    n_rows, n_cols = sigma.shape
+    grad_sigma = torch.empty((n_rows, n_cols), dtype=sigma.dtype, device=sigma.device)
+    if grad_sigma.numel() == 0:
+        return grad_sigma
+    block_r, block_n = _blocks(n_cols)
+    _gaussian_entropy_bwd_kernel[_grid(n_rows, block_r)](
+        sigma,
+        grad_out,
+        grad_sigma,
+        n_rows,
+        n_cols,
+        sigma.stride(0),
+        sigma.stride(1),
+        grad_out.stride(0),
+        BLOCK_R=block_r,
+        BLOCK_N=block_n,
+        ACC=triton_acc(ref.acc_dtype(sigma)),
+    )
+    return grad_sigma
+
+
+# ----------------------------------------------------------------------------- custom ops
+
+
+@torch.library.custom_op("fused_rl::gaussian_logprob_fwd", mutates_args=())
+def _logprob_op(mu: Tensor, sigma: Tensor, actions: Tensor) -> Tensor:
+    return gaussian_logprob_fwd(mu, sigma, actions)
+
+
+@_logprob_op.register_fake
+def _(mu, sigma, actions):
+    return mu.new_empty(mu.shape[:1], dtype=ref.acc_dtype(mu, sigma, actions))
+
+
+@torch.library.custom_op("fused_rl::gaussian_logprob_bwd", mutates_args=())
+def _logprob_bwd_op(
+    mu: Tensor, sigma: Tensor, actions: Tensor, grad_out: Tensor
+) -> tuple[Tensor, Tensor]:
+    return gaussian_logprob_bwd(mu, sigma, actions, grad_out)
+
+
+@_logprob_bwd_op.register_fake
+def _(mu, sigma, actions, grad_out):
+    return mu.new_empty(mu.shape), sigma.new_empty(mu.shape)
+
+
+def _logprob_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _logprob_backward(ctx, grad_out):
+    mu, sigma, actions = ctx.saved_tensors
+    grad_mu, grad_sigma = _logprob_bwd_op(mu, sigma, actions, grad_out)
+    # d/da = -d/dmu; only sampled-with-reparameterisation actions ever need it
+    grad_act = (-grad_mu).to(actions.dtype) if ctx.needs_input_grad[2] else None
+    return grad_mu, grad_sigma, grad_act
+
+
+_logprob_op.register_autograd(_logprob_backward, setup_context=_logprob_setup)
+
+
+@torch.library.custom_op("fused_rl::gaussian_entropy_fwd", mutates_args=())
+def _entropy_op(sigma: Tensor) -> Tensor:
+    return gaussian_entropy_fwd(sigma)
+
+
+@_entropy_op.register_fake
+def _(sigma):
+    return sigma.new_empty(sigma.shape[:1], dtype=ref.acc_dtype(sigma))
+
+
+@torch.library.custom_op("fused_rl::gaussian_entropy_bwd", mutates_args=())
+def _entropy_bwd_op(sigma: Tensor, grad_out: Tensor) -> Tensor:
+    return gaussian_entropy_bwd(sigma, grad_out)
+
+
+@_entropy_bwd_op.register_fake
+def _(sigma, grad_out):
+    return sigma.new_empty(sigma.shape)
+
+
+def _entropy_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _entropy_backward(ctx, grad_out):
+    (sigma,) = ctx.saved_tensors
+    return _entropy_bwd_op(sigma, grad_out)
+
+
+_entropy_op.register_autograd(_entropy_backward, setup_context=_entropy_setup)
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def _check_sigma_positive(sigma: Tensor) -> None:
+    """Eager-mode check (one host sync); skipped under compile / graph capture / when
+    ``fused_rl.config.check_values`` is False, where sigma <= 0 gives NaN / inf instead."""
+    if V.value_checks_enabled(sigma) and not bool((sigma > 0).all()):
+        raise ValueError("sigma must be > 0 everywhere (got a value <= 0 or NaN)")
+
+
+def _broadcast_shape(**tensors: Tensor) -> torch.Size:
+    try:
+        shape = torch.broadcast_shapes(*(t.shape for t in tensors.values()))
+    except RuntimeError as err:
+        shapes = ", ".join(f"{k} {tuple(t.shape)}" for k, t in tensors.items())
+        raise ValueError(f"shapes do not broadcast: {shapes}") from err
+    if len(shape) == 0:
+        raise ValueError("expected (..., N) inputs with an action dimension, got 0-dim tensors")
+    return shape
+
+
+def _rows(x: Tensor, shape: torch.Size) -> Tensor:
+    """``x`` broadcast to ``shape`` as an ``(R, N)`` view (a copy only when the leading dims
+    cannot be merged by a view, e.g. a strided 3-D slice)."""
+    return x.expand(shape).reshape(-1, shape[-1])
+
+
+def gaussian_logprob(
+    mu: Tensor, sigma: Tensor, actions: Tensor, *, backend: str = "auto"
+) -> Tensor:
+    """Log-density of ``actions`` under ``Independent(Normal(mu, sigma), 1)``.
+
+    ``sum_n [ -(a_n - mu_n)^2 / (2 sigma_n^2) - log sigma_n - 0.5 log(2 pi) ]``.
+
+    Args:
+        mu, sigma, actions: float tensors broadcasting to ``(..., N)`` (``N`` = action dims),
+            any strides. Differentiable w.r.t. ``mu`` and ``sigma`` (and ``actions``).
+        backend: ``"auto"`` | ``"triton"`` | ``"reference"``.
+
+    Returns:
+        ``(...)`` fp32 (fp64 if an input is fp64). Gradients have each input's dtype.
+
+    ``sigma <= 0`` (or NaN) raises ``ValueError`` in eager mode (one host sync, see
+    ``fused_rl.config.check_values``); under ``torch.compile``, CUDA-graph capture or with
+    the check off it yields NaN / inf, as the formula does.
+
+    Example:
+        >>> import torch, fused_rl
+        >>> mu = torch.zeros(4, 3, requires_grad=True)
+        >>> log_std = torch.zeros(3, requires_grad=True)  # state-independent, broadcast
+        >>> lp = fused_rl.gaussian_logprob(mu, log_std.exp(), torch.randn(4, 3))
+        >>> lp.shape
+        torch.Size([4])
+        >>> lp.mean().backward()
+        >>> log_std.grad.shape
+        torch.Size([3])
+    """
+    for name, t in (("mu", mu), ("sigma", sigma), ("actions", actions)):
+        V.check_float(t, name)
+    V.check_same_device(mu=mu, sigma=sigma, actions=actions)
+    shape = _broadcast_shape(mu=mu, sigma=sigma, actions=actions)
+    _check_sigma_positive(sigma)
+    which = resolve_backend(backend, mu, sigma, actions)
+    if which == "reference":
+        return ref.gaussian_logprob(mu, sigma, actions)
+    out = _logprob_op(_rows(mu, shape), _rows(sigma, shape), _rows(actions, shape))
+    return out.reshape(shape[:-1])
+
+
+def gaussian_entropy(sigma: Tensor, *, backend: str = "auto") -> Tensor:
+    """Entropy of ``Independent(Normal(mu, sigma), 1)``: ``sum_n 0.5 + 0.5 log(2 pi) +
+    log sigma_n`` (independent of ``mu``).
+
+    Args:
+        sigma: ``(..., N)`` float tensor, any strides; differentiable.
+
+    Returns:
+        ``(...)`` fp32 (fp64 for fp64 sigma). ``sigma <= 0``: as in :func:`gaussian_logprob`.
+
+    Example:
+        >>> import torch, fused_rl
+        >>> round(fused_rl.gaussian_entropy(torch.ones(1, 2)).item(), 4)  # 2 * 1.4189
+        2.8379
+    """
+    V.check_float(sigma, "sigma")
+    shape = _broadcast_shape(sigma=sigma)
+    _check_sigma_positive(sigma)
+    which = resolve_backend(backend, sigma)
+    if which == "reference":
+        return ref.gaussian_entropy(sigma)
+    return _entropy_op(_rows(sigma, shape)).reshape(shape[:-1])
