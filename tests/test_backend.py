@@ -1,0 +1,148 @@
+"""Backend dispatch: ``available_backends``, ``resolve_backend``, the ``backend=`` argument of
+the public ops, and ``import fused_rl`` without Triton."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fused_rl
+import fused_rl._backend as B
+from fused_rl import available_backends, token_entropy, token_logprobs
+from fused_rl._backend import resolve_backend
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    """Set ``TRITON_INTERPRET`` for one test: ``interpreter(True)`` / ``interpreter(False)``."""
+    return lambda on: monkeypatch.setenv("TRITON_INTERPRET", "1" if on else "0")
+
+
+def _pair(device="cpu"):
+    return torch.randn(2, 3, 7, device=device), torch.randint(0, 7, (2, 3), device=device)
+
+
+def test_version():
+    assert isinstance(fused_rl.__version__, str)
+    assert fused_rl.__version__ == importlib.metadata.version("fused_rl")
+
+
+def test_available_backends_cpu(interpreter):
+    interpreter(True)
+    assert available_backends("cpu") == ("triton", "reference")
+    assert available_backends(torch.device("cpu")) == ("triton", "reference")
+    assert available_backends() == ("triton", "reference")  # cpu is the default
+    interpreter(False)
+    assert available_backends("cpu") == ("reference",)
+
+
+def test_available_backends_other_devices(interpreter):
+    interpreter(False)
+    assert available_backends("cuda") == ("triton", "reference")
+    assert available_backends("cuda:0") == ("triton", "reference")
+    assert available_backends("meta") == ("reference",)
+
+
+def test_resolve_backend_cpu(interpreter):
+    x, y = _pair()
+    interpreter(True)
+    assert resolve_backend("auto", x, y) == "triton"
+    assert resolve_backend("triton", x, y) == "triton"
+    assert resolve_backend("reference", x, y) == "reference"
+    assert resolve_backend("auto", x, None) == "triton"  # None (an absent tensor) is skipped
+    interpreter(False)
+    assert resolve_backend("auto", x, y) == "reference"
+    assert resolve_backend("reference", x) == "reference"
+    with pytest.raises(RuntimeError, match="backend='triton' cannot run here: .*TRITON_INTERPRET"):
+        resolve_backend("triton", x, y)
+
+
+def test_resolve_backend_meta():
+    x = torch.empty(2, 3, 7, device="meta")
+    assert resolve_backend("auto", x) == "reference"
+    assert resolve_backend("reference", x) == "reference"
+    with pytest.raises(RuntimeError, match="do not run on device type 'meta'"):
+        resolve_backend("triton", x)
+
+
+def test_resolve_backend_errors():
+    x, y = _pair()
+    with pytest.raises(
+        ValueError, match=r"backend must be one of \('auto', 'triton', 'reference'\)"
+    ):
+        resolve_backend("Triton", x)
+    with pytest.raises(ValueError, match="at least one tensor"):
+        resolve_backend("auto")
+    with pytest.raises(ValueError, match="at least one tensor"):
+        resolve_backend("auto", None)
+    with pytest.raises(ValueError, match="all tensors must be on one device, got cpu and meta"):
+        resolve_backend("auto", x, torch.empty(1, device="meta"))
+
+
+def test_triton_refused_when_it_cannot_run(monkeypatch):
+    """``backend="triton"`` raises a clear error; ``"auto"`` falls back to the reference."""
+    monkeypatch.setattr(B, "interpreter_enabled", lambda: False)
+    x, y = _pair()
+    with pytest.raises(RuntimeError, match="backend='triton' cannot run here"):
+        token_logprobs(x, y, backend="triton")
+    with pytest.raises(RuntimeError, match="backend='triton' cannot run here"):
+        token_entropy(x, backend="triton")
+    auto = token_logprobs(x, y, return_entropy=True, backend="auto")
+    ref = token_logprobs(x, y, return_entropy=True, backend="reference")
+    assert torch.equal(auto[0], ref[0]) and torch.equal(auto[1], ref[1])
+
+
+def test_triton_missing(monkeypatch, interpreter):
+    interpreter(True)
+    monkeypatch.setattr(B, "triton_installed", lambda: False)
+    x, y = _pair()
+    assert available_backends("cpu") == ("reference",)
+    assert available_backends("cuda") == ("reference",)
+    assert resolve_backend("auto", x, y) == "reference"
+    with pytest.raises(RuntimeError, match="the `triton` package is not installed"):
+        token_logprobs(x, y, backend="triton")
+
+
+_NO_TRITON = """
+import json, sys
+sys.modules["triton"] = None  # any `import triton` now raises ImportError
+import torch, fused_rl
+x = torch.randn(2, 3, 7, requires_grad=True)
+y = torch.tensor([[0, 6, -100], [3, 3, 1]])
+logp, ent = fused_rl.token_logprobs(x, y, return_entropy=True)
+ref = fused_rl.token_logprobs(x, y, return_entropy=True, backend="reference")
+(logp.sum() + ent.sum()).backward()
+try:
+    fused_rl.token_entropy(x, backend="triton")
+    error = None
+except RuntimeError as e:
+    error = str(e)
+print(json.dumps({
+    "backends": fused_rl.available_backends("cpu"),
+    "same_as_reference": torch.equal(logp, ref[0]) and torch.equal(ent, ref[1]),
+    "grad_finite": bool(torch.isfinite(x.grad).all()),
+    "triton_error": error,
+    "kernels_imported": any(m.startswith("fused_rl.kernels") for m in sys.modules),
+}))
+"""
+
+
+def test_import_without_triton():
+    """With Triton unimportable, ``import fused_rl`` works and every op runs the reference,
+    even with ``TRITON_INTERPRET=1`` set."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _NO_TRITON], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["backends"] == ["reference"]
+    assert result["same_as_reference"] and result["grad_finite"]
+    assert "the `triton` package is not installed" in result["triton_error"]
+    assert not result["kernels_imported"]
