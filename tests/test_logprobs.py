@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import FP32_TOL, assert_rel, bf16_tol, oracle_token_stats
 
+import fused_rl._backend as B
 from fused_rl import config, token_entropy, token_logprobs
 
 BACKENDS = ("triton", "reference")
@@ -350,11 +351,12 @@ def test_single_output_gradients(backend, device):
     targets = torch.randint(0, 123, (2, 5), device=device)
     targets[1, 1] = -100
     (g,) = _randn_like_targets(targets, 1)
+    g64, zero64 = g.double(), torch.zeros_like(g, dtype=torch.float64)
     ident = lambda x: x
     lp_fn = lambda x, y: (token_logprobs(x, y, temperature=0.7, backend=backend),)
     ent_fn = lambda x, y: (_fused(x, y, backend=backend, temperature=0.7)[1],)
     (lp,), grad = _value_and_grad(lp_fn, logits, ident, targets, (g,))
-    (_, ent), grad_ent = _value_and_grad(
+    _, grad_ent = _value_and_grad(
         lambda x, y: _fused(x, y, backend=backend, temperature=0.7),
         logits,
         ident,
@@ -362,20 +364,20 @@ def test_single_output_gradients(backend, device):
         (torch.zeros_like(g), g),
     )
     (_,), grad_ent_only = _value_and_grad(ent_fn, logits, ident, targets, (g,))
-    (o_lp, o_ent), o_grad = _value_and_grad(
+    (o_lp, _), o_grad = _value_and_grad(
         oracle_token_stats,
         logits.double(),
         ident,
         targets,
-        (g.double(), torch.zeros_like(g)),
+        (g64, zero64),
         temperature=0.7,
     )
-    (_, _), o_grad_ent = _value_and_grad(
+    _, o_grad_ent = _value_and_grad(
         oracle_token_stats,
         logits.double(),
         ident,
         targets,
-        (torch.zeros_like(g), g.double()),
+        (zero64, g64),
         temperature=0.7,
     )
     assert_rel(lp, o_lp, FP32_TOL, "logp")
@@ -403,8 +405,6 @@ def test_token_entropy_parity(backend, temperature, device):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_auto_matches_explicit(backend, device, monkeypatch):
     """``backend="auto"`` runs what ``resolve_backend`` picks, bit for bit."""
-    import fused_rl._backend as B
-
     monkeypatch.setattr(B, "interpreter_enabled", lambda: backend == "triton")
     if device == "cuda" and backend == "reference":
         pytest.skip("auto always picks Triton for CUDA tensors")
@@ -547,7 +547,7 @@ def test_out_of_range_targets_unchecked_give_nan(backend, bad, dtype, device, mo
     o_lp, o_ent = oracle_token_stats(logits.detach(), torch.where(keep, targets, 0))
     assert_rel(lp[keep], o_lp[keep], FP32_TOL, "logp of valid targets")
     assert_rel(ent, o_ent, FP32_TOL, "entropy")
-    (grad,) = torch.autograd.grad(ent, logits, torch.randn_like(ent))
+    (grad,) = torch.autograd.grad((lp, ent), logits, _randn_like_targets(targets))
     assert torch.isfinite(grad).all()
 
 
