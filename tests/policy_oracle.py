@@ -1,0 +1,141 @@
+"""Independent oracle of ``fused_rl.policy_loss``, written from the issue's formulas.
+
+Plain autograd PyTorch, no import from ``fused_rl``. Run it on float64 logits for the
+oracle, or on bf16 logits for the "eager bf16" baseline that sets the bf16 tolerance.
+The surrogate is written in DI-engine's max/min form (``-max(min(rA, clip(r)A), cA)``),
+not in the library's ``-min`` form, so the two codings check each other.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _kl(logp, ref, kind):
+    d = logp - ref
+    if kind == "k1":
+        return d
+    if kind == "k2":
+        return d * d / 2
+    if kind == "k3":
+        return torch.exp(-d) + d - 1
+    if kind == "low_var_kl":
+        x = torch.clamp(ref - logp, -20.0, 20.0)
+        return torch.clamp(torch.exp(x) - x - 1, -10.0, 10.0)
+    if kind == "abs":
+        return torch.abs(d)
+    raise AssertionError(kind)
+
+
+def _promoted(x, work):
+    """Eager type promotion: fp32 log-probs stay fp32 next to bf16 logits."""
+    return x.to(torch.promote_types(x.dtype, work))
+
+
+def _masked_mean(x, m):
+    n = m.sum()
+    return (x * m).sum() / n if n > 0 else x.new_zeros(())
+
+
+def oracle_policy_loss(
+    logits,
+    targets,
+    advantages,
+    *,
+    old_logprobs=None,
+    ref_logprobs=None,
+    mask=None,
+    temperature=1.0,
+    eps_low=0.2,
+    eps_high=None,
+    dual_clip=None,
+    delta=None,
+    beta=0.0,
+    kl="k3",
+    entropy_coef=0.0,
+    with_entropy=False,
+    importance_sampling="token",
+    loss_agg="token-mean",
+    max_length=None,
+    num_items=None,
+    ignore_index=-100,
+):
+    """``(loss, metrics)`` in the dtype of ``logits`` (call it with ``logits.double()``)."""
+    n_seq, length, _ = logits.shape
+    work = logits.dtype
+    log_p = torch.log_softmax(logits / temperature, dim=-1)
+    counted = targets != ignore_index
+    m = counted.to(work) if mask is None else mask.to(work) * counted
+    safe_t = torch.where(counted, targets, torch.zeros_like(targets)).long()
+    logp = log_p.gather(-1, safe_t[..., None])[..., 0]
+    entropy = -(log_p.exp() * log_p).sum(-1)
+
+    adv = advantages.to(work)
+    if adv.dim() == 1:
+        adv = adv[:, None].expand(n_seq, length)
+    old = logp.detach() if old_logprobs is None else _promoted(old_logprobs, work)
+    log_ratio = logp - old
+    if importance_sampling == "sequence":
+        per_seq = (m * log_ratio).sum(-1) / m.sum(-1).clamp(min=1.0)
+        log_ratio = per_seq[:, None].expand(n_seq, length)
+    ratio = torch.exp(log_ratio)
+
+    lo = 1.0 - eps_low
+    hi = 1.0 + (eps_low if eps_high is None else eps_high)
+    capped = ratio if delta is None else torch.minimum(ratio, torch.full_like(ratio, delta))
+    surr1 = capped * adv
+    surr2 = ratio.clamp(lo, hi) * adv
+    objective = torch.minimum(surr1, surr2)
+    clipped = surr2 < surr1
+    if dual_clip is not None:
+        floor = dual_clip * adv
+        dual = (adv < 0) & (objective < floor)
+        objective = torch.where(adv < 0, torch.maximum(objective, floor), objective)
+    else:
+        dual = torch.zeros_like(clipped)
+    per_token = -objective
+    kl_tok = None
+    if ref_logprobs is not None:
+        kl_tok = _kl(logp, _promoted(ref_logprobs, work), kl)
+        per_token = per_token + beta * kl_tok
+    per_token = per_token - entropy_coef * entropy
+    # never let a non-counted token's value reach the sum (0 * inf would be NaN)
+    contrib = torch.where(m != 0, per_token * m, torch.zeros_like(per_token))
+
+    if loss_agg == "token-mean":
+        den = (
+            m.sum()
+            if num_items is None
+            else torch.as_tensor(num_items, dtype=work, device=m.device)
+        )
+        loss = contrib.sum() / den if den > 0 else contrib.sum() * 0
+    elif loss_agg == "seq-mean-token-mean":
+        rows = []
+        for b in range(n_seq):
+            n_b = m[b].sum()
+            rows.append(contrib[b].sum() / n_b if n_b > 0 else contrib[b].sum() * 0)
+        loss = torch.stack(rows).mean()
+    elif loss_agg == "seq-mean-token-sum":
+        loss = contrib.sum() / n_seq
+    elif loss_agg == "seq-mean-token-sum-norm":
+        loss = contrib.sum() / (n_seq * (length if max_length is None else max_length))
+    else:
+        raise AssertionError(loss_agg)
+
+    with torch.no_grad():
+        keep = m != 0
+        r = ratio.detach()
+        metrics = {
+            "clip_frac": _masked_mean(clipped.to(work), m),
+            "clip_frac_low": _masked_mean((clipped & (r < lo)).to(work), m),
+            "clip_frac_high": _masked_mean((clipped & (r > hi)).to(work), m),
+            "dual_clip_frac": _masked_mean(dual.to(work), m),
+            "ratio_mean": _masked_mean(r, m),
+            "ratio_max": r[keep].max() if keep.any() else r.new_zeros(()),
+            "approx_kl": _masked_mean(old - logp.detach(), m),
+        }
+        if kl_tok is not None:
+            metrics["kl"] = _masked_mean(kl_tok.detach(), m)
+        if entropy_coef != 0 or with_entropy:
+            metrics["entropy"] = _masked_mean(entropy.detach(), m)
+    return loss, metrics
