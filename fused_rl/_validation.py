@@ -76,7 +76,8 @@ def check_shape(x: torch.Tensor | None, shape: Sequence[int], name: str, expecte
 def check_positive(value, name: str) -> None:
     if isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a Python number, not a tensor")
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (is_number and math.isfinite(value) and value > 0):
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
