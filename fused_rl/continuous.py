@@ -14,6 +14,8 @@ its gradient is summed by autograd's ``expand`` backward.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -248,7 +250,7 @@ def _broadcast_shape(**tensors: Tensor) -> torch.Size:
 def _rows(x: Tensor, shape: torch.Size) -> Tensor:
     """``x`` broadcast to ``shape`` as an ``(R, N)`` view (a copy only when the leading dims
     cannot be merged by a view, e.g. a strided 3-D slice)."""
-    return x.expand(shape).reshape(-1, shape[-1])
+    return x.expand(shape).reshape(math.prod(shape[:-1]), shape[-1])
 
 
 def gaussian_logprob(
