@@ -7,6 +7,8 @@ plain-PyTorch reference. See ``fused_rl.available_backends(device)``.
 from . import config
 from ._backend import available_backends
 from ._version import __version__
+from .advantages import gae, group_advantages, kl_penalized_rewards, rloo_advantages
+from .continuous import gaussian_entropy, gaussian_logprob
 from .logprobs import token_entropy, token_logprobs
 from .losses import policy_loss, policy_loss_from_logprobs
 
@@ -14,6 +16,12 @@ __all__ = [
     "__version__",
     "available_backends",
     "config",
+    "gae",
+    "gaussian_entropy",
+    "gaussian_logprob",
+    "group_advantages",
+    "kl_penalized_rewards",
+    "rloo_advantages",
     "policy_loss",
     "policy_loss_from_logprobs",
     "token_entropy",
