@@ -176,6 +176,7 @@ CASES = [
     _case(dict(old=None, adv="token"), loss_agg="seq-mean-token-mean", entropy_coef=0.01),
     _case(dict(adv="token"), loss_agg="seq-mean-token-sum"),
     _case(eps_low=0.1, eps_high=0.3),
+    _case(eps_low=0.1),
     _case(eps_low=0.0, eps_high=0.28),
     _case(dict(adv="neg"), dual_clip=3.0),
     _case(dict(adv="token", seed=1), dual_clip=3.0, eps_high=0.28),
@@ -236,8 +237,18 @@ def test_parity_shapes(backend, B, T, V, device):
 @pytest.mark.parametrize("importance_sampling", ["token", "sequence"])
 def test_parity_noncontiguous(backend, importance_sampling, device):
     """``big[:, :-1]`` (the usual next-token slice) and a vocab slice with a wide row stride;
-    the gradient of the part of ``big`` outside the view must be exactly 0."""
-    logits, targets, adv, kw = make_inputs(3, 5, 37, device=device, old="gspo", ref="design")
+    the gradient of the part of ``big`` outside the view must be exactly 0. The (B, T)
+    inputs (per-token advantages, old/ref log-probs, mask, int32 targets) are strided too."""
+    logits, targets, adv, kw = make_inputs(
+        3, 5, 37, device=device, old="gspo", ref="design", adv="token"
+    )
+
+    def strided(t):  # same values, column stride 2
+        return torch.stack([t, torch.zeros_like(t)], dim=-1)[..., 0]
+
+    adv, targets = strided(adv), strided(targets.int())
+    kw = {k: strided(v) for k, v in kw.items()}
+    assert not adv.is_contiguous() and not kw["old_logprobs"].is_contiguous()
     views = (lambda x: x[:, :-1], lambda x: x[:, :-1, :37])
     for extra_v, view in zip((0, 6), views):
         big = torch.randn(3, 6, 37 + extra_v, device=device)
@@ -298,6 +309,35 @@ def test_nothing_counts(backend, what, loss_agg, device):
     )
     assert loss == 0 and torch.equal(grad, torch.zeros_like(grad))
     assert all(v == 0 for v in metrics.values())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("importance_sampling", ["token", "sequence"])
+@pytest.mark.parametrize(
+    ("name", "garbage"),
+    [
+        ("old_logprobs", float("nan")),
+        ("old_logprobs", -float("inf")),
+        ("ref_logprobs", float("nan")),
+        ("advantages", float("nan")),
+    ],
+)
+def test_non_counted_values_never_matter(backend, importance_sampling, name, garbage, device):
+    """Padding garbage (NaN / -inf) in old/ref log-probs or advantages at tokens that do not
+    count (mask False, ignore_index) changes nothing: same finite loss, metrics, gradient."""
+    logits, targets, adv, kw = make_inputs(device=device, ref="design", adv="token")
+    hyper = dict(beta=0.04, importance_sampling=importance_sampling, backend=backend)
+    loss, metrics, grad = _run(policy_loss, logits, targets, adv, 1.0, **kw, **hyper)
+
+    dirty = {"advantages": adv, **kw}
+    off = ~(kw["mask"] & (targets != -100))
+    dirty[name] = dirty[name].masked_fill(off, garbage)
+    d_adv = dirty.pop("advantages")
+    d_loss, d_metrics, d_grad = _run(policy_loss, logits, targets, d_adv, 1.0, **dirty, **hyper)
+    assert_rel(d_loss, loss, FP32_TOL, "loss")
+    assert_rel(d_grad, grad, FP32_TOL, "grad")
+    for key in metrics:
+        assert_rel(d_metrics[key], metrics[key], FP32_TOL, f"metric {key}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -363,6 +403,19 @@ def test_advantages_b1_accepted_when_t_is_1(backend, device):
     a, _ = policy_loss(logits, targets, adv, backend=backend, **kw)
     b, _ = policy_loss(logits, targets, adv[:, None], backend=backend, **kw)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_without_grad(backend, device):
+    """Logits that need no gradient (evaluation, metrics only): same loss and metrics."""
+    logits, targets, adv, kw = make_inputs(device=device, ref="design")
+    with torch.no_grad():
+        loss, metrics = policy_loss(logits, targets, adv, backend=backend, beta=0.04, **kw)
+    o_loss, o_metrics = oracle_policy_loss(logits.double(), targets, adv, beta=0.04, **kw)
+    assert not loss.requires_grad
+    assert_rel(loss, o_loss, FP32_TOL, "loss")
+    for name in metrics:
+        assert_rel(metrics[name], o_metrics[name], FP32_TOL, name)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -539,6 +592,8 @@ def _bad(match, **change):
         _bad("temperature", temperature=-1.0),
         _bad("logits", logits=torch.zeros(2, 3)),
         _bad("logits", logits=torch.zeros(2, 3, 4, 5)),
+        _bad("num_items", num_items=0),
+        _bad("max_length", max_length=0, loss_agg="seq-mean-token-sum-norm"),
     ],
 )
 def test_policy_loss_rejects(match, change):
