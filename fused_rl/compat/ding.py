@@ -1,0 +1,511 @@
+"""Drop-in replacements for DI-engine's PPO / GRPO losses (``ding.rl_utils.ppo`` and
+``ding.rl_utils.grpo``), fused over the vocabulary.
+
+Change ``from ding.rl_utils import ppo_data, ppo_error, ...`` to
+``from fused_rl.compat.ding import ppo_data, ppo_error, ...``. DI-engine is not imported
+(nor needed).
+
+Mirrors DI-engine at commit ``d0b21d065b2d`` (Dec 2025): the same namedtuples (fields in the
+same order), argument names, defaults and return values, quirks included:
+
+* masked terms are ``(x * weight).mean()``: divided by the number of elements, not by
+  ``weight.sum()`` (an all-zero weight gives 0); ``grpo_policy_error`` takes the
+  per-sequence ``sum(w x) / sum(w)`` and then the batch mean (an all-zero row gives NaN);
+* ``approx_kl = mean(logp_old - logp_new)`` and ``clipfrac`` = "ratio outside
+  ``[1 - c, 1 + c]``" are unmasked Python floats (one host sync each, as in DI-engine);
+* the discrete dual clip applies only where ``adv < 0``; the continuous one is NOT gated on
+  the sign of ``adv`` (DI-engine's defect, reproduced by default; ``fix_dual_clip=True`` gates
+  it on ``adv < 0``);
+* ``kl_div`` = ``calculate_kl_div(logp_new - logp_pretrained, kl_type)``, an unmasked mean;
+  without ``logit_pretrained`` a 0-dim zero (the Python int ``0`` in
+  ``ppo_policy_error_continuous``); ``entropy_bonus=False`` gives ``torch.tensor(0.)``;
+* value clipping reuses ``clip_ratio`` in the form ``old + clamp(new - old, -c, c)``;
+* if ``ratio`` and ``adv`` (or the entropy and ``weight``) differ in shape, the ratio (the
+  entropy) is averaged over dim 1 (DI-engine's multi-agent path);
+* nothing is detached: gradients also flow into ``logit_old`` / ``logit_ref`` /
+  ``logit_pretrained`` when they require grad;
+* actions outside ``[0, V)`` (``-100`` included) and ``sigma <= 0`` raise ``ValueError``.
+
+Fused: every log-prob and entropy of a logits tensor comes from :func:`fused_rl.token_logprobs`
+(one streaming pass forward, one backward, no ``(..., V)`` normalised copy), and the
+continuous densities from :func:`fused_rl.gaussian_logprob` / :func:`fused_rl.gaussian_entropy`.
+Per-token math runs in fp32 (fp64 if an input is fp64) and each output is cast to the dtype
+DI-engine's type promotion gives it (bf16 logits with fp32 ``adv``: fp32 losses, bf16
+``kl_div``). Not reproduced: ``torch.distributions``' NaN-logits ``ValueError`` (NaN
+propagates instead) and the ``hpc_wrapper`` decorator (a no-op by default).
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import torch
+from torch import Tensor
+
+from .. import _validation as V
+from ..continuous import gaussian_entropy, gaussian_logprob
+from ..logprobs import token_logprobs
+from .trl import _NO_IGNORE, _check_index_range
+
+ppo_data = namedtuple(
+    "ppo_data",
+    ["logit_new", "logit_old", "action", "value_new", "value_old", "adv", "return_", "weight",
+     "logit_pretrained"],
+    defaults=(None,),
+)  # fmt: skip
+ppo_data_continuous = namedtuple(
+    "ppo_data_continuous",
+    ["mu_sigma_new", "mu_sigma_old", "action", "value_new", "value_old", "adv", "return_",
+     "weight", "logit_pretrained"],
+    defaults=(None,),
+)  # fmt: skip
+ppo_policy_data = namedtuple(
+    "ppo_policy_data",
+    ["logit_new", "logit_old", "action", "adv", "weight", "logit_pretrained"],
+    defaults=(None,),
+)
+ppo_policy_data_continuous = namedtuple(
+    "ppo_policy_data_continuous",
+    ["mu_sigma_new", "mu_sigma_old", "action", "adv", "weight", "logit_pretrained"],
+    defaults=(None,),
+)
+ppo_value_data = namedtuple("ppo_value_data", ["value_new", "value_old", "return_", "weight"])
+grpo_policy_data = namedtuple(
+    "grpo_policy_data", ["logit_new", "logit_old", "logit_ref", "action", "adv", "weight"]
+)
+ppo_loss = namedtuple("ppo_loss", ["policy_loss", "value_loss", "entropy_loss", "kl_div"])
+ppo_policy_loss = namedtuple("ppo_policy_loss", ["policy_loss", "entropy_loss", "kl_div"])
+ppo_info = namedtuple("ppo_info", ["approx_kl", "clipfrac"])
+grpo_info = namedtuple("grpo_info", ["approx_kl", "clipfrac"])
+
+KL_TYPES = ("k1", "k2", "k3")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _acc_dtype(*tensors: Tensor | None) -> torch.dtype:
+    """fp64 when any input is fp64, else fp32: the dtype the per-token math runs in."""
+    present = [t for t in tensors if t is not None]
+    return torch.float64 if any(t.dtype == torch.float64 for t in present) else torch.float32
+
+
+def _promoted(*tensors: Tensor | None) -> torch.dtype:
+    """The dtype DI-engine's eager chain would give an output computed from ``tensors``."""
+    dtypes = [t.dtype for t in tensors if t is not None]
+    out = dtypes[0]
+    for d in dtypes[1:]:
+        out = torch.promote_types(out, d)
+    return out
+
+
+def _categorical_logp(
+    logits: Tensor, action: Tensor, name: str, *, entropy: bool = False
+) -> Tensor | tuple[Tensor, Tensor]:
+    """``Categorical(logits=logits).log_prob(action)`` (and ``.entropy()``), fused, fp32."""
+    V.check_logits(logits, name)
+    V.check_tensor(action, "action")
+    if action.dtype not in V.INDEX_DTYPES:
+        action = action.long()  # Categorical.log_prob calls .long()
+    V.check_targets(action, logits, "action")
+    _check_index_range(action, logits.shape[-1], "action", "DI-engine's Categorical")
+    return token_logprobs(logits, action, ignore_index=_NO_IGNORE, return_entropy=entropy)
+
+
+def _surrogate_terms(ratio: Tensor, adv: Tensor, clip_ratio: float) -> tuple[Tensor, Tensor]:
+    return ratio * adv, ratio.clamp(1 - clip_ratio, 1 + clip_ratio) * adv
+
+
+def _info(logp_old: Tensor, logp_new: Tensor, ratio: Tensor, clip_ratio: float):
+    """``(approx_kl, clipfrac)`` as Python floats, unmasked (DI-engine's ``.item()``)."""
+    with torch.no_grad():
+        approx_kl = (logp_old - logp_new).mean().item()
+        outside = ratio.gt(1 + clip_ratio) | ratio.lt(1 - clip_ratio)
+        clipfrac = outside.float().mean().item()
+    return approx_kl, clipfrac
+
+
+def _check_dual_clip(dual_clip: float | None) -> None:
+    assert dual_clip is None or dual_clip > 1.0, (
+        f"dual_clip value must be greater than 1.0, but get value: {dual_clip}"
+    )
+
+
+def calculate_kl_div(log_ratio: Tensor, kl_type: str) -> Tensor:
+    """Mirrors ``ding.rl_utils.ppo.calculate_kl_div``.
+
+    Unmasked mean of Schulman's estimator of KL(current || pretrained) with
+    ``log_ratio = logp_new - logp_pretrained``: ``k1`` ``r``, ``k2`` ``r^2 / 2``,
+    ``k3`` ``exp(-r) - 1 + r``. Differentiable.
+
+    Example:
+        >>> import torch
+        >>> from fused_rl.compat.ding import calculate_kl_div
+        >>> calculate_kl_div(torch.tensor([0.0, 2.0]), "k2")
+        tensor(1.)
+    """
+    if kl_type == "k1":
+        return log_ratio.mean()
+    if kl_type == "k2":
+        return (log_ratio**2 / 2).mean()
+    if kl_type == "k3":
+        return (torch.exp(-log_ratio) - 1 + log_ratio).mean()
+    raise ValueError(f"kl_type must be one of {KL_TYPES}, got {kl_type!r}")
+
+
+# ----------------------------------------------------------------------------- discrete
+
+
+def ppo_policy_error(
+    data: ppo_policy_data,
+    clip_ratio: float = 0.2,
+    dual_clip: float | None = None,
+    entropy_bonus: bool = True,
+    kl_type: str = "k1",
+) -> tuple[ppo_policy_loss, ppo_info]:
+    """Mirrors ``ding.rl_utils.ppo.ppo_policy_error``.
+
+    Clipped-surrogate PPO policy loss from categorical logits, fused over the vocabulary.
+
+    Args:
+        data: :data:`ppo_policy_data` ``(logit_new, logit_old, action, adv, weight,
+            logit_pretrained)``: logits ``(B, N)``, ``(B, A, N)`` or ``(B, S, V)``; ``action``
+            ``logits.shape[:-1]`` integer ids; ``adv`` / ``weight`` (None = ones) normally of
+            ``action``'s shape (``adv`` ``(B,)`` with ``(B, S)`` actions averages the ratio over
+            ``S``, as DI-engine does); ``logit_pretrained`` optional, for ``kl_div``.
+        clip_ratio: ``c`` of the band ``[1 - c, 1 + c]``.
+        dual_clip: ``None`` or a bound ``> 1`` applied where ``adv < 0`` (not checked here,
+            as in DI-engine; :func:`ppo_error` asserts it).
+        entropy_bonus: compute ``entropy_loss = (H * weight).mean()``; False gives
+            ``torch.tensor(0.)``.
+        kl_type: ``"k1"``, ``"k2"`` or ``"k3"`` (checked only when ``logit_pretrained`` is
+            given).
+
+    Returns:
+        ``(ppo_policy_loss(policy_loss, entropy_loss, kl_div), ppo_info(approx_kl, clipfrac))``.
+
+    Example:
+        >>> import torch
+        >>> from fused_rl.compat.ding import ppo_policy_data, ppo_policy_error
+        >>> logits = torch.randn(4, 6, requires_grad=True)
+        >>> data = ppo_policy_data(logits, logits.detach() + 0.1 * torch.randn(4, 6),
+        ...                        torch.randint(0, 6, (4,)), torch.randn(4), None)
+        >>> loss, info = ppo_policy_error(data, dual_clip=3.0)
+        >>> (loss.policy_loss - 0.01 * loss.entropy_loss).backward()
+        >>> type(info.clipfrac)
+        <class 'float'>
+    """
+    logit_new, logit_old, action, adv, weight, logit_pretrained = data
+    if weight is None:
+        weight = torch.ones_like(adv)
+    acc = _acc_dtype(logit_new, logit_old, adv, weight)
+    adv_a, weight_a = adv.to(acc), weight.to(acc)
+
+    if entropy_bonus:
+        logp_new, entropy = _categorical_logp(logit_new, action, "logit_new", entropy=True)
+        if entropy.shape != weight.shape:
+            entropy = entropy.mean(dim=1)
+        entropy_loss = (entropy.to(acc) * weight_a).mean().to(_promoted(logit_new, weight))
+    else:
+        logp_new = _categorical_logp(logit_new, action, "logit_new")
+        entropy_loss = torch.tensor(0.0)
+    logp_new = logp_new.to(acc)
+    logp_old = _categorical_logp(logit_old, action, "logit_old").to(acc)
+
+    ratio = torch.exp(logp_new - logp_old)
+    if ratio.shape != adv.shape:
+        ratio = ratio.mean(dim=1)
+    surr1, surr2 = _surrogate_terms(ratio, adv_a, clip_ratio)
+    if dual_clip is None:
+        per_sample = torch.min(surr1, surr2)
+    else:
+        clip1 = torch.min(surr1, surr2)
+        clip2 = torch.max(clip1, dual_clip * adv_a)
+        per_sample = torch.where(adv_a < 0, clip2, clip1)
+    policy_loss = (-per_sample * weight_a).mean().to(_promoted(logit_new, logit_old, adv, weight))
+    approx_kl, clipfrac = _info(logp_old, logp_new, ratio, clip_ratio)
+
+    if logit_pretrained is not None:
+        logp_pre = _categorical_logp(logit_pretrained, action, "logit_pretrained").to(acc)
+        kl_div = calculate_kl_div(logp_new - logp_pre, kl_type)
+        kl_div = kl_div.to(_promoted(logit_new, logit_pretrained))
+    else:
+        kl_div = torch.tensor(0.0, dtype=policy_loss.dtype, device=policy_loss.device)
+    return ppo_policy_loss(policy_loss, entropy_loss, kl_div), ppo_info(approx_kl, clipfrac)
+
+
+def ppo_value_error(
+    data: ppo_value_data, clip_ratio: float = 0.2, use_value_clip: bool = True
+) -> Tensor:
+    """Mirrors ``ding.rl_utils.ppo.ppo_value_error``.
+
+    ``0.5 * (max((R - v)^2, (R - v_clip)^2) * weight).mean()`` with
+    ``v_clip = old + clamp(v - old, -clip_ratio, clip_ratio)`` (the clip range reuses
+    ``clip_ratio``); without clipping ``0.5 * ((R - v)^2 * weight).mean()``.
+
+    Returns:
+        One 0-dim tensor (DI-engine's docstring promising ``(loss, info)`` is wrong).
+
+    Example:
+        >>> import torch
+        >>> from fused_rl.compat.ding import ppo_value_data, ppo_value_error
+        >>> data = ppo_value_data(torch.tensor([1.0]), torch.tensor([0.0]), torch.tensor([1.0]),
+        ...                       None)
+        >>> ppo_value_error(data, clip_ratio=0.5)
+        tensor(0.1250)
+    """
+    value_new, value_old, return_, weight = data
+    if weight is None:
+        weight = torch.ones_like(value_old)
+    err = (return_ - value_new).pow(2)
+    if use_value_clip:
+        value_clip = value_old + (value_new - value_old).clamp(-clip_ratio, clip_ratio)
+        err = torch.max(err, (return_ - value_clip).pow(2))
+    return 0.5 * (err * weight).mean()
+
+
+def ppo_error(
+    data: ppo_data,
+    clip_ratio: float = 0.2,
+    use_value_clip: bool = True,
+    dual_clip: float | None = None,
+    kl_type: str = "k1",
+) -> tuple[ppo_loss, ppo_info]:
+    """Mirrors ``ding.rl_utils.ppo.ppo_error``.
+
+    :func:`ppo_policy_error` (with the entropy) plus :func:`ppo_value_error`. Asserts
+    ``dual_clip is None or dual_clip > 1`` (``AssertionError``, 1.0 included).
+
+    Returns:
+        ``(ppo_loss(policy_loss, value_loss, entropy_loss, kl_div), ppo_info(approx_kl,
+        clipfrac))``. DI-engine's policy combines them as ``policy_loss + 0.5 * value_loss -
+        entropy_weight * entropy_loss + kl_beta * kl_div``.
+
+    Example:
+        >>> import torch
+        >>> from fused_rl.compat.ding import ppo_data, ppo_error
+        >>> logits = torch.randn(2, 5, 11, requires_grad=True)
+        >>> value = torch.randn(2, 5, requires_grad=True)
+        >>> data = ppo_data(logits, logits.detach(), torch.randint(0, 11, (2, 5)), value,
+        ...                 value.detach(), torch.randn(2, 5), torch.randn(2, 5), None)
+        >>> loss, info = ppo_error(data)
+        >>> (loss.policy_loss + 0.5 * loss.value_loss).backward()
+    """
+    _check_dual_clip(dual_clip)
+    logit_new, logit_old, action, value_new, value_old, adv, return_, weight, pretrained = data
+    policy, info = ppo_policy_error(
+        ppo_policy_data(logit_new, logit_old, action, adv, weight, pretrained),
+        clip_ratio,
+        dual_clip,
+        kl_type=kl_type,
+    )
+    value_loss = ppo_value_error(
+        ppo_value_data(value_new, value_old, return_, weight), clip_ratio, use_value_clip
+    )
+    return ppo_loss(policy.policy_loss, value_loss, policy.entropy_loss, policy.kl_div), info
+
+
+# ----------------------------------------------------------------------------- continuous
+
+
+def _continuous_policy(data, clip_ratio, dual_clip, kl_type, fix_dual_clip):
+    """Shared body of the continuous errors: ``(policy_loss, entropy_loss, kl_div | None,
+    info)``."""
+    _check_dual_clip(dual_clip)
+    mu_sigma_new, mu_sigma_old, action, adv, weight, pretrained = data
+    if weight is None:
+        weight = torch.ones_like(adv)
+    mu_new, sigma_new = mu_sigma_new["mu"], mu_sigma_new["sigma"]
+    mu_old, sigma_old = mu_sigma_old["mu"], mu_sigma_old["sigma"]
+    if mu_old.dim() == 1:
+        mu_old, sigma_old = mu_old.unsqueeze(-1), sigma_old.unsqueeze(-1)
+    acc = _acc_dtype(mu_new, sigma_new, action, adv, weight)
+    adv_a, weight_a = adv.to(acc), weight.to(acc)
+
+    logp_new = gaussian_logprob(mu_new, sigma_new, action).to(acc)
+    logp_old = gaussian_logprob(mu_old, sigma_old, action).to(acc)
+    # Normal's entropy has the broadcast shape of (mu, sigma)
+    entropy = gaussian_entropy(
+        sigma_new.expand(torch.broadcast_shapes(mu_new.shape, sigma_new.shape))
+    )
+    entropy_loss = (entropy.to(acc) * weight_a).mean().to(_promoted(sigma_new, weight))
+
+    ratio = torch.exp(logp_new - logp_old)
+    if ratio.shape != adv.shape:
+        ratio = ratio.mean(dim=1)
+    surr1, surr2 = _surrogate_terms(ratio, adv_a, clip_ratio)
+    per_sample = torch.min(surr1, surr2)
+    if dual_clip is not None:
+        capped = torch.max(per_sample, dual_clip * adv_a)
+        per_sample = torch.where(adv_a < 0, capped, per_sample) if fix_dual_clip else capped
+    out_dtype = _promoted(mu_new, sigma_new, mu_old, sigma_old, action, adv, weight)
+    policy_loss = (-per_sample * weight_a).mean().to(out_dtype)
+    info = ppo_info(*_info(logp_old, logp_new, ratio, clip_ratio))
+
+    kl_div = None
+    if pretrained is not None:
+        logp_pre = gaussian_logprob(pretrained["mu"], pretrained["sigma"], action).to(acc)
+        kl_div = calculate_kl_div(logp_new - logp_pre, kl_type)
+        kl_div = kl_div.to(_promoted(mu_new, sigma_new, pretrained["mu"], pretrained["sigma"]))
+    return policy_loss, entropy_loss, kl_div, info
+
+
+def ppo_policy_error_continuous(
+    data: ppo_policy_data_continuous,
+    clip_ratio: float = 0.2,
+    dual_clip: float | None = None,
+    kl_type: str = "k1",
+    *,
+    fix_dual_clip: bool = False,
+) -> tuple[ppo_policy_loss, ppo_info]:
+    """Mirrors ``ding.rl_utils.ppo.ppo_policy_error_continuous``.
+
+    PPO policy loss of ``Independent(Normal(mu, sigma), 1)`` policies (log-densities summed
+    over the action dim ``N``).
+
+    DI-engine's dual clip here is ``max(min(surr1, surr2), dual_clip * adv)`` for EVERY
+    sample: with ``adv > 0`` and ``dual_clip > 1 + clip_ratio`` the loss is the constant
+    ``-dual_clip * adv`` and its policy gradient is exactly zero. That defect is reproduced
+    by default; ``fix_dual_clip=True`` applies the dual clip only where ``adv < 0`` (the
+    discrete version's behaviour).
+
+    Args:
+        data: :data:`ppo_policy_data_continuous` ``(mu_sigma_new, mu_sigma_old, action, adv,
+            weight, logit_pretrained)``: ``mu_sigma_*`` dicts ``{"mu": (B, N), "sigma":
+            (B, N)}`` (a 1-D old ``mu`` / ``sigma`` is unsqueezed to ``(B, 1)``); ``action``
+            ``(B, N)`` float; ``adv``, ``weight`` (None = ones) ``(B,)``; ``logit_pretrained``
+            an optional mu/sigma dict for ``kl_div``.
+        dual_clip: ``None`` or ``> 1`` (``AssertionError`` otherwise).
+        fix_dual_clip: keyword-only, fused_rl's addition (see above).
+
+    Returns:
+        ``(ppo_policy_loss(policy_loss, entropy_loss, kl_div), ppo_info(approx_kl,
+        clipfrac))``; ``kl_div`` is the Python int ``0`` without ``logit_pretrained``, as in
+        DI-engine.
+
+    Example:
+        >>> import torch
+        >>> from fused_rl.compat.ding import (ppo_policy_data_continuous,
+        ...                                   ppo_policy_error_continuous)
+        >>> mu = torch.zeros(3, 2, requires_grad=True)
+        >>> ms = {"mu": mu, "sigma": torch.ones(3, 2)}
+        >>> old = {"mu": torch.zeros(3, 2), "sigma": torch.ones(3, 2)}
+        >>> data = ppo_policy_data_continuous(ms, old, torch.randn(3, 2), torch.randn(3), None)
+        >>> loss, info = ppo_policy_error_continuous(data)
+        >>> loss.kl_div
+        0
+    """
+    policy_loss, entropy_loss, kl_div, info = _continuous_policy(
+        data, clip_ratio, dual_clip, kl_type, fix_dual_clip
+    )
+    return ppo_policy_loss(policy_loss, entropy_loss, 0 if kl_div is None else kl_div), info
+
+
+def ppo_error_continuous(
+    data: ppo_data_continuous,
+    clip_ratio: float = 0.2,
+    use_value_clip: bool = True,
+    dual_clip: float | None = None,
+    kl_type: str = "k1",
+    *,
+    fix_dual_clip: bool = False,
+) -> tuple[ppo_loss, ppo_info]:
+    """Mirrors ``ding.rl_utils.ppo.ppo_error_continuous``.
+
+    :func:`ppo_policy_error_continuous` (same dual-clip defect by default, same
+    ``fix_dual_clip`` keyword) plus the value loss of :func:`ppo_value_error`. Without
+    ``logit_pretrained``, ``kl_div`` is a 0-dim zero tensor here (not the int ``0``).
+
+    Returns:
+        ``(ppo_loss(policy_loss, value_loss, entropy_loss, kl_div), ppo_info(approx_kl,
+        clipfrac))``.
+
+    Example:
+        >>> import torch
+        >>> from fused_rl.compat.ding import ppo_data_continuous, ppo_error_continuous
+        >>> ms = {"mu": torch.zeros(3, 2, requires_grad=True), "sigma": torch.ones(3, 2)}
+        >>> old = {"mu": torch.zeros(3, 2), "sigma": torch.ones(3, 2)}
+        >>> v = torch.zeros(3, requires_grad=True)
+        >>> data = ppo_data_continuous(ms, old, torch.randn(3, 2), v, v.detach(),
+        ...                            torch.randn(3), torch.randn(3), None)
+        >>> loss, info = ppo_error_continuous(data, dual_clip=2.0)
+        >>> loss.kl_div
+        tensor(0.)
+    """
+    mu_sigma_new, mu_sigma_old, action, value_new, value_old, adv, return_, weight, pre = data
+    policy_loss, entropy_loss, kl_div, info = _continuous_policy(
+        ppo_policy_data_continuous(mu_sigma_new, mu_sigma_old, action, adv, weight, pre),
+        clip_ratio,
+        dual_clip,
+        kl_type,
+        fix_dual_clip,
+    )
+    if kl_div is None:
+        kl_div = torch.tensor(0.0, dtype=policy_loss.dtype, device=policy_loss.device)
+    value_loss = ppo_value_error(
+        ppo_value_data(value_new, value_old, return_, weight), clip_ratio, use_value_clip
+    )
+    return ppo_loss(policy_loss, value_loss, entropy_loss, kl_div), info
+
+
+# ----------------------------------------------------------------------------- GRPO
+
+
+def grpo_policy_error(
+    data: grpo_policy_data,
+    log_prob_fn=None,
+    clip_ratio: float = 0.2,
+    beta: float = 0.1,
+) -> tuple[Tensor, grpo_info]:
+    """Mirrors ``ding.rl_utils.grpo.grpo_policy_error``.
+
+    Per token: ``-min(r A, clip(r, 1 - c, 1 + c) A) + beta * k3`` with
+    ``r = exp(logp_new - logp_old)`` and ``k3 = exp(logp_ref - logp_new) - (logp_ref -
+    logp_new) - 1``; the loss is ``((loss * w).sum(1) / w.sum(1)).mean()`` (an all-zero
+    weight row gives NaN, as in DI-engine).
+
+    Args:
+        data: :data:`grpo_policy_data` ``(logit_new, logit_old, logit_ref, action, adv,
+            weight)``: logits ``(B, S, V)``, ``action`` ``(B, S)``, ``adv`` ``(B,)`` (one per
+            sequence; a ``(B, 1)`` adv, which DI-engine silently broadcasts to ``(B, B, S)``,
+            raises ``ValueError`` here), ``weight`` ``(B, S)`` or None.
+        log_prob_fn: accepted for compatibility and ignored: the log-probs always come from
+            the fused kernel (DI-engine's naive / efficient / less-efficient methods all
+            compute the same values).
+        beta: KL coefficient; with ``beta == 0`` ``logit_ref`` is not read.
+
+    Returns:
+        ``(loss, grpo_info(approx_kl, clipfrac))``: a 0-dim tensor and unmasked Python floats.
+
+    Example:
+        >>> import torch
+        >>> from fused_rl.compat.ding import grpo_policy_data, grpo_policy_error
+        >>> logits = torch.randn(2, 4, 9, requires_grad=True)
+        >>> data = grpo_policy_data(logits, logits.detach(), torch.randn(2, 4, 9),
+        ...                         torch.randint(0, 9, (2, 4)), torch.tensor([1.0, -1.0]),
+        ...                         None)
+        >>> loss, info = grpo_policy_error(data, beta=0.04)
+        >>> loss.backward()
+    """
+    logit_new, logit_old, logit_ref, action, adv, weight = data
+    V.check_float(adv, "adv")
+    if adv.dim() != 1:
+        raise ValueError(
+            f"adv must be (B,), one advantage per sequence, got shape {tuple(adv.shape)} "
+            "(DI-engine would broadcast a (B, 1) adv to (B, B, S) silently)"
+        )
+    acc = _acc_dtype(logit_new, logit_old, adv, weight)
+    logp_new = _categorical_logp(logit_new, action, "logit_new").to(acc)
+    logp_old = _categorical_logp(logit_old, action, "logit_old").to(acc)
+    ratio = torch.exp(logp_new - logp_old)
+    adv_a = adv.to(acc).unsqueeze(1)
+    surr1, surr2 = _surrogate_terms(ratio, adv_a, clip_ratio)
+    per_token = -torch.min(surr1, surr2)
+    if beta != 0.0:
+        logp_ref = _categorical_logp(logit_ref, action, "logit_ref").to(acc)
+        log_ref_ratio = logp_ref - logp_new
+        per_token = per_token + beta * (torch.exp(log_ref_ratio) - log_ref_ratio - 1)
+    weight_a = torch.ones_like(per_token) if weight is None else weight.to(acc)
+    loss = ((per_token * weight_a).sum(dim=1) / weight_a.sum(dim=1)).mean()
+    out_dtype = _promoted(logit_new, logit_old, logit_ref if beta != 0.0 else None, adv, weight)
+    return loss.to(out_dtype), grpo_info(*_info(logp_old, logp_new, ratio, clip_ratio))
