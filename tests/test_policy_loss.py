@@ -64,7 +64,7 @@ def make_inputs(
     ``adv``: "seq" (B,) mixed signs, "token" (B, T) mixed, "neg" / "pos" (B,) one sign.
     ``old``: None (on-policy), "design" (per-token SAFE_RATIOS), "gspo" (per-sequence
     SAFE_RATIOS with zero-mean token noise), "far" (log-ratio +-30).
-    ``ref``: None, "design" (REF_OFFSETS), "far" (+-30).
+    ``ref``: None, "design" (REF_OFFSETS), "far" (+-30), "huge" (+-100).
     ``mask``: None, "bool" or "float"; ``empty_row`` masks sequence 1 out entirely.
     """
     gen = torch.Generator().manual_seed(seed)
@@ -107,8 +107,10 @@ def make_inputs(
     ref_lp = None
     if ref == "design":
         ref_lp = logp + _pick(REF_OFFSETS, (B, T), gen)
-    elif ref == "far":
-        ref_lp = logp + _pick((-30.0, 30.0), (B, T), gen)
+    elif ref in ("far", "huge"):
+        # "huge": exp(100) overflows fp32, only a clamped estimator survives it
+        far = 30.0 if ref == "far" else 100.0
+        ref_lp = logp + _pick((-far, far), (B, T), gen)
 
     kw = {}
     if old_lp is not None:
@@ -272,12 +274,18 @@ def test_parity_noncontiguous(backend, importance_sampling, device):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
-    ("kl", "dual_clip", "importance_sampling"),
-    [("k3", None, "token"), ("low_var_kl", 3.0, "token"), ("k2", None, "sequence")],
+    ("kl", "ref", "dual_clip", "importance_sampling"),
+    [
+        ("k3", "far", None, "token"),
+        ("low_var_kl", "huge", 3.0, "token"),
+        ("k2", "far", None, "sequence"),
+        ("low_var_kl", "huge", None, "sequence"),
+    ],
 )
-def test_far_outside_clip_band(backend, kl, dual_clip, importance_sampling, device):
-    """log-ratios of +-30 (old and ref): finite loss, metrics and gradient, equal to the oracle."""
-    logits, targets, adv, kw = make_inputs(device=device, old="far", ref="far", adv="token")
+def test_far_outside_clip_band(backend, kl, ref, dual_clip, importance_sampling, device):
+    """log-ratios of +-30 to old (and +-30 / +-100 to ref): finite loss, metrics and gradient,
+    equal to the oracle."""
+    logits, targets, adv, kw = make_inputs(device=device, old="far", ref=ref, adv="token")
     loss, metrics, _ = _check_parity(
         backend,
         logits,
