@@ -320,6 +320,26 @@ def test_nothing_counts(backend, what, loss_agg, device):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("B", "T"), [(2, 0), (0, 3)])
+def test_empty_batch(backend, B, T, device):
+    """No token at all (T = 0 or B = 0): loss 0, metrics 0, an empty gradient."""
+    x = torch.randn(B, T, 5, device=device, requires_grad=True)
+    targets = torch.zeros(B, T, dtype=torch.long, device=device)
+    old = torch.zeros(B, T, device=device)
+    loss, metrics = policy_loss(
+        x,
+        targets,
+        torch.ones(B, device=device),
+        old_logprobs=old,
+        loss_agg="seq-mean-token-mean",
+        backend=backend,
+    )
+    loss.backward()
+    assert loss == 0 and x.grad.shape == x.shape
+    assert all(v == 0 for v in metrics.values())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("importance_sampling", ["token", "sequence"])
 @pytest.mark.parametrize(
     ("name", "garbage"),
