@@ -302,7 +302,10 @@ def _masked_whiten_bwd_kernel(
     ACC: tl.constexpr,
 ):
     """Backward stage 2, with ``S1 = sum(gy)``, ``S2 = sum(gy (x - mean))``, ``r = rsqrt(var +
-    eps)``, ``k = KEEP_MEAN``: ``dx = gy r + w [(k - r) S1 / n - r^3 S2 (x - mean) / (n - c)]``."""
+    eps)``, ``k = KEEP_MEAN``::
+
+        dx = r (gy - w S1 / n) + w [k S1 / n - r^3 S2 (x - mean) / (n - c)]
+    """
     row, col, valid = flat_rowcol(N, C, BLOCK)
     x = tl.load(x_ptr + row * stride_xr + col * stride_xc, mask=valid, other=0.0).to(ACC)
     gy = tl.load(gy_ptr + row * stride_gr + col * stride_gc, mask=valid, other=0.0).to(ACC)
@@ -314,11 +317,11 @@ def _masked_whiten_bwd_kernel(
     s2 = tl.load(sums_ptr + 1).to(ACC)
     rstd = 1.0 / tl.sqrt(var + eps)
     dof = n - correction
-    if KEEP_MEAN:
-        d_mean = (1.0 - rstd) * s1
-    else:
-        d_mean = -rstd * s1
-    d_mean = tl.where(n != 0, d_mean / safe(n), 0.0)
+    g_mean = tl.where(n != 0, s1 / safe(n), 0.0)
     d_var = tl.where(dof > 0, -rstd * rstd * rstd * s2 / safe(dof), 0.0)
-    gx = gy * rstd + tl.where(w != 0, w * (d_mean + d_var * (x - mean)), 0.0)
+    # centre gy before scaling by rstd: no cancellation of two rstd-sized terms when var ~ 0
+    gx = rstd * (gy - tl.where(w != 0, w * g_mean, 0.0))
+    if KEEP_MEAN:
+        gx += tl.where(w != 0, w * g_mean, 0.0)
+    gx += tl.where(w != 0, w * d_var * (x - mean), 0.0)
     tl.store(gx_ptr + row * C + col, gx, mask=valid)

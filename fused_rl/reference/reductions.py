@@ -43,7 +43,9 @@ def masked_mean(x: Tensor, mask: Tensor | None = None, dim: int | None = None) -
 def masked_var(x: Tensor, mask: Tensor | None = None, unbiased: bool = True) -> Tensor:
     """``sum(w (x - mean)^2) / (n - 1)`` (``/ n`` if not ``unbiased``), ``n = sum(w)``, centred
     on the masked mean; 0 when there are no degrees of freedom left (``n <= 1`` unbiased)."""
-    dev = x - masked_mean(x, mask)
+    w = _weights(x, mask)
+    # centre a copy with padding zeroed, so a NaN / inf there cannot reach the gradient
+    dev = torch.where(w != 0, x, torch.zeros_like(x)) - masked_mean(x, mask)
     dof = masked_count(x, mask) - (1.0 if unbiased else 0.0)
     return _div_positive(masked_sum(dev * dev, mask), dof)
 
