@@ -405,12 +405,23 @@ def test_parity_bf16(backend, make, loss_kw, device):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("adv_kind", ["seq", "token"])
-def test_on_policy_gradient_is_policy_gradient(backend, adv_kind, device):
+@pytest.mark.parametrize(
+    ("adv_kind", "hyper"),
+    [
+        ("seq", {}),
+        ("token", dict(delta=2.0, dual_clip=3.0)),
+        # the ratio 1 sits on both clip bounds: clamp passes the gradient there
+        ("token", dict(eps_low=0.0, eps_high=0.0)),
+        ("seq", dict(importance_sampling="sequence", eps_low=0.0, eps_high=0.0)),
+    ],
+)
+def test_on_policy_gradient_is_policy_gradient(backend, adv_kind, hyper, device):
     """old_logprobs=None: ratio 1, loss -mean(A), gradient of -sum(A m logp) / sum(m)."""
     logits, targets, adv, kw = make_inputs(device=device, old=None, adv=adv_kind)
     mask = kw["mask"]
-    loss, metrics, grad = _run(policy_loss, logits, targets, adv, 1.0, backend=backend, **kw)
+    loss, metrics, grad = _run(
+        policy_loss, logits, targets, adv, 1.0, backend=backend, **kw, **hyper
+    )
 
     x = logits.double().requires_grad_()
     counted = (targets != -100) & mask
