@@ -31,8 +31,8 @@ from torch import Tensor
 
 from .. import _validation as V
 from ..advantages import gae
+from ..kl import kl_estimate
 from ..logprobs import token_entropy
-from ..reference.kl import kl_estimate
 from .trl import _gather_logprobs
 
 LOSS_AGG_MODES = (
@@ -42,7 +42,7 @@ LOSS_AGG_MODES = (
     "seq-mean-token-sum-norm",
 )
 
-# verl's names for the KL estimators -> fused_rl's (``fused_rl.reference.kl``)
+# verl's names for the KL estimators -> fused_rl's (``fused_rl.kl_estimate``)
 _KL_NAMES = {
     "kl": "k1",
     "k1": "k1",
@@ -329,7 +329,8 @@ def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kl_penalty: str) -> Tensor:
     Per-token KL estimate with ``d = logprob - ref_logprob``: ``"kl"``/``"k1"`` ``d``,
     ``"abs"`` ``|d|``, ``"mse"``/``"k2"`` ``d^2 / 2``, ``"low_var_kl"``/``"k3"``
     ``exp(-d) + d - 1`` with ``-d`` clamped to ``[-20, 20]`` and the result to ``[-10, 10]``.
-    ``"full"`` and unknown names raise ``NotImplementedError``, as in verl.
+    ``"full"`` and unknown names raise ``NotImplementedError``, as in verl. Fused
+    (:func:`fused_rl.kl_estimate`), differentiable w.r.t. both inputs.
 
     Example:
         >>> import torch
@@ -340,7 +341,8 @@ def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kl_penalty: str) -> Tensor:
     kind = _KL_NAMES.get(kl_penalty)
     if kind is None:
         raise NotImplementedError(f"kl_penalty {kl_penalty!r} is not implemented")
-    return kl_estimate(logprob, ref_logprob, kind)
+    out_dtype = torch.promote_types(logprob.dtype, ref_logprob.dtype)
+    return kl_estimate(logprob, ref_logprob, kind=kind).to(out_dtype)
 
 
 def compute_gae_advantage_return(
