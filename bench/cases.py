@@ -1,0 +1,280 @@
+"""Benchmark cases (op, variant, mode, shape, dtype), the suites, and their inputs.
+
+Two families of ops:
+
+* logits ops (``token_logprobs``, ``policy_loss``): inputs are a ``(B, T + 1, V)`` logits
+  buffer, as a model returns it, of which every provider reads the slice ``[:, :-1]`` (the
+  positions that predict the ``T`` targets) in place; Liger's kernels take the whole buffer.
+* token ops (``ppo_loss``, ``value_loss``, ``masked_whiten``, ``gae``): ``(B, T)`` fp32.
+
+Inputs are random normal (never zeros: they hide unwritten outputs and can time faster).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import torch
+
+LOGITS_OPS = ("token_logprobs", "policy_loss")
+TOKEN_OPS = ("ppo_loss", "value_loss", "masked_whiten", "gae")
+OPS = LOGITS_OPS + TOKEN_OPS
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+MODES = ("fwd", "fwd_nograd", "fwd_bwd")
+
+# (variant, mode) pairs measured per op
+OP_VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {
+    "token_logprobs": tuple(
+        itertools.product(("logp", "logp+entropy"), ("fwd_nograd", "fwd", "fwd_bwd"))
+    ),
+    # grpo: token-level ratio, k3 KL (beta 0.04), no entropy bonus (what Liger's loss does);
+    # grpo+entropy: the same plus an entropy bonus; gspo: sequence-level ratio (GSPO)
+    "policy_loss": (("grpo", "fwd_bwd"), ("grpo+entropy", "fwd_bwd"), ("gspo", "fwd_bwd")),
+    "ppo_loss": (("torchtune", "fwd_bwd"),),
+    "value_loss": (("clipped", "fwd_bwd"),),
+    "masked_whiten": (("zero-mean", "fwd_nograd"),),
+    "gae": (("gamma0.99-lam0.95", "fwd_nograd"),),
+}
+
+# Hyper-parameters shared by every provider of an op (a benchmark compares like with like).
+TEMPERATURE = 1.0
+POLICY = {"eps_low": 0.2, "eps_high": 0.28, "beta": 0.04, "kl": "k3", "entropy_coef": 0.01}
+PPO = {"epsilon": 0.1, "value_clip_range": 0.2, "value_coeff": 0.1}
+VALUE_CLIP = 0.2
+GAE = {"gamma": 0.99, "lam": 0.95}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One measured configuration; every provider of the op runs it on the same inputs."""
+
+    op: str
+    variant: str
+    mode: str
+    batch: int
+    seqlen: int
+    vocab: int | None
+    dtype: str
+    compile_ok: bool = True  # whether the torch.compile provider runs here (compile time)
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seqlen
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def label(self) -> str:
+        shape = f"{self.batch}x{self.seqlen}" + (f"x{self.vocab}" if self.vocab else "")
+        return f"{self.op}[{self.variant}] {self.mode} {shape} {self.dtype}"
+
+
+# ----------------------------------------------------------------------------- suites
+
+
+def _split(tokens: int, seqlen: int) -> tuple[int, int]:
+    """``(B, T)`` with ``B * T == tokens`` and ``T <= seqlen``."""
+    t = min(seqlen, tokens)
+    if tokens % t:
+        raise ValueError(f"--tokens {tokens} is not a multiple of the sequence length {t}")
+    return tokens // t, t
+
+
+def _logits_cases(op, shapes, compile_shapes=None) -> list[Case]:
+    """``shapes``: iterable of ``(B, T, V, dtype)``."""
+    out = []
+    for b, t, v, dt in shapes:
+        for variant, mode in OP_VARIANTS[op]:
+            ok = compile_shapes is None or (b * t, v, dt) in compile_shapes
+            out.append(Case(op, variant, mode, b, t, v, dt, compile_ok=ok))
+    return out
+
+
+def _token_cases(op, shapes, compile_shapes=None) -> list[Case]:
+    out = []
+    for b, t in shapes:
+        for variant, mode in OP_VARIANTS[op]:
+            ok = compile_shapes is None or (b, t) in compile_shapes
+            out.append(Case(op, variant, mode, b, t, None, "fp32", compile_ok=ok))
+    return out
+
+
+def quick_cases() -> list[Case]:
+    """Small shapes: every op through the Triton interpreter on CPU in well under 2 minutes."""
+    logits_shapes = [(2, 16, 1000, "bf16"), (2, 16, 4099, "bf16"), (2, 8, 1000, "fp32")]
+    token_shapes = [(4, 64)]
+    cases = []
+    for op in LOGITS_OPS:
+        cases += _logits_cases(op, logits_shapes)
+    for op in TOKEN_OPS:
+        cases += _token_cases(op, token_shapes)
+    return cases
+
+
+FULL_TOKENS = (4096, 16384, 32768)
+FULL_VOCABS = (32000, 128256, 151936, 262144)
+FULL_SEQLEN = 1024
+
+
+def full_cases() -> list[Case]:
+    """The GPU suite of issue 6.
+
+    Logits ops: tokens B*T in {4096, 16384, 32768} x V in {32000, 128256, 151936, 262144}
+    in bf16 with T = 1024; an fp32 subset; T = 4096 at 16384 tokens. torch.compile runs on
+    the 16384-token bf16 row (one compile per function plus at most one dynamic-shape
+    recompile, so the suite fits a GPU lease). Token ops: B in {64, 512} x T in {1024, 8192}.
+    """
+    shapes = [(n // FULL_SEQLEN, FULL_SEQLEN, v, "bf16") for n in FULL_TOKENS for v in FULL_VOCABS]
+    shapes += [(n // FULL_SEQLEN, FULL_SEQLEN, v, "fp32") for n in (4096, 16384) for v in (32000,)]
+    shapes += [(4096 // FULL_SEQLEN, FULL_SEQLEN, 151936, "fp32")]
+    shapes += [(16384 // 4096, 4096, 151936, "bf16")]
+    compile_shapes = {(16384, v, "bf16") for v in FULL_VOCABS}
+    token_shapes = [(b, t) for b in (64, 512) for t in (1024, 8192)]
+    token_compile = {(64, 1024), (512, 8192)}
+    cases = []
+    for op in LOGITS_OPS:
+        cases += _logits_cases(op, shapes, compile_shapes)
+    for op in TOKEN_OPS:
+        cases += _token_cases(op, token_shapes, token_compile)
+    return cases
+
+
+def select_cases(
+    suite: str,
+    ops: list[str] | None = None,
+    tokens: list[int] | None = None,
+    vocabs: list[int] | None = None,
+    dtypes: list[str] | None = None,
+    seqlen: int | None = None,
+) -> list[Case]:
+    """The suite's cases, filtered. ``tokens`` / ``vocabs`` given: a new shape grid instead.
+
+    With ``tokens``, logits ops use ``T = min(seqlen or 1024, tokens)`` and token ops use
+    ``T = min(seqlen or 1024, tokens)`` too (``B = tokens / T``).
+    """
+    if suite not in ("quick", "full"):
+        raise ValueError(f"--suite must be quick or full, got {suite!r}")
+    for op in ops or ():
+        if op not in OPS:
+            raise ValueError(f"--op {op!r} is not one of {', '.join(OPS)}")
+    for dt in dtypes or ():
+        if dt not in DTYPES:
+            raise ValueError(f"--dtype {dt!r} is not one of {', '.join(DTYPES)}")
+    base = quick_cases() if suite == "quick" else full_cases()
+    if tokens or vocabs or seqlen:
+        default_t = seqlen or (16 if suite == "quick" else FULL_SEQLEN)
+        grid_tokens = tokens or sorted({c.tokens for c in base if c.vocab})
+        grid_vocabs = vocabs or sorted({c.vocab for c in base if c.vocab})
+        grid_dtypes = dtypes or ["bf16"]
+        shapes = [
+            (*_split(n, default_t), v, dt)
+            for n in grid_tokens
+            for v in grid_vocabs
+            for dt in grid_dtypes
+        ]
+        tok_tokens = tokens or sorted({c.tokens for c in base if c.vocab is None})
+        tok_shapes = [_split(n, seqlen or min(1024, n)) for n in tok_tokens]
+        base = []
+        for op in LOGITS_OPS:
+            base += _logits_cases(op, shapes)
+        for op in TOKEN_OPS:
+            base += _token_cases(op, tok_shapes)
+    out = []
+    for c in base:
+        if ops and c.op not in ops:
+            continue
+        if dtypes and c.vocab is not None and c.dtype not in dtypes:
+            continue
+        out.append(c)
+    return out
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def _lengths_mask(batch: int, seqlen: int, gen: torch.Generator, device) -> torch.Tensor:
+    """(B, T) bool: each row keeps a random prefix of at least half its length."""
+    low = max(1, seqlen // 2)
+    lengths = torch.randint(low, seqlen + 1, (batch,), generator=gen, device=device)
+    return torch.arange(seqlen, device=device)[None, :] < lengths[:, None]
+
+
+def _true_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """fp32 log-probs of ``targets``, chunked so the fp32 temporaries stay small."""
+    batch, seqlen, vocab = logits.shape
+    out = torch.empty(batch, seqlen, dtype=torch.float32, device=logits.device)
+    rows = max(1, (1 << 26) // (vocab * max(seqlen, 1)))
+    with torch.no_grad():
+        for b in range(0, batch, rows):
+            z = torch.log_softmax(logits[b : b + rows].float() / TEMPERATURE, dim=-1)
+            out[b : b + rows] = z.gather(-1, targets[b : b + rows, :, None])[..., 0]
+    return out
+
+
+def make_inputs(case: Case, device: str | torch.device, seed: int = 0) -> dict:
+    """The inputs of ``case`` on ``device``; tensors that get gradients have requires_grad.
+
+    Logits ops: ``buf`` (B, T+1, V) and ``logits = buf[:, :-1]`` (a leaf view sharing its
+    memory, so gradients land in a (B, T, V) buffer and no provider copies the slice).
+    Random numbers are drawn on ``device`` (a GPU fills gigabytes in milliseconds).
+    """
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    b, t = case.batch, case.seqlen
+
+    def randn(*shape, scale=1.0, dtype=torch.float32):
+        x = torch.randn(*shape, generator=gen, device=device, dtype=dtype)
+        return x.mul_(scale) if scale != 1.0 else x
+
+    inp: dict = {"case": case}
+    if case.op in LOGITS_OPS:
+        v = case.vocab
+        buf = randn(b, t + 1, v, scale=2.0, dtype=case.torch_dtype)
+        targets = torch.randint(0, v, (b, t), generator=gen, device=device)
+        inp.update(buf=buf, targets=targets)
+        grad_needed = case.mode != "fwd_nograd"
+        inp["logits"] = buf[:, :-1].detach().requires_grad_(grad_needed)
+        inp["buf_leaf"] = buf.detach().requires_grad_(grad_needed)
+        if case.op == "token_logprobs":
+            inp["g_logp"] = randn(b, t)
+            inp["g_entropy"] = randn(b, t)
+        else:
+            logp = _true_logprobs(buf[:, :-1], targets)
+            inp["advantages"] = randn(b)  # one per sequence (GRPO / GSPO)
+            inp["old_logprobs"] = logp + randn(b, t, scale=0.1)
+            inp["ref_logprobs"] = logp + randn(b, t, scale=0.2)
+            inp["mask"] = _lengths_mask(b, t, gen, device)
+        return inp
+
+    mask = _lengths_mask(b, t, gen, device)
+    if case.op == "ppo_loss":
+        old = randn(b, t, scale=0.5) - 2.0
+        old_v = randn(b, t)
+        inp.update(
+            pi_old_logprobs=old,
+            pi_logprobs=(old + randn(b, t, scale=0.1)).requires_grad_(case.mode == "fwd_bwd"),
+            advantages=randn(b, t),
+            phi_old_values=old_v,
+            phi_values=(old_v + randn(b, t, scale=0.3)).requires_grad_(case.mode == "fwd_bwd"),
+            returns=randn(b, t),
+            padding_masks=mask,
+            value_padding_masks=mask & _lengths_mask(b, t, gen, device),
+        )
+    elif case.op == "value_loss":
+        old_v = randn(b, t)
+        inp.update(
+            values=(old_v + randn(b, t, scale=0.3)).requires_grad_(case.mode == "fwd_bwd"),
+            old_values=old_v,
+            returns=randn(b, t),
+            mask=mask,
+        )
+    elif case.op == "masked_whiten":
+        inp.update(x=randn(b, t, scale=3.0) + 1.5, mask=mask)
+    elif case.op == "gae":
+        inp.update(rewards=randn(b, t, scale=0.1), values=randn(b, t), mask=mask)
+    else:
+        raise ValueError(f"unknown op {case.op!r}")
+    return inp

@@ -1,0 +1,141 @@
+"""Timing, peak memory, byte counts and the copy-bandwidth ceiling.
+
+GPU: ``triton.testing.do_bench`` medians with 20/80% quantiles (CUDA events, L2 flushed
+between runs), peak memory from ``torch.cuda.max_memory_allocated`` above what was allocated
+before the call (the inputs), achieved GB/s from the explicit byte counts below, as a share
+of a device-to-device copy measured at the start of the run.
+
+CPU: a ``time.perf_counter`` median of a few runs -- the Triton interpreter and the CPU
+references, NOT a performance figure -- and no measured memory (see ``memory_profile``).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+
+import torch
+
+from .cases import LOGITS_OPS, Case
+
+CPU_TIME_LABEL = "CPU interpreter, not a performance figure"
+
+
+def is_gpu(device: torch.device | str) -> bool:
+    return torch.device(device).type == "cuda"
+
+
+def device_name(device: torch.device | str) -> str:
+    if is_gpu(device):
+        return torch.cuda.get_device_name(torch.device(device))
+    return "cpu"
+
+
+def slug(name: str) -> str:
+    """``NVIDIA H100 80GB HBM3`` -> ``nvidia-h100-80gb-hbm3`` (a results folder name)."""
+    keep = [c.lower() if c.isalnum() else "-" for c in name]
+    return "-".join(part for part in "".join(keep).split("-") if part)
+
+
+def bytes_moved(case: Case) -> int:
+    """The fewest bytes the case must move through memory (the roofline numerator).
+
+    Logits ops, ``E = B*T*V`` elements of ``e`` bytes: forward reads the logits once
+    (``E*e``); forward + backward reads them once in each pass and writes the gradient once
+    (``3*E*e``). Per-token inputs/outputs (under 0.05% of that at V >= 32000) are left out.
+
+    Token ops, ``N = B*T``, fp32 (4 B) tensors and bool (1 B) masks:
+    * ppo_loss fwd+bwd: forward reads 6 fp32 + 2 masks (26N); backward re-reads them (26N)
+      and writes the two gradients (8N): 60N.
+    * value_loss fwd+bwd: values, old values, returns, mask (13N) in each pass + grad (4N): 30N.
+    * masked_whiten: read x and mask once (5N), write the result (4N): 9N.
+    * gae: read rewards, values, mask (9N), write advantages and returns (8N): 17N.
+    """
+    n = case.tokens
+    if case.op in LOGITS_OPS:
+        elements = n * case.vocab * case.torch_dtype.itemsize
+        return elements * (3 if case.mode == "fwd_bwd" else 1)
+    per_token = {"ppo_loss": 60, "value_loss": 30, "masked_whiten": 9, "gae": 17}[case.op]
+    if case.mode != "fwd_bwd" and case.op in ("ppo_loss", "value_loss"):
+        per_token = {"ppo_loss": 26, "value_loss": 13}[case.op]
+    return per_token * n
+
+
+def sync(device) -> None:
+    if is_gpu(device):
+        torch.cuda.synchronize(torch.device(device))
+
+
+def time_ms(fn, device, cpu_reps: int = 3) -> tuple[float, float, float]:
+    """``(p20, median, p80)`` milliseconds of ``fn()`` (already warmed up by the caller)."""
+    if is_gpu(device):
+        from triton.testing import do_bench
+
+        p20, p50, p80 = do_bench(fn, warmup=25, rep=100, quantiles=[0.2, 0.5, 0.8])
+        return float(p20), float(p50), float(p80)
+    times = []
+    gc.collect()
+    gc.disable()  # the interpreter leaves much garbage: keep collections out of the timings
+    try:
+        for _ in range(max(1, cpu_reps)):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+    finally:
+        gc.enable()
+    times.sort()
+    pick = lambda q: times[min(len(times) - 1, int(q * len(times)))]
+    return pick(0.2), statistics.median(times), pick(0.8)
+
+
+def peak_mb(fn, device) -> float | None:
+    """Peak CUDA memory of one ``fn()`` call above what was allocated before it; None on CPU.
+
+    The call's outputs (the gradient buffer, for fwd+bwd) count: they are part of the cost.
+    """
+    if not is_gpu(device):
+        return None
+    gc.collect()
+    sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    out = fn()
+    sync(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del out
+    return peak / 2**20
+
+
+def _copy_seconds(n: int, device) -> float:
+    from triton.testing import do_bench
+
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, quantiles=[0.5])
+    return (ms[0] if isinstance(ms, (list, tuple)) else ms) * 1e-3
+
+
+def copy_gbps(device) -> float | None:
+    """Device-to-device copy bandwidth (bytes read + written per second / 1e9), GPU only."""
+    if not is_gpu(device):
+        return None
+    n = 1 << 28  # 1 GiB of fp32 each way: far larger than L2
+    seconds = _copy_seconds(n, device)
+    torch.cuda.empty_cache()
+    return 2 * n * 4 / seconds / 1e9
+
+
+def is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, MemoryError):
+        return True
+    oom = getattr(torch.cuda, "OutOfMemoryError", None)
+    if oom is not None and isinstance(exc, oom):
+        return True
+    return "out of memory" in str(exc).lower()
+
+
+def free_memory(device) -> None:
+    gc.collect()
+    if is_gpu(device):
+        torch.cuda.empty_cache()

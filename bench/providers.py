@@ -1,0 +1,461 @@
+"""The implementations each case is measured with ("providers"), all on the same inputs.
+
+* ``fused_rl``: the package's Triton path (``backend="triton"``; on CPU the Triton interpreter).
+* ``fused_rl_ref``: the package's plain-PyTorch path (``backend="reference"``), its CPU fallback.
+* ``eager``: the loss written the way the seeds write it: ``log_softmax`` -> ``gather`` -> ratio
+  -> clip -> masked mean (logits upcast to fp32 first, as RL trainers do for accuracy), the
+  torchtune ``PPOLoss`` body (seed 000), and seed 004's Python GAE loop over T.
+* ``compile``: ``torch.compile`` of the eager functions (default mode; on CPU skipped unless
+  asked for, compile time does not fit the quick budget).
+* ``trl``: TRL's ``selective_log_softmax`` (per-row ``logsumexp`` loop in fp32, per-row
+  ``log_softmax`` in bf16) and its chunked ``entropy_from_logits``, after TRL's ``logits / T``.
+* ``liger``: Liger-Kernel's Triton GRPO loss (``triton_grpo_loss``) and
+  ``fused_selective_log_softmax``, where ``liger_kernel`` is importable.
+
+``build(provider, case, inp)`` returns a zero-argument callable that runs the measured work
+once (forward; or forward + ``torch.autograd.grad`` under the case's random upstream
+gradient) and returns the outputs compared for parity, named by ``output_names(case)``.
+A provider that cannot run a case raises ``Unavailable`` with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+
+import torch
+
+from .cases import GAE, POLICY, PPO, TEMPERATURE, VALUE_CLIP, Case
+
+PROVIDERS = ("fused_rl", "fused_rl_ref", "eager", "compile", "trl", "liger")
+BASELINE = "fused_rl"
+
+Runner = Callable[[], tuple]
+
+
+class Unavailable(Exception):
+    """The provider cannot run this case (missing op or package, unsupported variant)."""
+
+
+def output_names(case: Case) -> list[str]:
+    if case.op == "token_logprobs":
+        names = ["logp"] + (["entropy"] if case.variant == "logp+entropy" else [])
+        return names + (["grad_logits"] if case.mode == "fwd_bwd" else [])
+    if case.op == "policy_loss":
+        return ["loss", "grad_logits"]
+    if case.op == "ppo_loss":
+        grads = ["grad_pi_logprobs", "grad_phi_values"] if case.mode == "fwd_bwd" else []
+        return ["loss", "policy_loss", "value_loss", "ratios_mean", "clipfrac", *grads]
+    if case.op == "value_loss":
+        return ["loss"] + (["grad_values"] if case.mode == "fwd_bwd" else [])
+    if case.op == "masked_whiten":
+        return ["whitened"]
+    if case.op == "gae":
+        return ["advantages", "returns"]
+    raise ValueError(f"unknown op {case.op!r}")
+
+
+def _runner(case: Case, forward, wrt=(), upstream=(), grad_post=None) -> Runner:
+    """Wrap ``forward() -> tuple`` for the case's mode.
+
+    ``fwd_bwd``: gradients of the first ``len(upstream)`` outputs w.r.t. ``wrt`` under
+    ``upstream`` (None for a scalar output), returned after the detached outputs.
+    """
+    if case.mode == "fwd_nograd":
+
+        def run():
+            with torch.no_grad():
+                return tuple(forward())
+
+    elif case.mode == "fwd":
+
+        def run():
+            return tuple(t.detach() for t in forward())
+
+    else:
+
+        def run():
+            outs = tuple(forward())
+            grads = torch.autograd.grad(outs[: len(upstream)], list(wrt), list(upstream))
+            if grad_post is not None:
+                grads = grad_post(grads)
+            return tuple(t.detach() for t in outs) + tuple(grads)
+
+    return run
+
+
+# ----------------------------------------------------------------------------- eager (seeds)
+
+
+def eager_token_logprobs(logits, targets, with_entropy: bool):
+    """``log_softmax(logits / T).gather(targets)`` (+ entropy), materialised in fp32."""
+    z = logits.float()
+    if TEMPERATURE != 1.0:
+        z = z / TEMPERATURE
+    logp_all = torch.log_softmax(z, dim=-1)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return (logp,)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def token_policy_loss(logp, entropy, advantages, old, ref, mask, variant: str):
+    """The GRPO / GSPO objective on per-token tensors, token-mean over the mask."""
+    m = mask.to(logp.dtype)
+    adv = advantages[:, None]
+    if variant == "gspo":
+        seq_log_ratio = ((logp - old) * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+        ratio = torch.exp(seq_log_ratio)[:, None].expand_as(logp)
+    else:
+        ratio = torch.exp(logp - old)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - POLICY["eps_low"], 1.0 + POLICY["eps_high"])
+    per_token = torch.maximum(unclipped, clipped)
+    neg_log_ratio = ref - logp  # k3 estimator of KL(pi || pi_ref)
+    per_token = per_token + POLICY["beta"] * (torch.exp(neg_log_ratio) - neg_log_ratio - 1.0)
+    if entropy is not None:
+        per_token = per_token - POLICY["entropy_coef"] * entropy
+    return (per_token * m).sum() / m.sum()
+
+
+def eager_policy_loss(logits, targets, advantages, old, ref, mask, variant: str):
+    with_entropy = variant == "grpo+entropy"
+    stats = eager_token_logprobs(logits, targets, with_entropy)
+    entropy = stats[1] if with_entropy else None
+    return (token_policy_loss(stats[0], entropy, advantages, old, ref, mask, variant),)
+
+
+def _masked_mean_tt(x, mask):
+    """torchtune's ``rlhf.masked_mean``: ``sum(x * m) / (sum(m) + 1e-8)``."""
+    return (x * mask).sum() / (mask.sum() + 1e-8)
+
+
+def eager_ppo_loss(pi_old, pi, adv, phi_old, phi, returns, pmask, vmask):
+    """Seed 000 (torchtune ``PPOLoss.forward``) with masks: the 5-tuple."""
+    eps, clip, coeff = PPO["epsilon"], PPO["value_clip_range"], PPO["value_coeff"]
+    ratios = torch.exp(pi - pi_old)
+    loss_clipped = -adv * torch.clamp(ratios, 1.0 - eps, 1.0 + eps)
+    loss_unclipped = -adv * ratios
+    clipfrac = _masked_mean_tt((loss_clipped > loss_unclipped).float(), pmask)
+    policy_loss = _masked_mean_tt(torch.maximum(loss_clipped, loss_unclipped), pmask)
+    values_clipped = torch.clamp(phi, phi_old - clip, phi_old + clip)
+    value_terms = torch.maximum((phi - returns) ** 2, (values_clipped - returns) ** 2)
+    value_loss = 0.5 * _masked_mean_tt(value_terms, vmask)
+    loss = policy_loss + value_loss * coeff
+    return loss, policy_loss.detach(), value_loss.detach(), ratios.mean().detach(), clipfrac
+
+
+def eager_value_loss(values, old_values, returns, mask):
+    """Seed 004's clipped value loss, ``0.5 * max(...)``, token-mean over the mask."""
+    m = mask.to(values.dtype)
+    clipped = torch.clamp(values, old_values - VALUE_CLIP, old_values + VALUE_CLIP)
+    terms = 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+    return ((terms * m).sum() / m.sum(),)
+
+
+def eager_masked_whiten(x, mask):
+    """TRL's ``masked_whiten`` (zero mean, Bessel-corrected masked variance)."""
+    m = mask.to(x.dtype)
+    mean = (x * m).sum() / m.sum()
+    centred = x - mean
+    n = m.sum()
+    var = (centred.square() * m).sum() / n * (n / (n - 1))
+    return (centred * torch.rsqrt(var + 1e-8),)
+
+
+def eager_gae(rewards, values, mask):
+    """Seed 004's GAE loop over T (rewards and values zeroed where masked)."""
+    gamma, lam = GAE["gamma"], GAE["lam"]
+    m = mask.to(rewards.dtype)
+    rewards, values = rewards * m, values * m
+    length = rewards.shape[1]
+    last = 0.0
+    reversed_adv = []
+    for t in reversed(range(length)):
+        next_values = values[:, t + 1] if t < length - 1 else 0.0
+        delta = rewards[:, t] + gamma * next_values - values[:, t]
+        last = delta + gamma * lam * last
+        reversed_adv.append(last)
+    advantages = torch.stack(reversed_adv[::-1], dim=1)
+    returns = advantages + values
+    return advantages * m, returns * m
+
+
+# ----------------------------------------------------------------------------- TRL style
+
+
+def trl_selective_log_softmax(logits, index):
+    """TRL's memory-lean ``log_softmax(logits).gather(index)``: fp32 takes the gathered logit
+    minus a per-row ``logsumexp`` (looped over dim 0); bf16 loops ``log_softmax`` per row."""
+    if logits.dtype in (torch.float32, torch.float64):
+        picked = logits.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+        lse = torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
+        return picked - lse
+    rows = [
+        torch.log_softmax(row, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+        for row, ids in zip(logits, index)
+    ]
+    return torch.stack(rows)
+
+
+def trl_entropy_from_logits(logits, chunk_rows: int = 128):
+    """TRL's ``entropy_from_logits``: ``-sum p log p`` over chunks of ``chunk_rows`` rows."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    parts = []
+    for chunk in flat.split(chunk_rows, dim=0):
+        logp = torch.log_softmax(chunk, dim=-1)
+        parts.append(-(logp.exp() * logp).sum(-1))
+    return torch.cat(parts).reshape(logits.shape[:-1])
+
+
+def trl_token_stats(logits, targets, with_entropy: bool):
+    scaled = logits / TEMPERATURE  # TRL always divides (a copy in the logits' dtype)
+    logp = trl_selective_log_softmax(scaled, targets)
+    if not with_entropy:
+        return (logp,)
+    return logp, trl_entropy_from_logits(scaled)
+
+
+def trl_policy_loss(logits, targets, advantages, old, ref, mask, variant: str):
+    with_entropy = variant == "grpo+entropy"
+    stats = trl_token_stats(logits, targets, with_entropy)
+    entropy = stats[1] if with_entropy else None
+    return (token_policy_loss(stats[0].float(), entropy, advantages, old, ref, mask, variant),)
+
+
+# ----------------------------------------------------------------------------- fused_rl
+
+
+def _fused_fn(name: str, backend: str):
+    import fused_rl
+
+    if not hasattr(fused_rl, name):
+        raise Unavailable(f"fused_rl.{name} does not exist yet")
+    fn = getattr(fused_rl, name)
+    takes_backend = "backend" in inspect.signature(fn).parameters
+    if backend == "reference" and not takes_backend:
+        raise Unavailable(f"fused_rl.{name} has no backend= argument")
+    return (lambda *a, **k: fn(*a, backend=backend, **k)) if takes_backend else fn
+
+
+def _fused_forward(case: Case, inp: dict, backend: str):
+    fn = _fused_fn(case.op, backend)
+    if case.op == "token_logprobs":
+        with_entropy = case.variant == "logp+entropy"
+
+        def forward():
+            out = fn(
+                inp["logits"], inp["targets"], temperature=TEMPERATURE, return_entropy=with_entropy
+            )
+            return out if with_entropy else (out,)
+
+        return forward
+    if case.op == "policy_loss":
+        kwargs = dict(
+            old_logprobs=inp["old_logprobs"],
+            ref_logprobs=inp["ref_logprobs"],
+            mask=inp["mask"],
+            temperature=TEMPERATURE,
+            eps_low=POLICY["eps_low"],
+            eps_high=POLICY["eps_high"],
+            beta=POLICY["beta"],
+            kl=POLICY["kl"],
+            entropy_coef=POLICY["entropy_coef"] if case.variant == "grpo+entropy" else 0.0,
+            importance_sampling="sequence" if case.variant == "gspo" else "token",
+            loss_agg="token-mean",
+        )
+        return lambda: (fn(inp["logits"], inp["targets"], inp["advantages"], **kwargs)[0],)
+    if case.op == "ppo_loss":
+        return lambda: tuple(
+            fn(
+                *_ppo_args(inp),
+                **{k: PPO[k] for k in ("epsilon", "value_clip_range", "value_coeff")},
+            )
+        )
+    if case.op == "value_loss":
+        return lambda: (
+            fn(
+                inp["values"],
+                inp["old_values"],
+                inp["returns"],
+                mask=inp["mask"],
+                clip=VALUE_CLIP,
+                loss_agg="token-mean",
+            )[0],
+        )
+    if case.op == "masked_whiten":
+        return lambda: (fn(inp["x"], inp["mask"]),)
+    if case.op == "gae":
+        return lambda: tuple(fn(inp["rewards"], inp["values"], mask=inp["mask"], **GAE))
+    raise ValueError(case.op)
+
+
+def _ppo_args(inp):
+    keys = (
+        "pi_old_logprobs",
+        "pi_logprobs",
+        "advantages",
+        "phi_old_values",
+        "phi_values",
+        "returns",
+        "padding_masks",
+        "value_padding_masks",
+    )
+    return [inp[k] for k in keys]
+
+
+# ----------------------------------------------------------------------------- eager/compile
+
+
+_COMPILED: dict = {}
+
+
+def _compiled(key, fn):
+    """One ``torch.compile`` object per function: a new shape recompiles (then goes dynamic)."""
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(fn)
+    return _COMPILED[key]
+
+
+def _eager_forward(case: Case, inp: dict, compiled: bool, flavour: str = "eager"):
+    """The eager (or TRL-style) function of the case, optionally through torch.compile."""
+    op, variant = case.op, case.variant
+    if op == "token_logprobs":
+        with_entropy = variant == "logp+entropy"
+        base = trl_token_stats if flavour == "trl" else eager_token_logprobs
+        fn = _compiled((flavour, op, with_entropy), base) if compiled else base
+        return lambda: fn(inp["logits"], inp["targets"], with_entropy)
+    if op == "policy_loss":
+        base = trl_policy_loss if flavour == "trl" else eager_policy_loss
+        fn = _compiled((flavour, op, variant), base) if compiled else base
+        args = [inp[k] for k in ("logits", "targets", "advantages")]
+        args += [inp[k] for k in ("old_logprobs", "ref_logprobs", "mask")]
+        return lambda: fn(*args, variant)
+    if flavour == "trl":
+        raise Unavailable("TRL-style provider covers the logits ops only")
+    table = {
+        "ppo_loss": (eager_ppo_loss, lambda: _ppo_args(inp)),
+        "value_loss": (
+            eager_value_loss,
+            lambda: [inp["values"], inp["old_values"], inp["returns"], inp["mask"]],
+        ),
+        "masked_whiten": (eager_masked_whiten, lambda: [inp["x"], inp["mask"]]),
+        "gae": (eager_gae, lambda: [inp["rewards"], inp["values"], inp["mask"]]),
+    }
+    base, args = table[op]
+    if compiled and op == "gae":
+        raise Unavailable(
+            "torch.compile of the seed's GAE loop unrolls all T steps (minutes of compile "
+            "time per shape); not measured"
+        )
+    fn = _compiled((flavour, op), base) if compiled else base
+    return lambda: fn(*args())
+
+
+# ----------------------------------------------------------------------------- liger
+
+
+def liger_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        importlib.import_module("liger_kernel")
+        return version("liger-kernel")
+    except Exception:
+        return None
+
+
+def _liger_forward(case: Case, inp: dict):
+    if liger_version() is None:
+        raise Unavailable("liger_kernel is not importable")
+    if case.op == "token_logprobs":
+        if case.mode != "fwd_nograd" or case.variant != "logp":
+            raise Unavailable("Liger has a no-grad fused log-prob only (no entropy, no backward)")
+        from liger_kernel.ops.grpo_loss import fused_selective_log_softmax
+
+        buf, targets = inp["buf"], inp["targets"]
+        return lambda: (fused_selective_log_softmax(buf, targets, TEMPERATURE),)
+    if case.op != "policy_loss":
+        raise Unavailable(f"Liger has no {case.op}")
+    if case.variant == "grpo+entropy":
+        raise Unavailable("Liger's GRPO loss has no entropy bonus")
+    from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+
+    params = inspect.signature(triton_grpo_loss).parameters
+    kwargs = dict(
+        temperature=TEMPERATURE,
+        beta=POLICY["beta"],
+        eps_low=POLICY["eps_low"],
+        eps_high=POLICY["eps_high"],
+        # the logits are reused by every provider and repetition: keep them intact (Liger's
+        # default inplace=True writes the gradient into the logits buffer)
+        inplace=False,
+    )
+    if "reduce" in params:
+        kwargs["reduce"] = False  # per-token loss; we aggregate token-mean like the others
+    if case.variant == "gspo":
+        if "importance_sampling_level" not in params:
+            raise Unavailable("this liger_kernel has no importance_sampling_level (GSPO)")
+        kwargs["importance_sampling_level"] = "sequence"
+    mask = inp["mask"]
+    mask_int = mask.to(torch.int32)
+    m = mask.float()
+
+    def forward():
+        per_token = triton_grpo_loss(
+            inp["buf_leaf"],
+            inp["old_logprobs"],
+            inp["ref_logprobs"],
+            inp["targets"],
+            inp["advantages"],
+            mask_int,
+            **kwargs,
+        )[0]
+        return ((per_token * m).sum() / m.sum(),)
+
+    return forward
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def _wrt_upstream(case: Case, inp: dict, provider: str):
+    if case.op == "token_logprobs":
+        ups = [inp["g_logp"]] + ([inp["g_entropy"]] if case.variant == "logp+entropy" else [])
+        return [inp["logits"]], ups, None
+    if case.op == "policy_loss":
+        if provider == "liger":  # Liger differentiates its whole (B, T+1, V) buffer
+            return [inp["buf_leaf"]], [None], lambda g: (g[0][:, :-1],)
+        return [inp["logits"]], [None], None
+    if case.op == "ppo_loss":
+        return [inp["pi_logprobs"], inp["phi_values"]], [None], None
+    if case.op == "value_loss":
+        return [inp["values"]], [None], None
+    return [], [], None
+
+
+def build(provider: str, case: Case, inp: dict, *, compile_on_cpu: bool = False) -> Runner:
+    """A callable running ``case`` once with ``provider``; raises ``Unavailable``."""
+    if provider == "fused_rl":
+        forward = _fused_forward(case, inp, "triton")
+    elif provider == "fused_rl_ref":
+        forward = _fused_forward(case, inp, "reference")
+    elif provider == "eager":
+        forward = _eager_forward(case, inp, compiled=False)
+    elif provider == "compile":
+        device = next(v.device for v in inp.values() if isinstance(v, torch.Tensor))
+        if device.type == "cpu" and not compile_on_cpu:
+            raise Unavailable("torch.compile skipped on CPU (compile time; --compile-cpu runs it)")
+        if not case.compile_ok:
+            raise Unavailable("torch.compile measured on the suite's compile subset only")
+        forward = _eager_forward(case, inp, compiled=True)
+    elif provider == "trl":
+        forward = _eager_forward(case, inp, compiled=False, flavour="trl")
+    elif provider == "liger":
+        forward = _liger_forward(case, inp)
+    else:
+        raise ValueError(f"unknown provider {provider!r}; one of {PROVIDERS}")
+    wrt, upstream, post = _wrt_upstream(case, inp, provider)
+    return _runner(case, forward, wrt, upstream, post)

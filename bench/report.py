@@ -1,0 +1,308 @@
+"""Results: ``results.json``, ``results.md`` (tables), PNG plots and the console table."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from .measure import CPU_TIME_LABEL
+from .providers import BASELINE
+
+# (op, variant, mode) groups that get a time/memory-vs-vocab plot
+PLOTTED = (
+    ("token_logprobs", "logp", "fwd_nograd"),
+    ("token_logprobs", "logp+entropy", "fwd_bwd"),
+    ("policy_loss", "grpo", "fwd_bwd"),
+    ("policy_loss", "grpo+entropy", "fwd_bwd"),
+    ("policy_loss", "gspo", "fwd_bwd"),
+)
+
+
+def case_key(r: dict) -> tuple:
+    return (r["op"], r["variant"], r["mode"], r["batch"], r["seqlen"], r["vocab"], r["dtype"])
+
+
+def memory_of(r: dict) -> float | None:
+    """Measured peak (GPU) or else the modelled one."""
+    return r.get("peak_mb") if r.get("peak_mb") is not None else r.get("model_mb")
+
+
+def add_ratios(records: list[dict], gpu: bool) -> None:
+    """In each fused_rl record: how many times slower (``speedup_vs``) and how much more
+    memory (``memory_ratio_vs``) every other provider of the same case needed. Times are
+    compared on GPUs only (CPU times are the interpreter's)."""
+    by_case: dict = {}
+    for r in records:
+        by_case.setdefault(case_key(r), []).append(r)
+    for rows in by_case.values():
+        fused = next((r for r in rows if r["provider"] == BASELINE and r["ms"]), None)
+        if fused is None:
+            continue
+        fused["speedup_vs"], fused["memory_ratio_vs"] = {}, {}
+        for r in rows:
+            if r is fused or r["ms"] is None:
+                continue
+            if gpu:
+                fused["speedup_vs"][r["provider"]] = r["ms"] / fused["ms"]
+            mine, theirs = memory_of(fused), memory_of(r)
+            if mine and theirs is not None:
+                fused["memory_ratio_vs"][r["provider"]] = theirs / mine
+
+
+def write_json(path: str, meta: dict, records: list[dict], skipped: list[dict]) -> None:
+    doc = dict(meta)
+    doc["records"] = records
+    doc["skipped"] = skipped
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def load_json(path: str) -> dict | None:
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _f(x, fmt="{:.3g}", none="-") -> str:
+    return none if x is None else fmt.format(x)
+
+
+def _shape(r: dict) -> str:
+    return f"{r['batch']}x{r['seqlen']}" + (f"x{r['vocab']}" if r["vocab"] else "")
+
+
+def _parity(r: dict) -> str:
+    if r.get("parity_max") is None:
+        return "-" if r["provider"] == BASELINE else "n/a"
+    mark = "ok" if r["parity_max"] <= r["parity_tol"] else "FAIL"
+    return f"{r['parity_max']:.1e} {mark}"
+
+
+def console_table(records: list[dict], gpu: bool) -> str:
+    head = (
+        f"{'case':<44} {'provider':<13} {'ms':>9} "
+        + (f"{'GB/s':>7} {'%copy':>6} {'peak MB':>9} {'x fused':>7} " if gpu else "")
+        + f"{'model MB':>9} {'parity err':>13}  status"
+    )
+    lines = [head, "-" * len(head)]
+    last = None
+    for r in records:
+        key = case_key(r)
+        label = f"{r['op']}[{r['variant']}] {r['mode']} {_shape(r)} {r['dtype']}"
+        if key == last:
+            label = ""
+        last = key
+        row = f"{label:<44} {r['provider']:<13} {_f(r['ms'], '{:.2f}'):>9} "
+        if gpu:
+            fused = r.get("_fused_ms")
+            ratio = r["ms"] / fused if r["ms"] and fused else None
+            row += (
+                f"{_f(r['gbps'], '{:.0f}'):>7} {_f(r['pct_copy'], '{:.0f}'):>6} "
+                f"{_f(r['peak_mb'], '{:,.0f}'):>9} {_f(ratio, '{:.2f}'):>7} "
+            )
+        row += f"{_f(r['model_mb'], '{:,.2f}'):>9} {_parity(r):>13}  {r['status']}"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def attach_fused_ms(records: list[dict]) -> None:
+    """Give every record the fused_rl time of its case (for the console's ratio column)."""
+    fused = {case_key(r): r["ms"] for r in records if r["provider"] == BASELINE}
+    for r in records:
+        r["_fused_ms"] = fused.get(case_key(r))
+
+
+def _targets(records: list[dict], meta: dict) -> list[str]:
+    """Issue 6's targets, evaluated from GPU records (bf16)."""
+    copy = meta["device"].get("copy_gbps")
+    out = []
+
+    def rows(op, variant, mode, provider):
+        return [
+            r
+            for r in records
+            if (r["op"], r["variant"], r["mode"], r["provider"]) == (op, variant, mode, provider)
+            and r["dtype"] == "bf16"
+            and r["ms"]
+        ]
+
+    for r in rows("token_logprobs", "logp", "fwd_nograd", BASELINE):
+        if r["vocab"] >= 128000 and r["pct_copy"] is not None:
+            verdict = "met" if r["pct_copy"] >= 85 else "MISSED"
+            out.append(
+                f"- token_logprobs no-grad fwd {_shape(r)}: {r['pct_copy']:.0f}% of copy "
+                f"bandwidth ({copy:.0f} GB/s) -- target >= 85%: {verdict}"
+            )
+    for r in rows("policy_loss", "grpo", "fwd_bwd", BASELINE):
+        parts = []
+        if r["pct_copy"] is not None:
+            v = "met" if r["pct_copy"] >= 75 else "MISSED"
+            parts.append(f"{r['pct_copy']:.0f}% of the 3-pass roofline (>= 75%: {v})")
+        for prov, goal in (("eager", 5.0), ("liger", 1.5)):
+            s = r.get("speedup_vs", {}).get(prov)
+            if s is not None:
+                parts.append(f"{s:.2f}x vs {prov} (>= {goal}x: {'met' if s >= goal else 'MISSED'})")
+        if r["peak_mb"] is not None:
+            grad_mb = r["tokens"] * r["vocab"] * 2 / 2**20
+            v = "met" if r["peak_mb"] <= grad_mb * 1.01 else "MISSED"
+            parts.append(f"peak {r['peak_mb']:,.0f} MB vs gradient {grad_mb:,.0f} MB (<= +1%: {v})")
+        out.append(f"- policy_loss fwd+bwd {_shape(r)}: " + "; ".join(parts))
+    for r in records:
+        if r["op"] == "gae" and r["provider"] == BASELINE and r["seqlen"] == 1024:
+            s = r.get("speedup_vs", {}).get("eager")
+            if s is not None:
+                v = "met" if s >= 100 else "MISSED"
+                out.append(f"- gae {_shape(r)}: {s:.0f}x vs the seed's loop (>= 100x: {v})")
+    return out
+
+
+def write_markdown(path: str, meta: dict, records: list[dict], skipped: list[dict]) -> None:
+    gpu = meta["device"]["name"] != "cpu"
+    dev = meta["device"]
+    lines = [f"# fused_rl benchmark -- {dev['name']}", ""]
+    versions = ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v)
+    lines.append(f"Date {meta['date']}; {versions}; suite `{meta['suite']}`.")
+    lines.append("")
+    if gpu:
+        lines.append(
+            f"Device-to-device copy bandwidth measured at the start: {dev['copy_gbps']:.0f} GB/s "
+            "(bytes read + written). Times: `triton.testing.do_bench` median [20%-80%] in ms. "
+            "GB/s from the byte counts of `bench/measure.py::bytes_moved` (logits: forward "
+            "1 read, forward+backward 2 reads + 1 gradient write). Peak MB: "
+            "`max_memory_allocated` above the inputs (outputs and gradient included)."
+        )
+    else:
+        lines.append(
+            f"**CPU run: parity check of every op through the Triton interpreter and the "
+            f"references. Times are the {CPU_TIME_LABEL}.** Memory is the model of "
+            "`bench/memory_profile.py` (tensors each provider materialises, counted on fake "
+            "tensors), not a measurement."
+        )
+    lines.append("")
+    if gpu:
+        targets = _targets(records, meta)
+        if targets:
+            lines += ["## Targets (issue 6)", "", *targets, ""]
+    ops = []
+    for r in records:
+        if r["op"] not in ops:
+            ops.append(r["op"])
+    for op in ops:
+        lines += [f"## {op}", ""]
+        groups = []
+        for r in records:
+            g = (r["variant"], r["mode"])
+            if r["op"] == op and g not in groups:
+                groups.append(g)
+        for variant, mode in groups:
+            lines += [f"### {op}[{variant}] {mode}", ""]
+            head = "| shape | dtype | provider | ms | "
+            head += "GB/s | % copy | peak MB | " if gpu else ""
+            head += "model MB | fused_rl faster by | memory / fused_rl | parity err | status |"
+            lines += [head, "|" + "---|" * (head.count("|") - 1)]
+            for r in records:
+                if (r["op"], r["variant"], r["mode"]) != (op, variant, mode):
+                    continue
+                fused = next(
+                    (
+                        f
+                        for f in records
+                        if f["provider"] == BASELINE and case_key(f) == case_key(r)
+                    ),
+                    None,
+                )
+                speed = mem = None
+                if fused and r["provider"] != BASELINE:
+                    speed = fused.get("speedup_vs", {}).get(r["provider"])
+                    mem = fused.get("memory_ratio_vs", {}).get(r["provider"])
+                ms = _f(r["ms"], "{:.3f}")
+                if gpu and r["ms"] is not None:
+                    ms += f" [{r['ms_p20']:.3f}-{r['ms_p80']:.3f}]"
+                row = f"| {_shape(r)} | {r['dtype']} | {r['provider']} | {ms} | "
+                if gpu:
+                    row += (
+                        f"{_f(r['gbps'], '{:.0f}')} | {_f(r['pct_copy'], '{:.0f}')} | "
+                        f"{_f(r['peak_mb'], '{:,.1f}')} | "
+                    )
+                row += (
+                    f"{_f(r['model_mb'], '{:,.2f}')} | {_f(speed, '{:.2f}x')} | "
+                    f"{_f(mem, '{:.2f}x')} | {_parity(r)} | {r['status']} |"
+                )
+                lines.append(row)
+            lines.append("")
+    if skipped:
+        lines += ["## Not measured", ""]
+        seen = set()
+        for s in skipped:
+            key = (s.get("op"), s.get("provider"), s["reason"])
+            if key in seen:
+                continue
+            seen.add(key)
+            lines.append(f"- {s.get('op', '')} {s.get('provider', '')}: {s['reason']}")
+        lines.append("")
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+def write_plots(outdir: str, records: list[dict], meta: dict) -> list[str]:
+    """Time and memory vs vocabulary size per provider; returns the files written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed; no plots (pip install matplotlib)")
+        return []
+    gpu = meta["device"]["name"] != "cpu"
+    written = []
+    for op, variant, mode in PLOTTED:
+        rows = [
+            r
+            for r in records
+            if (r["op"], r["variant"], r["mode"]) == (op, variant, mode) and r["ms"] is not None
+        ]
+        if not rows:
+            continue
+        # one line per provider at the (tokens, dtype) with the most vocabulary sizes
+        groups: dict = {}
+        for r in rows:
+            groups.setdefault((r["tokens"], r["seqlen"], r["dtype"]), set()).add(r["vocab"])
+        (tokens, seqlen, dtype), vocabs = max(
+            groups.items(), key=lambda kv: (len(kv[1]), kv[0][0] == 16384, kv[0][0])
+        )
+        if len(vocabs) < 2:
+            continue
+        fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
+        for provider in sorted({r["provider"] for r in rows}):
+            pts = sorted(
+                (r["vocab"], r["ms"], memory_of(r))
+                for r in rows
+                if r["provider"] == provider
+                and (r["tokens"], r["seqlen"], r["dtype"]) == (tokens, seqlen, dtype)
+            )
+            if not pts:
+                continue
+            ax_t.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=provider)
+            mem = [(p[0], p[2]) for p in pts if p[2] is not None]
+            if mem:
+                ax_m.plot([p[0] for p in mem], [p[1] for p in mem], "o-", label=provider)
+        where = meta["device"]["name"]
+        ax_t.set_title("time (ms)" + ("" if gpu else f" -- {CPU_TIME_LABEL}"), fontsize=9)
+        ax_m.set_title(
+            "peak memory above inputs (MB)" + ("" if gpu else " -- modelled"), fontsize=9
+        )
+        for ax in (ax_t, ax_m):
+            ax.set_xlabel("vocabulary size V")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.suptitle(f"{op}[{variant}] {mode}, {tokens} tokens (T={seqlen}), {dtype} -- {where}")
+        fig.tight_layout()
+        name = f"plot_{op}_{variant.replace('+', '_')}_{mode}_{dtype}.png"
+        fig.savefig(os.path.join(outdir, name), dpi=90)
+        plt.close(fig)
+        written.append(name)
+    return written

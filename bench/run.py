@@ -1,0 +1,394 @@
+"""fused_rl benchmark suite: time, peak memory, bandwidth and parity against other providers.
+
+Usage::
+
+    python bench/run.py --suite quick                 # CPU: parity demo, < 2 minutes
+    python bench/run.py --suite full                  # GPU: the issue-6 grid
+    python bench/run.py --suite full --op policy_loss --tokens 16384 --vocab 151936
+    python bench/run.py memory --vocab 151936 --tokens 16384 --dtype bf16
+
+Every case runs each provider (``bench/providers.py``) on the same inputs in this process.
+Before timing, each provider's outputs (values and gradients) are compared with fused_rl's
+(RMS relative error; tolerance 1e-4 in fp32, 2e-2 in bf16); a provider that disagrees is
+timed but marked ``parity_fail`` in every table. Results go to ``--out`` (default
+``bench/results/<gpu name or cpu>/``): ``results.json``, ``results.md`` and PNG plots.
+
+Without CUDA, the Triton kernels run through the Triton interpreter (``TRITON_INTERPRET=1``
+is set before anything imports Triton): times are then the interpreter's, not performance.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+
+def _prepare_environment() -> None:
+    """Interpreter mode on CPU-only machines; must run before fused_rl / triton imports."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    # the interpreter evaluates masked-out lanes in numpy (log(0), 0 * inf)
+    warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton")
+
+
+_prepare_environment()
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+import fused_rl  # noqa: E402
+from bench import measure as M  # noqa: E402
+from bench import providers as P  # noqa: E402
+from bench import report as R  # noqa: E402
+from bench.cases import OPS, Case, make_inputs, select_cases  # noqa: E402
+from bench.memory_profile import (  # noqa: E402
+    format_memory_table,
+    memory_table,
+    model_peak_bytes,
+)
+
+PARITY_TOL = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 1e-2}
+SCALAR_FLOOR = 1e-2  # |a - b| / max(|b|, floor) for 0-dim outputs (a loss can sit near 0)
+
+
+def _csv(kind):
+    def parse(text: str):
+        return [kind(x) for x in text.split(",") if x.strip()]
+
+    return parse
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="bench/run.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "command",
+        nargs="?",
+        default="suite",
+        choices=("suite", "memory"),
+        help="suite (default): time + memory + parity; memory: peak memory per provider",
+    )
+    p.add_argument("--suite", default="quick", choices=("quick", "full"))
+    p.add_argument("--op", type=_csv(str), default=None, help=f"comma list of: {', '.join(OPS)}")
+    p.add_argument("--tokens", type=_csv(int), default=None, help="comma list of B*T values")
+    p.add_argument("--vocab", type=_csv(int), default=None, help="comma list of V values")
+    p.add_argument("--dtype", type=_csv(str), default=None, help="comma list: bf16,fp32,fp16")
+    p.add_argument("--seqlen", type=int, default=None, help="T (default 1024; quick: 16)")
+    p.add_argument(
+        "--providers",
+        type=_csv(str),
+        default=list(P.PROVIDERS),
+        help=f"comma list of: {', '.join(P.PROVIDERS)}",
+    )
+    p.add_argument("--out", default=None, help="output folder (default bench/results/<device>)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    p.add_argument("--reps", type=int, default=3, help="timed runs per case on CPU")
+    p.add_argument("--compile-cpu", action="store_true", help="run torch.compile on CPU too")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds; cases not started by then are recorded as skipped",
+    )
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="merge into an existing results.json in --out (same case+provider replaced)",
+    )
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    unknown = [x for x in args.providers if x not in P.PROVIDERS]
+    if unknown:
+        p.error(f"--providers: unknown {unknown}; choose from {', '.join(P.PROVIDERS)}")
+    if args.providers and P.BASELINE not in args.providers:
+        args.providers = [P.BASELINE, *args.providers]  # the parity anchor always runs
+    return args
+
+
+# ----------------------------------------------------------------------------- parity
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """RMS relative error ``||out - ref|| / ||ref||`` in fp64, chunked over dim 0."""
+    if out.shape != ref.shape:
+        return float("inf")
+    if out.dim() == 0:
+        diff = (out.double() - ref.double()).abs().item()
+        return diff / max(abs(ref.double().item()), SCALAR_FLOOR)
+    num = den = 0.0
+    step = max(1, (1 << 25) // max(1, ref[0].numel()))
+    for i in range(0, ref.shape[0], step):
+        a, b = out[i : i + step].double(), ref[i : i + step].double()
+        num += (a - b).square().sum().item()
+        den += b.square().sum().item()
+    if num != num:  # NaN anywhere
+        return float("inf")
+    return (num**0.5) / max(den**0.5, 1e-30)
+
+
+# ----------------------------------------------------------------------------- one case
+
+
+def _record(case: Case, provider: str, **fields) -> dict:
+    rec = {
+        "op": case.op,
+        "variant": case.variant,
+        "provider": provider,
+        "mode": case.mode,
+        "tokens": case.tokens,
+        "batch": case.batch,
+        "seqlen": case.seqlen,
+        "vocab": case.vocab,
+        "dtype": case.dtype,
+        "status": "ok",
+        "ms": None,
+        "ms_p20": None,
+        "ms_p80": None,
+        "peak_mb": None,
+        "model_mb": None,
+        "bytes": M.bytes_moved(case),
+        "gbps": None,
+        "pct_copy": None,
+        "parity": None,
+        "parity_max": None,
+        "parity_tol": PARITY_TOL[case.dtype],
+        "note": "",
+    }
+    rec.update(fields)
+    return rec
+
+
+def run_case(case: Case, args, device, copy_gbps, skipped: list) -> list[dict]:
+    """All providers on one case: warm-up/parity run, timing, peak memory, memory model."""
+    records = []
+    try:
+        inp = make_inputs(case, device, seed=args.seed)
+    except Exception as exc:
+        if not M.is_oom(exc):
+            raise
+        M.free_memory(device)
+        return [_record(case, p, status="oom", note="inputs do not fit") for p in args.providers]
+    names = P.output_names(case)
+    reference = None
+    for provider in args.providers:
+        try:
+            run = P.build(provider, case, inp, compile_on_cpu=args.compile_cpu)
+        except P.Unavailable as exc:
+            skipped.append(
+                {"case": case.label(), "op": case.op, "provider": provider, "reason": str(exc)}
+            )
+            continue
+        rec = _record(case, provider)
+        try:
+            out = run()  # warm-up (Triton / torch.compile compile here) and parity outputs
+            M.sync(device)
+            if provider == P.BASELINE:
+                reference = out
+            elif reference is not None:
+                errs = {n: rel_err(o, r) for n, o, r in zip(names, out, reference)}
+                rec["parity"] = errs
+                rec["parity_max"] = max(errs.values())
+                if rec["parity_max"] > rec["parity_tol"]:
+                    rec["status"] = "parity_fail"
+            else:
+                rec["note"] = "no fused_rl output to compare with"
+            del out
+            p20, p50, p80 = M.time_ms(run, device, args.reps)
+            rec.update(ms=p50, ms_p20=p20, ms_p80=p80)
+            rec["peak_mb"] = M.peak_mb(run, device)
+            if M.is_gpu(device):
+                rec["gbps"] = rec["bytes"] / (p50 * 1e-3) / 1e9
+                rec["pct_copy"] = 100.0 * rec["gbps"] / copy_gbps if copy_gbps else None
+        except Exception as exc:
+            rec["status"] = "oom" if M.is_oom(exc) else "error"
+            rec["note"] = f"{type(exc).__name__}: {exc}"[:300]
+        M.free_memory(device)
+        peak = model_peak_bytes(provider, case, device)
+        rec["model_mb"] = None if peak is None else peak / 2**20
+        records.append(rec)
+    del inp, reference
+    M.free_memory(device)
+    return records
+
+
+# ----------------------------------------------------------------------------- progress
+
+
+class _Progress:
+    """tqdm when installed, else a printed counter."""
+
+    def __init__(self, total: int):
+        self.total, self.done = total, 0
+        try:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="case", dynamic_ncols=True)
+        except ImportError:
+            self.bar = None
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.set_description(label[:60])
+            self.bar.update(1)
+        else:
+            print(f"[{self.done}/{self.total}] {label}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def versions() -> dict:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "fused_rl": fused_rl.__version__,
+        "liger_kernel": P.liger_version(),
+    }
+
+
+def default_out(device) -> str:
+    return os.path.join(ROOT, "bench", "results", M.slug(M.device_name(device)))
+
+
+def run_suite(args) -> dict:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    gpu = M.is_gpu(device)
+    out_dir = args.out or default_out(device)
+    os.makedirs(out_dir, exist_ok=True)
+    json_path = os.path.join(out_dir, "results.json")
+    cases = select_cases(args.suite, args.op, args.tokens, args.vocab, args.dtype, args.seqlen)
+    skipped: list[dict] = []
+    for op in dict.fromkeys(c.op for c in cases):
+        if not hasattr(fused_rl, op):
+            note = f"fused_rl.{op} is not available yet: op skipped"
+            print(f"note: {note}")
+            skipped.append({"op": op, "provider": "all", "reason": note})
+    cases = [c for c in cases if hasattr(fused_rl, c.op)]
+    if "liger" in args.providers and P.liger_version() is None:
+        print("note: liger_kernel is not importable: Liger provider skipped")
+    if not gpu:
+        print(f"note: no CUDA device -- times below are the {M.CPU_TIME_LABEL}")
+        if "compile" in args.providers and not args.compile_cpu:
+            print("note: torch.compile skipped on CPU (compile time); --compile-cpu runs it")
+    copy = M.copy_gbps(device)
+    meta = {
+        "device": {"name": M.device_name(device), "copy_gbps": copy},
+        "versions": versions(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "suite": args.suite,
+        "argv": sys.argv[1:],
+        "time_kind": "triton.testing.do_bench (CUDA events)" if gpu else M.CPU_TIME_LABEL,
+        "memory_kind": "torch.cuda.max_memory_allocated above inputs"
+        if gpu
+        else "modelled (bench/memory_profile.py), not measured",
+        "parity_tolerance": PARITY_TOL,
+    }
+    previous = R.load_json(json_path) if args.append else None
+    records: list[dict] = []
+    start = time.perf_counter()
+    progress = _Progress(len(cases))
+    for case in cases:
+        if args.time_budget is not None and time.perf_counter() - start > args.time_budget:
+            skipped.append(
+                {
+                    "case": case.label(),
+                    "op": case.op,
+                    "provider": "all",
+                    "reason": "time budget reached",
+                }
+            )
+            progress.step("skipped (time budget): " + case.label())
+            continue
+        records += run_case(case, args, device, copy, skipped)
+        progress.step(case.label())
+        R.write_json(json_path, meta, records, skipped)  # partial results survive a kill
+    progress.close()
+    if previous:
+        mine = {(*R.case_key(r), r["provider"]) for r in records}
+        kept = [r for r in previous["records"] if (*R.case_key(r), r["provider"]) not in mine]
+        records = kept + records
+        skipped = previous.get("skipped", []) + skipped
+    R.add_ratios(records, gpu)
+    R.attach_fused_ms(records)
+    print()
+    print(R.console_table(records, gpu))
+    for r in records:
+        r.pop("_fused_ms", None)
+    R.write_json(json_path, meta, records, skipped)
+    R.write_markdown(os.path.join(out_dir, "results.md"), meta, records, skipped)
+    plots = [] if args.no_plots else R.write_plots(out_dir, records, meta)
+    failed = [r for r in records if r["status"] != "ok"]
+    print()
+    if not gpu:
+        print(f"(times: {M.CPU_TIME_LABEL}; memory: modelled)")
+    for r in failed:
+        print(
+            f"{r['status'].upper()}: {r['op']}[{r['variant']}] {r['mode']} {r['provider']} "
+            f"{r['note'] or ''} parity={r['parity']}"
+        )
+    reasons = sorted({f"{s['op']} / {s['provider']}: {s['reason']}" for s in skipped})
+    if reasons:
+        print("not measured:")
+        for line in reasons:
+            print("  " + line)
+    elapsed = time.perf_counter() - start
+    print(
+        f"{len(records)} records in {elapsed:.0f} s -> {json_path}, results.md, "
+        f"{len(plots)} plot(s)"
+    )
+    return {"records": records, "skipped": skipped, "out": out_dir}
+
+
+def run_memory(args) -> None:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    gpu = M.is_gpu(device)
+    tokens = (args.tokens or [16384])[0]
+    vocab = (args.vocab or [151936])[0]
+    dtype = (args.dtype or ["bf16"])[0]
+    seqlen = args.seqlen or min(1024, tokens)
+    ops = args.op or None
+    if not gpu:
+        print(
+            "No CUDA device: peaks below are MODELLED (bench/memory_profile.py): every tensor "
+            "each provider materialises, at this shape, counted on fake tensors."
+        )
+    rows = memory_table(tokens, vocab, dtype, seqlen, device, measure=gpu, ops=ops)
+    print(format_memory_table(rows, tokens, vocab, dtype))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.command == "memory":
+        run_memory(args)
+        return 0
+    result = run_suite(args)
+    broken = [r for r in result["records"] if r["status"] in ("error",)]
+    return 1 if broken else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
