@@ -25,6 +25,15 @@ def clipped_value_sq(
     return torch.maximum(sq_unclipped, sq_clipped), sq_clipped > sq_unclipped
 
 
+def zero_unmasked(mask: Tensor | None, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """``tensors`` with 0 wherever ``mask == 0``: padding then adds exactly 0 to a masked sum
+    and to its gradient (``0 * inf`` in a backward would otherwise give NaN)."""
+    if mask is None:
+        return tensors
+    keep = mask != 0
+    return tuple(torch.where(keep, t, torch.zeros_like(t)) for t in tensors)
+
+
 def value_loss(
     values: Tensor,
     old_values: Tensor,
@@ -35,7 +44,7 @@ def value_loss(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(loss, clip_frac, value_mean)``: ``loss = sum(weights * 0.5 * sq)`` (the weights come
     from ``fused_rl._agg.token_weights``); the metrics are masked means over ``mask``."""
-    sq, clipped = clipped_value_sq(values, old_values, returns, clip)
+    sq, clipped = clipped_value_sq(*zero_unmasked(weights, values, old_values, returns), clip)
     loss = red.masked_sum(0.5 * sq, weights)
     clip_frac = red.masked_mean(clipped.to(values.dtype), mask)
     return loss, clip_frac, red.masked_mean(values, mask)
@@ -63,18 +72,21 @@ def ppo_loss(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """torchtune's ``PPOLoss.forward``: ``(loss, policy_loss, value_loss, ratios_mean,
     clipfrac)``, only ``loss`` differentiable; ``ratios_mean`` is unmasked."""
-    ratios = torch.exp(pi_logprobs - pi_old_logprobs)
-    losses_clipped = -advantages * torch.clamp(ratios, 1.0 - epsilon, 1.0 + epsilon)
-    losses_unclipped = -advantages * ratios
+    ratios_mean = torch.exp(pi_logprobs - pi_old_logprobs).mean()  # unmasked, no gradient
+    old_lp, new_lp, adv = zero_unmasked(padding_masks, pi_old_logprobs, pi_logprobs, advantages)
+    ratios = torch.exp(new_lp - old_lp)
+    losses_clipped = -adv * torch.clamp(ratios, 1.0 - epsilon, 1.0 + epsilon)
+    losses_unclipped = -adv * ratios
     clipfrac = _torchtune_mean((losses_clipped > losses_unclipped).to(ratios.dtype), padding_masks)
     policy_loss = _torchtune_mean(torch.maximum(losses_clipped, losses_unclipped), padding_masks)
-    sq, _ = clipped_value_sq(phi_values, phi_old_values, returns, value_clip_range)
+    values = zero_unmasked(value_padding_masks, phi_values, phi_old_values, returns)
+    sq, _ = clipped_value_sq(*values, value_clip_range)
     value_loss = 0.5 * _torchtune_mean(sq, value_padding_masks)
     loss = policy_loss + value_loss * value_coeff
     return (
         loss,
         policy_loss.detach(),
         value_loss.detach(),
-        ratios.mean().detach(),
+        ratios_mean.detach(),
         clipfrac.detach(),
     )
