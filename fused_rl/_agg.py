@@ -62,5 +62,8 @@ def token_weights(
 
 
 def masked_mean_all(x: torch.Tensor, mask_f: torch.Tensor) -> torch.Tensor:
-    """``sum(x * m) / sum(m)`` as a 0-dim fp32 tensor, 0 for an empty mask (metrics)."""
-    return _safe_div((x.float() * mask_f).sum(), mask_f.sum())
+    """``sum(x * m) / sum(m)`` as a 0-dim fp32 tensor, 0 for an empty mask (metrics).
+
+    Values at tokens that do not count never matter, even NaN / inf ones."""
+    x = torch.where(mask_f != 0, x.float() * mask_f, torch.zeros_like(mask_f))
+    return _safe_div(x.sum(), mask_f.sum())

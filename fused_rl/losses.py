@@ -17,7 +17,7 @@ from . import _validation as V
 from ._agg import LOSS_AGG_MODES, masked_mean_all, token_weights
 from ._backend import resolve_backend
 from ._launch import stats_dtype, triton_acc, vocab_block, vocab_warps
-from .logprobs import token_logprobs, token_stats_bwd
+from .logprobs import _token_stats_bwd_op, token_logprobs
 from .reference.kl import KL_KINDS
 from .reference.policy import ClipConfig, policy_token_terms
 
@@ -171,7 +171,7 @@ def _policy_setup_context(ctx, inputs, output):
 def _policy_backward(ctx, grad_loss, *_unused):
     logits3d, targets, lse, entropy, g, h = ctx.saved_tensors
     has_h = h.numel() > 0
-    grad = token_stats_bwd(
+    grad = _token_stats_bwd_op(
         logits3d,
         targets.reshape(logits3d.shape[:2]),
         lse,
@@ -191,6 +191,13 @@ _policy_loss_fwd_op.register_autograd(_policy_backward, setup_context=_policy_se
 # ----------------------------------------------------------------------------- helpers
 
 
+def _masked_max(x: Tensor, mask_f: Tensor) -> Tensor:
+    """Max of a non-negative ``x`` over counted tokens; 0 when none (or the batch is empty)."""
+    if x.numel() == 0:  # static shape: no sync, traceable
+        return x.new_zeros(())
+    return torch.where(mask_f > 0, x, torch.zeros_like(x)).amax()
+
+
 def _metrics(terms: dict[str, Tensor], mask_f: Tensor) -> dict[str, Tensor]:
     """Masked means over counted tokens, detached fp32 0-dim tensors (no host sync)."""
     with torch.no_grad():
@@ -202,7 +209,7 @@ def _metrics(terms: dict[str, Tensor], mask_f: Tensor) -> dict[str, Tensor]:
             "clip_frac_high": mean(terms["clipped_high"]),
             "dual_clip_frac": mean(terms["dual_clipped"]),
             "ratio_mean": mean(ratio),
-            "ratio_max": torch.where(mask_f > 0, ratio, torch.zeros_like(ratio)).amax(),
+            "ratio_max": _masked_max(ratio, mask_f),
             "approx_kl": mean(terms["neg_log_ratio"]),
         }
         for name in ("kl", "entropy"):

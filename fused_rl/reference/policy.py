@@ -69,7 +69,15 @@ def policy_token_terms(
     ``old_logp=None`` is on-policy: ``old = logp.detach()``, so the ratio is 1 and the
     gradient is the policy gradient.
     """
-    old = logp.detach() if old_logp is None else old_logp
+    # Inputs at tokens that do not count never matter, even NaN / inf ones (padding): give
+    # them ratio 1, KL 0 and advantage 0 so neither the loss, its gradient nor a GSPO
+    # sequence ratio can pick them up.
+    counted = mask_f != 0
+    detached = logp.detach()
+    old = detached if old_logp is None else torch.where(counted, old_logp, detached)
+    if ref_logp is not None:
+        ref_logp = torch.where(counted, ref_logp, detached)
+    adv = torch.where(counted, adv, torch.zeros_like(adv))
     log_ratio = logp - old
     if importance_sampling == "sequence":
         log_ratio = sequence_log_ratio(log_ratio, mask_f)
