@@ -1,0 +1,170 @@
+"""Tests for ``fused_rl.kl.kl_estimate`` (k1, k2, k3, low_var_kl, abs).
+
+Both backends are compared with a float64 oracle written here, on values and on the
+gradients of both arguments under random upstream gradients. On CPU the Triton path runs the
+real kernels through the Triton interpreter (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import FP32_TOL, assert_rel, bf16_tol
+
+from fused_rl.kl import kl_estimate
+
+BACKENDS = ("triton", "reference")
+KINDS = ("k1", "k2", "k3", "low_var_kl", "abs")
+F64_TOL = 1e-12
+
+
+def oracle(logp, ref, kind):
+    """float64 estimate of KL(pi || pi_ref) with ``r = pi_ref / pi = exp(ref - logp)``."""
+    logp, ref = logp.double(), ref.double()
+    log_r = ref - logp
+    if kind == "k1":
+        return -log_r
+    if kind == "k2":
+        return log_r**2 / 2
+    if kind == "k3":
+        return torch.exp(log_r) - 1 - log_r
+    if kind == "low_var_kl":
+        c = torch.clamp(log_r, -20, 20)
+        return torch.clamp(torch.exp(c) - 1 - c, -10, 10)
+    return log_r.abs()
+
+
+def _inputs(device, dtype=torch.float32, seed=0):
+    """Strided (5, 7) views; a few tokens with log-ratio exactly 0 and beyond the clamps."""
+    g = torch.Generator().manual_seed(seed)
+    logp = (torch.randn(5, 15, generator=g) - 2)[:, 1::2]
+    ref = (logp + torch.randn(5, 7, generator=g)).t().contiguous().t()  # column-major
+    ref[0, :3] = logp[0, :3]  # log-ratio 0
+    ref[1, 0], ref[1, 1] = logp[1, 0] + 25.0, logp[1, 1] - 25.0  # beyond low_var_kl's clamp
+    return logp.to(device=device, dtype=dtype), ref.to(device=device, dtype=dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_parity(backend, kind, dtype, device):
+    logp, ref = _inputs(device, dtype)
+    logp.requires_grad_(True)
+    ref.requires_grad_(True)
+    out = kl_estimate(logp, ref, kind=kind, backend=backend)
+    lp64 = logp.detach().double().requires_grad_(True)
+    ref64 = ref.detach().double().requires_grad_(True)
+    want = oracle(lp64, ref64, kind)
+    tol = FP32_TOL if dtype == torch.float32 else F64_TOL
+    assert out.shape == logp.shape and out.dtype == dtype
+    assert_rel(out, want, tol, kind)
+    up = torch.randn(out.shape, dtype=torch.float64, device=device)
+    got = torch.autograd.grad(out, (logp, ref), up.to(dtype))
+    exp = torch.autograd.grad(want, (lp64, ref64), up)
+    for name, g, e in zip(("d logprobs", "d ref_logprobs"), got, exp):
+        assert g.dtype == dtype
+        assert_rel(g, e, tol, f"{kind} {name}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_zero_and_extreme_log_ratios(backend, kind, device):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        lp = torch.tensor([[-3.0, -0.5, 0.0]], device=device, dtype=dtype, requires_grad=True)
+        out = kl_estimate(lp, lp.detach().clone(), kind=kind, backend=backend)
+        assert torch.equal(out, torch.zeros_like(out)), f"{kind} {dtype} at log-ratio 0"
+        (g,) = torch.autograd.grad(out.sum(), lp)
+        slope = 1.0 if kind == "k1" else 0.0  # k1 = d has slope 1; the others are flat at 0
+        assert torch.equal(g, torch.full_like(g, slope)), f"{kind} {dtype} gradient at 0"
+        base = torch.full((1, 2), -40.0, device=device, dtype=dtype)
+        ref = base + torch.tensor([[30.0, -30.0]], device=device, dtype=dtype)
+        base.requires_grad_(True)
+        out = kl_estimate(base, ref, kind=kind, backend=backend)
+        (g,) = torch.autograd.grad(out.sum(), base)
+        want = oracle(base.detach(), ref, kind)
+        assert torch.isfinite(out).all(), f"{kind} {dtype} +-30"
+        assert_rel(out, want, 1e-6, f"{kind} {dtype} +-30")
+        # k3's slope 1 - e^30 ~ -1e13 exceeds fp16's range: a fp16 gradient cannot hold it
+        fits = (1.0 - torch.exp(ref.double() - base.detach().double())).abs() < 6e4
+        fits |= torch.tensor(dtype != torch.float16 or kind in ("k1", "k2", "abs"))
+        assert torch.isfinite(g[fits]).all(), f"{kind} {dtype} gradient at +-30"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_and_detached_ref(backend, device):
+    logp, ref = _inputs(device, torch.bfloat16, seed=1)
+    want = oracle(logp, ref, "k3")
+    eager = torch.exp(ref - logp) - 1 - (ref - logp)  # bf16 eager
+    out = kl_estimate(logp, ref, backend=backend)
+    assert out.dtype == torch.float32
+    assert_rel(out, want, bf16_tol(eager, want), "bf16 k3")
+    # ref without grad: only logprobs receives a gradient
+    logp.requires_grad_(True)
+    out = kl_estimate(logp, ref, kind="k2", backend=backend)
+    out.backward(torch.randn_like(out))
+    assert logp.grad.dtype == torch.bfloat16 and ref.grad is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_other_shapes(backend, device):
+    torch.manual_seed(2)
+    for shape in ((), (6,), (2, 3, 4), (0, 5)):
+        logp = torch.randn(shape, device=device, dtype=torch.float64)
+        ref = torch.randn(shape, device=device, dtype=torch.float64)
+        out = kl_estimate(logp, ref, kind="k3", backend=backend)
+        assert out.shape == logp.shape
+        assert_rel(out, oracle(logp, ref, "k3"), F64_TOL, str(shape))
+
+
+def test_gradcheck_float64_triton(device):
+    logp, ref = (t.double()[:3, :4] for t in _inputs(device, seed=3))
+    logp.requires_grad_(True)
+    ref.requires_grad_(True)
+
+    def fn(a, b):
+        return tuple(kl_estimate(a, b, kind=k, backend="triton") for k in KINDS)
+
+    assert torch.autograd.gradcheck(fn, (logp, ref))
+
+
+def test_deterministic(device):
+    torch.manual_seed(4)
+    logp = torch.randn(3, 900, device=device, requires_grad=True)
+    ref = torch.randn(3, 900, device=device)
+    up = torch.randn(3, 900, device=device)
+
+    def run():
+        out = kl_estimate(logp, ref, kind="low_var_kl", backend="triton")
+        return out, *torch.autograd.grad(out, logp, up)
+
+    for a, b in zip(run(), run()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.no_poison
+def test_torch_compile_fullgraph(device):
+    logp, ref = _inputs(device, seed=5)
+
+    def f(a, b):
+        return kl_estimate(a, b, kind="k3").sum() + kl_estimate(a, b, kind="abs").square().sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    results = []
+    for fn in (f, compiled):
+        a, b = logp.clone().requires_grad_(True), ref.clone().requires_grad_(True)
+        out = fn(a, b)
+        results.append((out, *torch.autograd.grad(out, (a, b))))
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_errors(device):
+    logp = torch.randn(3, 4, device=device)
+    with pytest.raises(ValueError, match="kind"):
+        kl_estimate(logp, logp, kind="k4")
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        kl_estimate(logp, logp[:, :2])
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        kl_estimate(logp, logp.to("meta"))
+    with pytest.raises(TypeError, match="logprobs"):
+        kl_estimate(logp.long(), logp)
