@@ -1,0 +1,12 @@
+"""Drop-in adapters: the public functions of DI-engine, torchtune, TRL and verl with the same
+signatures, defaults, return types and numerics (their documented quirks included), running
+on fused_rl's kernels. Adopt fused_rl by changing one import:
+
+* ``fused_rl.compat.ding``: ``ding.rl_utils`` PPO / GRPO losses and namedtuples;
+* ``fused_rl.compat.torchtune``: ``torchtune.rlhf`` (``PPOLoss``, GAE, rewards, whitening,
+  ``logits_to_logprobs``);
+* ``fused_rl.compat.trl``: ``selective_log_softmax``, ``entropy_from_logits``;
+* ``fused_rl.compat.verl``: ``verl`` ``core_algos`` / ``torch_functional``.
+
+None of these libraries is imported or needed. The submodules are not imported here.
+"""
