@@ -368,7 +368,7 @@ def value_loss(
         >>> v = torch.tensor([[0.0, 1.0, 2.0]], requires_grad=True)
         >>> loss, metrics = fused_rl.value_loss(v, torch.zeros(1, 3), torch.ones(1, 3), clip=0.5)
         >>> round(loss.item(), 4), metrics["clip_frac"].item()
-        (0.3333, 0.3333333432674408)
+        (0.375, 0.3333333432674408)
         >>> loss.backward()
     """
     V.check_float(values, "values")
