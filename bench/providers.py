@@ -271,7 +271,7 @@ def _fused_forward(case: Case, inp: dict, backend: str):
         return lambda: tuple(
             fn(
                 *_ppo_args(inp),
-                **{k: PPO[k] for k in ("epsilon", "value_clip_range", "value_coeff")},
+                **PPO,
             )
         )
     if case.op == "value_loss":

@@ -1,0 +1,171 @@
+"""The benchmark suite (bench/): CLI + JSON shape on a tiny quick run, parity detection,
+byte counts, the memory model, and pytest-benchmark timings of the reference paths (run
+once each under ``--benchmark-disable`` in CI, fully with ``pytest --benchmark-only``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from bench import measure as M  # noqa: E402
+from bench import providers as P  # noqa: E402
+from bench.cases import Case, full_cases, make_inputs, select_cases  # noqa: E402
+from bench.memory_profile import model_peak  # noqa: E402
+from bench.run import main, rel_err, run_case  # noqa: E402
+
+try:
+    import pytest_benchmark  # noqa: F401
+except ImportError:  # without the plugin the benchmark tests still run once
+
+    @pytest.fixture
+    def benchmark():
+        return lambda fn, *args, **kwargs: fn(*args, **kwargs)
+
+
+RECORD_KEYS = {"op", "provider", "mode", "tokens", "vocab", "dtype", "ms", "peak_mb", "gbps"}
+
+
+def _args(**kw):
+    base = dict(providers=["fused_rl", "fused_rl_ref", "eager", "trl"], seed=0, reps=1)
+    base.update(compile_cpu=False)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+@pytest.mark.no_poison
+def test_cli_quick_suite_writes_results(tmp_path):
+    out = tmp_path / "res"
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "bench", "run.py"),
+        "--suite=quick",
+        "--op=token_logprobs,gae",
+        "--tokens=16",
+        "--vocab=1000",
+        "--dtype=fp32",
+        "--reps=1",
+        "--no-plots",
+        f"--out={out}",
+    ]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "not a performance figure" in proc.stdout
+    doc = json.loads((out / "results.json").read_text())
+    assert set(doc["device"]) >= {"name", "copy_gbps"}
+    assert doc["device"]["name"] == "cpu" and doc["device"]["copy_gbps"] is None
+    assert set(doc["versions"]) >= {"torch", "triton", "fused_rl"}
+    assert doc["date"]
+    records = doc["records"]
+    assert {r["op"] for r in records} == {"token_logprobs", "gae"}
+    assert {r["mode"] for r in records} == {"fwd", "fwd_nograd", "fwd_bwd"}
+    for r in records:
+        assert RECORD_KEYS <= set(r), set(r) ^ RECORD_KEYS
+        assert r["status"] == "ok", r
+        assert r["ms"] > 0 and r["peak_mb"] is None and r["gbps"] is None  # CPU: no claims
+        if r["provider"] != "fused_rl":
+            assert r["parity_max"] <= r["parity_tol"], r
+    providers = {r["provider"] for r in records if r["op"] == "token_logprobs"}
+    assert {"fused_rl", "fused_rl_ref", "eager", "trl"} <= providers
+    assert (out / "results.md").read_text().count("| fused_rl |") >= 6
+
+
+def test_parity_failure_is_reported(monkeypatch):
+    case = Case("token_logprobs", "logp", "fwd_bwd", 1, 5, 37, "fp32")
+    original = P.eager_token_logprobs
+    broken = lambda logits, targets, with_entropy: (  # noqa: E731
+        original(logits, targets, with_entropy)[0] + 0.1,
+    )
+    monkeypatch.setattr(P, "eager_token_logprobs", broken)
+    skipped = []
+    recs = run_case(case, _args(providers=["fused_rl", "eager", "liger"]), "cpu", None, skipped)
+    by = {r["provider"]: r for r in recs}
+    assert by["eager"]["status"] == "parity_fail", by["eager"]["note"]
+    assert by["eager"]["parity"]["logp"] > 1e-3
+    assert by["fused_rl"]["status"] == "ok"
+    assert any(s["provider"] == "liger" for s in skipped)  # not installed in CI: a note
+
+
+def test_rel_err():
+    a = torch.randn(3, 4, 5)
+    assert rel_err(a, a) == 0.0
+    assert rel_err(a * (1 + 1e-3), a) == pytest.approx(1e-3, rel=1e-3)
+    assert rel_err(torch.full((2,), float("nan")), torch.ones(2)) == float("inf")
+    assert rel_err(torch.tensor(0.0), torch.tensor(0.0)) == 0.0
+    assert rel_err(torch.ones(2), torch.ones(3)) == float("inf")
+
+
+def test_byte_counts():
+    n, v = 8 * 1024, 151936
+    fwd = Case("token_logprobs", "logp", "fwd_nograd", 8, 1024, v, "bf16")
+    bwd = Case("policy_loss", "grpo", "fwd_bwd", 8, 1024, v, "bf16")
+    assert M.bytes_moved(fwd) == n * v * 2  # read the logits once
+    assert M.bytes_moved(bwd) == 3 * n * v * 2  # read, read, write the gradient
+    assert M.bytes_moved(Case("gae", "x", "fwd_nograd", 4, 8, None, "fp32")) == 17 * 32
+
+
+def test_memory_model_counts_materialised_tensors():
+    # fake tensors: this shape costs no memory and little time
+    b, t, v = 4, 512, 32000
+    grad_bytes = b * t * v * 2
+    fused = Case("policy_loss", "grpo", "fwd_bwd", b, t, v, "bf16")
+    peak, how = model_peak("fused_rl", fused)
+    assert how == "modelled" and grad_bytes <= peak <= 1.01 * grad_bytes
+    eager = Case("token_logprobs", "logp", "fwd_bwd", b, t, v, "bf16")
+    peak, _ = model_peak("eager", eager)
+    # fp32 upcast + fp32 log_softmax kept for backward + backward temporaries
+    assert peak == pytest.approx(12 * b * t * v, rel=0.01)
+    nograd = Case("token_logprobs", "logp", "fwd_nograd", b, t, v, "bf16")
+    assert model_peak("fused_rl", nograd)[0] < 1e-3 * grad_bytes  # per-token stats only
+    assert model_peak("compile", nograd)[0] is None
+
+
+def test_memory_command_cpu(capsys):
+    assert main(["memory", "--vocab=32000", "--tokens=2048", "--dtype=bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "MODELLED" in out
+    assert "policy_loss[grpo] fwd_bwd" in out and "eager" in out and "fused_rl" in out
+
+
+def test_suites_and_filters():
+    full = full_cases()
+    logits = {(c.tokens, c.vocab) for c in full if c.op == "policy_loss" and c.dtype == "bf16"}
+    for n in (4096, 16384, 32768):
+        for v in (32000, 128256, 151936, 262144):
+            assert (n, v) in logits
+    assert {(c.batch, c.seqlen) for c in full if c.op == "gae"} == {
+        (b, t) for b in (64, 512) for t in (1024, 8192)
+    }
+    assert any(c.seqlen == 4096 for c in full) and any(c.dtype == "fp32" for c in full)
+    picked = select_cases("quick", ["policy_loss"], [64], [333], ["fp32"])
+    assert picked and all(
+        (c.op, c.tokens, c.vocab, c.dtype) == ("policy_loss", 64, 333, "fp32") for c in picked
+    )
+    with pytest.raises(ValueError, match="--op"):
+        select_cases("quick", ["nope"])
+    with pytest.raises(ValueError, match="--dtype"):
+        select_cases("quick", None, None, None, ["fp8"])
+
+
+@pytest.mark.parametrize(
+    "op, variant", [("token_logprobs", "logp+entropy"), ("policy_loss", "grpo+entropy")]
+)
+def test_benchmark_reference_path(benchmark, op, variant):
+    """CPU timing of fused_rl's reference (CPU fallback) path; parity with eager asserted."""
+    case = Case(op, variant, "fwd_bwd", 2, 64, 4096, "fp32")
+    inp = make_inputs(case, "cpu")
+    run = P.build("fused_rl_ref", case, inp)
+    out = benchmark(run)
+    expected = P.build("eager", case, inp)()
+    for name, a, b in zip(P.output_names(case), out, expected):
+        assert rel_err(a, b) < 1e-5, name
