@@ -168,3 +168,15 @@ def test_errors(device):
         kl_estimate(logp, logp.to("meta"))
     with pytest.raises(TypeError, match="logprobs"):
         kl_estimate(logp.long(), logp)
+
+
+@pytest.mark.gpu
+def test_no_host_sync_cuda():
+    logp, ref = _inputs("cuda", seed=6)
+    logp.requires_grad_(True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        kl_estimate(logp, ref, kind="low_var_kl").sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

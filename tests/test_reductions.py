@@ -60,7 +60,7 @@ def _weights(x, mask):
 
 def _case(name, device, dtype=torch.float32):
     """``(x, mask)`` for awkward layouts: strided views, size 1, empty rows, float weights."""
-    g = torch.Generator().manual_seed(hash(name) % 1000)
+    g = torch.Generator().manual_seed(CASES.index(name))
     rnd = lambda *s: (torch.randn(*s, generator=g) * 2 + 0.5).to(device=device, dtype=dtype)
     if name == "plain":
         x = rnd(5, 7)
@@ -337,3 +337,16 @@ def test_errors(device):
         masked_whiten(x, eps=-1.0)
     with pytest.raises(ValueError, match="backend"):
         masked_var(x, backend="cuda")
+
+
+@pytest.mark.gpu
+def test_no_host_sync_cuda():
+    x, mask = _case("plain", "cuda")
+    x.requires_grad_(True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = masked_mean(x, mask, 1).sum() + masked_var(x, mask) + masked_sum(x, mask)
+        (out + masked_whiten(x, mask, keep_mean=True).square().sum()).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

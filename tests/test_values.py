@@ -361,3 +361,19 @@ def test_errors(device):
         value_loss(v, v_old, ret, loss_agg="sum")
     with pytest.raises(ValueError, match="mask"):
         value_loss(v, v_old, ret, mask=torch.ones(2, 2, dtype=torch.bool, device=device))
+
+
+@pytest.mark.gpu
+def test_no_host_sync_cuda():
+    tensors = _inputs("cuda", seed=7)
+    pm, vm, _ = _masks("cuda")
+    lp = tensors[1].clone().requires_grad_(True)
+    v = tensors[4].clone().requires_grad_(True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = ppo_loss(tensors[0], lp, tensors[2], tensors[3], v, tensors[5], pm, vm)
+        vl, _ = value_loss(v, tensors[3], tensors[5], mask=vm, loss_agg=AGGS[1])
+        (out[0] + vl).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
