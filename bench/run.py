@@ -77,8 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "command",
         nargs="?",
         default="suite",
-        choices=("suite", "memory"),
-        help="suite (default): time + memory + parity; memory: peak memory per provider",
+        choices=("suite", "memory", "report"),
+        help="suite (default): time + memory + parity; memory: peak memory per provider; "
+        "report: rewrite results.md and the plots from --out/results.json",
     )
     p.add_argument("--suite", default="quick", choices=("quick", "full"))
     p.add_argument("--op", type=_csv(str), default=None, help=f"comma list of: {', '.join(OPS)}")
@@ -89,8 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--providers",
         type=_csv(str),
-        default=list(P.PROVIDERS),
-        help=f"comma list of: {', '.join(P.PROVIDERS)}",
+        default=None,
+        help=f"comma list of: {', '.join(P.PROVIDERS)} (default: all; the full suite leaves "
+        "out fused_rl_ref, the CPU fallback)",
     )
     p.add_argument("--out", default=None, help="output folder (default bench/results/<device>)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
@@ -107,9 +109,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="merge into an existing results.json in --out (same case+provider replaced)",
     )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="--append, and skip the cases that results.json in --out already holds",
+    )
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.providers is None:
+        args.providers = [x for x in P.PROVIDERS if args.suite == "quick" or x != "fused_rl_ref"]
+    args.append = args.append or args.resume
     unknown = [x for x in args.providers if x not in P.PROVIDERS]
     if unknown:
         p.error(f"--providers: unknown {unknown}; choose from {', '.join(P.PROVIDERS)}")
@@ -274,6 +284,31 @@ def default_out(device) -> str:
     return os.path.join(ROOT, "bench", "results", M.slug(M.device_name(device)))
 
 
+def _merged(previous: dict | None, records: list[dict], skipped: list[dict]):
+    """``previous``' records and notes, with this run's replacing the same case+provider."""
+    if not previous:
+        return records, skipped
+    mine = {(*R.case_key(r), r["provider"]) for r in records}
+    kept = [r for r in previous["records"] if (*R.case_key(r), r["provider"]) not in mine]
+    return kept + records, previous.get("skipped", []) + skipped
+
+
+def write_reports(out_dir: str, meta: dict, records, skipped, plots: bool) -> list[str]:
+    R.write_markdown(os.path.join(out_dir, "results.md"), meta, records, skipped)
+    return R.write_plots(out_dir, records, meta) if plots else []
+
+
+def run_report(args) -> None:
+    """Rewrite results.md and the plots from results.json (e.g. after a GPU session)."""
+    out_dir = args.out or default_out(args.device or "cpu")
+    doc = R.load_json(os.path.join(out_dir, "results.json"))
+    if doc is None:
+        raise SystemExit(f"no results.json in {out_dir}")
+    records, skipped = doc.pop("records"), doc.pop("skipped", [])
+    plots = write_reports(out_dir, doc, records, skipped, plots=not args.no_plots)
+    print(f"{out_dir}: results.md and {len(plots)} plot(s) from {len(records)} records")
+
+
 def run_suite(args) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = M.is_gpu(device)
@@ -308,6 +343,15 @@ def run_suite(args) -> dict:
         "parity_tolerance": PARITY_TOL,
     }
     previous = R.load_json(json_path) if args.append else None
+    if previous and args.resume:
+        done = {R.case_key(r) for r in previous["records"]}
+        before = len(cases)
+        cases = [
+            c
+            for c in cases
+            if (c.op, c.variant, c.mode, c.batch, c.seqlen, c.vocab, c.dtype) not in done
+        ]
+        print(f"resume: {before - len(cases)} case(s) already in {json_path}, {len(cases)} to go")
     records: list[dict] = []
     start = time.perf_counter()
     progress = _Progress(len(cases))
@@ -325,13 +369,10 @@ def run_suite(args) -> dict:
             continue
         records += run_case(case, args, device, copy, skipped)
         progress.step(case.label())
-        R.write_json(json_path, meta, records, skipped)  # partial results survive a kill
+        # partial results survive a kill (a GPU lease ends mid-suite)
+        R.write_json(json_path, meta, *_merged(previous, records, skipped))
     progress.close()
-    if previous:
-        mine = {(*R.case_key(r), r["provider"]) for r in records}
-        kept = [r for r in previous["records"] if (*R.case_key(r), r["provider"]) not in mine]
-        records = kept + records
-        skipped = previous.get("skipped", []) + skipped
+    records, skipped = _merged(previous, records, skipped)
     R.add_ratios(records, gpu)
     R.attach_fused_ms(records)
     print()
@@ -339,8 +380,7 @@ def run_suite(args) -> dict:
     for r in records:
         r.pop("_fused_ms", None)
     R.write_json(json_path, meta, records, skipped)
-    R.write_markdown(os.path.join(out_dir, "results.md"), meta, records, skipped)
-    plots = [] if args.no_plots else R.write_plots(out_dir, records, meta)
+    plots = write_reports(out_dir, meta, records, skipped, plots=not args.no_plots)
     failed = [r for r in records if r["status"] != "ok"]
     print()
     if not gpu:
@@ -384,6 +424,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.command == "memory":
         run_memory(args)
+        return 0
+    if args.command == "report":
+        run_report(args)
         return 0
     result = run_suite(args)
     broken = [r for r in result["records"] if r["status"] in ("error",)]

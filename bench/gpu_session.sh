@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine: the CUDA test-suite, then the full benchmark suite.
+#
+#   bash bench/gpu_session.sh [all|tests|bench] [extra bench/run.py arguments]
+#
+#   all (default)  tests (at most TEST_TIMEOUT s), then `bench/run.py --suite full` until
+#                  the time budget is spent
+#   tests          the CUDA test-suite only
+#   bench          the full suite only
+#
+# The bench part RESUMES: cases already in bench/results/<gpu>/results.json of this working
+# tree are skipped, so repeated calls (each under the 10-minute command limit) complete the
+# suite. Everything comes back under $OUT (at most 8 files, none deeper than 2 folders):
+#   $OUT/env.txt               nvidia-smi, versions
+#   $OUT/pytest.log            the CUDA test-suite's output
+#   $OUT/bench.log             the benchmark's output (its table at the end)
+#   $OUT/results/results.json  all results so far (this call's merged into the tree's)
+#   $OUT/results/results.md    the tables
+# To commit them (on the machine that called):
+#   mkdir -p bench/results/<gpu> && cp <files_at>/results/results.* bench/results/<gpu>/
+#   python bench/run.py report --out bench/results/<gpu>     # the PNG plots (matplotlib)
+# then call again with `bench` to continue an unfinished suite.
+#
+# Environment: OUT (default bench/results/_session), BENCH_BUDGET (seconds for the bench
+# part; default 500 minus the time already spent), TEST_TIMEOUT (default 240).
+# liger-kernel is not on the GPU image: carry its wheel in .whl/ (see the device README's
+# notes; it is pure Python, `pip download --no-deps liger-kernel`) and it is measured too.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+PART=${1:-all}
+[ $# -gt 0 ] && shift
+OUT=${OUT:-bench/results/_session}
+mkdir -p "$OUT/results"
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# fused_rl.kernels maps to kernels/ only through an install (pyproject package-dir)
+if ! "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation . >>"$OUT/install.log" 2>&1 \
+        || { echo "fused_rl install failed:"; tail -20 "$OUT/install.log"; exit 1; }
+fi
+rm -f "$OUT/install.log"
+
+{
+    nvidia-smi 2>&1
+    "$PY" -c "import torch, triton, fused_rl; print('torch', torch.__version__, 'cuda', \
+torch.version.cuda, 'triton', triton.__version__, 'fused_rl', fused_rl.__version__); \
+print(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0))"
+    "$PY" -c "import liger_kernel; print('liger_kernel importable')" 2>&1 | tail -1
+} >"$OUT/env.txt" 2>&1
+
+status=0
+if [ "$PART" = all ] || [ "$PART" = tests ]; then
+    echo "== CUDA test-suite"
+    timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -q -x tests --benchmark-disable \
+        -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -15
+    status=${PIPESTATUS[0]}
+    echo "pytest exit status $status (124 = stopped by TEST_TIMEOUT)"
+fi
+
+if [ "$PART" = all ] || [ "$PART" = bench ]; then
+    SLUG=$("$PY" -c "import sys, torch; sys.path.insert(0, '.'); from bench.measure import \
+slug, device_name; print(slug(device_name('cuda' if torch.cuda.is_available() else 'cpu')))")
+    # resume from what this working tree already holds for this GPU
+    [ -f "bench/results/$SLUG/results.json" ] && cp "bench/results/$SLUG/results.json" "$OUT/results/"
+    BUDGET=${BENCH_BUDGET:-$((500 - SECONDS))}
+    echo "== full benchmark suite on $SLUG, budget ${BUDGET}s"
+    "$PY" bench/run.py --suite full --resume --no-plots --time-budget "$BUDGET" \
+        --out "$OUT/results" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
+    bench_status=${PIPESTATUS[0]}
+    echo "bench exit status $bench_status; results for bench/results/$SLUG/ in $OUT/results/"
+    [ "$status" -eq 0 ] && status=$bench_status
+fi
+exit "$status"
