@@ -309,6 +309,10 @@ def _upcast(x: Tensor) -> Tensor:
     return x.to(compute_dtype(x))
 
 
+def _rows(mask: Tensor | None) -> Tensor | None:
+    return None if mask is None else as_rows2d(mask)
+
+
 def _stats(x: Tensor, mask: Tensor | None, dim: int | None, with_var: bool, correction: float):
     """Triton stats ``(n, sum, mean, var)``: four 0-dim tensors (``dim=None``) or four tensors
     of ``x``'s shape without ``dim``."""
@@ -320,10 +324,6 @@ def _stats(x: Tensor, mask: Tensor | None, dim: int | None, with_var: bool, corr
     m2d = None if mask is None else as_rows2d(mask.movedim(dim, -1))
     stats = _masked_moments_op(x2d, m2d, True, with_var, correction)
     return stats.reshape(4, *x_moved.shape[:-1])
-
-
-def _rows(mask: Tensor | None) -> Tensor | None:
-    return None if mask is None else as_rows2d(mask)
 
 
 def masked_sum(
