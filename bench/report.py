@@ -70,6 +70,13 @@ def _f(x, fmt="{:.3g}", none="-") -> str:
     return none if x is None else fmt.format(x)
 
 
+def _mb(x) -> str:
+    """Megabytes: 3 significant digits below 100, whole numbers above."""
+    if x is None:
+        return "-"
+    return f"{x:.3g}" if x < 100 else f"{x:,.0f}"
+
+
 def _shape(r: dict) -> str:
     return f"{r['batch']}x{r['seqlen']}" + (f"x{r['vocab']}" if r["vocab"] else "")
 
@@ -101,9 +108,9 @@ def console_table(records: list[dict], gpu: bool) -> str:
             ratio = r["ms"] / fused if r["ms"] and fused else None
             row += (
                 f"{_f(r['gbps'], '{:.0f}'):>7} {_f(r['pct_copy'], '{:.0f}'):>6} "
-                f"{_f(r['peak_mb'], '{:,.0f}'):>9} {_f(ratio, '{:.2f}'):>7} "
+                f"{_mb(r['peak_mb']):>9} {_f(ratio, '{:.2f}'):>7} "
             )
-        row += f"{_f(r['model_mb'], '{:,.2f}'):>9} {_parity(r):>13}  {r['status']}"
+        row += f"{_mb(r['model_mb']):>9} {_parity(r):>13}  {r['status']}"
         lines.append(row)
     return "\n".join(lines)
 
@@ -182,6 +189,18 @@ def write_markdown(path: str, meta: dict, records: list[dict], skipped: list[dic
             "tensors), not a measurement."
         )
     lines.append("")
+    tol = meta.get("parity_tolerance", {})
+    lines.append(
+        "Parity: RMS relative error of every output (values, gradients) against fused_rl's "
+        f"on the same inputs; tolerance {', '.join(f'{k} {v:g}' for k, v in tol.items())} "
+        "(0-dim outputs relative to max(|ref|, 1e-2)). A provider over it is still timed but "
+        "marked `parity_fail`. `eager` upcasts the logits to fp32 (as RL trainers do); `trl` "
+        "follows TRL and runs `log_softmax` in bf16 for bf16 logits, so its bf16 gradients "
+        "differ by about 2% RMS from fp32-accumulated ones. Liger is called with "
+        "`inplace=False` because every provider reuses the logits (its default `inplace=True` "
+        "writes the gradient into the logits buffer and saves that buffer)."
+    )
+    lines.append("")
     if gpu:
         targets = _targets(records, meta)
         if targets:
@@ -225,10 +244,10 @@ def write_markdown(path: str, meta: dict, records: list[dict], skipped: list[dic
                 if gpu:
                     row += (
                         f"{_f(r['gbps'], '{:.0f}')} | {_f(r['pct_copy'], '{:.0f}')} | "
-                        f"{_f(r['peak_mb'], '{:,.1f}')} | "
+                        f"{_mb(r['peak_mb'])} | "
                     )
                 row += (
-                    f"{_f(r['model_mb'], '{:,.2f}')} | {_f(speed, '{:.2f}x')} | "
+                    f"{_mb(r['model_mb'])} | {_f(speed, '{:.2f}x')} | "
                     f"{_f(mem, '{:.2f}x')} | {_parity(r)} | {r['status']} |"
                 )
                 lines.append(row)

@@ -9,7 +9,7 @@ Usage::
 
 Every case runs each provider (``bench/providers.py``) on the same inputs in this process.
 Before timing, each provider's outputs (values and gradients) are compared with fused_rl's
-(RMS relative error; tolerance 1e-4 in fp32, 2e-2 in bf16); a provider that disagrees is
+(RMS relative error; tolerance 1e-4 in fp32, 1e-2 in bf16); a provider that disagrees is
 timed but marked ``parity_fail`` in every table. Results go to ``--out`` (default
 ``bench/results/<gpu name or cpu>/``): ``results.json``, ``results.md`` and PNG plots.
 
@@ -56,7 +56,7 @@ from bench.memory_profile import (  # noqa: E402
     model_peak_bytes,
 )
 
-PARITY_TOL = {"fp32": 1e-4, "bf16": 2e-2, "fp16": 1e-2}
+PARITY_TOL = {"fp32": 1e-4, "bf16": 1e-2, "fp16": 5e-3}
 SCALAR_FLOOR = 1e-2  # |a - b| / max(|b|, floor) for 0-dim outputs (a loss can sit near 0)
 
 
@@ -132,18 +132,22 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """RMS relative error ``||out - ref|| / ||ref||`` in fp64, chunked over dim 0."""
+    """RMS relative error ``||out - ref|| / ||ref||`` in fp64, in chunks of 2^25 elements
+    (a (B, T, V) gradient is many gigabytes: no full fp64 copy)."""
     if out.shape != ref.shape:
         return float("inf")
     if out.dim() == 0:
         diff = (out.double() - ref.double()).abs().item()
         return diff / max(abs(ref.double().item()), SCALAR_FLOOR)
     num = den = 0.0
-    step = max(1, (1 << 25) // max(1, ref[0].numel()))
-    for i in range(0, ref.shape[0], step):
-        a, b = out[i : i + step].double(), ref[i : i + step].double()
-        num += (a - b).square().sum().item()
-        den += b.square().sum().item()
+    chunk = 1 << 25
+    rows = (out, ref) if out.dim() > 1 else (out[None], ref[None])
+    for row_out, row_ref in zip(*rows):
+        flat_out, flat_ref = row_out.reshape(-1), row_ref.reshape(-1)
+        for k in range(0, flat_ref.numel(), chunk):
+            a, b = flat_out[k : k + chunk].double(), flat_ref[k : k + chunk].double()
+            num += (a - b).square().sum().item()
+            den += b.square().sum().item()
     if num != num:  # NaN anywhere
         return float("inf")
     return (num**0.5) / max(den**0.5, 1e-30)
