@@ -9,8 +9,11 @@ from ._backend import available_backends
 from ._version import __version__
 from .advantages import gae, group_advantages, kl_penalized_rewards, rloo_advantages
 from .continuous import gaussian_entropy, gaussian_logprob
+from .kl import kl_estimate
 from .logprobs import token_entropy, token_logprobs
 from .losses import policy_loss, policy_loss_from_logprobs
+from .reductions import masked_mean, masked_sum, masked_var, masked_whiten
+from .values import ppo_loss, value_loss
 
 __all__ = [
     "__version__",
@@ -20,10 +23,17 @@ __all__ = [
     "gaussian_entropy",
     "gaussian_logprob",
     "group_advantages",
+    "kl_estimate",
     "kl_penalized_rewards",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
     "rloo_advantages",
     "policy_loss",
     "policy_loss_from_logprobs",
+    "ppo_loss",
     "token_entropy",
     "token_logprobs",
+    "value_loss",
 ]

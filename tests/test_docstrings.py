@@ -1,0 +1,27 @@
+"""Every docstring example in the public modules runs and prints what it says."""
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = [
+    "fused_rl._backend",
+    "fused_rl.logprobs",
+    "fused_rl.losses",
+    "fused_rl.nn",
+    "fused_rl.values",
+    "fused_rl.kl",
+    "fused_rl.reductions",
+    "fused_rl.advantages",
+    "fused_rl.continuous",
+]
+
+
+@pytest.mark.no_poison
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0, f"{name} has no docstring example"
+    assert result.failed == 0
