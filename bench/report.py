@@ -315,6 +315,9 @@ def write_plots(outdir: str, records: list[dict], meta: dict) -> list[str]:
             "peak memory above inputs (MB)" + ("" if gpu else " -- modelled"), fontsize=9
         )
         for ax in (ax_t, ax_m):
+            ys = [y for line in ax.get_lines() for y in line.get_ydata() if y > 0]
+            if ys and max(ys) / min(ys) > 20:  # providers an order of magnitude apart
+                ax.set_yscale("log")
             ax.set_xlabel("vocabulary size V")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)

@@ -86,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tokens", type=_csv(int), default=None, help="comma list of B*T values")
     p.add_argument("--vocab", type=_csv(int), default=None, help="comma list of V values")
     p.add_argument("--dtype", type=_csv(str), default=None, help="comma list: bf16,fp32,fp16")
-    p.add_argument("--seqlen", type=int, default=None, help="T (default 1024; quick: 16)")
+    p.add_argument("--seqlen", type=int, default=None, help="T (default 1024; quick: 4)")
     p.add_argument(
         "--providers",
         type=_csv(str),
