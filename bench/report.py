@@ -238,7 +238,7 @@ def write_markdown(path: str, meta: dict, records: list[dict], skipped: list[dic
                     speed = fused.get("speedup_vs", {}).get(r["provider"])
                     mem = fused.get("memory_ratio_vs", {}).get(r["provider"])
                 ms = _f(r["ms"], "{:.3f}")
-                if gpu and r["ms"] is not None:
+                if gpu and r["ms_p20"] is not None:
                     ms += f" [{r['ms_p20']:.3f}-{r['ms_p80']:.3f}]"
                 row = f"| {_shape(r)} | {r['dtype']} | {r['provider']} | {ms} | "
                 if gpu:

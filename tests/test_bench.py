@@ -169,3 +169,42 @@ def test_benchmark_reference_path(benchmark, op, variant):
     expected = P.build("eager", case, inp)()
     for name, a, b in zip(P.output_names(case), out, expected):
         assert rel_err(a, b) < 1e-5, name
+
+
+def test_gpu_report_renders(tmp_path):
+    """The GPU-only parts of the report (targets, GB/s columns, plots) on synthetic records
+    (made-up numbers for a made-up device: a rendering check, not a measurement)."""
+    from bench import report as R
+    from bench.run import _record
+
+    meta = {
+        "device": {"name": "synthetic-device", "copy_gbps": 1000.0},
+        "versions": {"torch": "x", "triton": "y", "fused_rl": "z"},
+        "date": "today",
+        "suite": "full",
+        "parity_tolerance": {"bf16": 1e-2},
+    }
+    records = []
+    for vocab in (128256, 151936):
+        for op, variant, mode in (
+            ("policy_loss", "grpo", "fwd_bwd"),
+            ("token_logprobs", "logp", "fwd_nograd"),
+        ):
+            case = Case(op, variant, mode, 16, 1024, vocab, "bf16")
+            for provider, ms, mb in (("fused_rl", 1.0, 10.0), ("eager", 6.0, 60.0)):
+                rec = _record(case, provider, ms=ms, ms_p20=ms, ms_p80=ms, peak_mb=mb)
+                rec["gbps"] = rec["bytes"] / (ms * 1e-3) / 1e9
+                rec["pct_copy"] = rec["gbps"] / 10.0
+                records.append(rec)
+    gae = Case("gae", "g", "fwd_nograd", 64, 1024, None, "fp32")
+    records += [_record(gae, "fused_rl", ms=1.0), _record(gae, "eager", ms=150.0)]
+    R.add_ratios(records, gpu=True)
+    fused = next(r for r in records if r["provider"] == "fused_rl" and r["op"] == "policy_loss")
+    assert fused["speedup_vs"]["eager"] == 6.0 and fused["memory_ratio_vs"]["eager"] == 6.0
+    R.write_markdown(str(tmp_path / "results.md"), meta, records, [])
+    text = (tmp_path / "results.md").read_text()
+    assert "## Targets (issue 6)" in text and "6.00x vs eager (>= 5.0x: met)" in text
+    assert "150x vs the seed's loop (>= 100x: met)" in text
+    R.attach_fused_ms(records)
+    assert "6.00" in R.console_table(records, gpu=True)
+    assert len(R.write_plots(str(tmp_path), records, meta)) in (0, 2)  # 0 without matplotlib
