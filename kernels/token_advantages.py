@@ -10,11 +10,6 @@ import triton.language as tl
 
 from .token_layer import kl_and_grad
 
-# group_advantages modes
-GROUP_STD: tl.constexpr = 0
-GROUP_CENTER: tl.constexpr = 1
-GROUP_RLOO: tl.constexpr = 2
-
 
 @triton.jit
 def _affine_compose(a_prev, b_prev, a_new, b_new):
@@ -158,6 +153,8 @@ def _group_advantages_fwd_kernel(
     ACC: tl.constexpr,
 ):
     """One program per group of ``group_size`` consecutive scores.
+
+    ``MODE``: 0 ``(s - mean) / (std + eps)``, 1 ``s - mean``, 2 RLOO leave-one-out.
 
     Scores are shifted by the group's first score before summing: a constant group then
     centres to exactly 0 (never ``rounding / eps``), and the variance pass is stable.

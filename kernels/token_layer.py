@@ -8,18 +8,14 @@ derivative w.r.t. ``logp`` so the backward needs only the per-token coefficients
 import triton
 import triton.language as tl
 
-# KL estimator codes (order of fused_rl.reference.kl.KL_KINDS)
-KL_K1: tl.constexpr = 0
-KL_K2: tl.constexpr = 1
-KL_K3: tl.constexpr = 2
-KL_LOW_VAR: tl.constexpr = 3
-KL_ABS: tl.constexpr = 4
-
 
 @triton.jit
 def kl_and_grad(logp, ref_logp, KIND: tl.constexpr):
     """``(kl, d kl / d logp)`` for ``log_ratio = logp - ref_logp``; clamps pass gradient
-    inclusively at their bounds, as ``torch.clamp`` does."""
+    inclusively at their bounds, as ``torch.clamp`` does.
+
+    ``KIND`` indexes ``fused_rl.reference.kl.KL_KINDS``: 0 k1, 1 k2, 2 k3, 3 low_var_kl, 4 abs.
+    """
     d = logp - ref_logp
     if KIND == 0:
         kl = d
@@ -44,13 +40,6 @@ def kl_and_grad(logp, ref_logp, KIND: tl.constexpr):
     return kl, grad
 
 
-# bits of the per-token branch code written by the policy epilogue
-CODE_CLIPPED: tl.constexpr = 1
-CODE_CLIPPED_LOW: tl.constexpr = 2
-CODE_CLIPPED_HIGH: tl.constexpr = 4
-CODE_DUAL: tl.constexpr = 8
-
-
 @triton.jit
 def _min_weight(a, b):
     """d min(a, b) / da as torch.minimum does it: 1, 0, or 0.5 on a tie."""
@@ -72,7 +61,8 @@ def clipped_surrogate(
 
     ``USE_DELTA``: the unclipped ratio is capped at ``delta`` first (TRL's two-sided clip).
     ``USE_DUAL``: where ``A < 0`` the loss is capped at ``-dual_clip * A``.
-    ``code`` packs the CODE_* flags (clipped branch strictly chosen, its bound, dual clip).
+    ``code`` packs bit flags: 1 the clipped branch strictly chosen, 2 at the low bound,
+    4 at the high bound, 8 the dual clip active (unpacked in ``fused_rl.losses``).
     """
     lo = 1.0 - eps_low
     hi = 1.0 + eps_high
