@@ -630,7 +630,6 @@ def test_grpo_attached_old_and_ref_get_gradient(device):
 # ----------------------------------------------------------------------------- backends / originals
 
 
-@pytest.mark.no_poison
 def test_reference_backend_path_agrees(monkeypatch):
     """With the Triton interpreter off, ``auto`` runs fused_rl's references: same results."""
     gen = torch.Generator().manual_seed(11)

@@ -328,7 +328,6 @@ def test_compute_grpo_outcome_advantage(norm, device):
 # ----------------------------------------------------------------------------- backends / originals
 
 
-@pytest.mark.no_poison
 def test_reference_backend_path_agrees(monkeypatch):
     gen = torch.Generator().manual_seed(9)
     logits = torch.randn(2, 5, 23, generator=gen)

@@ -18,7 +18,6 @@ def example():
     return module
 
 
-@pytest.mark.no_poison
 def test_fused_run_matches_seed_style_run(example):
     from fused_rl.compat import ding
 
@@ -38,7 +37,6 @@ def test_fused_run_matches_seed_style_run(example):
     assert example.max_param_rel_diff(params, {k: v.to(device) for k, v in init.items()}) > 1e-3
 
 
-@pytest.mark.no_poison
 def test_main_prints_both_curves(example, capsys):
     assert example.main(["--grpo-steps", "1", "--ppo-steps", "1", "--epochs", "1"]) == 0
     out = capsys.readouterr().out
