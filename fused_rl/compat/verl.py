@@ -5,15 +5,17 @@ Change ``import verl.utils.torch_functional as verl_F`` and
 ``from verl.trainer.ppo import core_algos`` to ``from fused_rl.compat import verl as verl_F``
 and ``from fused_rl.compat import verl as core_algos``. verl is not imported (nor needed).
 
-Signatures, defaults, return tuples and numerics mirror verl v0.5 (``verl/utils/
-torch_functional.py`` and ``verl/trainer/ppo/core_algos.py``, 2025, commit ``012be9d9``):
+Signatures, defaults, return tuples and numerics mirror verl's v0.5 line (2025:
+``verl/trainer/ppo/core_algos.py`` at commit ``012be9d9`` and the matching
+``verl/utils/torch_functional.py``):
 the deprecated-but-kept ``compute_policy_loss`` with explicit clip ranges and the
 ``clip_ratio_c = 3.0`` dual clip, ``agg_loss`` with its four modes (``seq-mean-token-sum-norm``
 divides by the response length only, not by the batch size), the NaN-safe ``masked_sum``,
 ``masked_mean`` with ``+ 1e-8``, ``masked_var`` raising on a mask count of 0 or 1,
 ``masked_whiten`` returning zero mean by default, ``kl_penalty`` with ``k3`` =
 ``low_var_kl`` (clamped), GAE that skips masked (observation) tokens, and GRPO's per-group
-``(s - mean) / (std + eps)`` with a group of one left unnormalised.
+``(s - mean) / (std + eps)`` where a group of one counts as mean 0, std 1. Labels outside
+``[0, V)`` raise ``ValueError`` (verl's ``gather`` raises ``RuntimeError``).
 
 Fused: :func:`logprobs_from_logits`, :func:`entropy_from_logits` and
 :func:`compute_entropy_loss` stream the logits through :func:`fused_rl.token_logprobs` /
