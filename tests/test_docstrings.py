@@ -15,6 +15,10 @@ MODULES = [
     "fused_rl.reductions",
     "fused_rl.advantages",
     "fused_rl.continuous",
+    "fused_rl.compat.ding",
+    "fused_rl.compat.torchtune",
+    "fused_rl.compat.trl",
+    "fused_rl.compat.verl",
 ]
 
 
