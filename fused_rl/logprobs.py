@@ -2,7 +2,8 @@
 
 The Triton path is two ``torch.library`` custom ops, one vocab pass each:
 
-* ``fused_rl::token_stats_fwd`` -- layer 1: ``logp``, ``entropy``, ``lse`` per token;
+* ``fused_rl::token_stats_fwd`` -- layer 1: ``logp``, ``entropy`` and the softmax
+  normaliser (row max ``m`` and ``log s``, ``lse = m + log s``) per token;
 * ``fused_rl::token_stats_bwd`` -- layer 3: ``dL/dlogits`` from per-token ``g`` and ``h``.
 
 They carry fake (meta) implementations and an autograd registration, so
@@ -29,11 +30,11 @@ def token_stats_fwd(
     temperature: float,
     ignore_index: int,
     with_entropy: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Launch the layer-1 kernel on ``(outer, inner, V)`` logits (any strides).
 
-    Returns ``(logp, entropy, lse)``, each ``(outer, inner)``; ``logp`` / ``entropy`` are
-    empty when not asked for (no targets / ``with_entropy=False``).
+    Returns ``(logp, entropy, row_max, log_sum)``, each ``(outer, inner)``; ``logp`` /
+    ``entropy`` are empty when not asked for (no targets / ``with_entropy=False``).
     """
     from .kernels.vocab_stream_fwd import _token_stats_fwd_kernel
 
@@ -42,17 +43,19 @@ def token_stats_fwd(
     new = lambda on: torch.empty(
         (outer, inner) if on else (0,), dtype=dtype, device=logits3d.device
     )
-    logp, entropy, lse = new(targets is not None), new(with_entropy), new(True)
+    logp, entropy = new(targets is not None), new(with_entropy)
+    row_max, log_sum = new(True), new(True)
     n_rows = outer * inner
     if n_rows == 0:
-        return logp, entropy, lse
+        return logp, entropy, row_max, log_sum
     block = vocab_block(vocab)
     _token_stats_fwd_kernel[(n_rows,)](
         logits3d,
-        targets if targets is not None else lse,
+        targets if targets is not None else row_max,
         logp,
         entropy,
-        lse,
+        row_max,
+        log_sum,
         inner,
         vocab,
         logits3d.stride(0),
@@ -66,13 +69,14 @@ def token_stats_fwd(
         ACC=triton_acc(logits3d.dtype),
         num_warps=vocab_warps(block),
     )
-    return logp, entropy, lse
+    return logp, entropy, row_max, log_sum
 
 
 def token_stats_bwd(
     logits3d: Tensor,
     targets: Tensor | None,
-    lse: Tensor,
+    row_max: Tensor,
+    log_sum: Tensor,
     entropy: Tensor | None,
     g: Tensor | None,
     h: Tensor | None,
@@ -82,7 +86,8 @@ def token_stats_bwd(
 ) -> Tensor:
     """Launch the layer-3 kernel: the gradient w.r.t. ``logits3d`` (contiguous, its dtype).
 
-    ``g``, ``h``: per-row ``dL/dlogp`` and ``dL/dH`` (None = zero); ``scale``: optional
+    ``row_max``, ``log_sum``: the forward's softmax normaliser; ``entropy``: its ``H`` (needed
+    with ``h``); ``g``, ``h``: per-row ``dL/dlogp`` and ``dL/dH`` (None = zero); ``scale``: optional
     0-dim tensor multiplying both (the upstream gradient of a fused scalar loss).
     """
     from .kernels.vocab_stream_bwd import _token_stats_bwd_kernel
@@ -93,12 +98,13 @@ def token_stats_bwd(
     if n_rows == 0:
         return grad
     block = vocab_block(vocab)
-    dummy = lse
+    dummy = row_max
     _token_stats_bwd_kernel[(n_rows,)](
         logits3d,
         targets if targets is not None else dummy,
         grad,
-        lse,
+        row_max,
+        log_sum,
         entropy if h is not None else dummy,
         g.contiguous() if g is not None else dummy,
         h.contiguous() if h is not None else dummy,
@@ -131,7 +137,7 @@ def _token_stats_fwd_op(
     temperature: float,
     ignore_index: int,
     with_entropy: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return token_stats_fwd(logits3d, targets, temperature, ignore_index, with_entropy)
 
 
@@ -140,14 +146,15 @@ def _(logits3d, targets, temperature, ignore_index, with_entropy):
     outer, inner, _ = logits3d.shape
     dtype = stats_dtype(logits3d.dtype)
     new = lambda on: logits3d.new_empty((outer, inner) if on else (0,), dtype=dtype)
-    return new(targets is not None), new(with_entropy), new(True)
+    return new(targets is not None), new(with_entropy), new(True), new(True)
 
 
 @torch.library.custom_op("fused_rl::token_stats_bwd", mutates_args=())
 def _token_stats_bwd_op(
     logits3d: Tensor,
     targets: Tensor | None,
-    lse: Tensor,
+    row_max: Tensor,
+    log_sum: Tensor,
     entropy: Tensor | None,
     g: Tensor | None,
     h: Tensor | None,
@@ -155,25 +162,27 @@ def _token_stats_bwd_op(
     temperature: float,
     ignore_index: int,
 ) -> Tensor:
-    return token_stats_bwd(logits3d, targets, lse, entropy, g, h, scale, temperature, ignore_index)
+    return token_stats_bwd(
+        logits3d, targets, row_max, log_sum, entropy, g, h, scale, temperature, ignore_index
+    )
 
 
 @_token_stats_bwd_op.register_fake
-def _(logits3d, targets, lse, entropy, g, h, scale, temperature, ignore_index):
+def _(logits3d, targets, row_max, log_sum, entropy, g, h, scale, temperature, ignore_index):
     return torch.empty_like(logits3d, memory_format=torch.contiguous_format)
 
 
 def _setup_context(ctx, inputs, output):
     logits3d, targets, temperature, ignore_index, with_entropy = inputs
-    _, entropy, lse = output
-    ctx.save_for_backward(logits3d, targets, lse, entropy)
+    _, entropy, row_max, log_sum = output
+    ctx.save_for_backward(logits3d, targets, row_max, log_sum, entropy)
     ctx.temperature = temperature
     ctx.ignore_index = ignore_index
     ctx.with_entropy = with_entropy
 
 
-def _backward(ctx, grad_logp, grad_entropy, _grad_lse):
-    logits3d, targets, lse, entropy = ctx.saved_tensors
+def _backward(ctx, grad_logp, grad_entropy, _grad_max, _grad_log_sum):
+    logits3d, targets, row_max, log_sum, entropy = ctx.saved_tensors
     if targets is None:
         grad_logp = None
     if not ctx.with_entropy:
@@ -181,7 +190,8 @@ def _backward(ctx, grad_logp, grad_entropy, _grad_lse):
     grad = _token_stats_bwd_op(
         logits3d,
         targets,
-        lse,
+        row_max,
+        log_sum,
         entropy if grad_entropy is not None else None,
         grad_logp,
         grad_entropy,
@@ -251,7 +261,7 @@ def token_logprobs(
     else:
         logits3d = as_rows3d(logits)
         t3d = targets.reshape(logits3d.shape[:-1]).contiguous()
-        logp, entropy, _ = _token_stats_fwd_op(
+        logp, entropy, _, _ = _token_stats_fwd_op(
             logits3d, t3d, float(temperature), int(ignore_index), bool(return_entropy)
         )
         logp = logp.reshape(targets.shape)
@@ -278,5 +288,5 @@ def token_entropy(logits: Tensor, *, temperature: float = 1.0, backend: str = "a
     if which == "reference":
         return ref.token_stats(logits, None, temperature=temperature)[1]
     logits3d = as_rows3d(logits)
-    _, entropy, _ = _token_stats_fwd_op(logits3d, None, float(temperature), -100, True)
+    _, entropy, _, _ = _token_stats_fwd_op(logits3d, None, float(temperature), -100, True)
     return entropy.reshape(logits.shape[:-1])

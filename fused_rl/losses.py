@@ -55,7 +55,8 @@ def policy_loss_fwd(
 ) -> tuple[Tensor, ...]:
     """Launch the fused kernel. ``dual_clip``/``delta`` of 0 mean off.
 
-    Returns ``(loss, logp, entropy, lse, ratio, kl, code, g, h)``: ``loss`` 0-dim, the rest
+    Returns ``(loss, logp, entropy, row_max, log_sum, ratio, kl, code, g, h)``: ``loss`` 0-dim,
+    the rest
     per token ``(B*T,)`` (``entropy``/``kl``/``h`` empty when not computed).
     """
     from .kernels.vocab_stream_policy_fwd import _policy_loss_fwd_kernel
@@ -67,7 +68,7 @@ def policy_loss_fwd(
     new = lambda on=True: torch.empty(n_rows if on else 0, dtype=dtype, device=dev)
     entropy_bonus = entropy_coef != 0.0
     with_entropy = with_entropy or entropy_bonus
-    logp, lse, ratio, loss_tok, g = new(), new(), new(), new(), new()
+    logp, row_max, log_sum, ratio, loss_tok, g = new(), new(), new(), new(), new(), new()
     entropy, kl, h = new(with_entropy), new(ref is not None), new(entropy_bonus)
     code = torch.empty(n_rows, dtype=torch.int8, device=dev)
     if n_rows > 0:
@@ -81,7 +82,8 @@ def policy_loss_fwd(
             weights,
             logp,
             entropy,
-            lse,
+            row_max,
+            log_sum,
             ratio,
             kl,
             code,
@@ -116,7 +118,7 @@ def policy_loss_fwd(
             num_warps=vocab_warps(block),
         )
     loss = loss_tok.sum()  # deterministic second stage over B*T floats
-    return loss, logp, entropy, lse, ratio, kl, code, g, h
+    return loss, logp, entropy, row_max, log_sum, ratio, kl, code, g, h
 
 
 @torch.library.custom_op("fused_rl::policy_loss_fwd", mutates_args=())
@@ -137,7 +139,7 @@ def _policy_loss_fwd_op(
     kl_kind: int,
     entropy_coef: float,
     with_entropy: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     return policy_loss_fwd(
         logits3d, targets, adv2d, old, ref, weights, temperature,
         ignore_index, eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef,
@@ -155,7 +157,7 @@ def _(logits3d, targets, adv2d, old, ref, weights, temperature, ignore_index, ep
     bonus = entropy_coef != 0.0
     return (
         logits3d.new_empty((), dtype=dtype),
-        new(), new(with_entropy or bonus), new(), new(), new(ref is not None),
+        new(), new(with_entropy or bonus), new(), new(), new(), new(ref is not None),
         logits3d.new_empty(n_rows, dtype=torch.int8), new(), new(bonus),
     )  # fmt: skip
 
@@ -163,22 +165,23 @@ def _(logits3d, targets, adv2d, old, ref, weights, temperature, ignore_index, ep
 def _policy_setup_context(ctx, inputs, output):
     logits3d, targets = inputs[0], inputs[1]
     ctx.temperature, ctx.ignore_index = inputs[6], inputs[7]
-    _, logp, entropy, lse, ratio, kl, code, g, h = output
-    ctx.save_for_backward(logits3d, targets, lse, entropy, g, h)
-    ctx.mark_non_differentiable(logp, entropy, lse, ratio, kl, code, g, h)
+    _, logp, entropy, row_max, log_sum, ratio, kl, code, g, h = output
+    ctx.save_for_backward(logits3d, targets, row_max, log_sum, entropy, g, h)
+    ctx.mark_non_differentiable(logp, entropy, row_max, log_sum, ratio, kl, code, g, h)
 
 
 def _policy_backward(ctx, grad_loss, *_unused):
-    logits3d, targets, lse, entropy, g, h = ctx.saved_tensors
+    logits3d, targets, row_max, log_sum, entropy, g, h = ctx.saved_tensors
     has_h = h.numel() > 0
     grad = _token_stats_bwd_op(
         logits3d,
         targets.reshape(logits3d.shape[:2]),
-        lse,
+        row_max,
+        log_sum,
         entropy if has_h else None,
         g,
         h if has_h else None,
-        grad_loss.reshape(()).to(lse.dtype),
+        grad_loss.reshape(()).to(row_max.dtype),
         ctx.temperature,
         ctx.ignore_index,
     )
@@ -384,7 +387,7 @@ def policy_loss(
             float(eps_high), float(dual_clip or 0.0), float(delta or 0.0), float(beta),
             KL_KINDS.index(kl), float(entropy_coef), bool(need_entropy),
         )  # fmt: skip
-        loss, logp, entropy, _, ratio, kl_tok, code, _, _ = out
+        loss, logp, entropy, _, _, ratio, kl_tok, code, _, _ = out
         as2d = lambda t: t.reshape(batch, length)
         logp = as2d(logp)
         old = logp.detach() if old_logprobs is None else old_logprobs

@@ -5,7 +5,8 @@ Any loss that sees the vocabulary only through ``logp_t`` and ``H_t`` has, with
 
     dL/dx_j = (1/T) * [ g (1[j = y] - p_j) - h p_j (z_j - E_p[z]) ]
 
-``p`` is recomputed from the saved ``lse``; ``E_p[z] = lse - H``.
+``p = exp((z - m) - log s)`` is recomputed from the forward's saved row max ``m`` and
+``log s`` (never from a rounded ``lse = m + log s``), and ``z - E_p[z] = (z - m) - (log s - H)``.
 """
 
 import triton
@@ -19,7 +20,8 @@ def _token_stats_bwd_kernel(
     logits_ptr,
     targets_ptr,
     grad_ptr,
-    lse_ptr,
+    max_ptr,
+    log_sum_ptr,
     entropy_ptr,
     g_ptr,
     h_ptr,
@@ -47,7 +49,8 @@ def _token_stats_bwd_kernel(
     row = tl.program_id(0).to(tl.int64)
     row_ptr = row_pointer(logits_ptr, row, rows_inner, stride_outer, stride_inner)
     grad_row = grad_ptr + row * V
-    lse = tl.load(lse_ptr + row)
+    m = tl.load(max_ptr + row).to(ACC)
+    log_s = tl.load(log_sum_ptr + row).to(ACC)
     if HAS_TARGETS:
         target = tl.load(targets_ptr + row).to(tl.int64)
         active = target != ignore_index
@@ -63,7 +66,7 @@ def _token_stats_bwd_kernel(
     h = 0.0
     if HAS_H:
         h = tl.load(h_ptr + row).to(ACC) * scale
-        mean_z = lse - tl.load(entropy_ptr + row)
+        mean_d = log_s - tl.load(entropy_ptr + row).to(ACC)  # E_p[z] - m
     g = tl.where(active, g, 0.0)
     h = tl.where(active, h, 0.0)
     n_read = tl.where(active, V, 0)  # ignored rows read nothing and write zeros
@@ -71,12 +74,12 @@ def _token_stats_bwd_kernel(
         cols = start + tl.arange(0, BLOCK_V)
         in_row = cols < V
         x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < n_read, other=0.0)
-        z = x.to(ACC) * inv_temperature
-        p = tl.exp(z - lse)
+        d = x.to(ACC) * inv_temperature - m
+        p = tl.exp(d - log_s)
         grad = -g * p
         if HAS_TARGETS:
             grad += tl.where(cols == target, g, 0.0)
         if HAS_H:
-            grad -= h * tl.where(p > 0, p * (z - mean_z), 0.0)  # 0 * -inf guarded
+            grad -= h * tl.where(p > 0, p * (d - mean_d), 0.0)  # 0 * -inf guarded
         grad = tl.where(active, grad, 0.0)
         tl.store(grad_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=in_row)

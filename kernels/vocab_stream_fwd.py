@@ -9,7 +9,9 @@ Per row of logits ``x`` (scaled ``z = x / T``) the pass keeps, in fp32:
 
 and merges them block by block with :func:`merge_stats` (associative, so the same
 statistics can be merged across vocab shards). The target logit is one scalar load.
-Outputs are per-row floats only: ``logp = z_y - lse``, ``entropy``, ``lse``.
+Outputs are per-row floats only: ``logp = (z_y - m) - log s``, ``entropy``, and ``m`` and
+``log s`` kept apart (not summed into ``lse``) so the backward's ``p = exp((z - m) - log s)``
+stays exact to fp32 even for logits of magnitude 1e4.
 """
 
 import triton
@@ -101,7 +103,8 @@ def _token_stats_fwd_kernel(
     targets_ptr,
     logp_ptr,
     entropy_ptr,
-    lse_ptr,
+    max_ptr,
+    log_sum_ptr,
     rows_inner,
     V,
     stride_outer,
@@ -114,7 +117,7 @@ def _token_stats_fwd_kernel(
     BLOCK_V: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    """One program per row: ``logp`` (if targets), ``entropy`` (if asked) and ``lse``."""
+    """One program per row: ``logp`` (if targets), ``entropy`` (if asked), ``m``, ``log s``."""
     row = tl.program_id(0).to(tl.int64)
     row_ptr = row_pointer(logits_ptr, row, rows_inner, stride_outer, stride_inner)
     if HAS_TARGETS:
@@ -125,7 +128,8 @@ def _token_stats_fwd_kernel(
     m, log_s, entropy = row_moments(
         row_ptr, V, stride_v, inv_temperature, active, WITH_ENTROPY, BLOCK_V, ACC
     )
-    tl.store(lse_ptr + row, tl.where(active, m + log_s, 0.0))
+    tl.store(max_ptr + row, tl.where(active, m, 0.0))
+    tl.store(log_sum_ptr + row, tl.where(active, log_s, 0.0))
     if WITH_ENTROPY:
         tl.store(entropy_ptr + row, tl.where(active, entropy, 0.0))
     if HAS_TARGETS:

@@ -25,7 +25,8 @@ def _policy_loss_fwd_kernel(
     weight_ptr,
     logp_ptr,
     entropy_ptr,
-    lse_ptr,
+    max_ptr,
+    log_sum_ptr,
     ratio_ptr,
     kl_ptr,
     code_ptr,
@@ -73,7 +74,6 @@ def _policy_loss_fwd_kernel(
     m, log_s, entropy = row_moments(
         row_ptr, V, stride_v, inv_temperature, active, WITH_ENTROPY, BLOCK_V, ACC
     )
-    lse = m + log_s
     z_y = target_logit(row_ptr, target, V, stride_v, inv_temperature, active, ACC)
     logp = tl.where(active, (z_y - m) - log_s, 0.0)
     entropy = tl.where(active, entropy, 0.0)
@@ -104,7 +104,8 @@ def _policy_loss_fwd_kernel(
     if ENTROPY_BONUS:
         tl.store(h_ptr + row, tl.where(counted, -entropy_coef * weight, 0.0))
     tl.store(logp_ptr + row, logp)
-    tl.store(lse_ptr + row, tl.where(active, lse, 0.0))
+    tl.store(max_ptr + row, tl.where(active, m, 0.0))
+    tl.store(log_sum_ptr + row, tl.where(active, log_s, 0.0))
     tl.store(ratio_ptr + row, ratio)
     tl.store(code_ptr + row, code.to(tl.int8))
     if WITH_ENTROPY:

@@ -1,7 +1,7 @@
 """Reference per-token log-prob / entropy over the vocabulary (plain PyTorch).
 
 Chunked over rows so that neither the forward nor the backward allocates an fp32 copy of
-all logits: autograd saves only the logits themselves and two floats per row, and the
+all logits: autograd saves only the logits themselves and three floats per row, and the
 backward recomputes ``softmax`` chunk by chunk with the same closed form as the Triton
 kernel (see DESIGN.md):
 
@@ -37,23 +37,24 @@ def row_stats(
     targets: torch.Tensor | None,
     temperature: float,
     ignore_index: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(logp, entropy, lse)`` as fp32 ``(outer, inner)`` tensors (fp64 for fp64 logits),
-    no autograd.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logp, entropy, row_max, log_sum)`` as fp32 ``(outer, inner)`` tensors (fp64 for
+    fp64 logits), no autograd. ``lse = row_max + log_sum``, kept apart as in the kernel.
 
-    Ignored rows give 0 for all three. A target outside ``[0, V)`` gives NaN.
+    Ignored rows give 0 for all four. A target outside ``[0, V)`` gives NaN.
     """
     outer, inner, vocab = logits3d.shape
     dtype = stats_dtype(logits3d.dtype)
     logp = torch.zeros(outer, inner, dtype=dtype, device=logits3d.device)
-    entropy = torch.zeros_like(logp)
-    lse = torch.zeros_like(logp)
+    entropy, row_max, log_sum = (torch.zeros_like(logp) for _ in range(3))
     for idx in _chunks(outer, inner, vocab):
         z = logits3d[idx].to(dtype) / temperature
-        # log p relative to the row max: ``lse - sum p z`` would cancel for large logits
-        log_p = torch.log_softmax(z, dim=-1)
+        m = z.amax(-1, keepdim=True)
+        d = z - m  # exact (Sterbenz) for the z near the max, which carry the mass
+        ls = torch.logsumexp(d, dim=-1, keepdim=True)
+        log_p = d - ls  # relative to the row max: ``lse - sum p z`` would cancel
         p = log_p.exp()
-        lse[idx] = torch.logsumexp(z, dim=-1)
+        row_max[idx], log_sum[idx] = m[..., 0], ls[..., 0]
         # p == 0 contributes 0 even where log p == -inf
         entropy[idx] = -torch.where(p > 0, p * log_p, torch.zeros_like(z)).sum(-1)
         if targets is not None:
@@ -64,14 +65,17 @@ def row_stats(
     if targets is not None:
         ignored = targets == ignore_index
         zero = torch.zeros_like(logp)
-        logp, entropy, lse = (torch.where(ignored, zero, v) for v in (logp, entropy, lse))
-    return logp, entropy, lse
+        logp, entropy, row_max, log_sum = (
+            torch.where(ignored, zero, v) for v in (logp, entropy, row_max, log_sum)
+        )
+    return logp, entropy, row_max, log_sum
 
 
 def grad_logits(
     logits3d: torch.Tensor,
     targets: torch.Tensor | None,
-    lse: torch.Tensor,
+    row_max: torch.Tensor,
+    log_sum: torch.Tensor,
     entropy: torch.Tensor,
     g: torch.Tensor | None,
     h: torch.Tensor | None,
@@ -84,19 +88,19 @@ def grad_logits(
     active = torch.ones(outer, inner, dtype=torch.bool, device=logits3d.device)
     if targets is not None:
         active = targets != ignore_index
-    dtype = lse.dtype
+    dtype = row_max.dtype
     for idx in _chunks(outer, inner, vocab):
-        z = logits3d[idx].to(dtype) / temperature
-        p = torch.exp(z - lse[idx][..., None])
-        out = torch.zeros_like(z)
+        d = logits3d[idx].to(dtype) / temperature - row_max[idx][..., None]
+        p = torch.exp(d - log_sum[idx][..., None])
+        out = torch.zeros_like(d)
         if g is not None:
             g_rows = g[idx][..., None].to(dtype)
             out -= g_rows * p
             t = targets[idx].long().clamp(0, vocab - 1)[..., None]
             out.scatter_add_(-1, t, g_rows)
         if h is not None:
-            mean_z = (lse[idx] - entropy[idx])[..., None]
-            centred = torch.where(p > 0, p * (z - mean_z), torch.zeros_like(z))
+            mean_d = (log_sum[idx] - entropy[idx])[..., None]  # E_p[z] - row max
+            centred = torch.where(p > 0, p * (d - mean_d), torch.zeros_like(d))
             out -= h[idx][..., None].to(dtype) * centred
         out = torch.where(active[idx][..., None], out / temperature, torch.zeros_like(out))
         grad[idx] = out.to(grad.dtype)
@@ -108,19 +112,20 @@ class TokenStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits3d, targets, temperature, ignore_index):
-        logp, entropy, lse = row_stats(logits3d, targets, temperature, ignore_index)
-        ctx.save_for_backward(logits3d, targets, lse, entropy)
+        logp, entropy, row_max, log_sum = row_stats(logits3d, targets, temperature, ignore_index)
+        ctx.save_for_backward(logits3d, targets, row_max, log_sum, entropy)
         ctx.temperature = temperature
         ctx.ignore_index = ignore_index
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        logits3d, targets, lse, entropy = ctx.saved_tensors
+        logits3d, targets, row_max, log_sum, entropy = ctx.saved_tensors
         grad = grad_logits(
             logits3d,
             targets,
-            lse,
+            row_max,
+            log_sum,
             entropy,
             grad_logp if targets is not None else None,
             grad_entropy,
@@ -149,5 +154,5 @@ def token_stats(
     if torch.is_grad_enabled() and logits.requires_grad:
         logp, entropy = TokenStats.apply(logits3d, t3d, temperature, ignore_index)
     else:
-        logp, entropy, _ = row_stats(logits3d, t3d, temperature, ignore_index)
+        logp, entropy, _, _ = row_stats(logits3d, t3d, temperature, ignore_index)
     return logp.reshape(lead), entropy.reshape(lead)
