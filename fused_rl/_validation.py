@@ -81,6 +81,25 @@ def check_positive(value, name: str) -> None:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
+def check_number(value, name: str, *, allow_none: bool = False) -> None:
+    """A finite Python int / float (a hyper-parameter; a NaN bound would silently drop a clip)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a Python number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+
+
+def check_mask_dtype(mask: torch.Tensor | None, name: str = "mask") -> None:
+    """``mask``: None, or a bool / integer / floating tensor (True / nonzero = counts)."""
+    if mask is None:
+        return
+    check_tensor(mask, name)
+    if mask.is_complex():
+        raise TypeError(f"{name} must be a bool, integer or floating tensor, got {mask.dtype}")
+
+
 def check_choice(value: str, choices: Sequence[str], name: str) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")

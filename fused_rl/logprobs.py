@@ -254,19 +254,34 @@ def token_logprobs(
     V.check_targets(targets, logits)
     V.check_target_range(targets, logits.shape[-1], ignore_index, "targets")
     which = resolve_backend(backend, logits, targets)
+    logp, entropy = token_stats_nocheck(
+        logits, targets, temperature, ignore_index, return_entropy, which
+    )
+    return (logp, entropy) if return_entropy else logp
+
+
+def token_stats_nocheck(
+    logits: Tensor,
+    targets: Tensor,
+    temperature: float,
+    ignore_index: int,
+    with_entropy: bool,
+    which: str,
+) -> tuple[Tensor, Tensor | None]:
+    """``(logp, entropy or None)`` on already validated arguments and a resolved backend
+    (the fused losses call this so the eager target-range check, a host sync, runs once)."""
     if which == "reference":
         logp, entropy = ref.token_stats(
             logits, targets, temperature=temperature, ignore_index=ignore_index
         )
-    else:
-        logits3d = as_rows3d(logits)
-        t3d = targets.reshape(logits3d.shape[:-1]).contiguous()
-        logp, entropy, _, _ = _token_stats_fwd_op(
-            logits3d, t3d, float(temperature), int(ignore_index), bool(return_entropy)
-        )
-        logp = logp.reshape(targets.shape)
-        entropy = entropy.reshape(targets.shape) if return_entropy else None
-    return (logp, entropy) if return_entropy else logp
+        return logp, entropy if with_entropy else None
+    logits3d = as_rows3d(logits)
+    t3d = targets.reshape(logits3d.shape[:-1]).contiguous()
+    logp, entropy, _, _ = _token_stats_fwd_op(
+        logits3d, t3d, float(temperature), int(ignore_index), bool(with_entropy)
+    )
+    logp = logp.reshape(targets.shape)
+    return logp, entropy.reshape(targets.shape) if with_entropy else None
 
 
 def token_entropy(logits: Tensor, *, temperature: float = 1.0, backend: str = "auto") -> Tensor:

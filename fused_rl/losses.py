@@ -17,7 +17,7 @@ from . import _validation as V
 from ._agg import LOSS_AGG_MODES, masked_mean_all, token_weights
 from ._backend import resolve_backend
 from ._launch import stats_dtype, triton_acc, vocab_block, vocab_warps
-from .logprobs import _token_stats_bwd_op, token_logprobs
+from .logprobs import _token_stats_bwd_op, token_stats_nocheck
 from .reference.kl import KL_KINDS
 from .reference.policy import ClipConfig, policy_token_terms
 
@@ -222,10 +222,18 @@ def _metrics(terms: dict[str, Tensor], mask_f: Tensor) -> dict[str, Tensor]:
 
 
 def _check_policy_args(
-    *, eps_low, eps_high, dual_clip, delta, beta, ref_logprobs, kl, importance_sampling,
-    loss_agg, max_length, num_items,
+    *, eps_low, eps_high, dual_clip, delta, beta, entropy_coef, ref_logprobs, kl,
+    importance_sampling, loss_agg, max_length, num_items,
 ) -> float:  # fmt: skip
     """Validate the hyper-parameters; return the resolved ``eps_high``."""
+    V.check_number(eps_low, "eps_low")
+    V.check_number(eps_high, "eps_high", allow_none=True)
+    V.check_number(dual_clip, "dual_clip", allow_none=True)
+    V.check_number(delta, "delta", allow_none=True)
+    V.check_number(beta, "beta")
+    V.check_number(entropy_coef, "entropy_coef")
+    if not isinstance(num_items, torch.Tensor):
+        V.check_number(num_items, "num_items", allow_none=True)
     if eps_low < 0:
         raise ValueError(f"eps_low must be >= 0, got {eps_low}")
     eps_high = eps_low if eps_high is None else eps_high
@@ -245,6 +253,18 @@ def _check_policy_args(
     if isinstance(num_items, (int, float)) and not num_items > 0:
         raise ValueError(f"num_items must be > 0, got {num_items}")
     return eps_high
+
+
+def _check_token_tensors(batch: int, length: int, **tensors: Tensor | None) -> None:
+    """Optional ``(B, T)`` per-token inputs: float tensors (``mask``: bool / int / float)."""
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if name == "mask":
+            V.check_mask_dtype(t, name)
+        else:
+            V.check_float(t, name)
+        V.check_shape(t, (batch, length), name, "(B, T)")
 
 
 def _advantages_2d(advantages: Tensor, batch: int, length: int) -> Tensor:
@@ -338,7 +358,9 @@ def policy_loss(
         ``clip_frac`` (clipped branch strictly chosen), ``clip_frac_low``,
         ``clip_frac_high``, ``dual_clip_frac``, ``ratio_mean``, ``ratio_max``,
         ``approx_kl`` (``mean(old - logp)``), ``kl`` (when ``ref_logprobs`` is given),
-        ``entropy`` (when computed). Nothing syncs with the host.
+        ``entropy`` (when computed). The computation never syncs with the host; in eager
+        mode the check that targets lie in ``[0, V)`` syncs once (switch it off with
+        ``fused_rl.config.check_values = False``; under ``torch.compile`` it never runs).
 
     Example:
         >>> import torch, fused_rl
@@ -358,17 +380,18 @@ def policy_loss(
     V.check_positive(temperature, "temperature")
     batch, length, vocab = logits.shape
     adv2d = _advantages_2d(advantages, batch, length)
-    V.check_shape(old_logprobs, (batch, length), "old_logprobs", "(B, T)")
-    V.check_shape(ref_logprobs, (batch, length), "ref_logprobs", "(B, T)")
-    V.check_shape(mask, (batch, length), "mask", "(B, T)")
+    _check_token_tensors(
+        batch, length, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask
+    )
     V.check_same_device(
         logits=logits, advantages=advantages, old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs, mask=mask,
     )  # fmt: skip
     eps_high = _check_policy_args(
         eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, delta=delta, beta=beta,
-        ref_logprobs=ref_logprobs, kl=kl, importance_sampling=importance_sampling,
-        loss_agg=loss_agg, max_length=max_length, num_items=num_items,
+        entropy_coef=entropy_coef, ref_logprobs=ref_logprobs, kl=kl,
+        importance_sampling=importance_sampling, loss_agg=loss_agg, max_length=max_length,
+        num_items=num_items,
     )  # fmt: skip
     V.check_target_range(targets, vocab, ignore_index, "targets")
     which = resolve_backend(backend, logits, targets)
@@ -405,11 +428,9 @@ def policy_loss(
             terms["entropy"] = as2d(entropy)
         return loss, _metrics(terms, mask_f)
 
-    stats = token_logprobs(
-        logits, targets, temperature=temperature, ignore_index=ignore_index,
-        return_entropy=need_entropy, backend=which,
-    )  # fmt: skip
-    logp, entropy = stats if need_entropy else (stats, None)
+    logp, entropy = token_stats_nocheck(
+        logits, targets, temperature, ignore_index, need_entropy, which
+    )
     return _loss_from_logprobs(
         logp, entropy, adv2d.float(), mask_f, weights, old_logp=old_logprobs,
         ref_logp=ref_logprobs, clip=ClipConfig(eps_low, eps_high, dual_clip, delta),
@@ -455,17 +476,19 @@ def policy_loss_from_logprobs(
         raise ValueError(f"logprobs must be (B, T), got shape {tuple(logprobs.shape)}")
     batch, length = logprobs.shape
     adv2d = _advantages_2d(advantages, batch, length)
-    for name, t in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs),
-                    ("mask", mask), ("entropy", entropy)):  # fmt: skip
-        V.check_shape(t, (batch, length), name, "(B, T)")
+    _check_token_tensors(
+        batch, length, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask,
+        entropy=entropy,
+    )  # fmt: skip
     V.check_same_device(
         logprobs=logprobs, advantages=advantages, old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs, mask=mask, entropy=entropy,
     )  # fmt: skip
     eps_high = _check_policy_args(
         eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, delta=delta, beta=beta,
-        ref_logprobs=ref_logprobs, kl=kl, importance_sampling=importance_sampling,
-        loss_agg=loss_agg, max_length=max_length, num_items=num_items,
+        entropy_coef=entropy_coef, ref_logprobs=ref_logprobs, kl=kl,
+        importance_sampling=importance_sampling, loss_agg=loss_agg, max_length=max_length,
+        num_items=num_items,
     )  # fmt: skip
     if entropy_coef != 0.0 and entropy is None:
         raise ValueError("entropy_coef != 0 needs the per-token entropy tensor")

@@ -76,9 +76,7 @@ def check_mask(mask: Tensor | None, x: Tensor, name: str = "mask", x_name: str =
     """``mask``: None or a bool / integer / floating tensor of ``x``'s shape on its device."""
     if mask is None:
         return
-    V.check_tensor(mask, name)
-    if mask.is_complex():
-        raise TypeError(f"{name} must be a bool, integer or floating tensor, got {mask.dtype}")
+    V.check_mask_dtype(mask, name)
     V.check_shape(mask, x.shape, name, f"{x_name}.shape")
     V.check_same_device(**{x_name: x, name: mask})
 

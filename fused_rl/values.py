@@ -9,7 +9,6 @@ from the inputs. Custom ops ``fused_rl::value_loss`` / ``fused_rl::ppo_loss`` (a
 
 from __future__ import annotations
 
-import math
 import struct
 
 import torch
@@ -315,11 +314,8 @@ _ppo_loss_op.register_autograd(_ppo_backward, setup_context=_ppo_setup)
 
 
 def _check_hyper(value, name: str, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a Python number, got {type(value).__name__}")
-    if not (math.isfinite(value) and value >= 0):
+    V.check_number(value, name, allow_none=allow_none)
+    if value is not None and not value >= 0:
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 

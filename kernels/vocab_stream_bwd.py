@@ -44,7 +44,8 @@ def _token_stats_bwd_kernel(
 
     ``scale_ptr`` (optional) points at one fp32 scalar multiplying ``g`` and ``h``: the
     upstream gradient of a fused scalar loss, read on device (no host sync).
-    Ignored rows (target == ignore_index) get exactly zero gradient.
+    Ignored rows (target == ignore_index) and rows with ``g == h == 0`` (padding of a fused
+    loss) read nothing and get exactly zero gradient.
     """
     row = tl.program_id(0).to(tl.int64)
     row_ptr = row_pointer(logits_ptr, row, rows_inner, stride_outer, stride_inner)
@@ -69,7 +70,8 @@ def _token_stats_bwd_kernel(
         mean_d = log_s - tl.load(entropy_ptr + row).to(ACC)  # E_p[z] - m
     g = tl.where(active, g, 0.0)
     h = tl.where(active, h, 0.0)
-    n_read = tl.where(active, V, 0)  # ignored rows read nothing and write zeros
+    active = active & ((g != 0) | (h != 0))  # a NaN upstream gradient still reads
+    n_read = tl.where(active, V, 0)  # inactive rows read nothing and write zeros
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         in_row = cols < V

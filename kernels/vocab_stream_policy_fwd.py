@@ -15,7 +15,10 @@ from .token_layer import clipped_surrogate, kl_and_grad
 from .vocab_stream_fwd import row_moments, row_pointer, target_logit
 
 
-@triton.jit(do_not_specialize=["rows_inner", "ignore_index"])
+# advantages' strides vary with T ((B, T): T; (B,): 0) -- never a reason to recompile
+@triton.jit(
+    do_not_specialize=["rows_inner", "ignore_index", "adv_stride_outer", "adv_stride_inner"]
+)
 def _policy_loss_fwd_kernel(
     logits_ptr,
     targets_ptr,
@@ -68,7 +71,10 @@ def _policy_loss_fwd_kernel(
     row_ptr = row_pointer(logits_ptr, row, rows_inner, stride_outer, stride_inner)
     target = tl.load(targets_ptr + row).to(tl.int64)
     weight = tl.load(weight_ptr + row).to(ACC)
-    active = target != ignore_index
+    valid = target != ignore_index
+    counted = weight != 0
+    # padding (weight 0) costs no bandwidth: its logp / entropy are never used
+    active = valid & counted
 
     # layer 1: the only pass over the logits
     m, log_s, entropy = row_moments(
@@ -98,7 +104,6 @@ def _policy_loss_fwd_kernel(
     if ENTROPY_BONUS:
         loss -= entropy_coef * entropy
     # tokens that do not count contribute exactly 0 even where their loss is inf/NaN
-    counted = weight != 0
     tl.store(loss_ptr + row, tl.where(counted, weight * loss, 0.0))
     tl.store(g_ptr + row, tl.where(counted, weight * dloss_dlogp, 0.0))
     if ENTROPY_BONUS:

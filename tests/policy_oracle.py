@@ -76,7 +76,8 @@ def oracle_policy_loss(
     old = logp.detach() if old_logprobs is None else _promoted(old_logprobs, work)
     log_ratio = logp - old
     if importance_sampling == "sequence":
-        per_seq = (m * log_ratio).sum(-1) / m.sum(-1).clamp(min=1.0)
+        n = m.sum(-1)
+        per_seq = (m * log_ratio).sum(-1) / torch.where(n > 0, n, torch.ones_like(n))
         log_ratio = per_seq[:, None].expand(n_seq, length)
     ratio = torch.exp(log_ratio)
 

@@ -15,6 +15,7 @@ from helpers import FP32_TOL, assert_rel, bf16_tol
 from policy_oracle import oracle_policy_loss
 
 from fused_rl import policy_loss, policy_loss_from_logprobs, token_logprobs
+from fused_rl._agg import LOSS_AGG_MODES
 
 BACKENDS = ("triton", "reference")
 AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -348,24 +349,42 @@ def test_empty_batch(backend, B, T, device):
         ("old_logprobs", -float("inf")),
         ("ref_logprobs", float("nan")),
         ("advantages", float("nan")),
+        ("logits", float("nan")),  # the fused kernels do not even read these rows
     ],
 )
 def test_non_counted_values_never_matter(backend, importance_sampling, name, garbage, device):
-    """Padding garbage (NaN / -inf) in old/ref log-probs or advantages at tokens that do not
-    count (mask False, ignore_index) changes nothing: same finite loss, metrics, gradient."""
+    """Padding garbage (NaN / -inf) in logits, old/ref log-probs or advantages at tokens that
+    do not count (mask False, ignore_index) changes nothing: same finite loss, metrics,
+    gradient, and exactly zero gradient on those logits rows."""
     logits, targets, adv, kw = make_inputs(device=device, ref="design", adv="token")
-    hyper = dict(beta=0.04, importance_sampling=importance_sampling, backend=backend)
+    hyper = dict(beta=0.04, entropy_coef=0.01, importance_sampling=importance_sampling)
+    hyper["backend"] = backend
     loss, metrics, grad = _run(policy_loss, logits, targets, adv, 1.0, **kw, **hyper)
 
-    dirty = {"advantages": adv, **kw}
+    dirty = {"advantages": adv, "logits": logits, **kw}
     off = ~(kw["mask"] & (targets != -100))
-    dirty[name] = dirty[name].masked_fill(off, garbage)
-    d_adv = dirty.pop("advantages")
-    d_loss, d_metrics, d_grad = _run(policy_loss, logits, targets, d_adv, 1.0, **dirty, **hyper)
+    dirty[name] = dirty[name].masked_fill(off[..., None] if name == "logits" else off, garbage)
+    d_adv, d_logits = dirty.pop("advantages"), dirty.pop("logits")
+    d_loss, d_metrics, d_grad = _run(policy_loss, d_logits, targets, d_adv, 1.0, **dirty, **hyper)
     assert_rel(d_loss, loss, FP32_TOL, "loss")
     assert_rel(d_grad, grad, FP32_TOL, "grad")
+    assert (d_grad[off] == 0).all()
     for key in metrics:
         assert_rel(d_metrics[key], metrics[key], FP32_TOL, f"metric {key}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("importance_sampling", ["token", "sequence"])
+def test_fractional_mask_weights(backend, importance_sampling, device):
+    """A float mask weights tokens (sequence 0 sums to 0.6 < 1): every ``loss_agg`` and the
+    GSPO ratio ``exp(sum m lr / sum m)`` use the weights as given."""
+    logits, targets, adv, kw = make_inputs(device=device, mask="float", old="gspo", T=5)
+    weights = torch.rand(targets.shape, generator=torch.Generator().manual_seed(5))
+    weights[0] = torch.tensor([0.1, 0.0, 0.2, 0.3, 0.0])
+    kw["mask"] = (kw["mask"] * weights.to(device)).contiguous()
+    for loss_agg in LOSS_AGG_MODES:
+        _check_parity(backend, logits, targets, adv, importance_sampling=importance_sampling,
+                      loss_agg=loss_agg, **kw)  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -633,6 +652,14 @@ def _bad(match, **change):
         _bad("logits", logits=torch.zeros(2, 3, 4, 5)),
         _bad("num_items", num_items=0),
         _bad("max_length", max_length=0, loss_agg="seq-mean-token-sum-norm"),
+        # a NaN clip bound would silently drop the clip in the kernel's min / max
+        _bad("eps_low", eps_low=float("nan")),
+        _bad("eps_high", eps_high=float("inf")),
+        _bad("dual_clip", dual_clip=float("inf")),
+        _bad("delta", delta=float("nan")),
+        _bad("beta", beta=float("nan"), ref_logprobs=torch.zeros(2, 3)),
+        _bad("entropy_coef", entropy_coef=float("inf")),
+        _bad("num_items", num_items=float("nan")),
     ],
 )
 def test_policy_loss_rejects(match, change):
@@ -643,6 +670,29 @@ def test_policy_loss_rejects(match, change):
     )
     args.update(change)
     with pytest.raises(ValueError, match=match):
+        policy_loss(args.pop("logits"), args.pop("targets"), args.pop("advantages"), **args)
+
+
+@pytest.mark.parametrize(
+    ("match", "change"),
+    [
+        _bad("old_logprobs", old_logprobs=torch.zeros(2, 3, dtype=torch.long)),
+        _bad("ref_logprobs", ref_logprobs=torch.zeros(2, 3, dtype=torch.bool)),
+        _bad("mask", mask=torch.zeros(2, 3, dtype=torch.complex64)),
+        _bad("advantages", advantages=torch.ones(2, dtype=torch.long)),
+        _bad("eps_low", eps_low=torch.tensor(0.2)),
+        _bad("beta", beta="0.04"),
+        _bad("targets", targets=torch.zeros(2, 3)),
+    ],
+)
+def test_policy_loss_rejects_types(match, change):
+    args = dict(
+        logits=torch.zeros(2, 3, 5),
+        targets=torch.zeros(2, 3, dtype=torch.long),
+        advantages=torch.ones(2),
+    )
+    args.update(change)
+    with pytest.raises(TypeError, match=match):
         policy_loss(args.pop("logits"), args.pop("targets"), args.pop("advantages"), **args)
 
 
@@ -664,3 +714,16 @@ def test_policy_loss_from_logprobs_rejects(match, change):
     args.update(change)
     with pytest.raises(ValueError, match=match):
         policy_loss_from_logprobs(args.pop("logprobs"), args.pop("advantages"), **args)
+
+
+@pytest.mark.parametrize("importance_sampling", ["token", "sequence"])
+def test_eager_range_check_runs_once(monkeypatch, importance_sampling, device):
+    """The only host sync of a policy_loss call is its one eager target-range check."""
+    import fused_rl._validation as V
+
+    calls = []
+    real = V.check_target_range
+    monkeypatch.setattr(V, "check_target_range", lambda *a: calls.append(1) or real(*a))
+    logits, targets, adv, kw = make_inputs(device=device, old="gspo", T=3)
+    policy_loss(logits, targets, adv, importance_sampling=importance_sampling, **kw)
+    assert len(calls) == 1

@@ -88,6 +88,12 @@ def grad_logits(
     active = torch.ones(outer, inner, dtype=torch.bool, device=logits3d.device)
     if targets is not None:
         active = targets != ignore_index
+    # rows with g == h == 0 (padding of a fused loss) have exactly zero gradient: skip them
+    needed = torch.zeros_like(active)
+    for coef in (g, h):
+        if coef is not None:
+            needed |= coef != 0
+    active = active & needed
     dtype = row_max.dtype
     for idx in _chunks(outer, inner, vocab):
         d = logits3d[idx].to(dtype) / temperature - row_max[idx][..., None]

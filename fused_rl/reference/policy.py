@@ -44,9 +44,11 @@ def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip: ClipConfig):
 
 
 def sequence_log_ratio(log_ratio: torch.Tensor, mask_f: torch.Tensor) -> torch.Tensor:
-    """GSPO: the masked mean log-ratio of each sequence, broadcast to its tokens (TRL's
-    formulation, denominator clamped to 1 so an empty sequence gives ratio 1)."""
-    per_seq = (log_ratio * mask_f).sum(-1) / mask_f.sum(-1).clamp(min=1.0)
+    """GSPO: the masked mean log-ratio ``sum m lr / sum m`` of each sequence, broadcast to its
+    tokens; a sequence with no counted token gets 0 (ratio 1). Equals TRL's formulation
+    (denominator clamped to 1) for 0/1 masks, and stays a weighted mean for fractional ones."""
+    n = mask_f.sum(-1)
+    per_seq = (log_ratio * mask_f).sum(-1) / torch.where(n > 0, n, torch.ones_like(n))
     return per_seq[:, None].expand_as(log_ratio)
 
 
@@ -70,9 +72,13 @@ def policy_token_terms(
     gradient is the policy gradient.
     """
     # Inputs at tokens that do not count never matter, even NaN / inf ones (padding): give
-    # them ratio 1, KL 0 and advantage 0 so neither the loss, its gradient nor a GSPO
-    # sequence ratio can pick them up.
+    # them log-prob 0, ratio 1, KL 0 and advantage 0 so neither the loss, its gradient (a
+    # where() passes exactly 0 to the branch not taken) nor a GSPO sequence ratio can pick
+    # them up.
     counted = mask_f != 0
+    logp = torch.where(counted, logp, torch.zeros_like(logp))
+    if entropy is not None:
+        entropy = torch.where(counted, entropy, torch.zeros_like(entropy))
     detached = logp.detach()
     old = detached if old_logp is None else torch.where(counted, old_logp, detached)
     if ref_logp is not None:
