@@ -56,7 +56,7 @@ def o_ppo_loss(old, new, adv, v_old, v, ret, pm, vm, eps=0.1, vclip=0.2, vcoef=0
     ratios = torch.exp(new - old)
     clipped = torch.clamp(ratios, 1.0 - eps, 1.0 + eps)
     pl_c, pl_u = -adv * clipped, -adv * ratios
-    clipfrac = (pl_c > pl_u).to(new.dtype)
+    clipfrac = (pl_c > pl_u).float()  # seed 000 / torchtune: always fp32 before the mean
     clipfrac = clipfrac.mean() if pm is None else o_masked_mean(clipfrac, pm)
     policy = torch.maximum(pl_c, pl_u)
     policy = policy.mean() if pm is None else o_masked_mean(policy, pm)
@@ -249,7 +249,11 @@ def test_ppo_loss_matches_original(masks, dtype, device):
     d = lambda t: t.to(device, dtype).double()
     want = o_ppo_loss(d(old), new64, d(adv), d(v_old), v64, d(ret), pm, vm, 0.2, 0.2, 0.1)
     tol = 1e-5 if dtype == torch.float32 else torch.finfo(dtype).eps
-    assert [t.dtype for t in got] == [dtype] * 5
+    # dtypes as torchtune's own chain leaves them (bf16 + bool mask -> fp32 masked means)
+    eager = o_ppo_loss(cast(old), cast(new), cast(adv), cast(v_old), cast(v), cast(ret), pm, vm)
+    assert [t.dtype for t in got] == [t.dtype for t in eager]
+    if dtype == torch.bfloat16 and masks != "none":
+        assert [t.dtype for t in got] == [torch.float32] * 3 + [dtype, torch.float32]
     for i, (a, b) in enumerate(zip(got, want)):
         assert a.shape == () and rel_err(a, b) <= tol, i
         assert a.requires_grad == (i == 0)

@@ -472,7 +472,10 @@ def grpo_policy_error(
         log_prob_fn: accepted for compatibility and ignored: the log-probs always come from
             the fused kernel (DI-engine's naive / efficient / less-efficient methods all
             compute the same values).
-        beta: KL coefficient; with ``beta == 0`` ``logit_ref`` is not read.
+        beta: KL coefficient. With ``beta == 0`` ``logit_ref`` is not read (one vocab pass
+            saved; DAPO / Dr. GRPO run this way). DI-engine still adds ``0 * k3``, so there a
+            reference probability of exactly 0 turns the loss into NaN and an fp64
+            ``logit_ref`` promotes it to fp64; here neither happens.
 
     Returns:
         ``(loss, grpo_info(approx_kl, clipfrac))``: a 0-dim tensor and unmasked Python floats.

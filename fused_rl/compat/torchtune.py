@@ -125,7 +125,9 @@ def estimate_advantages(
         masks: optional ``(b, L)`` bool tensor, True at valid tokens.
 
     Returns:
-        ``(advantages, returns)``, ``(b, L)`` each, no gradient.
+        ``(advantages, returns)``, ``(b, L)`` each. ``advantages`` carry no gradient;
+        ``returns = A + values`` carries the gradient of ``values`` only (torchtune's recipe
+        calls this under ``torch.no_grad()``, where neither does).
 
     Example:
         >>> import torch
@@ -287,12 +289,28 @@ class PPOLoss(nn.Module):
             value_clip_range=self.value_clip_range,
             value_coeff=self.value_coeff,
         )
-        policy_dtype = _float_dtype(pi_old_logprobs, pi_logprobs, advantages)
-        value_dtype = _float_dtype(phi_old_values, phi_values, returns)
+        # the dtypes torchtune's eager chain ends in (the values are fp32-accurate here)
+        policy_dtype = _reduced_dtype(
+            _float_dtype(pi_old_logprobs, pi_logprobs, advantages), padding_masks
+        )
+        value_dtype = _reduced_dtype(
+            _float_dtype(phi_old_values, phi_values, returns), value_padding_masks
+        )
         return (
             loss.to(torch.promote_types(policy_dtype, value_dtype)),
             policy.to(policy_dtype),
             value.to(value_dtype),
             ratios.to(_float_dtype(pi_old_logprobs, pi_logprobs)),
-            clipfrac.to(pi_logprobs.dtype),
+            clipfrac.to(_reduced_dtype(torch.float32, padding_masks)),  # ``.float()`` first
         )
+
+
+def _reduced_dtype(dtype: torch.dtype, mask: Tensor | None) -> torch.dtype:
+    """dtype of torchtune's ``x.mean()`` (mask None) or ``masked_mean(x, mask)`` for ``x`` of
+    ``dtype``: ``(x * mask).sum() / (mask.sum() + 1e-8)`` promotes two 0-dim tensors, so a
+    bf16 ``x`` with a bool mask comes out in the default float dtype (fp32)."""
+    if mask is None:
+        return dtype
+    numerator = torch.promote_types(dtype, mask.dtype)
+    count = mask.dtype if mask.is_floating_point() else torch.get_default_dtype()
+    return torch.promote_types(numerator, count)
