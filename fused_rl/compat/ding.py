@@ -44,8 +44,7 @@ from torch import Tensor
 
 from .. import _validation as V
 from ..continuous import gaussian_entropy, gaussian_logprob
-from ..logprobs import token_logprobs
-from .trl import _NO_IGNORE, _check_index_range
+from .trl import _check_index_range, _checked_logprobs
 
 ppo_data = namedtuple(
     "ppo_data",
@@ -109,7 +108,7 @@ def _categorical_logp(
         action = action.long()  # Categorical.log_prob calls .long()
     V.check_targets(action, logits, "action")
     _check_index_range(action, logits.shape[-1], "action", "DI-engine's Categorical")
-    return token_logprobs(logits, action, ignore_index=_NO_IGNORE, return_entropy=entropy)
+    return _checked_logprobs(logits, action, return_entropy=entropy)
 
 
 def _surrogate_terms(ratio: Tensor, adv: Tensor, clip_ratio: float) -> tuple[Tensor, Tensor]:

@@ -33,9 +33,8 @@ from torch import Tensor, nn
 
 from .. import _validation as V
 from ..advantages import gae
-from ..logprobs import token_logprobs
 from ..values import ppo_loss
-from .trl import _NO_IGNORE, _check_index_range, _gather_logprobs
+from .trl import _check_index_range, _checked_logprobs, _gather_logprobs
 
 
 def _float_dtype(*tensors: Tensor) -> torch.dtype:
@@ -230,7 +229,7 @@ def batched_logits_to_logprobs(
     V.check_targets(sequences, logits, "sequences")
     original = "torchtune's batched_logits_to_logprobs"
     _check_index_range(sequences, logits.shape[-1], "sequences", original)
-    logp = token_logprobs(logits, sequences, temperature=temperature, ignore_index=_NO_IGNORE)
+    logp = _checked_logprobs(logits, sequences, temperature=temperature)
     return logp.to(torch.float32)
 
 

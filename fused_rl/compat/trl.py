@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 from .. import _validation as V
-from ..logprobs import token_entropy, token_logprobs
+from .._backend import resolve_backend
+from ..logprobs import token_entropy, token_stats_nocheck
 
 # Passed as ``ignore_index`` so that no label is silently ignored: these helpers have no
 # ignore index in the originals, and an out-of-range label must not become a 0 log-prob.
@@ -45,6 +46,19 @@ def _check_index_range(index: Tensor, vocab: int, name: str, original: str) -> N
         )
 
 
+def _checked_logprobs(
+    logits: Tensor, index: Tensor, *, temperature: float = 1.0, return_entropy: bool = False
+) -> Tensor | tuple[Tensor, Tensor]:
+    """:func:`fused_rl.token_logprobs` with no ignore index, for an ``index`` that has passed
+    :func:`_check_index_range` (so the eager range check, a host sync, runs once, not twice)."""
+    V.check_positive(temperature, "temperature")
+    which = resolve_backend("auto", logits, index)
+    logp, entropy = token_stats_nocheck(
+        logits, index, temperature, _NO_IGNORE, return_entropy, which
+    )
+    return (logp, entropy) if return_entropy else logp
+
+
 def _gather_logprobs(
     logits: Tensor, index: Tensor, *, temperature: float, name: str, original: str
 ) -> Tensor:
@@ -52,7 +66,7 @@ def _gather_logprobs(
     V.check_logits(logits)
     V.check_targets(index, logits, name)
     _check_index_range(index, logits.shape[-1], name, original)
-    logp = token_logprobs(logits, index, temperature=temperature, ignore_index=_NO_IGNORE)
+    logp = _checked_logprobs(logits, index, temperature=temperature)
     return logp.to(logits.dtype)
 
 
