@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 MAX_BLOCK_V = 4096
@@ -29,3 +31,15 @@ def triton_acc(logits_dtype: torch.dtype):
     import triton.language as tl
 
     return tl.float64 if logits_dtype == torch.float64 else tl.float32
+
+
+def f32_pair(x: float) -> tuple[float, float]:
+    """``(hi, lo)``, both fp32-representable, with ``hi + lo == x`` to ~48 bits.
+
+    Triton passes Python floats as fp32; the kernels add the pair back up in their
+    accumulation dtype (``pair`` in ``kernels/token_layer.py``), so fp64 inputs get
+    (nearly) fp64 hyper-parameters and fp32 ones exactly ``fp32(x)``.
+    """
+    hi = float(torch.tensor(x, dtype=torch.float32))
+    lo = x - hi if math.isfinite(hi) else 0.0
+    return hi, float(torch.tensor(lo, dtype=torch.float32))

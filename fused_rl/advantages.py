@@ -18,22 +18,12 @@ from torch import Tensor
 
 from . import _validation as V
 from ._backend import resolve_backend
-from ._launch import next_power_of_2, triton_acc
+from ._launch import f32_pair, next_power_of_2, triton_acc
 from .reference import advantages as ref
 from .reference.kl import KL_KINDS
 
 MAX_BLOCK_T = 1024
 MAX_BLOCK_N = 1024
-
-
-def _f32_pair(x: float) -> tuple[float, float]:
-    """``(hi, lo)``, both fp32-representable, with ``hi + lo == x`` to ~48 bits.
-
-    Triton passes Python floats as fp32; the kernels add the pair back up in their
-    accumulation dtype, so fp64 inputs get (nearly) fp64 hyper-parameters.
-    """
-    hi = float(torch.tensor(x, dtype=torch.float32))
-    return hi, float(torch.tensor(x - hi, dtype=torch.float32))
 
 
 def _time_block(length: int) -> int:
@@ -73,8 +63,8 @@ def gae_fwd(
         values.stride(1),
         m.stride(0),
         m.stride(1),
-        *_f32_pair(gamma),
-        *_f32_pair(gamma * lam),
+        *f32_pair(gamma),
+        *f32_pair(gamma * lam),
         HAS_MASK=mask is not None,
         BLOCK_T=_time_block(length),
         ACC=triton_acc(dtype),
@@ -117,7 +107,7 @@ def kl_penalized_rewards_fwd(
         m.stride(0),
         m.stride(1),
         idx.stride(0),
-        *_f32_pair(kl_coef),
+        *f32_pair(kl_coef),
         HAS_MASK=mask is not None,
         HAS_INDEX=score_index is not None,
         KIND=KL_KINDS.index(kind),

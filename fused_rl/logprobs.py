@@ -17,7 +17,7 @@ from torch import Tensor
 
 from . import _validation as V
 from ._backend import resolve_backend
-from ._launch import stats_dtype, triton_acc, vocab_block, vocab_warps
+from ._launch import f32_pair, stats_dtype, triton_acc, vocab_block, vocab_warps
 from ._shapes import as_rows3d
 from .reference import logprobs as ref
 
@@ -61,7 +61,7 @@ def token_stats_fwd(
         logits3d.stride(0),
         logits3d.stride(1),
         logits3d.stride(2),
-        1.0 / temperature,
+        *f32_pair(1.0 / temperature),
         ignore_index,
         HAS_TARGETS=targets is not None,
         WITH_ENTROPY=with_entropy,
@@ -114,7 +114,7 @@ def token_stats_bwd(
         logits3d.stride(0),
         logits3d.stride(1),
         logits3d.stride(2),
-        1.0 / temperature,
+        *f32_pair(1.0 / temperature),
         ignore_index,
         HAS_TARGETS=targets is not None,
         HAS_G=g is not None and targets is not None,

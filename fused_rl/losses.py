@@ -16,7 +16,7 @@ from torch import Tensor
 from . import _validation as V
 from ._agg import LOSS_AGG_MODES, masked_mean_all, token_weights
 from ._backend import resolve_backend
-from ._launch import stats_dtype, triton_acc, vocab_block, vocab_warps
+from ._launch import f32_pair, stats_dtype, triton_acc, vocab_block, vocab_warps
 from .logprobs import _token_stats_bwd_op, token_stats_nocheck
 from .reference.kl import KL_KINDS
 from .reference.policy import ClipConfig, policy_token_terms
@@ -97,7 +97,7 @@ def policy_loss_fwd(
             logits3d.stride(2),
             adv2d.stride(0),
             adv2d.stride(1),
-            1.0 / temperature,
+            *f32_pair(1.0 / temperature),
             ignore_index,
             eps_low,
             eps_high,

@@ -9,15 +9,13 @@ from the inputs. Custom ops ``fused_rl::value_loss`` / ``fused_rl::ppo_loss`` (a
 
 from __future__ import annotations
 
-import struct
-
 import torch
 from torch import Tensor
 
 from . import _validation as V
 from ._agg import LOSS_AGG_MODES, token_weights
 from ._backend import resolve_backend
-from ._launch import triton_acc
+from ._launch import f32_pair, triton_acc
 from .reductions import (
     BLOCK,
     BLOCK_P,
@@ -30,13 +28,6 @@ from .reductions import (
     n_blocks,
 )
 from .reference import values as ref
-
-
-def f32_pair(x: float) -> tuple[float, float]:
-    """``x`` as ``hi + lo`` with both halves representable in fp32 (Triton passes Python
-    floats as fp32); the kernels add them back in fp64 when they compute in fp64."""
-    hi = struct.unpack("f", struct.pack("f", x))[0]
-    return hi, x - hi
 
 
 def _strides(*tensors: Tensor | None) -> list[int]:

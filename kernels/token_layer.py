@@ -10,6 +10,13 @@ import triton.language as tl
 
 
 @triton.jit
+def pair(hi, lo, ACC: tl.constexpr):
+    """A float passed as two fp32 halves (``fused_rl._launch.f32_pair``), recombined in
+    ``ACC``: exact to ~2^-48 in fp64, ``fp32(x)`` in fp32."""
+    return (tl.zeros((), ACC) + hi) + lo
+
+
+@triton.jit
 def kl_and_grad(logp, ref_logp, KIND: tl.constexpr):
     """``(kl, d kl / d logp)`` for ``log_ratio = logp - ref_logp``; clamps pass gradient
     inclusively at their bounds, as ``torch.clamp`` does.

@@ -16,13 +16,8 @@ Gradients follow PyTorch's subgradient conventions so fp64 parity is exact at ti
 import triton
 import triton.language as tl
 
+from .token_layer import pair
 from .token_reductions import flat_rowcol, load_weight, safe, sum_partials
-
-
-@triton.jit
-def pair(hi, lo, ACC: tl.constexpr):
-    """A float passed as two fp32 halves, recombined in ``ACC`` (exact to ~2^-48)."""
-    return (tl.zeros((), ACC) + hi) + lo
 
 
 @triton.jit

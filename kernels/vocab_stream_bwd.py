@@ -12,6 +12,7 @@ Any loss that sees the vocabulary only through ``logp_t`` and ``H_t`` has, with
 import triton
 import triton.language as tl
 
+from .token_layer import pair
 from .vocab_stream_fwd import row_pointer
 
 
@@ -31,7 +32,8 @@ def _token_stats_bwd_kernel(
     stride_outer,
     stride_inner,
     stride_v,
-    inv_temperature,
+    inv_t_hi,
+    inv_t_lo,
     ignore_index,
     HAS_TARGETS: tl.constexpr,
     HAS_G: tl.constexpr,
@@ -48,6 +50,7 @@ def _token_stats_bwd_kernel(
     loss) read nothing and get exactly zero gradient.
     """
     row = tl.program_id(0).to(tl.int64)
+    inv_temperature = pair(inv_t_hi, inv_t_lo, ACC)  # 1 / T, fp64-exact for fp64 logits
     row_ptr = row_pointer(logits_ptr, row, rows_inner, stride_outer, stride_inner)
     grad_row = grad_ptr + row * V
     m = tl.load(max_ptr + row).to(ACC)

@@ -17,6 +17,8 @@ stays exact to fp32 even for logits of magnitude 1e4.
 import triton
 import triton.language as tl
 
+from .token_layer import pair
+
 
 @triton.jit
 def merge_stats(m_a, s_a, w_a, m_b, s_b, w_b):
@@ -110,7 +112,8 @@ def _token_stats_fwd_kernel(
     stride_outer,
     stride_inner,
     stride_v,
-    inv_temperature,
+    inv_t_hi,
+    inv_t_lo,
     ignore_index,
     HAS_TARGETS: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
@@ -119,6 +122,7 @@ def _token_stats_fwd_kernel(
 ):
     """One program per row: ``logp`` (if targets), ``entropy`` (if asked), ``m``, ``log s``."""
     row = tl.program_id(0).to(tl.int64)
+    inv_temperature = pair(inv_t_hi, inv_t_lo, ACC)  # 1 / T, fp64-exact for fp64 logits
     row_ptr = row_pointer(logits_ptr, row, rows_inner, stride_outer, stride_inner)
     if HAS_TARGETS:
         target = tl.load(targets_ptr + row).to(tl.int64)

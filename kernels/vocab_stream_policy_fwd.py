@@ -11,7 +11,7 @@ upstream gradient as ``scale``.
 import triton
 import triton.language as tl
 
-from .token_layer import clipped_surrogate, kl_and_grad
+from .token_layer import clipped_surrogate, kl_and_grad, pair
 from .vocab_stream_fwd import row_moments, row_pointer, target_logit
 
 
@@ -43,7 +43,8 @@ def _policy_loss_fwd_kernel(
     stride_v,
     adv_stride_outer,
     adv_stride_inner,
-    inv_temperature,
+    inv_t_hi,
+    inv_t_lo,
     ignore_index,
     eps_low,
     eps_high,
@@ -66,6 +67,7 @@ def _policy_loss_fwd_kernel(
     are contiguous ``(outer * inner,)`` except ``adv`` (strided: ``(B,)`` is broadcast with
     a zero inner stride)."""
     row = tl.program_id(0).to(tl.int64)
+    inv_temperature = pair(inv_t_hi, inv_t_lo, ACC)  # 1 / T, fp64-exact for fp64 logits
     outer = row // rows_inner
     inner = row - outer * rows_inner
     row_ptr = row_pointer(logits_ptr, row, rows_inner, stride_outer, stride_inner)
