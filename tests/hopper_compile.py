@@ -28,11 +28,19 @@ MODULES = [
 ]
 # runtime float arguments (everything else that is not a pointer is an integer)
 FLOAT_ARGS = {
-    "inv_temperature", "eps_low", "eps_high", "dual_clip", "delta", "beta", "entropy_coef",
+    "inv_t_hi", "inv_t_lo", "eps_low", "eps_high", "dual_clip", "delta", "beta", "entropy_coef",
     "eps", "correction", "clip_hi", "clip_lo", "lo_hi", "lo_lo", "hi_hi", "hi_lo",
     "vclip_hi", "vclip_lo", "coeff_hi", "coeff_lo", "gamma_hi", "gamma_lo", "decay_hi",
     "decay_lo", "coef_hi", "coef_lo",
 }  # fmt: skip
+INT_NAMES = {"ignore_index", "rows_inner", "group_size"}
+
+
+def _is_int_arg(name: str) -> bool:
+    """Lengths (``N``, ``T``...), strides and the named integer arguments."""
+    return name.isupper() or "stride" in name or name.startswith("s_") or name in INT_NAMES
+
+
 INT_POINTERS = {"targets_ptr": "*i64", "index_ptr": "*i64", "code_ptr": "*i8"}
 MASK_POINTERS = {"m_ptr", "mask_ptr", "pm_ptr", "vm_ptr"}
 # pointers read in the input dtype (the rest are fp32 / fp64 statistics and outputs)
@@ -84,8 +92,10 @@ def _signature(fn, low_precision: bool):
             sig[p.name] = "*bf16" if low_precision and p.name in INPUT_POINTERS else wide
         elif p.name in FLOAT_ARGS:
             sig[p.name] = "fp32"
-        else:
+        elif _is_int_arg(p.name):
             sig[p.name] = "i32"
+        else:  # a new float argument compiled as i32 would hide a real signature error
+            raise AssertionError(f"{fn.__name__}: add {p.name!r} to FLOAT_ARGS or INT_NAMES")
     return sig
 
 
@@ -105,6 +115,47 @@ def compile_all(kernel, low_precision: bool) -> int:
     return count
 
 
+def vocab_stream_vectorised() -> list[str]:
+    """The vocab-stream kernels as launched for a real vocabulary (bf16, V = 151936, the
+    launchers' BLOCK_V and num_warps, a unit vocab stride and 16-divisible row strides, as
+    Triton specialises them at launch): their row loads must compile to 128-bit vector
+    loads (``ld.global.v4``), and the backward's gradient stores to vector stores. A change
+    that silently turns them into scalar accesses would cost most of the bandwidth.
+
+    Returns the problems found (empty when all is well)."""
+    from fused_rl.kernels.vocab_stream_bwd import _token_stats_bwd_kernel
+    from fused_rl.kernels.vocab_stream_fwd import _token_stats_fwd_kernel
+    from fused_rl.kernels.vocab_stream_policy_fwd import _policy_loss_fwd_kernel
+
+    from fused_rl._launch import vocab_block, vocab_warps
+
+    block = vocab_block(151936)
+    cases = [
+        (_token_stats_fwd_kernel, dict(HAS_TARGETS=True, WITH_ENTROPY=True), False),
+        (_token_stats_bwd_kernel, dict(HAS_TARGETS=True, HAS_G=True, HAS_H=True,
+                                       HAS_SCALE=True), True),
+        (_policy_loss_fwd_kernel, dict(HAS_OLD=True, HAS_REF=True, ADD_KL=True, KL_KIND=2,
+                                       WITH_ENTROPY=True, ENTROPY_BONUS=True, USE_DUAL=True,
+                                       USE_DELTA=True), False),
+    ]  # fmt: skip
+    problems = []
+    for kernel, flags, vector_stores in cases:
+        names = [p.name for p in kernel.params]
+        signature = _signature(kernel, True)
+        signature["stride_v"] = "constexpr"
+        aligned = [n for n in names if n.endswith("_ptr")] + ["V", "stride_outer", "stride_inner"]
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+        constexprs = dict(flags, BLOCK_V=block, ACC=tl.float32, stride_v=1)
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+        options = {"num_warps": vocab_warps(block)}
+        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+        if "ld.global.v4" not in ptx:
+            problems.append(f"{kernel.__name__}: no 128-bit vector load of the logits row")
+        if vector_stores and "st.global.v4" not in ptx:
+            problems.append(f"{kernel.__name__}: no 128-bit vector store of the gradient row")
+    return problems
+
+
 def main() -> int:
     failures = 0
     for kernel in _kernels():
@@ -115,6 +166,9 @@ def main() -> int:
             except Exception:
                 failures += 1
                 print(f"FAIL {label}\n{traceback.format_exc()}", flush=True)
+    for problem in vocab_stream_vectorised():
+        failures += 1
+        print(f"FAIL {problem}", flush=True)
     print(f"{failures} kernel(s) failed to compile for sm_90")
     return 1 if failures else 0
 
