@@ -267,6 +267,12 @@ def _check_token_tensors(batch: int, length: int, **tensors: Tensor | None) -> N
         V.check_shape(t, (batch, length), name, "(B, T)")
 
 
+def _constants(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
+    """Rollout inputs (advantages, old / reference log-probs) detached: the fused kernel
+    never differentiates w.r.t. them, so neither may the reference."""
+    return tuple(None if t is None else t.detach() for t in tensors)
+
+
 def _advantages_2d(advantages: Tensor, batch: int, length: int) -> Tensor:
     """``(B,)`` (one per sequence) or ``(B, T)`` (per token) advantages as a ``(B, T)`` view."""
     V.check_float(advantages, "advantages")
@@ -332,6 +338,8 @@ def policy_loss(
         old_logprobs: ``(B, T)`` log-probs of the sampling policy; None = on-policy
             (``old = logp.detach()``: ratio 1, gradient = the policy gradient).
         ref_logprobs: ``(B, T)`` reference-policy log-probs (KL penalty / metric).
+            ``advantages``, ``old_logprobs`` and ``ref_logprobs`` are rollout constants:
+            no gradient reaches them, on every backend.
         mask: ``(B, T)`` bool or float, True/1 = the token counts; None = all count.
         temperature: logits are divided by it.
         eps_low, eps_high: clip band ``[1 - eps_low, 1 + eps_high]``; ``eps_high=None`` =
@@ -395,6 +403,7 @@ def policy_loss(
     )  # fmt: skip
     V.check_target_range(targets, vocab, ignore_index, "targets")
     which = resolve_backend(backend, logits, targets)
+    adv2d, old_logprobs, ref_logprobs = _constants(adv2d, old_logprobs, ref_logprobs)
 
     counted = targets != ignore_index
     mask_f = counted.float() if mask is None else mask.float() * counted
@@ -492,6 +501,7 @@ def policy_loss_from_logprobs(
     )  # fmt: skip
     if entropy_coef != 0.0 and entropy is None:
         raise ValueError("entropy_coef != 0 needs the per-token entropy tensor")
+    adv2d, old_logprobs, ref_logprobs = _constants(adv2d, old_logprobs, ref_logprobs)
     mask_f = torch.ones_like(logprobs, dtype=torch.float32) if mask is None else mask.float()
     weights = token_weights(mask_f, loss_agg, max_length=max_length, num_items=num_items)
     return _loss_from_logprobs(

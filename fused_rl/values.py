@@ -374,8 +374,9 @@ def value_loss(
     if which == "reference":
         dtype = compute_dtype(values, old_values, returns)
         loss, clip_frac, value_mean = ref.value_loss(
-            values.to(dtype), old_values.to(dtype), returns.to(dtype), weights, mask, clip
-        )
+            values.to(dtype), old_values.detach().to(dtype), returns.detach().to(dtype),
+            weights, mask, clip,
+        )  # fmt: skip
     else:
         out = _value_loss_op(values, old_values, returns, weights, mask, clip)
         loss, clip_frac, value_mean = out[0], out[1], out[2]

@@ -712,3 +712,23 @@ def test_eager_range_check_runs_once(monkeypatch, importance_sampling, device):
     logits, targets, adv, kw = make_inputs(device=device, old="gspo", T=3)
     policy_loss(logits, targets, adv, importance_sampling=importance_sampling, **kw)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("importance_sampling", ["token", "sequence"])
+def test_rollout_inputs_are_constants(backend, importance_sampling, device):
+    """advantages / old / ref log-probs with requires_grad get no gradient on either backend
+    (the fused kernel never differentiates w.r.t. them; the reference must agree)."""
+    logits, targets, adv, kw = make_inputs(device=device, ref="design", adv="token")
+    leaves = [adv.requires_grad_(), kw["old_logprobs"].requires_grad_()]
+    leaves.append(kw["ref_logprobs"].requires_grad_())
+    logits.requires_grad_()
+    hyper = dict(beta=0.04, importance_sampling=importance_sampling)
+    loss, _ = policy_loss(logits, targets, adv, backend=backend, **kw, **hyper)
+    grads = torch.autograd.grad(loss, [logits, *leaves], allow_unused=True)
+    assert grads[0] is not None and all(g is None for g in grads[1:])
+
+    logp = token_logprobs(logits, targets, backend=backend)
+    loss, _ = policy_loss_from_logprobs(logp, adv, **kw, **hyper)
+    grads = torch.autograd.grad(loss, [logits, *leaves], allow_unused=True)
+    assert grads[0] is not None and all(g is None for g in grads[1:])

@@ -158,6 +158,15 @@ def test_value_loss_float64_ties_and_keywords(backend, device):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_value_loss_targets_are_constants(backend, device):
+    """old_values / returns with requires_grad get no gradient on either backend."""
+    v, v_old, ret = (torch.randn(3, 5, device=device, requires_grad=True) for _ in range(3))
+    loss, _ = value_loss(v, v_old, ret, clip=0.1, backend=backend)
+    grads = torch.autograd.grad(loss, [v, v_old, ret], allow_unused=True)
+    assert grads[0] is not None and grads[1] is None and grads[2] is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_value_loss_empty_mask_and_padding(backend, device):
     _, _, _, v_old, v, ret = _inputs(device)
     v = v.clone()
