@@ -268,8 +268,8 @@ def _check_token_tensors(batch: int, length: int, **tensors: Tensor | None) -> N
 
 
 def _constants(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
-    """Rollout inputs (advantages, old / reference log-probs) detached: the fused kernel
-    never differentiates w.r.t. them, so neither may the reference."""
+    """Rollout inputs (advantages, old / reference log-probs, the mask) detached: the fused
+    kernel never differentiates w.r.t. them, so neither may the reference."""
     return tuple(None if t is None else t.detach() for t in tensors)
 
 
@@ -338,8 +338,8 @@ def policy_loss(
         old_logprobs: ``(B, T)`` log-probs of the sampling policy; None = on-policy
             (``old = logp.detach()``: ratio 1, gradient = the policy gradient).
         ref_logprobs: ``(B, T)`` reference-policy log-probs (KL penalty / metric).
-            ``advantages``, ``old_logprobs`` and ``ref_logprobs`` are rollout constants:
-            no gradient reaches them, on every backend.
+            ``advantages``, ``old_logprobs``, ``ref_logprobs`` and ``mask`` are rollout
+            constants: no gradient reaches them, on every backend.
         mask: ``(B, T)`` bool or float, True/1 = the token counts; None = all count.
         temperature: logits are divided by it.
         eps_low, eps_high: clip band ``[1 - eps_low, 1 + eps_high]``; ``eps_high=None`` =
@@ -403,7 +403,7 @@ def policy_loss(
     )  # fmt: skip
     V.check_target_range(targets, vocab, ignore_index, "targets")
     which = resolve_backend(backend, logits, targets)
-    adv2d, old_logprobs, ref_logprobs = _constants(adv2d, old_logprobs, ref_logprobs)
+    adv2d, old_logprobs, ref_logprobs, mask = _constants(adv2d, old_logprobs, ref_logprobs, mask)
 
     counted = targets != ignore_index
     mask_f = counted.float() if mask is None else mask.float() * counted
@@ -501,7 +501,7 @@ def policy_loss_from_logprobs(
     )  # fmt: skip
     if entropy_coef != 0.0 and entropy is None:
         raise ValueError("entropy_coef != 0 needs the per-token entropy tensor")
-    adv2d, old_logprobs, ref_logprobs = _constants(adv2d, old_logprobs, ref_logprobs)
+    adv2d, old_logprobs, ref_logprobs, mask = _constants(adv2d, old_logprobs, ref_logprobs, mask)
     mask_f = torch.ones_like(logprobs, dtype=torch.float32) if mask is None else mask.float()
     weights = token_weights(mask_f, loss_agg, max_length=max_length, num_items=num_items)
     return _loss_from_logprobs(

@@ -349,6 +349,7 @@ def masked_sum(
         (7.0, [3.0, 4.0])
     """
     _check_x(x, mask)
+    mask = None if mask is None else mask.detach()  # not differentiable, on every backend
     dim = _normalize_dim(dim, x)
     if resolve_backend(backend, x, mask) == "reference":
         return ref.masked_sum(_upcast(x), mask, dim)
@@ -373,6 +374,7 @@ def masked_mean(
         (1.5, [1.5, 0.0])
     """
     _check_x(x, mask)
+    mask = None if mask is None else mask.detach()  # not differentiable, on every backend
     dim = _normalize_dim(dim, x)
     if resolve_backend(backend, x, mask) == "reference":
         return ref.masked_mean(_upcast(x), mask, dim)
@@ -397,6 +399,7 @@ def masked_var(
         1.0
     """
     _check_x(x, mask)
+    mask = None if mask is None else mask.detach()  # not differentiable, on every backend
     correction = 1.0 if unbiased else 0.0
     if resolve_backend(backend, x, mask) == "reference":
         return ref.masked_var(_upcast(x), mask, unbiased=unbiased)
@@ -433,6 +436,7 @@ def masked_whiten(
         [-1.0, 0.0, 1.0]
     """
     _check_x(x, mask)
+    mask = None if mask is None else mask.detach()  # not differentiable, on every backend
     if isinstance(eps, torch.Tensor) or not (
         isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0
     ):

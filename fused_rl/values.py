@@ -368,6 +368,7 @@ def value_loss(
     if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int)):
         raise TypeError(f"max_length must be an int or None, got {max_length!r}")
     which = resolve_backend(backend, values, old_values, returns, mask)
+    mask = None if mask is None else mask.detach()  # a constant, as on the Triton path
     counted = mask if mask is not None else torch.ones_like(values, dtype=torch.bool)
     weights = token_weights(counted, loss_agg, max_length=max_length, num_items=num_items)
     clip = None if clip is None else float(clip)
@@ -451,6 +452,10 @@ def ppo_loss(
     _check_hyper(epsilon, "epsilon")
     _check_hyper(value_clip_range, "value_clip_range")
     _check_hyper(value_coeff, "value_coeff")
+    # masks are constants, as on the Triton path (its backward returns no mask gradient)
+    padding_masks, value_padding_masks = (
+        None if m is None else m.detach() for m in (padding_masks, value_padding_masks)
+    )
     args = (*tensors.values(), padding_masks, value_padding_masks)
     which = resolve_backend(backend, *args)
     hyper = (float(epsilon), float(value_clip_range), float(value_coeff))

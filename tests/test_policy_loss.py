@@ -717,11 +717,12 @@ def test_eager_range_check_runs_once(monkeypatch, importance_sampling, device):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("importance_sampling", ["token", "sequence"])
 def test_rollout_inputs_are_constants(backend, importance_sampling, device):
-    """advantages / old / ref log-probs with requires_grad get no gradient on either backend
+    """advantages / old / ref log-probs / a float mask with requires_grad get no gradient on
+    either backend
     (the fused kernel never differentiates w.r.t. them; the reference must agree)."""
-    logits, targets, adv, kw = make_inputs(device=device, ref="design", adv="token")
+    logits, targets, adv, kw = make_inputs(device=device, ref="design", adv="token", mask="float")
     leaves = [adv.requires_grad_(), kw["old_logprobs"].requires_grad_()]
-    leaves.append(kw["ref_logprobs"].requires_grad_())
+    leaves += [kw["ref_logprobs"].requires_grad_(), kw["mask"].requires_grad_()]
     logits.requires_grad_()
     hyper = dict(beta=0.04, importance_sampling=importance_sampling)
     loss, _ = policy_loss(logits, targets, adv, backend=backend, **kw, **hyper)

@@ -350,3 +350,19 @@ def test_no_host_sync_cuda():
         (out + masked_whiten(x, mask, keep_mean=True).square().sum()).backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float_mask_is_a_constant(backend, device):
+    """A float mask that requires grad gets none, on either backend (as documented)."""
+    x = torch.randn(3, 6, device=device, requires_grad=True)
+    w = torch.rand(3, 6, device=device, requires_grad=True)
+    outs = [
+        masked_sum(x, w, backend=backend),
+        masked_mean(x, w, dim=1, backend=backend).sum(),
+        masked_var(x, w, backend=backend),
+        (masked_whiten(x, w, backend=backend) * torch.arange(6.0, device=device)).sum(),
+    ]
+    for out in outs:
+        g_x, g_w = torch.autograd.grad(out, [x, w], allow_unused=True)
+        assert g_x is not None and g_w is None

@@ -159,11 +159,15 @@ def test_value_loss_float64_ties_and_keywords(backend, device):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_value_loss_targets_are_constants(backend, device):
-    """old_values / returns with requires_grad get no gradient on either backend."""
-    v, v_old, ret = (torch.randn(3, 5, device=device, requires_grad=True) for _ in range(3))
-    loss, _ = value_loss(v, v_old, ret, clip=0.1, backend=backend)
-    grads = torch.autograd.grad(loss, [v, v_old, ret], allow_unused=True)
-    assert grads[0] is not None and grads[1] is None and grads[2] is None
+    """old_values / returns / a float mask with requires_grad get no gradient on either
+    backend (nor do ppo_loss's masks)."""
+    v, v_old, ret, mask = (torch.rand(3, 5, device=device, requires_grad=True) for _ in range(4))
+    loss, _ = value_loss(v, v_old, ret, mask=mask, clip=0.1, backend=backend)
+    grads = torch.autograd.grad(loss, [v, v_old, ret, mask], allow_unused=True)
+    assert grads[0] is not None and all(g is None for g in grads[1:])
+    out = ppo_loss(v_old, v, ret, v_old, v, ret, mask, mask, backend=backend)
+    grads = torch.autograd.grad(out[0], [v, mask], allow_unused=True)
+    assert grads[0] is not None and grads[1] is None
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
