@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from . import _validation as V
+
 LOSS_AGG_MODES = (
     "token-mean",
     "seq-mean-token-mean",
@@ -39,6 +41,10 @@ def token_weights(
     * ``seq-mean-token-sum-norm``: ``m / (B * max_length)`` (Dr. GRPO; ``max_length`` = T
       by default).
     """
+    if num_items is not None and not isinstance(num_items, torch.Tensor):
+        V.check_number(num_items, "num_items")
+        if not num_items > 0:
+            raise ValueError(f"num_items must be > 0, got {num_items}")
     m = mask.to(torch.float32)
     if m.dim() != 2:
         raise ValueError(f"mask must be (B, T), got shape {tuple(m.shape)}")

@@ -379,7 +379,9 @@ def value_loss(
             weights, mask, clip,
         )  # fmt: skip
     else:
-        out = _value_loss_op(values, old_values, returns, weights, mask, clip)
+        # the kernels index the weights as contiguous (B, T); token_weights keeps the
+        # mask's strides, so a transposed mask would be read in the wrong order
+        out = _value_loss_op(values, old_values, returns, weights.contiguous(), mask, clip)
         loss, clip_frac, value_mean = out[0], out[1], out[2]
     metrics = {
         "clip_frac": clip_frac.detach().to(torch.float32),

@@ -191,4 +191,6 @@ def _group_advantages_fwd_kernel(
         j = start + idx
         ok = j < group_size
         x = tl.load(scores_ptr + (base + j) * stride_s, mask=ok, other=0.0).to(ACC)
-        tl.store(out_ptr + base + j, ((x - shift) - mean) / denom, mask=ok)
+        c = (x - shift) - mean
+        # a score equal to its group mean gives 0, even for a constant group with eps = 0
+        tl.store(out_ptr + base + j, tl.where(c == 0, 0.0, c / denom), mask=ok)

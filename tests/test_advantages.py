@@ -356,6 +356,15 @@ def test_group_advantages(device, backend, normalize, n):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_group_advantages_constant_group_eps_zero(device, backend):
+    """eps = 0 is allowed: a constant group still gives 0, not 0 / 0."""
+    scores = torch.tensor([1.0, 1.0, 2.0, 3.0, 0.1, 0.1], device=device)
+    out = group_advantages(scores, 2, eps=0.0, backend=backend)
+    assert out[0] == 0 and out[1] == 0 and out[4] == 0 and out[5] == 0
+    assert_rel(out[2:4], torch.tensor([-1.0, 1.0], device=device) / math.sqrt(2), FP32_TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_group_advantages_strided_float64(device, backend):
     torch.manual_seed(11)
     base = torch.randn(48, dtype=torch.float64, device=device)

@@ -158,6 +158,36 @@ def test_value_loss_float64_ties_and_keywords(backend, device):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_value_loss_mask_any_strides(backend, device):
+    """A transposed (column-major) float mask gives the same loss, gradient and metrics as
+    its contiguous copy, for every loss_agg (the weights derived from it keep its strides)."""
+    g = torch.Generator().manual_seed(4)
+    v, v_old, ret = (torch.randn(3, 5, generator=g).to(device) for _ in range(3))
+    mask_t = (torch.rand(5, 3, generator=g) > 0.3).float().to(device).t()
+    assert not mask_t.is_contiguous()
+    for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        outs = []
+        for mask in (mask_t, mask_t.contiguous()):
+            leaf = v.clone().requires_grad_(True)
+            loss, metrics = value_loss(leaf, v_old, ret, mask=mask, clip=0.2, loss_agg=agg,
+                                       backend=backend)  # fmt: skip
+            outs.append((loss, torch.autograd.grad(loss, leaf)[0], *metrics.values()))
+        for got, want in zip(*outs):  # the reference may sum in another order
+            assert_rel(got, want, 1e-6, agg)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_value_loss_clip_frac_counts_by_mask(backend, device):
+    """num_items = 0 as a tensor (unchecked: no sync) zeroes the weights, not the metric:
+    the clip fraction stays a masked mean over the mask."""
+    v = torch.tensor([[0.0, 1.0, 2.0]], device=device)
+    v_old, ret = torch.zeros(1, 3, device=device), torch.ones(1, 3, device=device)
+    zero = torch.tensor(0.0, device=device)
+    _, metrics = value_loss(v, v_old, ret, clip=0.5, num_items=zero, backend=backend)
+    assert metrics["clip_frac"].item() == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_value_loss_targets_are_constants(backend, device):
     """old_values / returns / a float mask with requires_grad get no gradient on either
     backend (nor do ppo_loss's masks)."""
@@ -390,3 +420,10 @@ def test_no_host_sync_cuda():
         (out[0] + vl).backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("num_items", [0, -3, float("nan"), float("inf")])
+def test_value_loss_rejects_bad_num_items(num_items):
+    v = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="num_items"):
+        value_loss(v, v, v, num_items=num_items)

@@ -140,7 +140,8 @@ def group_advantages(
     c = _centred_groups(scores, group_size)
     if normalize == "std":
         var = c.square().sum(dim=1, keepdim=True) / max(group_size - 1, 1)
-        c = c / (var.sqrt() + eps)
+        # a score equal to its group mean gives 0, even for a constant group with eps = 0
+        c = torch.where(c == 0, torch.zeros_like(c), c / (var.sqrt() + eps))
     return c.reshape(-1)
 
 

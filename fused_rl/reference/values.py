@@ -44,8 +44,10 @@ def value_loss(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(loss, clip_frac, value_mean)``: ``loss = sum(weights * 0.5 * sq)`` (the weights come
     from ``fused_rl._agg.token_weights``); the metrics are masked means over ``mask``."""
-    sq, clipped = clipped_value_sq(*zero_unmasked(weights, values, old_values, returns), clip)
+    sq, _ = clipped_value_sq(*zero_unmasked(weights, values, old_values, returns), clip)
     loss = red.masked_sum(0.5 * sq, weights)
+    # the metric counts by the mask (not the weights, which num_items may scale to 0)
+    _, clipped = clipped_value_sq(*zero_unmasked(mask, values, old_values, returns), clip)
     clip_frac = red.masked_mean(clipped.to(values.dtype), mask)
     return loss, clip_frac, red.masked_mean(values, mask)
 
