@@ -135,6 +135,16 @@ def is_oom(exc: BaseException) -> bool:
     return "out of memory" in str(exc).lower()
 
 
+def is_device_fatal(exc: BaseException) -> bool:
+    """A CUDA error that leaves the context unusable (illegal address, launch failure...):
+    every later case would fail too. An OOM is not one."""
+    if is_oom(exc):
+        return False
+    fatal = tuple(t for t in (getattr(torch, "AcceleratorError", None),) if isinstance(t, type))
+    text = str(exc)
+    return (fatal and isinstance(exc, fatal)) or "CUDA error" in text or "CUDA_ERROR" in text
+
+
 def free_memory(device) -> None:
     gc.collect()
     if is_gpu(device):

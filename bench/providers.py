@@ -35,7 +35,14 @@ Runner = Callable[[], tuple]
 
 
 class Unavailable(Exception):
-    """The provider cannot run this case (missing op or package, unsupported variant)."""
+    """The provider cannot run this case (missing op or package, unsupported variant).
+
+    ``transient=True``: it depends on this machine (a package or feature missing here), so
+    a later ``--resume`` on another machine retries it; otherwise it never can run."""
+
+    def __init__(self, reason: str, *, transient: bool = False):
+        super().__init__(reason)
+        self.transient = transient
 
 
 def output_names(case: Case) -> list[str]:
@@ -313,7 +320,18 @@ _COMPILED: dict = {}
 
 
 def _compiled(key, fn):
-    """One ``torch.compile`` object per function: a new shape recompiles (then goes dynamic)."""
+    """One ``torch.compile`` object per function: a new shape recompiles (then goes dynamic).
+
+    Dynamo counts recompiles per code object and by default falls back to eager -- silently
+    -- after 8; the suite's shapes x variants exceed that, so the limit is raised and hitting
+    it is an error, never an eager run reported as "compile"."""
+    import torch._dynamo as dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):  # torch >= 2.6 / older name
+        if hasattr(dynamo.config, name):
+            setattr(dynamo.config, name, max(getattr(dynamo.config, name), 64))
+    if hasattr(dynamo.config, "fail_on_recompile_limit_hit"):
+        dynamo.config.fail_on_recompile_limit_hit = True
     if key not in _COMPILED:
         _COMPILED[key] = torch.compile(fn)
     return _COMPILED[key]
@@ -367,13 +385,34 @@ def liger_version() -> str | None:
         return None
 
 
+def environment(provider: str, device, compile_on_cpu: bool) -> str:
+    """What this machine offers ``provider`` (a package version, a compile switch): a note
+    that it could not run here is retried by ``--resume`` only where this has changed."""
+    if provider == "liger":
+        return f"liger_kernel {liger_version()}"
+    if provider == "compile":
+        return f"torch {torch.__version__} on {torch.device(device).type}, cpu {compile_on_cpu}"
+    return f"torch {torch.__version__}"
+
+
+def _liger_import(module: str, name: str):
+    """``module.name``, or ``Unavailable``: importing Liger's submodules runs all of their
+    imports, which can fail where the top-level package imports fine."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except Exception as exc:
+        reason = f"{module}.{name}: {type(exc).__name__}: {exc}"[:200]
+        raise Unavailable(reason, transient=True) from exc
+
+
 def _liger_forward(case: Case, inp: dict):
     if liger_version() is None:
-        raise Unavailable("liger_kernel is not importable")
+        raise Unavailable("liger_kernel is not importable", transient=True)
     if case.op == "token_logprobs":
         if case.mode != "fwd_nograd" or case.variant != "logp":
             raise Unavailable("Liger has a no-grad fused log-prob only (no entropy, no backward)")
-        from liger_kernel.ops.grpo_loss import fused_selective_log_softmax
+        fused_selective_log_softmax = _liger_import("liger_kernel.ops.grpo_loss",
+                                                    "fused_selective_log_softmax")  # fmt: skip
 
         buf, targets = inp["buf"], inp["targets"]
         return lambda: (fused_selective_log_softmax(buf, targets, TEMPERATURE),)
@@ -381,7 +420,7 @@ def _liger_forward(case: Case, inp: dict):
         raise Unavailable(f"Liger has no {case.op}")
     if case.variant == "grpo+entropy":
         raise Unavailable("Liger's GRPO loss has no entropy bonus")
-    from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+    triton_grpo_loss = _liger_import("liger_kernel.transformers.grpo_loss", "triton_grpo_loss")
 
     params = inspect.signature(triton_grpo_loss).parameters
     kwargs = dict(
@@ -397,7 +436,9 @@ def _liger_forward(case: Case, inp: dict):
         kwargs["reduce"] = False  # per-token loss; we aggregate token-mean like the others
     if case.variant == "gspo":
         if "importance_sampling_level" not in params:
-            raise Unavailable("this liger_kernel has no importance_sampling_level (GSPO)")
+            raise Unavailable(
+                "this liger_kernel has no importance_sampling_level (GSPO)", transient=True
+            )
         kwargs["importance_sampling_level"] = "sequence"
     mask = inp["mask"]
     mask_int = mask.to(torch.int32)
@@ -447,7 +488,10 @@ def build(provider: str, case: Case, inp: dict, *, compile_on_cpu: bool = False)
     elif provider == "compile":
         device = next(v.device for v in inp.values() if isinstance(v, torch.Tensor))
         if device.type == "cpu" and not compile_on_cpu:
-            raise Unavailable("torch.compile skipped on CPU (compile time; --compile-cpu runs it)")
+            raise Unavailable(
+                "torch.compile skipped on CPU (compile time; --compile-cpu runs it)",
+                transient=True,
+            )
         if not case.compile_ok:
             raise Unavailable("torch.compile measured on the suite's compile subset only")
         forward = _eager_forward(case, inp, compiled=True)

@@ -185,8 +185,22 @@ def _record(case: Case, provider: str, **fields) -> dict:
     return rec
 
 
-def run_case(case: Case, args, device, copy_gbps, skipped: list) -> list[dict]:
-    """All providers on one case: warm-up/parity run, timing, peak memory, memory model."""
+class DeviceFailure(RuntimeError):
+    """The GPU context is broken (a CUDA error): stop, keep what was measured before."""
+
+
+def _note(case: Case, provider: str, reason: str, env: str | None = None) -> dict:
+    """A 'not measured' entry. ``env`` (what this machine offered the provider, see
+    ``providers.environment``) marks it transient: a later ``--resume`` retries it where
+    that differs (a Liger wheel carried this time). Without ``env`` it is final (the
+    provider cannot do this case), except the "all" notes of cases never started."""
+    return {"case": case.label(), "key": list(R.case_key(vars(case))), "op": case.op,
+            "provider": provider, "reason": reason, "env": env}  # fmt: skip
+
+
+def run_case(case: Case, args, device, copy_gbps, skipped: list, providers) -> list[dict]:
+    """``providers`` on one case: warm-up/parity run, timing, peak memory (GPU) or the memory
+    model (CPU). Raises ``DeviceFailure`` on a CUDA error, recording nothing of the case."""
     records = []
     try:
         inp = make_inputs(case, device, seed=args.seed)
@@ -194,16 +208,17 @@ def run_case(case: Case, args, device, copy_gbps, skipped: list) -> list[dict]:
         if not M.is_oom(exc):
             raise
         M.free_memory(device)
-        return [_record(case, p, status="oom", note="inputs do not fit") for p in args.providers]
+        return [_record(case, p, status="oom", note="inputs do not fit") for p in providers]
     names = P.output_names(case)
     reference = None
-    for provider in args.providers:
+    for provider in providers:
         try:
             run = P.build(provider, case, inp, compile_on_cpu=args.compile_cpu)
-        except P.Unavailable as exc:
-            skipped.append(
-                {"case": case.label(), "op": case.op, "provider": provider, "reason": str(exc)}
-            )
+        except Exception as exc:  # a provider that cannot even be built must not stop the run
+            final = isinstance(exc, P.Unavailable) and not exc.transient
+            reason = str(exc) if isinstance(exc, P.Unavailable) else f"build failed: {exc!r}"
+            env = None if final else P.environment(provider, device, args.compile_cpu)
+            skipped.append(_note(case, provider, reason[:300], env))
             continue
         rec = _record(case, provider)
         try:
@@ -220,18 +235,27 @@ def run_case(case: Case, args, device, copy_gbps, skipped: list) -> list[dict]:
             else:
                 rec["note"] = "no fused_rl output to compare with"
             del out
-            p20, p50, p80 = M.time_ms(run, device, args.reps)
-            rec.update(ms=p50, ms_p20=p20, ms_p80=p80)
-            rec["peak_mb"] = M.peak_mb(run, device)
+            # the inputs are valid: time fused_rl without its eager value checks (a host
+            # sync per call that no other provider pays; off in a tuned training loop too)
+            fused_rl.config.check_values = False
+            try:
+                p20, p50, p80 = M.time_ms(run, device, args.reps)
+                rec.update(ms=p50, ms_p20=p20, ms_p80=p80)
+                rec["peak_mb"] = M.peak_mb(run, device)
+            finally:
+                fused_rl.config.check_values = True
             if M.is_gpu(device):
                 rec["gbps"] = rec["bytes"] / (p50 * 1e-3) / 1e9
                 rec["pct_copy"] = 100.0 * rec["gbps"] / copy_gbps if copy_gbps else None
         except Exception as exc:
+            if M.is_gpu(device) and M.is_device_fatal(exc):
+                raise DeviceFailure(f"{case.label()} {provider}: {exc}"[:300]) from exc
             rec["status"] = "oom" if M.is_oom(exc) else "error"
             rec["note"] = f"{type(exc).__name__}: {exc}"[:300]
         M.free_memory(device)
-        peak = model_peak_bytes(provider, case, device)
-        rec["model_mb"] = None if peak is None else peak / 2**20
+        if not M.is_gpu(device):  # GPUs measure the peak; the model is for CPU runs
+            peak = model_peak_bytes(provider, case, device)
+            rec["model_mb"] = None if peak is None else peak / 2**20
         records.append(rec)
     del inp, reference
     M.free_memory(device)
@@ -289,12 +313,48 @@ def default_out(device) -> str:
 
 
 def _merged(previous: dict | None, records: list[dict], skipped: list[dict]):
-    """``previous``' records and notes, with this run's replacing the same case+provider."""
+    """``previous``' records and notes, with this run's replacing the same case+provider.
+
+    A previous note is dropped when this run has a record or a note for the same case and
+    provider, and a previous "all" note (time budget) when this run reached the case."""
     if not previous:
         return records, skipped
     mine = {(*R.case_key(r), r["provider"]) for r in records}
     kept = [r for r in previous["records"] if (*R.case_key(r), r["provider"]) not in mine]
-    return kept + records, previous.get("skipped", []) + skipped
+    new = {(R.case_key(r), r["provider"]) for r in records}
+    new |= {(tuple(n["key"]), n["provider"]) for n in skipped if "key" in n}
+    new_cases = {key for key, _ in new}
+
+    def stale(note: dict) -> bool:
+        key = tuple(note.get("key", ()))
+        return (key, note["provider"]) in new or (note["provider"] == "all" and key in new_cases)
+
+    old = [n for n in previous.get("skipped", []) if not stale(n) and n not in skipped]
+    return kept + records, old + skipped
+
+
+FINAL_STATUSES = ("ok", "oom", "parity_fail")
+
+
+def _still_to_run(cases, providers, previous: dict, env_now) -> dict:
+    """``{case: providers}`` still to measure: a provider is done for a case when it has a
+    final record there (not "error"), or a note that it cannot run it that still holds
+    (final, or transient with this machine offering it the same, ``env_now(provider)``).
+    When anything is left, fused_rl runs again too: the others' parity is checked against it."""
+    final = {(*R.case_key(r), r["provider"]) for r in previous["records"]
+             if r["status"] in FINAL_STATUSES}  # fmt: skip
+    for n in previous.get("skipped", []):
+        if "key" in n and n["provider"] != "all" and n.get("env") in (None, env_now(n["provider"])):
+            final.add((*n["key"], n["provider"]))
+    todo = {}
+    for case in cases:
+        key = R.case_key(vars(case))
+        left = [p for p in providers if (*key, p) not in final]
+        if left:
+            todo[case] = (
+                list(dict.fromkeys([P.BASELINE, *left])) if P.BASELINE in providers else left
+            )
+    return todo
 
 
 def write_reports(out_dir: str, meta: dict, records, skipped, plots: bool) -> list[str]:
@@ -309,6 +369,8 @@ def run_report(args) -> None:
     if doc is None:
         raise SystemExit(f"no results.json in {out_dir}")
     records, skipped = doc.pop("records"), doc.pop("skipped", [])
+    # ratios are added at the end of a suite: a run killed mid-way has none yet
+    R.add_ratios(records, gpu=not str(doc.get("time_kind", "")).startswith(M.CPU_TIME_LABEL))
     plots = write_reports(out_dir, doc, records, skipped, plots=not args.no_plots)
     print(f"{out_dir}: results.md and {len(plots)} plot(s) from {len(records)} records")
 
@@ -347,31 +409,35 @@ def run_suite(args) -> dict:
         "parity_tolerance": PARITY_TOL,
     }
     previous = R.load_json(json_path) if args.append else None
+    todo = {c: list(args.providers) for c in cases}
     if previous and args.resume:
-        done = {R.case_key(r) for r in previous["records"]}
-        before = len(cases)
-        cases = [
-            c
-            for c in cases
-            if (c.op, c.variant, c.mode, c.batch, c.seqlen, c.vocab, c.dtype) not in done
-        ]
-        print(f"resume: {before - len(cases)} case(s) already in {json_path}, {len(cases)} to go")
+        env_now = lambda p: P.environment(p, device, args.compile_cpu)  # noqa: E731
+        todo = _still_to_run(cases, args.providers, previous, env_now)
+        print(
+            f"resume: {len(cases) - len(todo)} case(s) complete in {json_path}, {len(todo)} to go"
+        )
+        cases = [c for c in cases if c in todo]
     records: list[dict] = []
     start = time.perf_counter()
+    slowest = 0.0  # the budget stops before a case that would likely overrun it
     progress = _Progress(len(cases))
+    stop_reason = None
     for case in cases:
-        if args.time_budget is not None and time.perf_counter() - start > args.time_budget:
-            skipped.append(
-                {
-                    "case": case.label(),
-                    "op": case.op,
-                    "provider": "all",
-                    "reason": "time budget reached",
-                }
-            )
-            progress.step("skipped (time budget): " + case.label())
+        elapsed = time.perf_counter() - start
+        if stop_reason is None and args.time_budget is not None:
+            if elapsed + slowest > args.time_budget:
+                stop_reason = "time budget reached"
+        if stop_reason is not None:
+            skipped.append(_note(case, "all", stop_reason))
+            progress.step(f"skipped ({stop_reason}): " + case.label())
             continue
-        records += run_case(case, args, device, copy, skipped)
+        try:
+            records += run_case(case, args, device, copy, skipped, todo[case])
+        except DeviceFailure as exc:
+            stop_reason = "not run: the GPU failed on an earlier case"
+            print(f"\nDEVICE FAILURE, stopping: {exc}", flush=True)
+            skipped.append(_note(case, "all", f"device failure: {exc}"))
+        slowest = max(slowest, time.perf_counter() - start - elapsed)
         progress.step(case.label())
         # partial results survive a kill (a GPU lease ends mid-suite)
         R.write_json(json_path, meta, *_merged(previous, records, skipped))
@@ -404,7 +470,8 @@ def run_suite(args) -> dict:
         f"{len(records)} records in {elapsed:.0f} s -> {json_path}, results.md, "
         f"{len(plots)} plot(s)"
     )
-    return {"records": records, "skipped": skipped, "out": out_dir}
+    failure = stop_reason is not None and stop_reason.startswith("not run")
+    return {"records": records, "skipped": skipped, "out": out_dir, "device_failure": failure}
 
 
 def run_memory(args) -> None:
@@ -434,7 +501,7 @@ def main(argv=None) -> int:
         return 0
     result = run_suite(args)
     broken = [r for r in result["records"] if r["status"] in ("error",)]
-    return 1 if broken else 0
+    return 1 if broken or result["device_failure"] else 0
 
 
 if __name__ == "__main__":

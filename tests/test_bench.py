@@ -17,8 +17,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+import fused_rl  # noqa: E402
 from bench import measure as M  # noqa: E402
 from bench import providers as P  # noqa: E402
+from bench import run as bench_run  # noqa: E402
 from bench.cases import Case, full_cases, make_inputs, select_cases  # noqa: E402
 from bench.memory_profile import model_peak  # noqa: E402
 from bench.run import main, rel_err, run_case  # noqa: E402
@@ -93,12 +95,73 @@ def test_parity_failure_is_reported(monkeypatch):
     )
     monkeypatch.setattr(P, "eager_token_logprobs", broken)
     skipped = []
-    recs = run_case(case, _args(providers=["fused_rl", "eager", "liger"]), "cpu", None, skipped)
+    providers = ["fused_rl", "eager", "liger"]
+    recs = run_case(case, _args(providers=providers), "cpu", None, skipped, providers)
     by = {r["provider"]: r for r in recs}
     assert by["eager"]["status"] == "parity_fail", by["eager"]["note"]
     assert by["eager"]["parity"]["logp"] > 1e-3
     assert by["fused_rl"]["status"] == "ok"
     assert any(s["provider"] == "liger" for s in skipped)  # not installed in CI: a note
+
+
+def test_a_provider_that_fails_to_build_is_a_note(monkeypatch):
+    """An exception while building one provider (e.g. a Liger submodule import) records a
+    transient note and the other providers still run; value checks are back on after."""
+    case = Case("token_logprobs", "logp", "fwd_nograd", 1, 3, 17, "fp32")
+    real = P.build
+
+    def build(provider, *a, **k):
+        if provider == "eager":
+            raise ImportError("no module named liger_kernel.ops")
+        return real(provider, *a, **k)
+
+    monkeypatch.setattr(P, "build", build)
+    skipped, providers = [], ["fused_rl", "eager", "trl"]
+    recs = run_case(case, _args(providers=providers), "cpu", None, skipped, providers)
+    assert [r["provider"] for r in recs] == ["fused_rl", "trl"]
+    assert skipped[0]["provider"] == "eager" and skipped[0]["env"]  # retried elsewhere
+    assert "build failed: ImportError" in skipped[0]["reason"]
+    assert fused_rl.config.check_values
+
+
+def test_resume_per_case_and_provider():
+    """--resume re-runs what is missing or failed: a provider with an 'error' record or a
+    transient note whose machine differed (no Liger then, a wheel now), plus fused_rl for
+    their parity; never a provider that cannot run the case (a final note), nor one still
+    missing here."""
+    cases = [Case("gae", "x", "fwd_nograd", 2, 4, 0, "fp32"),
+             Case("gae", "y", "fwd_nograd", 2, 4, 0, "fp32")]  # fmt: skip
+    key = lambda c: list(bench_run.R.case_key(vars(c)))  # noqa: E731
+    rec = lambda c, p, status: dict(vars(c), provider=p, status=status)  # noqa: E731
+    previous = {
+        "records": [rec(cases[0], "fused_rl", "ok"), rec(cases[0], "eager", "ok"),
+                    rec(cases[1], "fused_rl", "ok"), rec(cases[1], "eager", "error")],
+        "skipped": [{"key": key(cases[0]), "provider": "trl", "env": None},
+                    {"key": key(cases[0]), "provider": "liger", "env": "liger_kernel None"},
+                    {"key": key(cases[1]), "provider": "trl", "env": None},
+                    {"key": key(cases[1]), "provider": "liger", "env": None}],
+    }  # fmt: skip
+    providers = ["fused_rl", "eager", "trl", "liger"]
+    with_wheel = lambda p: "liger_kernel 0.6.2" if p == "liger" else "x"  # noqa: E731
+    todo = bench_run._still_to_run(cases, providers, previous, with_wheel)
+    assert todo == {cases[0]: ["fused_rl", "liger"], cases[1]: ["fused_rl", "eager"]}
+    still_none = lambda p: "liger_kernel None"  # noqa: E731
+    todo = bench_run._still_to_run(cases, providers, previous, still_none)
+    assert list(todo) == [cases[1]]
+
+
+def test_merge_drops_stale_notes():
+    """A case measured again drops its old notes (time budget, a provider missing then)."""
+    case = Case("gae", "x", "fwd_nograd", 2, 4, 0, "fp32")
+    key = list(bench_run.R.case_key(vars(case)))
+    old_note = {"key": key, "provider": "all", "reason": "time budget reached"}
+    other = {"key": ["other"], "provider": "all", "reason": "time budget reached"}
+    no_liger = {"key": key, "provider": "liger", "reason": "not importable"}
+    trl_never = {"key": key, "provider": "trl", "reason": "logits ops only"}  # still true
+    previous = {"records": [], "skipped": [old_note, other, no_liger, trl_never]}
+    records = [dict(vars(case), provider=p, status="ok") for p in ("fused_rl", "liger")]
+    merged, notes = bench_run._merged(previous, records, [])
+    assert merged == records and notes == [other, trl_never]
 
 
 def test_rel_err():
