@@ -164,6 +164,15 @@ def test_merge_drops_stale_notes():
     assert merged == records and notes == [other, trl_never]
 
 
+def test_worst_row_err_catches_one_bad_row():
+    ref = torch.randn(4096, 33)
+    out = ref.clone()
+    out[17] = -ref[17]  # one token entirely wrong
+    assert rel_err(out, ref) < 0.05  # the RMS barely notices
+    assert bench_run.worst_row_err(out, ref) > 1.5
+    assert bench_run.worst_row_err(ref, ref) == 0.0
+
+
 def test_rel_err():
     a = torch.randn(3, 4, 5)
     assert rel_err(a, a) == 0.0
