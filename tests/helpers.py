@@ -38,3 +38,18 @@ def oracle_token_stats(logits, targets, temperature=1.0, ignore_index=-100):
     logp = z.gather(-1, torch.where(keep, targets, 0).long()[..., None])[..., 0]
     zero = torch.zeros_like(logp)
     return torch.where(keep, logp, zero), torch.where(keep, entropy, zero)
+
+
+def seed_gae_loop(rewards, values, gamma, lam):
+    """Seed 004's GAE loop as written there (Python loop over T, in the inputs' dtype):
+    ``(advantages, returns = advantages + values)``; the oracle every GAE test builds on."""
+    last = 0.0
+    reversed_adv = []
+    length = rewards.shape[1]
+    for t in reversed(range(length)):
+        next_values = values[:, t + 1] if t < length - 1 else 0.0
+        delta = rewards[:, t] + gamma * next_values - values[:, t]
+        last = delta + gamma * lam * last
+        reversed_adv.append(last)
+    advantages = torch.stack(reversed_adv[::-1], dim=1)
+    return advantages, advantages + values

@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from helpers import FP32_TOL, assert_rel
+from helpers import FP32_TOL, assert_rel, seed_gae_loop
 
 from fused_rl import config
 from fused_rl.advantages import gae, group_advantages, kl_penalized_rewards, rloo_advantages
@@ -31,16 +31,7 @@ def gae_loop(rewards, values, gamma, lam, mask=None):
         m = mask.bool()
         r = torch.where(m, r, torch.zeros_like(r))
         v = torch.where(m, v, torch.zeros_like(v))
-    length = r.shape[1]
-    last = 0.0
-    reversed_adv = []
-    for t in reversed(range(length)):
-        next_v = v[:, t + 1] if t < length - 1 else 0.0
-        delta = r[:, t] + gamma * next_v - v[:, t]
-        last = delta + gamma * lam * last
-        reversed_adv.append(last)
-    adv = torch.stack(reversed_adv[::-1], dim=1)
-    ret = adv + v
+    adv, ret = seed_gae_loop(r, v, gamma, lam)
     if mask is not None:
         adv = torch.where(m, adv, torch.zeros_like(adv))
         ret = torch.where(m, ret, torch.zeros_like(ret))

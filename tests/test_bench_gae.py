@@ -11,26 +11,12 @@ import timeit
 
 import pytest
 import torch
-from helpers import FP32_TOL, assert_rel
+from helpers import FP32_TOL, assert_rel, seed_gae_loop
 
 from fused_rl.advantages import gae
 
 GAMMA, LAM = 0.99, 0.95
 SHAPE = (8, 1024)
-
-
-def seed_loop(rewards, values, gamma, lam):
-    """Seed 004's GAE loop, as written there (dtype of the inputs)."""
-    lastgaelam = 0
-    advantages_reversed = []
-    gen_length = rewards.shape[1]
-    for t in reversed(range(gen_length)):
-        nextvalues = values[:, t + 1] if t < gen_length - 1 else 0.0
-        delta = rewards[:, t] + gamma * nextvalues - values[:, t]
-        lastgaelam = delta + gamma * lam * lastgaelam
-        advantages_reversed.append(lastgaelam)
-    advantages = torch.stack(advantages_reversed[::-1], dim=1)
-    return advantages, advantages + values
 
 
 def _inputs():
@@ -43,7 +29,7 @@ def _reference(rewards, values):
 
 
 def _loop(rewards, values):
-    return seed_loop(rewards, values, GAMMA, LAM)
+    return seed_gae_loop(rewards, values, GAMMA, LAM)
 
 
 @pytest.mark.no_poison
@@ -53,7 +39,7 @@ def test_gae_cpu_t1024(benchmark, impl):
     benchmark.group = "gae-cpu-T1024"
     rewards, values = _inputs()
     adv, ret = benchmark(_loop if impl == "seed_loop" else _reference, rewards, values)
-    o_adv, o_ret = seed_loop(rewards.double(), values.double(), GAMMA, LAM)
+    o_adv, o_ret = seed_gae_loop(rewards.double(), values.double(), GAMMA, LAM)
     assert_rel(adv, o_adv, FP32_TOL, f"{impl} advantages")
     assert_rel(ret, o_ret, FP32_TOL, f"{impl} returns")
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import rel_err
+from helpers import rel_err, seed_gae_loop
 
 from fused_rl.compat import torchtune as rlhf
 
@@ -37,15 +37,7 @@ def o_whiten(x, mask=None, shift_mean=True):
 
 
 def o_estimate_advantages(values, rewards, gamma, lmbda, masks=None):
-    last, rev = 0.0, []
-    length = values.shape[-1]
-    for t in reversed(range(length)):
-        next_v = values[:, t + 1] if t < length - 1 else 0.0
-        delta = rewards[:, t] + gamma * next_v - values[:, t]
-        last = delta + gamma * lmbda * last
-        rev.append(last)
-    adv = torch.stack(rev[::-1], dim=1)
-    returns = adv + values
+    adv, returns = seed_gae_loop(rewards, values, gamma, lmbda)
     adv = o_whiten(adv, mask=masks)
     if masks is not None:
         adv[~masks] = 0.0
