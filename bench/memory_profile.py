@@ -105,9 +105,18 @@ def liger_model_bytes(case: Case) -> int | None:
     return per_token + 4 * n + grad
 
 
-def model_peak(provider: str, case: Case, device="cpu") -> tuple[int | None, str]:
+def model_device() -> str:
+    """Where the model's fake tensors live: where fused_rl's Triton path runs. On a CUDA
+    machine that is ``cuda`` (fake CUDA tensors allocate nothing); on CPU tensors it needs the
+    Triton interpreter, which a CUDA machine does not enable (``backend="triton"`` raises)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def model_peak(provider: str, case: Case, device=None) -> tuple[int | None, str]:
     """``(bytes, how)``: modelled peak bytes above the inputs of one run of ``case`` by
-    ``provider``, or ``(None, why not)``."""
+    ``provider``, or ``(None, why not)``; on fake tensors of ``device`` (default
+    ``model_device()``)."""
+    device = model_device() if device is None else device
     if provider == "compile":
         return None, "torch.compile is not modelled (measured on GPUs)"
     if provider == "liger" and not P.liger_version():
@@ -142,7 +151,7 @@ def model_peak(provider: str, case: Case, device="cpu") -> tuple[int | None, str
         fused_rl.config.check_values = saved_check
 
 
-def model_peak_bytes(provider: str, case: Case, device="cpu") -> int | None:
+def model_peak_bytes(provider: str, case: Case, device=None) -> int | None:
     """Modelled peak bytes above the inputs (see ``model_peak``); None where not modelled."""
     return model_peak(provider, case, device)[0]
 

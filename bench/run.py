@@ -24,11 +24,19 @@ import sys
 import warnings
 
 
+def _cpu_requested(argv: list[str]) -> bool:
+    """``--device cpu`` / ``--device=cpu`` on the command line."""
+    pairs = zip(argv, argv[1:] + [""])
+    return any(a == "--device=cpu" or (a == "--device" and b == "cpu") for a, b in pairs)
+
+
 def _prepare_environment() -> None:
-    """Interpreter mode on CPU-only machines; must run before fused_rl / triton imports."""
+    """Interpreter mode on CPU-only machines, and for ``--device cpu`` on a CUDA machine
+    (fused_rl's Triton path runs on CPU tensors only through the interpreter); must run
+    before fused_rl / triton imports."""
     import torch
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() or (__name__ == "__main__" and _cpu_requested(sys.argv[1:])):
         os.environ.setdefault("TRITON_INTERPRET", "1")
     # the interpreter evaluates masked-out lanes in numpy (log(0), 0 * inf)
     warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton")
@@ -283,7 +291,7 @@ def run_case(case: Case, args, device, copy_gbps, skipped: list, providers) -> l
             rec["note"] = f"{type(exc).__name__}: {exc}"[:300]
         M.free_memory(device)
         if not M.is_gpu(device):  # GPUs measure the peak; the model is for CPU runs
-            peak = model_peak_bytes(provider, case, device)
+            peak = model_peak_bytes(provider, case)  # on fake tensors where Triton runs
             rec["model_mb"] = None if peak is None else peak / 2**20
         records.append(rec)
     del inp, reference

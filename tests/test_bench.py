@@ -46,11 +46,15 @@ def _args(**kw):
 
 @pytest.mark.no_poison
 def test_cli_quick_suite_writes_results(tmp_path):
+    """A CPU run (``--device=cpu``: the interpreter, also on a CUDA machine) of the providers
+    every machine has (Liger and torch.compile depend on the machine)."""
     out = tmp_path / "res"
     cmd = [
         sys.executable,
         os.path.join(ROOT, "bench", "run.py"),
         "--suite=quick",
+        "--device=cpu",
+        "--providers=fused_rl,fused_rl_ref,eager,trl",
         "--op=policy_loss,gae",
         "--tokens=8",
         "--vocab=1000",
@@ -87,7 +91,8 @@ def test_cli_quick_suite_writes_results(tmp_path):
     assert (out / "results.md").read_text().count("| fused_rl |") == 4
 
 
-def test_parity_failure_is_reported(monkeypatch):
+def test_parity_failure_is_reported(monkeypatch, device):
+    """On the suite's device: on a CUDA machine fused_rl's Triton path needs CUDA tensors."""
     case = Case("token_logprobs", "logp", "fwd_bwd", 1, 5, 37, "fp32")
     original = P.eager_token_logprobs
     broken = lambda logits, targets, with_entropy: (  # noqa: E731
@@ -96,12 +101,13 @@ def test_parity_failure_is_reported(monkeypatch):
     monkeypatch.setattr(P, "eager_token_logprobs", broken)
     skipped = []
     providers = ["fused_rl", "eager", "liger"]
-    recs = run_case(case, _args(providers=providers), "cpu", None, skipped, providers)
+    recs = run_case(case, _args(providers=providers), device, None, skipped, providers)
     by = {r["provider"]: r for r in recs}
     assert by["eager"]["status"] == "parity_fail", by["eager"]["note"]
     assert by["eager"]["parity"]["logp"] > 1e-3
     assert by["fused_rl"]["status"] == "ok"
-    assert any(s["provider"] == "liger" for s in skipped)  # not installed in CI: a note
+    # a note either way: not installed (CI), or no log-prob backward in Liger (GPU image)
+    assert any(s["provider"] == "liger" for s in skipped)
 
 
 def test_a_provider_that_fails_to_build_is_a_note(monkeypatch):
@@ -192,7 +198,7 @@ def test_byte_counts():
 
 
 def test_memory_model_counts_materialised_tensors():
-    # fake tensors: this shape costs no memory and little time
+    # fake tensors (CUDA ones on a CUDA machine): this shape costs no memory and little time
     b, t, v = 4, 512, 32000
     grad_bytes = b * t * v * 2
     fused = Case("policy_loss", "grpo", "fwd_bwd", b, t, v, "bf16")
@@ -208,10 +214,14 @@ def test_memory_model_counts_materialised_tensors():
 
 
 def test_memory_command_cpu(capsys):
-    assert main(["memory", "--vocab=32000", "--tokens=2048", "--dtype=bf16"]) == 0
+    """``--device=cpu`` models (a CUDA machine would measure), fused_rl included."""
+    argv = ["memory", "--device=cpu", "--vocab=32000", "--tokens=2048", "--dtype=bf16"]
+    assert main(argv) == 0
     out = capsys.readouterr().out
     assert "MODELLED" in out
     assert "policy_loss[grpo] fwd_bwd" in out and "eager" in out and "fused_rl" in out
+    fused = [line for line in out.splitlines() if line.split()[2:3] == ["fused_rl"]]
+    assert fused and all(line.endswith("modelled") for line in fused), fused
 
 
 def test_suites_and_filters():
