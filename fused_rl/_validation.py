@@ -73,22 +73,54 @@ def check_shape(x: torch.Tensor | None, shape: Sequence[int], name: str, expecte
         )
 
 
-def check_positive(value, name: str) -> None:
-    if isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a Python number, not a tensor")
-    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not (is_number and math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+def _check_number_type(value, name: str) -> None:
+    """A Python int / float: not a bool (``True`` is an int), not a tensor, not a string."""
+    if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a Python number, got {type(value).__name__}")
 
 
 def check_number(value, name: str, *, allow_none: bool = False) -> None:
     """A finite Python int / float (a hyper-parameter; a NaN bound would silently drop a clip)."""
     if value is None and allow_none:
         return
-    if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a Python number, got {type(value).__name__}")
+    _check_number_type(value, name)
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value!r}")
+
+
+def check_nonnegative(value, name: str, *, allow_none: bool = False) -> None:
+    """A finite Python number ``>= 0`` (``None`` too when ``allow_none``)."""
+    if value is None and allow_none:
+        return
+    _check_number_type(value, name)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+def check_positive(value, name: str, *, allow_none: bool = False) -> None:
+    """A finite Python number ``> 0`` (``None`` too when ``allow_none``)."""
+    if value is None and allow_none:
+        return
+    _check_number_type(value, name)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+def check_unit_interval(value, name: str) -> None:
+    """A Python number in ``[0, 1]`` (a discount factor)."""
+    _check_number_type(value, name)
+    if not 0.0 <= value <= 1.0:  # also rejects NaN
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+
+
+def check_positive_int(value, name: str, *, allow_none: bool = False, minimum: int = 1) -> None:
+    """A Python int ``>= minimum`` (default 1), not a bool (``None`` too when ``allow_none``)."""
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 def check_mask_dtype(mask: torch.Tensor | None, name: str = "mask") -> None:
@@ -98,6 +130,38 @@ def check_mask_dtype(mask: torch.Tensor | None, name: str = "mask") -> None:
     check_tensor(mask, name)
     if mask.is_complex():
         raise TypeError(f"{name} must be a bool, integer or floating tensor, got {mask.dtype}")
+
+
+def check_mask(mask: torch.Tensor | None, name: str, shape: Sequence[int], expected: str) -> None:
+    """``mask``: None, or a bool / integer / floating tensor of ``shape`` (named ``expected``
+    in the message). Devices are checked with the other tensors (:func:`check_same_device`)."""
+    if mask is None:
+        return
+    check_mask_dtype(mask, name)
+    check_shape(mask, shape, name, expected)
+
+
+def check_loss_agg(loss_agg: str, *, max_length, num_items) -> None:
+    """The aggregation arguments of every loss (``fused_rl._agg.token_weights``).
+
+    ``loss_agg``: one of ``LOSS_AGG_MODES``; ``max_length``: None or an int ``>= 1`` (checked
+    whichever the mode); ``num_items``: None, a finite number ``> 0``, or a one-element real
+    tensor (its value is not checked: that would sync with the host).
+    """
+    from ._agg import LOSS_AGG_MODES  # _agg imports this module
+
+    check_choice(loss_agg, LOSS_AGG_MODES, "loss_agg")
+    check_positive_int(max_length, "max_length", allow_none=True)
+    if isinstance(num_items, torch.Tensor):
+        if num_items.is_complex() or num_items.dtype == torch.bool:
+            raise TypeError(f"num_items must be a real number tensor, got {num_items.dtype}")
+        if num_items.numel() != 1:
+            raise ValueError(
+                f"num_items must be a number or a one-element tensor, got shape "
+                f"{tuple(num_items.shape)}"
+            )
+        return
+    check_positive(num_items, "num_items", allow_none=True)
 
 
 def check_choice(value: str, choices: Sequence[str], name: str) -> None:

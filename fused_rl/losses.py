@@ -1,11 +1,12 @@
 """Policy losses straight from the logits: PPO / GRPO / DAPO / Dr. GRPO / GSPO in one vocab
 pass forward and one backward.
 
-Token-level importance sampling runs as ONE Triton kernel (vocab stream + loss epilogue,
-``kernels/vocab_stream_policy_fwd.py``) followed by O(B*T) reductions; its backward is the
-shared vocab-stream backward fed with the per-token coefficients the epilogue wrote.
-Sequence-level importance sampling (GSPO) needs every token's log-prob before any token's
-loss: it runs the layer-1 kernel, a (B, T) barrier in PyTorch, and the same backward.
+On the Triton backend a call is a handful of launches (``fused_rl._policy_ops``):
+token-level importance sampling runs ONE vocab-stream kernel with the loss as epilogue, then
+one reduction that finishes the loss and every metric; sequence-level importance sampling
+(GSPO) needs every token's log-prob before any token's loss, so it runs layer 1, a
+token-layer kernel over whole sequences, and the same reduction. The backward is one
+vocab-stream kernel. The ``reference`` backend is the same math in plain PyTorch.
 """
 
 from __future__ import annotations
@@ -16,180 +17,12 @@ from torch import Tensor
 from . import _validation as V
 from ._agg import LOSS_AGG_MODES, masked_mean_all, token_weights
 from ._backend import resolve_backend
-from ._launch import f32_pair, stats_dtype, triton_acc, vocab_block, vocab_warps
-from .logprobs import _token_stats_bwd_op, token_stats_nocheck
+from ._policy_ops import metrics_dict, policy_logprobs_fwd_op, policy_loss_fwd_op
+from ._vocab_ops import check_targets_window, token_stats_nocheck, window
 from .reference.kl import KL_KINDS
 from .reference.policy import ClipConfig, policy_token_terms
 
 IMPORTANCE_SAMPLING = ("token", "sequence")
-METRIC_NAMES = (
-    "clip_frac",
-    "clip_frac_low",
-    "clip_frac_high",
-    "dual_clip_frac",
-    "ratio_mean",
-    "ratio_max",
-    "approx_kl",
-)
-
-# ----------------------------------------------------------------------------- fused op
-
-
-def policy_loss_fwd(
-    logits3d: Tensor,
-    targets: Tensor,
-    adv2d: Tensor,
-    old: Tensor | None,
-    ref: Tensor | None,
-    weights: Tensor,
-    temperature: float,
-    ignore_index: int,
-    eps_low: float,
-    eps_high: float,
-    dual_clip: float,
-    delta: float,
-    beta: float,
-    kl_kind: int,
-    entropy_coef: float,
-    with_entropy: bool,
-) -> tuple[Tensor, ...]:
-    """Launch the fused kernel. ``dual_clip``/``delta`` of 0 mean off.
-
-    Returns ``(loss, logp, entropy, row_max, log_sum, ratio, kl, code, g, h)``: ``loss`` 0-dim,
-    the rest
-    per token ``(B*T,)`` (``entropy``/``kl``/``h`` empty when not computed).
-    """
-    from .kernels.vocab_stream_policy_fwd import _policy_loss_fwd_kernel
-
-    outer, inner, vocab = logits3d.shape
-    n_rows = outer * inner
-    dtype = stats_dtype(logits3d.dtype)
-    dev = logits3d.device
-    new = lambda on=True: torch.empty(n_rows if on else 0, dtype=dtype, device=dev)
-    entropy_bonus = entropy_coef != 0.0
-    with_entropy = with_entropy or entropy_bonus
-    logp, row_max, log_sum, ratio, loss_tok, g = new(), new(), new(), new(), new(), new()
-    entropy, kl, h = new(with_entropy), new(ref is not None), new(entropy_bonus)
-    code = torch.empty(n_rows, dtype=torch.int8, device=dev)
-    if n_rows > 0:
-        block = vocab_block(vocab)
-        _policy_loss_fwd_kernel[(n_rows,)](
-            logits3d,
-            targets,
-            adv2d,
-            old if old is not None else weights,
-            ref if ref is not None else weights,
-            weights,
-            logp,
-            entropy,
-            row_max,
-            log_sum,
-            ratio,
-            kl,
-            code,
-            loss_tok,
-            g,
-            h,
-            inner,
-            vocab,
-            logits3d.stride(0),
-            logits3d.stride(1),
-            logits3d.stride(2),
-            adv2d.stride(0),
-            adv2d.stride(1),
-            *f32_pair(1.0 / temperature),
-            ignore_index,
-            eps_low,
-            eps_high,
-            dual_clip,
-            delta,
-            beta,
-            entropy_coef,
-            HAS_OLD=old is not None,
-            HAS_REF=ref is not None,
-            ADD_KL=ref is not None and beta != 0.0,
-            KL_KIND=kl_kind,
-            WITH_ENTROPY=with_entropy,
-            ENTROPY_BONUS=entropy_bonus,
-            USE_DUAL=dual_clip != 0.0,
-            USE_DELTA=delta != 0.0,
-            BLOCK_V=block,
-            ACC=triton_acc(logits3d.dtype),
-            num_warps=vocab_warps(block),
-        )
-    loss = loss_tok.sum()  # deterministic second stage over B*T floats
-    return loss, logp, entropy, row_max, log_sum, ratio, kl, code, g, h
-
-
-@torch.library.custom_op("fused_rl::policy_loss_fwd", mutates_args=())
-def _policy_loss_fwd_op(
-    logits3d: Tensor,
-    targets: Tensor,
-    adv2d: Tensor,
-    old: Tensor | None,
-    ref: Tensor | None,
-    weights: Tensor,
-    temperature: float,
-    ignore_index: int,
-    eps_low: float,
-    eps_high: float,
-    dual_clip: float,
-    delta: float,
-    beta: float,
-    kl_kind: int,
-    entropy_coef: float,
-    with_entropy: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return policy_loss_fwd(
-        logits3d, targets, adv2d, old, ref, weights, temperature,
-        ignore_index, eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef,
-        with_entropy,
-    )  # fmt: skip
-
-
-@_policy_loss_fwd_op.register_fake
-def _(logits3d, targets, adv2d, old, ref, weights, temperature, ignore_index, eps_low,
-      eps_high, dual_clip, delta, beta, kl_kind, entropy_coef, with_entropy):  # fmt: skip
-    outer, inner, _ = logits3d.shape
-    n_rows = outer * inner
-    dtype = stats_dtype(logits3d.dtype)
-    new = lambda on=True: logits3d.new_empty(n_rows if on else 0, dtype=dtype)
-    bonus = entropy_coef != 0.0
-    return (
-        logits3d.new_empty((), dtype=dtype),
-        new(), new(with_entropy or bonus), new(), new(), new(), new(ref is not None),
-        logits3d.new_empty(n_rows, dtype=torch.int8), new(), new(bonus),
-    )  # fmt: skip
-
-
-def _policy_setup_context(ctx, inputs, output):
-    logits3d, targets = inputs[0], inputs[1]
-    ctx.temperature, ctx.ignore_index = inputs[6], inputs[7]
-    _, logp, entropy, row_max, log_sum, ratio, kl, code, g, h = output
-    ctx.save_for_backward(logits3d, targets, row_max, log_sum, entropy, g, h)
-    ctx.mark_non_differentiable(logp, entropy, row_max, log_sum, ratio, kl, code, g, h)
-
-
-def _policy_backward(ctx, grad_loss, *_unused):
-    logits3d, targets, row_max, log_sum, entropy, g, h = ctx.saved_tensors
-    has_h = h.numel() > 0
-    grad = _token_stats_bwd_op(
-        logits3d,
-        targets.reshape(logits3d.shape[:2]),
-        row_max,
-        log_sum,
-        entropy if has_h else None,
-        g,
-        h if has_h else None,
-        grad_loss.reshape(()).to(row_max.dtype),
-        ctx.temperature,
-        ctx.ignore_index,
-    )
-    return (grad,) + (None,) * 15
-
-
-_policy_loss_fwd_op.register_autograd(_policy_backward, setup_context=_policy_setup_context)
-
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -383,10 +216,11 @@ def policy_loss(
     """
     V.check_logits(logits, min_dim=3)
     if logits.dim() != 3:
-        raise ValueError(f"logits must be (B, T, V), got shape {tuple(logits.shape)}")
-    V.check_targets(targets, logits)
+        raise ValueError(f"logits must be (B, T, V) or (B, S, V), got shape {tuple(logits.shape)}")
+    check_targets_window(targets, logits)
     V.check_positive(temperature, "temperature")
-    batch, length, vocab = logits.shape
+    batch, length = targets.shape
+    vocab = logits.shape[-1]
     adv2d = _advantages_2d(advantages, batch, length)
     _check_token_tensors(
         batch, length, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask
@@ -403,40 +237,26 @@ def policy_loss(
     )  # fmt: skip
     V.check_target_range(targets, vocab, ignore_index, "targets")
     which = resolve_backend(backend, logits, targets)
-    adv2d, old_logprobs, ref_logprobs, mask = _constants(adv2d, old_logprobs, ref_logprobs, mask)
+    need_entropy = with_entropy or entropy_coef != 0.0
 
+    if which == "triton":
+        loss, metrics, *_ = policy_loss_fwd_op(
+            logits, targets, adv2d, old_logprobs, ref_logprobs, mask, float(temperature),
+            int(ignore_index), float(eps_low), float(eps_high), float(dual_clip or 0.0),
+            float(delta or 0.0), float(beta), KL_KINDS.index(kl), float(entropy_coef),
+            bool(need_entropy), importance_sampling == "sequence",
+            LOSS_AGG_MODES.index(loss_agg), float(max_length or length),
+            *_num_items_args(num_items),
+        )  # fmt: skip
+        has_kl = ref_logprobs is not None
+        return loss, metrics_dict(metrics, has_kl=has_kl, has_entropy=need_entropy)
+
+    adv2d, old_logprobs, ref_logprobs, mask = _constants(adv2d, old_logprobs, ref_logprobs, mask)
     counted = targets != ignore_index
     mask_f = counted.float() if mask is None else mask.float() * counted
     weights = token_weights(mask_f, loss_agg, max_length=max_length, num_items=num_items)
-    need_entropy = with_entropy or entropy_coef != 0.0
-
-    if which == "triton" and importance_sampling == "token":
-        out = _policy_loss_fwd_op(
-            logits, targets.reshape(-1).contiguous(), adv2d,
-            None if old_logprobs is None else old_logprobs.reshape(-1).contiguous(),
-            None if ref_logprobs is None else ref_logprobs.reshape(-1).contiguous(),
-            weights.reshape(-1), float(temperature), int(ignore_index), float(eps_low),
-            float(eps_high), float(dual_clip or 0.0), float(delta or 0.0), float(beta),
-            KL_KINDS.index(kl), float(entropy_coef), bool(need_entropy),
-        )  # fmt: skip
-        loss, logp, entropy, _, _, ratio, kl_tok, code, _, _ = out
-        as2d = lambda t: t.reshape(batch, length)
-        logp = as2d(logp)
-        old = logp.detach() if old_logprobs is None else old_logprobs
-        terms = {
-            "ratio": as2d(ratio),
-            "clipped": as2d(code & 1) != 0,
-            "clipped_low": as2d(code & 2) != 0,
-            "clipped_high": as2d(code & 4) != 0,
-            "dual_clipped": as2d(code & 8) != 0,
-            "neg_log_ratio": old - logp,
-        }
-        if ref_logprobs is not None:
-            terms["kl"] = as2d(kl_tok)
-        if need_entropy:
-            terms["entropy"] = as2d(entropy)
-        return loss, _metrics(terms, mask_f)
-
+    if length != logits.shape[1]:
+        logits = window(logits, length)
     logp, entropy = token_stats_nocheck(
         logits, targets, temperature, ignore_index, need_entropy, which
     )
@@ -445,6 +265,13 @@ def policy_loss(
         ref_logp=ref_logprobs, clip=ClipConfig(eps_low, eps_high, dual_clip, delta),
         beta=beta, kl=kl, entropy_coef=entropy_coef, importance_sampling=importance_sampling,
     )  # fmt: skip
+
+
+def _num_items_args(num_items) -> tuple[float, Tensor | None]:
+    """``num_items`` as the kernels take it: a number (``-1``: not given) or a tensor."""
+    if isinstance(num_items, Tensor):
+        return -1.0, num_items.reshape(())
+    return (-1.0 if num_items is None else float(num_items)), None
 
 
 def policy_loss_from_logprobs(
@@ -466,13 +293,15 @@ def policy_loss_from_logprobs(
     loss_agg: str = "token-mean",
     max_length: int | None = None,
     num_items: int | float | Tensor | None = None,
+    backend: str = "auto",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """:func:`policy_loss` for callers that already hold per-token ``logprobs`` ``(B, T)``
     (and optionally ``entropy`` ``(B, T)``) as tensors with grad.
 
-    Same arguments and outputs minus the vocabulary ones. This is O(B*T) PyTorch math (the
-    token layer's reference): the vocabulary work happened where ``logprobs`` came from,
-    e.g. :func:`fused_rl.token_logprobs`.
+    Same arguments and outputs minus the vocabulary ones. The vocabulary work happened
+    where ``logprobs`` came from, e.g. :func:`fused_rl.token_logprobs`; on the Triton
+    backend this is one token-layer kernel and one reduction (the loss and every metric),
+    and the backward two elementwise ops.
 
     Example:
         >>> import torch, fused_rl
@@ -501,6 +330,18 @@ def policy_loss_from_logprobs(
     )  # fmt: skip
     if entropy_coef != 0.0 and entropy is None:
         raise ValueError("entropy_coef != 0 needs the per-token entropy tensor")
+    which = resolve_backend(backend, logprobs)
+    if which == "triton":
+        loss, metrics, *_ = policy_logprobs_fwd_op(
+            logprobs, entropy, adv2d, old_logprobs, ref_logprobs, mask, float(eps_low),
+            float(eps_high), float(dual_clip or 0.0), float(delta or 0.0), float(beta),
+            KL_KINDS.index(kl), float(entropy_coef), importance_sampling == "sequence",
+            LOSS_AGG_MODES.index(loss_agg), float(max_length or length),
+            *_num_items_args(num_items),
+        )  # fmt: skip
+        has_entropy = entropy is not None
+        return loss, metrics_dict(metrics, has_kl=ref_logprobs is not None,
+                                  has_entropy=has_entropy)  # fmt: skip
     adv2d, old_logprobs, ref_logprobs, mask = _constants(adv2d, old_logprobs, ref_logprobs, mask)
     mask_f = torch.ones_like(logprobs, dtype=torch.float32) if mask is None else mask.float()
     weights = token_weights(mask_f, loss_agg, max_length=max_length, num_items=num_items)

@@ -15,8 +15,9 @@ mean) / (n - c))``, one elementwise launch; whitening needs two sums of the upst
 first (one flat launch plus a ``torch.sum`` over the per-block partials) and one elementwise
 launch.
 
-The ops are ``torch.library`` custom ops (``fused_rl::masked_moments``,
-``fused_rl::masked_whiten`` and their backwards) with fake and autograd registrations.
+Each launcher is a :class:`fused_rl._ops.FusedOp` (``fused_rl::masked_moments``,
+``fused_rl::masked_whiten`` and their ``*_bwd``): a ``torch.library`` custom op with fake and
+autograd registrations for ``torch.compile``, a direct call in eager mode.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch import Tensor
 from . import _validation as V
 from ._backend import resolve_backend
 from ._launch import triton_acc
+from ._ops import FusedOp
 from .reference import reductions as ref
 
 BLOCK = 1024  # elements per program of the flat token-space kernels
@@ -70,15 +72,6 @@ def mask_strides(mask: Tensor | None) -> tuple[int, int]:
 
 def n_blocks(numel: int) -> int:
     return (numel + BLOCK - 1) // BLOCK
-
-
-def check_mask(mask: Tensor | None, x: Tensor, name: str = "mask", x_name: str = "x") -> None:
-    """``mask``: None or a bool / integer / floating tensor of ``x``'s shape on its device."""
-    if mask is None:
-        return
-    V.check_mask_dtype(mask, name)
-    V.check_shape(mask, x.shape, name, f"{x_name}.shape")
-    V.check_same_device(**{x_name: x, name: mask})
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -198,36 +191,14 @@ def masked_whiten_bwd(
     return grad
 
 
-# ----------------------------------------------------------------------------- custom ops
+# ----------------------------------------------------------------------------- fused ops
 
 
-@torch.library.custom_op("fused_rl::masked_moments", mutates_args=())
-def _masked_moments_op(
-    x2d: Tensor, mask2d: Tensor | None, per_row: bool, with_var: bool, correction: float
-) -> Tensor:
-    return masked_moments_fwd(x2d, mask2d, per_row, with_var, correction)
-
-
-@_masked_moments_op.register_fake
-def _(x2d, mask2d, per_row, with_var, correction):
+def _moments_fake(x2d, mask2d, per_row, with_var, correction):
     return x2d.new_empty((4, x2d.shape[0] if per_row else 1), dtype=compute_dtype(x2d))
 
 
-@torch.library.custom_op("fused_rl::masked_moments_bwd", mutates_args=())
-def _masked_moments_bwd_op(
-    x2d: Tensor,
-    mask2d: Tensor | None,
-    stats: Tensor,
-    grad_stats: Tensor,
-    per_row: bool,
-    with_var: bool,
-    correction: float,
-) -> Tensor:
-    return masked_moments_bwd(x2d, mask2d, stats, grad_stats, per_row, with_var, correction)
-
-
-@_masked_moments_bwd_op.register_fake
-def _(x2d, mask2d, stats, grad_stats, per_row, with_var, correction):
+def _grad_x_fake(x2d, *_args):
     return x2d.new_empty(x2d.shape)
 
 
@@ -240,48 +211,43 @@ def _moments_setup(ctx, inputs, output):
 def _moments_backward(ctx, grad_stats):
     x2d, mask2d, stats = ctx.saved_tensors
     grad = _masked_moments_bwd_op(x2d, mask2d, stats, grad_stats, *ctx.args)
-    return grad, None, None, None, None
+    return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
 
 
+_masked_moments_bwd_op = FusedOp("masked_moments_bwd", masked_moments_bwd)
+_masked_moments_bwd_op.register_fake(_grad_x_fake)
+_masked_moments_op = FusedOp("masked_moments", masked_moments_fwd)
+_masked_moments_op.register_fake(_moments_fake)
 _masked_moments_op.register_autograd(_moments_backward, setup_context=_moments_setup)
 
 
-@torch.library.custom_op("fused_rl::masked_whiten", mutates_args=())
-def _masked_whiten_op(
-    x2d: Tensor, mask2d: Tensor | None, keep_mean: bool, eps: float
-) -> tuple[Tensor, Tensor]:
-    return masked_whiten_fwd(x2d, mask2d, keep_mean, eps)
-
-
-@_masked_whiten_op.register_fake
-def _(x2d, mask2d, keep_mean, eps):
+def _whiten_fake(x2d, mask2d, keep_mean, eps):
     dtype = compute_dtype(x2d)
     return x2d.new_empty(x2d.shape, dtype=dtype), x2d.new_empty((4, 1), dtype=dtype)
 
 
-@torch.library.custom_op("fused_rl::masked_whiten_bwd", mutates_args=())
-def _masked_whiten_bwd_op(
-    x2d: Tensor, mask2d: Tensor | None, stats: Tensor, grad_y: Tensor, keep_mean: bool, eps: float
-) -> Tensor:
-    return masked_whiten_bwd(x2d, mask2d, stats, grad_y, keep_mean, eps)
-
-
-@_masked_whiten_bwd_op.register_fake
-def _(x2d, mask2d, stats, grad_y, keep_mean, eps):
-    return x2d.new_empty(x2d.shape)
-
-
 def _whiten_setup(ctx, inputs, output):
     x2d, mask2d, keep_mean, eps = inputs
-    ctx.save_for_backward(x2d, mask2d, output[1])
+    _, stats = output
+    ctx.save_for_backward(x2d, mask2d, stats)
     ctx.args = (keep_mean, eps)
+    ctx.mark_non_differentiable(stats)
+    ctx.set_materialize_grads(False)  # no zero-filled gradient for the unused stats
 
 
 def _whiten_backward(ctx, grad_y, _grad_stats):
+    n_inputs = len(ctx.needs_input_grad)
+    if grad_y is None:
+        return (None,) * n_inputs
     x2d, mask2d, stats = ctx.saved_tensors
-    return _masked_whiten_bwd_op(x2d, mask2d, stats, grad_y, *ctx.args), None, None, None
+    grad = _masked_whiten_bwd_op(x2d, mask2d, stats, grad_y, *ctx.args)
+    return (grad,) + (None,) * (n_inputs - 1)
 
 
+_masked_whiten_bwd_op = FusedOp("masked_whiten_bwd", masked_whiten_bwd)
+_masked_whiten_bwd_op.register_fake(_grad_x_fake)
+_masked_whiten_op = FusedOp("masked_whiten", masked_whiten_fwd)
+_masked_whiten_op.register_fake(_whiten_fake)
 _masked_whiten_op.register_autograd(_whiten_backward, setup_context=_whiten_setup)
 
 
@@ -290,7 +256,8 @@ _masked_whiten_op.register_autograd(_whiten_backward, setup_context=_whiten_setu
 
 def _check_x(x: Tensor, mask: Tensor | None) -> None:
     V.check_float(x, "x")
-    check_mask(mask, x)
+    V.check_mask(mask, "mask", x.shape, "x.shape")
+    V.check_same_device(x=x, mask=mask)
 
 
 def _normalize_dim(dim, x: Tensor) -> int | None:
@@ -437,10 +404,7 @@ def masked_whiten(
     """
     _check_x(x, mask)
     mask = None if mask is None else mask.detach()  # not differentiable, on every backend
-    if isinstance(eps, torch.Tensor) or not (
-        isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0
-    ):
-        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    V.check_nonnegative(eps, "eps")
     if resolve_backend(backend, x, mask) == "reference":
         return ref.masked_whiten(_upcast(x), mask, keep_mean=keep_mean, eps=eps)
     y, _ = _masked_whiten_op(as_rows2d(x), _rows(mask), bool(keep_mean), float(eps))

@@ -3,8 +3,9 @@
 Triton path (``kernels/token_values.py``): one flat forward launch writing per-block partial
 sums, one single-program launch merging them into the scalar outputs (deterministic, no float
 atomics, no host sync), and one backward launch that recomputes every per-token derivative
-from the inputs. Custom ops ``fused_rl::value_loss`` / ``fused_rl::ppo_loss`` (and their
-``*_bwd``) carry fake and autograd registrations for ``torch.compile(fullgraph=True)``.
+from the inputs. Each launcher is a :class:`fused_rl._ops.FusedOp` (``fused_rl::value_loss``,
+``fused_rl::ppo_loss`` and their ``*_bwd``): a ``torch.library`` custom op with fake and
+autograd registrations for ``torch.compile(fullgraph=True)``, a direct call in eager mode.
 """
 
 from __future__ import annotations
@@ -13,15 +14,15 @@ import torch
 from torch import Tensor
 
 from . import _validation as V
-from ._agg import LOSS_AGG_MODES, token_weights
+from ._agg import token_weights
 from ._backend import resolve_backend
 from ._launch import f32_pair, triton_acc
+from ._ops import FusedOp
 from .reductions import (
     BLOCK,
     BLOCK_P,
     NUM_WARPS,
     as_rows2d,
-    check_mask,
     compute_dtype,
     kernel_mask,
     mask_strides,
@@ -176,42 +177,14 @@ def ppo_loss_bwd(
     return g_lp, g_v
 
 
-# ----------------------------------------------------------------------------- custom ops
+# ----------------------------------------------------------------------------- fused ops
 
 
-@torch.library.custom_op("fused_rl::value_loss", mutates_args=())
-def _value_loss_op(
-    values: Tensor,
-    old_values: Tensor,
-    returns: Tensor,
-    weights: Tensor,
-    mask: Tensor | None,
-    clip: float | None,
-) -> Tensor:
-    return value_loss_fwd(values, old_values, returns, weights, mask, clip)
-
-
-@_value_loss_op.register_fake
-def _(values, old_values, returns, weights, mask, clip):
+def _value_fake(values, old_values, returns, weights, mask, clip):
     return values.new_empty((4,), dtype=compute_dtype(values, old_values, returns))
 
 
-@torch.library.custom_op("fused_rl::value_loss_bwd", mutates_args=())
-def _value_loss_bwd_op(
-    values: Tensor,
-    old_values: Tensor,
-    returns: Tensor,
-    weights: Tensor,
-    mask: Tensor | None,
-    out: Tensor,
-    grad_out: Tensor,
-    clip: float | None,
-) -> Tensor:
-    return value_loss_bwd(values, old_values, returns, weights, mask, out, grad_out, clip)
-
-
-@_value_loss_bwd_op.register_fake
-def _(values, old_values, returns, weights, mask, out, grad_out, clip):
+def _value_bwd_fake(values, *_args):
     return values.new_empty(values.shape)
 
 
@@ -224,90 +197,59 @@ def _value_setup(ctx, inputs, output):
 def _value_backward(ctx, grad_out):
     values, old_values, returns, weights, mask, out = ctx.saved_tensors
     grad = _value_loss_bwd_op(values, old_values, returns, weights, mask, out, grad_out, ctx.clip)
-    return grad, None, None, None, None, None
+    return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
 
 
+_value_loss_bwd_op = FusedOp("value_loss_bwd", value_loss_bwd)
+_value_loss_bwd_op.register_fake(_value_bwd_fake)
+_value_loss_op = FusedOp("value_loss", value_loss_fwd)
+_value_loss_op.register_fake(_value_fake)
 _value_loss_op.register_autograd(_value_backward, setup_context=_value_setup)
 
 
-@torch.library.custom_op("fused_rl::ppo_loss", mutates_args=())
-def _ppo_loss_op(
-    pi_old_logprobs: Tensor,
-    pi_logprobs: Tensor,
-    advantages: Tensor,
-    phi_old_values: Tensor,
-    phi_values: Tensor,
-    returns: Tensor,
-    padding_masks: Tensor | None,
-    value_padding_masks: Tensor | None,
-    epsilon: float,
-    value_clip_range: float,
-    value_coeff: float,
-) -> Tensor:
-    return ppo_loss_fwd(
-        pi_old_logprobs, pi_logprobs, advantages, phi_old_values, phi_values, returns,
-        padding_masks, value_padding_masks, epsilon, value_clip_range, value_coeff,
-    )  # fmt: skip
-
-
-@_ppo_loss_op.register_fake
-def _(pi_old_logprobs, pi_logprobs, advantages, phi_old_values, phi_values, returns, *_):
+def _ppo_fake(pi_old_logprobs, pi_logprobs, advantages, phi_old_values, phi_values, returns, *_):
     dtype = compute_dtype(
         pi_old_logprobs, pi_logprobs, advantages, phi_old_values, phi_values, returns
     )
     return pi_logprobs.new_empty((8,), dtype=dtype)
 
 
-@torch.library.custom_op("fused_rl::ppo_loss_bwd", mutates_args=())
-def _ppo_loss_bwd_op(
-    pi_old_logprobs: Tensor,
-    pi_logprobs: Tensor,
-    advantages: Tensor,
-    phi_old_values: Tensor,
-    phi_values: Tensor,
-    returns: Tensor,
-    padding_masks: Tensor | None,
-    value_padding_masks: Tensor | None,
-    out: Tensor,
-    grad_out: Tensor,
-    epsilon: float,
-    value_clip_range: float,
-    value_coeff: float,
-) -> tuple[Tensor, Tensor]:
-    return ppo_loss_bwd(
-        pi_old_logprobs, pi_logprobs, advantages, phi_old_values, phi_values, returns,
-        padding_masks, value_padding_masks, out, grad_out, epsilon, value_clip_range,
-        value_coeff,
-    )  # fmt: skip
-
-
-@_ppo_loss_bwd_op.register_fake
-def _(pi_old_logprobs, pi_logprobs, advantages, phi_old_values, phi_values, *_):
+def _ppo_bwd_fake(pi_old_logprobs, pi_logprobs, advantages, phi_old_values, phi_values, *_):
     return pi_logprobs.new_empty(pi_logprobs.shape), phi_values.new_empty(phi_values.shape)
 
 
 def _ppo_setup(ctx, inputs, output):
-    *tensors, epsilon, value_clip_range, value_coeff = inputs
-    ctx.save_for_backward(*tensors, output)
+    (
+        pi_old_logprobs, pi_logprobs, advantages, phi_old_values, phi_values, returns,
+        padding_masks, value_padding_masks, epsilon, value_clip_range, value_coeff,
+    ) = inputs  # fmt: skip
+    ctx.save_for_backward(
+        pi_old_logprobs, pi_logprobs, advantages, phi_old_values, phi_values, returns,
+        padding_masks, value_padding_masks, output,
+    )  # fmt: skip
     ctx.hyper = (epsilon, value_clip_range, value_coeff)
+
+
+# positions of the differentiable inputs of fused_rl::ppo_loss
+_PI_LOGPROBS, _PHI_VALUES = 1, 4
 
 
 def _ppo_backward(ctx, grad_out):
     *tensors, out = ctx.saved_tensors
     g_lp, g_v = _ppo_loss_bwd_op(*tensors, out, grad_out, *ctx.hyper)
-    return None, g_lp, None, None, g_v, None, None, None, None, None, None
+    grads: list[Tensor | None] = [None] * len(ctx.needs_input_grad)
+    grads[_PI_LOGPROBS], grads[_PHI_VALUES] = g_lp, g_v
+    return tuple(grads)
 
 
+_ppo_loss_bwd_op = FusedOp("ppo_loss_bwd", ppo_loss_bwd)
+_ppo_loss_bwd_op.register_fake(_ppo_bwd_fake)
+_ppo_loss_op = FusedOp("ppo_loss", ppo_loss_fwd)
+_ppo_loss_op.register_fake(_ppo_fake)
 _ppo_loss_op.register_autograd(_ppo_backward, setup_context=_ppo_setup)
 
 
 # ----------------------------------------------------------------------------- public API
-
-
-def _check_hyper(value, name: str, allow_none: bool = False) -> None:
-    V.check_number(value, name, allow_none=allow_none)
-    if value is not None and not value >= 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
 def _check_same(ref_name: str, ref_t: Tensor, **others: Tensor) -> None:
@@ -362,11 +304,10 @@ def value_loss(
     if values.dim() != 2:
         raise ValueError(f"values must be (B, T), got shape {tuple(values.shape)}")
     _check_same("values", values, old_values=old_values, returns=returns)
-    check_mask(mask, values, "mask", "values")
-    _check_hyper(clip, "clip", allow_none=True)
-    V.check_choice(loss_agg, LOSS_AGG_MODES, "loss_agg")
-    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int)):
-        raise TypeError(f"max_length must be an int or None, got {max_length!r}")
+    V.check_mask(mask, "mask", values.shape, "values.shape")
+    V.check_same_device(values=values, mask=mask)
+    V.check_nonnegative(clip, "clip", allow_none=True)
+    V.check_loss_agg(loss_agg, max_length=max_length, num_items=num_items)
     which = resolve_backend(backend, values, old_values, returns, mask)
     mask = None if mask is None else mask.detach()  # a constant, as on the Triton path
     counted = mask if mask is not None else torch.ones_like(values, dtype=torch.bool)
@@ -449,11 +390,12 @@ def ppo_loss(
     )
     V.check_float(pi_logprobs, "pi_logprobs")
     _check_same("pi_logprobs", pi_logprobs, **tensors)
-    check_mask(padding_masks, pi_logprobs, "padding_masks", "pi_logprobs")
-    check_mask(value_padding_masks, pi_logprobs, "value_padding_masks", "pi_logprobs")
-    _check_hyper(epsilon, "epsilon")
-    _check_hyper(value_clip_range, "value_clip_range")
-    _check_hyper(value_coeff, "value_coeff")
+    for name, m in (("padding_masks", padding_masks), ("value_padding_masks", value_padding_masks)):
+        V.check_mask(m, name, pi_logprobs.shape, "pi_logprobs.shape")
+        V.check_same_device(pi_logprobs=pi_logprobs, **{name: m})
+    V.check_nonnegative(epsilon, "epsilon")
+    V.check_nonnegative(value_clip_range, "value_clip_range")
+    V.check_nonnegative(value_coeff, "value_coeff")
     # masks are constants, as on the Triton path (its backward returns no mask gradient)
     padding_masks, value_padding_masks = (
         None if m is None else m.detach() for m in (padding_masks, value_padding_masks)

@@ -10,13 +10,6 @@ import triton.language as tl
 
 
 @triton.jit
-def pair(hi, lo, ACC: tl.constexpr):
-    """A float passed as two fp32 halves (``fused_rl._launch.f32_pair``), recombined in
-    ``ACC``: exact to ~2^-48 in fp64, ``fp32(x)`` in fp32."""
-    return (tl.zeros((), ACC) + hi) + lo
-
-
-@triton.jit
 def k3_and_expm1(n):
     """``(exp(n) - n - 1, exp(n) - 1)`` without the cancellation of the direct formulas near
     ``n = 0`` (fp32 would lose ~6% of k3 at |n| ~ 1e-3): a Horner series for |n| < 1/2
@@ -112,3 +105,87 @@ def clipped_surrogate(
         code += tl.where(negative & (loss > cap), 8, 0)
         loss = tl.where(negative, tl.minimum(loss, cap), loss)
     return loss, dloss, code
+
+
+# Columns of the per-token partial sums every policy-loss forward writes (``(N_COLS, rows)``,
+# column-major) and ``_policy_finalize_kernel`` reduces; ``fused_rl._policy_partials`` names
+# them. Each holds ``m * x`` for the token's weight ``m`` (mask * not-ignored), 0 elsewhere.
+COL_COUNT: tl.constexpr = 0
+COL_LOSS: tl.constexpr = 1
+COL_CLIPPED: tl.constexpr = 2
+COL_CLIPPED_LOW: tl.constexpr = 3
+COL_CLIPPED_HIGH: tl.constexpr = 4
+COL_DUAL: tl.constexpr = 5
+COL_RATIO: tl.constexpr = 6
+COL_APPROX_KL: tl.constexpr = 7
+COL_KL: tl.constexpr = 8
+COL_ENTROPY: tl.constexpr = 9
+COL_RATIO_MAX: tl.constexpr = 10  # the ratio itself (reduced with max, not sum)
+
+
+@triton.jit
+def policy_token_loss(
+    logp,
+    entropy,
+    log_ratio,
+    adv,
+    ref_logp,
+    eps_low,
+    eps_high,
+    dual_clip,
+    delta,
+    beta,
+    entropy_coef,
+    HAS_REF: tl.constexpr,
+    ADD_KL: tl.constexpr,
+    KL_KIND: tl.constexpr,
+    ENTROPY_BONUS: tl.constexpr,
+    USE_DUAL: tl.constexpr,
+    USE_DELTA: tl.constexpr,
+):
+    """Per-token policy loss on scalars or blocks: ``(loss, dloss/dratio, ratio, code, kl,
+    dkl/dlogp)`` with ``ratio = exp(log_ratio)``; ``kl``/``dkl`` are 0 without ``HAS_REF``.
+
+    ``loss = -min(r A, clip(r) A) [capped] + beta kl(logp, ref) - entropy_coef H``.
+    """
+    ratio = tl.exp(log_ratio)
+    loss, dloss_dratio, code = clipped_surrogate(
+        ratio, adv, eps_low, eps_high, dual_clip, delta, USE_DUAL, USE_DELTA
+    )
+    kl = logp * 0.0
+    dkl = logp * 0.0
+    if HAS_REF:
+        kl, dkl = kl_and_grad(logp, ref_logp, KL_KIND)
+        if ADD_KL:
+            loss += beta * kl
+    if ENTROPY_BONUS:
+        loss -= entropy_coef * entropy
+    return loss, dloss_dratio, ratio, code, kl, dkl
+
+
+@triton.jit
+def _flag(code, bit: tl.constexpr, counted, m):
+    return tl.where(counted & ((code & bit) != 0), m, m * 0.0)
+
+
+@triton.jit
+def store_policy_partials(
+    part_ptr, n_rows, rows, store_mask, m, loss, code, ratio, neg_log_ratio, kl, entropy
+):
+    """Write one token's (or a block's) ``m * x`` for every metric column; tokens with
+    ``m == 0`` write exact zeros whatever their (possibly NaN / inf) values."""
+    counted = m != 0
+    zero = m * 0.0
+    col = part_ptr + rows
+    tl.store(col + COL_COUNT * n_rows, m, mask=store_mask)
+    tl.store(col + COL_LOSS * n_rows, tl.where(counted, m * loss, zero), mask=store_mask)
+    tl.store(col + COL_CLIPPED * n_rows, _flag(code, 1, counted, m), mask=store_mask)
+    tl.store(col + COL_CLIPPED_LOW * n_rows, _flag(code, 2, counted, m), mask=store_mask)
+    tl.store(col + COL_CLIPPED_HIGH * n_rows, _flag(code, 4, counted, m), mask=store_mask)
+    tl.store(col + COL_DUAL * n_rows, _flag(code, 8, counted, m), mask=store_mask)
+    tl.store(col + COL_RATIO * n_rows, tl.where(counted, m * ratio, zero), mask=store_mask)
+    nlr = tl.where(counted, m * neg_log_ratio, zero)
+    tl.store(col + COL_APPROX_KL * n_rows, nlr, mask=store_mask)
+    tl.store(col + COL_KL * n_rows, tl.where(counted, m * kl, zero), mask=store_mask)
+    tl.store(col + COL_ENTROPY * n_rows, tl.where(counted, m * entropy, zero), mask=store_mask)
+    tl.store(col + COL_RATIO_MAX * n_rows, tl.where(counted, ratio, zero), mask=store_mask)

@@ -16,7 +16,7 @@ Gradients follow PyTorch's subgradient conventions so fp64 parity is exact at ti
 import triton
 import triton.language as tl
 
-from .token_layer import pair
+from .common import pair
 from .token_reductions import flat_rowcol, load_weight, safe, sum_partials
 
 

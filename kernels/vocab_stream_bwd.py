@@ -7,16 +7,32 @@ Any loss that sees the vocabulary only through ``logp_t`` and ``H_t`` has, with
 
 ``p = exp((z - m) - log s)`` is recomputed from the forward's saved row max ``m`` and
 ``log s`` (never from a rounded ``lse = m + log s``), and ``z - E_p[z] = (z - m) - (log s - H)``.
+
+Bytes per call: reads the logits once and writes their gradient once (2 + 2 per element in
+bf16), plus O(1) floats per row.
 """
 
 import triton
 import triton.language as tl
 
-from .token_layer import pair
-from .vocab_stream_fwd import row_pointer
+from .common import pair, token_offset
 
 
-@triton.jit(do_not_specialize=["rows_inner", "ignore_index"])
+@triton.jit(
+    do_not_specialize=[
+        "rows_inner",
+        "positions",
+        "shift",
+        "ignore_index",
+        "t_stride_outer",
+        "t_stride_inner",
+        "g_stride_outer",
+        "g_stride_inner",
+        "h_stride_outer",
+        "h_stride_inner",
+        "seq_scale_stride",
+    ]
+)
 def _token_stats_bwd_kernel(
     logits_ptr,
     targets_ptr,
@@ -27,11 +43,21 @@ def _token_stats_bwd_kernel(
     g_ptr,
     h_ptr,
     scale_ptr,
+    seq_scale_ptr,
     rows_inner,
+    positions,
+    shift,
     V,
     stride_outer,
     stride_inner,
     stride_v,
+    t_stride_outer,
+    t_stride_inner,
+    g_stride_outer,
+    g_stride_inner,
+    h_stride_outer,
+    h_stride_inner,
+    seq_scale_stride,
     inv_t_hi,
     inv_t_lo,
     ignore_index,
@@ -39,38 +65,57 @@ def _token_stats_bwd_kernel(
     HAS_G: tl.constexpr,
     HAS_H: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    HAS_SEQ_SCALE: tl.constexpr,
     BLOCK_V: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    """One program per row; ``grad`` is a fresh contiguous ``(rows, V)`` buffer.
+    """One program per row of the WHOLE ``(outer, positions, V)`` logits buffer; ``grad`` is
+    a fresh contiguous buffer of that shape.
 
-    ``scale_ptr`` (optional) points at one fp32 scalar multiplying ``g`` and ``h``: the
-    upstream gradient of a fused scalar loss, read on device (no host sync).
+    Position ``s`` of each ``outer`` predicts token ``s - shift`` of ``(outer, rows_inner)``
+    per-token inputs (``shift = positions - rows_inner - 1`` for a buffer with more positions
+    than targets, else 0); positions outside that window get an exact zero gradient, so no
+    slice backward (a second full-size buffer and a copy) is ever needed.
+
+    ``scale_ptr`` (optional) points at one scalar multiplying ``g`` and ``h`` (the upstream
+    gradient of a fused scalar loss); ``seq_scale_ptr`` (optional) one more per ``outer``
+    (stride 0: one for all), the loss aggregation's normaliser. Both are read on device.
     Ignored rows (target == ignore_index) and rows with ``g == h == 0`` (padding of a fused
     loss) read nothing and get exactly zero gradient.
     """
-    row = tl.program_id(0).to(tl.int64)
+    prow = tl.program_id(0).to(tl.int64)
     inv_temperature = pair(inv_t_hi, inv_t_lo, ACC)  # 1 / T, fp64-exact for fp64 logits
-    row_ptr = row_pointer(logits_ptr, row, rows_inner, stride_outer, stride_inner)
-    grad_row = grad_ptr + row * V
-    m = tl.load(max_ptr + row).to(ACC)
-    log_s = tl.load(log_sum_ptr + row).to(ACC)
+    outer = prow // positions
+    pos = prow - outer * positions
+    inner = pos - shift
+    active = (inner >= 0) & (inner < rows_inner)
+    inner = tl.where(active, inner, 0)
+    row = outer * rows_inner + inner  # the token this position predicts
+    row_ptr = logits_ptr + outer * stride_outer + pos * stride_inner
+    grad_row = grad_ptr + prow * V
+    m = tl.load(max_ptr + row, mask=active, other=0.0).to(ACC)
+    log_s = tl.load(log_sum_ptr + row, mask=active, other=0.0).to(ACC)
     if HAS_TARGETS:
-        target = tl.load(targets_ptr + row).to(tl.int64)
-        active = target != ignore_index
+        t_off = token_offset(row, rows_inner, t_stride_outer, t_stride_inner)
+        target = tl.load(targets_ptr + t_off, mask=active, other=0).to(tl.int64)
+        active = active & (target != ignore_index)
     else:
         target = -1
-        active = row >= 0
     scale = inv_temperature
     if HAS_SCALE:
         scale = scale * tl.load(scale_ptr).to(ACC)
+    if HAS_SEQ_SCALE:
+        scale = scale * tl.load(seq_scale_ptr + outer * seq_scale_stride).to(ACC)
     g = 0.0
     if HAS_G:
-        g = tl.load(g_ptr + row).to(ACC) * scale
+        g_off = token_offset(row, rows_inner, g_stride_outer, g_stride_inner)
+        g = tl.load(g_ptr + g_off, mask=active, other=0.0).to(ACC) * scale
     h = 0.0
+    mean_d = 0.0
     if HAS_H:
-        h = tl.load(h_ptr + row).to(ACC) * scale
-        mean_d = log_s - tl.load(entropy_ptr + row).to(ACC)  # E_p[z] - m
+        h_off = token_offset(row, rows_inner, h_stride_outer, h_stride_inner)
+        h = tl.load(h_ptr + h_off, mask=active, other=0.0).to(ACC) * scale
+        mean_d = log_s - tl.load(entropy_ptr + row, mask=active, other=0.0).to(ACC)  # E_p[z]-m
     g = tl.where(active, g, 0.0)
     h = tl.where(active, h, 0.0)
     active = active & ((g != 0) | (h != 0))  # a NaN upstream gradient still reads

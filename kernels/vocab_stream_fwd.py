@@ -17,7 +17,7 @@ stays exact to fp32 even for logits of magnitude 1e4.
 import triton
 import triton.language as tl
 
-from .token_layer import pair
+from .common import pair, row_pointer, token_offset
 
 
 @triton.jit
@@ -79,7 +79,9 @@ def row_moments(
         m_b, s_b, w_b = block_stats(z, WITH_ENTROPY)
         m, s, w = merge_stats(m, s, w, m_b, s_b, w_b)
     log_s = tl.log(s)
-    return m, log_s, log_s - w / s
+    entropy = log_s - w / s
+    # H >= 0 always; rounding can leave -1e-8 on a point mass (a where() keeps NaN as NaN)
+    return m, log_s, tl.where(entropy < 0, 0.0, entropy)
 
 
 @triton.jit
@@ -91,15 +93,9 @@ def target_logit(row_ptr, target, V, stride_v, inv_temperature, active, ACC: tl.
     return tl.where(in_range, x.to(ACC) * inv_temperature, float("nan"))
 
 
-@triton.jit
-def row_pointer(logits_ptr, row, rows_inner, stride_outer, stride_inner):
-    """Pointer to row ``row`` of a logits tensor viewed as ``(outer, inner, V)``."""
-    outer = row // rows_inner
-    inner = row - outer * rows_inner
-    return logits_ptr + outer * stride_outer + inner * stride_inner
-
-
-@triton.jit(do_not_specialize=["rows_inner", "ignore_index"])
+@triton.jit(
+    do_not_specialize=["rows_inner", "shift", "ignore_index", "t_stride_outer", "t_stride_inner"]
+)
 def _token_stats_fwd_kernel(
     logits_ptr,
     targets_ptr,
@@ -108,10 +104,13 @@ def _token_stats_fwd_kernel(
     max_ptr,
     log_sum_ptr,
     rows_inner,
+    shift,
     V,
     stride_outer,
     stride_inner,
     stride_v,
+    t_stride_outer,
+    t_stride_inner,
     inv_t_hi,
     inv_t_lo,
     ignore_index,
@@ -120,12 +119,15 @@ def _token_stats_fwd_kernel(
     BLOCK_V: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    """One program per row: ``logp`` (if targets), ``entropy`` (if asked), ``m``, ``log s``."""
+    """One program per target row: ``logp`` (if targets), ``entropy`` (if asked), ``m``,
+    ``log s``, each written contiguous ``(outer * rows_inner,)``. Logits row ``inner + shift``
+    of each ``outer`` predicts target ``inner`` (see ``row_pointer``); targets are strided."""
     row = tl.program_id(0).to(tl.int64)
     inv_temperature = pair(inv_t_hi, inv_t_lo, ACC)  # 1 / T, fp64-exact for fp64 logits
-    row_ptr = row_pointer(logits_ptr, row, rows_inner, stride_outer, stride_inner)
+    row_ptr = row_pointer(logits_ptr, row, rows_inner, shift, stride_outer, stride_inner)
     if HAS_TARGETS:
-        target = tl.load(targets_ptr + row).to(tl.int64)
+        t_off = token_offset(row, rows_inner, t_stride_outer, t_stride_inner)
+        target = tl.load(targets_ptr + t_off).to(tl.int64)
         active = target != ignore_index
     else:
         active = row >= 0

@@ -1,23 +1,43 @@
 """Layer 1 + layer 2 fused: one pass over each logits row, with the policy loss as epilogue.
 
-Per token the kernel streams the row once (``row_moments``), then computes the clipped
-surrogate, KL and entropy bonus on the resulting scalars and writes only per-token numbers:
-the weighted loss ``w * L`` (summed afterwards, deterministically), the backward
-coefficients ``g = w * dL/dlogp`` and ``h = w * dL/dH``, and the terms the metrics need.
-The backward is ``vocab_stream_bwd._token_stats_bwd_kernel`` with ``g``, ``h`` and the
-upstream gradient as ``scale``.
+Per token the kernel streams the row once (``row_moments``), computes the clipped surrogate,
+KL and entropy bonus on the resulting scalars (``token_layer.policy_token_loss``) and writes
+only per-token numbers:
+
+* the backward coefficients ``g = m * dL/dlogp`` and ``h = m * dL/dH`` (``m`` the token's
+  mask weight; the loss aggregation's normaliser is applied later, per sequence, by the
+  backward) and the softmax normaliser ``(row max, log s)``;
+* one column per metric of ``m * x`` (``token_layer.store_policy_partials``), which
+  ``token_policy._policy_finalize_kernel`` reduces into the loss and every metric.
+
+Bytes per call: reads the logits once (2 per element in bf16; rows that do not count read
+nothing), writes ~16 floats per token. The backward is ``vocab_stream_bwd``.
 """
 
 import triton
 import triton.language as tl
 
-from .token_layer import clipped_surrogate, kl_and_grad, pair
-from .vocab_stream_fwd import row_moments, row_pointer, target_logit
+from .common import pair, row_pointer, token_offset
+from .token_layer import policy_token_loss, store_policy_partials
+from .vocab_stream_fwd import row_moments, target_logit
 
 
-# advantages' strides vary with T ((B, T): T; (B,): 0) -- never a reason to recompile
 @triton.jit(
-    do_not_specialize=["rows_inner", "ignore_index", "adv_stride_outer", "adv_stride_inner"]
+    do_not_specialize=[
+        "rows_inner",
+        "shift",
+        "ignore_index",
+        "t_stride_outer",
+        "t_stride_inner",
+        "adv_stride_outer",
+        "adv_stride_inner",
+        "old_stride_outer",
+        "old_stride_inner",
+        "ref_stride_outer",
+        "ref_stride_inner",
+        "mask_stride_outer",
+        "mask_stride_inner",
+    ]
 )
 def _policy_loss_fwd_kernel(
     logits_ptr,
@@ -25,24 +45,29 @@ def _policy_loss_fwd_kernel(
     adv_ptr,
     old_ptr,
     ref_ptr,
-    weight_ptr,
-    logp_ptr,
-    entropy_ptr,
+    mask_ptr,
     max_ptr,
     log_sum_ptr,
-    ratio_ptr,
-    kl_ptr,
-    code_ptr,
-    loss_ptr,
+    entropy_ptr,
     g_ptr,
     h_ptr,
+    part_ptr,
     rows_inner,
+    shift,
     V,
     stride_outer,
     stride_inner,
     stride_v,
+    t_stride_outer,
+    t_stride_inner,
     adv_stride_outer,
     adv_stride_inner,
+    old_stride_outer,
+    old_stride_inner,
+    ref_stride_outer,
+    ref_stride_inner,
+    mask_stride_outer,
+    mask_stride_inner,
     inv_t_hi,
     inv_t_lo,
     ignore_index,
@@ -54,6 +79,7 @@ def _policy_loss_fwd_kernel(
     entropy_coef,
     HAS_OLD: tl.constexpr,
     HAS_REF: tl.constexpr,
+    HAS_MASK: tl.constexpr,
     ADD_KL: tl.constexpr,
     KL_KIND: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
@@ -63,57 +89,58 @@ def _policy_loss_fwd_kernel(
     BLOCK_V: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    """One program per token row of ``(outer, inner, V)`` logits; per-token inputs/outputs
-    are contiguous ``(outer * inner,)`` except ``adv`` (strided: ``(B,)`` is broadcast with
-    a zero inner stride)."""
+    """One program per target token of ``(outer, rows_inner)``. Logits: ``(outer, S, V)``
+    strided, position ``inner + shift`` predicts target ``inner``. Per-token inputs are
+    strided ``(outer, rows_inner)`` (``(B,)`` advantages: a zero inner stride); outputs are
+    contiguous ``(outer * rows_inner,)``, partials ``(N_COLS, outer * rows_inner)``."""
     row = tl.program_id(0).to(tl.int64)
+    n_rows = tl.num_programs(0).to(tl.int64)
     inv_temperature = pair(inv_t_hi, inv_t_lo, ACC)  # 1 / T, fp64-exact for fp64 logits
-    outer = row // rows_inner
-    inner = row - outer * rows_inner
-    row_ptr = row_pointer(logits_ptr, row, rows_inner, stride_outer, stride_inner)
-    target = tl.load(targets_ptr + row).to(tl.int64)
-    weight = tl.load(weight_ptr + row).to(ACC)
-    valid = target != ignore_index
-    counted = weight != 0
-    # padding (weight 0) costs no bandwidth: its logp / entropy are never used
-    active = valid & counted
+    row_ptr = row_pointer(logits_ptr, row, rows_inner, shift, stride_outer, stride_inner)
+    target = tl.load(targets_ptr + token_offset(row, rows_inner, t_stride_outer, t_stride_inner))
+    target = target.to(tl.int64)
+    m = tl.where(target != ignore_index, 1.0, 0.0).to(ACC)
+    if HAS_MASK:
+        mask_off = token_offset(row, rows_inner, mask_stride_outer, mask_stride_inner)
+        m = m * tl.load(mask_ptr + mask_off).to(ACC)
+    # padding (m == 0) costs no bandwidth: its logp / entropy are never used
+    active = m != 0
 
     # layer 1: the only pass over the logits
-    m, log_s, entropy = row_moments(
+    row_max, log_s, entropy = row_moments(
         row_ptr, V, stride_v, inv_temperature, active, WITH_ENTROPY, BLOCK_V, ACC
     )
     z_y = target_logit(row_ptr, target, V, stride_v, inv_temperature, active, ACC)
-    logp = tl.where(active, (z_y - m) - log_s, 0.0)
+    logp = tl.where(active, (z_y - row_max) - log_s, 0.0)
     entropy = tl.where(active, entropy, 0.0)
 
     # layer 2: token loss math on scalars
-    adv = tl.load(adv_ptr + outer * adv_stride_outer + inner * adv_stride_inner).to(ACC)
+    adv = tl.load(adv_ptr + token_offset(row, rows_inner, adv_stride_outer, adv_stride_inner))
     if HAS_OLD:
-        log_ratio = logp - tl.load(old_ptr + row).to(ACC)
+        old_off = token_offset(row, rows_inner, old_stride_outer, old_stride_inner)
+        old = tl.where(active, tl.load(old_ptr + old_off).to(ACC), logp)
     else:
-        log_ratio = logp * 0.0  # on-policy: ratio 1, d ratio / d logp = 1
-    ratio = tl.exp(log_ratio)
-    loss, dloss_dratio, code = clipped_surrogate(
-        ratio, adv, eps_low, eps_high, dual_clip, delta, USE_DUAL, USE_DELTA
-    )
-    dloss_dlogp = dloss_dratio * ratio
+        old = logp  # on-policy: ratio 1, d ratio / d logp = 1
+    ref = logp
     if HAS_REF:
-        kl, dkl = kl_and_grad(logp, tl.load(ref_ptr + row).to(ACC), KL_KIND)
-        tl.store(kl_ptr + row, kl)
-        if ADD_KL:
-            loss += beta * kl
-            dloss_dlogp += beta * dkl
-    if ENTROPY_BONUS:
-        loss -= entropy_coef * entropy
+        ref_off = token_offset(row, rows_inner, ref_stride_outer, ref_stride_inner)
+        ref = tl.where(active, tl.load(ref_ptr + ref_off).to(ACC), logp)
+    adv = tl.where(active, adv.to(ACC), 0.0)
+    loss, dloss_dratio, ratio, code, kl, dkl = policy_token_loss(
+        logp, entropy, logp - old, adv, ref, eps_low, eps_high, dual_clip, delta, beta,
+        entropy_coef, HAS_REF, ADD_KL, KL_KIND, ENTROPY_BONUS, USE_DUAL, USE_DELTA,
+    )  # fmt: skip
+    dloss_dlogp = dloss_dratio * ratio
+    if ADD_KL:
+        dloss_dlogp += beta * dkl
     # tokens that do not count contribute exactly 0 even where their loss is inf/NaN
-    tl.store(loss_ptr + row, tl.where(counted, weight * loss, 0.0))
-    tl.store(g_ptr + row, tl.where(counted, weight * dloss_dlogp, 0.0))
+    tl.store(g_ptr + row, tl.where(active, m * dloss_dlogp, 0.0))
     if ENTROPY_BONUS:
-        tl.store(h_ptr + row, tl.where(counted, -entropy_coef * weight, 0.0))
-    tl.store(logp_ptr + row, logp)
-    tl.store(max_ptr + row, tl.where(active, m, 0.0))
+        tl.store(h_ptr + row, -entropy_coef * m)
+    tl.store(max_ptr + row, tl.where(active, row_max, 0.0))
     tl.store(log_sum_ptr + row, tl.where(active, log_s, 0.0))
-    tl.store(ratio_ptr + row, ratio)
-    tl.store(code_ptr + row, code.to(tl.int8))
-    if WITH_ENTROPY:
+    if ENTROPY_BONUS:
         tl.store(entropy_ptr + row, entropy)
+    store_policy_partials(
+        part_ptr, n_rows, row, row >= 0, m, loss, code, ratio, old - logp, kl, entropy
+    )

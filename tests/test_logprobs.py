@@ -498,7 +498,9 @@ def test_errors_name_the_argument(backend, device):
     logits, targets = _good(device)
     call = lambda *a, **k: token_logprobs(*a, backend=backend, **k)
     with pytest.raises(ValueError, match="targets must have shape"):
-        call(logits, targets[:, :2])
+        call(logits, targets[:1])  # batch mismatch
+    with pytest.raises(ValueError, match="targets must have shape"):
+        call(logits, torch.cat([targets, targets], 1))  # more targets than positions
     with pytest.raises(ValueError, match="targets must have shape"):
         call(logits, targets[..., None])
     with pytest.raises(TypeError, match="targets must be an int64 or int32"):

@@ -26,7 +26,8 @@ from torch import Tensor
 
 from .. import _validation as V
 from .._backend import resolve_backend
-from ..logprobs import token_entropy, token_stats_nocheck
+from .._vocab_ops import token_stats_nocheck
+from ..logprobs import token_entropy
 
 # Passed as ``ignore_index`` so that no label is silently ignored: these helpers have no
 # ignore index in the originals, and an out-of-range label must not become a 0 log-prob.

@@ -1,0 +1,75 @@
+"""One definition per fused op: a ``torch.library`` custom op for tracing, a direct path for eager.
+
+``torch.compile(fullgraph=True)`` needs every Triton launcher registered as a custom op with
+a fake (meta) implementation and an autograd formula. In eager mode that registration costs
+tens of microseconds per call (argument normalisation, dispatch through several keys, the
+generated autograd wrapper), more than a small batch's kernels. :class:`FusedOp` keeps the
+one launcher and the one autograd formula, and dispatches:
+
+* under ``torch.compile`` tracing: the custom op;
+* in eager mode with a tensor that requires grad: a plain ``torch.autograd.Function`` built
+  from the same ``setup_context`` / ``backward``;
+* otherwise: the launcher itself.
+
+Example:
+    >>> import torch
+    >>> from fused_rl._ops import FusedOp
+    >>> def scale2(x: torch.Tensor) -> torch.Tensor:
+    ...     return x * 2
+    >>> op = FusedOp("doc_scale2", scale2)
+    >>> op.register_fake(lambda x: torch.empty_like(x))
+    >>> def setup(ctx, inputs, output):
+    ...     pass
+    >>> op.register_autograd(lambda ctx, g: (g * 2,), setup_context=setup)
+    >>> x = torch.ones(3, requires_grad=True)
+    >>> op(x).sum().backward(); x.grad.tolist()
+    [2.0, 2.0, 2.0]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def _needs_grad(args: tuple) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
+class FusedOp:
+    """``fused_rl::<name>`` around ``launcher`` (positional arguments only, annotated)."""
+
+    def __init__(self, name: str, launcher: Callable):
+        self.launcher = launcher
+        self.op = torch.library.custom_op(f"fused_rl::{name}", launcher, mutates_args=())
+        self.function: type[torch.autograd.Function] | None = None
+        self.__doc__ = launcher.__doc__
+        self.__name__ = name
+
+    def register_fake(self, fake: Callable) -> None:
+        self.op.register_fake(fake)
+
+    def register_autograd(self, backward: Callable, *, setup_context: Callable) -> None:
+        """``setup_context(ctx, inputs, output)`` / ``backward(ctx, *grads)`` as for
+        ``torch.library.register_autograd``; ``backward`` returns one entry per input."""
+        self.op.register_autograd(backward, setup_context=setup_context)
+        launcher = self.launcher
+        self.function = type(
+            f"{self.__name__}_function",
+            (torch.autograd.Function,),
+            {
+                "forward": staticmethod(lambda *args: launcher(*args)),
+                "setup_context": staticmethod(setup_context),
+                "backward": staticmethod(backward),
+            },
+        )
+
+    def __call__(self, *args):
+        if torch.compiler.is_compiling():
+            return self.op(*args)
+        if self.function is not None and _needs_grad(args):
+            return self.function.apply(*args)
+        return self.launcher(*args)

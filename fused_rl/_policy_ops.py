@@ -1,0 +1,305 @@
+"""The fused policy-loss ops (private): launchers, autograd, and the metric columns.
+
+Every forward writes per-token backward coefficients and one ``(N_COLS, B*T)`` block of
+per-token partial sums; ``_policy_finalize_kernel`` reduces those into the loss and every
+metric in ONE launch (deterministic: a fixed-order tiled sum). Launches per call:
+
+* token-level importance sampling from logits: the fused vocab-stream kernel + finalize;
+* sequence-level (GSPO) from logits: layer 1 + the token-layer kernel + finalize;
+* from per-token log-probs: the token-layer kernel + finalize;
+* every backward: one kernel (layer 3 for logits; two elementwise ops for log-probs).
+
+The loss aggregation's normaliser is applied after the per-token pass: ``w_t = m_t *
+seq_scale[b]`` (``seq_scale`` one value per sequence for ``seq-mean-token-mean``, else one
+for all), so the forward kernels need no mask totals before they run and the backward
+scales ``g``, ``h`` by ``seq_scale[b]`` and the upstream gradient, both read on device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._launch import f32_pair, stats_dtype, triton_acc, vocab_block, vocab_warps
+from ._ops import FusedOp
+from ._vocab_ops import position_shift, token_stats_bwd_op, token_stats_fwd
+
+# the columns of kernels/token_layer.py (COL_*) that are metrics, by name
+METRIC_COLUMNS = {
+    "clip_frac": 2,
+    "clip_frac_low": 3,
+    "clip_frac_high": 4,
+    "dual_clip_frac": 5,
+    "ratio_mean": 6,
+    "ratio_max": 10,
+    "approx_kl": 7,
+}
+KL_COLUMN, ENTROPY_COLUMN, N_COLS = 8, 9, 11
+FINALIZE_BLOCK_B, FINALIZE_BLOCK_T, TOKEN_BLOCK_T = 16, 128, 256
+
+
+def metrics_dict(metrics: Tensor, *, has_kl: bool, has_entropy: bool) -> dict[str, Tensor]:
+    """Name the finalize kernel's ``(N_COLS,)`` output (0-dim views, no copies)."""
+    cols = metrics.unbind()
+    out = {name: cols[k] for name, k in METRIC_COLUMNS.items()}
+    if has_kl:
+        out["kl"] = cols[KL_COLUMN]
+    if has_entropy:
+        out["entropy"] = cols[ENTROPY_COLUMN]
+    return out
+
+
+def _strides(t: Tensor | None) -> tuple[int, int]:
+    return t.stride() if t is not None else (0, 0)
+
+
+def _mask_arg(mask: Tensor | None) -> Tensor | None:
+    # bool masks are read as bytes (a view: no copy)
+    return mask.view(torch.uint8) if mask is not None and mask.dtype == torch.bool else mask
+
+
+def _finalize(part, n_outer, inner, dtype, agg, max_length, num_items, num_items_t):
+    """Launch the reduction: ``(loss, metrics, seq_scale)``."""
+    from .kernels.token_policy import _policy_finalize_kernel
+
+    dev = part.device
+    loss = torch.empty((), dtype=dtype, device=dev)
+    metrics = torch.empty(N_COLS, dtype=torch.float32, device=dev)
+    per_seq = agg == 1  # seq-mean-token-mean
+    seq_scale = torch.empty(max(n_outer, 1) if per_seq else 1, dtype=dtype, device=dev)
+    _policy_finalize_kernel[(N_COLS,)](
+        part, loss, metrics, seq_scale, num_items_t if num_items_t is not None else part,
+        n_outer, inner, float(num_items), float(max(n_outer, 1)), float(max_length),
+        AGG=agg, NUM_ITEMS_TENSOR=num_items_t is not None, BLOCK_B=FINALIZE_BLOCK_B,
+        BLOCK_T=FINALIZE_BLOCK_T, ACC=triton_acc(dtype),
+    )  # fmt: skip
+    return loss, metrics, seq_scale
+
+
+def _token_layer(logp, entropy, targets, adv, old, ref, mask, ignore_index, hyper, bonus,
+                 sequence, g, h, part):  # fmt: skip
+    """Launch the token-layer kernel (one program per sequence) on ``(B, T)`` inputs."""
+    from .kernels.token_policy import _policy_token_fwd_kernel
+
+    outer, inner = logp.shape
+    if outer * inner == 0:
+        return
+    eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef = hyper
+    dummy = g
+    _policy_token_fwd_kernel[(outer,)](
+        logp, entropy if entropy is not None else dummy,
+        targets if targets is not None else dummy, adv, old if old is not None else dummy,
+        ref if ref is not None else dummy, mask if mask is not None else dummy, g, h, part,
+        inner, *logp.stride(), *_strides(entropy), *_strides(targets), *adv.stride(),
+        *_strides(old), *_strides(ref), *_strides(mask), ignore_index,
+        eps_low, eps_high, dual_clip, delta, beta, entropy_coef,
+        HAS_ENTROPY=entropy is not None, HAS_TARGETS=targets is not None,
+        HAS_OLD=old is not None, HAS_REF=ref is not None, HAS_MASK=mask is not None,
+        ADD_KL=ref is not None and beta != 0.0, KL_KIND=kl_kind, ENTROPY_BONUS=bonus,
+        USE_DUAL=dual_clip != 0.0, USE_DELTA=delta != 0.0, SEQUENCE=sequence,
+        BLOCK_T=TOKEN_BLOCK_T, ACC=triton_acc(g.dtype),
+    )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- from logits
+
+
+def policy_loss_fwd(
+    logits3d: Tensor,
+    targets: Tensor,
+    adv: Tensor,
+    old: Tensor | None,
+    ref: Tensor | None,
+    mask: Tensor | None,
+    temperature: float,
+    ignore_index: int,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float,
+    delta: float,
+    beta: float,
+    kl_kind: int,
+    entropy_coef: float,
+    with_entropy: bool,
+    sequence: bool,
+    agg: int,
+    max_length: float,
+    num_items: float,
+    num_items_t: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The policy loss over ``(B, S, V)`` logits for ``(B, T)`` targets / per-token inputs
+    (any strides; ``adv`` may be an expanded ``(B,)``). ``dual_clip``/``delta`` of 0 and
+    ``num_items`` <= 0 mean off.
+
+    Returns ``(loss, metrics, seq_scale, row_max, log_sum, entropy, g, h)``: ``loss`` 0-dim,
+    ``metrics`` ``(N_COLS,)`` fp32, ``seq_scale`` the aggregation normaliser, and ``(B, T)``
+    per-token tensors for the backward (``entropy``/``h`` empty when not needed).
+    """
+    from .kernels.vocab_stream_policy_fwd import _policy_loss_fwd_kernel
+
+    outer, positions, vocab = logits3d.shape
+    inner = targets.shape[1]
+    n_rows = outer * inner
+    dtype = stats_dtype(logits3d.dtype)
+    dev = logits3d.device
+    bonus = entropy_coef != 0.0
+    with_entropy = with_entropy or bonus
+    new = lambda on=True: torch.empty((outer, inner) if on else (0,), dtype=dtype, device=dev)
+    part = torch.empty((N_COLS, n_rows), dtype=dtype, device=dev)
+    g, h = new(), new(bonus)
+    mask = _mask_arg(mask)
+    hyper = (eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef)
+    if sequence:  # GSPO: layer 1, then the token layer over whole sequences
+        logp, entropy, row_max, log_sum = token_stats_fwd(
+            logits3d, targets, temperature, ignore_index, with_entropy
+        )
+        _token_layer(
+            logp, entropy if with_entropy else None, targets, adv, old, ref, mask, ignore_index,
+            hyper, bonus, True, g, h, part,
+        )  # fmt: skip
+        if not bonus:
+            entropy = new(False)
+    else:
+        row_max, log_sum, entropy = new(), new(), new(bonus)
+    if n_rows > 0 and not sequence:
+        block = vocab_block(vocab)
+        _policy_loss_fwd_kernel[(n_rows,)](
+            logits3d, targets, adv, old if old is not None else g, ref if ref is not None else g,
+            mask if mask is not None else g, row_max, log_sum, entropy, g, h, part,
+            inner, position_shift(positions, inner), vocab, *logits3d.stride(),
+            *targets.stride(), *adv.stride(), *_strides(old), *_strides(ref), *_strides(mask),
+            *f32_pair(1.0 / temperature), ignore_index,
+            eps_low, eps_high, dual_clip, delta, beta, entropy_coef,
+            HAS_OLD=old is not None, HAS_REF=ref is not None, HAS_MASK=mask is not None,
+            ADD_KL=ref is not None and beta != 0.0, KL_KIND=kl_kind, WITH_ENTROPY=with_entropy,
+            ENTROPY_BONUS=bonus, USE_DUAL=dual_clip != 0.0, USE_DELTA=delta != 0.0,
+            BLOCK_V=block, ACC=triton_acc(logits3d.dtype), num_warps=vocab_warps(block),
+        )  # fmt: skip
+    loss, metrics, seq_scale = _finalize(
+        part, outer, inner, dtype, agg, max_length, num_items, num_items_t
+    )
+    return loss, metrics, seq_scale, row_max, log_sum, entropy, g, h
+
+
+def _fwd_fake(logits3d, targets, adv, old, ref, mask, temperature, ignore_index, eps_low,
+              eps_high, dual_clip, delta, beta, kl_kind, entropy_coef, with_entropy, sequence,
+              agg, max_length, num_items, num_items_t):  # fmt: skip
+    outer, inner = targets.shape
+    dtype = stats_dtype(logits3d.dtype)
+    new = lambda on=True: logits3d.new_empty((outer, inner) if on else (0,), dtype=dtype)
+    bonus = entropy_coef != 0.0
+    n_scale = max(outer, 1) if agg == 1 else 1
+    return (
+        logits3d.new_empty((), dtype=dtype), logits3d.new_empty(N_COLS, dtype=torch.float32),
+        logits3d.new_empty(n_scale, dtype=dtype), new(), new(), new(bonus), new(), new(bonus),
+    )  # fmt: skip
+
+
+def _fwd_setup(ctx, inputs, output):
+    logits3d, targets, *_ = inputs
+    ctx.temperature, ctx.ignore_index = inputs[6], inputs[7]
+    _, metrics, seq_scale, row_max, log_sum, entropy, g, h = output
+    ctx.save_for_backward(logits3d, targets, seq_scale, row_max, log_sum, entropy, g, h)
+    ctx.mark_non_differentiable(metrics, seq_scale, row_max, log_sum, entropy, g, h)
+    ctx.set_materialize_grads(False)
+
+
+def _fwd_backward(ctx, grad_loss, *_unused):
+    logits3d, targets, seq_scale, row_max, log_sum, entropy, g, h = ctx.saved_tensors
+    has_h = h.numel() > 0
+    grad = None
+    if grad_loss is not None:
+        grad = token_stats_bwd_op(
+            logits3d, targets, row_max, log_sum, entropy if has_h else None, g,
+            h if has_h else None, grad_loss, seq_scale, ctx.temperature, ctx.ignore_index,
+        )  # fmt: skip
+    return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
+
+
+policy_loss_fwd_op = FusedOp("policy_loss_fwd", policy_loss_fwd)
+policy_loss_fwd_op.register_fake(_fwd_fake)
+policy_loss_fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup)
+
+
+# ----------------------------------------------------------------------------- from log-probs
+
+
+def policy_logprobs_fwd(
+    logp: Tensor,
+    entropy: Tensor | None,
+    adv: Tensor,
+    old: Tensor | None,
+    ref: Tensor | None,
+    mask: Tensor | None,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float,
+    delta: float,
+    beta: float,
+    kl_kind: int,
+    entropy_coef: float,
+    sequence: bool,
+    agg: int,
+    max_length: float,
+    num_items: float,
+    num_items_t: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The policy loss from ``(B, T)`` log-probs (and entropy), any strides.
+
+    Returns ``(loss, metrics, seq_scale, g, h)``; ``g``/``h`` are the per-token gradients of
+    the loss w.r.t. ``logp``/``entropy`` before ``seq_scale`` and the upstream gradient.
+    """
+    outer, inner = logp.shape
+    dtype = stats_dtype(logp.dtype)
+    bonus = entropy_coef != 0.0
+    new = lambda on=True: logp.new_empty((outer, inner) if on else (0,), dtype=dtype)
+    part = logp.new_empty((N_COLS, outer * inner), dtype=dtype)
+    g, h = new(), new(bonus)
+    hyper = (eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef)
+    _token_layer(
+        logp, entropy, None, adv, old, ref, _mask_arg(mask), 0, hyper, bonus, sequence, g, h,
+        part,
+    )  # fmt: skip
+    loss, metrics, seq_scale = _finalize(
+        part, outer, inner, dtype, agg, max_length, num_items, num_items_t
+    )
+    return loss, metrics, seq_scale, g, h
+
+
+def _logprobs_fake(logp, entropy, adv, old, ref, mask, eps_low, eps_high, dual_clip, delta,
+                   beta, kl_kind, entropy_coef, sequence, agg, max_length, num_items,
+                   num_items_t):  # fmt: skip
+    outer, inner = logp.shape
+    dtype = stats_dtype(logp.dtype)
+    n_scale = max(outer, 1) if agg == 1 else 1
+    return (
+        logp.new_empty((), dtype=dtype), logp.new_empty(N_COLS, dtype=torch.float32),
+        logp.new_empty(n_scale, dtype=dtype), logp.new_empty((outer, inner), dtype=dtype),
+        logp.new_empty((outer, inner) if entropy_coef != 0.0 else (0,), dtype=dtype),
+    )  # fmt: skip
+
+
+def _logprobs_setup(ctx, inputs, output):
+    logp, entropy, *_ = inputs
+    _, metrics, seq_scale, g, h = output
+    ctx.save_for_backward(seq_scale, g, h)
+    ctx.logp_dtype = logp.dtype
+    ctx.entropy_dtype = entropy.dtype if entropy is not None else None
+    ctx.mark_non_differentiable(metrics, seq_scale, g, h)
+    ctx.set_materialize_grads(False)
+
+
+def _logprobs_backward(ctx, grad_loss, *_unused):
+    seq_scale, g, h = ctx.saved_tensors
+    grad_logp = grad_entropy = None
+    if grad_loss is not None:
+        scale = seq_scale[:, None] * grad_loss  # (B, 1) or (1, 1)
+        grad_logp = (g * scale).to(ctx.logp_dtype)
+        if ctx.entropy_dtype is not None and h.numel() > 0:
+            grad_entropy = (h * scale).to(ctx.entropy_dtype)
+    return (grad_logp, grad_entropy) + (None,) * (len(ctx.needs_input_grad) - 2)
+
+
+policy_logprobs_fwd_op = FusedOp("policy_logprobs_fwd", policy_logprobs_fwd)
+policy_logprobs_fwd_op.register_fake(_logprobs_fake)
+policy_logprobs_fwd_op.register_autograd(_logprobs_backward, setup_context=_logprobs_setup)

@@ -1,0 +1,30 @@
+"""Small device functions shared by every layer (no loss math, no vocabulary streaming)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def pair(hi, lo, ACC: tl.constexpr):
+    """A float passed as two fp32 halves (``fused_rl._launch.f32_pair``), recombined in
+    ``ACC``: exact to ~2^-48 in fp64, ``fp32(x)`` in fp32."""
+    return (tl.zeros((), ACC) + hi) + lo
+
+
+@triton.jit
+def row_pointer(logits_ptr, row, rows_inner, shift, stride_outer, stride_inner):
+    """Pointer to the logits row that predicts token ``row`` of ``(outer, rows_inner)``
+    targets: position ``inner + shift`` of a ``(outer, S, V)`` buffer (``shift = S - T - 1``
+    when the buffer carries ``S > T`` positions, the causal-LM convention; else 0)."""
+    outer = row // rows_inner
+    inner = row - outer * rows_inner
+    return logits_ptr + outer * stride_outer + (inner + shift) * stride_inner
+
+
+@triton.jit
+def token_offset(row, rows_inner, stride_outer, stride_inner):
+    """Element offset of token ``row`` in a strided ``(outer, rows_inner)`` tensor (a slice
+    such as ``input_ids[:, 1:]`` or an expanded ``(B,)`` is read in place)."""
+    outer = row // rows_inner
+    inner = row - outer * rows_inner
+    return outer * stride_outer + inner * stride_inner

@@ -1,0 +1,310 @@
+"""Layer 2 on ``(B, T)`` tensors: the policy loss from per-token log-probs, and the one
+reduction that turns every policy-loss forward's per-token partials into the loss and all
+its metrics.
+
+* ``_policy_token_fwd_kernel`` -- one program per sequence: the token layer of
+  ``policy_loss_from_logprobs`` and of sequence-level importance sampling (GSPO), whose
+  ratio needs the whole sequence's log-probs before any token's loss. Writes the same
+  ``g``, ``h`` and partials as the fused vocab-stream forward.
+* ``_policy_finalize_kernel`` -- one program per partial column, a fixed-order
+  (deterministic, bit-identical on repeat) two-level sum over ``(B, T)`` tiles: the metric
+  means, the ratio max, and the aggregated loss with its per-sequence backward scale.
+"""
+
+import triton
+import triton.language as tl
+
+from .common import token_offset
+from .token_layer import (
+    COL_COUNT,
+    COL_LOSS,
+    COL_RATIO_MAX,
+    kl_and_grad,
+    policy_token_loss,
+    store_policy_partials,
+)
+
+# loss_agg modes, in the order of fused_rl._agg.LOSS_AGG_MODES
+AGG_TOKEN_MEAN: tl.constexpr = 0
+AGG_SEQ_MEAN_TOKEN_MEAN: tl.constexpr = 1
+AGG_SEQ_MEAN_TOKEN_SUM: tl.constexpr = 2
+AGG_SEQ_MEAN_TOKEN_SUM_NORM: tl.constexpr = 3
+
+
+@triton.jit
+def _load_tokens(ptr, b, ts, rows_inner, stride_outer, stride_inner, in_seq):
+    return tl.load(ptr + token_offset(b * rows_inner + ts, rows_inner, stride_outer, stride_inner),
+                   mask=in_seq, other=0.0)  # fmt: skip
+
+
+@triton.jit
+def _token_inputs(
+    logp_ptr, targets_ptr, adv_ptr, old_ptr, ref_ptr, mask_ptr, b, ts, in_seq, rows_inner,
+    logp_so, logp_si, t_so, t_si, adv_so, adv_si, old_so, old_si, ref_so, ref_si, mask_so,
+    mask_si, ignore_index, HAS_TARGETS: tl.constexpr, HAS_OLD: tl.constexpr,
+    HAS_REF: tl.constexpr, HAS_MASK: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """A block of one sequence's per-token inputs, with the values of tokens that do not
+    count (weight ``m == 0``) replaced so nothing can leak from them: ``logp`` 0, ``old`` and
+    ``ref`` = ``logp`` (ratio 1, KL 0), advantage 0. Returns ``(m, logp, old, ref, adv, 0)``."""
+    m = tl.where(in_seq, 1.0, 0.0).to(ACC)
+    if HAS_TARGETS:
+        target = _load_tokens(targets_ptr, b, ts, rows_inner, t_so, t_si, in_seq)
+        m = tl.where(target != ignore_index, m, 0.0)
+    if HAS_MASK:
+        m = m * _load_tokens(mask_ptr, b, ts, rows_inner, mask_so, mask_si, in_seq).to(ACC)
+    counted = m != 0
+    logp = _load_tokens(logp_ptr, b, ts, rows_inner, logp_so, logp_si, in_seq).to(ACC)
+    logp = tl.where(counted, logp, 0.0)
+    old = logp
+    if HAS_OLD:
+        old_raw = _load_tokens(old_ptr, b, ts, rows_inner, old_so, old_si, in_seq).to(ACC)
+        old = tl.where(counted, old_raw, logp)
+    ref = logp
+    if HAS_REF:
+        ref_raw = _load_tokens(ref_ptr, b, ts, rows_inner, ref_so, ref_si, in_seq).to(ACC)
+        ref = tl.where(counted, ref_raw, logp)
+    adv = _load_tokens(adv_ptr, b, ts, rows_inner, adv_so, adv_si, in_seq).to(ACC)
+    adv = tl.where(counted, adv, 0.0)
+    return m, logp, old, ref, adv, logp * 0.0
+
+
+@triton.jit(
+    do_not_specialize=[
+        "rows_inner",
+        "ignore_index",
+        "logp_stride_outer",
+        "logp_stride_inner",
+        "ent_stride_outer",
+        "ent_stride_inner",
+        "t_stride_outer",
+        "t_stride_inner",
+        "adv_stride_outer",
+        "adv_stride_inner",
+        "old_stride_outer",
+        "old_stride_inner",
+        "ref_stride_outer",
+        "ref_stride_inner",
+        "mask_stride_outer",
+        "mask_stride_inner",
+    ]
+)
+def _policy_token_fwd_kernel(
+    logp_ptr,
+    entropy_ptr,
+    targets_ptr,
+    adv_ptr,
+    old_ptr,
+    ref_ptr,
+    mask_ptr,
+    g_ptr,
+    h_ptr,
+    part_ptr,
+    rows_inner,
+    logp_stride_outer,
+    logp_stride_inner,
+    ent_stride_outer,
+    ent_stride_inner,
+    t_stride_outer,
+    t_stride_inner,
+    adv_stride_outer,
+    adv_stride_inner,
+    old_stride_outer,
+    old_stride_inner,
+    ref_stride_outer,
+    ref_stride_inner,
+    mask_stride_outer,
+    mask_stride_inner,
+    ignore_index,
+    eps_low,
+    eps_high,
+    dual_clip,
+    delta,
+    beta,
+    entropy_coef,
+    HAS_ENTROPY: tl.constexpr,
+    HAS_TARGETS: tl.constexpr,
+    HAS_OLD: tl.constexpr,
+    HAS_REF: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    ADD_KL: tl.constexpr,
+    KL_KIND: tl.constexpr,
+    ENTROPY_BONUS: tl.constexpr,
+    USE_DUAL: tl.constexpr,
+    USE_DELTA: tl.constexpr,
+    SEQUENCE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """One program per sequence ``b`` of ``(B, rows_inner)`` strided inputs; ``g``, ``h``
+    contiguous ``(B * rows_inner,)``, partials ``(N_COLS, B * rows_inner)``.
+
+    ``SEQUENCE``: GSPO, one ratio per sequence ``exp(sum m (logp - old) / sum m)``; the
+    surrogate's gradient then reaches every token through that mean (a third pass writes
+    ``g`` once the sequence's total is known). Bytes: reads the inputs once (twice with
+    ``SEQUENCE``), writes ~13 floats per token.
+    """
+    b = tl.program_id(0).to(tl.int64)
+    n_rows = tl.num_programs(0).to(tl.int64) * rows_inner
+    offs = tl.arange(0, BLOCK_T)
+    seq_lr = tl.zeros((), ACC)
+    seq_n = tl.zeros((), ACC)
+    if SEQUENCE:
+        acc_lr = tl.zeros((BLOCK_T,), ACC)
+        acc_n = tl.zeros((BLOCK_T,), ACC)
+        for t0 in range(0, rows_inner, BLOCK_T):
+            ts = t0 + offs
+            in_seq = ts < rows_inner
+            m, logp, old, _, _, _ = _token_inputs(
+                logp_ptr, targets_ptr, adv_ptr, old_ptr, ref_ptr, mask_ptr, b, ts, in_seq,
+                rows_inner, logp_stride_outer, logp_stride_inner, t_stride_outer,
+                t_stride_inner, adv_stride_outer, adv_stride_inner, old_stride_outer,
+                old_stride_inner, ref_stride_outer, ref_stride_inner, mask_stride_outer,
+                mask_stride_inner, ignore_index, HAS_TARGETS, HAS_OLD, HAS_REF, HAS_MASK, ACC,
+            )  # fmt: skip
+            acc_lr += tl.where(m != 0, m * (logp - old), 0.0)
+            acc_n += m
+        seq_n = tl.sum(acc_n, 0)
+        seq_lr = tl.where(seq_n != 0, tl.sum(acc_lr, 0) / tl.where(seq_n != 0, seq_n, 1.0), 0.0)
+    acc_g = tl.zeros((BLOCK_T,), ACC)
+    for t0 in range(0, rows_inner, BLOCK_T):
+        ts = t0 + offs
+        in_seq = ts < rows_inner
+        rows = b * rows_inner + ts
+        m, logp, old, ref, adv, entropy = _token_inputs(
+            logp_ptr, targets_ptr, adv_ptr, old_ptr, ref_ptr, mask_ptr, b, ts, in_seq,
+            rows_inner, logp_stride_outer, logp_stride_inner, t_stride_outer, t_stride_inner,
+            adv_stride_outer, adv_stride_inner, old_stride_outer, old_stride_inner,
+            ref_stride_outer, ref_stride_inner, mask_stride_outer, mask_stride_inner,
+            ignore_index, HAS_TARGETS, HAS_OLD, HAS_REF, HAS_MASK, ACC,
+        )  # fmt: skip
+        if HAS_ENTROPY:
+            ent = _load_tokens(entropy_ptr, b, ts, rows_inner, ent_stride_outer,
+                               ent_stride_inner, in_seq).to(ACC)  # fmt: skip
+            entropy = tl.where(m != 0, ent, 0.0)
+        if SEQUENCE:
+            log_ratio = logp * 0.0 + seq_lr
+        else:
+            log_ratio = logp - old
+        loss, dloss_dratio, ratio, code, kl, dkl = policy_token_loss(
+            logp, entropy, log_ratio, adv, ref, eps_low, eps_high, dual_clip, delta, beta,
+            entropy_coef, HAS_REF, ADD_KL, KL_KIND, ENTROPY_BONUS, USE_DUAL, USE_DELTA,
+        )  # fmt: skip
+        counted = m != 0
+        if SEQUENCE:
+            acc_g += tl.where(counted, m * dloss_dratio * ratio, 0.0)
+        else:
+            g = dloss_dratio * ratio
+            if ADD_KL:
+                g += beta * dkl
+            tl.store(g_ptr + rows, tl.where(counted, m * g, 0.0), mask=in_seq)
+        if ENTROPY_BONUS:
+            tl.store(h_ptr + rows, -entropy_coef * m, mask=in_seq)
+        store_policy_partials(
+            part_ptr, n_rows, rows, in_seq, m, loss, code, ratio, old - logp, kl, entropy
+        )
+    if SEQUENCE:
+        # d ratio_b / d logp_t = ratio_b * m_t / sum m: every token shares the sequence's total
+        per_token = tl.sum(acc_g, 0) / tl.where(seq_n != 0, seq_n, 1.0)
+        for t0 in range(0, rows_inner, BLOCK_T):
+            ts = t0 + offs
+            in_seq = ts < rows_inner
+            m, logp, _, ref, _, _ = _token_inputs(
+                logp_ptr, targets_ptr, adv_ptr, old_ptr, ref_ptr, mask_ptr, b, ts, in_seq,
+                rows_inner, logp_stride_outer, logp_stride_inner, t_stride_outer,
+                t_stride_inner, adv_stride_outer, adv_stride_inner, old_stride_outer,
+                old_stride_inner, ref_stride_outer, ref_stride_inner, mask_stride_outer,
+                mask_stride_inner, ignore_index, HAS_TARGETS, False, HAS_REF, HAS_MASK, ACC,
+            )  # fmt: skip
+            g = per_token + logp * 0.0
+            if ADD_KL:
+                _, dkl = kl_and_grad(logp, ref, KL_KIND)
+                g += beta * dkl
+            tl.store(g_ptr + b * rows_inner + ts, tl.where(m != 0, m * g, 0.0), mask=in_seq)
+
+
+@triton.jit(do_not_specialize=["n_outer", "rows_inner"])
+def _policy_finalize_kernel(
+    part_ptr,
+    loss_ptr,
+    metrics_ptr,
+    seq_scale_ptr,
+    num_items_ptr,
+    n_outer,
+    rows_inner,
+    num_items,
+    n_seq,
+    max_length,
+    AGG: tl.constexpr,
+    NUM_ITEMS_TENSOR: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """Program ``k`` reduces partial column ``k`` of ``(N_COLS, n_outer * rows_inner)``.
+
+    ``metrics[k]`` (fp32): ``sum col_k / sum col_COUNT`` (0 when nothing counts), the max for
+    ``COL_RATIO_MAX`` (NaN if any counted ratio is NaN), the token count for ``COL_COUNT``,
+    and the aggregated loss for ``COL_LOSS``, which also writes ``loss`` (``ACC``) and the
+    backward's ``seq_scale``: ``w_t = m_t * seq_scale[b]`` with ``loss = sum_t w_t L_t``, one
+    value per sequence for ``seq-mean-token-mean``, else one for all.
+    """
+    k = tl.program_id(0)
+    n_rows = n_outer.to(tl.int64) * rows_inner
+    col = part_ptr + k.to(tl.int64) * n_rows
+    tot_m = tl.zeros((), ACC)
+    tot_x = tl.zeros((), ACC)
+    seq_sum = tl.zeros((), ACC)
+    x_max = tl.zeros((), ACC)
+    n_nan = tl.zeros((), tl.int32)
+    for b0 in range(0, n_outer, BLOCK_B):
+        bs = b0 + tl.arange(0, BLOCK_B).to(tl.int64)
+        in_b = bs < n_outer
+        sum_m = tl.zeros((BLOCK_B,), ACC)
+        sum_x = tl.zeros((BLOCK_B,), ACC)
+        for t0 in range(0, rows_inner, BLOCK_T):
+            ts = t0 + tl.arange(0, BLOCK_T)
+            tile = in_b[:, None] & (ts < rows_inner)[None, :]
+            rows = bs[:, None] * rows_inner + ts[None, :]
+            mm = tl.load(part_ptr + COL_COUNT * n_rows + rows, mask=tile, other=0.0).to(ACC)
+            xx = tl.load(col + rows, mask=tile, other=0.0).to(ACC)
+            sum_m += tl.sum(mm, 1)
+            sum_x += tl.sum(xx, 1)
+            if k == COL_RATIO_MAX:
+                x_max = tl.maximum(x_max, tl.max(tl.max(xx, 1), 0))
+                n_nan += tl.sum(tl.sum((xx != xx).to(tl.int32), 1), 0)
+        tot_m += tl.sum(sum_m, 0)
+        tot_x += tl.sum(sum_x, 0)
+        if AGG == AGG_SEQ_MEAN_TOKEN_MEAN:
+            nonempty = sum_m != 0
+            safe_m = tl.where(nonempty, sum_m, 1.0)
+            seq_sum += tl.sum(tl.where(nonempty, sum_x / safe_m, 0.0), 0)
+            if k == COL_LOSS:
+                scale_b = tl.where(nonempty, 1.0 / (n_seq * safe_m), 0.0)
+                tl.store(seq_scale_ptr + bs, scale_b, mask=in_b)
+    if k == COL_LOSS:
+        if AGG == AGG_SEQ_MEAN_TOKEN_MEAN:
+            loss = seq_sum / n_seq
+        else:
+            if AGG == AGG_TOKEN_MEAN:
+                if NUM_ITEMS_TENSOR:
+                    den = tl.load(num_items_ptr).to(ACC)
+                else:
+                    den = tot_m * 0.0 + num_items
+                    den = tl.where(num_items > 0, den, tot_m)  # num_items <= 0: not given
+            elif AGG == AGG_SEQ_MEAN_TOKEN_SUM:
+                den = tot_m * 0.0 + n_seq
+            else:
+                den = tot_m * 0.0 + n_seq * max_length
+            scale = tl.where(den != 0, 1.0 / tl.where(den != 0, den, 1.0), 0.0)
+            loss = tot_x * scale
+            tl.store(seq_scale_ptr, scale)
+        tl.store(loss_ptr, loss)
+        tl.store(metrics_ptr + k, loss.to(tl.float32))
+    elif k == COL_RATIO_MAX:
+        tl.store(metrics_ptr + k, tl.where(n_nan > 0, float("nan"), x_max).to(tl.float32))
+    elif k == COL_COUNT:
+        tl.store(metrics_ptr + k, tot_m.to(tl.float32))
+    else:
+        mean = tl.where(tot_m != 0, tot_x / tl.where(tot_m != 0, tot_m, 1.0), 0.0)
+        tl.store(metrics_ptr + k, mean.to(tl.float32))
