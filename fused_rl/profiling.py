@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import torch
 from torch._library.custom_ops import _maybe_get_opdef
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -139,3 +140,52 @@ class LaunchCounter(TorchDispatchMode):
         if _launches(func):
             self.ops.append(str(func))
         return func(*args, **kwargs)
+
+
+class AllocationTracker(TorchDispatchMode):
+    """Record the size in bytes of every fresh storage an aten op returns in the region
+    (outputs that alias an input are views, not allocations). With :func:`stub_kernels`
+    (entered automatically) it runs on any machine: ``sizes`` is what a GPU would allocate.
+
+    Example:
+        >>> import torch
+        >>> from fused_rl.profiling import AllocationTracker
+        >>> x = torch.randn(1000)
+        >>> with AllocationTracker() as a:
+        ...     y = x[:10] * 2
+        >>> a.sizes
+        [40]
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: list[int] = []
+        self._stub = None
+
+    def count_at_least(self, nbytes: int) -> int:
+        return sum(size >= nbytes for size in self.sizes)
+
+    def __enter__(self):
+        self._stub = stub_kernels()
+        self._stub.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._stub.__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        seen = {
+            t.untyped_storage().data_ptr()
+            for t in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                self.sizes.append(t.untyped_storage().nbytes())
+        return out

@@ -606,3 +606,25 @@ def test_llama3_vocab_bf16_vs_fp32_reference():
     # bf16 gradient: no worse than 2x the error of rounding the fp32 gradient to bf16
     assert_rel(grad, r_grad, bf16_tol(r_grad.bfloat16(), r_grad), "grad")
     assert (grad[0, :7] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("temperature", (1.0, 0.7, 0.3))
+def test_entropy_never_negative_on_point_masses(backend, temperature, device):
+    """Rows whose softmax is (nearly) a point mass: rounding in ``log s - w / s`` can land a
+    hair below 0 (seen on an H100: -5.1e-8 at T = 0.7); entropy is clamped at 0, never < 0."""
+    V = 300
+    logits = torch.full((6, V), -1e4, device=device)
+    logits[:, 7] = 0.0  # exact point mass
+    logits[1, :] = torch.linspace(-60.0, 0.0, V)  # nearly one (tiny positive entropy)
+    logits[2, 9] = -25.0
+    logits[3] = float("-inf")
+    logits[3, 123] = 3.0  # a single finite logit
+    logits[4, 200:] = -30.0
+    logits[5] = torch.randn(V) * 40
+    targets = torch.full((6,), 7, device=device)
+    _, ent = token_logprobs(
+        logits, targets, return_entropy=True, temperature=temperature, backend=backend
+    )
+    assert (ent >= 0).all(), ent
+    assert (token_entropy(logits, temperature=temperature, backend=backend) >= 0).all()
