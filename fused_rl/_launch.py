@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 
 MAX_BLOCK_V = 4096
+_F32 = struct.Struct("f")
 
 
 def next_power_of_2(n: int) -> int:
@@ -40,6 +42,14 @@ def f32_pair(x: float) -> tuple[float, float]:
     accumulation dtype (``pair`` in ``kernels/token_layer.py``), so fp64 inputs get
     (nearly) fp64 hyper-parameters and fp32 ones exactly ``fp32(x)``.
     """
-    hi = float(torch.tensor(x, dtype=torch.float32))
+    hi = _to_f32(x)
     lo = x - hi if math.isfinite(hi) else 0.0
-    return hi, float(torch.tensor(lo, dtype=torch.float32))
+    return hi, _to_f32(lo)
+
+
+def _to_f32(x: float) -> float:
+    """``x`` rounded to the nearest fp32 (inf beyond its range), on the host, no tensor."""
+    try:
+        return _F32.unpack(_F32.pack(x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)

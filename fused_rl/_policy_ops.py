@@ -196,8 +196,8 @@ def _fwd_fake(logits3d, targets, adv, old, ref, mask, temperature, ignore_index,
 
 
 def _fwd_setup(ctx, inputs, output):
-    logits3d, targets, *_ = inputs
-    ctx.temperature, ctx.ignore_index = inputs[6], inputs[7]
+    logits3d, targets, _adv, _old, _ref, _mask, temperature, ignore_index, *_hyper = inputs
+    ctx.temperature, ctx.ignore_index = temperature, ignore_index
     _, metrics, seq_scale, row_max, log_sum, entropy, g, h = output
     ctx.save_for_backward(logits3d, targets, seq_scale, row_max, log_sum, entropy, g, h)
     ctx.mark_non_differentiable(metrics, seq_scale, row_max, log_sum, entropy, g, h)

@@ -3,7 +3,7 @@
 Chunked over rows so that neither the forward nor the backward allocates an fp32 copy of
 all logits: autograd saves only the logits themselves and three floats per row, and the
 backward recomputes ``softmax`` chunk by chunk with the same closed form as the Triton
-kernel (see DESIGN.md):
+kernel (CONTRIBUTING.md, "The three layers"):
 
     dL/dx_j = (1/T) * [ g (1[j = y] - p_j) - h p_j (z_j - E_p[z]) ]
 """
