@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 FP32_TOL = 1e-5
+# fp64 results, on every device (CONTRIBUTING.md, "Tolerance policy"): a GPU's FMA
+# contraction and libdevice exp/log (<= 2 ulp) cost ~1e-15; more is an fp32 intermediate
+F64_TOL = 1e-12
+U32 = 2.0**-24  # fp32 unit roundoff
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor, floor: float = 1e-30) -> float:
@@ -53,3 +59,46 @@ def seed_gae_loop(rewards, values, gamma, lam):
         reversed_adv.append(last)
     advantages = torch.stack(reversed_adv[::-1], dim=1)
     return advantages, advantages + values
+
+
+def fp32_exp_tol(max_arg: float, device, floor: float = 1e-6) -> float:
+    """Tolerance for an fp32 value computed through ``exp`` of an argument up to
+    ``|max_arg|``, checked tighter than ``FP32_TOL``.
+
+    exp's relative condition number is ``|x|``. The interpreter's numpy exp is within 1 ulp
+    at any ``x`` (``floor`` covers it); Triton lowers an fp32 ``tl.exp(x)`` on a GPU to
+    ``ex2.approx(x * log2(e))`` with the product rounded to fp32, a relative error of up to
+    ``|x| * U32`` in the result, plus ~2 ulp of ``ex2.approx``: twice that bound on CUDA.
+    """
+    if torch.device(device).type != "cuda":
+        return floor
+    return max(floor, 2.0 * (abs(max_arg) + 2.0) * U32)
+
+
+@contextlib.contextmanager
+def compiled_scalar_abi():
+    """Within the block the Triton interpreter passes Python floats to kernels as fp32, as a
+    compiled launch does (``triton.runtime.jit.mangle_type(0.1) == "fp32"``); the interpreter
+    otherwise keeps them fp64, so a hyper-parameter that reaches an fp64 kernel without
+    ``f32_pair`` is exact on CPU and rounded to fp32 on a GPU. No-op without the interpreter
+    (compiled kernels already do this)."""
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        yield
+        return
+    original = interpreter._implicit_cvt
+
+    def as_compiled(arg):
+        if isinstance(arg, float):
+            handle = interpreter.TensorHandle(np.array([arg], dtype=np.float32), tl.float32)
+            return tl.tensor(handle, tl.float32)
+        return original(arg)
+
+    interpreter._implicit_cvt = as_compiled
+    try:
+        yield
+    finally:
+        interpreter._implicit_cvt = original

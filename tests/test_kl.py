@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import FP32_TOL, assert_rel, bf16_tol
+from helpers import F64_TOL, FP32_TOL, assert_rel, bf16_tol, fp32_exp_tol
 
 from fused_rl.kl import kl_estimate
 
 BACKENDS = ("triton", "reference")
 KINDS = ("k1", "k2", "k3", "low_var_kl", "abs")
-F64_TOL = 1e-12
 
 
 def oracle(logp, ref, kind):
@@ -122,7 +121,8 @@ def test_zero_and_extreme_log_ratios(backend, kind, device):
         (g,) = torch.autograd.grad(out.sum(), base)
         want = oracle(base.detach(), ref, kind)
         assert torch.isfinite(out).all(), f"{kind} {dtype} +-30"
-        assert_rel(out, want, 1e-6, f"{kind} {dtype} +-30")
+        # k3 = exp(30) - 31 in fp32: exp's error grows with its argument on a GPU
+        assert_rel(out, want, fp32_exp_tol(30.0, device), f"{kind} {dtype} +-30")
         # k3's slope 1 - e^30 ~ -1e13 exceeds fp16's range: a fp16 gradient cannot hold it
         fits = (1.0 - torch.exp(ref.double() - base.detach().double())).abs() < 6e4
         fits |= torch.tensor(dtype != torch.float16 or kind in ("k1", "k2", "abs"))
