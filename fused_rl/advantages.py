@@ -4,14 +4,13 @@
 None of these is differentiable: RL computes advantages from detached rollouts, so inputs
 are detached and the outputs carry no graph. Each Triton path is one kernel launch
 (``fused_rl::gae_fwd``, ``fused_rl::kl_penalized_rewards_fwd``,
-``fused_rl::group_advantages_fwd``), each a ``torch.library`` custom op with a fake
-implementation so ``torch.compile(fullgraph=True)`` traces through it. No host syncs, except
-the optional eager-mode range check of ``score_index`` (see ``fused_rl.config.check_values``).
+``fused_rl::group_advantages_fwd``), each a ``fused_rl._ops.FusedOp``: a custom op with a
+fake implementation so ``torch.compile(fullgraph=True)`` traces through it, a direct call in
+eager mode. No host syncs, except the optional eager-mode range check of ``score_index``
+(see ``fused_rl.config.check_values``).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import Tensor
@@ -19,6 +18,7 @@ from torch import Tensor
 from . import _validation as V
 from ._backend import resolve_backend
 from ._launch import f32_pair, next_power_of_2, triton_acc
+from ._ops import FusedOp
 from .reference import advantages as ref
 from .reference.kl import KL_KINDS
 
@@ -141,73 +141,34 @@ def group_advantages_fwd(scores: Tensor, group_size: int, mode: str, eps: float)
     return out
 
 
-# ----------------------------------------------------------------------------- custom ops
+# ----------------------------------------------------------------------------- fused ops
+# (no autograd: advantages are computed from detached rollouts)
 
 
-@torch.library.custom_op("fused_rl::gae_fwd", mutates_args=())
-def _gae_op(
-    rewards: Tensor, values: Tensor, mask: Tensor | None, gamma: float, lam: float
-) -> tuple[Tensor, Tensor]:
-    return gae_fwd(rewards, values, mask, gamma, lam)
-
-
-@_gae_op.register_fake
-def _(rewards, values, mask, gamma, lam):
+def _gae_fake(rewards, values, mask, gamma, lam):
     dtype = ref.acc_dtype(rewards, values)
     return rewards.new_empty(rewards.shape, dtype=dtype), rewards.new_empty(
         rewards.shape, dtype=dtype
     )
 
 
-@torch.library.custom_op("fused_rl::kl_penalized_rewards_fwd", mutates_args=())
-def _kl_rewards_op(
-    scores: Tensor,
-    logprobs: Tensor,
-    ref_logprobs: Tensor,
-    mask: Tensor | None,
-    score_index: Tensor | None,
-    kl_coef: float,
-    kind: str,
-) -> Tensor:
-    return kl_penalized_rewards_fwd(
-        scores, logprobs, ref_logprobs, mask, score_index, kl_coef, kind
-    )
-
-
-@_kl_rewards_op.register_fake
-def _(scores, logprobs, ref_logprobs, mask, score_index, kl_coef, kind):
+def _kl_rewards_fake(scores, logprobs, ref_logprobs, mask, score_index, kl_coef, kind):
     return logprobs.new_empty(logprobs.shape, dtype=ref.acc_dtype(scores, logprobs, ref_logprobs))
 
 
-@torch.library.custom_op("fused_rl::group_advantages_fwd", mutates_args=())
-def _group_op(scores: Tensor, group_size: int, mode: str, eps: float) -> Tensor:
-    return group_advantages_fwd(scores, group_size, mode, eps)
-
-
-@_group_op.register_fake
-def _(scores, group_size, mode, eps):
+def _group_fake(scores, group_size, mode, eps):
     return scores.new_empty(scores.shape, dtype=ref.acc_dtype(scores))
 
 
+_gae_op = FusedOp("gae_fwd", gae_fwd)
+_gae_op.register_fake(_gae_fake)
+_kl_rewards_op = FusedOp("kl_penalized_rewards_fwd", kl_penalized_rewards_fwd)
+_kl_rewards_op.register_fake(_kl_rewards_fake)
+_group_op = FusedOp("group_advantages_fwd", group_advantages_fwd)
+_group_op.register_fake(_group_fake)
+
+
 # ----------------------------------------------------------------------------- validation
-
-
-def _check_unit_interval(value, name: str) -> None:
-    if isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a Python number, not a tensor")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number in [0, 1], got {type(value).__name__}")
-    if not (0.0 <= value <= 1.0):  # also rejects NaN
-        raise ValueError(f"{name} must be in [0, 1], got {value!r}")
-
-
-def _check_nonneg(value, name: str) -> None:
-    if isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a Python number, not a tensor")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
 def _check_2d(x: Tensor, name: str) -> None:
@@ -216,20 +177,8 @@ def _check_2d(x: Tensor, name: str) -> None:
         raise ValueError(f"{name} must be a (B, T) tensor, got shape {tuple(x.shape)}")
 
 
-def _check_mask(mask: Tensor | None, like: Tensor, name: str = "mask") -> None:
-    if mask is None:
-        return
-    V.check_tensor(mask, name)
-    if mask.is_complex():
-        raise TypeError(f"{name} must be a bool (or 0/1 numeric) tensor, got {mask.dtype}")
-    V.check_shape(mask, like.shape, name, "(B, T)")
-
-
 def _check_group_size(group_size, n: int, minimum: int) -> None:
-    if isinstance(group_size, bool) or not isinstance(group_size, int):
-        raise TypeError(f"group_size must be an int, got {type(group_size).__name__}")
-    if group_size < minimum:
-        raise ValueError(f"group_size must be >= {minimum}, got {group_size}")
+    V.check_positive_int(group_size, "group_size", minimum=minimum)
     if n % group_size != 0:
         raise ValueError(f"group_size ({group_size}) must divide the number of scores ({n})")
 
@@ -283,9 +232,9 @@ def gae(
     _check_2d(rewards, "rewards")
     _check_2d(values, "values")
     V.check_shape(values, rewards.shape, "values", "rewards.shape")
-    _check_mask(mask, rewards)
-    _check_unit_interval(gamma, "gamma")
-    _check_unit_interval(lam, "lam")
+    V.check_mask(mask, "mask", rewards.shape, "(B, T)")
+    V.check_unit_interval(gamma, "gamma")
+    V.check_unit_interval(lam, "lam")
     V.check_same_device(rewards=rewards, values=values, mask=mask)
     which = resolve_backend(backend, rewards, values, mask)
     rewards, values = rewards.detach(), values.detach()
@@ -341,9 +290,9 @@ def kl_penalized_rewards(
     _check_2d(ref_logprobs, "ref_logprobs")
     V.check_shape(ref_logprobs, logprobs.shape, "ref_logprobs", "logprobs.shape")
     V.check_shape(scores, logprobs.shape[:1], "scores", "(B,)")
-    _check_mask(mask, logprobs)
+    V.check_mask(mask, "mask", logprobs.shape, "(B, T)")
     V.check_choice(kind, KL_KINDS, "kind")
-    _check_nonneg(kl_coef, "kl_coef")
+    V.check_nonnegative(kl_coef, "kl_coef")
     if score_index is not None:
         V.check_tensor(score_index, "score_index")
         if score_index.dtype not in V.INDEX_DTYPES:
@@ -406,7 +355,7 @@ def group_advantages(
     _check_scores_1d(scores)
     _check_group_size(group_size, scores.shape[0], 1)
     V.check_choice(normalize, ref.GROUP_NORMALIZE, "normalize")
-    _check_nonneg(eps, "eps")
+    V.check_nonnegative(eps, "eps")
     which = resolve_backend(backend, scores)
     scores = scores.detach()
     if which == "reference":

@@ -4,12 +4,13 @@
 value per action, summed over the last (action) dimension, so the per-sample log-prob feeds
 the clipped surrogate and value loss of the token-space losses unchanged.
 
-The Triton path is four ``torch.library`` custom ops, one launch each:
+The Triton path is four ``fused_rl._ops.FusedOp`` launchers, one launch each:
 ``fused_rl::gaussian_logprob_fwd`` / ``_bwd`` and ``fused_rl::gaussian_entropy_fwd`` /
-``_bwd``, with fake and autograd registrations (``torch.compile(fullgraph=True)`` traces
-through them). Inputs broadcast as in ``torch.distributions``; a broadcast input (say a
-state-independent ``sigma`` of shape ``(N,)``) is read through stride 0, never copied, and
-its gradient is summed by autograd's ``expand`` backward.
+``_bwd``: custom ops with fake and autograd registrations (``torch.compile(fullgraph=True)``
+traces through them), direct calls in eager mode. Inputs broadcast as in
+``torch.distributions``; a broadcast input (say a state-independent ``sigma`` of shape
+``(N,)``) is read through stride 0, never copied, and its gradient is summed by autograd's
+``expand`` backward.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import Tensor
 from . import _validation as V
 from ._backend import resolve_backend
 from ._launch import next_power_of_2, triton_acc
+from ._ops import FusedOp
 from .reference import continuous as ref
 
 MAX_BLOCK_N = 64
@@ -154,33 +156,20 @@ def gaussian_entropy_bwd(sigma: Tensor, grad_out: Tensor) -> Tensor:
     return grad_sigma
 
 
-# ----------------------------------------------------------------------------- custom ops
+# ----------------------------------------------------------------------------- fused ops
 
 
-@torch.library.custom_op("fused_rl::gaussian_logprob_fwd", mutates_args=())
-def _logprob_op(mu: Tensor, sigma: Tensor, actions: Tensor) -> Tensor:
-    return gaussian_logprob_fwd(mu, sigma, actions)
-
-
-@_logprob_op.register_fake
-def _(mu, sigma, actions):
+def _logprob_fake(mu, sigma, actions):
     return mu.new_empty(mu.shape[:1], dtype=ref.acc_dtype(mu, sigma, actions))
 
 
-@torch.library.custom_op("fused_rl::gaussian_logprob_bwd", mutates_args=())
-def _logprob_bwd_op(
-    mu: Tensor, sigma: Tensor, actions: Tensor, grad_out: Tensor
-) -> tuple[Tensor, Tensor]:
-    return gaussian_logprob_bwd(mu, sigma, actions, grad_out)
-
-
-@_logprob_bwd_op.register_fake
-def _(mu, sigma, actions, grad_out):
+def _logprob_bwd_fake(mu, sigma, actions, grad_out):
     return mu.new_empty(mu.shape), sigma.new_empty(mu.shape)
 
 
 def _logprob_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+    mu, sigma, actions = inputs
+    ctx.save_for_backward(mu, sigma, actions)
 
 
 def _logprob_backward(ctx, grad_out):
@@ -191,31 +180,24 @@ def _logprob_backward(ctx, grad_out):
     return grad_mu, grad_sigma, grad_act
 
 
+_logprob_bwd_op = FusedOp("gaussian_logprob_bwd", gaussian_logprob_bwd)
+_logprob_bwd_op.register_fake(_logprob_bwd_fake)
+_logprob_op = FusedOp("gaussian_logprob_fwd", gaussian_logprob_fwd)
+_logprob_op.register_fake(_logprob_fake)
 _logprob_op.register_autograd(_logprob_backward, setup_context=_logprob_setup)
 
 
-@torch.library.custom_op("fused_rl::gaussian_entropy_fwd", mutates_args=())
-def _entropy_op(sigma: Tensor) -> Tensor:
-    return gaussian_entropy_fwd(sigma)
-
-
-@_entropy_op.register_fake
-def _(sigma):
+def _entropy_fake(sigma):
     return sigma.new_empty(sigma.shape[:1], dtype=ref.acc_dtype(sigma))
 
 
-@torch.library.custom_op("fused_rl::gaussian_entropy_bwd", mutates_args=())
-def _entropy_bwd_op(sigma: Tensor, grad_out: Tensor) -> Tensor:
-    return gaussian_entropy_bwd(sigma, grad_out)
-
-
-@_entropy_bwd_op.register_fake
-def _(sigma, grad_out):
+def _entropy_bwd_fake(sigma, grad_out):
     return sigma.new_empty(sigma.shape)
 
 
 def _entropy_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0])
+    (sigma,) = inputs
+    ctx.save_for_backward(sigma)
 
 
 def _entropy_backward(ctx, grad_out):
@@ -223,6 +205,10 @@ def _entropy_backward(ctx, grad_out):
     return _entropy_bwd_op(sigma, grad_out)
 
 
+_entropy_bwd_op = FusedOp("gaussian_entropy_bwd", gaussian_entropy_bwd)
+_entropy_bwd_op.register_fake(_entropy_bwd_fake)
+_entropy_op = FusedOp("gaussian_entropy_fwd", gaussian_entropy_fwd)
+_entropy_op.register_fake(_entropy_fake)
 _entropy_op.register_autograd(_entropy_backward, setup_context=_entropy_setup)
 
 

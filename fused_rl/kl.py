@@ -3,8 +3,9 @@
 Triton path (``kernels/token_kl.py``): one elementwise forward launch and one backward launch
 writing the gradients of ``logprobs`` and, when it requires grad, ``ref_logprobs``. The math
 is the lead's device function ``kernels/token_layer.kl_and_grad``, shared with the fused
-policy-loss epilogue, so both paths estimate the same KL. Custom ops ``fused_rl::kl_estimate``
-and ``fused_rl::kl_estimate_bwd`` carry fake and autograd registrations.
+policy-loss epilogue, so both paths estimate the same KL. Both launchers are
+``fused_rl._ops.FusedOp`` objects (``fused_rl::kl_estimate``, ``fused_rl::kl_estimate_bwd``):
+custom ops with fake and autograd registrations for ``torch.compile``, direct calls in eager.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from torch import Tensor
 from . import _validation as V
 from ._backend import resolve_backend
 from ._launch import triton_acc
-from .reductions import BLOCK, NUM_WARPS, as_rows2d, compute_dtype, n_blocks
+from ._ops import FusedOp
+from .reductions import BLOCK, NUM_WARPS, as_rows2d, n_blocks
 from .reference import kl as ref
 from .reference.kl import KL_KINDS
+from .reference.reductions import acc_dtype
 
 # ----------------------------------------------------------------------------- launchers
 
@@ -26,7 +29,7 @@ def kl_estimate_fwd(logprobs: Tensor, ref_logprobs: Tensor, kind: int) -> Tensor
     """``kl`` (contiguous ``(R, C)``, fp32 / fp64) of two 2-D views (any strides)."""
     from .kernels.token_kl import _kl_estimate_fwd_kernel
 
-    dtype = compute_dtype(logprobs, ref_logprobs)
+    dtype = acc_dtype(logprobs, ref_logprobs)
     out = torch.empty(logprobs.shape, dtype=dtype, device=logprobs.device)
     if logprobs.numel() > 0:
         _kl_estimate_fwd_kernel[(n_blocks(logprobs.numel()),)](
@@ -60,33 +63,19 @@ def kl_estimate_bwd(
             logprobs.stride(0), logprobs.stride(1), ref_logprobs.stride(0),
             ref_logprobs.stride(1), grad.stride(0), grad.stride(1), KIND=kind,
             WANT_LOGP=want_logp, WANT_REF=want_ref, BLOCK=BLOCK,
-            ACC=triton_acc(compute_dtype(logprobs, ref_logprobs)), num_warps=NUM_WARPS,
+            ACC=triton_acc(acc_dtype(logprobs, ref_logprobs)), num_warps=NUM_WARPS,
         )  # fmt: skip
     return g_lp, g_ref
 
 
-# ----------------------------------------------------------------------------- custom ops
+# ----------------------------------------------------------------------------- fused ops
 
 
-@torch.library.custom_op("fused_rl::kl_estimate", mutates_args=())
-def _kl_estimate_op(logprobs: Tensor, ref_logprobs: Tensor, kind: int) -> Tensor:
-    return kl_estimate_fwd(logprobs, ref_logprobs, kind)
+def _kl_fake(logprobs, ref_logprobs, kind):
+    return logprobs.new_empty(logprobs.shape, dtype=acc_dtype(logprobs, ref_logprobs))
 
 
-@_kl_estimate_op.register_fake
-def _(logprobs, ref_logprobs, kind):
-    return logprobs.new_empty(logprobs.shape, dtype=compute_dtype(logprobs, ref_logprobs))
-
-
-@torch.library.custom_op("fused_rl::kl_estimate_bwd", mutates_args=())
-def _kl_estimate_bwd_op(
-    logprobs: Tensor, ref_logprobs: Tensor, grad: Tensor, kind: int, want_logp: bool, want_ref: bool
-) -> tuple[Tensor, Tensor]:
-    return kl_estimate_bwd(logprobs, ref_logprobs, grad, kind, want_logp, want_ref)
-
-
-@_kl_estimate_bwd_op.register_fake
-def _(logprobs, ref_logprobs, grad, kind, want_logp, want_ref):
+def _kl_bwd_fake(logprobs, ref_logprobs, grad, kind, want_logp, want_ref):
     return (
         logprobs.new_empty(logprobs.shape if want_logp else (0,)),
         ref_logprobs.new_empty(ref_logprobs.shape if want_ref else (0,)),
@@ -101,11 +90,15 @@ def _kl_setup(ctx, inputs, output):
 
 def _kl_backward(ctx, grad):
     logprobs, ref_logprobs = ctx.saved_tensors
-    want_logp, want_ref = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    want_logp, want_ref, *rest = ctx.needs_input_grad
     g_lp, g_ref = _kl_estimate_bwd_op(logprobs, ref_logprobs, grad, ctx.kind, want_logp, want_ref)
-    return (g_lp if want_logp else None), (g_ref if want_ref else None), None
+    return (g_lp if want_logp else None, g_ref if want_ref else None) + (None,) * len(rest)
 
 
+_kl_estimate_bwd_op = FusedOp("kl_estimate_bwd", kl_estimate_bwd)
+_kl_estimate_bwd_op.register_fake(_kl_bwd_fake)
+_kl_estimate_op = FusedOp("kl_estimate", kl_estimate_fwd)
+_kl_estimate_op.register_fake(_kl_fake)
 _kl_estimate_op.register_autograd(_kl_backward, setup_context=_kl_setup)
 
 
@@ -150,7 +143,7 @@ def kl_estimate(
     V.check_same_device(logprobs=logprobs, ref_logprobs=ref_logprobs)
     V.check_choice(kind, KL_KINDS, "kind")
     if resolve_backend(backend, logprobs, ref_logprobs) == "reference":
-        dtype = compute_dtype(logprobs, ref_logprobs)
+        dtype = acc_dtype(logprobs, ref_logprobs)
         return ref.kl_estimate(logprobs.to(dtype), ref_logprobs.to(dtype), kind)
     out = _kl_estimate_op(as_rows2d(logprobs), as_rows2d(ref_logprobs), KL_KINDS.index(kind))
     return out.reshape(logprobs.shape)

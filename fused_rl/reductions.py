@@ -32,6 +32,7 @@ from ._backend import resolve_backend
 from ._launch import triton_acc
 from ._ops import FusedOp
 from .reference import reductions as ref
+from .reference.reductions import acc_dtype
 
 BLOCK = 1024  # elements per program of the flat token-space kernels
 BLOCK_P = 512  # partial columns per step of the single-program merge kernels
@@ -51,12 +52,6 @@ def as_rows2d(x: Tensor) -> Tensor:
     if x.dim() == 2:
         return x
     return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-
-
-def compute_dtype(*tensors: Tensor | None) -> torch.dtype:
-    """fp64 when any floating input is fp64 (so gradcheck runs through the kernels), else fp32."""
-    present = [t for t in tensors if t is not None]
-    return torch.float64 if any(t.dtype == torch.float64 for t in present) else torch.float32
 
 
 def kernel_mask(mask: Tensor | None) -> Tensor | None:
@@ -88,7 +83,7 @@ def masked_moments_fwd(
     )
 
     n_rows, n_cols = x2d.shape
-    dtype = compute_dtype(x2d)
+    dtype = acc_dtype(x2d)
     acc = triton_acc(dtype)
     mask2d = kernel_mask(mask2d)
     m_arg = mask2d if mask2d is not None else x2d
@@ -195,7 +190,7 @@ def masked_whiten_bwd(
 
 
 def _moments_fake(x2d, mask2d, per_row, with_var, correction):
-    return x2d.new_empty((4, x2d.shape[0] if per_row else 1), dtype=compute_dtype(x2d))
+    return x2d.new_empty((4, x2d.shape[0] if per_row else 1), dtype=acc_dtype(x2d))
 
 
 def _grad_x_fake(x2d, *_args):
@@ -222,7 +217,7 @@ _masked_moments_op.register_autograd(_moments_backward, setup_context=_moments_s
 
 
 def _whiten_fake(x2d, mask2d, keep_mean, eps):
-    dtype = compute_dtype(x2d)
+    dtype = acc_dtype(x2d)
     return x2d.new_empty(x2d.shape, dtype=dtype), x2d.new_empty((4, 1), dtype=dtype)
 
 
@@ -271,7 +266,7 @@ def _normalize_dim(dim, x: Tensor) -> int | None:
 
 
 def _upcast(x: Tensor) -> Tensor:
-    return x.to(compute_dtype(x))
+    return x.to(acc_dtype(x))
 
 
 def _rows(mask: Tensor | None) -> Tensor | None:

@@ -23,12 +23,12 @@ from .reductions import (
     BLOCK_P,
     NUM_WARPS,
     as_rows2d,
-    compute_dtype,
     kernel_mask,
     mask_strides,
     n_blocks,
 )
 from .reference import values as ref
+from .reference.reductions import acc_dtype
 
 
 def _strides(*tensors: Tensor | None) -> list[int]:
@@ -53,7 +53,7 @@ def value_loss_fwd(
     ``weights`` fp32 contiguous ``(R, C)``."""
     from .kernels.token_values import _value_loss_finalize_kernel, _value_loss_fwd_kernel
 
-    dtype = compute_dtype(values, old_values, returns)
+    dtype = acc_dtype(values, old_values, returns)
     acc = triton_acc(dtype)
     mask = kernel_mask(mask)
     n_prog = n_blocks(values.numel())
@@ -121,7 +121,7 @@ def ppo_loss_fwd(
     from .kernels.token_values import _ppo_loss_finalize_kernel, _ppo_loss_fwd_kernel
 
     tensors = (pi_old_logprobs, pi_logprobs, advantages, phi_old_values, phi_values, returns)
-    dtype = compute_dtype(*tensors)
+    dtype = acc_dtype(*tensors)
     acc = triton_acc(dtype)
     pm, vm = kernel_mask(padding_masks), kernel_mask(value_padding_masks)
     numel = pi_logprobs.numel()
@@ -181,7 +181,7 @@ def ppo_loss_bwd(
 
 
 def _value_fake(values, old_values, returns, weights, mask, clip):
-    return values.new_empty((4,), dtype=compute_dtype(values, old_values, returns))
+    return values.new_empty((4,), dtype=acc_dtype(values, old_values, returns))
 
 
 def _value_bwd_fake(values, *_args):
@@ -208,9 +208,7 @@ _value_loss_op.register_autograd(_value_backward, setup_context=_value_setup)
 
 
 def _ppo_fake(pi_old_logprobs, pi_logprobs, advantages, phi_old_values, phi_values, returns, *_):
-    dtype = compute_dtype(
-        pi_old_logprobs, pi_logprobs, advantages, phi_old_values, phi_values, returns
-    )
+    dtype = acc_dtype(pi_old_logprobs, pi_logprobs, advantages, phi_old_values, phi_values, returns)
     return pi_logprobs.new_empty((8,), dtype=dtype)
 
 
@@ -314,7 +312,7 @@ def value_loss(
     weights = token_weights(counted, loss_agg, max_length=max_length, num_items=num_items)
     clip = None if clip is None else float(clip)
     if which == "reference":
-        dtype = compute_dtype(values, old_values, returns)
+        dtype = acc_dtype(values, old_values, returns)
         loss, clip_frac, value_mean = ref.value_loss(
             values.to(dtype), old_values.detach().to(dtype), returns.detach().to(dtype),
             weights, mask, clip,
@@ -404,7 +402,7 @@ def ppo_loss(
     which = resolve_backend(backend, *args)
     hyper = (float(epsilon), float(value_clip_range), float(value_coeff))
     if which == "reference":
-        dtype = compute_dtype(*tensors.values())
+        dtype = acc_dtype(*tensors.values())
         up = [t.to(dtype) for t in tensors.values()]
         return ref.ppo_loss(*up, padding_masks, value_padding_masks, *hyper)
     out = _ppo_loss_op(*(None if t is None else as_rows2d(t) for t in args), *hyper)

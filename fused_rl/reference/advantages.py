@@ -26,15 +26,9 @@ import math
 import torch
 
 from .kl import kl_estimate
+from .reductions import acc_dtype
 
 GROUP_NORMALIZE = ("std", "none")
-
-
-def acc_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
-    """fp64 when any input is fp64, else fp32 (the accumulation and output dtype)."""
-    if any(t is not None and t.dtype == torch.float64 for t in tensors):
-        return torch.float64
-    return torch.float32
 
 
 def discounted_suffix_sum(x: torch.Tensor, decay: float) -> torch.Tensor:

@@ -9,12 +9,9 @@ import math
 
 import torch
 
+from .reductions import acc_dtype
+
 HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
-
-
-def acc_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """fp64 when any input is fp64, else fp32."""
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def gaussian_logprob(mu: torch.Tensor, sigma: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:

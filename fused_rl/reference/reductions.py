@@ -12,6 +12,14 @@ import torch
 from torch import Tensor
 
 
+def acc_dtype(*tensors: Tensor | None) -> torch.dtype:
+    """fp64 when any input is fp64, else fp32: the accumulation and output dtype of every
+    token-space op (fp64 so that gradcheck runs through the kernels)."""
+    if any(t is not None and t.dtype == torch.float64 for t in tensors):
+        return torch.float64
+    return torch.float32
+
+
 def _weights(x: Tensor, mask: Tensor | None) -> Tensor:
     return torch.ones_like(x) if mask is None else mask.to(x.dtype)
 
