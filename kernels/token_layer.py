@@ -110,17 +110,17 @@ def clipped_surrogate(
 # Columns of the per-token partial sums every policy-loss forward writes (``(N_COLS, rows)``,
 # column-major) and ``_policy_finalize_kernel`` reduces; ``fused_rl._policy_partials`` names
 # them. Each holds ``m * x`` for the token's weight ``m`` (mask * not-ignored), 0 elsewhere.
-COL_COUNT: tl.constexpr = 0
-COL_LOSS: tl.constexpr = 1
-COL_CLIPPED: tl.constexpr = 2
-COL_CLIPPED_LOW: tl.constexpr = 3
-COL_CLIPPED_HIGH: tl.constexpr = 4
-COL_DUAL: tl.constexpr = 5
-COL_RATIO: tl.constexpr = 6
-COL_APPROX_KL: tl.constexpr = 7
-COL_KL: tl.constexpr = 8
-COL_ENTROPY: tl.constexpr = 9
-COL_RATIO_MAX: tl.constexpr = 10  # the ratio itself (reduced with max, not sum)
+COL_COUNT = tl.constexpr(0)
+COL_LOSS = tl.constexpr(1)
+COL_CLIPPED = tl.constexpr(2)
+COL_CLIPPED_LOW = tl.constexpr(3)
+COL_CLIPPED_HIGH = tl.constexpr(4)
+COL_DUAL = tl.constexpr(5)
+COL_RATIO = tl.constexpr(6)
+COL_APPROX_KL = tl.constexpr(7)
+COL_KL = tl.constexpr(8)
+COL_ENTROPY = tl.constexpr(9)
+COL_RATIO_MAX = tl.constexpr(10)  # the ratio itself (reduced with max, not sum)
 
 
 @triton.jit

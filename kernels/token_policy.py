@@ -25,10 +25,10 @@ from .token_layer import (
 )
 
 # loss_agg modes, in the order of fused_rl._agg.LOSS_AGG_MODES
-AGG_TOKEN_MEAN: tl.constexpr = 0
-AGG_SEQ_MEAN_TOKEN_MEAN: tl.constexpr = 1
-AGG_SEQ_MEAN_TOKEN_SUM: tl.constexpr = 2
-AGG_SEQ_MEAN_TOKEN_SUM_NORM: tl.constexpr = 3
+AGG_TOKEN_MEAN = tl.constexpr(0)
+AGG_SEQ_MEAN_TOKEN_MEAN = tl.constexpr(1)
+AGG_SEQ_MEAN_TOKEN_SUM = tl.constexpr(2)
+AGG_SEQ_MEAN_TOKEN_SUM_NORM = tl.constexpr(3)
 
 
 @triton.jit

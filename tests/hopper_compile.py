@@ -25,15 +25,16 @@ MODULES = [
     "token_kl",
     "token_advantages",
     "token_gaussian",
+    "token_policy",
 ]
 # runtime float arguments (everything else that is not a pointer is an integer)
 FLOAT_ARGS = {
     "inv_t_hi", "inv_t_lo", "eps_low", "eps_high", "dual_clip", "delta", "beta", "entropy_coef",
     "eps", "correction", "clip_hi", "clip_lo", "lo_hi", "lo_lo", "hi_hi", "hi_lo",
     "vclip_hi", "vclip_lo", "coeff_hi", "coeff_lo", "gamma_hi", "gamma_lo", "decay_hi",
-    "decay_lo", "coef_hi", "coef_lo",
+    "decay_lo", "coef_hi", "coef_lo", "num_items", "n_seq", "max_length",
 }  # fmt: skip
-INT_NAMES = {"ignore_index", "rows_inner", "group_size"}
+INT_NAMES = {"ignore_index", "rows_inner", "group_size", "shift", "positions", "n_outer"}
 
 
 def _is_int_arg(name: str) -> bool:
@@ -46,8 +47,9 @@ MASK_POINTERS = {"m_ptr", "mask_ptr", "pm_ptr", "vm_ptr"}
 # pointers read in the input dtype (the rest are fp32 / fp64 statistics and outputs)
 INPUT_POINTERS = {"logits_ptr", "grad_ptr", "x_ptr", "gx_ptr", "v_ptr", "gv_ptr", "lp_ptr"}
 # small values so the compile stays fast; the real launchers pick larger ones
-BLOCKS = {"BLOCK_V": 256, "BLOCK": 256, "BLOCK_P": 128, "BLOCK_T": 64, "BLOCK_N": 64, "BLOCK_R": 16}
-ENUMS = {"KL_KIND": 5, "KIND": 5, "MODE": 3}
+BLOCKS = {"BLOCK_V": 256, "BLOCK": 256, "BLOCK_P": 128, "BLOCK_T": 64, "BLOCK_N": 64, "BLOCK_R": 16,
+          "BLOCK_B": 16}  # fmt: skip
+ENUMS = {"KL_KIND": 5, "KIND": 5, "MODE": 3, "AGG": 4}
 
 
 def _kernels():
@@ -133,8 +135,9 @@ def vocab_stream_vectorised() -> list[str]:
     cases = [
         (_token_stats_fwd_kernel, dict(HAS_TARGETS=True, WITH_ENTROPY=True), False),
         (_token_stats_bwd_kernel, dict(HAS_TARGETS=True, HAS_G=True, HAS_H=True,
-                                       HAS_SCALE=True), True),
-        (_policy_loss_fwd_kernel, dict(HAS_OLD=True, HAS_REF=True, ADD_KL=True, KL_KIND=2,
+                                       HAS_SCALE=True, HAS_SEQ_SCALE=True), True),
+        (_policy_loss_fwd_kernel, dict(HAS_OLD=True, HAS_REF=True, HAS_MASK=True, ADD_KL=True,
+                                       KL_KIND=2,
                                        WITH_ENTROPY=True, ENTROPY_BONUS=True, USE_DUAL=True,
                                        USE_DELTA=True), False),
     ]  # fmt: skip
