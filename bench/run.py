@@ -6,6 +6,7 @@ Usage::
     python bench/run.py --suite full                  # GPU: the issue-6 grid
     python bench/run.py --suite full --op policy_loss --tokens 16384 --vocab 151936
     python bench/run.py memory --vocab 151936 --tokens 16384 --dtype bf16
+    python bench/run.py host                          # host cost per call, tiny shape
 
 Every case runs each provider (``bench/providers.py``) on the same inputs in this process.
 Before timing, each provider's outputs (values and gradients) are compared with fused_rl's
@@ -57,7 +58,7 @@ import fused_rl  # noqa: E402
 from bench import measure as M  # noqa: E402
 from bench import providers as P  # noqa: E402
 from bench import report as R  # noqa: E402
-from bench.cases import OPS, Case, make_inputs, select_cases  # noqa: E402
+from bench.cases import DTYPES, OPS, Case, make_inputs, select_cases  # noqa: E402
 from bench.memory_profile import (  # noqa: E402
     format_memory_table,
     memory_table,
@@ -85,9 +86,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "command",
         nargs="?",
         default="suite",
-        choices=("suite", "memory", "report"),
+        choices=("suite", "memory", "report", "host"),
         help="suite (default): time + memory + parity; memory: peak memory per provider; "
-        "report: rewrite results.md and the plots from --out/results.json",
+        "report: rewrite results.md and the plots from --out/results.json; host: "
+        "microseconds and launches per call on a tiny shape (bench/host.py)",
     )
     p.add_argument("--suite", default="quick", choices=("quick", "full"))
     p.add_argument("--op", type=_csv(str), default=None, help=f"comma list of: {', '.join(OPS)}")
@@ -121,6 +123,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--resume",
         action="store_true",
         help="--append, and skip the cases that results.json in --out already holds",
+    )
+    p.add_argument("--repeat", type=int, default=7, help="host: samples per call (median)")
+    p.add_argument(
+        "--number", type=int, default=None, help="host: calls per sample (default: ~20 ms worth)"
     )
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--seed", type=int, default=0)
@@ -528,8 +534,28 @@ def run_memory(args) -> None:
     print(format_memory_table(rows, tokens, vocab, dtype))
 
 
+def run_host(args) -> dict:
+    """Host cost per call on a tiny shape (``bench/host.py``): stubbed kernels on CPU."""
+    from bench import host
+
+    batch, seqlen, vocab = host.SHAPE
+    seqlen = args.seqlen or seqlen
+    batch = max(1, args.tokens[0] // seqlen) if args.tokens else batch
+    vocab = args.vocab[0] if args.vocab else vocab
+    dtype = DTYPES[(args.dtype or ["fp32"])[0]]
+    result = host.measure(
+        device=args.device, shape=(batch, seqlen, vocab), dtype=dtype, repeat=args.repeat,
+        number=args.number,
+    )  # fmt: skip
+    print(host.format_table(result))
+    return result
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.command == "host":
+        run_host(args)
+        return 0
     if args.command == "memory":
         run_memory(args)
         return 0

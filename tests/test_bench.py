@@ -224,6 +224,24 @@ def test_memory_command_cpu(capsys):
     assert fused and all(line.endswith("modelled") for line in fused), fused
 
 
+@pytest.mark.no_poison
+def test_host_command_prints_every_row(capsys):
+    """``bench/run.py host``: a row per call with us/call, x eager and launches (Liger: a
+    row either way, measured or saying why not)."""
+    from bench import host
+
+    assert main(["host", "--repeat=2", "--number=2"]) == 0
+    out = capsys.readouterr().out
+    assert "Host cost per call, B=2 T=8 V=64" in out
+    rows = {name: line for line in out.splitlines() for name, label in host.CALLS.items()
+            if line.startswith(label)}  # fmt: skip
+    assert set(rows) == set(host.CALLS), out
+    for name in ("policy_loss", "token_logprobs", "eager"):
+        us, ratio, launches = rows[name][len(host.CALLS[name]) :].split()[:3]
+        assert float(us) > 0 and float(ratio) > 0 and int(launches) > 0, rows[name]
+    assert rows["eager"].split()[-2] == "1.00"
+
+
 def test_suites_and_filters():
     full = full_cases()
     logits = {(c.tokens, c.vocab) for c in full if c.op == "policy_loss" and c.dtype == "bf16"}
