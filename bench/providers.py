@@ -273,7 +273,10 @@ def _fused_forward(case: Case, inp: dict, backend: str):
             importance_sampling="sequence" if case.variant == "gspo" else "token",
             loss_agg="token-mean",
         )
-        return lambda: (fn(inp["logits"], inp["targets"], inp["advantages"], **kwargs)[0],)
+        # the model's (B, T+1, V) buffer as it comes (as Liger gets it): the backward writes
+        # its whole gradient, zero in the last position, with no slice backward
+        logits = inp["buf_leaf"] if backend == "triton" else inp["logits"]
+        return lambda: (fn(logits, inp["targets"], inp["advantages"], **kwargs)[0],)
     if case.op == "ppo_loss":
         return lambda: tuple(
             fn(
@@ -467,7 +470,7 @@ def _wrt_upstream(case: Case, inp: dict, provider: str):
         ups = [inp["g_logp"]] + ([inp["g_entropy"]] if case.variant == "logp+entropy" else [])
         return [inp["logits"]], ups, None
     if case.op == "policy_loss":
-        if provider == "liger":  # Liger differentiates its whole (B, T+1, V) buffer
+        if provider in ("liger", "fused_rl"):  # they differentiate the whole (B, T+1, V) buffer
             return [inp["buf_leaf"]], [None], lambda g: (g[0][:, :-1],)
         return [inp["logits"]], [None], None
     if case.op == "ppo_loss":
