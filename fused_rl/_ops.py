@@ -57,18 +57,22 @@ class FusedOp:
         ``torch.library.register_autograd``; ``backward`` returns one entry per input."""
         self.op.register_autograd(backward, setup_context=setup_context)
         launcher = self.launcher
+
+        def forward(ctx, *args):
+            # the classic (ctx-first) form: Function.apply then skips binding the arguments
+            # to forward's signature with inspect, which costs more than the rest of a call
+            output = launcher(*args)
+            setup_context(ctx, args, output)
+            return output
+
         self.function = type(
             f"{self.__name__}_function",
             (torch.autograd.Function,),
-            {
-                "forward": staticmethod(lambda *args: launcher(*args)),
-                "setup_context": staticmethod(setup_context),
-                "backward": staticmethod(backward),
-            },
+            {"forward": staticmethod(forward), "backward": staticmethod(backward)},
         )
 
     def __call__(self, *args):
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
             return self.op(*args)
         if self.function is not None and _needs_grad(args):
             return self.function.apply(*args)
