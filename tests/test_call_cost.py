@@ -18,6 +18,7 @@ import torch
 from helpers import FP32_TOL, assert_rel
 
 import fused_rl
+import fused_rl.nn
 from fused_rl.profiling import AllocationTracker, LaunchCounter
 
 BACKENDS = ("triton", "reference")
@@ -59,8 +60,8 @@ def _policy_call(r, logits, **kw):
 
 @pytest.mark.no_poison  # the NaN fill of fresh buffers is the test's, not the call's
 @pytest.mark.parametrize("importance_sampling", ("token", "sequence"))
-def test_policy_loss_launch_budget(importance_sampling):
-    r = _rollout()
+def test_policy_loss_launch_budget(importance_sampling, device):
+    r = _rollout(device=device)
     with LaunchCounter() as c:
         loss, metrics = _policy_call(
             r, r["logits"], importance_sampling=importance_sampling, backend="triton"
@@ -72,10 +73,10 @@ def test_policy_loss_launch_budget(importance_sampling):
 
 
 @pytest.mark.no_poison  # the NaN fill of fresh buffers is the test's, not the call's
-def test_policy_loss_from_logprobs_launch_budget():
-    r = _rollout()
-    logp = (torch.randn(2, 6) - 3).requires_grad_()
-    ent = torch.rand(2, 6).requires_grad_()
+def test_policy_loss_from_logprobs_launch_budget(device):
+    r = _rollout(device=device)
+    logp = (torch.randn(2, 6, device=device) - 3).requires_grad_()
+    ent = torch.rand(2, 6, device=device).requires_grad_()
     with LaunchCounter() as c:
         loss, _ = fused_rl.policy_loss_from_logprobs(
             logp, r["advantages"], old_logprobs=r["old"], ref_logprobs=r["ref"], mask=r["mask"],
@@ -86,17 +87,17 @@ def test_policy_loss_from_logprobs_launch_budget():
 
 
 @pytest.mark.no_poison  # the NaN fill of fresh buffers is the test's, not the call's
-def test_token_logprobs_launch_budget():
-    r = _rollout()
+def test_token_logprobs_launch_budget(device):
+    r = _rollout(device=device)
     with LaunchCounter() as c:
         fused_rl.token_logprobs(r["logits"], r["targets"], backend="triton").sum().backward()
     # forward, backward, the caller's sum and the autograd seed
     assert c.total <= TOKEN_LOGPROBS_BUDGET <= 5, (c.ops, c.kernels)
 
 
-def test_launch_counter_sees_eager_reference_cost():
+def test_launch_counter_sees_eager_reference_cost(device):
     """The proxy is not blind: the plain-PyTorch path of the same loss launches far more."""
-    r = _rollout()
+    r = _rollout(device=device)
     with LaunchCounter() as c:
         loss, _ = _policy_call(r, r["logits"], backend="reference")
         loss.backward()
@@ -105,10 +106,10 @@ def test_launch_counter_sees_eager_reference_cost():
 
 @pytest.mark.no_poison  # the NaN fill of fresh buffers is the test's, not the call's
 @pytest.mark.parametrize("op", ("policy_loss", "token_logprobs"))
-def test_model_buffer_allocates_one_gradient(op):
+def test_model_buffer_allocates_one_gradient(op, device):
     """(B, T+1, V) buffer: one N*V-sized allocation (the gradient, written whole by the
     kernel). The README's former pattern, a slice, costs a second one plus a copy."""
-    r = _rollout(V=500)
+    r = _rollout(V=500, device=device)
     buf = r["logits"]
     B, T = r["targets"].shape
     nv_bytes = B * T * buf.shape[-1] * buf.element_size()
@@ -174,10 +175,22 @@ def test_token_logprobs_on_model_buffer(backend, extra, device):
     assert (grad[:, : S - T - 1] == 0).all() and (grad[:, -1] == 0).all()
 
 
-def test_more_targets_than_positions_is_an_error():
-    r = _rollout(extra=0)
+def test_more_targets_than_positions_is_an_error(device):
+    r = _rollout(extra=0, device=device)
     too_many = torch.cat([r["targets"], r["targets"]], 1)
     with pytest.raises(ValueError, match="targets must have shape"):
         fused_rl.token_logprobs(r["logits"], too_many)
     with pytest.raises(ValueError, match="targets must have shape"):
         fused_rl.policy_loss(r["logits"], too_many, r["advantages"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_policy_loss_module_takes_the_model_buffer(backend, device):
+    r = _rollout(extra=2, device=device, seed=7)
+    module = fused_rl.nn.PolicyLoss(eps_high=0.28, beta=0.04, backend=backend)
+    kw = dict(old_logprobs=r["old"], ref_logprobs=r["ref"], mask=r["mask"])
+    loss, metrics = module(r["logits"], r["targets"], r["advantages"], **kw)
+    T = r["targets"].shape[1]
+    s_loss, s_metrics = module(r["logits"][:, -T - 1 : -1], r["targets"], r["advantages"], **kw)
+    assert_rel(loss, s_loss, FP32_TOL, "loss")
+    assert_rel(metrics["kl"], s_metrics["kl"], FP32_TOL, "kl")
