@@ -147,9 +147,7 @@ def group_advantages_fwd(scores: Tensor, group_size: int, mode: str, eps: float)
 
 def _gae_fake(rewards, values, mask, gamma, lam):
     dtype = ref.acc_dtype(rewards, values)
-    return rewards.new_empty(rewards.shape, dtype=dtype), rewards.new_empty(
-        rewards.shape, dtype=dtype
-    )
+    return tuple(rewards.new_empty(rewards.shape, dtype=dtype) for _ in range(2))
 
 
 def _kl_rewards_fake(scores, logprobs, ref_logprobs, mask, score_index, kl_coef, kind):
