@@ -49,6 +49,12 @@ def metrics_dict(metrics: Tensor, *, has_kl: bool, has_entropy: bool) -> dict[st
     return out
 
 
+def _pairs(*values: float) -> list[float]:
+    """Each hyper-parameter as an fp32 ``(hi, lo)`` pair (``f32_pair``): kernels recombine
+    them in their accumulation dtype, so fp64 inputs see fp64 hyper-parameters."""
+    return [half for v in values for half in f32_pair(v)]
+
+
 def _strides(t: Tensor | None) -> tuple[int, int]:
     return t.stride() if t is not None else (0, 0)
 
@@ -92,7 +98,7 @@ def _token_layer(logp, entropy, targets, adv, old, ref, mask, ignore_index, hype
         ref if ref is not None else dummy, mask if mask is not None else dummy, g, h, part,
         inner, *logp.stride(), *_strides(entropy), *_strides(targets), *adv.stride(),
         *_strides(old), *_strides(ref), *_strides(mask), ignore_index,
-        eps_low, eps_high, dual_clip, delta, beta, entropy_coef,
+        *_pairs(eps_low, eps_high, dual_clip, delta, beta, entropy_coef),
         HAS_ENTROPY=entropy is not None, HAS_TARGETS=targets is not None,
         HAS_OLD=old is not None, HAS_REF=ref is not None, HAS_MASK=mask is not None,
         ADD_KL=ref is not None and beta != 0.0, KL_KIND=kl_kind, ENTROPY_BONUS=bonus,
@@ -169,7 +175,7 @@ def policy_loss_fwd(
             inner, position_shift(positions, inner), vocab, *logits3d.stride(),
             *targets.stride(), *adv.stride(), *_strides(old), *_strides(ref), *_strides(mask),
             *f32_pair(1.0 / temperature), ignore_index,
-            eps_low, eps_high, dual_clip, delta, beta, entropy_coef,
+            *_pairs(eps_low, eps_high, dual_clip, delta, beta, entropy_coef),
             HAS_OLD=old is not None, HAS_REF=ref is not None, HAS_MASK=mask is not None,
             ADD_KL=ref is not None and beta != 0.0, KL_KIND=kl_kind, WITH_ENTROPY=with_entropy,
             ENTROPY_BONUS=bonus, USE_DUAL=dual_clip != 0.0, USE_DELTA=delta != 0.0,

@@ -14,7 +14,7 @@ its metrics.
 import triton
 import triton.language as tl
 
-from .common import token_offset
+from .common import pair, token_offset
 from .token_layer import (
     COL_COUNT,
     COL_LOSS,
@@ -116,12 +116,18 @@ def _policy_token_fwd_kernel(
     mask_stride_outer,
     mask_stride_inner,
     ignore_index,
-    eps_low,
-    eps_high,
-    dual_clip,
-    delta,
-    beta,
-    entropy_coef,
+    eps_low_hi,
+    eps_low_lo,
+    eps_high_hi,
+    eps_high_lo,
+    dual_clip_hi,
+    dual_clip_lo,
+    delta_hi,
+    delta_lo,
+    beta_hi,
+    beta_lo,
+    entropy_coef_hi,
+    entropy_coef_lo,
     HAS_ENTROPY: tl.constexpr,
     HAS_TARGETS: tl.constexpr,
     HAS_OLD: tl.constexpr,
@@ -145,6 +151,13 @@ def _policy_token_fwd_kernel(
     ``SEQUENCE``), writes ~13 floats per token.
     """
     b = tl.program_id(0).to(tl.int64)
+    # hyper-parameters arrive as fp32 pairs: fp64-exact for fp64 inputs (gradcheck, oracles)
+    eps_low = pair(eps_low_hi, eps_low_lo, ACC)
+    eps_high = pair(eps_high_hi, eps_high_lo, ACC)
+    dual_clip = pair(dual_clip_hi, dual_clip_lo, ACC)
+    delta = pair(delta_hi, delta_lo, ACC)
+    beta = pair(beta_hi, beta_lo, ACC)
+    entropy_coef = pair(entropy_coef_hi, entropy_coef_lo, ACC)
     n_rows = tl.num_programs(0).to(tl.int64) * rows_inner
     offs = tl.arange(0, BLOCK_T)
     seq_lr = tl.zeros((), ACC)
@@ -295,7 +308,7 @@ def _policy_finalize_kernel(
             elif AGG == AGG_SEQ_MEAN_TOKEN_SUM:
                 den = tot_m * 0.0 + n_seq
             else:
-                den = tot_m * 0.0 + n_seq * max_length
+                den = (tot_m * 0.0 + n_seq) * max_length  # in ACC: B * L may pass 2^24
             scale = tl.where(den != 0, 1.0 / tl.where(den != 0, den, 1.0), 0.0)
             loss = tot_x * scale
             tl.store(seq_scale_ptr, scale)

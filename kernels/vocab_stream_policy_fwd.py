@@ -71,12 +71,18 @@ def _policy_loss_fwd_kernel(
     inv_t_hi,
     inv_t_lo,
     ignore_index,
-    eps_low,
-    eps_high,
-    dual_clip,
-    delta,
-    beta,
-    entropy_coef,
+    eps_low_hi,
+    eps_low_lo,
+    eps_high_hi,
+    eps_high_lo,
+    dual_clip_hi,
+    dual_clip_lo,
+    delta_hi,
+    delta_lo,
+    beta_hi,
+    beta_lo,
+    entropy_coef_hi,
+    entropy_coef_lo,
     HAS_OLD: tl.constexpr,
     HAS_REF: tl.constexpr,
     HAS_MASK: tl.constexpr,
@@ -96,6 +102,13 @@ def _policy_loss_fwd_kernel(
     row = tl.program_id(0).to(tl.int64)
     n_rows = tl.num_programs(0).to(tl.int64)
     inv_temperature = pair(inv_t_hi, inv_t_lo, ACC)  # 1 / T, fp64-exact for fp64 logits
+    # hyper-parameters arrive as fp32 pairs: fp64-exact for fp64 inputs (gradcheck, oracles)
+    eps_low = pair(eps_low_hi, eps_low_lo, ACC)
+    eps_high = pair(eps_high_hi, eps_high_lo, ACC)
+    dual_clip = pair(dual_clip_hi, dual_clip_lo, ACC)
+    delta = pair(delta_hi, delta_lo, ACC)
+    beta = pair(beta_hi, beta_lo, ACC)
+    entropy_coef = pair(entropy_coef_hi, entropy_coef_lo, ACC)
     row_ptr = row_pointer(logits_ptr, row, rows_inner, shift, stride_outer, stride_inner)
     target = tl.load(targets_ptr + token_offset(row, rows_inner, t_stride_outer, t_stride_inner))
     target = target.to(tl.int64)

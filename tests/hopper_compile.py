@@ -33,6 +33,8 @@ FLOAT_ARGS = {
     "eps", "correction", "clip_hi", "clip_lo", "lo_hi", "lo_lo", "hi_hi", "hi_lo",
     "vclip_hi", "vclip_lo", "coeff_hi", "coeff_lo", "gamma_hi", "gamma_lo", "decay_hi",
     "decay_lo", "coef_hi", "coef_lo", "num_items", "n_seq", "max_length",
+    "eps_low_hi", "eps_low_lo", "eps_high_hi", "eps_high_lo", "dual_clip_hi", "dual_clip_lo",
+    "delta_hi", "delta_lo", "beta_hi", "beta_lo", "entropy_coef_hi", "entropy_coef_lo",
 }  # fmt: skip
 INT_NAMES = {"ignore_index", "rows_inner", "group_size", "shift", "positions", "n_outer"}
 
