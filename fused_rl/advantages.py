@@ -133,7 +133,7 @@ def group_advantages_fwd(scores: Tensor, group_size: int, mode: str, eps: float)
         out,
         group_size,
         scores.stride(0),
-        eps,
+        *f32_pair(eps),  # fp64-exact for fp64 scores (a bare float is fp32 on a GPU)
         MODE=_GROUP_MODES[mode],
         BLOCK_N=max(16, min(next_power_of_2(group_size), MAX_BLOCK_N)),
         ACC=triton_acc(dtype),

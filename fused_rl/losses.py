@@ -58,20 +58,15 @@ def _check_policy_args(
     *, eps_low, eps_high, dual_clip, delta, beta, entropy_coef, ref_logprobs, kl,
     importance_sampling, loss_agg, max_length, num_items,
 ) -> float:  # fmt: skip
-    """Validate the hyper-parameters; return the resolved ``eps_high``."""
-    V.check_number(eps_low, "eps_low")
-    V.check_number(eps_high, "eps_high", allow_none=True)
+    """Validate the hyper-parameters (the shared validators of ``_validation``); return the
+    resolved ``eps_high``."""
+    V.check_nonnegative(eps_low, "eps_low")
+    V.check_nonnegative(eps_high, "eps_high", allow_none=True)
     V.check_number(dual_clip, "dual_clip", allow_none=True)
     V.check_number(delta, "delta", allow_none=True)
     V.check_number(beta, "beta")
     V.check_number(entropy_coef, "entropy_coef")
-    if not isinstance(num_items, torch.Tensor):
-        V.check_number(num_items, "num_items", allow_none=True)
-    if eps_low < 0:
-        raise ValueError(f"eps_low must be >= 0, got {eps_low}")
     eps_high = eps_low if eps_high is None else eps_high
-    if eps_high < 0:
-        raise ValueError(f"eps_high must be >= 0, got {eps_high}")
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"dual_clip must be > 1 (arXiv 1912.09729) or None, got {dual_clip}")
     if delta is not None and not delta > 1.0 + eps_high:
@@ -80,11 +75,7 @@ def _check_policy_args(
         raise ValueError(f"beta = {beta} needs ref_logprobs (the reference policy's log-probs)")
     V.check_choice(kl, KL_KINDS, "kl")
     V.check_choice(importance_sampling, IMPORTANCE_SAMPLING, "importance_sampling")
-    V.check_choice(loss_agg, LOSS_AGG_MODES, "loss_agg")
-    if max_length is not None and not (isinstance(max_length, int) and max_length > 0):
-        raise ValueError(f"max_length must be a positive int, got {max_length!r}")
-    if isinstance(num_items, (int, float)) and not num_items > 0:
-        raise ValueError(f"num_items must be > 0, got {num_items}")
+    V.check_loss_agg(loss_agg, max_length=max_length, num_items=num_items)
     return eps_high
 
 

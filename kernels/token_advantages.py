@@ -8,6 +8,7 @@ no atomics (bit-identical on repeat). Hyper-parameters arrive as runtime fp32 pa
 import triton
 import triton.language as tl
 
+from .common import pair
 from .token_layer import kl_and_grad
 
 
@@ -147,7 +148,8 @@ def _group_advantages_fwd_kernel(
     out_ptr,
     group_size,
     stride_s,
-    eps,
+    eps_hi,
+    eps_lo,
     MODE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ACC: tl.constexpr,
@@ -155,11 +157,13 @@ def _group_advantages_fwd_kernel(
     """One program per group of ``group_size`` consecutive scores.
 
     ``MODE``: 0 ``(s - mean) / (std + eps)``, 1 ``s - mean``, 2 RLOO leave-one-out.
+    ``eps`` arrives as an fp32 pair (``f32_pair``): fp64-exact for fp64 scores.
 
     Scores are shifted by the group's first score before summing: a constant group then
     centres to exactly 0 (never ``rounding / eps``), and the variance pass is stable.
     Three short loops (mean, variance, write) re-read the group; it is a few floats.
     """
+    eps = pair(eps_hi, eps_lo, ACC)
     group = tl.program_id(0).to(tl.int64)
     base = group * group_size
     shift = tl.load(scores_ptr + base * stride_s).to(ACC)

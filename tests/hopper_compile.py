@@ -32,7 +32,7 @@ FLOAT_ARGS = {
     "inv_t_hi", "inv_t_lo", "eps_low", "eps_high", "dual_clip", "delta", "beta", "entropy_coef",
     "eps", "correction", "clip_hi", "clip_lo", "lo_hi", "lo_lo", "hi_hi", "hi_lo",
     "vclip_hi", "vclip_lo", "coeff_hi", "coeff_lo", "gamma_hi", "gamma_lo", "decay_hi",
-    "decay_lo", "coef_hi", "coef_lo", "num_items", "n_seq", "max_length",
+    "decay_lo", "coef_hi", "coef_lo", "num_items", "n_seq", "max_length", "eps_hi", "eps_lo",
     "eps_low_hi", "eps_low_lo", "eps_high_hi", "eps_high_lo", "dual_clip_hi", "dual_clip_lo",
     "delta_hi", "delta_lo", "beta_hi", "beta_lo", "entropy_coef_hi", "entropy_coef_lo",
 }  # fmt: skip

@@ -22,15 +22,6 @@ NAN, INF = float("nan"), float("inf")
 
 # (argument, bad value id) that fused_rl/losses.py does not reject as the validators do yet:
 # it should call V.check_loss_agg(loss_agg, max_length=..., num_items=...)
-PENDING = pytest.mark.xfail(reason="losses.py: pending", strict=False)
-POLICY_OPS = ("policy_loss", "policy_loss_from_logprobs")
-PENDING_IN_LOSSES = {
-    ("max_length", "True"),
-    ("max_length", "1.5"),
-    ("max_length", "4.0"),
-    ("num_items", "tensor-2"),
-    ("num_items", "tensor-bool"),
-}
 
 
 def _x(*shape: int, dtype=torch.float32) -> torch.Tensor:
@@ -171,11 +162,7 @@ def _cases():
         for op in INPUTS:
             for name in sorted(_params(op) & set(names)):
                 for value_id, value, error in bad_values:
-                    pending = op in POLICY_OPS and (name, value_id) in PENDING_IN_LOSSES
-                    marks = [PENDING] if pending else []
-                    yield pytest.param(
-                        op, name, value, error, id=f"{group}-{op}-{name}={value_id}", marks=marks
-                    )
+                    yield pytest.param(op, name, value, error, id=f"{group}-{op}-{name}={value_id}")
 
 
 @pytest.mark.parametrize(("op", "name", "value", "error"), list(_cases()))
