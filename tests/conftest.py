@@ -47,3 +47,13 @@ def _poison_empty(request, monkeypatch):
     monkeypatch.setattr(torch, "empty", lambda *a, **k: _fill(real_empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: _fill(real_empty_like(*a, **k)))
     yield
+
+
+@pytest.fixture(autouse=True)
+def _compiled_scalar_abi():
+    """Python floats reach interpreted kernels as fp32, as a compiled launch passes them, so a
+    hyper-parameter that needs ``f32_pair`` to be fp64-exact fails here, not first on a GPU."""
+    from helpers import compiled_scalar_abi
+
+    with compiled_scalar_abi():
+        yield
