@@ -156,8 +156,12 @@ def policy_loss(
     aggregated over counted tokens by ``loss_agg``.
 
     Args:
-        logits: ``(B, T, V)`` fp32/bf16/fp16, any strides (``logits[:, :-1]`` is not copied).
-        targets: ``(B, T)`` int64/int32; ``ignore_index`` tokens never count.
+        logits: ``(B, T, V)``, or the model's whole ``(B, S, V)`` buffer with ``S > T``
+            (positions ``S - T - 1 ... S - 2`` predict the targets; the backward writes the
+            buffer's gradient itself, zero elsewhere); fp32/bf16/fp16, any strides. A slice
+            such as ``logits[:, :-1]`` is read in place, but autograd's slice backward then
+            costs a second full-size gradient buffer and a copy: pass the buffer.
+        targets: ``(B, T)`` int64/int32, any strides; ``ignore_index`` tokens never count.
         advantages: ``(B,)`` one per sequence (GRPO) or ``(B, T)`` per token (PPO).
         old_logprobs: ``(B, T)`` log-probs of the sampling policy; None = on-policy
             (``old = logp.detach()``: ratio 1, gradient = the policy gradient).
