@@ -167,7 +167,7 @@ def policy_loss_fwd(
             entropy = new(False)
     else:
         row_max, log_sum, entropy = new(), new(), new(bonus)
-    if n_rows > 0 and not sequence:
+    if n_rows > 0 and not sequence:  # one fused pass: layer 1 with the token layer as epilogue
         block = vocab_block(vocab)
         _policy_loss_fwd_kernel[(n_rows,)](
             logits3d, targets, adv, old if old is not None else g, ref if ref is not None else g,
