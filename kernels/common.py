@@ -28,3 +28,27 @@ def token_offset(row, rows_inner, stride_outer, stride_inner):
     outer = row // rows_inner
     inner = row - outer * rows_inner
     return outer * stride_outer + inner * stride_inner
+
+
+# ``tl.minimum``/``tl.maximum`` default to min/max-num semantics: they return the other operand
+# when one is NaN, which would turn a NaN token into a finite loss. These propagate NaN exactly
+# as ``torch.minimum``/``torch.maximum``/``torch.clamp`` do; every kernel uses them
+# (tests/test_failure_modes.py fails on a bare ``tl.minimum``/``tl.maximum``).
+
+
+@triton.jit
+def nan_min(a, b):
+    """``torch.minimum(a, b)``: NaN if either is NaN."""
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def nan_max(a, b):
+    """``torch.maximum(a, b)``: NaN if either is NaN."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def clamp(x, lo, hi):
+    """``torch.clamp(x, lo, hi)``: NaN stays NaN (and ``hi`` wins when ``lo > hi``)."""
+    return nan_min(nan_max(x, lo), hi)

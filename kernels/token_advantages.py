@@ -8,7 +8,7 @@ no atomics (bit-identical on repeat). Hyper-parameters arrive as runtime fp32 pa
 import triton
 import triton.language as tl
 
-from .common import pair
+from .common import nan_max, pair
 from .token_layer import kl_and_grad
 
 
@@ -135,7 +135,7 @@ def _kl_penalized_rewards_fwd_kernel(
             m = m & ok
             reward = tl.where(m, reward, 0.0)
             if not HAS_INDEX:
-                target = tl.maximum(target, tl.max(tl.where(m, t, -1), 0))
+                target = nan_max(target, tl.max(tl.where(m, t, -1), 0))
         elif not HAS_INDEX:
             target = (T - 1).to(tl.int64)
         reward = tl.where(t == target, reward + score, reward)
@@ -184,7 +184,7 @@ def _group_advantages_fwd_kernel(
             x = tl.load(scores_ptr + (base + j) * stride_s, mask=ok, other=0.0).to(ACC)
             c = tl.where(ok, (x - shift) - mean, 0.0)
             sq += tl.sum(c * c, 0)
-        var = sq / tl.maximum(n - 1.0, 1.0)  # unbiased; a group of one has std 0
+        var = sq / nan_max(n - 1.0, 1.0)  # unbiased; a group of one has std 0
         denom = tl.sqrt(var) + eps
     elif MODE == 1:
         denom = n * 0.0 + 1.0

@@ -8,6 +8,8 @@ derivative w.r.t. ``logp`` so the backward needs only the per-token coefficients
 import triton
 import triton.language as tl
 
+from .common import clamp, nan_min
+
 
 @triton.jit
 def k3_and_expm1(n):
@@ -44,9 +46,9 @@ def kl_and_grad(logp, ref_logp, KIND: tl.constexpr):
         kl, em1 = k3_and_expm1(-d)
         grad = -em1  # 1 - exp(-d)
     elif KIND == 3:
-        neg = tl.minimum(tl.maximum(-d, -20.0), 20.0)
+        neg = clamp(-d, -20.0, 20.0)
         raw, em1 = k3_and_expm1(neg)
-        kl = tl.minimum(tl.maximum(raw, -10.0), 10.0)
+        kl = clamp(raw, -10.0, 10.0)
         inside = (-d >= -20.0) & (-d <= 20.0) & (raw >= -10.0) & (raw <= 10.0)
         grad = tl.where(inside, -em1, 0.0)
     else:
@@ -82,17 +84,17 @@ def clipped_surrogate(
     lo = 1.0 - eps_low
     hi = 1.0 + eps_high
     if USE_DELTA:
-        r_unc = tl.minimum(ratio, delta)
+        r_unc = nan_min(ratio, delta)
         d_unc = tl.where(ratio <= delta, 1.0, 0.0)
     else:
         r_unc = ratio
         d_unc = 1.0
-    r_clip = tl.minimum(tl.maximum(ratio, lo), hi)
+    r_clip = clamp(ratio, lo, hi)
     d_clip = tl.where((ratio >= lo) & (ratio <= hi), 1.0, 0.0)
     s_unc = r_unc * adv
     s_clip = r_clip * adv
     w_unc = _min_weight(s_unc, s_clip)
-    loss = -tl.minimum(s_unc, s_clip)
+    loss = -nan_min(s_unc, s_clip)
     dloss = -(w_unc * d_unc + (1.0 - w_unc) * d_clip) * adv
     clipped = s_clip < s_unc
     code = tl.where(clipped, 1, 0)
@@ -103,7 +105,7 @@ def clipped_surrogate(
         negative = adv < 0
         dloss = tl.where(negative, _min_weight(loss, cap) * dloss, dloss)
         code += tl.where(negative & (loss > cap), 8, 0)
-        loss = tl.where(negative, tl.minimum(loss, cap), loss)
+        loss = tl.where(negative, nan_min(loss, cap), loss)
     return loss, dloss, code
 
 

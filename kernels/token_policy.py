@@ -14,7 +14,7 @@ its metrics.
 import triton
 import triton.language as tl
 
-from .common import pair, token_offset
+from .common import nan_max, pair, token_offset
 from .token_layer import (
     COL_COUNT,
     COL_LOSS,
@@ -284,7 +284,7 @@ def _policy_finalize_kernel(
             sum_m += tl.sum(mm, 1)
             sum_x += tl.sum(xx, 1)
             if k == COL_RATIO_MAX:
-                x_max = tl.maximum(x_max, tl.max(tl.max(xx, 1), 0))
+                x_max = nan_max(x_max, tl.max(tl.max(xx, 1), 0))
                 n_nan += tl.sum(tl.sum((xx != xx).to(tl.int32), 1), 0)
         tot_m += tl.sum(sum_m, 0)
         tot_x += tl.sum(sum_x, 0)

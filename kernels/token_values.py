@@ -16,7 +16,7 @@ Gradients follow PyTorch's subgradient conventions so fp64 parity is exact at ti
 import triton
 import triton.language as tl
 
-from .common import pair
+from .common import clamp, nan_max, pair
 from .token_reductions import flat_rowcol, load_weight, safe, sum_partials
 
 
@@ -24,7 +24,7 @@ from .token_reductions import flat_rowcol, load_weight, safe, sum_partials
 def max_and_grad(a, b, g_a, g_b):
     """``maximum(a, b)`` and its gradient given the branches' gradients (halves at a tie)."""
     grad = tl.where(a > b, g_a, tl.where(b > a, g_b, 0.5 * (g_a + g_b)))
-    return tl.maximum(a, b), grad
+    return nan_max(a, b), grad
 
 
 @triton.jit
@@ -36,7 +36,7 @@ def value_sq_and_grad(v, v_old, ret, clip, HAS_CLIP: tl.constexpr):
     if HAS_CLIP:
         lo = v_old - clip
         hi = v_old + clip
-        d_c = tl.minimum(tl.maximum(v, lo), hi) - ret
+        d_c = clamp(v, lo, hi) - ret
         sq_c = d_c * d_c
         g_c = tl.where((v >= lo) & (v <= hi), 2.0 * d_c, 0.0)
         sq, grad = max_and_grad(sq_u, sq_c, 2.0 * d_u, g_c)
@@ -54,7 +54,7 @@ def ppo_policy_and_grad(logp, old_logp, adv, lo, hi):
     ``r = exp(logp - old_logp)``; ``clipped`` (0./1.) = the clipped branch strictly larger."""
     ratio = tl.exp(logp - old_logp)
     loss_u = -adv * ratio
-    loss_c = -adv * tl.minimum(tl.maximum(ratio, lo), hi)
+    loss_c = -adv * clamp(ratio, lo, hi)
     g_c = tl.where((ratio >= lo) & (ratio <= hi), loss_u, 0.0)
     loss, grad = max_and_grad(loss_u, loss_c, loss_u, g_c)
     return loss, grad, ratio, tl.where(loss_c > loss_u, 1.0, 0.0)

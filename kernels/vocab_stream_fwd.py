@@ -17,7 +17,7 @@ stays exact to fp32 even for logits of magnitude 1e4.
 import triton
 import triton.language as tl
 
-from .common import pair, row_pointer, token_offset
+from .common import nan_max, pair, row_pointer, token_offset
 
 
 @triton.jit
@@ -26,7 +26,7 @@ def merge_stats(m_a, s_a, w_a, m_b, s_b, w_b):
 
     Associative and commutative; an empty partial is ``(-inf, 0, 0)``.
     """
-    m = tl.maximum(m_a, m_b)
+    m = nan_max(m_a, m_b)
     m_ref = tl.where(m == float("-inf"), 0.0, m)  # both empty: keep everything finite
     alpha_a = tl.exp(m_a - m_ref)
     alpha_b = tl.exp(m_b - m_ref)

@@ -1,0 +1,186 @@
+"""Failure modes a user debugging a diverged run relies on (issue 11): NaN in means NaN out on
+every backend, kernels never use NaN-dropping min/max, and the host-side guards (threads,
+backend selection, argument checks) fail loudly and early."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import re
+
+import pytest
+import torch
+
+import fused_rl
+from fused_rl import config
+from fused_rl.compat import torchtune as tt
+from fused_rl.compat import verl
+
+BACKENDS = ("reference", "triton")
+NAN = float("nan")
+B, T, V = 2, 5, 11
+
+
+def _gen():
+    return torch.Generator().manual_seed(11)
+
+
+def _policy_inputs():
+    g = _gen()
+    logits = torch.randn(B, T, V, generator=g)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    adv = torch.randn(B, T, generator=g)
+    old = torch.randn(B, T, generator=g) - 2.0
+    return logits, targets, adv, old
+
+
+def _policy(backend, *, logits=None, targets=None, old=None, **kw):
+    base_logits, base_targets, adv, base_old = _policy_inputs()
+    logits = (base_logits if logits is None else logits).requires_grad_(True)
+    loss, metrics = fused_rl.policy_loss(
+        logits,
+        base_targets if targets is None else targets,
+        adv,
+        old_logprobs=base_old if old is None else old,
+        backend=backend,
+        **kw,
+    )
+    loss.backward()
+    return loss, metrics, logits.grad
+
+
+def _poisoned_logit():
+    logits = _policy_inputs()[0]
+    logits[0, 1, 3] = NAN
+    return logits
+
+
+def _neg_inf_row():
+    logits = _policy_inputs()[0]
+    logits[1, 2] = -math.inf
+    return logits
+
+
+def _nan_old():
+    old = _policy_inputs()[3]
+    old[0, 0] = NAN
+    return old
+
+
+def _out_of_range_target():
+    targets = _policy_inputs()[1]
+    targets[1, 4] = V + 3
+    return targets
+
+
+POLICY_CASES = {
+    "nan_logit": dict(logits=_poisoned_logit),
+    "neg_inf_row": dict(logits=_neg_inf_row),
+    "nan_old_logprobs": dict(old=_nan_old),
+    "nan_old_logprobs_kl": dict(old=_nan_old, ref_logprobs=_nan_old, beta=0.1, kl="low_var_kl"),
+    "nan_logit_dual_clip": dict(logits=_poisoned_logit, dual_clip=3.0),
+    "nan_logit_delta": dict(logits=_poisoned_logit, delta=1.5),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", sorted(POLICY_CASES))
+def test_policy_loss_nan_in_nan_out(case, backend):
+    kwargs = {k: (v() if callable(v) else v) for k, v in POLICY_CASES[case].items()}
+    loss, _, grad = _policy(backend, **kwargs)
+    assert torch.isnan(loss), f"{case}: a NaN token gave the finite loss {loss.item()}"
+    assert torch.isnan(grad).any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_policy_loss_out_of_range_target_unchecked_is_nan(backend, monkeypatch):
+    """With the eager range check off (as under torch.compile) a bad target is NaN, not 0."""
+    monkeypatch.setattr(config, "check_values", False)
+    loss, _, _ = _policy(backend, targets=_out_of_range_target())
+    assert torch.isnan(loss)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_policy_loss_nan_under_compile(backend):
+    logits, targets, adv, old = _policy_inputs()
+    targets = _out_of_range_target()
+
+    def step(x):
+        return fused_rl.policy_loss(x, targets, adv, old_logprobs=old, backend=backend)[0]
+
+    torch._dynamo.reset()
+    loss = torch.compile(step, backend="aot_eager", fullgraph=True)(logits)
+    assert torch.isnan(loss)
+
+
+def _token_inputs(n=3):
+    g = _gen()
+    return [torch.randn(B, T, generator=g) for _ in range(n)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("clip", [None, 0.2])
+def test_value_loss_nan_value(backend, clip):
+    values, old, returns = _token_inputs()
+    values[0, 0] = NAN
+    values.requires_grad_(True)
+    loss, _ = fused_rl.value_loss(values, returns, old, clip=clip, backend=backend)
+    loss.backward()
+    assert torch.isnan(loss) and torch.isnan(values.grad[0, 0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("poisoned", ["pi_logprobs", "phi_values"])
+def test_ppo_loss_nan(backend, poisoned):
+    old_lp, lp, adv, old_v, v, ret = _token_inputs(6)
+    inputs = dict(pi_logprobs=lp, phi_values=v)
+    inputs[poisoned][1, 2] = NAN
+    loss, policy, value, ratios, _ = fused_rl.ppo_loss(
+        old_lp, lp, adv, old_v, v, ret, backend=backend
+    )
+    assert torch.isnan(loss)
+    assert torch.isnan(policy if poisoned == "pi_logprobs" else value)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3", "low_var_kl", "abs"])
+def test_kl_estimate_nan(backend, kind):
+    lp, ref = _token_inputs(2)
+    lp[0, 3] = NAN
+    ref[1, 1] = NAN
+    kl = fused_rl.kl_estimate(lp, ref, kind=kind, backend=backend)
+    assert torch.isnan(kl[0, 3]) and torch.isnan(kl[1, 1])
+    assert torch.isfinite(kl).sum() == kl.numel() - 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kl_penalized_rewards_nan(backend):
+    lp, ref = _token_inputs(2)
+    lp[0, 3] = NAN
+    rewards = fused_rl.kl_penalized_rewards(
+        torch.ones(B), lp, ref, kl_coef=0.1, kind="low_var_kl", backend=backend
+    )
+    assert torch.isnan(rewards[0, 3]) and torch.isfinite(rewards[1]).all()
+
+
+def test_compat_adapters_nan():
+    old_lp, lp, adv, old_v, v, ret = _token_inputs(6)
+    lp[0, 0] = NAN
+    assert torch.isnan(tt.PPOLoss()(old_lp, lp, adv, old_v, v, ret)[0])
+    assert torch.isnan(verl.kl_penalty(lp, old_lp, "low_var_kl")[0, 0])
+
+
+KERNELS = pathlib.Path(__file__).resolve().parents[1] / "kernels"
+
+
+def test_kernels_propagate_nan_in_min_max():
+    """``tl.minimum``/``tl.maximum`` drop NaN by default; kernels must use
+    ``kernels.common.nan_min/nan_max/clamp`` (or pass ``propagate_nan`` themselves)."""
+    offenders = []
+    for path in sorted(KERNELS.glob("*.py")):
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            for call in re.finditer(r"tl\.(minimum|maximum|clamp)\(", code):
+                if "propagate_nan=tl.PropagateNan.ALL" not in code[call.start() :]:
+                    offenders.append(f"{path.name}:{lineno}: {line.strip()}")
+    assert not offenders, "NaN-dropping min/max in kernels:\n" + "\n".join(offenders)
