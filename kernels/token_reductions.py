@@ -4,7 +4,9 @@ Conventions shared by the token-space kernels (``token_values.py``, ``token_kl.p
 the helpers below):
 
 * every input is a 2-D view ``(R, C)`` with its own strides; element ``(r, c)`` lives at
-  ``r * stride_r + c * stride_c`` (int64 offsets), so slices and transposes are read in place;
+  ``r * stride_r + c * stride_c``, so slices and transposes are read in place;
+* every offset is int64: lengths and strides arrive as i32 when they fit, and ``3 * R`` or
+  ``2 * P`` need not (``wide``; ``tests/hopper_compile.py`` checks the TTIR for i32 products);
 * *flat* kernels: program ``p`` covers the row-major flat indices ``[p * BLOCK, (p + 1) * BLOCK)``
   of the ``R * C`` elements, so every aspect ratio fills its blocks;
 * reductions are two-stage and deterministic: program ``p`` writes its partial sums to
@@ -20,6 +22,13 @@ single pass over the data with no cancellation between two large sums.
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def wide(n):
+    """``n`` (an i32 argument, or a constexpr such as 1) as an int64 scalar, so that products
+    such as ``3 * n`` are computed in 64 bits."""
+    return tl.zeros((), tl.int64) + n
 
 
 @triton.jit
@@ -55,7 +64,7 @@ def sum_partials(part_ptr, P, k, BLOCK_P: tl.constexpr, ACC: tl.constexpr):
     acc = tl.zeros((BLOCK_P,), ACC)
     for start in range(0, P, BLOCK_P):
         cols = start + tl.arange(0, BLOCK_P)
-        acc += tl.load(part_ptr + k * P + cols, mask=cols < P, other=0.0).to(ACC)
+        acc += tl.load(part_ptr + k * wide(P) + cols, mask=cols < P, other=0.0).to(ACC)
     return tl.sum(acc, 0)
 
 
@@ -87,6 +96,7 @@ def store_stats(stats_ptr, stride_k, n, s, q, correction):
     """Write ``(n, sum, mean, var)`` at ``stats_ptr + k * stride_k``; an empty mean is 0 and a
     variance with ``n - correction <= 0`` degrees of freedom is 0 (never NaN)."""
     dof = n - correction
+    stride_k = wide(stride_k)
     tl.store(stats_ptr, n)
     tl.store(stats_ptr + stride_k, s)
     tl.store(stats_ptr + 2 * stride_k, s / safe(n))
@@ -115,7 +125,7 @@ def _masked_moments_fwd_kernel(
     x = tl.load(x_ptr + row * stride_xr + col * stride_xc, mask=valid, other=0.0).to(ACC)
     w = load_weight(m_ptr, row, col, stride_mr, stride_mc, valid, HAS_MASK, ACC)
     n, s, q = block_moments(x, w, WITH_VAR)
-    P = tl.num_programs(0)
+    P = tl.num_programs(0).to(tl.int64)
     pid = tl.program_id(0)
     tl.store(part_ptr + pid, n)
     tl.store(part_ptr + P + pid, s)
@@ -136,12 +146,14 @@ def _masked_moments_finalize_kernel(
     n = tl.zeros((), ACC)
     s = tl.zeros((), ACC)
     q = tl.zeros((), ACC)
+    row_s = part_ptr + wide(P)
+    row_q = part_ptr + 2 * wide(P)
     for start in range(0, P, BLOCK_P):
         cols = start + tl.arange(0, BLOCK_P)
         keep = cols < P
         n_i = tl.load(part_ptr + cols, mask=keep, other=0.0)
-        s_i = tl.load(part_ptr + P + cols, mask=keep, other=0.0)
-        q_i = tl.load(part_ptr + 2 * P + cols, mask=keep, other=0.0)
+        s_i = tl.load(row_s + cols, mask=keep, other=0.0)
+        q_i = tl.load(row_q + cols, mask=keep, other=0.0)
         n_b = tl.sum(n_i, 0)
         s_b = tl.sum(s_i, 0)
         dev = s_i / safe(n_i) - s_b / safe(n_b)
@@ -211,6 +223,7 @@ def _masked_moments_bwd_kernel(
     row, col, valid = flat_rowcol(N, C, BLOCK)
     w = load_weight(m_ptr, row, col, stride_mr, stride_mc, valid, HAS_MASK, ACC)
     at = row * stats_stride_r
+    stats_stride_k = wide(stats_stride_k)
     n = tl.load(stats_ptr + at, mask=valid, other=1.0).to(ACC)
     g_sum = tl.load(gstats_ptr + stats_stride_k + at, mask=valid, other=0.0).to(ACC)
     g_mean = tl.load(gstats_ptr + 2 * stats_stride_k + at, mask=valid, other=0.0).to(ACC)
@@ -272,7 +285,7 @@ def _masked_whiten_bwd_partials_kernel(
     x = tl.load(x_ptr + row * stride_xr + col * stride_xc, mask=valid, other=0.0).to(ACC)
     gy = tl.load(gy_ptr + row * stride_gr + col * stride_gc, mask=valid, other=0.0).to(ACC)
     mean = tl.load(stats_ptr + 2).to(ACC)
-    P = tl.num_programs(0)
+    P = tl.num_programs(0).to(tl.int64)
     pid = tl.program_id(0)
     tl.store(part_ptr + pid, tl.sum(gy, 0))
     tl.store(part_ptr + P + pid, tl.sum(tl.where(valid, gy * (x - mean), 0.0), 0))

@@ -2,12 +2,15 @@
 
 Run as a script in a process WITHOUT ``TRITON_INTERPRET`` (the interpreter replaces kernels
 by numpy stand-ins that cannot be compiled): ``python tests/hopper_compile.py``. Prints one
-line per kernel and exits non-zero if any variant fails. Used by test_compile_hopper.py.
+line per kernel and exits non-zero if any variant fails. ``--offsets`` compiles only the
+modules of ``WIDE_OFFSET_MODULES`` and checks their offsets are 64-bit
+(``narrow_offset_products``). Used by test_compile_hopper.py.
 """
 
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 import traceback
 
@@ -36,6 +39,8 @@ FLOAT_ARGS = {
     "eps_low_hi", "eps_low_lo", "eps_high_hi", "eps_high_lo", "dual_clip_hi", "dual_clip_lo",
     "delta_hi", "delta_lo", "beta_hi", "beta_lo", "entropy_coef_hi", "entropy_coef_lo",
 }  # fmt: skip
+# modules whose every pointer offset must be computed in 64 bits (narrow_offset_products)
+WIDE_OFFSET_MODULES = ["token_reductions"]
 INT_NAMES = {"ignore_index", "rows_inner", "group_size", "shift", "positions", "n_outer"}
 
 
@@ -54,8 +59,8 @@ BLOCKS = {"BLOCK_V": 256, "BLOCK": 256, "BLOCK_P": 128, "BLOCK_T": 64, "BLOCK_N"
 ENUMS = {"KL_KIND": 5, "KIND": 5, "MODE": 3, "AGG": 4}
 
 
-def _kernels():
-    for module_name in MODULES:
+def _kernels(modules=MODULES):
+    for module_name in modules:
         module = importlib.import_module(f"fused_rl.kernels.{module_name}")
         for name, fn in sorted(vars(module).items()):
             if name.startswith("_") and name.endswith("_kernel"):
@@ -103,8 +108,9 @@ def _signature(fn, low_precision: bool):
     return sig
 
 
-def compile_all(kernel, low_precision: bool) -> int:
-    """Compile every flag set of ``kernel``; return how many variants compiled."""
+def compile_all(kernel, low_precision: bool, check_offsets: bool = False) -> int:
+    """Compile every flag set of ``kernel``; return how many variants compiled. With
+    ``check_offsets``, fail on any i32 product that reaches a pointer offset."""
     acc = tl.float32 if low_precision else tl.float64
     count = 0
     for flags in _flag_sets(kernel):
@@ -115,8 +121,75 @@ def compile_all(kernel, low_precision: bool) -> int:
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
         if ".entry" not in compiled.asm["ptx"]:
             raise AssertionError(f"no kernel entry in the PTX of {kernel.__name__} {flags}")
+        narrow = narrow_offset_products(compiled.asm["ttir"]) if check_offsets else []
+        if narrow:
+            raise AssertionError(
+                f"32-bit offset arithmetic in {kernel.__name__} {flags}:\n" + "\n".join(narrow)
+            )
         count += 1
     return count
+
+
+# one SSA definition of a TTIR line: ``%name = op operands : types loc(...)``
+_TTIR_DEF = re.compile(r"^\s*(%[\w#]+)(?::\d+)? = ([\w.]+)(.*?)(?: loc\(.*)?$")
+_I32 = re.compile(r":\s*(?:i32|tensor<[\dx]*xi32>)\s*$")
+
+
+def narrow_offset_products(ttir: str) -> list[str]:
+    """The i32 integer products (``arith.muli`` / ``arith.shli`` of ``i32``) whose value reaches
+    the offset operand of a ``tt.addptr``, one TTIR line each (empty when all is well).
+
+    Why: a launch passes lengths and strides as i32 whenever they fit, so ``ptr + 3 * R``
+    computes ``3 * R`` in i32 and wraps once ``R`` passes 2^31 / 3 (~715M rows), while ``ptr
+    + R`` alone cannot wrap. Offsets that are 64-bit show up in the TTIR as ``arith.extsi ... to
+    i64`` before the product (``row.to(tl.int64) * stride``, ``wide(R) * 3``), so the check is:
+    walk back from every pointer offset through the ops defining it and report each i32
+    product met (a sum of two in-range i32 values, such as a loop counter plus
+    ``tl.arange``, is not flagged). The TTIR is the front end's output after inlining, so
+    helper functions are checked where they are called."""
+    defs = {}
+    for line in ttir.splitlines():
+        match = _TTIR_DEF.match(line)
+        if match:
+            name, op, rest = match.groups()
+            defs[name] = (op, re.findall(r"%[\w#]+", rest), bool(_I32.search(rest)), line.strip())
+    found, seen = [], set()
+    for op, operands, _, _ in list(defs.values()):
+        if op != "tt.addptr":
+            continue
+        stack = operands[1:]  # the offset; the base pointer is an addptr of its own
+        while stack:
+            name = stack.pop()
+            if name in seen or name not in defs:  # function / loop arguments end the walk
+                continue
+            seen.add(name)
+            d_op, d_operands, is_i32, d_line = defs[name]
+            if d_op in ("arith.muli", "arith.shli") and is_i32:
+                found.append(d_line)
+            stack.extend(d_operands)
+    return found
+
+
+@triton.jit
+def _narrow_offset_canary(out_ptr, R):
+    tl.store(out_ptr + 3 * R, 1.0)  # i32 product: must be flagged
+
+
+@triton.jit
+def _wide_offset_canary(out_ptr, R):
+    tl.store(out_ptr + 3 * R.to(tl.int64), 1.0)  # 64-bit: must pass
+
+
+def offset_check_works() -> list[str]:
+    """The check flags a known i32 offset product and passes its 64-bit twin (so that a
+    change in Triton's TTIR cannot make it vacuous)."""
+    problems = []
+    for kernel, expect_narrow in ((_narrow_offset_canary, True), (_wide_offset_canary, False)):
+        source = ASTSource(fn=kernel, signature={"out_ptr": "*fp32", "R": "i32"}, constexprs={})
+        ttir = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ttir"]
+        if bool(narrow_offset_products(ttir)) != expect_narrow:
+            problems.append(f"narrow_offset_products is wrong on {kernel.__name__}:\n{ttir}")
+    return problems
 
 
 def vocab_stream_vectorised() -> list[str]:
@@ -161,17 +234,22 @@ def vocab_stream_vectorised() -> list[str]:
     return problems
 
 
-def main() -> int:
+def main(offsets_only: bool = False) -> int:
     failures = 0
-    for kernel in _kernels():
+    for kernel in _kernels(WIDE_OFFSET_MODULES if offsets_only else MODULES):
+        wide = kernel.__module__.rsplit(".", 1)[-1] in WIDE_OFFSET_MODULES
         for low_precision in (True, False):
             label = f"{kernel.__name__} [{'bf16' if low_precision else 'fp64'}]"
             try:
-                print(f"ok   {label}: {compile_all(kernel, low_precision)} variants", flush=True)
+                count = compile_all(kernel, low_precision, check_offsets=wide)
+                print(f"ok   {label}: {count} variants", flush=True)
             except Exception:
                 failures += 1
                 print(f"FAIL {label}\n{traceback.format_exc()}", flush=True)
-    for problem in vocab_stream_vectorised():
+    problems = offset_check_works()
+    if not offsets_only:
+        problems += vocab_stream_vectorised()
+    for problem in problems:
         failures += 1
         print(f"FAIL {problem}", flush=True)
     print(f"{failures} kernel(s) failed to compile for sm_90")
@@ -179,4 +257,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(offsets_only="--offsets" in sys.argv[1:]))

@@ -28,3 +28,22 @@ def test_every_kernel_compiles_for_sm90():
     )
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
     assert " 0 kernel(s) failed" in " " + result.stdout.splitlines()[-1]
+
+
+@pytest.mark.no_poison
+def test_token_reductions_offsets_are_64bit():
+    """Lengths and strides reach a kernel as i32 when they fit, so ``stats + 3 * R`` wraps past
+    ~715M rows unless the product is 64-bit. ``hopper_compile.py --offsets`` compiles every
+    ``token_reductions`` kernel for sm_90 and walks back from each pointer offset
+    (``tt.addptr``) in its TTIR, failing on any i32 product on the way; it first checks that
+    the walk flags a known i32 offset and passes its int64 twin (``offset_check_works``)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("hopper_compile.py")
+    result = subprocess.run(
+        [sys.executable, str(script), "--offsets"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
