@@ -2,9 +2,10 @@
 
 Every public op takes ``backend="auto" | "triton" | "reference"``:
 
-* ``"auto"``: Triton for CUDA tensors, and for CPU tensors when the environment sets
-  ``TRITON_INTERPRET=1`` (the Triton interpreter, used by the test-suite on machines
-  without a GPU); the plain-PyTorch reference otherwise.
+* ``"auto"``: Triton for CUDA tensors, and for CPU tensors when the environment set
+  ``TRITON_INTERPRET=1`` before Triton was imported (the Triton interpreter, used by the
+  test-suite on machines without a GPU); the plain-PyTorch reference otherwise, with a
+  one-time warning when ``TRITON_INTERPRET=1`` came too late to take effect.
 * ``"triton"``: the Triton kernels, or a ``RuntimeError`` that says why they cannot run.
   Never a silent fallback.
 * ``"reference"``: the plain-PyTorch implementation (the CPU fallback and the tests' twin).
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
+import warnings
 
 import torch
 
@@ -28,25 +31,58 @@ def triton_installed() -> bool:
     return _TRITON_INSTALLED
 
 
-def interpreter_enabled() -> bool:
-    """True when Triton kernels run on CPU tensors through the Triton interpreter."""
+def interpreter_requested() -> bool:
+    """True when the environment asks for the Triton interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _interpreter_mismatch() -> str | None:
+    """Why the interpreter setting and Triton's own state disagree, or None.
+
+    Triton decides at ``import triton`` whether its standard library (``tl.sum``, ``tl.max``,
+    ...) is compiled or interpreted. A kernel interpreted against a compiled standard library
+    (``TRITON_INTERPRET=1`` set after the import) fails deep inside Triton, so the variable
+    must agree with the state Triton was imported in.
+    """
+    std = sys.modules.get("triton.language.standard")
+    if std is None:  # not imported yet: Triton will follow the environment
+        return None
+    interpreted = type(std.sigmoid).__name__ == "InterpretedFunction"
+    if interpreter_requested() and not interpreted:
+        return (
+            "TRITON_INTERPRET=1 was set after `import triton`, so Triton's standard library is "
+            "compiled and its interpreter cannot run; set TRITON_INTERPRET=1 before anything "
+            "imports triton (in the shell, or first thing in the script)"
+        )
+    if interpreted and not interpreter_requested():
+        return (
+            "triton was imported with TRITON_INTERPRET=1 and the variable was unset later; "
+            "Triton cannot compile kernels in this process any more (restart it)"
+        )
+    return None
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton kernels run on CPU tensors through the Triton interpreter: the
+    environment asks for it and Triton was imported in that mode."""
+    return interpreter_requested() and _interpreter_mismatch() is None
 
 
 def _triton_problem(device: torch.device) -> str | None:
     """Why Triton cannot run on ``device``, or None when it can."""
     if not triton_installed():
         return "the `triton` package is not installed"
-    if device.type == "cuda":
+    if device.type not in ("cuda", "cpu"):
+        return f"Triton kernels do not run on device type {device.type!r}"
+    mismatch = _interpreter_mismatch()
+    if mismatch is not None:
+        return mismatch
+    if device.type == "cuda" or interpreter_enabled():
         return None
-    if device.type == "cpu":
-        if interpreter_enabled():
-            return None
-        return (
-            "Triton kernels need CUDA tensors; for CPU tensors set TRITON_INTERPRET=1 "
-            "before importing fused_rl (the Triton interpreter) or use backend='reference'"
-        )
-    return f"Triton kernels do not run on device type {device.type!r}"
+    return (
+        "Triton kernels need CUDA tensors; for CPU tensors set TRITON_INTERPRET=1 "
+        "before importing fused_rl (the Triton interpreter) or use backend='reference'"
+    )
 
 
 def available_backends(device: torch.device | str = "cpu") -> tuple[str, ...]:
@@ -81,4 +117,17 @@ def resolve_backend(backend: str, *tensors: torch.Tensor | None) -> str:
         if problem is not None:
             raise RuntimeError(f"backend='triton' cannot run here: {problem}")
         return "triton"
-    return "reference" if problem is not None else "triton"
+    if problem is None:
+        return "triton"
+    if device.type == "cuda" or _interpreter_mismatch() is not None:  # not what was asked for
+        _warn_once(f"backend='auto' runs the reference: {problem}")
+    return "reference"
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)

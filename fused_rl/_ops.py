@@ -28,9 +28,30 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Callable
 
 import torch
+
+from ._backend import interpreter_requested
+
+# The Triton interpreter patches ``triton.language`` process-wide while a kernel runs, so two
+# threads interpreting at once corrupt each other (InterpreterError, or silently wrong
+# values). Interpreted launches therefore hold this lock; compiled (CUDA) launches never take
+# it. Re-entrant: a launcher may call another op.
+_INTERPRETER_LOCK = threading.RLock()
+
+
+def _serialised_when_interpreting(launcher: Callable) -> Callable:
+    @functools.wraps(launcher)
+    def run(*args):
+        if not interpreter_requested():
+            return launcher(*args)
+        with _INTERPRETER_LOCK:
+            return launcher(*args)
+
+    return run
 
 
 def _needs_grad(args: tuple) -> bool:
@@ -43,8 +64,11 @@ class FusedOp:
     """``fused_rl::<name>`` around ``launcher`` (positional arguments only, annotated)."""
 
     def __init__(self, name: str, launcher: Callable):
-        self.launcher = launcher
-        self.op = torch.library.custom_op(f"fused_rl::{name}", launcher, mutates_args=())
+        schema = torch.library.infer_schema(launcher, mutates_args=())
+        self.launcher = launcher = _serialised_when_interpreting(launcher)
+        self.op = torch.library.custom_op(
+            f"fused_rl::{name}", launcher, mutates_args=(), schema=schema
+        )
         self.function: type[torch.autograd.Function] | None = None
         self.__doc__ = launcher.__doc__
         self.__name__ = name

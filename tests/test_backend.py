@@ -20,7 +20,10 @@ from fused_rl._backend import resolve_backend
 
 @pytest.fixture
 def interpreter(monkeypatch):
-    """Set ``TRITON_INTERPRET`` for one test: ``interpreter(True)`` / ``interpreter(False)``."""
+    """Set ``TRITON_INTERPRET`` for one test: ``interpreter(True)`` / ``interpreter(False)``,
+    as if Triton had been imported in that mode (the real mismatch case is tested in
+    tests/test_failure_modes.py)."""
+    monkeypatch.setattr(B, "_interpreter_mismatch", lambda: None)
     return lambda on: monkeypatch.setenv("TRITON_INTERPRET", "1" if on else "0")
 
 

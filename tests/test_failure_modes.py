@@ -184,3 +184,78 @@ def test_kernels_propagate_nan_in_min_max():
                 if "propagate_nan=tl.PropagateNan.ALL" not in code[call.start() :]:
                     offenders.append(f"{path.name}:{lineno}: {line.strip()}")
     assert not offenders, "NaN-dropping min/max in kernels:\n" + "\n".join(offenders)
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def test_interpreted_launches_are_thread_safe():
+    """The Triton interpreter is not re-entrant across threads; fused_rl serialises its
+    interpreted launches, so concurrent calls give exactly the single-threaded results."""
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU interpreter")
+    import threading
+
+    def work(seed):
+        g = torch.Generator().manual_seed(seed)
+        logits = torch.randn(3, 4, 37, generator=g, requires_grad=True)
+        targets = torch.randint(0, 37, (3, 4), generator=g)
+        adv = torch.randn(3, 4, generator=g)
+        logp = fused_rl.token_logprobs(logits, targets, backend="triton")
+        loss, _ = fused_rl.policy_loss(logits, targets, adv, backend="triton")
+        (loss + logp.sum()).backward()
+        return loss.detach(), logp.detach(), logits.grad
+
+    expected = {seed: work(seed) for seed in range(4)}
+    results, errors = {}, []
+
+    def thread(seed):
+        try:
+            for _ in range(3):
+                results[seed] = work(seed)
+                for got, want in zip(results[seed], expected[seed]):
+                    assert torch.equal(got, want)
+        except Exception as e:  # collected: an exception in a thread does not fail the test
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=thread, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert sorted(results) == list(range(4))
+
+
+_LATE_INTERPRETER = """
+import os, warnings
+import triton  # Triton's standard library is compiled for the GPU from here on
+os.environ["TRITON_INTERPRET"] = "1"
+import torch, fused_rl
+x, t = torch.randn(2, 3, 5), torch.randint(0, 5, (2, 3))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    out = fused_rl.token_logprobs(x, t)
+assert torch.allclose(out, torch.log_softmax(x, -1).gather(-1, t[..., None])[..., 0])
+assert any("set TRITON_INTERPRET=1 before" in str(w.message) for w in caught), caught
+try:
+    fused_rl.token_logprobs(x, t, backend="triton")
+except RuntimeError as e:
+    assert "TRITON_INTERPRET=1 was set after `import triton`" in str(e), e
+else:
+    raise AssertionError("backend='triton' ran with a broken interpreter")
+print("ok")
+"""
+
+
+def test_interpreter_enabled_after_triton_import_is_explained():
+    """``TRITON_INTERPRET=1`` set after ``import triton`` cannot work: ``auto`` runs the
+    reference with a warning that says what to do, ``triton`` raises the same words."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _LATE_INTERPRETER], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
