@@ -32,6 +32,7 @@ from ._backend import resolve_backend
 from ._launch import triton_acc
 from ._ops import FusedOp
 from .reference import reductions as ref
+from .reference.logprobs import differentiable_once
 from .reference.reductions import acc_dtype
 
 BLOCK = 1024  # elements per program of the flat token-space kernels
@@ -206,6 +207,10 @@ def _moments_setup(ctx, inputs, output):
 def _moments_backward(ctx, grad_stats):
     x2d, mask2d, stats = ctx.saved_tensors
     grad = _masked_moments_bwd_op(x2d, mask2d, stats, grad_stats, *ctx.args)
+    # the kernel takes the saved stats as constants, so a double backward must raise; a sum's
+    # or mean's gradient does not depend on x (their Hessian is 0): only through grad_stats
+    with_var = ctx.args[1]
+    grad = differentiable_once(grad, grad_stats, *((x2d,) if with_var else ()))
     return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
 
 
@@ -236,6 +241,7 @@ def _whiten_backward(ctx, grad_y, _grad_stats):
         return (None,) * n_inputs
     x2d, mask2d, stats = ctx.saved_tensors
     grad = _masked_whiten_bwd_op(x2d, mask2d, stats, grad_y, *ctx.args)
+    grad = differentiable_once(grad, x2d, grad_y)  # as in _moments_backward
     return (grad,) + (None,) * (n_inputs - 1)
 
 

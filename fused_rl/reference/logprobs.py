@@ -113,8 +113,44 @@ def grad_logits(
     return grad
 
 
+DOUBLE_BACKWARD = (
+    "fused_rl: this op is differentiable once; the gradient of its gradient (double backward: "
+    "a Hessian-vector product, gradgradcheck) is not implemented. Use plain PyTorch (e.g. "
+    "log_softmax) where second derivatives are needed."
+)
+
+
+class _NotTwice(torch.autograd.Function):
+    """Identity on ``grad``, linked to ``sources``; differentiating it raises."""
+
+    @staticmethod
+    def forward(ctx, grad, *sources):
+        return grad.view_as(grad)
+
+    @staticmethod
+    def backward(ctx, *_grads):
+        raise RuntimeError(DOUBLE_BACKWARD)
+
+
+def differentiable_once(grad: torch.Tensor | None, *sources) -> torch.Tensor | None:
+    """``grad``, computed with saved statistics treated as constants, marked so that a double
+    backward through it raises instead of silently dropping their derivative.
+
+    ``sources``: the tensors the true gradient depends on (the op's inputs, the incoming
+    gradients); the mark hangs on them, so that a backward towards any of them meets it.
+    Grad mode is on inside a backward only under ``create_graph=True``. (torch's
+    ``once_differentiable`` links only the incoming gradients, which in a Hessian-vector
+    product do not require grad: the wrong result would go through.)"""
+    if grad is None or not torch.is_grad_enabled():
+        return grad
+    sources = [s for s in sources if isinstance(s, torch.Tensor) and s.requires_grad]
+    return _NotTwice.apply(grad, *sources) if sources else grad
+
+
 class TokenStats(torch.autograd.Function):
-    """Differentiable ``(logp, entropy)`` of ``softmax(logits / T)`` for ``(outer, inner, V)``."""
+    """Differentiable ``(logp, entropy)`` of ``softmax(logits / T)`` for ``(outer, inner, V)``,
+    once (``differentiable_once``): the backward treats the saved row statistics as constants.
+    """
 
     @staticmethod
     def forward(ctx, logits3d, targets, temperature, ignore_index):
@@ -127,18 +163,19 @@ class TokenStats(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         logits3d, targets, row_max, log_sum, entropy = ctx.saved_tensors
-        grad = grad_logits(
-            logits3d,
-            targets,
-            row_max,
-            log_sum,
-            entropy,
-            grad_logp if targets is not None else None,
-            grad_entropy,
-            ctx.temperature,
-            ctx.ignore_index,
-        )
-        return grad, None, None, None
+        with torch.no_grad():
+            grad = grad_logits(
+                logits3d,
+                targets,
+                row_max,
+                log_sum,
+                entropy,
+                grad_logp if targets is not None else None,
+                grad_entropy,
+                ctx.temperature,
+                ctx.ignore_index,
+            )
+        return differentiable_once(grad, logits3d, grad_logp, grad_entropy), None, None, None
 
 
 def token_stats(
