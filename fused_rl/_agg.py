@@ -35,7 +35,8 @@ def token_weights(
     """fp32 ``(B, T)`` weights ``w`` with ``loss = (w * per_token_loss).sum()``.
 
     * ``token-mean``: ``m / sum(m)`` (``num_items`` replaces ``sum(m)``: a global token count
-      for DAPO-style normalisation across micro-batches and ranks);
+      for DAPO-style normalisation across micro-batches and ranks; a tensor holding a value
+      <= 0 gives NaN, never a silent 0);
     * ``seq-mean-token-mean``: ``m / (B * sum_t m)``, an empty sequence weighs 0;
     * ``seq-mean-token-sum``: ``m / B``;
     * ``seq-mean-token-sum-norm``: ``m / (B * max_length)`` (Dr. GRPO; ``max_length`` = T
@@ -51,10 +52,11 @@ def token_weights(
     n_seq, length = m.shape
     if loss_agg == "token-mean":
         if num_items is None:
-            den = m.sum()
-        else:
-            den = torch.as_tensor(num_items, dtype=torch.float32, device=m.device)
-        return _safe_div(m, den)
+            return _safe_div(m, m.sum())
+        # a count tensor is never read on the host: one <= 0 makes the loss NaN (a float one
+        # raises), so a bad global token count cannot pass as a finite loss
+        den = torch.as_tensor(num_items, dtype=torch.float32, device=m.device)
+        return m / torch.where(den > 0, den, float("nan"))
     if loss_agg == "seq-mean-token-mean":
         return _safe_div(m, m.sum(dim=1, keepdim=True)) / max(n_seq, 1)
     if loss_agg == "seq-mean-token-sum":

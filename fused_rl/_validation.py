@@ -9,6 +9,7 @@ into NaN instead of reading out of bounds.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -74,9 +75,11 @@ def check_shape(x: torch.Tensor | None, shape: Sequence[int], name: str, expecte
 
 
 def _check_number_type(value, name: str) -> None:
-    """A Python int / float: not a bool (``True`` is an int), not a tensor, not a string."""
-    if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a Python number, got {type(value).__name__}")
+    """A real scalar: a Python int / float or a NumPy one (``np.float32(0.7)``), not a bool
+    (``True`` is an int), not a tensor (reading it would sync), not a string. The launchers
+    pass hyper-parameters on as Python floats (``float(x)`` / ``f32_pair``)."""
+    if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
 
 
 def check_number(value, name: str, *, allow_none: bool = False) -> None:
@@ -89,7 +92,7 @@ def check_number(value, name: str, *, allow_none: bool = False) -> None:
 
 
 def check_nonnegative(value, name: str, *, allow_none: bool = False) -> None:
-    """A finite Python number ``>= 0`` (``None`` too when ``allow_none``)."""
+    """A finite real number ``>= 0`` (``None`` too when ``allow_none``)."""
     if value is None and allow_none:
         return
     _check_number_type(value, name)
@@ -98,7 +101,7 @@ def check_nonnegative(value, name: str, *, allow_none: bool = False) -> None:
 
 
 def check_positive(value, name: str, *, allow_none: bool = False) -> None:
-    """A finite Python number ``> 0`` (``None`` too when ``allow_none``)."""
+    """A finite real number ``> 0`` (``None`` too when ``allow_none``)."""
     if value is None and allow_none:
         return
     _check_number_type(value, name)
@@ -107,7 +110,7 @@ def check_positive(value, name: str, *, allow_none: bool = False) -> None:
 
 
 def check_unit_interval(value, name: str) -> None:
-    """A Python number in ``[0, 1]`` (a discount factor)."""
+    """A real number in ``[0, 1]`` (a discount factor)."""
     _check_number_type(value, name)
     if not 0.0 <= value <= 1.0:  # also rejects NaN
         raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
@@ -174,6 +177,8 @@ def value_checks_enabled(*tensors: torch.Tensor) -> bool:
     if not config.check_values:
         return False
     if torch.compiler.is_compiling():
+        return False
+    if any(t.is_meta for t in tensors):  # shape-only tensors: no values to read
         return False
     if any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing():
         return False

@@ -206,7 +206,7 @@ def gae(
 
     Args:
         rewards, values: ``(B, T)`` float tensors, any strides.
-        gamma, lam: Python numbers in ``[0, 1]``.
+        gamma, lam: real numbers in ``[0, 1]``.
         mask: optional ``(B, T)`` bool (or 0/1) tensor, True where the step counts. Masked
             steps count as zero reward and zero value (TRL's ``values * mask``), so the
             recursion runs through them, and get advantage 0 and return 0.
@@ -262,7 +262,7 @@ def kl_penalized_rewards(
     Args:
         scores: ``(B,)`` float sequence-level rewards (reward-model outputs).
         logprobs, ref_logprobs: ``(B, T)`` float, policy and reference log-probs.
-        kl_coef: Python number ``>= 0``.
+        kl_coef: real number ``>= 0``.
         mask: optional ``(B, T)`` bool (or 0/1) tensor, True where the token counts.
         kind: KL estimator, one of ``"k1"``, ``"k2"``, ``"k3"``, ``"low_var_kl"``, ``"abs"``
             (``fused_rl.reference.kl.kl_estimate``, ``log_ratio = logprobs - ref_logprobs``).
@@ -339,7 +339,7 @@ def group_advantages(
     Args:
         scores: flat ``(B,)`` float tensor; group ``g`` is ``scores[g*n:(g+1)*n]``.
         group_size: ``n >= 1`` dividing ``B``.
-        eps: Python number ``>= 0`` added to the std.
+        eps: real number ``>= 0`` added to the std.
 
     Returns:
         ``(B,)`` fp32 (fp64 for fp64 scores), detached.

@@ -54,11 +54,12 @@ def _metrics(terms: dict[str, Tensor], mask_f: Tensor) -> dict[str, Tensor]:
     return out
 
 
-def _check_policy_args(
-    *, eps_low, eps_high, dual_clip, delta, beta, entropy_coef, ref_logprobs, kl,
-    importance_sampling, loss_agg, max_length, num_items,
+def check_policy_options(
+    *, eps_low, eps_high, dual_clip, delta, beta, entropy_coef, kl, importance_sampling,
+    loss_agg, max_length, num_items=None,
 ) -> float:  # fmt: skip
-    """Validate the hyper-parameters (the shared validators of ``_validation``); return the
+    """Validate the hyper-parameters that need no tensor (the shared validators of
+    ``_validation``; also run by ``fused_rl.nn.PolicyLoss`` at construction); return the
     resolved ``eps_high``."""
     V.check_nonnegative(eps_low, "eps_low")
     V.check_nonnegative(eps_high, "eps_high", allow_none=True)
@@ -71,11 +72,19 @@ def _check_policy_args(
         raise ValueError(f"dual_clip must be > 1 (arXiv 1912.09729) or None, got {dual_clip}")
     if delta is not None and not delta > 1.0 + eps_high:
         raise ValueError(f"delta must be > 1 + eps_high = {1.0 + eps_high}, got {delta}")
-    if beta != 0.0 and ref_logprobs is None:
-        raise ValueError(f"beta = {beta} needs ref_logprobs (the reference policy's log-probs)")
     V.check_choice(kl, KL_KINDS, "kl")
     V.check_choice(importance_sampling, IMPORTANCE_SAMPLING, "importance_sampling")
     V.check_loss_agg(loss_agg, max_length=max_length, num_items=num_items)
+    return eps_high
+
+
+def _check_policy_args(*, ref_logprobs, **options) -> float:
+    """:func:`check_policy_options`, and ``beta != 0`` needs ``ref_logprobs``."""
+    eps_high = check_policy_options(**options)
+    if options["beta"] != 0.0 and ref_logprobs is None:
+        raise ValueError(
+            f"beta = {options['beta']} needs ref_logprobs (the reference policy's log-probs)"
+        )
     return eps_high
 
 

@@ -7,7 +7,9 @@ import inspect
 import torch
 from torch import Tensor
 
-from .losses import policy_loss
+from . import _validation as V
+from ._backend import BACKENDS
+from .losses import check_policy_options, policy_loss
 
 # the keyword options of policy_loss that configure the loss (not per-batch tensors)
 _POLICY_OPTIONS = tuple(
@@ -16,6 +18,23 @@ _POLICY_OPTIONS = tuple(
     if p.kind is inspect.Parameter.KEYWORD_ONLY
     and name not in ("old_logprobs", "ref_logprobs", "mask", "num_items")
 )
+
+
+def _check_options(config: dict) -> None:
+    """The checks ``policy_loss`` would run on these options, at construction: a typo in a
+    config fails when the module is built, not at the first training step."""
+    defaults = inspect.signature(policy_loss).parameters
+    options = {name: config.get(name, defaults[name].default) for name in _POLICY_OPTIONS}
+    check_policy_options(**{k: options[k] for k in _TENSOR_FREE_OPTIONS})
+    V.check_positive(options["temperature"], "temperature")
+    V.check_choice(options["backend"], BACKENDS, "backend")
+    if isinstance(options["ignore_index"], bool) or not isinstance(options["ignore_index"], int):
+        raise TypeError(
+            f"ignore_index must be an int, got {type(options['ignore_index']).__name__}"
+        )
+
+
+_TENSOR_FREE_OPTIONS = tuple(inspect.signature(check_policy_options).parameters)[:-1]
 
 
 class PolicyLoss(torch.nn.Module):
@@ -40,6 +59,7 @@ class PolicyLoss(torch.nn.Module):
         unknown = sorted(set(config) - set(_POLICY_OPTIONS))
         if unknown:
             raise TypeError(f"PolicyLoss got unknown options {unknown}; known: {_POLICY_OPTIONS}")
+        _check_options(config)
         self.config = dict(config)
 
     def forward(

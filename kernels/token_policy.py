@@ -310,6 +310,8 @@ def _policy_finalize_kernel(
             else:
                 den = (tot_m * 0.0 + n_seq) * max_length  # in ACC: B * L may pass 2^24
             scale = tl.where(den != 0, 1.0 / tl.where(den != 0, den, 1.0), 0.0)
+            if NUM_ITEMS_TENSOR:  # never read on the host: a count <= 0 gives NaN, loudly
+                scale = tl.where(den > 0, 1.0 / den, float("nan"))
             loss = tot_x * scale
             tl.store(seq_scale_ptr, scale)
         tl.store(loss_ptr, loss)

@@ -8,6 +8,7 @@ import math
 import pathlib
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -259,3 +260,115 @@ def test_interpreter_enabled_after_triton_import_is_explained():
         [sys.executable, "-c", _LATE_INTERPRETER], env=env, capture_output=True, text=True
     )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- arguments
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scalar", [np.float32, np.float64, np.int64])
+def test_numpy_scalar_hyper_parameters(backend, scalar):
+    """Any real scalar is a hyper-parameter (configs loaded with NumPy hold ``np.float32``);
+    the result is the one the equal Python float gives (every value here is exact in fp32)."""
+    logits, targets, adv, old = _policy_inputs()
+    x, y = _token_inputs(2)
+    calls = {
+        "token_logprobs": lambda c: fused_rl.token_logprobs(
+            logits, targets, temperature=c(2), backend=backend
+        ),
+        "policy_loss": lambda c: fused_rl.policy_loss(
+            logits,
+            targets,
+            adv,
+            old_logprobs=old,
+            eps_low=c(0.25),
+            dual_clip=c(3),
+            beta=c(0.5),
+            ref_logprobs=old,
+            temperature=c(2),
+            backend=backend,
+        )[0],  # fmt: skip
+        "gae": lambda c: fused_rl.gae(x, y, gamma=c(1), lam=c(0.5), backend=backend)[0],
+        "value_loss": lambda c: fused_rl.value_loss(x, y, x, clip=c(0.25), backend=backend)[0],
+        "kl_rewards": lambda c: fused_rl.kl_penalized_rewards(
+            torch.ones(B), x, y, kl_coef=c(0.5), backend=backend
+        ),
+        "whiten": lambda c: fused_rl.masked_whiten(x, eps=c(1), backend=backend),
+    }
+    for name, call in calls.items():
+        want = call(float)
+        got = call(lambda v: scalar(v) if scalar(v) == v else v)  # int64: the integral ones
+        assert torch.equal(got, want), name
+
+
+def test_policy_loss_module_validates_at_construction():
+    from fused_rl.nn import PolicyLoss
+
+    for options, match in [
+        (dict(kl="k9"), "kl must be one of"),
+        (dict(loss_agg="bogus"), "loss_agg must be one of"),
+        (dict(eps_low=-0.1), "eps_low must be"),
+        (dict(dual_clip=0.5), "dual_clip must be > 1"),
+        (dict(temperature=0.0), "temperature must be"),
+        (dict(backend="cuda"), "backend must be one of"),
+        (dict(max_length=0), "max_length must be"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            PolicyLoss(**options)
+    with pytest.raises(TypeError, match="ignore_index must be an int"):
+        PolicyLoss(ignore_index=1.5)
+    PolicyLoss(eps_low=np.float32(0.2), beta=0.1, kl="k3")  # beta needs ref_logprobs only later
+
+
+def test_meta_tensors():
+    """Meta tensors (shape inference, FSDP's deferred init) run: value checks are skipped,
+    outputs are meta tensors of the right shape."""
+    d = "meta"
+    logits = torch.empty(B, T, V, device=d)
+    targets = torch.empty(B, T, dtype=torch.long, device=d)
+    x, seq = torch.empty(B, T, device=d), torch.empty(B, device=d)
+    outs = {
+        "token_logprobs": fused_rl.token_logprobs(logits, targets),
+        "policy_loss": fused_rl.policy_loss(logits, targets, seq, old_logprobs=x)[0],
+        "gaussian_logprob": fused_rl.gaussian_logprob(x, x, x),
+        "gaussian_entropy": fused_rl.gaussian_entropy(x),
+        "trl": __import__("fused_rl.compat.trl").compat.trl.selective_log_softmax(logits, targets),
+        "verl": verl.logprobs_from_logits(logits, targets),
+        "kl_rewards": fused_rl.kl_penalized_rewards(seq, x, x, kl_coef=0.1),
+    }
+    for name, out in outs.items():
+        assert out.is_meta, name
+    assert outs["token_logprobs"].shape == (B, T)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_trl_sentinel_label_unchecked_is_nan(backend, monkeypatch):
+    """The adapters' internal 'no ignore index' value is a label like any other bad one."""
+    from fused_rl.compat import trl
+
+    monkeypatch.setattr(config, "check_values", False)
+    logits, targets, _, _ = _policy_inputs()
+    targets[0, 1] = -(2**31)
+    targets[1, 2] = -(2**31) + 1
+    monkeypatch.setattr(fused_rl._backend, "interpreter_enabled", lambda: backend == "triton")
+    logp = trl.selective_log_softmax(logits, targets)
+    assert torch.isnan(logp[0, 1]) and torch.isnan(logp[1, 2])
+    assert torch.isfinite(logp).sum() == logp.numel() - 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("count", [0.0, -4.0, NAN])
+def test_num_items_tensor_not_positive_is_nan(backend, count):
+    """A float ``num_items <= 0`` raises; a tensor's value is never read on the host, so one
+    that holds 0, a negative count or NaN gives a NaN loss, on both backends."""
+    loss, metrics, grad = _policy(backend, num_items=torch.tensor(count))
+    assert torch.isnan(loss) and torch.isnan(grad).any()
+    assert torch.isfinite(metrics["ratio_mean"])  # the metrics do not use the count
+    lp = torch.randn(B, T, requires_grad=True)
+    loss, _ = fused_rl.policy_loss_from_logprobs(
+        lp, torch.ones(B), old_logprobs=lp.detach(), num_items=torch.tensor(count),
+        backend=backend,
+    )  # fmt: skip
+    assert torch.isnan(loss)
+    with pytest.raises(ValueError, match="num_items must be"):
+        _policy(backend, num_items=count if count == count else 0.0)

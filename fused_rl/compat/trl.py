@@ -29,8 +29,10 @@ from .._backend import resolve_backend
 from .._vocab_ops import token_stats_nocheck
 from ..logprobs import token_entropy
 
-# Passed as ``ignore_index`` so that no label is silently ignored: these helpers have no
-# ignore index in the originals, and an out-of-range label must not become a 0 log-prob.
+# Passed as ``ignore_index``: these helpers have no ignore index in the originals, and an
+# out-of-range label must not become a 0 log-prob. A label equal to this value is itself out
+# of range: the eager range check rejects it, and without that check (``check_values=False``,
+# ``torch.compile``) ``_checked_logprobs`` turns its row into NaN like any other bad label.
 _NO_IGNORE = -(2**31)
 
 
@@ -57,6 +59,11 @@ def _checked_logprobs(
     logp, entropy = token_stats_nocheck(
         logits, index, temperature, _NO_IGNORE, return_entropy, which
     )
+    if not V.value_checks_enabled(index):  # the sentinel label went through unchecked
+        sentinel = index == _NO_IGNORE
+        logp = torch.where(sentinel, float("nan"), logp)
+        if return_entropy:
+            entropy = torch.where(sentinel, float("nan"), entropy)
     return (logp, entropy) if return_entropy else logp
 
 
