@@ -55,8 +55,9 @@ def row_stats(
         log_p = d - ls  # relative to the row max: ``lse - sum p z`` would cancel
         p = log_p.exp()
         row_max[idx], log_sum[idx] = m[..., 0], ls[..., 0]
-        # p == 0 contributes 0 even where log p == -inf
-        entropy[idx] = -torch.where(p > 0, p * log_p, torch.zeros_like(z)).sum(-1)
+        # p == 0 contributes 0 even where log p == -inf; a NaN p (NaN / +inf logit, all -inf
+        # row) stays NaN, as in the kernel (``p > 0`` would drop it)
+        entropy[idx] = -torch.where(p == 0, torch.zeros_like(z), p * log_p).sum(-1)
         if targets is not None:
             t = targets[idx].long()
             in_range = (t >= 0) & (t < vocab)
@@ -106,7 +107,7 @@ def grad_logits(
             out.scatter_add_(-1, t, g_rows)
         if h is not None:
             mean_d = (log_sum[idx] - entropy[idx])[..., None]  # E_p[z] - row max
-            centred = torch.where(p > 0, p * (d - mean_d), torch.zeros_like(d))
+            centred = torch.where(p == 0, torch.zeros_like(d), p * (d - mean_d))  # NaN stays
             out -= h[idx][..., None].to(dtype) * centred
         out = torch.where(active[idx][..., None], out / temperature, torch.zeros_like(out))
         grad[idx] = out.to(grad.dtype)
