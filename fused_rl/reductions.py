@@ -390,6 +390,11 @@ def masked_whiten(
     default zero-mean output is TRL's ``masked_whiten(shift_mean=True)``; torchtune's
     ``whiten(shift_mean=True)`` is ``keep_mean=True``.
 
+    A NaN / inf at a masked position never reaches the statistics (only its own output),
+    nor any gradient when its upstream gradient is 0 (padding zeroed downstream). A nonzero
+    gradient fed into such a NaN output gives NaN gradients: every output depends on the
+    variance.
+
     Args:
         x, mask: as :func:`masked_sum`.
         keep_mean: add the masked mean back after scaling.

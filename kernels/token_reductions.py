@@ -233,7 +233,11 @@ def _masked_moments_bwd_kernel(
         mean = tl.load(stats_ptr + 2 * stats_stride_k + at, mask=valid, other=0.0).to(ACC)
         g_var = tl.load(gstats_ptr + 3 * stats_stride_k + at, mask=valid, other=0.0).to(ACC)
         dof = n - correction
-        coef += tl.where(dof > 0, 2.0 * g_var / safe(dof), 0.0) * (x - mean)
+        # the closed form drops the mean's term (its weighted deviations sum to 0); with a
+        # counted inf that sum is inf - inf = NaN in autograd, so a non-finite mean gives NaN
+        # here too (mean - mean is 0 for a finite mean)
+        dev = (x - mean) + (mean - mean)
+        coef += tl.where(dof > 0, 2.0 * g_var / safe(dof), 0.0) * dev
     gx = tl.where(w != 0, w * coef, 0.0)
     tl.store(gx_ptr + row * C + col, gx, mask=valid)
 
@@ -280,7 +284,9 @@ def _masked_whiten_bwd_partials_kernel(
     ACC: tl.constexpr,
 ):
     """Backward stage 1: this block's ``sum(gy)`` and ``sum(gy * (x - mean))`` over every
-    position (each output depends on the statistics) into the ``(2, P)`` buffer."""
+    position (each output depends on the statistics) into the ``(2, P)`` buffer. A position
+    with ``gy == 0`` adds exactly 0 to the second sum, so padding that holds NaN / inf and is
+    zeroed downstream cannot turn every gradient into ``0 * NaN``."""
     row, col, valid = flat_rowcol(N, C, BLOCK)
     x = tl.load(x_ptr + row * stride_xr + col * stride_xc, mask=valid, other=0.0).to(ACC)
     gy = tl.load(gy_ptr + row * stride_gr + col * stride_gc, mask=valid, other=0.0).to(ACC)
@@ -288,7 +294,8 @@ def _masked_whiten_bwd_partials_kernel(
     P = tl.num_programs(0).to(tl.int64)
     pid = tl.program_id(0)
     tl.store(part_ptr + pid, tl.sum(gy, 0))
-    tl.store(part_ptr + P + pid, tl.sum(tl.where(valid, gy * (x - mean), 0.0), 0))
+    # gy is 0 outside the tensor too (other=0.0)
+    tl.store(part_ptr + P + pid, tl.sum(tl.where(gy != 0, gy * (x - mean), 0.0), 0))
 
 
 @triton.jit(do_not_specialize=["N", "C"])

@@ -123,3 +123,106 @@ def test_compat_entropy_from_logits_nonfinite(backend, module, monkeypatch):
     out = module.entropy_from_logits(logits.reshape(2, 5, 5))
     assert out.dtype == torch.float32
     assert_same_nonfinite(out.reshape(-1), o_ent, FP32_TOL, f"{module.__name__}")
+
+
+# ----------------------------------------------------------------------------- reductions
+
+REDUCTIONS = {  # name: (call, float64 oracle: plain torch with the padding selected away)
+    "sum": (lambda x, m, b: fused_rl.masked_sum(x, m, backend=b), lambda x, w: _o_sum(x, w)),
+    "sum_dim1": (
+        lambda x, m, b: fused_rl.masked_sum(x, m, 1, backend=b),
+        lambda x, w: _o_sum(x, w, 1),
+    ),
+    "mean_dim0": (
+        lambda x, m, b: fused_rl.masked_mean(x, m, 0, backend=b),
+        lambda x, w: _o_sum(x, w, 0) / w.sum(0),
+    ),
+    "var": (lambda x, m, b: fused_rl.masked_var(x, m, backend=b), lambda x, w: _o_var(x, w)),
+    "whiten": (
+        lambda x, m, b: fused_rl.masked_whiten(x, m, eps=0.25, backend=b),
+        lambda x, w: _o_whiten(x, w, False),
+    ),
+    "whiten_keep_mean": (
+        lambda x, m, b: fused_rl.masked_whiten(x, m, keep_mean=True, eps=0.25, backend=b),
+        lambda x, w: _o_whiten(x, w, True),
+    ),
+}
+
+
+def _o_sum(x, w, dim=None):
+    terms = torch.where(w != 0, w * x, 0.0)
+    return terms.sum() if dim is None else terms.sum(dim)
+
+
+def _o_var(x, w):
+    n = w.sum()
+    dev = torch.where(w != 0, x, 0.0) - _o_sum(x, w) / n
+    return _o_sum(dev * dev, w) / (n - 1)
+
+
+def _o_whiten(x, w, keep_mean):
+    mean = _o_sum(x, w) / w.sum()
+    y = (x - mean) / torch.sqrt(_o_var(x, w) + 0.25)
+    return y + mean if keep_mean else y
+
+
+# (where, value, weights): a poisoned position, masked out (0, 2) or counted (1, 4)
+POISONS = {
+    "nan_padding": ((0, 2), NAN, False),
+    "inf_padding": ((0, 2), INF, False),
+    "neg_inf_padding": ((0, 2), -INF, False),
+    "nan_padding_weights": ((0, 2), NAN, True),
+    "nan_counted": ((1, 4), NAN, False),
+    "inf_counted": ((1, 4), INF, False),
+}
+
+
+def _poisoned(case):
+    where, value, weights = POISONS[case]
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 6, generator=gen, dtype=torch.float64)
+    mask = torch.ones(3, 6, dtype=torch.bool)
+    mask[0, 2] = mask[2, 0] = mask[2, 5] = False
+    if weights:
+        mask = torch.rand(3, 6, generator=gen, dtype=torch.float64) * mask
+    clean = x.clone()
+    x[where] = value
+    return x, clean, mask, mask[where] == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", list(REDUCTIONS))
+@pytest.mark.parametrize("case", list(POISONS))
+def test_reductions_nonfinite(backend, op, case):
+    """NaN / inf where the mask is 0 changes no statistic and no gradient (whiten transforms
+    that position itself, and its gradient ignores it when its upstream gradient is 0, as
+    for padding zeroed downstream; it used to make every gradient NaN); a counted NaN / inf
+    propagates as in float64 autograd of plain PyTorch."""
+    call, oracle = REDUCTIONS[op]
+    x, clean, mask, padding = _poisoned(case)
+    w = mask.double()
+    x_in = x.clone().requires_grad_(True)
+    out = call(x_in, mask, backend)
+    gy = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=out.dtype)
+    if op.startswith("whiten"):
+        gy = gy * (w != 0)  # the padding's outputs are zeroed downstream
+    (grad,) = torch.autograd.grad(out, x_in, gy)
+    assert_same_nonfinite(out, oracle(x, w), 1e-12, f"{op} value")
+    # a padding position with a zero upstream gradient cannot change the gradient: the
+    # oracle differentiates the clean copy (its plain autograd would add 0 * NaN)
+    x_o = (clean if padding else x).clone().requires_grad_(True)
+    (o_grad,) = torch.autograd.grad(oracle(x_o, w), x_o, gy)
+    assert_same_nonfinite(grad, o_grad, 1e-12, f"{op} grad")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("keep_mean", [False, True])
+def test_whiten_nan_padding_with_upstream_gradient(backend, keep_mean):
+    """A gradient fed into a NaN output (masked or not) is NaN in, NaN out: every counted
+    position's gradient goes through the variance, which that output depends on. The
+    masked position's own gradient is ``gy * rsqrt(var + eps)``, finite."""
+    x, _, mask, _ = _poisoned("nan_padding")
+    x_in = x.clone().requires_grad_(True)
+    y = fused_rl.masked_whiten(x_in, mask, keep_mean=keep_mean, eps=0.25, backend=backend)
+    (grad,) = torch.autograd.grad(y, x_in, torch.ones_like(y))
+    assert torch.isnan(grad[mask]).all() and torch.isfinite(grad[~mask]).all()

@@ -278,36 +278,39 @@ def test_gradcheck_float64_triton(device):
     assert torch.autograd.gradcheck(fn, (x, xt))
 
 
-_SECOND_ORDER = {
-    "sum": lambda x, m, backend: masked_sum(x, m, 1, backend=backend),
-    "mean": lambda x, m, backend: masked_mean(x, m, backend=backend),
-    "var": lambda x, m, backend: masked_var(x, m, backend=backend),
-    "whiten": lambda x, m, backend: masked_whiten(x, m, eps=0.1, backend=backend),
+_SECOND_ORDER = {  # op: (fused, float64 oracle written here)
+    "sum": (lambda x, m, b: masked_sum(x, m, 1, backend=b), lambda x, w: o_stats(x, w, 1)[1]),
+    "mean": (lambda x, m, b: masked_mean(x, m, backend=b), lambda x, w: o_stats(x, w)[2]),
+    "var": (lambda x, m, b: masked_var(x, m, backend=b), o_var),
+    "whiten": (
+        lambda x, m, b: masked_whiten(x, m, eps=0.1, backend=b),
+        lambda x, w: o_whiten(x, w, eps=0.1),
+    ),
 }
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("op", list(_SECOND_ORDER))
 def test_double_backward_exact_or_raises(backend, op, device):
-    """A Hessian-vector product is float64 autograd's (of the reference's plain PyTorch on
-    an fp64 copy) or a clear RuntimeError, never silently wrong: the Triton backward takes the
-    saved statistics as constants, which is exact only for sum / mean (Hessian 0)."""
+    """A Hessian-vector product is float64 autograd's of the oracle or a clear RuntimeError,
+    never silently wrong: the Triton backward takes the saved statistics as constants, which
+    is exact only for sum / mean (Hessian 0)."""
     torch.manual_seed(8)
     x = torch.randn(3, 5, device=device, dtype=torch.float64, requires_grad=True)
     mask = torch.rand(3, 5, device=device) > 0.3
     v = torch.randn_like(x)
-    fn = _SECOND_ORDER[op]
+    fused, oracle = _SECOND_ORDER[op]
 
-    def hvp(backend):
-        y = fn(x, mask, backend)
+    def hvp(fn):
+        y = fn(x)
         w = torch.linspace(-1.0, 2.0, y.numel(), device=device, dtype=y.dtype).reshape(y.shape)
         (g,) = torch.autograd.grad((y * w).sum(), x, create_graph=True)
         # + |x|^2: a gradient cut from the graph gives a wrong value here, not an error
         return torch.autograd.grad((g * v).sum() + x.square().sum(), x)[0]
 
-    expected = hvp("reference")  # plain autograd through where / sum / sqrt
+    expected = hvp(lambda a: oracle(a, mask.double()))
     try:
-        got = hvp(backend)
+        got = hvp(lambda a: fused(a, mask, backend))
     except RuntimeError as err:
         assert backend == "triton" and op in ("var", "whiten")
         assert "differentiable once" in str(err)
@@ -315,7 +318,9 @@ def test_double_backward_exact_or_raises(backend, op, device):
     assert_rel(got, expected, F64_TOL, f"{backend} {op} Hessian-vector product")
     if backend == "triton":  # d(grad)/d(upstream) is not implemented: it raises
         with pytest.raises(RuntimeError, match="differentiable once"):
-            torch.autograd.gradgradcheck(lambda a: fn(a, mask, backend), (x,))
+            torch.autograd.gradgradcheck(lambda a: fused(a, mask, backend), (x,))
+    else:
+        assert torch.autograd.gradgradcheck(lambda a: fused(a, mask, backend), (x,))
 
 
 def test_deterministic(device):

@@ -58,11 +58,29 @@ def masked_var(x: Tensor, mask: Tensor | None = None, unbiased: bool = True) -> 
     return _div_positive(masked_sum(dev * dev, mask), dof)
 
 
+class _Scale(torch.autograd.Function):
+    """``d * r`` for a 0-dim ``r``, whose gradient for ``r`` sums ``g * d`` only where the
+    upstream ``g`` is not 0. Plain autograd would add ``0 * NaN`` for a masked-out NaN / inf
+    whose output is zeroed downstream, and so make every gradient NaN. The backward is
+    plain PyTorch, so it is differentiable again."""
+
+    @staticmethod
+    def forward(ctx, d, r):
+        ctx.save_for_backward(d, r)
+        return d * r
+
+    @staticmethod
+    def backward(ctx, g):
+        d, r = ctx.saved_tensors
+        return g * r, torch.where(g != 0, g * d, torch.zeros_like(d)).sum()
+
+
 def masked_whiten(
     x: Tensor, mask: Tensor | None = None, keep_mean: bool = False, eps: float = 1e-8
 ) -> Tensor:
     """``(x - mean) * rsqrt(var + eps)`` with the masked mean and unbiased masked variance,
-    applied to every position (masked ones too); ``keep_mean`` adds the mean back."""
+    applied to every position (masked ones too); ``keep_mean`` adds the mean back. A masked
+    position whose upstream gradient is 0 adds nothing to the gradient, even if NaN / inf."""
     mean = masked_mean(x, mask)
-    y = (x - mean) * torch.rsqrt(masked_var(x, mask, unbiased=True) + eps)
+    y = _Scale.apply(x - mean, torch.rsqrt(masked_var(x, mask, unbiased=True) + eps))
     return y + mean if keep_mean else y
