@@ -1,0 +1,1962 @@
+"""Differential fuzzing of every public op and compat adapter: backend="reference" against
+backend="triton" (the Triton interpreter on CPU), with hypothesis.
+
+Every example (a :class:`fuzz_strategies.Case`) checks:
+
+1. **the backends agree**: same output names, shapes and dtypes, NaN / +inf / -inf at the
+   same positions, finite values within a tolerance (``RTOL`` of the output's dtype times the
+   output's scale, plus 4x the fp32 reference's own distance from an fp64 run of the
+   reference: ill-conditioned values get the slack the computation needs, no more), and the
+   gradients under a random upstream gradient by the same rules;
+2. **NaN in, NaN out**: a NaN in a counted position (unmasked, not ignored) of an input the
+   output depends on makes the reduced outputs (loss, means) NaN on both backends, and a
+   planted value (NaN, inf, 1e30, ...) at an uncounted position changes no output and no
+   gradient (compared with the same inputs with that position set to 0);
+3. **no input is mutated**, on either backend, by the forward or the backward (the storage
+   of a strided view included);
+
+and ``test_bad_input_names_the_argument`` checks that bad arguments raise ``ValueError`` /
+``TypeError`` naming the argument.
+
+Profiles: ``ci`` (default; derandomized, bounded examples, no shrinking, ~1-2 minutes on one
+core) and ``long`` (``FUSED_RL_FUZZ=long``: 25x the examples, random seeds, shrinking). Both
+are registered here and applied per test (no global ``load_profile``, so other hypothesis
+tests keep their own settings). ``pytest --hypothesis-show-statistics`` shows the events of
+each test; a "fuzz summary" section at the end counts examples per op and those with
+NaN / inf inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+from collections import Counter, defaultdict
+from unittest import mock
+
+import pytest
+import torch
+from fuzz_strategies import (
+    IGNORE_INDICES,
+    INF,
+    NAN,
+    NEW_LOGPROB_SPECIALS,
+    OLD_LOGPROB_SPECIALS,
+    VOCAB_SIZES,
+    Arg,
+    Case,
+    float_args,
+    logits_args,
+    mask_args,
+    target_args,
+)
+from hypothesis import HealthCheck, Phase, assume, currently_in_test_context, given, note, settings
+from hypothesis import event as hypothesis_event
+from hypothesis import strategies as st
+
+import fused_rl
+from fused_rl import _backend
+from fused_rl.compat import ding, trl, verl
+from fused_rl.compat import torchtune as tt
+
+# ----------------------------------------------------------------------------- profiles
+
+_HEALTH = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large]
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    deadline=None,
+    database=None,
+    print_blob=False,
+    phases=(Phase.explicit, Phase.generate),  # no shrinking: bounded time even on a failure
+    suppress_health_check=_HEALTH,
+)
+settings.register_profile("long", deadline=None, print_blob=True, suppress_health_check=_HEALTH)
+PROFILE = "long" if os.environ.get("FUSED_RL_FUZZ") == "long" else "ci"
+LONG_FACTOR = 25
+
+
+def event(text: str) -> None:
+    """``hypothesis.event`` (for ``--hypothesis-show-statistics``), also outside @given."""
+    if currently_in_test_context():
+        hypothesis_event(text)
+
+
+def fuzz(n: int):
+    """Hypothesis settings for a test worth ``n`` examples in the ci profile."""
+    return settings(
+        settings.get_profile(PROFILE), max_examples=n * (LONG_FACTOR if PROFILE == "long" else 1)
+    )
+
+
+# ----------------------------------------------------------------------------- statistics
+
+STATS: dict[str, Counter] = defaultdict(Counter)
+
+
+class _FuzzSummary:
+    """Prints the per-op example counts at the end of the session."""
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if not STATS:
+            return
+        tr = terminalreporter
+        tr.section(f"fuzz summary (profile {PROFILE})")
+        cols = ("examples", "nan_inputs", "inf_inputs", "nan_rule", "invariance", "bf16", "fp64")
+        tr.write_line(f"{'op':38s}" + "".join(f"{c:>11s}" for c in cols))
+        for op in sorted(STATS):
+            tr.write_line(f"{op:38s}" + "".join(f"{STATS[op][c]:11d}" for c in cols))
+        total = sum(s["examples"] for s in STATS.values())
+        tr.write_line(f"{len(STATS)} ops, {total} examples run on both backends")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fuzz_summary(request):
+    manager = request.config.pluginmanager
+    if not manager.has_plugin("fused_rl_fuzz_summary"):
+        manager.register(_FuzzSummary(), "fused_rl_fuzz_summary")
+    yield
+
+
+# ----------------------------------------------------------------------------- comparison
+
+# relative tolerance by the dtype a value is rounded to: fp32 is twice the tolerance policy's
+# 1e-5 (two backends, each within it of the oracle); bf16 is two ulps
+RTOL = {
+    torch.float64: 1e-9,
+    torch.float32: 2e-5,
+    torch.float16: 2e-3,
+    torch.bfloat16: 1.6e-2,
+}
+
+
+def _as_tensor(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach()
+    if isinstance(x, bool) or x is None:
+        return x
+    return torch.tensor(float(x), dtype=torch.float64)
+
+
+def _precision(*dtypes: torch.dtype | None) -> torch.dtype:
+    """The least precise of ``dtypes`` (floating only)."""
+    present = [d for d in dtypes if d is not None and d.is_floating_point]
+    return max(present, key=lambda d: RTOL[d]) if present else torch.float64
+
+
+def _where_differ(name, ref, tri, bad, oracle=None) -> str:
+    idx = bad.nonzero()[:4].tolist()
+    lines = [f"{name}: {int(bad.sum())} of {bad.numel()} elements, e.g."]
+    for i in idx:
+        i = tuple(i)
+        line = f"  [{', '.join(map(str, i))}] reference={ref[i].item()!r} triton={tri[i].item()!r}"
+        if oracle is not None:
+            line += f" fp64-reference={oracle[i].item()!r}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def assert_backends_agree(ref_out, tri_out, dtype=None, *, oracle=None, what=""):
+    """``ref_out`` / ``tri_out``: ``{name: tensor | number | None}``. Same names, shapes and
+    dtypes; NaN, +inf and -inf at the same positions; finite values within
+    ``RTOL[p] * scale + 4 |ref - oracle| + 4 rms(ref - oracle)`` where ``p`` is the least
+    precise of ``dtype`` and the output's dtype, ``scale`` the largest finite magnitude of the
+    reference output and ``oracle`` (optional) the reference run in fp64: its distance from
+    the reference is the rounding error the problem itself has (cancellation, exp of a large
+    argument), elementwise and typical over the output. Reports every output that differs."""
+    assert set(ref_out) == set(tri_out), f"{what}outputs {sorted(ref_out)} != {sorted(tri_out)}"
+    problems = []
+    for name in ref_out:
+        orc = oracle.get(name) if oracle is not None else None
+        problem = _compare(what + name, ref_out[name], tri_out[name], dtype, orc)
+        if problem:
+            problems.append(problem)
+    if problems:
+        raise AssertionError("backends disagree:\n" + "\n".join(problems))
+
+
+def _compare(name, ref, tri, dtype, oracle) -> str | None:
+    """Why ``tri`` is not ``ref`` (see :func:`assert_backends_agree`), or None."""
+    ref, tri = _as_tensor(ref), _as_tensor(tri)
+    if not isinstance(ref, torch.Tensor) or not isinstance(tri, torch.Tensor):
+        return None if ref == tri else f"{name}: reference {ref!r} != triton {tri!r}"
+    if ref.shape != tri.shape or ref.dtype != tri.dtype:
+        return (
+            f"{name}: reference {ref.dtype}{list(ref.shape)}, triton {tri.dtype}{list(tri.shape)}"
+        )
+    if not ref.is_floating_point():
+        bad = ref != tri
+        return _where_differ(name, ref, tri, bad) if bad.any() else None
+    orc = _as_tensor(oracle).double() if isinstance(oracle, torch.Tensor | float) else None
+    r, t = ref.double(), tri.double()
+    for label, test in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+        bad = test(r) != test(t)
+        if bad.any():
+            return f"{label} positions differ: " + _where_differ(name, r, t, bad, orc)
+    finite = torch.isfinite(r)
+    if not finite.any():
+        return None
+    scale = r[finite].abs().max().item()
+    rtol = RTOL[_precision(dtype, ref.dtype)]
+    tol = torch.full_like(r, rtol * scale + 4 * torch.finfo(ref.dtype).tiny)
+    if orc is not None:  # the rounding error of the problem: elementwise and typical
+        slack = (r - orc).abs()
+        slack = torch.where(torch.isfinite(slack), slack, torch.zeros_like(slack))
+        tol = tol + 4 * slack + 4 * slack[finite].square().mean().sqrt()
+    bad = finite & ((r - t).abs() > tol)
+    if bad.any():
+        return f"values differ (rtol {rtol:g}, scale {scale:g}): " + _where_differ(
+            name, r, t, bad, orc
+        )
+    return None
+
+
+def same(a, b) -> bool:
+    """NaN-aware exact equality of tensors (dtype, shape and values) or plain values."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+            return True
+        return a == b
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.is_floating_point():
+        return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+    return torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------- running a case
+
+
+@contextlib.contextmanager
+def _auto_resolves_to(backend: str):
+    """The compat adapters call the ops with ``backend="auto"``: make it pick ``backend``."""
+    if backend == "reference":
+        with mock.patch.object(_backend, "interpreter_enabled", lambda: False):
+            yield
+    else:
+        yield
+
+
+def _flatten(obj, prefix: str = "") -> dict:
+    if isinstance(obj, torch.Tensor | float | int | bool) or obj is None:
+        return {prefix or "out": obj}
+    if hasattr(obj, "_asdict"):
+        items = obj._asdict().items()
+    elif isinstance(obj, dict):
+        items = obj.items()
+    else:
+        items = enumerate(obj)
+    out = {}
+    for key, value in items:
+        out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def run_backend(case: Case, backend: str, *, mask_upstream=False, check_mutation=True):
+    """Forward and backward of ``case`` on ``backend``: ``{output name: value}`` with the
+    gradients as ``grad.<arg>``. Asserts that no input (nor its storage) was modified."""
+    leaves = {}
+    for name, arg in case.args.items():
+        if arg is not None:
+            leaves[name] = arg.base.detach().clone().requires_grad_(name in case.grad)
+    inputs = {n: (None if a is None else a.view(leaves[n])) for n, a in case.args.items()}
+    with _auto_resolves_to(backend):
+        outs = _flatten(case.call(inputs, backend))
+    diff = {k: v for k, v in outs.items() if isinstance(v, torch.Tensor) and v.requires_grad}
+    wrt = [n for n in case.grad if n in leaves]
+    result = {k: _as_tensor(v) for k, v in outs.items()}
+    result["differentiable"] = tuple(sorted(diff))
+    if diff and wrt:
+        # offset: an upstream equal to an input (same seed) is a degenerate direction
+        gen = torch.Generator().manual_seed(case.upstream_seed + 1_000_003)
+        upstream = []
+        for name, value in sorted(diff.items()):
+            u = torch.randn(value.shape, generator=gen, dtype=torch.float64)
+            if mask_upstream and name in case.local_outputs:
+                u = u * case.local_outputs[name].expand(u.shape)
+            upstream.append(u.to(value.dtype))
+        with _auto_resolves_to(backend):
+            grads = torch.autograd.grad(
+                [diff[k] for k in sorted(diff)], [leaves[n] for n in wrt], upstream,
+                allow_unused=True,
+            )  # fmt: skip
+        for name, g in zip(wrt, grads):
+            result[f"grad.{name}"] = torch.zeros_like(leaves[name]) if g is None else g
+    if check_mutation:
+        for name, leaf in leaves.items():
+            assert same(leaf.detach(), case.args[name].base), f"{backend} modified input {name}"
+    return result
+
+
+def check_case(case: Case, precision: torch.dtype | None = None) -> None:
+    """Checks 1-3 of the module docstring on one case (``precision``: the least precise dtype
+    the computation may round to, see :func:`assert_backends_agree`). Every check runs; one
+    ``AssertionError`` lists all that failed."""
+    if currently_in_test_context():
+        note(repr(case))
+    _record(case)
+    uncounted = case.uncounted_plants()
+    mask_up = uncounted and bool(case.local_outputs)
+    runs = {b: run_backend(case, b, mask_upstream=mask_up) for b in ("reference", "triton")}
+    oracle = run_backend(case.upcast(), "reference", mask_upstream=mask_up, check_mutation=False)
+    diffable = {b: r.pop("differentiable") for b, r in runs.items()}
+    oracle.pop("differentiable")
+    failures = []
+
+    def check(fn, *args):
+        try:
+            fn(*args)
+        except AssertionError as err:
+            failures.append(str(err))
+
+    def agree():
+        assert diffable["reference"] == diffable["triton"], f"differentiable outputs: {diffable}"
+        assert_backends_agree(runs["reference"], runs["triton"], precision, oracle=oracle)
+
+    check(agree)
+    required = case.nan_rule(case.inputs()) if case.nan_rule is not None else {}
+    if required:
+        STATS[case.op]["nan_rule"] += 1
+        event(f"{case.op}: NaN required in {sorted(required)}")
+        for backend, out in runs.items():
+            check(assert_nan_where_required, backend, out, required)
+    if uncounted:
+        STATS[case.op]["invariance"] += 1
+        event(f"{case.op}: planted value at an uncounted position")
+        clean = case.cleaned()
+        for backend, out in runs.items():
+            expect = run_backend(clean, backend, mask_upstream=mask_up)
+            expect.pop("differentiable")
+            check(assert_uncounted_ignored, case, backend, out, expect)
+    if failures:
+        raise AssertionError(f"{case!r}\n" + "\n".join(failures))
+
+
+def _record(case: Case) -> None:
+    stats = STATS[case.op]
+    stats["examples"] += 1
+    dtypes = {a.dtype for a in case.float_args().values()}
+    stats["bf16"] += torch.bfloat16 in dtypes
+    stats["fp64"] += torch.float64 in dtypes
+    has_nan, has_inf = case.has(torch.isnan), case.has(torch.isinf)
+    stats["nan_inputs"] += has_nan
+    stats["inf_inputs"] += has_inf
+    event(f"{case.op}: NaN input" if has_nan else f"{case.op}: no NaN input")
+    if has_inf:
+        event(f"{case.op}: inf input")
+    for arg in case.args.values():
+        if arg is not None and arg.layout != "contiguous":
+            event(f"layout {arg.layout}")
+
+
+def assert_nan_where_required(backend, out, required) -> None:
+    """``required``: ``{output: bool tensor | bool}``, where a counted NaN input must show."""
+    for name, where in required.items():
+        value = out[name]
+        where = torch.as_tensor(where).expand(value.shape)
+        missing = where & ~torch.isnan(value)
+        if missing.any():
+            raise AssertionError(
+                f"{backend}: NaN in a counted input, but {name} is not NaN at "
+                f"{missing.nonzero()[:4].tolist()}: {value[missing][:4].tolist()}"
+            )
+
+
+def assert_uncounted_ignored(case, backend, out, expect) -> None:
+    """Outputs with planted values at uncounted positions equal those with 0 there."""
+    changed = []
+    for name, value in out.items():
+        if name in case.invariant_skip:
+            continue
+        want = expect[name]
+        if name in case.local_outputs:  # compare the counted positions only
+            keep = case.local_outputs[name].expand(value.shape)
+            value, want = value[keep], want[keep]
+        if not same(value, want):
+            changed.append(f"  {name}: {_short(value)} (with 0 there: {_short(want)})")
+    if changed:
+        raise AssertionError(
+            f"{backend}: a value at an uncounted position changed the result\n" + "\n".join(changed)
+        )
+
+
+def _short(x) -> str:
+    if isinstance(x, torch.Tensor) and x.numel() > 8:
+        return f"{x.dtype} {list(x.shape)} {x.flatten()[:8].tolist()}..."
+    return repr(x.tolist() if isinstance(x, torch.Tensor) else x)
+
+
+# ----------------------------------------------------------------------------- shared draws
+
+dtypes = st.sampled_from((torch.float32, torch.float32, torch.bfloat16, torch.float64))
+upstream_seeds = st.integers(0, 2**16)
+TEMPERATURES = (1.0, 1.0, 0.7, 1e-4, 0.01, 3.0, 1e4)
+
+
+def _nonzero(mask: Arg | None, shape) -> torch.Tensor:
+    return torch.ones(shape, dtype=torch.bool) if mask is None else mask.value() != 0
+
+
+def row_poisoned(logits: torch.Tensor) -> torch.Tensor:
+    """Rows whose log-softmax is NaN: a NaN or +inf anywhere, or every entry -inf."""
+    return (
+        torch.isnan(logits).any(-1)
+        | torch.isposinf(logits).any(-1)
+        | torch.isneginf(logits).all(-1)
+    )
+
+
+def _isnan(x: torch.Tensor | None, shape) -> torch.Tensor:
+    return torch.zeros(shape, dtype=torch.bool) if x is None else torch.isnan(x).expand(shape)
+
+
+def _window_rows(n_pos: int, n_tok: int) -> slice:
+    shift = n_pos - n_tok - 1 if n_pos > n_tok else 0
+    return slice(shift, shift + n_tok)
+
+
+def _window_counted(counted_tok: torch.Tensor, n_pos: int) -> torch.Tensor:
+    """``(..., S, 1)`` bool: the logits positions that predict a counted target."""
+    out = torch.zeros((*counted_tok.shape[:-1], n_pos, 1), dtype=torch.bool)
+    out[..., _window_rows(n_pos, counted_tok.shape[-1]), 0] = counted_tok
+    return out
+
+
+# ----------------------------------------------------------------------------- token stats
+
+
+@st.composite
+def token_stats_cases(draw, op):
+    dtype, vocab = draw(dtypes), draw(st.sampled_from(VOCAB_SIZES))
+    ndim = draw(st.sampled_from((1, 2, 3, 3, 3, 4)))
+    lead = [draw(st.integers(0, 3)) for _ in range(ndim - 1)]
+    n_tok = lead[-1] if lead else None
+    if ndim >= 3 and draw(st.booleans()):  # the model's (B, S, V) buffer, S > T
+        lead[-1] += draw(st.integers(1, 2))
+    logits = draw(logits_args((*lead, vocab), dtype))
+    temperature = draw(st.sampled_from(TEMPERATURES))
+    upstream_seed = draw(upstream_seeds)
+    if op == "token_entropy":
+        rule = lambda x: {"entropy": row_poisoned(x["logits"])}
+        return Case(
+            "token_entropy",
+            lambda x, b: {
+                "entropy": fused_rl.token_entropy(x["logits"], temperature=temperature, backend=b)
+            },
+            {"logits": logits}, {"temperature": temperature}, grad=("logits",),
+            nan_rule=rule, upstream_seed=upstream_seed,
+        )  # fmt: skip
+    ignore_index = draw(st.sampled_from(IGNORE_INDICES))
+    tshape = (*lead[:-1], n_tok) if lead else ()
+    targets = draw(target_args(tshape, vocab, ignore_index))
+    with_entropy = draw(st.booleans())
+    counted_tok = targets.value() != ignore_index
+    counted = _window_counted(counted_tok, lead[-1]) if lead else counted_tok.reshape(1).clone()
+
+    def call(x, backend):
+        out = fused_rl.token_logprobs(
+            x["logits"], x["targets"], temperature=temperature, ignore_index=ignore_index,
+            return_entropy=with_entropy, backend=backend,
+        )  # fmt: skip
+        return {"logp": out[0], "entropy": out[1]} if with_entropy else {"logp": out}
+
+    def rule(x):
+        lg = x["logits"]
+        if lg.dim() >= 2:
+            lg = lg[..., _window_rows(lg.shape[-2], n_tok), :]
+        bad = row_poisoned(lg) & counted_tok
+        return {"logp": bad, **({"entropy": bad} if with_entropy else {})}
+
+    hyper = {"temperature": temperature, "ignore_index": ignore_index, "entropy": with_entropy}
+    return Case(
+        "token_logprobs", call, {"logits": logits, "targets": targets}, hyper, grad=("logits",),
+        counted={"logits": counted}, nan_rule=rule, upstream_seed=upstream_seed,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("op", ("token_logprobs", "token_entropy"))
+def test_token_stats(op):
+    @fuzz(30 if op == "token_logprobs" else 15)
+    @given(token_stats_cases(op))
+    def fuzz_op(case):
+        check_case(case)
+
+    fuzz_op()
+
+
+# ----------------------------------------------------------------------------- policy losses
+
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs")
+
+
+@st.composite
+def clip_hyper(draw):
+    """Clip / KL / entropy / aggregation hyper-parameters, at the edges of their ranges."""
+    eps_low = draw(st.sampled_from((0.2, 0.0, 0.999, 1.0, 5.0)))
+    eps_high = draw(st.sampled_from((None, None, 0.0, 0.28, 10.0)))
+    high = eps_low if eps_high is None else eps_high
+    hyper = {
+        "eps_low": eps_low,
+        "eps_high": eps_high,
+        "dual_clip": draw(st.sampled_from((None, None, 1.0 + 1e-6, 3.0, 1e6))),
+        "delta": draw(st.sampled_from((None, None, 1.0 + high + 1e-6, 1.0 + high + 2.0))),
+        "kl": draw(st.sampled_from(KL_KINDS)),
+        "entropy_coef": draw(st.sampled_from((0.0, 0.0, 0.01, -0.01, 10.0))),
+        "importance_sampling": draw(st.sampled_from(("token", "token", "sequence"))),
+        "loss_agg": draw(st.sampled_from(LOSS_AGGS)),
+        "max_length": draw(st.sampled_from((None, None, 1, 1000))),
+        "num_items": draw(
+            st.sampled_from((None, None, None, 1, 7.5, 1e-3, "tensor", "zero-tensor"))
+        ),
+    }
+    if hyper["num_items"] == "tensor":
+        hyper["num_items"] = torch.tensor(3.0)
+    elif hyper["num_items"] == "zero-tensor":
+        hyper["num_items"] = torch.tensor(0.0)
+    return hyper
+
+
+def _zero_num_items(hyper) -> bool:
+    n = hyper.get("num_items")
+    return isinstance(n, torch.Tensor) and n.item() == 0
+
+
+def _policy_nan_rule(counted, hyper, logp_bad, x):
+    """NaN-in-NaN-out of the policy losses, from ``logp_bad`` (B, T): tokens whose log-prob
+    (or entropy) is NaN. A NaN at a counted token in the log-prob, the old log-prob or the
+    advantage makes the loss NaN (and the ratio / approx-KL means); in the reference log-prob
+    the KL mean (and the loss when ``beta != 0``); in the entropy the entropy mean (and the
+    loss when ``entropy_coef != 0``). ``num_items=tensor(0)`` weighs every token 0: no rule.
+    The clip fractions are means of comparisons (False for NaN): no rule."""
+    shape = counted.shape
+    bad_ratio = counted & (logp_bad | _isnan(x.get("old_logprobs"), shape))
+    adv = x["advantages"]
+    adv_nan = _isnan(adv[:, None] if adv.dim() == 1 else adv, shape)
+    ref_nan = counted & (logp_bad | _isnan(x.get("ref_logprobs"), shape))
+    ent = x.get("entropy")
+    ent_bad = counted & (logp_bad if ent is None else _isnan(ent, shape))
+    need_entropy = hyper.get("with_entropy") or hyper["entropy_coef"] != 0 or ent is not None
+    loss_bad = bad_ratio | (counted & adv_nan)
+    if x.get("ref_logprobs") is not None and hyper["beta"] != 0:
+        loss_bad |= ref_nan
+    if hyper["entropy_coef"] != 0:
+        loss_bad |= ent_bad
+    out = {}
+    if loss_bad.any() and not _zero_num_items(hyper):
+        out["loss"] = True
+    if bad_ratio.any():
+        out["metrics.ratio_mean"] = out["metrics.approx_kl"] = True
+    if x.get("ref_logprobs") is not None and ref_nan.any():
+        out["metrics.kl"] = True
+    if need_entropy and ent_bad.any():
+        out["metrics.entropy"] = True
+    return out
+
+
+def _policy_outputs(loss, metrics):
+    return {"loss": loss, **{f"metrics.{k}": v for k, v in metrics.items()}}
+
+
+@st.composite
+def policy_tensors(draw, batch, length, dtype, counted_tok):
+    """Advantages ((B,) or (B, T)), old / reference log-probs and the beta that goes with
+    them, each counted where ``counted_tok`` is."""
+    per_token = draw(st.booleans())
+    adv_dtype = draw(st.sampled_from((torch.float32, dtype)))
+    adv_shape = (batch, length) if per_token else (batch,)
+    args = {"advantages": draw(float_args(adv_shape, adv_dtype))}
+    counted = {"advantages": counted_tok if per_token else counted_tok.any(-1)}
+    for name, specials in (("old_logprobs", OLD_LOGPROB_SPECIALS), ("ref_logprobs", None)):
+        args[name] = None
+        if draw(st.booleans()):
+            kwargs = {"specials": specials} if specials else {}
+            args[name] = draw(float_args((batch, length), draw(dtypes), kind="logprob", **kwargs))
+            counted[name] = counted_tok
+    beta = 0.0
+    if args["ref_logprobs"] is not None:
+        beta = draw(st.sampled_from((0.0, 0.04, -0.1, 1e3)))
+    return args, counted, beta
+
+
+@st.composite
+def policy_loss_cases(draw):
+    dtype, vocab = draw(dtypes), draw(st.sampled_from(VOCAB_SIZES))
+    batch, length = draw(st.integers(0, 3)), draw(st.integers(0, 4))
+    positions = length + draw(st.sampled_from((0, 0, 0, 1, 2)))  # (B, S, V) buffer, S > T
+    logits = draw(logits_args((batch, positions, vocab), dtype))
+    ignore_index = draw(st.sampled_from(IGNORE_INDICES))
+    targets = draw(target_args((batch, length), vocab, ignore_index))
+    mask = draw(mask_args((batch, length)))
+    counted_tok = (targets.value() != ignore_index) & _nonzero(mask, (batch, length))
+    args, counted, beta = draw(policy_tensors(batch, length, dtype, counted_tok))
+    hyper = draw(clip_hyper())
+    hyper.update(
+        beta=beta,
+        temperature=draw(st.sampled_from(TEMPERATURES)),
+        with_entropy=draw(st.booleans()),
+        ignore_index=ignore_index,
+    )
+    counted["logits"] = _window_counted(counted_tok, positions)
+
+    def call(x, backend):
+        loss, metrics = fused_rl.policy_loss(
+            x["logits"], x["targets"], x["advantages"], old_logprobs=x["old_logprobs"],
+            ref_logprobs=x["ref_logprobs"], mask=x["mask"], backend=backend, **hyper,
+        )  # fmt: skip
+        return _policy_outputs(loss, metrics)
+
+    def rule(x):
+        logp_bad = row_poisoned(x["logits"][:, _window_rows(positions, length)])
+        return _policy_nan_rule(counted_tok, hyper, logp_bad, x)
+
+    return Case(
+        "policy_loss", call, {"logits": logits, "targets": targets, "mask": mask, **args},
+        hyper, grad=("logits",), counted=counted, nan_rule=rule,
+        upstream_seed=draw(upstream_seeds),
+    )  # fmt: skip
+
+
+@fuzz(30)
+@given(policy_loss_cases())
+def test_policy_loss(case):
+    check_case(case)
+
+
+@st.composite
+def policy_from_logprobs_cases(draw):
+    dtype = draw(dtypes)
+    batch, length = draw(st.integers(0, 3)), draw(st.integers(0, 5))
+    logprobs = draw(
+        float_args((batch, length), dtype, kind="logprob", specials=NEW_LOGPROB_SPECIALS)
+    )
+    mask = draw(mask_args((batch, length)))
+    counted_tok = _nonzero(mask, (batch, length))
+    args, counted, beta = draw(policy_tensors(batch, length, dtype, counted_tok))
+    entropy = None
+    if draw(st.booleans()):
+        entropy = draw(float_args((batch, length), draw(dtypes), kind="positive"))
+        counted["entropy"] = counted_tok
+    hyper = draw(clip_hyper())
+    if entropy is None:
+        hyper["entropy_coef"] = 0.0
+    hyper["beta"] = beta
+    counted["logprobs"] = counted_tok
+    grad = ("logprobs", "entropy") if entropy is not None else ("logprobs",)
+
+    def call(x, backend):
+        loss, metrics = fused_rl.policy_loss_from_logprobs(
+            x["logprobs"], x["advantages"], old_logprobs=x["old_logprobs"],
+            ref_logprobs=x["ref_logprobs"], mask=x["mask"], entropy=x["entropy"],
+            backend=backend, **hyper,
+        )  # fmt: skip
+        return _policy_outputs(loss, metrics)
+
+    def rule(x):
+        return _policy_nan_rule(counted_tok, hyper, torch.isnan(x["logprobs"]), x)
+
+    return Case(
+        "policy_loss_from_logprobs", call,
+        {"logprobs": logprobs, "mask": mask, "entropy": entropy, **args}, hyper, grad=grad,
+        counted=counted, nan_rule=rule, upstream_seed=draw(upstream_seeds),
+    )  # fmt: skip
+
+
+@fuzz(25)
+@given(policy_from_logprobs_cases())
+def test_policy_loss_from_logprobs(case):
+    check_case(case)
+
+
+# ----------------------------------------------------------------------------- token-space ops
+
+token_shapes = st.sampled_from(((3, 4), (2, 5), (1, 1), (4, 3), (0, 3), (3, 0), (5,), (2, 2, 3)))
+
+
+@st.composite
+def kl_estimate_cases(draw):
+    shape = draw(token_shapes)
+    logprobs = draw(float_args(shape, draw(dtypes), kind="logprob"))
+    ref = draw(float_args(shape, draw(dtypes), kind="logprob"))
+    kind = draw(st.sampled_from(KL_KINDS))
+    grad = ("logprobs", "ref_logprobs") if draw(st.booleans()) else ("logprobs",)
+
+    def call(x, backend):
+        return fused_rl.kl_estimate(x["logprobs"], x["ref_logprobs"], kind=kind, backend=backend)
+
+    def rule(x):
+        return {"out": torch.isnan(x["logprobs"]) | torch.isnan(x["ref_logprobs"])}
+
+    return Case(
+        "kl_estimate", call, {"logprobs": logprobs, "ref_logprobs": ref}, {"kind": kind},
+        grad=grad, nan_rule=rule, upstream_seed=draw(upstream_seeds),
+    )  # fmt: skip
+
+
+@fuzz(30)
+@given(kl_estimate_cases())
+def test_kl_estimate(case):
+    check_case(case)
+
+
+REDUCTIONS = ("masked_sum", "masked_mean", "masked_var", "masked_whiten")
+
+
+@st.composite
+def reduction_cases(draw, op):
+    shape = draw(st.sampled_from(((3, 4), (2, 5), (1, 1), (0, 3), (3, 0), (7,), (), (2, 2, 3))))
+    x = draw(float_args(shape, draw(dtypes)))
+    mask = draw(mask_args(shape))
+    counted = _nonzero(mask, shape)
+    hyper: dict = {}
+    if op in ("masked_sum", "masked_mean") and shape and draw(st.booleans()):
+        hyper["dim"] = draw(st.integers(-len(shape), len(shape) - 1))
+    if op == "masked_var":
+        hyper["unbiased"] = draw(st.booleans())
+    if op == "masked_whiten":
+        hyper["keep_mean"] = draw(st.booleans())
+        hyper["eps"] = draw(st.sampled_from((1e-8, 0.0, 1.0)))
+    weights = counted.double() if mask is None else mask.value().double()
+
+    def call(x, backend):
+        return getattr(fused_rl, op)(x["x"], x["mask"], backend=backend, **hyper)
+
+    def rule(x):
+        bad = torch.isnan(x["x"]) & counted
+        if op == "masked_var":
+            dof = weights.sum() - (1.0 if hyper["unbiased"] else 0.0)
+            return {"out": True} if bad.any() and dof > 0 else {}
+        if "dim" in hyper:
+            return {"out": bad.any(hyper["dim"])}
+        return {"out": True} if bad.any() else {}
+
+    local = {"out": counted} if op == "masked_whiten" else {}
+    return Case(
+        op, call, {"x": x, "mask": mask}, hyper, grad=("x",), counted={"x": counted},
+        nan_rule=rule, local_outputs=local, upstream_seed=draw(upstream_seeds),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("op", REDUCTIONS)
+def test_masked_reductions(op):
+    @fuzz(15)
+    @given(reduction_cases(op))
+    def fuzz_op(case):
+        check_case(case)
+
+    fuzz_op()
+
+
+GAMMAS = (0.0, 1.0, 0.5, 0.99, 1e-9)
+
+
+@st.composite
+def gae_cases(draw):
+    batch, length = draw(st.sampled_from(((3, 4), (2, 7), (1, 1), (0, 3), (3, 0), (2, 20))))
+    rewards = draw(float_args((batch, length), draw(dtypes)))
+    values = draw(float_args((batch, length), draw(dtypes)))
+    mask = draw(mask_args((batch, length), kinds=("none", "bool", "int", "float")))
+    gamma, lam = draw(st.sampled_from(GAMMAS)), draw(st.sampled_from(GAMMAS))
+    counted = _nonzero(mask, (batch, length))
+
+    def call(x, backend):
+        adv, ret = fused_rl.gae(
+            x["rewards"], x["values"], gamma=gamma, lam=lam, mask=x["mask"], backend=backend
+        )
+        return {"advantages": adv, "returns": ret}
+
+    def rule(x):
+        """A NaN reward or value at a counted step t is NaN in A_t and R_t; with
+        gamma * lam > 0 also in every earlier counted step's advantage and return; a NaN value
+        with gamma > 0 is NaN in A_{t-1} and R_{t-1} (counted t-1)."""
+        r_nan, v_nan = torch.isnan(x["rewards"]) & counted, torch.isnan(x["values"]) & counted
+        bad = r_nan | v_nan
+        if gamma > 0:
+            bad = bad | (torch.nn.functional.pad(v_nan[:, 1:], (0, 1)) & counted)
+        if gamma * lam > 0:  # reverse cumulative "or" over time
+            bad = bad.flip(1).cummax(1).values.flip(1) & counted
+        return {"advantages": bad, "returns": bad} if bad.any() else {}
+
+    return Case(
+        "gae", call, {"rewards": rewards, "values": values, "mask": mask},
+        {"gamma": gamma, "lam": lam}, counted={"rewards": counted, "values": counted},
+        nan_rule=rule,
+    )  # fmt: skip
+
+
+@fuzz(30)
+@given(gae_cases())
+def test_gae(case):
+    check_case(case)
+
+
+@st.composite
+def kl_rewards_cases(draw):
+    batch, length = draw(st.sampled_from(((3, 4), (2, 7), (1, 1), (0, 3), (3, 0))))
+    scores = draw(float_args((batch,), draw(dtypes)))
+    logprobs = draw(float_args((batch, length), draw(dtypes), kind="logprob"))
+    ref = draw(float_args((batch, length), draw(dtypes), kind="logprob"))
+    mask = draw(mask_args((batch, length), kinds=("none", "bool", "int", "float")))
+    score_index = None
+    if length > 0 and draw(st.booleans()):
+        gen = torch.Generator().manual_seed(draw(st.integers(0, 99)))
+        idx = torch.randint(0, length, (batch,), generator=gen)
+        score_index = Arg(
+            idx.to(draw(st.sampled_from((torch.int64, torch.int32)))), "contiguous", (batch,)
+        )
+    kind = draw(st.sampled_from(KL_KINDS))
+    kl_coef = draw(st.sampled_from((0.1, 0.0, 1e3)))
+    counted = _nonzero(mask, (batch, length))
+
+    def call(x, backend):
+        return fused_rl.kl_penalized_rewards(
+            x["scores"], x["logprobs"], x["ref_logprobs"], kl_coef=kl_coef, mask=x["mask"],
+            kind=kind, score_index=x["score_index"], backend=backend,
+        )  # fmt: skip
+
+    def rule(x):
+        bad = torch.zeros((batch, length), dtype=torch.bool)
+        if kl_coef > 0:
+            bad |= (torch.isnan(x["logprobs"]) | torch.isnan(x["ref_logprobs"])) & counted
+        if length > 0:  # the score lands on score_index, else the last counted step
+            steps = torch.arange(length)
+            if x["score_index"] is not None:
+                where = x["score_index"].long()
+            else:
+                where = torch.where(counted, steps, -1).amax(1)
+            bad |= (steps[None] == where[:, None]) & torch.isnan(x["scores"])[:, None]
+        return {"out": bad} if bad.any() else {}
+
+    return Case(
+        "kl_penalized_rewards", call,
+        {"scores": scores, "logprobs": logprobs, "ref_logprobs": ref, "mask": mask,
+         "score_index": score_index},
+        {"kind": kind, "kl_coef": kl_coef},
+        counted={"logprobs": counted, "ref_logprobs": counted}, nan_rule=rule,
+    )  # fmt: skip
+
+
+@fuzz(30)
+@given(kl_rewards_cases())
+def test_kl_penalized_rewards(case):
+    check_case(case)
+
+
+@st.composite
+def group_cases(draw, op):
+    rloo = op == "rloo_advantages"
+    group_size = draw(st.sampled_from((2, 3, 5) if rloo else (1, 2, 3, 5)))
+    n_groups = draw(st.sampled_from((0, 1, 2, 3)))
+    scores = draw(float_args((group_size * n_groups,), draw(dtypes)))
+    if rloo:
+        hyper = {}
+        fn = lambda x, b: fused_rl.rloo_advantages(x["scores"], group_size, backend=b)
+    else:
+        hyper = {
+            "normalize": draw(st.sampled_from(("std", "none"))),
+            "eps": draw(st.sampled_from((1e-6, 0.0, 1.0))),
+        }
+        fn = lambda x, b: fused_rl.group_advantages(x["scores"], group_size, backend=b, **hyper)
+
+    def rule(x):
+        bad = torch.isnan(x["scores"]).reshape(-1, group_size).any(1, keepdim=True)
+        bad = bad.expand(-1, group_size).reshape(-1)
+        return {"out": bad} if bad.any() else {}
+
+    return Case(
+        "rloo_advantages" if rloo else "group_advantages", fn, {"scores": scores},
+        {"group_size": group_size, **hyper}, nan_rule=rule,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("op", ("group_advantages", "rloo_advantages"))
+def test_group_advantages(op):
+    @fuzz(15)
+    @given(group_cases(op))
+    def fuzz_op(case):
+        check_case(case)
+
+    fuzz_op()
+
+
+@st.composite
+def value_loss_cases(draw):
+    batch, length = draw(st.sampled_from(((3, 4), (2, 5), (1, 1), (0, 3), (3, 0))))
+    args = {
+        name: draw(float_args((batch, length), draw(dtypes)))
+        for name in ("values", "old_values", "returns")
+    }
+    args["mask"] = draw(mask_args((batch, length)))
+    counted = _nonzero(args["mask"], (batch, length))
+    hyper = {
+        "clip": draw(st.sampled_from((0.2, None, 0.0, 1e30))),
+        "loss_agg": draw(st.sampled_from(LOSS_AGGS)),
+        "max_length": draw(st.sampled_from((None, None, 1, 1000))),
+        "num_items": draw(st.sampled_from((None, None, 2, 0.5, "tensor", "zero-tensor"))),
+    }
+    if hyper["num_items"] in ("tensor", "zero-tensor"):
+        hyper["num_items"] = torch.tensor(3.0 if hyper["num_items"] == "tensor" else 0.0)
+
+    def call(x, backend):
+        loss, metrics = fused_rl.value_loss(
+            x["values"], x["old_values"], x["returns"], mask=x["mask"], backend=backend, **hyper
+        )
+        return _policy_outputs(loss, metrics)
+
+    def rule(x):
+        loss_bad = torch.isnan(x["values"]) | torch.isnan(x["returns"])
+        if hyper["clip"] is not None:
+            loss_bad = loss_bad | torch.isnan(x["old_values"])
+        out = {}
+        if (loss_bad & counted).any() and not _zero_num_items(hyper):
+            out["loss"] = True
+        if (torch.isnan(x["values"]) & counted).any():
+            out["metrics.value_mean"] = True
+        return out
+
+    return Case(
+        "value_loss", call, args, hyper, grad=("values",),
+        counted={k: counted for k in ("values", "old_values", "returns")}, nan_rule=rule,
+        upstream_seed=draw(upstream_seeds),
+    )  # fmt: skip
+
+
+@fuzz(30)
+@given(value_loss_cases())
+def test_value_loss(case):
+    check_case(case)
+
+
+PPO_TENSORS = (
+    "pi_old_logprobs",
+    "pi_logprobs",
+    "advantages",
+    "phi_old_values",
+    "phi_values",
+    "returns",
+)
+
+
+@st.composite
+def ppo_hyper(draw):
+    return {
+        "epsilon": draw(st.sampled_from((0.1, 0.0, 0.2, 1.0, 2.0))),
+        "value_clip_range": draw(st.sampled_from((0.2, 0.0, 1e30))),
+        "value_coeff": draw(st.sampled_from((0.1, 0.0, 1e3))),
+    }
+
+
+@st.composite
+def ppo_args(draw, shape):
+    kinds = ("logprob", "logprob", "normal", "normal", "normal", "normal")
+    specials = {"pi_old_logprobs": OLD_LOGPROB_SPECIALS, "pi_logprobs": NEW_LOGPROB_SPECIALS}
+    args = {
+        n: draw(
+            float_args(
+                shape, draw(dtypes), kind=k, **({"specials": specials[n]} if n in specials else {})
+            )
+        )
+        for n, k in zip(PPO_TENSORS, kinds)
+    }
+    args["padding_masks"] = draw(mask_args(shape))
+    args["value_padding_masks"] = draw(mask_args(shape))
+    pc = _nonzero(args["padding_masks"], shape)
+    vc = _nonzero(args["value_padding_masks"], shape)
+    counted = {n: (pc if i < 3 else vc) for i, n in enumerate(PPO_TENSORS)}
+    return args, counted
+
+
+def _ppo_rule(x, counted, hyper, names):
+    """Policy inputs NaN where counted: the policy loss (and the loss); value inputs: the value
+    loss (and the loss unless value_coeff == 0); ``ratios_mean`` is unmasked."""
+    pol = any((torch.isnan(x[n]) & counted[n]).any() for n in PPO_TENSORS[:3])
+    val = any((torch.isnan(x[n]) & counted[n]).any() for n in PPO_TENSORS[3:])
+    out = {}
+    if pol:
+        out[names[1]] = out[names[0]] = True
+    if val:
+        out[names[2]] = True
+        if hyper["value_coeff"] != 0:
+            out[names[0]] = True
+    if torch.isnan(x["pi_logprobs"]).any() or torch.isnan(x["pi_old_logprobs"]).any():
+        out[names[3]] = True
+    return out
+
+
+@st.composite
+def ppo_loss_cases(draw):
+    shape = draw(st.sampled_from(((3, 4), (2, 5), (1, 1), (0, 3), (3, 0), (7,), (2, 2, 2))))
+    args, counted = draw(ppo_args(shape))
+    hyper = draw(ppo_hyper())
+    names = ("loss", "policy_loss", "value_loss", "ratios_mean", "clipfrac")
+
+    def call(x, backend):
+        out = fused_rl.ppo_loss(
+            *(x[n] for n in PPO_TENSORS), x["padding_masks"], x["value_padding_masks"],
+            backend=backend, **hyper,
+        )  # fmt: skip
+        return dict(zip(names, out))
+
+    return Case(
+        "ppo_loss", call, args, hyper, grad=("pi_logprobs", "phi_values"), counted=counted,
+        nan_rule=lambda x: _ppo_rule(x, counted, hyper, names), invariant_skip=("ratios_mean",),
+        upstream_seed=draw(upstream_seeds),
+    )  # fmt: skip
+
+
+@fuzz(30)
+@given(ppo_loss_cases())
+def test_ppo_loss(case):
+    check_case(case)
+
+
+POSITIVE_SPECIALS = (INF, 1e30, 1e-30)
+
+
+@st.composite
+def gaussian_cases(draw, op):
+    shape = draw(st.sampled_from(((3, 4), (5, 1), (1, 3), (0, 2), (2, 3, 2), (4,))))
+
+    def broadcast_shape():  # a full, trailing or size-1 broadcastable shape
+        options = [shape, shape[-1:], (*[1] * (len(shape) - 1), shape[-1])]
+        return draw(st.sampled_from(options))
+
+    sigma = draw(
+        float_args(broadcast_shape(), draw(dtypes), kind="positive", specials=POSITIVE_SPECIALS)
+    )
+    if op == "gaussian_entropy":
+        return Case(
+            "gaussian_entropy", lambda x, b: fused_rl.gaussian_entropy(x["sigma"], backend=b),
+            {"sigma": sigma}, grad=("sigma",), upstream_seed=draw(upstream_seeds),
+        )  # fmt: skip
+    mu = draw(float_args(broadcast_shape(), draw(dtypes)))
+    actions = draw(float_args(broadcast_shape(), draw(dtypes)))
+    grad = ("mu", "sigma", "actions") if draw(st.booleans()) else ("mu", "sigma")
+
+    def call(x, backend):
+        return fused_rl.gaussian_logprob(x["mu"], x["sigma"], x["actions"], backend=backend)
+
+    def rule(x):
+        full = torch.broadcast_shapes(x["mu"].shape, x["sigma"].shape, x["actions"].shape)
+        bad = (torch.isnan(x["mu"]).expand(full) | torch.isnan(x["actions"]).expand(full)).any(-1)
+        return {"out": bad} if bad.any() else {}
+
+    return Case(
+        "gaussian_logprob", call, {"mu": mu, "sigma": sigma, "actions": actions}, grad=grad,
+        nan_rule=rule, upstream_seed=draw(upstream_seeds),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("op", ("gaussian_logprob", "gaussian_entropy"))
+def test_gaussian(op):
+    @fuzz(15)
+    @given(gaussian_cases(op))
+    def fuzz_op(case):
+        check_case(case)
+
+    fuzz_op()
+
+
+# ----------------------------------------------------------------------------- compat adapters
+# The adapters have no backend argument: they call the ops with backend="auto", which
+# ``run_backend`` points at each backend in turn (``_auto_resolves_to``).
+
+
+def _adapter_precision(case: Case) -> torch.dtype:
+    """Adapters round to their inputs' dtypes (and report Python floats computed in fp32)."""
+    return _precision(torch.float32, *(a.dtype for a in case.float_args().values()))
+
+
+def _row_rule(name):
+    """``name`` is NaN wherever its logits row is poisoned."""
+
+    def rule(x):
+        bad = row_poisoned(x["logits"])
+        return {name: bad} if bad.any() else {}
+
+    return rule
+
+
+@st.composite
+def trl_cases(draw, op):
+    dtype, vocab = draw(dtypes), draw(st.sampled_from(VOCAB_SIZES))
+    lead = tuple(draw(st.integers(0, 3)) for _ in range(draw(st.sampled_from((1, 2, 2)))))
+    logits = draw(logits_args((*lead, vocab), dtype))
+    seed = draw(upstream_seeds)
+    if op == "entropy_from_logits":
+        return Case(
+            "trl.entropy_from_logits", lambda x, b: trl.entropy_from_logits(x["logits"]),
+            {"logits": logits}, grad=("logits",), nan_rule=_row_rule("out"), upstream_seed=seed,
+        )  # fmt: skip
+    top_k = draw(st.sampled_from((None, None, 1, 3)))
+    index = draw(target_args(lead if top_k is None else (*lead, top_k), vocab, None))
+
+    def rule(x):
+        bad = row_poisoned(x["logits"])
+        bad = bad if top_k is None else bad[..., None].expand(*lead, top_k)
+        return {"out": bad} if bad.any() else {}
+
+    def call(x, backend):
+        return trl.selective_log_softmax(x["logits"], x["index"])
+
+    return Case(
+        "trl.selective_log_softmax", call, {"logits": logits, "index": index}, {"top_k": top_k},
+        grad=("logits",), nan_rule=rule, upstream_seed=seed,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("op", ("selective_log_softmax", "entropy_from_logits"))
+def test_compat_trl(op):
+    @fuzz(10)
+    @given(trl_cases(op))
+    def fuzz_op(case):
+        check_case(case, _adapter_precision(case))
+
+    fuzz_op()
+
+
+VERL_KL_NAMES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+
+@st.composite
+def verl_cases(draw, op):
+    dtype, seed = draw(dtypes), draw(upstream_seeds)
+    batch, length = draw(st.integers(1, 3)), draw(st.integers(1, 4))
+    shape = (batch, length)
+    if op in ("logprobs_from_logits", "entropy_from_logits", "compute_entropy_loss"):
+        vocab = draw(st.sampled_from(VOCAB_SIZES))
+        logits = draw(logits_args((batch, length, vocab), dtype))
+        if op == "logprobs_from_logits":
+            labels = draw(target_args(shape, vocab, None))
+            return Case(
+                "verl.logprobs_from_logits",
+                lambda x, b: verl.logprobs_from_logits(x["logits"], x["labels"]),
+                {"logits": logits, "labels": labels}, grad=("logits",),
+                nan_rule=_row_rule("out"), upstream_seed=seed,
+            )  # fmt: skip
+        if op == "entropy_from_logits":
+            return Case(
+                "verl.entropy_from_logits", lambda x, b: verl.entropy_from_logits(x["logits"]),
+                {"logits": logits}, grad=("logits",), nan_rule=_row_rule("out"),
+                upstream_seed=seed,
+            )  # fmt: skip
+        mask = draw(mask_args(shape, kinds=("int", "float"), patterns=("random", "all_true")))
+        mode = draw(st.sampled_from(verl.LOSS_AGG_MODES))
+        counted = mask.value() != 0
+
+        def entropy_rule(x):
+            return {"out": True} if (row_poisoned(x["logits"]) & counted).any() else {}
+
+        return Case(
+            "verl.compute_entropy_loss",
+            lambda x, b: verl.compute_entropy_loss(x["logits"], x["mask"], mode),
+            {"logits": logits, "mask": mask}, {"loss_agg_mode": mode}, grad=("logits",),
+            nan_rule=entropy_rule, upstream_seed=seed,
+        )  # fmt: skip
+    if op == "kl_penalty":
+        name = draw(st.sampled_from(VERL_KL_NAMES))
+        lp = draw(float_args(shape, dtype, kind="logprob"))
+        ref = draw(float_args(shape, draw(dtypes), kind="logprob"))
+        return Case(
+            "verl.kl_penalty", lambda x, b: verl.kl_penalty(x["lp"], x["ref"], name),
+            {"lp": lp, "ref": ref}, {"kl_penalty": name}, grad=("lp", "ref"),
+            nan_rule=lambda x: {"out": torch.isnan(x["lp"]) | torch.isnan(x["ref"])},
+            upstream_seed=seed,
+        )  # fmt: skip
+    mask = draw(mask_args(shape, kinds=("int", "float", "bool"), patterns=("random", "all_true")))
+    valid = mask.value() != 0
+    if op == "compute_gae_advantage_return":
+        assume(int(valid.sum()) >= 2)  # verl's masked_var raises below 2 tokens
+        gamma, lam = draw(st.sampled_from(GAMMAS)), draw(st.sampled_from(GAMMAS))
+        rewards, values = (draw(float_args(shape, dtype)) for _ in range(2))
+
+        def gae_rule(x):
+            """Every advantage is whitened by the masked mean: one NaN anywhere valid makes
+            them all NaN."""
+            bad = (torch.isnan(x["rewards"]) | torch.isnan(x["values"])) & valid
+            return {"0": True} if bad.any() else {}
+
+        return Case(
+            "verl.compute_gae_advantage_return",
+            lambda x, b: verl.compute_gae_advantage_return(
+                x["rewards"], x["values"], x["mask"], gamma, lam
+            ),
+            {"rewards": rewards, "values": values, "mask": mask}, {"gamma": gamma, "lam": lam},
+            nan_rule=gae_rule,
+        )  # fmt: skip
+    # the pure-PyTorch ones: no backend inside, run for the mutation and NaN checks
+    mode = draw(st.sampled_from(verl.LOSS_AGG_MODES))
+    a, b_, c = (draw(float_args(shape, dtype)) for _ in range(3))
+    if op == "compute_policy_loss":
+        lp_old = draw(float_args(shape, dtype, kind="logprob", specials=OLD_LOGPROB_SPECIALS))
+        lp = draw(float_args(shape, dtype, kind="logprob", specials=NEW_LOGPROB_SPECIALS))
+        cliprange = draw(st.sampled_from((0.2, 0.0, 1.0)))
+        fn = lambda x, b: verl.compute_policy_loss(
+            x["old"], x["lp"], x["adv"], x["mask"], cliprange=cliprange, loss_agg_mode=mode
+        )
+        args, grad = {"old": lp_old, "lp": lp, "adv": a, "mask": mask}, ("lp",)
+    elif op == "compute_value_loss":
+        clip = draw(st.sampled_from((0.5, 0.0, 1e30)))
+        fn = lambda x, b: verl.compute_value_loss(
+            x["v"], x["ret"], x["old"], x["mask"], clip, loss_agg_mode=mode
+        )
+        args, grad = {"v": a, "ret": b_, "old": c, "mask": mask}, ("v",)
+    elif op == "agg_loss":
+        fn = lambda x, b: verl.agg_loss(x["loss"], x["mask"], mode)
+        args, grad = {"loss": a, "mask": mask}, ("loss",)
+    elif op == "masked_whiten":
+        assume(int(valid.sum()) >= 2)
+        fn = lambda x, b: verl.masked_whiten(x["x"], x["mask"])
+        args, grad = {"x": a, "mask": mask}, ("x",)
+    else:
+        ids = draw(st.lists(st.sampled_from("abc"), min_size=batch, max_size=batch))
+        fn = lambda x, b: verl.compute_grpo_outcome_advantage(x["r"], x["mask"], ids)
+        args, grad = {"r": a, "mask": mask}, ()
+    return Case(f"verl.{op}", fn, args, {"loss_agg_mode": mode}, grad=grad, upstream_seed=seed)
+
+
+VERL_OPS = (
+    "logprobs_from_logits", "entropy_from_logits", "compute_entropy_loss", "kl_penalty",
+    "compute_gae_advantage_return", "compute_policy_loss", "compute_value_loss", "agg_loss",
+    "masked_whiten", "compute_grpo_outcome_advantage",
+)  # fmt: skip
+# the ops that call fused_rl's kernels get more examples than the pure-PyTorch mirrors
+FUSED_VERL_OPS = VERL_OPS[:5]
+
+
+@pytest.mark.parametrize("op", VERL_OPS)
+def test_compat_verl(op):
+    @fuzz(8 if op in FUSED_VERL_OPS else 4)
+    @given(verl_cases(op))
+    def fuzz_op(case):
+        check_case(case, _adapter_precision(case))
+
+    fuzz_op()
+
+
+@st.composite
+def torchtune_cases(draw, op):
+    dtype, seed = draw(dtypes), draw(upstream_seeds)
+    shape = draw(st.sampled_from(((2, 3), (1, 1), (3, 4), (2, 5))))
+    if op == "PPOLoss":
+        args, counted = draw(ppo_args(shape))
+        hyper = draw(ppo_hyper())
+        names = ("loss", "policy_loss", "value_loss", "ratios_mean", "clipfrac")
+        module = tt.PPOLoss(**hyper)
+
+        def call(x, backend):
+            out = module(*(x[n] for n in PPO_TENSORS), x["padding_masks"], x["value_padding_masks"])
+            return dict(zip(names, out))
+
+        return Case(
+            "torchtune.PPOLoss", call, args, hyper, grad=("pi_logprobs", "phi_values"),
+            counted=counted, nan_rule=lambda x: _ppo_rule(x, counted, hyper, names),
+            invariant_skip=("ratios_mean",), upstream_seed=seed,
+        )  # fmt: skip
+    if op in ("logits_to_logprobs", "batched_logits_to_logprobs"):
+        vocab = draw(st.sampled_from(VOCAB_SIZES))
+        logits = draw(logits_args((*shape, vocab), dtype))
+        sequences = draw(target_args(shape, vocab, None))
+        temperature = draw(st.sampled_from(TEMPERATURES))
+        fn = getattr(tt, op)
+        return Case(
+            f"torchtune.{op}",
+            lambda x, b: fn(x["logits"], x["sequences"], temperature=temperature),
+            {"logits": logits, "sequences": sequences}, {"temperature": temperature},
+            grad=("logits",), nan_rule=_row_rule("out"), upstream_seed=seed,
+        )  # fmt: skip
+    masks = draw(mask_args(shape, kinds=("none", "bool"), patterns=("random", "all_true")))
+    values, rewards = (draw(float_args(shape, dtype)) for _ in range(2))
+    if op == "estimate_advantages":
+        gamma, lam = draw(st.sampled_from(GAMMAS)), draw(st.sampled_from(GAMMAS))
+        valid = _nonzero(masks, shape)
+
+        def rule(x):
+            """GAE ignores the mask (NaN at t reaches A_s, s <= t when gamma * lam > 0, and
+            A_{t-1} through a NaN value when gamma > 0); whitening spreads a NaN advantage at
+            a valid step to every valid step."""
+            r_nan, v_nan = torch.isnan(x["rewards"]), torch.isnan(x["values"])
+            bad = r_nan | v_nan
+            if gamma > 0:
+                bad = bad | torch.nn.functional.pad(v_nan[:, 1:], (0, 1))
+            if gamma * lam > 0:
+                bad = bad.flip(1).cummax(1).values.flip(1)
+            return {"0": valid} if (bad & valid).any() else {}
+
+        return Case(
+            "torchtune.estimate_advantages",
+            lambda x, b: tt.estimate_advantages(x["values"], x["rewards"], gamma, lam, x["masks"]),
+            {"values": values, "rewards": rewards, "masks": masks}, {"gamma": gamma, "lmbda": lam},
+            grad=("values",), nan_rule=rule, upstream_seed=seed,
+        )  # fmt: skip
+    # pure PyTorch mirrors: mutation / determinism only
+    bool_mask = masks if masks is not None else draw(mask_args(shape, kinds=("bool",)))
+    if op == "whiten":
+        fn = lambda x, b: tt.whiten(x["values"], x["masks"])
+    elif op == "masked_mean":
+        fn = lambda x, b: tt.masked_mean(x["values"], x["bool_mask"])
+    elif op == "masked_var":
+        fn = lambda x, b: tt.masked_var(x["values"], x["bool_mask"])
+    else:
+        fn = lambda x, b: tt.get_rewards_ppo(x["rewards"][:, 0], x["values"], x["rewards"], 0.1)
+    return Case(
+        f"torchtune.{op}", fn,
+        {"values": values, "rewards": rewards, "masks": masks, "bool_mask": bool_mask},
+        grad=("values",), upstream_seed=seed,
+    )  # fmt: skip
+
+
+TORCHTUNE_OPS = (
+    "PPOLoss", "estimate_advantages", "logits_to_logprobs", "batched_logits_to_logprobs",
+    "whiten", "masked_mean", "masked_var", "get_rewards_ppo",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("op", TORCHTUNE_OPS)
+def test_compat_torchtune(op):
+    @fuzz(8 if op in TORCHTUNE_OPS[:4] else 4)
+    @given(torchtune_cases(op))
+    def fuzz_op(case):
+        check_case(case, _adapter_precision(case))
+
+    fuzz_op()
+
+
+@st.composite
+def ding_discrete_args(draw, dtype, with_pretrained: bool):
+    """``(logit_new, logit_old, action, adv, weight[, logit_pretrained])`` of DI-engine's
+    discrete PPO: ``(B, V)`` logits with ``(B,)`` actions or ``(B, S, V)`` with ``(B, S)``."""
+    vocab = draw(st.sampled_from(VOCAB_SIZES))
+    lead = draw(st.sampled_from(((3,), (1,), (2, 3), (3, 2))))
+    args = {
+        "logit_new": draw(logits_args((*lead, vocab), dtype)),
+        "logit_old": draw(logits_args((*lead, vocab), draw(dtypes))),
+        "action": draw(target_args(lead, vocab, None)),
+        "adv": draw(float_args(lead, draw(dtypes))),
+        "weight": draw(mask_args(lead, kinds=("none", "float", "weights"))),
+        "logit_pretrained": None,
+    }
+    if with_pretrained:
+        args["logit_pretrained"] = draw(logits_args((*lead, vocab), draw(dtypes)))
+    return args
+
+
+def _ding_policy_rule(x, value=False):
+    """DI-engine weighs by ``(x * weight).mean()``: a NaN anywhere is NaN, even at weight 0."""
+    lp_bad = row_poisoned(x["logit_new"]) | row_poisoned(x["logit_old"])
+    out = {}
+    if (lp_bad | torch.isnan(x["adv"])).any():
+        out["0.policy_loss"] = True
+    if lp_bad.any():
+        out["1.approx_kl"] = True
+    if row_poisoned(x["logit_new"]).any():
+        out["0.entropy_loss"] = True
+    if x.get("logit_pretrained") is not None:
+        if (row_poisoned(x["logit_new"]) | row_poisoned(x["logit_pretrained"])).any():
+            out["0.kl_div"] = True
+    if value and any(torch.isnan(x[n]).any() for n in ("value_new", "return_")):
+        out["0.value_loss"] = True
+    return out
+
+
+@st.composite
+def ding_cases(draw, op):
+    dtype, seed = draw(dtypes), draw(upstream_seeds)
+    clip_ratio = draw(st.sampled_from((0.2, 0.0, 1.0)))
+    dual_clip = draw(st.sampled_from((None, 3.0, 1.0 + 1e-6)))
+    kl_type = draw(st.sampled_from(ding.KL_TYPES))
+    hyper = {"clip_ratio": clip_ratio, "dual_clip": dual_clip, "kl_type": kl_type}
+    if op in ("ppo_policy_error", "ppo_error"):
+        args = draw(ding_discrete_args(dtype, draw(st.booleans())))
+        if op == "ppo_policy_error":
+            entropy_bonus = draw(st.booleans())
+            hyper["entropy_bonus"] = entropy_bonus
+
+            def call(x, backend):
+                data = ding.ppo_policy_data(*(x[n] for n in ding.ppo_policy_data._fields))
+                return ding.ppo_policy_error(data, **hyper)
+
+            def rule(x):
+                out = _ding_policy_rule(x)
+                return (
+                    out if entropy_bonus else {k: v for k, v in out.items() if "entropy" not in k}
+                )
+
+        else:
+            shape = args["adv"].shape
+            args["value_new"] = draw(float_args(shape, draw(dtypes)))
+            args["value_old"] = draw(float_args(shape, draw(dtypes)))
+            args["return_"] = draw(float_args(shape, draw(dtypes)))
+            hyper["use_value_clip"] = draw(st.booleans())
+
+            def call(x, backend):
+                data = ding.ppo_data(*(x[n] for n in ding.ppo_data._fields))
+                return ding.ppo_error(data, **hyper)
+
+            rule = lambda x: _ding_policy_rule(x, value=True)
+
+        return Case(
+            f"ding.{op}", call, args, hyper, grad=("logit_new", "value_new"), nan_rule=rule,
+            upstream_seed=seed,
+        )  # fmt: skip
+    if op == "grpo_policy_error":
+        vocab = draw(st.sampled_from(VOCAB_SIZES))
+        batch, length = draw(st.integers(1, 3)), draw(st.integers(1, 4))
+        args = {
+            "logit_new": draw(logits_args((batch, length, vocab), dtype)),
+            "logit_old": draw(logits_args((batch, length, vocab), draw(dtypes))),
+            "logit_ref": draw(logits_args((batch, length, vocab), draw(dtypes))),
+            "action": draw(target_args((batch, length), vocab, None)),
+            "adv": draw(float_args((batch,), draw(dtypes))),
+            "weight": draw(mask_args((batch, length), kinds=("none", "float", "weights"))),
+        }
+        beta = draw(st.sampled_from((0.1, 0.0, 1e3)))
+        grpo_hyper = {"clip_ratio": clip_ratio, "beta": beta}
+
+        def call(x, backend):
+            data = ding.grpo_policy_data(*(x[n] for n in ding.grpo_policy_data._fields))
+            return ding.grpo_policy_error(data, **grpo_hyper)
+
+        def grpo_rule(x):
+            bad = row_poisoned(x["logit_new"]) | row_poisoned(x["logit_old"])
+            loss_bad = bad.any() or torch.isnan(x["adv"]).any()
+            if beta != 0:
+                loss_bad = loss_bad or row_poisoned(x["logit_ref"]).any()
+            return {"0": True} if loss_bad else {}
+
+        return Case(
+            "ding.grpo_policy_error", call, args, grpo_hyper, grad=("logit_new",),
+            nan_rule=grpo_rule, upstream_seed=seed,
+        )  # fmt: skip
+    # continuous: Independent(Normal) policies
+    batch, n_act = draw(st.integers(1, 4)), draw(st.integers(1, 3))
+    pos = {"kind": "positive", "specials": POSITIVE_SPECIALS}
+    args = {
+        "mu_new": draw(float_args((batch, n_act), dtype)),
+        "sigma_new": draw(float_args((batch, n_act), dtype, **pos)),
+        "mu_old": draw(float_args((batch, n_act), draw(dtypes))),
+        "sigma_old": draw(float_args((batch, n_act), draw(dtypes), **pos)),
+        "action": draw(float_args((batch, n_act), draw(dtypes))),
+        "adv": draw(float_args((batch,), draw(dtypes))),
+        "weight": draw(mask_args((batch,), kinds=("none", "float", "weights"))),
+    }
+    hyper["fix_dual_clip"] = draw(st.booleans())
+    value = op == "ppo_error_continuous"
+    if value:
+        for name in ("value_new", "value_old", "return_"):
+            args[name] = draw(float_args((batch,), draw(dtypes)))
+        hyper["use_value_clip"] = draw(st.booleans())
+
+    def call(x, backend):
+        new = {"mu": x["mu_new"], "sigma": x["sigma_new"]}
+        old = {"mu": x["mu_old"], "sigma": x["sigma_old"]}
+        if value:
+            data = ding.ppo_data_continuous(
+                new, old, x["action"], x["value_new"], x["value_old"], x["adv"], x["return_"],
+                x["weight"],
+            )  # fmt: skip
+            return ding.ppo_error_continuous(data, **hyper)
+        data = ding.ppo_policy_data_continuous(new, old, x["action"], x["adv"], x["weight"])
+        return ding.ppo_policy_error_continuous(data, **hyper)
+
+    def cont_rule(x):
+        bad = any(torch.isnan(x[n]).any() for n in ("mu_new", "mu_old", "action", "adv"))
+        out = {"0.policy_loss": True} if bad else {}
+        if value and any(torch.isnan(x[n]).any() for n in ("value_new", "return_")):
+            out["0.value_loss"] = True
+        return out
+
+    return Case(
+        f"ding.{op}", call, args, hyper, grad=("mu_new", "sigma_new"), nan_rule=cont_rule,
+        upstream_seed=seed,
+    )  # fmt: skip
+
+
+DING_OPS = (
+    "ppo_policy_error", "ppo_error", "grpo_policy_error", "ppo_policy_error_continuous",
+    "ppo_error_continuous",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("op", DING_OPS)
+def test_compat_ding(op):
+    @fuzz(8)
+    @given(ding_cases(op))
+    def fuzz_op(case):
+        check_case(case, _adapter_precision(case))
+
+    fuzz_op()
+
+
+# ----------------------------------------------------------------------------- bad inputs
+# Each spec: ``valid(B, T, V, dtype, gen)`` -> keyword arguments that work, and the arguments
+# by what they are. A bad case replaces one argument and expects ValueError / TypeError whose
+# message names that argument, on every backend (validation runs before dispatch).
+
+
+def _randn(gen, *shape, dtype=torch.float32):
+    return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def _logprobs(gen, *shape, dtype=torch.float32):
+    return (-_randn(gen, *shape).abs() - 0.1).to(dtype)
+
+
+def _ids(gen, vocab, *shape):
+    return torch.randint(0, vocab, shape, generator=gen)
+
+
+def _spec(call, valid, *, floats=(), shaped=(), masks=(), weight_masks=(), indices=None, **hyper):
+    """``floats``: float tensor arguments; ``shaped``: those whose wrong shape is reported under
+    their own name; ``masks`` / ``weight_masks``: masks (weights must be >= 0); ``indices``:
+    ``{name: range}`` index tensors; ``hyper``: ``{name: kind}`` of the scalar arguments."""
+    return {
+        "call": call, "valid": valid, "floats": floats, "shaped": shaped,
+        "masks": masks + weight_masks, "weight_masks": weight_masks, "indices": indices or {},
+        "hyper": hyper,
+    }  # fmt: skip
+
+
+def _op(name):
+    return lambda backend, **kw: getattr(fused_rl, name)(**kw, backend=backend)
+
+
+def _adapter(fn):
+    def call(backend, **kw):
+        with _auto_resolves_to(backend):
+            return fn(**kw)
+
+    return call
+
+
+def _policy_valid(b, t, v, dt, g):
+    return dict(
+        logits=_randn(g, b, t, v, dtype=dt), targets=_ids(g, v, b, t),
+        advantages=_randn(g, b), old_logprobs=_logprobs(g, b, t), ref_logprobs=_logprobs(g, b, t),
+        mask=torch.rand(b, t, generator=g) > 0.3,
+    )  # fmt: skip
+
+
+def _from_logprobs_valid(b, t, v, dt, g):
+    return dict(
+        logprobs=_logprobs(g, b, t, dtype=dt), advantages=_randn(g, b, t),
+        old_logprobs=_logprobs(g, b, t), ref_logprobs=_logprobs(g, b, t),
+        mask=torch.rand(b, t, generator=g), entropy=_randn(g, b, t).abs(),
+    )  # fmt: skip
+
+
+def _ppo_valid(b, t, v, dt, g):
+    out = {n: _randn(g, b, t, dtype=dt) for n in PPO_TENSORS}
+    out["padding_masks"] = torch.rand(b, t, generator=g) > 0.3
+    out["value_padding_masks"] = torch.rand(b, t, generator=g)
+    return out
+
+
+POLICY_HYPER = dict(
+    temperature="positive", eps_low="nonneg", eps_high="nonneg", dual_clip="above_one",
+    delta="above_one", beta="number", kl="choice", entropy_coef="number",
+    importance_sampling="choice", loss_agg="choice", max_length="count", num_items="positive",
+)  # fmt: skip
+TOKEN = ("advantages", "old_logprobs", "ref_logprobs")
+
+BAD_SPECS = {
+    "token_logprobs": _spec(
+        _op("token_logprobs"),
+        lambda b, t, v, dt, g: dict(logits=_randn(g, b, t, v, dtype=dt), targets=_ids(g, v, b, t)),
+        floats=("logits",),
+        indices={"targets": "V"},
+        temperature="positive",
+    ),
+    "token_entropy": _spec(
+        _op("token_entropy"),
+        lambda b, t, v, dt, g: dict(logits=_randn(g, b, t, v, dtype=dt)),
+        floats=("logits",),
+        temperature="positive",
+    ),
+    "policy_loss": _spec(
+        _op("policy_loss"),
+        _policy_valid,
+        floats=("logits", *TOKEN),
+        shaped=TOKEN,
+        weight_masks=("mask",),
+        indices={"targets": "V"},
+        **POLICY_HYPER,
+    ),
+    "policy_loss_from_logprobs": _spec(
+        _op("policy_loss_from_logprobs"),
+        _from_logprobs_valid,
+        floats=("logprobs", *TOKEN, "entropy"),
+        shaped=(*TOKEN, "entropy"),
+        weight_masks=("mask",),
+        **{k: v for k, v in POLICY_HYPER.items() if k != "temperature"},
+    ),
+    "kl_estimate": _spec(
+        _op("kl_estimate"),
+        lambda b, t, v, dt, g: dict(
+            logprobs=_logprobs(g, b, t, dtype=dt), ref_logprobs=_logprobs(g, b, t)
+        ),
+        floats=("logprobs", "ref_logprobs"),
+        shaped=("ref_logprobs",),
+        kind="choice",
+    ),
+    **{
+        op: _spec(
+            _op(op),
+            lambda b, t, v, dt, g: dict(
+                x=_randn(g, b, t, dtype=dt), mask=torch.rand(b, t, generator=g)
+            ),
+            floats=("x",),
+            weight_masks=("mask",),
+            **({"eps": "nonneg"} if op == "masked_whiten" else {}),
+            **({"dim": "dim"} if op in ("masked_sum", "masked_mean") else {}),
+        )
+        for op in REDUCTIONS
+    },
+    "gae": _spec(
+        _op("gae"),
+        lambda b, t, v, dt, g: dict(
+            rewards=_randn(g, b, t, dtype=dt),
+            values=_randn(g, b, t),
+            gamma=0.99,
+            lam=0.95,
+            mask=torch.rand(b, t, generator=g) > 0.3,
+        ),
+        floats=("rewards", "values"),
+        shaped=("values",),
+        masks=("mask",),
+        gamma="unit",
+        lam="unit",
+    ),
+    "kl_penalized_rewards": _spec(
+        _op("kl_penalized_rewards"),
+        lambda b, t, v, dt, g: dict(
+            scores=_randn(g, b),
+            logprobs=_logprobs(g, b, t, dtype=dt),
+            ref_logprobs=_logprobs(g, b, t),
+            kl_coef=0.1,
+            mask=torch.rand(b, t, generator=g) > 0.3,
+            score_index=_ids(g, t, b),
+        ),
+        floats=("scores", "logprobs", "ref_logprobs"),
+        shaped=("scores", "ref_logprobs"),
+        masks=("mask",),
+        indices={"score_index": "T"},
+        kl_coef="nonneg",
+        kind="choice",
+    ),
+    "group_advantages": _spec(
+        _op("group_advantages"),
+        lambda b, t, v, dt, g: dict(scores=_randn(g, b * t, dtype=dt), group_size=t),
+        floats=("scores",),
+        group_size="group_size",
+        normalize="choice",
+        eps="nonneg",
+    ),
+    "rloo_advantages": _spec(
+        _op("rloo_advantages"),
+        lambda b, t, v, dt, g: dict(scores=_randn(g, b * t, dtype=dt), group_size=t),
+        floats=("scores",),
+        group_size="group_size",
+    ),
+    "value_loss": _spec(
+        _op("value_loss"),
+        lambda b, t, v, dt, g: dict(
+            values=_randn(g, b, t, dtype=dt),
+            old_values=_randn(g, b, t),
+            returns=_randn(g, b, t),
+            mask=torch.rand(b, t, generator=g),
+        ),
+        floats=("values", "old_values", "returns"),
+        shaped=("old_values", "returns"),
+        weight_masks=("mask",),
+        clip="nonneg",
+        loss_agg="choice",
+        max_length="count",
+        num_items="positive",
+    ),
+    "ppo_loss": _spec(
+        _op("ppo_loss"),
+        _ppo_valid,
+        floats=PPO_TENSORS,
+        shaped=tuple(n for n in PPO_TENSORS if n != "pi_logprobs"),
+        weight_masks=("padding_masks", "value_padding_masks"),
+        epsilon="nonneg",
+        value_clip_range="nonneg",
+        value_coeff="nonneg",
+    ),
+    "gaussian_logprob": _spec(
+        _op("gaussian_logprob"),
+        lambda b, t, v, dt, g: dict(
+            mu=_randn(g, b, t, dtype=dt), sigma=_randn(g, b, t).exp(), actions=_randn(g, b, t)
+        ),
+        floats=("mu", "sigma", "actions"),
+        sigma_values="sigma",
+    ),
+    "gaussian_entropy": _spec(
+        _op("gaussian_entropy"),
+        lambda b, t, v, dt, g: dict(sigma=_randn(g, b, t, dtype=dt).exp()),
+        floats=("sigma",),
+        sigma_values="sigma",
+    ),
+    "trl.selective_log_softmax": _spec(
+        _adapter(trl.selective_log_softmax),
+        lambda b, t, v, dt, g: dict(logits=_randn(g, b, t, v, dtype=dt), index=_ids(g, v, b, t)),
+        floats=("logits",),
+        indices={"index": "V"},
+    ),
+    "verl.logprobs_from_logits": _spec(
+        _adapter(verl.logprobs_from_logits),
+        lambda b, t, v, dt, g: dict(logits=_randn(g, b, t, v, dtype=dt), labels=_ids(g, v, b, t)),
+        floats=("logits",),
+        indices={"labels": "V"},
+    ),
+    "torchtune.logits_to_logprobs": _spec(
+        _adapter(tt.logits_to_logprobs),
+        lambda b, t, v, dt, g: dict(
+            logits=_randn(g, b, t, v, dtype=dt), sequences=_ids(g, v, b, t)
+        ),
+        floats=("logits",),
+        indices={"sequences": "V"},
+        temperature="positive",
+    ),
+}
+
+CHOICES = {
+    "kl": KL_KINDS, "kind": KL_KINDS, "importance_sampling": ("token", "sequence"),
+    "loss_agg": LOSS_AGGS, "normalize": ("std", "none"),
+}  # fmt: skip
+# bad scalar values by kind: (value, exception)
+BAD_SCALARS = {
+    "positive": ((0.0, ValueError), (-1.0, ValueError), (NAN, ValueError), (INF, ValueError),
+                 (True, TypeError), ("1", TypeError)),
+    "nonneg": ((-1e-3, ValueError), (NAN, ValueError), (INF, ValueError), (True, TypeError),
+               (torch.tensor(0.1), TypeError)),
+    "number": ((NAN, ValueError), (-INF, ValueError), ("0.1", TypeError), (False, TypeError)),
+    "above_one": ((1.0, ValueError), (0.5, ValueError), (NAN, ValueError)),
+    "unit": ((1.5, ValueError), (-0.1, ValueError), (NAN, ValueError), (True, TypeError)),
+    "count": ((0, ValueError), (-2, ValueError), (2.0, TypeError), (True, TypeError)),
+    "group_size": ((0, ValueError), (2.0, TypeError), (True, TypeError)),
+    "choice": (("bogus", ValueError), (None, ValueError)),
+    "dim": ((5, ValueError), (-5, ValueError), (1.0, TypeError)),
+}  # fmt: skip
+
+
+@st.composite
+def bad_inputs(draw):
+    """``(op, argument, call, expected exception)`` with one argument made bad."""
+    op = draw(st.sampled_from(sorted(BAD_SPECS)))
+    spec = BAD_SPECS[op]
+    b, t, v = draw(st.integers(1, 3)), draw(st.integers(2, 4)), draw(st.sampled_from((3, 17)))
+    dtype = draw(st.sampled_from((torch.float32, torch.bfloat16, torch.float64)))
+    kwargs = spec["valid"](b, t, v, dtype, torch.Generator().manual_seed(draw(st.integers(0, 99))))
+    options = []  # (argument, bad value, exception, name the message must hold)
+    for name in spec["floats"]:
+        x = kwargs[name]
+        options += [(name, x.to(torch.int64), TypeError), (name, x.tolist(), TypeError)]
+        if name in spec["shaped"]:
+            options.append((name, x[..., :1].expand(*x.shape[:-1], x.shape[-1] + 1), ValueError))
+    for name in spec["masks"]:
+        m = kwargs[name]
+        options += [(name, m.to(torch.complex64), TypeError), (name, m[..., 1:], ValueError)]
+        if name in spec["weight_masks"]:  # negative weights would make the mean meaningless
+            options.append((name, m.float() - 0.5, ValueError))
+    for name, bound in spec["indices"].items():
+        idx, top = kwargs[name], v if bound == "V" else t
+        options += [
+            (name, idx.float(), TypeError), (name, torch.cat([idx, idx[:1]]), ValueError),
+            (name, torch.full_like(idx, top), ValueError),
+        ]  # fmt: skip
+        if name != "targets":  # targets may hold ignore_index (-100); these have none
+            options.append((name, torch.full_like(idx, -100), ValueError))
+    for name, kind in spec["hyper"].items():
+        if kind == "sigma":
+            sigma = kwargs["sigma"].clone()
+            sigma.view(-1)[0] = draw(st.sampled_from((0.0, -1.0, NAN)))  # eager value check
+            options.append(("sigma", sigma, ValueError))
+        elif kind == "choice":
+            options += [(name, value, exc) for value, exc in BAD_SCALARS["choice"]]
+        else:
+            options += [(name, value, exc) for value, exc in BAD_SCALARS[kind]]
+    if op == "policy_loss":  # a KL penalty needs reference log-probs
+        options.append(("ref_logprobs", None, ValueError))
+        kwargs["beta"] = 0.1
+    if op in ("policy_loss", "policy_loss_from_logprobs"):
+        shape = kwargs["advantages"].shape
+        options.append(("advantages", torch.zeros(shape[0], 1), ValueError))
+    if op == "policy_loss_from_logprobs":
+        options.append(("entropy", None, ValueError))
+        kwargs["entropy_coef"] = 0.01
+    if op.startswith(("policy", "token", "trl", "verl", "torchtune")):  # too few dims
+        first = "logits" if "logits" in kwargs else "logprobs"
+        options.append((first, _randn(None, 3 if op.startswith("policy") else 0), ValueError))
+    name, value, exc = draw(st.sampled_from(options))
+    kwargs[name] = value
+    backend = draw(st.sampled_from(("auto", "triton", "reference")))
+    return BadCall(op, name, value, exc, backend, kwargs)
+
+
+class BadCall:
+    """One call with one bad argument, and the exception it must raise."""
+
+    def __init__(self, op, name, value, exc, backend, kwargs):
+        self.op, self.name, self.value, self.exc = op, name, value, exc
+        self.backend, self.kwargs = backend, kwargs
+
+    def __call__(self):
+        return BAD_SPECS[self.op]["call"](self.backend, **self.kwargs)
+
+    def __repr__(self):
+        v = self.value
+        if isinstance(v, torch.Tensor):
+            v = f"tensor({str(v.dtype).replace('torch.', '')}{list(v.shape)}, "
+            v += f"min={self.value.real.min().item() if self.value.numel() else None})"
+        elif isinstance(v, list):
+            v = "a list"
+        return f"{self.op}({self.name}={v}, backend={self.backend!r}) -> {self.exc.__name__}"
+
+    def _repr_pretty_(self, printer, cycle):
+        printer.text(repr(self))
+
+
+@fuzz(150)
+@given(bad_inputs())
+def test_bad_input_names_the_argument(bad):
+    event(f"bad {bad.name}")
+    STATS[f"bad input: {bad.op}"]["examples"] += 1
+    with pytest.raises((ValueError, TypeError)) as info:
+        bad()
+    assert isinstance(info.value, bad.exc), f"{bad}: raised {info.value!r}"
+    assert re.search(rf"\b{re.escape(bad.name)}\b", str(info.value)), (
+        f"{bad}: the message does not name {bad.name}: {info.value}"
+    )
+
+
+# ----------------------------------------------------------------------------- found by fuzzing
+# Minimal reproducers of what the fuzzer found, run through the same checks on every CI run
+# (the derandomized sample need not hit them again).
+
+
+def fixed_case(op, call, *, grad=(), nan_rule=None, **tensors) -> Case:
+    """A :class:`Case` of concrete contiguous tensors."""
+    args = {
+        k: None if v is None else Arg(v, "contiguous", tuple(v.shape)) for k, v in tensors.items()
+    }
+    return Case(op, call, args, grad=grad, nan_rule=nan_rule)
+
+
+_BF, _F64 = torch.bfloat16, torch.float64
+FOUND = {
+    # 4-D logits with an empty position dim: as_rows3d's reshape(-1, 0, V) raises
+    "token_entropy 4-D, S=0": lambda: fixed_case(
+        "token_entropy", lambda x, b: fused_rl.token_entropy(x["logits"], backend=b),
+        logits=torch.zeros(1, 3, 0, 5),
+    ),
+    "token_logprobs 4-D window, T=0": lambda: fixed_case(
+        "token_logprobs", lambda x, b: fused_rl.token_logprobs(x["logits"], x["t"], backend=b),
+        logits=torch.zeros(2, 3, 1, 5), t=torch.zeros(2, 3, 0, dtype=torch.long), grad=("logits",),
+    ),
+    # the loss is fp32 on Triton, fp64 on the reference when old / ref log-probs are fp64
+    "policy_loss fp64 old_logprobs": lambda: fixed_case(
+        "policy_loss",
+        lambda x, b: _policy_outputs(
+            *fused_rl.policy_loss(x["logits"], x["t"], x["adv"], old_logprobs=x["old"], backend=b)
+        ),
+        logits=torch.linspace(-2, 2, 30).reshape(2, 3, 5), t=torch.zeros(2, 3, dtype=torch.long),
+        adv=torch.tensor([1.0, -1.0]), old=torch.full((2, 3), -1.5, dtype=_F64), grad=("logits",),
+    ),
+    "policy_loss_from_logprobs fp64 ref_logprobs": lambda: fixed_case(
+        "policy_loss_from_logprobs",
+        lambda x, b: _policy_outputs(
+            *fused_rl.policy_loss_from_logprobs(
+                x["lp"], x["adv"], ref_logprobs=x["ref"], beta=0.1, backend=b
+            )
+        ),
+        lp=torch.full((2, 3), -1.0), adv=torch.tensor([1.0, -1.0]),
+        ref=torch.full((2, 3), -1.5, dtype=_F64), grad=("lp",),
+    ),
+    # a bf16 input next to an fp64 one (fp64 accumulation): garbage gradients on Triton
+    "kl_estimate bf16 + fp64": lambda: fixed_case(
+        "kl_estimate", lambda x, b: fused_rl.kl_estimate(x["lp"], x["ref"], kind="k2", backend=b),
+        lp=torch.tensor([[-1.25, -3.0]], dtype=_BF), ref=torch.tensor([[-0.5, -0.25]], dtype=_F64),
+        grad=("lp",),
+    ),
+    "value_loss bf16 + fp64": lambda: fixed_case(
+        "value_loss",
+        lambda x, b: _policy_outputs(
+            *fused_rl.value_loss(x["v"], x["old"], x["ret"], clip=None, backend=b)
+        ),
+        v=torch.tensor([[0.5, -1.0]], dtype=_BF), old=torch.zeros(1, 2),
+        ret=torch.ones(1, 2, dtype=_F64), grad=("v",),
+    ),
+    "ppo_loss bf16 + fp64": lambda: fixed_case(
+        "ppo_loss",
+        lambda x, b: fused_rl.ppo_loss(
+            x["z"], x["lp"], x["z"], x["z"], x["v"], x["ret"], backend=b
+        ),
+        z=torch.zeros(1, 2), lp=torch.tensor([[-0.5, -0.2]]),
+        v=torch.tensor([[0.5, -1.0]], dtype=_BF), ret=torch.ones(1, 2, dtype=_F64),
+        grad=("lp", "v"),
+    ),
+    "gaussian_logprob bf16 + fp64": lambda: fixed_case(
+        "gaussian_logprob",
+        lambda x, b: fused_rl.gaussian_logprob(x["mu"], x["sigma"], x["a"], backend=b),
+        mu=torch.tensor([[0.5, -1.0]], dtype=_BF), sigma=torch.ones(1, 2, dtype=_F64),
+        a=torch.zeros(1, 2), grad=("mu", "sigma", "a"),
+    ),
+    # d/d actions is -d/d mu rounded to mu's dtype (bf16): 0.35% off for fp32 actions
+    "gaussian_logprob actions grad, bf16 mu": lambda: fixed_case(
+        "gaussian_logprob",
+        lambda x, b: fused_rl.gaussian_logprob(x["mu"], x["sigma"], x["a"], backend=b),
+        mu=torch.tensor([[0.1]], dtype=_BF), sigma=torch.tensor([[0.3]]),
+        a=torch.tensor([[1.2345678]]), grad=("a",),
+    ),
+    # squares past the fp32 range: the reference's variance is inf, Triton's NaN
+    "masked_var overflow": lambda: fixed_case(
+        "masked_var", lambda x, b: fused_rl.masked_var(x["x"], backend=b),
+        x=torch.tensor([1.0, -1e30, -1e30, 2.0]), grad=("x",),
+    ),
+    "masked_whiten overflow": lambda: fixed_case(
+        "masked_whiten", lambda x, b: fused_rl.masked_whiten(x["x"], eps=1.0, backend=b),
+        x=torch.tensor([1.0, -1e30, -1e30, 2.0]),
+    ),
+    # eps reaches the kernel as a bare float (fp32 when compiled): fp64 off by ~3e-9
+    "masked_whiten fp64 eps": lambda: fixed_case(
+        "masked_whiten",
+        lambda x, b: fused_rl.masked_whiten(x["x"], x["m"], eps=1e-8, backend=b),
+        x=torch.tensor([1.0, 2.0, 4.0], dtype=_F64), m=torch.zeros(3, dtype=torch.bool),
+    ),
+    # no token at all with seq-mean-token-sum-norm: reference raises about max_length
+    "policy_loss T=0 seq-mean-token-sum-norm": lambda: fixed_case(
+        "policy_loss",
+        lambda x, b: _policy_outputs(
+            *fused_rl.policy_loss(
+                x["logits"], x["t"], x["adv"], loss_agg="seq-mean-token-sum-norm", backend=b
+            )
+        ),
+        logits=torch.zeros(2, 0, 5), t=torch.zeros(2, 0, dtype=torch.long), adv=torch.ones(2),
+        grad=("logits",),
+    ),
+    "value_loss T=0 seq-mean-token-sum-norm": lambda: fixed_case(
+        "value_loss",
+        lambda x, b: _policy_outputs(
+            *fused_rl.value_loss(
+                x["v"], x["v"], x["v"], loss_agg="seq-mean-token-sum-norm", backend=b
+            )
+        ),
+        v=torch.zeros(2, 0), grad=("v",),
+    ),
+    # a NaN old value: the value loss is NaN on both, its gradient full (reference) or half
+    # (Triton: the tie split) of the unclipped branch's
+    "value_loss NaN old value": lambda: fixed_case(
+        "value_loss",
+        lambda x, b: _policy_outputs(*fused_rl.value_loss(x["v"], x["old"], x["ret"], backend=b)),
+        v=torch.tensor([[0.5, -1.0]]), old=torch.tensor([[NAN, 0.0]]), ret=torch.ones(1, 2),
+        grad=("v",), nan_rule=lambda x: {"loss": True},
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(FOUND))
+def test_found_by_fuzzing(name):
+    check_case(FOUND[name]())
