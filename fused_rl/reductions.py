@@ -29,7 +29,7 @@ from torch import Tensor
 
 from . import _validation as V
 from ._backend import resolve_backend
-from ._launch import triton_acc
+from ._launch import f32_pair, triton_acc
 from ._ops import FusedOp
 from .reference import reductions as ref
 from .reference.logprobs import differentiable_once
@@ -150,7 +150,7 @@ def masked_whiten_fwd(
     y = torch.empty(x2d.shape, dtype=stats.dtype, device=x2d.device)
     if x2d.numel() > 0:
         _masked_whiten_fwd_kernel[(n_blocks(x2d.numel()),)](
-            x2d, stats, y, x2d.numel(), x2d.shape[1], x2d.stride(0), x2d.stride(1), float(eps),
+            x2d, stats, y, x2d.numel(), x2d.shape[1], x2d.stride(0), x2d.stride(1), *f32_pair(eps),
             KEEP_MEAN=keep_mean, BLOCK=BLOCK, ACC=triton_acc(stats.dtype), num_warps=NUM_WARPS,
         )  # fmt: skip
     return y, stats
@@ -181,7 +181,7 @@ def masked_whiten_bwd(
     _masked_whiten_bwd_kernel[(n_prog,)](
         x2d, mask2d if mask2d is not None else x2d, grad_y, stats, sums, grad, x2d.numel(),
         x2d.shape[1], x2d.stride(0), x2d.stride(1), smr, smc, grad_y.stride(0),
-        grad_y.stride(1), float(eps), 1.0, KEEP_MEAN=keep_mean, HAS_MASK=mask2d is not None,
+        grad_y.stride(1), *f32_pair(eps), 1.0, KEEP_MEAN=keep_mean, HAS_MASK=mask2d is not None,
         BLOCK=BLOCK, ACC=acc, num_warps=NUM_WARPS,
     )  # fmt: skip
     return grad

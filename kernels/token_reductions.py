@@ -23,6 +23,8 @@ single pass over the data with no cancellation between two large sums.
 import triton
 import triton.language as tl
 
+from .common import pair
+
 
 @triton.jit
 def wide(n):
@@ -251,13 +253,16 @@ def _masked_whiten_fwd_kernel(
     C,
     stride_xr,
     stride_xc,
-    eps,
+    eps_hi,
+    eps_lo,
     KEEP_MEAN: tl.constexpr,
     BLOCK: tl.constexpr,
     ACC: tl.constexpr,
 ):
     """Stage 3 of whitening: ``y = (x - mean) / sqrt(var + eps)`` (``+ mean`` if KEEP_MEAN) for
-    every position, masked or not, with the masked statistics from ``stats``."""
+    every position, masked or not, with the masked statistics from ``stats``; ``eps`` comes
+    as an fp32 pair (fp64-exact for fp64 inputs)."""
+    eps = pair(eps_hi, eps_lo, ACC)
     row, col, valid = flat_rowcol(N, C, BLOCK)
     x = tl.load(x_ptr + row * stride_xr + col * stride_xc, mask=valid, other=0.0).to(ACC)
     mean = tl.load(stats_ptr + 2).to(ACC)
@@ -314,7 +319,8 @@ def _masked_whiten_bwd_kernel(
     stride_mc,
     stride_gr,
     stride_gc,
-    eps,
+    eps_hi,
+    eps_lo,
     correction,
     KEEP_MEAN: tl.constexpr,
     HAS_MASK: tl.constexpr,
@@ -335,7 +341,7 @@ def _masked_whiten_bwd_kernel(
     var = tl.load(stats_ptr + 3).to(ACC)
     s1 = tl.load(sums_ptr).to(ACC)
     s2 = tl.load(sums_ptr + 1).to(ACC)
-    rstd = 1.0 / tl.sqrt(var + eps)
+    rstd = 1.0 / tl.sqrt(var + pair(eps_hi, eps_lo, ACC))
     dof = n - correction
     g_mean = tl.where(n != 0, s1 / safe(n), 0.0)
     d_var = tl.where(dof > 0, -rstd * rstd * rstd * s2 / safe(dof), 0.0)

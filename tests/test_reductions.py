@@ -278,6 +278,25 @@ def test_gradcheck_float64_triton(device):
     assert torch.autograd.gradcheck(fn, (x, xt))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("keep_mean", [False, True])
+def test_whiten_eps_fp64_exact(backend, keep_mean, device):
+    """fp64 whitening with an eps that fp32 cannot hold (0.1) and a variance of the same
+    order: eps must reach the kernel as an fp32 pair, not one fp32 float (off by ~1e-9)."""
+    torch.manual_seed(9)
+    x = torch.randn(4, 7, device=device, dtype=torch.float64) * 0.3
+    mask = torch.rand(4, 7, device=device) > 0.3
+    up = torch.randn(4, 7, device=device, dtype=torch.float64)
+    xg = x.clone().requires_grad_(True)
+    y = masked_whiten(xg, mask, keep_mean=keep_mean, eps=0.1, backend=backend)
+    (grad,) = torch.autograd.grad(y, xg, up)
+    xo = x.clone().requires_grad_(True)
+    o_y = o_whiten(xo, mask.double(), keep_mean=keep_mean, eps=0.1)
+    (o_grad,) = torch.autograd.grad(o_y, xo, up)
+    assert_rel(y, o_y, F64_TOL, "value")
+    assert_rel(grad, o_grad, F64_TOL, "grad")
+
+
 _SECOND_ORDER = {  # op: (fused, float64 oracle written here)
     "sum": (lambda x, m, b: masked_sum(x, m, 1, backend=b), lambda x, w: o_stats(x, w, 1)[1]),
     "mean": (lambda x, m, b: masked_mean(x, m, backend=b), lambda x, w: o_stats(x, w)[2]),
