@@ -9,4 +9,12 @@ on fused_rl's kernels. Adopt fused_rl by changing one import:
 * ``fused_rl.compat.verl``: ``verl`` ``core_algos`` / ``torch_functional``.
 
 None of these libraries is imported or needed. The submodules are not imported here.
+
+Half precision: by default the math runs in fp32 and each output is rounded once, which is at
+least as accurate as the originals; ``half_precision("original")`` reproduces the originals'
+own fp16 / bf16 roundings bit for bit (``fused_rl.compat._precision``).
 """
+
+from ._precision import half_precision, half_precision_mode, set_half_precision
+
+__all__ = ["half_precision", "half_precision_mode", "set_half_precision"]

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Live compatibility check against the real libraries (needs the package index; NOT part of CI).
+#
+# For each library, in its own virtual environment (which sees this machine's torch, triton
+# and fused_rl through --system-site-packages, so nothing multi-GB is downloaded):
+#   1. scripts/compat_live/<lib>/install.sh installs the pinned upstream release(s);
+#   2. the project's real-library tests, tests/test_compat_<lib>.py (they skip without the
+#      library; here they run against it);
+#   3. scripts/compat_live/<lib>/check.py: a differential comparison of every adapter function
+#      with the original (values, gradients, dtypes over random shapes, masks, dtypes and edge
+#      cases) and, where the release ships them, the library's own unit tests run twice: as
+#      released and with its functions monkeypatched to fused_rl's.
+# Then scripts/compat_live/summary.py writes the table into docs/compat.md.
+#
+# Usage: bash scripts/test-compat-live.sh [trl] [verl] [torchtune] [ding]   (default: all four)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENVS=${COMPAT_VENVS:-.compat-venvs}
+OUT=${COMPAT_OUT:-compat-live}
+LIBS=("$@")
+[ ${#LIBS[@]} -eq 0 ] && LIBS=(trl verl torchtune ding)
+mkdir -p "$OUT"
+status=0
+for lib in "${LIBS[@]}"; do
+    echo "=== $lib"
+    venv="$VENVS/$lib"
+    [ -x "$venv/bin/python" ] || "$PY" -m venv --system-site-packages "$venv"
+    vpy="$venv/bin/python"
+    bash "scripts/compat_live/$lib/install.sh" "$vpy"
+    "$vpy" -m pytest -q -p no:cacheprovider --benchmark-disable \
+        --junitxml "$OUT/$lib.project-tests.xml" "tests/test_compat_$lib.py" || status=1
+    "$vpy" "scripts/compat_live/$lib/check.py" --out "$OUT/$lib.json" || status=1
+done
+"$PY" scripts/compat_live/summary.py "$OUT" --write docs/compat.md
+exit $status
