@@ -12,7 +12,7 @@ import functools
 
 import pytest
 import torch
-from helpers import FP32_TOL, assert_rel
+from helpers import FP32_TOL, assert_rel, seed_gae_loop
 
 import fused_rl
 from fused_rl.compat import trl, verl
@@ -226,3 +226,147 @@ def test_whiten_nan_padding_with_upstream_gradient(backend, keep_mean):
     y = fused_rl.masked_whiten(x_in, mask, keep_mean=keep_mean, eps=0.25, backend=backend)
     (grad,) = torch.autograd.grad(y, x_in, torch.ones_like(y))
     assert torch.isnan(grad[mask]).all() and torch.isfinite(grad[~mask]).all()
+
+
+# ----------------------------------------------------------------------------- advantages
+
+
+def o_gae(rewards, values, gamma, lam, mask=None):
+    """float64 seed loop (the recurrence, step by step) with masked steps as zero reward and
+    zero value, and zero outputs there."""
+    r, v = rewards.double(), values.double()
+    if mask is not None:
+        r, v = torch.where(mask, r, 0.0), torch.where(mask, v, 0.0)
+    adv, ret = seed_gae_loop(r, v, gamma, lam)
+    if mask is not None:
+        adv, ret = torch.where(mask, adv, 0.0), torch.where(mask, ret, 0.0)
+    return adv, ret
+
+
+# (tensor, step, value, gamma, lam, masked)
+GAE_CASES = {
+    "inf_reward": ("rewards", 10, INF, 0.99, 0.95, False),
+    "neg_inf_reward": ("rewards", 10, -INF, 0.99, 0.95, False),
+    "nan_reward": ("rewards", 10, NAN, 0.99, 0.95, False),
+    "inf_value": ("values", 10, INF, 0.99, 0.95, False),
+    "inf_reward_no_discount": ("rewards", 10, INF, 1.0, 1.0, False),
+    "inf_reward_decay_0": ("rewards", 10, INF, 0.9, 0.0, False),  # 0 * inf in the loop: NaN
+    "inf_reward_masked_out": ("rewards", 10, INF, 0.99, 0.95, True),
+    "nan_value_masked_out": ("values", 10, NAN, 0.99, 0.95, True),
+    "inf_reward_counted_with_mask": ("rewards", 12, INF, 0.99, 0.95, True),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(GAE_CASES))
+def test_gae_nonfinite(backend, case):
+    """A NaN / inf at step s reaches the advantages at steps t <= s only, as in the recurrence
+    (the reference's blocked matmul used to spread it to every later step: 0 * inf); masked-out
+    steps reach nothing."""
+    tensor, step, value, gamma, lam, masked = GAE_CASES[case]
+    gen = torch.Generator().manual_seed(4)
+    rewards, values = torch.randn(2, 2, 40, generator=gen)
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[:, 10] = mask[1, 30:] = False
+    {"rewards": rewards, "values": values}[tensor][0, step] = value
+    mask = mask if masked else None
+    adv, ret = fused_rl.gae(rewards, values, gamma=gamma, lam=lam, mask=mask, backend=backend)
+    o_adv, o_ret = o_gae(rewards, values, gamma, lam, mask)
+    assert_same_nonfinite(adv, o_adv, FP32_TOL, "advantages")
+    assert_same_nonfinite(ret, o_ret, FP32_TOL, "returns")
+    assert torch.isfinite(adv[:, step + 1 :]).all() and torch.isfinite(adv[1]).all()
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "reference",
+        pytest.param(
+            "triton",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="kernels/token_advantages.py: decay^k underflows to 0 in fp32 and the "
+                "carry into the next block of steps multiplies it by the inf: 0 * inf = NaN "
+                "where the recurrence gives inf",
+            ),
+        ),
+    ],
+)
+def test_gae_inf_beyond_fp32_decay_range(backend):
+    """``c^(s - t)`` underflows to 0 in fp32 for ``c = 0.5`` past ~150 steps; the recurrence
+    still carries ``c * inf = inf`` to every earlier step (T = 1300: a second kernel block
+    of 276 steps, whose carry is the inf)."""
+    gen = torch.Generator().manual_seed(5)
+    rewards, values = torch.randn(2, 1, 1300, generator=gen)
+    rewards[0, 1290] = INF
+    adv, ret = fused_rl.gae(rewards, values, gamma=0.5, lam=1.0, backend=backend)
+    o_adv, o_ret = o_gae(rewards, values, 0.5, 1.0)
+    assert_same_nonfinite(adv, o_adv, FP32_TOL, "advantages")
+    assert_same_nonfinite(ret, o_ret, FP32_TOL, "returns")
+
+
+def o_group(scores, group_size, mode, eps=1e-6):
+    g = scores.double().reshape(-1, group_size)
+    c = g - g.mean(1, keepdim=True)
+    if mode == "std":
+        c = c / (g.std(1, keepdim=True) + eps)
+    elif mode == "rloo":
+        c = c * group_size / (group_size - 1)
+    return c.reshape(-1)
+
+
+def _group_call(mode):
+    if mode == "rloo":
+        return lambda s, n, b: fused_rl.rloo_advantages(s, n, backend=b)
+    return lambda s, n, b: fused_rl.group_advantages(s, n, normalize=mode, backend=b)
+
+
+@pytest.mark.parametrize("mode", ["std", "none", "rloo"])
+@pytest.mark.parametrize("value", [NAN, INF, -INF], ids=["nan", "inf", "neg_inf"])
+@pytest.mark.parametrize("pos", [0, 2], ids=["first", "inside"])
+def test_group_advantages_nonfinite(mode, value, pos):
+    """A NaN / inf score makes its own group non-finite, the first score (the kernel's
+    shift) or not, identically on both backends; other groups are untouched. (Both centre on
+    the first score, so with an inf first every entry is ``(s - inf) - NaN = NaN`` where the
+    plain formula gives -inf: the same positions are non-finite.)"""
+    scores = torch.randn(12, generator=torch.Generator().manual_seed(6))
+    scores[4 + pos] = value
+    ref, tri = (_group_call(mode)(scores, 4, b) for b in ("reference", "triton"))
+    assert_same_nonfinite(tri, ref, FP32_TOL, f"{mode}: triton vs reference")
+    expected = o_group(scores, 4, mode)
+    assert torch.equal(torch.isfinite(ref), torch.isfinite(expected))
+    assert_rel(ref[:4], expected[:4], FP32_TOL, mode)
+    assert not torch.isfinite(ref[4:8]).any() and torch.isfinite(ref[8:]).all()
+
+
+def o_kl_rewards(scores, logp, ref, coef, mask):
+    """float64 k1 rewards: ``-coef * (logp - ref)`` at counted steps, 0 elsewhere, plus the
+    score at the last counted step."""
+    reward = torch.where(mask, -coef * (logp.double() - ref.double()), 0.0)
+    steps = torch.arange(mask.shape[1])
+    last = torch.where(mask, steps, -1).amax(1)
+    hit = steps[None, :] == last[:, None]
+    return torch.where(hit, reward + scores.double()[:, None], reward)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("target", ["logprobs", "ref_logprobs", "scores"])
+@pytest.mark.parametrize("value", [NAN, INF], ids=["nan", "inf"])
+@pytest.mark.parametrize("counted", [True, False], ids=["counted", "masked_out"])
+def test_kl_penalized_rewards_nonfinite(backend, target, value, counted):
+    """A NaN / inf log-prob reaches its own step when counted and nothing when masked out; a
+    NaN / inf score reaches the step it lands on."""
+    gen = torch.Generator().manual_seed(7)
+    logp, ref = torch.randn(2, 3, 6, generator=gen) - 1.0
+    scores = torch.randn(3, generator=gen)
+    mask = torch.ones(3, 6, dtype=torch.bool)
+    mask[0, 2] = mask[1, 4:] = False
+    step = (0, 3) if counted else (0, 2)
+    if target == "scores":
+        scores[0] = value
+    else:
+        {"logprobs": logp, "ref_logprobs": ref}[target][step] = value
+    out = fused_rl.kl_penalized_rewards(scores, logp, ref, kl_coef=0.1, mask=mask, backend=backend)
+    expected = o_kl_rewards(scores, logp, ref, 0.1, mask)
+    assert_same_nonfinite(out, expected, FP32_TOL, "rewards")
+    assert torch.isfinite(out[1:]).all()

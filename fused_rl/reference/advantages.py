@@ -17,6 +17,11 @@ instead: split time into ``n`` chunks of ``K ~ sqrt(T)`` steps and
 Every power is ``c^k`` with ``k >= 0`` (``0^0 = 1``), so ``c = 0`` and ``c = 1`` are exact
 and nothing overflows. Cost ``O(B T sqrt(T))`` flops in a handful of kernels, against ``T``
 Python iterations (``~5 T`` kernel launches) for the loop.
+
+A matmul multiplies every entry by every coefficient, the zeros below the diagonal
+included, so one inf ``delta_s`` would give ``0 * inf = NaN`` at every later step too. The
+blocked sum therefore runs on the finite entries only, and the NaN / inf ones are added
+afterwards where the recurrence puts them: at steps ``t <= s``.
 """
 
 from __future__ import annotations
@@ -32,7 +37,22 @@ GROUP_NORMALIZE = ("std", "none")
 
 
 def discounted_suffix_sum(x: torch.Tensor, decay: float) -> torch.Tensor:
-    """``y_t = sum_{s >= t} decay^(s-t) x_s`` along dim 1 of a ``(B, T)`` tensor, blocked."""
+    """``y_t = sum_{s >= t} decay^(s-t) x_s`` along dim 1 of a ``(B, T)`` tensor, blocked; a
+    NaN / inf ``x_s`` reaches ``y_t`` for ``t <= s`` only, as in the recurrence.
+
+    The NaN / inf entries ``nf`` (0 elsewhere) are added back as the recurrence ``y_t = x_t +
+    decay * y_{t+1}`` would, step by step: ``nf_t + decay * sum_{s > t} nf_s``. The sum of
+    infinities is NaN for opposite signs, and ``decay * inf`` is inf for any ``decay > 0``
+    (however small ``decay^(s-t)``) and NaN for ``decay = 0``, exactly as in the loop."""
+    finite = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+    nf = x - finite  # exactly 0 where x is finite
+    y = _blocked_suffix_sum(finite, decay) + nf
+    y[:, :-1] += decay * nf.flip(1).cumsum(1).flip(1)[:, 1:]
+    return y
+
+
+def _blocked_suffix_sum(x: torch.Tensor, decay: float) -> torch.Tensor:
+    """``discounted_suffix_sum`` of a finite ``x``: the blocked matmuls of the module docs."""
     n_rows, length = x.shape
     if length == 0 or n_rows == 0:
         return x.clone()
