@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import _validation as V
+from .reference.reductions import mask_weights
 
 LOSS_AGG_MODES = (
     "token-mean",
@@ -46,7 +47,7 @@ def token_weights(
         V.check_number(num_items, "num_items")
         if not num_items > 0:
             raise ValueError(f"num_items must be > 0, got {num_items}")
-    m = mask.to(torch.float32)
+    m = mask_weights(mask, torch.float32)
     if m.dim() != 2:
         raise ValueError(f"mask must be (B, T), got shape {tuple(m.shape)}")
     n_seq, length = m.shape

@@ -21,6 +21,7 @@ from ._policy_ops import metrics_dict, policy_logprobs_fwd_op, policy_loss_fwd_o
 from ._vocab_ops import check_targets_window, token_stats_nocheck, window
 from .reference.kl import KL_KINDS
 from .reference.policy import ClipConfig, policy_token_terms
+from .reference.reductions import mask_weights
 
 IMPORTANCE_SAMPLING = ("token", "sequence")
 
@@ -31,7 +32,7 @@ def _masked_max(x: Tensor, mask_f: Tensor) -> Tensor:
     """Max of a non-negative ``x`` over counted tokens; 0 when none (or the batch is empty)."""
     if x.numel() == 0:  # static shape: no sync, traceable
         return x.new_zeros(())
-    return torch.where(mask_f > 0, x, torch.zeros_like(x)).amax()
+    return torch.where(mask_f != 0, x, torch.zeros_like(x)).amax()
 
 
 def _metrics(terms: dict[str, Tensor], mask_f: Tensor) -> dict[str, Tensor]:
@@ -257,7 +258,7 @@ def policy_loss(
 
     adv2d, old_logprobs, ref_logprobs, mask = _constants(adv2d, old_logprobs, ref_logprobs, mask)
     counted = targets != ignore_index
-    mask_f = counted.float() if mask is None else mask.float() * counted
+    mask_f = counted.float() if mask is None else mask_weights(mask, torch.float32) * counted
     weights = token_weights(mask_f, loss_agg, max_length=max_length, num_items=num_items)
     if length != logits.shape[1]:
         logits = window(logits, length)
@@ -347,7 +348,11 @@ def policy_loss_from_logprobs(
         return loss, metrics_dict(metrics, has_kl=ref_logprobs is not None,
                                   has_entropy=has_entropy)  # fmt: skip
     adv2d, old_logprobs, ref_logprobs, mask = _constants(adv2d, old_logprobs, ref_logprobs, mask)
-    mask_f = torch.ones_like(logprobs, dtype=torch.float32) if mask is None else mask.float()
+    mask_f = (
+        torch.ones_like(logprobs, dtype=torch.float32)
+        if mask is None
+        else mask_weights(mask, torch.float32)
+    )
     weights = token_weights(mask_f, loss_agg, max_length=max_length, num_items=num_items)
     return _loss_from_logprobs(
         logprobs, entropy, adv2d.float(), mask_f, weights, old_logp=old_logprobs,

@@ -37,6 +37,14 @@ def token_offset(row, rows_inner, stride_outer, stride_inner):
 
 
 @triton.jit
+def as_weight(m):
+    """A mask value as a token weight. Weights must be >= 0; a negative one cannot be rejected
+    without reading the mask on the host, so it turns into NaN and makes the result loudly
+    NaN (the reference does the same: ``fused_rl.reference.reductions.mask_weights``)."""
+    return tl.where(m < 0, float("nan"), m)
+
+
+@triton.jit
 def nan_min(a, b):
     """``torch.minimum(a, b)``: NaN if either is NaN."""
     return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)

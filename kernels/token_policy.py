@@ -14,7 +14,7 @@ its metrics.
 import triton
 import triton.language as tl
 
-from .common import nan_max, pair, token_offset
+from .common import as_weight, nan_max, pair, token_offset
 from .token_layer import (
     COL_COUNT,
     COL_LOSS,
@@ -52,7 +52,9 @@ def _token_inputs(
         target = _load_tokens(targets_ptr, b, ts, rows_inner, t_so, t_si, in_seq)
         m = tl.where(target != ignore_index, m, 0.0)
     if HAS_MASK:
-        m = m * _load_tokens(mask_ptr, b, ts, rows_inner, mask_so, mask_si, in_seq).to(ACC)
+        m = m * as_weight(
+            _load_tokens(mask_ptr, b, ts, rows_inner, mask_so, mask_si, in_seq).to(ACC)
+        )
     counted = m != 0
     logp = _load_tokens(logp_ptr, b, ts, rows_inner, logp_so, logp_si, in_seq).to(ACC)
     logp = tl.where(counted, logp, 0.0)

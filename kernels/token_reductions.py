@@ -23,7 +23,7 @@ single pass over the data with no cancellation between two large sums.
 import triton
 import triton.language as tl
 
-from .common import pair
+from .common import as_weight, pair
 
 
 @triton.jit
@@ -48,7 +48,7 @@ def load_weight(
 ):
     """Mask value as a weight in ``ACC``: 0 outside the tensor, 1 everywhere without a mask."""
     if HAS_MASK:
-        w = tl.load(m_ptr + row * stride_r + col * stride_c, mask=valid, other=0).to(ACC)
+        w = as_weight(tl.load(m_ptr + row * stride_r + col * stride_c, mask=valid, other=0).to(ACC))
     else:
         w = tl.where(valid, 1.0, 0.0).to(ACC)
     return w
@@ -102,7 +102,8 @@ def store_stats(stats_ptr, stride_k, n, s, q, correction):
     tl.store(stats_ptr, n)
     tl.store(stats_ptr + stride_k, s)
     tl.store(stats_ptr + 2 * stride_k, s / safe(n))
-    tl.store(stats_ptr + 3 * stride_k, tl.where(dof > 0, q / safe(dof), 0.0))
+    no_dof = dof <= 0  # False for a NaN count (a negative weight): NaN goes through
+    tl.store(stats_ptr + 3 * stride_k, tl.where(no_dof, 0.0, q / safe(dof)))
 
 
 @triton.jit(do_not_specialize=["N", "C"])

@@ -17,7 +17,7 @@ nothing), writes ~16 floats per token. The backward is ``vocab_stream_bwd``.
 import triton
 import triton.language as tl
 
-from .common import pair, row_pointer, token_offset
+from .common import as_weight, pair, row_pointer, token_offset
 from .token_layer import policy_token_loss, store_policy_partials
 from .vocab_stream_fwd import row_moments, target_logit
 
@@ -115,7 +115,7 @@ def _policy_loss_fwd_kernel(
     m = tl.where(target != ignore_index, 1.0, 0.0).to(ACC)
     if HAS_MASK:
         mask_off = token_offset(row, rows_inner, mask_stride_outer, mask_stride_inner)
-        m = m * tl.load(mask_ptr + mask_off).to(ACC)
+        m = m * as_weight(tl.load(mask_ptr + mask_off).to(ACC))
     # padding (m == 0) costs no bandwidth: its logp / entropy are never used
     active = m != 0
 

@@ -372,3 +372,25 @@ def test_num_items_tensor_not_positive_is_nan(backend, count):
     assert torch.isnan(loss)
     with pytest.raises(ValueError, match="num_items must be"):
         _policy(backend, num_items=count if count == count else 0.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_negative_mask_weight_is_nan(backend):
+    """Mask weights must be >= 0. A negative one cannot be rejected without reading the mask on
+    the host, so it makes every result it reaches NaN, the same on both backends (it used to
+    give -1.0 on one and 0.0 on the other)."""
+    x, y = _token_inputs(2)
+    mask = torch.ones(B, T)
+    mask[1, 2] = -1.0
+    for op in (fused_rl.masked_sum, fused_rl.masked_mean, fused_rl.masked_var):
+        assert torch.isnan(op(x, mask, backend=backend)), op.__name__
+    assert torch.isnan(fused_rl.masked_whiten(x, mask, backend=backend)).all()
+    assert torch.isnan(fused_rl.value_loss(x, y, x, mask=mask, backend=backend)[0])
+    loss, _, _ = _policy(backend, mask=mask)
+    assert torch.isnan(loss)
+    loss, _ = fused_rl.policy_loss_from_logprobs(
+        x, torch.ones(B), old_logprobs=y, mask=mask, backend=backend
+    )
+    assert torch.isnan(loss)
+    # weights >= 0, fractional ones included, stay finite
+    assert torch.isfinite(fused_rl.masked_mean(x, mask.abs() * 0.5, backend=backend))

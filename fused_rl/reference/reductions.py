@@ -1,9 +1,9 @@
 """Reference masked reductions (plain PyTorch, differentiable through autograd).
 
 ``mask`` is ``None`` (every element counts) or a tensor of ``x``'s shape holding 0/1 or
-non-negative weights (bool, integer or floating). A position whose weight is 0 contributes
-exactly 0 to every statistic and receives exactly 0 gradient, even if ``x`` is NaN or inf
-there. Empty masks give 0, never NaN.
+non-negative weights (bool, integer or floating); a negative weight makes the result NaN. A
+position whose weight is 0 contributes exactly 0 to every statistic and receives exactly 0
+gradient, even if ``x`` is NaN or inf there. Empty masks give 0, never NaN.
 """
 
 from __future__ import annotations
@@ -20,14 +20,27 @@ def acc_dtype(*tensors: Tensor | None) -> torch.dtype:
     return torch.float32
 
 
+def mask_weights(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """``mask`` as weights of ``dtype``. Weights must be >= 0: a negative one cannot be rejected
+    without reading the mask on the host, so it becomes NaN and makes the result loudly NaN,
+    as in the kernels (``kernels/common.py`` ``as_weight``)."""
+    w = mask.to(dtype)
+    if mask.dtype == torch.bool:
+        return w
+    return torch.where(w < 0, float("nan"), w)
+
+
 def _weights(x: Tensor, mask: Tensor | None) -> Tensor:
-    return torch.ones_like(x) if mask is None else mask.to(x.dtype)
+    return torch.ones_like(x) if mask is None else mask_weights(mask, x.dtype)
 
 
 def _div_positive(num: Tensor, den: Tensor) -> Tensor:
-    """``num / den`` where ``den > 0``, else 0 (and no NaN gradient through the unused branch)."""
-    ok = den > 0
-    return torch.where(ok, num / torch.where(ok, den, torch.ones_like(den)), torch.zeros_like(num))
+    """``num / den`` where ``den > 0``, 0 where ``den <= 0``, NaN where ``den`` is NaN (and no
+    NaN gradient through the unused branch)."""
+    empty = den <= 0
+    return torch.where(
+        empty, torch.zeros_like(num), num / torch.where(empty, torch.ones_like(den), den)
+    )
 
 
 def masked_count(x: Tensor, mask: Tensor | None, dim: int | None = None) -> Tensor:
