@@ -35,6 +35,7 @@ from collections.abc import Callable
 import torch
 
 from ._backend import interpreter_requested
+from .reference.logprobs import differentiable_once
 
 # The Triton interpreter patches ``triton.language`` process-wide while a kernel runs, so two
 # threads interpreting at once corrupt each other (InterpreterError, or silently wrong
@@ -60,6 +61,23 @@ def _needs_grad(args: tuple) -> bool:
     return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
 
+def _differentiable_once(backward: Callable) -> Callable:
+    """``backward`` whose gradients raise on a second backward. The kernels compute them from
+    saved statistics taken as constants, so a Hessian-vector product through them would be
+    silently wrong; ``create_graph=True`` (the only time grad mode is on in a backward) ties
+    each gradient to the saved inputs and incoming gradients so that it raises instead."""
+
+    @functools.wraps(backward)
+    def run(ctx, *grads):
+        out = backward(ctx, *grads)
+        if not torch.is_grad_enabled():  # an ordinary backward: nothing to do
+            return out
+        sources = (*ctx.saved_tensors, *grads)
+        return tuple(differentiable_once(g, *sources) for g in out)
+
+    return run
+
+
 class FusedOp:
     """``fused_rl::<name>`` around ``launcher`` (positional arguments only, annotated)."""
 
@@ -79,6 +97,7 @@ class FusedOp:
     def register_autograd(self, backward: Callable, *, setup_context: Callable) -> None:
         """``setup_context(ctx, inputs, output)`` / ``backward(ctx, *grads)`` as for
         ``torch.library.register_autograd``; ``backward`` returns one entry per input."""
+        backward = _differentiable_once(backward)
         self.op.register_autograd(backward, setup_context=setup_context)
         launcher = self.launcher
 

@@ -394,3 +394,34 @@ def test_negative_mask_weight_is_nan(backend):
     assert torch.isnan(loss)
     # weights >= 0, fractional ones included, stay finite
     assert torch.isfinite(fused_rl.masked_mean(x, mask.abs() * 0.5, backend=backend))
+
+
+def _double_backward(loss, x):
+    (g,) = torch.autograd.grad(loss, x, create_graph=True)
+    torch.autograd.grad((g * torch.randn_like(g)).sum() + x.square().sum(), x)
+
+
+@pytest.mark.parametrize("op", ["policy_loss", "kl_estimate", "value_loss", "ppo_loss", "gauss"])
+def test_triton_double_backward_raises(op):
+    """Every Triton backward computes its gradient from saved statistics taken as constants, so
+    a Hessian-vector product through it raises (it used to be silently wrong: off by 0.4)."""
+    logits = _policy_inputs()[0].double().requires_grad_(True)
+    x = torch.randn(B, T, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(B, T, dtype=torch.float64)
+    losses = {
+        "policy_loss": lambda: (logits, _policy_tensor_loss(logits)),
+        "kl_estimate": lambda: (x, fused_rl.kl_estimate(x, y, kind="k3", backend="triton").sum()),
+        "value_loss": lambda: (x, fused_rl.value_loss(x, y, y, clip=0.1, backend="triton")[0]),
+        "ppo_loss": lambda: (x, fused_rl.ppo_loss(y, x, y, y, x, y, backend="triton")[0]),
+        "gauss": lambda: (x, fused_rl.gaussian_logprob(x, y.exp(), y, backend="triton").sum()),
+    }
+    source, loss = losses[op]()
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        _double_backward(loss, source)
+
+
+def _policy_tensor_loss(logits):
+    _, targets, adv, old = _policy_inputs()
+    return fused_rl.policy_loss(
+        logits, targets, adv.double(), old_logprobs=old.double(), backend="triton"
+    )[0]

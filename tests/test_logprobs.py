@@ -494,14 +494,7 @@ def _hvp(fn, logits, w, v):
     return torch.autograd.grad((g * v).sum() + logits.square().sum(), logits)[0]
 
 
-_TRITON_NOT_ONCE = pytest.mark.xfail(
-    strict=True,
-    reason="Triton path: FusedOp (fused_rl/_ops.py) builds the backward from a launcher with no "
-    "autograd, so under create_graph the gradient silently becomes a constant (Hessian 0)",
-)
-
-
-@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=_TRITON_NOT_ONCE)])
+@pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("output", ["logp", "entropy"])
 def test_double_backward_exact_or_raises(backend, output, device):
     """A second derivative is either float64 autograd's of plain ``log_softmax`` or a clear
