@@ -75,7 +75,11 @@ def _gae_fwd_kernel(
             v_next = tl.where(m_next, v_next, 0.0)
         delta = tl.where(ok, r + gamma * v_next - v, 0.0)
         power, local = tl.associative_scan((decay_vec, delta), 0, _affine_compose)
-        adv = local + power * carry
+        carried = power * carry
+        # decay^(k+1) > 0 that underflowed to 0 carries an inf on as the recurrence does
+        # (c * inf = inf at every step), not as 0 * inf = NaN; decay = 0 gives NaN, as there
+        inf_carry = tl.where(decay > 0, tl.abs(carry) == float("inf"), False)
+        adv = local + tl.where((power == 0) & inf_carry, carry, carried)
         carry = tl.sum(tl.where(idx == BLOCK_T - 1, adv, 0.0), 0)
         ret = adv + v
         if HAS_MASK:
