@@ -39,7 +39,7 @@ def _gaussian_logprob_fwd_kernel(
     ACC: tl.constexpr,
 ):
     """``out[r] = sum_n -(a - mu)^2 / (2 sigma^2) - log sigma - 0.5 log(2 pi)``."""
-    row_start = tl.program_id(0) * BLOCK_R
+    row_start = tl.program_id(0).to(tl.int64) * BLOCK_R
     acc = tl.zeros((BLOCK_R,), ACC)
     for col_start in range(0, N, BLOCK_N):
         rows, cols, ok = _tile(row_start, col_start, R, N, BLOCK_R, BLOCK_N)
@@ -78,7 +78,7 @@ def _gaussian_logprob_bwd_kernel(
 ):
     """``dmu = g (a - mu) / sigma^2``, ``dsigma = g ((a - mu)^2 / sigma^3 - 1 / sigma)``;
     contiguous ``(R, N)`` outputs (``d actions = -dmu`` is left to the caller)."""
-    row_start = tl.program_id(0) * BLOCK_R
+    row_start = tl.program_id(0).to(tl.int64) * BLOCK_R
     rows = (row_start + tl.arange(0, BLOCK_R)).to(tl.int64)
     g = tl.load(grad_out_ptr + rows * stride_g, mask=rows < R, other=0.0).to(ACC)
     for col_start in range(0, N, BLOCK_N):
@@ -109,7 +109,7 @@ def _gaussian_entropy_fwd_kernel(
     ACC: tl.constexpr,
 ):
     """``out[r] = sum_n 0.5 + 0.5 log(2 pi) + log sigma``."""
-    row_start = tl.program_id(0) * BLOCK_R
+    row_start = tl.program_id(0).to(tl.int64) * BLOCK_R
     acc = tl.zeros((BLOCK_R,), ACC)
     for col_start in range(0, N, BLOCK_N):
         rows, cols, ok = _tile(row_start, col_start, R, N, BLOCK_R, BLOCK_N)
@@ -136,7 +136,7 @@ def _gaussian_entropy_bwd_kernel(
     ACC: tl.constexpr,
 ):
     """``dsigma = g / sigma``, contiguous ``(R, N)``."""
-    row_start = tl.program_id(0) * BLOCK_R
+    row_start = tl.program_id(0).to(tl.int64) * BLOCK_R
     rows = (row_start + tl.arange(0, BLOCK_R)).to(tl.int64)
     g = tl.load(grad_out_ptr + rows * stride_g, mask=rows < R, other=0.0).to(ACC)
     for col_start in range(0, N, BLOCK_N):

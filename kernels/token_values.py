@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .common import clamp, nan_max, pair
-from .token_reductions import flat_rowcol, load_weight, safe, sum_partials
+from .token_reductions import flat_rowcol, load_weight, safe, sum_partials, wide
 
 
 @triton.jit
@@ -111,9 +111,9 @@ def _value_loss_fwd_kernel(
     P = tl.num_programs(0)
     pid = tl.program_id(0)
     tl.store(part_ptr + pid, tl.sum(masked_term(w, 0.5 * sq), 0))
-    tl.store(part_ptr + P + pid, tl.sum(masked_term(m, clipped), 0))
-    tl.store(part_ptr + 2 * P + pid, tl.sum(masked_term(m, v), 0))
-    tl.store(part_ptr + 3 * P + pid, tl.sum(m, 0))
+    tl.store(part_ptr + wide(P) + pid, tl.sum(masked_term(m, clipped), 0))
+    tl.store(part_ptr + 2 * wide(P) + pid, tl.sum(masked_term(m, v), 0))
+    tl.store(part_ptr + 3 * wide(P) + pid, tl.sum(m, 0))
 
 
 @triton.jit(do_not_specialize=["P"])
@@ -232,11 +232,11 @@ def _ppo_loss_fwd_kernel(
     P = tl.num_programs(0)
     pid = tl.program_id(0)
     tl.store(part_ptr + pid, tl.sum(masked_term(pm, pl), 0))
-    tl.store(part_ptr + P + pid, tl.sum(pm, 0))
-    tl.store(part_ptr + 2 * P + pid, tl.sum(masked_term(pm, clipped), 0))
-    tl.store(part_ptr + 3 * P + pid, tl.sum(masked_term(vm, sq), 0))
-    tl.store(part_ptr + 4 * P + pid, tl.sum(vm, 0))
-    tl.store(part_ptr + 5 * P + pid, tl.sum(tl.where(valid, ratio, 0.0), 0))
+    tl.store(part_ptr + wide(P) + pid, tl.sum(pm, 0))
+    tl.store(part_ptr + 2 * wide(P) + pid, tl.sum(masked_term(pm, clipped), 0))
+    tl.store(part_ptr + 3 * wide(P) + pid, tl.sum(masked_term(vm, sq), 0))
+    tl.store(part_ptr + 4 * wide(P) + pid, tl.sum(vm, 0))
+    tl.store(part_ptr + 5 * wide(P) + pid, tl.sum(tl.where(valid, ratio, 0.0), 0))
 
 
 @triton.jit(do_not_specialize=["P", "N"])

@@ -40,7 +40,7 @@ FLOAT_ARGS = {
     "delta_hi", "delta_lo", "beta_hi", "beta_lo", "entropy_coef_hi", "entropy_coef_lo",
 }  # fmt: skip
 # modules whose every pointer offset must be computed in 64 bits (narrow_offset_products)
-WIDE_OFFSET_MODULES = ["token_reductions"]
+WIDE_OFFSET_MODULES = ["token_reductions", "token_values", "token_gaussian"]
 INT_NAMES = {"ignore_index", "rows_inner", "group_size", "shift", "positions", "n_outer"}
 
 
