@@ -18,4 +18,5 @@ def as_rows3d(logits: torch.Tensor) -> torch.Tensor:
         return logits.unsqueeze(0)
     if logits.dim() == 3:
         return logits
-    return logits.reshape(-1, logits.shape[-2], logits.shape[-1])
+    outer = logits.shape[:-2].numel()  # not -1: ambiguous when a dim is 0
+    return logits.reshape(outer, logits.shape[-2], logits.shape[-1])

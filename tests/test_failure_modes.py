@@ -425,3 +425,16 @@ def _policy_tensor_loss(logits):
     return fused_rl.policy_loss(
         logits, targets, adv.double(), old_logprobs=old.double(), backend="triton"
     )[0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", [(1, 1, 0, 5), (2, 0, 3, 5), (0, 2, 3, 5)])
+def test_empty_leading_dims(backend, shape):
+    """A 4-D logits tensor with an empty leading dim (found by the fuzz suite: ``reshape(-1,
+    ...)`` is ambiguous for 0 elements) gives empty outputs and gradients."""
+    logits = torch.randn(shape, requires_grad=True)
+    logp, entropy = fused_rl.token_logprobs(
+        logits, torch.zeros(shape[:-1], dtype=torch.long), return_entropy=True, backend=backend
+    )
+    (logp.sum() + entropy.sum()).backward()
+    assert logp.shape == entropy.shape == shape[:-1] and logits.grad.shape == shape
