@@ -5,40 +5,78 @@ Change ``import verl.utils.torch_functional as verl_F`` and
 ``from verl.trainer.ppo import core_algos`` to ``from fused_rl.compat import verl as verl_F``
 and ``from fused_rl.compat import verl as core_algos``. verl is not imported (nor needed).
 
-Signatures, defaults, return tuples and numerics mirror verl's v0.5 line (2025:
-``verl/trainer/ppo/core_algos.py`` at commit ``012be9d9`` and the matching
-``verl/utils/torch_functional.py``):
-the deprecated-but-kept ``compute_policy_loss`` with explicit clip ranges and the
-``clip_ratio_c = 3.0`` dual clip, ``agg_loss`` with its four modes (``seq-mean-token-sum-norm``
-divides by the response length only, not by the batch size), the NaN-safe ``masked_sum``,
-``masked_mean`` with ``+ 1e-8``, ``masked_var`` raising on a mask count of 0 or 1,
-``masked_whiten`` returning zero mean by default, ``kl_penalty`` with ``k3`` =
-``low_var_kl`` (clamped), GAE that skips masked (observation) tokens, and GRPO's per-group
-``(s - mean) / (std + eps)`` where a group of one counts as mean 0, std 1. Labels outside
-``[0, V)`` raise ``ValueError`` (verl's ``gather`` raises ``RuntimeError``).
+**Mirrors verl 0.9.x** (checked against 0.9.1, ``verl/trainer/ppo/core_algos.py`` and
+``verl/utils/torch_functional.py``, by ``scripts/compat_live/verl/check.py``): signatures,
+defaults, return tuples, output dtypes and numerics, quirks included. **The v0.5 line** (2025)
+is :data:`legacy_v05`: ``from fused_rl.compat.verl import legacy_v05 as core_algos``.
+
+What 0.9.x changed, and so the adapter does:
+
+* :func:`agg_loss` (and :func:`compute_value_loss`, which forwards them) takes ``dp_size``,
+  ``batch_num_tokens``, ``global_batch_size`` and ``loss_scale_factor`` for global-batch
+  normalisation, and a fifth mode, ``"token-sum"``. ``"token-mean"`` divides by the token
+  count with no ``+ 1e-8`` (an all-masked batch gives NaN); the ``seq-mean-*`` modes divide
+  by the number of sequences with at least one valid token (a fully masked sequence neither
+  counts nor gives NaN); ``"seq-mean-token-sum-norm"`` is that seq-mean divided by
+  ``loss_scale_factor`` (default: the response length).
+* :func:`kl_penalty` accepts the straight-through kinds ``"k1+"``, ``"kl+"``, ``"abs+"``,
+  ``"k3+"``, ``"low_var_kl+"``, ``"k2+"``, ``"mse+"``: the base estimator's value with the
+  gradient of ``k2 = (logprob - ref_logprob)^2 / 2``; :func:`kl_penalty_forward` is the
+  estimator without it.
+* :func:`compute_policy_loss` is deprecated (a ``FutureWarning``, as in verl) in favour of
+  :func:`compute_policy_loss_vanilla`, which reads the clip ranges and the global-batch
+  information from an actor config and returns ``(loss, metrics)``.
+* GRPO keeps the scores' dtype and device for each group's statistics.
+
+Unchanged since v0.5: the NaN-safe :func:`masked_sum`, :func:`masked_mean` with ``+ 1e-8``,
+:func:`masked_var` raising on a mask count of 0 or 1, :func:`masked_whiten` returning zero
+mean by default, ``low_var_kl`` = ``k3`` (clamped), GAE that skips masked (observation)
+tokens, and GRPO's per-group ``(s - mean) / (std + eps)`` where a group of one counts as
+mean 0, std 1.
 
 Fused: :func:`logprobs_from_logits`, :func:`entropy_from_logits` and
 :func:`compute_entropy_loss` stream the logits through :func:`fused_rl.token_logprobs` /
-:func:`fused_rl.token_entropy` (no ``(..., V)`` temporary; fp32 math, cast to the logits'
-dtype as verl does). :func:`compute_gae_advantage_return` runs :func:`fused_rl.gae` (no loop
-over time). The rest is O(B*T) PyTorch on per-token tensors, as in verl.
+:func:`fused_rl.token_entropy` (no ``(..., V)`` temporary); :func:`kl_penalty` runs
+:func:`fused_rl.kl_estimate`; :func:`compute_gae_advantage_return` runs :func:`fused_rl.gae`
+(no loop over time). The rest is O(B*T) PyTorch on per-token tensors, as in verl.
+
+Half precision (``fused_rl.compat.half_precision``): by default (``"accurate"``) an fp16 /
+bf16 input is computed in fp32 and each output is rounded once to the dtype verl returns for
+those inputs (verl rounds every intermediate); ``"original"`` reproduces verl's own
+half-precision op sequence, bit for bit (its PyTorch path: the flash-attn cross-entropy verl
+uses on a GPU when installed is not reproduced). fp32 / fp64 inputs are never affected.
+
+Deliberate differences (docs/compat.md, "verl"): labels outside ``[0, V)`` raise
+``ValueError`` (verl's ``gather`` raises ``RuntimeError``); GAE takes a bool mask (verl's
+``1 - mask`` raises) and NaN / inf at masked positions of the rewards or values do not reach
+the advantages (verl's ``x * 0`` spreads them to every earlier step; ``"original"`` mode
+keeps that); a tensor GRPO ``index`` groups by value (verl hashes its elements by identity,
+so every sample is its own group).
 """
 
 from __future__ import annotations
 
+import numbers
+import sys
+import types
+import warnings
+from collections import defaultdict
 from collections.abc import Hashable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _validation as V
 from ..advantages import gae
 from ..kl import kl_estimate
 from ..logprobs import token_entropy
+from ._precision import half_precision_mode, original_half_precision
 from .trl import _gather_logprobs
 
 LOSS_AGG_MODES = (
     "token-mean",
+    "token-sum",
     "seq-mean-token-sum",
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
@@ -54,9 +92,77 @@ _KL_NAMES = {
     "low_var_kl": "low_var_kl",
     "k3": "low_var_kl",
 }
+KL_PENALTIES = (*_KL_NAMES, *(f"{name}+" for name in _KL_NAMES))
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- half precision
+
+
+def _describe(x):
+    """What decides the dtype an op sequence returns: a tensor's dtype and rank, a Python
+    scalar's type, a mode string's (or flag's) value."""
+    if isinstance(x, Tensor):
+        return ("tensor", x.dtype, x.dim())
+    if x is None or isinstance(x, (bool, str)):
+        return x
+    return type(x)
+
+
+def _meta(x):
+    return torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, Tensor) else x
+
+
+def _fp32(x):
+    return x.float() if isinstance(x, Tensor) and x.dtype in _HALF else x
+
+
+_OUT_DTYPES: dict = {}
+
+
+def _out_dtypes(impl, args, kwargs):
+    """The dtype(s) ``impl`` returns for these inputs: run once on meta tensors, cached."""
+    key = (impl, tuple(map(_describe, args)), tuple((k, _describe(v)) for k, v in kwargs.items()))
+    dtypes = _OUT_DTYPES.get(key)
+    if dtypes is None:
+        with torch.no_grad():
+            probe = impl(*map(_meta, args), **{k: _meta(v) for k, v in kwargs.items()})
+        dtypes = tuple(t.dtype for t in probe) if isinstance(probe, tuple) else probe.dtype
+        _OUT_DTYPES[key] = dtypes
+    return dtypes
+
+
+def _run(impl, *args, **kwargs):
+    """Run ``impl``, a plain-PyTorch op sequence written as verl computes, under the
+    half-precision mode: with an fp16 / bf16 input in ``"accurate"`` mode, on fp32 copies of
+    the half-precision tensors, each output cast to the dtype verl returns; otherwise as is."""
+    floating = [x for x in (*args, *kwargs.values()) if isinstance(x, Tensor)]
+    if half_precision_mode() == "original" or not any(t.dtype in _HALF for t in floating):
+        return impl(*args, **kwargs)
+    dtypes = _out_dtypes(impl, args, kwargs)
+    out = impl(*map(_fp32, args), **{k: _fp32(v) for k, v in kwargs.items()})
+    if isinstance(out, tuple):
+        return tuple(o.to(d) for o, d in zip(out, dtypes))
+    return out.to(dtypes)
 
 
 # ----------------------------------------------------------------------------- torch_functional
+
+
+def _check_labels(logits: Tensor, labels: Tensor) -> None:
+    V.check_logits(logits, "logits")
+    V.check_targets(labels, logits, "labels")
+    vocab = logits.shape[-1]
+    if V.value_checks_enabled(labels):
+        bad = (labels < 0) | (labels >= vocab)
+        if bool(bad.any()):
+            first = labels[bad].reshape(-1)[0].item()
+            raise ValueError(
+                f"labels holds {first}, outside [0, V) = [0, {vocab}); verl's "
+                "logprobs_from_logits has no ignore index: replace ignored labels (e.g. -100) "
+                "by a valid id and mask them out"
+            )
 
 
 def logprobs_from_logits(logits: Tensor, labels: Tensor, inplace_backward: bool = True) -> Tensor:
@@ -66,12 +172,15 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor, inplace_backward: bool 
 
     Args:
         logits: ``(..., V)`` float logits, any strides (``logits[:, -L - 1:-1]`` is not copied).
-        labels: ``(...)`` int64/int32 ids in ``[0, V)`` (out of range raises ``ValueError``).
+        labels: ``logits.shape[:-1]`` int64/int32 ids in ``[0, V)`` (out of range raises
+            ``ValueError``).
         inplace_backward: accepted for compatibility; the fused backward writes one fresh
             gradient and never keeps a ``(..., V)`` activation.
 
     Returns:
-        ``labels.shape`` log-probs in ``logits.dtype``; differentiable.
+        ``labels.shape`` log-probs in ``logits.dtype``; differentiable. In ``"original"``
+        half-precision mode, fp16 / bf16 logits take verl's PyTorch path (a log-softmax in the
+        logits' dtype per leading row).
 
     Example:
         >>> import torch
@@ -80,6 +189,15 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor, inplace_backward: bool 
         >>> verl_F.logprobs_from_logits(torch.zeros(2, 3, 4), labels)[0]
         tensor([-1.3863, -1.3863, -1.3863])
     """
+    if original_half_precision(logits):
+        _check_labels(logits, labels)
+        if logits.dim() < 2:
+            return F.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        rows = [
+            F.log_softmax(z, dim=-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+            for z, y in zip(logits, labels)
+        ]
+        return torch.stack(rows)
     return _gather_logprobs(
         logits, labels, temperature=1.0, name="labels", original="verl's logprobs_from_logits"
     )
@@ -103,13 +221,62 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
         tensor([0.6931])
     """
     V.check_logits(logits, "logits")
+    if original_half_precision(logits):
+        probs = torch.softmax(logits, dim=-1)
+        return torch.logsumexp(logits, dim=-1) - torch.sum(probs * logits, dim=-1)
     return token_entropy(logits).to(logits.dtype)
+
+
+def clip_by_value(x: Tensor, tensor_min: Tensor, tensor_max: Tensor) -> Tensor:
+    """Mirrors ``verl.utils.torch_functional.clip_by_value``: ``max(min(x, hi), lo)`` with
+    tensor bounds.
+
+    Example:
+        >>> import torch
+        >>> from fused_rl.compat import verl as verl_F
+        >>> verl_F.clip_by_value(torch.tensor([-2.0, 0.5, 3.0]), torch.tensor(-1.0),
+        ...                      torch.tensor(1.0))
+        tensor([-1.0000,  0.5000,  1.0000])
+    """
+    return torch.max(torch.min(x, tensor_max), tensor_min)
+
+
+def _masked_sum(values, mask, axis=None):
+    kept = torch.where(mask.bool(), values, 0.0)
+    return (kept * mask).sum(axis=axis)
+
+
+def _masked_mean(values, mask, axis=None):
+    return _masked_sum(values, mask, axis) / (mask.sum(axis=axis) + 1e-8)
+
+
+def _masked_var(values, mask, unbiased=True):
+    mean = _masked_mean(values, mask)
+    variance = _masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        count = mask.sum()
+        if not count.is_meta:  # a dtype probe has no values
+            if count == 0:
+                raise ValueError("At least one element in the mask has to be 1.")
+            if count == 1:
+                raise ValueError("The sum of the mask is one, which can cause a division by zero.")
+        variance = variance * (count / (count - 1))
+    return variance
+
+
+def _masked_whiten(values, mask, shift_mean=True):
+    mean, var = _masked_mean(values, mask), _masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened += mean
+    return whitened
 
 
 def masked_sum(values: Tensor, mask: Tensor, axis=None) -> Tensor:
     """Mirrors ``verl.utils.torch_functional.masked_sum``.
 
-    ``sum(values * mask)`` where values outside the mask (even NaN) count as 0.
+    ``sum(values * mask)`` where values outside the mask (even NaN) count as 0; ``axis``: an
+    int, a tuple of ints or None (all).
 
     Example:
         >>> import torch
@@ -117,8 +284,7 @@ def masked_sum(values: Tensor, mask: Tensor, axis=None) -> Tensor:
         >>> verl_F.masked_sum(torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 0.0]))
         tensor(1.)
     """
-    kept = torch.where(mask.bool(), values, torch.zeros_like(values))
-    return (kept * mask).sum(axis=axis)
+    return _run(_masked_sum, values, mask, axis)
 
 
 def masked_mean(values: Tensor, mask: Tensor, axis=None) -> Tensor:
@@ -132,7 +298,7 @@ def masked_mean(values: Tensor, mask: Tensor, axis=None) -> Tensor:
         >>> verl_F.masked_mean(torch.tensor([1.0, 3.0, 5.0]), torch.tensor([1, 1, 0]))
         tensor(2.)
     """
-    return masked_sum(values, mask, axis) / (mask.sum(axis=axis) + 1e-8)
+    return _run(_masked_mean, values, mask, axis)
 
 
 def masked_var(values: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
@@ -147,16 +313,7 @@ def masked_var(values: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
         >>> verl_F.masked_var(torch.tensor([1.0, 2.0, 3.0, 9.0]), torch.tensor([1, 1, 1, 0]))
         tensor(1.)
     """
-    centred = values - masked_mean(values, mask)
-    variance = masked_mean(centred**2, mask)
-    if unbiased:
-        count = mask.sum()
-        if count == 0:
-            raise ValueError("At least one element in the mask has to be 1.")
-        if count == 1:
-            raise ValueError("The sum of the mask is one, which can cause a division by zero.")
-        variance = variance * (count / (count - 1))
-    return variance
+    return _run(_masked_var, values, mask, unbiased)
 
 
 def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
@@ -164,7 +321,7 @@ def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True) -> Tens
 
     ``(values - mean) * rsqrt(var + 1e-8)`` with masked mean / unbiased variance; the default
     ``shift_mean=True`` gives zero mean, ``False`` adds the mean back (TRL's convention, the
-    opposite of torchtune's ``whiten``).
+    opposite of torchtune's ``whiten``). Positions outside the mask are transformed too.
 
     Example:
         >>> import torch
@@ -172,43 +329,172 @@ def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True) -> Tens
         >>> verl_F.masked_whiten(torch.tensor([1.0, 2.0, 3.0]), torch.ones(3))
         tensor([-1.,  0.,  1.])
     """
-    mean, var = masked_mean(values, mask), masked_var(values, mask)
-    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
-    if not shift_mean:
-        whitened = whitened + mean
-    return whitened
+    return _run(_masked_whiten, values, mask, shift_mean)
 
 
-# ----------------------------------------------------------------------------- core_algos
+# ----------------------------------------------------------------------------- loss aggregation
 
 
-def agg_loss(loss_mat: Tensor, loss_mask: Tensor, loss_agg_mode: str) -> Tensor:
-    """Mirrors ``verl.trainer.ppo.core_algos.agg_loss``.
+def _agg(
+    loss_mat,
+    loss_mask,
+    loss_agg_mode,
+    dp_size=1,
+    batch_num_tokens=None,
+    global_batch_size=None,
+    loss_scale_factor=None,
+):
+    """verl 0.9's ``agg_loss``, op for op (the order fixes every rounding and dtype)."""
+    if loss_agg_mode == "token-mean":
+        if batch_num_tokens is None:
+            if dp_size > 1:
+                raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
+            batch_num_tokens = loss_mask.sum()
+        return _masked_sum(loss_mat, loss_mask) / batch_num_tokens * dp_size
+    if loss_agg_mode == "token-sum":
+        return _masked_sum(loss_mat, loss_mask) * dp_size
+    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"):
+        counts = torch.sum(loss_mask, dim=-1)
+        per_seq = torch.sum(loss_mat * loss_mask, dim=-1)
+        if loss_agg_mode == "seq-mean-token-mean":
+            per_seq = per_seq / (counts + 1e-8)
+        present = (counts > 0).float()  # fully masked sequences do not count
+        if global_batch_size is None:
+            if dp_size > 1:
+                raise ValueError("global_batch_size is required when dp_size > 1")
+            global_batch_size = present.sum()
+        loss = _masked_sum(per_seq, present) / global_batch_size * dp_size
+        if loss_agg_mode == "seq-mean-token-sum-norm":
+            loss /= loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
+        return loss
+    raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode} (expected one of {LOSS_AGG_MODES})")
 
-    * ``token-mean``: :func:`masked_mean` over all tokens (``+ 1e-8``);
-    * ``seq-mean-token-sum``: mean over sequences of the masked token sum;
-    * ``seq-mean-token-mean``: mean over sequences of ``sum / mask.sum(-1)`` (a sequence with
-      no valid token gives NaN, as in verl);
-    * ``seq-mean-token-sum-norm``: ``sum of all masked tokens / loss_mask.shape[-1]``
-      (verl's Dr. GRPO form: divided by the response length, not by the batch size).
+
+def _agg_v05(loss_mat, loss_mask, loss_agg_mode):
+    """verl v0.5's ``agg_loss``, op for op."""
+    if loss_agg_mode == "token-mean":
+        return _masked_mean(loss_mat, loss_mask)
+    if loss_agg_mode not in LOSS_AGG_MODES_V05:
+        raise ValueError(
+            f"Invalid loss_agg_mode: {loss_agg_mode} (expected one of {LOSS_AGG_MODES_V05})"
+        )
+    per_seq = torch.sum(loss_mat * loss_mask, dim=-1)
+    if loss_agg_mode == "seq-mean-token-sum":
+        return torch.mean(per_seq)
+    if loss_agg_mode == "seq-mean-token-mean":
+        return torch.mean(per_seq / torch.sum(loss_mask, dim=-1))
+    return torch.sum(per_seq) / loss_mask.shape[-1]
+
+
+def agg_loss(
+    loss_mat: Tensor,
+    loss_mask: Tensor,
+    loss_agg_mode: str,
+    dp_size: int = 1,
+    batch_num_tokens: int | Tensor | None = None,
+    global_batch_size: int | Tensor | None = None,
+    loss_scale_factor: int | float | None = None,
+) -> Tensor:
+    """Mirrors ``verl.trainer.ppo.core_algos.agg_loss`` (verl 0.9.x).
+
+    With ``S = masked_sum(loss_mat, loss_mask)`` and per-sequence sums ``s_b``:
+
+    * ``token-mean``: ``S / batch_num_tokens * dp_size`` (``batch_num_tokens`` defaults to
+      ``loss_mask.sum()``; no ``+ 1e-8``, so an all-masked batch gives NaN);
+    * ``token-sum``: ``S * dp_size``;
+    * ``seq-mean-token-sum``: ``sum_b s_b / global_batch_size * dp_size`` over the sequences
+      with a valid token (``global_batch_size`` defaults to their number);
+    * ``seq-mean-token-mean``: the same with ``s_b / (n_b + 1e-8)``;
+    * ``seq-mean-token-sum-norm``: ``seq-mean-token-sum / loss_scale_factor`` (default:
+      ``loss_mask.shape[-1]``, the response length).
+
+    ``dp_size > 1`` needs ``batch_num_tokens`` (token-mean) / ``global_batch_size`` (the
+    seq-mean modes): ``ValueError`` otherwise, as in verl. An unknown mode raises
+    ``ValueError("Invalid loss_agg_mode: ...")``.
 
     Example:
         >>> import torch
         >>> from fused_rl.compat import verl as core_algos
-        >>> loss = torch.tensor([[1.0, 2.0], [3.0, 5.0]])
-        >>> core_algos.agg_loss(loss, torch.tensor([[1, 0], [1, 1]]), "seq-mean-token-mean")
-        tensor(2.5000)
+        >>> x = torch.arange(1.0, 9.0).reshape(2, 4)
+        >>> mask = torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0]])
+        >>> core_algos.agg_loss(x, mask, "seq-mean-token-sum")  # the empty row does not count
+        tensor(3.)
+        >>> core_algos.agg_loss(x, torch.ones(2, 4), "seq-mean-token-sum-norm")
+        tensor(4.5000)
+        >>> core_algos.agg_loss(x, mask, "token-mean", dp_size=2, batch_num_tokens=6)
+        tensor(1.)
     """
-    if loss_agg_mode == "token-mean":
-        return masked_mean(loss_mat, loss_mask)
-    per_seq = (loss_mat * loss_mask).sum(dim=-1)
-    if loss_agg_mode == "seq-mean-token-sum":
-        return per_seq.mean()
-    if loss_agg_mode == "seq-mean-token-mean":
-        return (per_seq / loss_mask.sum(dim=-1)).mean()
-    if loss_agg_mode == "seq-mean-token-sum-norm":
-        return per_seq.sum() / loss_mask.shape[-1]
-    raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode}")
+    return _run(
+        _agg,
+        loss_mat,
+        loss_mask,
+        loss_agg_mode,
+        dp_size=dp_size,
+        batch_num_tokens=batch_num_tokens,
+        global_batch_size=global_batch_size,
+        loss_scale_factor=loss_scale_factor,
+    )
+
+
+# ----------------------------------------------------------------------------- policy / value
+
+
+def _check_clip_ratio_c(clip_ratio_c) -> None:
+    if not clip_ratio_c > 1.0:  # verl asserts this; raised even under python -O
+        raise AssertionError(
+            "The lower bound of the clip_ratio_c for dual-clip PPO should be greater than 1.0,"
+            + f" but get the value: {clip_ratio_c}."
+        )
+
+
+def _policy(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    rollout_is_weights,
+    cliprange,
+    cliprange_low,
+    cliprange_high,
+    clip_ratio_c,
+    loss_agg_mode,
+    legacy=False,
+    dp_size=1,
+    batch_num_tokens=None,
+    global_batch_size=None,
+    loss_scale_factor=None,
+):
+    """verl's vanilla PPO loss, op for op: ``(pg_loss, clipfrac, ppo_kl, clipfrac_lower)``."""
+    low = cliprange if cliprange_low is None else cliprange_low
+    high = cliprange if cliprange_high is None else cliprange_high
+    log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(log_ratio)
+    ppo_kl = _masked_mean(-log_ratio, response_mask)
+
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * torch.clamp(ratio, 1 - low, 1 + high)
+    loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
+    clipfrac = _masked_mean(torch.gt(loss_clipped, loss_unclipped).float(), response_mask)
+
+    dual_bound = -advantages * clip_ratio_c
+    negative = advantages < 0
+    clipfrac_lower = _masked_mean(torch.gt(loss_ppo, dual_bound) * negative.float(), response_mask)
+    per_token = torch.where(negative, torch.min(dual_bound, loss_ppo), loss_ppo)
+    if rollout_is_weights is not None:
+        per_token = per_token * rollout_is_weights
+    if legacy:
+        pg_loss = _agg_v05(per_token, response_mask, loss_agg_mode)
+    else:
+        pg_loss = _agg(
+            per_token,
+            response_mask,
+            loss_agg_mode,
+            dp_size=dp_size,
+            batch_num_tokens=batch_num_tokens,
+            global_batch_size=global_batch_size,
+            loss_scale_factor=loss_scale_factor,
+        )
+    return pg_loss, clipfrac, ppo_kl, clipfrac_lower
 
 
 def compute_policy_loss(
@@ -222,11 +508,14 @@ def compute_policy_loss(
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Mirrors ``verl.trainer.ppo.core_algos.compute_policy_loss`` (vanilla PPO, dual clip).
+    """Mirrors ``verl.trainer.ppo.core_algos.compute_policy_loss`` (vanilla PPO, dual clip):
+    deprecated in verl 0.9 in favour of :func:`compute_policy_loss_vanilla`, and so it warns
+    (``FutureWarning``) as verl's does.
 
     Per token: ``r = exp(clamp(log_prob - old_log_prob, -20, 20))``,
     ``L = max(-A r, -A clip(r, 1 - cliprange_low, 1 + cliprange_high))``, and where ``A < 0``
-    additionally ``min(L, -A clip_ratio_c)``; aggregated by :func:`agg_loss`.
+    additionally ``min(L, -A clip_ratio_c)``; aggregated by :func:`agg_loss` with its
+    defaults (no global-batch arguments here, as in verl).
 
     Args:
         old_log_prob, log_prob, advantages, response_mask: ``(B, T)`` tensors.
@@ -241,38 +530,148 @@ def compute_policy_loss(
         clip bound is active.
 
     Example:
-        >>> import torch
+        >>> import torch, warnings
         >>> from fused_rl.compat import verl as core_algos
         >>> old = torch.full((1, 3), -1.0)
         >>> new = torch.tensor([[-0.5, -1.0, -1.5]], requires_grad=True)
-        >>> out = core_algos.compute_policy_loss(old, new, torch.ones(1, 3), torch.ones(1, 3),
-        ...                                      cliprange=0.2)
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore", FutureWarning)
+        ...     out = core_algos.compute_policy_loss(old, new, torch.ones(1, 3),
+        ...                                          torch.ones(1, 3), cliprange=0.2)
         >>> out[0].backward(); [round(v.item(), 4) for v in out]
         [-0.9355, 0.3333, 0.0, 0.0]
     """
-    assert clip_ratio_c > 1.0, (
-        "The lower bound of the clip_ratio_c for dual-clip PPO should be greater than 1.0,"
-        + f" but get the value: {clip_ratio_c}."
+    warnings.warn(
+        f"Warning: Function '{__name__}.compute_policy_loss' is deprecated. Please use "
+        f"'{__name__}.compute_policy_loss_vanilla' instead.",
+        category=FutureWarning,
+        stacklevel=2,
     )
-    low = cliprange if cliprange_low is None else cliprange_low
-    high = cliprange if cliprange_high is None else cliprange_high
-    log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
-    ratio = torch.exp(log_ratio)
-    ppo_kl = masked_mean(-log_ratio, response_mask)
+    _check_clip_ratio_c(clip_ratio_c)
+    return _run(
+        _policy, old_log_prob, log_prob, advantages, response_mask, None, cliprange,
+        cliprange_low, cliprange_high, clip_ratio_c, loss_agg_mode,
+    )  # fmt: skip
 
-    loss_unclipped = -advantages * ratio
-    loss_clipped = -advantages * torch.clamp(ratio, 1 - low, 1 + high)
-    loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
-    pg_clipfrac = masked_mean(torch.gt(loss_clipped, loss_unclipped).float(), response_mask)
 
-    dual_bound = -advantages * clip_ratio_c
-    negative = advantages < 0
-    pg_clipfrac_lower = masked_mean(
-        torch.gt(loss_ppo, dual_bound) * negative.float(), response_mask
-    )
-    per_token = torch.where(negative, torch.min(dual_bound, loss_ppo), loss_ppo)
-    pg_loss = agg_loss(per_token, response_mask, loss_agg_mode)
-    return pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+_MISSING = object()
+
+
+def _config_value(config, name: str, default=_MISSING):
+    """``config.name`` for verl's ``ActorConfig`` / an OmegaConf ``DictConfig`` / any object
+    with attributes, or ``config[name]`` for a plain mapping."""
+    if isinstance(config, dict):
+        if name in config:
+            return config[name]
+    elif hasattr(config, name):
+        return getattr(config, name)
+    if default is _MISSING:
+        raise AttributeError(f"config has no {name!r} (verl's ActorConfig field)")
+    return default
+
+
+def compute_policy_loss_vanilla(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Mirrors ``verl.trainer.ppo.core_algos.compute_policy_loss_vanilla`` (verl 0.9's
+    ``"vanilla"`` policy loss, the one ``get_policy_loss_fn("vanilla")`` returns).
+
+    The loss of :func:`compute_policy_loss` with the clip ranges read from ``config``
+    (``clip_ratio``; ``clip_ratio_low`` / ``clip_ratio_high`` when not None; ``clip_ratio_c``,
+    default 3.0), per-token losses multiplied by ``rollout_is_weights`` when given, and
+    :func:`agg_loss` called with ``config.global_batch_info`` (``dp_size``,
+    ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``; empty by default).
+
+    Args:
+        old_log_prob, log_prob, advantages, response_mask: ``(B, T)`` tensors.
+        loss_agg_mode: see :func:`agg_loss`.
+        config: verl's ``ActorConfig``, an OmegaConf config or any object (or dict) with those
+            fields; required (``AssertionError`` when None, as in verl).
+        rollout_is_weights: optional ``(B, T)`` rollout-correction weights.
+
+    Returns:
+        ``(pg_loss, metrics)``: the loss (differentiable w.r.t. ``log_prob``) and
+        ``{"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}`` as Python floats
+        (host syncs, as in verl).
+
+    Example:
+        >>> import torch
+        >>> from types import SimpleNamespace
+        >>> from fused_rl.compat import verl as core_algos
+        >>> config = SimpleNamespace(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=0.28,
+        ...                          clip_ratio_c=3.0, global_batch_info={})
+        >>> old = torch.full((1, 3), -1.0)
+        >>> new = torch.tensor([[-0.5, -1.0, -1.5]], requires_grad=True)
+        >>> loss, metrics = core_algos.compute_policy_loss_vanilla(
+        ...     old, new, torch.ones(1, 3), torch.ones(1, 3), config=config)
+        >>> round(loss.item(), 4), round(metrics["actor/pg_clipfrac"], 4)
+        (-0.9622, 0.3333)
+    """
+    if config is None:
+        raise AssertionError("compute_policy_loss_vanilla needs config (verl's ActorConfig)")
+    clip_ratio = _config_value(config, "clip_ratio")
+    low = _config_value(config, "clip_ratio_low", None)
+    high = _config_value(config, "clip_ratio_high", None)
+    low = clip_ratio if low is None else low
+    high = clip_ratio if high is None else high
+    clip_ratio_c = _config_value(config, "clip_ratio_c", 3.0)
+    _check_clip_ratio_c(clip_ratio_c)
+    batch_info = dict(_config_value(config, "global_batch_info", {}) or {})
+    unknown = set(batch_info) - {
+        "dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor",
+    }  # fmt: skip
+    if unknown:
+        raise TypeError(f"config.global_batch_info has unknown keys {sorted(unknown)}")
+    pg_loss, clipfrac, ppo_kl, lower = _run(
+        _policy, old_log_prob, log_prob, advantages, response_mask, rollout_is_weights,
+        clip_ratio, low, high, clip_ratio_c, loss_agg_mode, **batch_info,
+    )  # fmt: skip
+    metrics = {
+        "actor/pg_clipfrac": clipfrac.detach().item(),
+        "actor/ppo_kl": ppo_kl.detach().item(),
+        "actor/pg_clipfrac_lower": lower.detach().item(),
+    }
+    return pg_loss, metrics
+
+
+def _value(
+    vpreds,
+    returns,
+    values,
+    response_mask,
+    cliprange_value,
+    loss_agg_mode,
+    legacy=False,
+    dp_size=1,
+    batch_num_tokens=None,
+    global_batch_size=None,
+    loss_scale_factor=None,
+):
+    """verl's clipped value loss, op for op: ``(vf_loss, vf_clipfrac)``."""
+    clipped = clip_by_value(vpreds, values - cliprange_value, values + cliprange_value)
+    err_unclipped = (vpreds - returns) ** 2
+    err_clipped = (clipped - returns) ** 2
+    worst = torch.max(err_unclipped, err_clipped)
+    if legacy:
+        agg = _agg_v05(worst, response_mask, loss_agg_mode)
+    else:
+        agg = _agg(
+            worst,
+            response_mask,
+            loss_agg_mode,
+            dp_size=dp_size,
+            batch_num_tokens=batch_num_tokens,
+            global_batch_size=global_batch_size,
+            loss_scale_factor=loss_scale_factor,
+        )
+    clipfrac = _masked_mean(torch.gt(err_clipped, err_unclipped).float(), response_mask)
+    return 0.5 * agg, clipfrac
 
 
 def compute_value_loss(
@@ -282,15 +681,21 @@ def compute_value_loss(
     response_mask: Tensor,
     cliprange_value: float,
     loss_agg_mode: str = "token-mean",
+    dp_size: int = 1,
+    batch_num_tokens: int | Tensor | None = None,
+    global_batch_size: int | Tensor | None = None,
+    loss_scale_factor: int | float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Mirrors ``verl.trainer.ppo.core_algos.compute_value_loss`` (clipped value loss).
 
     ``0.5 * agg(max((v - R)^2, (clip(v, old - c, old + c) - R)^2))`` with verl's
-    ``clip_by_value`` (``max(min(v, old + c), old - c)``).
+    ``clip_by_value`` (``max(min(v, old + c), old - c)``); the global-batch arguments go to
+    :func:`agg_loss`.
 
     Returns:
         ``(vf_loss, vf_clipfrac)``: the loss (differentiable w.r.t. ``vpreds``) and the masked
-        fraction where the clipped error is strictly larger.
+        fraction where the clipped error is strictly larger (never affected by the
+        global-batch arguments).
 
     Example:
         >>> import torch
@@ -301,12 +706,24 @@ def compute_value_loss(
         >>> loss.item(), frac.item()
         (0.3125, 0.5)
     """
-    clipped = torch.max(torch.min(vpreds, values + cliprange_value), values - cliprange_value)
-    err_unclipped = (vpreds - returns) ** 2
-    err_clipped = (clipped - returns) ** 2
-    vf_loss = 0.5 * agg_loss(torch.max(err_unclipped, err_clipped), response_mask, loss_agg_mode)
-    vf_clipfrac = masked_mean(torch.gt(err_clipped, err_unclipped).float(), response_mask)
-    return vf_loss, vf_clipfrac
+    return _run(
+        _value, vpreds, returns, values, response_mask, cliprange_value, loss_agg_mode,
+        dp_size=dp_size, batch_num_tokens=batch_num_tokens,
+        global_batch_size=global_batch_size, loss_scale_factor=loss_scale_factor,
+    )  # fmt: skip
+
+
+def _entropy_loss(logits, response_mask, loss_agg_mode, aggregate):
+    if original_half_precision(logits):
+        return aggregate(entropy_from_logits(logits), response_mask, loss_agg_mode)
+    V.check_logits(logits, "logits")
+    entropy = token_entropy(logits)  # fp32 (fp64 for fp64 logits)
+    if logits.dtype not in _HALF:
+        return aggregate(entropy.to(logits.dtype), response_mask, loss_agg_mode)
+    # verl aggregates a half-precision entropy: aggregate the fp32 one, return verl's dtype
+    nominal = torch.empty(entropy.shape, dtype=logits.dtype, device="meta")
+    dtype = _out_dtypes(aggregate, (nominal, response_mask, loss_agg_mode), {})
+    return aggregate(entropy, _fp32(response_mask), loss_agg_mode).to(dtype)
 
 
 def compute_entropy_loss(
@@ -314,7 +731,8 @@ def compute_entropy_loss(
 ) -> Tensor:
     """Mirrors ``verl.trainer.ppo.core_algos.compute_entropy_loss``.
 
-    :func:`agg_loss` of the per-token entropy of ``(B, T, V)`` logits, fused (differentiable).
+    :func:`agg_loss` (with its defaults) of the per-token entropy of ``(B, T, V)`` logits,
+    fused (differentiable).
 
     Example:
         >>> import torch
@@ -322,37 +740,141 @@ def compute_entropy_loss(
         >>> core_algos.compute_entropy_loss(torch.zeros(1, 2, 4), torch.ones(1, 2))
         tensor(1.3863)
     """
-    return agg_loss(entropy_from_logits(logits), response_mask, loss_agg_mode)
+    return _entropy_loss(logits, response_mask, loss_agg_mode, _agg)
 
 
-def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kl_penalty: str) -> Tensor:
-    """Mirrors ``verl.trainer.ppo.core_algos.kl_penalty``.
+# ----------------------------------------------------------------------------- KL
 
-    Per-token KL estimate with ``d = logprob - ref_logprob``: ``"kl"``/``"k1"`` ``d``,
-    ``"abs"`` ``|d|``, ``"mse"``/``"k2"`` ``d^2 / 2``, ``"low_var_kl"``/``"k3"``
-    ``exp(-d) + d - 1`` with ``-d`` clamped to ``[-20, 20]`` and the result to ``[-10, 10]``.
+
+def _kl_eager(logprob, ref_logprob, kind):
+    """verl's estimators in the inputs' dtype, op for op (``"original"`` half precision)."""
+    if kind == "k1":
+        return logprob - ref_logprob
+    if kind == "abs":
+        return (logprob - ref_logprob).abs()
+    if kind == "k2":
+        return 0.5 * (logprob - ref_logprob).square()
+    neg = torch.clamp(ref_logprob - logprob, min=-20, max=20)
+    return torch.clamp(torch.exp(neg) - neg - 1, min=-10, max=10)
+
+
+def _kl_kind(kl_penalty, allowed) -> str:
+    if not isinstance(kl_penalty, str):
+        raise TypeError(f"kl_penalty must be a str (one of {allowed}), got {kl_penalty!r}")
+    kind = _KL_NAMES.get(kl_penalty)
+    if kind is None:  # "full" included: verl raises NotImplementedError for both
+        raise NotImplementedError(
+            f"kl_penalty {kl_penalty!r} is not implemented (verl accepts {allowed})"
+        )
+    return kind
+
+
+def kl_penalty_forward(logprob: Tensor, ref_logprob: Tensor, kl_penalty: str) -> Tensor:
+    """Mirrors ``verl.trainer.ppo.core_algos.kl_penalty_forward``: the KL estimators.
+
+    Per token with ``d = logprob - ref_logprob``: ``"kl"``/``"k1"`` ``d``, ``"abs"`` ``|d|``,
+    ``"mse"``/``"k2"`` ``d^2 / 2``, ``"low_var_kl"``/``"k3"`` ``exp(-d) + d - 1`` with ``-d``
+    clamped to ``[-20, 20]`` and the result to ``[-10, 10]`` (zero gradient where clamped).
     ``"full"`` and unknown names raise ``NotImplementedError``, as in verl. Fused
-    (:func:`fused_rl.kl_estimate`), differentiable w.r.t. both inputs.
+    (:func:`fused_rl.kl_estimate`), differentiable w.r.t. both inputs; the inputs broadcast
+    and the result has their promoted dtype, as verl's arithmetic gives.
 
     Example:
         >>> import torch
         >>> from fused_rl.compat import verl as core_algos
-        >>> core_algos.kl_penalty(torch.tensor([0.5]), torch.tensor([0.0]), "k2")
+        >>> core_algos.kl_penalty_forward(torch.tensor([0.5]), torch.tensor([0.0]), "k2")
         tensor([0.1250])
     """
-    kind = _KL_NAMES.get(kl_penalty)
-    if kind is None:
-        raise NotImplementedError(f"kl_penalty {kl_penalty!r} is not implemented")
-    out_dtype = torch.promote_types(logprob.dtype, ref_logprob.dtype)
-    return kl_estimate(logprob, ref_logprob, kind=kind).to(out_dtype)
+    kind = _kl_kind(kl_penalty, tuple(_KL_NAMES))
+    V.check_float(logprob, "logprob")
+    V.check_float(ref_logprob, "ref_logprob")
+    if original_half_precision(logprob, ref_logprob):
+        return _kl_eager(logprob, ref_logprob, kind)
+    out_dtype = torch.result_type(logprob, ref_logprob)
+    if logprob.shape != ref_logprob.shape:
+        logprob, ref_logprob = torch.broadcast_tensors(logprob, ref_logprob)
+    return kl_estimate(logprob, ref_logprob, kind=_KL_NAMES[kl_penalty]).to(out_dtype)
+
+
+def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kl_penalty: str) -> Tensor:
+    """Mirrors ``verl.trainer.ppo.core_algos.kl_penalty`` (verl 0.9.x).
+
+    :func:`kl_penalty_forward` of the named estimator. A ``"+"`` suffix (``"k1+"``, ``"kl+"``,
+    ``"abs+"``, ``"k3+"``, ``"low_var_kl+"``, ``"k2+"``, ``"mse+"``) is verl's straight-through
+    form ``k2 - k2.detach() + value.detach()``: the base estimator's value with the gradient of
+    ``k2 = d^2 / 2`` (``d`` w.r.t. ``logprob``, ``-d`` w.r.t. ``ref_logprob``, unclamped),
+    the unbiased KL gradient. Where ``k2`` overflows to inf (``|d| > 1.8e19``) or ``d`` is
+    infinite, the value is NaN, as in verl.
+
+    Example:
+        >>> import torch
+        >>> from fused_rl.compat import verl as core_algos
+        >>> lp = torch.tensor([-1.0, -2.0], requires_grad=True)
+        >>> kl = core_algos.kl_penalty(lp, torch.tensor([-1.5, -1.0]), "k3+")
+        >>> kl.sum().backward()
+        >>> [round(v, 4) for v in kl.tolist()], lp.grad.tolist()
+        ([0.1065, 0.7183], [0.5, -1.0])
+    """
+    straight = isinstance(kl_penalty, str) and kl_penalty.endswith("+")
+    value = kl_penalty_forward(logprob, ref_logprob, kl_penalty[:-1] if straight else kl_penalty)
+    if not straight:
+        return value
+    k2 = kl_penalty_forward(logprob, ref_logprob, "k2")
+    return k2 - k2.detach() + value.detach()
+
+
+def _kl_penalty_v05(logprob: Tensor, ref_logprob: Tensor, kl_penalty: str) -> Tensor:
+    """Mirrors verl v0.5's ``core_algos.kl_penalty``: :func:`kl_penalty_forward` (a ``"+"``
+    kind raises ``NotImplementedError``, as it did there).
+
+    Example:
+        >>> import torch
+        >>> from fused_rl.compat.verl import legacy_v05
+        >>> legacy_v05.kl_penalty(torch.tensor([0.5]), torch.tensor([0.0]), "k1")
+        tensor([0.5000])
+    """
+    return kl_penalty_forward(logprob, ref_logprob, kl_penalty)
+
+
+# ----------------------------------------------------------------------------- advantages
+
+
+def _gae_loop(rewards, values, mask, gamma, lam):
+    """verl's GAE recursion, step by step in the inputs' dtypes (``"original"`` mode, and
+    ``gamma`` / ``lam`` outside ``[0, 1]``): a masked step passes the next valid step's value
+    and advantage through. Returns the advantages before whitening."""
+    if mask.dtype == torch.bool:
+        mask = mask.long()  # verl's 1 - mask needs a number; an int mask keeps its dtypes
+    next_value, last = 0, 0  # Python zeros, as verl starts (they fix its dtype promotion)
+    steps = []
+    for t in range(rewards.shape[-1] - 1, -1, -1):
+        m = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        candidate = delta + gamma * lam * last
+        next_value = values[:, t] * m + (1 - m) * next_value
+        last = candidate * m + (1 - m) * last
+        steps.append(last)
+    return torch.stack(steps[::-1], dim=1)
+
+
+def _as_unit(x) -> float | None:
+    """``x`` as a float when the fused kernel takes it (a real number in ``[0, 1]``)."""
+    if isinstance(x, Tensor):
+        if x.numel() != 1 or x.is_complex() or x.dtype == torch.bool:
+            return None
+        x = x.item()
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        return None
+    x = float(x)
+    return x if 0.0 <= x <= 1.0 else None
 
 
 def compute_gae_advantage_return(
     token_level_rewards: Tensor,
     values: Tensor,
     response_mask: Tensor,
-    gamma: float,
-    lam: float,
+    gamma: float | Tensor,
+    lam: float | Tensor,
 ) -> tuple[Tensor, Tensor]:
     """Mirrors ``verl.trainer.ppo.core_algos.compute_gae_advantage_return``.
 
@@ -362,14 +884,18 @@ def compute_gae_advantage_return(
     :func:`masked_whiten` (zero masked mean; masked positions are not zeroed).
 
     Runs :func:`fused_rl.gae` on the valid tokens gathered to the front of each row: no
-    Python loop over time. No gradient (verl runs it under ``torch.no_grad``).
+    Python loop over time (``gamma`` / ``lam`` outside ``[0, 1]`` take a step-by-step loop).
+    No gradient (verl runs it under ``torch.no_grad``).
 
     Args:
-        token_level_rewards, values, response_mask: ``(B, T)``.
-        gamma, lam: numbers in ``[0, 1]`` (0-dim tensors are accepted).
+        token_level_rewards, values: ``(B, T)`` float tensors.
+        response_mask: ``(B, T)`` 0/1 mask: float, integer or bool (verl raises on bool).
+        gamma, lam: real numbers (0-dim tensors are accepted).
 
     Returns:
-        ``(advantages, returns)``, ``(B, T)`` each.
+        ``(advantages, returns)``, ``(B, T)`` each, in verl's dtype: the promotion of the
+        rewards', values' and (floating) mask's dtypes (bf16 rewards and values with an fp32
+        mask give fp32).
 
     Example:
         >>> import torch
@@ -380,29 +906,81 @@ def compute_gae_advantage_return(
         >>> ret.tolist()
         [[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]
     """
-    with torch.no_grad():
-        valid = response_mask.bool()
-        length = valid.shape[-1]
-        steps = torch.arange(length, device=valid.device)
-        # valid tokens first, in order: GAE on them is verl's skip-the-masked recursion
-        order = torch.argsort(torch.where(valid, steps, steps + length), dim=-1)
-        n_valid = valid.sum(dim=-1, keepdim=True)
-        dtype = torch.promote_types(token_level_rewards.dtype, values.dtype)
-        acc = torch.float64 if dtype == torch.float64 else torch.float32
-        adv_packed, _ = gae(
-            token_level_rewards.gather(-1, order).to(acc),
-            values.gather(-1, order).to(acc),
-            gamma=float(gamma),
-            lam=float(lam),
-            mask=steps < n_valid,
+    V.check_float(token_level_rewards, "token_level_rewards")
+    V.check_float(values, "values")
+    if token_level_rewards.dim() != 2:
+        raise ValueError(
+            f"token_level_rewards must be (B, T), got shape {tuple(token_level_rewards.shape)}"
         )
-        # a masked token carries the advantage of the next valid one (0 past the last):
-        # its packed index is the number of valid tokens before it
-        before = torch.cumsum(valid, dim=-1) - valid.long()
-        advantages = adv_packed.gather(-1, before).to(dtype)
-        returns = advantages + values
-        advantages = masked_whiten(advantages, response_mask)
+    V.check_shape(values, token_level_rewards.shape, "values", "token_level_rewards.shape")
+    V.check_mask_dtype(response_mask, "response_mask")
+    V.check_shape(
+        response_mask, token_level_rewards.shape, "response_mask", "token_level_rewards.shape"
+    )
+    V.check_same_device(
+        token_level_rewards=token_level_rewards, values=values, response_mask=response_mask
+    )
+    dtype = torch.promote_types(token_level_rewards.dtype, values.dtype)
+    if response_mask.is_floating_point():  # verl's x * mask: a floating mask promotes
+        dtype = torch.promote_types(dtype, response_mask.dtype)
+    with torch.no_grad():
+        if original_half_precision(token_level_rewards, values, response_mask):
+            advantages = _gae_loop(token_level_rewards, values, response_mask, gamma, lam)
+            returns = advantages + values
+            return _masked_whiten(advantages, response_mask), returns
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        rewards, vals = token_level_rewards.to(acc), values.to(acc)
+        gamma_f, lam_f = _as_unit(gamma), _as_unit(lam)
+        if gamma_f is None or lam_f is None:
+            advantages = _gae_loop(rewards, vals, response_mask, gamma, lam).to(acc)
+        else:
+            valid = response_mask.bool()
+            length = valid.shape[-1]
+            steps = torch.arange(length, device=valid.device)
+            # valid tokens first, in order: GAE on them is verl's skip-the-masked recursion
+            order = torch.argsort(torch.where(valid, steps, steps + length), dim=-1)
+            n_valid = valid.sum(dim=-1, keepdim=True)
+            packed, _ = gae(
+                rewards.gather(-1, order),
+                vals.gather(-1, order),
+                gamma=gamma_f,
+                lam=lam_f,
+                mask=steps < n_valid,
+            )
+            # a masked token carries the advantage of the next valid one (0 past the last):
+            # its packed index is the number of valid tokens before it
+            before = torch.cumsum(valid, dim=-1) - valid.long()
+            advantages = packed.gather(-1, before)
+        returns = (advantages + vals).to(dtype)
+        advantages = _masked_whiten(advantages, _fp32(response_mask)).to(dtype)
     return advantages, returns
+
+
+def _group_ids(index, n: int) -> list:
+    ids = index.tolist() if hasattr(index, "tolist") else list(index)
+    if len(ids) != n:
+        raise ValueError(f"index must hold {n} group ids (one per sample), got {len(ids)}")
+    return ids
+
+
+def _grpo_loop(scores, ids, epsilon, norm_adv_by_std_in_grpo):
+    """verl's per-group loop in the scores' dtype (``"original"`` half precision)."""
+    rows: dict = defaultdict(list)
+    for i, key in enumerate(ids):
+        rows[key].append(i)
+    stats = {}
+    for key, members in rows.items():
+        if len(members) == 1:
+            stats[key] = (torch.tensor(0.0), torch.tensor(1.0))
+        else:
+            group = torch.stack([scores[i] for i in members])
+            stats[key] = (torch.mean(group), torch.std(group))
+    out = scores.clone()
+    for i, key in enumerate(ids):
+        mean, std = stats[key]
+        centred = scores[i] - mean
+        out[i] = centred / (std + epsilon) if norm_adv_by_std_in_grpo else centred
+    return out
 
 
 def compute_grpo_outcome_advantage(
@@ -418,16 +996,19 @@ def compute_grpo_outcome_advantage(
     ``s = token_level_rewards.sum(-1)``; within each group of equal ``index`` (any hashable
     ids, e.g. verl's uid strings, in any order): ``(s - mean) / (std + epsilon)`` with the
     unbiased std (``s - mean`` when ``norm_adv_by_std_in_grpo=False``: Dr. GRPO); a group of
-    one keeps ``s / (1 + epsilon)`` (verl's mean 0, std 1). Broadcast over the response by
+    one keeps ``s / (1 + epsilon)`` (verl's mean 0, std 1, with ``1 + epsilon`` rounded to
+    fp32 as verl's ``torch.tensor(1.0) + epsilon`` is). Broadcast over the response by
     ``* response_mask``. Vectorised over groups (no Python loop over samples).
 
     Args:
-        token_level_rewards, response_mask: ``(B, T)``.
+        token_level_rewards: ``(B, T)`` float rewards.
+        response_mask: ``(B, T)`` mask.
         index: ``B`` group ids (numpy array, list or tensor).
         config: accepted for compatibility, unused (as in verl's GRPO estimator).
 
     Returns:
-        ``(advantages, returns)``: the same ``(B, T)`` tensor twice, as verl returns it.
+        ``(advantages, returns)``: the same ``(B, T)`` tensor twice, as verl returns it, in
+        the dtype of ``scores * response_mask`` (the scores rounded to the rewards' dtype).
 
     Example:
         >>> import torch
@@ -438,28 +1019,195 @@ def compute_grpo_outcome_advantage(
         >>> [round(v, 4) for v in adv[:, 0].tolist()]
         [0.7071, -0.7071, 1.0]
     """
+    V.check_float(token_level_rewards, "token_level_rewards")
+    V.check_mask_dtype(response_mask, "response_mask")
+    ids = _group_ids(index, token_level_rewards.shape[0])
     with torch.no_grad():
-        scores = token_level_rewards.sum(dim=-1)
-        ids = index.tolist() if hasattr(index, "tolist") else list(index)
-        if len(ids) != scores.shape[0]:
-            raise ValueError(f"index must hold {scores.shape[0]} group ids, got {len(ids)}")
+        if original_half_precision(token_level_rewards):
+            scores = _grpo_loop(
+                token_level_rewards.sum(dim=-1), ids, epsilon, norm_adv_by_std_in_grpo
+            )
+            advantages = scores.unsqueeze(-1) * response_mask
+            return advantages, advantages
+        dtype = token_level_rewards.dtype
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        scores = token_level_rewards.to(acc).sum(dim=-1)
         groups: dict = {}
-        group = torch.tensor([groups.setdefault(i, len(groups)) for i in ids], dtype=torch.long).to(
-            scores.device
-        )
-        n_groups = len(groups)
-        count = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device)
+        group = torch.tensor([groups.setdefault(i, len(groups)) for i in ids], dtype=torch.long)
+        group = group.to(scores.device)
+        count = torch.zeros(len(groups), dtype=acc, device=scores.device)
         count.index_add_(0, group, torch.ones_like(scores))
-        total = torch.zeros_like(count).index_add_(0, group, scores)
-        mean = total / count
+        mean = torch.zeros_like(count).index_add_(0, group, scores) / count
         centred = scores - mean[group]
         sq = torch.zeros_like(count).index_add_(0, group, centred**2)
         std = torch.sqrt(sq / (count - 1))
         single = count[group] == 1
-        # verl: a singleton group has mean 0 and std 1
-        centred = torch.where(single, scores, centred)
+        centred = torch.where(single, scores, centred)  # a group of one: mean 0 ...
         if norm_adv_by_std_in_grpo:
-            std_b = torch.where(single, torch.ones_like(scores), std[group])
-            centred = centred / (std_b + epsilon)
-        advantages = centred.unsqueeze(-1) * response_mask
+            one_eps = (torch.tensor(1.0) + epsilon).to(acc)  # ... std 1, plus eps in fp32
+            divisor = torch.where(single, one_eps.to(scores.device), std[group] + epsilon)
+            centred = centred / divisor
+        advantages = centred.to(dtype).unsqueeze(-1) * response_mask
     return advantages, advantages
+
+
+# ----------------------------------------------------------------------------- verl v0.5
+
+
+LOSS_AGG_MODES_V05 = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+
+
+def _agg_loss_v05(loss_mat: Tensor, loss_mask: Tensor, loss_agg_mode: str) -> Tensor:
+    """Mirrors verl v0.5's ``core_algos.agg_loss``.
+
+    * ``token-mean``: :func:`masked_mean` over all tokens (``+ 1e-8``: an empty batch gives 0);
+    * ``seq-mean-token-sum``: mean over all ``B`` sequences of the masked token sum;
+    * ``seq-mean-token-mean``: mean over all sequences of ``sum / mask.sum(-1)`` (a sequence
+      with no valid token gives NaN);
+    * ``seq-mean-token-sum-norm``: ``sum of all masked tokens / loss_mask.shape[-1]`` (not
+      divided by the batch size).
+
+    Example:
+        >>> import torch
+        >>> from fused_rl.compat.verl import legacy_v05
+        >>> x = torch.arange(1.0, 9.0).reshape(2, 4)
+        >>> legacy_v05.agg_loss(x, torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0]]),
+        ...                     "seq-mean-token-sum")
+        tensor(1.5000)
+        >>> legacy_v05.agg_loss(x, torch.ones(2, 4), "seq-mean-token-sum-norm")
+        tensor(9.)
+    """
+    return _run(_agg_v05, loss_mat, loss_mask, loss_agg_mode)
+
+
+def _compute_policy_loss_v05(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    cliprange: float | None = None,
+    cliprange_low: float | None = None,
+    cliprange_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Mirrors verl v0.5's ``core_algos.compute_policy_loss``: :func:`compute_policy_loss`
+    aggregated by v0.5's ``agg_loss``, without the deprecation warning.
+
+    Example:
+        >>> import torch
+        >>> from fused_rl.compat.verl import legacy_v05
+        >>> out = legacy_v05.compute_policy_loss(torch.zeros(1, 2), torch.zeros(1, 2),
+        ...                                      torch.ones(1, 2), torch.zeros(1, 2), 0.2)
+        >>> out[0]  # an empty batch: 0 (verl 0.9 gives NaN)
+        tensor(0.)
+    """
+    _check_clip_ratio_c(clip_ratio_c)
+    return _run(
+        _policy, old_log_prob, log_prob, advantages, response_mask, None, cliprange,
+        cliprange_low, cliprange_high, clip_ratio_c, loss_agg_mode, legacy=True,
+    )  # fmt: skip
+
+
+def _compute_value_loss_v05(
+    vpreds: Tensor,
+    returns: Tensor,
+    values: Tensor,
+    response_mask: Tensor,
+    cliprange_value: float,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[Tensor, Tensor]:
+    """Mirrors verl v0.5's ``core_algos.compute_value_loss`` (no global-batch arguments).
+
+    Example:
+        >>> import torch
+        >>> from fused_rl.compat.verl import legacy_v05
+        >>> v = torch.tensor([[1.0, 0.0]])
+        >>> legacy_v05.compute_value_loss(v, torch.ones(1, 2), torch.zeros(1, 2),
+        ...                               torch.ones(1, 2), 0.5)[0]
+        tensor(0.3125)
+    """
+    return _run(
+        _value, vpreds, returns, values, response_mask, cliprange_value, loss_agg_mode,
+        legacy=True,
+    )  # fmt: skip
+
+
+def _compute_entropy_loss_v05(
+    logits: Tensor, response_mask: Tensor, loss_agg_mode: str = "token-mean"
+) -> Tensor:
+    """Mirrors verl v0.5's ``core_algos.compute_entropy_loss`` (v0.5's ``agg_loss``).
+
+    Example:
+        >>> import torch
+        >>> from fused_rl.compat.verl import legacy_v05
+        >>> legacy_v05.compute_entropy_loss(torch.zeros(1, 2, 4), torch.zeros(1, 2))
+        tensor(0.)
+    """
+    return _entropy_loss(logits, response_mask, loss_agg_mode, _agg_v05)
+
+
+legacy_v05 = types.ModuleType(
+    f"{__name__}.legacy_v05",
+    """verl's v0.5 line (2025: ``core_algos.py`` at commit ``012be9d9``, release 0.5.0).
+
+Use it where a v0.5 behaviour is still wanted:
+``from fused_rl.compat.verl import legacy_v05 as core_algos``. What differs from 0.9.x:
+``agg_loss`` (four modes, no global-batch arguments; ``token-mean`` is ``masked_mean`` with
+``+ 1e-8``, so an all-masked batch gives 0; ``seq-mean-*`` average over all ``B`` sequences,
+so an empty one counts as 0 or, for ``seq-mean-token-mean``, NaN;
+``seq-mean-token-sum-norm`` divides the token sum by the response length only),
+``compute_value_loss`` and ``compute_policy_loss`` with that ``agg_loss`` (no deprecation
+warning), ``compute_entropy_loss`` likewise, and ``kl_penalty`` without the ``"+"``
+straight-through kinds. GAE, GRPO and the ``torch_functional`` helpers are the same
+functions as in :mod:`fused_rl.compat.verl` (their values did not change).
+""",
+)
+for _name, _fn in {
+    "agg_loss": _agg_loss_v05,
+    "compute_policy_loss": _compute_policy_loss_v05,
+    "compute_value_loss": _compute_value_loss_v05,
+    "compute_entropy_loss": _compute_entropy_loss_v05,
+    "kl_penalty": _kl_penalty_v05,
+    "compute_gae_advantage_return": compute_gae_advantage_return,
+    "compute_grpo_outcome_advantage": compute_grpo_outcome_advantage,
+    "logprobs_from_logits": logprobs_from_logits,
+    "entropy_from_logits": entropy_from_logits,
+    "clip_by_value": clip_by_value,
+    "masked_sum": masked_sum,
+    "masked_mean": masked_mean,
+    "masked_var": masked_var,
+    "masked_whiten": masked_whiten,
+    "LOSS_AGG_MODES": LOSS_AGG_MODES_V05,
+}.items():
+    setattr(legacy_v05, _name, _fn)
+del _name, _fn
+# ``import fused_rl.compat.verl.legacy_v05`` / ``from fused_rl.compat.verl.legacy_v05 import``
+sys.modules[legacy_v05.__name__] = legacy_v05
+
+__all__ = [
+    "LOSS_AGG_MODES",
+    "KL_PENALTIES",
+    "agg_loss",
+    "clip_by_value",
+    "compute_entropy_loss",
+    "compute_gae_advantage_return",
+    "compute_grpo_outcome_advantage",
+    "compute_policy_loss",
+    "compute_policy_loss_vanilla",
+    "compute_value_loss",
+    "entropy_from_logits",
+    "kl_penalty",
+    "kl_penalty_forward",
+    "legacy_v05",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+]
