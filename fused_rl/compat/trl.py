@@ -4,63 +4,177 @@ Change ``from trl.trainer.utils import selective_log_softmax, entropy_from_logit
 ``from fused_rl.compat.trl import selective_log_softmax, entropy_from_logits``. TRL is not
 imported (nor needed).
 
-Mirrors ``trl/trainer/utils.py`` of TRL 0.2x (``selective_log_softmax`` with its ``(..., K)``
-index, ``entropy_from_logits(logits, chunk_size=128)``).
+Mirrors ``trl/trainer/utils.py`` of TRL >= 1.14 (1.16 current):
+``selective_log_softmax(logits, index, temperature=1.0, row_mask=None)``, with its
+``(..., K)`` index, and ``entropy_from_logits(logits, chunk_size=128)``. Callers of the
+older two-argument ``selective_log_softmax(logits, index)`` get what they always got.
+
+What TRL does, and so the adapter does:
+
+* ``temperature`` divides the logits before the log-softmax (``ValueError`` unless ``> 0``).
+* ``row_mask`` (``index``'s shape, or one that broadcasts to it; any dtype): entries where
+  ``row_mask == 0`` give exactly 0, with exactly 0 gradient.
+* Return dtype: ``logits.dtype``, except where TRL runs its own Triton kernel, which returns
+  fp32 (logits on CUDA / XPU in fp16 / bf16 / fp32, 1 to 3 dims, last stride 1; an index of
+  ``logits.shape[:-1]`` (int32 / int64); ``row_mask`` None or of ``index``'s exact shape in
+  bool / int32 / int64; Triton installed): bf16 logits on a GPU give fp32 log-probs there,
+  bf16 ones on a CPU.
+
+Half precision, the one trade (``fused_rl.compat.half_precision``, docs/compat.md):
+
+* ``"accurate"`` (default): the math runs in fp32 (fp64 for fp64 logits) and each output
+  is rounded once. TRL's PyTorch path (CPU, and any call its kernel does not take) divides
+  by the temperature and takes the log-softmax in fp16 / bf16, and for the entropy also
+  rounds ``exp`` and the products: its error against float64 is as large or larger
+  (docs/compat.md gives the live check's figures), but its results are not the adapter's
+  bit for bit, and tests that compare with ``torch.equal`` fail.
+* ``"original"``: fp16 / bf16 logits go through TRL's own PyTorch computation (the same ops,
+  order and chunking, autograd through them), so values and gradients equal TRL's bit for
+  bit. It costs what TRL costs: a half-precision ``(..., V)`` log-softmax per leading row
+  (per ``chunk_size`` rows for the entropy), saved for the backward. Where TRL runs its
+  Triton kernel, which computes in fp32, there is no half-precision path to reproduce: both
+  modes return fused_rl's fp32 values (equal to TRL's to fp32 rounding, not bit for bit).
 
 Differences from TRL, all deliberate:
 
 * Both functions stream the logits once (forward) and once (backward) through
   :func:`fused_rl.token_logprobs` / :func:`fused_rl.token_entropy`: no ``(..., V)`` temporary,
-  whatever the dtype. ``chunk_size`` is accepted and has no effect.
-* The math runs in fp32 (fp64 for fp64 logits) and the result is cast to the logits' dtype,
-  so bf16/fp16 outputs are the correctly rounded fp32 values rather than TRL's bf16 chain.
+  whatever the dtype. ``chunk_size`` is checked (an int ``>= 1``) and otherwise has no effect
+  in ``"accurate"`` mode.
 * An index outside ``[0, V)`` (a ``-100`` label included) raises ``ValueError`` in eager mode
-  (TRL's ``gather`` raises ``RuntimeError``); see ``fused_rl.config.check_values``.
-* ``-inf`` logits give a finite entropy (TRL's ``0 * -inf`` gives NaN).
+  (TRL's ``gather`` raises ``RuntimeError``); see ``fused_rl.config.check_values``. Entries
+  that ``row_mask`` masks are not checked (nor read), as in TRL's kernel.
+* ``-inf`` logits give a finite entropy (TRL's ``0 * -inf`` gives NaN); ``"original"`` mode
+  keeps TRL's NaN.
+* ``temperature`` must be a finite real number, not a tensor (TRL's PyTorch path accepts a
+  tensor, NaN and inf). NaN logits at entries that ``row_mask`` masks never reach the
+  gradient (TRL's PyTorch path returns a NaN gradient there, its kernel 0).
+* 1-D ``(V,)`` logits with a 0-d index give a 0-d log-prob, as TRL's kernel does (TRL's
+  PyTorch path returns a wrong ``(V,)`` result in fp32 and raises in fp16 / bf16); empty
+  leading dimensions give an empty result (TRL's PyTorch path raises).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _validation as V
-from .._backend import resolve_backend
+from .._backend import resolve_backend, triton_installed
 from .._vocab_ops import token_stats_nocheck
 from ..logprobs import token_entropy
+from ._precision import original_half_precision
 
 # Passed as ``ignore_index``: these helpers have no ignore index in the originals, and an
 # out-of-range label must not become a 0 log-prob. A label equal to this value is itself out
 # of range: the eager range check rejects it, and without that check (``check_values=False``,
 # ``torch.compile``) ``_checked_logprobs`` turns its row into NaN like any other bad label.
+# Entries that ``row_mask`` masks are replaced by it, so the kernels skip them.
 _NO_IGNORE = -(2**31)
 
+_SELECTIVE = "TRL's selective_log_softmax"
+# What an out-of-range label's message tells the caller to do.
+_RELABEL = "replace ignored labels (e.g. -100) by a valid id and mask them out"
+_ROW_MASK_FIX = "pass row_mask = 0 where a label is ignored, or replace it by a valid id"
+# Devices on which TRL >= 1.14 runs its own Triton kernel (``_supports_trl_loss_kernel``).
+_TRL_KERNEL_DEVICES = ("cuda", "xpu")
+_TRL_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_TRL_KERNEL_MASK_DTYPES = (torch.bool, torch.int32, torch.int64)
 
-def _check_index_range(index: Tensor, vocab: int, name: str, original: str) -> None:
-    """Eager-mode check that ``index`` lies in ``[0, vocab)`` (one host sync)."""
+
+def _trl_kernel_path(
+    logits: Tensor, index: Tensor | None = None, row_mask: Tensor | None = None
+) -> bool:
+    """True where TRL 1.16 would run its Triton kernel (and so return fp32 outputs)."""
+    takes = (
+        logits.device.type in _TRL_KERNEL_DEVICES
+        and logits.dtype in _TRL_KERNEL_DTYPES
+        and 1 <= logits.dim() <= 3
+        and logits.stride(-1) == 1
+        and logits.shape[-1] > 0
+        and triton_installed()
+    )
+    if index is not None:
+        takes = (
+            takes
+            and tuple(index.shape) == tuple(logits.shape[:-1])
+            and index.dtype in V.INDEX_DTYPES
+            and index.device == logits.device
+        )
+    if row_mask is not None:
+        takes = (
+            takes
+            and index is not None
+            and tuple(row_mask.shape) == tuple(index.shape)
+            and row_mask.dtype in _TRL_KERNEL_MASK_DTYPES
+            and row_mask.device == logits.device
+        )
+    return takes
+
+
+def _check_index_range(
+    index: Tensor,
+    vocab: int,
+    name: str,
+    original: str,
+    keep: Tensor | None = None,
+    fix: str = _RELABEL,
+) -> None:
+    """Eager-mode check that ``index`` lies in ``[0, vocab)`` where ``keep`` is True (all of
+    it when None); one host sync. ``fix``: what the message tells the caller to do."""
     if not V.value_checks_enabled(index):
         return
     bad = (index < 0) | (index >= vocab)
+    if keep is not None:
+        bad = bad & keep
     if bool(bad.any()):
         first = index[bad].reshape(-1)[0].item()
         raise ValueError(
             f"{name} holds {first}, outside [0, V) = [0, {vocab}); {original} has no ignore "
-            "index: replace ignored labels (e.g. -100) by a valid id and mask them out"
+            f"index: {fix}"
         )
 
 
+def _keep_mask(row_mask: Tensor | None, index: Tensor, logits: Tensor) -> Tensor | None:
+    """``row_mask != 0`` broadcast to ``index.shape`` (TRL masks ``row_mask == 0``), or None."""
+    if row_mask is None:
+        return None
+    V.check_mask_dtype(row_mask, "row_mask")
+    V.check_same_device(logits=logits, row_mask=row_mask)
+    try:
+        fits = torch.broadcast_shapes(row_mask.shape, index.shape) == index.shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"row_mask must have index's shape {tuple(index.shape)} (or broadcast to it), "
+            f"got {tuple(row_mask.shape)}"
+        )
+    return (row_mask != 0).expand(index.shape)
+
+
 def _checked_logprobs(
-    logits: Tensor, index: Tensor, *, temperature: float = 1.0, return_entropy: bool = False
+    logits: Tensor,
+    index: Tensor,
+    *,
+    temperature: float = 1.0,
+    keep: Tensor | None = None,
+    return_entropy: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """:func:`fused_rl.token_logprobs` with no ignore index, for an ``index`` that has passed
-    :func:`_check_index_range` (so the eager range check, a host sync, runs once, not twice)."""
+    """:func:`fused_rl.token_logprobs` with no ignore index (and 0 where ``keep`` is False),
+    for an ``index`` that has passed :func:`_check_index_range` (so the eager range check,
+    a host sync, runs once, not twice). fp32 results (fp64 for fp64 logits)."""
     V.check_positive(temperature, "temperature")
     which = resolve_backend("auto", logits, index)
+    targets = index if keep is None else torch.where(keep, index, _NO_IGNORE)
     logp, entropy = token_stats_nocheck(
-        logits, index, temperature, _NO_IGNORE, return_entropy, which
+        logits, targets, temperature, _NO_IGNORE, return_entropy, which
     )
     if not V.value_checks_enabled(index):  # the sentinel label went through unchecked
         sentinel = index == _NO_IGNORE
+        if keep is not None:
+            sentinel = sentinel & keep
         logp = torch.where(sentinel, float("nan"), logp)
         if return_entropy:
             entropy = torch.where(sentinel, float("nan"), entropy)
@@ -70,7 +184,8 @@ def _checked_logprobs(
 def _gather_logprobs(
     logits: Tensor, index: Tensor, *, temperature: float, name: str, original: str
 ) -> Tensor:
-    """``log_softmax(logits / T).gather(-1, index[..., None])[..., 0]`` in ``logits.dtype``."""
+    """``log_softmax(logits / T).gather(-1, index[..., None])[..., 0]`` in ``logits.dtype``
+    (the verl and torchtune adapters' gather)."""
     V.check_logits(logits)
     V.check_targets(index, logits, name)
     _check_index_range(index, logits.shape[-1], name, original)
@@ -78,45 +193,126 @@ def _gather_logprobs(
     return logp.to(logits.dtype)
 
 
-def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:
-    """Mirrors ``trl.trainer.utils.selective_log_softmax(logits, index)``.
+def _check_index(logits: Tensor, index: Tensor) -> bool:
+    """Validate ``index`` against ``logits``; True for a ``(..., K)`` index."""
+    V.check_tensor(index, "index")
+    if index.dim() == logits.dim() - 1:
+        V.check_targets(index, logits, "index")
+        return False
+    if index.dim() != logits.dim() or tuple(index.shape[:-1]) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"index must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])} or "
+            f"(*logits.shape[:-1], K), got {tuple(index.shape)}"
+        )
+    if index.dtype not in V.INDEX_DTYPES:
+        raise TypeError(f"index must be an int64 or int32 tensor, got {index.dtype}")
+    V.check_same_device(logits=logits, index=index)
+    return True
 
-    ``log_softmax(logits, -1)`` gathered at ``index``, without the ``(..., V)`` log-softmax.
+
+def _original_selective(
+    logits: Tensor, index: Tensor, temperature: float, keep: Tensor | None
+) -> Tensor:
+    """TRL's PyTorch path for fp16 / bf16 logits, op for op (``"original"`` mode): divide by
+    the temperature and take the log-softmax in the logits' dtype, one leading row at a time,
+    gather, then zero the masked entries."""
+    vocab = logits.shape[-1]
+    valid = (index >= 0) & (index < vocab)
+    # Masked (and, with value checks off, bad) labels gather a valid id instead: the entry is
+    # overwritten below, and its zero upstream gradient scatters to any column alike.
+    safe = torch.where(valid, index, 0)
+    if temperature != 1.0:
+        logits = logits / temperature
+    squeeze = safe.dim() == logits.dim() - 1
+    if squeeze:
+        safe = safe.unsqueeze(-1)
+    if logits.dim() == 1 or logits.shape[0] == 0:  # TRL's row loop fails on these
+        out = F.log_softmax(logits, dim=-1).gather(-1, safe)
+    else:
+        rows = zip(logits, safe, strict=True)
+        out = torch.stack([F.log_softmax(z, dim=-1).gather(-1, i) for z, i in rows])
+    if squeeze:
+        out = out.squeeze(-1)
+    if keep is not None:
+        out = out.masked_fill(~keep, 0.0)
+    if not V.value_checks_enabled(index):  # unchecked bad labels: NaN, as fused_rl gives
+        bad = ~valid if keep is None else ~valid & keep
+        out = out.masked_fill(bad, float("nan"))
+    return out
+
+
+def _original_entropy(logits: Tensor, chunk_size: int) -> Tensor:
+    """TRL's PyTorch entropy for fp16 / bf16 logits, op for op (``"original"`` mode):
+    ``-(exp(log_softmax) * log_softmax).sum(-1)`` in the logits' dtype, ``chunk_size`` rows
+    of the flattened logits at a time."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    parts = []
+    for chunk in flat.split(chunk_size, dim=0):
+        logp = F.log_softmax(chunk, dim=-1)
+        parts.append(-(torch.exp(logp) * logp).sum(-1))
+    return torch.cat(parts, dim=0).reshape(logits.shape[:-1])
+
+
+def selective_log_softmax(
+    logits: Tensor, index: Tensor, temperature: float = 1.0, row_mask: Tensor | None = None
+) -> Tensor:
+    """Mirrors ``trl.trainer.utils.selective_log_softmax(logits, index, temperature=1.0,
+    row_mask=None)`` (TRL >= 1.14).
+
+    ``log_softmax(logits / temperature, -1)`` gathered at ``index``, without the ``(..., V)``
+    log-softmax.
 
     Args:
         logits: ``(..., V)`` float logits, any strides.
         index: ``(...)`` = ``logits.shape[:-1]`` (one id per position), or ``(..., K)`` with
             ``index.shape[:-1] == logits.shape[:-1]`` (``K`` ids per position, e.g. top-K;
             one fused pass over the logits per ``k``). int64 or int32.
+        temperature: the logits are divided by it; a finite number ``> 0``.
+        row_mask: None, or ``index``'s shape (or broadcastable to it), any dtype: entries
+            where ``row_mask == 0`` give 0 with 0 gradient, and their logits and labels are
+            not read.
 
     Returns:
-        Log-probabilities of ``index``'s shape, in ``logits.dtype``; differentiable.
+        Log-probabilities of ``index``'s shape, in ``logits.dtype`` (fp32 where TRL's
+        Triton kernel would run, see the module docstring); differentiable. Under
+        ``half_precision("original")``, fp16 / bf16 results equal TRL's bit for bit.
 
     Example:
         >>> import torch
         >>> from fused_rl.compat.trl import selective_log_softmax
-        >>> logits = torch.randn(2, 3, 7)
-        >>> selective_log_softmax(logits, torch.randint(0, 7, (2, 3))).shape
-        torch.Size([2, 3])
-        >>> selective_log_softmax(logits, torch.randint(0, 7, (2, 3, 4))).shape
-        torch.Size([2, 3, 4])
+        >>> logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [2.0, 0.0, 0.0, 0.0]]])
+        >>> index = torch.tensor([[1, 0]])
+        >>> out = selective_log_softmax(logits, index)  # log(1/4), log(e^2 / (e^2 + 3))
+        >>> [round(v, 5) for v in out[0].tolist()]
+        [-1.38629, -0.34075]
+        >>> selective_log_softmax(logits, index, 2.0, row_mask=torch.tensor([[1, 0]])).tolist()
+        [[-1.3862943649291992, 0.0]]
+        >>> selective_log_softmax(logits, torch.randint(0, 4, (1, 2, 3))).shape
+        torch.Size([1, 2, 3])
     """
     V.check_logits(logits, "logits")
-    V.check_tensor(index, "index")
-    original = "TRL's selective_log_softmax"
-    if index.dim() == logits.dim() - 1:
-        return _gather_logprobs(logits, index, temperature=1.0, name="index", original=original)
-    if index.dim() != logits.dim() or tuple(index.shape[:-1]) != tuple(logits.shape[:-1]):
-        raise ValueError(
-            f"index must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])} or "
-            f"(*logits.shape[:-1], K), got {tuple(index.shape)}"
-        )
+    V.check_positive(temperature, "temperature")
+    multi = _check_index(logits, index)
+    keep = _keep_mask(row_mask, index, logits)
+    _check_index_range(index, logits.shape[-1], "index", _SELECTIVE, keep, _ROW_MASK_FIX)
+    kernel_path = _trl_kernel_path(logits, index, row_mask)
+    if original_half_precision(logits) and not kernel_path:
+        return _original_selective(logits, index, float(temperature), keep)
+    out_dtype = torch.float32 if kernel_path else logits.dtype
+    if not multi:
+        logp = _checked_logprobs(logits, index, temperature=temperature, keep=keep)
+        return logp.to(out_dtype)
     columns = [
-        _gather_logprobs(logits, index[..., k], temperature=1.0, name="index", original=original)
+        _checked_logprobs(
+            logits,
+            index[..., k],
+            temperature=temperature,
+            keep=None if keep is None else keep[..., k],
+        ).to(out_dtype)
         for k in range(index.shape[-1])
     ]
     if not columns:
-        return logits.new_empty(index.shape)
+        return logits.new_empty(index.shape, dtype=out_dtype)
     return torch.stack(columns, dim=-1)
 
 
@@ -127,16 +323,27 @@ def entropy_from_logits(logits: Tensor, chunk_size: int = 128) -> Tensor:
 
     Args:
         logits: ``(..., V)`` float logits, any strides.
-        chunk_size: accepted for compatibility; the fused kernel never materialises a chunk.
+        chunk_size: an int ``>= 1``; rows per chunk of TRL's loop, used only to reproduce it
+            under ``half_precision("original")`` (the fused kernel never materialises a chunk).
 
     Returns:
-        ``logits.shape[:-1]`` tensor in ``logits.dtype``; differentiable.
+        ``logits.shape[:-1]`` tensor in ``logits.dtype`` (fp32 where TRL's Triton kernel would
+        run, see the module docstring); differentiable.
 
     Example:
         >>> import torch
         >>> from fused_rl.compat.trl import entropy_from_logits
         >>> entropy_from_logits(torch.zeros(2, 4)).tolist()  # log(4)
         [1.3862943649291992, 1.3862943649291992]
+        >>> import fused_rl.compat as compat
+        >>> with compat.half_precision("original"):  # TRL's bf16 arithmetic, bit for bit
+        ...     entropy_from_logits(torch.zeros(2, 4, dtype=torch.bfloat16)).tolist()
+        [1.3828125, 1.3828125]
     """
     V.check_logits(logits, "logits")
-    return token_entropy(logits).to(logits.dtype)
+    V.check_positive_int(chunk_size, "chunk_size")
+    kernel_path = _trl_kernel_path(logits)
+    if original_half_precision(logits) and not kernel_path:
+        return _original_entropy(logits, chunk_size)
+    entropy = token_entropy(logits, backend=resolve_backend("auto", logits))
+    return entropy.to(torch.float32 if kernel_path else logits.dtype)
