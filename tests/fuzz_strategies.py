@@ -241,14 +241,17 @@ def logits_args(draw, shape: tuple[int, ...], dtype: torch.dtype, *, row_special
 # ----------------------------------------------------------------------------- masks, indices
 
 
-MASK_KINDS = ("none", "bool", "bool", "int", "float", "weights")
+# "signed": weights with a negative entry, which every weight-taking op turns into NaN (a
+# negative weight cannot be rejected without reading the mask on the host)
+MASK_KINDS = ("none", "bool", "bool", "int", "float", "weights", "signed")
 MASK_PATTERNS = ("random", "random", "random", "all_false", "all_true", "empty_rows")
 
 
 @st.composite
 def mask_args(draw, shape: tuple[int, ...], *, kinds=MASK_KINDS, patterns=MASK_PATTERNS):
     """``None`` or a mask :class:`Arg` (bool / int64 0-1 / float 0-1 / float non-negative
-    weights), with all-False, all-True or empty-row patterns."""
+    weights / weights with a negative entry), with all-False, all-True or empty-row
+    patterns."""
     kind = draw(st.sampled_from(kinds))
     if kind == "none":
         return None
@@ -271,11 +274,14 @@ def mask_args(draw, shape: tuple[int, ...], *, kinds=MASK_KINDS, patterns=MASK_P
         values, fill = keep.to(torch.int64), 1
     elif kind == "float":
         values, fill = keep.to(torch.float32), NAN
-    else:  # non-negative weights, some tiny and some large
+    else:  # non-negative weights, some tiny and some large (one negative if "signed")
         weights = torch.rand(compact, generator=gen, dtype=torch.float64) * 3
         weights[weights > 2.7] = 1e-30
+        if kind == "signed" and weights.numel() > 0:
+            weights.view(-1)[torch.randint(0, weights.numel(), (), generator=gen)] = -0.5
+            keep.view(-1)[weights.view(-1) < 0] = True
         values, fill = torch.where(keep, weights, 0.0).to(torch.float32), NAN
-    origin = f"{pattern} seed={seed}" + (" weights" if kind == "weights" else "")
+    origin = f"{pattern} seed={seed}" + (f" {kind}" if kind in ("weights", "signed") else "")
     return Arg(_base_from_logical(values, layout, fill), layout, shape, origin=origin)
 
 
@@ -313,6 +319,8 @@ class Case:
     ``nan_rule(inputs)`` -> ``{output name: bool tensor | bool}``: where NaN is required.
     ``local_outputs`` maps an output to the counted mask of its own positions: outputs at
     uncounted positions may depend on the input there (``masked_whiten``).
+    ``linear``: the outputs are sums of the inputs (GAE, masked sums), so a summation order
+    may cost rounding relative to the largest input, not just to the output.
     """
 
     op: str
@@ -324,6 +332,7 @@ class Case:
     nan_rule: Callable[[dict[str, torch.Tensor | None]], dict[str, Any]] | None = None
     invariant_skip: tuple[str, ...] = ()
     local_outputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    linear: bool = False
     upstream_seed: int = 0
 
     def inputs(self) -> dict[str, torch.Tensor | None]:
@@ -331,6 +340,16 @@ class Case:
 
     def float_args(self) -> dict[str, Arg]:
         return {k: a for k, a in self.args.items() if a is not None and a.base.is_floating_point()}
+
+    def input_scale(self) -> float:
+        """The largest finite magnitude among the float arguments (0 if none)."""
+        scale = 0.0
+        for a in self.float_args().values():
+            x = a.value().double()
+            finite = x[torch.isfinite(x)]
+            if finite.numel():
+                scale = max(scale, finite.abs().max().item())
+        return scale
 
     def has(self, predicate) -> bool:
         return any(bool(predicate(a.value()).any()) for a in self.float_args().values())
@@ -350,11 +369,20 @@ class Case:
                 args[name] = a.cleaned(self.counted[name])
         return Case(**{**self.__dict__, "args": args})
 
-    def upcast(self) -> Case:
-        """The same case with every float argument (masks included) in fp64."""
+    def upcast(self, perturb: int | None = None) -> Case:
+        """The same case with every float argument (masks included) in fp64; with ``perturb``
+        (a seed) each element moved by one rounding of its computation dtype (2^-24 relative,
+        2^-53 for fp64), in a random direction: how much that moves an output is what
+        rounding alone may cost there (its condition)."""
         args = dict(self.args)
+        gen = None if perturb is None else torch.Generator().manual_seed(perturb)
         for name, a in self.float_args().items():
-            args[name] = a.converted(torch.float64)
+            a = a.converted(torch.float64)
+            if gen is not None:
+                rel = 2.0**-53 if self.args[name].dtype == torch.float64 else 2.0**-24
+                sign = torch.randint(0, 2, a.base.shape, generator=gen) * 2.0 - 1.0
+                a = Arg(a.base * (1 + rel * sign), a.layout, a.shape, a.planted, a.plants)
+            args[name] = a
         return Case(**{**self.__dict__, "args": args})
 
     def _repr_pretty_(self, printer, cycle):
