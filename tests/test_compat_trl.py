@@ -66,6 +66,20 @@ def trl_half_entropy(logits, chunk_size=128):
     return torch.cat(out).reshape(logits.shape[:-1])
 
 
+def trl_output_dtype(logits, index=None, row_mask=None):
+    """The dtype TRL 1.16 returns: fp32 where its own Triton kernel runs (CUDA / XPU; fp16 /
+    bf16 / fp32 logits of 1-3 dims, last stride 1; an index of shape ``logits.shape[:-1]``;
+    ``row_mask`` None or of index's exact shape, bool / int32 / int64), else the logits'."""
+    kernel = logits.device.type in ("cuda", "xpu") and logits.dim() in (1, 2, 3)
+    kernel = kernel and logits.dtype != torch.float64 and logits.stride(-1) == 1
+    if index is not None:
+        kernel = kernel and index.shape == logits.shape[:-1]
+    if row_mask is not None:
+        kernel = kernel and row_mask.shape == index.shape
+        kernel = kernel and row_mask.dtype in (torch.bool, torch.int32, torch.int64)
+    return torch.float32 if kernel else logits.dtype
+
+
 def tolerance(dtype, eager_err):
     if dtype in (torch.float32, torch.float64):
         return 1e-5
@@ -132,7 +146,7 @@ def test_selective_log_softmax_matches_trl(shape, dtype, k, device, backend):
     index_shape = shape[:-1] if k is None else (*shape[:-1], k)
     index = torch.randint(0, shape[-1], index_shape, generator=gen).to(device)
     out = selective_log_softmax(logits, index)
-    assert out.dtype == dtype and out.shape == index.shape
+    assert out.dtype == trl_output_dtype(logits, index) and out.shape == index.shape
 
     z64 = logits.detach().double().requires_grad_()
     want = selective_log_softmax_oracle(z64, index)
@@ -168,7 +182,8 @@ def test_temperature_and_row_mask(dtype, k, mask_kind, device, backend):
     row_mask = None if row_mask is None else row_mask.to(device)
     out = selective_log_softmax(logits, index, 0.7, row_mask)  # positional, as TRL allows
     keywords = selective_log_softmax(logits, index, row_mask=row_mask, temperature=0.7)
-    assert torch.equal(out, keywords) and out.dtype == dtype and out.shape == index.shape
+    assert torch.equal(out, keywords) and out.shape == index.shape
+    assert out.dtype == trl_output_dtype(logits, index, row_mask)
 
     z64 = logits.detach().double().requires_grad_()
     want = selective_log_softmax_oracle(z64, index, 0.7, row_mask)
@@ -224,14 +239,15 @@ def test_unchecked_labels_give_nan_not_skip(device, monkeypatch, backend):
 # ----------------------------------------------------------------------------- dtype rules
 
 
-def test_output_dtype_is_the_logits_on_cpu(device):
+def test_output_dtype_follows_trl(device):
+    """The logits' dtype on a CPU (TRL's PyTorch path); fp32 where TRL's kernel runs."""
     for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
         logits = torch.randn(2, 3, 8, device=device, dtype=dtype)
         index = torch.randint(0, 8, (2, 3), device=device)
         mask = torch.ones(2, 3, dtype=torch.bool, device=device)
-        if device == "cpu":
-            assert selective_log_softmax(logits, index, 0.5, mask).dtype == dtype
-            assert entropy_from_logits(logits).dtype == dtype
+        want = dtype if device == "cpu" else trl_output_dtype(logits, index, mask)
+        assert selective_log_softmax(logits, index, 0.5, mask).dtype == want
+        assert entropy_from_logits(logits).dtype == want
 
 
 def test_fp32_where_trl_runs_its_kernel(monkeypatch, device):
@@ -291,6 +307,10 @@ def test_original_mode_is_trl_bit_for_bit(dtype, shape, k, temperature, mask, de
     with compat.half_precision("original"):
         out = selective_log_softmax(ours, index, temperature, row_mask)
     want = trl_half_selective(theirs, index, temperature, row_mask)
+    if trl_output_dtype(logits, index, row_mask) == torch.float32:  # TRL's fp32 kernel (GPU)
+        oracle = selective_log_softmax_oracle(logits.double(), index, temperature, row_mask)
+        assert out.dtype == torch.float32 and rel_err(out, oracle) <= 1e-5
+        return
     assert bit_equal(out, want)
     up = torch.randn(index_shape, generator=gen).to(device=device, dtype=dtype)
     out.backward(up)
@@ -299,10 +319,17 @@ def test_original_mode_is_trl_bit_for_bit(dtype, shape, k, temperature, mask, de
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("shape, chunk_size", [((2, 3, 37), 128), ((5, 7, 20), 2), ((33,), 1)])
+@pytest.mark.parametrize(
+    "shape, chunk_size", [((2, 3, 37), 128), ((5, 7, 20), 2), ((33,), 1), ((2, 2, 3, 19), 5)]
+)
 def test_original_mode_entropy_is_trl_bit_for_bit(dtype, shape, chunk_size, device):
     gen = torch.Generator().manual_seed(sum(shape))
     logits = (torch.randn(shape, generator=gen) * 4).to(device=device, dtype=dtype)
+    if trl_output_dtype(logits) == torch.float32:  # TRL's fp32 kernel (GPU): fused_rl's fp32
+        with compat.half_precision("original"):
+            out = entropy_from_logits(logits, chunk_size)
+        assert out.dtype == torch.float32 and rel_err(out, entropy_oracle(logits.double())) <= 1e-5
+        return
     logits[..., :2] = float("-inf")  # TRL's NaN (0 * -inf) is kept in this mode
     ours, theirs = logits.clone().requires_grad_(), logits.clone().requires_grad_()
     with compat.half_precision("original"):
@@ -331,7 +358,7 @@ def test_original_mode_leaves_fp32_and_the_default_accurate(device, backend):
     assert torch.equal(fp32[0], selective_log_softmax(z, i, 0.7))
     assert torch.equal(fp32[1], entropy_from_logits(z))
     zb = z.bfloat16()
-    acc = selective_log_softmax(zb, i, 0.7)
+    acc = selective_log_softmax(zb, i, 0.7).bfloat16()  # fp32 where TRL's kernel would run
     assert torch.equal(acc, selective_log_softmax(zb.float(), i, 0.7).bfloat16())
     oracle = selective_log_softmax_oracle(zb.double(), i, 0.7)
     assert rel_err(acc, oracle) <= rel_err(trl_half_selective(zb, i, 0.7), oracle)
@@ -342,7 +369,7 @@ def test_original_mode_leaves_fp32_and_the_default_accurate(device, backend):
 def test_entropy_from_logits_matches_trl(shape, dtype, device, backend):
     logits, gen = make_logits(shape, dtype, device, seed=7 + sum(shape))
     out = entropy_from_logits(logits, chunk_size=2)
-    assert out.dtype == dtype and out.shape == shape[:-1]
+    assert out.dtype == trl_output_dtype(logits) and out.shape == shape[:-1]
     z64 = logits.detach().double().requires_grad_()
     want = entropy_oracle(z64, chunk_size=2)
     eager_leaf = logits.detach().clone().requires_grad_()
@@ -375,7 +402,7 @@ def test_one_dim_logits_and_empty_rows(device):
         for mode in ("accurate", "original"):
             with compat.half_precision(mode):
                 out = selective_log_softmax(z, torch.tensor(4, device=device), 0.5)
-                assert out.shape == () and out.dtype == dtype
+                assert out.shape == () and out.dtype == trl_output_dtype(z)
                 want = selective_log_softmax_oracle(z.double(), torch.tensor(4), 0.5)
                 assert rel_err(out, want) <= 1e-2
                 empty = torch.randn(0, 3, 5, device=device, dtype=dtype)
