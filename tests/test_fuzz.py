@@ -2010,9 +2010,10 @@ FOUND = {
         adv=torch.tensor([[-1.0, -2.0, 1.5, -0.5]], dtype=_F64),
         old=torch.tensor([[-1.9, -1.0, -0.1, -3.0]], dtype=_F64), grad=("lp",),
     ),
-    # a negative mask weight makes the loss NaN on both backends (issue 11.9), but
-    # ratio_max stays finite on the reference and the gradients' NaN differ (reference 0 at
-    # the other tokens, Triton NaN everywhere)
+    # a negative mask weight makes the loss NaN on both backends (issue 11.9), but the
+    # gradients' NaN differ (reference 0 at the other tokens, Triton NaN everywhere) and, at
+    # an ignored token, ratio_max is finite on the reference (it counts that token), NaN on
+    # Triton
     "policy_loss_from_logprobs negative mask weight": lambda: fixed_case(
         "policy_loss_from_logprobs",
         lambda x, b: _policy_outputs(
@@ -2023,6 +2024,17 @@ FOUND = {
         lp=torch.tensor([[-0.5, -1.0, -2.0, -0.3]]), adv=torch.ones(1),
         old=torch.full((1, 4), -1.0), m=torch.tensor([[-0.5, 1.0, 0.0, 2.0]]), grad=("lp",),
         nan_rule=lambda x: {"loss": True},
+    ),
+    "policy_loss negative mask weight at an ignored token": lambda: fixed_case(
+        "policy_loss",
+        lambda x, b: _policy_outputs(
+            *fused_rl.policy_loss(
+                x["logits"], x["t"], x["adv"], old_logprobs=x["old"], mask=x["m"], backend=b
+            )
+        ),
+        logits=torch.linspace(-2, 2, 15).reshape(1, 3, 5), t=torch.tensor([[-100, 1, 2]]),
+        adv=torch.ones(1), old=torch.full((1, 3), -1.5), m=torch.tensor([[-0.5, 1.0, 1.0]]),
+        grad=("logits",),
     ),
     # num_items=tensor(0) gives a NaN loss (README), but not for an empty batch: the
     # reference returns 0 (both policy losses and value_loss), Triton NaN (policy losses)
