@@ -62,7 +62,12 @@ from fused_rl.compat import torchtune as tt
 
 # ----------------------------------------------------------------------------- profiles
 
-_HEALTH = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large]
+_HEALTH = [
+    HealthCheck.too_slow,
+    HealthCheck.function_scoped_fixture,
+    HealthCheck.data_too_large,
+    HealthCheck.filter_too_much,  # known_open rejects whole classes (mixed dtypes) on purpose
+]
 settings.register_profile(
     "ci",
     derandomize=True,
@@ -298,12 +303,53 @@ def run_backend(case: Case, backend: str, *, mask_upstream=False, check_mutation
     return result
 
 
+def known_open(case: Case) -> str | None:
+    """The open findings of this suite (``FOUND`` reproducers marked strict xfail), or None.
+
+    The random tests skip (``assume``) examples of these classes, so that each class fails in
+    exactly one place, its reproducer, until it is fixed: then that reproducer XPASSes, the
+    strict mark fails the run, and its rule here must go."""
+    args = {k: a for k, a in case.args.items() if a is not None}
+    dtypes = {a.dtype for a in args.values() if a.dtype.is_floating_point}
+    if torch.float64 in dtypes and len(dtypes) > 1:
+        return "fp64 mixed with a lower precision: loss dtype / gradients (findings 2, 3, 8)"
+    if ("gauss" in case.op or "continuous" in case.op) and len(dtypes) > 1:
+        return "gaussian_logprob with mixed dtypes: actions' gradient in mu's dtype (finding 6)"
+    for name, a in args.items():
+        x = a.value()
+        is_mask = "mask" in name or name == "m"
+        if is_mask and x.dtype != torch.bool and bool((x < 0).any()):
+            return "negative mask weight: gradient NaN layout / ratio_max (findings 9, 10)"
+        if x.is_floating_point() and case.op in ("masked_var", "masked_whiten"):
+            if bool((torch.isfinite(x) & (x.double().abs() >= 1e19)).any()):
+                return "masked_var / masked_whiten: squares overflow fp32 (finding 4)"
+        if x.is_floating_point() and "old" in name and "value" in name.lower() + case.op:
+            if case.op in ("value_loss", "ppo_loss") and bool(torch.isnan(x).any()):
+                return "value gradient at a NaN old value (finding 7)"
+    if torch.float64 in dtypes and case.hyper.get("dual_clip") is not None:
+        return "dual_clip reaches the kernels as a bare fp32 float, not an fp32 pair (finding 8)"
+    if "continuous" in case.op and any(
+        bool((a.value().double().abs() >= 1e29).any())
+        for a in args.values()
+        if a.dtype.is_floating_point
+    ):
+        return "ding continuous: the eager fp32 reference overflows to a NaN gradient (finding 12)"
+    n = case.hyper.get("num_items")
+    if isinstance(n, torch.Tensor) and not bool(n > 0):
+        return "num_items tensor <= 0 with an empty batch / gradient layout (findings 10, 11)"
+    if case.hyper.get("loss_agg") == "seq-mean-token-sum-norm":
+        if any(0 in a.shape for a in args.values()):
+            return "T = 0 with seq-mean-token-sum-norm and no max_length (finding 5)"
+    return None
+
+
 def check_case(case: Case, precision: torch.dtype | None = None) -> None:
     """Checks 1-3 of the module docstring on one case (``precision``: the least precise dtype
     the computation may round to, see :func:`assert_backends_agree`). Every check runs; one
     ``AssertionError`` lists all that failed."""
     if currently_in_test_context():
         note(repr(case))
+        assume(known_open(case) is None)
     _record(case)
     uncounted = case.uncounted_plants()
     mask_up = uncounted and bool(case.local_outputs)
@@ -2065,6 +2111,25 @@ FOUND = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("name", sorted(FOUND))
+# reproducers of open findings (see ``known_open``): strict xfail until fixed
+OPEN_FOUND = {
+    "policy_loss T=0 seq-mean-token-sum-norm": "finding 5",
+    "value_loss T=0 seq-mean-token-sum-norm": "finding 5",
+    "policy_loss negative mask weight at an ignored token": "finding 9",
+    "policy_loss_from_logprobs negative mask weight": "finding 10",
+    "policy_loss_from_logprobs num_items=tensor(0), B=0": "finding 11",
+    "value_loss num_items=tensor(0), B=0": "finding 11",
+    "policy_loss_from_logprobs fp64 dual_clip": "finding 8: dual_clip is a bare fp32 float",
+}
+
+
+def _found_params():
+    for name in sorted(FOUND):
+        reason = OPEN_FOUND.get(name) or known_open(FOUND[name]())
+        marks = () if reason is None else pytest.mark.xfail(strict=True, reason=f"open: {reason}")
+        yield pytest.param(name, marks=marks, id=name)
+
+
+@pytest.mark.parametrize("name", _found_params())
 def test_found_by_fuzzing(name):
     check_case(FOUND[name]())
