@@ -4,16 +4,18 @@ fused_rl swapped in by ONE import, and show that both runs agree.
     python examples/train_tiny_lm.py                 # 4 GRPO + 4 PPO steps, < 2 min on CPU
     python examples/train_tiny_lm.py --grpo-steps 2 --ppo-steps 2
 
-The losses are DI-engine's (``ding.rl_utils``): ``grpo_policy_error`` for GRPO, ``ppo_error``
-(clipped policy + clipped value + entropy + k3 KL to a frozen reference) for PPO. The
-training loop below only ever calls ``rl.<name>``; the two runs differ in what ``rl`` is:
+The losses are DI-engine main's: ``grpo_policy_error`` for GRPO, ``ppo_error`` (clipped
+policy + clipped value + entropy + k3 KL to a frozen reference) for PPO. The training loop
+below only ever calls ``rl.<name>``; the two runs differ in what ``rl`` is:
 
 * :class:`SeedStyle` (in this file): the usual eager code, ``log_softmax -> gather -> ratio ->
   clip -> mean``, materialising normalised ``(B, S, V)`` copies of every logits tensor;
 * ``fused_rl.compat.ding``: the same functions on fused_rl's kernels (one streaming pass over
   the logits forward, one backward)::
 
-      from fused_rl.compat import ding as rl     # instead of: from ding import rl_utils as rl
+      from fused_rl.compat import ding as rl
+      # DI-engine: ppo_data / ppo_error from ding.rl_utils, grpo_policy_data /
+      # grpo_policy_error from ding.rl_utils.grpo; fused_rl.compat.ding exports both
 
 Everything else (model, sampling, rewards, advantages, optimiser) is shared. The model is a
 2-layer transformer (d=32, V=97) initialised from a seed: no downloads. Without CUDA the script

@@ -273,7 +273,7 @@ def test_dual_clip_bounds_negative_advantages_only(device):
     action = action.to(device)
     pos = torch.rand(3, 4, generator=gen).to(device) + 0.1
     for adv, changes in ((pos, False), (-pos, True)):
-        data = ding.ppo_policy_data(logit_new, logit_old, action, adv, None)
+        data = ding.ppo_policy_data(logit_new, logit_old, action, adv, None, None)
         plain = ding.ppo_policy_error(data)[0].policy_loss
         dual = ding.ppo_policy_error(data, dual_clip=1.5)[0].policy_loss
         assert (plain != dual).item() == changes
@@ -287,7 +287,7 @@ def test_ratio_one_tie_gives_the_policy_gradient(device):
                                                pretrained=False, gen=gen)  # fmt: skip
     logit_new = leaf(z, torch.float32, device)
     adv, weight, action = adv.float().to(device), weight.float().to(device), action.to(device)
-    data = ding.ppo_policy_data(logit_new, logit_new.detach(), action, adv, weight)
+    data = ding.ppo_policy_data(logit_new, logit_new.detach(), action, adv, weight, None)
     ding.ppo_policy_error(data, entropy_bonus=False)[0].policy_loss.backward()
     z64 = as_oracle(logit_new)
     lp = torch.log_softmax(z64, -1).gather(-1, action[..., None])[..., 0]
@@ -319,9 +319,9 @@ def test_neg_inf_logits_give_a_finite_entropy(device):
     action = torch.randint(0, 4, (2, 3))
     adv = torch.randn(2, 3, dtype=torch.float64)
     data = ding.ppo_policy_data(logits.float().to(device), logits.float().to(device),
-                                action.to(device), adv.float().to(device), None)  # fmt: skip
+                                action.to(device), adv.float().to(device), None, None)  # fmt: skip
     out, _ = ding.ppo_policy_error(data)
-    want, _ = policy_oracle(ding.ppo_policy_data(logits, logits, action, adv, None))
+    want, _ = policy_oracle(ding.ppo_policy_data(logits, logits, action, adv, None, None))
     assert torch.isfinite(out.entropy_loss)
     assert rel_err(out.entropy_loss, want[1]) <= 1e-5
 
@@ -333,12 +333,11 @@ def test_invalid_actions_raise_value_error(device):
         action = torch.zeros(2, 3, dtype=torch.long, device=device)
         action[1, 2] = bad
         with pytest.raises(ValueError, match="action"):
-            ding.ppo_policy_error(ding.ppo_policy_data(logits, logits, action, adv, None))
+            ding.ppo_policy_error(ding.ppo_policy_data(logits, logits, action, adv, None, None))
     action32 = torch.randint(0, 5, (2, 3), dtype=torch.int32, device=device)
-    out32 = ding.ppo_policy_error(ding.ppo_policy_data(logits, logits, action32, adv, None))[0]
-    out64 = ding.ppo_policy_error(ding.ppo_policy_data(logits, logits, action32.long(), adv, None))[
-        0
-    ]
+    data32 = ding.ppo_policy_data(logits, logits, action32, adv, None, None)
+    out32 = ding.ppo_policy_error(data32)[0]
+    out64 = ding.ppo_policy_error(data32._replace(action=action32.long()))[0]
     assert torch.equal(out32.policy_loss, out64.policy_loss)
 
 
@@ -388,7 +387,7 @@ def test_ppo_error_combines_policy_and_value_and_asserts_dual_clip(device):
     with pytest.raises(AssertionError):
         ding.ppo_error(data, dual_clip=1.0)
     # ppo_policy_error itself does not check dual_clip (as in DI-engine)
-    policy_data_ = ding.ppo_policy_data(f(z), f(z_old), action.to(device), f(adv), None)
+    policy_data_ = ding.ppo_policy_data(f(z), f(z_old), action.to(device), f(adv), None, None)
     assert torch.isfinite(ding.ppo_policy_error(policy_data_, dual_clip=1.0)[0].policy_loss)
 
 
@@ -408,6 +407,19 @@ def test_namedtuple_fields_match_the_original():
     assert ding.ppo_loss._fields == ("policy_loss", "value_loss", "entropy_loss", "kl_div")
     assert ding.ppo_policy_loss._fields == ("policy_loss", "entropy_loss", "kl_div")
     assert ding.ppo_info._fields == ding.grpo_info._fields == ("approx_kl", "clipfrac")
+    # DI-engine main gives no field a default: logit_pretrained must be passed (None included)
+    tuples = (
+        ding.ppo_data,
+        ding.ppo_data_continuous,
+        ding.ppo_policy_data,
+        ding.ppo_policy_data_continuous,
+        ding.ppo_value_data,
+        ding.grpo_policy_data,
+    )
+    for nt in tuples:
+        assert nt._field_defaults == {}, nt.__name__
+        with pytest.raises(TypeError):
+            nt(*range(len(nt._fields) - 1))
 
 
 # ----------------------------------------------------------------------------- calculate_kl_div
@@ -515,17 +527,17 @@ def test_ppo_error_continuous_value_loss_and_tensor_kl(device):
     f = lambda x: _to(x, torch.float32, device)
     value_new, value_old, ret = (f(torch.randn(5, generator=gen)) for _ in range(3))
     data = ding.ppo_data_continuous(f(new), f(old), f(action), value_new, value_old, f(adv),
-                                    ret, f(weight))  # fmt: skip
+                                    ret, f(weight), None)  # fmt: skip
     out, info = ding.ppo_error_continuous(data, dual_clip=2.0)
     policy, pinfo = ding.ppo_policy_error_continuous(
-        ding.ppo_policy_data_continuous(f(new), f(old), f(action), f(adv), f(weight)),
+        ding.ppo_policy_data_continuous(f(new), f(old), f(action), f(adv), f(weight), None),
         dual_clip=2.0,
     )
     assert torch.equal(out.policy_loss, policy.policy_loss) and info == pinfo
     want_value = value_oracle(ding.ppo_value_data(value_new, value_old, ret, f(weight)))
     assert rel_err(out.value_loss, want_value) <= 1e-6
     assert isinstance(out.kl_div, torch.Tensor) and out.kl_div.item() == 0.0
-    data_policy = ding.ppo_policy_data_continuous(f(new), f(old), f(action), f(adv), None)
+    data_policy = ding.ppo_policy_data_continuous(f(new), f(old), f(action), f(adv), None, None)
     with pytest.raises(AssertionError):
         ding.ppo_policy_error_continuous(data_policy, dual_clip=1.0)
     bad = dict(f(new), sigma=-f(new)["sigma"])
@@ -599,11 +611,13 @@ def test_grpo_quirks(device):
     assert torch.isnan(loss)  # an all-zero weight row: 0 / 0, no epsilon (as DI-engine)
     full = data._replace(weight=None)
 
-    def never_called(*args):
-        raise AssertionError("log_prob_fn must be ignored")
+    def ding_naive_method(*args):  # stands for DI-engine's own method object
+        raise AssertionError("DI-engine's methods are replaced by the fused pass")
 
+    ding_naive_method.__module__ = "ding.rl_utils.log_prob_utils"
+    ding_naive_method.__name__ = "naive_method"
     # logit_ref == logit_new: the k3 term is exactly 0, whatever beta
-    with_kl = ding.grpo_policy_error(full, log_prob_fn=never_called, beta=0.1)[0]
+    with_kl = ding.grpo_policy_error(full, log_prob_fn=ding_naive_method, beta=0.1)[0]
     assert torch.equal(with_kl, ding.grpo_policy_error(full, beta=0.0)[0])
     with pytest.raises(ValueError, match=r"\(B,\)"):
         ding.grpo_policy_error(full._replace(adv=full.adv[:, None]))
@@ -627,6 +641,220 @@ def test_grpo_attached_old_and_ref_get_gradient(device):
     assert rel_err(grads[0], grads[1]) <= 1e-5
 
 
+# ----------------------------------------------------------------------------- live-check rules
+
+
+def test_module_exports_what_ding_spreads_over_three_paths():
+    """DI-engine: ``ding.rl_utils`` (PPO), ``ding.rl_utils.ppo`` (``calculate_kl_div``),
+    ``ding.rl_utils.grpo`` (GRPO and the three log-prob methods); here one module."""
+    ppo = ["ppo_data", "ppo_data_continuous", "ppo_policy_data", "ppo_policy_data_continuous",
+           "ppo_value_data", "ppo_loss", "ppo_policy_loss", "ppo_info", "ppo_error",
+           "ppo_policy_error", "ppo_value_error", "ppo_error_continuous",
+           "ppo_policy_error_continuous", "calculate_kl_div"]  # fmt: skip
+    grpo = ["grpo_policy_data", "grpo_info", "grpo_policy_error", "efficient_method",
+            "naive_method", "less_efficient_method"]  # fmt: skip
+    assert set(ppo + grpo) <= set(ding.__all__)
+    assert all(hasattr(ding, name) for name in ding.__all__)
+
+
+@pytest.mark.parametrize("method", ["efficient_method", "naive_method", "less_efficient_method"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_log_prob_methods(method, dtype, device):
+    """DI-engine's three methods compute the same log-probs, in the logits' dtype."""
+    gen = torch.Generator().manual_seed(20)
+    z = logits_case((2, 3, 17), gen=gen).to(device, dtype).requires_grad_()
+    index = torch.randint(0, 17, (2, 3), generator=gen).to(device)
+    got = getattr(ding, method)(z, index)
+    z64 = as_oracle(z)
+    want = torch.log_softmax(z64, -1).gather(-1, index[..., None])[..., 0]
+    assert got.dtype == dtype and rel_err(got, want) <= tolerance(dtype)
+    up = torch.randn(2, 3, generator=gen, dtype=torch.float64).to(device)
+    got.backward(up.to(dtype))
+    want.backward(up)
+    assert rel_err(z.grad, z64.grad) <= tolerance(dtype)
+    with pytest.raises(ValueError, match="index"):
+        getattr(ding, method)(z, torch.full_like(index, 17))
+
+
+def test_grpo_own_log_prob_fn_is_called(device):
+    """A caller's own ``log_prob_fn`` is called as given (DI-engine's behaviour), the rest of
+    the loss computed as DI-engine does."""
+    gen = torch.Generator().manual_seed(21)
+    raw = grpo_data(gen=gen, weight_kind="padded")
+    calls = []
+
+    def tempered(logits, index):
+        calls.append(logits.shape)
+        logp = torch.log_softmax(logits / 0.7, dim=-1)
+        return logp.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+
+    f = lambda t: None if t is None else t.float().to(device)
+    data = ding.grpo_policy_data(f(raw[0]), f(raw[1]), f(raw[2]), raw[3].to(device), f(raw[4]),
+                                 f(raw[5]))  # fmt: skip
+    loss, info = ding.grpo_policy_error(data, tempered, 0.2, 0.1)
+    assert len(calls) == 3
+    scaled = ding.grpo_policy_data(*(t / 0.7 if i < 3 else t for i, t in enumerate(raw)))
+    want, want_info = grpo_oracle(scaled, 0.2, 0.1)
+    assert rel_err(loss, want) <= 1e-5
+    assert info.clipfrac == pytest.approx(want_info[1], abs=1e-6)
+
+
+def test_grpo_beta_zero_gives_an_attached_ref_a_zero_gradient(device):
+    """DI-engine adds ``0 * k3``: an attached ``logit_ref`` gets a zero gradient, not None
+    (here without reading it)."""
+    gen = torch.Generator().manual_seed(22)
+    raw = grpo_data(gen=gen)
+    ref = raw[2].float().to(device).requires_grad_()
+    data = ding.grpo_policy_data(raw[0].float().to(device).requires_grad_(),
+                                 raw[1].float().to(device), ref, raw[3].to(device),
+                                 raw[4].float().to(device), None)  # fmt: skip
+    loss, _ = ding.grpo_policy_error(data, beta=0.0)
+    loss.backward()
+    assert ref.grad is not None and torch.count_nonzero(ref.grad) == 0
+    assert loss.dtype == torch.float32
+
+
+def test_half_precision_original_is_di_engine_bit_for_bit(device):
+    """``half_precision("original")``: bf16 inputs go through DI-engine's own arithmetic
+    (``torch.distributions``, the chosen log-prob method): losses, the ``approx_kl`` /
+    ``clipfrac`` floats and gradients equal the transcription's exactly."""
+    import fused_rl.compat as compat
+
+    gen = torch.Generator().manual_seed(23)
+    bf = torch.bfloat16
+    raw = policy_data((2, 3, 11), (2, 3), "mask", pretrained=True, gen=gen)
+    cont = continuous_data(3, gen=gen, pretrained=True, weight=True)
+    graw = grpo_data(gen=gen, weight_kind="padded")
+
+    def discrete(impl, z):
+        data = ding.ppo_policy_data(z, raw[1].to(device, bf), raw[2].to(device),
+                                    raw[3].float().to(device), raw[4].float().to(device),
+                                    raw[5].to(device, bf))  # fmt: skip
+        return impl(data, dual_clip=2.0, kl_type="k3")
+
+    def continuous(impl, mu):
+        new = {"mu": mu, "sigma": cont[0]["sigma"].to(device, bf)}
+        rest = [_to(x, bf, device) for x in cont[1:]]
+        return impl(ding.ppo_policy_data_continuous(new, *rest), dual_clip=3.0, kl_type="k2")
+
+    def grpo(impl, z):
+        data = ding.grpo_policy_data(z, graw[1].to(device, bf), graw[2].to(device, bf),
+                                     graw[3].to(device), graw[4].float().to(device),
+                                     graw[5].float().to(device))  # fmt: skip
+        return impl(data, clip_ratio=0.2, beta=0.1)
+
+    cases = [
+        (discrete, ding.ppo_policy_error, policy_oracle, raw[0].to(device, bf)),
+        (continuous, ding.ppo_policy_error_continuous, continuous_oracle,
+         cont[0]["mu"].to(device, bf)),
+        (grpo, ding.grpo_policy_error, grpo_oracle, graw[0].to(device, bf)),
+    ]  # fmt: skip
+    for build, fused, oracle, x in cases:
+        a, b = x.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
+        with compat.half_precision("original"):
+            got, got_info = build(fused, a)
+        want, want_info = build(oracle, b)
+        got = [got] if torch.is_tensor(got) else list(got)
+        want = [want] if torch.is_tensor(want) else list(want)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and torch.equal(g, w)
+        assert tuple(got_info) == tuple(want_info)
+        sum(g for g in got if g.requires_grad).backward()
+        sum(w for w in want if w.requires_grad).backward()
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_sigma_check_in_both_modes():
+    import fused_rl.compat as compat
+
+    ms = {"mu": torch.zeros(3, 2, dtype=torch.bfloat16),
+          "sigma": -torch.ones(3, 2, dtype=torch.bfloat16)}  # fmt: skip
+    data = ding.ppo_policy_data_continuous(ms, ms, torch.zeros(3, 2), torch.ones(3), None, None)
+    for mode in ("accurate", "original"):
+        with compat.half_precision(mode), pytest.raises(ValueError, match="sigma"):
+            ding.ppo_policy_error_continuous(data)
+
+
+def test_continuous_ratio_is_not_averaged():
+    """DI-engine's continuous errors never average the ratio over dim 1 (only the discrete
+    one does): an adv that does not broadcast against the ratio fails as there."""
+    mu = torch.zeros(4, 2, 3)
+    ms = {"mu": mu, "sigma": torch.ones(4, 2, 3)}
+    data = ding.ppo_policy_data_continuous(ms, ms, torch.zeros(4, 2, 3), torch.ones(3), None,
+                                           None)  # fmt: skip
+    with pytest.raises(RuntimeError):
+        ding.ppo_policy_error_continuous(data)
+
+
+# ----------------------------------------------------------------------------- DI-engine 0.5.3
+
+
+def test_v053_layout():
+    """DI-engine 0.5.3 (the release on PyPI): 8- / 5-field data, 3- / 2-field losses, no
+    kl_type / entropy_bonus, no defaults; ppo_value_data / ppo_info unchanged."""
+    import inspect
+
+    from fused_rl.compat import ding_v053 as v053
+
+    assert v053.ppo_data._fields == ("logit_new", "logit_old", "action", "value_new",
+                                     "value_old", "adv", "return_", "weight")  # fmt: skip
+    assert v053.ppo_data_continuous._fields[:2] == ("mu_sigma_new", "mu_sigma_old")
+    assert len(v053.ppo_data_continuous._fields) == 8
+    assert v053.ppo_policy_data._fields == ("logit_new", "logit_old", "action", "adv", "weight")
+    assert v053.ppo_policy_data_continuous._fields == ("mu_sigma_new", "mu_sigma_old",
+                                                       "action", "adv", "weight")  # fmt: skip
+    assert v053.ppo_loss._fields == ("policy_loss", "value_loss", "entropy_loss")
+    assert v053.ppo_policy_loss._fields == ("policy_loss", "entropy_loss")
+    assert v053.ppo_value_data is ding.ppo_value_data and v053.ppo_info is ding.ppo_info
+    for nt in (v053.ppo_data, v053.ppo_data_continuous, v053.ppo_policy_data,
+               v053.ppo_policy_data_continuous):  # fmt: skip
+        assert nt._field_defaults == {}
+    params = lambda fn: list(inspect.signature(fn).parameters)
+    assert params(v053.ppo_policy_error) == ["data", "clip_ratio", "dual_clip"]
+    assert params(v053.ppo_error) == ["data", "clip_ratio", "use_value_clip", "dual_clip"]
+    assert params(v053.ppo_error_continuous)[:4] == params(v053.ppo_error)
+    assert not hasattr(v053, "calculate_kl_div") and not hasattr(v053, "grpo_policy_error")
+
+
+def test_v053_equals_main_without_pretrained(device):
+    from fused_rl.compat import ding_v053 as v053
+
+    gen = torch.Generator().manual_seed(24)
+    z, z_old, action, adv, weight, _ = policy_data((2, 4, 9), (2, 4), "mask", pretrained=False,
+                                                   gen=gen)  # fmt: skip
+    f = lambda t: t.float().to(device)
+    value = [f(torch.randn(2, 4, generator=gen)) for _ in range(3)]
+    args = (f(z), f(z_old), action.to(device))
+    old, old_info = v053.ppo_error(v053.ppo_data(*args, value[0], value[1], f(adv), value[2],
+                                                 f(weight)), dual_clip=2.0)  # fmt: skip
+    new, new_info = ding.ppo_error(ding.ppo_data(*args, value[0], value[1], f(adv), value[2],
+                                                 f(weight), None), dual_clip=2.0)  # fmt: skip
+    assert len(old) == 3 and old_info == new_info
+    assert all(torch.equal(a, b) for a, b in zip(old, new[:3]))
+    pol, _ = v053.ppo_policy_error(v053.ppo_policy_data(*args, f(adv), None))
+    main_pol, _ = ding.ppo_policy_error(ding.ppo_policy_data(*args, f(adv), None, None))
+    assert len(pol) == 2 and torch.equal(pol.entropy_loss, main_pol.entropy_loss)
+    with pytest.raises(ValueError):  # a main-layout 6-tuple does not unpack, as in 0.5.3
+        v053.ppo_policy_error(ding.ppo_policy_data(*args, f(adv), None, None))
+    new_c, old_c, act, adv_c, w_c, _ = continuous_data(2, gen=gen, weight=True)
+    fields = (new_c, old_c, act, adv_c, adv_c, adv_c, adv_c, w_c)  # values: any (B,) tensors
+    cdata = v053.ppo_data_continuous(*(_to(x, torch.float32, device) for x in fields))
+    out, _ = v053.ppo_error_continuous(cdata, dual_clip=2.0, fix_dual_clip=True)
+    assert out._fields == ("policy_loss", "value_loss", "entropy_loss")
+    pdata = v053.ppo_policy_data_continuous(*cdata[:3], cdata.adv, cdata.weight)
+    assert torch.equal(v053.ppo_policy_error_continuous(pdata)[0].policy_loss,
+                       v053.ppo_error_continuous(cdata)[0].policy_loss)  # fmt: skip
+
+
+def test_v053_docstring_examples():
+    import doctest
+
+    from fused_rl.compat import ding_v053
+
+    result = doctest.testmod(ding_v053, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0
+
+
 # ----------------------------------------------------------------------------- backends / originals
 
 
@@ -644,15 +872,27 @@ def test_reference_backend_path_agrees(monkeypatch):
 
 
 def test_against_installed_di_engine(device):
+    """Against the real DI-engine (the live check's venv): 0.5.3, the release on PyPI, has
+    the 5-field ``ppo_policy_data`` of :mod:`fused_rl.compat.ding_v053`; main has
+    ``fused_rl.compat.ding``'s 6 fields (and ``ding.rl_utils.grpo``)."""
     rl_utils = pytest.importorskip("ding.rl_utils")
+    from fused_rl.compat import ding_v053
+
     gen = torch.Generator().manual_seed(12)
     raw = policy_data((2, 3, 11), (2, 3), "mask", pretrained=True, gen=gen, negative_adv=True)
     data = ding.ppo_policy_data(*(t.float().to(device) if t.is_floating_point() else
                                   t.to(device) for t in raw))  # fmt: skip
-    out, info = ding.ppo_policy_error(data, dual_clip=2.0, kl_type="k3")
-    want, want_info = rl_utils.ppo_policy_error(
-        rl_utils.ppo_policy_data(*data), dual_clip=2.0, kl_type="k3"
-    )
+    if len(rl_utils.ppo_policy_data._fields) == 5:  # DI-engine 0.5.3
+        out, info = ding_v053.ppo_policy_error(ding_v053.ppo_policy_data(*data[:5]), dual_clip=2.0)
+        want, want_info = rl_utils.ppo_policy_error(rl_utils.ppo_policy_data(*data[:5]),
+                                                    dual_clip=2.0)  # fmt: skip
+        assert out._fields == want._fields
+    else:
+        out, info = ding.ppo_policy_error(data, dual_clip=2.0, kl_type="k3")
+        want, want_info = rl_utils.ppo_policy_error(
+            rl_utils.ppo_policy_data(*data), dual_clip=2.0, kl_type="k3"
+        )
     for a, b in zip(out, want):
-        assert rel_err(a, b) <= 1e-5
+        assert a.dtype == b.dtype and rel_err(a, b) <= 1e-5
     assert math.isclose(info.clipfrac, want_info.clipfrac, abs_tol=1e-6)
+    assert math.isclose(info.approx_kl, want_info.approx_kl, rel_tol=1e-4, abs_tol=1e-6)

@@ -1,6 +1,8 @@
 """fused_rl.compat.torchtune against an independent transcription of torchtune's
-``rlhf`` utilities and ``PPOLoss`` (bd2a0fc7c314, see seeds/ORIGINALS.md section 2), with
-torchtune's own unit-test fixtures."""
+``rlhf`` utilities and ``PPOLoss`` (0.6.1 and main bd2a0fc7c314, see seeds/ORIGINALS.md
+section 2), with torchtune's own unit-test fixtures, and the rules the live check
+(``scripts/compat_live/torchtune/check.py``, docs/compat.md) established against the real
+library: every output dtype, ``masked_sum``, gradients, ``half_precision("original")``."""
 
 import math
 
@@ -48,7 +50,7 @@ def o_ppo_loss(old, new, adv, v_old, v, ret, pm, vm, eps=0.1, vclip=0.2, vcoef=0
     ratios = torch.exp(new - old)
     clipped = torch.clamp(ratios, 1.0 - eps, 1.0 + eps)
     pl_c, pl_u = -adv * clipped, -adv * ratios
-    clipfrac = (pl_c > pl_u).float()  # seed 000 / torchtune: always fp32 before the mean
+    clipfrac = (pl_c > pl_u).to(new.dtype)  # torchtune 0.6.1 / main: pi_logprobs' dtype
     clipfrac = clipfrac.mean() if pm is None else o_masked_mean(clipfrac, pm)
     policy = torch.maximum(pl_c, pl_u)
     policy = policy.mean() if pm is None else o_masked_mean(policy, pm)
@@ -57,6 +59,15 @@ def o_ppo_loss(old, new, adv, v_old, v, ret, pm, vm, eps=0.1, vclip=0.2, vcoef=0
     value = 0.5 * value.mean() if vm is None else 0.5 * o_masked_mean(value, vm)
     loss = policy + value * vcoef
     return loss, policy.detach(), value.detach(), ratios.mean().detach(), clipfrac.detach()
+
+
+def o_masked_sum(x, mask, dim=None):
+    return (x * mask).sum(dim=dim)
+
+
+def o_logits_to_logprobs(logits, sequences, temperature=1.0):
+    return torch.gather(F.log_softmax(logits / temperature, dim=-1), 2,
+                        sequences.unsqueeze(-1)).squeeze(-1)  # fmt: skip
 
 
 def padding(b, t, gen):
@@ -255,14 +266,234 @@ def test_ppo_loss_matches_original(masks, dtype, device):
     assert rel_err(v_l.grad, v64.grad) <= max(tol, 1e-5)
 
 
+# ----------------------------------------------------------------------------- live-check rules
+
+
+BF, F32, F64 = torch.bfloat16, torch.float32, torch.float64
+
+
+@pytest.mark.parametrize("mask_dtype", [None, torch.bool, F32, BF, F64, torch.int64])
+@pytest.mark.parametrize(
+    "dtypes",
+    [(BF,) * 6, (F32,) * 6, (F64,) * 6, (F32, BF, F32, F32, BF, F32), (BF, BF, F32, BF, BF, F64),
+     (F64, F32, F32, BF, F32, F32)],
+    ids=lambda d: "-".join(str(x)[6:] for x in d) if isinstance(d, tuple) else str(d),
+)  # fmt: skip
+def test_ppo_loss_output_dtypes_are_torchtunes(dtypes, mask_dtype, device):
+    """Every output dtype, as torchtune 0.6.1 / main give it (checked by the live check over
+    the same grid): clipfrac is cast to ``pi_logprobs.dtype`` before its (masked) mean, and a
+    masked mean divides by ``mask.sum() + 1e-8`` (fp32 for a bool / integer mask)."""
+    gen = torch.Generator().manual_seed(7)
+    ins = [torch.randn(2, 5, generator=gen, dtype=F64).to(device, d) for d in dtypes]
+    mask = None
+    if mask_dtype is not None:
+        mask = (torch.rand(2, 5, generator=gen) > 0.3).to(device, mask_dtype)
+    got = rlhf.PPOLoss(0.2)(*ins, mask, mask)
+    want = o_ppo_loss(*ins, mask, mask, 0.2)  # torchtune's chain in these dtypes
+    assert [t.dtype for t in got] == [t.dtype for t in want]
+    exact = o_ppo_loss(*(t.double() for t in ins), mask, mask, 0.2)
+    for a, b in zip(got, exact):  # fp32 math, rounded once to the output dtype
+        assert rel_err(a, b) <= max(1e-5, torch.finfo(a.dtype).eps)
+
+
+def test_ppo_loss_clipfrac_follows_pi_logprobs_dtype(device):
+    """The rule the earlier fp32-always clipfrac got wrong: fp64 in, fp64 out; bf16 without a
+    mask, bf16; bf16 with a bool mask, fp32 (the masked mean's fp32 denominator)."""
+    for dtype, masked, want in ((F64, False, F64), (F64, True, F64), (BF, False, BF),
+                                (BF, True, F32), (F32, True, F32)):  # fmt: skip
+        ins = [torch.zeros(2, 3, device=device, dtype=dtype) for _ in range(6)]
+        ins[1] = ins[1] + 0.5  # ratio e^0.5: clipped where adv > 0
+        ins[2] = torch.tensor([[1.0, -1.0, 0.0]] * 2, device=device, dtype=dtype)
+        mask = torch.ones(2, 3, dtype=torch.bool, device=device) if masked else None
+        clipfrac = rlhf.PPOLoss(0.2)(*ins, mask, mask)[4]
+        assert clipfrac.dtype == want and clipfrac.item() == pytest.approx(1 / 3, rel=1e-2)
+
+
+@pytest.mark.parametrize("every_input", [False, True])
+def test_ppo_loss_gradients_of_every_input(every_input, device):
+    """torchtune differentiates through every input: with the rollout tensors attached too
+    the adapter computes eagerly (fp32) and gives each its gradient; (b, 1) advantages
+    broadcast as in torchtune."""
+    gen = torch.Generator().manual_seed(8)
+    raw = [torch.randn(3, 4, generator=gen, dtype=F64) for _ in range(6)]
+    raw[2] = raw[2][:, :1]  # broadcast advantages
+    mask = (torch.rand(3, 4, generator=gen) > 0.3).to(device)
+    grads = (0, 1, 2, 3, 4, 5) if every_input else (1, 4)
+    ins = [t.float().to(device).requires_grad_(i in grads) for i, t in enumerate(raw)]
+    ins64 = [t.detach().double().requires_grad_(i in grads) for i, t in enumerate(ins)]
+    got = rlhf.PPOLoss(0.2)(*ins, mask, mask)
+    want = o_ppo_loss(*ins64, mask, mask, 0.2)
+    for a, b in zip(got, want):
+        assert rel_err(a, b) <= 1e-6
+    up = torch.randn(5, generator=gen).tolist()
+    sum(u * t for u, t in zip(up, got) if t.requires_grad).backward()
+    sum(u * t for u, t in zip(up, want) if t.requires_grad).backward()
+    for i in grads:
+        assert rel_err(ins[i].grad, ins64[i].grad) <= 1e-5, i
+
+
+def test_ppo_loss_fp64_with_bf16_inputs(device):
+    """An fp64 input with bf16 log-probs / values (the rare mix the fused kernel would
+    store fp64 -> bf16): correct bf16 gradients."""
+    gen = torch.Generator().manual_seed(9)
+    dtypes = (F32, BF, F32, F32, BF, F64)
+    ins = [torch.randn(2, 3, generator=gen, dtype=F64).to(device, d) for d in dtypes]
+    ins = [t.requires_grad_(i in (1, 4)) for i, t in enumerate(ins)]
+    ins64 = [t.detach().double().requires_grad_(i in (1, 4)) for i, t in enumerate(ins)]
+    rlhf.PPOLoss(0.2)(*ins)[0].backward()
+    o_ppo_loss(*ins64, None, None, 0.2)[0].backward()
+    for i in (1, 4):
+        assert ins[i].grad.dtype == BF and rel_err(ins[i].grad, ins64[i].grad) <= 1e-2
+
+
+@pytest.mark.parametrize("dim", [None, 0, 1, -1])
+@pytest.mark.parametrize("mask_dtype", [torch.bool, F32, BF])
+@pytest.mark.parametrize("dtype", [F32, F64, BF])
+def test_masked_sum(dim, mask_dtype, dtype, device):
+    """torchtune main's ``masked_sum``: ``(x * mask).sum(dim)``, bit for bit, in the dtype
+    ``x * mask`` promotes to, with its gradient."""
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(3, 5, generator=gen, dtype=F64).to(device, dtype).requires_grad_()
+    mask = padding(3, 5, gen).to(device, mask_dtype)
+    mask[1] = 0
+    x0 = x.detach().clone().requires_grad_()
+    got, want = rlhf.masked_sum(x, mask, dim), o_masked_sum(x0, mask, dim)
+    assert got.dtype == want.dtype == torch.promote_types(dtype, mask_dtype)
+    assert torch.equal(got, want)
+    up = torch.randn(got.shape, generator=gen, dtype=F64).to(device, got.dtype)
+    got.backward(up)
+    want.backward(up)
+    assert torch.equal(x.grad, x0.grad)
+    assert "masked_sum" in rlhf.__all__
+
+
+@pytest.mark.parametrize(
+    "dv, dr, want",
+    [(F32, F32, F32), (F64, F64, F64), (BF, BF, BF), (BF, F32, F32), (torch.int64, BF, F32),
+     (BF, torch.int64, F32), (torch.int64, torch.int64, F32), (torch.int64, F64, F64)],
+)  # fmt: skip
+def test_estimate_advantages_dtypes(dv, dr, want, device):
+    """torchtune's dtypes: the promoted input dtype, an integer tensor counting as fp32
+    (``gamma * values`` makes it fp32 before it meets bf16); the same with masks."""
+    gen = torch.Generator().manual_seed(11)
+
+    def make(dtype):
+        if dtype == torch.int64:
+            return torch.randint(-3, 4, (2, 6), generator=gen).to(device)
+        return torch.randn(2, 6, generator=gen).to(device, dtype)
+
+    values, rewards = make(dv), make(dr)
+    for masks in (None, padding(2, 6, gen).to(device)):
+        adv, ret = rlhf.estimate_advantages(values, rewards, 0.9, 0.95, masks)
+        o_adv, o_ret = o_estimate_advantages(values, rewards, 0.9, 0.95, masks)
+        assert adv.dtype == ret.dtype == o_adv.dtype == o_ret.dtype == want
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_estimate_advantages_gradients(with_mask, device):
+    """With grad enabled, torchtune's advantages and returns carry the gradient of the GAE
+    loop (and of the whitening) back to values and rewards; the adapter's GAE has a backward
+    through the same kernel (time reversed)."""
+    gen = torch.Generator().manual_seed(12)
+    values = torch.randn(3, 9, generator=gen, dtype=F64)
+    rewards = torch.randn(3, 9, generator=gen, dtype=F64)
+    masks = padding(3, 9, gen).to(device) if with_mask else None
+    v, r = (t.float().to(device).requires_grad_() for t in (values, rewards))
+    v64, r64 = (t.detach().double().requires_grad_() for t in (v, r))
+    adv, ret = rlhf.estimate_advantages(v, r, 0.9, 0.95, masks)
+    o_adv, o_ret = o_estimate_advantages(v64, r64, 0.9, 0.95, masks)
+    ua, ur = (torch.randn(3, 9, generator=gen, dtype=F64).to(device) for _ in range(2))
+    ((adv * ua.float()).sum() + (ret * ur.float()).sum()).backward()
+    ((o_adv * ua).sum() + (o_ret * ur).sum()).backward()
+    assert rel_err(v.grad, v64.grad) <= 1e-5 and rel_err(r.grad, r64.grad) <= 1e-5
+    with torch.no_grad():  # torchtune's recipe: no graph
+        adv, ret = rlhf.estimate_advantages(v, r, 0.9, 0.95, masks)
+    assert not adv.requires_grad and not ret.requires_grad
+    with pytest.raises(RuntimeError):  # no double backward through the GAE kernel
+        adv, _ = rlhf.estimate_advantages(v, r, 0.9, 0.95)
+        (g,) = torch.autograd.grad(adv.sum(), v, create_graph=True)
+        g.sum().backward()
+
+
+def test_batched_logits_to_logprobs_is_fp32_for_every_dtype(device):
+    """torchtune main writes the chunks into an fp32 buffer: fp64 logits come back fp32."""
+    gen = torch.Generator().manual_seed(13)
+    logits = torch.randn(5, 3, 11, generator=gen, dtype=F64).to(device)
+    seqs = torch.randint(0, 11, (5, 3), generator=gen).to(device)
+    got = rlhf.batched_logits_to_logprobs(logits, seqs, 0.8, chunk_size=2)
+    assert got.dtype == F32
+    assert rel_err(got, o_logits_to_logprobs(logits, seqs, 0.8)) <= 1e-6
+    with pytest.raises(ValueError, match="chunk_size"):
+        rlhf.batched_logits_to_logprobs(logits, seqs, chunk_size=0)
+
+
+def test_half_precision_original_is_torchtune_bit_for_bit(device):
+    """``half_precision("original")``: bf16 inputs go through torchtune's own bf16
+    arithmetic: values and gradients equal the transcription's exactly."""
+    import fused_rl.compat as compat
+
+    gen = torch.Generator().manual_seed(14)
+    logits = (torch.randn(3, 4, 50, generator=gen) * 3).to(device, BF)
+    seqs = torch.randint(0, 50, (3, 4), generator=gen).to(device)
+    v, r = (torch.randn(3, 4, generator=gen).to(device, BF) for _ in range(2))
+    masks = padding(3, 4, gen).to(device)
+    ppo_in = [torch.randn(3, 4, generator=gen).to(device, BF) for _ in range(6)]
+    cases = [
+        (lambda z: rlhf.logits_to_logprobs(z, seqs, 0.7),
+         lambda z: o_logits_to_logprobs(z, seqs, 0.7), logits),
+        (lambda z: rlhf.batched_logits_to_logprobs(z, seqs, 0.7, chunk_size=2),
+         lambda z: o_logits_to_logprobs(z, seqs, 0.7).float(), logits),
+        (lambda x: rlhf.estimate_advantages(x, r, 0.9, 0.95, masks),
+         lambda x: o_estimate_advantages(x, r, 0.9, 0.95, masks), v),
+        (lambda x: rlhf.PPOLoss(0.2)(ppo_in[0], x, *ppo_in[2:4], x * 2, ppo_in[5], masks),
+         lambda x: o_ppo_loss(ppo_in[0], x, *ppo_in[2:4], x * 2, ppo_in[5], masks, None, 0.2),
+         ppo_in[1]),
+    ]  # fmt: skip
+    for fn, oracle, x in cases:
+        a, b = x.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
+        with compat.half_precision("original"):
+            got = fn(a)
+        want = oracle(b)
+        got, want = (
+            [got] if torch.is_tensor(got) else got,
+            [want] if torch.is_tensor(want) else want,
+        )
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and torch.equal(g, w)
+        live = [(g, w) for g, w in zip(got, want) if w.requires_grad]
+        ups = [torch.randn(w.shape, generator=gen).to(device, w.dtype) for _, w in live]
+        sum((g * u).sum() for (g, _), u in zip(live, ups)).backward()
+        sum((w * u).sum() for (_, w), u in zip(live, ups)).backward()
+        assert torch.equal(a.grad, b.grad)
+    # the default ("accurate") rounds once from fp32: closer to float64 than torchtune's bf16
+    exact = o_logits_to_logprobs(logits.double(), seqs, 0.7)
+    accurate = rlhf.logits_to_logprobs(logits, seqs, 0.7)
+    assert rel_err(accurate, exact) <= rel_err(o_logits_to_logprobs(logits, seqs, 0.7), exact)
+
+
 # ----------------------------------------------------------------------------- originals
 
 
 def test_against_installed_torchtune(device):
+    """Against the real torchtune (the live check's venv): estimate_advantages, PPOLoss (every
+    output's dtype included) and, on torchtune main, masked_sum."""
     tt = pytest.importorskip("torchtune.rlhf")
+    from torchtune.rlhf.loss import PPOLoss
+
     gen = torch.Generator().manual_seed(6)
     values, rewards = (torch.randn(2, 5, generator=gen).to(device) for _ in range(2))
     masks = padding(2, 5, gen).to(device)
     for a, b in zip(rlhf.estimate_advantages(values, rewards, 0.9, 0.95, masks),
                     tt.estimate_advantages(values, rewards, 0.9, 0.95, masks)):  # fmt: skip
-        assert rel_err(a, b) <= 1e-5
+        assert a.dtype == b.dtype and rel_err(a, b) <= 1e-5
+    for dtype in (F32, F64, BF):
+        ins = [torch.randn(2, 5, generator=gen).to(device, dtype) for _ in range(6)]
+        for mask in (None, masks):
+            got = rlhf.PPOLoss(0.2)(*ins, mask, mask)
+            want = PPOLoss(0.2)(*ins, mask, mask)
+            assert [t.dtype for t in got] == [t.dtype for t in want]
+            tol = 1e-5 if dtype != BF else 2e-2
+            assert all(rel_err(a, b) <= tol for a, b in zip(got, want))
+    if hasattr(tt, "masked_sum"):
+        x = torch.randn(2, 5, generator=gen).to(device)
+        assert torch.equal(rlhf.masked_sum(x, masks, 1), tt.masked_sum(x, masks, 1))
