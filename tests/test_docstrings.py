@@ -16,6 +16,7 @@ MODULES = [
     "fused_rl.advantages",
     "fused_rl.continuous",
     "fused_rl.compat.ding",
+    "fused_rl.compat.ding_v053",
     "fused_rl.compat.torchtune",
     "fused_rl.compat.trl",
     "fused_rl.compat.verl",

@@ -2,7 +2,8 @@
 signatures, defaults, return types and numerics (their documented quirks included), running
 on fused_rl's kernels. Adopt fused_rl by changing one import:
 
-* ``fused_rl.compat.ding``: ``ding.rl_utils`` PPO / GRPO losses and namedtuples;
+* ``fused_rl.compat.ding``: ``ding.rl_utils`` PPO / GRPO losses and namedtuples (DI-engine main);
+* ``fused_rl.compat.ding_v053``: the same with DI-engine 0.5.3's tuple layout (the PyPI release);
 * ``fused_rl.compat.torchtune``: ``torchtune.rlhf`` (``PPOLoss``, GAE, rewards, whitening,
   ``logits_to_logprobs``);
 * ``fused_rl.compat.trl``: ``selective_log_softmax``, ``entropy_from_logits``;
