@@ -94,10 +94,14 @@ class FusedOp:
     def register_fake(self, fake: Callable) -> None:
         self.op.register_fake(fake)
 
-    def register_autograd(self, backward: Callable, *, setup_context: Callable) -> None:
+    def register_autograd(
+        self, backward: Callable, *, setup_context: Callable, once: bool = True
+    ) -> None:
         """``setup_context(ctx, inputs, output)`` / ``backward(ctx, *grads)`` as for
-        ``torch.library.register_autograd``; ``backward`` returns one entry per input."""
-        backward = _differentiable_once(backward)
+        ``torch.library.register_autograd``; ``backward`` returns one entry per input. Its
+        gradients raise on a second backward (``once``) unless it marks them itself."""
+        if once:  # off only for a backward that marks its own gradients (masked reductions)
+            backward = _differentiable_once(backward)
         self.op.register_autograd(backward, setup_context=setup_context)
         launcher = self.launcher
 

@@ -218,7 +218,7 @@ _masked_moments_bwd_op = FusedOp("masked_moments_bwd", masked_moments_bwd)
 _masked_moments_bwd_op.register_fake(_grad_x_fake)
 _masked_moments_op = FusedOp("masked_moments", masked_moments_fwd)
 _masked_moments_op.register_fake(_moments_fake)
-_masked_moments_op.register_autograd(_moments_backward, setup_context=_moments_setup)
+_masked_moments_op.register_autograd(_moments_backward, setup_context=_moments_setup, once=False)
 
 
 def _whiten_fake(x2d, mask2d, keep_mean, eps):
@@ -249,7 +249,7 @@ _masked_whiten_bwd_op = FusedOp("masked_whiten_bwd", masked_whiten_bwd)
 _masked_whiten_bwd_op.register_fake(_grad_x_fake)
 _masked_whiten_op = FusedOp("masked_whiten", masked_whiten_fwd)
 _masked_whiten_op.register_fake(_whiten_fake)
-_masked_whiten_op.register_autograd(_whiten_backward, setup_context=_whiten_setup)
+_masked_whiten_op.register_autograd(_whiten_backward, setup_context=_whiten_setup, once=False)
 
 
 # ----------------------------------------------------------------------------- public API

@@ -92,7 +92,9 @@ def test_strided_and_bf16(device, backend):
     assert lp.dtype == ent.dtype == torch.float32
     assert_rel(lp, o_lp, bf16_tol(eager.log_prob(actions), o_lp), f"{backend} bf16 logprob")
     assert_rel(ent, o_ent, bf16_tol(eager.entropy(), o_ent), f"{backend} bf16 entropy")
-    up = torch.randn(o_lp.shape, device=device)
+    # seeded: the global RNG's state depends on which tests ran before (an unlucky draw once
+    # failed the full serial run)
+    up = torch.randn(o_lp.shape, generator=torch.Generator().manual_seed(7)).to(device)
     _, grads = _value_and_grads(
         lambda m, s: gaussian_logprob(m, s, actions, backend=backend), (mu, sigma), up
     )
@@ -104,7 +106,10 @@ def test_strided_and_bf16(device, backend):
     )
     for name, g, o_g, e_g in zip(("mu", "sigma"), grads, o_grads, e_grads):
         assert g.dtype == torch.bfloat16
-        assert_rel(g, o_g, bf16_tol(e_g, o_g), f"{backend} bf16 d/d{name}")
+        # the Triton 3.9 interpreter truncates fp32 -> bf16 stores (compiled kernels round to
+        # nearest): up to one more bf16 step, 2^-7 relative, on CPU only
+        truncation = 2.0**-7 if backend == "triton" and device == "cpu" else 0.0
+        assert_rel(g, o_g, bf16_tol(e_g, o_g) + truncation, f"{backend} bf16 d/d{name}")
 
 
 def test_gradcheck_triton_float64(device):
