@@ -1,11 +1,13 @@
 """fused_rl: fused Triton kernels for the loss side of large-vocabulary RLHF.
 
 ``import fused_rl`` needs neither a GPU nor Triton: without them every op runs its
-plain-PyTorch reference. See ``fused_rl.available_backends(device)``.
+plain-PyTorch reference. ``print(fused_rl.describe())`` (or ``python -m fused_rl``) says which
+backend each device gets and why; ``fused_rl.available_backends(device)`` lists what can run.
 """
 
 from . import config
 from ._backend import available_backends
+from ._describe import describe
 from ._version import __version__
 from .advantages import gae, group_advantages, kl_penalized_rewards, rloo_advantages
 from .continuous import gaussian_entropy, gaussian_logprob
@@ -19,6 +21,7 @@ __all__ = [
     "__version__",
     "available_backends",
     "config",
+    "describe",
     "gae",
     "gaussian_entropy",
     "gaussian_logprob",

@@ -14,6 +14,7 @@ Every public op takes ``backend="auto" | "triton" | "reference"``:
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import sys
 import warnings
@@ -111,17 +112,33 @@ def resolve_backend(backend: str, *tensors: torch.Tensor | None) -> str:
         if t.device != device:
             raise ValueError(f"all tensors must be on one device, got {device} and {t.device}")
     if backend == "reference":
-        return "reference"
-    problem = _triton_problem(device)
-    if backend == "triton":
-        if problem is not None:
+        which = "reference"
+    else:
+        problem = _triton_problem(device)
+        if backend == "triton" and problem is not None:
             raise RuntimeError(f"backend='triton' cannot run here: {problem}")
-        return "triton"
-    if problem is None:
-        return "triton"
-    if device.type == "cuda" or _interpreter_mismatch() is not None:  # not what was asked for
-        _warn_once(f"backend='auto' runs the reference: {problem}")
-    return "reference"
+        which = "triton" if problem is None else "reference"
+        if which == "reference" and (device.type == "cuda" or _interpreter_mismatch()):
+            _warn_once(f"backend='auto' runs the reference: {problem}")  # not what was asked
+    if (backend, which, device.type) not in _LOGGED:
+        _log_choice(backend, which, device)
+    return which
+
+
+logger = logging.getLogger("fused_rl")
+_LOGGED: set[tuple[str, str, str]] = set()
+
+
+def _log_choice(backend: str, which: str, device: torch.device) -> None:
+    """INFO, once per process for each (asked, ran, device type): which path a call takes
+    (``logging.getLogger("fused_rl").setLevel("INFO")`` to see it)."""
+    _LOGGED.add((backend, which, device.type))
+    if which == "triton":
+        how = "Triton, interpreted (TRITON_INTERPRET=1)" if device.type == "cpu" else "Triton"
+    else:
+        problem = _triton_problem(device) if backend == "auto" else None
+        how = "the PyTorch reference" + (f": {problem}" if problem else "")
+    logger.info("backend=%r on %s runs %s", backend, device.type, how)
 
 
 _WARNED: set[str] = set()

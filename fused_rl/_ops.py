@@ -49,7 +49,12 @@ def _serialised_when_interpreting(launcher: Callable) -> Callable:
     def run(*args):
         if not interpreter_requested():
             return launcher(*args)
-        with _INTERPRETER_LOCK:
+        # The interpreter evaluates masked-out lanes too (log(0), 0 * inf, loads of other=-inf)
+        # in NumPy, whose floating-point warnings would leak into the caller's code although
+        # the kernel never uses those lanes. errstate is thread-local; the lock serialises.
+        import numpy
+
+        with _INTERPRETER_LOCK, numpy.errstate(all="ignore"):
             return launcher(*args)
 
     return run

@@ -149,3 +149,76 @@ def test_import_without_triton():
     assert result["same_as_reference"] and result["grad_finite"]
     assert "the `triton` package is not installed" in result["triton_error"]
     assert not result["kernels_imported"]
+
+
+def test_describe_reports_the_auto_backend(interpreter):
+    interpreter(True)
+    d = fused_rl.describe()
+    assert d.devices["cpu"] == ("triton", None)
+    assert d.interpreter_requested and d.interpreter_enabled
+    assert d.versions["fused_rl"] == fused_rl.__version__
+    assert d.versions["torch"] == torch.__version__
+    text = str(d)
+    assert "Triton interpreter (TRITON_INTERPRET=1): on" in text
+    assert "cpu      Triton (interpreted)" in text
+    assert repr(d) == text  # a REPL shows the report, not a dataclass dump
+    interpreter(False)
+    d = fused_rl.describe()
+    which, reason = d.devices["cpu"]
+    assert which == "reference" and "TRITON_INTERPRET=1" in reason
+    assert "cpu      reference: Triton kernels need CUDA tensors" in str(d)
+    assert "Triton interpreter (TRITON_INTERPRET=1): off" in str(d)
+
+
+def test_python_m_fused_rl_prints_the_report():
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "fused_rl"], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"fused_rl {fused_rl.__version__}")
+    assert "backend='auto' runs:" in proc.stdout and "cpu      reference" in proc.stdout
+
+
+def test_first_choice_is_logged(interpreter, monkeypatch, caplog):
+    monkeypatch.setattr(B, "_LOGGED", set())
+    x, y = _pair()
+    interpreter(False)
+    with caplog.at_level("INFO", logger="fused_rl"):
+        token_logprobs(x, y)
+        token_logprobs(x, y)  # logged once per (asked, ran, device type)
+        token_logprobs(x, y, backend="reference")
+    messages = [r.getMessage() for r in caplog.records if r.name == "fused_rl"]
+    assert messages == [
+        "backend='auto' on cpu runs the PyTorch reference: " + B._triton_problem(x.device),
+        "backend='reference' on cpu runs the PyTorch reference",
+    ]
+
+
+_LEAKY = """
+import warnings
+warnings.simplefilter("error")  # any warning, NumPy's included, fails the run
+import torch, fused_rl
+assert fused_rl.describe().devices["cpu"][0] == "triton"
+x = torch.randn(3, 5, 40, requires_grad=True)
+x.data[0, 0] = float("-inf")  # -inf logits: masked-out lanes compute inf - inf in NumPy
+t = torch.randint(0, 40, (3, 4))
+t[1, 2] = -100
+loss, m = fused_rl.policy_loss(x, t, torch.randn(3), old_logprobs=torch.randn(3, 4) - 3,
+                               ref_logprobs=torch.randn(3, 4) - 3, beta=0.1,
+                               entropy_coef=0.01)
+loss.backward()
+fused_rl.masked_whiten(torch.randn(4, 7), torch.rand(4, 7) > 0.5)
+print("clean")
+"""
+
+
+def test_interpreter_numpy_warnings_do_not_reach_the_caller():
+    """The interpreter evaluates masked-out lanes in NumPy (log(0), 0 * inf); fused_rl's
+    launches silence those floating-point warnings instead of leaking them to user code."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _LEAKY], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("clean")
