@@ -25,10 +25,12 @@ def test_fused_run_matches_seed_style_run(example):
     ref_losses, ref_params = example.run(example.SeedStyle, 2, 2, epochs=1, device=device)
     losses, params = example.run(ding, 2, 2, epochs=1, device=device)
 
-    assert [(a, s) for a, s, _, _ in losses] == [("GRPO", 0), ("GRPO", 1), ("PPO", 2), ("PPO", 3)]
+    assert [row[:3] for row in losses] == [
+        ("GRPO", 0, 0), ("GRPO", 1, 0), ("PPO", 2, 0), ("PPO", 3, 0)
+    ]  # fmt: skip
     # identical rollouts: the sampled rewards agree exactly
     assert [r for *_, r in losses] == [r for *_, r in ref_losses]
-    for (_, step, loss, _), (_, _, ref_loss, _) in zip(losses, ref_losses):
+    for (_, step, _, loss, _), (*_, ref_loss, _) in zip(losses, ref_losses):
         assert loss == pytest.approx(ref_loss, rel=1e-5, abs=1e-7), step
     assert example.max_param_rel_diff(params, ref_params) < 1e-5
     # training moved the weights: the comparison is not vacuous
@@ -40,5 +42,11 @@ def test_fused_run_matches_seed_style_run(example):
 def test_main_prints_both_curves(example, capsys):
     assert example.main(["--grpo-steps", "1", "--ppo-steps", "1", "--epochs", "1"]) == 0
     out = capsys.readouterr().out
-    assert "seed-style loss" in out and "fused_rl loss" in out
-    assert "GRPO" in out and "PPO" in out
+    header = next(line for line in out.splitlines() if "seed-style loss" in line)
+    assert header.split() == [
+        "algo", "step", "epoch", "reward", "seed-style", "loss", "fused_rl", "loss", "rel", "diff"
+    ]  # fmt: skip
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["GRPO"], ["PPO"])]
+    assert [r[:3] for r in rows] == [["GRPO", "0", "0"], ["PPO", "1", "0"]]
+    assert all(float(r[-1]) < 1e-4 for r in rows)  # the rel diff column
+    assert "agree: both must stay below 0.0001" in out
