@@ -8,9 +8,11 @@ into NaN instead of reading out of bounds.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -165,6 +167,44 @@ def check_loss_agg(loss_agg: str, *, max_length, num_items) -> None:
             )
         return
     check_positive(num_items, "num_items", allow_none=True)
+
+
+def renamed_keyword(kwargs: dict, *, old: str, new: str, where: str) -> dict:
+    """``kwargs`` with the deprecated keyword ``old`` renamed ``new``: one ``FutureWarning``
+    naming ``new``; ``TypeError`` when both are given. Call it only when ``old in kwargs``
+    (callers test that first, so the common path costs one dict lookup). ``stacklevel``
+    points at the caller of the function that calls this one."""
+    if new in kwargs:
+        raise TypeError(
+            f"{where}() got both {new}= and its deprecated alias {old}=; pass {new}= only"
+        )
+    warnings.warn(
+        f"{where}({old}=...) is deprecated; use {new}= (same values and default)",
+        FutureWarning,
+        stacklevel=3,
+    )
+    kwargs = dict(kwargs)
+    kwargs[new] = kwargs.pop(old)
+    return kwargs
+
+
+def deprecated_keyword(old: str, new: str) -> Callable[[Callable], Callable]:
+    """Decorator: the public function accepts its former keyword ``old`` as an alias of
+    ``new`` (:func:`renamed_keyword`). The signature shown (``inspect.signature``, docs) is
+    the function's own, without the alias."""
+
+    def decorate(fn: Callable) -> Callable:
+        where = f"fused_rl.{fn.__name__}"
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if old in kwargs:
+                kwargs = renamed_keyword(kwargs, old=old, new=new, where=where)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    return decorate
 
 
 def check_choice(value: str, choices: Sequence[str], name: str) -> None:

@@ -79,7 +79,7 @@ def kl_penalized_rewards_fwd(
     mask: Tensor | None,
     score_index: Tensor | None,
     kl_coef: float,
-    kind: str,
+    kl_estimator: str,
 ) -> Tensor:
     """Launch the KL-penalised-rewards kernel; ``(B, T)`` contiguous output."""
     from .kernels.token_advantages import _kl_penalized_rewards_fwd_kernel
@@ -110,7 +110,7 @@ def kl_penalized_rewards_fwd(
         *f32_pair(kl_coef),
         HAS_MASK=mask is not None,
         HAS_INDEX=score_index is not None,
-        KIND=KL_KINDS.index(kind),
+        KIND=KL_KINDS.index(kl_estimator),
         BLOCK_T=_time_block(length),
         ACC=triton_acc(dtype),
     )
@@ -150,7 +150,7 @@ def _gae_fake(rewards, values, mask, gamma, lam):
     return tuple(rewards.new_empty(rewards.shape, dtype=dtype) for _ in range(2))
 
 
-def _kl_rewards_fake(scores, logprobs, ref_logprobs, mask, score_index, kl_coef, kind):
+def _kl_rewards_fake(scores, logprobs, ref_logprobs, mask, score_index, kl_coef, kl_estimator):
     return logprobs.new_empty(logprobs.shape, dtype=ref.acc_dtype(scores, logprobs, ref_logprobs))
 
 
@@ -241,6 +241,7 @@ def gae(
     return _gae_op(rewards, values, mask, float(gamma), float(lam))
 
 
+@V.deprecated_keyword("kind", "kl_estimator")
 def kl_penalized_rewards(
     scores: Tensor,
     logprobs: Tensor,
@@ -248,7 +249,7 @@ def kl_penalized_rewards(
     *,
     kl_coef: float,
     mask: Tensor | None = None,
-    kind: str = "k1",
+    kl_estimator: str = "k1",
     score_index: Tensor | None = None,
     backend: str = "auto",
 ) -> Tensor:
@@ -264,8 +265,9 @@ def kl_penalized_rewards(
         logprobs, ref_logprobs: ``(B, T)`` float, policy and reference log-probs.
         kl_coef: real number ``>= 0``.
         mask: optional ``(B, T)`` bool (or 0/1) tensor, True where the token counts.
-        kind: KL estimator, one of ``"k1"``, ``"k2"``, ``"k3"``, ``"low_var_kl"``, ``"abs"``
-            (``fused_rl.reference.kl.kl_estimate``, ``log_ratio = logprobs - ref_logprobs``).
+        kl_estimator: one of ``"k1"``, ``"k2"``, ``"k3"``, ``"low_var_kl"``, ``"abs"``
+            (:func:`fused_rl.kl_estimate`, ``log_ratio = logprobs - ref_logprobs``); ``kind=``
+            is a deprecated alias (``FutureWarning``).
         score_index: optional ``(B,)`` int tensor of steps in ``[0, T)``. Out-of-range
             entries raise ``ValueError`` in eager mode (one host sync, see
             ``fused_rl.config.check_values``); otherwise they drop that row's score.
@@ -289,7 +291,7 @@ def kl_penalized_rewards(
     V.check_shape(ref_logprobs, logprobs.shape, "ref_logprobs", "logprobs.shape")
     V.check_shape(scores, logprobs.shape[:1], "scores", "(B,)")
     V.check_mask(mask, "mask", logprobs.shape, "(B, T)")
-    V.check_choice(kind, KL_KINDS, "kind")
+    V.check_choice(kl_estimator, KL_KINDS, "kl_estimator")
     V.check_nonnegative(kl_coef, "kl_coef")
     if score_index is not None:
         V.check_tensor(score_index, "score_index")
@@ -316,9 +318,11 @@ def kl_penalized_rewards(
     scores, logprobs, ref_logprobs = scores.detach(), logprobs.detach(), ref_logprobs.detach()
     if which == "reference":
         return ref.kl_penalized_rewards(
-            scores, logprobs, ref_logprobs, float(kl_coef), mask, kind, score_index
+            scores, logprobs, ref_logprobs, float(kl_coef), mask, kl_estimator, score_index
         )
-    return _kl_rewards_op(scores, logprobs, ref_logprobs, mask, score_index, float(kl_coef), kind)
+    return _kl_rewards_op(
+        scores, logprobs, ref_logprobs, mask, score_index, float(kl_coef), kl_estimator
+    )
 
 
 def group_advantages(

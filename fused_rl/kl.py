@@ -105,8 +105,9 @@ _kl_estimate_op.register_autograd(_kl_backward, setup_context=_kl_setup)
 # ----------------------------------------------------------------------------- public API
 
 
+@V.deprecated_keyword("kind", "kl_estimator")
 def kl_estimate(
-    logprobs: Tensor, ref_logprobs: Tensor, *, kind: str = "k3", backend: str = "auto"
+    logprobs: Tensor, ref_logprobs: Tensor, *, kl_estimator: str = "k3", backend: str = "auto"
 ) -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi, ``d = logprobs -
     ref_logprobs``:
@@ -118,13 +119,15 @@ def kl_estimate(
       ``[-10, 10]`` (verl); clamped tokens get zero gradient, as ``torch.clamp`` gives;
     * ``abs``: ``|d|`` (TRL's legacy ``kl_penalty="abs"``).
 
-    Every kind is exactly 0 at ``d = 0`` and finite for ``|d| <= 30`` in any input dtype
+    Every estimator is exactly 0 at ``d = 0`` and finite for ``|d| <= 30`` in any input dtype
     (computed in fp32).
 
     Args:
         logprobs: float tensor of any shape and strides, the sampled policy's log-probs.
         ref_logprobs: float tensor of the same shape, the reference policy's log-probs.
-        kind: one of ``k1``, ``k2``, ``k3``, ``low_var_kl``, ``abs``.
+        kl_estimator: one of ``k1``, ``k2``, ``k3``, ``low_var_kl``, ``abs`` (``kind=`` is a
+            deprecated alias, ``FutureWarning``).
+        backend: ``"auto"`` | ``"triton"`` | ``"reference"``.
 
     Returns:
         fp32 tensor of the inputs' shape (fp64 if either input is fp64). Differentiable
@@ -134,16 +137,17 @@ def kl_estimate(
     Example:
         >>> import torch, fused_rl
         >>> lp = torch.tensor([[0.0, -1.0]], requires_grad=True)
-        >>> fused_rl.kl_estimate(lp, torch.tensor([[0.0, 0.0]]), kind="k2").tolist()
+        >>> fused_rl.kl_estimate(lp, torch.tensor([[0.0, 0.0]]), kl_estimator="k2").tolist()
         [[0.0, 0.5]]
     """
     V.check_float(logprobs, "logprobs")
     V.check_float(ref_logprobs, "ref_logprobs")
     V.check_shape(ref_logprobs, logprobs.shape, "ref_logprobs", "logprobs.shape")
     V.check_same_device(logprobs=logprobs, ref_logprobs=ref_logprobs)
-    V.check_choice(kind, KL_KINDS, "kind")
+    V.check_choice(kl_estimator, KL_KINDS, "kl_estimator")
     if resolve_backend(backend, logprobs, ref_logprobs) == "reference":
         dtype = acc_dtype(logprobs, ref_logprobs)
-        return ref.kl_estimate(logprobs.to(dtype), ref_logprobs.to(dtype), kind)
-    out = _kl_estimate_op(as_rows2d(logprobs), as_rows2d(ref_logprobs), KL_KINDS.index(kind))
+        return ref.kl_estimate(logprobs.to(dtype), ref_logprobs.to(dtype), kl_estimator)
+    kind = KL_KINDS.index(kl_estimator)
+    out = _kl_estimate_op(as_rows2d(logprobs), as_rows2d(ref_logprobs), kind)
     return out.reshape(logprobs.shape)

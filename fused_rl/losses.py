@@ -56,8 +56,8 @@ def _metrics(terms: dict[str, Tensor], mask_f: Tensor) -> dict[str, Tensor]:
 
 
 def check_policy_options(
-    *, eps_low, eps_high, dual_clip, delta, beta, entropy_coef, kl, importance_sampling,
-    loss_agg, max_length, num_items=None,
+    *, eps_low, eps_high, dual_clip, delta, beta, entropy_coef, kl_estimator,
+    importance_sampling, loss_agg, max_length, num_items=None,
 ) -> float:  # fmt: skip
     """Validate the hyper-parameters that need no tensor (the shared validators of
     ``_validation``; also run by ``fused_rl.nn.PolicyLoss`` at construction); return the
@@ -73,7 +73,7 @@ def check_policy_options(
         raise ValueError(f"dual_clip must be > 1 (arXiv 1912.09729) or None, got {dual_clip}")
     if delta is not None and not delta > 1.0 + eps_high:
         raise ValueError(f"delta must be > 1 + eps_high = {1.0 + eps_high}, got {delta}")
-    V.check_choice(kl, KL_KINDS, "kl")
+    V.check_choice(kl_estimator, KL_KINDS, "kl_estimator")
     V.check_choice(importance_sampling, IMPORTANCE_SAMPLING, "importance_sampling")
     V.check_loss_agg(loss_agg, max_length=max_length, num_items=num_items)
     return eps_high
@@ -134,6 +134,7 @@ def _loss_from_logprobs(logp, entropy, adv2d, mask_f, weights, **token_kwargs):
 # ----------------------------------------------------------------------------- public API
 
 
+@V.deprecated_keyword("kl", "kl_estimator")
 def policy_loss(
     logits: Tensor,
     targets: Tensor,
@@ -148,7 +149,7 @@ def policy_loss(
     dual_clip: float | None = None,
     delta: float | None = None,
     beta: float = 0.0,
-    kl: str = "k3",
+    kl_estimator: str = "k3",
     entropy_coef: float = 0.0,
     with_entropy: bool = False,
     importance_sampling: str = "token",
@@ -184,8 +185,10 @@ def policy_loss(
             ``eps_low`` (DAPO's clip-higher: ``eps_high > eps_low``).
         dual_clip: ``c > 1``: where ``A < 0`` the loss is capped at ``-c A`` (arXiv 1912.09729).
         delta: TRL's two-sided clip: the unclipped ratio is capped at ``delta`` first.
-        beta, kl: KL penalty ``beta * kl`` per token; ``kl`` in ``k1``, ``k2``, ``k3``,
-            ``low_var_kl``, ``abs`` with ``log_ratio = logp - ref``.
+        beta, kl_estimator: KL penalty ``beta * kl`` per token, ``kl`` estimated by
+            ``kl_estimator`` in ``k1``, ``k2``, ``k3``, ``low_var_kl``, ``abs`` with
+            ``log_ratio = logp - ref`` (:func:`fused_rl.kl_estimate`). ``kl=`` is a
+            deprecated alias of ``kl_estimator=`` (``FutureWarning``).
         entropy_coef: entropy bonus ``-entropy_coef * H`` (H differentiable, same pass).
         with_entropy: report the mean entropy as a metric even when ``entropy_coef == 0``.
         importance_sampling: ``"token"`` or ``"sequence"`` (GSPO: one ratio per sequence,
@@ -236,7 +239,7 @@ def policy_loss(
     )  # fmt: skip
     eps_high = _check_policy_args(
         eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, delta=delta, beta=beta,
-        entropy_coef=entropy_coef, ref_logprobs=ref_logprobs, kl=kl,
+        entropy_coef=entropy_coef, ref_logprobs=ref_logprobs, kl_estimator=kl_estimator,
         importance_sampling=importance_sampling, loss_agg=loss_agg, max_length=max_length,
         num_items=num_items,
     )  # fmt: skip
@@ -248,7 +251,7 @@ def policy_loss(
         loss, metrics, *_ = policy_loss_fwd_op(
             logits, targets, adv2d, old_logprobs, ref_logprobs, mask, float(temperature),
             int(ignore_index), float(eps_low), float(eps_high), float(dual_clip or 0.0),
-            float(delta or 0.0), float(beta), KL_KINDS.index(kl), float(entropy_coef),
+            float(delta or 0.0), float(beta), KL_KINDS.index(kl_estimator), float(entropy_coef),
             bool(need_entropy), importance_sampling == "sequence",
             LOSS_AGG_MODES.index(loss_agg), float(max_length or length),
             *_num_items_args(num_items),
@@ -268,7 +271,8 @@ def policy_loss(
     return _loss_from_logprobs(
         logp, entropy, adv2d.float(), mask_f, weights, old_logp=old_logprobs,
         ref_logp=ref_logprobs, clip=ClipConfig(eps_low, eps_high, dual_clip, delta),
-        beta=beta, kl=kl, entropy_coef=entropy_coef, importance_sampling=importance_sampling,
+        beta=beta, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
+        importance_sampling=importance_sampling,
     )  # fmt: skip
 
 
@@ -279,6 +283,7 @@ def _num_items_args(num_items) -> tuple[float, Tensor | None]:
     return (-1.0 if num_items is None else float(num_items)), None
 
 
+@V.deprecated_keyword("kl", "kl_estimator")
 def policy_loss_from_logprobs(
     logprobs: Tensor,
     advantages: Tensor,
@@ -292,7 +297,7 @@ def policy_loss_from_logprobs(
     dual_clip: float | None = None,
     delta: float | None = None,
     beta: float = 0.0,
-    kl: str = "k3",
+    kl_estimator: str = "k3",
     entropy_coef: float = 0.0,
     importance_sampling: str = "token",
     loss_agg: str = "token-mean",
@@ -329,7 +334,7 @@ def policy_loss_from_logprobs(
     )  # fmt: skip
     eps_high = _check_policy_args(
         eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, delta=delta, beta=beta,
-        entropy_coef=entropy_coef, ref_logprobs=ref_logprobs, kl=kl,
+        entropy_coef=entropy_coef, ref_logprobs=ref_logprobs, kl_estimator=kl_estimator,
         importance_sampling=importance_sampling, loss_agg=loss_agg, max_length=max_length,
         num_items=num_items,
     )  # fmt: skip
@@ -340,7 +345,7 @@ def policy_loss_from_logprobs(
         loss, metrics, *_ = policy_logprobs_fwd_op(
             logprobs, entropy, adv2d, old_logprobs, ref_logprobs, mask, float(eps_low),
             float(eps_high), float(dual_clip or 0.0), float(delta or 0.0), float(beta),
-            KL_KINDS.index(kl), float(entropy_coef), importance_sampling == "sequence",
+            KL_KINDS.index(kl_estimator), float(entropy_coef), importance_sampling == "sequence",
             LOSS_AGG_MODES.index(loss_agg), float(max_length or length),
             *_num_items_args(num_items),
         )  # fmt: skip
@@ -357,5 +362,6 @@ def policy_loss_from_logprobs(
     return _loss_from_logprobs(
         logprobs, entropy, adv2d.float(), mask_f, weights, old_logp=old_logprobs,
         ref_logp=ref_logprobs, clip=ClipConfig(eps_low, eps_high, dual_clip, delta),
-        beta=beta, kl=kl, entropy_coef=entropy_coef, importance_sampling=importance_sampling,
+        beta=beta, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
+        importance_sampling=importance_sampling,
     )  # fmt: skip

@@ -41,9 +41,12 @@ class PolicyLoss(torch.nn.Module):
     """PPO / GRPO policy loss over logits (:func:`fused_rl.policy_loss`) as a module.
 
     The constructor takes the keyword options of ``policy_loss`` (``eps_low``, ``eps_high``,
-    ``dual_clip``, ``delta``, ``beta``, ``kl``, ``entropy_coef``, ``with_entropy``,
+    ``dual_clip``, ``delta``, ``beta``, ``kl_estimator``, ``entropy_coef``, ``with_entropy``,
     ``importance_sampling``, ``loss_agg``, ``max_length``, ``temperature``,
-    ``ignore_index``, ``backend``); ``forward`` takes the per-batch tensors.
+    ``ignore_index``, ``backend``; ``kl=`` is a deprecated alias of ``kl_estimator=``, with
+    one ``FutureWarning`` at construction); ``forward`` takes the per-batch tensors, as
+    :func:`fused_rl.policy_loss` does: ``mask`` is ``(B, T)`` bool, integer or float, a float
+    (or integer) mask being per-token weights ``>= 0`` (see :func:`fused_rl.policy_loss`).
 
     Example:
         >>> import torch
@@ -56,6 +59,10 @@ class PolicyLoss(torch.nn.Module):
 
     def __init__(self, **config):
         super().__init__()
+        if "kl" in config:
+            config = V.renamed_keyword(
+                config, old="kl", new="kl_estimator", where="fused_rl.nn.PolicyLoss"
+            )
         unknown = sorted(set(config) - set(_POLICY_OPTIONS))
         if unknown:
             raise TypeError(f"PolicyLoss got unknown options {unknown}; known: {_POLICY_OPTIONS}")

@@ -51,7 +51,7 @@ def oracle_policy_loss(
     dual_clip=None,
     delta=None,
     beta=0.0,
-    kl="k3",
+    kl_estimator="k3",
     entropy_coef=0.0,
     with_entropy=False,
     importance_sampling="token",
@@ -97,7 +97,7 @@ def oracle_policy_loss(
     per_token = -objective
     kl_tok = None
     if ref_logprobs is not None:
-        kl_tok = _kl(logp, _promoted(ref_logprobs, work), kl)
+        kl_tok = _kl(logp, _promoted(ref_logprobs, work), kl_estimator)
         per_token = per_token + beta * kl_tok
     per_token = per_token - entropy_coef * entropy
     # never let a non-counted token's value reach the sum (0 * inf would be NaN)

@@ -242,7 +242,7 @@ def test_kl_penalized_rewards(device, backend, kind):
                 ref,
                 kl_coef=0.05,
                 mask=m,
-                kind=kind,
+                kl_estimator=kind,
                 score_index=idx,
                 backend=backend,
             )
@@ -262,7 +262,9 @@ def test_kl_penalized_rewards_extremes(device, backend):
     ref[2] = logp[2] - 30.0
     scores = torch.tensor([1.5, -1.0, 2.0], device=device)
     for kind in ("k1", "k2", "k3", "low_var_kl", "abs"):
-        out = kl_penalized_rewards(scores, logp, ref, kl_coef=0.1, kind=kind, backend=backend)
+        out = kl_penalized_rewards(
+            scores, logp, ref, kl_coef=0.1, kl_estimator=kind, backend=backend
+        )
         assert torch.isfinite(out).all(), kind
         expected_row0 = torch.zeros(length, device=device)
         expected_row0[-1] = 1.5
@@ -285,7 +287,7 @@ def test_kl_penalized_rewards_float64_long(device, backend):
     mask[1, :300] = True  # ... in the second
     mask[2, 5] = True
     out = kl_penalized_rewards(
-        scores, logp, ref, kl_coef=0.2, mask=mask, kind="k3", backend=backend
+        scores, logp, ref, kl_coef=0.2, mask=mask, kl_estimator="k3", backend=backend
     )
     assert out.dtype == torch.float64
     want = rewards_oracle(scores, logp, ref, 0.2, mask, "k3", None)
@@ -295,8 +297,8 @@ def test_kl_penalized_rewards_float64_long(device, backend):
 def test_kl_penalized_rewards_bad_arguments(device):
     lp = torch.randn(2, 5, device=device)
     s = torch.randn(2, device=device)
-    with pytest.raises(ValueError, match="kind"):
-        kl_penalized_rewards(s, lp, lp, kl_coef=0.1, kind="k4")
+    with pytest.raises(ValueError, match="kl_estimator"):
+        kl_penalized_rewards(s, lp, lp, kl_coef=0.1, kl_estimator="k4")
     with pytest.raises(ValueError, match="kl_coef"):
         kl_penalized_rewards(s, lp, lp, kl_coef=-0.1)
     with pytest.raises(ValueError, match="scores"):

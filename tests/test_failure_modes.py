@@ -78,7 +78,9 @@ POLICY_CASES = {
     "nan_logit": dict(logits=_poisoned_logit),
     "neg_inf_row": dict(logits=_neg_inf_row),
     "nan_old_logprobs": dict(old=_nan_old),
-    "nan_old_logprobs_kl": dict(old=_nan_old, ref_logprobs=_nan_old, beta=0.1, kl="low_var_kl"),
+    "nan_old_logprobs_kl": dict(
+        old=_nan_old, ref_logprobs=_nan_old, beta=0.1, kl_estimator="low_var_kl"
+    ),
     "nan_logit_dual_clip": dict(logits=_poisoned_logit, dual_clip=3.0),
     "nan_logit_delta": dict(logits=_poisoned_logit, delta=1.5),
 }
@@ -149,7 +151,7 @@ def test_kl_estimate_nan(backend, kind):
     lp, ref = _token_inputs(2)
     lp[0, 3] = NAN
     ref[1, 1] = NAN
-    kl = fused_rl.kl_estimate(lp, ref, kind=kind, backend=backend)
+    kl = fused_rl.kl_estimate(lp, ref, kl_estimator=kind, backend=backend)
     assert torch.isnan(kl[0, 3]) and torch.isnan(kl[1, 1])
     assert torch.isfinite(kl).sum() == kl.numel() - 2
 
@@ -159,7 +161,7 @@ def test_kl_penalized_rewards_nan(backend):
     lp, ref = _token_inputs(2)
     lp[0, 3] = NAN
     rewards = fused_rl.kl_penalized_rewards(
-        torch.ones(B), lp, ref, kl_coef=0.1, kind="low_var_kl", backend=backend
+        torch.ones(B), lp, ref, kl_coef=0.1, kl_estimator="low_var_kl", backend=backend
     )
     assert torch.isnan(rewards[0, 3]) and torch.isfinite(rewards[1]).all()
 
@@ -305,7 +307,7 @@ def test_policy_loss_module_validates_at_construction():
     from fused_rl.nn import PolicyLoss
 
     for options, match in [
-        (dict(kl="k9"), "kl must be one of"),
+        (dict(kl_estimator="k9"), "kl_estimator must be one of"),
         (dict(loss_agg="bogus"), "loss_agg must be one of"),
         (dict(eps_low=-0.1), "eps_low must be"),
         (dict(dual_clip=0.5), "dual_clip must be > 1"),
@@ -317,7 +319,9 @@ def test_policy_loss_module_validates_at_construction():
             PolicyLoss(**options)
     with pytest.raises(TypeError, match="ignore_index must be an int"):
         PolicyLoss(ignore_index=1.5)
-    PolicyLoss(eps_low=np.float32(0.2), beta=0.1, kl="k3")  # beta needs ref_logprobs only later
+    PolicyLoss(
+        eps_low=np.float32(0.2), beta=0.1, kl_estimator="k3"
+    )  # beta needs ref_logprobs only later
 
 
 def test_meta_tensors():
@@ -410,7 +414,10 @@ def test_triton_double_backward_raises(op):
     y = torch.randn(B, T, dtype=torch.float64)
     losses = {
         "policy_loss": lambda: (logits, _policy_tensor_loss(logits)),
-        "kl_estimate": lambda: (x, fused_rl.kl_estimate(x, y, kind="k3", backend="triton").sum()),
+        "kl_estimate": lambda: (
+            x,
+            fused_rl.kl_estimate(x, y, kl_estimator="k3", backend="triton").sum(),
+        ),
         "value_loss": lambda: (x, fused_rl.value_loss(x, y, y, clip=0.1, backend="triton")[0]),
         "ppo_loss": lambda: (x, fused_rl.ppo_loss(y, x, y, y, x, y, backend="triton")[0]),
         "gauss": lambda: (x, fused_rl.gaussian_logprob(x, y.exp(), y, backend="triton").sum()),

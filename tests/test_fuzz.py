@@ -579,7 +579,7 @@ def clip_hyper(draw):
         "eps_high": eps_high,
         "dual_clip": draw(st.sampled_from((None, None, 1.0 + 1e-6, 3.0, 1e6))),
         "delta": draw(st.sampled_from((None, None, 1.0 + high + 1e-6, 1.0 + high + 2.0))),
-        "kl": draw(st.sampled_from(KL_KINDS)),
+        "kl_estimator": draw(st.sampled_from(KL_KINDS)),
         "entropy_coef": draw(st.sampled_from((0.0, 0.0, 0.01, -0.01, 10.0))),
         "importance_sampling": draw(st.sampled_from(("token", "token", "sequence"))),
         "loss_agg": draw(st.sampled_from(LOSS_AGGS)),
@@ -765,13 +765,15 @@ def kl_estimate_cases(draw):
     grad = ("logprobs", "ref_logprobs") if draw(st.booleans()) else ("logprobs",)
 
     def call(x, backend):
-        return fused_rl.kl_estimate(x["logprobs"], x["ref_logprobs"], kind=kind, backend=backend)
+        return fused_rl.kl_estimate(
+            x["logprobs"], x["ref_logprobs"], kl_estimator=kind, backend=backend
+        )
 
     def rule(x):
         return {"out": torch.isnan(x["logprobs"]) | torch.isnan(x["ref_logprobs"])}
 
     return Case(
-        "kl_estimate", call, {"logprobs": logprobs, "ref_logprobs": ref}, {"kind": kind},
+        "kl_estimate", call, {"logprobs": logprobs, "ref_logprobs": ref}, {"kl_estimator": kind},
         grad=grad, nan_rule=rule, upstream_seed=draw(upstream_seeds),
     )  # fmt: skip
 
@@ -897,7 +899,7 @@ def kl_rewards_cases(draw):
     def call(x, backend):
         return fused_rl.kl_penalized_rewards(
             x["scores"], x["logprobs"], x["ref_logprobs"], kl_coef=kl_coef, mask=x["mask"],
-            kind=kind, score_index=x["score_index"], backend=backend,
+            kl_estimator=kind, score_index=x["score_index"], backend=backend,
         )  # fmt: skip
 
     def rule(x):
@@ -917,7 +919,7 @@ def kl_rewards_cases(draw):
         "kl_penalized_rewards", call,
         {"scores": scores, "logprobs": logprobs, "ref_logprobs": ref, "mask": mask,
          "score_index": score_index},
-        {"kind": kind, "kl_coef": kl_coef},
+        {"kl_estimator": kind, "kl_coef": kl_coef},
         counted={"logprobs": counted, "ref_logprobs": counted}, nan_rule=rule,
     )  # fmt: skip
 
@@ -1655,7 +1657,7 @@ def _ppo_valid(b, t, v, dt, g):
 
 POLICY_HYPER = dict(
     temperature="positive", eps_low="nonneg", eps_high="nonneg", dual_clip="above_one",
-    delta="above_one", beta="number", kl="choice", entropy_coef="number",
+    delta="above_one", beta="number", kl_estimator="choice", entropy_coef="number",
     importance_sampling="choice", loss_agg="choice", max_length="count", num_items="positive",
 )  # fmt: skip
 TOKEN = ("advantages", "old_logprobs", "ref_logprobs")
@@ -1698,7 +1700,7 @@ BAD_SPECS = {
         ),
         floats=("logprobs", "ref_logprobs"),
         shaped=("ref_logprobs",),
-        kind="choice",
+        kl_estimator="choice",
     ),
     **{
         op: _spec(
@@ -1743,7 +1745,7 @@ BAD_SPECS = {
         masks=("mask",),
         indices={"score_index": "T"},
         kl_coef="nonneg",
-        kind="choice",
+        kl_estimator="choice",
     ),
     "group_advantages": _spec(
         _op("group_advantages"),
@@ -1823,7 +1825,7 @@ BAD_SPECS = {
 }
 
 CHOICES = {
-    "kl": KL_KINDS, "kind": KL_KINDS, "importance_sampling": ("token", "sequence"),
+    "kl_estimator": KL_KINDS, "importance_sampling": ("token", "sequence"),
     "loss_agg": LOSS_AGGS, "normalize": ("std", "none"),
 }  # fmt: skip
 # bad scalar values by kind: (value, exception)
@@ -1975,7 +1977,8 @@ FOUND = {
     ),
     # a bf16 input next to an fp64 one (fp64 accumulation): garbage gradients on Triton
     "kl_estimate bf16 + fp64": lambda: fixed_case(
-        "kl_estimate", lambda x, b: fused_rl.kl_estimate(x["lp"], x["ref"], kind="k2", backend=b),
+        "kl_estimate",
+        lambda x, b: fused_rl.kl_estimate(x["lp"], x["ref"], kl_estimator="k2", backend=b),
         lp=torch.tensor([[-1.25, -3.0]], dtype=_BF), ref=torch.tensor([[-0.5, -0.25]], dtype=_F64),
         grad=("lp",),
     ),

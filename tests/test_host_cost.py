@@ -41,7 +41,7 @@ def test_eager_yardstick_is_the_same_loss(device):
     got, _ = fused_rl.policy_loss(
         inp["logits"], inp["targets"], inp["advantages"],
         old_logprobs=inp["old_logprobs"], ref_logprobs=inp["ref_logprobs"], mask=inp["mask"],
-        eps_low=host.EPS_LOW, eps_high=host.EPS_HIGH, beta=host.BETA, kl="k3",
+        eps_low=host.EPS_LOW, eps_high=host.EPS_HIGH, beta=host.BETA, kl_estimator="k3",
         entropy_coef=host.ENTROPY_COEF, loss_agg="token-mean", backend="reference",
     )  # fmt: skip
     assert_rel(got, want, FP32_TOL, "policy_loss vs eager_grpo_loss")

@@ -65,7 +65,7 @@ def test_k3_small_log_ratios(backend, kind, dtype, spread, device):
     ref = (logp.double() + spread * torch.randn(4, 33, generator=g, dtype=torch.float64)).to(dtype)
     log_r = ref.double() - logp.double()  # exact: the inputs as the op sees them
     logp = logp.to(device).requires_grad_(True)
-    out = kl_estimate(logp, ref.to(device), kind=kind, backend=backend)
+    out = kl_estimate(logp, ref.to(device), kl_estimator=kind, backend=backend)
     (grad,) = torch.autograd.grad(out.sum(), logp)
     tol = FP32_TOL if dtype == torch.float32 else F64_TOL
     assert_rel(out, k3_small_oracle(log_r).to(device), tol, f"{kind} value")
@@ -77,7 +77,7 @@ def test_k1_gradient_is_one_even_at_inf(backend, device):
     """Padding often holds -inf log-probs: k1's gradient there is the upstream one (0), not
     NaN (``d * 0 + 1`` would be NaN at d = inf)."""
     logp = torch.tensor([-1.0, -float("inf"), float("inf")], device=device, requires_grad=True)
-    out = kl_estimate(logp, torch.zeros(3, device=device), kind="k1", backend=backend)
+    out = kl_estimate(logp, torch.zeros(3, device=device), kl_estimator="k1", backend=backend)
     (grad,) = torch.autograd.grad(out, logp, torch.tensor([1.0, 0.0, 0.0], device=device))
     assert grad.tolist() == [1.0, 0.0, 0.0]
 
@@ -89,7 +89,7 @@ def test_parity(backend, kind, dtype, device):
     logp, ref = _inputs(device, dtype)
     logp.requires_grad_(True)
     ref.requires_grad_(True)
-    out = kl_estimate(logp, ref, kind=kind, backend=backend)
+    out = kl_estimate(logp, ref, kl_estimator=kind, backend=backend)
     lp64 = logp.detach().double().requires_grad_(True)
     ref64 = ref.detach().double().requires_grad_(True)
     want = oracle(lp64, ref64, kind)
@@ -109,7 +109,7 @@ def test_parity(backend, kind, dtype, device):
 def test_zero_and_extreme_log_ratios(backend, kind, device):
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         lp = torch.tensor([[-3.0, -0.5, 0.0]], device=device, dtype=dtype, requires_grad=True)
-        out = kl_estimate(lp, lp.detach().clone(), kind=kind, backend=backend)
+        out = kl_estimate(lp, lp.detach().clone(), kl_estimator=kind, backend=backend)
         assert torch.equal(out, torch.zeros_like(out)), f"{kind} {dtype} at log-ratio 0"
         (g,) = torch.autograd.grad(out.sum(), lp)
         slope = 1.0 if kind == "k1" else 0.0  # k1 = d has slope 1; the others are flat at 0
@@ -117,7 +117,7 @@ def test_zero_and_extreme_log_ratios(backend, kind, device):
         base = torch.full((1, 2), -40.0, device=device, dtype=dtype)
         ref = base + torch.tensor([[30.0, -30.0]], device=device, dtype=dtype)
         base.requires_grad_(True)
-        out = kl_estimate(base, ref, kind=kind, backend=backend)
+        out = kl_estimate(base, ref, kl_estimator=kind, backend=backend)
         (g,) = torch.autograd.grad(out.sum(), base)
         want = oracle(base.detach(), ref, kind)
         assert torch.isfinite(out).all(), f"{kind} {dtype} +-30"
@@ -139,7 +139,7 @@ def test_bf16_and_detached_ref(backend, device):
     assert_rel(out, want, bf16_tol(eager, want), "bf16 k3")
     # ref without grad: only logprobs receives a gradient
     logp.requires_grad_(True)
-    out = kl_estimate(logp, ref, kind="k2", backend=backend)
+    out = kl_estimate(logp, ref, kl_estimator="k2", backend=backend)
     out.backward(torch.randn_like(out))
     assert logp.grad.dtype == torch.bfloat16 and ref.grad is None
 
@@ -150,7 +150,7 @@ def test_other_shapes(backend, device):
     for shape in ((), (6,), (2, 3, 4), (0, 5)):
         logp = torch.randn(shape, device=device, dtype=torch.float64)
         ref = torch.randn(shape, device=device, dtype=torch.float64)
-        out = kl_estimate(logp, ref, kind="k3", backend=backend)
+        out = kl_estimate(logp, ref, kl_estimator="k3", backend=backend)
         assert out.shape == logp.shape
         assert_rel(out, oracle(logp, ref, "k3"), F64_TOL, str(shape))
 
@@ -161,7 +161,7 @@ def test_gradcheck_float64_triton(device):
     ref.requires_grad_(True)
 
     def fn(a, b):
-        return tuple(kl_estimate(a, b, kind=k, backend="triton") for k in KINDS)
+        return tuple(kl_estimate(a, b, kl_estimator=k, backend="triton") for k in KINDS)
 
     assert torch.autograd.gradcheck(fn, (logp, ref))
 
@@ -173,7 +173,7 @@ def test_deterministic(device):
     up = torch.randn(3, 900, device=device)
 
     def run():
-        out = kl_estimate(logp, ref, kind="low_var_kl", backend="triton")
+        out = kl_estimate(logp, ref, kl_estimator="low_var_kl", backend="triton")
         return out, *torch.autograd.grad(out, logp, up)
 
     for a, b in zip(run(), run()):
@@ -185,7 +185,10 @@ def test_torch_compile_fullgraph(device):
     logp, ref = _inputs(device, seed=5)
 
     def f(a, b):
-        return kl_estimate(a, b, kind="k3").sum() + kl_estimate(a, b, kind="abs").square().sum()
+        return (
+            kl_estimate(a, b, kl_estimator="k3").sum()
+            + kl_estimate(a, b, kl_estimator="abs").square().sum()
+        )
 
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     results = []
@@ -199,8 +202,8 @@ def test_torch_compile_fullgraph(device):
 
 def test_errors(device):
     logp = torch.randn(3, 4, device=device)
-    with pytest.raises(ValueError, match="kind"):
-        kl_estimate(logp, logp, kind="k4")
+    with pytest.raises(ValueError, match="kl_estimator"):
+        kl_estimate(logp, logp, kl_estimator="k4")
     with pytest.raises(ValueError, match="ref_logprobs"):
         kl_estimate(logp, logp[:, :2])
     with pytest.raises(ValueError, match="ref_logprobs"):
@@ -216,6 +219,6 @@ def test_no_host_sync_cuda():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        kl_estimate(logp, ref, kind="low_var_kl").sum().backward()
+        kl_estimate(logp, ref, kl_estimator="low_var_kl").sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 
 import pytest
 import torch
@@ -152,7 +153,7 @@ GROUPS = {
         ("group_size",),
         [("True", True, TypeError), ("0", 0, ValueError), ("2.0", 2.0, TypeError)],
     ),
-    "kl_kind": (("kind", "kl"), [("k4", "k4", ValueError)]),
+    "kl_estimator": (("kl_estimator",), [("k4", "k4", ValueError)]),
     "backend": (("backend",), [("bogus", "bogus", ValueError), ("cuda:0", "cuda:0", ValueError)]),
 }
 
@@ -247,3 +248,78 @@ def test_validators_accept():
     V.check_loss_agg("token-mean", max_length=None, num_items=torch.tensor(5))
     with pytest.raises(ValueError, match=r"m must have shape x.shape = \(2, 3\)"):
         V.check_mask(torch.zeros(3, 2), "m", (2, 3), "x.shape")
+
+
+# ----------------------------------------------------------------------------- renamed keywords
+
+# op -> the deprecated keyword it still accepts for kl_estimator=
+KL_ALIASES = {
+    "policy_loss": "kl",
+    "policy_loss_from_logprobs": "kl",
+    "kl_estimate": "kind",
+    "kl_penalized_rewards": "kind",
+}
+
+
+def _kl_call(op: str, backend: str, **kw):
+    args, kwargs = INPUTS[op]()
+    if op.startswith("policy"):
+        kwargs.update(ref_logprobs=_x(B, T) - 2.0, beta=0.1)
+    else:  # a reference different from the policy
+        args = (*args[:-1], args[-1] * 0.5 - 1.0)
+    out = getattr(fused_rl, op)(*args, **kwargs, **kw, backend=backend)
+    if isinstance(out, tuple):
+        loss, metrics = out
+        return torch.stack([loss, metrics["kl"]])
+    return out
+
+
+def test_every_kl_op_takes_kl_estimator():
+    """One name for the KL estimator in the whole native API; the old ones are aliases only."""
+    for op in INPUTS:
+        params = _params(op)
+        assert not params & {"kl", "kind"}, op
+        if op in KL_ALIASES:
+            assert "kl_estimator" in params, op
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("op", sorted(KL_ALIASES))
+def test_deprecated_kl_alias_warns_and_matches(op, backend):
+    old = KL_ALIASES[op]
+    want = _kl_call(op, backend, kl_estimator="k2")
+    with pytest.warns(FutureWarning, match=r"kl_estimator=") as record:
+        got = _kl_call(op, backend, **{old: "k2"})
+    assert len(record) == 1 and rf"{old}=" in str(record[0].message)
+    assert record[0].filename == __file__  # points at the caller's line
+    assert torch.equal(got, want)
+    assert not torch.equal(want, _kl_call(op, backend))  # the default (k3 / k1) differs
+
+
+@pytest.mark.parametrize("op", sorted(KL_ALIASES))
+def test_deprecated_kl_alias_with_new_name_raises(op):
+    old = KL_ALIASES[op]
+    with pytest.raises(TypeError, match=rf"kl_estimator=.*\b{old}="):
+        _kl_call(op, "reference", kl_estimator="k2", **{old: "k2"})
+
+
+def test_policy_loss_module_kl_alias():
+    from fused_rl.nn import PolicyLoss
+
+    with pytest.warns(FutureWarning, match=r"PolicyLoss\(kl=\.\.\.\) is deprecated.*kl_estimator"):
+        module = PolicyLoss(kl="k2", beta=0.1)
+    assert module.config == {"kl_estimator": "k2", "beta": 0.1}
+    (logits, targets, adv), _ = INPUTS["policy_loss"]()
+    ref = _x(B, T) - 2.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning per forward call
+        loss, _ = module(logits, targets, adv, ref_logprobs=ref)
+    want, _ = fused_rl.policy_loss(
+        logits, targets, adv, ref_logprobs=ref, beta=0.1, kl_estimator="k2"
+    )
+    assert torch.equal(loss, want)
+    with pytest.raises(TypeError, match=r"kl_estimator=.*\bkl="):
+        PolicyLoss(kl="k2", kl_estimator="k3")
+    with pytest.raises(ValueError, match="kl_estimator must be one of"):
+        with pytest.warns(FutureWarning):
+            PolicyLoss(kl="k9")

@@ -793,7 +793,7 @@ def kl_penalty_forward(logprob: Tensor, ref_logprob: Tensor, kl_penalty: str) ->
     out_dtype = torch.result_type(logprob, ref_logprob)
     if logprob.shape != ref_logprob.shape:
         logprob, ref_logprob = torch.broadcast_tensors(logprob, ref_logprob)
-    return kl_estimate(logprob, ref_logprob, kind=_KL_NAMES[kl_penalty]).to(out_dtype)
+    return kl_estimate(logprob, ref_logprob, kl_estimator=_KL_NAMES[kl_penalty]).to(out_dtype)
 
 
 def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kl_penalty: str) -> Tensor:

@@ -114,13 +114,13 @@ def kl_penalized_rewards(
     ref_logprobs: torch.Tensor,
     kl_coef: float,
     mask: torch.Tensor | None = None,
-    kind: str = "k1",
+    kl_estimator: str = "k1",
     score_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(B, T)`` rewards ``-kl_coef * kl_t`` (0 where masked) plus ``scores[b]`` at one step."""
     dtype = acc_dtype(scores, logprobs, ref_logprobs)
     n_rows, length = logprobs.shape
-    kl = kl_estimate(logprobs.detach().to(dtype), ref_logprobs.detach().to(dtype), kind)
+    kl = kl_estimate(logprobs.detach().to(dtype), ref_logprobs.detach().to(dtype), kl_estimator)
     rewards = -kl_coef * kl
     if mask is not None:
         rewards = torch.where(mask != 0, rewards, 0.0)

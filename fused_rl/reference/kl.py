@@ -22,8 +22,8 @@ def k3(n: torch.Tensor) -> torch.Tensor:
     return torch.where(small, 0.5 * t * t * q, torch.exp(n) - n - 1.0)
 
 
-def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
-    """Elementwise KL estimate, differentiable w.r.t. both arguments.
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kl_estimator: str) -> torch.Tensor:
+    """Elementwise KL estimate (``kl_estimator``), differentiable w.r.t. both arguments.
 
     * ``k1``: ``logp - ref``
     * ``k2``: ``(logp - ref)^2 / 2``
@@ -32,15 +32,15 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.
     * ``abs``: ``|logp - ref|``
     """
     log_ratio = logp - ref_logp
-    if kind == "k1":
+    if kl_estimator == "k1":
         return log_ratio
-    if kind == "k2":
+    if kl_estimator == "k2":
         return 0.5 * log_ratio.square()
-    if kind == "k3":
+    if kl_estimator == "k3":
         return k3(-log_ratio)
-    if kind == "low_var_kl":
+    if kl_estimator == "low_var_kl":
         neg = torch.clamp(-log_ratio, min=-20.0, max=20.0)
         return torch.clamp(k3(neg), min=-10.0, max=10.0)
-    if kind == "abs":
+    if kl_estimator == "abs":
         return log_ratio.abs()
-    raise ValueError(f"kl kind must be one of {KL_KINDS}, got {kind!r}")
+    raise ValueError(f"kl_estimator must be one of {KL_KINDS}, got {kl_estimator!r}")

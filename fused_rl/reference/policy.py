@@ -62,7 +62,7 @@ def policy_token_terms(
     entropy: torch.Tensor | None,
     clip: ClipConfig,
     beta: float,
-    kl: str,
+    kl_estimator: str,
     entropy_coef: float,
     importance_sampling: str,
 ) -> dict[str, torch.Tensor]:
@@ -98,7 +98,7 @@ def policy_token_terms(
         "neg_log_ratio": old - logp,
     }
     if ref_logp is not None:
-        kl_tok = kl_estimate(logp, ref_logp, kl)
+        kl_tok = kl_estimate(logp, ref_logp, kl_estimator)
         terms["kl"] = kl_tok
         if beta != 0.0:
             loss = loss + beta * kl_tok
