@@ -3,8 +3,8 @@
 Triton path (``kernels/token_values.py``): one flat forward launch writing per-block partial
 sums, one single-program launch merging them into the scalar outputs (deterministic, no float
 atomics, no host sync), and one backward launch that recomputes every per-token derivative
-from the inputs. Each launcher is a :class:`fused_rl._ops.FusedOp` (``fused_rl::value_loss``,
-``fused_rl::ppo_loss`` and their ``*_bwd``): a ``torch.library`` custom op with fake and
+from the inputs. Each launcher is a :class:`fused_rl._ops.FusedOp` (``fused_rl::value_loss_fwd``,
+``fused_rl::ppo_loss_fwd`` and their ``*_bwd``): a ``torch.library`` custom op with fake and
 autograd registrations for ``torch.compile(fullgraph=True)``, a direct call in eager mode.
 """
 
@@ -202,7 +202,7 @@ def _value_backward(ctx, grad_out):
 
 _value_loss_bwd_op = FusedOp("value_loss_bwd", value_loss_bwd)
 _value_loss_bwd_op.register_fake(_value_bwd_fake)
-_value_loss_op = FusedOp("value_loss", value_loss_fwd)
+_value_loss_op = FusedOp("value_loss_fwd", value_loss_fwd)
 _value_loss_op.register_fake(_value_fake)
 _value_loss_op.register_autograd(_value_backward, setup_context=_value_setup)
 
@@ -242,7 +242,7 @@ def _ppo_backward(ctx, grad_out):
 
 _ppo_loss_bwd_op = FusedOp("ppo_loss_bwd", ppo_loss_bwd)
 _ppo_loss_bwd_op.register_fake(_ppo_bwd_fake)
-_ppo_loss_op = FusedOp("ppo_loss", ppo_loss_fwd)
+_ppo_loss_op = FusedOp("ppo_loss_fwd", ppo_loss_fwd)
 _ppo_loss_op.register_fake(_ppo_fake)
 _ppo_loss_op.register_autograd(_ppo_backward, setup_context=_ppo_setup)
 
