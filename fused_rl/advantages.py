@@ -327,8 +327,8 @@ def kl_penalized_rewards(
 
 def group_advantages(
     scores: Tensor,
-    group_size: int,
     *,
+    group_size: int,
     normalize: str = "std",
     eps: float = 1e-6,
     backend: str = "auto",
@@ -351,7 +351,7 @@ def group_advantages(
     Example:
         >>> import torch, fused_rl
         >>> s = torch.tensor([1.0, 0.0, 1.0, 1.0])
-        >>> fused_rl.group_advantages(s, 2, normalize="none").tolist()
+        >>> fused_rl.group_advantages(s, group_size=2, normalize="none").tolist()
         [0.5, -0.5, 0.0, 0.0]
     """
     _check_scores_1d(scores)
@@ -365,7 +365,7 @@ def group_advantages(
     return _group_op(scores, group_size, normalize, float(eps))
 
 
-def rloo_advantages(scores: Tensor, group_size: int, *, backend: str = "auto") -> Tensor:
+def rloo_advantages(scores: Tensor, *, group_size: int, backend: str = "auto") -> Tensor:
     """REINFORCE leave-one-out advantages: ``s_i - mean_{j != i} s_j`` within each group.
 
     Args:
@@ -377,7 +377,7 @@ def rloo_advantages(scores: Tensor, group_size: int, *, backend: str = "auto") -
 
     Example:
         >>> import torch, fused_rl
-        >>> fused_rl.rloo_advantages(torch.tensor([3.0, 1.0, 2.0]), 3).tolist()
+        >>> fused_rl.rloo_advantages(torch.tensor([3.0, 1.0, 2.0]), group_size=3).tolist()
         [1.5, -1.5, 0.0]
     """
     _check_scores_1d(scores)

@@ -15,8 +15,8 @@ mean) / (n - c))``, one elementwise launch; whitening needs two sums of the upst
 first (one flat launch plus a ``torch.sum`` over the per-block partials) and one elementwise
 launch.
 
-Each launcher is a :class:`fused_rl._ops.FusedOp` (``fused_rl::masked_moments``,
-``fused_rl::masked_whiten`` and their ``*_bwd``): a ``torch.library`` custom op with fake and
+Each launcher is a :class:`fused_rl._ops.FusedOp` (``fused_rl::masked_moments_fwd``,
+``fused_rl::masked_whiten_fwd`` and their ``*_bwd``): a ``torch.library`` custom op with fake and
 autograd registrations for ``torch.compile``, a direct call in eager mode.
 """
 
@@ -216,7 +216,7 @@ def _moments_backward(ctx, grad_stats):
 
 _masked_moments_bwd_op = FusedOp("masked_moments_bwd", masked_moments_bwd)
 _masked_moments_bwd_op.register_fake(_grad_x_fake)
-_masked_moments_op = FusedOp("masked_moments", masked_moments_fwd)
+_masked_moments_op = FusedOp("masked_moments_fwd", masked_moments_fwd)
 _masked_moments_op.register_fake(_moments_fake)
 _masked_moments_op.register_autograd(_moments_backward, setup_context=_moments_setup, once=False)
 
@@ -247,7 +247,7 @@ def _whiten_backward(ctx, grad_y, _grad_stats):
 
 _masked_whiten_bwd_op = FusedOp("masked_whiten_bwd", masked_whiten_bwd)
 _masked_whiten_bwd_op.register_fake(_grad_x_fake)
-_masked_whiten_op = FusedOp("masked_whiten", masked_whiten_fwd)
+_masked_whiten_op = FusedOp("masked_whiten_fwd", masked_whiten_fwd)
 _masked_whiten_op.register_fake(_whiten_fake)
 _masked_whiten_op.register_autograd(_whiten_backward, setup_context=_whiten_setup, once=False)
 
@@ -293,7 +293,7 @@ def _stats(x: Tensor, mask: Tensor | None, dim: int | None, with_var: bool, corr
 
 
 def masked_sum(
-    x: Tensor, mask: Tensor | None = None, dim: int | None = None, *, backend: str = "auto"
+    x: Tensor, mask: Tensor | None = None, *, dim: int | None = None, backend: str = "auto"
 ) -> Tensor:
     """``sum(mask * x)`` over all elements (``dim=None``) or along one ``dim``.
 
@@ -325,7 +325,7 @@ def masked_sum(
 
 
 def masked_mean(
-    x: Tensor, mask: Tensor | None = None, dim: int | None = None, *, backend: str = "auto"
+    x: Tensor, mask: Tensor | None = None, *, dim: int | None = None, backend: str = "auto"
 ) -> Tensor:
     """``sum(mask * x) / sum(mask)`` over all elements or along ``dim``; an empty mask (or an
     empty row along ``dim``) gives 0, not NaN.

@@ -340,7 +340,7 @@ def _scores_with_constant_group(n_groups, n, device, dtype=torch.float32):
 def test_group_advantages(device, backend, normalize, n):
     n_groups = 2 if n == 1100 else 5
     scores = _scores_with_constant_group(n_groups, n, device)
-    out = group_advantages(scores, n, normalize=normalize, backend=backend)
+    out = group_advantages(scores, group_size=n, normalize=normalize, backend=backend)
     assert out.dtype == torch.float32 and out.shape == scores.shape
     assert not torch.isnan(out).any()
     assert (out[n : 2 * n] == 0).all(), "a constant group must give exactly 0"
@@ -351,7 +351,7 @@ def test_group_advantages(device, backend, normalize, n):
 def test_group_advantages_constant_group_eps_zero(device, backend):
     """eps = 0 is allowed: a constant group still gives 0, not 0 / 0."""
     scores = torch.tensor([1.0, 1.0, 2.0, 3.0, 0.1, 0.1], device=device)
-    out = group_advantages(scores, 2, eps=0.0, backend=backend)
+    out = group_advantages(scores, group_size=2, eps=0.0, backend=backend)
     assert out[0] == 0 and out[1] == 0 and out[4] == 0 and out[5] == 0
     assert_rel(out[2:4], torch.tensor([-1.0, 1.0], device=device) / math.sqrt(2), FP32_TOL)
 
@@ -365,7 +365,7 @@ def test_group_advantages_strided_float64(device, backend):
     base = torch.randn(48, dtype=torch.float64, device=device)
     scores = base[::2]  # stride 2
     with compiled_scalar_abi():
-        out = group_advantages(scores, 4, eps=1e-3, backend=backend)
+        out = group_advantages(scores, group_size=4, eps=1e-3, backend=backend)
     assert out.dtype == torch.float64
     assert_rel(out, group_oracle(scores, 4, "std", 1e-3), F64_TOL, backend)
 
@@ -375,7 +375,7 @@ def test_group_advantages_strided_float64(device, backend):
 def test_rloo_advantages(device, backend, n):
     n_groups = 2 if n == 1100 else 4
     scores = _scores_with_constant_group(n_groups, n, device)
-    out = rloo_advantages(scores, n, backend=backend)
+    out = rloo_advantages(scores, group_size=n, backend=backend)
     assert out.dtype == torch.float32
     assert (out[n : 2 * n] == 0).all()
     assert_rel(out, rloo_oracle(scores, n), FP32_TOL, backend)
@@ -383,37 +383,40 @@ def test_rloo_advantages(device, backend, n):
 
 def test_group_ops_deterministic(device):
     scores = _scores_with_constant_group(7, 6, device)
-    for fn in (lambda s: group_advantages(s, 6), lambda s: rloo_advantages(s, 6)):
+    for fn in (
+        lambda s: group_advantages(s, group_size=6),
+        lambda s: rloo_advantages(s, group_size=6),
+    ):
         assert torch.equal(fn(scores), fn(scores))
 
 
 def test_group_bad_arguments(device):
     s = torch.randn(12, device=device)
     with pytest.raises(ValueError, match="divide"):
-        group_advantages(s, 5)
+        group_advantages(s, group_size=5)
     with pytest.raises(ValueError, match="group_size"):
-        group_advantages(s, 0)
+        group_advantages(s, group_size=0)
     with pytest.raises(TypeError, match="group_size"):
-        group_advantages(s, 4.0)
+        group_advantages(s, group_size=4.0)
     with pytest.raises(ValueError, match="normalize"):
-        group_advantages(s, 4, normalize="mad")
+        group_advantages(s, group_size=4, normalize="mad")
     with pytest.raises(ValueError, match="eps"):
-        group_advantages(s, 4, eps=-1.0)
+        group_advantages(s, group_size=4, eps=-1.0)
     with pytest.raises(ValueError, match="scores"):
-        group_advantages(s.view(3, 4), 4)
+        group_advantages(s.view(3, 4), group_size=4)
     with pytest.raises(ValueError, match=">= 2"):
-        rloo_advantages(s, 1)
+        rloo_advantages(s, group_size=1)
     with pytest.raises(ValueError, match="divide"):
-        rloo_advantages(s, 5)
+        rloo_advantages(s, group_size=5)
     with pytest.raises(TypeError, match="scores"):
-        rloo_advantages(s.long(), 4)
+        rloo_advantages(s.long(), group_size=4)
 
 
 def test_group_empty(device):
     s = torch.randn(0, device=device)
     for backend in BACKENDS:
-        assert group_advantages(s, 4, backend=backend).shape == (0,)
-        assert rloo_advantages(s, 4, backend=backend).shape == (0,)
+        assert group_advantages(s, group_size=4, backend=backend).shape == (0,)
+        assert rloo_advantages(s, group_size=4, backend=backend).shape == (0,)
 
 
 def test_docstring_examples():
@@ -421,5 +424,7 @@ def test_docstring_examples():
     adv, _ = gae(torch.tensor([[0.0, 0.0, 1.0]]), torch.zeros(1, 3), gamma=1.0, lam=0.5)
     assert adv.tolist() == [[0.25, 0.5, 1.0]]
     s = torch.tensor([3.0, 1.0, 2.0])
-    assert rloo_advantages(s, 3).tolist() == [1.5, -1.5, 0.0]
-    assert math.isclose(group_advantages(s, 3)[0].item(), 1.0 / (1.0 + 1e-6), rel_tol=1e-6)
+    assert rloo_advantages(s, group_size=3).tolist() == [1.5, -1.5, 0.0]
+    assert math.isclose(
+        group_advantages(s, group_size=3)[0].item(), 1.0 / (1.0 + 1e-6), rel_tol=1e-6
+    )

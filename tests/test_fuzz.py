@@ -938,13 +938,15 @@ def group_cases(draw, op):
     scores = draw(float_args((group_size * n_groups,), draw(dtypes)))
     if rloo:
         hyper = {}
-        fn = lambda x, b: fused_rl.rloo_advantages(x["scores"], group_size, backend=b)
+        fn = lambda x, b: fused_rl.rloo_advantages(x["scores"], group_size=group_size, backend=b)
     else:
         hyper = {
             "normalize": draw(st.sampled_from(("std", "none"))),
             "eps": draw(st.sampled_from((1e-6, 0.0, 1.0))),
         }
-        fn = lambda x, b: fused_rl.group_advantages(x["scores"], group_size, backend=b, **hyper)
+        fn = lambda x, b: fused_rl.group_advantages(
+            x["scores"], group_size=group_size, backend=b, **hyper
+        )
 
     def rule(x):
         bad = torch.isnan(x["scores"]).reshape(-1, group_size).any(1, keepdim=True)

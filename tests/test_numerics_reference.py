@@ -130,11 +130,11 @@ def test_compat_entropy_from_logits_nonfinite(backend, module, monkeypatch):
 REDUCTIONS = {  # name: (call, float64 oracle: plain torch with the padding selected away)
     "sum": (lambda x, m, b: fused_rl.masked_sum(x, m, backend=b), lambda x, w: _o_sum(x, w)),
     "sum_dim1": (
-        lambda x, m, b: fused_rl.masked_sum(x, m, 1, backend=b),
+        lambda x, m, b: fused_rl.masked_sum(x, m, dim=1, backend=b),
         lambda x, w: _o_sum(x, w, 1),
     ),
     "mean_dim0": (
-        lambda x, m, b: fused_rl.masked_mean(x, m, 0, backend=b),
+        lambda x, m, b: fused_rl.masked_mean(x, m, dim=0, backend=b),
         lambda x, w: _o_sum(x, w, 0) / w.sum(0),
     ),
     "var": (lambda x, m, b: fused_rl.masked_var(x, m, backend=b), lambda x, w: _o_var(x, w)),
@@ -303,8 +303,8 @@ def o_group(scores, group_size, mode, eps=1e-6):
 
 def _group_call(mode):
     if mode == "rloo":
-        return lambda s, n, b: fused_rl.rloo_advantages(s, n, backend=b)
-    return lambda s, n, b: fused_rl.group_advantages(s, n, normalize=mode, backend=b)
+        return lambda s, n, b: fused_rl.rloo_advantages(s, group_size=n, backend=b)
+    return lambda s, n, b: fused_rl.group_advantages(s, group_size=n, normalize=mode, backend=b)
 
 
 @pytest.mark.parametrize("mode", ["std", "none", "rloo"])

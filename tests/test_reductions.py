@@ -108,7 +108,7 @@ def test_sum_mean_parity(backend, case, device):
         n, s, mean = o_stats(x, w, dim)
         for fn, oracle in ((masked_sum, s), (masked_mean, mean)):
             xg = x.clone().requires_grad_(True)
-            out = fn(xg, mask, dim, backend=backend)
+            out = fn(xg, mask, dim=dim, backend=backend)
             assert out.dtype == torch.float32 and out.shape == oracle.shape
             assert_rel(out, oracle, FP32_TOL, f"{fn.__name__} dim={dim}")
             up = torch.randn_like(oracle)
@@ -160,8 +160,8 @@ def test_float64_parity_and_multi_block(backend, device):
     w = mask.double()
     for dim in (None, 1):  # (dim=0 would run 1500 one-program rows in the interpreter)
         _, s, mean = o_stats(x.detach(), w, dim)
-        assert_rel(masked_sum(x, mask, dim, backend=backend), s, F64_TOL, f"sum dim={dim}")
-        assert_rel(masked_mean(x, mask, dim, backend=backend), mean, F64_TOL, f"mean dim={dim}")
+        assert_rel(masked_sum(x, mask, dim=dim, backend=backend), s, F64_TOL, f"sum dim={dim}")
+        assert_rel(masked_mean(x, mask, dim=dim, backend=backend), mean, F64_TOL, f"mean dim={dim}")
     # large offset: Chan's merge keeps the variance free of cancellation
     assert_rel(masked_var(x, mask, backend=backend), o_var(x.detach(), w), 1e-10, "var")
     up = torch.randn_like(x)
@@ -199,7 +199,7 @@ def test_empty_mask_gives_zero(backend, device):
     for out in (
         masked_sum(x, mask, backend=backend),
         masked_mean(x, mask, backend=backend),
-        masked_mean(x, mask, 1, backend=backend),
+        masked_mean(x, mask, dim=1, backend=backend),
         masked_var(x, mask, backend=backend),
         masked_var(x, mask, unbiased=False, backend=backend),
     ):
@@ -251,7 +251,7 @@ def test_other_shapes(backend, device):
     w3 = m3.double()
     for dim in (0, 1, 2, -1):
         _, s, _ = o_stats(x3, w3, dim)
-        assert_rel(masked_sum(x3, m3, dim, backend=backend), s, F64_TOL, f"3-D dim={dim}")
+        assert_rel(masked_sum(x3, m3, dim=dim, backend=backend), s, F64_TOL, f"3-D dim={dim}")
     assert_rel(masked_mean(x3, m3, backend=backend), o_stats(x3, w3)[2], F64_TOL, "3-D all")
     x1 = torch.randn(9, device=device, dtype=torch.float64)
     assert_rel(masked_mean(x1, dim=0, backend=backend), x1.mean(), F64_TOL, "1-D")
@@ -268,8 +268,8 @@ def test_gradcheck_float64_triton(device):
 
     def fn(a, b):
         return (
-            masked_sum(a, mask, 1, backend="triton"),
-            masked_mean(b, weights, 0, backend="triton"),
+            masked_sum(a, mask, dim=1, backend="triton"),
+            masked_mean(b, weights, dim=0, backend="triton"),
             masked_var(a, weights, backend="triton"),
             masked_whiten(b, mask, backend="triton"),
             masked_whiten(a, weights, keep_mean=True, eps=0.1, backend="triton"),
@@ -298,7 +298,7 @@ def test_whiten_eps_fp64_exact(backend, keep_mean, device):
 
 
 _SECOND_ORDER = {  # op: (fused, float64 oracle written here)
-    "sum": (lambda x, m, b: masked_sum(x, m, 1, backend=b), lambda x, w: o_stats(x, w, 1)[1]),
+    "sum": (lambda x, m, b: masked_sum(x, m, dim=1, backend=b), lambda x, w: o_stats(x, w, 1)[1]),
     "mean": (lambda x, m, b: masked_mean(x, m, backend=b), lambda x, w: o_stats(x, w)[2]),
     "var": (lambda x, m, b: masked_var(x, m, backend=b), o_var),
     "whiten": (
@@ -364,7 +364,7 @@ def test_torch_compile_fullgraph(device):
     mask = torch.rand(4, 9, device=device) > 0.3
 
     def f(a):
-        mean_rows = masked_mean(a, mask, 1, backend="triton")
+        mean_rows = masked_mean(a, mask, dim=1, backend="triton")
         return (
             mean_rows.sum()
             + masked_var(a, mask, backend="triton")
@@ -410,7 +410,7 @@ def test_no_host_sync_cuda():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = masked_mean(x, mask, 1).sum() + masked_var(x, mask) + masked_sum(x, mask)
+        out = masked_mean(x, mask, dim=1).sum() + masked_var(x, mask) + masked_sum(x, mask)
         (out + masked_whiten(x, mask, keep_mean=True).square().sum()).backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -44,8 +44,8 @@ INPUTS = {
     "masked_whiten": lambda: ((_x(B, T),), {}),
     "gae": lambda: ((_x(B, T), _x(B, T)), {"gamma": 0.99, "lam": 0.95}),
     "kl_penalized_rewards": lambda: ((_x(B), _x(B, T), _x(B, T)), {"kl_coef": 0.1}),
-    "group_advantages": lambda: ((_x(B * T), T), {}),
-    "rloo_advantages": lambda: ((_x(B * T), T), {}),
+    "group_advantages": lambda: ((_x(B * T),), {"group_size": T}),
+    "rloo_advantages": lambda: ((_x(B * T),), {"group_size": T}),
     "kl_estimate": lambda: ((_x(B, T), _x(B, T)), {}),
     "gaussian_logprob": lambda: ((_x(B, T), _x(B, T).exp(), _x(B, T)), {}),
     "gaussian_entropy": lambda: ((_x(B, T).exp(),), {}),
@@ -323,3 +323,47 @@ def test_policy_loss_module_kl_alias():
     with pytest.raises(ValueError, match="kl_estimator must be one of"):
         with pytest.warns(FutureWarning):
             PolicyLoss(kl="k9")
+
+
+# ----------------------------------------------------------------------------- signatures
+
+
+def _public_ops():
+    for name in fused_rl.__all__:
+        fn = getattr(fused_rl, name)
+        if inspect.isfunction(fn):
+            params = inspect.signature(fn).parameters.values()
+            if any("Tensor" in str(p.annotation) for p in params):  # an op, not a helper
+                yield name
+
+
+@pytest.mark.parametrize("op", sorted(_public_ops()))
+def test_signature_convention(op):
+    """CONTRIBUTING's rule: tensors positional, everything else keyword-only, ``backend="auto"``
+    last (``policy_loss_from_logprobs`` included)."""
+    params = list(inspect.signature(getattr(fused_rl, op)).parameters.values())
+    last = params[-1]
+    assert (last.name, last.kind, last.default) == ("backend", last.KEYWORD_ONLY, "auto"), op
+    for p in params:
+        assert p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY), (op, p.name)
+        if p.kind is p.POSITIONAL_OR_KEYWORD:
+            assert "Tensor" in str(p.annotation), f"{op}: {p.name} must be keyword-only"
+
+
+def test_ops_in_inputs_cover_the_public_api():
+    assert set(_public_ops()) <= set(INPUTS), set(_public_ops()) - set(INPUTS)
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    [
+        (lambda x: fused_rl.masked_sum(x, None, 1), "masked_sum"),
+        (lambda x: fused_rl.masked_mean(x, None, 0), "masked_mean"),
+        (lambda x: fused_rl.group_advantages(x.reshape(-1), 4), "group_advantages"),
+        (lambda x: fused_rl.rloo_advantages(x.reshape(-1), 4), "rloo_advantages"),
+    ],
+)
+def test_keyword_only_arguments(call, name):
+    """``dim`` and ``group_size`` are keyword-only: a positional one is a TypeError."""
+    with pytest.raises(TypeError, match="positional argument"):
+        call(_x(B, T))
