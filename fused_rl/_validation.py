@@ -36,7 +36,10 @@ def check_float(x: torch.Tensor, name: str) -> None:
 def check_logits(logits: torch.Tensor, name: str = "logits", min_dim: int = 1) -> None:
     check_float(logits, name)
     if logits.dim() < min_dim:
-        raise ValueError(f"{name} must have at least {min_dim} dims (..., V), got {logits.dim()}")
+        dims = "dim" if min_dim == 1 else "dims"
+        raise ValueError(
+            f"{name} must have at least {min_dim} {dims} (..., V), got shape {tuple(logits.shape)}"
+        )
     if logits.shape[-1] < 1:
         raise ValueError(f"{name} has an empty vocabulary dimension (V = 0)")
 

@@ -125,6 +125,24 @@ def _advantages_2d(advantages: Tensor, batch: int, length: int) -> Tensor:
     )
 
 
+def _logits_rank_message(logits: Tensor) -> str:
+    """What ``policy_loss`` says about logits that are not 3-D (packed ``(N, V)`` ones get a
+    way out)."""
+    msg = (
+        f"logits must be (B, T, V), or the model's (B, S, V) buffer with S > T, got shape "
+        f"{tuple(logits.shape)}"
+    )
+    if logits.dim() == 2:
+        msg += (
+            ". For packed (N, V) logits either take logp = fused_rl.token_logprobs(logits, "
+            "targets) and call fused_rl.policy_loss_from_logprobs(logp.unsqueeze(0), ...), or "
+            "pass logits.unsqueeze(0) with (1, N) targets (and (1,) or (1, N) advantages, "
+            "(1, N) mask and log-probs): exact for loss_agg='token-mean', while the seq-mean "
+            "modes and importance_sampling='sequence' would treat the pack as one sequence"
+        )
+    return msg
+
+
 def _loss_from_logprobs(logp, entropy, adv2d, mask_f, weights, **token_kwargs):
     terms = policy_token_terms(logp, adv2d, mask_f, entropy=entropy, **token_kwargs)
     loss = (terms["loss"] * weights).where(weights != 0, torch.zeros_like(weights)).sum()
@@ -222,9 +240,10 @@ def policy_loss(
         >>> sorted(metrics)[:3]
         ['approx_kl', 'clip_frac', 'clip_frac_high']
     """
-    V.check_logits(logits, min_dim=3)
+    V.check_float(logits, "logits")
     if logits.dim() != 3:
-        raise ValueError(f"logits must be (B, T, V) or (B, S, V), got shape {tuple(logits.shape)}")
+        raise ValueError(_logits_rank_message(logits))
+    V.check_logits(logits)
     check_targets_window(targets, logits)
     V.check_positive(temperature, "temperature")
     batch, length = targets.shape
@@ -321,7 +340,13 @@ def policy_loss_from_logprobs(
     """
     V.check_float(logprobs, "logprobs")
     if logprobs.dim() != 2:
-        raise ValueError(f"logprobs must be (B, T), got shape {tuple(logprobs.shape)}")
+        hint = ""
+        if logprobs.dim() == 1:
+            hint = (
+                "; for packed (N,) log-probs pass logprobs.unsqueeze(0) with (1,) or (1, N) "
+                "advantages and (1, N) per-token inputs (exact for loss_agg='token-mean')"
+            )
+        raise ValueError(f"logprobs must be (B, T), got shape {tuple(logprobs.shape)}{hint}")
     batch, length = logprobs.shape
     adv2d = _advantages_2d(advantages, batch, length)
     _check_token_tensors(

@@ -554,7 +554,9 @@ def test_errors_name_the_argument(backend, device):
         token_entropy(logits > 0, backend=backend)
     with pytest.raises(TypeError, match="logits must be a torch.Tensor"):
         call(logits.tolist(), targets)
-    with pytest.raises(ValueError, match="logits must have at least 1 dims"):
+    with pytest.raises(
+        ValueError, match=r"logits must have at least 1 dim \(\.\.\., V\), got shape \(\)"
+    ):
         call(torch.tensor(1.0, device=device), targets[0, 0])
     with pytest.raises(ValueError, match="logits has an empty vocabulary"):
         call(logits[..., :0], targets)

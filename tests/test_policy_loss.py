@@ -733,3 +733,56 @@ def test_rollout_inputs_are_constants(backend, importance_sampling, device):
     loss, _ = policy_loss_from_logprobs(logp, adv, **kw, **hyper)
     grads = torch.autograd.grad(loss, [logits, *leaves], allow_unused=True)
     assert grads[0] is not None and all(g is None for g in grads[1:])
+
+
+# ----------------------------------------------------------------------------- packed logits
+
+
+def test_packed_2d_logits_message_names_the_ways_out():
+    with pytest.raises(ValueError) as info:
+        policy_loss(torch.zeros(6, 5), torch.zeros(6, dtype=torch.long), torch.ones(1))
+    msg = str(info.value)
+    assert msg.startswith("logits must be (B, T, V)") and "got shape (6, 5)" in msg
+    for hint in ("(N, V)", "token_logprobs", "policy_loss_from_logprobs", "unsqueeze(0)",
+                 "(1, N) targets", "token-mean"):  # fmt: skip
+        assert hint in msg, hint
+    for bad in (torch.zeros(5), torch.zeros(1, 2, 3, 5)):  # other ranks: the shape only
+        with pytest.raises(ValueError, match=r"logits must be \(B, T, V\)") as info:
+            policy_loss(bad, torch.zeros(2, 3, dtype=torch.long), torch.ones(2))
+        assert "token_logprobs" not in str(info.value)
+    with pytest.raises(ValueError, match=r"logprobs must be \(B, T\).*unsqueeze\(0\)"):
+        policy_loss_from_logprobs(torch.zeros(6), torch.ones(1))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_logits_workarounds_agree(backend, device):
+    """Both ways out the message suggests give the batched token-mean loss and gradient."""
+    logits, targets, adv, kw = make_inputs(device=device, old="design", adv="token")
+    mask = kw["mask"] & (targets != -100)
+    old = kw["old_logprobs"]
+    keep = mask.reshape(-1)
+    packed = logits.reshape(-1, logits.shape[-1])[keep].detach()  # (N, V)
+    t, a, o = (x.reshape(-1)[keep] for x in (targets, adv, old))
+
+    def batched(x):
+        return policy_loss(x, targets, adv, old_logprobs=old, mask=mask, backend=backend)[0]
+
+    def unsqueezed(x):
+        return policy_loss(x.unsqueeze(0), t[None], a[None], old_logprobs=o[None],
+                           backend=backend)[0]  # fmt: skip
+
+    def via_logprobs(x):
+        logp = token_logprobs(x, t, backend=backend)
+        return policy_loss_from_logprobs(logp.unsqueeze(0), a[None], old_logprobs=o[None],
+                                         backend=backend)[0]  # fmt: skip
+
+    x = logits.detach().clone().requires_grad_()
+    want = batched(x)
+    (want_grad,) = torch.autograd.grad(want, x)
+    want_grad = want_grad.reshape(-1, logits.shape[-1])[keep]
+    for fn in (unsqueezed, via_logprobs):
+        xp = packed.clone().requires_grad_()
+        got = fn(xp)
+        (grad,) = torch.autograd.grad(got, xp)
+        assert_rel(got, want, FP32_TOL, fn.__name__)
+        assert_rel(grad, want_grad, FP32_TOL, f"{fn.__name__} grad")
