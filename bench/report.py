@@ -1,4 +1,5 @@
-"""Results: ``results.json``, ``results.md`` (tables), PNG plots and the console table."""
+"""Results: ``results.json``, ``results.md`` (tables) and PNG plots (the console's table is
+``bench/console.py``)."""
 
 from __future__ import annotations
 
@@ -67,7 +68,9 @@ def load_json(path: str) -> dict | None:
 
 
 def _f(x, fmt="{:.3g}", none="-") -> str:
-    return none if x is None else fmt.format(x)
+    if x is None:
+        return none
+    return "inf" if x == float("inf") else fmt.format(x)
 
 
 def _mb(x) -> str:
@@ -81,45 +84,12 @@ def _shape(r: dict) -> str:
     return f"{r['batch']}x{r['seqlen']}" + (f"x{r['vocab']}" if r["vocab"] else "")
 
 
-def _parity(r: dict) -> str:
-    if r.get("parity_max") is None:
-        return "-" if r["provider"] == BASELINE else "n/a"
-    mark = "ok" if r["parity_max"] <= r["parity_tol"] else "FAIL"
-    return f"{r['parity_max']:.1e} {mark}"
-
-
-def console_table(records: list[dict], gpu: bool) -> str:
-    head = (
-        f"{'case':<44} {'provider':<13} {'ms':>9} "
-        + (f"{'GB/s':>7} {'%copy':>6} {'peak MB':>9} {'x fused':>7} " if gpu else "")
-        + f"{'model MB':>9} {'parity err':>13}  status"
-    )
-    lines = [head, "-" * len(head)]
-    last = None
-    for r in records:
-        key = case_key(r)
-        label = f"{r['op']}[{r['variant']}] {r['mode']} {_shape(r)} {r['dtype']}"
-        if key == last:
-            label = ""
-        last = key
-        row = f"{label:<44} {r['provider']:<13} {_f(r['ms'], '{:.2f}'):>9} "
-        if gpu:
-            fused = r.get("_fused_ms")
-            ratio = r["ms"] / fused if r["ms"] and fused else None
-            row += (
-                f"{_f(r['gbps'], '{:.0f}'):>7} {_f(r['pct_copy'], '{:.0f}'):>6} "
-                f"{_mb(r['peak_mb']):>9} {_f(ratio, '{:.2f}'):>7} "
-            )
-        row += f"{_mb(r['model_mb']):>9} {_parity(r):>13}  {r['status']}"
-        lines.append(row)
-    return "\n".join(lines)
-
-
-def attach_fused_ms(records: list[dict]) -> None:
-    """Give every record the fused_rl time of its case (for the console's ratio column)."""
-    fused = {case_key(r): r["ms"] for r in records if r["provider"] == BASELINE}
-    for r in records:
-        r["_fused_ms"] = fused.get(case_key(r))
+def _errors(r: dict) -> str:
+    """Each output's RMS relative error against float64, e.g. ``loss 3e-08, grad_logits 2e-03``."""
+    errs = r.get("err")
+    if not errs:
+        return "-"
+    return ", ".join(f"{k} {_f(v, '{:.1e}')}" for k, v in errs.items())
 
 
 def _targets(records: list[dict], meta: dict) -> list[str]:
@@ -166,6 +136,48 @@ def _targets(records: list[dict], meta: dict) -> list[str]:
     return out
 
 
+def verdict(r: dict) -> str:
+    """ok / less accurate: why / FAIL: why (records of older runs: from their status)."""
+    if r.get("verdict"):
+        return r["verdict"]
+    status = r.get("status", "ok")
+    if status == "parity_fail":  # an older run, compared with fused_rl, not float64
+        return "FAIL: differed from fused_rl (older run)"
+    return {"error": "FAIL: error", "oom": "out of memory"}.get(status, status)
+
+
+def _accuracy_notes(records: list[dict]) -> list[str]:
+    from .accuracy import policy_text
+    from .providers import LESS_ACCURATE
+
+    lines = [
+        "Accuracy: every output (values, gradients) is compared with a float64 oracle "
+        "computed from the same inputs (`bench/oracle.py`: per-token float64 log-probs and "
+        "entropies over blocks of logits rows, the loss in float64 with autograd on them, "
+        "the logits' gradient checked block by block); 0-dim outputs relative to "
+        "max(|ref|, 1e-2). `err vs fp64` is the largest RMS relative error of any output, "
+        "`worst row` the worst single row's error over the RMS row norm. Tolerance: "
+        + policy_text(),
+        "",
+    ]
+    declared = {r["provider"] for r in records if r.get("status") == "less_accurate"}
+    for provider in sorted(declared):
+        d = LESS_ACCURATE[provider]
+        bounds = "; ".join(f"{k}: {a:g} RMS, {b:g} per row" for k, (a, b) in d.bounds.items())
+        lines += [f"Less accurate by design, `{provider}` ({d.label}): {d.why} Declared bound: "
+                  f"{bounds}.", ""]  # fmt: skip
+    lines += [
+        "`eager` upcasts the logits to fp32 (as RL trainers do). Liger is called with "
+        "`inplace=False` because every provider reuses the logits (its default "
+        "`inplace=True` writes the gradient into the logits buffer and saves that buffer). "
+        "`-`: not measured or not applicable (no time or error when the provider failed, no "
+        "model MB where nothing models its memory, such as torch.compile); a provider that "
+        "cannot run a case has no row (see 'Not measured').",
+        "",
+    ]
+    return lines
+
+
 def write_markdown(path: str, meta: dict, records: list[dict], skipped: list[dict]) -> None:
     gpu = meta["device"]["name"] != "cpu"
     dev = meta["device"]
@@ -183,24 +195,14 @@ def write_markdown(path: str, meta: dict, records: list[dict], skipped: list[dic
         )
     else:
         lines.append(
-            f"**CPU run: parity check of every op through the Triton interpreter and the "
-            f"references. Times are the {CPU_TIME_LABEL}.** Memory is the model of "
-            "`bench/memory_profile.py` (tensors each provider materialises, counted on fake "
-            "tensors), not a measurement."
+            f"**CPU run: an accuracy check of every op through the Triton interpreter and the "
+            f"references. Times (ms: median of {meta.get('reps', 'N')} runs) are the "
+            f"{CPU_TIME_LABEL}.** Memory (model MB) is the model of "
+            "`bench/memory_profile.py` (tensors each provider materialises above the inputs, "
+            "counted on fake tensors), not a measurement."
         )
     lines.append("")
-    tol = meta.get("parity_tolerance", {})
-    lines.append(
-        "Parity: RMS relative error of every output (values, gradients) against fused_rl's "
-        f"on the same inputs; tolerance {', '.join(f'{k} {v:g}' for k, v in tol.items())} "
-        "(0-dim outputs relative to max(|ref|, 1e-2)). A provider over it is still timed but "
-        "marked `parity_fail`. `eager` upcasts the logits to fp32 (as RL trainers do); `trl` "
-        "follows TRL and runs `log_softmax` in bf16 for bf16 logits, so its bf16 gradients "
-        "differ by about 2% RMS from fp32-accumulated ones. Liger is called with "
-        "`inplace=False` because every provider reuses the logits (its default `inplace=True` "
-        "writes the gradient into the logits buffer and saves that buffer)."
-    )
-    lines.append("")
+    lines += _accuracy_notes(records)
     if gpu:
         targets = _targets(records, meta)
         if targets:
@@ -220,7 +222,10 @@ def write_markdown(path: str, meta: dict, records: list[dict], skipped: list[dic
             lines += [f"### {op}[{variant}] {mode}", ""]
             head = "| shape | dtype | provider | ms | "
             head += "GB/s | % copy | peak MB | " if gpu else ""
-            head += "model MB | fused_rl faster by | memory / fused_rl | parity err | status |"
+            head += (
+                "model MB | fused_rl faster by | memory / fused_rl | err vs fp64 | "
+                "err vs fp64 per output | worst row | verdict |"
+            )
             lines += [head, "|" + "---|" * (head.count("|") - 1)]
             for r in records:
                 if (r["op"], r["variant"], r["mode"]) != (op, variant, mode):
@@ -247,8 +252,10 @@ def write_markdown(path: str, meta: dict, records: list[dict], skipped: list[dic
                         f"{_mb(r['peak_mb'])} | "
                     )
                 row += (
-                    f"{_mb(r['model_mb'])} | {_f(speed, '{:.2f}x')} | "
-                    f"{_f(mem, '{:.2f}x')} | {_parity(r)} | {r['status']} |"
+                    f"{_mb(r.get('model_mb'))} | {_f(speed, '{:.2f}x')} | "
+                    f"{_f(mem, '{:.2f}x')} | {_f(r.get('err_max'), '{:.1e}')} | "
+                    f"{_errors(r)} | {_f(r.get('err_worst_row'), '{:.2g}')} | "
+                    f"{verdict(r)} |"
                 )
                 lines.append(row)
             lines.append("")

@@ -1,18 +1,22 @@
-"""fused_rl benchmark suite: time, peak memory, bandwidth and parity against other providers.
+"""fused_rl benchmark suite: time, peak memory, bandwidth and accuracy against float64.
 
 Usage::
 
-    python bench/run.py --suite quick                 # CPU: parity demo, < 2 minutes
+    python bench/run.py --suite quick                 # CPU: accuracy demo, ~1 minute
     python bench/run.py --suite full                  # GPU: the issue-6 grid
     python bench/run.py --suite full --op policy_loss --tokens 16384 --vocab 151936
+    python bench/run.py --suite full --out bench/results/<gpu>   # figures to commit
+    python bench/run.py report --out bench/results/<gpu>         # results.md + plots again
     python bench/run.py memory --vocab 151936 --tokens 16384 --dtype bf16
     python bench/run.py host                          # host cost per call, tiny shape
 
 Every case runs each provider (``bench/providers.py``) on the same inputs in this process.
-Before timing, each provider's outputs (values and gradients) are compared with fused_rl's
-(RMS relative error; tolerance 1e-4 in fp32, 1e-2 in bf16); a provider that disagrees is
-timed but marked ``parity_fail`` in every table. Results go to ``--out`` (default
-``bench/results/<gpu name or cpu>/``): ``results.json``, ``results.md`` and PNG plots.
+Before timing, each provider's outputs (values and gradients) are compared with a float64
+oracle computed from the same inputs (``bench/oracle.py``) and judged (``bench/accuracy.py``):
+ok, "less accurate" by a declared design choice (expected), or FAIL (the run exits 1).
+Results go to ``--out``, by default ``bench/results/local/<gpu name or cpu>/`` (git-ignored):
+``results.json``, ``results.md`` and PNG plots. Committed figures are written explicitly,
+``--out bench/results/<gpu>``.
 
 Without CUDA, the Triton kernels run through the Triton interpreter (``TRITON_INTERPRET=1``
 is set before anything imports Triton): times are then the interpreter's, not performance.
@@ -55,6 +59,8 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 import fused_rl  # noqa: E402
+from bench import accuracy as A  # noqa: E402
+from bench import console as C  # noqa: E402
 from bench import measure as M  # noqa: E402
 from bench import providers as P  # noqa: E402
 from bench import report as R  # noqa: E402
@@ -64,9 +70,9 @@ from bench.memory_profile import (  # noqa: E402
     memory_table,
     model_peak_bytes,
 )
+from bench.oracle import Oracle  # noqa: E402
 
-PARITY_TOL = {"fp32": 1e-4, "bf16": 1e-2, "fp16": 5e-3}
-SCALAR_FLOOR = 1e-2  # |a - b| / max(|b|, floor) for 0-dim outputs (a loss can sit near 0)
+LOCAL_RESULTS = os.path.join(ROOT, "bench", "results", "local")  # git-ignored
 
 
 def _csv(kind):
@@ -87,7 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         nargs="?",
         default="suite",
         choices=("suite", "memory", "report", "host"),
-        help="suite (default): time + memory + parity; memory: peak memory per provider; "
+        help="suite (default): time + memory + accuracy; memory: peak memory per provider; "
         "report: rewrite results.md and the plots from --out/results.json; host: "
         "microseconds and launches per call on a tiny shape (bench/host.py)",
     )
@@ -104,7 +110,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help=f"comma list of: {', '.join(P.PROVIDERS)} (default: all; the full suite leaves "
         "out fused_rl_ref, the CPU fallback)",
     )
-    p.add_argument("--out", default=None, help="output folder (default bench/results/<device>)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="output folder (default bench/results/local/<device>, git-ignored; committed "
+        "figures: --out bench/results/<gpu>)",
+    )
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     p.add_argument("--reps", type=int, default=3, help="timed runs per case on CPU")
     p.add_argument("--compile-cpu", action="store_true", help="run torch.compile on CPU too")
@@ -137,57 +148,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [x for x in args.providers if x not in P.PROVIDERS]
     if unknown:
         p.error(f"--providers: unknown {unknown}; choose from {', '.join(P.PROVIDERS)}")
-    if args.providers and P.BASELINE not in args.providers:
-        args.providers = [P.BASELINE, *args.providers]  # the parity anchor always runs
     return args
-
-
-# ----------------------------------------------------------------------------- parity
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """RMS relative error ``||out - ref|| / ||ref||`` in fp64, in chunks of 2^25 elements
-    (a (B, T, V) gradient is many gigabytes: no full fp64 copy)."""
-    if out.shape != ref.shape:
-        return float("inf")
-    if out.dim() == 0:
-        diff = (out.double() - ref.double()).abs().item()
-        return diff / max(abs(ref.double().item()), SCALAR_FLOOR)
-    num = den = 0.0
-    chunk = 1 << 25
-    rows = (out, ref) if out.dim() > 1 else (out[None], ref[None])
-    for row_out, row_ref in zip(*rows):
-        flat_out, flat_ref = row_out.reshape(-1), row_ref.reshape(-1)
-        for k in range(0, flat_ref.numel(), chunk):
-            a, b = flat_out[k : k + chunk].double(), flat_ref[k : k + chunk].double()
-            num += (a - b).square().sum().item()
-            den += b.square().sum().item()
-    if num != num:  # NaN anywhere
-        return float("inf")
-    return (num**0.5) / max(den**0.5, 1e-30)
-
-
-def worst_row_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """``max_row ||out_row - ref_row|| / rms_row ||ref_row||`` over the last dimension's rows:
-    one wrong token among 32768 moves the RMS error of :func:`rel_err` by only 0.5%, but
-    this by ~100%. 0 for 0-dim outputs (``rel_err`` covers them)."""
-    if out.dim() == 0:
-        return 0.0
-    if out.shape != ref.shape:
-        return float("inf")
-    a2d, b2d = out.reshape(-1, out.shape[-1]), ref.reshape(-1, ref.shape[-1])
-    step = max(1, (1 << 25) // max(a2d.shape[1], 1))
-    worst, ref_sq, n_rows = 0.0, 0.0, a2d.shape[0]
-    for k in range(0, n_rows, step):
-        a, b = a2d[k : k + step].double(), b2d[k : k + step].double()
-        worst = max(worst, (a - b).square().sum(-1).max().item())
-        ref_sq += b.square().sum().item()
-    if worst != worst:
-        return float("inf")
-    return worst**0.5 / max((ref_sq / max(n_rows, 1)) ** 0.5, 1e-30)
-
-
-ROW_TOL_FACTOR = 4  # a row may be this many times the RMS tolerance off (bf16 noise)
 
 
 # ----------------------------------------------------------------------------- one case
@@ -213,10 +174,13 @@ def _record(case: Case, provider: str, **fields) -> dict:
         "bytes": M.bytes_moved(case),
         "gbps": None,
         "pct_copy": None,
-        "parity": None,
-        "parity_max": None,
-        "parity_worst_row": None,
-        "parity_tol": PARITY_TOL[case.dtype],
+        "err": None,  # {output: RMS relative error vs the float64 oracle}
+        "err_row": None,  # {output: worst row's error}
+        "err_max": None,
+        "err_worst_row": None,
+        "tol": A.TOL[case.dtype],
+        "bound": None,  # the provider's declared (RMS, row) bound, if less accurate by design
+        "verdict": None,  # ok / less accurate: why / FAIL: why
         "note": "",
     }
     rec.update(fields)
@@ -236,9 +200,21 @@ def _note(case: Case, provider: str, reason: str, env: str | None = None) -> dic
             "provider": provider, "reason": reason, "env": env}  # fmt: skip
 
 
+def _oracle(case: Case, inp: dict, device):
+    """The case's float64 oracle, or ``(None, why)`` when it does not fit."""
+    try:
+        return Oracle(case, inp), ""
+    except Exception as exc:
+        if not M.is_oom(exc):
+            raise
+        M.free_memory(device)
+        return None, "not checked: the float64 oracle does not fit in memory"
+
+
 def run_case(case: Case, args, device, copy_gbps, skipped: list, providers) -> list[dict]:
-    """``providers`` on one case: warm-up/parity run, timing, peak memory (GPU) or the memory
-    model (CPU). Raises ``DeviceFailure`` on a CUDA error, recording nothing of the case."""
+    """``providers`` on one case: warm-up run checked against the float64 oracle, timing,
+    peak memory (GPU) or the memory model (CPU). Raises ``DeviceFailure`` on a CUDA error,
+    recording nothing of the case."""
     records = []
     try:
         inp = make_inputs(case, device, seed=args.seed)
@@ -248,7 +224,7 @@ def run_case(case: Case, args, device, copy_gbps, skipped: list, providers) -> l
         M.free_memory(device)
         return [_record(case, p, status="oom", note="inputs do not fit") for p in providers]
     names = P.output_names(case)
-    reference = None
+    oracle, oracle_note = _oracle(case, inp, device)
     for provider in providers:
         try:
             run = P.build(provider, case, inp, compile_on_cpu=args.compile_cpu)
@@ -260,23 +236,12 @@ def run_case(case: Case, args, device, copy_gbps, skipped: list, providers) -> l
             continue
         rec = _record(case, provider)
         try:
-            out = run()  # warm-up (Triton / torch.compile compile here) and parity outputs
+            out = run()  # warm-up (Triton / torch.compile compile here), checked outputs
             M.sync(device)
-            if provider == P.BASELINE:
-                reference = out
-            elif reference is not None:
-                errs = {n: rel_err(o, r) for n, o, r in zip(names, out, reference)}
-                rows = {n: worst_row_err(o, r) for n, o, r in zip(names, out, reference)}
-                rec["parity"] = errs
-                rec["parity_max"] = max(errs.values())
-                rec["parity_worst_row"] = max(rows.values())
-                if rec["parity_max"] > rec["parity_tol"]:
-                    rec["status"] = "parity_fail"
-                elif rec["parity_worst_row"] > ROW_TOL_FACTOR * rec["parity_tol"]:
-                    rec["status"] = "parity_fail"
-                    rec["note"] = f"one row off by {rec['parity_worst_row']:.2g} (RMS of rows)"
+            if oracle is not None:
+                rec.update(A.judge(provider, case.dtype, oracle.compare_all(names, out)))
             else:
-                rec["note"] = "no fused_rl output to compare with"
+                rec.update(verdict="ok (not checked)", note=oracle_note)
             del out
             # the inputs are valid: time fused_rl without its eager value checks (a host
             # sync per call that no other provider pays; off in a tuned training loop too)
@@ -295,12 +260,13 @@ def run_case(case: Case, args, device, copy_gbps, skipped: list, providers) -> l
                 raise DeviceFailure(f"{case.label()} {provider}: {exc}"[:300]) from exc
             rec["status"] = "oom" if M.is_oom(exc) else "error"
             rec["note"] = f"{type(exc).__name__}: {exc}"[:300]
+            rec["verdict"] = "out of memory" if rec["status"] == "oom" else "FAIL: error"
         M.free_memory(device)
         if not M.is_gpu(device):  # GPUs measure the peak; the model is for CPU runs
             peak = model_peak_bytes(provider, case)  # on fake tensors where Triton runs
             rec["model_mb"] = None if peak is None else peak / 2**20
         records.append(rec)
-    del inp, reference
+    del inp, oracle
     M.free_memory(device)
     return records
 
@@ -352,7 +318,9 @@ def versions() -> dict:
 
 
 def default_out(device) -> str:
-    return os.path.join(ROOT, "bench", "results", M.slug(M.device_name(device)))
+    """``bench/results/local/<device slug>``: git-ignored, so a run never rewrites the
+    committed figures (those are written with an explicit ``--out bench/results/<gpu>``)."""
+    return os.path.join(LOCAL_RESULTS, M.slug(M.device_name(device)))
 
 
 def _merged(previous: dict | None, records: list[dict], skipped: list[dict]):
@@ -376,14 +344,14 @@ def _merged(previous: dict | None, records: list[dict], skipped: list[dict]):
     return kept + records, old + skipped
 
 
-FINAL_STATUSES = ("ok", "oom", "parity_fail")
+FINAL_STATUSES = ("ok", "oom", "less_accurate")  # "wrong", "error" (and old runs'
+# "parity_fail", measured against fused_rl rather than float64) are measured again
 
 
 def _still_to_run(cases, providers, previous: dict, env_now) -> dict:
     """``{case: providers}`` still to measure: a provider is done for a case when it has a
-    final record there (not "error"), or a note that it cannot run it that still holds
-    (final, or transient with this machine offering it the same, ``env_now(provider)``).
-    When anything is left, fused_rl runs again too: the others' parity is checked against it."""
+    final record there (not a failure), or a note that it cannot run it that still holds
+    (final, or transient with this machine offering it the same, ``env_now(provider)``)."""
     final = {(*R.case_key(r), r["provider"]) for r in previous["records"]
              if r["status"] in FINAL_STATUSES}  # fmt: skip
     for n in previous.get("skipped", []):
@@ -394,9 +362,7 @@ def _still_to_run(cases, providers, previous: dict, env_now) -> dict:
         key = R.case_key(vars(case))
         left = [p for p in providers if (*key, p) not in final]
         if left:
-            todo[case] = (
-                list(dict.fromkeys([P.BASELINE, *left])) if P.BASELINE in providers else left
-            )
+            todo[case] = left
     return todo
 
 
@@ -416,6 +382,12 @@ def run_report(args) -> None:
     R.add_ratios(records, gpu=not str(doc.get("time_kind", "")).startswith(M.CPU_TIME_LABEL))
     plots = write_reports(out_dir, doc, records, skipped, plots=not args.no_plots)
     print(f"{out_dir}: results.md and {len(plots)} plot(s) from {len(records)} records")
+
+
+def _shown(path: str) -> str:
+    """``path`` relative to the working directory when inside it."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
 
 
 def run_suite(args) -> dict:
@@ -449,7 +421,9 @@ def run_suite(args) -> dict:
         "memory_kind": "torch.cuda.max_memory_allocated above inputs"
         if gpu
         else "modelled (bench/memory_profile.py), not measured",
-        "parity_tolerance": PARITY_TOL,
+        "tolerance": A.TOL,
+        "row_tolerance_factor": A.ROW_TOL_FACTOR,
+        "reps": args.reps,
     }
     previous = R.load_json(json_path) if args.append else None
     todo = {c: list(args.providers) for c in cases}
@@ -487,31 +461,18 @@ def run_suite(args) -> dict:
     progress.close()
     records, skipped = _merged(previous, records, skipped)
     R.add_ratios(records, gpu)
-    R.attach_fused_ms(records)
-    print()
-    print(R.console_table(records, gpu))
-    for r in records:
-        r.pop("_fused_ms", None)
     R.write_json(json_path, meta, records, skipped)
     plots = write_reports(out_dir, meta, records, skipped, plots=not args.no_plots)
-    failed = [r for r in records if r["status"] != "ok"]
+    n_cases = len({R.case_key(r) for r in records})
+    where = meta["device"]["name"] + ("" if gpu else ", Triton interpreter")
+    title = f"fused_rl {args.suite} suite on {where}: {n_cases} cases, {len(records)} rows"
     print()
-    if not gpu:
-        print(f"(times: {M.CPU_TIME_LABEL}; memory: modelled)")
-    for r in failed:
-        print(
-            f"{r['status'].upper()}: {r['op']}[{r['variant']}] {r['mode']} {r['provider']} "
-            f"{r['note'] or ''} parity={r['parity']}"
-        )
-    reasons = sorted({f"{s['op']} / {s['provider']}: {s['reason']}" for s in skipped})
-    if reasons:
-        print("not measured:")
-        for line in reasons:
-            print("  " + line)
+    C.print_table(records, gpu, title, reps=None if gpu else args.reps)
+    print("\n".join(C.summary(records, skipped)))
     elapsed = time.perf_counter() - start
     print(
-        f"{len(records)} records in {elapsed:.0f} s -> {json_path}, results.md, "
-        f"{len(plots)} plot(s)"
+        f"\n{len(records)} rows in {elapsed:.0f} s -> {_shown(json_path)}, "
+        f"results.md, {len(plots)} plot(s)"
     )
     failure = stop_reason is not None and stop_reason.startswith("not run")
     return {"records": records, "skipped": skipped, "out": out_dir, "device_failure": failure}
@@ -563,7 +524,7 @@ def main(argv=None) -> int:
         run_report(args)
         return 0
     result = run_suite(args)
-    broken = [r for r in result["records"] if r["status"] in ("error",)]
+    broken = [r for r in result["records"] if r["status"] in A.FAILURES]
     return 1 if broken or result["device_failure"] else 0
 
 

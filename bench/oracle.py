@@ -1,0 +1,365 @@
+"""The float64 oracle every provider's outputs are measured against.
+
+Written in plain PyTorch from the math, independent of fused_rl's code (its reference
+backend is measured against this like every other provider). The inputs are the case's own
+values, possibly bf16, taken exactly into float64; the oracle is the exact math on them.
+
+Vocabulary ops (``token_logprobs``, ``policy_loss``) never hold a float64 copy of the
+``(B, T, V)`` logits: rows are streamed in chunks of ``CHUNK`` elements.
+
+1. Per row ``s = z / tau``: ``lse``, the target's log-prob ``logp = s_y - lse`` and the
+   entropy ``H = lse - sum_j p_j s_j`` (``p = exp(s - lse)``), saved per token.
+2. The token-level loss runs in float64 with autograd on the ``(B, T)`` tensors ``logp`` and
+   ``H``, giving ``g = dL/dlogp`` and ``h = dL/dH`` (for ``token_logprobs`` they are the
+   case's upstream gradients).
+3. A provider's ``dL/dz`` is compared chunk by chunk with the float64 row gradient
+   ``dL/dz_j = (g (1[j = y] - p_j) - h p_j (log p_j + H)) / tau``, accumulating the RMS
+   numerator / denominator and the worst row.
+
+The small token ops (``ppo_loss``, ``value_loss``, ``masked_whiten``, ``gae``) run whole in
+float64, gradients by autograd.
+
+Kinks. A clipped objective's gradient jumps where a ratio crosses a clip boundary (and a
+clipped value loss's where ``|v - v_old|`` crosses the clip range or its ``max`` switches
+branches). A token within ``KINK`` (relative) of one has two right answers a rounding apart,
+so its gradient row is left out of the gradient comparison (``Comparison.excluded`` counts
+them; a correct fp32 computation's ratio is off by ~1e-6 relative, well inside ``KINK``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from .cases import GAE, POLICY, PPO, TEMPERATURE, VALUE_CLIP, Case
+
+CHUNK = 1 << 25  # float64 elements per streamed block of logits rows (256 MB each)
+SCALAR_FLOOR = 1e-2  # |a - b| / max(|b|, floor) for 0-dim outputs (a loss can sit near 0)
+KINK = 1e-4  # relative distance to a clip boundary inside which a gradient is not compared
+
+
+@dataclasses.dataclass
+class Comparison:
+    """One output of one provider against the oracle."""
+
+    err: float  # RMS relative error ||out - ref|| / ||ref|| (inf: NaN or wrong shape)
+    worst_row: float  # max_row ||out_row - ref_row|| / RMS_row ||ref_row||
+    excluded: int = 0  # rows left out: at a kink of the objective
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def _ratio(num: float, den: float) -> float:
+    if num != num or math.isinf(num):  # NaN / inf anywhere
+        return float("inf")
+    return math.sqrt(num) / max(math.sqrt(den), 1e-30)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """RMS relative error ``||out - ref|| / ||ref||`` in float64, in chunks of ``CHUNK``
+    elements; 0-dim: ``|out - ref| / max(|ref|, SCALAR_FLOOR)``. NaN or a shape mismatch: inf."""
+    if out.shape != ref.shape:
+        return float("inf")
+    if out.dim() == 0:
+        diff = (out.double() - ref.double()).abs().item()
+        return float("inf") if diff != diff else diff / max(abs(ref.double().item()), SCALAR_FLOOR)
+    flat_out, flat_ref = out.reshape(-1), ref.reshape(-1)
+    num = den = 0.0
+    for k in range(0, flat_ref.numel(), CHUNK):
+        a, b = flat_out[k : k + CHUNK].double(), flat_ref[k : k + CHUNK].double()
+        num += (a - b).square().sum().item()
+        den += b.square().sum().item()
+    return _ratio(num, den)
+
+
+def worst_row_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``max_row ||out_row - ref_row|| / RMS_row ||ref_row||`` over the last dimension's rows:
+    one wrong token among 32768 moves :func:`rel_err` by only 0.5%, but this by ~100%.
+    0 for 0-dim outputs (``rel_err`` covers them)."""
+    if out.dim() == 0:
+        return 0.0
+    if out.shape != ref.shape:
+        return float("inf")
+    a2d, b2d = out.reshape(-1, out.shape[-1]), ref.reshape(-1, ref.shape[-1])
+    step = max(1, CHUNK // max(a2d.shape[1], 1))
+    worst, ref_sq = 0.0, 0.0
+    for k in range(0, a2d.shape[0], step):
+        a, b = a2d[k : k + step].double(), b2d[k : k + step].double()
+        worst = max(worst, (a - b).square().sum(-1).max().item())
+        ref_sq += b.square().sum().item()
+    return _ratio(worst, ref_sq / max(a2d.shape[0], 1))
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor, kink: torch.Tensor | None = None) -> Comparison:
+    """``out`` against the float64 ``ref``; positions where ``kink`` is True are left out."""
+    excluded = 0
+    if kink is not None and out.shape == ref.shape and bool(kink.any()):
+        excluded = int(kink.sum())
+        out, ref = out.double().masked_fill(kink, 0.0), ref.masked_fill(kink, 0.0)
+    return Comparison(rel_err(out, ref), worst_row_err(out, ref), excluded)
+
+
+def _near(x: torch.Tensor, points, tol: float = KINK) -> torch.Tensor:
+    """``x`` within ``tol`` (absolute) of any of ``points``."""
+    hit = torch.zeros_like(x, dtype=torch.bool)
+    for p in points:
+        hit |= (x - p).abs() < tol
+    return hit
+
+
+# ----------------------------------------------------------------------------- vocab ops
+
+
+def _copy64(x: torch.Tensor) -> torch.Tensor:
+    """A float64 copy (never the input itself, even when it is float64: it is written to)."""
+    return x.to(torch.float64, copy=True)
+
+
+def _row_blocks(logits: torch.Tensor):
+    """``(b, t0, t1)`` blocks of rows of the ``(B, T, V)`` logits, ~``CHUNK`` elements each
+    (a row per block at least); ``logits[b, t0:t1]`` is a view, never a copy."""
+    batch, seqlen, vocab = logits.shape
+    rows = max(1, CHUNK // max(vocab, 1))
+    for b in range(batch):
+        for t0 in range(0, seqlen, rows):
+            yield b, t0, min(seqlen, t0 + rows)
+
+
+def token_stats64(logits: torch.Tensor, targets: torch.Tensor, tau: float = TEMPERATURE):
+    """Per-token float64 ``(logp, entropy, lse)`` of ``softmax(logits / tau)``, ``(B, T)``
+    each, streaming the logits in blocks of rows."""
+    batch, seqlen, _ = logits.shape
+    shape = dict(dtype=torch.float64, device=logits.device)
+    logp, entropy, lse = (torch.empty(batch, seqlen, **shape) for _ in range(3))
+    with torch.no_grad():
+        for b, t0, t1 in _row_blocks(logits):
+            s = _copy64(logits[b, t0:t1])
+            if tau != 1.0:
+                s /= tau
+            top = s.amax(-1, keepdim=True)
+            row_lse = top + (s - top).exp().sum(-1, keepdim=True).log()
+            p = (s - row_lse).exp()
+            lse[b, t0:t1] = row_lse[:, 0]
+            logp[b, t0:t1] = s.gather(-1, targets[b, t0:t1, None])[:, 0] - row_lse[:, 0]
+            entropy[b, t0:t1] = row_lse[:, 0] - (p * s).sum(-1)
+    return logp, entropy, lse
+
+
+def compare_vocab_grad(out, logits, targets, lse, entropy, g, h, kink=None, tau=TEMPERATURE):
+    """A provider's ``(B, T, V)`` gradient ``out`` against the float64 one,
+    ``(g (onehot - p) - h p (log p + H)) / tau`` per row, block by block (never a float64
+    copy of the whole); rows where ``kink`` is True are left out."""
+    if out.shape != logits.shape:
+        return Comparison(float("inf"), float("inf"))
+    num = den = worst = 0.0
+    excluded = 0 if kink is None else int(kink.sum())
+    with torch.no_grad():
+        for b, t0, t1 in _row_blocks(logits):
+            s = _copy64(logits[b, t0:t1])
+            if tau != 1.0:
+                s /= tau
+            logp_all = s.sub_(lse[b, t0:t1, None])
+            p = logp_all.exp()
+            gb, hb = g[b, t0:t1, None], h[b, t0:t1, None]
+            ref = logp_all.add_(entropy[b, t0:t1, None]).mul_(-hb).sub_(gb).mul_(p)
+            del p
+            ref.scatter_add_(-1, targets[b, t0:t1, None], gb)
+            if tau != 1.0:
+                ref /= tau
+            if kink is not None:
+                ref.masked_fill_(kink[b, t0:t1, None], 0.0)
+            diff = _copy64(out[b, t0:t1]).sub_(ref)
+            if kink is not None:
+                diff.masked_fill_(kink[b, t0:t1, None], 0.0)
+            row_sq = diff.square_().sum(-1)
+            num += row_sq.sum().item()
+            worst = max(worst, row_sq.max().item())
+            den += ref.square_().sum().item()
+    rows = logits.shape[0] * logits.shape[1]
+    return Comparison(_ratio(num, den), _ratio(worst, den / max(rows, 1)), excluded)
+
+
+def policy_loss64(logp, entropy, advantages, old, ref, mask, variant: str):
+    """The benchmark's GRPO / GSPO objective in float64 from the math: clipped ratio
+    (token-level, or the sequence's mean log-ratio for GSPO) with per-sequence advantages,
+    plus ``beta`` times the k3 estimate of KL(pi || pi_ref), minus ``entropy_coef`` times
+    the entropy (``grpo+entropy``), token-mean over the mask. Returns ``(loss, log_ratio)``."""
+    m = mask.bool()
+    count = m.sum()
+    if variant == "gspo":
+        per_seq = torch.where(m, logp - old, 0.0).sum(-1) / m.sum(-1).clamp(min=1)
+        log_ratio = per_seq[:, None].expand_as(logp)
+    else:
+        log_ratio = logp - old
+    ratio = log_ratio.exp()
+    adv = advantages[:, None]
+    low, high = 1.0 - POLICY["eps_low"], 1.0 + POLICY["eps_high"]
+    surrogate = torch.maximum(-adv * ratio, -adv * ratio.clamp(low, high))
+    d = ref - logp
+    per_token = surrogate + POLICY["beta"] * (d.exp() - d - 1.0)
+    if variant == "grpo+entropy":
+        per_token = per_token - POLICY["entropy_coef"] * entropy
+    return torch.where(m, per_token, 0.0).sum() / count, log_ratio
+
+
+# ----------------------------------------------------------------------------- token ops
+
+
+def _f64(x: torch.Tensor, grad: bool = False) -> torch.Tensor:
+    return x.detach().double().requires_grad_(grad)
+
+
+def _clipped_value_sq(v, v_old, ret, clip):
+    """``max((v - R)^2, (clip(v) - R)^2)`` and where its gradient has a kink."""
+    clipped = torch.clamp(v, v_old - clip, v_old + clip)
+    a, b = (v - ret).square(), (clipped - ret).square()
+    gap = (v - v_old).abs().detach()
+    was_clipped = gap > clip
+    switch = (a - b).abs().detach() < KINK * torch.maximum(a, b).detach().clamp(min=1e-30)
+    return torch.maximum(a, b), _near(gap, [clip]) | (was_clipped & switch)
+
+
+def ppo_loss64(inp: dict, fwd_bwd: bool):
+    """torchtune's ``PPOLoss`` with padding masks (the 5-tuple) and the gradients w.r.t. the
+    policy log-probs and values, plus the kinks of each gradient."""
+    eps, clip, coeff = PPO["epsilon"], PPO["value_clip_range"], PPO["value_coeff"]
+    pi_old, adv = _f64(inp["pi_old_logprobs"]), _f64(inp["advantages"])
+    pi, phi = _f64(inp["pi_logprobs"], fwd_bwd), _f64(inp["phi_values"], fwd_bwd)
+    phi_old, ret = _f64(inp["phi_old_values"]), _f64(inp["returns"])
+    pm, vm = inp["padding_masks"].bool(), inp["value_padding_masks"].bool()
+
+    def masked_mean(x, m):  # torchtune: sum(x * m) / (sum(m) + 1e-8)
+        return torch.where(m, x, 0.0).sum() / (m.sum() + 1e-8)
+
+    ratios_mean = (pi - pi_old).exp().mean()
+    log_ratio = torch.where(pm, pi - pi_old, 0.0)
+    ratio = log_ratio.exp()
+    a = torch.where(pm, adv, 0.0)
+    clipped, unclipped = -a * ratio.clamp(1.0 - eps, 1.0 + eps), -a * ratio
+    clipfrac = masked_mean((clipped > unclipped).double(), pm)
+    policy = masked_mean(torch.maximum(clipped, unclipped), pm)
+    zero = lambda x: torch.where(vm, x, 0.0)  # noqa: E731
+    sq, value_kink = _clipped_value_sq(zero(phi), zero(phi_old), zero(ret), clip)
+    value = 0.5 * masked_mean(sq, vm)
+    loss = policy + coeff * value
+    outs = {"loss": loss, "policy_loss": policy, "value_loss": value,
+            "ratios_mean": ratios_mean, "clipfrac": clipfrac}  # fmt: skip
+    kinks = {}
+    if fwd_bwd:
+        g_pi, g_phi = torch.autograd.grad(loss, [pi, phi])
+        outs.update(grad_pi_logprobs=g_pi, grad_phi_values=g_phi)
+        bounds = [math.log(1.0 - eps), math.log(1.0 + eps)]
+        kinks = {"grad_pi_logprobs": pm & _near(log_ratio.detach(), bounds),
+                 "grad_phi_values": vm & value_kink}  # fmt: skip
+    return outs, kinks
+
+
+def value_loss64(inp: dict, fwd_bwd: bool):
+    """Seed 004's clipped value loss, ``0.5 * max(...)`` token-mean over the mask."""
+    m = inp["mask"].bool()
+    v = _f64(inp["values"], fwd_bwd)
+    zero = lambda x: torch.where(m, x, 0.0)  # noqa: E731
+    sq, kink = _clipped_value_sq(zero(v), zero(_f64(inp["old_values"])),
+                                 zero(_f64(inp["returns"])), VALUE_CLIP)  # fmt: skip
+    loss = 0.5 * torch.where(m, sq, 0.0).sum() / m.sum()
+    outs, kinks = {"loss": loss}, {}
+    if fwd_bwd:
+        outs["grad_values"] = torch.autograd.grad(loss, [v])[0]
+        kinks["grad_values"] = m & kink
+    return outs, kinks
+
+
+def masked_whiten64(inp: dict):
+    """``(x - mean) / sqrt(var + 1e-8)``: masked mean, Bessel-corrected masked variance,
+    applied at every position."""
+    x, m = _f64(inp["x"]), inp["mask"].bool()
+    n = m.sum()
+    mean = torch.where(m, x, 0.0).sum() / n
+    var = torch.where(m, (x - mean).square(), 0.0).sum() / (n - 1)
+    return {"whitened": (x - mean) / torch.sqrt(var + 1e-8)}, {}
+
+
+def gae64(inp: dict):
+    """GAE by its recursion ``A_t = delta_t + gamma lam A_{t+1}``, ``delta_t = r_t +
+    gamma V_{t+1} - V_t`` (``V_T = 0``), rewards and values zeroed where masked; returns
+    ``A + V``; both zero where masked."""
+    m = inp["mask"].bool()
+    r = torch.where(m, _f64(inp["rewards"]), 0.0)
+    v = torch.where(m, _f64(inp["values"]), 0.0)
+    gamma, lam = GAE["gamma"], GAE["lam"]
+    v_next = torch.nn.functional.pad(v[:, 1:], (0, 1))
+    delta = r + gamma * v_next - v
+    adv = torch.empty_like(delta)
+    running = torch.zeros_like(delta[:, 0])
+    for t in range(delta.shape[1] - 1, -1, -1):
+        running = delta[:, t] + gamma * lam * running
+        adv[:, t] = running
+    return {"advantages": torch.where(m, adv, 0.0),
+            "returns": torch.where(m, adv + v, 0.0)}, {}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- the oracle
+
+
+class Oracle:
+    """The float64 answer to one case; :meth:`compare` measures a provider's outputs."""
+
+    def __init__(self, case: Case, inp: dict):
+        self.case = case
+        self.values: dict[str, torch.Tensor] = {}
+        self.kinks: dict[str, torch.Tensor] = {}
+        self._vocab = None  # (logits, targets, lse, entropy, g, h, kink) for grad_logits
+        fwd_bwd = case.mode == "fwd_bwd"
+        if case.op == "token_logprobs":
+            self._token_logprobs(inp, fwd_bwd)
+        elif case.op == "policy_loss":
+            self._policy_loss(inp)
+        elif case.op == "ppo_loss":
+            self.values, self.kinks = ppo_loss64(inp, fwd_bwd)
+        elif case.op == "value_loss":
+            self.values, self.kinks = value_loss64(inp, fwd_bwd)
+        elif case.op == "masked_whiten":
+            self.values, self.kinks = masked_whiten64(inp)
+        elif case.op == "gae":
+            self.values, self.kinks = gae64(inp)
+        else:
+            raise ValueError(f"no oracle for {case.op!r}")
+        self.values = {k: v.detach() for k, v in self.values.items()}
+
+    def _token_logprobs(self, inp: dict, fwd_bwd: bool) -> None:
+        logits, targets = inp["logits"].detach(), inp["targets"]
+        logp, entropy, lse = token_stats64(logits, targets)
+        self.values["logp"] = logp
+        with_entropy = self.case.variant == "logp+entropy"
+        if with_entropy:
+            self.values["entropy"] = entropy
+        if fwd_bwd:
+            g = inp["g_logp"].double()
+            h = inp["g_entropy"].double() if with_entropy else torch.zeros_like(g)
+            self._vocab = (logits, targets, lse, entropy, g, h, None)
+
+    def _policy_loss(self, inp: dict) -> None:
+        logits, targets = inp["logits"].detach(), inp["targets"]
+        logp, entropy, lse = token_stats64(logits, targets)
+        logp_leaf, entropy_leaf = logp.requires_grad_(), entropy.requires_grad_()
+        args = [_f64(inp[k]) for k in ("advantages", "old_logprobs", "ref_logprobs")]
+        loss, log_ratio = policy_loss64(logp_leaf, entropy_leaf, *args, inp["mask"],
+                                        self.case.variant)  # fmt: skip
+        g, h = torch.autograd.grad(loss, [logp_leaf, entropy_leaf], allow_unused=True)
+        h = torch.zeros_like(g) if h is None else h
+        bounds = [math.log(1.0 - POLICY["eps_low"]), math.log(1.0 + POLICY["eps_high"])]
+        kink = inp["mask"].bool() & _near(log_ratio.detach(), bounds)
+        self.values["loss"] = loss
+        self._vocab = (logits, targets, lse.detach(), entropy.detach(), g, h, kink)
+
+    def compare(self, name: str, out: torch.Tensor) -> Comparison:
+        if name == "grad_logits":
+            logits, targets, lse, entropy, g, h, kink = self._vocab
+            return compare_vocab_grad(out, logits, targets, lse, entropy, g, h, kink)
+        return compare(out, self.values[name], self.kinks.get(name))
+
+    def compare_all(self, names, outs) -> dict[str, Comparison]:
+        return {name: self.compare(name, out) for name, out in zip(names, outs)}
