@@ -140,11 +140,13 @@ def token_stats64(logits: torch.Tensor, targets: torch.Tensor, tau: float = TEMP
             if tau != 1.0:
                 s /= tau
             top = s.amax(-1, keepdim=True)
-            row_lse = top + (s - top).exp().sum(-1, keepdim=True).log()
-            p = (s - row_lse).exp()
-            lse[b, t0:t1] = row_lse[:, 0]
-            logp[b, t0:t1] = s.gather(-1, targets[b, t0:t1, None])[:, 0] - row_lse[:, 0]
-            entropy[b, t0:t1] = row_lse[:, 0] - (p * s).sum(-1)
+            s -= top  # shifted: s_j - max_j s_j (two float64 blocks at most below)
+            p = s.exp()
+            log_sum = p.sum(-1, keepdim=True).log()
+            p /= log_sum.exp()
+            lse[b, t0:t1] = (top + log_sum)[:, 0]
+            logp[b, t0:t1] = (s.gather(-1, targets[b, t0:t1, None]) - log_sum)[:, 0]
+            entropy[b, t0:t1] = log_sum[:, 0] - p.mul_(s).sum(-1)  # shift-invariant
     return logp, entropy, lse
 
 

@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# The main job: set up, then run the benchmark / parity demo (quick suite by default).
+# The main job: set up, then run the benchmark / accuracy demo (quick suite by default).
+# Results go to bench/results/local/<device>/ (git-ignored), never over committed figures;
+# write those explicitly: bash scripts/bench.sh --suite full --out bench/results/<gpu>.
+# Exit status 1 when a provider disagrees with the float64 oracle (or raises).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
