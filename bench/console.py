@@ -97,16 +97,19 @@ def legend(records: list[dict], gpu: bool, reps: int | None) -> list[str]:
     else:
         key = [("ms", f"median of {reps or 'N'} runs; on CPU the Triton interpreter's time, "
                       "not a performance figure")]  # fmt: skip
+    dash = ["no time or error when the provider failed before its outputs"]
     if not gpu or any(r.get("model_mb") is not None for r in records):
         key.append(("model MB", "modelled peak memory above the inputs (bench/memory_profile.py)"))
+        dash.append("no model MB where nothing models its memory (torch.compile)")
+    if gpu:
+        dash.append("no x fused without a fused_rl time")
     key += [
         ("err vs fp64", "largest RMS relative error of any output (values, gradients) against "
                         "a float64 oracle on the same inputs"),
         ("worst row", "the worst single row's error over the RMS row norm (one wrong token)"),
         ("verdict", "ok / less accurate: why (expected, explained below) / FAIL: why (exit 1)"),
-        (DASH, "not measured or not applicable: no time or error when the provider failed, "
-               "no model MB where nothing models its memory (torch.compile), no x fused "
-               "without a fused_rl time; a provider that cannot run a case has no row"),
+        (DASH, "not measured or not applicable: " + ", ".join(dash) + "; a provider that "
+               "cannot run a case has no row (see 'Not measured')"),
     ]  # fmt: skip
     width = max(len(name) for name, _ in key)
     indent = " " * (width + 4)
@@ -224,7 +227,7 @@ def summary(records: list[dict], skipped: list[dict]) -> list[str]:
         rms_bound, row_bound = rows[0]["bound"]
         declared = LESS_ACCURATE.get(provider)
         text = (
-            f"{provider}, {dtype} ({len(rows)} rows): measured up to {worst['err_max']:.1e} "
+            f"{provider}, {dtype}, {len(rows)} cases: measured up to {worst['err_max']:.1e} "
             f"vs float64 ({name}), worst row {row:.2g}; declared bound {rms_bound:g} RMS, "
             f"{row_bound:g} per row (tolerance {rows[0]['tol']:g})."
         )
