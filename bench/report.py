@@ -151,11 +151,10 @@ def _accuracy_notes(records: list[dict]) -> list[str]:
     from .providers import LESS_ACCURATE
 
     lines = [
-        "Accuracy: every output (values, gradients) is compared with a float64 oracle "
-        "computed from the same inputs (`bench/oracle.py`: per-token float64 log-probs and "
-        "entropies over blocks of logits rows, the loss in float64 with autograd on them, "
-        "the logits' gradient checked block by block); 0-dim outputs relative to "
-        "max(|ref|, 1e-2). `err vs fp64` is the largest RMS relative error of any output, "
+        "Accuracy: the float64 oracle (`bench/oracle.py`) computes per-token log-probs and "
+        "entropies in float64 over blocks of logits rows, the loss in float64 with autograd "
+        "on them, and checks the logits' gradient block by block (0-dim outputs relative to "
+        "max(|ref|, 1e-2)). `err vs fp64` is the largest RMS relative error of any output, "
         "`worst row` the worst single row's error over the RMS row norm. Tolerance: "
         + policy_text(),
         "",
@@ -164,7 +163,7 @@ def _accuracy_notes(records: list[dict]) -> list[str]:
     for provider in sorted(declared):
         d = LESS_ACCURATE[provider]
         bounds = "; ".join(f"{k}: {a:g} RMS, {b:g} per row" for k, (a, b) in d.bounds.items())
-        lines += [f"Less accurate by design, `{provider}` ({d.label}): {d.why} Declared bound: "
+        lines += [f"Less accurate by design, `{provider}`, {d.label}: {d.why} Declared bound: "
                   f"{bounds}.", ""]  # fmt: skip
     lines += [
         "`eager` upcasts the logits to fp32 (as RL trainers do). Liger is called with "
