@@ -140,13 +140,51 @@ def check_mask_dtype(mask: torch.Tensor | None, name: str = "mask") -> None:
         raise TypeError(f"{name} must be a bool, integer or floating tensor, got {mask.dtype}")
 
 
-def check_mask(mask: torch.Tensor | None, name: str, shape: Sequence[int], expected: str) -> None:
+class NegativeMaskWeightError(ValueError):
+    """A mask holding a negative weight (:func:`check_mask_weights`). A ``ValueError``; its
+    own class lets a compat adapter whose original accepts such masks take another path."""
+
+
+def check_mask_weights(mask: torch.Tensor | None, name: str = "mask") -> None:
+    """Eager-mode check that a mask used as per-token weights holds none ``< 0``.
+
+    A float (or integer) mask is a weight: ``sum(m * L) / sum(m)``; a negative one cannot
+    be rejected without reading the mask on the host, so this is a value check (one host
+    sync, :func:`value_checks_enabled`: eager mode with ``fused_rl.config.check_values``
+    on). Unchecked, a negative weight makes the result NaN (``kernels/common.py``
+    ``as_weight``, ``reference.reductions.mask_weights``). Bool and unsigned masks cannot be
+    negative: nothing to read."""
+    if mask is None or not mask.dtype.is_signed or not value_checks_enabled(mask):
+        return
+    negative = mask < 0
+    if bool(negative.any()):
+        index = tuple(negative.nonzero()[0].tolist())
+        kind = "a float" if mask.is_floating_point() else "an integer"
+        raise NegativeMaskWeightError(
+            f"{name} has a negative weight ({mask[index].item()} at index {index}); {kind} "
+            f"mask is a per-token weight and must be >= 0"
+        )
+
+
+def check_mask(
+    mask: torch.Tensor | None,
+    name: str,
+    shape: Sequence[int],
+    expected: str,
+    *,
+    weights: bool = True,
+) -> None:
     """``mask``: None, or a bool / integer / floating tensor of ``shape`` (named ``expected``
-    in the message). Devices are checked with the other tensors (:func:`check_same_device`)."""
+    in the message). ``weights``: a float / integer mask is a per-token weight (every loss and
+    masked reduction), so a negative one raises in eager mode (:func:`check_mask_weights`);
+    False for an indicator mask (nonzero counts: ``gae``, ``kl_penalized_rewards``). Devices
+    are checked with the other tensors (:func:`check_same_device`)."""
     if mask is None:
         return
     check_mask_dtype(mask, name)
     check_shape(mask, shape, name, expected)
+    if weights:
+        check_mask_weights(mask, name)
 
 
 def check_loss_agg(loss_agg: str, *, max_length, num_items) -> None:

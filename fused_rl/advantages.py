@@ -207,9 +207,11 @@ def gae(
     Args:
         rewards, values: ``(B, T)`` float tensors, any strides.
         gamma, lam: real numbers in ``[0, 1]``.
-        mask: optional ``(B, T)`` bool (or 0/1) tensor, True where the step counts. Masked
-            steps count as zero reward and zero value (TRL's ``values * mask``), so the
-            recursion runs through them, and get advantage 0 and return 0.
+        mask: optional ``(B, T)`` bool (or 0/1) tensor, True where the step counts: an
+            indicator, not a weight (a float / integer mask counts where it is nonzero, a
+            fraction does not scale the step). Masked steps count as zero reward and zero
+            value (TRL's ``values * mask``), so the recursion runs through them, and get
+            advantage 0 and return 0.
         backend: ``"auto"`` | ``"triton"`` | ``"reference"``.
 
     Returns:
@@ -230,7 +232,7 @@ def gae(
     _check_2d(rewards, "rewards")
     _check_2d(values, "values")
     V.check_shape(values, rewards.shape, "values", "rewards.shape")
-    V.check_mask(mask, "mask", rewards.shape, "(B, T)")
+    V.check_mask(mask, "mask", rewards.shape, "(B, T)", weights=False)
     V.check_unit_interval(gamma, "gamma")
     V.check_unit_interval(lam, "lam")
     V.check_same_device(rewards=rewards, values=values, mask=mask)
@@ -264,7 +266,8 @@ def kl_penalized_rewards(
         scores: ``(B,)`` float sequence-level rewards (reward-model outputs).
         logprobs, ref_logprobs: ``(B, T)`` float, policy and reference log-probs.
         kl_coef: real number ``>= 0``.
-        mask: optional ``(B, T)`` bool (or 0/1) tensor, True where the token counts.
+        mask: optional ``(B, T)`` bool (or 0/1) tensor, True where the token counts: an
+            indicator, not a weight (a float / integer mask counts where it is nonzero).
         kl_estimator: one of ``"k1"``, ``"k2"``, ``"k3"``, ``"low_var_kl"``, ``"abs"``
             (:func:`fused_rl.kl_estimate`, ``log_ratio = logprobs - ref_logprobs``); ``kind=``
             is a deprecated alias (``FutureWarning``).
@@ -290,7 +293,7 @@ def kl_penalized_rewards(
     _check_2d(ref_logprobs, "ref_logprobs")
     V.check_shape(ref_logprobs, logprobs.shape, "ref_logprobs", "logprobs.shape")
     V.check_shape(scores, logprobs.shape[:1], "scores", "(B,)")
-    V.check_mask(mask, "mask", logprobs.shape, "(B, T)")
+    V.check_mask(mask, "mask", logprobs.shape, "(B, T)", weights=False)
     V.check_choice(kl_estimator, KL_KINDS, "kl_estimator")
     V.check_nonnegative(kl_coef, "kl_coef")
     if score_index is not None:

@@ -197,7 +197,14 @@ def policy_loss(
         ref_logprobs: ``(B, T)`` reference-policy log-probs (KL penalty / metric).
             ``advantages``, ``old_logprobs``, ``ref_logprobs`` and ``mask`` are rollout
             constants: no gradient reaches them, on every backend.
-        mask: ``(B, T)`` bool or float, True/1 = the token counts; None = all count.
+        mask: ``(B, T)`` bool, integer or float; None = every token counts. A bool mask
+            selects tokens (True counts). A float (or integer) mask is a per-token weight
+            ``m_t >= 0``: ``token-mean`` gives ``sum_t m_t L_t / sum_t m_t``, every other
+            ``loss_agg`` mode and every metric weighs token ``t`` by ``m_t`` the same way (GSPO's
+            sequence log-ratio is the ``m``-weighted mean), and ``m_t = 0`` drops the token
+            (a 0/1 mask is a padding mask). A negative weight raises ``ValueError`` in eager
+            mode (one host sync, with the target check below); unchecked (``torch.compile``,
+            ``fused_rl.config.check_values = False``) it makes the loss NaN.
         temperature: logits are divided by it.
         eps_low, eps_high: clip band ``[1 - eps_low, 1 + eps_high]``; ``eps_high=None`` =
             ``eps_low`` (DAPO's clip-higher: ``eps_high > eps_low``).
@@ -226,8 +233,9 @@ def policy_loss(
         ``clip_frac_high``, ``dual_clip_frac``, ``ratio_mean``, ``ratio_max``,
         ``approx_kl`` (``mean(old - logp)``), ``kl`` (when ``ref_logprobs`` is given),
         ``entropy`` (when computed). The computation never syncs with the host; in eager
-        mode the check that targets lie in ``[0, V)`` syncs once (switch it off with
-        ``fused_rl.config.check_values = False``; under ``torch.compile`` it never runs).
+        mode the check that targets lie in ``[0, V)`` syncs once, and the one that a float /
+        integer ``mask`` holds no negative weight once more (switch both off with
+        ``fused_rl.config.check_values = False``; under ``torch.compile`` they never run).
 
     Example:
         >>> import torch, fused_rl
@@ -263,6 +271,7 @@ def policy_loss(
         num_items=num_items,
     )  # fmt: skip
     V.check_target_range(targets, vocab, ignore_index, "targets")
+    V.check_mask_weights(mask, "mask")
     which = resolve_backend(backend, logits, targets)
     need_entropy = with_entropy or entropy_coef != 0.0
 
@@ -327,10 +336,14 @@ def policy_loss_from_logprobs(
     """:func:`policy_loss` for callers that already hold per-token ``logprobs`` ``(B, T)``
     (and optionally ``entropy`` ``(B, T)``) as tensors with grad.
 
-    Same arguments and outputs minus the vocabulary ones. The vocabulary work happened
-    where ``logprobs`` came from, e.g. :func:`fused_rl.token_logprobs`; on the Triton
-    backend this is one token-layer kernel and one reduction (the loss and every metric),
-    and the backward two elementwise ops.
+    Same arguments and outputs minus the vocabulary ones; ``mask`` likewise: ``(B, T)``
+    bool (True counts) or float / integer per-token weights ``m_t >= 0`` (``token-mean`` is
+    ``sum_t m_t L_t / sum_t m_t``; a negative weight raises ``ValueError`` in eager mode with
+    ``fused_rl.config.check_values`` on, else makes the loss NaN). Packed ``(N,)``
+    log-probs go in as ``logprobs.unsqueeze(0)``. The vocabulary work happened where
+    ``logprobs`` came from, e.g. :func:`fused_rl.token_logprobs`; on the Triton backend this
+    is one token-layer kernel and one reduction (the loss and every metric), and the backward
+    two elementwise ops.
 
     Example:
         >>> import torch, fused_rl
@@ -365,6 +378,7 @@ def policy_loss_from_logprobs(
     )  # fmt: skip
     if entropy_coef != 0.0 and entropy is None:
         raise ValueError("entropy_coef != 0 needs the per-token entropy tensor")
+    V.check_mask_weights(mask, "mask")
     which = resolve_backend(backend, logprobs)
     if which == "triton":
         loss, metrics, *_ = policy_logprobs_fwd_op(

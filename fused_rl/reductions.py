@@ -300,10 +300,14 @@ def masked_sum(
     Args:
         x: floating tensor of any shape and strides (the kernels read 0/1/2-D tensors in place;
             3-D+ tensors are reshaped, which copies only when their leading dims cannot merge).
-        mask: None, or a tensor of ``x``'s shape: bool / integer 0-1 or non-negative float
-            weights. Masked positions contribute exactly 0 (even NaN / inf ones) and get 0
-            gradient. Not differentiable.
-        dim: None or one int (any axis of any ndim; ``0``, ``1``, ``-1`` for ``(B, T)``).
+        mask: None (every element counts), or a tensor of ``x``'s shape: bool (True counts)
+            or float / integer per-token weights ``w >= 0`` (``sum(w * x)``; the mean is
+            ``sum(w * x) / sum(w)``). Positions with ``w = 0`` contribute exactly 0 (even NaN /
+            inf ones) and get 0 gradient. A negative weight raises ``ValueError`` in eager
+            mode (one host sync; ``fused_rl.config.check_values = False`` turns it off) and
+            makes the result NaN when unchecked (``torch.compile``). Not differentiable.
+        dim: keyword-only, None or one int (any axis of any ndim; ``0``, ``1``, ``-1`` for
+            ``(B, T)``).
 
     Returns:
         fp32 (fp64 for fp64 ``x``): 0-dim, or ``x``'s shape without ``dim``. Differentiable
@@ -327,8 +331,9 @@ def masked_sum(
 def masked_mean(
     x: Tensor, mask: Tensor | None = None, *, dim: int | None = None, backend: str = "auto"
 ) -> Tensor:
-    """``sum(mask * x) / sum(mask)`` over all elements or along ``dim``; an empty mask (or an
-    empty row along ``dim``) gives 0, not NaN.
+    """``sum(mask * x) / sum(mask)`` over all elements or along ``dim``: the mean of the
+    counted elements for a bool mask, the weighted mean for float / integer weights ``>= 0``.
+    An empty mask (or an empty row along ``dim``, or weights summing to 0) gives 0, not NaN.
 
     Exact division, no ``+ 1e-8`` (torchtune's ``masked_mean`` adds it to the denominator;
     ``fused_rl.ppo_loss`` reproduces that where torchtune's PPO needs it). Arguments and
@@ -355,10 +360,11 @@ def masked_var(
     """Variance of the masked elements, centred on their mean internally (TRL's convention;
     torchtune's ``masked_var`` expects centred input).
 
-    ``sum(mask (x - mean)^2) / (n - 1)`` with ``n = sum(mask)`` (``/ n`` when not
-    ``unbiased``). With no degree of freedom left (``n <= 1`` unbiased, ``n = 0`` biased) it is
-    0, never NaN or an error (TRL raises / returns inf there). Whole-tensor only. Arguments and
-    returns as :func:`masked_sum` (0-dim).
+    ``sum(mask (x - mean)^2) / (n - 1)`` with ``mean`` the masked (weighted) mean and ``n =
+    sum(mask)`` (``/ n`` when not ``unbiased``): float / integer weights ``>= 0`` act as
+    frequency weights. With no degree of freedom left (``n <= 1`` unbiased, ``n = 0`` biased)
+    it is 0, never NaN or an error (TRL raises / returns inf there). Whole-tensor only.
+    Arguments (a negative weight included) and returns as :func:`masked_sum` (0-dim).
 
     Example:
         >>> import torch, fused_rl
@@ -396,7 +402,8 @@ def masked_whiten(
     variance.
 
     Args:
-        x, mask: as :func:`masked_sum`.
+        x, mask: as :func:`masked_sum` (float / integer masks weigh the mean and variance,
+            :func:`masked_var`).
         keep_mean: add the masked mean back after scaling.
         eps: added to the variance, ``>= 0``.
 

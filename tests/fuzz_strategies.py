@@ -241,8 +241,9 @@ def logits_args(draw, shape: tuple[int, ...], dtype: torch.dtype, *, row_special
 # ----------------------------------------------------------------------------- masks, indices
 
 
-# "signed": weights with a negative entry, which every weight-taking op turns into NaN (a
-# negative weight cannot be rejected without reading the mask on the host)
+# "signed": weights with a negative entry: every op that takes weights raises ValueError in
+# eager mode with value checks on (one host read of the mask), and turns it into NaN unchecked
+# (check_values=False, torch.compile)
 MASK_KINDS = ("none", "bool", "bool", "int", "float", "weights", "signed")
 MASK_PATTERNS = ("random", "random", "random", "all_false", "all_true", "empty_rows")
 

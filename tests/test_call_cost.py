@@ -32,7 +32,8 @@ TOKEN_LOGPROBS_BUDGET = 4
 
 @pytest.fixture(autouse=True)
 def _no_value_checks(monkeypatch):
-    # the eager target-range check is a documented extra (a few ops and one host sync)
+    # the eager value checks (targets in [0, V), no negative float / integer mask weight) are
+    # a documented extra: a few ops and one host sync each (test_value_checks_cost below)
     monkeypatch.setattr(fused_rl.config, "check_values", False)
 
 
@@ -194,3 +195,27 @@ def test_policy_loss_module_takes_the_model_buffer(backend, device):
     s_loss, s_metrics = module(r["logits"][:, -T - 1 : -1], r["targets"], r["advantages"], **kw)
     assert_rel(loss, s_loss, FP32_TOL, "loss")
     assert_rel(metrics["kl"], s_metrics["kl"], FP32_TOL, "kl")
+
+
+@pytest.mark.no_poison
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
+def test_value_checks_cost(mask_dtype, device, monkeypatch):
+    """What ``fused_rl.config.check_values`` adds in eager mode, outside the budgets above:
+    the target-range check (``policy_loss``) and, for a float / integer mask, the
+    negative-weight check (``lt`` + ``any``, one host sync); a bool mask is never read."""
+    r = _rollout(device=device)
+    mask = r["mask"].to(mask_dtype)
+
+    def count(checked):
+        monkeypatch.setattr(fused_rl.config, "check_values", checked)
+        logp = (torch.randn(2, 6, device=device) - 3).requires_grad_()
+        with LaunchCounter() as c:
+            loss, _ = fused_rl.policy_loss_from_logprobs(
+                logp, r["advantages"], old_logprobs=r["old"], mask=mask, backend="triton"
+            )
+            loss.backward()
+        return c.ops
+
+    unchecked, checked = count(False), count(True)
+    extra = ["aten.lt.Scalar", "aten.any.default"] if mask_dtype.is_floating_point else []
+    assert checked == extra + unchecked

@@ -266,6 +266,24 @@ def test_ppo_loss_matches_original(masks, dtype, device):
     assert rel_err(v_l.grad, v64.grad) <= max(tol, 1e-5)
 
 
+def test_ppo_loss_negative_mask_weight_is_torchtunes(device):
+    """A negative float mask weight: torchtune weighs by it, so the adapter does too (where
+    ``fused_rl.ppo_loss`` raises it runs torchtune's math eagerly), not an error."""
+    gen = torch.Generator().manual_seed(11)
+    ins = [torch.randn(2, 5, generator=gen, dtype=torch.float64).to(device) for _ in range(6)]
+    pm = torch.rand(2, 5, generator=gen, dtype=torch.float64).to(device)
+    pm[1, 3] = -0.5
+    new = ins[1].clone().requires_grad_()
+    got = rlhf.PPOLoss(0.2)(ins[0], new, *ins[2:], pm, pm.abs())
+    new64 = ins[1].clone().requires_grad_()
+    want = o_ppo_loss(ins[0], new64, *ins[2:], pm, pm.abs(), 0.2)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert rel_err(a, b) <= 1e-12, i
+    got[0].backward()
+    want[0].backward()
+    assert rel_err(new.grad, new64.grad) <= 1e-12
+
+
 # ----------------------------------------------------------------------------- live-check rules
 
 

@@ -378,26 +378,111 @@ def test_num_items_tensor_not_positive_is_nan(backend, count):
         _policy(backend, num_items=count if count == count else 0.0)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_negative_mask_weight_is_nan(backend):
-    """Mask weights must be >= 0. A negative one cannot be rejected without reading the mask on
-    the host, so it makes every result it reaches NaN, the same on both backends (it used to
-    give -1.0 on one and 0.0 on the other)."""
+def _negative_mask_calls(backend, mask):
+    """Every native op whose mask is a per-token weight, called with ``mask``: name -> call."""
     x, y = _token_inputs(2)
-    mask = torch.ones(B, T)
-    mask[1, 2] = -1.0
-    for op in (fused_rl.masked_sum, fused_rl.masked_mean, fused_rl.masked_var):
-        assert torch.isnan(op(x, mask, backend=backend)), op.__name__
-    assert torch.isnan(fused_rl.masked_whiten(x, mask, backend=backend)).all()
-    assert torch.isnan(fused_rl.value_loss(x, y, x, mask=mask, backend=backend)[0])
-    loss, _, _ = _policy(backend, mask=mask)
-    assert torch.isnan(loss)
-    loss, _ = fused_rl.policy_loss_from_logprobs(
-        x, torch.ones(B), old_logprobs=y, mask=mask, backend=backend
-    )
-    assert torch.isnan(loss)
+    from fused_rl.nn import PolicyLoss
+
+    logits, targets, adv, old = _policy_inputs()
+    ppo = (x, x, y, y, x, y)
+    return {
+        "masked_sum": lambda: fused_rl.masked_sum(x, mask, backend=backend),
+        "masked_mean": lambda: fused_rl.masked_mean(x, mask, dim=1, backend=backend),
+        "masked_var": lambda: fused_rl.masked_var(x, mask, backend=backend),
+        "masked_whiten": lambda: fused_rl.masked_whiten(x, mask, backend=backend),
+        "value_loss": lambda: fused_rl.value_loss(x, y, x, mask=mask, backend=backend)[0],
+        "ppo_loss padding_masks": lambda: fused_rl.ppo_loss(*ppo, mask, backend=backend)[0],
+        "ppo_loss value_padding_masks": lambda: fused_rl.ppo_loss(
+            *ppo, None, mask, backend=backend
+        )[0],
+        "policy_loss": lambda: _policy(backend, mask=mask)[0],
+        "policy_loss_from_logprobs": lambda: fused_rl.policy_loss_from_logprobs(
+            x, torch.ones(B), old_logprobs=y, mask=mask, backend=backend
+        )[0],
+        "PolicyLoss": lambda: PolicyLoss(backend=backend)(
+            logits, targets, adv, old_logprobs=old, mask=mask
+        )[0],
+    }
+
+
+def _negative_mask(dtype=torch.float32):
+    mask = torch.ones(B, T, dtype=dtype)
+    mask[1, 2] = -1
+    return mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_negative_mask_weight_raises(backend, dtype):
+    """A float (or integer) mask is a per-token weight, ``sum(m L) / sum(m)``, so it must be
+    >= 0. In eager mode with value checks on (as for target ranges) a negative one raises
+    ``ValueError`` naming the mask, on every op whose mask is a weight."""
+    for name, call in _negative_mask_calls(backend, _negative_mask(dtype)).items():
+        arg = name.split()[-1] if name.startswith("ppo_loss") else "mask"
+        kind = "a float" if dtype.is_floating_point else "an integer"
+        with pytest.raises(ValueError, match=rf"^{arg} has a negative weight \(-1(\.0)? at "
+                           rf"index \(1, 2\)\); {kind} mask is a per-token weight and must "
+                           "be >= 0$"):  # fmt: skip
+            call()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_negative_mask_weight_unchecked_is_nan(backend, monkeypatch):
+    """Unchecked (``check_values=False``, ``torch.compile``) a negative weight cannot be
+    rejected without reading the mask on the host, so it makes every result it reaches NaN,
+    the same on both backends (it used to give -1.0 on one and 0.0 on the other)."""
+    monkeypatch.setattr(config, "check_values", False)
+    for name, call in _negative_mask_calls(backend, _negative_mask()).items():
+        out = call()
+        assert torch.isnan(out).all() if name == "masked_whiten" else torch.isnan(out).any(), name
     # weights >= 0, fractional ones included, stay finite
-    assert torch.isfinite(fused_rl.masked_mean(x, mask.abs() * 0.5, backend=backend))
+    x, _ = _token_inputs(2)
+    assert torch.isfinite(fused_rl.masked_mean(x, _negative_mask().abs() * 0.5, backend=backend))
+
+
+def test_negative_mask_weight_under_compile_is_nan():
+    """The same call raises in eager mode; compiled it never reads values on the host: NaN,
+    not an error."""
+    x, _ = _token_inputs(2)
+    call = lambda x, m: fused_rl.masked_mean(x, m, backend="triton")  # noqa: E731
+    assert torch.isfinite(call(x, _negative_mask().abs()))
+    with pytest.raises(ValueError, match="mask has a negative weight"):
+        call(x, _negative_mask())
+    fn = torch.compile(call, fullgraph=True, backend="aot_eager")
+    assert torch.isnan(fn(x, _negative_mask()))
+    assert torch.equal(fn(x, _negative_mask().abs()), call(x, _negative_mask().abs()))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mask_weight_check_skips_what_cannot_be_negative(backend, monkeypatch):
+    """Bool and unsigned masks hold nothing < 0: no host read; indicator masks (``gae``,
+    ``kl_penalized_rewards``: nonzero counts) are not weights, so a negative value counts."""
+    from fused_rl import _validation as V
+
+    reads = []
+    real = V.value_checks_enabled
+    monkeypatch.setattr(V, "value_checks_enabled", lambda *t: reads.append(t) or real(*t))
+    x, y = _token_inputs(2)
+    for mask in (torch.ones(B, T, dtype=torch.bool), torch.ones(B, T, dtype=torch.uint8)):
+        fused_rl.masked_sum(x, mask, backend=backend)
+        fused_rl.policy_loss_from_logprobs(x, torch.ones(B), mask=mask, backend=backend)
+    assert not reads
+    fused_rl.masked_sum(x, torch.ones(B, T), backend=backend)
+    assert len(reads) == 1  # a float mask is read (once)
+    monkeypatch.undo()
+    mask = _negative_mask()
+    adv, ret = fused_rl.gae(x, y, gamma=0.9, lam=0.9, mask=mask, backend=backend)
+    want = fused_rl.gae(x, y, gamma=0.9, lam=0.9, mask=mask != 0, backend=backend)
+    assert torch.equal(adv, want[0]) and torch.equal(ret, want[1])
+    rewards = fused_rl.kl_penalized_rewards(
+        torch.ones(B), x, y, kl_coef=0.1, mask=mask, backend=backend
+    )
+    assert torch.equal(
+        rewards,
+        fused_rl.kl_penalized_rewards(
+            torch.ones(B), x, y, kl_coef=0.1, mask=mask != 0, backend=backend
+        ),
+    )
 
 
 def _double_backward(loss, x):

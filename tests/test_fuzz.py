@@ -32,6 +32,7 @@ import contextlib
 import math
 import os
 import re
+import warnings
 from collections import Counter, defaultdict
 from unittest import mock
 
@@ -108,7 +109,8 @@ class _FuzzSummary:
             return
         tr = terminalreporter
         tr.section(f"fuzz summary (profile {PROFILE})")
-        cols = ("examples", "nan_inputs", "inf_inputs", "nan_rule", "invariance", "bf16", "fp64")
+        cols = ("examples", "nan_inputs", "inf_inputs", "nan_rule", "invariance", "bf16", "fp64",
+                "neg_weight")  # fmt: skip
         tr.write_line(f"{'op':38s}" + "".join(f"{c:>11s}" for c in cols))
         for op in sorted(STATS):
             tr.write_line(f"{op:38s}" + "".join(f"{STATS[op][c]:11d}" for c in cols))
@@ -318,7 +320,7 @@ def known_open(case: Case) -> str | None:
     for name, a in args.items():
         x = a.value()
         is_mask = "mask" in name or name == "m"
-        if is_mask and x.dtype != torch.bool and bool((x < 0).any()):
+        if is_mask and x.dtype != torch.bool and bool((x < 0).any()):  # unchecked only
             return "negative mask weight: gradient NaN layout / ratio_max (findings 9, 10)"
         if x.is_floating_point() and case.op in ("masked_var", "masked_whiten"):
             if bool((torch.isfinite(x) & (x.double().abs() >= 1e19)).any()):
@@ -349,6 +351,12 @@ def check_case(case: Case, precision: torch.dtype | None = None) -> None:
     ``AssertionError`` lists all that failed."""
     if currently_in_test_context():
         note(repr(case))
+    negative = negative_weights(case) if fused_rl.config.check_values else ()
+    if negative:
+        _record(case)
+        assert_negative_weight_raises(case, negative)
+        return
+    if currently_in_test_context():
         assume(known_open(case) is None)
     _record(case)
     uncounted = case.uncounted_plants()
@@ -398,6 +406,37 @@ def check_case(case: Case, precision: torch.dtype | None = None) -> None:
             check(assert_uncounted_ignored, case, backend, out, expect)
     if failures:
         raise AssertionError(f"{case!r}\n" + "\n".join(failures))
+
+
+# ops whose float / integer mask is a per-token weight (gae / kl_penalized_rewards: nonzero
+# counts); a negative weight raises ValueError in eager mode with check_values on, else NaN
+WEIGHT_MASK_OPS = (
+    "policy_loss", "policy_loss_from_logprobs", "masked_sum", "masked_mean", "masked_var",
+    "masked_whiten", "value_loss", "ppo_loss",
+)  # fmt: skip
+
+
+def negative_weights(case: Case) -> tuple[str, ...]:
+    """The mask arguments of ``case`` that are weights and hold a value < 0."""
+    if case.op not in WEIGHT_MASK_OPS:
+        return ()
+    return tuple(
+        name
+        for name, a in case.args.items()
+        if a is not None and ("mask" in name or name == "m") and a.dtype.is_signed
+        and bool((a.value() < 0).any())
+    )  # fmt: skip
+
+
+def assert_negative_weight_raises(case: Case, names) -> None:
+    """Checked (eager, ``check_values`` on): both backends raise ``ValueError`` naming a
+    negative mask before anything runs."""
+    STATS[case.op]["neg_weight"] += 1
+    event(f"{case.op}: negative mask weight raises")
+    pattern = rf"^({'|'.join(map(re.escape, names))}) has a negative weight .* must be >= 0$"
+    for backend in ("reference", "triton"):
+        with pytest.raises(ValueError, match=pattern):
+            case.call(case.inputs(), backend)
 
 
 def _record(case: Case) -> None:
@@ -1283,9 +1322,15 @@ def verl_cases(draw, op):
         lp_old = draw(float_args(shape, dtype, kind="logprob", specials=OLD_LOGPROB_SPECIALS))
         lp = draw(float_args(shape, dtype, kind="logprob", specials=NEW_LOGPROB_SPECIALS))
         cliprange = draw(st.sampled_from((0.2, 0.0, 1.0)))
-        fn = lambda x, b: verl.compute_policy_loss(
-            x["old"], x["lp"], x["adv"], x["mask"], cliprange=cliprange, loss_agg_mode=mode
-        )
+
+        def fn(x, b):
+            with warnings.catch_warnings():  # verl's own deprecation, mirrored on purpose
+                warnings.filterwarnings("ignore", "Warning: Function .*", FutureWarning)
+                return verl.compute_policy_loss(
+                    x["old"], x["lp"], x["adv"], x["mask"], cliprange=cliprange,
+                    loss_agg_mode=mode,
+                )  # fmt: skip
+
         args, grad = {"old": lp_old, "lp": lp, "adv": a, "mask": mask}, ("lp",)
     elif op == "compute_value_loss":
         clip = draw(st.sampled_from((0.5, 0.0, 1e30)))
@@ -1611,14 +1656,15 @@ def _ids(gen, vocab, *shape):
     return torch.randint(0, vocab, shape, generator=gen)
 
 
-def _spec(call, valid, *, floats=(), shaped=(), masks=(), indices=None, **hyper):
+def _spec(call, valid, *, floats=(), shaped=(), masks=(), weights=True, indices=None, **hyper):
     """``floats``: float tensor arguments; ``shaped``: those whose wrong shape is reported under
-    their own name; ``masks``: mask arguments (a negative weight is not an error: it gives NaN,
-    see ``fuzz_strategies.MASK_KINDS``); ``indices``: ``{name: range}`` index tensors; ``hyper``:
-    ``{name: kind}`` of the scalar arguments."""
+    their own name; ``masks``: mask arguments, per-token weights unless ``weights=False``
+    (indicator masks: nonzero counts) so a negative value is a ``ValueError`` (eager, value
+    checks on); ``indices``: ``{name: range}`` index tensors; ``hyper``: ``{name: kind}`` of
+    the scalar arguments."""
     return {
         "call": call, "valid": valid, "floats": floats, "shaped": shaped, "masks": masks,
-        "indices": indices or {}, "hyper": hyper,
+        "indices": indices or {}, "hyper": hyper, "weights": weights,
     }  # fmt: skip
 
 
@@ -1729,6 +1775,7 @@ BAD_SPECS = {
         floats=("rewards", "values"),
         shaped=("values",),
         masks=("mask",),
+        weights=False,
         gamma="unit",
         lam="unit",
     ),
@@ -1745,6 +1792,7 @@ BAD_SPECS = {
         floats=("scores", "logprobs", "ref_logprobs"),
         shaped=("scores", "ref_logprobs"),
         masks=("mask",),
+        weights=False,
         indices={"score_index": "T"},
         kl_coef="nonneg",
         kl_estimator="choice",
@@ -1863,6 +1911,12 @@ def bad_inputs(draw):
     for name in spec["masks"]:
         m = kwargs[name]
         options += [(name, m.to(torch.complex64), TypeError), (name, m[..., 1:], ValueError)]
+        if spec["weights"]:  # a negative weight somewhere: a float mask, or an integer one
+            neg = m.float().clone()
+            neg.view(-1)[draw(st.integers(0, neg.numel() - 1))] = -0.25
+            if draw(st.booleans()):
+                neg = neg.floor().to(torch.int64)  # -1 there
+            options.append((name, neg, ValueError))
     for name, bound in spec["indices"].items():
         idx, top = kwargs[name], v if bound == "V" else t
         options += [
@@ -2061,10 +2115,10 @@ FOUND = {
         adv=torch.tensor([[-1.0, -2.0, 1.5, -0.5]], dtype=_F64),
         old=torch.tensor([[-1.9, -1.0, -0.1, -3.0]], dtype=_F64), grad=("lp",),
     ),
-    # a negative mask weight makes the loss NaN on both backends (issue 11.9), but the
-    # gradients' NaN differ (reference 0 at the other tokens, Triton NaN everywhere) and, at
-    # an ignored token, ratio_max is finite on the reference (it counts that token), NaN on
-    # Triton
+    # unchecked (check_values=False, torch.compile; checked, it raises ValueError), a negative
+    # mask weight makes the loss NaN on both backends (issue 11.9), but the gradients' NaN
+    # differ (reference 0 at the other tokens, Triton NaN everywhere) and, at an ignored token,
+    # ratio_max is finite on the reference (it counts that token), NaN on Triton
     "policy_loss_from_logprobs negative mask weight": lambda: fixed_case(
         "policy_loss_from_logprobs",
         lambda x, b: _policy_outputs(
@@ -2135,6 +2189,22 @@ def _found_params():
         yield pytest.param(name, marks=marks, id=name)
 
 
+# reproducers of what only the unchecked path does (a checked call raises first)
+UNCHECKED_FOUND = (
+    "policy_loss negative mask weight at an ignored token",
+    "policy_loss_from_logprobs negative mask weight",
+)
+
+
 @pytest.mark.parametrize("name", _found_params())
-def test_found_by_fuzzing(name):
+def test_found_by_fuzzing(name, monkeypatch):
+    if name in UNCHECKED_FOUND:
+        monkeypatch.setattr(fused_rl.config, "check_values", False)
     check_case(FOUND[name]())
+
+
+@pytest.mark.parametrize("name", UNCHECKED_FOUND)
+def test_found_negative_weight_raises_when_checked(name):
+    case = FOUND[name]()
+    assert negative_weights(case) == ("m",)
+    assert_negative_weight_raises(case, ("mask",))

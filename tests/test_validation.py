@@ -367,3 +367,34 @@ def test_keyword_only_arguments(call, name):
     """``dim`` and ``group_size`` are keyword-only: a positional one is a TypeError."""
     with pytest.raises(TypeError, match="positional argument"):
         call(_x(B, T))
+
+
+# ----------------------------------------------------------------------------- mask weights
+
+MASKS = ("mask", "padding_masks", "value_padding_masks")
+INDICATOR_MASK_OPS = ("gae", "kl_penalized_rewards")  # nonzero counts: not weights
+
+
+def _mask_cases():
+    for op in INPUTS:
+        for name in sorted(_params(op) & set(MASKS)):
+            yield pytest.param(op, name, id=f"{op}-{name}")
+
+
+@pytest.mark.parametrize(("op", "name"), list(_mask_cases()))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32])
+def test_negative_mask_weight(op, name, dtype, monkeypatch):
+    """Every op whose mask is a per-token weight rejects a negative one in eager mode (the
+    same validator, the same words); unchecked it gives NaN. Indicator masks accept it."""
+    mask = torch.ones(B, T, dtype=dtype)
+    mask[0, 1] = -2
+    if op in INDICATOR_MASK_OPS:
+        out = _call(op, **{name: mask})
+        first = out[0] if isinstance(out, tuple) else out
+        assert torch.isfinite(first).all()
+        return
+    with pytest.raises(V.NegativeMaskWeightError, match=rf"^{name} has a negative weight"):
+        _call(op, **{name: mask})
+    monkeypatch.setattr(fused_rl.config, "check_values", False)
+    out = _call(op, **{name: mask})
+    assert torch.isnan(out[0] if isinstance(out, tuple) else out).any()

@@ -531,10 +531,15 @@ class PPOLoss(nn.Module):
             or (torch.is_grad_enabled() and any(t.requires_grad for t in constants))
             or _fp64_with_half_grads(inputs)
         )
-        if eager:
+        out = None
+        if not eager:
+            try:
+                out = ppo_loss(
+                    *inputs, *masks, epsilon=hyper[0], value_clip_range=hyper[1],
+                    value_coeff=hyper[2],
+                )  # fmt: skip
+            except V.NegativeMaskWeightError:
+                pass  # torchtune weighs by a negative mask value too: its math, eagerly
+        if out is None:
             out = _ppo_eager(inputs, *masks, *hyper, upcast=True)
-        else:
-            out = ppo_loss(
-                *inputs, *masks, epsilon=hyper[0], value_clip_range=hyper[1], value_coeff=hyper[2]
-            )
         return tuple(t.to(dtype) for t, dtype in zip(out, dtypes, strict=True))

@@ -1,7 +1,8 @@
 """Reference masked reductions (plain PyTorch, differentiable through autograd).
 
 ``mask`` is ``None`` (every element counts) or a tensor of ``x``'s shape holding 0/1 or
-non-negative weights (bool, integer or floating); a negative weight makes the result NaN. A
+non-negative weights (bool, integer or floating); a negative weight makes the result NaN (the
+public ops reject one first in eager mode, ``fused_rl._validation.check_mask_weights``). A
 position whose weight is 0 contributes exactly 0 to every statistic and receives exactly 0
 gradient, even if ``x`` is NaN or inf there. Empty masks give 0, never NaN.
 """
@@ -21,9 +22,9 @@ def acc_dtype(*tensors: Tensor | None) -> torch.dtype:
 
 
 def mask_weights(mask: Tensor, dtype: torch.dtype) -> Tensor:
-    """``mask`` as weights of ``dtype``. Weights must be >= 0: a negative one cannot be rejected
-    without reading the mask on the host, so it becomes NaN and makes the result loudly NaN,
-    as in the kernels (``kernels/common.py`` ``as_weight``)."""
+    """``mask`` as weights of ``dtype``. Weights must be >= 0: the public ops reject a negative
+    one in eager mode with value checks on (a host read); otherwise it becomes NaN and makes the
+    result loudly NaN, as in the kernels (``kernels/common.py`` ``as_weight``)."""
     w = mask.to(dtype)
     if mask.dtype == torch.bool:
         return w
