@@ -40,7 +40,13 @@ OP_VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {
 
 # Hyper-parameters shared by every provider of an op (a benchmark compares like with like).
 TEMPERATURE = 1.0
-POLICY = {"eps_low": 0.2, "eps_high": 0.28, "beta": 0.04, "kl": "k3", "entropy_coef": 0.01}
+POLICY = {
+    "eps_low": 0.2,
+    "eps_high": 0.28,
+    "beta": 0.04,
+    "kl_estimator": "k3",
+    "entropy_coef": 0.01,
+}
 PPO = {"epsilon": 0.1, "value_clip_range": 0.2, "value_coeff": 0.1}
 VALUE_CLIP = 0.2
 GAE = {"gamma": 0.99, "lam": 0.95}

@@ -100,7 +100,7 @@ def _policy_loss(inp):
             eps_low=EPS_LOW,
             eps_high=EPS_HIGH,
             beta=BETA,
-            kl="k3",
+            kl_estimator="k3",
             entropy_coef=ENTROPY_COEF,
             loss_agg="token-mean",
             backend="triton",

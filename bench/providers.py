@@ -303,7 +303,7 @@ def _fused_forward(case: Case, inp: dict, backend: str):
             eps_low=POLICY["eps_low"],
             eps_high=POLICY["eps_high"],
             beta=POLICY["beta"],
-            kl=POLICY["kl"],
+            kl_estimator=POLICY["kl_estimator"],
             entropy_coef=POLICY["entropy_coef"] if case.variant == "grpo+entropy" else 0.0,
             importance_sampling="sequence" if case.variant == "gspo" else "token",
             loss_agg="token-mean",
