@@ -4,7 +4,7 @@ Triton path (``kernels/token_kl.py``): one elementwise forward launch and one ba
 writing the gradients of ``logprobs`` and, when it requires grad, ``ref_logprobs``. The math
 is the lead's device function ``kernels/token_layer.kl_and_grad``, shared with the fused
 policy-loss epilogue, so both paths estimate the same KL. Both launchers are
-``fused_rl._ops.FusedOp`` objects (``fused_rl::kl_estimate``, ``fused_rl::kl_estimate_bwd``):
+``fused_rl._ops.FusedOp`` objects (``fused_rl::kl_estimate_fwd``, ``fused_rl::kl_estimate_bwd``):
 custom ops with fake and autograd registrations for ``torch.compile``, direct calls in eager.
 """
 
@@ -97,7 +97,7 @@ def _kl_backward(ctx, grad):
 
 _kl_estimate_bwd_op = FusedOp("kl_estimate_bwd", kl_estimate_bwd)
 _kl_estimate_bwd_op.register_fake(_kl_bwd_fake)
-_kl_estimate_op = FusedOp("kl_estimate", kl_estimate_fwd)
+_kl_estimate_op = FusedOp("kl_estimate_fwd", kl_estimate_fwd)
 _kl_estimate_op.register_fake(_kl_fake)
 _kl_estimate_op.register_autograd(_kl_backward, setup_context=_kl_setup)
 
