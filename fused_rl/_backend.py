@@ -120,7 +120,8 @@ def resolve_backend(backend: str, *tensors: torch.Tensor | None) -> str:
         which = "triton" if problem is None else "reference"
         if which == "reference" and (device.type == "cuda" or _interpreter_mismatch()):
             _warn_once(f"backend='auto' runs the reference: {problem}")  # not what was asked
-    if (backend, which, device.type) not in _LOGGED:
+    # torch.compile cannot trace logging: the eager calls before and around it log
+    if (backend, which, device.type) not in _LOGGED and not torch.compiler.is_compiling():
         _log_choice(backend, which, device)
     return which
 
@@ -147,4 +148,16 @@ _WARNED: set[str] = set()
 def _warn_once(message: str) -> None:
     if message not in _WARNED:
         _WARNED.add(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
+        warn_at_caller(message, RuntimeWarning)
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn_at_caller(message: str, category: type[Warning]) -> None:
+    """``warnings.warn`` attributed to the first frame outside fused_rl: the user's line,
+    however many fused_rl layers (adapters, aliases, autograd) sit in between."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -49,12 +50,14 @@ def _serialised_when_interpreting(launcher: Callable) -> Callable:
     def run(*args):
         if not interpreter_requested():
             return launcher(*args)
-        # The interpreter evaluates masked-out lanes too (log(0), 0 * inf, loads of other=-inf)
-        # in NumPy, whose floating-point warnings would leak into the caller's code although
-        # the kernel never uses those lanes. errstate is thread-local; the lock serialises.
+        # The interpreter evaluates masked-out lanes too (log(0), 0 * inf, an all-NaN max) in
+        # NumPy, whose warnings would leak into the caller's code although the kernel never
+        # uses those lanes: floating-point errors (errstate) and RuntimeWarnings such as
+        # "All-NaN slice encountered". Interpreted launches are serialised by the lock.
         import numpy
 
-        with _INTERPRETER_LOCK, numpy.errstate(all="ignore"):
+        with _INTERPRETER_LOCK, numpy.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
             return launcher(*args)
 
     return run

@@ -11,12 +11,12 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-import warnings
 from collections.abc import Callable, Sequence
 
 import torch
 
 from . import config
+from ._backend import warn_at_caller
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -213,16 +213,14 @@ def check_loss_agg(loss_agg: str, *, max_length, num_items) -> None:
 def renamed_keyword(kwargs: dict, *, old: str, new: str, where: str) -> dict:
     """``kwargs`` with the deprecated keyword ``old`` renamed ``new``: one ``FutureWarning``
     naming ``new``; ``TypeError`` when both are given. Call it only when ``old in kwargs``
-    (callers test that first, so the common path costs one dict lookup). ``stacklevel``
-    points at the caller of the function that calls this one."""
+    (callers test that first, so the common path costs one dict lookup). The warning points
+    at the user's line (the first frame outside fused_rl)."""
     if new in kwargs:
         raise TypeError(
             f"{where}() got both {new}= and its deprecated alias {old}=; pass {new}= only"
         )
-    warnings.warn(
-        f"{where}({old}=...) is deprecated; use {new}= (same values and default)",
-        FutureWarning,
-        stacklevel=3,
+    warn_at_caller(
+        f"{where}({old}=...) is deprecated; use {new}= (same values and default)", FutureWarning
     )
     kwargs = dict(kwargs)
     kwargs[new] = kwargs.pop(old)

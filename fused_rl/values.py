@@ -278,7 +278,9 @@ def value_loss(
         values: ``(B, T)`` float, the current value predictions (any strides).
         old_values: ``(B, T)`` values at rollout time (the clip centre); no gradient.
         returns: ``(B, T)`` regression targets; no gradient.
-        mask: None or ``(B, T)`` bool / 0-1 / float weights of the counted tokens.
+        mask: None, or ``(B, T)`` bool (True counts) or float / integer per-token weights
+            ``>= 0`` (``token-mean`` is ``sum(m * L) / sum(m)``); a negative weight raises
+            ``ValueError`` in eager mode with ``fused_rl.config.check_values`` on, else gives NaN.
         clip: value clip range ``c >= 0``, or None for the unclipped loss.
         loss_agg: ``"token-mean"`` | ``"seq-mean-token-mean"`` | ``"seq-mean-token-sum"`` |
             ``"seq-mean-token-sum-norm"``; ``max_length`` / ``num_items`` as in
@@ -358,7 +360,10 @@ def ppo_loss(
         pi_old_logprobs, pi_logprobs, advantages, phi_old_values, phi_values, returns: float
             tensors of one shape, usually ``(B, T)`` (any shape and strides work), any float
             dtypes (computed in fp32, or fp64 if any is fp64).
-        padding_masks: None or bool / float mask (True = counted) for the policy terms.
+        padding_masks: None, or a bool mask (True counts) or float / integer per-token
+            weights ``>= 0`` for the policy terms (torchtune's ``sum(m x) / (sum(m) + 1e-8)``);
+            a negative weight raises ``ValueError`` in eager mode with value checks on, else
+            gives NaN.
         value_padding_masks: None or mask for the value term (may differ from the policy
             mask: torchtune keeps values valid one token past the response end).
         epsilon, value_clip_range, value_coeff: torchtune's module defaults ``0.1, 0.2, 0.1``.

@@ -222,3 +222,23 @@ def test_interpreter_numpy_warnings_do_not_reach_the_caller():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("clean")
+
+
+def test_choice_logging_does_not_break_compile(monkeypatch, caplog):
+    """The first call of a process may be a compiled one: the log line must not stop
+    ``torch.compile(fullgraph=True)`` (Dynamo cannot trace logging)."""
+    monkeypatch.setattr(B, "_LOGGED", set())
+    x, y = _pair()
+    fn = torch.compile(lambda a, b: token_logprobs(a, b) * 2, fullgraph=True, backend="eager")
+    with caplog.at_level("INFO", logger="fused_rl"):
+        torch.testing.assert_close(fn(x, y), token_logprobs(x, y) * 2)
+
+
+def test_warnings_point_at_the_user_s_line():
+    """Deprecation and backend warnings name the caller's file, not a fused_rl layer."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fused_rl.kl_estimate(torch.zeros(2, 2), torch.zeros(2, 2), kind="k2")
+    assert [w.filename for w in caught] == [__file__]

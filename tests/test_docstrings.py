@@ -7,6 +7,8 @@ import pytest
 
 MODULES = [
     "fused_rl._backend",
+    "fused_rl._describe",
+    "fused_rl._ops",
     "fused_rl.logprobs",
     "fused_rl.losses",
     "fused_rl.nn",
