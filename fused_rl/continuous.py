@@ -75,11 +75,15 @@ def gaussian_logprob_fwd(mu: Tensor, sigma: Tensor, actions: Tensor) -> Tensor:
 def gaussian_logprob_bwd(
     mu: Tensor, sigma: Tensor, actions: Tensor, grad_out: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """Launch the log-prob backward: contiguous ``(R, N)`` grads in mu's / sigma's dtypes."""
+    """Launch the log-prob backward: contiguous ``(R, N)`` grads, d/dmu in the wider of mu's
+    and the actions' dtypes (the actions' gradient is its negation), d/dsigma in sigma's."""
     from .kernels.token_gaussian import _gaussian_logprob_bwd_kernel
 
     n_rows, n_cols = mu.shape
-    grad_mu = torch.empty((n_rows, n_cols), dtype=mu.dtype, device=mu.device)
+    # d/dmu in the wider of mu's and the actions' dtypes: d/dactions = -d/dmu must not be
+    # rounded to a bf16 mu's precision when the actions are fp32
+    wide = torch.promote_types(mu.dtype, actions.dtype)
+    grad_mu = torch.empty((n_rows, n_cols), dtype=wide, device=mu.device)
     grad_sigma = torch.empty((n_rows, n_cols), dtype=sigma.dtype, device=mu.device)
     if grad_mu.numel() == 0:
         return grad_mu, grad_sigma
@@ -164,7 +168,8 @@ def _logprob_fake(mu, sigma, actions):
 
 
 def _logprob_bwd_fake(mu, sigma, actions, grad_out):
-    return mu.new_empty(mu.shape), sigma.new_empty(mu.shape)
+    wide = torch.promote_types(mu.dtype, actions.dtype)
+    return mu.new_empty(mu.shape, dtype=wide), sigma.new_empty(mu.shape)
 
 
 def _logprob_setup(ctx, inputs, output):
@@ -174,10 +179,10 @@ def _logprob_setup(ctx, inputs, output):
 
 def _logprob_backward(ctx, grad_out):
     mu, sigma, actions = ctx.saved_tensors
-    grad_mu, grad_sigma = _logprob_bwd_op(mu, sigma, actions, grad_out)
+    grad_wide, grad_sigma = _logprob_bwd_op(mu, sigma, actions, grad_out)
     # d/da = -d/dmu; only sampled-with-reparameterisation actions ever need it
-    grad_act = (-grad_mu).to(actions.dtype) if ctx.needs_input_grad[2] else None
-    return grad_mu, grad_sigma, grad_act
+    grad_act = (-grad_wide).to(actions.dtype) if ctx.needs_input_grad[2] else None
+    return grad_wide.to(mu.dtype), grad_sigma, grad_act
 
 
 _logprob_bwd_op = FusedOp("gaussian_logprob_bwd", gaussian_logprob_bwd)

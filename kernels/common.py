@@ -60,3 +60,15 @@ def nan_max(a, b):
 def clamp(x, lo, hi):
     """``torch.clamp(x, lo, hi)``: NaN stays NaN (and ``hi`` wins when ``lo > hi``)."""
     return nan_min(nan_max(x, lo), hi)
+
+
+@triton.jit
+def cast_for(x, ptr):
+    """``x`` converted to the element type of ``ptr`` for a store. A 16-bit type goes through
+    fp32: the Triton interpreter turns a direct fp64 -> bf16 conversion into NaN, and torch
+    rounds fp64 -> bf16 / fp16 through fp32 too, so the result is torch's bit for bit. Needed
+    wherever an fp64 accumulator (an fp64 input next to a bf16 one) meets a 16-bit output."""
+    if ptr.dtype.element_ty == tl.float64:
+        return x.to(tl.float64)
+    else:
+        return x.to(tl.float32).to(ptr.dtype.element_ty)

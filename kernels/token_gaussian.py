@@ -8,6 +8,8 @@ action of ``N`` dimensions, reduced over ``N`` inside the program (no atomics). 
 import triton
 import triton.language as tl
 
+from .common import cast_for
+
 HALF_LOG_2PI = tl.constexpr(0.9189385332046727)  # 0.5 * log(2 * pi)
 
 
@@ -92,8 +94,10 @@ def _gaussian_logprob_bwd_kernel(
         z = (act.to(ACC) - mu.to(ACC)) * inv_sigma
         gz = g[:, None] * z * inv_sigma
         dst = rows[:, None] * N + cols[None, :]
-        tl.store(grad_mu_ptr + dst, gz, mask=ok)
-        tl.store(grad_sigma_ptr + dst, gz * z - g[:, None] * inv_sigma, mask=ok)
+        tl.store(grad_mu_ptr + dst, cast_for(gz, grad_mu_ptr), mask=ok)
+        tl.store(
+            grad_sigma_ptr + dst, cast_for(gz * z - g[:, None] * inv_sigma, grad_sigma_ptr), mask=ok
+        )
 
 
 @triton.jit(do_not_specialize=["R", "N"])
@@ -145,5 +149,7 @@ def _gaussian_entropy_bwd_kernel(
             sigma_ptr + rows[:, None] * stride_sr + cols[None, :] * stride_sn, mask=ok, other=1.0
         )
         tl.store(
-            grad_sigma_ptr + rows[:, None] * N + cols[None, :], g[:, None] / sigma.to(ACC), mask=ok
+            grad_sigma_ptr + rows[:, None] * N + cols[None, :],
+            cast_for(g[:, None] / sigma.to(ACC), grad_sigma_ptr),
+            mask=ok,
         )

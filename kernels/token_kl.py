@@ -9,6 +9,7 @@ backward recomputes ``d kl / d logp`` from the inputs and writes ``g * d kl/d lo
 import triton
 import triton.language as tl
 
+from .common import cast_for
 from .token_layer import kl_and_grad
 from .token_reductions import flat_rowcol
 
@@ -65,6 +66,6 @@ def _kl_estimate_bwd_kernel(
     _, dkl = kl_and_grad(lp, ref, KIND)
     grad = g * dkl
     if WANT_LOGP:
-        tl.store(glp_ptr + row * C + col, grad, mask=valid)
+        tl.store(glp_ptr + row * C + col, cast_for(grad, glp_ptr), mask=valid)
     if WANT_REF:
-        tl.store(gref_ptr + row * C + col, -grad, mask=valid)
+        tl.store(gref_ptr + row * C + col, cast_for(-grad, gref_ptr), mask=valid)

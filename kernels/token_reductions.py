@@ -23,7 +23,7 @@ single pass over the data with no cancellation between two large sums.
 import triton
 import triton.language as tl
 
-from .common import as_weight, pair
+from .common import as_weight, cast_for, pair
 
 
 @triton.jit
@@ -242,7 +242,7 @@ def _masked_moments_bwd_kernel(
         dev = (x - mean) + (mean - mean)
         coef += tl.where(dof > 0, 2.0 * g_var / safe(dof), 0.0) * dev
     gx = tl.where(w != 0, w * coef, 0.0)
-    tl.store(gx_ptr + row * C + col, gx, mask=valid)
+    tl.store(gx_ptr + row * C + col, cast_for(gx, gx_ptr), mask=valid)
 
 
 @triton.jit(do_not_specialize=["N", "C"])
@@ -271,7 +271,7 @@ def _masked_whiten_fwd_kernel(
     y = (x - mean) * rstd
     if KEEP_MEAN:
         y += mean
-    tl.store(y_ptr + row * C + col, y, mask=valid)
+    tl.store(y_ptr + row * C + col, cast_for(y, y_ptr), mask=valid)
 
 
 @triton.jit(do_not_specialize=["N", "C"])
@@ -351,4 +351,4 @@ def _masked_whiten_bwd_kernel(
     if KEEP_MEAN:
         gx += tl.where(w != 0, w * g_mean, 0.0)
     gx += tl.where(w != 0, w * d_var * (x - mean), 0.0)
-    tl.store(gx_ptr + row * C + col, gx, mask=valid)
+    tl.store(gx_ptr + row * C + col, cast_for(gx, gx_ptr), mask=valid)

@@ -16,7 +16,7 @@ Gradients follow PyTorch's subgradient conventions so fp64 parity is exact at ti
 import triton
 import triton.language as tl
 
-from .common import clamp, nan_max, pair
+from .common import cast_for, clamp, nan_max, pair
 from .token_reductions import flat_rowcol, load_weight, safe, sum_partials, wide
 
 
@@ -168,7 +168,7 @@ def _value_loss_bwd_kernel(
     g_loss = tl.load(gout_ptr).to(ACC)
     g_mean = tl.load(gout_ptr + 2).to(ACC) * tl.load(out_ptr + 3).to(ACC)
     gv = masked_term(w, (0.5 * g_loss) * dsq) + masked_term(m, tl.zeros_like(v) + g_mean)
-    tl.store(gv_ptr + row * C + col, gv, mask=valid)
+    tl.store(gv_ptr + row * C + col, cast_for(gv, gv_ptr), mask=valid)
 
 
 # ----------------------------------------------------------------------------- PPO loss
@@ -346,5 +346,5 @@ def _ppo_loss_bwd_kernel(
     g_ratio = tl.load(gout_ptr + 3).to(ACC) * tl.load(out_ptr + 7).to(ACC)
     g_lp = masked_term(pm, g_pol * dpl)
     g_lp += tl.where(g_ratio != 0, g_ratio * ratio, 0.0)  # an unused ratios_mean never adds NaN
-    tl.store(glp_ptr + row * C + col, g_lp, mask=valid)
-    tl.store(gv_ptr + row * C + col, masked_term(vm, g_val * dsq), mask=valid)
+    tl.store(glp_ptr + row * C + col, cast_for(g_lp, glp_ptr), mask=valid)
+    tl.store(gv_ptr + row * C + col, cast_for(masked_term(vm, g_val * dsq), gv_ptr), mask=valid)
