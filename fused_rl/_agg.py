@@ -32,8 +32,10 @@ def token_weights(
     *,
     max_length: int | None = None,
     num_items: int | float | torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """fp32 ``(B, T)`` weights ``w`` with ``loss = (w * per_token_loss).sum()``.
+    """``(B, T)`` weights ``w`` in ``dtype`` (the kernels' accumulation dtype: fp32, fp64 for
+    fp64 log-probs) with ``loss = (w * per_token_loss).sum()``.
 
     * ``token-mean``: ``m / sum(m)`` (``num_items`` replaces ``sum(m)``: a global token count
       for DAPO-style normalisation across micro-batches and ranks; a tensor holding a value
@@ -47,7 +49,7 @@ def token_weights(
         V.check_number(num_items, "num_items")
         if not num_items > 0:
             raise ValueError(f"num_items must be > 0, got {num_items}")
-    m = mask_weights(mask, torch.float32)
+    m = mask_weights(mask, dtype)
     if m.dim() != 2:
         raise ValueError(f"mask must be (B, T), got shape {tuple(m.shape)}")
     n_seq, length = m.shape
@@ -56,7 +58,7 @@ def token_weights(
             return _safe_div(m, m.sum())
         # a count tensor is never read on the host: one <= 0 makes the loss NaN (a float one
         # raises), so a bad global token count cannot pass as a finite loss
-        den = torch.as_tensor(num_items, dtype=torch.float32, device=m.device)
+        den = torch.as_tensor(num_items, dtype=dtype, device=m.device)
         return m / torch.where(den > 0, den, float("nan"))
     if loss_agg == "seq-mean-token-mean":
         return _safe_div(m, m.sum(dim=1, keepdim=True)) / max(n_seq, 1)
@@ -74,5 +76,5 @@ def masked_mean_all(x: torch.Tensor, mask_f: torch.Tensor) -> torch.Tensor:
     """``sum(x * m) / sum(m)`` as a 0-dim fp32 tensor, 0 for an empty mask (metrics).
 
     Values at tokens that do not count never matter, even NaN / inf ones."""
-    x = torch.where(mask_f != 0, x.float() * mask_f, torch.zeros_like(mask_f))
-    return _safe_div(x.sum(), mask_f.sum())
+    x = torch.where(mask_f != 0, x.to(mask_f.dtype) * mask_f, torch.zeros_like(mask_f))
+    return _safe_div(x.sum(), mask_f.sum()).float()  # summed in the mask's dtype, as kernels

@@ -17,6 +17,7 @@ from torch import Tensor
 from . import _validation as V
 from ._agg import LOSS_AGG_MODES, masked_mean_all, token_weights
 from ._backend import resolve_backend
+from ._launch import stats_dtype
 from ._policy_ops import metrics_dict, policy_logprobs_fwd_op, policy_loss_fwd_op
 from ._vocab_ops import check_targets_window, token_stats_nocheck, window
 from .reference.kl import KL_KINDS
@@ -101,10 +102,12 @@ def _check_token_tensors(batch: int, length: int, **tensors: Tensor | None) -> N
         V.check_shape(t, (batch, length), name, "(B, T)")
 
 
-def _constants(*tensors: Tensor | None) -> tuple[Tensor | None, ...]:
-    """Rollout inputs (advantages, old / reference log-probs, the mask) detached: the fused
-    kernel never differentiates w.r.t. them, so neither may the reference."""
-    return tuple(None if t is None else t.detach() for t in tensors)
+def _constants(acc: torch.dtype, *tensors: Tensor | None) -> tuple[Tensor | None, ...]:
+    """Rollout inputs (advantages, old / reference log-probs) detached and in the
+    accumulation dtype ``acc``, as the kernels read them: the fused kernel never
+    differentiates w.r.t. them, and computes in fp32 (fp64 for fp64 log-probs) whatever
+    their own dtypes, so an fp64 ``old_logprobs`` next to fp32 logits gives an fp32 loss."""
+    return tuple(None if t is None else t.detach().to(acc) for t in tensors)
 
 
 def _advantages_2d(advantages: Tensor, batch: int, length: int) -> Tensor:
@@ -287,17 +290,18 @@ def policy_loss(
         has_kl = ref_logprobs is not None
         return loss, metrics_dict(metrics, has_kl=has_kl, has_entropy=need_entropy)
 
-    adv2d, old_logprobs, ref_logprobs, mask = _constants(adv2d, old_logprobs, ref_logprobs, mask)
+    acc = stats_dtype(logits.dtype)
+    adv2d, old_logprobs, ref_logprobs = _constants(acc, adv2d, old_logprobs, ref_logprobs)
     counted = targets != ignore_index
-    mask_f = counted.float() if mask is None else mask_weights(mask, torch.float32) * counted
-    weights = token_weights(mask_f, loss_agg, max_length=max_length, num_items=num_items)
+    mask_f = counted.to(acc) if mask is None else mask_weights(mask.detach(), acc) * counted
+    weights = token_weights(mask_f, loss_agg, max_length=max_length, num_items=num_items, dtype=acc)
     if length != logits.shape[1]:
         logits = window(logits, length)
     logp, entropy = token_stats_nocheck(
         logits, targets, temperature, ignore_index, need_entropy, which
     )
     return _loss_from_logprobs(
-        logp, entropy, adv2d.float(), mask_f, weights, old_logp=old_logprobs,
+        logp, entropy, adv2d, mask_f, weights, old_logp=old_logprobs,
         ref_logp=ref_logprobs, clip=ClipConfig(eps_low, eps_high, dual_clip, delta),
         beta=beta, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
         importance_sampling=importance_sampling,
@@ -391,15 +395,14 @@ def policy_loss_from_logprobs(
         has_entropy = entropy is not None
         return loss, metrics_dict(metrics, has_kl=ref_logprobs is not None,
                                   has_entropy=has_entropy)  # fmt: skip
-    adv2d, old_logprobs, ref_logprobs, mask = _constants(adv2d, old_logprobs, ref_logprobs, mask)
+    acc = stats_dtype(logprobs.dtype)
+    adv2d, old_logprobs, ref_logprobs = _constants(acc, adv2d, old_logprobs, ref_logprobs)
     mask_f = (
-        torch.ones_like(logprobs, dtype=torch.float32)
-        if mask is None
-        else mask_weights(mask, torch.float32)
+        torch.ones_like(logprobs, dtype=acc) if mask is None else mask_weights(mask.detach(), acc)
     )
-    weights = token_weights(mask_f, loss_agg, max_length=max_length, num_items=num_items)
+    weights = token_weights(mask_f, loss_agg, max_length=max_length, num_items=num_items, dtype=acc)
     return _loss_from_logprobs(
-        logprobs, entropy, adv2d.float(), mask_f, weights, old_logp=old_logprobs,
+        logprobs, entropy, adv2d, mask_f, weights, old_logp=old_logprobs,
         ref_logp=ref_logprobs, clip=ClipConfig(eps_low, eps_high, dual_clip, delta),
         beta=beta, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
         importance_sampling=importance_sampling,

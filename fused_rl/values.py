@@ -311,10 +311,12 @@ def value_loss(
     which = resolve_backend(backend, values, old_values, returns, mask)
     mask = None if mask is None else mask.detach()  # a constant, as on the Triton path
     counted = mask if mask is not None else torch.ones_like(values, dtype=torch.bool)
-    weights = token_weights(counted, loss_agg, max_length=max_length, num_items=num_items)
+    dtype = acc_dtype(values, old_values, returns)  # fp64 weights for fp64 values: exact 1/n
+    weights = token_weights(
+        counted, loss_agg, max_length=max_length, num_items=num_items, dtype=dtype
+    )
     clip = None if clip is None else float(clip)
     if which == "reference":
-        dtype = acc_dtype(values, old_values, returns)
         loss, clip_frac, value_mean = ref.value_loss(
             values.to(dtype), old_values.detach().to(dtype), returns.detach().to(dtype),
             weights, mask, clip,

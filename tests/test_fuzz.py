@@ -312,9 +312,6 @@ def known_open(case: Case) -> str | None:
     exactly one place, its reproducer, until it is fixed: then that reproducer XPASSes, the
     strict mark fails the run, and its rule here must go."""
     args = {k: a for k, a in case.args.items() if a is not None}
-    dtypes = {a.dtype for a in args.values() if a.dtype.is_floating_point}
-    if torch.float64 in dtypes and len(dtypes) > 1 and "policy" in case.op:
-        return "fp64 old / ref log-probs next to fp32 ones: the loss's dtype (finding 2)"
     for name, a in args.items():
         x = a.value()
         is_mask = "mask" in name or name == "m"
@@ -326,8 +323,6 @@ def known_open(case: Case) -> str | None:
         if x.is_floating_point() and "old" in name and "value" in name.lower() + case.op:
             if case.op in ("value_loss", "ppo_loss") and bool(torch.isnan(x).any()):
                 return "value gradient at a NaN old value (finding 7)"
-    if torch.float64 in dtypes and case.hyper.get("dual_clip") is not None:
-        return "dual_clip reaches the kernels as a bare fp32 float, not an fp32 pair (finding 8)"
     if "continuous" in case.op and any(  # huge values, or a tiny sigma that 1/sigma^3 blows up
         bool(((x := a.value().double().abs()) >= 1e29).any() | ((x > 0) & (x <= 1e-12)).any())
         for a in args.values()
@@ -2010,7 +2005,7 @@ FOUND = {
         "token_logprobs", lambda x, b: fused_rl.token_logprobs(x["logits"], x["t"], backend=b),
         logits=torch.zeros(2, 3, 1, 5), t=torch.zeros(2, 3, 0, dtype=torch.long), grad=("logits",),
     ),
-    # the loss is fp32 on Triton, fp64 on the reference when old / ref log-probs are fp64
+    # was: the loss fp32 on Triton, fp64 on the reference when old / ref log-probs are fp64
     "policy_loss fp64 old_logprobs": lambda: fixed_case(
         "policy_loss",
         lambda x, b: _policy_outputs(
@@ -2101,7 +2096,7 @@ FOUND = {
         ),
         v=torch.zeros(2, 0), grad=("v",),
     ),
-    # dual_clip reaches the kernels as a bare float (fp32 when compiled): fp64 off by 3e-8
+    # was: the reference rounded fp64 advantages to fp32 (looked like dual_clip off by 3e-8)
     "policy_loss_from_logprobs fp64 dual_clip": lambda: fixed_case(
         "policy_loss_from_logprobs",
         lambda x, b: _policy_outputs(
@@ -2176,7 +2171,6 @@ OPEN_FOUND = {
     "policy_loss_from_logprobs negative mask weight": "finding 10",
     "policy_loss_from_logprobs num_items=tensor(0), B=0": "finding 11",
     "value_loss num_items=tensor(0), B=0": "finding 11",
-    "policy_loss_from_logprobs fp64 dual_clip": "finding 8: dual_clip is a bare fp32 float",
 }
 
 
