@@ -65,10 +65,10 @@ def token_weights(
     if loss_agg == "seq-mean-token-sum":
         return m / max(n_seq, 1)
     if loss_agg == "seq-mean-token-sum-norm":
-        norm = length if max_length is None else max_length
-        if norm <= 0:
+        if max_length is not None and max_length <= 0:
             raise ValueError(f"max_length must be > 0, got {max_length}")
-        return m / (max(n_seq, 1) * norm)
+        norm = length if max_length is None else max_length
+        return m / (max(n_seq, 1) * max(norm, 1))  # norm 0 only when T = 0: no weight at all
     raise ValueError(f"loss_agg must be one of {LOSS_AGG_MODES}, got {loss_agg!r}")
 
 
@@ -78,3 +78,13 @@ def masked_mean_all(x: torch.Tensor, mask_f: torch.Tensor) -> torch.Tensor:
     Values at tokens that do not count never matter, even NaN / inf ones."""
     x = torch.where(mask_f != 0, x.to(mask_f.dtype) * mask_f, torch.zeros_like(mask_f))
     return _safe_div(x.sum(), mask_f.sum()).float()  # summed in the mask's dtype, as kernels
+
+
+def poison_empty(loss: torch.Tensor, num_items, numel: int) -> torch.Tensor:
+    """``loss``, NaN when the batch is empty (``numel == 0``) and ``num_items`` is a tensor
+    holding a value <= 0 or NaN: with no token there is no weight to carry that NaN, and an
+    invalid global count must never pass as a finite loss. A static-shape test, no sync."""
+    if numel != 0 or not isinstance(num_items, torch.Tensor):
+        return loss
+    bad = ~(num_items.reshape(()).to(loss.device) > 0)
+    return loss + torch.where(bad, float("nan"), 0.0).to(loss.dtype)

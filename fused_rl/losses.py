@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from . import _validation as V
-from ._agg import LOSS_AGG_MODES, masked_mean_all, token_weights
+from ._agg import LOSS_AGG_MODES, masked_mean_all, poison_empty, token_weights
 from ._backend import resolve_backend
 from ._launch import stats_dtype
 from ._policy_ops import metrics_dict, policy_logprobs_fwd_op, policy_loss_fwd_op
@@ -146,10 +146,10 @@ def _logits_rank_message(logits: Tensor) -> str:
     return msg
 
 
-def _loss_from_logprobs(logp, entropy, adv2d, mask_f, weights, **token_kwargs):
+def _loss_from_logprobs(logp, entropy, adv2d, mask_f, weights, num_items, **token_kwargs):
     terms = policy_token_terms(logp, adv2d, mask_f, entropy=entropy, **token_kwargs)
     loss = (terms["loss"] * weights).where(weights != 0, torch.zeros_like(weights)).sum()
-    return loss, _metrics(terms, mask_f)
+    return poison_empty(loss, num_items, weights.numel()), _metrics(terms, mask_f)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -301,7 +301,7 @@ def policy_loss(
         logits, targets, temperature, ignore_index, need_entropy, which
     )
     return _loss_from_logprobs(
-        logp, entropy, adv2d, mask_f, weights, old_logp=old_logprobs,
+        logp, entropy, adv2d, mask_f, weights, num_items, old_logp=old_logprobs,
         ref_logp=ref_logprobs, clip=ClipConfig(eps_low, eps_high, dual_clip, delta),
         beta=beta, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
         importance_sampling=importance_sampling,
@@ -402,7 +402,7 @@ def policy_loss_from_logprobs(
     )
     weights = token_weights(mask_f, loss_agg, max_length=max_length, num_items=num_items, dtype=acc)
     return _loss_from_logprobs(
-        logprobs, entropy, adv2d, mask_f, weights, old_logp=old_logprobs,
+        logprobs, entropy, adv2d, mask_f, weights, num_items, old_logp=old_logprobs,
         ref_logp=ref_logprobs, clip=ClipConfig(eps_low, eps_high, dual_clip, delta),
         beta=beta, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
         importance_sampling=importance_sampling,

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from . import _validation as V
-from ._agg import token_weights
+from ._agg import poison_empty, token_weights
 from ._backend import resolve_backend
 from ._launch import f32_pair, triton_acc
 from ._ops import FusedOp
@@ -330,7 +330,7 @@ def value_loss(
         "clip_frac": clip_frac.detach().to(torch.float32),
         "value_mean": value_mean.detach().to(torch.float32),
     }
-    return loss, metrics
+    return poison_empty(loss, num_items, weights.numel()), metrics
 
 
 def ppo_loss(

@@ -331,10 +331,7 @@ def known_open(case: Case) -> str | None:
         return "ding continuous: the eager fp32 reference overflows to a NaN gradient (finding 12)"
     n = case.hyper.get("num_items")
     if isinstance(n, torch.Tensor) and not bool(n > 0):
-        return "num_items tensor <= 0 with an empty batch / gradient layout (findings 10, 11)"
-    if case.hyper.get("loss_agg") == "seq-mean-token-sum-norm":
-        if any(0 in a.shape for a in args.values()):
-            return "T = 0 with seq-mean-token-sum-norm and no max_length (finding 5)"
+        return "num_items tensor <= 0: the gradients' NaN layout differs (finding 10)"
     return None
 
 
@@ -2165,12 +2162,8 @@ FOUND = {
 
 # reproducers of open findings (see ``known_open``): strict xfail until fixed
 OPEN_FOUND = {
-    "policy_loss T=0 seq-mean-token-sum-norm": "finding 5",
-    "value_loss T=0 seq-mean-token-sum-norm": "finding 5",
     "policy_loss negative mask weight at an ignored token": "finding 9",
     "policy_loss_from_logprobs negative mask weight": "finding 10",
-    "policy_loss_from_logprobs num_items=tensor(0), B=0": "finding 11",
-    "value_loss num_items=tensor(0), B=0": "finding 11",
 }
 
 
