@@ -131,11 +131,35 @@ def token_stats_bwd(
     a fused scalar loss); ``seq_scale``: optional ``(outer,)`` or ``(1,)`` (one for all)
     multiplying both (the loss aggregation's normaliser).
     """
+    grad = torch.empty(logits3d.shape, dtype=logits3d.dtype, device=logits3d.device)
+    return token_stats_bwd_into(
+        grad, logits3d, targets, row_max, log_sum, entropy, g, h, scale, seq_scale,
+        temperature, ignore_index,
+    )  # fmt: skip
+
+
+def token_stats_bwd_into(
+    grad: Tensor,
+    logits3d: Tensor,
+    targets: Tensor | None,
+    row_max: Tensor,
+    log_sum: Tensor,
+    entropy: Tensor | None,
+    g: Tensor | None,
+    h: Tensor | None,
+    scale: Tensor | None,
+    seq_scale: Tensor | None,
+    temperature: float,
+    ignore_index: int,
+) -> Tensor:
+    """:func:`token_stats_bwd` writing into ``grad`` (contiguous, ``logits3d``'s shape and
+    dtype), which may BE ``logits3d`` when that is contiguous: each program reads a block
+    of its own row and then overwrites exactly that block, so the logits are consumed in
+    place (the fused-linear ops turn a chunk's logits into its gradient this way)."""
     from .kernels.vocab_stream_bwd import _token_stats_bwd_kernel
 
     outer, positions, vocab = logits3d.shape
     inner = row_max.shape[1]
-    grad = torch.empty((outer, positions, vocab), dtype=logits3d.dtype, device=logits3d.device)
     if grad.numel() == 0:
         return grad
     block = vocab_block(vocab)

@@ -11,6 +11,7 @@ MODULES = [
     "fused_rl._ops",
     "fused_rl.logprobs",
     "fused_rl.losses",
+    "fused_rl.linear",
     "fused_rl.nn",
     "fused_rl.values",
     "fused_rl.kl",

@@ -1,0 +1,280 @@
+"""Log-probs straight from hidden states: the ``(N, V)`` logits are never materialised whole.
+
+``linear_token_logprobs(hidden, weight, targets)`` returns what
+``token_logprobs(F.linear(hidden, weight, bias), targets)`` returns, but works through the
+tokens in chunks of ``chunk_tokens`` rows. Per chunk:
+
+* forward: ``z = h_c W^T (+ b)`` through ``torch.nn.functional.linear`` (cuBLAS on a GPU:
+  the GEMM is never hand-written), then the layer-1 kernel reads ``z`` once for the
+  per-token ``logp`` / entropy and the softmax normaliser (row max, log-sum, 8 bytes a
+  token kept for the backward); ``z`` is dropped.
+* backward: ``z`` is recomputed (one more GEMM, as verl's ``FusedLinearForPPO`` and
+  Liger's FLCE do), the layer-3 kernel overwrites it IN PLACE with ``dz`` from the
+  upstream ``dL/dlogp``, ``dL/dH`` and the saved normaliser, then ``dH_c = dz W`` and
+  ``dW += dz^T h_c`` (``dW`` and ``db`` accumulate in fp32, fp64 for fp64 inputs, and
+  are cast once at the end).
+
+Peak memory above the inputs: one chunk's logits, ``dW`` in fp32 and ``dH``. The per-token
+outputs can only get their upstream gradient after the forward, so the logits' gradient
+cannot be formed there; the fused loss ops (``linear_policy_loss``, issue 14) can, since
+their upstream gradient is one scalar.
+
+``chunk_tokens=None`` picks the largest chunk whose logits stay under
+``CHUNK_BYTES`` (256 MiB): at V = 151936 in bf16, 883 tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import _validation as V
+from ._backend import resolve_backend
+from ._launch import stats_dtype
+from ._ops import _serialised_when_interpreting
+from ._vocab_ops import token_stats_bwd_into, token_stats_fwd
+from .reference import logprobs as ref
+
+# the raw launchers (no custom op: a chunk's logits never leave this module), serialised and
+# with NumPy's masked-lane warnings silenced under the interpreter as every FusedOp is
+_stats_fwd = _serialised_when_interpreting(token_stats_fwd)
+_stats_bwd_into = _serialised_when_interpreting(token_stats_bwd_into)
+
+CHUNK_BYTES = 256 * 2**20  # the logits of one chunk, the only (rows, V) buffer alive
+
+
+def default_chunk_tokens(vocab: int, dtype: torch.dtype) -> int:
+    """Rows per chunk so that a chunk's logits take at most :data:`CHUNK_BYTES`."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return max(1, CHUNK_BYTES // max(1, vocab * itemsize))
+
+
+def _chunk_stats(z: Tensor, targets: Tensor, temperature, ignore_index, which):
+    """``(logp, entropy, row_max, log_sum)`` of one chunk's ``(n, V)`` logits."""
+    if which == "triton":
+        logp, entropy, row_max, log_sum = _stats_fwd(
+            z[None], targets[None], temperature, ignore_index, True
+        )
+        return logp[0], entropy[0], row_max[0], log_sum[0]
+    logp, entropy = ref.token_stats(z, targets, temperature=temperature, ignore_index=ignore_index)
+    return logp, entropy, None, None
+
+
+def _chunk_grad(z, targets, row_max, log_sum, entropy, g, h, temperature, ignore_index, which):
+    """``dL/dz`` of one chunk, written over ``z`` on the Triton path."""
+    if which == "triton":
+        z3 = z[None]
+        return _stats_bwd_into(
+            z3, z3, targets[None], row_max[None], log_sum[None], entropy[None], g[None],
+            h[None] if h is not None else None, None, None, temperature, ignore_index,
+        )[0]  # fmt: skip
+    with torch.enable_grad():
+        leaf = z.detach().requires_grad_()
+        logp, ent = ref.token_stats(
+            leaf, targets, temperature=temperature, ignore_index=ignore_index
+        )
+        outs, grads = (logp, ent) if h is not None else (logp,), (g, h) if h is not None else (g,)
+        (dz,) = torch.autograd.grad(outs, leaf, grads)
+    return dz
+
+
+_MM_OUT_DTYPE: dict[str, bool] = {}  # device type -> torch.mm(..., out_dtype=) works there
+
+
+def _addmm_wide(acc_out: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc_out += a @ b`` with the product itself in ``acc_out``'s (fp32 / fp64) dtype, not
+    rounded to ``a``'s 16-bit dtype first: one GEMM with an fp32 output where torch offers it
+    (``torch.mm(..., out_dtype=)``, CUDA), else on upcast copies of the chunk."""
+    if a.dtype == acc_out.dtype:
+        acc_out.addmm_(a, b)
+        return
+    kind = a.device.type
+    if _MM_OUT_DTYPE.get(kind, True):
+        try:
+            acc_out.add_(torch.mm(a, b, out_dtype=acc_out.dtype))
+            _MM_OUT_DTYPE[kind] = True
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MM_OUT_DTYPE[kind] = False
+    acc_out.addmm_(a.to(acc_out.dtype), b.to(acc_out.dtype))
+
+
+class _LinearTokenStats(torch.autograd.Function):
+    """``(logp, entropy)`` of ``F.linear(hidden, weight, bias)`` for ``(N, H)`` hidden rows
+    and ``(N,)`` targets, chunk by chunk (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, ignore_index, chunk, which):
+        n_rows = hidden.shape[0]
+        acc = stats_dtype(hidden.dtype)
+        logp = hidden.new_empty((n_rows,), dtype=acc)
+        entropy = hidden.new_empty((n_rows,), dtype=acc)
+        keep = which == "triton"
+        row_max = hidden.new_empty((n_rows if keep else 0,), dtype=acc)
+        log_sum = hidden.new_empty((n_rows if keep else 0,), dtype=acc)
+        for start in range(0, n_rows, chunk):
+            rows = slice(start, min(start + chunk, n_rows))
+            z = F.linear(hidden[rows], weight, bias)
+            lp, ent, m, ls = _chunk_stats(z, targets[rows], temperature, ignore_index, which)
+            logp[rows], entropy[rows] = lp, ent
+            if keep:
+                row_max[rows], log_sum[rows] = m, ls
+            del z
+        ctx.save_for_backward(hidden, weight, bias, targets, row_max, log_sum, entropy)
+        ctx.config = (temperature, ignore_index, chunk, which)
+        ctx.set_materialize_grads(False)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, targets, row_max, log_sum, entropy = ctx.saved_tensors
+        temperature, ignore_index, chunk, which = ctx.config
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if grad_logp is None and grad_entropy is None:
+            return (None,) * 8
+        if grad_logp is None:
+            grad_logp = torch.zeros_like(entropy)
+        acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        d_hidden = hidden.new_empty(hidden.shape) if need_h else None
+        d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        d_bias = torch.zeros(weight.shape[:1], dtype=acc, device=weight.device) if need_b else None
+        keep = which == "triton"
+        for start in range(0, hidden.shape[0], chunk):
+            rows = slice(start, min(start + chunk, hidden.shape[0]))
+            z = F.linear(hidden[rows], weight, bias)  # recomputed: the forward kept no logits
+            dz = _chunk_grad(
+                z, targets[rows], row_max[rows] if keep else None,
+                log_sum[rows] if keep else None, entropy[rows], grad_logp[rows],
+                grad_entropy[rows] if grad_entropy is not None else None, temperature,
+                ignore_index, which,
+            )  # fmt: skip
+            if need_h:
+                torch.matmul(dz, weight, out=d_hidden[rows])
+            if need_w:
+                _addmm_wide(d_weight, dz.t(), hidden[rows])
+            if need_b:
+                d_bias.add_(dz.sum(0, dtype=acc))
+            del z, dz
+        return (
+            d_hidden,
+            d_weight.to(weight.dtype) if need_w else None,
+            d_bias.to(bias.dtype) if need_b else None,
+            None, None, None, None, None,
+        )  # fmt: skip
+
+
+def _check_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+    V.check_float(hidden, "hidden")
+    V.check_float(weight, "weight")
+    if hidden.dim() not in (2, 3):
+        raise ValueError(f"hidden must be (B, S, H) or (N, H), got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight must be the lm_head's (V, H) with H = hidden.shape[-1] = "
+            f"{hidden.shape[-1]}, got shape {tuple(weight.shape)}"
+        )
+    if weight.shape[0] == 0:
+        raise ValueError("weight must have at least one row (V >= 1)")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(
+            f"weight ({weight.dtype}) and hidden ({hidden.dtype}) must share a dtype, as "
+            "torch.nn.functional.linear needs"
+        )
+    if bias is not None:
+        V.check_float(bias, "bias")
+        if tuple(bias.shape) != (weight.shape[0],) or bias.dtype != weight.dtype:
+            raise ValueError(
+                f"bias must be ({weight.shape[0]},) in {weight.dtype}, got shape "
+                f"{tuple(bias.shape)} in {bias.dtype}"
+            )
+    V.check_same_device(hidden=hidden, weight=weight, bias=bias)
+
+
+def _window_rows(hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """``(N, H)`` hidden rows and ``(N,)`` targets; with ``(B, S, H)`` hidden and ``(B, T)``
+    targets, ``S > T``, rows ``S-T-1 ... S-2`` predict the targets (the causal-LM shift)."""
+    if hidden.dim() == 2:
+        if tuple(targets.shape) != hidden.shape[:1]:
+            raise ValueError(
+                f"targets must be (N,) = {tuple(hidden.shape[:1])} for (N, H) hidden, "
+                f"got {tuple(targets.shape)}"
+            )
+        return hidden, targets
+    batch, positions, _ = hidden.shape
+    if targets.dim() != 2 or targets.shape[0] != batch or targets.shape[1] > positions:
+        raise ValueError(
+            f"targets must be (B, T) with B = {batch} and T <= S = {positions} for (B, S, H) "
+            f"hidden, got {tuple(targets.shape)}"
+        )
+    length = targets.shape[1]
+    if length < positions:
+        hidden = hidden[:, positions - length - 1 : positions - 1]
+    return hidden.reshape(batch * length, hidden.shape[-1]), targets.reshape(-1)
+
+
+def linear_token_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+    chunk_tokens: int | None = None,
+    backend: str = "auto",
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Per-token ``log_softmax((hidden @ weight.T + bias) / temperature)[target]`` (and the
+    entropy) without ever holding the whole ``(N, V)`` logits: exactly what
+    ``token_logprobs(F.linear(hidden, weight, bias), targets, ...)`` returns, with gradients
+    for ``hidden``, ``weight`` and ``bias`` (a ``weight`` tied to the input embedding
+    accumulates its gradient like any other use).
+
+    Args:
+        hidden: ``(B, S, H)`` or ``(N, H)`` final hidden states (any strides).
+        weight: the lm_head ``(V, H)``, ``hidden``'s dtype.
+        targets: ``(B, T)`` with ``T <= S`` (``T < S``: rows ``S-T-1 ... S-2`` predict them,
+            the causal-LM shift; other rows get a zero gradient) or ``(N,)``; int64 / int32.
+        bias: optional ``(V,)``.
+        temperature, ignore_index, return_entropy, backend: as :func:`token_logprobs`.
+        chunk_tokens: rows per chunk; None keeps a chunk's logits under 256 MiB
+            (``fused_rl.linear.CHUNK_BYTES``).
+
+    Returns:
+        ``logp`` ``targets.shape`` (fp32; fp64 for fp64 inputs), 0 at ignored tokens; with
+        ``return_entropy``, ``(logp, entropy)``.
+
+    Cost: one GEMM per chunk forward, two more backward (the logits are recomputed, as in
+    verl's and Liger's fused-linear ops); the vocab kernels read each chunk's logits once
+    forward and once backward.
+
+    Example:
+        >>> import torch, fused_rl
+        >>> h, w = torch.randn(2, 5, 8), torch.randn(11, 8)
+        >>> t = torch.randint(0, 11, (2, 4))
+        >>> lp = fused_rl.linear_token_logprobs(h, w, t, chunk_tokens=3)
+        >>> ref = fused_rl.token_logprobs(h @ w.T, t)
+        >>> torch.allclose(lp, ref, atol=1e-5)
+        True
+    """
+    _check_linear(hidden, weight, bias)
+    V.check_tensor(targets, "targets")
+    if targets.dtype not in V.INDEX_DTYPES:
+        raise TypeError(f"targets must be an int64 or int32 tensor, got {targets.dtype}")
+    V.check_positive(temperature, "temperature")
+    V.check_same_device(hidden=hidden, targets=targets)
+    if chunk_tokens is not None:
+        V.check_number(chunk_tokens, "chunk_tokens")
+        if int(chunk_tokens) != chunk_tokens or chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be a positive integer, got {chunk_tokens}")
+    rows, flat_targets = _window_rows(hidden, targets)
+    vocab = weight.shape[0]
+    V.check_target_range(flat_targets, vocab, ignore_index, "targets")
+    which = resolve_backend(backend, hidden, weight, bias, targets)
+    chunk = int(chunk_tokens) if chunk_tokens else default_chunk_tokens(vocab, hidden.dtype)
+    logp, entropy = _LinearTokenStats.apply(
+        rows, weight, bias, flat_targets, float(temperature), int(ignore_index), chunk, which
+    )
+    logp, entropy = logp.view(targets.shape), entropy.view(targets.shape)
+    return (logp, entropy) if return_entropy else logp

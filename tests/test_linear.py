@@ -1,0 +1,188 @@
+"""``linear_token_logprobs``: log-probs from hidden states in chunks, never the whole logits.
+
+Oracle: float64 ``log_softmax(F.linear(h, W, b) / T)`` with autograd, on both backends;
+gradients for hidden, weight and bias under random upstream gradients; awkward chunkings,
+ignored tokens, the causal window (S > T), strided hidden states, bf16; the allocation
+sizes (no N*V-sized buffer, forward or backward); gradcheck; clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import FP32_TOL, assert_rel
+
+import fused_rl
+from fused_rl.linear import CHUNK_BYTES, default_chunk_tokens
+from fused_rl.profiling import AllocationTracker
+
+BACKENDS = ("triton", "reference")
+
+
+def _oracle(h, w, b, targets, temperature, ignore_index=-100):
+    """float64 ``(logp, entropy)`` of the materialised logits for ``(N, H)`` rows."""
+    z = F.linear(h.double(), w.double(), None if b is None else b.double()) / temperature
+    logsm = torch.log_softmax(z, -1)
+    ok = targets != ignore_index
+    logp = logsm.gather(-1, torch.where(ok, targets, 0)[..., None])[..., 0]
+    logp = torch.where(ok, logp, torch.zeros_like(logp))
+    entropy = -(logsm.exp() * logsm).sum(-1)
+    return logp, torch.where(ok, entropy, torch.zeros_like(entropy))  # as token_logprobs
+
+
+def _inputs(n=13, hdim=8, vocab=37, dtype=torch.float32, device="cpu", seed=0, bias=True):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hdim, generator=g).to(device, dtype).requires_grad_()
+    w = (torch.randn(vocab, hdim, generator=g) / hdim**0.5).to(device, dtype).requires_grad_()
+    b = torch.randn(vocab, generator=g).to(device, dtype).requires_grad_() if bias else None
+    t = torch.randint(0, vocab, (n,), generator=g).to(device)
+    t[1] = -100
+    return h, w, b, t
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("chunk", (1, 4, 5, 13, 64))
+@pytest.mark.parametrize("bias", (True, False))
+def test_values_and_gradients_match_float64(backend, chunk, bias, device):
+    h, w, b, t = _inputs(device=device, bias=bias)
+    lp, ent = fused_rl.linear_token_logprobs(
+        h, w, t, bias=b, temperature=0.7, return_entropy=True, chunk_tokens=chunk,
+        backend=backend,
+    )  # fmt: skip
+    want_lp, want_ent = _oracle(h, w, b, t, 0.7)
+    assert lp.dtype == torch.float32 and lp.shape == t.shape
+    assert_rel(lp, want_lp, FP32_TOL)
+    assert_rel(ent, want_ent, FP32_TOL)
+    assert lp[1] == 0 and ent[1] == 0  # ignored
+    g = torch.Generator().manual_seed(1)
+    up_lp, up_ent = (torch.randn(t.shape, generator=g).to(device) for _ in range(2))
+    params = [x for x in (h, w, b) if x is not None]
+    got = torch.autograd.grad((lp * up_lp).sum() + (ent * up_ent).sum(), params)
+    leaves = [x.detach().double().requires_grad_() for x in params]
+    o_lp, o_ent = _oracle(*leaves[:2], leaves[2] if bias else None, t, 0.7)
+    want = torch.autograd.grad((o_lp * up_lp).sum() + (o_ent * up_ent).sum(), leaves)
+    for name, a, e in zip(("hidden", "weight", "bias"), got, want):
+        assert a.dtype == params[0].dtype, name
+        assert_rel(a, e, FP32_TOL, name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_window_and_strided_hidden(backend, device):
+    """(B, S, H) hidden with (B, T) targets, T < S: rows S-T-1 ... S-2 predict them, the
+    others get a zero gradient; a strided (transposed) hidden works as is."""
+    g = torch.Generator().manual_seed(2)
+    leaf = torch.randn(7, 3, 8, generator=g).to(device).requires_grad_()
+    hidden = leaf.transpose(0, 1)  # (3, 7, 8), non-contiguous
+    w = torch.randn(29, 8, generator=g).to(device).requires_grad_()
+    t = torch.randint(0, 29, (3, 4), generator=g).to(device)
+    lp = fused_rl.linear_token_logprobs(hidden, w, t, chunk_tokens=5, backend=backend)
+    rows = hidden[:, 7 - 4 - 1 : 7 - 1].reshape(-1, 8)
+    want, _ = _oracle(rows, w, None, t.reshape(-1), 1.0)
+    assert lp.shape == (3, 4)
+    assert_rel(lp.reshape(-1), want, FP32_TOL)
+    up = torch.randn(3, 4, generator=g).to(device)
+    (d_leaf,) = torch.autograd.grad((lp * up).sum(), leaf)
+    d_hidden = d_leaf.transpose(0, 1)
+    assert torch.count_nonzero(d_hidden[:, :2]) == 0 and torch.count_nonzero(d_hidden[:, 6]) == 0
+    leaf64 = leaf.detach().double().requires_grad_()
+    o_lp, _ = _oracle(leaf64.transpose(0, 1)[:, 2:6].reshape(-1, 8), w, None, t.reshape(-1), 1.0)
+    (want_d,) = torch.autograd.grad((o_lp * up.reshape(-1)).sum(), leaf64)
+    assert_rel(d_leaf, want_d, FP32_TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_as_accurate_as_materialised(backend, device):
+    """bf16 hidden / weight: no worse than the materialised bf16 logits through
+    token_logprobs (the same rounding of z), and dW accumulates in fp32 across chunks."""
+    h, w, b, t = _inputs(n=24, vocab=53, dtype=torch.bfloat16, device=device)
+    lp = fused_rl.linear_token_logprobs(h, w, t, bias=b, chunk_tokens=5, backend=backend)
+    mat = fused_rl.token_logprobs(F.linear(h, w, b), t, backend=backend)
+    want, _ = _oracle(h, w, b, t, 1.0)
+    err = lambda x: ((x.double() - want).norm() / want.norm()).item()
+    assert err(lp) <= 1.01 * err(mat) + 1e-7
+    up = torch.randn(t.shape, generator=torch.Generator().manual_seed(3)).to(device)
+    got = torch.autograd.grad((lp * up).sum(), (h, w, b))
+    ref = torch.autograd.grad((mat * up).sum(), (h, w, b))
+    leaves = [x.detach().double().requires_grad_() for x in (h, w, b)]
+    o_lp, _ = _oracle(*leaves, t, 1.0)
+    exact = torch.autograd.grad((o_lp * up).sum(), leaves)
+    for name, a, r, e in zip(("hidden", "weight", "bias"), got, ref, exact):
+        assert a.dtype == torch.bfloat16, name
+        rel = lambda x: ((x.double() - e).norm() / e.norm()).item()  # noqa: B023
+        assert rel(a) <= 2 * rel(r) + 1e-3, (name, rel(a), rel(r))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_logits_sized_allocation(backend):
+    """Forward and backward allocate nothing as large as the N*V logits: one chunk's
+    logits (and its fp32 copy or dW) at most."""
+    n, vocab, hdim, chunk = 64, 1000, 16, 8
+    h, w, b, t = _inputs(n=n, hdim=hdim, vocab=vocab)
+    logits_bytes = n * vocab * 4
+    with AllocationTracker() as a:
+        lp, ent = fused_rl.linear_token_logprobs(
+            h, w, t, bias=b, return_entropy=True, chunk_tokens=chunk, backend=backend
+        )
+        (lp.sum() + ent.sum()).backward()
+    assert a.sizes, "nothing recorded"
+    assert a.count_at_least(logits_bytes) == 0, sorted(a.sizes)[-5:]
+    chunk_bytes = chunk * vocab * 4
+    weight_bytes = vocab * hdim * 4
+    assert max(a.sizes) <= max(chunk_bytes, weight_bytes), sorted(a.sizes)[-5:]
+
+
+def test_no_grad_computes_statistics_only():
+    h, w, b, t = _inputs()
+    with torch.no_grad():
+        lp = fused_rl.linear_token_logprobs(h, w, t, bias=b, chunk_tokens=4, backend="triton")
+    assert not lp.requires_grad
+    assert_rel(lp, _oracle(h, w, b, t, 1.0)[0], FP32_TOL)
+
+
+def test_tied_weight_accumulates():
+    """A weight tied to the input embedding gets both gradients."""
+    h, w, _, t = _inputs(bias=False)
+    ids = torch.tensor([3, 5, 5])
+    emb = F.embedding(ids, w).sum()
+    lp = fused_rl.linear_token_logprobs(h, w, t, chunk_tokens=4, backend="triton")
+    (got,) = torch.autograd.grad(lp.sum() + emb, w)
+    w2 = w.detach().double().requires_grad_()
+    o_lp, _ = _oracle(h, w2, None, t, 1.0)
+    (want,) = torch.autograd.grad(o_lp.sum() + F.embedding(ids, w2).sum(), w2)
+    assert_rel(got, want, FP32_TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradcheck_float64(backend):
+    h, w, b, t = _inputs(n=5, hdim=3, vocab=7, dtype=torch.float64)
+    fn = lambda h, w, b: fused_rl.linear_token_logprobs(  # noqa: E731
+        h, w, t, bias=b, temperature=1.3, return_entropy=True, chunk_tokens=2, backend=backend
+    )
+    assert torch.autograd.gradcheck(fn, (h, w, b))
+
+
+def test_default_chunk_keeps_a_chunk_under_the_budget():
+    rows = default_chunk_tokens(151936, torch.bfloat16)
+    assert rows == 883 and rows * 151936 * 2 <= CHUNK_BYTES
+    assert default_chunk_tokens(10, torch.float32) * 40 <= CHUNK_BYTES
+    assert default_chunk_tokens(10**9, torch.float32) == 1
+
+
+def test_bad_arguments_name_themselves():
+    h, w, b, t = _inputs()
+    with pytest.raises(ValueError, match="weight must be the lm_head's"):
+        fused_rl.linear_token_logprobs(h, w[:, :5], t)
+    with pytest.raises(ValueError, match="bias must be"):
+        fused_rl.linear_token_logprobs(h, w, t, bias=b[:3])
+    with pytest.raises(TypeError, match="weight .* and hidden .* must share a dtype"):
+        fused_rl.linear_token_logprobs(h, w.double(), t)
+    with pytest.raises(ValueError, match="targets must be"):
+        fused_rl.linear_token_logprobs(h, w, t[:4])
+    with pytest.raises(ValueError, match="hidden must be"):
+        fused_rl.linear_token_logprobs(h[0], w, t)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        fused_rl.linear_token_logprobs(h, w, t, chunk_tokens=0)
+    with pytest.raises(ValueError, match="targets"):
+        fused_rl.linear_token_logprobs(h, w, torch.full_like(t, 37))
+    with pytest.raises(ValueError, match="targets must be"):
+        fused_rl.linear_token_logprobs(h.reshape(1, 13, 8), w, t.reshape(1, 13)[:, None])
