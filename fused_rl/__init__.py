@@ -12,7 +12,7 @@ from ._version import __version__
 from .advantages import gae, group_advantages, kl_penalized_rewards, rloo_advantages
 from .continuous import gaussian_entropy, gaussian_logprob
 from .kl import kl_estimate
-from .linear import linear_token_logprobs
+from .linear import linear_policy_loss, linear_token_logprobs
 from .logprobs import token_entropy, token_logprobs
 from .losses import policy_loss, policy_loss_from_logprobs
 from .reductions import masked_mean, masked_sum, masked_var, masked_whiten
@@ -29,6 +29,7 @@ __all__ = [
     "group_advantages",
     "kl_estimate",
     "kl_penalized_rewards",
+    "linear_policy_loss",
     "linear_token_logprobs",
     "masked_mean",
     "masked_sum",

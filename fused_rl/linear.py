@@ -278,3 +278,85 @@ def linear_token_logprobs(
     )
     logp, entropy = logp.view(targets.shape), entropy.view(targets.shape)
     return (logp, entropy) if return_entropy else logp
+
+
+@V.deprecated_keyword("kl", "kl_estimator")
+def linear_policy_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    advantages: Tensor,
+    *,
+    bias: Tensor | None = None,
+    chunk_tokens: int | None = None,
+    old_logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    mask: Tensor | None = None,
+    temperature: float = 1.0,
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    dual_clip: float | None = None,
+    delta: float | None = None,
+    beta: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy_coef: float = 0.0,
+    with_entropy: bool = False,
+    importance_sampling: str = "token",
+    loss_agg: str = "token-mean",
+    max_length: int | None = None,
+    num_items: int | float | Tensor | None = None,
+    ignore_index: int = -100,
+    backend: str = "auto",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """:func:`fused_rl.policy_loss` straight from hidden states: the same loss, gradients
+    (for ``hidden``, ``weight``, ``bias``) and metrics as
+    ``policy_loss(F.linear(hidden, weight, bias), targets, advantages, ...)``, with the
+    ``(N, V)`` logits never held whole.
+
+    Shapes and ``chunk_tokens`` as :func:`linear_token_logprobs` (``hidden`` ``(B, S, H)``
+    with ``(B, T)`` targets, ``S >= T``); every other keyword as :func:`policy_loss`.
+
+    How: :func:`linear_token_logprobs` (chunked GEMM + one vocab pass, entropy from the same
+    pass when ``entropy_coef`` or ``with_entropy`` asks for it) feeds
+    :func:`policy_loss_from_logprobs` (one token-layer kernel and one reduction for the
+    loss and every metric; GSPO's sequence totals come for free there, so every
+    ``importance_sampling`` works). The backward recomputes each chunk's logits: one GEMM
+    forward and three backward. (The one-kernel design of issue 14, gradients formed in the
+    forward and scaled by the upstream scalar, would save that recompute; not built yet.)
+
+    Example:
+        >>> import torch, fused_rl
+        >>> h = torch.randn(2, 6, 8, requires_grad=True)
+        >>> w = torch.randn(32, 8, requires_grad=True)
+        >>> t = torch.randint(0, 32, (2, 5))
+        >>> loss, m = fused_rl.linear_policy_loss(h, w, t, torch.tensor([1.0, -1.0]))
+        >>> loss.backward()
+    """
+    from .losses import policy_loss_from_logprobs
+
+    need_entropy = with_entropy or entropy_coef != 0.0
+    out = linear_token_logprobs(
+        hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
+        return_entropy=need_entropy, chunk_tokens=chunk_tokens, backend=backend,
+    )  # fmt: skip
+    logp, entropy = out if need_entropy else (out, None)
+    if mask is not None:
+        V.check_tensor(mask, "mask")
+        if mask.shape != targets.shape:
+            raise ValueError(
+                f"mask must have the targets' shape {tuple(targets.shape)}, got {tuple(mask.shape)}"
+            )
+    counted = targets != ignore_index  # policy_loss counts a token only where it is not ignored
+    if mask is None:
+        mask = counted
+    elif mask.dtype == torch.bool:
+        mask = mask & counted
+    else:
+        mask = torch.where(counted, mask, torch.zeros_like(mask))
+    return policy_loss_from_logprobs(
+        logp, advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask,
+        entropy=entropy, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, delta=delta,
+        beta=beta, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
+        importance_sampling=importance_sampling, loss_agg=loss_agg, max_length=max_length,
+        num_items=num_items, backend=backend,
+    )  # fmt: skip

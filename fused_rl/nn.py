@@ -9,6 +9,7 @@ from torch import Tensor
 
 from . import _validation as V
 from ._backend import BACKENDS
+from .linear import linear_policy_loss
 from .losses import check_policy_options, policy_loss
 
 # the keyword options of policy_loss that configure the loss (not per-batch tensors)
@@ -57,16 +58,25 @@ class PolicyLoss(torch.nn.Module):
         >>> loss.backward()
     """
 
+    OPTIONS = _POLICY_OPTIONS
+
     def __init__(self, **config):
         super().__init__()
+        name = type(self).__name__
         if "kl" in config:
             config = V.renamed_keyword(
-                config, old="kl", new="kl_estimator", where="fused_rl.nn.PolicyLoss"
+                config, old="kl", new="kl_estimator", where=f"fused_rl.nn.{name}"
             )
-        unknown = sorted(set(config) - set(_POLICY_OPTIONS))
+        unknown = sorted(set(config) - set(self.OPTIONS))
         if unknown:
-            raise TypeError(f"PolicyLoss got unknown options {unknown}; known: {_POLICY_OPTIONS}")
-        _check_options(config)
+            raise TypeError(f"{name} got unknown options {unknown}; known: {self.OPTIONS}")
+        _check_options({k: v for k, v in config.items() if k in _POLICY_OPTIONS})
+        if config.get("chunk_tokens") is not None:
+            V.check_number(config["chunk_tokens"], "chunk_tokens")
+            if int(config["chunk_tokens"]) != config["chunk_tokens"] or config["chunk_tokens"] < 1:
+                raise ValueError(
+                    f"chunk_tokens must be a positive integer, got {config['chunk_tokens']}"
+                )
         self.config = dict(config)
 
     def forward(
@@ -93,3 +103,51 @@ class PolicyLoss(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.config.items())
+
+
+class LinearPolicyLoss(PolicyLoss):
+    """:func:`fused_rl.linear_policy_loss` as a module: the policy loss straight from the
+    final hidden states and the lm_head, the ``(N, V)`` logits never held whole.
+
+    The constructor takes :class:`PolicyLoss`'s options plus ``chunk_tokens``; ``forward``
+    takes ``hidden`` ``(B, S, H)``, the lm_head ``weight`` ``(V, H)``, ``targets``
+    ``(B, T)`` and ``advantages``, and the per-batch keywords (``bias`` too).
+
+    Example:
+        >>> import torch
+        >>> from fused_rl.nn import LinearPolicyLoss
+        >>> loss_fn = LinearPolicyLoss(eps_high=0.28, chunk_tokens=4)
+        >>> lm_head = torch.nn.Linear(8, 32, bias=False)
+        >>> hidden = torch.randn(2, 6, 8, requires_grad=True)
+        >>> loss, metrics = loss_fn(hidden, lm_head.weight, torch.randint(0, 32, (2, 5)),
+        ...                         torch.randn(2))
+        >>> loss.backward()
+    """
+
+    OPTIONS = (*_POLICY_OPTIONS, "chunk_tokens")
+
+    def forward(
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        targets: Tensor,
+        advantages: Tensor,
+        *,
+        bias: Tensor | None = None,
+        old_logprobs: Tensor | None = None,
+        ref_logprobs: Tensor | None = None,
+        mask: Tensor | None = None,
+        num_items: int | float | Tensor | None = None,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        return linear_policy_loss(
+            hidden,
+            weight,
+            targets,
+            advantages,
+            bias=bias,
+            old_logprobs=old_logprobs,
+            ref_logprobs=ref_logprobs,
+            mask=mask,
+            num_items=num_items,
+            **self.config,
+        )

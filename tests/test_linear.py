@@ -186,3 +186,114 @@ def test_bad_arguments_name_themselves():
         fused_rl.linear_token_logprobs(h, w, torch.full_like(t, 37))
     with pytest.raises(ValueError, match="targets must be"):
         fused_rl.linear_token_logprobs(h.reshape(1, 13, 8), w, t.reshape(1, 13)[:, None])
+
+
+# ----------------------------------------------------------------------------- policy loss
+
+_POLICY_CASES = {
+    "grpo": dict(eps_high=0.28, beta=0.04, kl_estimator="k3"),
+    "ppo+entropy": dict(dual_clip=3.0, entropy_coef=0.01, loss_agg="seq-mean-token-mean"),
+    "gspo": dict(importance_sampling="sequence", eps_low=3e-4, eps_high=4e-4),
+    "dr-grpo": dict(loss_agg="seq-mean-token-sum-norm", with_entropy=True, temperature=0.7),
+}
+
+
+def _rollout(device, dtype=torch.float32, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    batch, positions, length, hdim, vocab = 3, 7, 5, 8, 41
+    h = torch.randn(batch, positions, hdim, generator=g).to(device, dtype).requires_grad_()
+    w = (torch.randn(vocab, hdim, generator=g) / 2).to(device, dtype).requires_grad_()
+    b = torch.randn(vocab, generator=g).to(device, dtype).requires_grad_()
+    t = torch.randint(0, vocab, (batch, length), generator=g).to(device)
+    t[0, 2] = -100
+    rollout = dict(
+        advantages=torch.randn(batch, generator=g).to(device),
+        old_logprobs=(torch.randn(batch, length, generator=g) * 0.3 - 3).to(device),
+        ref_logprobs=(torch.randn(batch, length, generator=g) * 0.3 - 3).to(device),
+        mask=(torch.rand(batch, length, generator=g) > 0.2).to(device),
+    )
+    return h, w, b, t, rollout
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", sorted(_POLICY_CASES))
+def test_linear_policy_loss_matches_policy_loss(case, backend, device):
+    """Same loss, metrics and gradients as policy_loss on the materialised logits (the
+    oracle: the reference policy_loss in float64 on float64 logits)."""
+    h, w, b, t, r = _rollout(device)
+    kw = _POLICY_CASES[case]
+    adv = r.pop("advantages")
+    if case == "gspo":  # GSPO's ratio is near 1: old log-probs near the current ones
+        with torch.no_grad():
+            r["old_logprobs"] = fused_rl.linear_token_logprobs(h, w, t, bias=b) - 1e-4
+    loss, metrics = fused_rl.linear_policy_loss(
+        h, w, t, adv, bias=b, chunk_tokens=4, backend=backend, **r, **kw
+    )
+    leaves = [x.detach().double().requires_grad_() for x in (h, w, b)]
+    want, want_metrics = fused_rl.policy_loss(
+        F.linear(*leaves), t, adv.double(), backend="reference",
+        **{k: v.double() if v.is_floating_point() else v for k, v in r.items()}, **kw,
+    )  # fmt: skip
+    assert_rel(loss, want, FP32_TOL, "loss")
+    assert set(metrics) == set(want_metrics)
+    for name in metrics:  # near-cancelling means (approx_kl ~ 1e-4): an absolute floor
+        torch.testing.assert_close(
+            metrics[name].double(), want_metrics[name].double().to(metrics[name].device),
+            rtol=1e-4, atol=1e-6, msg=name,
+        )  # fmt: skip
+    got = torch.autograd.grad(loss, (h, w, b))
+    exact = torch.autograd.grad(want, leaves)
+    for name, a, e in zip(("hidden", "weight", "bias"), got, exact):
+        assert_rel(a, e, FP32_TOL, name)
+    assert torch.count_nonzero(got[0][:, :1]) == 0 and torch.count_nonzero(got[0][:, -1]) == 0
+
+
+def test_linear_policy_loss_float_mask_and_ignored_tokens():
+    """A float mask weights tokens; an ignored target never counts, whatever its weight."""
+    h, w, b, t, r = _rollout("cpu")
+    weights = torch.rand(t.shape, generator=torch.Generator().manual_seed(5))
+    loss, _ = fused_rl.linear_policy_loss(
+        h, w, t, r["advantages"], bias=b, mask=weights, old_logprobs=r["old_logprobs"],
+        backend="triton",
+    )  # fmt: skip
+    want, _ = fused_rl.policy_loss(
+        F.linear(h, w, b), t, r["advantages"], mask=weights, old_logprobs=r["old_logprobs"],
+        backend="reference",
+    )  # fmt: skip
+    assert_rel(loss, want, FP32_TOL)
+    with pytest.raises(ValueError, match="mask must have the targets' shape"):
+        fused_rl.linear_policy_loss(h, w, t, r["advantages"], mask=weights[:, :2])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_policy_loss_no_logits_sized_allocation(backend):
+    g = torch.Generator().manual_seed(6)
+    batch, length, hdim, vocab = 4, 16, 16, 1000
+    h = torch.randn(batch, length + 1, hdim, generator=g).requires_grad_()
+    w = torch.randn(vocab, hdim, generator=g).requires_grad_()
+    t = torch.randint(0, vocab, (batch, length), generator=g)
+    with AllocationTracker() as a:
+        loss, _ = fused_rl.linear_policy_loss(
+            h, w, t, torch.randn(batch, generator=g), entropy_coef=0.01, beta=0.1,
+            ref_logprobs=torch.zeros(batch, length), chunk_tokens=8, backend=backend,
+        )  # fmt: skip
+        loss.backward()
+    assert a.count_at_least(batch * length * vocab * 4) == 0, sorted(a.sizes)[-5:]
+
+
+def test_linear_policy_loss_module():
+    from fused_rl.nn import LinearPolicyLoss
+
+    h, w, b, t, r = _rollout("cpu")
+    module = LinearPolicyLoss(eps_high=0.28, beta=0.04, chunk_tokens=3, backend="reference")
+    loss, metrics = module(h, w, t, r["advantages"], bias=b, ref_logprobs=r["ref_logprobs"])
+    want, _ = fused_rl.linear_policy_loss(
+        h, w, t, r["advantages"], bias=b, ref_logprobs=r["ref_logprobs"], eps_high=0.28,
+        beta=0.04, chunk_tokens=3, backend="reference",
+    )  # fmt: skip
+    assert torch.equal(loss, want) and "kl" in metrics
+    assert "chunk_tokens=3" in repr(module)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        LinearPolicyLoss(chunk_tokens=0)
+    with pytest.raises(TypeError, match="unknown options"):
+        LinearPolicyLoss(chunk=3)
