@@ -57,7 +57,9 @@ def _serialised_when_interpreting(launcher: Callable) -> Callable:
         import numpy
 
         with _INTERPRETER_LOCK, numpy.errstate(all="ignore"), warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
+            warnings.filterwarnings(
+                "ignore", category=RuntimeWarning, module=r"(triton\.runtime\.interpreter|numpy)"
+            )
             return launcher(*args)
 
     return run

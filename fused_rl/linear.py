@@ -14,7 +14,8 @@ tokens in chunks of ``chunk_tokens`` rows. Per chunk:
   ``dW += dz^T h_c`` (``dW`` and ``db`` accumulate in fp32, fp64 for fp64 inputs, and
   are cast once at the end).
 
-Peak memory above the inputs: one chunk's logits, ``dW`` in fp32 and ``dH``. The per-token
+Peak memory above the inputs: one chunk's logits, ``dW`` in fp32 (and, on CUDA with 16-bit
+weights, one fp32 ``(V, H)`` product per chunk before it is added) and ``dH``. The per-token
 outputs can only get their upstream gradient after the forward, so the logits' gradient
 cannot be formed there; the fused loss ops (``linear_policy_loss``, issue 14) can, since
 their upstream gradient is one scalar.
@@ -33,12 +34,12 @@ from . import _validation as V
 from ._backend import resolve_backend
 from ._launch import stats_dtype
 from ._ops import _serialised_when_interpreting
-from ._vocab_ops import token_stats_bwd_into, token_stats_fwd
+from ._vocab_ops import token_stats_bwd_into, token_stats_bwd_op, token_stats_fwd_op
 from .reference import logprobs as ref
+from .reference.logprobs import differentiable_once
 
-# the raw launchers (no custom op: a chunk's logits never leave this module), serialised and
+# layer 3 writing over its input: a raw launcher (no custom op, it mutates), serialised and
 # with NumPy's masked-lane warnings silenced under the interpreter as every FusedOp is
-_stats_fwd = _serialised_when_interpreting(token_stats_fwd)
 _stats_bwd_into = _serialised_when_interpreting(token_stats_bwd_into)
 
 CHUNK_BYTES = 256 * 2**20  # the logits of one chunk, the only (rows, V) buffer alive
@@ -53,30 +54,23 @@ def default_chunk_tokens(vocab: int, dtype: torch.dtype) -> int:
 def _chunk_stats(z: Tensor, targets: Tensor, temperature, ignore_index, which):
     """``(logp, entropy, row_max, log_sum)`` of one chunk's ``(n, V)`` logits."""
     if which == "triton":
-        logp, entropy, row_max, log_sum = _stats_fwd(
-            z[None], targets[None], temperature, ignore_index, True
-        )
-        return logp[0], entropy[0], row_max[0], log_sum[0]
-    logp, entropy = ref.token_stats(z, targets, temperature=temperature, ignore_index=ignore_index)
-    return logp, entropy, None, None
+        out = token_stats_fwd_op(z[None], targets[None], temperature, ignore_index, True)
+    else:
+        out = ref.row_stats(z[None], targets[None], temperature, ignore_index)
+    return tuple(x[0] for x in out)
 
 
 def _chunk_grad(z, targets, row_max, log_sum, entropy, g, h, temperature, ignore_index, which):
-    """``dL/dz`` of one chunk, written over ``z`` on the Triton path."""
-    if which == "triton":
-        z3 = z[None]
-        return _stats_bwd_into(
-            z3, z3, targets[None], row_max[None], log_sum[None], entropy[None], g[None],
-            h[None] if h is not None else None, None, None, temperature, ignore_index,
-        )[0]  # fmt: skip
-    with torch.enable_grad():
-        leaf = z.detach().requires_grad_()
-        logp, ent = ref.token_stats(
-            leaf, targets, temperature=temperature, ignore_index=ignore_index
-        )
-        outs, grads = (logp, ent) if h is not None else (logp,), (g, h) if h is not None else (g,)
-        (dz,) = torch.autograd.grad(outs, leaf, grads)
-    return dz
+    """``dL/dz`` of one chunk: layer 3, written over ``z`` in eager mode on the Triton path
+    (a fresh buffer under ``torch.compile``, which cannot trace a mutation of its input)."""
+    args = (targets[None], row_max[None], log_sum[None], entropy[None], g[None],
+            None if h is None else h[None])  # fmt: skip
+    if which == "reference":
+        return ref.grad_logits(z[None], *args, temperature, ignore_index)[0]
+    if torch.compiler.is_compiling():
+        return token_stats_bwd_op(z[None], *args, None, None, temperature, ignore_index)[0]
+    z3 = z[None]
+    return _stats_bwd_into(z3, z3, *args, None, None, temperature, ignore_index)[0]
 
 
 _MM_OUT_DTYPE: dict[str, bool] = {}  # device type -> torch.mm(..., out_dtype=) works there
@@ -85,17 +79,27 @@ _MM_OUT_DTYPE: dict[str, bool] = {}  # device type -> torch.mm(..., out_dtype=) 
 def _addmm_wide(acc_out: Tensor, a: Tensor, b: Tensor) -> None:
     """``acc_out += a @ b`` with the product itself in ``acc_out``'s (fp32 / fp64) dtype, not
     rounded to ``a``'s 16-bit dtype first: one GEMM with an fp32 output where torch offers it
-    (``torch.mm(..., out_dtype=)``, CUDA), else on upcast copies of the chunk."""
+    (``torch.mm(..., out_dtype=)``, CUDA; a ``(V, H)`` fp32 temporary per chunk), else on
+    upcast copies of the chunk."""
     if a.dtype == acc_out.dtype:
         acc_out.addmm_(a, b)
         return
     kind = a.device.type
+    if torch.compiler.is_compiling():  # no try/except while tracing: the portable form
+        acc_out.addmm_(a.to(acc_out.dtype), b.to(acc_out.dtype))
+        return
     if _MM_OUT_DTYPE.get(kind, True):
         try:
             acc_out.add_(torch.mm(a, b, out_dtype=acc_out.dtype))
             _MM_OUT_DTYPE[kind] = True
             return
-        except (RuntimeError, TypeError, NotImplementedError):
+        except (TypeError, NotImplementedError) as exc:  # never an out-of-memory error
+            if "out_dtype" not in str(exc) and not isinstance(exc, NotImplementedError):
+                raise
+            _MM_OUT_DTYPE[kind] = False
+        except RuntimeError as exc:  # "Could not run 'aten::mm.dtype' ... backend"
+            if "mm.dtype" not in str(exc):
+                raise
             _MM_OUT_DTYPE[kind] = False
     acc_out.addmm_(a.to(acc_out.dtype), b.to(acc_out.dtype))
 
@@ -110,16 +114,13 @@ class _LinearTokenStats(torch.autograd.Function):
         acc = stats_dtype(hidden.dtype)
         logp = hidden.new_empty((n_rows,), dtype=acc)
         entropy = hidden.new_empty((n_rows,), dtype=acc)
-        keep = which == "triton"
-        row_max = hidden.new_empty((n_rows if keep else 0,), dtype=acc)
-        log_sum = hidden.new_empty((n_rows if keep else 0,), dtype=acc)
+        row_max = hidden.new_empty((n_rows,), dtype=acc)
+        log_sum = hidden.new_empty((n_rows,), dtype=acc)
         for start in range(0, n_rows, chunk):
             rows = slice(start, min(start + chunk, n_rows))
             z = F.linear(hidden[rows], weight, bias)
-            lp, ent, m, ls = _chunk_stats(z, targets[rows], temperature, ignore_index, which)
-            logp[rows], entropy[rows] = lp, ent
-            if keep:
-                row_max[rows], log_sum[rows] = m, ls
+            stats = _chunk_stats(z, targets[rows], temperature, ignore_index, which)
+            logp[rows], entropy[rows], row_max[rows], log_sum[rows] = stats
             del z
         ctx.save_for_backward(hidden, weight, bias, targets, row_max, log_sum, entropy)
         ctx.config = (temperature, ignore_index, chunk, which)
@@ -128,6 +129,19 @@ class _LinearTokenStats(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
+        # the chunk gradients come from saved statistics taken as constants (and layer 3
+        # overwrites the recomputed logits): no graph here, and a double backward raises
+        create_graph = torch.is_grad_enabled()
+        with torch.no_grad():
+            grads = _LinearTokenStats._grads(ctx, grad_logp, grad_entropy)
+        if not create_graph:
+            return grads
+        with torch.enable_grad():
+            sources = (*ctx.saved_tensors, grad_logp, grad_entropy)
+            return tuple(differentiable_once(g, *sources) for g in grads)
+
+    @staticmethod
+    def _grads(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, targets, row_max, log_sum, entropy = ctx.saved_tensors
         temperature, ignore_index, chunk, which = ctx.config
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -139,18 +153,16 @@ class _LinearTokenStats(torch.autograd.Function):
         d_hidden = hidden.new_empty(hidden.shape) if need_h else None
         d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         d_bias = torch.zeros(weight.shape[:1], dtype=acc, device=weight.device) if need_b else None
-        keep = which == "triton"
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, min(start + chunk, hidden.shape[0]))
             z = F.linear(hidden[rows], weight, bias)  # recomputed: the forward kept no logits
             dz = _chunk_grad(
-                z, targets[rows], row_max[rows] if keep else None,
-                log_sum[rows] if keep else None, entropy[rows], grad_logp[rows],
+                z, targets[rows], row_max[rows], log_sum[rows], entropy[rows], grad_logp[rows],
                 grad_entropy[rows] if grad_entropy is not None else None, temperature,
                 ignore_index, which,
             )  # fmt: skip
             if need_h:
-                torch.matmul(dz, weight, out=d_hidden[rows])
+                d_hidden[rows] = dz @ weight
             if need_w:
                 _addmm_wide(d_weight, dz.t(), hidden[rows])
             if need_b:
@@ -189,6 +201,17 @@ def _check_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> None:
                 f"{tuple(bias.shape)} in {bias.dtype}"
             )
     V.check_same_device(hidden=hidden, weight=weight, bias=bias)
+
+
+def _autocast_inputs(hidden: Tensor, weight: Tensor, bias: Tensor | None):
+    """Under ``torch.autocast``, ``hidden``/``weight``/``bias`` in the autocast dtype (what
+    ``F.linear`` would compute in); the chunked op then runs with autocast off, so its
+    backward recomputes exactly the forward's logits."""
+    if not isinstance(hidden, Tensor) or not torch.is_autocast_enabled(hidden.device.type):
+        return hidden, weight, bias
+    dtype = torch.get_autocast_dtype(hidden.device.type)
+    cast = lambda t: t if t is None or not t.is_floating_point() else t.to(dtype)  # noqa: E731
+    return cast(hidden), cast(weight), cast(bias)
 
 
 def _window_rows(hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
@@ -258,6 +281,7 @@ def linear_token_logprobs(
         >>> torch.allclose(lp, ref, atol=1e-5)
         True
     """
+    hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
     _check_linear(hidden, weight, bias)
     V.check_tensor(targets, "targets")
     if targets.dtype not in V.INDEX_DTYPES:
@@ -273,9 +297,10 @@ def linear_token_logprobs(
     V.check_target_range(flat_targets, vocab, ignore_index, "targets")
     which = resolve_backend(backend, hidden, weight, bias, targets)
     chunk = int(chunk_tokens) if chunk_tokens else default_chunk_tokens(vocab, hidden.dtype)
-    logp, entropy = _LinearTokenStats.apply(
-        rows, weight, bias, flat_targets, float(temperature), int(ignore_index), chunk, which
-    )
+    with torch.autocast(hidden.device.type, enabled=False):  # inputs already cast
+        logp, entropy = _LinearTokenStats.apply(
+            rows, weight, bias, flat_targets, float(temperature), int(ignore_index), chunk, which
+        )
     logp, entropy = logp.view(targets.shape), entropy.view(targets.shape)
     return (logp, entropy) if return_entropy else logp
 
@@ -332,8 +357,18 @@ def linear_policy_loss(
         >>> loss, m = fused_rl.linear_policy_loss(h, w, t, torch.tensor([1.0, -1.0]))
         >>> loss.backward()
     """
-    from .losses import policy_loss_from_logprobs
+    from .losses import check_policy_options, policy_loss_from_logprobs
 
+    check_policy_options(  # before the GEMMs: a bad option fails before any work
+        eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, delta=delta, beta=beta,
+        entropy_coef=entropy_coef, kl_estimator=kl_estimator,
+        importance_sampling=importance_sampling, loss_agg=loss_agg, max_length=max_length,
+        num_items=num_items,
+    )  # fmt: skip
+    V.check_same_device(
+        targets=targets, advantages=advantages, old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs, mask=mask,
+    )  # fmt: skip
     need_entropy = with_entropy or entropy_coef != 0.0
     out = linear_token_logprobs(
         hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,

@@ -397,6 +397,7 @@ def policy_loss_from_logprobs(
                                   has_entropy=has_entropy)  # fmt: skip
     acc = stats_dtype(logprobs.dtype)
     adv2d, old_logprobs, ref_logprobs = _constants(acc, adv2d, old_logprobs, ref_logprobs)
+    entropy = None if entropy is None else entropy.to(acc)  # as the kernel reads it; keeps grad
     mask_f = (
         torch.ones_like(logprobs, dtype=acc) if mask is None else mask_weights(mask.detach(), acc)
     )

@@ -12,6 +12,11 @@ if not torch.cuda.is_available():
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
+# Dynamo maps torch functions to trace rules once, lazily, by their identity; built while the
+# poison fixture below had replaced torch.empty, the map would lack the real one and a later
+# torch.compile test would refuse to trace torch.empty. Build it now, unpoisoned.
+torch._dynamo.trace_rules.get_torch_obj_rule_map()
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "no_poison: do not NaN-fill torch.empty in this test")

@@ -297,3 +297,58 @@ def test_linear_policy_loss_module():
         LinearPolicyLoss(chunk_tokens=0)
     with pytest.raises(TypeError, match="unknown options"):
         LinearPolicyLoss(chunk=3)
+
+
+@pytest.mark.no_poison  # Dynamo cannot trace the NaN-filling torch.empty of the fixture
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_torch_compile_fullgraph(backend):
+    """Both ops trace with ``torch.compile(fullgraph=True)`` and give the eager results."""
+    h, w, b, t, r = _rollout("cpu")
+
+    def loss_fn(h, w, b):
+        lp = fused_rl.linear_token_logprobs(h, w, t, bias=b, chunk_tokens=4, backend=backend)
+        loss, metrics = fused_rl.linear_policy_loss(
+            h, w, t, r["advantages"], bias=b, old_logprobs=r["old_logprobs"], beta=0.04,
+            ref_logprobs=r["ref_logprobs"], entropy_coef=0.01, chunk_tokens=4, backend=backend,
+        )  # fmt: skip
+        return loss + 0.1 * lp.sum(), metrics["kl"]
+
+    compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+    got, got_kl = compiled(h, w, b)
+    want, want_kl = loss_fn(h, w, b)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_kl, want_kl)
+    for a, e in zip(torch.autograd.grad(got, (h, w, b)), torch.autograd.grad(want, (h, w, b))):
+        torch.testing.assert_close(a, e)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_double_backward_raises(backend):
+    """The gradients come from saved statistics: a Hessian-vector product raises instead
+    of being silently wrong."""
+    h, w, b, t = _inputs(n=5, hdim=4, vocab=7, dtype=torch.float64)
+    for wrt in ((w,), (h, w, b)):
+        lp = fused_rl.linear_token_logprobs(h, w, t, bias=b, chunk_tokens=2, backend=backend)
+        grads = torch.autograd.grad(lp.sum(), wrt, create_graph=True)
+        with pytest.raises(RuntimeError, match="differentiable once"):
+            torch.autograd.grad(sum((g**2).sum() for g in grads), wrt)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_autocast_matches_eager_autocast(backend):
+    """Under autocast, bf16 hidden next to an fp32 lm_head works as F.linear does, and the
+    backward recomputes exactly the forward's (bf16) logits."""
+    g = torch.Generator().manual_seed(7)
+    h = (torch.randn(24, 16, generator=g) * 4).bfloat16().requires_grad_()
+    w = torch.randn(53, 16, generator=g).requires_grad_()
+    t = torch.randint(0, 53, (24,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp = fused_rl.linear_token_logprobs(h, w, t, chunk_tokens=5, backend=backend)
+        eager = fused_rl.token_logprobs(F.linear(h, w), t, backend="reference")
+    assert_rel(lp, eager, FP32_TOL)
+    up = torch.randn(t.shape, generator=g)
+    got = torch.autograd.grad((lp * up).sum(), (h, w))
+    want = torch.autograd.grad((eager * up).sum(), (h, w))
+    for name, a, e in zip(("hidden", "weight"), got, want):
+        assert a.dtype == e.dtype, name
+        assert_rel(a, e, 1e-2, name)  # both bf16: the same rounding of z, summed apart
