@@ -365,10 +365,12 @@ def linear_policy_loss(
         importance_sampling=importance_sampling, loss_agg=loss_agg, max_length=max_length,
         num_items=num_items,
     )  # fmt: skip
-    V.check_same_device(
-        targets=targets, advantages=advantages, old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs, mask=mask,
-    )  # fmt: skip
+    per_token = dict(advantages=advantages, old_logprobs=old_logprobs,
+                     ref_logprobs=ref_logprobs, mask=mask)  # fmt: skip
+    for name, tensor in dict(targets=targets, **per_token).items():
+        if tensor is not None:
+            V.check_tensor(tensor, name)
+    V.check_same_device(targets=targets, **per_token)
     need_entropy = with_entropy or entropy_coef != 0.0
     out = linear_token_logprobs(
         hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
@@ -376,7 +378,6 @@ def linear_policy_loss(
     )  # fmt: skip
     logp, entropy = out if need_entropy else (out, None)
     if mask is not None:
-        V.check_tensor(mask, "mask")
         if mask.shape != targets.shape:
             raise ValueError(
                 f"mask must have the targets' shape {tuple(targets.shape)}, got {tuple(mask.shape)}"
