@@ -6,6 +6,10 @@ Two families of ops:
   buffer, as a model returns it, of which every provider reads the slice ``[:, :-1]`` (the
   positions that predict the ``T`` targets) in place; Liger's kernels take the whole buffer.
 * token ops (``ppo_loss``, ``value_loss``, ``masked_whiten``, ``gae``): ``(B, T)`` fp32.
+* linear ops (``linear_token_logprobs``, ``linear_policy_loss``): the model's final hidden
+  states ``(B, T + 1, H)`` and the lm_head ``(V, H)`` in the case dtype, of which rows
+  ``[:, :-1]`` predict the ``T`` targets; the ``(N, V)`` logits are the providers' business
+  (fused_rl never holds them whole, eager materialises them).
 
 Inputs are random normal (never zeros: they hide unwritten outputs and can time faster).
 """
@@ -14,12 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import torch
 
 LOGITS_OPS = ("token_logprobs", "policy_loss")
 TOKEN_OPS = ("ppo_loss", "value_loss", "masked_whiten", "gae")
-OPS = LOGITS_OPS + TOKEN_OPS
+LINEAR_OPS = ("linear_token_logprobs", "linear_policy_loss")
+OPS = LOGITS_OPS + TOKEN_OPS + LINEAR_OPS
+VOCAB_OPS = LOGITS_OPS + LINEAR_OPS  # the ops with a vocabulary (a case's ``vocab`` is set)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 MODES = ("fwd", "fwd_nograd", "fwd_bwd")
@@ -36,7 +43,18 @@ OP_VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {
     "value_loss": (("clipped", "fwd_bwd"),),
     "masked_whiten": (("zero-mean", "fwd_nograd"),),
     "gae": (("gamma0.99-lam0.95", "fwd_nograd"),),
+    # from hidden states: the policy_loss grpo case, and log-probs with and without grad
+    "linear_token_logprobs": (("logp", "fwd_nograd"), ("logp", "fwd_bwd")),
+    "linear_policy_loss": (("grpo", "fwd_bwd"),),
 }
+
+# hidden size H of the linear ops' cases: a typical 7-8B model's on GPUs, tiny on CPU
+HIDDEN = {"quick": 16, "full": 4096}
+# the linear policy case's old log-probs keep every token's log-ratio at least this far from
+# a clip boundary: the logits are rounded to bf16 by the GEMM (~2^-9 relative, up to ~0.02 in
+# a log-prob), and a token within that of a boundary can land on either side, which changes
+# its whole gradient row, and grad_weight (a sum over all tokens) cannot leave a row out
+CLIP_MARGIN = 0.05
 
 # Hyper-parameters shared by every provider of an op (a benchmark compares like with like).
 TEMPERATURE = 1.0
@@ -64,6 +82,7 @@ class Case:
     vocab: int | None
     dtype: str
     compile_ok: bool = True  # whether the torch.compile provider runs here (compile time)
+    hidden: int | None = None  # H of the linear ops (None for the others)
 
     @property
     def tokens(self) -> int:
@@ -75,6 +94,7 @@ class Case:
 
     def label(self) -> str:
         shape = f"{self.batch}x{self.seqlen}" + (f"x{self.vocab}" if self.vocab else "")
+        shape += f" H{self.hidden}" if self.hidden else ""
         return f"{self.op}[{self.variant}] {self.mode} {shape} {self.dtype}"
 
 
@@ -89,15 +109,15 @@ def _split(tokens: int, seqlen: int) -> tuple[int, int]:
     return tokens // t, t
 
 
-def _logits_cases(op, shapes, compile_shapes=None, modes=MODES) -> list[Case]:
-    """``shapes``: iterable of ``(B, T, V, dtype)``."""
+def _logits_cases(op, shapes, compile_shapes=None, modes=MODES, hidden=None) -> list[Case]:
+    """``shapes``: iterable of ``(B, T, V, dtype)``; ``hidden``: H of a linear op."""
     out = []
     for b, t, v, dt in shapes:
         for variant, mode in OP_VARIANTS[op]:
             if mode not in modes:
                 continue
             ok = compile_shapes is None or (b * t, v, dt) in compile_shapes
-            out.append(Case(op, variant, mode, b, t, v, dt, compile_ok=ok))
+            out.append(Case(op, variant, mode, b, t, v, dt, compile_ok=ok, hidden=hidden))
     return out
 
 
@@ -120,6 +140,8 @@ def quick_cases() -> list[Case]:
         cases += _logits_cases(op, logits_shapes)
     for op in TOKEN_OPS:
         cases += _token_cases(op, token_shapes)
+    for op in LINEAR_OPS:  # the GEMMs are torch's: the same tiny grid, H = 16
+        cases += _logits_cases(op, logits_shapes, hidden=HIDDEN["quick"])
     return cases
 
 
@@ -150,6 +172,10 @@ def full_cases() -> list[Case]:
         cases += _logits_cases(op, shapes, compile_shapes, modes=("fwd_nograd", "fwd_bwd"))
     for op in TOKEN_OPS:
         cases += _token_cases(op, token_shapes, token_compile)
+    linear_shapes = [s for s in shapes if s[3] == "bf16" and s[1] == FULL_SEQLEN]
+    linear_shapes += [(4096 // FULL_SEQLEN, FULL_SEQLEN, 32000, "fp32")]
+    for op in LINEAR_OPS:
+        cases += _logits_cases(op, linear_shapes, compile_shapes, hidden=HIDDEN["full"])
     # the issue's targets first, so a run cut short by a GPU lease measured what matters
     priority = {
         ("policy_loss", "fwd_bwd"): 0,
@@ -200,6 +226,8 @@ def select_cases(
             base += _logits_cases(op, shapes)
         for op in TOKEN_OPS:
             base += _token_cases(op, tok_shapes)
+        for op in LINEAR_OPS:
+            base += _logits_cases(op, shapes, hidden=HIDDEN[suite])
     out = []
     for c in base:
         if ops and c.op not in ops:
@@ -232,6 +260,58 @@ def _true_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
+    """fp32 log-probs of ``targets`` from ``hidden[:, :-1] @ weight.T``, in chunks of rows."""
+    batch, seqlen = targets.shape
+    rows = hidden[:, :-1].reshape(batch * seqlen, -1)
+    flat = targets.reshape(-1)
+    out = torch.empty(batch * seqlen, dtype=torch.float32, device=hidden.device)
+    step = max(1, (1 << 26) // weight.shape[0])
+    w = weight.float()
+    with torch.no_grad():
+        for r in range(0, rows.shape[0], step):
+            z = torch.log_softmax(rows[r : r + step].float() @ w.T / TEMPERATURE, dim=-1)
+            out[r : r + step] = z.gather(-1, flat[r : r + step, None])[:, 0]
+    return out.view(batch, seqlen)
+
+
+def _away_from_clip(log_ratio: torch.Tensor, margin: float = CLIP_MARGIN) -> torch.Tensor:
+    """``log_ratio`` with every value within ``margin`` of a clip boundary (log(1 - eps_low),
+    log(1 + eps_high)) moved to ``margin`` from it, on its own side."""
+    for bound in (math.log(1.0 - POLICY["eps_low"]), math.log(1.0 + POLICY["eps_high"])):
+        gap = log_ratio - bound
+        side = torch.where(gap < 0, -1.0, 1.0)
+        log_ratio = torch.where(gap.abs() < margin, bound + side * margin, log_ratio)
+    return log_ratio
+
+
+def _linear_inputs(case: Case, inp: dict, randn, gen, device) -> dict:
+    """``hidden`` (B, T+1, H) and ``weight`` (V, H) leaves in the case dtype (logits of
+    standard deviation ~2, as the logits ops' inputs), ``targets``, and the upstream
+    gradient (log-probs) or the policy inputs (as ``policy_loss``'s, with the log-ratios
+    kept ``CLIP_MARGIN`` away from the clip boundaries)."""
+    b, t, v, h = case.batch, case.seqlen, case.vocab, case.hidden
+    grad_needed = case.mode != "fwd_nograd"
+    hidden = randn(b, t + 1, h, dtype=case.torch_dtype)
+    weight = randn(v, h, scale=2.0 / math.sqrt(h), dtype=case.torch_dtype)
+    targets = torch.randint(0, v, (b, t), generator=gen, device=device)
+    inp.update(
+        hidden=hidden.requires_grad_(grad_needed),
+        weight=weight.requires_grad_(grad_needed),
+        targets=targets,
+    )
+    if case.op == "linear_token_logprobs":
+        inp["g_logp"] = randn(b, t)
+        inp["g_entropy"] = randn(b, t)
+        return inp
+    logp = _linear_logprobs(hidden.detach(), weight.detach(), targets)
+    inp["advantages"] = randn(b)
+    inp["old_logprobs"] = logp - _away_from_clip(randn(b, t, scale=0.1))
+    inp["ref_logprobs"] = logp + randn(b, t, scale=0.2)
+    inp["mask"] = _lengths_mask(b, t, gen, device)
+    return inp
+
+
 def make_inputs(case: Case, device: str | torch.device, seed: int = 0) -> dict:
     """The inputs of ``case`` on ``device``; tensors that get gradients have requires_grad.
 
@@ -248,6 +328,8 @@ def make_inputs(case: Case, device: str | torch.device, seed: int = 0) -> dict:
         return x.mul_(scale) if scale != 1.0 else x
 
     inp: dict = {"case": case}
+    if case.op in LINEAR_OPS:
+        return _linear_inputs(case, inp, randn, gen, device)
     if case.op in LOGITS_OPS:
         v = case.vocab
         buf = randn(b, t + 1, v, scale=2.0, dtype=case.torch_dtype)

@@ -33,7 +33,8 @@ def _mb(x) -> str:
 
 
 def _shape(r: dict) -> str:
-    return f"{r['batch']}x{r['seqlen']}" + (f"x{r['vocab']}" if r["vocab"] else "")
+    shape = f"{r['batch']}x{r['seqlen']}" + (f"x{r['vocab']}" if r["vocab"] else "")
+    return shape + (f" H{r['hidden']}" if r.get("hidden") else "")
 
 
 def columns(records: list[dict], gpu: bool) -> list[tuple[str, str]]:
@@ -106,7 +107,8 @@ def legend(records: list[dict], gpu: bool, reps: int | None) -> list[str]:
     key += [
         ("err vs fp64", "largest RMS relative error of any output (values, gradients) against "
                         "a float64 oracle on the same inputs"),
-        ("worst row", "the worst single row's error over the RMS row norm (one wrong token)"),
+        ("worst row", "the worst single row's error over the RMS row norm (one wrong token); "
+                      "grad_weight's vocabulary rows over their own norm, at least the RMS"),
         ("verdict", "ok / less accurate: why (expected, explained below) / FAIL: why (exit 1)"),
         (DASH, "not measured or not applicable: " + ", ".join(dash) + "; a provider that "
                "cannot run a case has no row (see 'Not measured')"),

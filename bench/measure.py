@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from .cases import LOGITS_OPS, Case
+from .cases import LINEAR_OPS, LOGITS_OPS, Case
 
 CPU_TIME_LABEL = "CPU interpreter, not a performance figure"
 
@@ -51,8 +51,16 @@ def bytes_moved(case: Case) -> int:
     * value_loss fwd+bwd: values, old values, returns, mask (13N) in each pass + grad (4N): 30N.
     * masked_whiten: read x and mask once (5N), write the result (4N): 9N.
     * gae: read rewards, values, mask (9N), write advantages and returns (8N): 17N.
+
+    Linear ops, hidden rows ``N*H`` and lm_head ``V*H`` elements of ``e`` bytes: forward
+    reads both once (``(N + V)*H*e``); forward + backward reads them again and writes their
+    gradients (``3*(N + V)*H*e``). These ops are GEMM-bound (``2*N*V*H`` flops a pass):
+    their GB/s is no measure of how well they run.
     """
     n = case.tokens
+    if case.op in LINEAR_OPS:
+        elements = (n + case.vocab) * case.hidden * case.torch_dtype.itemsize
+        return elements * (3 if case.mode == "fwd_bwd" else 1)
     if case.op in LOGITS_OPS:
         elements = n * case.vocab * case.torch_dtype.itemsize
         return elements * (3 if case.mode == "fwd_bwd" else 1)

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from . import providers as P
-from .cases import OP_VARIANTS, Case, make_inputs
+from .cases import HIDDEN, LINEAR_OPS, OP_VARIANTS, Case, make_inputs
 
 
 class AllocationTracker(TorchDispatchMode):
@@ -159,7 +159,8 @@ def model_peak_bytes(provider: str, case: Case, device=None) -> int | None:
 def memory_table(
     tokens: int, vocab: int, dtype: str, seqlen: int, device, measure: bool, ops=None
 ) -> list[dict]:
-    """Rows ``{case, provider, peak_mb, how}`` for the logits ops at one shape."""
+    """Rows ``{case, provider, peak_mb, how}`` for the logits ops (default) or ``ops`` at one
+    shape (linear ops at H = ``cases.HIDDEN["full"]``)."""
     from . import measure as M
 
     batch = max(1, tokens // seqlen)
@@ -167,7 +168,8 @@ def memory_table(
     rows = []
     for op in ops or ("token_logprobs", "policy_loss"):
         for variant, mode in OP_VARIANTS[op]:
-            case = Case(op, variant, mode, batch, seqlen, vocab, dtype)
+            hidden = HIDDEN["full"] if op in LINEAR_OPS else None
+            case = Case(op, variant, mode, batch, seqlen, vocab, dtype, hidden=hidden)
             inp = make_inputs(case, device) if measure else None
             for provider in P.PROVIDERS:
                 row = {"case": case, "provider": provider, "peak_mb": None, "how": "modelled"}

@@ -16,6 +16,12 @@ Vocabulary ops (``token_logprobs``, ``policy_loss``) never hold a float64 copy o
    ``dL/dz_j = (g (1[j = y] - p_j) - h p_j (log p_j + H)) / tau``, accumulating the RMS
    numerator / denominator and the worst row.
 
+Linear ops (``linear_token_logprobs``, ``linear_policy_loss``) never hold the ``(N, V)``
+logits in float64 either: the rows of ``z = h W^T`` are computed in float64 from float64
+copies of ``hidden`` and ``weight``, a block of rows at a time, for steps 1 and 2; then each
+block's ``dL/dz`` (the same row formula) gives ``dL/dH = dz W`` and ``dL/dW += dz^T h``, both
+kept in float64 (a ``(V, H)`` float64 buffer, the only one the size of the lm_head).
+
 The small token ops (``ppo_loss``, ``value_loss``, ``masked_whiten``, ``gae``) run whole in
 float64, gradients by autograd.
 
@@ -93,13 +99,37 @@ def worst_row_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return _ratio(worst, ref_sq / max(a2d.shape[0], 1))
 
 
-def compare(out: torch.Tensor, ref: torch.Tensor, kink: torch.Tensor | None = None) -> Comparison:
-    """``out`` against the float64 ``ref``; positions where ``kink`` is True are left out."""
+def worst_own_row_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``max_row ||out_row - ref_row|| / max(||ref_row||, RMS_row ||ref_row||)``: each row
+    against its own norm, floored at the RMS row norm. For rows of very different norms by
+    nature: ``grad_weight``'s vocabulary rows, of which a target token's is ~1/p larger than
+    the rest (with fewer tokens than V most rows get none), where :func:`worst_row_err`
+    would hold a big row's ordinary rounding against the typical row's norm."""
+    if out.shape != ref.shape:
+        return float("inf")
+    a2d, b2d = out.reshape(-1, out.shape[-1]), ref.reshape(-1, ref.shape[-1])
+    step = max(1, CHUNK // max(a2d.shape[1], 1))
+    mean_sq = sum(b2d[k : k + step].double().square().sum().item()
+                  for k in range(0, b2d.shape[0], step)) / max(b2d.shape[0], 1)  # fmt: skip
+    worst = 0.0
+    for k in range(0, a2d.shape[0], step):
+        a, b = a2d[k : k + step].double(), b2d[k : k + step].double()
+        own = b.square().sum(-1).clamp(min=max(mean_sq, 1e-300))
+        worst = max(worst, ((a - b).square().sum(-1) / own).max().item())
+    return _ratio(worst, 1.0)
+
+
+def compare(
+    out: torch.Tensor, ref: torch.Tensor, kink: torch.Tensor | None = None, own_rows=False
+) -> Comparison:
+    """``out`` against the float64 ``ref``; positions where ``kink`` is True are left out;
+    ``own_rows``: the worst row by :func:`worst_own_row_err`."""
     excluded = 0
     if kink is not None and out.shape == ref.shape and bool(kink.any()):
         excluded = int(kink.sum())
         out, ref = out.double().masked_fill(kink, 0.0), ref.masked_fill(kink, 0.0)
-    return Comparison(rel_err(out, ref), worst_row_err(out, ref), excluded)
+    row = worst_own_row_err(out, ref) if own_rows and out.dim() else worst_row_err(out, ref)
+    return Comparison(rel_err(out, ref), row, excluded)
 
 
 def _near(x: torch.Tensor, points, tol: float = KINK) -> torch.Tensor:
@@ -182,6 +212,66 @@ def compare_vocab_grad(out, logits, targets, lse, entropy, g, h, kink=None, tau=
             den += ref.square_().sum().item()
     rows = logits.shape[0] * logits.shape[1]
     return Comparison(_ratio(num, den), _ratio(worst, den / max(rows, 1)), excluded)
+
+
+def _window64(hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The ``(N, H)`` rows of the ``(B, S, H)`` hidden states that predict the ``(B, T)``
+    targets (positions ``S-T-1 ... S-2``), in float64."""
+    batch, positions, size = hidden.shape
+    length = targets.shape[1]
+    rows = hidden.detach()[:, positions - length - 1 : positions - 1]
+    return rows.to(torch.float64).reshape(batch * length, size)
+
+
+def _linear_blocks(n_rows: int, vocab: int):
+    """Slices of ~``CHUNK`` logits elements (a row at least) over ``n_rows`` rows."""
+    step = max(1, CHUNK // max(vocab, 1))
+    for r0 in range(0, n_rows, step):
+        yield slice(r0, min(n_rows, r0 + step))
+
+
+def linear_stats64(hidden, weight, targets, tau: float = TEMPERATURE):
+    """Per-token float64 ``(logp, entropy, lse)`` of ``softmax(hidden W^T / tau)`` for the
+    ``(B, T)`` targets, block by block of rows (see :func:`token_stats64`)."""
+    h64, w64 = _window64(hidden, targets), weight.detach().to(torch.float64)
+    flat = targets.reshape(-1)
+    out = [torch.empty(flat.shape[0], dtype=torch.float64, device=h64.device) for _ in range(3)]
+    with torch.no_grad():
+        for rows in _linear_blocks(h64.shape[0], w64.shape[0]):
+            z = h64[rows] @ w64.T
+            stats = token_stats64(z[None], flat[rows][None], tau)
+            for dst, src in zip(out, stats):
+                dst[rows] = src[0]
+            del z
+    return tuple(x.view(targets.shape) for x in out)
+
+
+def linear_grads64(hidden, weight, targets, lse, entropy, g, h, tau: float = TEMPERATURE):
+    """Float64 ``(dL/dhidden, dL/dweight)`` given ``g = dL/dlogp`` and ``h = dL/dentropy``:
+    per block of rows ``dz = (g (onehot - p) - h p (log p + H)) / tau`` (``z`` recomputed),
+    ``dH = dz W``, ``dW += dz^T h``. ``dL/dhidden`` has ``hidden``'s shape (zero at the
+    positions that predict no target)."""
+    h64, w64 = _window64(hidden, targets), weight.detach().to(torch.float64)
+    flat = targets.reshape(-1)
+    lse, entropy, g, h = (x.reshape(-1, 1) for x in (lse, entropy, g, h))
+    d_rows = torch.empty_like(h64)
+    d_weight = torch.zeros_like(w64)
+    with torch.no_grad():
+        for rows in _linear_blocks(h64.shape[0], w64.shape[0]):
+            logp_all = (h64[rows] @ w64.T).div_(tau).sub_(lse[rows])
+            p = logp_all.exp()
+            dz = logp_all.add_(entropy[rows]).mul_(-h[rows]).sub_(g[rows]).mul_(p)
+            del p
+            dz.scatter_add_(-1, flat[rows, None], g[rows])
+            dz /= tau
+            d_rows[rows] = dz @ w64
+            d_weight.addmm_(dz.T, h64[rows])
+            del dz
+    batch, positions, size = hidden.shape
+    length = targets.shape[1]
+    d_hidden = torch.zeros(hidden.shape, dtype=torch.float64, device=h64.device)
+    d_hidden[:, positions - length - 1 : positions - 1] = d_rows.view(batch, length, size)
+    return d_hidden, d_weight
 
 
 def policy_loss64(logp, entropy, advantages, old, ref, mask, variant: str):
@@ -319,6 +409,8 @@ class Oracle:
             self._token_logprobs(inp, fwd_bwd)
         elif case.op == "policy_loss":
             self._policy_loss(inp)
+        elif case.op in ("linear_token_logprobs", "linear_policy_loss"):
+            self._linear(inp, fwd_bwd)
         elif case.op == "ppo_loss":
             self.values, self.kinks = ppo_loss64(inp, fwd_bwd)
         elif case.op == "value_loss":
@@ -357,11 +449,45 @@ class Oracle:
         self.values["loss"] = loss
         self._vocab = (logits, targets, lse.detach(), entropy.detach(), g, h, kink)
 
+    def _linear(self, inp: dict, fwd_bwd: bool) -> None:
+        hidden, weight, targets = inp["hidden"], inp["weight"], inp["targets"]
+        logp, entropy, lse = linear_stats64(hidden, weight, targets)
+        if self.case.op == "linear_token_logprobs":
+            self.values["logp"] = logp
+            if self.case.variant == "logp+entropy":
+                self.values["entropy"] = entropy
+            if not fwd_bwd:
+                return
+            g = inp["g_logp"].double()
+            h = inp["g_entropy"].double() if "entropy" in self.values else torch.zeros_like(g)
+            kink = None
+        else:
+            logp_leaf, entropy_leaf = logp.requires_grad_(), entropy.requires_grad_()
+            args = [_f64(inp[k]) for k in ("advantages", "old_logprobs", "ref_logprobs")]
+            loss, log_ratio = policy_loss64(logp_leaf, entropy_leaf, *args, inp["mask"],
+                                            self.case.variant)  # fmt: skip
+            g, h = torch.autograd.grad(loss, [logp_leaf, entropy_leaf], allow_unused=True)
+            h = torch.zeros_like(g) if h is None else h
+            bounds = [math.log(1.0 - POLICY["eps_low"]), math.log(1.0 + POLICY["eps_high"])]
+            kink = inp["mask"].bool() & _near(log_ratio.detach(), bounds)
+            self.values["loss"] = loss
+        d_hidden, d_weight = linear_grads64(hidden, weight, targets, lse.detach(),
+                                            entropy.detach(), g, h)  # fmt: skip
+        self.values.update(grad_hidden=d_hidden, grad_weight=d_weight)
+        if kink is not None and bool(kink.any()):
+            # a token at a kink: its hidden row is left out (grad_weight sums every token's
+            # row: the inputs keep the log-ratios away from the boundaries, cases.CLIP_MARGIN)
+            row_kink = torch.zeros(hidden.shape[:2], dtype=torch.bool, device=kink.device)
+            length = targets.shape[1]
+            row_kink[:, hidden.shape[1] - length - 1 : hidden.shape[1] - 1] = kink
+            self.kinks["grad_hidden"] = row_kink[..., None]
+
     def compare(self, name: str, out: torch.Tensor) -> Comparison:
         if name == "grad_logits":
             logits, targets, lse, entropy, g, h, kink = self._vocab
             return compare_vocab_grad(out, logits, targets, lse, entropy, g, h, kink)
-        return compare(out, self.values[name], self.kinks.get(name))
+        own_rows = name == "grad_weight"  # vocabulary rows: see worst_own_row_err
+        return compare(out, self.values[name], self.kinks.get(name), own_rows)
 
     def compare_all(self, names, outs) -> dict[str, Comparison]:
         return {name: self.compare(name, out) for name, out in zip(names, outs)}

@@ -10,7 +10,13 @@
 * ``trl``: TRL's ``selective_log_softmax`` (per-row ``logsumexp`` loop in fp32, per-row
   ``log_softmax`` in bf16) and its chunked ``entropy_from_logits``, after TRL's ``logits / T``.
 * ``liger``: Liger-Kernel's Triton GRPO loss (``triton_grpo_loss``) and
-  ``fused_selective_log_softmax``, where ``liger_kernel`` is importable.
+  ``fused_selective_log_softmax``, where ``liger_kernel`` is importable; for
+  ``linear_policy_loss`` its chunked ``LigerFusedLinearGRPOLoss`` (``loss_type="bnpo"``: the
+  token mean over the batch's mask, the benchmark's aggregation).
+
+Linear ops (``linear_token_logprobs``, ``linear_policy_loss``): fused_rl's ops from the hidden
+states and the lm_head; eager / compile run ``F.linear`` on ``hidden[:, :-1]`` and then the
+eager log-prob / GRPO loss above (logits upcast to fp32); TRL has no fused-linear op.
 
 ``build(provider, case, inp)`` returns a zero-argument callable that runs the measured work
 once (forward; or forward + ``torch.autograd.grad`` under the case's random upstream
@@ -31,6 +37,7 @@ import inspect
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from .cases import GAE, POLICY, PPO, TEMPERATURE, VALUE_CLIP, Case
 
@@ -86,6 +93,9 @@ def output_names(case: Case) -> list[str]:
         return names + (["grad_logits"] if case.mode == "fwd_bwd" else [])
     if case.op == "policy_loss":
         return ["loss", "grad_logits"]
+    if case.op in ("linear_token_logprobs", "linear_policy_loss"):
+        first = ["logp"] if case.op == "linear_token_logprobs" else ["loss"]
+        return first + (["grad_hidden", "grad_weight"] if case.mode == "fwd_bwd" else [])
     if case.op == "ppo_loss":
         grads = ["grad_pi_logprobs", "grad_phi_values"] if case.mode == "fwd_bwd" else []
         return ["loss", "policy_loss", "value_loss", "ratios_mean", "clipfrac", *grads]
@@ -167,6 +177,17 @@ def eager_policy_loss(logits, targets, advantages, old, ref, mask, variant: str)
     stats = eager_token_logprobs(logits, targets, with_entropy)
     entropy = stats[1] if with_entropy else None
     return (token_policy_loss(stats[0], entropy, advantages, old, ref, mask, variant),)
+
+
+def eager_linear_token_logprobs(hidden, weight, targets, with_entropy: bool):
+    """``F.linear`` on the positions that predict the targets, then the eager log-probs."""
+    return eager_token_logprobs(F.linear(hidden[:, :-1], weight), targets, with_entropy)
+
+
+def eager_linear_policy_loss(hidden, weight, targets, advantages, old, ref, mask, variant: str):
+    """``F.linear`` on the positions that predict the targets, then the eager GRPO loss."""
+    logits = F.linear(hidden[:, :-1], weight)
+    return eager_policy_loss(logits, targets, advantages, old, ref, mask, variant)
 
 
 def _masked_mean_tt(x, mask):
@@ -312,6 +333,33 @@ def _fused_forward(case: Case, inp: dict, backend: str):
         # its whole gradient, zero in the last position, with no slice backward
         logits = inp["buf_leaf"] if backend == "triton" else inp["logits"]
         return lambda: (fn(logits, inp["targets"], inp["advantages"], **kwargs)[0],)
+    if case.op == "linear_token_logprobs":
+        with_entropy = case.variant == "logp+entropy"
+
+        def forward():
+            out = fn(inp["hidden"], inp["weight"], inp["targets"], temperature=TEMPERATURE,
+                     return_entropy=with_entropy)  # fmt: skip
+            return out if with_entropy else (out,)
+
+        return forward
+    if case.op == "linear_policy_loss":
+        if case.variant != "grpo":
+            raise ValueError(f"no linear_policy_loss variant {case.variant!r}")
+        kwargs = dict(
+            old_logprobs=inp["old_logprobs"],
+            ref_logprobs=inp["ref_logprobs"],
+            mask=inp["mask"],
+            temperature=TEMPERATURE,
+            eps_low=POLICY["eps_low"],
+            eps_high=POLICY["eps_high"],
+            beta=POLICY["beta"],
+            kl_estimator=POLICY["kl_estimator"],
+            entropy_coef=0.0,
+            importance_sampling="token",
+            loss_agg="token-mean",
+        )
+        args = [inp[k] for k in ("hidden", "weight", "targets", "advantages")]
+        return lambda: (fn(*args, **kwargs)[0],)
     if case.op == "ppo_loss":
         return lambda: tuple(
             fn(
@@ -389,6 +437,17 @@ def _eager_forward(case: Case, inp: dict, compiled: bool, flavour: str = "eager"
         args = [inp[k] for k in ("logits", "targets", "advantages")]
         args += [inp[k] for k in ("old_logprobs", "ref_logprobs", "mask")]
         return lambda: fn(*args, variant)
+    if op == "linear_token_logprobs":
+        with_entropy = variant == "logp+entropy"
+        base = eager_linear_token_logprobs
+        fn = _compiled((flavour, op, with_entropy), base) if compiled else base
+        return lambda: fn(inp["hidden"], inp["weight"], inp["targets"], with_entropy)
+    if op == "linear_policy_loss":
+        base = eager_linear_policy_loss
+        fn = _compiled((flavour, op, variant), base) if compiled else base
+        args = [inp[k] for k in ("hidden", "weight", "targets", "advantages")]
+        args += [inp[k] for k in ("old_logprobs", "ref_logprobs", "mask")]
+        return lambda: fn(*args, variant)
     if flavour == "trl":
         raise Unavailable("TRL-style provider covers the logits ops only")
     table = {
@@ -443,9 +502,59 @@ def _liger_import(module: str, name: str):
         raise Unavailable(reason, transient=True) from exc
 
 
+def _liger_linear_forward(case: Case, inp: dict):
+    """``LigerFusedLinearGRPOLoss`` on the ``(B, T, H)`` hidden rows that predict the
+    targets (a contiguous leaf of their own, ``inp["hidden_window"]``, made here outside the
+    measured call), with the benchmark's hyper-parameters. Its ``bnpo`` aggregation is the
+    benchmark's token mean: ``sum(per_token * mask) / mask.sum()``; its per-token loss is
+    ``-min(r A, clip(r) A) + beta k3(ref, logp)``, the same objective."""
+    if case.op != "linear_policy_loss":
+        raise Unavailable("Liger has no public fused-linear per-token log-prob op")
+    loss_cls = _liger_import("liger_kernel.chunked_loss", "LigerFusedLinearGRPOLoss")
+    params = inspect.signature(loss_cls.__init__).parameters
+    needed = ("beta", "epsilon_low", "epsilon_high", "loss_type", "temperature", "use_ref_model")
+    missing = [name for name in needed if name not in params]
+    if missing:  # an older Liger: its aggregation and clipping cannot be set to match
+        raise Unavailable(
+            f"this LigerFusedLinearGRPOLoss has no {', '.join(missing)}: its semantics "
+            "cannot be matched to the benchmark's (token-mean, beta, eps_low/eps_high)",
+            transient=True,
+        )
+    kwargs = dict(
+        beta=POLICY["beta"],
+        epsilon_low=POLICY["eps_low"],
+        epsilon_high=POLICY["eps_high"],
+        loss_type="bnpo",  # token mean over the whole batch's mask
+        temperature=TEMPERATURE,
+        use_ref_model=True,  # the k3 KL against the given ref_per_token_logps
+    )
+    if "importance_sampling_level" in params:
+        kwargs["importance_sampling_level"] = "token"
+    loss_fn = loss_cls(**kwargs)
+    window = inp["hidden"][:, :-1].detach().contiguous().requires_grad_()
+    inp["hidden_window"] = window
+    mask = inp["mask"].to(torch.float32)
+
+    def forward():
+        out = loss_fn(
+            window,
+            inp["weight"],
+            inp["targets"],
+            mask,
+            inp["advantages"],
+            ref_per_token_logps=inp["ref_logprobs"],
+            old_per_token_logps=inp["old_logprobs"],
+        )
+        return (out[0] if isinstance(out, (tuple, list)) else out,)
+
+    return forward
+
+
 def _liger_forward(case: Case, inp: dict):
     if liger_version() is None:
         raise Unavailable("liger_kernel is not importable", transient=True)
+    if case.op in ("linear_token_logprobs", "linear_policy_loss"):
+        return _liger_linear_forward(case, inp)
     if case.op == "token_logprobs":
         if case.mode != "fwd_nograd" or case.variant != "logp":
             raise Unavailable("Liger has a no-grad fused log-prob only (no entropy, no backward)")
@@ -508,6 +617,14 @@ def _wrt_upstream(case: Case, inp: dict, provider: str):
         if provider in ("liger", "fused_rl"):  # they differentiate the whole (B, T+1, V) buffer
             return [inp["buf_leaf"]], [None], lambda g: (g[0][:, :-1],)
         return [inp["logits"]], [None], None
+    if case.op == "linear_token_logprobs":
+        ups = [inp["g_logp"]] + ([inp["g_entropy"]] if case.variant == "logp+entropy" else [])
+        return [inp["hidden"], inp["weight"]], ups, None
+    if case.op == "linear_policy_loss":
+        if provider == "liger":  # its own (B, T, H) leaf: the last position gets no gradient
+            pad = lambda g: (F.pad(g[0], (0, 0, 0, 1)), g[1])  # noqa: E731
+            return [inp["hidden_window"], inp["weight"]], [None], pad
+        return [inp["hidden"], inp["weight"]], [None], None
     if case.op == "ppo_loss":
         return [inp["pi_logprobs"], inp["phi_values"]], [None], None
     if case.op == "value_loss":
@@ -534,6 +651,8 @@ def build(provider: str, case: Case, inp: dict, *, compile_on_cpu: bool = False)
             raise Unavailable("torch.compile measured on the suite's compile subset only")
         forward = _eager_forward(case, inp, compiled=True)
     elif provider == "trl":
+        if case.op in ("linear_token_logprobs", "linear_policy_loss"):
+            raise Unavailable("TRL has no fused-linear log-prob or loss")
         forward = _eager_forward(case, inp, compiled=False, flavour="trl")
     elif provider == "liger":
         forward = _liger_forward(case, inp)

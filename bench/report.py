@@ -81,7 +81,8 @@ def _mb(x) -> str:
 
 
 def _shape(r: dict) -> str:
-    return f"{r['batch']}x{r['seqlen']}" + (f"x{r['vocab']}" if r["vocab"] else "")
+    shape = f"{r['batch']}x{r['seqlen']}" + (f"x{r['vocab']}" if r["vocab"] else "")
+    return shape + (f" H{r['hidden']}" if r.get("hidden") else "")
 
 
 def _errors(r: dict) -> str:

@@ -164,6 +164,7 @@ def _record(case: Case, provider: str, **fields) -> dict:
         "batch": case.batch,
         "seqlen": case.seqlen,
         "vocab": case.vocab,
+        "hidden": case.hidden,
         "dtype": case.dtype,
         "status": "ok",
         "ms": None,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -323,3 +324,59 @@ def test_gpu_report_renders(tmp_path):
         table = C.table_text(records, gpu=True, use_rich=use_rich)
         assert "6.00" in table and "x fused" in table and "GB/s" in table
     assert len(R.write_plots(str(tmp_path), records, meta)) in (0, 2)  # 0 without matplotlib
+
+
+def test_linear_cases_build():
+    """The linear ops' cases: quick (H = 16, tiny, an odd V too) and full (H = 4096 on the
+    bf16 token x vocab grid of the logits ops); their inputs, outputs and providers."""
+    from bench.cases import CLIP_MARGIN, HIDDEN, LINEAR_OPS
+
+    quick = select_cases("quick", list(LINEAR_OPS))
+    assert {(c.op, c.variant, c.mode) for c in quick} == {
+        ("linear_token_logprobs", "logp", "fwd_nograd"),
+        ("linear_token_logprobs", "logp", "fwd_bwd"),
+        ("linear_policy_loss", "grpo", "fwd_bwd"),
+    }
+    assert {c.hidden for c in quick} == {HIDDEN["quick"]} and any(c.vocab % 2 for c in quick)
+    full = [c for c in full_cases() if c.op in LINEAR_OPS]
+    grid = {(c.tokens, c.vocab) for c in full_cases() if c.op == "policy_loss" and c.dtype == "bf16"
+            and c.seqlen == 1024}  # fmt: skip
+    assert {(c.tokens, c.vocab) for c in full if c.dtype == "bf16"} == grid
+    assert {c.hidden for c in full} == {4096} and "H4096" in full[0].label()
+    for case in quick[:3]:
+        inp = make_inputs(case, "cpu")
+        b, t, v, h = case.batch, case.seqlen, case.vocab, case.hidden
+        assert inp["hidden"].shape == (b, t + 1, h) and inp["weight"].shape == (v, h)
+        assert inp["hidden"].dtype == case.torch_dtype == inp["weight"].dtype
+        assert inp["hidden"].requires_grad == (case.mode == "fwd_bwd")
+        for provider in ("fused_rl_ref", "eager"):
+            out = P.build(provider, case, inp)()
+            names = P.output_names(case)
+            assert len(out) == len(names) and out[0].shape == (() if "loss" in names else (b, t))
+            if case.mode == "fwd_bwd":
+                assert out[-2].shape == (b, t + 1, h) and out[-1].shape == (v, h)
+        with pytest.raises(P.Unavailable, match="TRL"):
+            P.build("trl", case, inp)
+        if P.liger_version() is None:
+            with pytest.raises(P.Unavailable):
+                P.build("liger", case, inp)
+    # the policy case's log-ratios stay CLIP_MARGIN away from the clip boundaries
+    case = Case("linear_policy_loss", "grpo", "fwd_bwd", 8, 64, 50, "fp32", hidden=8)
+    inp = make_inputs(case, "cpu")
+    logp = fused_rl.linear_token_logprobs(inp["hidden"].detach(), inp["weight"].detach(),
+                                          inp["targets"], backend="reference")  # fmt: skip
+    log_ratio = logp - inp["old_logprobs"]
+    for bound in (math.log(0.8), math.log(1.28)):
+        assert (log_ratio - bound).abs().min() > 0.99 * CLIP_MARGIN
+
+
+def test_linear_memory_model():
+    """fused_rl's linear ops never hold the (N, V) logits (a 256 MiB chunk of them, and on
+    CPU an fp32 copy of its gradient for dW); eager materialises them in fp32, more than
+    twice over."""
+    case = Case("linear_policy_loss", "grpo", "fwd_bwd", 32, 1024, 32000, "bf16", hidden=256)
+    logits = case.tokens * case.vocab * 2
+    fused, how = model_peak("fused_rl", case)
+    assert how == "modelled" and fused < 0.5 * logits
+    assert model_peak("eager", case)[0] > 2 * logits
+    assert M.bytes_moved(case) == 3 * (case.tokens + 32000) * 256 * 2

@@ -238,3 +238,67 @@ def test_default_output_is_local_and_ignored():
     tracked = subprocess.run(["git", "check-ignore", "-q", "bench/results/cpu/results.json"],
                              cwd=ROOT)  # fmt: skip
     assert tracked.returncode == 1  # the committed CPU figures stay tracked
+
+
+def _linear_autograd64(case: Case, inp: dict) -> dict:
+    """The linear case's outputs by torch autograd in float64 through ``F.linear`` and a
+    float64 log_softmax of the whole logits."""
+    h = inp["hidden"].detach().double().requires_grad_()
+    w = inp["weight"].detach().double().requires_grad_()
+    logp_all = torch.log_softmax(torch.nn.functional.linear(h[:, :-1], w), dim=-1)
+    logp = logp_all.gather(-1, inp["targets"][..., None])[..., 0]
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    if case.op == "linear_token_logprobs":
+        outs, ups = [logp], [inp["g_logp"].double()]
+        if case.variant == "logp+entropy":
+            outs.append(entropy)
+            ups.append(inp["g_entropy"].double())
+        grad_h, grad_w = torch.autograd.grad(outs, [h, w], ups)
+        return {"logp": logp, "entropy": entropy, "grad_hidden": grad_h, "grad_weight": grad_w}
+    args = [inp[k].double() for k in ("advantages", "old_logprobs", "ref_logprobs")]
+    loss = P.token_policy_loss(logp, None, *args, inp["mask"], case.variant)
+    grad_h, grad_w = torch.autograd.grad(loss, [h, w])
+    return {"loss": loss, "grad_hidden": grad_h, "grad_weight": grad_w}
+
+
+@pytest.mark.no_poison
+@pytest.mark.parametrize(
+    "op, variant",
+    [("linear_token_logprobs", "logp"), ("linear_token_logprobs", "logp+entropy"),
+     ("linear_policy_loss", "grpo")],
+)  # fmt: skip
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_linear_oracle_matches_float64_autograd(monkeypatch, op, variant, dtype):
+    """The linear ops' streamed oracle (z = h W^T in float64 blocks of 3 rows: a remainder
+    block too; dH and dW accumulated block by block) equals full float64 autograd through
+    F.linear, to 1e-12; a grad_weight 10% off is measured as 0.1, and so is its worst row."""
+    monkeypatch.setattr(O, "CHUNK", 3 * 37)
+    case = Case(op, variant, "fwd_bwd", 2, 5, 37, dtype, hidden=8)
+    inp = make_inputs(case, "cpu")
+    oracle = O.Oracle(case, inp)
+    want = _linear_autograd64(case, inp)
+    names = P.output_names(case) + (["entropy"] if variant == "logp+entropy" else [])
+    for name in names:
+        got = oracle.compare(name, want[name].detach())
+        assert got.err < F64_TOL and got.worst_row < F64_TOL, (name, got)
+    assert oracle.values["grad_hidden"][:, -1].abs().max() == 0  # predicts no target
+    off = oracle.compare("grad_weight", 1.1 * want["grad_weight"])
+    assert off.err == pytest.approx(0.1, rel=1e-9)
+    assert off.worst_row == pytest.approx(0.1, rel=1e-9)
+
+
+def test_worst_own_row_err():
+    """grad_weight's rows against their own norm, floored at the RMS row norm: a big row 1%
+    off reads 0.01 (not ~1% times how much bigger than the typical row it is); a small row
+    off by the RMS row norm reads 1."""
+    ref = torch.ones(100, 4, dtype=torch.float64) * 1e-3
+    ref[7] = 10.0
+    out = ref.clone()
+    out[7] *= 1.01
+    assert O.worst_own_row_err(out, ref) == pytest.approx(0.01, rel=1e-6)
+    assert O.worst_row_err(out, ref) > 0.05
+    rms = ref.square().sum(-1).mean().sqrt().item()
+    out = ref.clone()
+    out[3, 0] += rms
+    assert O.worst_own_row_err(out, ref) == pytest.approx(1.0, rel=1e-6)
+    assert O.worst_own_row_err(ref[:2], ref) == float("inf")
