@@ -22,9 +22,13 @@ from .token_reductions import flat_rowcol, load_weight, safe, sum_partials, wide
 
 @triton.jit
 def max_and_grad(a, b, g_a, g_b):
-    """``maximum(a, b)`` and its gradient given the branches' gradients (halves at a tie)."""
-    grad = tl.where(a > b, g_a, tl.where(b > a, g_b, 0.5 * (g_a + g_b)))
-    return nan_max(a, b), grad
+    """``maximum(a, b)`` and its gradient given the branches' gradients, as torch's
+    ``maximum`` backward: a branch gets its gradient unless it is strictly smaller, halved
+    at a tie, and whole when the other is NaN (both branches then carry it)."""
+    tie = a == b  # selected with where, never multiplied: an unused inf gradient stays out
+    part_a = tl.where(a < b, 0.0, tl.where(tie, 0.5 * g_a, g_a))
+    part_b = tl.where(b < a, 0.0, tl.where(tie, 0.5 * g_b, g_b))
+    return nan_max(a, b), part_a + part_b
 
 
 @triton.jit

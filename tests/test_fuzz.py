@@ -320,9 +320,6 @@ def known_open(case: Case) -> str | None:
         if x.is_floating_point() and case.op in ("masked_var", "masked_whiten"):
             if bool((torch.isfinite(x) & (x.double().abs() >= 1e19)).any()):
                 return "masked_var / masked_whiten: squares overflow fp32 (finding 4)"
-        if x.is_floating_point() and "old" in name and "value" in name.lower() + case.op:
-            if case.op in ("value_loss", "ppo_loss") and bool(torch.isnan(x).any()):
-                return "value gradient at a NaN old value (finding 7)"
     if "continuous" in case.op and any(  # huge values, or a tiny sigma that 1/sigma^3 blows up
         bool(((x := a.value().double().abs()) >= 1e29).any() | ((x > 0) & (x <= 1e-12)).any())
         for a in args.values()
@@ -2149,8 +2146,8 @@ FOUND = {
         ),
         v=torch.zeros(0, 3), grad=("v",), nan_rule=lambda x: {"loss": True},
     ),
-    # a NaN old value: the value loss is NaN on both, its gradient full (reference) or half
-    # (Triton: the tie split) of the unclipped branch's
+    # was: a NaN old value gave the full unclipped gradient on the reference (torch.maximum's
+    # backward) and half of it on Triton (the tie split); the kernel now follows torch
     "value_loss NaN old value": lambda: fixed_case(
         "value_loss",
         lambda x, b: _policy_outputs(*fused_rl.value_loss(x["v"], x["old"], x["ret"], backend=b)),
