@@ -93,12 +93,10 @@ def _addmm_wide(acc_out: Tensor, a: Tensor, b: Tensor) -> None:
             acc_out.add_(torch.mm(a, b, out_dtype=acc_out.dtype))
             _MM_OUT_DTYPE[kind] = True
             return
-        except (TypeError, NotImplementedError) as exc:  # never an out-of-memory error
-            if "out_dtype" not in str(exc) and not isinstance(exc, NotImplementedError):
-                raise
-            _MM_OUT_DTYPE[kind] = False
-        except RuntimeError as exc:  # "Could not run 'aten::mm.dtype' ... backend"
-            if "mm.dtype" not in str(exc):
+        except (TypeError, NotImplementedError, RuntimeError) as exc:
+            # "not supported here" ("out_dtype" keyword, "aten::mm.dtype" backend), never
+            # another error (out of memory) that would switch the fast path off for good
+            if not isinstance(exc, NotImplementedError) and "dtype" not in str(exc):
                 raise
             _MM_OUT_DTYPE[kind] = False
     acc_out.addmm_(a.to(acc_out.dtype), b.to(acc_out.dtype))
