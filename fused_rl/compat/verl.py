@@ -1211,3 +1211,254 @@ __all__ = [
     "masked_var",
     "masked_whiten",
 ]
+
+
+# ----------------------------------------------------------------------------- fused linear
+#
+# verl's two fused lm_head ops (hidden states -> per-token log-prob and entropy, the logits
+# never whole): ``verl.utils.experimental.torch_functional.FusedLinearForPPO`` (chunked
+# PyTorch, outputs in the hidden states' dtype) and
+# ``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy`` (Triton, fp32 outputs).
+# Both run :func:`fused_rl.linear_token_logprobs`.
+
+LINEAR_CE_REDUCTIONS = ("none", "sum", "mean")
+
+
+def _no_vocab_parallel(dist_process_group) -> None:
+    if dist_process_group is not None:
+        raise NotImplementedError(
+            "dist_process_group must be None: the vocab-parallel form of linear_cross_entropy "
+            "(each rank of the group holding a slice of the lm_head's vocabulary) is issue 16's "
+            "work and not built yet"
+        )
+
+
+def _token_ids(ids, name: str) -> Tensor:
+    """verl's token ids as the kernels take them: int64 / int32 as they come, any other
+    integer dtype as int64 (verl casts to int64); bool / floating ids raise ``TypeError``."""
+    V.check_tensor(ids, name)
+    if ids.dtype in V.INDEX_DTYPES:
+        return ids
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        raise TypeError(f"{name} must be an integer tensor of token ids, got {ids.dtype}")
+    return ids.long()
+
+
+def _check_lm_head(hidden, weight, hidden_name: str, weight_name: str) -> None:
+    """``hidden`` ``(..., H)`` and ``weight`` ``(V, H)``, floating, one dtype (unless autocast
+    casts them, as ``hidden @ weight.T`` would), one device; messages name verl's arguments."""
+    V.check_float(hidden, hidden_name)
+    V.check_float(weight, weight_name)
+    if hidden.dim() < 2:
+        raise ValueError(
+            f"{hidden_name} must be (..., H) hidden states, got shape {tuple(hidden.shape)}"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
+        raise ValueError(
+            f"{weight_name} must be the lm_head's (V, H) with V >= 1 and H = "
+            f"{hidden_name}.shape[-1] = {hidden.shape[-1]}, got shape {tuple(weight.shape)}"
+        )
+    if weight.dtype != hidden.dtype and not torch.is_autocast_enabled(hidden.device.type):
+        raise TypeError(
+            f"{weight_name} ({weight.dtype}) and {hidden_name} ({hidden.dtype}) must share a "
+            "dtype (verl's hidden @ weight.T needs it outside autocast)"
+        )
+    V.check_same_device(**{hidden_name: hidden, weight_name: weight})
+
+
+def _check_token_range(ids: Tensor, vocab: int, name: str, original: str) -> None:
+    """Eager check (one host sync; off with ``fused_rl.config.check_values``) that every id
+    is in ``[0, V)``: verl has no ignore index (its gather raises, its kernel reads garbage)."""
+    if not V.value_checks_enabled(ids):
+        return
+    bad = (ids < 0) | (ids >= vocab)
+    if bool(bad.any()):
+        first = ids[bad].reshape(-1)[0].item()
+        raise ValueError(
+            f"{name} holds {first}, outside [0, V) = [0, {vocab}); verl's {original} has no "
+            "ignore index: replace ignored ids (e.g. -100) by a valid id and mask them out"
+        )
+
+
+def _linear_stats(hidden, weight, ids, temperature, chunk_tokens):
+    """``(logp, entropy)`` of ``hidden @ weight.T / temperature`` at ``ids`` (fp32; fp64 for
+    fp64 inputs), through :func:`fused_rl.linear_token_logprobs`."""
+    from ..linear import linear_token_logprobs
+
+    return linear_token_logprobs(
+        hidden, weight, ids, temperature=float(temperature), return_entropy=True,
+        chunk_tokens=chunk_tokens,
+    )  # fmt: skip
+
+
+class FusedLinearForPPO(torch.nn.Module):
+    """Mirrors ``verl.utils.experimental.torch_functional.FusedLinearForPPO``.
+
+    ``log_softmax(hidden_states @ vocab_weights.T / temperature)`` gathered at ``input_ids``,
+    and the entropy of that softmax, ``chunk_size`` tokens at a time: the ``(N, V)`` logits
+    are never held whole. Runs :func:`fused_rl.linear_token_logprobs` (one GEMM and one pass
+    of the vocab kernel per chunk forward; backward: the chunk's logits recomputed, the
+    gradient written over them, ``dH = dz W``, ``dW += dz^T h`` in fp32).
+
+    Args:
+        chunk_size: tokens per chunk (verl's default 512); a positive int.
+
+    ``forward(hidden_states, vocab_weights, input_ids, temperature=1.0)``:
+
+    * ``hidden_states``: ``(B, T, H)`` or ``(N, H)`` final hidden states (any strides);
+    * ``vocab_weights``: the lm_head ``(V, H)``, ``hidden_states``' dtype (no bias, as in
+      verl);
+    * ``input_ids``: ``hidden_states.shape[:-1]`` ids in ``[0, V)``, **already shifted**:
+      row ``t`` is scored at ``input_ids[..., t]`` (verl's callers pass
+      ``torch.roll(input_ids, -1, dims=-1)``; nothing is rolled here); any integer dtype
+      (verl casts to int64); an id outside ``[0, V)`` raises ``ValueError`` naming
+      ``input_ids``;
+    * ``temperature``: a real number ``> 0`` dividing the logits.
+
+    Returns:
+        ``(log_probs, entropy)``, each ``hidden_states.shape[:-1]`` in ``hidden_states``'
+        dtype (verl's: it computes in fp32 and casts back); differentiable w.r.t.
+        ``hidden_states`` and ``vocab_weights`` (gradients in their dtypes) under any
+        upstream gradient on either output.
+
+    Where it departs from verl (docs/compat.md, "verl"): for fp16 / bf16 inputs the gradient
+    ``dz`` is not divided by ``temperature`` in that dtype and ``vocab_weights``' gradient
+    accumulates over the chunks in fp32 (verl: in the weights' dtype), so it is at least as
+    accurate; an fp64 input is computed in fp64 (verl: fp32). ``fused_rl.compat.half_precision``
+    does not apply (there is no ``"original"`` op sequence to reproduce here).
+
+    Example:
+        >>> import torch
+        >>> from fused_rl.compat.verl import FusedLinearForPPO
+        >>> h = torch.zeros(2, 3, 8, requires_grad=True)
+        >>> w = torch.randn(16, 8, requires_grad=True)
+        >>> lp, ent = FusedLinearForPPO(chunk_size=4)(h, w, torch.zeros(2, 3, dtype=torch.long))
+        >>> lp.shape, lp.dtype, round(lp[0, 0].item(), 4), round(ent[1, 2].item(), 4)
+        (torch.Size([2, 3]), torch.float32, -2.7726, 2.7726)
+        >>> (lp.sum() + ent.sum()).backward()
+        >>> h.grad.shape, w.grad.shape
+        (torch.Size([2, 3, 8]), torch.Size([16, 8]))
+    """
+
+    def __init__(self, chunk_size: int = 512):
+        super().__init__()
+        V.check_positive_int(chunk_size, "chunk_size")
+        self.chunk_size = chunk_size
+
+    def extra_repr(self) -> str:
+        return f"chunk_size={self.chunk_size}"
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        vocab_weights: Tensor,
+        input_ids: Tensor,
+        temperature: float = 1.0,
+    ) -> tuple[Tensor, Tensor]:
+        V.check_positive_int(self.chunk_size, "chunk_size")  # an attribute: may be reassigned
+        _check_lm_head(hidden_states, vocab_weights, "hidden_states", "vocab_weights")
+        if hidden_states.dim() not in (2, 3):
+            shape = tuple(hidden_states.shape)
+            raise ValueError(f"hidden_states must be (B, T, H) or (N, H), got shape {shape}")
+        ids = _token_ids(input_ids, "input_ids")
+        if tuple(ids.shape) != tuple(hidden_states.shape[:-1]):
+            raise ValueError(
+                "input_ids must have shape hidden_states.shape[:-1] = "
+                f"{tuple(hidden_states.shape[:-1])}, got {tuple(ids.shape)} (one id per row, "
+                "already shifted: FusedLinearForPPO does not roll them)"
+            )
+        V.check_same_device(hidden_states=hidden_states, input_ids=ids)
+        V.check_positive(temperature, "temperature")
+        _check_token_range(ids, vocab_weights.shape[0], "input_ids", "FusedLinearForPPO")
+        logp, entropy = _linear_stats(
+            hidden_states, vocab_weights, ids, temperature, self.chunk_size
+        )
+        return logp.to(hidden_states.dtype), entropy.to(hidden_states.dtype)
+
+
+def linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    temperature: float = 1.0,
+    reduction: str = "none",
+    dist_process_group=None,
+) -> tuple[Tensor, Tensor]:
+    """Mirrors ``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy`` (verl's Triton
+    fused lm_head + log-prob / entropy op; no vocab parallelism yet).
+
+    Per token, with ``z = hidden @ weight.T / temperature``: ``log_softmax(z)[label]`` (the
+    log-prob, not its negative, despite the name) and the entropy of ``softmax(z)``. Runs
+    :func:`fused_rl.linear_token_logprobs` (chunked; the ``(N, V)`` logits are never whole).
+
+    Args:
+        hidden: ``(..., H)`` hidden states, flattened to ``(N, H)`` (typically ``(B, T, H)``;
+            any strides, verl needs them contiguous).
+        weight: the lm_head ``(V, H)``, ``hidden``'s dtype.
+        labels: ``N`` ids in ``[0, V)`` (any shape holding one per hidden row, e.g.
+            ``(B, T)``), **already shifted** (verl's callers roll them by -1); any integer
+            dtype. An id outside ``[0, V)`` raises ``ValueError`` naming ``labels``.
+        temperature: a real number ``> 0`` (verl asserts a Python float; an int is accepted).
+        reduction: ``"none"`` (per-token log-probs), ``"sum"`` (their sum) or ``"mean"``
+            (their sum over ``N``), case-insensitive as verl's ``reduction.lower()``; anything
+            else raises ``ValueError`` naming ``reduction`` (a non-str ``TypeError``). The
+            entropy is per token whatever the reduction, as in verl.
+        dist_process_group: must be None; a process group (verl's vocab-parallel form, each
+            rank holding a vocabulary slice) raises ``NotImplementedError``: issue 16.
+
+    Returns:
+        ``(logprobs, entropy)`` in fp32 whatever the inputs' dtype, as verl allocates them:
+        ``logprobs`` ``(N,)`` (flat, even for ``(B, T, H)`` hidden) or 0-dim for ``"sum"`` /
+        ``"mean"``; ``entropy`` ``(N,)``. Differentiable w.r.t. ``hidden`` (gradient in its
+        shape) and ``weight``, gradients in their dtypes.
+
+    Where it departs from verl (docs/compat.md, "verl"): runs on CPU (the reference or the
+    Triton interpreter) as well as CUDA, for any ``H`` (verl asserts ``H % 128 == 0``);
+    fp64 inputs are computed in fp64 (the outputs are still fp32); each gradient element is
+    rounded to the inputs' dtype once (verl's default backward adds ``hidden``'s gradient over
+    vocabulary slices of 9504 in that dtype).
+
+    Example:
+        >>> import torch
+        >>> from fused_rl.compat import verl
+        >>> h = torch.zeros(2, 3, 8, dtype=torch.bfloat16, requires_grad=True)
+        >>> w = torch.randn(16, 8, dtype=torch.bfloat16)
+        >>> lp, ent = verl.linear_cross_entropy(h, w, torch.zeros(2, 3, dtype=torch.long))
+        >>> lp.shape, lp.dtype, round(lp[0].item(), 4), round(ent[5].item(), 4)
+        (torch.Size([6]), torch.float32, -2.7726, 2.7726)
+        >>> total, _ = verl.linear_cross_entropy(h, w, torch.zeros(6, dtype=torch.long),
+        ...                                      reduction="sum")
+        >>> total.shape, round(total.item(), 3)
+        (torch.Size([]), -16.636)
+    """
+    _no_vocab_parallel(dist_process_group)
+    if not isinstance(reduction, str):
+        raise TypeError(
+            f"reduction must be a str, one of {LINEAR_CE_REDUCTIONS}, got "
+            f"{type(reduction).__name__}"
+        )
+    mode = reduction.lower()
+    if mode not in LINEAR_CE_REDUCTIONS:
+        raise ValueError(f"reduction must be one of {LINEAR_CE_REDUCTIONS}, got {reduction!r}")
+    V.check_positive(temperature, "temperature")
+    _check_lm_head(hidden, weight, "hidden", "weight")
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    ids = _token_ids(labels, "labels")
+    if ids.numel() != rows.shape[0]:
+        raise ValueError(
+            f"labels must hold one id per hidden row, N = {rows.shape[0]} for hidden of shape "
+            f"{tuple(hidden.shape)}, got shape {tuple(ids.shape)}"
+        )
+    ids = ids.reshape(-1)
+    V.check_same_device(hidden=hidden, labels=ids)
+    _check_token_range(ids, weight.shape[0], "labels", "linear_cross_entropy")
+    logp, entropy = _linear_stats(rows, weight, ids, temperature, None)
+    logp, entropy = logp.float(), entropy.float()
+    if mode == "sum":
+        logp = logp.sum()
+    elif mode == "mean":
+        logp = logp.mean()
+    return logp, entropy
+
+
+__all__ += ["FusedLinearForPPO", "LINEAR_CE_REDUCTIONS", "linear_cross_entropy"]
