@@ -35,7 +35,8 @@ def token_weights(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """``(B, T)`` weights ``w`` in ``dtype`` (the kernels' accumulation dtype: fp32, fp64 for
-    fp64 log-probs) with ``loss = (w * per_token_loss).sum()``.
+    fp64 log-probs) with ``loss = (w * per_token_loss).sum()``: ``w = m * s`` with ``m`` the
+    mask weights and ``s`` :func:`sequence_scale`.
 
     * ``token-mean``: ``m / sum(m)`` (``num_items`` replaces ``sum(m)``: a global token count
       for DAPO-style normalisation across micro-batches and ranks; a tensor holding a value
@@ -45,30 +46,45 @@ def token_weights(
     * ``seq-mean-token-sum-norm``: ``m / (B * max_length)`` (Dr. GRPO; ``max_length`` = T
       by default).
     """
+    m = mask_weights(mask, dtype)
+    if m.dim() != 2:
+        raise ValueError(f"mask must be (B, T), got shape {tuple(m.shape)}")
+    return m * sequence_scale(m, loss_agg, max_length=max_length, num_items=num_items)
+
+
+def sequence_scale(
+    m: torch.Tensor,
+    loss_agg: str,
+    *,
+    max_length: int | None = None,
+    num_items: int | float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The aggregation's normaliser ``s`` of :func:`token_weights` for ``(B, T)`` float
+    mask weights ``m``: ``(B, 1)`` for ``seq-mean-token-mean``, else ``(1, 1)``, in ``m``'s
+    dtype. Depends on the mask only, so it is known before any logit is read (the
+    fused-linear loss scales each chunk's gradient by it, ``fused_rl.linear``)."""
     if num_items is not None and not isinstance(num_items, torch.Tensor):
         V.check_number(num_items, "num_items")
         if not num_items > 0:
             raise ValueError(f"num_items must be > 0, got {num_items}")
-    m = mask_weights(mask, dtype)
-    if m.dim() != 2:
-        raise ValueError(f"mask must be (B, T), got shape {tuple(m.shape)}")
     n_seq, length = m.shape
+    one = torch.ones((1, 1), dtype=m.dtype, device=m.device)
     if loss_agg == "token-mean":
         if num_items is None:
-            return _safe_div(m, m.sum())
+            return _safe_div(one, m.sum().reshape(1, 1))
         # a count tensor is never read on the host: one <= 0 makes the loss NaN (a float one
         # raises), so a bad global token count cannot pass as a finite loss
-        den = torch.as_tensor(num_items, dtype=dtype, device=m.device)
-        return m / torch.where(den > 0, den, float("nan"))
+        den = torch.as_tensor(num_items, dtype=m.dtype, device=m.device).reshape(1, 1)
+        return one / torch.where(den > 0, den, float("nan"))
     if loss_agg == "seq-mean-token-mean":
-        return _safe_div(m, m.sum(dim=1, keepdim=True)) / max(n_seq, 1)
+        return _safe_div(one, m.sum(dim=1, keepdim=True)) / max(n_seq, 1)
     if loss_agg == "seq-mean-token-sum":
-        return m / max(n_seq, 1)
+        return one / max(n_seq, 1)
     if loss_agg == "seq-mean-token-sum-norm":
         if max_length is not None and max_length <= 0:
             raise ValueError(f"max_length must be > 0, got {max_length}")
         norm = length if max_length is None else max_length
-        return m / (max(n_seq, 1) * max(norm, 1))  # norm 0 only when T = 0: no weight at all
+        return one / (max(n_seq, 1) * max(norm, 1))  # norm 0 only when T = 0: no weight at all
     raise ValueError(f"loss_agg must be one of {LOSS_AGG_MODES}, got {loss_agg!r}")
 
 

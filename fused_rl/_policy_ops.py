@@ -110,6 +110,109 @@ def _token_layer(logp, entropy, targets, adv, old, ref, mask, ignore_index, hype
 # ----------------------------------------------------------------------------- from logits
 
 
+def _fused_rows(logits3d, targets, adv, old, ref, mask, temperature, ignore_index, hyper,
+                with_entropy, row_max, log_sum, entropy, g, h, part):  # fmt: skip
+    """Launch the fused vocab-stream kernel (layer 1 + the token layer as epilogue), one
+    program per target token, writing the per-token outputs and partial columns."""
+    from .kernels.vocab_stream_policy_fwd import _policy_loss_fwd_kernel
+
+    outer, positions, vocab = logits3d.shape
+    inner = targets.shape[1]
+    if outer * inner == 0:
+        return
+    eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef = hyper
+    block = vocab_block(vocab)
+    _policy_loss_fwd_kernel[(outer * inner,)](
+        logits3d, targets, adv, old if old is not None else g, ref if ref is not None else g,
+        mask if mask is not None else g, row_max, log_sum, entropy, g, h, part,
+        inner, position_shift(positions, inner), vocab, *logits3d.stride(),
+        *targets.stride(), *adv.stride(), *_strides(old), *_strides(ref), *_strides(mask),
+        *f32_pair(1.0 / temperature), ignore_index,
+        *_pairs(eps_low, eps_high, dual_clip, delta, beta, entropy_coef),
+        HAS_OLD=old is not None, HAS_REF=ref is not None, HAS_MASK=mask is not None,
+        ADD_KL=ref is not None and beta != 0.0, KL_KIND=kl_kind, WITH_ENTROPY=with_entropy,
+        ENTROPY_BONUS=entropy_coef != 0.0, USE_DUAL=dual_clip != 0.0, USE_DELTA=delta != 0.0,
+        BLOCK_V=block, ACC=triton_acc(logits3d.dtype), num_warps=vocab_warps(block),
+    )  # fmt: skip
+
+
+def policy_rows_fwd(
+    logits3d: Tensor,
+    targets: Tensor,
+    adv: Tensor,
+    old: Tensor | None,
+    ref: Tensor | None,
+    mask: Tensor | None,
+    temperature: float,
+    ignore_index: int,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float,
+    delta: float,
+    beta: float,
+    kl_kind: int,
+    entropy_coef: float,
+    with_entropy: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The fused forward's per-token half, for token-level importance sampling, without
+    the reduction: ``(row_max, log_sum, entropy, g, h, part)`` for ``(outer, S, V)`` logits
+    and ``(outer, inner)`` per-token inputs, ``part`` the ``(N_COLS, outer * inner)``
+    partial columns that :func:`policy_finalize` reduces. The fused-linear loss runs it on
+    each chunk of logits and finalizes once (``fused_rl.linear``)."""
+    outer, inner = targets.shape
+    dtype = stats_dtype(logits3d.dtype)
+    bonus = entropy_coef != 0.0
+    new = lambda on=True: logits3d.new_empty((outer, inner) if on else (0,), dtype=dtype)
+    part = logits3d.new_empty((N_COLS, outer * inner), dtype=dtype)
+    row_max, log_sum, entropy, g, h = new(), new(), new(bonus), new(), new(bonus)
+    hyper = (eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef)
+    _fused_rows(
+        logits3d, targets, adv, old, ref, _mask_arg(mask), temperature, ignore_index, hyper,
+        with_entropy or bonus, row_max, log_sum, entropy, g, h, part,
+    )  # fmt: skip
+    return row_max, log_sum, entropy, g, h, part
+
+
+def _rows_fake(logits3d, targets, adv, old, ref, mask, temperature, ignore_index, eps_low,
+               eps_high, dual_clip, delta, beta, kl_kind, entropy_coef, with_entropy):  # fmt: skip
+    outer, inner = targets.shape
+    dtype = stats_dtype(logits3d.dtype)
+    new = lambda on=True: logits3d.new_empty((outer, inner) if on else (0,), dtype=dtype)
+    bonus = entropy_coef != 0.0
+    part = logits3d.new_empty((N_COLS, outer * inner), dtype=dtype)
+    return new(), new(), new(bonus), new(), new(bonus), part
+
+
+policy_rows_fwd_op = FusedOp("policy_rows_fwd", policy_rows_fwd)
+policy_rows_fwd_op.register_fake(_rows_fake)
+
+
+def policy_finalize(
+    part: Tensor,
+    outer: int,
+    inner: int,
+    agg: int,
+    max_length: float,
+    num_items: float,
+    num_items_t: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(loss, metrics, seq_scale)`` from the ``(N_COLS, outer * inner)`` partial columns
+    (the reduction every policy forward ends with, as an op of its own)."""
+    return _finalize(part, outer, inner, part.dtype, agg, max_length, num_items, num_items_t)
+
+
+def _finalize_fake(part, outer, inner, agg, max_length, num_items, num_items_t):
+    n_scale = max(outer, 1) if agg == 1 else 1
+    return (
+        part.new_empty(()), part.new_empty(N_COLS, dtype=torch.float32),
+        part.new_empty(n_scale),
+    )  # fmt: skip
+
+
+policy_finalize_op = FusedOp("policy_finalize_fwd", policy_finalize)
+policy_finalize_op.register_fake(_finalize_fake)
+
+
 def policy_loss_fwd(
     logits3d: Tensor,
     targets: Tensor,
@@ -141,10 +244,7 @@ def policy_loss_fwd(
     ``metrics`` ``(N_COLS,)`` fp32, ``seq_scale`` the aggregation normaliser, and ``(B, T)``
     per-token tensors for the backward (``entropy``/``h`` empty when not needed).
     """
-    from .kernels.vocab_stream_policy_fwd import _policy_loss_fwd_kernel
-
-    outer, positions, vocab = logits3d.shape
-    inner = targets.shape[1]
+    outer, inner = targets.shape
     n_rows = outer * inner
     dtype = stats_dtype(logits3d.dtype)
     dev = logits3d.device
@@ -165,21 +265,11 @@ def policy_loss_fwd(
         )  # fmt: skip
         if not bonus:
             entropy = new(False)
-    else:
+    else:  # one fused pass: layer 1 with the token layer as epilogue
         row_max, log_sum, entropy = new(), new(), new(bonus)
-    if n_rows > 0 and not sequence:  # one fused pass: layer 1 with the token layer as epilogue
-        block = vocab_block(vocab)
-        _policy_loss_fwd_kernel[(n_rows,)](
-            logits3d, targets, adv, old if old is not None else g, ref if ref is not None else g,
-            mask if mask is not None else g, row_max, log_sum, entropy, g, h, part,
-            inner, position_shift(positions, inner), vocab, *logits3d.stride(),
-            *targets.stride(), *adv.stride(), *_strides(old), *_strides(ref), *_strides(mask),
-            *f32_pair(1.0 / temperature), ignore_index,
-            *_pairs(eps_low, eps_high, dual_clip, delta, beta, entropy_coef),
-            HAS_OLD=old is not None, HAS_REF=ref is not None, HAS_MASK=mask is not None,
-            ADD_KL=ref is not None and beta != 0.0, KL_KIND=kl_kind, WITH_ENTROPY=with_entropy,
-            ENTROPY_BONUS=bonus, USE_DUAL=dual_clip != 0.0, USE_DELTA=delta != 0.0,
-            BLOCK_V=block, ACC=triton_acc(logits3d.dtype), num_warps=vocab_warps(block),
+        _fused_rows(
+            logits3d, targets, adv, old, ref, mask, temperature, ignore_index, hyper,
+            with_entropy, row_max, log_sum, entropy, g, h, part,
         )  # fmt: skip
     loss, metrics, seq_scale = _finalize(
         part, outer, inner, dtype, agg, max_length, num_items, num_items_t

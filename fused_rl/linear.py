@@ -8,17 +8,20 @@ tokens in chunks of ``chunk_tokens`` rows. Per chunk:
   the GEMM is never hand-written), then the layer-1 kernel reads ``z`` once for the
   per-token ``logp`` / entropy and the softmax normaliser (row max, log-sum, 8 bytes a
   token kept for the backward); ``z`` is dropped.
-* backward: ``z`` is recomputed (one more GEMM, as verl's ``FusedLinearForPPO`` and
-  Liger's FLCE do), the layer-3 kernel overwrites it IN PLACE with ``dz`` from the
+* backward: ``z`` is recomputed (one more GEMM, as verl's ``FusedLinearForPPO`` does),
+  the layer-3 kernel overwrites it IN PLACE with ``dz`` from the
   upstream ``dL/dlogp``, ``dL/dH`` and the saved normaliser, then ``dH_c = dz W`` and
   ``dW += dz^T h_c`` (``dW`` and ``db`` accumulate in fp32, fp64 for fp64 inputs, and
   are cast once at the end).
 
+``linear_policy_loss`` (Triton backend, gradients on, token-level importance sampling) does
+better: its output is one scalar, so the chunk's gradients are formed in the FORWARD
+(:class:`_LinearPolicyLoss`: the fused policy kernel, then layer 3 in place, ``dH_c``,
+``dW``) and the backward only multiplies them by the upstream gradient: three GEMMs per
+chunk instead of four.
+
 Peak memory above the inputs: one chunk's logits, ``dW`` in fp32 (and, on CUDA with 16-bit
-weights, one fp32 ``(V, H)`` product per chunk before it is added) and ``dH``. The per-token
-outputs can only get their upstream gradient after the forward, so the logits' gradient
-cannot be formed there; the fused loss ops (``linear_policy_loss``, issue 14) can, since
-their upstream gradient is one scalar.
+weights, one fp32 ``(V, H)`` product per chunk before it is added) and ``dH``.
 
 ``chunk_tokens=None`` picks the largest chunk whose logits stay under
 ``CHUNK_BYTES`` (256 MiB): at V = 151936 in bf16, 883 tokens.
@@ -31,12 +34,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _validation as V
+from ._agg import LOSS_AGG_MODES, poison_empty, sequence_scale
 from ._backend import resolve_backend
 from ._launch import stats_dtype
 from ._ops import _serialised_when_interpreting
+from ._policy_ops import N_COLS, metrics_dict, policy_finalize_op, policy_rows_fwd_op
 from ._vocab_ops import token_stats_bwd_into, token_stats_bwd_op, token_stats_fwd_op
 from .reference import logprobs as ref
+from .reference.kl import KL_KINDS
 from .reference.logprobs import differentiable_once
+from .reference.reductions import mask_weights
 
 # layer 3 writing over its input: a raw launcher (no custom op, it mutates), serialised and
 # with NumPy's masked-lane warnings silenced under the interpreter as every FusedOp is
@@ -60,17 +67,20 @@ def _chunk_stats(z: Tensor, targets: Tensor, temperature, ignore_index, which):
     return tuple(x[0] for x in out)
 
 
-def _chunk_grad(z, targets, row_max, log_sum, entropy, g, h, temperature, ignore_index, which):
-    """``dL/dz`` of one chunk: layer 3, written over ``z`` in eager mode on the Triton path
-    (a fresh buffer under ``torch.compile``, which cannot trace a mutation of its input)."""
-    args = (targets[None], row_max[None], log_sum[None], entropy[None], g[None],
-            None if h is None else h[None])  # fmt: skip
+def _chunk_grad(z, targets, row_max, log_sum, entropy, g, h, temperature, ignore_index, which,
+                row_scale=None):  # fmt: skip
+    """``dL/dz`` of one chunk's ``(n, V)`` logits from per-token ``(n,)`` statistics and
+    ``g``/``h`` (times ``row_scale`` when given): layer 3, written over ``z`` in eager mode on
+    the Triton path (a fresh buffer under ``torch.compile``, which cannot trace a mutation
+    of its input). Rows go in as ``(n, 1, V)``, so layer 3's per-sequence scale is per row."""
+    col = lambda t: None if t is None else t.reshape(-1, 1)  # noqa: E731
+    args = (col(targets), col(row_max), col(log_sum), col(entropy), col(g), col(h))
+    z3 = z[:, None]
     if which == "reference":
-        return ref.grad_logits(z[None], *args, temperature, ignore_index)[0]
+        return ref.grad_logits(z3, *args, temperature, ignore_index)[:, 0]
     if torch.compiler.is_compiling():
-        return token_stats_bwd_op(z[None], *args, None, None, temperature, ignore_index)[0]
-    z3 = z[None]
-    return _stats_bwd_into(z3, z3, *args, None, None, temperature, ignore_index)[0]
+        return token_stats_bwd_op(z3, *args, None, row_scale, temperature, ignore_index)[:, 0]
+    return _stats_bwd_into(z3, z3, *args, None, row_scale, temperature, ignore_index)[:, 0]
 
 
 _MM_OUT_DTYPE: dict[str, bool] = {}  # device type -> torch.mm(..., out_dtype=) works there
@@ -174,6 +184,78 @@ class _LinearTokenStats(torch.autograd.Function):
         )  # fmt: skip
 
 
+class _LinearPolicyLoss(torch.autograd.Function):
+    """The token-level policy loss of ``F.linear(rows, weight, bias)`` with its gradients
+    formed in the forward (one GEMM per chunk for the logits, two for the gradients) and
+    scaled by the upstream scalar in the backward; Triton backend only.
+
+    Per chunk: ``z = h_c W^T (+ b)``; the fused vocab kernel (layer 1 with the token layer as
+    epilogue) writes the chunk's statistics, ``g``/``h`` and metric partials; layer 3 turns
+    ``z`` IN PLACE into ``dz`` (``g``/``h`` times the aggregation's per-row scale ``s``,
+    known from the mask alone); ``dH_c = dz W``, ``dW += dz^T h_c``, ``db += sum dz``. One
+    reduction then finishes the loss and every metric from all chunks' partials.
+    """
+
+    @staticmethod
+    def forward(ctx, rows, weight, bias, targets, adv, old, ref, mask, row_scale, num_items_t,
+                config):  # fmt: skip
+        temperature, ignore_index, hyper, with_entropy, chunk, agg, shape, max_len, n_items = config
+        n_rows = rows.shape[0]
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        acc = stats_dtype(rows.dtype)
+        part = rows.new_empty((N_COLS, n_rows), dtype=acc)
+        d_hidden = rows.new_empty(rows.shape) if need_h else None
+        d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        d_bias = torch.zeros(weight.shape[:1], dtype=acc, device=weight.device) if need_b else None
+        col = lambda t, r: None if t is None else t[r, None]  # noqa: E731  (n, 1) per chunk
+        for start in range(0, n_rows, chunk):
+            r = slice(start, min(start + chunk, n_rows))
+            z = F.linear(rows[r], weight, bias)
+            row_max, log_sum, entropy, g, h, part_c = policy_rows_fwd_op(
+                z[:, None], col(targets, r), col(adv, r), col(old, r), col(ref, r), col(mask, r),
+                temperature, ignore_index, *hyper, with_entropy,
+            )  # fmt: skip
+            part[:, r] = part_c
+            dz = _chunk_grad(
+                z, targets[r], row_max, log_sum, entropy if h.numel() else None, g,
+                h if h.numel() else None, temperature, ignore_index, "triton", row_scale[r],
+            )  # fmt: skip
+            if need_h:
+                d_hidden[r] = dz @ weight
+            if need_w:
+                _addmm_wide(d_weight, dz.t(), rows[r])
+            if need_b:
+                d_bias.add_(dz.sum(0, dtype=acc))
+            del z, dz
+        loss, metrics, _ = policy_finalize_op(part, *shape, agg, max_len, n_items, num_items_t)
+        ctx.save_for_backward(
+            rows, weight, bias, d_hidden,  # the inputs only to mark a double backward
+            d_weight.to(weight.dtype) if need_w else None,
+            d_bias.to(bias.dtype) if need_b else None,
+        )  # fmt: skip
+        ctx.mark_non_differentiable(metrics)
+        ctx.set_materialize_grads(False)
+        return loss, metrics
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_metrics):
+        # the gradients were formed in the forward from saved statistics taken as constants:
+        # a double backward raises (as every fused op here)
+        create_graph = torch.is_grad_enabled()
+        n_inputs = len(ctx.needs_input_grad)
+        if grad_loss is None:
+            return (None,) * n_inputs
+        saved = ctx.saved_tensors
+        with torch.no_grad():  # a multiply over N*H + V*H elements (16-bit times a 0-dim
+            # fp32 tensor stays 16-bit, computed in fp32)
+            grads = tuple(None if d is None else d * grad_loss for d in saved[3:])
+        if create_graph:
+            with torch.enable_grad():
+                sources = (*saved[:3], grad_loss)
+                grads = tuple(differentiable_once(g, *sources) for g in grads)
+        return grads + (None,) * (n_inputs - 3)
+
+
 def _check_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> None:
     V.check_float(hidden, "hidden")
     V.check_float(weight, "weight")
@@ -234,6 +316,29 @@ def _window_rows(hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
     return hidden.reshape(batch * length, hidden.shape[-1]), targets.reshape(-1)
 
 
+def _prepare(hidden, weight, bias, targets, temperature, ignore_index, chunk_tokens, backend):
+    """Checked inputs of a linear op: ``(rows, weight, bias, flat_targets, chunk, which)``
+    with ``rows`` the ``(N, H)`` hidden rows that predict the ``(N,)`` targets, in the
+    autocast dtype under ``torch.autocast``."""
+    hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
+    _check_linear(hidden, weight, bias)
+    V.check_tensor(targets, "targets")
+    if targets.dtype not in V.INDEX_DTYPES:
+        raise TypeError(f"targets must be an int64 or int32 tensor, got {targets.dtype}")
+    V.check_positive(temperature, "temperature")
+    V.check_same_device(hidden=hidden, targets=targets)
+    if chunk_tokens is not None:
+        V.check_number(chunk_tokens, "chunk_tokens")
+        if int(chunk_tokens) != chunk_tokens or chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be a positive integer, got {chunk_tokens}")
+    rows, flat_targets = _window_rows(hidden, targets)
+    vocab = weight.shape[0]
+    V.check_target_range(flat_targets, vocab, ignore_index, "targets")
+    which = resolve_backend(backend, hidden, weight, bias, targets)
+    chunk = int(chunk_tokens) if chunk_tokens else default_chunk_tokens(vocab, hidden.dtype)
+    return rows, weight, bias, flat_targets, chunk, which
+
+
 def linear_token_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -267,7 +372,7 @@ def linear_token_logprobs(
         ``return_entropy``, ``(logp, entropy)``.
 
     Cost: one GEMM per chunk forward, two more backward (the logits are recomputed, as in
-    verl's and Liger's fused-linear ops); the vocab kernels read each chunk's logits once
+    verl's ``FusedLinearForPPO``); the vocab kernels read each chunk's logits once
     forward and once backward.
 
     Example:
@@ -279,23 +384,10 @@ def linear_token_logprobs(
         >>> torch.allclose(lp, ref, atol=1e-5)
         True
     """
-    hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
-    _check_linear(hidden, weight, bias)
-    V.check_tensor(targets, "targets")
-    if targets.dtype not in V.INDEX_DTYPES:
-        raise TypeError(f"targets must be an int64 or int32 tensor, got {targets.dtype}")
-    V.check_positive(temperature, "temperature")
-    V.check_same_device(hidden=hidden, targets=targets)
-    if chunk_tokens is not None:
-        V.check_number(chunk_tokens, "chunk_tokens")
-        if int(chunk_tokens) != chunk_tokens or chunk_tokens < 1:
-            raise ValueError(f"chunk_tokens must be a positive integer, got {chunk_tokens}")
-    rows, flat_targets = _window_rows(hidden, targets)
-    vocab = weight.shape[0]
-    V.check_target_range(flat_targets, vocab, ignore_index, "targets")
-    which = resolve_backend(backend, hidden, weight, bias, targets)
-    chunk = int(chunk_tokens) if chunk_tokens else default_chunk_tokens(vocab, hidden.dtype)
-    with torch.autocast(hidden.device.type, enabled=False):  # inputs already cast
+    rows, weight, bias, flat_targets, chunk, which = _prepare(
+        hidden, weight, bias, targets, temperature, ignore_index, chunk_tokens, backend
+    )
+    with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
         logp, entropy = _LinearTokenStats.apply(
             rows, weight, bias, flat_targets, float(temperature), int(ignore_index), chunk, which
         )
@@ -339,13 +431,14 @@ def linear_policy_loss(
     Shapes and ``chunk_tokens`` as :func:`linear_token_logprobs` (``hidden`` ``(B, S, H)``
     with ``(B, T)`` targets, ``S >= T``); every other keyword as :func:`policy_loss`.
 
-    How: :func:`linear_token_logprobs` (chunked GEMM + one vocab pass, entropy from the same
-    pass when ``entropy_coef`` or ``with_entropy`` asks for it) feeds
-    :func:`policy_loss_from_logprobs` (one token-layer kernel and one reduction for the
-    loss and every metric; GSPO's sequence totals come for free there, so every
-    ``importance_sampling`` works). The backward recomputes each chunk's logits: one GEMM
-    forward and three backward. (The one-kernel design of issue 14, gradients formed in the
-    forward and scaled by the upstream scalar, would save that recompute; not built yet.)
+    How (module docstring): with gradients on and ``importance_sampling="token"`` on the
+    Triton backend, one pass over the chunks computes the loss, the metrics and the
+    gradients (GEMM, the fused policy kernel, layer 3 in place, the two gradient GEMMs), and
+    the backward multiplies ``dH``/``dW``/``db`` by the upstream scalar: three GEMMs per
+    chunk. Otherwise (GSPO, ``no_grad``, the reference backend) it is
+    :func:`linear_token_logprobs` feeding :func:`policy_loss_from_logprobs`, whose backward
+    recomputes each chunk's logits (GSPO's sequence totals must exist before any token's
+    gradient): four GEMMs per chunk with gradients, one without.
 
     Example:
         >>> import torch, fused_rl
@@ -355,31 +448,34 @@ def linear_policy_loss(
         >>> loss, m = fused_rl.linear_policy_loss(h, w, t, torch.tensor([1.0, -1.0]))
         >>> loss.backward()
     """
-    from .losses import check_policy_options, policy_loss_from_logprobs
+    from .losses import policy_loss_from_logprobs
 
-    check_policy_options(  # before the GEMMs: a bad option fails before any work
-        eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, delta=delta, beta=beta,
+    eps_high = _check_options(
+        targets, advantages, old_logprobs, ref_logprobs, mask, eps_low=eps_low,
+        eps_high=eps_high, dual_clip=dual_clip, delta=delta, beta=beta,
         entropy_coef=entropy_coef, kl_estimator=kl_estimator,
         importance_sampling=importance_sampling, loss_agg=loss_agg, max_length=max_length,
         num_items=num_items,
     )  # fmt: skip
-    per_token = dict(advantages=advantages, old_logprobs=old_logprobs,
-                     ref_logprobs=ref_logprobs, mask=mask)  # fmt: skip
-    for name, tensor in dict(targets=targets, **per_token).items():
-        if tensor is not None:
-            V.check_tensor(tensor, name)
-    V.check_same_device(targets=targets, **per_token)
     need_entropy = with_entropy or entropy_coef != 0.0
+    if importance_sampling == "token" and _grad_wanted(hidden, weight, bias):
+        rows, weight_c, bias_c, flat_targets, chunk, which = _prepare(
+            hidden, weight, bias, targets, temperature, ignore_index, chunk_tokens, backend
+        )
+        if which == "triton":
+            return _fused_policy_loss(
+                rows, weight_c, bias_c, flat_targets, targets.shape, advantages, old_logprobs,
+                ref_logprobs, mask, chunk, temperature=temperature, ignore_index=ignore_index,
+                hyper=(eps_low, eps_high, dual_clip or 0.0, delta or 0.0, beta,
+                       KL_KINDS.index(kl_estimator), entropy_coef),
+                with_entropy=need_entropy, loss_agg=loss_agg, max_length=max_length,
+                num_items=num_items,
+            )  # fmt: skip
     out = linear_token_logprobs(
         hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
         return_entropy=need_entropy, chunk_tokens=chunk_tokens, backend=backend,
     )  # fmt: skip
     logp, entropy = out if need_entropy else (out, None)
-    if mask is not None:
-        if mask.shape != targets.shape:
-            raise ValueError(
-                f"mask must have the targets' shape {tuple(targets.shape)}, got {tuple(mask.shape)}"
-            )
     counted = targets != ignore_index  # policy_loss counts a token only where it is not ignored
     if mask is None:
         mask = counted
@@ -394,3 +490,63 @@ def linear_policy_loss(
         importance_sampling=importance_sampling, loss_agg=loss_agg, max_length=max_length,
         num_items=num_items, backend=backend,
     )  # fmt: skip
+
+
+def _grad_wanted(*tensors: Tensor | None) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    return any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
+
+
+def _check_options(targets, advantages, old_logprobs, ref_logprobs, mask, **options):
+    """The policy options and per-token tensors, checked before any GEMM (a bad option fails
+    before any work); returns the resolved ``eps_high``."""
+    from .losses import _advantages_2d, _check_policy_args, _check_token_tensors
+
+    eps_high = _check_policy_args(ref_logprobs=ref_logprobs, **options)
+    V.check_tensor(targets, "targets")
+    if targets.dim() != 2:
+        raise ValueError(f"targets must be (B, T), got shape {tuple(targets.shape)}")
+    batch, length = targets.shape
+    _advantages_2d(advantages, batch, length)
+    _check_token_tensors(
+        batch, length, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask
+    )
+    V.check_same_device(
+        targets=targets, advantages=advantages, old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs, mask=mask,
+    )  # fmt: skip
+    V.check_mask_weights(mask, "mask")
+    return eps_high
+
+
+def _fused_policy_loss(rows, weight, bias, flat_targets, shape, advantages, old, ref, mask,
+                       chunk, *, temperature, ignore_index, hyper, with_entropy, loss_agg,
+                       max_length, num_items):  # fmt: skip
+    """The Triton path of :func:`linear_policy_loss` for token-level importance sampling
+    (:class:`_LinearPolicyLoss`): per-token inputs flattened to ``(N,)`` and the
+    aggregation's per-row scale computed from the mask before the chunk loop."""
+    from .losses import _advantages_2d, _constants, _num_items_args
+
+    batch, length = shape
+    acc = stats_dtype(rows.dtype)
+    flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
+    adv, old, ref = _constants(acc, _advantages_2d(advantages, batch, length), old, ref)
+    counted = (flat_targets != ignore_index).view(batch, length)
+    m = counted.to(acc) if mask is None else mask_weights(mask.detach(), acc) * counted
+    scale = sequence_scale(m, loss_agg, max_length=max_length, num_items=num_items)
+    row_scale = scale.expand(batch, length).reshape(-1)
+    n_items, n_items_t = _num_items_args(num_items)
+    config = (float(temperature), int(ignore_index), tuple(float(x) for x in hyper[:5])
+              + (int(hyper[5]), float(hyper[6])), bool(with_entropy), chunk,
+              LOSS_AGG_MODES.index(loss_agg), (batch, length), float(max_length or length),
+              n_items)  # fmt: skip
+    with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
+        loss, metrics = _LinearPolicyLoss.apply(
+            rows, weight, bias, flat_targets, flat(adv), flat(old), flat(ref),
+            flat(mask.detach()) if mask is not None else None, row_scale, n_items_t, config,
+        )  # fmt: skip
+    has_kl = ref is not None
+    return poison_empty(loss, num_items, batch * length), metrics_dict(
+        metrics, has_kl=has_kl, has_entropy=with_entropy
+    )

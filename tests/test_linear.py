@@ -241,8 +241,9 @@ def test_linear_policy_loss_matches_policy_loss(case, backend, device):
             metrics[name].double(), want_metrics[name].double().to(metrics[name].device),
             rtol=1e-4, atol=1e-6, msg=name,
         )  # fmt: skip
-    got = torch.autograd.grad(loss, (h, w, b))
-    exact = torch.autograd.grad(want, leaves)
+    upstream = torch.tensor(0.37)  # the gradients are formed forward and scaled backward
+    got = torch.autograd.grad(loss, (h, w, b), upstream.to(loss))
+    exact = torch.autograd.grad(want, leaves, upstream.to(want))
     for name, a, e in zip(("hidden", "weight", "bias"), got, exact):
         assert_rel(a, e, FP32_TOL, name)
     assert torch.count_nonzero(got[0][:, :1]) == 0 and torch.count_nonzero(got[0][:, -1]) == 0
@@ -261,7 +262,7 @@ def test_linear_policy_loss_float_mask_and_ignored_tokens():
         backend="reference",
     )  # fmt: skip
     assert_rel(loss, want, FP32_TOL)
-    with pytest.raises(ValueError, match="mask must have the targets' shape"):
+    with pytest.raises(ValueError, match="mask must have shape"):
         fused_rl.linear_policy_loss(h, w, t, r["advantages"], mask=weights[:, :2])
 
 
@@ -352,3 +353,114 @@ def test_autocast_matches_eager_autocast(backend):
     for name, a, e in zip(("hidden", "weight"), got, want):
         assert a.dtype == e.dtype, name
         assert_rel(a, e, 1e-2, name)  # both bf16: the same rounding of z, summed apart
+
+
+class _GemmCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the matrix products (aten mm / addmm / linear / matmul) a call runs."""
+
+    GEMMS = ("mm", "addmm", "addmm_", "linear", "matmul", "bmm")
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.GEMMS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    ("importance_sampling", "grad", "per_chunk"),
+    [("token", True, 3), ("sequence", True, 4), ("token", False, 1)],
+)
+def test_linear_policy_loss_gemms_per_chunk(importance_sampling, grad, per_chunk):
+    """Token-level IS with grad: the gradients are formed in the forward, three GEMMs per
+    chunk in all (logits, dH, dW) and none in the backward; GSPO needs every sequence total
+    before any gradient, so its backward recomputes the logits (four); no_grad: one."""
+    h, w, b, t, r = _rollout("cpu")
+    kw = dict(bias=b, chunk_tokens=4, importance_sampling=importance_sampling,
+              old_logprobs=r["old_logprobs"], backend="triton")  # fmt: skip
+    chunks = -(-t.numel() // 4)
+    with _GemmCounter() as forward, torch.set_grad_enabled(grad):
+        loss, _ = fused_rl.linear_policy_loss(h, w, t, r["advantages"], **kw)
+    with _GemmCounter() as backward:
+        if grad:
+            loss.backward()
+    assert forward.count + backward.count == per_chunk * chunks
+    if grad and importance_sampling == "token":
+        assert backward.count == 0
+
+
+@pytest.mark.parametrize("frozen", ("weight", "hidden"))
+def test_linear_policy_loss_frozen_input(frozen):
+    """A frozen lm_head (or hidden) gets no gradient and costs no GEMM for it."""
+    h, w, b, t, r = _rollout("cpu")
+    (w if frozen == "weight" else h).requires_grad_(False)
+    b.requires_grad_(False)
+    args = (h, w, t, r["advantages"])
+    loss, _ = fused_rl.linear_policy_loss(*args, bias=b, chunk_tokens=4, backend="triton")
+    want, _ = fused_rl.linear_policy_loss(*args, bias=b, chunk_tokens=4, backend="reference")
+    live = h if frozen == "weight" else w
+    (got,) = torch.autograd.grad(loss, (live,))
+    (exact,) = torch.autograd.grad(want, (live,))
+    assert_rel(got, exact, FP32_TOL)
+
+
+def test_linear_policy_loss_tied_weight_and_double_backward():
+    """A weight used twice (tied embedding) accumulates both gradients; a second backward
+    through the fused gradients raises."""
+    h, w, b, t, r = _rollout("cpu", dtype=torch.float64)
+    for backend in BACKENDS:
+        loss, _ = fused_rl.linear_policy_loss(h, w, t, r["advantages"], chunk_tokens=4,
+                                              backend=backend)  # fmt: skip
+        (g_tied,) = torch.autograd.grad(loss + (w**2).sum(), (w,))
+        (g_loss,) = torch.autograd.grad(
+            fused_rl.linear_policy_loss(h, w, t, r["advantages"], chunk_tokens=4,
+                                        backend=backend)[0], (w,))  # fmt: skip
+        torch.testing.assert_close(g_tied, g_loss + 2 * w.detach())
+    loss, _ = fused_rl.linear_policy_loss(h, w, t, r["advantages"], backend="triton")
+    (gw,) = torch.autograd.grad(loss, (w,), create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        torch.autograd.grad((gw**2).sum(), (w,))
+
+
+def test_linear_policy_loss_bf16_as_accurate_as_materialised():
+    """bf16: the fused-linear loss and its gradients are no worse than policy_loss on the
+    materialised bf16 logits, against the float64 oracle (dW summed in fp32)."""
+    h, w, b, t, r = _rollout("cpu", dtype=torch.bfloat16)
+    kw = dict(old_logprobs=r["old_logprobs"], mask=r["mask"], entropy_coef=0.01,
+              eps_high=0.28)  # fmt: skip
+    loss, _ = fused_rl.linear_policy_loss(h, w, t, r["advantages"], bias=b, chunk_tokens=5,
+                                          backend="triton", **kw)  # fmt: skip
+    mat, _ = fused_rl.policy_loss(F.linear(h, w, b), t, r["advantages"], backend="triton", **kw)
+    leaves = [x.detach().double().requires_grad_() for x in (h, w, b)]
+    exact, _ = fused_rl.policy_loss(F.linear(*leaves), t, r["advantages"].double(),
+                                    backend="reference", **kw)  # fmt: skip
+    err = lambda x, e: ((x.double() - e).norm() / e.norm()).item()  # noqa: E731
+    assert err(loss, exact) <= 1.01 * err(mat, exact) + 1e-6
+    got = torch.autograd.grad(loss, (h, w, b))
+    ref = torch.autograd.grad(mat, (h, w, b))
+    for name, a, m, e in zip(("hidden", "weight", "bias"), got, ref,
+                             torch.autograd.grad(exact, leaves)):  # fmt: skip
+        assert a.dtype == torch.bfloat16, name
+        assert err(a, e) <= 2 * err(m, e) + 1e-3, (name, err(a, e), err(m, e))
+
+
+def test_linear_policy_loss_num_items_and_empty_batch():
+    """A global token count (number or tensor) normalises token-mean; an empty batch with a
+    bad count tensor is NaN, never a silent 0."""
+    h, w, b, t, r = _rollout("cpu")
+    for n in (40, torch.tensor(40.0)):
+        loss, _ = fused_rl.linear_policy_loss(h, w, t, r["advantages"], num_items=n,
+                                              backend="triton")  # fmt: skip
+        want, _ = fused_rl.policy_loss(F.linear(h, w), t, r["advantages"], num_items=n,
+                                       backend="reference")  # fmt: skip
+        assert_rel(loss, want, FP32_TOL)
+        assert_rel(torch.autograd.grad(loss, (w,))[0], torch.autograd.grad(want, (w,))[0],
+                   FP32_TOL)  # fmt: skip
+    empty = t[:0]
+    bad_count = torch.tensor(0.0)
+    loss, _ = fused_rl.linear_policy_loss(h[:0], w, empty, r["advantages"][:0],
+                                          num_items=bad_count, backend="triton")  # fmt: skip
+    assert torch.isnan(loss)
