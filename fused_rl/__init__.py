@@ -5,7 +5,7 @@ plain-PyTorch reference. ``print(fused_rl.describe())`` (or ``python -m fused_rl
 backend each device gets and why; ``fused_rl.available_backends(device)`` lists what can run.
 """
 
-from . import config
+from . import config, distributed  # noqa: F401  (distributed: a module, not an op)
 from ._backend import available_backends
 from ._describe import describe
 from ._version import __version__

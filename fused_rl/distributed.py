@@ -1,0 +1,568 @@
+"""Vocabulary-parallel (tensor-parallel) log-probs and entropy on ``torch.distributed``.
+
+With a process group of ``P`` ranks, each rank's ``logits`` hold a contiguous slice of the
+vocabulary (the Megatron ``ColumnParallelLinear`` / ``VocabParallelEmbedding`` layout, or a
+``DTensor`` placed ``Shard(-1)``); ``targets`` hold global ids and are the same on every
+rank. :func:`fused_rl.token_logprobs` and :func:`fused_rl.token_entropy` with
+``process_group=`` (or a ``DTensor``) return on every rank the values of the unsharded call,
+and each rank's gradient is its shard of the unsharded gradient.
+
+How (CONTRIBUTING.md, "The three layers"): layer 1 runs on the local shard, unchanged, and
+yields per-token partial statistics (shard max ``m_r``, ``log s_r``, entropy ``H_r``, and
+the target's ``logp`` on the rank that owns the target). They merge like the kernel merges
+blocks of one row (``kernels/vocab_stream_fwd.py``, ``merge_stats``), with two all-reduces:
+
+1. ``MAX`` of the row max, ``(N,)`` floats, plus a fixed header of ``2 P + 4`` floats
+   (each rank's ``(vocab_start, columns)``, ``vocab_size`` and the target range) that
+   every rank reads to check the layout before the second collective;
+2. one packed ``SUM`` of ``a_r = s_r exp(m_r - m)``, the owned target's ``z_y - m`` and
+   ``a_r (log a_r - H_r)`` (the entropy's numerator relative to the global max).
+
+Bytes per token per rank (fp32 statistics; twice that for fp64 logits): 4 for the max, 4
+for ``a``, 4 for the target logit, 4 for the entropy: 16 for ``logp`` and entropy, 12 for
+``logp`` alone or entropy alone. The backward needs no collective: every rank holds the
+global ``m``, ``log S`` and ``H``, and layer 3 (``token_stats_bwd_op``) runs on its shard
+with local target ids (a target owned elsewhere becomes ``-2``, which matches no column;
+ignored tokens become the local ``ignore_index`` ``-1``).
+
+Layout (see :func:`fused_rl.token_logprobs`): by default rank ``r`` of ``P`` holds global ids
+``[r V_local, (r + 1) V_local)`` and ``V = P V_local``. ``vocab_size=V`` alone: the same equal
+shards with the last rank(s) padded (Megatron pads the vocabulary to a multiple of the
+tensor-parallel size); columns at global id ``>= V`` are excluded from the softmax and get a
+zero gradient. ``vocab_start=`` with ``vocab_size=``: ragged shards, rank ``r`` holding
+``[vocab_start, vocab_start + V_local)``, shards contiguous in rank order from 0 (a rank may
+hold none). A ``DTensor`` gives its own layout.
+
+Checks: shards that do not tile ``[0, V)`` or a target outside ``[0, V)`` raise
+``ValueError`` naming the argument, on every rank, before the second collective (no rank
+is left waiting in a collective). The check reads the header on the host: the one host
+sync of an eager call, where the unsharded call syncs once to check the targets. With
+``fused_rl.config.check_values = False`` (or while compiling) nothing is read and such
+inputs give NaN.
+
+Example (one process; with ``torchrun`` each rank passes its own shard):
+    >>> import torch, torch.distributed as dist, fused_rl
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> logits = torch.randn(2, 3, 8, requires_grad=True)  # this rank's (B, T, V_local)
+    >>> targets = torch.randint(0, 8, (2, 3))              # global ids, same on every rank
+    >>> logp, ent = fused_rl.token_logprobs(
+    ...     logits, targets, return_entropy=True, process_group=dist.group.WORLD)
+    >>> torch.allclose(logp, fused_rl.token_logprobs(logits, targets), atol=1e-6)
+    True
+    >>> fused_rl.distributed.global_token_count(targets != -100).item()  # summed over ranks
+    6
+    >>> dist.destroy_process_group()
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import _validation as V
+from ._launch import stats_dtype
+from ._shapes import as_rows3d
+from ._vocab_ops import position_shift, token_stats_bwd_op, token_stats_fwd_op
+from .reference import logprobs as ref
+
+__all__ = ["global_token_count", "VocabShard"]
+
+# local target ids handed to layers 1 and 3: an ignored token, and a target another rank owns
+LOCAL_IGNORE = -1
+NOT_OWNED = -2
+# ids and widths travel in the float header: exact below 2^24 (fp32)
+MAX_VOCAB = 1 << 24
+
+
+def _dist():
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise RuntimeError("process_group= needs torch.distributed, which this torch lacks")
+    return dist
+
+
+def is_dtensor(x) -> bool:
+    """``x`` is a ``torch.distributed.tensor.DTensor`` (without importing that module)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(x, getattr(mod, "DTensor", ()))
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """Where this rank's logits columns sit in the global vocabulary.
+
+    ``start``: global id of local column 0; ``columns``: local width ``V_local``; ``valid``:
+    the leading columns that are real ids (``< vocab_size``; the rest is padding);
+    ``explicit``: ``vocab_start`` was given (ragged shards allowed)."""
+
+    group: object
+    rank: int
+    world: int
+    start: int
+    columns: int
+    vocab_size: int
+    explicit: bool
+
+    @property
+    def valid(self) -> int:
+        return max(0, min(self.columns, self.vocab_size - self.start))
+
+    @property
+    def first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def last(self) -> bool:
+        return self.rank == self.world - 1
+
+
+def _check_int(value, name: str, minimum: int) -> None:
+    V.check_positive_int(value, name, allow_none=True, minimum=minimum)
+
+
+def resolve_shard(
+    logits: Tensor,
+    targets: Tensor | None,
+    process_group,
+    vocab_start: int | None,
+    vocab_size: int | None,
+) -> tuple[Tensor, Tensor | None, VocabShard | None]:
+    """``(local logits, local targets, shard)``; ``shard`` None: not vocab-parallel.
+
+    A ``DTensor`` sharded on its last dim gives the group of that mesh dimension and its
+    own offsets; ``targets`` may be a ``DTensor`` too (its local tensor is used). Checks here
+    depend only on arguments that every rank passes alike (no shard width), so they raise on
+    every rank or on none, before any collective."""
+    if is_dtensor(targets):
+        targets = targets.to_local()
+    if is_dtensor(logits):
+        if process_group is not None or vocab_start is not None or vocab_size is not None:
+            raise ValueError(
+                "process_group, vocab_start and vocab_size must be None for DTensor logits: "
+                "the group and the layout come from the DTensor's mesh and placements"
+            )
+        return _from_dtensor(logits, targets)
+    if process_group is None:
+        if vocab_start is not None or vocab_size is not None:
+            raise ValueError(
+                "vocab_start / vocab_size describe a vocabulary shard: they need process_group"
+            )
+        return logits, targets, None
+    _check_int(vocab_start, "vocab_start", 0)
+    _check_int(vocab_size, "vocab_size", 1)
+    if vocab_start is not None and vocab_size is None:
+        raise ValueError(
+            "vocab_start needs vocab_size (the global vocabulary size) for ragged shards"
+        )
+    dist = _dist()
+    world = dist.get_world_size(process_group)
+    rank = dist.get_rank(process_group)
+    V.check_float(logits, "logits")
+    columns = logits.shape[-1] if logits.dim() >= 1 else 0
+    start = rank * columns if vocab_start is None else vocab_start
+    vocab = world * columns if vocab_size is None else vocab_size
+    shard = VocabShard(process_group, rank, world, start, columns, vocab, vocab_start is not None)
+    return logits, targets, shard
+
+
+def _from_dtensor(logits, targets):
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    ndim = logits.dim()
+    placements = tuple(logits.placements)
+    vocab_dims = []
+    for mesh_dim, p in enumerate(placements):
+        if p.is_partial():
+            raise ValueError(
+                f"logits: a DTensor with a Partial placement ({placements}) holds unreduced "
+                "values; redistribute it to Shard(-1) or Replicate first"
+            )
+        if p.is_shard() and p.dim % ndim == ndim - 1:
+            vocab_dims.append(mesh_dim)
+    if len(vocab_dims) > 1:
+        raise ValueError(
+            f"logits: the vocabulary dim is sharded over mesh dims {vocab_dims}; shard it over "
+            "one mesh dimension"
+        )
+    local = logits.to_local()
+    if not vocab_dims:  # the whole vocabulary on every rank: nothing to merge
+        return local, targets, None
+    mesh = logits.device_mesh
+    group = mesh.get_group(vocab_dims[0])
+    _, offset = compute_local_shape_and_global_offset(logits.shape, mesh, placements)
+    dist = _dist()
+    shard = VocabShard(
+        group, dist.get_rank(group), dist.get_world_size(group), int(offset[-1]),
+        local.shape[-1], logits.shape[-1], True,
+    )  # fmt: skip
+    return local, targets, shard
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _layout_error(hdr: list[float], shard: VocabShard) -> str | None:
+    """The message for a header (gathered by the MAX all-reduce) that describes no tiling of
+    ``[0, V)``, else None. Every rank holds the same header, so every rank decides alike."""
+    world = shard.world
+    starts = [int(hdr[2 * r]) for r in range(world)]
+    widths = [int(hdr[2 * r + 1]) for r in range(world)]
+    v_max, v_min = hdr[2 * world], -hdr[2 * world + 1]
+    if not shard.explicit and len(set(widths)) > 1:
+        return (
+            f"logits: the vocabulary shards differ in width across the process group "
+            f"(V_local per rank: {widths}); rank r must hold global ids [r*V_local, "
+            f"(r+1)*V_local): pad the last shard and pass vocab_size= (as Megatron pads), "
+            f"or pass vocab_start= and vocab_size= for ragged shards"
+        )
+    if v_max != v_min:
+        return (
+            f"vocab_size differs across the process group (from {int(v_min)} to "
+            f"{int(v_max)}); pass the same global vocabulary size on every rank"
+        )
+    vocab = int(v_max)
+    expected = 0
+    for r in range(world):
+        if starts[r] != expected:
+            return (
+                f"vocab_start: the shards must be contiguous in rank order from id 0 (rank r "
+                f"starts where rank r-1 ends); got (vocab_start, V_local) per rank "
+                f"{list(zip(starts, widths))}"
+            )
+        expected += widths[r]
+    if expected < vocab:
+        return (
+            f"vocab_size = {vocab}, but the shards cover ids [0, {expected}) only "
+            f"(V_local per rank: {widths})"
+        )
+    return None
+
+
+def _target_error(hdr: list[float], shard: VocabShard, ignore_index: int) -> str | None:
+    t_max, t_min = hdr[2 * shard.world + 2], -hdr[2 * shard.world + 3]
+    if t_max == -math.inf:  # no counted target
+        return None
+    bad = t_max if t_max >= shard.vocab_size else t_min if t_min < 0 else None
+    if bad is None:
+        return None
+    return (
+        f"targets holds {int(bad)}, outside [0, V) = [0, {shard.vocab_size}) and not "
+        f"ignore_index ({ignore_index})"
+    )
+
+
+def _layout_ok(hdr: Tensor, shard: VocabShard) -> Tensor:
+    """:func:`_layout_error` on device, as a 0-dim bool (no host sync): the unchecked path
+    poisons every output with NaN when it is False."""
+    world = shard.world
+    starts, widths = hdr[0 : 2 * world : 2], hdr[1 : 2 * world : 2]
+    ends = torch.cumsum(widths, 0)
+    ok = (starts[0] == 0) & (starts[1:] == ends[:-1]).all() & (ends[-1] >= hdr[2 * world])
+    ok = ok & (hdr[2 * world] == -hdr[2 * world + 1])
+    if not shard.explicit:
+        ok = ok & (widths == widths[0]).all()
+    return ok
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+@dataclass(frozen=True)
+class _Spec:
+    shard: VocabShard
+    temperature: float
+    ignore_index: int
+    with_targets: bool
+    with_entropy: bool
+    which: str
+    check: bool
+
+
+def _local_targets(targets: Tensor, shard: VocabShard, ignore_index: int):
+    """``(local ids, ignored)``: ids into this rank's valid columns for the targets it owns;
+    ``LOCAL_IGNORE`` where ignored; ``NOT_OWNED`` (matches no column) where another rank
+    owns the target. A target outside ``[0, V)`` is "owned" by the first rank (below 0) or
+    the last (at or above V) as an id at or past its last valid column, so layer 1 gives
+    NaN there and the merged ``logp`` is NaN, never a finite value nobody computed."""
+    ignored = targets == ignore_index
+    local = targets - shard.start
+    if shard.first and shard.last:
+        owned = None
+    elif shard.first:
+        owned = local < shard.valid
+    elif shard.last:
+        owned = local >= 0
+    else:
+        owned = (local >= 0) & (local < shard.valid)
+    if shard.first:  # a negative target: out of range upwards (never a sentinel)
+        local = torch.where(local < 0, shard.valid, local)
+    if owned is not None:
+        local = torch.where(owned, local, NOT_OWNED)
+    local = torch.where(ignored, LOCAL_IGNORE, local)
+    return local, ignored
+
+
+def _local_stats(x3d: Tensor, t_local: Tensor | None, spec: _Spec, inner: int):
+    """Layer 1 on this rank's valid columns: ``(logp, entropy, row_max, log_sum)``, each
+    ``(outer, inner)`` in the statistics dtype (``logp`` / ``entropy`` may be empty)."""
+    outer = x3d.shape[0]
+    valid = spec.shard.valid
+    dtype = stats_dtype(x3d.dtype)
+    if valid == 0:  # an empty shard: an empty partial (-inf, 0, 0); a target here is bad
+        full = lambda v: torch.full((outer, inner), v, dtype=dtype, device=x3d.device)
+        return full(math.nan), full(0.0), full(-math.inf), full(-math.inf)
+    x = x3d if valid == x3d.shape[-1] else x3d.narrow(-1, 0, valid)
+    if spec.which == "reference":
+        if inner != x.shape[1]:
+            x = x.narrow(1, position_shift(x.shape[1], inner), inner)
+        return ref.row_stats(x, t_local, spec.temperature, LOCAL_IGNORE)
+    return token_stats_fwd_op(x, t_local, spec.temperature, LOCAL_IGNORE, spec.with_entropy)
+
+
+def _target_part(targets: Tensor, ignore_index: int, dtype) -> Tensor:
+    """``(max, -min)`` of the counted targets (``-inf`` when none) for the header."""
+    flat = targets.reshape(-1)
+    if flat.numel() == 0:
+        return torch.full((2,), -math.inf, dtype=dtype, device=targets.device)
+    t = flat.to(dtype)
+    both = torch.where(flat != ignore_index, torch.stack((t, -t)), -math.inf)
+    return both.amax(1)
+
+
+def _header(shard: VocabShard, dtype, device) -> Tensor:
+    hdr = torch.full((2 * shard.world + 2,), -math.inf, dtype=dtype, device=device)
+    hdr[2 * shard.rank] = shard.start
+    hdr[2 * shard.rank + 1] = shard.columns
+    hdr[2 * shard.world] = shard.vocab_size
+    hdr[2 * shard.world + 1] = -shard.vocab_size
+    return hdr
+
+
+def _merge(x3d, targets, t_local, ignored, spec: _Spec, inner: int):
+    """Layer 1 locally, the two all-reduces, the merge. Returns ``(logp, entropy, m, log_S)``
+    ``(outer, inner)`` (``logp`` / ``entropy`` None when not asked for)."""
+    dist = _dist()
+    shard = spec.shard
+    logp_l, ent_l, m_l, log_s_l = _local_stats(x3d, t_local, spec, inner)
+    dtype, dev = m_l.dtype, m_l.device
+    n = m_l.numel()
+    if spec.check and spec.with_targets:
+        tpart = _target_part(targets, spec.ignore_index, dtype)
+    else:
+        tpart = torch.full((2,), -math.inf, dtype=dtype, device=dev)
+    # collective 1: the row max and the layout header
+    buf = torch.cat((m_l.reshape(-1), _header(shard, dtype, dev), tpart))
+    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=shard.group)
+    hdr = buf[n:]
+    ok = None
+    if spec.check:
+        values = hdr.tolist()  # the call's one host sync, as the unsharded target check
+        message = _layout_error(values, shard) or _target_error(values, shard, spec.ignore_index)
+        if message is not None:
+            raise ValueError(message)
+    else:
+        ok = _layout_ok(hdr, shard)
+    m = buf[:n].view(m_l.shape)
+    # collective 2: every partial rescaled to the global max, packed into one SUM
+    # log(s_r exp(m_r - m)); -inf for an empty partial (the shard's row all -inf, where the
+    # reference's log s is NaN); a NaN max stays NaN
+    log_a = torch.where(m_l == -math.inf, -math.inf, (m_l - m) + log_s_l)
+    a = log_a.exp()
+    parts = [a]
+    if spec.with_targets:
+        owned = t_local >= 0  # this rank's target (or an out-of-range one: NaN)
+        parts.append(torch.where(owned, logp_l + log_a, 0.0))  # z_y - m
+    if spec.with_entropy:
+        parts.append(torch.where(a == 0, 0.0, a * (log_a - ent_l)))  # sum_j e^(z_j-m)(z_j-m)
+    packed = torch.stack(parts)
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=shard.group)
+    total = packed[0]
+    log_total = total.log()
+    logp = entropy = None
+    k = 1
+    if spec.with_targets:
+        logp = packed[k] - log_total
+        k += 1
+    if spec.with_entropy:
+        entropy = log_total - packed[k] / total
+        entropy = torch.where(entropy < 0, 0.0, entropy)  # rounding on a point mass
+    if ok is not None:
+        log_total = torch.where(ok, log_total, math.nan)
+    if ignored is not None:  # ignored tokens: exactly 0, as the unsharded call
+        logp = torch.where(ignored, 0.0, logp) if logp is not None else None
+        entropy = torch.where(ignored, 0.0, entropy) if entropy is not None else None
+    if ok is not None:
+        logp = torch.where(ok, logp, math.nan) if logp is not None else None
+        entropy = torch.where(ok, entropy, math.nan) if entropy is not None else None
+    return logp, entropy, m, log_total
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+def _reference_grad(x3d, t_local, m, log_s, entropy, g, h, spec: _Spec) -> Tensor:
+    """Layer 3 in plain PyTorch on this rank's valid columns, window rows only: the
+    reference's closed form (``fused_rl.reference.logprobs.grad_logits``) with a target
+    that may be owned by another rank (``NOT_OWNED``: no one-hot term here)."""
+    outer, inner, vocab = x3d.shape
+    dtype = m.dtype
+    temperature = spec.temperature
+    grad = torch.empty(x3d.shape, dtype=x3d.dtype, device=x3d.device)
+    active = torch.ones(outer, inner, dtype=torch.bool, device=x3d.device)
+    if t_local is not None:
+        active = t_local != LOCAL_IGNORE
+    needed = torch.zeros_like(active)
+    for coef in (g, h):
+        if coef is not None:
+            needed |= coef != 0
+    active = active & needed
+    for idx in ref._chunks(outer, inner, vocab):
+        d = x3d[idx].to(dtype) / temperature - m[idx][..., None]
+        p = torch.exp(d - log_s[idx][..., None])
+        out = torch.zeros_like(d)
+        if g is not None:
+            g_rows = g[idx][..., None].to(dtype)
+            out -= g_rows * p
+            t = t_local[idx].long()
+            here = (t >= 0) & (t < vocab)
+            one_hot = torch.where(here[..., None], g_rows, 0.0)
+            out.scatter_add_(-1, t.clamp(0, vocab - 1)[..., None], one_hot)
+        if h is not None:
+            mean_d = (log_s[idx] - entropy[idx])[..., None]
+            centred = torch.where(p == 0, torch.zeros_like(d), p * (d - mean_d))
+            out -= h[idx][..., None].to(dtype) * centred
+        out = torch.where(active[idx][..., None], out / temperature, torch.zeros_like(out))
+        grad[idx] = out.to(grad.dtype)
+    return grad
+
+
+def _backward_local(x3d, t_local, m, log_s, entropy, g, h, spec: _Spec, inner: int) -> Tensor:
+    """The gradient of this rank's whole ``(outer, S, V_local)`` buffer: layer 3 with the
+    global statistics, no collective; zero at padding columns and outside the window."""
+    valid = spec.shard.valid
+    columns = x3d.shape[-1]
+    if valid == 0:
+        return torch.zeros(x3d.shape, dtype=x3d.dtype, device=x3d.device)
+    x = x3d if valid == columns else x3d.narrow(-1, 0, valid)
+    if spec.which == "reference":
+        positions = x.shape[1]
+        if inner != positions:
+            window = _reference_grad(
+                x.narrow(1, position_shift(positions, inner), inner), t_local, m, log_s,
+                entropy, g, h, spec,
+            )  # fmt: skip
+            grad = x.new_zeros(x.shape)
+            grad.narrow(1, position_shift(positions, inner), inner).copy_(window)
+        else:
+            grad = _reference_grad(x, t_local, m, log_s, entropy, g, h, spec)
+    else:
+        grad = token_stats_bwd_op(
+            x, t_local, m, log_s, entropy if h is not None else None, g, h, None, None,
+            spec.temperature, LOCAL_IGNORE,
+        )  # fmt: skip
+    if valid != columns:  # padding columns (Megatron's padded vocabulary): zero gradient
+        grad = torch.nn.functional.pad(grad, (0, columns - valid))
+    return grad
+
+
+class _ShardedTokenStats(torch.autograd.Function):
+    """``(logp, entropy)`` over a vocabulary split across ``spec.shard.group``: two
+    all-reduces forward, none backward. Differentiable once."""
+
+    @staticmethod
+    def forward(ctx, x3d, targets, t_local, ignored, spec: _Spec):
+        inner = x3d.shape[1] if t_local is None else t_local.shape[1]
+        logp, entropy, m, log_s = _merge(x3d, targets, t_local, ignored, spec, inner)
+        ctx.save_for_backward(x3d, t_local, m, log_s, entropy)
+        ctx.spec, ctx.inner = spec, inner
+        ctx.set_materialize_grads(False)
+        empty = m.new_empty((0,))
+        return (logp if logp is not None else empty), (entropy if entropy is not None else empty)
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        x3d, t_local, m, log_s, entropy = ctx.saved_tensors
+        spec = ctx.spec
+        g = grad_logp if spec.with_targets else None
+        h = grad_entropy if spec.with_entropy else None
+        grad = None
+        if g is not None or h is not None:
+            with torch.no_grad():
+                grad = _backward_local(x3d, t_local, m, log_s, entropy, g, h, spec, ctx.inner)
+            grad = ref.differentiable_once(grad, x3d, grad_logp, grad_entropy)
+        return grad, None, None, None, None
+
+
+def sharded_token_stats(
+    logits: Tensor,
+    targets: Tensor | None,
+    shard: VocabShard,
+    *,
+    temperature: float,
+    ignore_index: int,
+    with_entropy: bool,
+    which: str,
+) -> tuple[Tensor | None, Tensor | None]:
+    """``(logp, entropy)`` (each None when not asked for) of the full-vocabulary softmax
+    from this rank's shard; arguments already checked locally (shapes, dtypes, temperature),
+    layout and target range checked here through the first collective."""
+    if shard.vocab_size >= MAX_VOCAB:
+        raise ValueError(f"vocab_size must be < 2^24 = {MAX_VOCAB}, got {shard.vocab_size}")
+    x3d = as_rows3d(logits)
+    t_local = ignored = t2d = None
+    if targets is not None:
+        n_targets = targets.shape[-1] if targets.dim() > 0 else 1
+        t2d = targets.reshape(x3d.shape[0], n_targets if logits.dim() > 1 else 1)
+        t_local, ignored = _local_targets(t2d, shard, ignore_index)
+    spec = _Spec(
+        shard, float(temperature), int(ignore_index), targets is not None, bool(with_entropy),
+        which, V.value_checks_enabled(logits),
+    )  # fmt: skip
+    logp, entropy = _ShardedTokenStats.apply(x3d, t2d, t_local, ignored, spec)
+    shape = targets.shape if targets is not None else logits.shape[:-1]
+    logp = logp.reshape(shape) if targets is not None else None
+    entropy = entropy.reshape(shape) if with_entropy else None
+    return logp, entropy
+
+
+# ----------------------------------------------------------------------------- data parallel
+
+
+def global_token_count(mask: Tensor, group=None) -> Tensor:
+    """The number of counted tokens summed over the ranks of ``group``: one all-reduce.
+
+    ``policy_loss(..., loss_agg="token-mean", num_items=global_token_count(mask))`` on each
+    data-parallel rank makes the losses add up over the ranks to the loss of the whole
+    global batch (and their gradients to its gradient), whatever each rank's share of the
+    tokens; DDP averages gradients over ranks, so scale the loss by the data-parallel size
+    to train on that global token mean (verl's ``dp_size``).
+
+    Args:
+        mask: ``(...)`` bool (True counts), integer or float per-token weights ``>= 0``,
+            the mask the loss counts with (``mask & (targets != ignore_index)`` when
+            ``ignore_index`` marks tokens too). A negative weight raises ``ValueError`` in
+            eager mode (``fused_rl.config.check_values``).
+        group: the data-parallel process group; None = the default (world) group.
+
+    Returns:
+        A 0-dim tensor on ``mask``'s device, never read on the host: int64 (exact) for
+        bool / integer masks, fp32 (fp64 for fp64) for float weights.
+
+    Example: see the module docstring.
+    """
+    V.check_mask_dtype(mask, "mask")
+    if mask is None:
+        raise TypeError("mask must be a torch.Tensor, got NoneType")
+    V.check_mask_weights(mask, "mask")
+    if mask.is_floating_point():
+        count = mask.to(stats_dtype(mask.dtype)).sum()
+    else:
+        count = mask.sum(dtype=torch.int64)
+    dist = _dist()
+    dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
+    return count

@@ -1,0 +1,595 @@
+"""Vocabulary-parallel log-probs on torch.distributed (issue 16): gloo on CPU, the Triton
+interpreter, world sizes 2 and 3.
+
+Every rank must return the unsharded call's values (checked against the float64 oracle on
+the concatenated vocabulary, and against the unsharded fused call), and its shard of the
+unsharded gradient under a random upstream gradient; with two all-reduces forward and none
+backward. One ``torch.multiprocessing.spawn`` per world size runs every check in order on
+every rank (the process group's timeout turns a hang into a failure); each rank writes its
+verdicts to a file, and one test per (world size, check) reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fused_rl
+from fused_rl import config
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from helpers import F64_TOL, FP32_TOL, assert_rel, compiled_scalar_abi, oracle_token_stats  # noqa: E402
+
+WORLD_SIZES = (2, 3)
+BACKENDS = ("triton", "reference")
+CHECKS: dict = {}
+
+
+def check(fn):
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+class Ctx:
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world = rank, world
+        self.group = dist.group.WORLD
+
+    def gen(self, seed: int) -> torch.Generator:
+        return torch.Generator().manual_seed(seed)  # the same stream on every rank
+
+
+def _shard_bounds(widths, rank):
+    start = sum(widths[:rank])
+    return start, start + widths[rank]
+
+
+def _oracle(full, targets, g, h, temperature=1.0, ignore_index=-100):
+    """float64 ``(logp, entropy, grad of (logp * g + entropy * h).sum())`` on the whole
+    vocabulary; ``full`` may be the ``(B, S, V)`` buffer with ``S > T`` targets."""
+    x = full.detach().double().requires_grad_()
+    window = x
+    if targets is not None and targets.dim() >= 1 and x.dim() == targets.dim() + 1:
+        if x.shape[-2] > targets.shape[-1]:
+            shift = x.shape[-2] - targets.shape[-1] - 1
+            window = x.narrow(-2, shift, targets.shape[-1])
+    lp, ent = oracle_token_stats(window, targets, temperature, ignore_index)
+    loss = ent * h.double() if lp is None else lp * g.double() + ent * h.double()
+    loss.sum().backward()
+    return lp, ent, x.grad
+
+
+def _local(full, start, stop):
+    return full[..., start:stop].detach().clone().requires_grad_()
+
+
+def _sharded_logp(local, targets, g, h, backend, **kw):
+    lp, ent = fused_rl.token_logprobs(
+        local, targets, return_entropy=True, process_group=dist.group.WORLD, backend=backend,
+        **kw,
+    )  # fmt: skip
+    (lp * g + ent * h).sum().backward()
+    return lp, ent, local.grad
+
+
+def _group_ok(ctx):
+    """The group is still in step after an error (no rank left inside a collective)."""
+    x = torch.ones(3)
+    dist.all_reduce(x, group=ctx.group)
+    assert x.tolist() == [float(ctx.world)] * 3
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+@check
+def values_and_grads(ctx):
+    """Equal shards, the model's (B, S, V) buffer with S > T targets, temperature,
+    ignore_index, a target on the last rank's last column and on the first column; logits
+    offset by 1e3 too, at T = 1 (the statistics stay relative to the row max; ``x / 0.7``
+    in fp32 would round the offset logits by ~1e-4, unsharded alike)."""
+    w = 5
+    V = w * ctx.world
+    g = ctx.gen(1)
+    for offset, temperature in ((0.0, 0.7), (1e3, 1.0)):
+        full = torch.randn(2, 5, V, generator=g) * 2 + offset
+        targets = torch.randint(0, V, (2, 3), generator=g)
+        targets[0, 0], targets[1, 2], targets[1, 0] = V - 1, 0, -100
+        gl, gh = torch.randn(2, 3, generator=g), torch.randn(2, 3, generator=g)
+        o_lp, o_ent, o_grad = _oracle(full, targets, gl, gh, temperature)
+        start, stop = _shard_bounds([w] * ctx.world, ctx.rank)
+        for backend in BACKENDS:
+            local = _local(full, start, stop)
+            lp, ent, grad = _sharded_logp(local, targets, gl, gh, backend, temperature=temperature)
+            what = f"{backend}, offset {offset}"
+            assert_rel(lp, o_lp, FP32_TOL, f"logp {what}")
+            assert_rel(ent, o_ent, FP32_TOL, f"entropy {what}")
+            assert_rel(grad, o_grad[..., start:stop], FP32_TOL, f"grad {what}")
+            assert lp[1, 0] == 0 and ent[1, 0] == 0, "ignored token not 0"
+            assert (grad[:, 0] == 0).all() and (grad[:, -1] == 0).all(), "outside the window"
+            # the unsharded fused call on the concatenated vocabulary
+            u_lp, u_ent = fused_rl.token_logprobs(
+                full, targets, temperature=temperature, return_entropy=True, backend=backend
+            )
+            assert_rel(lp, u_lp, 1e-6, f"logp vs unsharded {what}")
+            assert_rel(ent, u_ent, 1e-6, f"entropy vs unsharded {what}")
+
+
+@check
+def logprobs_only_packed(ctx):
+    """``return_entropy=False`` on packed ``(N, V_local)`` logits, non-contiguous."""
+    w = 4
+    V = w * ctx.world
+    g = ctx.gen(2)
+    full = torch.randn(V, 6, generator=g).t()  # (6, V), column-major
+    targets = torch.randint(0, V, (6,), generator=g)
+    targets[2] = V - 1
+    gl = torch.randn(6, generator=g)
+    o_lp, _, o_grad = _oracle(full, targets, gl, torch.zeros(6))
+    start, stop = _shard_bounds([w] * ctx.world, ctx.rank)
+    for backend in BACKENDS:
+        local = full[:, start:stop].detach().requires_grad_()  # a strided view
+        lp = fused_rl.token_logprobs(local, targets, process_group=ctx.group, backend=backend)
+        (lp * gl).sum().backward()
+        assert_rel(lp, o_lp, FP32_TOL, f"logp {backend}")
+        assert_rel(local.grad, o_grad[:, start:stop], FP32_TOL, f"grad {backend}")
+
+
+@check
+def entropy_only(ctx):
+    w = 3
+    V = w * ctx.world
+    g = ctx.gen(3)
+    full = torch.randn(2, 4, V, generator=g)
+    gh = torch.randn(2, 4, generator=g)
+    _, o_ent, o_grad = _oracle(full, None, None, gh, 1.3)
+    start, stop = _shard_bounds([w] * ctx.world, ctx.rank)
+    for backend in BACKENDS:
+        local = _local(full, start, stop)
+        ent = fused_rl.token_entropy(
+            local, temperature=1.3, process_group=ctx.group, backend=backend
+        )
+        (ent * gh).sum().backward()
+        assert_rel(ent, o_ent, FP32_TOL, f"entropy {backend}")
+        assert_rel(local.grad, o_grad[..., start:stop], FP32_TOL, f"grad {backend}")
+
+
+def _ragged_widths(world):
+    return [6, 3] if world == 2 else [4, 0, 5]  # world 3: rank 1 holds no column
+
+
+@check
+def ragged_shards(ctx):
+    """``vocab_start`` / ``vocab_size``: shards of different widths, one of them empty."""
+    widths = _ragged_widths(ctx.world)
+    V = sum(widths)
+    g = ctx.gen(4)
+    full = torch.randn(3, 2, V, generator=g)
+    targets = torch.tensor([[0, V - 1], [widths[0], widths[0] - 1], [-100, V // 2]])
+    gl, gh = torch.randn(3, 2, generator=g), torch.randn(3, 2, generator=g)
+    o_lp, o_ent, o_grad = _oracle(full, targets, gl, gh)
+    start, stop = _shard_bounds(widths, ctx.rank)
+    for backend in BACKENDS:
+        local = _local(full, start, stop)
+        lp, ent, grad = _sharded_logp(
+            local, targets, gl, gh, backend, vocab_start=start, vocab_size=V
+        )
+        assert_rel(lp, o_lp, FP32_TOL, f"logp {backend}")
+        assert_rel(ent, o_ent, FP32_TOL, f"entropy {backend}")
+        assert grad.shape == local.shape
+        assert_rel(grad, o_grad[..., start:stop], FP32_TOL, f"grad {backend}")
+
+
+@check
+def megatron_padded(ctx):
+    """Equal shards, the vocabulary padded at the end (``vocab_size`` alone): padding
+    columns, even NaN / inf ones, change nothing and get exactly zero gradient."""
+    for V in (7, 5):
+        w = -(-V // ctx.world)
+        g = ctx.gen(5 + V)
+        full = torch.randn(2, 3, w * ctx.world, generator=g)
+        full[..., V:] = float("nan")
+        full[0, 0, V:] = float("inf")
+        targets = torch.randint(0, V, (2, 3), generator=g)
+        targets[0, 0] = V - 1
+        gl, gh = torch.randn(2, 3, generator=g), torch.randn(2, 3, generator=g)
+        o_lp, o_ent, o_grad = _oracle(full[..., :V], targets, gl, gh)
+        start, stop = _shard_bounds([w] * ctx.world, ctx.rank)
+        for backend in BACKENDS:
+            local = _local(full, start, stop)
+            lp, ent, grad = _sharded_logp(local, targets, gl, gh, backend, vocab_size=V)
+            assert_rel(lp, o_lp, FP32_TOL, f"logp {backend} V={V}")
+            assert_rel(ent, o_ent, FP32_TOL, f"entropy {backend} V={V}")
+            valid = max(0, min(stop, V) - start)
+            assert_rel(grad[..., :valid], o_grad[..., start : start + valid], FP32_TOL, "grad")
+            assert (grad[..., valid:] == 0).all(), "padding columns got a gradient"
+
+
+@check
+def fp64(ctx):
+    w = 4
+    V = w * ctx.world
+    g = ctx.gen(6)
+    full = torch.randn(2, 3, V, generator=g, dtype=torch.float64) * 3
+    targets = torch.randint(0, V, (2, 3), generator=g)
+    gl = torch.randn(2, 3, generator=g, dtype=torch.float64)
+    gh = torch.randn(2, 3, generator=g, dtype=torch.float64)
+    o_lp, o_ent, o_grad = _oracle(full, targets, gl, gh, 0.9)
+    start, stop = _shard_bounds([w] * ctx.world, ctx.rank)
+    for backend in BACKENDS:
+        local = _local(full, start, stop)
+        lp, ent, grad = _sharded_logp(local, targets, gl, gh, backend, temperature=0.9)
+        assert lp.dtype == torch.float64 and grad.dtype == torch.float64
+        assert_rel(lp, o_lp, F64_TOL, f"logp {backend}")
+        assert_rel(ent, o_ent, F64_TOL, f"entropy {backend}")
+        assert_rel(grad, o_grad[..., start:stop], F64_TOL, f"grad {backend}")
+
+
+class _CountCollectives:
+    """Wraps every torch.distributed collective: (name, bytes) per call."""
+
+    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+             "reduce_scatter_tensor", "broadcast", "reduce", "all_to_all", "all_to_all_single",
+             "gather", "scatter", "barrier", "send", "recv")  # fmt: skip
+
+    def __enter__(self):
+        self.calls, self.saved = [], {}
+        for name in self.NAMES:
+            real = getattr(dist, name)
+            self.saved[name] = real
+
+            def wrapped(*args, _real=real, _name=name, **kwargs):
+                t = args[0] if args and isinstance(args[0], torch.Tensor) else None
+                self.calls.append((_name, 0 if t is None else t.numel() * t.element_size()))
+                return _real(*args, **kwargs)
+
+            setattr(dist, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for name, real in self.saved.items():
+            setattr(dist, name, real)
+
+
+@check
+def collective_count(ctx):
+    """Two all-reduces forward: the MAX of the row max (4 bytes per token) with a header of
+    ``2 P + 4`` floats, and one packed SUM (4 bytes per token per statistic); none backward."""
+    w, N = 3, 5
+    V = w * ctx.world
+    g = ctx.gen(7)
+    full = torch.randn(N, V, generator=g)
+    targets = torch.randint(0, V, (N,), generator=g)
+    header = (2 * ctx.world + 4) * 4
+    start, stop = _shard_bounds([w] * ctx.world, ctx.rank)
+    cases = (("logp+entropy", 16), ("logp", 12), ("entropy", 12))
+    for backend in BACKENDS:
+        for case, per_token in cases:
+            local = _local(full, start, stop)
+            with _CountCollectives() as fwd:
+                if case == "entropy":
+                    out = fused_rl.token_entropy(local, process_group=ctx.group, backend=backend)
+                    loss = out.sum()
+                else:
+                    out = fused_rl.token_logprobs(
+                        local, targets, return_entropy=case != "logp", process_group=ctx.group,
+                        backend=backend,
+                    )  # fmt: skip
+                    loss = sum(o.sum() for o in out) if isinstance(out, tuple) else out.sum()
+            with _CountCollectives() as bwd:
+                loss.backward()
+            names = [c[0] for c in fwd.calls]
+            assert names == ["all_reduce", "all_reduce"], f"{case} forward: {fwd.calls}"
+            total = sum(c[1] for c in fwd.calls)
+            assert total == per_token * N + header, f"{case}: {total} bytes for {N} tokens"
+            assert bwd.calls == [], f"{case} backward communicates: {bwd.calls}"
+
+
+def _mesh(ctx):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (ctx.world,))
+
+
+@check
+def dtensor(ctx):
+    """A DTensor placed Shard(-1) (torch.chunk layout: uneven, world 3 with V = 4 leaves
+    rank 2 empty): plain replicated-valued outputs, a DTensor gradient of the same layout."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = _mesh(ctx)
+    for V in (7, 4):
+        g = ctx.gen(8 + V)
+        full = torch.randn(2, 3, V, generator=g)
+        targets = torch.randint(0, V, (2, 3), generator=g)
+        targets[0, 0] = V - 1
+        gl, gh = torch.randn(2, 3, generator=g), torch.randn(2, 3, generator=g)
+        o_lp, o_ent, o_grad = _oracle(full, targets, gl, gh)
+        chunks = torch.arange(V).chunk(ctx.world)
+        ids = chunks[ctx.rank] if ctx.rank < len(chunks) else torch.arange(0)
+        for backend in BACKENDS:
+            dt = distribute_tensor(full, mesh, [Shard(2)]).requires_grad_()
+            t_in = distribute_tensor(targets, mesh, [Replicate()]) if V == 7 else targets
+            lp, ent = fused_rl.token_logprobs(dt, t_in, return_entropy=True, backend=backend)
+            assert type(lp) is torch.Tensor and type(ent) is torch.Tensor
+            (lp * gl + ent * gh).sum().backward()
+            assert_rel(lp, o_lp, FP32_TOL, f"logp {backend} V={V}")
+            assert_rel(ent, o_ent, FP32_TOL, f"entropy {backend} V={V}")
+            local_grad = dt.grad.to_local()
+            assert local_grad.shape[-1] == len(ids)
+            if len(ids):
+                assert_rel(local_grad, o_grad[..., ids], FP32_TOL, f"grad {backend} V={V}")
+            ent2 = fused_rl.token_entropy(
+                distribute_tensor(full, mesh, [Shard(-1)]), backend=backend
+            )
+            assert_rel(ent2, oracle_token_stats(full, None)[1], FP32_TOL, "token_entropy")
+    # replicated over the vocabulary: an ordinary call on the local tensor
+    full = torch.randn(2, 5, generator=ctx.gen(9))
+    rep = distribute_tensor(full, mesh, [Replicate()])
+    t = torch.tensor([0, 4])
+    assert_rel(fused_rl.token_logprobs(rep, t), oracle_token_stats(full, t)[0], FP32_TOL, "rep")
+    with pytest.raises(ValueError, match="process_group"):
+        fused_rl.token_logprobs(
+            distribute_tensor(full, mesh, [Shard(1)]), t, process_group=ctx.group
+        )
+
+
+@check
+def errors(ctx):
+    """Bad layouts and targets raise ValueError naming the argument on every rank, and
+    leave the group usable (no rank stuck in a collective)."""
+    g = ctx.gen(10)
+    targets = torch.randint(0, 6, (2, 3), generator=g)
+    wide = 3 + (ctx.rank == ctx.world - 1)  # the last shard one column wider
+    logp = fused_rl.token_logprobs
+    for backend in BACKENDS:
+        grp = dict(process_group=ctx.group, backend=backend)
+        x = torch.randn(2, 3, wide, generator=g)
+        with pytest.raises(ValueError, match=r"^logits: .* differ in width"):
+            logp(x, targets, **grp)
+        _group_ok(ctx)
+        with pytest.raises(ValueError, match=r"^logits: .*V_local per rank"):
+            fused_rl.token_entropy(x, **grp)
+        _group_ok(ctx)
+        x = torch.randn(2, 3, 3, generator=g)
+        V = 3 * ctx.world
+        for bad in (V, V + 7, -3):
+            t = targets.clone()
+            t[1, 1] = bad
+            with pytest.raises(
+                ValueError, match=rf"^targets holds {bad}, outside \[0, V\) = \[0, {V}\)"
+            ):
+                logp(x, t, **grp)
+            _group_ok(ctx)
+        with pytest.raises(ValueError, match=rf"^vocab_size = {V + 1}, but the shards cover"):
+            logp(x, targets, vocab_size=V + 1, **grp)
+        _group_ok(ctx)
+        with pytest.raises(ValueError, match="^vocab_size differs across the process group"):
+            logp(x, targets, vocab_size=V - ctx.rank, **grp)  # a different size per rank
+        _group_ok(ctx)
+        start = 3 * ctx.rank + (1 if ctx.rank == 1 else 0)  # a gap after rank 0
+        with pytest.raises(ValueError, match="^vocab_start: the shards must be contiguous"):
+            logp(x, targets, vocab_start=start, vocab_size=V, **grp)
+        _group_ok(ctx)
+        # checked locally, before any collective
+        with pytest.raises(ValueError, match="vocab_start needs vocab_size"):
+            logp(x, targets, vocab_start=0, **grp)
+        with pytest.raises(ValueError, match="need process_group"):
+            logp(x, targets, vocab_size=V)
+        with pytest.raises(ValueError, match="temperature"):
+            logp(x, targets, temperature=0.0, **grp)
+        with pytest.raises(ValueError, match="targets"):
+            logp(x, targets[:1], **grp)
+        with pytest.raises(TypeError, match="vocab_start"):
+            logp(x, targets, vocab_start=1.5, vocab_size=V, **grp)
+        _group_ok(ctx)
+
+
+@check
+def unchecked_gives_nan(ctx):
+    """With ``config.check_values = False`` nothing is read on the host: a target outside
+    [0, V) gives NaN at its token (the other tokens unchanged), a bad layout NaN everywhere."""
+    g = ctx.gen(11)
+    V = 3 * ctx.world
+    full = torch.randn(2, 3, V, generator=g)
+    targets = torch.randint(0, V, (2, 3), generator=g)
+    start, stop = _shard_bounds([3] * ctx.world, ctx.rank)
+    o_lp = oracle_token_stats(full, targets)[0]
+    config.check_values = False
+    try:
+        for backend in BACKENDS:
+            for bad in (V, V + 5, -1, -2, -3):
+                t = targets.clone()
+                t[0, 1] = bad
+                lp = fused_rl.token_logprobs(
+                    full[..., start:stop], t, process_group=ctx.group, backend=backend
+                )
+                assert torch.isnan(lp[0, 1]), f"target {bad}: {lp[0, 1]}"
+                keep = torch.ones_like(t, dtype=torch.bool)
+                keep[0, 1] = False
+                assert_rel(lp[keep], o_lp[keep], FP32_TOL, f"others, target {bad}")
+            x = torch.randn(2, 3, 3 + (ctx.rank == 0), generator=g)
+            lp, ent = fused_rl.token_logprobs(
+                x, targets, return_entropy=True, process_group=ctx.group, backend=backend
+            )
+            assert torch.isnan(lp).all() and torch.isnan(ent).all(), "bad layout not NaN"
+    finally:
+        config.check_values = True
+
+
+@check
+def nan_and_masked_shards(ctx):
+    """A NaN logit on one rank makes its row NaN on every rank; a row whose whole shard is
+    -inf on one rank (vocabulary masked there) is finite and exact."""
+    g = ctx.gen(12)
+    V = 3 * ctx.world
+    full = torch.randn(3, V, generator=g)
+    full[0, V - 2] = float("nan")
+    full[1:, :3] = float("-inf")  # rank 0's whole shard in rows 1 and 2
+    targets = torch.tensor([1, V - 1, 0])
+    start, stop = _shard_bounds([3] * ctx.world, ctx.rank)
+    o_lp, o_ent = oracle_token_stats(full, targets)
+    for backend in BACKENDS:
+        lp, ent = fused_rl.token_logprobs(
+            full[:, start:stop], targets, return_entropy=True, process_group=ctx.group,
+            backend=backend,
+        )  # fmt: skip
+        assert torch.isnan(lp[0]) and torch.isnan(ent[0]), "NaN in, not NaN out"
+        assert_rel(lp[1:2], o_lp[1:2], FP32_TOL, f"masked shard logp {backend}")
+        assert_rel(ent[1:], o_ent[1:], FP32_TOL, f"masked shard entropy {backend}")
+        assert lp[2] == float("-inf") or torch.isnan(lp[2]), lp[2]  # its target was masked
+
+
+@check
+def double_backward_raises(ctx):
+    V = 3 * ctx.world
+    start, stop = _shard_bounds([3] * ctx.world, ctx.rank)
+    local = _local(torch.randn(2, V, generator=ctx.gen(13)), start, stop)
+    lp = fused_rl.token_logprobs(local, torch.tensor([0, V - 1]), process_group=ctx.group)
+    (grad,) = torch.autograd.grad(lp.sum(), local, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        grad.sum().backward()
+
+
+@check
+def token_count_dp_invariance(ctx):
+    """``global_token_count``: ``policy_loss(token-mean, num_items=...)`` summed over
+    data-parallel ranks equals the loss of the concatenated batch; the gradients match."""
+    from fused_rl.distributed import global_token_count
+
+    g = ctx.gen(14)
+    sizes = [r + 1 for r in range(ctx.world)]  # unequal shares of the batch
+    B, T, V = sum(sizes), 4, 9
+    logits = torch.randn(B, T, V, generator=g)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    adv = torch.randn(B, generator=g)
+    old = torch.randn(B, T, generator=g) * 0.1 - 2.2
+    mask = torch.rand(B, T, generator=g) > 0.3
+    weights = torch.rand(B, T, generator=g) * mask
+    lo = sum(sizes[: ctx.rank])
+    hi = lo + sizes[ctx.rank]
+    for m in (mask, weights):
+        count = global_token_count(m[lo:hi])
+        assert count.dtype == (torch.float32 if m.is_floating_point() else torch.int64)
+        assert_rel(count, m.double().sum(), 1e-7, "count")
+        for backend in BACKENDS:
+            kw = dict(old_logprobs=old, loss_agg="token-mean", eps_high=0.28, backend=backend)
+            full = logits.clone().requires_grad_()
+            ref_loss, _ = fused_rl.policy_loss(full, targets, adv, mask=m, **kw)
+            ref_loss.backward()
+            kw["old_logprobs"] = old[lo:hi]
+            mine = logits[lo:hi].clone().requires_grad_()
+            loss, _ = fused_rl.policy_loss(
+                mine, targets[lo:hi], adv[lo:hi], mask=m[lo:hi], num_items=count, **kw
+            )
+            loss.backward()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            assert_rel(total, ref_loss, FP32_TOL, f"summed loss {backend}")
+            assert_rel(mine.grad, full.grad[lo:hi], FP32_TOL, f"grad {backend}")
+    with pytest.raises(ValueError, match="mask"):
+        global_token_count(torch.tensor([1.0, -1.0]))
+
+
+# ----------------------------------------------------------------------------- harness
+
+
+def _poison_empty():
+    """NaN-fill fresh floating ``torch.empty`` allocations (tests/conftest.py does this for
+    in-process tests): an output the code never writes fails."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def fill(t):
+        if t.is_floating_point() and t.numel() > 0:
+            t.fill_(float("nan"))
+        return t
+
+    torch.empty = lambda *a, **k: fill(real_empty(*a, **k))
+    torch.empty_like = lambda *a, **k: fill(real_empty_like(*a, **k))
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=30),
+    )  # fmt: skip
+    _poison_empty()
+    ctx = Ctx(rank, world)
+    verdicts = {}
+    with compiled_scalar_abi():
+        for name, fn in CHECKS.items():
+            try:
+                fn(ctx)
+                verdicts[name] = None
+            except BaseException:  # noqa: B036 - a verdict per check, whatever it raised
+                verdicts[name] = traceback.format_exc()
+    Path(out_dir, f"{rank}.json").write_text(json.dumps(verdicts))
+    dist.destroy_process_group()
+
+
+_RESULTS: dict = {}
+
+
+def _results(world: int) -> list[dict]:
+    if world not in _RESULTS:
+        with tempfile.TemporaryDirectory() as tmp:
+            init_file = os.path.join(tmp, "init")
+            torch.multiprocessing.spawn(
+                _worker, args=(world, init_file, tmp), nprocs=world, join=True
+            )
+            _RESULTS[world] = [json.loads(Path(tmp, f"{r}.json").read_text()) for r in range(world)]
+    return _RESULTS[world]
+
+
+needs_gloo = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
+)
+
+
+@needs_gloo
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU ranks run Triton through the interpreter"
+)
+@pytest.mark.parametrize("name", list(CHECKS))
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_vocab_parallel(world, name):
+    failures = [
+        f"rank {r}:\n{v[name]}" for r, v in enumerate(_results(world)) if v[name] is not None
+    ]
+    assert not failures, "\n".join(failures)
+
+
+def test_signatures():
+    """The keywords are the documented ones, before ``backend``."""
+    import inspect
+
+    for fn in (fused_rl.token_logprobs, fused_rl.token_entropy):
+        names = list(inspect.signature(fn).parameters)
+        assert names[-4:] == ["process_group", "vocab_start", "vocab_size", "backend"]
+    assert math.isfinite(fused_rl.distributed.MAX_VOCAB)
+
+
+@pytest.mark.no_poison
+def test_module_docstring_example():
+    """fused_rl.distributed's example (a one-process gloo group) runs."""
+    import doctest
+
+    import fused_rl.distributed as module
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0
