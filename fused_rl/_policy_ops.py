@@ -111,9 +111,11 @@ def _token_layer(logp, entropy, targets, adv, old, ref, mask, ignore_index, hype
 
 
 def _fused_rows(logits3d, targets, adv, old, ref, mask, temperature, ignore_index, hyper,
-                with_entropy, row_max, log_sum, entropy, g, h, part):  # fmt: skip
+                with_entropy, row_max, log_sum, entropy, g, h, part, grad=None,
+                row_scale=None):  # fmt: skip
     """Launch the fused vocab-stream kernel (layer 1 + the token layer as epilogue), one
-    program per target token, writing the per-token outputs and partial columns."""
+    program per target token, writing the per-token outputs and partial columns (and, with
+    ``grad``/``row_scale``, each row's gradient: layer 3 in the same program)."""
     from .kernels.vocab_stream_policy_fwd import _policy_loss_fwd_kernel
 
     outer, positions, vocab = logits3d.shape
@@ -125,6 +127,7 @@ def _fused_rows(logits3d, targets, adv, old, ref, mask, temperature, ignore_inde
     _policy_loss_fwd_kernel[(outer * inner,)](
         logits3d, targets, adv, old if old is not None else g, ref if ref is not None else g,
         mask if mask is not None else g, row_max, log_sum, entropy, g, h, part,
+        grad if grad is not None else g, row_scale if row_scale is not None else g,
         inner, position_shift(positions, inner), vocab, *logits3d.stride(),
         *targets.stride(), *adv.stride(), *_strides(old), *_strides(ref), *_strides(mask),
         *f32_pair(1.0 / temperature), ignore_index,
@@ -132,17 +135,20 @@ def _fused_rows(logits3d, targets, adv, old, ref, mask, temperature, ignore_inde
         HAS_OLD=old is not None, HAS_REF=ref is not None, HAS_MASK=mask is not None,
         ADD_KL=ref is not None and beta != 0.0, KL_KIND=kl_kind, WITH_ENTROPY=with_entropy,
         ENTROPY_BONUS=entropy_coef != 0.0, USE_DUAL=dual_clip != 0.0, USE_DELTA=delta != 0.0,
-        BLOCK_V=block, ACC=triton_acc(logits3d.dtype), num_warps=vocab_warps(block),
+        WRITE_GRAD=grad is not None, BLOCK_V=block, ACC=triton_acc(logits3d.dtype),
+        num_warps=vocab_warps(block),
     )  # fmt: skip
 
 
-def policy_rows_fwd(
+def policy_rows_grad_into(
+    grad: Tensor,
     logits3d: Tensor,
     targets: Tensor,
     adv: Tensor,
     old: Tensor | None,
     ref: Tensor | None,
     mask: Tensor | None,
+    row_scale: Tensor,
     temperature: float,
     ignore_index: int,
     eps_low: float,
@@ -153,38 +159,68 @@ def policy_rows_fwd(
     kl_kind: int,
     entropy_coef: float,
     with_entropy: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The fused forward's per-token half, for token-level importance sampling, without
-    the reduction: ``(row_max, log_sum, entropy, g, h, part)`` for ``(outer, S, V)`` logits
-    and ``(outer, inner)`` per-token inputs, ``part`` the ``(N_COLS, outer * inner)``
-    partial columns that :func:`policy_finalize` reduces. The fused-linear loss runs it on
-    each chunk of logits and finalizes once (``fused_rl.linear``)."""
+) -> Tensor:
+    """The fused forward for token-level importance sampling, without the reduction, and
+    with each row's gradient written in the same program: ``(outer, T, V)`` logits (no
+    window), ``(outer, T)`` per-token inputs, ``row_scale`` ``(outer * T,)`` multiplying
+    each row's ``g``/``h`` (the aggregation normaliser). Writes ``dL/dlogits`` to ``grad``
+    (contiguous, the logits' shape and dtype; may BE ``logits3d`` when that is contiguous:
+    each block of a row is read before it is overwritten) and returns the
+    ``(N_COLS, outer * T)`` partial columns that :func:`policy_finalize` reduces. The
+    fused-linear loss runs it on each chunk of logits (``fused_rl.linear``)."""
     outer, inner = targets.shape
+    if logits3d.shape[1] != inner:
+        raise ValueError("policy_rows_grad_into takes (outer, T, V) logits for (outer, T) targets")
     dtype = stats_dtype(logits3d.dtype)
     bonus = entropy_coef != 0.0
     new = lambda on=True: logits3d.new_empty((outer, inner) if on else (0,), dtype=dtype)
     part = logits3d.new_empty((N_COLS, outer * inner), dtype=dtype)
-    row_max, log_sum, entropy, g, h = new(), new(), new(bonus), new(), new(bonus)
     hyper = (eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef)
     _fused_rows(
         logits3d, targets, adv, old, ref, _mask_arg(mask), temperature, ignore_index, hyper,
-        with_entropy or bonus, row_max, log_sum, entropy, g, h, part,
+        with_entropy or bonus, new(), new(), new(bonus), new(), new(bonus), part, grad,
+        row_scale,
     )  # fmt: skip
-    return row_max, log_sum, entropy, g, h, part
+    return part
 
 
-def _rows_fake(logits3d, targets, adv, old, ref, mask, temperature, ignore_index, eps_low,
-               eps_high, dual_clip, delta, beta, kl_kind, entropy_coef, with_entropy):  # fmt: skip
-    outer, inner = targets.shape
+def policy_rows_grad_fwd(
+    logits3d: Tensor,
+    targets: Tensor,
+    adv: Tensor,
+    old: Tensor | None,
+    ref: Tensor | None,
+    mask: Tensor | None,
+    row_scale: Tensor,
+    temperature: float,
+    ignore_index: int,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float,
+    delta: float,
+    beta: float,
+    kl_kind: int,
+    entropy_coef: float,
+    with_entropy: bool,
+) -> tuple[Tensor, Tensor]:
+    """:func:`policy_rows_grad_into` into a fresh gradient buffer: ``(part, grad)`` (the
+    form ``torch.compile`` traces, since a custom op may not mutate its input)."""
+    grad = torch.empty(logits3d.shape, dtype=logits3d.dtype, device=logits3d.device)
+    part = policy_rows_grad_into(
+        grad, logits3d, targets, adv, old, ref, mask, row_scale, temperature, ignore_index,
+        eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef, with_entropy,
+    )  # fmt: skip
+    return part, grad
+
+
+def _rows_grad_fake(logits3d, targets, *_args):
     dtype = stats_dtype(logits3d.dtype)
-    new = lambda on=True: logits3d.new_empty((outer, inner) if on else (0,), dtype=dtype)
-    bonus = entropy_coef != 0.0
-    part = logits3d.new_empty((N_COLS, outer * inner), dtype=dtype)
-    return new(), new(), new(bonus), new(), new(bonus), part
+    part = logits3d.new_empty((N_COLS, targets.numel()), dtype=dtype)
+    return part, logits3d.new_empty(logits3d.shape)
 
 
-policy_rows_fwd_op = FusedOp("policy_rows_fwd", policy_rows_fwd)
-policy_rows_fwd_op.register_fake(_rows_fake)
+policy_rows_grad_fwd_op = FusedOp("policy_rows_grad_fwd", policy_rows_grad_fwd)
+policy_rows_grad_fwd_op.register_fake(_rows_grad_fake)
 
 
 def policy_finalize(

@@ -16,9 +16,9 @@ tokens in chunks of ``chunk_tokens`` rows. Per chunk:
 
 ``linear_policy_loss`` (Triton backend, gradients on, token-level importance sampling) does
 better: its output is one scalar, so the chunk's gradients are formed in the FORWARD
-(:class:`_LinearPolicyLoss`: the fused policy kernel, then layer 3 in place, ``dH_c``,
-``dW``) and the backward only multiplies them by the upstream gradient: three GEMMs per
-chunk instead of four.
+(:class:`_LinearPolicyLoss`: one vocab kernel per chunk computes the loss terms and
+overwrites ``z`` with ``dz``, then ``dH_c``, ``dW``) and the backward only multiplies them
+by the upstream gradient: three GEMMs per chunk instead of four.
 
 Peak memory above the inputs: one chunk's logits, ``dW`` in fp32 (and, on CUDA with 16-bit
 weights, one fp32 ``(V, H)`` product per chunk before it is added) and ``dH``.
@@ -38,7 +38,13 @@ from ._agg import LOSS_AGG_MODES, poison_empty, sequence_scale
 from ._backend import resolve_backend
 from ._launch import stats_dtype
 from ._ops import _serialised_when_interpreting
-from ._policy_ops import N_COLS, metrics_dict, policy_finalize_op, policy_rows_fwd_op
+from ._policy_ops import (
+    N_COLS,
+    metrics_dict,
+    policy_finalize_op,
+    policy_rows_grad_fwd_op,
+    policy_rows_grad_into,
+)
 from ._vocab_ops import token_stats_bwd_into, token_stats_bwd_op, token_stats_fwd_op
 from .reference import logprobs as ref
 from .reference.kl import KL_KINDS
@@ -48,6 +54,7 @@ from .reference.reductions import mask_weights
 # layer 3 writing over its input: a raw launcher (no custom op, it mutates), serialised and
 # with NumPy's masked-lane warnings silenced under the interpreter as every FusedOp is
 _stats_bwd_into = _serialised_when_interpreting(token_stats_bwd_into)
+_policy_rows_grad_into = _serialised_when_interpreting(policy_rows_grad_into)
 
 CHUNK_BYTES = 256 * 2**20  # the logits of one chunk, the only (rows, V) buffer alive
 
@@ -67,20 +74,18 @@ def _chunk_stats(z: Tensor, targets: Tensor, temperature, ignore_index, which):
     return tuple(x[0] for x in out)
 
 
-def _chunk_grad(z, targets, row_max, log_sum, entropy, g, h, temperature, ignore_index, which,
-                row_scale=None):  # fmt: skip
+def _chunk_grad(z, targets, row_max, log_sum, entropy, g, h, temperature, ignore_index, which):
     """``dL/dz`` of one chunk's ``(n, V)`` logits from per-token ``(n,)`` statistics and
-    ``g``/``h`` (times ``row_scale`` when given): layer 3, written over ``z`` in eager mode on
-    the Triton path (a fresh buffer under ``torch.compile``, which cannot trace a mutation
-    of its input). Rows go in as ``(n, 1, V)``, so layer 3's per-sequence scale is per row."""
+    ``g``/``h``: layer 3, written over ``z`` in eager mode on the Triton path (a fresh buffer
+    under ``torch.compile``, which cannot trace a mutation of its input)."""
     col = lambda t: None if t is None else t.reshape(-1, 1)  # noqa: E731
     args = (col(targets), col(row_max), col(log_sum), col(entropy), col(g), col(h))
     z3 = z[:, None]
     if which == "reference":
         return ref.grad_logits(z3, *args, temperature, ignore_index)[:, 0]
     if torch.compiler.is_compiling():
-        return token_stats_bwd_op(z3, *args, None, row_scale, temperature, ignore_index)[:, 0]
-    return _stats_bwd_into(z3, z3, *args, None, row_scale, temperature, ignore_index)[:, 0]
+        return token_stats_bwd_op(z3, *args, None, None, temperature, ignore_index)[:, 0]
+    return _stats_bwd_into(z3, z3, *args, None, None, temperature, ignore_index)[:, 0]
 
 
 _MM_OUT_DTYPE: dict[str, bool] = {}  # device type -> torch.mm(..., out_dtype=) works there
@@ -189,11 +194,12 @@ class _LinearPolicyLoss(torch.autograd.Function):
     formed in the forward (one GEMM per chunk for the logits, two for the gradients) and
     scaled by the upstream scalar in the backward; Triton backend only.
 
-    Per chunk: ``z = h_c W^T (+ b)``; the fused vocab kernel (layer 1 with the token layer as
-    epilogue) writes the chunk's statistics, ``g``/``h`` and metric partials; layer 3 turns
-    ``z`` IN PLACE into ``dz`` (``g``/``h`` times the aggregation's per-row scale ``s``,
-    known from the mask alone); ``dH_c = dz W``, ``dW += dz^T h_c``, ``db += sum dz``. One
-    reduction then finishes the loss and every metric from all chunks' partials.
+    Per chunk: ``z = h_c W^T (+ b)``; ONE vocab kernel (``policy_rows_grad_into``: layer 1,
+    the token layer as epilogue, then layer 3 on the row it just reduced, whose second read
+    comes from L2) writes the chunk's metric partials and turns ``z`` IN PLACE into ``dz``
+    (``g``/``h`` times the aggregation's per-row scale, known from the mask alone);
+    ``dH_c = dz W``, ``dW += dz^T h_c``, ``db += sum dz``. One reduction then finishes the
+    loss and every metric from all chunks' partials.
     """
 
     @staticmethod
@@ -211,15 +217,14 @@ class _LinearPolicyLoss(torch.autograd.Function):
         for start in range(0, n_rows, chunk):
             r = slice(start, min(start + chunk, n_rows))
             z = F.linear(rows[r], weight, bias)
-            row_max, log_sum, entropy, g, h, part_c = policy_rows_fwd_op(
-                z[:, None], col(targets, r), col(adv, r), col(old, r), col(ref, r), col(mask, r),
-                temperature, ignore_index, *hyper, with_entropy,
-            )  # fmt: skip
-            part[:, r] = part_c
-            dz = _chunk_grad(
-                z, targets[r], row_max, log_sum, entropy if h.numel() else None, g,
-                h if h.numel() else None, temperature, ignore_index, "triton", row_scale[r],
-            )  # fmt: skip
+            args = (col(targets, r), col(adv, r), col(old, r), col(ref, r), col(mask, r),
+                    row_scale[r], temperature, ignore_index, *hyper, with_entropy)  # fmt: skip
+            if torch.compiler.is_compiling():  # a traced op may not mutate its input
+                part[:, r], dz3 = policy_rows_grad_fwd_op(z[:, None], *args)
+                dz = dz3[:, 0]
+            else:  # the chunk's logits become their gradient in place
+                part[:, r] = _policy_rows_grad_into(z[:, None], z[:, None], *args)
+                dz = z
             if need_h:
                 d_hidden[r] = dz @ weight
             if need_w:
@@ -433,7 +438,8 @@ def linear_policy_loss(
 
     How (module docstring): with gradients on and ``importance_sampling="token"`` on the
     Triton backend, one pass over the chunks computes the loss, the metrics and the
-    gradients (GEMM, the fused policy kernel, layer 3 in place, the two gradient GEMMs), and
+    gradients (GEMM, one vocab kernel writing ``dz`` over the logits, the two gradient
+    GEMMs), and
     the backward multiplies ``dH``/``dW``/``db`` by the upstream scalar: three GEMMs per
     chunk. Otherwise (GSPO, ``no_grad``, the reference backend) it is
     :func:`linear_token_logprobs` feeding :func:`policy_loss_from_logprobs`, whose backward
@@ -535,7 +541,7 @@ def _fused_policy_loss(rows, weight, bias, flat_targets, shape, advantages, old,
     counted = (flat_targets != ignore_index).view(batch, length)
     m = counted.to(acc) if mask is None else mask_weights(mask.detach(), acc) * counted
     scale = sequence_scale(m, loss_agg, max_length=max_length, num_items=num_items)
-    row_scale = scale.expand(batch, length).reshape(-1)
+    row_scale = scale.expand(batch, length).contiguous().view(-1)  # the kernel reads stride 1
     n_items, n_items_t = _num_items_args(num_items)
     config = (float(temperature), int(ignore_index), tuple(float(x) for x in hyper[:5])
               + (int(hyper[5]), float(hyper[6])), bool(with_entropy), chunk,

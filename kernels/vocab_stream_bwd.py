@@ -92,7 +92,6 @@ def _token_stats_bwd_kernel(
     inner = tl.where(active, inner, 0)
     row = outer * rows_inner + inner  # the token this position predicts
     row_ptr = logits_ptr + outer * stride_outer + pos * stride_inner
-    grad_row = grad_ptr + prow * V
     m = tl.load(max_ptr + row, mask=active, other=0.0).to(ACC)
     log_s = tl.load(log_sum_ptr + row, mask=active, other=0.0).to(ACC)
     if HAS_TARGETS:
@@ -119,7 +118,22 @@ def _token_stats_bwd_kernel(
     g = tl.where(active, g, 0.0)
     h = tl.where(active, h, 0.0)
     active = active & ((g != 0) | (h != 0))  # a NaN upstream gradient still reads
-    n_read = tl.where(active, V, 0)  # inactive rows read nothing and write zeros
+    write_grad_row(
+        row_ptr, grad_ptr + prow * V, V, stride_v, inv_temperature, m, log_s, mean_d, g, h,
+        target, active, HAS_TARGETS, HAS_H, BLOCK_V, ACC,
+    )  # fmt: skip
+
+
+@triton.jit
+def write_grad_row(
+    row_ptr, grad_row, V, stride_v, inv_temperature, m, log_s, mean_d, g, h, target, active,
+    HAS_TARGETS: tl.constexpr, HAS_H: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """Stream one logits row and write its gradient ``(1/T)[g (1[j=y] - p) - h p (z - E_p z)]``
+    to ``grad_row`` (contiguous; may be the row itself: each block is read before it is
+    overwritten). ``g``/``h`` already carry ``1/T`` and every scale; ``mean_d`` is
+    ``E_p[z] - m``. An inactive row reads nothing and writes zeros."""
+    n_read = tl.where(active, V, 0)
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         in_row = cols < V
@@ -132,4 +146,4 @@ def _token_stats_bwd_kernel(
         if HAS_H:
             grad -= h * tl.where(p > 0, p * (d - mean_d), 0.0)  # 0 * -inf guarded
         grad = tl.where(active, grad, 0.0)
-        tl.store(grad_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=in_row)
+        tl.store(grad_row + cols, grad.to(grad_row.dtype.element_ty), mask=in_row)

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from .common import as_weight, pair, row_pointer, token_offset
 from .token_layer import policy_token_loss, store_policy_partials
+from .vocab_stream_bwd import write_grad_row
 from .vocab_stream_fwd import row_moments, target_logit
 
 
@@ -52,6 +53,8 @@ def _policy_loss_fwd_kernel(
     g_ptr,
     h_ptr,
     part_ptr,
+    grad_ptr,
+    row_scale_ptr,
     rows_inner,
     shift,
     V,
@@ -92,13 +95,20 @@ def _policy_loss_fwd_kernel(
     ENTROPY_BONUS: tl.constexpr,
     USE_DUAL: tl.constexpr,
     USE_DELTA: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
     ACC: tl.constexpr,
 ):
     """One program per target token of ``(outer, rows_inner)``. Logits: ``(outer, S, V)``
     strided, position ``inner + shift`` predicts target ``inner``. Per-token inputs are
     strided ``(outer, rows_inner)`` (``(B,)`` advantages: a zero inner stride); outputs are
-    contiguous ``(outer * rows_inner,)``, partials ``(N_COLS, outer * rows_inner)``."""
+    contiguous ``(outer * rows_inner,)``, partials ``(N_COLS, outer * rows_inner)``.
+
+    ``WRITE_GRAD`` (the fused-linear loss, ``shift == 0``): also write the row's gradient
+    ``dL/dlogits`` to ``grad_ptr`` (contiguous ``(outer * rows_inner, V)``, may BE the
+    logits: written in place), with ``g``/``h`` times ``row_scale[row]`` (the loss
+    aggregation's normaliser, known from the mask alone). Bytes: one more read of the row
+    (from L2 right after the first) and one write."""
     row = tl.program_id(0).to(tl.int64)
     n_rows = tl.num_programs(0).to(tl.int64)
     inv_temperature = pair(inv_t_hi, inv_t_lo, ACC)  # 1 / T, fp64-exact for fp64 logits
@@ -157,3 +167,14 @@ def _policy_loss_fwd_kernel(
     store_policy_partials(
         part_ptr, n_rows, row, row >= 0, m, loss, code, ratio, old - logp, kl, entropy
     )
+    if WRITE_GRAD:  # layer 3 on the row just reduced (its second read comes from L2)
+        scale = tl.load(row_scale_ptr + row).to(ACC) * inv_temperature
+        g = tl.where(active, m * dloss_dlogp, 0.0) * scale
+        h = 0.0
+        if ENTROPY_BONUS:
+            h = tl.where(active, -entropy_coef * m, 0.0) * scale
+        write_grad_row(
+            row_ptr, grad_ptr + row * V, V, stride_v, inv_temperature, row_max, log_s,
+            log_s - entropy, g, h, target, active & ((g != 0) | (h != 0)), True,
+            ENTROPY_BONUS, BLOCK_V, ACC,
+        )  # fmt: skip

@@ -14,7 +14,7 @@ from helpers import FP32_TOL, assert_rel
 
 import fused_rl
 from fused_rl.linear import CHUNK_BYTES, default_chunk_tokens
-from fused_rl.profiling import AllocationTracker
+from fused_rl.profiling import AllocationTracker, LaunchCounter
 
 BACKENDS = ("triton", "reference")
 
@@ -390,6 +390,21 @@ def test_linear_policy_loss_gemms_per_chunk(importance_sampling, grad, per_chunk
     assert forward.count + backward.count == per_chunk * chunks
     if grad and importance_sampling == "token":
         assert backward.count == 0
+
+
+@pytest.mark.no_poison  # the NaN fill of fresh buffers is the test's, not the call's
+def test_linear_policy_loss_one_vocab_kernel_per_chunk():
+    """The fused path reads each chunk's logits with ONE Triton kernel (statistics, loss
+    epilogue and the gradient written in place), plus one reduction for the whole call."""
+    h, w, b, t, r = _rollout("cpu")
+    with LaunchCounter() as c:
+        loss, _ = fused_rl.linear_policy_loss(h, w, t, r["advantages"], bias=b, chunk_tokens=4,
+                                              entropy_coef=0.01, backend="triton")  # fmt: skip
+        loss.backward()
+    chunks = -(-t.numel() // 4)
+    assert c.kernels.count("_policy_loss_fwd_kernel") == chunks, c.kernels
+    assert sorted(set(c.kernels)) == ["_policy_finalize_kernel", "_policy_loss_fwd_kernel"]
+    assert c.kernels.count("_policy_finalize_kernel") == 1
 
 
 @pytest.mark.parametrize("frozen", ("weight", "hidden"))
