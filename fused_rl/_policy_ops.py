@@ -29,19 +29,24 @@ METRIC_COLUMNS = {
     "clip_frac": 2,
     "clip_frac_low": 3,
     "clip_frac_high": 4,
-    "dual_clip_frac": 5,
     "ratio_mean": 6,
     "ratio_max": 10,
     "approx_kl": 7,
 }
-KL_COLUMN, ENTROPY_COLUMN, N_COLS = 8, 9, 11
+AUX_COLUMN, KL_COLUMN, ENTROPY_COLUMN, N_COLS = 5, 8, 9, 11
+# what the COL_AUX column holds, per surrogate (fused_rl.losses.SURROGATES order)
+AUX_METRIC = ("dual_clip_frac", "cispo_clip_frac", "sapo_gate_mean", None)
 FINALIZE_BLOCK_B, FINALIZE_BLOCK_T, TOKEN_BLOCK_T = 16, 128, 256
 
 
-def metrics_dict(metrics: Tensor, *, has_kl: bool, has_entropy: bool) -> dict[str, Tensor]:
+def metrics_dict(
+    metrics: Tensor, *, has_kl: bool, has_entropy: bool, surrogate: int = 0
+) -> dict[str, Tensor]:
     """Name the finalize kernel's ``(N_COLS,)`` output (0-dim views, no copies)."""
     cols = metrics.unbind()
     out = {name: cols[k] for name, k in METRIC_COLUMNS.items()}
+    if AUX_METRIC[surrogate] is not None:
+        out[AUX_METRIC[surrogate]] = cols[AUX_COLUMN]
     if has_kl:
         out["kl"] = cols[KL_COLUMN]
     if has_entropy:
@@ -82,7 +87,7 @@ def _finalize(part, n_outer, inner, dtype, agg, max_length, num_items, num_items
     return loss, metrics, seq_scale
 
 
-def _token_layer(logp, entropy, targets, adv, old, ref, mask, ignore_index, hyper, bonus,
+def _token_layer(logp, entropy, targets, adv, old, ref, mask, is_w, ignore_index, hyper, bonus,
                  sequence, g, h, part):  # fmt: skip
     """Launch the token-layer kernel (one program per sequence) on ``(B, T)`` inputs."""
     from .kernels.token_policy import _policy_token_fwd_kernel
@@ -90,18 +95,21 @@ def _token_layer(logp, entropy, targets, adv, old, ref, mask, ignore_index, hype
     outer, inner = logp.shape
     if outer * inner == 0:
         return
-    eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef = hyper
+    eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef, *variant = hyper
+    surrogate, tau_pos, tau_neg, bias_kl = variant
     dummy = g
     _policy_token_fwd_kernel[(outer,)](
         logp, entropy if entropy is not None else dummy,
         targets if targets is not None else dummy, adv, old if old is not None else dummy,
-        ref if ref is not None else dummy, mask if mask is not None else dummy, g, h, part,
+        ref if ref is not None else dummy, mask if mask is not None else dummy,
+        is_w if is_w is not None else dummy, g, h, part,
         inner, *logp.stride(), *_strides(entropy), *_strides(targets), *adv.stride(),
-        *_strides(old), *_strides(ref), *_strides(mask), ignore_index,
-        *_pairs(eps_low, eps_high, dual_clip, delta, beta, entropy_coef),
-        HAS_ENTROPY=entropy is not None, HAS_TARGETS=targets is not None,
+        *_strides(old), *_strides(ref), *_strides(mask), *_strides(is_w), ignore_index,
+        *_pairs(eps_low, eps_high, dual_clip, delta, beta, entropy_coef, tau_pos, tau_neg),
+        SURROGATE=surrogate, HAS_ENTROPY=entropy is not None, HAS_TARGETS=targets is not None,
         HAS_OLD=old is not None, HAS_REF=ref is not None, HAS_MASK=mask is not None,
-        ADD_KL=ref is not None and beta != 0.0, KL_KIND=kl_kind, ENTROPY_BONUS=bonus,
+        HAS_IS=is_w is not None, ADD_KL=ref is not None and beta != 0.0, KL_KIND=kl_kind,
+        BIAS_KL=bias_kl, ENTROPY_BONUS=bonus,
         USE_DUAL=dual_clip != 0.0, USE_DELTA=delta != 0.0, SEQUENCE=sequence,
         BLOCK_T=TOKEN_BLOCK_T, ACC=triton_acc(g.dtype),
     )  # fmt: skip
@@ -110,7 +118,7 @@ def _token_layer(logp, entropy, targets, adv, old, ref, mask, ignore_index, hype
 # ----------------------------------------------------------------------------- from logits
 
 
-def _fused_rows(logits3d, targets, adv, old, ref, mask, temperature, ignore_index, hyper,
+def _fused_rows(logits3d, targets, adv, old, ref, mask, is_w, temperature, ignore_index, hyper,
                 with_entropy, row_max, log_sum, entropy, g, h, part, grad=None,
                 row_scale=None):  # fmt: skip
     """Launch the fused vocab-stream kernel (layer 1 + the token layer as epilogue), one
@@ -122,18 +130,22 @@ def _fused_rows(logits3d, targets, adv, old, ref, mask, temperature, ignore_inde
     inner = targets.shape[1]
     if outer * inner == 0:
         return
-    eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef = hyper
+    eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef, *variant = hyper
+    surrogate, tau_pos, tau_neg, bias_kl = variant
     block = vocab_block(vocab)
     _policy_loss_fwd_kernel[(outer * inner,)](
         logits3d, targets, adv, old if old is not None else g, ref if ref is not None else g,
-        mask if mask is not None else g, row_max, log_sum, entropy, g, h, part,
+        mask if mask is not None else g, is_w if is_w is not None else g, row_max, log_sum,
+        entropy, g, h, part,
         grad if grad is not None else g, row_scale if row_scale is not None else g,
         inner, position_shift(positions, inner), vocab, *logits3d.stride(),
         *targets.stride(), *adv.stride(), *_strides(old), *_strides(ref), *_strides(mask),
-        *f32_pair(1.0 / temperature), ignore_index,
-        *_pairs(eps_low, eps_high, dual_clip, delta, beta, entropy_coef),
-        HAS_OLD=old is not None, HAS_REF=ref is not None, HAS_MASK=mask is not None,
-        ADD_KL=ref is not None and beta != 0.0, KL_KIND=kl_kind, WITH_ENTROPY=with_entropy,
+        *_strides(is_w), *f32_pair(1.0 / temperature), ignore_index,
+        *_pairs(eps_low, eps_high, dual_clip, delta, beta, entropy_coef, tau_pos, tau_neg),
+        SURROGATE=surrogate, HAS_OLD=old is not None, HAS_REF=ref is not None,
+        HAS_MASK=mask is not None, HAS_IS=is_w is not None,
+        ADD_KL=ref is not None and beta != 0.0, KL_KIND=kl_kind, BIAS_KL=bias_kl,
+        WITH_ENTROPY=with_entropy,
         ENTROPY_BONUS=entropy_coef != 0.0, USE_DUAL=dual_clip != 0.0, USE_DELTA=delta != 0.0,
         WRITE_GRAD=grad is not None, BLOCK_V=block, ACC=triton_acc(logits3d.dtype),
         num_warps=vocab_warps(block),
@@ -159,6 +171,11 @@ def policy_rows_grad_into(
     kl_kind: int,
     entropy_coef: float,
     with_entropy: bool,
+    is_w: Tensor | None,
+    surrogate: int,
+    tau_pos: float,
+    tau_neg: float,
+    bias_kl: bool,
 ) -> Tensor:
     """The fused forward for token-level importance sampling, without the reduction, and
     with each row's gradient written in the same program: ``(outer, T, V)`` logits (no
@@ -175,10 +192,11 @@ def policy_rows_grad_into(
     bonus = entropy_coef != 0.0
     new = lambda on=True: logits3d.new_empty((outer, inner) if on else (0,), dtype=dtype)
     part = logits3d.new_empty((N_COLS, outer * inner), dtype=dtype)
-    hyper = (eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef)
+    hyper = (eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef, surrogate,
+             tau_pos, tau_neg, bias_kl)  # fmt: skip
     _fused_rows(
-        logits3d, targets, adv, old, ref, _mask_arg(mask), temperature, ignore_index, hyper,
-        with_entropy or bonus, new(), new(), new(bonus), new(), new(bonus), part, grad,
+        logits3d, targets, adv, old, ref, _mask_arg(mask), is_w, temperature, ignore_index,
+        hyper, with_entropy or bonus, new(), new(), new(bonus), new(), new(bonus), part, grad,
         row_scale,
     )  # fmt: skip
     return part
@@ -202,13 +220,19 @@ def policy_rows_grad_fwd(
     kl_kind: int,
     entropy_coef: float,
     with_entropy: bool,
+    is_w: Tensor | None,
+    surrogate: int,
+    tau_pos: float,
+    tau_neg: float,
+    bias_kl: bool,
 ) -> tuple[Tensor, Tensor]:
     """:func:`policy_rows_grad_into` into a fresh gradient buffer: ``(part, grad)`` (the
     form ``torch.compile`` traces, since a custom op may not mutate its input)."""
     grad = torch.empty(logits3d.shape, dtype=logits3d.dtype, device=logits3d.device)
     part = policy_rows_grad_into(
         grad, logits3d, targets, adv, old, ref, mask, row_scale, temperature, ignore_index,
-        eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef, with_entropy,
+        eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef, with_entropy, is_w,
+        surrogate, tau_pos, tau_neg, bias_kl,
     )  # fmt: skip
     return part, grad
 
@@ -271,6 +295,11 @@ def policy_loss_fwd(
     max_length: float,
     num_items: float,
     num_items_t: Tensor | None,
+    is_w: Tensor | None,
+    surrogate: int,
+    tau_pos: float,
+    tau_neg: float,
+    bias_kl: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The policy loss over ``(B, S, V)`` logits for ``(B, T)`` targets / per-token inputs
     (any strides; ``adv`` may be an expanded ``(B,)``). ``dual_clip``/``delta`` of 0 and
@@ -290,21 +319,22 @@ def policy_loss_fwd(
     part = torch.empty((N_COLS, n_rows), dtype=dtype, device=dev)
     g, h = new(), new(bonus)
     mask = _mask_arg(mask)
-    hyper = (eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef)
+    hyper = (eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef, surrogate,
+             tau_pos, tau_neg, bias_kl)  # fmt: skip
     if sequence:  # GSPO: layer 1, then the token layer over whole sequences
         logp, entropy, row_max, log_sum = token_stats_fwd(
             logits3d, targets, temperature, ignore_index, with_entropy
         )
         _token_layer(
-            logp, entropy if with_entropy else None, targets, adv, old, ref, mask, ignore_index,
-            hyper, bonus, True, g, h, part,
+            logp, entropy if with_entropy else None, targets, adv, old, ref, mask, is_w,
+            ignore_index, hyper, bonus, True, g, h, part,
         )  # fmt: skip
         if not bonus:
             entropy = new(False)
     else:  # one fused pass: layer 1 with the token layer as epilogue
         row_max, log_sum, entropy = new(), new(), new(bonus)
         _fused_rows(
-            logits3d, targets, adv, old, ref, mask, temperature, ignore_index, hyper,
+            logits3d, targets, adv, old, ref, mask, is_w, temperature, ignore_index, hyper,
             with_entropy, row_max, log_sum, entropy, g, h, part,
         )  # fmt: skip
     loss, metrics, seq_scale = _finalize(
@@ -315,7 +345,7 @@ def policy_loss_fwd(
 
 def _fwd_fake(logits3d, targets, adv, old, ref, mask, temperature, ignore_index, eps_low,
               eps_high, dual_clip, delta, beta, kl_kind, entropy_coef, with_entropy, sequence,
-              agg, max_length, num_items, num_items_t):  # fmt: skip
+              agg, max_length, num_items, num_items_t, *_variant):  # fmt: skip
     outer, inner = targets.shape
     dtype = stats_dtype(logits3d.dtype)
     new = lambda on=True: logits3d.new_empty((outer, inner) if on else (0,), dtype=dtype)
@@ -375,6 +405,11 @@ def policy_logprobs_fwd(
     max_length: float,
     num_items: float,
     num_items_t: Tensor | None,
+    is_w: Tensor | None,
+    surrogate: int,
+    tau_pos: float,
+    tau_neg: float,
+    bias_kl: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The policy loss from ``(B, T)`` log-probs (and entropy), any strides.
 
@@ -387,10 +422,11 @@ def policy_logprobs_fwd(
     new = lambda on=True: logp.new_empty((outer, inner) if on else (0,), dtype=dtype)
     part = logp.new_empty((N_COLS, outer * inner), dtype=dtype)
     g, h = new(), new(bonus)
-    hyper = (eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef)
+    hyper = (eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef, surrogate,
+             tau_pos, tau_neg, bias_kl)  # fmt: skip
     _token_layer(
-        logp, entropy, None, adv, old, ref, _mask_arg(mask), 0, hyper, bonus, sequence, g, h,
-        part,
+        logp, entropy, None, adv, old, ref, _mask_arg(mask), is_w, 0, hyper, bonus, sequence, g,
+        h, part,
     )  # fmt: skip
     loss, metrics, seq_scale = _finalize(
         part, outer, inner, dtype, agg, max_length, num_items, num_items_t
@@ -400,7 +436,7 @@ def policy_logprobs_fwd(
 
 def _logprobs_fake(logp, entropy, adv, old, ref, mask, eps_low, eps_high, dual_clip, delta,
                    beta, kl_kind, entropy_coef, sequence, agg, max_length, num_items,
-                   num_items_t):  # fmt: skip
+                   num_items_t, *_variant):  # fmt: skip
     outer, inner = logp.shape
     dtype = stats_dtype(logp.dtype)
     n_scale = max(outer, 1) if agg == 1 else 1

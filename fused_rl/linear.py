@@ -203,9 +203,10 @@ class _LinearPolicyLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, rows, weight, bias, targets, adv, old, ref, mask, row_scale, num_items_t,
-                config):  # fmt: skip
-        temperature, ignore_index, hyper, with_entropy, chunk, agg, shape, max_len, n_items = config
+    def forward(ctx, rows, weight, bias, targets, adv, old, ref, mask, is_w, row_scale,
+                num_items_t, config):  # fmt: skip
+        (temperature, ignore_index, hyper, with_entropy, chunk, agg, shape, max_len, n_items,
+         variant) = config  # fmt: skip
         n_rows = rows.shape[0]
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         acc = stats_dtype(rows.dtype)
@@ -218,7 +219,8 @@ class _LinearPolicyLoss(torch.autograd.Function):
             r = slice(start, min(start + chunk, n_rows))
             z = F.linear(rows[r], weight, bias)
             args = (col(targets, r), col(adv, r), col(old, r), col(ref, r), col(mask, r),
-                    row_scale[r], temperature, ignore_index, *hyper, with_entropy)  # fmt: skip
+                    row_scale[r], temperature, ignore_index, *hyper, with_entropy,
+                    col(is_w, r), *variant)  # fmt: skip
             if torch.compiler.is_compiling():  # a traced op may not mutate its input
                 part[:, r], dz3 = policy_rows_grad_fwd_op(z[:, None], *args)
                 dz = dz3[:, 0]
@@ -422,6 +424,11 @@ def linear_policy_loss(
     entropy_coef: float = 0.0,
     with_entropy: bool = False,
     importance_sampling: str = "token",
+    surrogate: str = "ppo",
+    sapo_tau_pos: float = 1.0,
+    sapo_tau_neg: float = 1.05,
+    is_weights: Tensor | None = None,
+    kl_bias_correction: bool = False,
     loss_agg: str = "token-mean",
     max_length: int | None = None,
     num_items: int | float | Tensor | None = None,
@@ -457,12 +464,15 @@ def linear_policy_loss(
     from .losses import policy_loss_from_logprobs
 
     eps_high = _check_options(
-        targets, advantages, old_logprobs, ref_logprobs, mask, eps_low=eps_low,
+        targets, advantages, old_logprobs, ref_logprobs, mask, is_weights, eps_low=eps_low,
         eps_high=eps_high, dual_clip=dual_clip, delta=delta, beta=beta,
         entropy_coef=entropy_coef, kl_estimator=kl_estimator,
         importance_sampling=importance_sampling, loss_agg=loss_agg, max_length=max_length,
-        num_items=num_items,
+        surrogate=surrogate, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
+        kl_bias_correction=kl_bias_correction, num_items=num_items,
     )  # fmt: skip
+    variant = dict(surrogate=surrogate, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
+                   is_weights=is_weights, kl_bias_correction=kl_bias_correction)  # fmt: skip
     need_entropy = with_entropy or entropy_coef != 0.0
     if importance_sampling == "token" and _grad_wanted(hidden, weight, bias):
         rows, weight_c, bias_c, flat_targets, chunk, which = _prepare(
@@ -475,7 +485,7 @@ def linear_policy_loss(
                 hyper=(eps_low, eps_high, dual_clip or 0.0, delta or 0.0, beta,
                        KL_KINDS.index(kl_estimator), entropy_coef),
                 with_entropy=need_entropy, loss_agg=loss_agg, max_length=max_length,
-                num_items=num_items,
+                num_items=num_items, **variant,
             )  # fmt: skip
     out = linear_token_logprobs(
         hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
@@ -494,7 +504,7 @@ def linear_policy_loss(
         entropy=entropy, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, delta=delta,
         beta=beta, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
         importance_sampling=importance_sampling, loss_agg=loss_agg, max_length=max_length,
-        num_items=num_items, backend=backend,
+        num_items=num_items, backend=backend, **variant,
     )  # fmt: skip
 
 
@@ -504,10 +514,10 @@ def _grad_wanted(*tensors: Tensor | None) -> bool:
     return any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
 
 
-def _check_options(targets, advantages, old_logprobs, ref_logprobs, mask, **options):
+def _check_options(targets, advantages, old_logprobs, ref_logprobs, mask, is_weights, **options):
     """The policy options and per-token tensors, checked before any GEMM (a bad option fails
     before any work); returns the resolved ``eps_high``."""
-    from .losses import _advantages_2d, _check_policy_args, _check_token_tensors
+    from .losses import _advantages_2d, _check_policy_args, _check_token_tensors, _is_weights_2d
 
     eps_high = _check_policy_args(ref_logprobs=ref_logprobs, **options)
     V.check_tensor(targets, "targets")
@@ -515,12 +525,13 @@ def _check_options(targets, advantages, old_logprobs, ref_logprobs, mask, **opti
         raise ValueError(f"targets must be (B, T), got shape {tuple(targets.shape)}")
     batch, length = targets.shape
     _advantages_2d(advantages, batch, length)
+    _is_weights_2d(is_weights, batch, length)
     _check_token_tensors(
         batch, length, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask
     )
     V.check_same_device(
         targets=targets, advantages=advantages, old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs, mask=mask,
+        ref_logprobs=ref_logprobs, mask=mask, is_weights=is_weights,
     )  # fmt: skip
     V.check_mask_weights(mask, "mask")
     return eps_high
@@ -528,16 +539,26 @@ def _check_options(targets, advantages, old_logprobs, ref_logprobs, mask, **opti
 
 def _fused_policy_loss(rows, weight, bias, flat_targets, shape, advantages, old, ref, mask,
                        chunk, *, temperature, ignore_index, hyper, with_entropy, loss_agg,
-                       max_length, num_items):  # fmt: skip
+                       max_length, num_items, surrogate, sapo_tau_pos, sapo_tau_neg,
+                       is_weights, kl_bias_correction):  # fmt: skip
     """The Triton path of :func:`linear_policy_loss` for token-level importance sampling
     (:class:`_LinearPolicyLoss`): per-token inputs flattened to ``(N,)`` and the
     aggregation's per-row scale computed from the mask before the chunk loop."""
-    from .losses import _advantages_2d, _constants, _num_items_args
+    from .losses import (
+        _advantages_2d,
+        _constants,
+        _is_weights_2d,
+        _num_items_args,
+        _variant_args,
+        _with_is_metrics,
+    )
 
     batch, length = shape
     acc = stats_dtype(rows.dtype)
     flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
     adv, old, ref = _constants(acc, _advantages_2d(advantages, batch, length), old, ref)
+    is_w = _is_weights_2d(is_weights, batch, length)
+    variant = _variant_args(is_w, surrogate, sapo_tau_pos, sapo_tau_neg, kl_bias_correction)
     counted = (flat_targets != ignore_index).view(batch, length)
     m = counted.to(acc) if mask is None else mask_weights(mask.detach(), acc) * counted
     scale = sequence_scale(m, loss_agg, max_length=max_length, num_items=num_items)
@@ -546,13 +567,14 @@ def _fused_policy_loss(rows, weight, bias, flat_targets, shape, advantages, old,
     config = (float(temperature), int(ignore_index), tuple(float(x) for x in hyper[:5])
               + (int(hyper[5]), float(hyper[6])), bool(with_entropy), chunk,
               LOSS_AGG_MODES.index(loss_agg), (batch, length), float(max_length or length),
-              n_items)  # fmt: skip
+              n_items, variant[1:])  # fmt: skip
     with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
         loss, metrics = _LinearPolicyLoss.apply(
             rows, weight, bias, flat_targets, flat(adv), flat(old), flat(ref),
-            flat(mask.detach()) if mask is not None else None, row_scale, n_items_t, config,
+            flat(mask.detach()) if mask is not None else None, flat(_constants(acc, is_w)[0]),
+            row_scale, n_items_t, config,
         )  # fmt: skip
-    has_kl = ref is not None
-    return poison_empty(loss, num_items, batch * length), metrics_dict(
-        metrics, has_kl=has_kl, has_entropy=with_entropy
-    )
+    out = metrics_dict(metrics, has_kl=ref is not None, has_entropy=with_entropy,
+                       surrogate=variant[1])  # fmt: skip
+    out = _with_is_metrics(out, is_w, mask, flat_targets.view(batch, length), ignore_index)
+    return poison_empty(loss, num_items, batch * length), out

@@ -18,13 +18,15 @@ from . import _validation as V
 from ._agg import LOSS_AGG_MODES, masked_mean_all, poison_empty, token_weights
 from ._backend import resolve_backend
 from ._launch import stats_dtype
-from ._policy_ops import metrics_dict, policy_logprobs_fwd_op, policy_loss_fwd_op
+from ._policy_ops import AUX_METRIC, metrics_dict, policy_logprobs_fwd_op, policy_loss_fwd_op
 from ._vocab_ops import check_targets_window, token_stats_nocheck, window
+from .distributed import is_dtensor, sharded_policy_loss
 from .reference.kl import KL_KINDS
 from .reference.policy import ClipConfig, policy_token_terms
 from .reference.reductions import mask_weights
 
 IMPORTANCE_SAMPLING = ("token", "sequence")
+SURROGATES = ("ppo", "cispo", "sapo", "gpg")  # the order of kernels/token_layer.py SURROGATE_*
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -36,7 +38,7 @@ def _masked_max(x: Tensor, mask_f: Tensor) -> Tensor:
     return torch.where(mask_f != 0, x, torch.zeros_like(x)).amax()
 
 
-def _metrics(terms: dict[str, Tensor], mask_f: Tensor) -> dict[str, Tensor]:
+def _metrics(terms: dict[str, Tensor], mask_f: Tensor, surrogate: str = "ppo") -> dict[str, Tensor]:
     """Masked means over counted tokens, detached fp32 0-dim tensors (no host sync)."""
     with torch.no_grad():
         mean = lambda x: masked_mean_all(x.detach(), mask_f)
@@ -45,11 +47,13 @@ def _metrics(terms: dict[str, Tensor], mask_f: Tensor) -> dict[str, Tensor]:
             "clip_frac": mean(terms["clipped"]),
             "clip_frac_low": mean(terms["clipped_low"]),
             "clip_frac_high": mean(terms["clipped_high"]),
-            "dual_clip_frac": mean(terms["dual_clipped"]),
             "ratio_mean": mean(ratio),
             "ratio_max": _masked_max(ratio, mask_f),
             "approx_kl": mean(terms["neg_log_ratio"]),
         }
+        aux = AUX_METRIC[SURROGATES.index(surrogate)]
+        if aux is not None:
+            out[aux] = mean(terms["aux"])
         for name in ("kl", "entropy"):
             if name in terms:
                 out[name] = mean(terms[name])
@@ -58,7 +62,8 @@ def _metrics(terms: dict[str, Tensor], mask_f: Tensor) -> dict[str, Tensor]:
 
 def check_policy_options(
     *, eps_low, eps_high, dual_clip, delta, beta, entropy_coef, kl_estimator,
-    importance_sampling, loss_agg, max_length, num_items=None,
+    importance_sampling, loss_agg, max_length, surrogate="ppo", sapo_tau_pos=1.0,
+    sapo_tau_neg=1.05, kl_bias_correction=False, num_items=None,
 ) -> float:  # fmt: skip
     """Validate the hyper-parameters that need no tensor (the shared validators of
     ``_validation``; also run by ``fused_rl.nn.PolicyLoss`` at construction); return the
@@ -76,8 +81,65 @@ def check_policy_options(
         raise ValueError(f"delta must be > 1 + eps_high = {1.0 + eps_high}, got {delta}")
     V.check_choice(kl_estimator, KL_KINDS, "kl_estimator")
     V.check_choice(importance_sampling, IMPORTANCE_SAMPLING, "importance_sampling")
+    _check_surrogate(surrogate, importance_sampling, dual_clip, delta, sapo_tau_pos, sapo_tau_neg)
+    if not isinstance(kl_bias_correction, bool):
+        raise TypeError(f"kl_bias_correction must be a bool, got {kl_bias_correction!r}")
     V.check_loss_agg(loss_agg, max_length=max_length, num_items=num_items)
     return eps_high
+
+
+def _check_surrogate(surrogate, importance_sampling, dual_clip, delta, tau_pos, tau_neg) -> None:
+    V.check_choice(surrogate, SURROGATES, "surrogate")
+    if surrogate in ("cispo", "gpg") and importance_sampling == "sequence":
+        raise ValueError(
+            f"importance_sampling='sequence' works with the ratio surrogates ('ppo' = GSPO, "
+            f"'sapo'); surrogate={surrogate!r} weighs each token's own log-prob, so use "
+            "importance_sampling='token'"
+        )
+    if surrogate != "ppo":
+        for name, value in (("delta", delta), ("dual_clip", dual_clip)):
+            if value is not None:
+                raise ValueError(
+                    f"{name} caps PPO's clipped surrogate; it does not apply to "
+                    f"surrogate={surrogate!r} (pass {name}=None)"
+                )
+    V.check_positive(tau_pos, "sapo_tau_pos")
+    V.check_positive(tau_neg, "sapo_tau_neg")
+
+
+def _is_weights_2d(is_weights: Tensor | None, batch: int, length: int) -> Tensor | None:
+    """Rollout IS weights ``(B, T)``, ``(B, 1)`` or ``(B,)`` as a ``(B, T)`` view."""
+    if is_weights is None:
+        return None
+    V.check_float(is_weights, "is_weights")
+    shape = tuple(is_weights.shape)
+    if shape == (batch,):
+        return is_weights[:, None].expand(batch, length)
+    if shape == (batch, 1):
+        return is_weights.expand(batch, length)
+    if shape == (batch, length):
+        return is_weights
+    raise ValueError(
+        f"is_weights must have shape (B, T) = ({batch}, {length}), (B, 1) or (B,), got {shape}"
+    )
+
+
+def _is_metrics(is_w: Tensor, mask_f: Tensor) -> dict[str, Tensor]:
+    """Min / mean / max of the IS weights over counted tokens (0 with none), no sync."""
+    with torch.no_grad():
+        w = is_w.detach().to(mask_f.dtype)
+        counted = mask_f != 0
+        if w.numel() == 0:  # static shape: no sync, traceable
+            zero = w.new_zeros(()).float()
+            return {"is_weight_mean": zero, "is_weight_min": zero, "is_weight_max": zero}
+        any_counted = counted.any()
+        low = torch.where(counted, w, float("inf")).amin()
+        high = torch.where(counted, w, float("-inf")).amax()
+        return {
+            "is_weight_mean": masked_mean_all(w, mask_f),
+            "is_weight_min": low.where(any_counted, 0.0).float(),
+            "is_weight_max": high.where(any_counted, 0.0).float(),
+        }  # fmt: skip
 
 
 def _check_policy_args(*, ref_logprobs, **options) -> float:
@@ -149,7 +211,29 @@ def _logits_rank_message(logits: Tensor) -> str:
 def _loss_from_logprobs(logp, entropy, adv2d, mask_f, weights, num_items, **token_kwargs):
     terms = policy_token_terms(logp, adv2d, mask_f, entropy=entropy, **token_kwargs)
     loss = (terms["loss"] * weights).where(weights != 0, torch.zeros_like(weights)).sum()
-    return poison_empty(loss, num_items, weights.numel()), _metrics(terms, mask_f)
+    metrics = _metrics(terms, mask_f, token_kwargs["surrogate"])
+    if token_kwargs["is_weights"] is not None:
+        metrics.update(_is_metrics(token_kwargs["is_weights"], mask_f))
+    return poison_empty(loss, num_items, weights.numel()), metrics
+
+
+def _variant_args(is_w, surrogate, tau_pos, tau_neg, kl_bias_correction) -> tuple:
+    """The kernels' variant arguments ``(is_w, surrogate, tau_pos, tau_neg, bias_kl)``."""
+    return (is_w, SURROGATES.index(surrogate), float(tau_pos), float(tau_neg),
+            bool(kl_bias_correction))  # fmt: skip
+
+
+def _with_is_metrics(metrics, is_w, mask, targets=None, ignore_index=-100) -> dict[str, Tensor]:
+    """The kernels' metrics plus the IS-weight ones (torch, only when weights are given);
+    counted tokens: ``mask`` (None: all) where ``targets`` (None: all) is not ignored."""
+    if is_w is None:
+        return metrics
+    mask_f = torch.ones_like(is_w, dtype=torch.float32)
+    if mask is not None:
+        mask_f = mask_weights(mask.detach(), torch.float32)
+    if targets is not None:
+        mask_f = mask_f * (targets != ignore_index)
+    return {**metrics, **_is_metrics(is_w, mask_f)}
 
 
 # ----------------------------------------------------------------------------- public API
@@ -174,10 +258,16 @@ def policy_loss(
     entropy_coef: float = 0.0,
     with_entropy: bool = False,
     importance_sampling: str = "token",
+    surrogate: str = "ppo",
+    sapo_tau_pos: float = 1.0,
+    sapo_tau_neg: float = 1.05,
+    is_weights: Tensor | None = None,
+    kl_bias_correction: bool = False,
     loss_agg: str = "token-mean",
     max_length: int | None = None,
     num_items: int | float | Tensor | None = None,
     ignore_index: int = -100,
+    process_group=None,
     backend: str = "auto",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO / GRPO clipped-surrogate loss from the policy logits, fused over the vocabulary.
@@ -220,13 +310,40 @@ def policy_loss(
         entropy_coef: entropy bonus ``-entropy_coef * H`` (H differentiable, same pass).
         with_entropy: report the mean entropy as a metric even when ``entropy_coef == 0``.
         importance_sampling: ``"token"`` or ``"sequence"`` (GSPO: one ratio per sequence,
-            ``exp(masked mean of logp - old)``, differentiable through every token).
+            ``exp(masked mean of logp - old)``, differentiable through every token; with
+            ``surrogate="ppo"`` or ``"sapo"``).
+        surrogate: the policy term per token, ``r`` the ratio, ``A`` the advantage:
+            ``"ppo"`` (default) the clipped surrogate above; ``"cispo"`` (MiniMax-M1)
+            ``-sg(clamp(r, 1 - eps_low, 1 + eps_high)) A logp``, verl's two-sided band (TRL's
+            and Liger's absolute cap ``C``, ``sg(min(r, C))``, is ``eps_low=1,
+            eps_high=C - 1``); ``"sapo"`` ``-A sigmoid(tau (r - 1)) 4 / tau`` with
+            ``tau = sapo_tau_pos`` where ``A > 0``, else ``sapo_tau_neg`` (the soft gate;
+            its gradient at ``r = 1`` is PPO's); ``"gpg"`` ``-A logp`` (GPG / REINFORCE).
+            ``delta`` and ``dual_clip`` apply to ``"ppo"`` only. No surrogate clamps the
+            log-ratio (verl clamps it to +-20: use its adapter for that).
+        sapo_tau_pos, sapo_tau_neg: SAPO's temperatures (> 0; TRL's and verl's defaults).
+        is_weights: rollout (behaviour-policy, e.g. vLLM) importance-sampling weights,
+            ``(B, T)``, ``(B, 1)`` or ``(B,)`` constants (see
+            :func:`fused_rl.rollout_is_weights`): they multiply the per-token policy term
+            only, before the KL is added, as verl, TRL and Liger do. Adds the metrics
+            ``is_weight_mean`` / ``_min`` / ``_max`` over counted tokens.
+        kl_bias_correction: multiply the KL term by the ratio ``r``, NOT detached
+            (DeepSeek-V3.2, TRL's ``use_bias_correction_kl``); with
+            ``importance_sampling="sequence"`` by the sequence ratio, with its exact
+            gradient. The ``kl`` metric stays the uncorrected estimate.
         loss_agg: ``"token-mean"`` | ``"seq-mean-token-mean"`` | ``"seq-mean-token-sum"`` |
             ``"seq-mean-token-sum-norm"`` (see ``fused_rl._agg.token_weights``); a sequence
             with no counted token contributes 0, never NaN.
         max_length: the ``seq-mean-token-sum-norm`` constant (default T).
         num_items: replaces the token count of ``token-mean`` (global count across
-            micro-batches / ranks). A tensor value is not checked (no host sync).
+            micro-batches / ranks, e.g. ``fused_rl.distributed.global_token_count(mask)``).
+            A tensor value is not checked (no host sync).
+        process_group: vocabulary (tensor) parallelism: each rank's ``logits`` hold the
+            equal slice ``[r V_local, (r + 1) V_local)`` of the vocabulary, ``targets`` are
+            global ids; a ``DTensor`` placed ``Shard(-1)`` needs none. Every rank gets the
+            unsharded loss and metrics, and its shard of the gradient: the vocab-parallel
+            :func:`fused_rl.token_logprobs` (two all-reduces, 12 or 16 bytes per token)
+            feeding :func:`policy_loss_from_logprobs` (``fused_rl.distributed``).
         backend: ``"auto"`` | ``"triton"`` | ``"reference"``.
 
     Returns:
@@ -235,10 +352,14 @@ def policy_loss(
         ``clip_frac`` (clipped branch strictly chosen), ``clip_frac_low``,
         ``clip_frac_high``, ``dual_clip_frac``, ``ratio_mean``, ``ratio_max``,
         ``approx_kl`` (``mean(old - logp)``), ``kl`` (when ``ref_logprobs`` is given),
-        ``entropy`` (when computed). The computation never syncs with the host; in eager
-        mode the check that targets lie in ``[0, V)`` syncs once, and the one that a float /
-        integer ``mask`` holds no negative weight once more (switch both off with
-        ``fused_rl.config.check_values = False``; under ``torch.compile`` they never run).
+        ``entropy`` (when computed); per surrogate ``dual_clip_frac`` (ppo),
+        ``cispo_clip_frac`` (cispo: ``r > 1 + eps_high`` where ``A > 0``, TRL's and Liger's
+        ``clip_ratio``; ``clip_frac`` is then verl's two-sided ``r`` outside the band),
+        ``sapo_gate_mean`` (sapo); ``is_weight_*`` with ``is_weights``. The computation
+        never syncs with the host; in eager mode the check that targets lie in ``[0, V)``
+        syncs once, and the one that a float / integer ``mask`` holds no negative weight
+        once more (switch both off with ``fused_rl.config.check_values = False``; under
+        ``torch.compile`` they never run).
 
     Example:
         >>> import torch, fused_rl
@@ -265,18 +386,27 @@ def policy_loss(
     )
     V.check_same_device(
         logits=logits, advantages=advantages, old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs, mask=mask,
+        ref_logprobs=ref_logprobs, mask=mask, is_weights=is_weights,
     )  # fmt: skip
     eps_high = _check_policy_args(
         eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, delta=delta, beta=beta,
         entropy_coef=entropy_coef, ref_logprobs=ref_logprobs, kl_estimator=kl_estimator,
         importance_sampling=importance_sampling, loss_agg=loss_agg, max_length=max_length,
-        num_items=num_items,
+        surrogate=surrogate, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
+        kl_bias_correction=kl_bias_correction, num_items=num_items,
     )  # fmt: skip
+    need_entropy = with_entropy or entropy_coef != 0.0
+    if process_group is not None or is_dtensor(logits):  # targets checked with the shards
+        return sharded_policy_loss(
+            logits, targets, advantages, process_group=process_group, temperature=temperature,
+            ignore_index=ignore_index, need_entropy=need_entropy, mask=mask, backend=backend,
+            options=locals(),
+        )  # fmt: skip
     V.check_target_range(targets, vocab, ignore_index, "targets")
     V.check_mask_weights(mask, "mask")
     which = resolve_backend(backend, logits, targets)
-    need_entropy = with_entropy or entropy_coef != 0.0
+    is_w = _is_weights_2d(is_weights, batch, length)
+    variant = _variant_args(is_w, surrogate, sapo_tau_pos, sapo_tau_neg, kl_bias_correction)
 
     if which == "triton":
         loss, metrics, *_ = policy_loss_fwd_op(
@@ -285,10 +415,11 @@ def policy_loss(
             float(delta or 0.0), float(beta), KL_KINDS.index(kl_estimator), float(entropy_coef),
             bool(need_entropy), importance_sampling == "sequence",
             LOSS_AGG_MODES.index(loss_agg), float(max_length or length),
-            *_num_items_args(num_items),
+            *_num_items_args(num_items), *variant,
         )  # fmt: skip
         has_kl = ref_logprobs is not None
-        return loss, metrics_dict(metrics, has_kl=has_kl, has_entropy=need_entropy)
+        out = metrics_dict(metrics, has_kl=has_kl, has_entropy=need_entropy, surrogate=variant[1])
+        return loss, _with_is_metrics(out, is_w, mask, targets, ignore_index)
 
     acc = stats_dtype(logits.dtype)
     adv2d, old_logprobs, ref_logprobs = _constants(acc, adv2d, old_logprobs, ref_logprobs)
@@ -304,7 +435,9 @@ def policy_loss(
         logp, entropy, adv2d, mask_f, weights, num_items, old_logp=old_logprobs,
         ref_logp=ref_logprobs, clip=ClipConfig(eps_low, eps_high, dual_clip, delta),
         beta=beta, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
-        importance_sampling=importance_sampling,
+        importance_sampling=importance_sampling, surrogate=surrogate, tau_pos=sapo_tau_pos,
+        tau_neg=sapo_tau_neg, is_weights=None if is_w is None else is_w.detach().to(acc),
+        kl_bias_correction=kl_bias_correction,
     )  # fmt: skip
 
 
@@ -332,6 +465,11 @@ def policy_loss_from_logprobs(
     kl_estimator: str = "k3",
     entropy_coef: float = 0.0,
     importance_sampling: str = "token",
+    surrogate: str = "ppo",
+    sapo_tau_pos: float = 1.0,
+    sapo_tau_neg: float = 1.05,
+    is_weights: Tensor | None = None,
+    kl_bias_correction: bool = False,
     loss_agg: str = "token-mean",
     max_length: int | None = None,
     num_items: int | float | Tensor | None = None,
@@ -372,29 +510,32 @@ def policy_loss_from_logprobs(
     )  # fmt: skip
     V.check_same_device(
         logprobs=logprobs, advantages=advantages, old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs, mask=mask, entropy=entropy,
+        ref_logprobs=ref_logprobs, mask=mask, entropy=entropy, is_weights=is_weights,
     )  # fmt: skip
     eps_high = _check_policy_args(
         eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, delta=delta, beta=beta,
         entropy_coef=entropy_coef, ref_logprobs=ref_logprobs, kl_estimator=kl_estimator,
         importance_sampling=importance_sampling, loss_agg=loss_agg, max_length=max_length,
-        num_items=num_items,
+        surrogate=surrogate, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
+        kl_bias_correction=kl_bias_correction, num_items=num_items,
     )  # fmt: skip
     if entropy_coef != 0.0 and entropy is None:
         raise ValueError("entropy_coef != 0 needs the per-token entropy tensor")
     V.check_mask_weights(mask, "mask")
     which = resolve_backend(backend, logprobs)
+    is_w = _is_weights_2d(is_weights, batch, length)
+    variant = _variant_args(is_w, surrogate, sapo_tau_pos, sapo_tau_neg, kl_bias_correction)
     if which == "triton":
         loss, metrics, *_ = policy_logprobs_fwd_op(
             logprobs, entropy, adv2d, old_logprobs, ref_logprobs, mask, float(eps_low),
             float(eps_high), float(dual_clip or 0.0), float(delta or 0.0), float(beta),
             KL_KINDS.index(kl_estimator), float(entropy_coef), importance_sampling == "sequence",
             LOSS_AGG_MODES.index(loss_agg), float(max_length or length),
-            *_num_items_args(num_items),
+            *_num_items_args(num_items), *variant,
         )  # fmt: skip
-        has_entropy = entropy is not None
-        return loss, metrics_dict(metrics, has_kl=ref_logprobs is not None,
-                                  has_entropy=has_entropy)  # fmt: skip
+        out = metrics_dict(metrics, has_kl=ref_logprobs is not None,
+                           has_entropy=entropy is not None, surrogate=variant[1])  # fmt: skip
+        return loss, _with_is_metrics(out, is_w, mask)
     acc = stats_dtype(logprobs.dtype)
     adv2d, old_logprobs, ref_logprobs = _constants(acc, adv2d, old_logprobs, ref_logprobs)
     entropy = None if entropy is None else entropy.to(acc)  # as the kernel reads it; keeps grad
@@ -406,5 +547,7 @@ def policy_loss_from_logprobs(
         logprobs, entropy, adv2d, mask_f, weights, num_items, old_logp=old_logprobs,
         ref_logp=ref_logprobs, clip=ClipConfig(eps_low, eps_high, dual_clip, delta),
         beta=beta, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
-        importance_sampling=importance_sampling,
+        importance_sampling=importance_sampling, surrogate=surrogate, tau_pos=sapo_tau_pos,
+        tau_neg=sapo_tau_neg, is_weights=None if is_w is None else is_w.detach().to(acc),
+        kl_bias_correction=kl_bias_correction,
     )  # fmt: skip

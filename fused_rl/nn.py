@@ -17,7 +17,7 @@ _POLICY_OPTIONS = tuple(
     name
     for name, p in inspect.signature(policy_loss).parameters.items()
     if p.kind is inspect.Parameter.KEYWORD_ONLY
-    and name not in ("old_logprobs", "ref_logprobs", "mask", "num_items")
+    and name not in ("old_logprobs", "ref_logprobs", "mask", "is_weights", "num_items")
 )
 
 
@@ -44,8 +44,9 @@ class PolicyLoss(torch.nn.Module):
     The constructor takes the keyword options of ``policy_loss`` (``eps_low``, ``eps_high``,
     ``dual_clip``, ``delta``, ``beta``, ``kl_estimator``, ``entropy_coef``, ``with_entropy``,
     ``importance_sampling``, ``loss_agg``, ``max_length``, ``temperature``,
-    ``ignore_index``, ``backend``; ``kl=`` is a deprecated alias of ``kl_estimator=``, with
-    one ``FutureWarning`` at construction); ``forward`` takes the per-batch tensors, as
+    ``ignore_index``, ``process_group``, ``backend``; ``kl=`` is a deprecated alias of
+    ``kl_estimator=``, with one ``FutureWarning`` at construction); ``forward`` takes the
+    per-batch tensors, as
     :func:`fused_rl.policy_loss` does: ``mask`` is ``(B, T)`` bool, integer or float, a float
     (or integer) mask being per-token weights ``>= 0`` (see :func:`fused_rl.policy_loss`).
 
@@ -88,6 +89,7 @@ class PolicyLoss(torch.nn.Module):
         old_logprobs: Tensor | None = None,
         ref_logprobs: Tensor | None = None,
         mask: Tensor | None = None,
+        is_weights: Tensor | None = None,
         num_items: int | float | Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         return policy_loss(
@@ -97,6 +99,7 @@ class PolicyLoss(torch.nn.Module):
             old_logprobs=old_logprobs,
             ref_logprobs=ref_logprobs,
             mask=mask,
+            is_weights=is_weights,
             num_items=num_items,
             **self.config,
         )
@@ -124,7 +127,8 @@ class LinearPolicyLoss(PolicyLoss):
         >>> loss.backward()
     """
 
-    OPTIONS = (*_POLICY_OPTIONS, "chunk_tokens")
+    # no process_group: the linear ops take the whole lm_head
+    OPTIONS = (*(o for o in _POLICY_OPTIONS if o != "process_group"), "chunk_tokens")
 
     def forward(
         self,
@@ -137,6 +141,7 @@ class LinearPolicyLoss(PolicyLoss):
         old_logprobs: Tensor | None = None,
         ref_logprobs: Tensor | None = None,
         mask: Tensor | None = None,
+        is_weights: Tensor | None = None,
         num_items: int | float | Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         return linear_policy_loss(
@@ -148,6 +153,7 @@ class LinearPolicyLoss(PolicyLoss):
             old_logprobs=old_logprobs,
             ref_logprobs=ref_logprobs,
             mask=mask,
+            is_weights=is_weights,
             num_items=num_items,
             **self.config,
         )

@@ -117,12 +117,72 @@ COL_LOSS = tl.constexpr(1)
 COL_CLIPPED = tl.constexpr(2)
 COL_CLIPPED_LOW = tl.constexpr(3)
 COL_CLIPPED_HIGH = tl.constexpr(4)
-COL_DUAL = tl.constexpr(5)
+COL_AUX = tl.constexpr(5)  # the surrogate's own metric (dual clip for ppo)
 COL_RATIO = tl.constexpr(6)
 COL_APPROX_KL = tl.constexpr(7)
 COL_KL = tl.constexpr(8)
 COL_ENTROPY = tl.constexpr(9)
 COL_RATIO_MAX = tl.constexpr(10)  # the ratio itself (reduced with max, not sum)
+
+
+# surrogates, in the order of fused_rl.losses.SURROGATES
+SURROGATE_PPO = tl.constexpr(0)
+SURROGATE_CISPO = tl.constexpr(1)
+SURROGATE_SAPO = tl.constexpr(2)
+SURROGATE_GPG = tl.constexpr(3)
+
+
+@triton.jit
+def surrogate_loss(
+    logp, log_ratio, adv, eps_low, eps_high, dual_clip, delta, tau_pos, tau_neg,
+    SURROGATE: tl.constexpr, USE_DUAL: tl.constexpr, USE_DELTA: tl.constexpr,
+):  # fmt: skip
+    """The policy term of one token: ``(loss, d loss / d log_ratio, d loss / d logp direct,
+    ratio, code, aux)``; ``code`` packs the clip flags (1 clipped, 2 low, 4 high), ``aux`` is
+    the surrogate's own metric (``fused_rl._policy_ops.AUX_METRIC``).
+
+    * ppo: ``-min(r A, clip(r) A)`` with the ``delta`` / dual-clip caps; aux: dual clip active;
+    * cispo: ``-sg(clamp(r, 1-eps_low, 1+eps_high)) A logp``; flags: ``r`` outside the band
+      (verl's two-sided ``pg_clipfrac``); aux: ``r > 1+eps_high and A > 0`` (TRL / Liger);
+    * sapo: ``-A sigmoid(tau (r-1)) 4/tau``, ``tau`` = ``tau_pos`` where ``A > 0`` else
+      ``tau_neg``; aux: that soft gate;
+    * gpg: ``-A logp`` (REINFORCE); aux 0.
+    """
+    ratio = tl.exp(log_ratio)
+    zero = logp * 0.0
+    d_direct = zero
+    aux = zero
+    if SURROGATE == SURROGATE_PPO:
+        loss, dloss_dratio, code = clipped_surrogate(
+            ratio, adv, eps_low, eps_high, dual_clip, delta, USE_DUAL, USE_DELTA
+        )
+        d_ratio = dloss_dratio * ratio
+        aux = tl.where((code & 8) != 0, 1.0, 0.0)
+        code = code & 7
+    elif SURROGATE == SURROGATE_CISPO:
+        lo = 1.0 - eps_low
+        hi = 1.0 + eps_high
+        weight = clamp(ratio, lo, hi)  # a constant (stop-gradient) weight
+        loss = -weight * adv * logp
+        d_ratio = zero
+        d_direct = -weight * adv
+        low = ratio < lo
+        high = ratio > hi
+        code = tl.where(low | high, 1, 0) + tl.where(low, 2, 0) + tl.where(high, 4, 0)
+        aux = tl.where(high & (adv > 0), 1.0, 0.0)
+    elif SURROGATE == SURROGATE_SAPO:
+        tau = tl.where(adv > 0, tau_pos, tau_neg)
+        gate = tl.sigmoid(tau * (ratio - 1.0))
+        aux = gate * 4.0 / tau
+        loss = -adv * aux
+        d_ratio = -adv * 4.0 * gate * (1.0 - gate) * ratio  # tau cancels
+        code = tl.where(ratio != ratio, 0, 0)
+    else:
+        loss = -adv * logp
+        d_ratio = zero
+        d_direct = -adv
+        code = tl.where(ratio != ratio, 0, 0)
+    return loss, d_ratio, d_direct, ratio, code, aux
 
 
 @triton.jit
@@ -132,37 +192,55 @@ def policy_token_loss(
     log_ratio,
     adv,
     ref_logp,
+    is_weight,
     eps_low,
     eps_high,
     dual_clip,
     delta,
     beta,
     entropy_coef,
+    tau_pos,
+    tau_neg,
+    SURROGATE: tl.constexpr,
     HAS_REF: tl.constexpr,
     ADD_KL: tl.constexpr,
     KL_KIND: tl.constexpr,
+    BIAS_KL: tl.constexpr,
     ENTROPY_BONUS: tl.constexpr,
     USE_DUAL: tl.constexpr,
     USE_DELTA: tl.constexpr,
 ):
-    """Per-token policy loss on scalars or blocks: ``(loss, dloss/dratio, ratio, code, kl,
-    dkl/dlogp)`` with ``ratio = exp(log_ratio)``; ``kl``/``dkl`` are 0 without ``HAS_REF``.
+    """Per-token policy loss on scalars or blocks: ``(loss, d_ratio, d_direct, ratio, code,
+    aux, kl)``.
 
-    ``loss = -min(r A, clip(r) A) [capped] + beta kl(logp, ref) - entropy_coef H``.
+    ``loss = is_weight * surrogate + beta kl(logp, ref) [* r] - entropy_coef H``: the
+    rollout IS weight multiplies the policy term only; ``BIAS_KL`` multiplies the KL by the
+    ratio ``r``, NOT detached (DeepSeek-V3.2, TRL's ``use_bias_correction_kl``).
+    ``d_ratio`` is the derivative through ``log_ratio`` (a sequence ratio passes it on to
+    every token of the sequence), ``d_direct`` the one through this token's ``logp`` alone;
+    at token level ``dL/dlogp = d_ratio + d_direct``. ``kl`` is 0 without ``HAS_REF``.
     """
-    ratio = tl.exp(log_ratio)
-    loss, dloss_dratio, code = clipped_surrogate(
-        ratio, adv, eps_low, eps_high, dual_clip, delta, USE_DUAL, USE_DELTA
-    )
+    loss, d_ratio, d_direct, ratio, code, aux = surrogate_loss(
+        logp, log_ratio, adv, eps_low, eps_high, dual_clip, delta, tau_pos, tau_neg,
+        SURROGATE, USE_DUAL, USE_DELTA,
+    )  # fmt: skip
+    loss = loss * is_weight
+    d_ratio = d_ratio * is_weight
+    d_direct = d_direct * is_weight
     kl = logp * 0.0
-    dkl = logp * 0.0
     if HAS_REF:
         kl, dkl = kl_and_grad(logp, ref_logp, KL_KIND)
         if ADD_KL:
-            loss += beta * kl
+            if BIAS_KL:
+                loss += beta * kl * ratio
+                d_ratio += beta * kl * ratio
+                d_direct += beta * dkl * ratio
+            else:
+                loss += beta * kl
+                d_direct += beta * dkl
     if ENTROPY_BONUS:
         loss -= entropy_coef * entropy
-    return loss, dloss_dratio, ratio, code, kl, dkl
+    return loss, d_ratio, d_direct, ratio, code, aux, kl
 
 
 @triton.jit
@@ -172,7 +250,7 @@ def _flag(code, bit: tl.constexpr, counted, m):
 
 @triton.jit
 def store_policy_partials(
-    part_ptr, n_rows, rows, store_mask, m, loss, code, ratio, neg_log_ratio, kl, entropy
+    part_ptr, n_rows, rows, store_mask, m, loss, code, aux, ratio, neg_log_ratio, kl, entropy
 ):
     """Write one token's (or a block's) ``m * x`` for every metric column; tokens with
     ``m == 0`` write exact zeros whatever their (possibly NaN / inf) values."""
@@ -184,7 +262,7 @@ def store_policy_partials(
     tl.store(col + COL_CLIPPED * n_rows, _flag(code, 1, counted, m), mask=store_mask)
     tl.store(col + COL_CLIPPED_LOW * n_rows, _flag(code, 2, counted, m), mask=store_mask)
     tl.store(col + COL_CLIPPED_HIGH * n_rows, _flag(code, 4, counted, m), mask=store_mask)
-    tl.store(col + COL_DUAL * n_rows, _flag(code, 8, counted, m), mask=store_mask)
+    tl.store(col + COL_AUX * n_rows, tl.where(counted, m * aux, zero), mask=store_mask)
     tl.store(col + COL_RATIO * n_rows, tl.where(counted, m * ratio, zero), mask=store_mask)
     nlr = tl.where(counted, m * neg_log_ratio, zero)
     tl.store(col + COL_APPROX_KL * n_rows, nlr, mask=store_mask)

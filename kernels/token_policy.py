@@ -89,6 +89,8 @@ def _token_inputs(
         "ref_stride_inner",
         "mask_stride_outer",
         "mask_stride_inner",
+        "is_stride_outer",
+        "is_stride_inner",
     ]
 )
 def _policy_token_fwd_kernel(
@@ -99,6 +101,7 @@ def _policy_token_fwd_kernel(
     old_ptr,
     ref_ptr,
     mask_ptr,
+    is_ptr,
     g_ptr,
     h_ptr,
     part_ptr,
@@ -117,6 +120,8 @@ def _policy_token_fwd_kernel(
     ref_stride_inner,
     mask_stride_outer,
     mask_stride_inner,
+    is_stride_outer,
+    is_stride_inner,
     ignore_index,
     eps_low_hi,
     eps_low_lo,
@@ -130,13 +135,20 @@ def _policy_token_fwd_kernel(
     beta_lo,
     entropy_coef_hi,
     entropy_coef_lo,
+    tau_pos_hi,
+    tau_pos_lo,
+    tau_neg_hi,
+    tau_neg_lo,
+    SURROGATE: tl.constexpr,
     HAS_ENTROPY: tl.constexpr,
     HAS_TARGETS: tl.constexpr,
     HAS_OLD: tl.constexpr,
     HAS_REF: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    HAS_IS: tl.constexpr,
     ADD_KL: tl.constexpr,
     KL_KIND: tl.constexpr,
+    BIAS_KL: tl.constexpr,
     ENTROPY_BONUS: tl.constexpr,
     USE_DUAL: tl.constexpr,
     USE_DELTA: tl.constexpr,
@@ -160,6 +172,8 @@ def _policy_token_fwd_kernel(
     delta = pair(delta_hi, delta_lo, ACC)
     beta = pair(beta_hi, beta_lo, ACC)
     entropy_coef = pair(entropy_coef_hi, entropy_coef_lo, ACC)
+    tau_pos = pair(tau_pos_hi, tau_pos_lo, ACC)
+    tau_neg = pair(tau_neg_hi, tau_neg_lo, ACC)
     n_rows = tl.num_programs(0).to(tl.int64) * rows_inner
     offs = tl.arange(0, BLOCK_T)
     seq_lr = tl.zeros((), ACC)
@@ -201,22 +215,26 @@ def _policy_token_fwd_kernel(
             log_ratio = logp * 0.0 + seq_lr
         else:
             log_ratio = logp - old
-        loss, dloss_dratio, ratio, code, kl, dkl = policy_token_loss(
-            logp, entropy, log_ratio, adv, ref, eps_low, eps_high, dual_clip, delta, beta,
-            entropy_coef, HAS_REF, ADD_KL, KL_KIND, ENTROPY_BONUS, USE_DUAL, USE_DELTA,
+        is_weight = logp * 0.0 + 1.0
+        if HAS_IS:
+            is_raw = _load_tokens(is_ptr, b, ts, rows_inner, is_stride_outer, is_stride_inner,
+                                  in_seq).to(ACC)  # fmt: skip
+            is_weight = tl.where(m != 0, is_raw, 1.0)
+        loss, d_ratio, d_direct, ratio, code, aux, kl = policy_token_loss(
+            logp, entropy, log_ratio, adv, ref, is_weight, eps_low, eps_high, dual_clip, delta,
+            beta, entropy_coef, tau_pos, tau_neg, SURROGATE, HAS_REF, ADD_KL, KL_KIND, BIAS_KL,
+            ENTROPY_BONUS, USE_DUAL, USE_DELTA,
         )  # fmt: skip
         counted = m != 0
-        if SEQUENCE:
-            acc_g += tl.where(counted, m * dloss_dratio * ratio, 0.0)
+        if SEQUENCE:  # the ratio part reaches every token; the direct part is written below
+            acc_g += tl.where(counted, m * d_ratio, 0.0)
         else:
-            g = dloss_dratio * ratio
-            if ADD_KL:
-                g += beta * dkl
+            g = d_ratio + d_direct
             tl.store(g_ptr + rows, tl.where(counted, m * g, 0.0), mask=in_seq)
         if ENTROPY_BONUS:
             tl.store(h_ptr + rows, -entropy_coef * m, mask=in_seq)
         store_policy_partials(
-            part_ptr, n_rows, rows, in_seq, m, loss, code, ratio, old - logp, kl, entropy
+            part_ptr, n_rows, rows, in_seq, m, loss, code, aux, ratio, old - logp, kl, entropy
         )
     if SEQUENCE:
         # d ratio_b / d logp_t = ratio_b * m_t / sum m: every token shares the sequence's total
@@ -232,8 +250,10 @@ def _policy_token_fwd_kernel(
                 mask_stride_inner, ignore_index, HAS_TARGETS, False, HAS_REF, HAS_MASK, ACC,
             )  # fmt: skip
             g = per_token + logp * 0.0
-            if ADD_KL:
+            if ADD_KL:  # the direct part: the KL's (the surrogates here act through the ratio)
                 _, dkl = kl_and_grad(logp, ref, KL_KIND)
+                if BIAS_KL:
+                    dkl = dkl * tl.exp(seq_lr)
                 g += beta * dkl
             tl.store(g_ptr + b * rows_inner + ts, tl.where(m != 0, m * g, 0.0), mask=in_seq)
 

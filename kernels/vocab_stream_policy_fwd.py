@@ -38,6 +38,8 @@ from .vocab_stream_fwd import row_moments, target_logit
         "ref_stride_inner",
         "mask_stride_outer",
         "mask_stride_inner",
+        "is_stride_outer",
+        "is_stride_inner",
     ]
 )
 def _policy_loss_fwd_kernel(
@@ -47,6 +49,7 @@ def _policy_loss_fwd_kernel(
     old_ptr,
     ref_ptr,
     mask_ptr,
+    is_ptr,
     max_ptr,
     log_sum_ptr,
     entropy_ptr,
@@ -71,6 +74,8 @@ def _policy_loss_fwd_kernel(
     ref_stride_inner,
     mask_stride_outer,
     mask_stride_inner,
+    is_stride_outer,
+    is_stride_inner,
     inv_t_hi,
     inv_t_lo,
     ignore_index,
@@ -86,11 +91,18 @@ def _policy_loss_fwd_kernel(
     beta_lo,
     entropy_coef_hi,
     entropy_coef_lo,
+    tau_pos_hi,
+    tau_pos_lo,
+    tau_neg_hi,
+    tau_neg_lo,
+    SURROGATE: tl.constexpr,
     HAS_OLD: tl.constexpr,
     HAS_REF: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    HAS_IS: tl.constexpr,
     ADD_KL: tl.constexpr,
     KL_KIND: tl.constexpr,
+    BIAS_KL: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
     ENTROPY_BONUS: tl.constexpr,
     USE_DUAL: tl.constexpr,
@@ -119,6 +131,8 @@ def _policy_loss_fwd_kernel(
     delta = pair(delta_hi, delta_lo, ACC)
     beta = pair(beta_hi, beta_lo, ACC)
     entropy_coef = pair(entropy_coef_hi, entropy_coef_lo, ACC)
+    tau_pos = pair(tau_pos_hi, tau_pos_lo, ACC)
+    tau_neg = pair(tau_neg_hi, tau_neg_lo, ACC)
     row_ptr = row_pointer(logits_ptr, row, rows_inner, shift, stride_outer, stride_inner)
     target = tl.load(targets_ptr + token_offset(row, rows_inner, t_stride_outer, t_stride_inner))
     target = target.to(tl.int64)
@@ -149,13 +163,16 @@ def _policy_loss_fwd_kernel(
         ref_off = token_offset(row, rows_inner, ref_stride_outer, ref_stride_inner)
         ref = tl.where(active, tl.load(ref_ptr + ref_off).to(ACC), logp)
     adv = tl.where(active, adv.to(ACC), 0.0)
-    loss, dloss_dratio, ratio, code, kl, dkl = policy_token_loss(
-        logp, entropy, logp - old, adv, ref, eps_low, eps_high, dual_clip, delta, beta,
-        entropy_coef, HAS_REF, ADD_KL, KL_KIND, ENTROPY_BONUS, USE_DUAL, USE_DELTA,
+    is_weight = 1.0
+    if HAS_IS:
+        is_off = token_offset(row, rows_inner, is_stride_outer, is_stride_inner)
+        is_weight = tl.where(active, tl.load(is_ptr + is_off).to(ACC), 1.0)
+    loss, d_ratio, d_direct, ratio, code, aux, kl = policy_token_loss(
+        logp, entropy, logp - old, adv, ref, is_weight, eps_low, eps_high, dual_clip, delta,
+        beta, entropy_coef, tau_pos, tau_neg, SURROGATE, HAS_REF, ADD_KL, KL_KIND, BIAS_KL,
+        ENTROPY_BONUS, USE_DUAL, USE_DELTA,
     )  # fmt: skip
-    dloss_dlogp = dloss_dratio * ratio
-    if ADD_KL:
-        dloss_dlogp += beta * dkl
+    dloss_dlogp = d_ratio + d_direct  # token level: the ratio moves with this logp only
     # tokens that do not count contribute exactly 0 even where their loss is inf/NaN
     tl.store(g_ptr + row, tl.where(active, m * dloss_dlogp, 0.0))
     if ENTROPY_BONUS:
@@ -165,7 +182,7 @@ def _policy_loss_fwd_kernel(
     if ENTROPY_BONUS:
         tl.store(entropy_ptr + row, entropy)
     store_policy_partials(
-        part_ptr, n_rows, row, row >= 0, m, loss, code, ratio, old - logp, kl, entropy
+        part_ptr, n_rows, row, row >= 0, m, loss, code, aux, ratio, old - logp, kl, entropy
     )
     if WRITE_GRAD:  # layer 3 on the row just reduced (its second read comes from L2)
         scale = tl.load(row_scale_ptr + row).to(ACC) * inv_temperature

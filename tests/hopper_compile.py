@@ -29,6 +29,7 @@ MODULES = [
     "token_advantages",
     "token_gaussian",
     "token_policy",
+    "token_rollout",
 ]
 # runtime float arguments (everything else that is not a pointer is an integer)
 FLOAT_ARGS = {
@@ -38,9 +39,10 @@ FLOAT_ARGS = {
     "decay_lo", "coef_hi", "coef_lo", "num_items", "n_seq", "max_length", "eps_hi", "eps_lo",
     "eps_low_hi", "eps_low_lo", "eps_high_hi", "eps_high_lo", "dual_clip_hi", "dual_clip_lo",
     "delta_hi", "delta_lo", "beta_hi", "beta_lo", "entropy_coef_hi", "entropy_coef_lo",
+    "tau_pos_hi", "tau_pos_lo", "tau_neg_hi", "tau_neg_lo",
 }  # fmt: skip
 # modules whose every pointer offset must be computed in 64 bits (narrow_offset_products)
-WIDE_OFFSET_MODULES = ["token_reductions", "token_values", "token_gaussian"]
+WIDE_OFFSET_MODULES = ["token_reductions", "token_values", "token_gaussian", "token_rollout"]
 INT_NAMES = {"ignore_index", "rows_inner", "group_size", "shift", "positions", "n_outer"}
 
 
@@ -50,13 +52,13 @@ def _is_int_arg(name: str) -> bool:
 
 
 INT_POINTERS = {"targets_ptr": "*i64", "index_ptr": "*i64", "code_ptr": "*i8"}
-MASK_POINTERS = {"m_ptr", "mask_ptr", "pm_ptr", "vm_ptr"}
+MASK_POINTERS = {"m_ptr", "mask_ptr", "pm_ptr", "vm_ptr", "keep_ptr"}
 # pointers read in the input dtype (the rest are fp32 / fp64 statistics and outputs)
 INPUT_POINTERS = {"logits_ptr", "grad_ptr", "x_ptr", "gx_ptr", "v_ptr", "gv_ptr", "lp_ptr"}
 # small values so the compile stays fast; the real launchers pick larger ones
 BLOCKS = {"BLOCK_V": 256, "BLOCK": 256, "BLOCK_P": 128, "BLOCK_T": 64, "BLOCK_N": 64, "BLOCK_R": 16,
           "BLOCK_B": 16}  # fmt: skip
-ENUMS = {"KL_KIND": 5, "KIND": 5, "MODE": 3, "AGG": 4}
+ENUMS = {"KL_KIND": 5, "KIND": 5, "MODE": 3, "AGG": 4, "SURROGATE": 4}
 
 
 def _kernels(modules=MODULES):
@@ -211,10 +213,11 @@ def vocab_stream_vectorised() -> list[str]:
         (_token_stats_fwd_kernel, dict(HAS_TARGETS=True, WITH_ENTROPY=True), False),
         (_token_stats_bwd_kernel, dict(HAS_TARGETS=True, HAS_G=True, HAS_H=True,
                                        HAS_SCALE=True, HAS_SEQ_SCALE=True), True),
+        # WRITE_GRAD: the fused-linear loss also writes each row's gradient (vector stores)
         (_policy_loss_fwd_kernel, dict(HAS_OLD=True, HAS_REF=True, HAS_MASK=True, ADD_KL=True,
-                                       KL_KIND=2,
+                                       KL_KIND=2, SURROGATE=0, HAS_IS=True, BIAS_KL=False,
                                        WITH_ENTROPY=True, ENTROPY_BONUS=True, USE_DUAL=True,
-                                       USE_DELTA=True), False),
+                                       USE_DELTA=True, WRITE_GRAD=True), True),
     ]  # fmt: skip
     problems = []
     for kernel, flags, vector_stores in cases:

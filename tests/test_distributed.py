@@ -16,8 +16,10 @@ import math
 import os
 import sys
 import tempfile
+import time
 import traceback
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -332,10 +334,9 @@ def dtensor(ctx):
             assert local_grad.shape[-1] == len(ids)
             if len(ids):
                 assert_rel(local_grad, o_grad[..., ids], FP32_TOL, f"grad {backend} V={V}")
-            ent2 = fused_rl.token_entropy(
-                distribute_tensor(full, mesh, [Shard(-1)]), backend=backend
-            )
-            assert_rel(ent2, oracle_token_stats(full, None)[1], FP32_TOL, "token_entropy")
+            if backend == "triton":
+                ent2 = fused_rl.token_entropy(distribute_tensor(full, mesh, [Shard(-1)]))
+                assert_rel(ent2, oracle_token_stats(full, None)[1], FP32_TOL, "token_entropy")
     # replicated over the vocabulary: an ordinary call on the local tensor
     full = torch.randn(2, 5, generator=ctx.gen(9))
     rep = distribute_tensor(full, mesh, [Replicate()])
@@ -481,27 +482,117 @@ def token_count_dp_invariance(ctx):
     weights = torch.rand(B, T, generator=g) * mask
     lo = sum(sizes[: ctx.rank])
     hi = lo + sizes[ctx.rank]
-    for m in (mask, weights):
+    # a bool count through the Triton kernel's num_items tensor, float weights through the
+    # reference; the unsharded loss on the reference backend (its parity with the kernels is
+    # tests/test_policy*.py's job)
+    for m, backend in ((mask, "triton"), (weights, "reference")):
         count = global_token_count(m[lo:hi])
         assert count.dtype == (torch.float32 if m.is_floating_point() else torch.int64)
         assert_rel(count, m.double().sum(), 1e-7, "count")
-        for backend in BACKENDS:
-            kw = dict(old_logprobs=old, loss_agg="token-mean", eps_high=0.28, backend=backend)
-            full = logits.clone().requires_grad_()
-            ref_loss, _ = fused_rl.policy_loss(full, targets, adv, mask=m, **kw)
-            ref_loss.backward()
-            kw["old_logprobs"] = old[lo:hi]
-            mine = logits[lo:hi].clone().requires_grad_()
-            loss, _ = fused_rl.policy_loss(
-                mine, targets[lo:hi], adv[lo:hi], mask=m[lo:hi], num_items=count, **kw
-            )
-            loss.backward()
-            total = loss.detach().clone()
-            dist.all_reduce(total)
-            assert_rel(total, ref_loss, FP32_TOL, f"summed loss {backend}")
-            assert_rel(mine.grad, full.grad[lo:hi], FP32_TOL, f"grad {backend}")
+        kw = dict(loss_agg="token-mean", eps_high=0.28)
+        full = logits.clone().requires_grad_()
+        ref_loss, _ = fused_rl.policy_loss(
+            full, targets, adv, mask=m, old_logprobs=old, backend="reference", **kw
+        )
+        ref_loss.backward()
+        mine = logits[lo:hi].clone().requires_grad_()
+        loss, _ = fused_rl.policy_loss(
+            mine, targets[lo:hi], adv[lo:hi], mask=m[lo:hi], old_logprobs=old[lo:hi],
+            num_items=count, backend=backend, **kw,
+        )  # fmt: skip
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        assert_rel(total, ref_loss, FP32_TOL, f"summed loss {backend}")
+        assert_rel(mine.grad, full.grad[lo:hi], FP32_TOL, f"grad {backend}")
     with pytest.raises(ValueError, match="mask"):
         global_token_count(torch.tensor([1.0, -1.0]))
+
+
+def _policy_variants(B, T, g):
+    """(name, keyword arguments of policy_loss) covering token and sequence importance
+    sampling, KL, the entropy bonus and metric, masks, ignore_index and num_items. The old
+    log-probs sit ``delta`` away from the current ones, far from the clip boundaries (a
+    token crossing one between two runs would flip its whole gradient row)."""
+    deltas = torch.tensor([-0.5, -0.1, 0.05, 0.3, 0.6, -0.3])
+    delta_tok = deltas[torch.randint(0, len(deltas), (B, T), generator=g)]
+    delta_seq = deltas[:B, None].expand(B, T)
+    mask = torch.rand(B, T, generator=g) > 0.25
+    weights = torch.rand(B, T, generator=g) * mask
+    adv = torch.randn(B, generator=g)
+    return [
+        ("ppo_kl_entropy", dict(
+            advantages=torch.randn(B, T, generator=g), delta=delta_tok, mask=mask,
+            ref_delta=0.3, beta=0.04, kl_estimator="k3", entropy_coef=0.01, temperature=0.8,
+            eps_high=0.28, dual_clip=3.0, loss_agg="seq-mean-token-mean")),
+        ("gspo", dict(
+            advantages=adv, delta=delta_seq, mask=weights, importance_sampling="sequence",
+            eps_low=3e-4, eps_high=4e-4, with_entropy=True)),
+        ("on_policy_num_items", dict(
+            advantages=adv, delta=None, mask=None, with_entropy=True, num_items=7.0,
+            loss_agg="token-mean")),
+    ]  # fmt: skip
+
+
+@check
+def policy_loss_vocab_parallel(ctx):
+    """Step 4: ``policy_loss(..., process_group=...)``, ``nn.PolicyLoss(process_group=...)``
+    and a DTensor: loss, every metric and the gradient shard equal the unsharded call's."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from fused_rl.nn import PolicyLoss
+
+    w, B, T = 4, 3, 3
+    V = w * ctx.world
+    g = ctx.gen(15)
+    full = torch.randn(B, T + 1, V, generator=g)  # the model's buffer: S = T + 1
+    targets = torch.randint(0, V, (B, T), generator=g)
+    targets[0, 0], targets[1, 1] = V - 1, -100
+    start, stop = _shard_bounds([w] * ctx.world, ctx.rank)
+    mesh = _mesh(ctx)
+    for i, (name, kw) in enumerate(_policy_variants(B, T, g)):
+        kw = dict(kw)
+        adv, delta, ref_delta = kw.pop("advantages"), kw.pop("delta"), kw.pop("ref_delta", None)
+        # the unsharded call (the reference backend: its parity with the fused kernels is
+        # tests/test_policy*.py's job; this keeps the interpreter's work small)
+        with torch.no_grad():
+            logp = fused_rl.token_logprobs(
+                full, targets, temperature=kw.get("temperature", 1.0), backend="reference"
+            )
+        if delta is not None:
+            kw["old_logprobs"] = logp + delta
+        if ref_delta is not None:
+            kw["ref_logprobs"] = logp + ref_delta
+        whole = full.clone().requires_grad_()
+        ref_loss, ref_metrics = fused_rl.policy_loss(whole, targets, adv, backend="reference", **kw)
+        ref_loss.backward()
+        for backend in BACKENDS:
+            what = f"{name} {backend}"
+            runs = {"process_group": partial(fused_rl.policy_loss, process_group=ctx.group)}
+            if i == 0:
+                module_kw = {k: v for k, v in kw.items() if k in PolicyLoss.OPTIONS}
+                call_kw = {k: v for k, v in kw.items() if k not in PolicyLoss.OPTIONS}
+                module = PolicyLoss(process_group=ctx.group, backend=backend, **module_kw)
+                runs["nn.PolicyLoss"] = lambda x, t, a, m=module, c=call_kw: m(x, t, a, **c)
+            if i == 1:
+                runs["DTensor"] = fused_rl.policy_loss
+            for how, run in runs.items():
+                if how == "DTensor":
+                    local = distribute_tensor(full, mesh, [Shard(-1)]).requires_grad_()
+                    ids = torch.arange(V).chunk(ctx.world)[ctx.rank]
+                else:
+                    local, ids = _local(full, start, stop), torch.arange(start, stop)
+                if how == "nn.PolicyLoss":
+                    loss, metrics = run(local, targets, adv)
+                else:
+                    loss, metrics = run(local, targets, adv, backend=backend, **kw)
+                loss.backward()
+                grad = local.grad.to_local() if how == "DTensor" else local.grad
+                assert_rel(loss, ref_loss, FP32_TOL, f"loss {what} {how}")
+                assert sorted(metrics) == sorted(ref_metrics), (sorted(metrics), what)
+                for key, value in metrics.items():
+                    assert_rel(value, ref_metrics[key], FP32_TOL, f"{key} {what} {how}")
+                assert_rel(grad, whole.grad[..., ids], FP32_TOL, f"grad {what} {how}")
 
 
 # ----------------------------------------------------------------------------- harness
@@ -532,7 +623,10 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     with compiled_scalar_abi():
         for name, fn in CHECKS.items():
             try:
+                t0 = time.perf_counter()
                 fn(ctx)
+                if os.environ.get("FUSED_RL_TIME_CHECKS"):
+                    print(f"rank {rank} {name}: {time.perf_counter() - t0:.2f} s", flush=True)
                 verdicts[name] = None
             except BaseException:  # noqa: B036 - a verdict per check, whatever it raised
                 verdicts[name] = traceback.format_exc()

@@ -18,6 +18,7 @@ MODULES = [
     "fused_rl.reductions",
     "fused_rl.advantages",
     "fused_rl.continuous",
+    "fused_rl.rollout",
     "fused_rl.compat.ding",
     "fused_rl.compat.ding_v053",
     "fused_rl.compat.torchtune",

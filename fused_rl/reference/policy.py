@@ -1,8 +1,9 @@
 """Reference token layer of the policy losses (plain PyTorch on ``(B, T)`` tensors).
 
 The same math as the epilogue of the fused kernel (``kernels/token_layer.py``), written for
-reading: the clipped surrogate with asymmetric clip, TRL's two-sided ``delta`` cap, dual
-clip, KL to a reference policy and an entropy bonus. Ties in ``torch.minimum`` split their
+reading: the surrogates (PPO's clipped one with asymmetric clip, TRL's two-sided ``delta``
+cap and dual clip; CISPO, SAPO, GPG), the rollout IS weight, KL to a reference policy
+(optionally bias-corrected) and an entropy bonus. Ties in ``torch.minimum`` split their
 gradient 50/50, ``torch.clamp`` passes gradient on its bounds; the kernel does the same.
 """
 
@@ -52,6 +53,36 @@ def sequence_log_ratio(log_ratio: torch.Tensor, mask_f: torch.Tensor) -> torch.T
     return per_seq[:, None].expand_as(log_ratio)
 
 
+def surrogate_terms(
+    surrogate: str,
+    ratio: torch.Tensor,
+    logp: torch.Tensor,
+    adv: torch.Tensor,
+    clip: ClipConfig,
+    tau_pos: float,
+    tau_neg: float,
+):
+    """Per-token policy term of ``surrogate`` (``kernels/token_layer.surrogate_loss``):
+    ``(loss, clipped, clipped_low, clipped_high, aux)``, ``aux`` the surrogate's own metric
+    (ppo: dual clip active; cispo: ``r > 1 + eps_high and A > 0``; sapo: the soft gate)."""
+    no = torch.zeros_like(ratio, dtype=torch.bool)
+    if surrogate == "ppo":
+        loss, clipped, low, high, dual = clipped_surrogate(ratio, adv, clip)
+        return loss, clipped, low, high, dual
+    if surrogate == "cispo":
+        lo, hi = 1.0 - clip.eps_low, 1.0 + clip.eps_high
+        weight = torch.clamp(ratio, lo, hi).detach()
+        low, high = ratio < lo, ratio > hi
+        return -weight * adv * logp, low | high, low, high, high & (adv > 0)
+    if surrogate == "sapo":
+        tau = torch.where(adv > 0, tau_pos, tau_neg).to(ratio.dtype)
+        gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
+        return -adv * gate, no, no, no, gate
+    if surrogate == "gpg":
+        return -adv * logp, no, no, no, torch.zeros_like(ratio)
+    raise ValueError(f"unknown surrogate {surrogate!r}")
+
+
 def policy_token_terms(
     logp: torch.Tensor,
     adv: torch.Tensor,
@@ -65,11 +96,17 @@ def policy_token_terms(
     kl_estimator: str,
     entropy_coef: float,
     importance_sampling: str,
+    surrogate: str = "ppo",
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    is_weights: torch.Tensor | None = None,
+    kl_bias_correction: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Per-token loss (differentiable w.r.t. ``logp`` and ``entropy``) and metric terms.
 
     ``old_logp=None`` is on-policy: ``old = logp.detach()``, so the ratio is 1 and the
-    gradient is the policy gradient.
+    gradient is the policy gradient. ``is_weights`` (constants) multiply the policy term
+    only; ``kl_bias_correction`` multiplies the KL by the (not detached) ratio.
     """
     # Inputs at tokens that do not count never matter, even NaN / inf ones (padding): give
     # them log-prob 0, ratio 1, KL 0 and advantage 0 so neither the loss, its gradient (a
@@ -88,20 +125,24 @@ def policy_token_terms(
     if importance_sampling == "sequence":
         log_ratio = sequence_log_ratio(log_ratio, mask_f)
     ratio = torch.exp(log_ratio)
-    loss, clipped, low, high, dual = clipped_surrogate(ratio, adv, clip)
+    loss, clipped, low, high, aux = surrogate_terms(
+        surrogate, ratio, logp, adv, clip, tau_pos, tau_neg
+    )
+    if is_weights is not None:
+        loss = loss * torch.where(counted, is_weights, torch.ones_like(is_weights))
     terms = {
         "ratio": ratio,
         "clipped": clipped,
         "clipped_low": low,
         "clipped_high": high,
-        "dual_clipped": dual,
+        "aux": aux,
         "neg_log_ratio": old - logp,
     }
     if ref_logp is not None:
         kl_tok = kl_estimate(logp, ref_logp, kl_estimator)
         terms["kl"] = kl_tok
         if beta != 0.0:
-            loss = loss + beta * kl_tok
+            loss = loss + beta * (kl_tok * ratio if kl_bias_correction else kl_tok)
     if entropy is not None:
         terms["entropy"] = entropy
         if entropy_coef != 0.0:

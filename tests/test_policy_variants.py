@@ -1,0 +1,276 @@
+"""The surrogate axis of the policy losses (``surrogate=``: ppo, cispo, sapo, gpg), the
+rollout importance-sampling weights (``is_weights=``) and the bias-corrected KL
+(``kl_bias_correction=``).
+
+Oracle: float64 autograd, written in this file from the per-token math of the RL libraries
+(verl b178a3cd, TRL f2cd5771, Liger ead96b61), independently of ``fused_rl.reference``:
+
+* cispo: ``L = -sg(clamp(r, 1 - eps_low, 1 + eps_high)) A logp`` (verl's two-sided band;
+  TRL's absolute cap ``C`` is ``eps_low = 1, eps_high = C - 1``);
+* sapo: ``L = -A sigmoid(tau (r - 1)) 4 / tau``, ``tau = tau_pos`` where ``A > 0`` else
+  ``tau_neg``;
+* gpg: ``L = -A logp``;
+* rollout IS weights multiply the policy term only, before the KL is added;
+* bias-corrected KL: ``beta k3 r`` with the ratio NOT detached (exact autograd, also for a
+  sequence-level ratio).
+
+Every variant on both backends, from logits, from log-probs and from hidden states: the
+loss, each metric and the gradients under a random upstream scalar; masks with padding,
+negative and zero advantages, ratios far from 1.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import FP32_TOL, assert_rel
+
+import fused_rl
+from fused_rl.nn import PolicyLoss
+
+BACKENDS = ("triton", "reference")
+B, T, V, H = 3, 6, 23, 8
+
+
+def _rollout(seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(B, T, V, generator=g) * 2).to(dtype)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    targets[0, 4] = -100
+    mask = torch.rand(B, T, generator=g) > 0.25
+    mask[2, :] = False  # a fully masked sequence
+    mask[1, 0] = True
+    # advantages with both signs and an exact zero
+    adv = torch.tensor([1.3, -0.7, 0.0])[:B]
+    with torch.no_grad():
+        logp = torch.log_softmax(logits.double(), -1).gather(-1, targets.clamp(min=0)[..., None])
+        logp = logp[..., 0]
+    # ratios far from 1 on both sides, away from the clip bounds (no fp32/fp64 tie flips)
+    log_r = torch.tensor([-1.2, -0.4, -0.05, 0.02, 0.5, 1.6]).repeat(B, 1)[:, :T]
+    old = (logp - log_r).float()
+    old[~mask] = float("nan")  # padding may hold anything
+    ref = (logp - torch.randn(B, T, generator=g) * 0.5).float()
+    is_w = torch.rand(B, T, generator=g) * 1.5 + 0.25
+    return dict(logits=logits, targets=targets, mask=mask, adv=adv, old=old, ref=ref, is_w=is_w)
+
+
+def _oracle(r, logits, **kw):
+    """float64 loss and metrics from ``logits`` (a float64 leaf), per the libraries' math."""
+    logp = torch.log_softmax(logits, -1).gather(-1, r["targets"].clamp(min=0)[..., None])
+    return _oracle_logp(r, logp[..., 0], **kw)
+
+
+def _oracle_logp(r, logp, *, surrogate, eps_low=0.2, eps_high=0.28, tau_pos=1.0, tau_neg=1.05,
+                 beta=0.0, is_weights=None, bias=False, sequence=False,
+                 loss_agg="token-mean"):  # fmt: skip
+    """float64 loss and metrics from per-token ``logp`` (float64, with grad)."""
+    m = (r["mask"] & (r["targets"] != -100)).double()
+    logp = torch.where(m > 0, logp, torch.zeros_like(logp))
+    old = torch.where(m > 0, r["old"].double(), logp.detach())
+    ref = torch.where(m > 0, r["ref"].double(), logp.detach())
+    adv = r["adv"].double()[:, None].expand(B, T)
+    delta = logp - old
+    if sequence:
+        n = m.sum(1, keepdim=True)
+        delta = ((delta * m).sum(1, keepdim=True) / n.clamp(min=1)).expand(B, T)
+    ratio = torch.exp(delta)
+    lo, hi = 1 - eps_low, 1 + eps_high
+    aux = torch.zeros_like(ratio)
+    clipped = torch.zeros_like(ratio, dtype=torch.bool)
+    if surrogate == "ppo":
+        pol = -torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv)
+        clipped = ratio.clamp(lo, hi) * adv < ratio * adv
+    elif surrogate == "cispo":
+        pol = -ratio.clamp(lo, hi).detach() * adv * logp
+        clipped = (ratio < lo) | (ratio > hi)
+        aux = ((ratio > hi) & (adv > 0)).double()
+    elif surrogate == "sapo":
+        tau = torch.where(adv > 0, tau_pos, tau_neg).double()
+        aux = torch.sigmoid(tau * (ratio - 1)) * 4 / tau
+        pol = -aux * adv
+    else:
+        pol = -adv * logp
+    if is_weights is not None:
+        is_weights = is_weights.double().reshape(B, -1).expand(B, T)
+        pol = pol * is_weights
+    k3 = torch.exp(ref - logp) - (ref - logp) - 1
+    per_token = pol + beta * (k3 * ratio if bias else k3)
+    if loss_agg == "token-mean":
+        loss = (per_token * m).sum() / m.sum()
+    else:  # seq-mean-token-mean, an empty sequence weighs 0
+        n = m.sum(1)
+        loss = ((per_token * m).sum(1) / n.clamp(min=1)).sum() / B
+    mean = lambda x: (x.double() * m).sum() / m.sum()  # noqa: E731
+    metrics = {"clip_frac": mean(clipped), "ratio_mean": mean(ratio.detach())}
+    name = {"ppo": None, "cispo": "cispo_clip_frac", "sapo": "sapo_gate_mean"}.get(surrogate)
+    if name:
+        metrics[name] = mean(aux.detach())
+    if is_weights is not None:
+        w = is_weights[m > 0]
+        metrics.update(is_weight_mean=w.mean(), is_weight_min=w.min(), is_weight_max=w.max())
+    return loss, metrics
+
+
+CASES = {
+    "ppo+is+bias_kl": dict(surrogate="ppo", is_weights="BT", beta=0.1, bias=True),
+    "cispo": dict(surrogate="cispo"),
+    "cispo-trl-cap": dict(surrogate="cispo", eps_low=1.0, eps_high=4.0, is_weights="B"),
+    "cispo+kl+seq-mean": dict(surrogate="cispo", beta=0.05, loss_agg="seq-mean-token-mean"),
+    "sapo": dict(surrogate="sapo", tau_pos=1.3, tau_neg=0.7),
+    "sapo+is+bias_kl": dict(surrogate="sapo", is_weights="BT", beta=0.2, bias=True),
+    "gpg": dict(surrogate="gpg", is_weights="B1"),
+    "gspo+bias_kl": dict(surrogate="ppo", sequence=True, beta=0.1, bias=True, is_weights="BT"),
+    "sapo-sequence": dict(surrogate="sapo", sequence=True, eps_low=0.2),
+}
+
+
+def _is_weights(r, kind):
+    return {None: None, "BT": r["is_w"], "B": r["is_w"][:, 0], "B1": r["is_w"][:, :1]}[kind]
+
+
+def _kwargs(r, case):
+    kw = dict(case)
+    seq = kw.pop("sequence", False)
+    is_kind = kw.pop("is_weights", None)
+    bias = kw.pop("bias", False)
+    ours = dict(kw, importance_sampling="sequence" if seq else "token",
+                kl_bias_correction=bias, is_weights=_is_weights(r, is_kind))  # fmt: skip
+    ours.setdefault("eps_high", 0.28)
+    if "tau_pos" in ours:
+        ours["sapo_tau_pos"] = ours.pop("tau_pos")
+        ours["sapo_tau_neg"] = ours.pop("tau_neg")
+    oracle = dict(kw, sequence=seq, bias=bias, is_weights=_is_weights(r, is_kind))
+    return ours, oracle
+
+
+def _check(loss, metrics, want, want_metrics, grads, exact):
+    assert_rel(loss, want, FP32_TOL, "loss")
+    for name, value in want_metrics.items():
+        torch.testing.assert_close(metrics[name].double(), value, rtol=1e-5, atol=1e-6,
+                                   msg=name)  # fmt: skip
+    for a, e in zip(grads, exact):
+        assert_rel(a, e, FP32_TOL, "gradient")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_policy_loss_variant_matches_oracle(case, backend):
+    r = _rollout()
+    ours, oracle = _kwargs(r, CASES[case])
+    logits = r["logits"].clone().requires_grad_()
+    loss, metrics = fused_rl.policy_loss(
+        logits, r["targets"], r["adv"], old_logprobs=r["old"], ref_logprobs=r["ref"],
+        mask=r["mask"], backend=backend, **ours,
+    )  # fmt: skip
+    leaf = r["logits"].double().requires_grad_()
+    want, want_metrics = _oracle(r, leaf, **oracle)
+    up = torch.tensor(0.61)
+    grads = torch.autograd.grad(loss, logits, up)
+    exact = torch.autograd.grad(want, leaf, up.double())
+    _check(loss, metrics, want, want_metrics, grads, exact)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["cispo", "sapo+is+bias_kl", "gpg", "gspo+bias_kl"])
+def test_from_logprobs_variant_matches_oracle(case, backend):
+    r = _rollout(seed=1)
+    ours, oracle = _kwargs(r, CASES[case])
+    logp = fused_rl.token_logprobs(r["logits"], r["targets"]).requires_grad_()
+    loss, metrics = fused_rl.policy_loss_from_logprobs(
+        logp, r["adv"], old_logprobs=r["old"], ref_logprobs=r["ref"],
+        mask=r["mask"] & (r["targets"] != -100), backend=backend, **ours,
+    )  # fmt: skip
+    leaf = logp.detach().double().requires_grad_()
+    want, want_metrics = _oracle_logp(r, leaf, **oracle)
+    (grad,) = torch.autograd.grad(loss, logp)
+    (exact,) = torch.autograd.grad(want, leaf)
+    _check(loss, metrics, want, want_metrics, [grad], [exact])
+
+
+@pytest.mark.parametrize("case", ["cispo-trl-cap", "sapo", "gpg", "ppo+is+bias_kl"])
+def test_linear_policy_loss_variant_matches_oracle(case):
+    """From hidden states (the fused-linear path: gradients formed in the forward)."""
+    r = _rollout(seed=2)
+    ours, oracle = _kwargs(r, CASES[case])
+    g = torch.Generator().manual_seed(9)
+    hidden = torch.randn(B, T, H, generator=g, requires_grad=True)
+    weight = torch.randn(V, H, generator=g, requires_grad=True)
+    loss, metrics = fused_rl.linear_policy_loss(
+        hidden, weight, r["targets"], r["adv"], old_logprobs=r["old"], ref_logprobs=r["ref"],
+        mask=r["mask"], chunk_tokens=4, backend="triton", **ours,
+    )  # fmt: skip
+    leaves = [x.detach().double().requires_grad_() for x in (hidden, weight)]
+    want, want_metrics = _oracle(r, F.linear(*leaves), **oracle)
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    exact = torch.autograd.grad(want, leaves)
+    _check(loss, metrics, want, want_metrics, grads, exact)
+
+
+def test_every_surrogate_has_an_oracle_case():
+    from fused_rl.losses import SURROGATES
+
+    assert {case["surrogate"] for case in CASES.values()} == set(SURROGATES)
+
+
+def test_surrogate_metric_names():
+    r = _rollout()
+    names = {}
+    for surrogate in ("ppo", "cispo", "sapo", "gpg"):
+        _, metrics = fused_rl.policy_loss(r["logits"], r["targets"], r["adv"],
+                                          surrogate=surrogate, backend="reference")  # fmt: skip
+        names[surrogate] = set(metrics)
+    base = {"clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_max",
+            "approx_kl"}  # fmt: skip
+    assert names["ppo"] == base | {"dual_clip_frac"}
+    assert names["cispo"] == base | {"cispo_clip_frac"}
+    assert names["sapo"] == base | {"sapo_gate_mean"}
+    assert names["gpg"] == base
+
+
+@pytest.mark.parametrize(
+    ("options", "argument"),
+    [
+        (dict(surrogate="vespa"), "surrogate"),
+        (dict(surrogate="cispo", importance_sampling="sequence"), "importance_sampling"),
+        (dict(surrogate="gpg", importance_sampling="sequence"), "importance_sampling"),
+        (dict(surrogate="cispo", delta=2.0), "delta"),
+        (dict(surrogate="sapo", dual_clip=3.0), "dual_clip"),
+        (dict(surrogate="sapo", sapo_tau_pos=0.0), "sapo_tau_pos"),
+        (dict(surrogate="sapo", sapo_tau_neg=-1.0), "sapo_tau_neg"),
+        (dict(is_weights=torch.ones(B, T + 1)), "is_weights"),
+        (dict(is_weights=torch.ones(B, T, dtype=torch.long)), "is_weights"),
+    ],
+)
+def test_invalid_combinations_name_the_argument(options, argument):
+    r = _rollout()
+    with pytest.raises((ValueError, TypeError), match=argument):
+        fused_rl.policy_loss(r["logits"], r["targets"], r["adv"], **options)
+    with pytest.raises((ValueError, TypeError), match=argument):
+        PolicyLoss(**{k: v for k, v in options.items() if k != "is_weights"})(
+            r["logits"],
+            r["targets"],
+            r["adv"],
+            **({"is_weights": options["is_weights"]} if "is_weights" in options else {}),
+        )
+
+
+@pytest.mark.no_poison  # the NaN fill of fresh buffers is the test's, not the call's
+def test_token_local_surrogates_keep_the_single_pass():
+    """cispo / sapo / gpg with IS weights and the bias-corrected KL cost what PPO costs: the
+    same launches (one fused vocab kernel and one reduction forward, one kernel backward)."""
+    from fused_rl.profiling import LaunchCounter
+
+    r = _rollout()
+    counts = {}
+    for surrogate in ("ppo", "cispo", "sapo", "gpg"):
+        logits = r["logits"].clone().requires_grad_()
+        with LaunchCounter() as c:
+            loss, _ = fused_rl.policy_loss(
+                logits, r["targets"], r["adv"], old_logprobs=r["old"], mask=r["mask"],
+                ref_logprobs=r["ref"], beta=0.1, kl_bias_correction=surrogate != "ppo",
+                surrogate=surrogate, backend="triton",
+            )  # fmt: skip
+            loss.backward()
+        counts[surrogate] = c.total
+    assert len(set(counts.values())) == 1, counts
