@@ -429,6 +429,7 @@ def linear_policy_loss(
     sapo_tau_neg: float = 1.05,
     is_weights: Tensor | None = None,
     kl_bias_correction: bool = False,
+    top_entropy_quantile: float = 1.0,
     loss_agg: str = "token-mean",
     max_length: int | None = None,
     num_items: int | float | Tensor | None = None,
@@ -446,12 +447,12 @@ def linear_policy_loss(
     How (module docstring): with gradients on and ``importance_sampling="token"`` on the
     Triton backend, one pass over the chunks computes the loss, the metrics and the
     gradients (GEMM, one vocab kernel writing ``dz`` over the logits, the two gradient
-    GEMMs), and
-    the backward multiplies ``dH``/``dW``/``db`` by the upstream scalar: three GEMMs per
-    chunk. Otherwise (GSPO, ``no_grad``, the reference backend) it is
-    :func:`linear_token_logprobs` feeding :func:`policy_loss_from_logprobs`, whose backward
-    recomputes each chunk's logits (GSPO's sequence totals must exist before any token's
-    gradient): four GEMMs per chunk with gradients, one without.
+    GEMMs), and the backward multiplies ``dH``/``dW``/``db`` by the upstream scalar: three
+    GEMMs per chunk. Otherwise (GSPO, ``top_entropy_quantile < 1``, ``no_grad``, the
+    reference backend) it is :func:`linear_token_logprobs` feeding
+    :func:`policy_loss_from_logprobs`, whose backward recomputes each chunk's logits (GSPO's
+    sequence totals must exist before any token's gradient): four GEMMs per chunk with
+    gradients, one without.
 
     Example:
         >>> import torch, fused_rl
@@ -469,12 +470,14 @@ def linear_policy_loss(
         entropy_coef=entropy_coef, kl_estimator=kl_estimator,
         importance_sampling=importance_sampling, loss_agg=loss_agg, max_length=max_length,
         surrogate=surrogate, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
-        kl_bias_correction=kl_bias_correction, num_items=num_items,
+        kl_bias_correction=kl_bias_correction, top_entropy_quantile=top_entropy_quantile,
+        num_items=num_items,
     )  # fmt: skip
     variant = dict(surrogate=surrogate, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
                    is_weights=is_weights, kl_bias_correction=kl_bias_correction)  # fmt: skip
-    need_entropy = with_entropy or entropy_coef != 0.0
-    if importance_sampling == "token" and _grad_wanted(hidden, weight, bias):
+    need_entropy = with_entropy or entropy_coef != 0.0 or top_entropy_quantile < 1.0
+    one_pass = importance_sampling == "token" and top_entropy_quantile == 1.0
+    if one_pass and _grad_wanted(hidden, weight, bias):
         rows, weight_c, bias_c, flat_targets, chunk, which = _prepare(
             hidden, weight, bias, targets, temperature, ignore_index, chunk_tokens, backend
         )
@@ -504,7 +507,8 @@ def linear_policy_loss(
         entropy=entropy, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, delta=delta,
         beta=beta, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
         importance_sampling=importance_sampling, loss_agg=loss_agg, max_length=max_length,
-        num_items=num_items, backend=backend, **variant,
+        num_items=num_items, top_entropy_quantile=top_entropy_quantile, backend=backend,
+        **variant,
     )  # fmt: skip
 
 

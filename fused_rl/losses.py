@@ -63,7 +63,7 @@ def _metrics(terms: dict[str, Tensor], mask_f: Tensor, surrogate: str = "ppo") -
 def check_policy_options(
     *, eps_low, eps_high, dual_clip, delta, beta, entropy_coef, kl_estimator,
     importance_sampling, loss_agg, max_length, surrogate="ppo", sapo_tau_pos=1.0,
-    sapo_tau_neg=1.05, kl_bias_correction=False, num_items=None,
+    sapo_tau_neg=1.05, kl_bias_correction=False, top_entropy_quantile=1.0, num_items=None,
 ) -> float:  # fmt: skip
     """Validate the hyper-parameters that need no tensor (the shared validators of
     ``_validation``; also run by ``fused_rl.nn.PolicyLoss`` at construction); return the
@@ -84,6 +84,9 @@ def check_policy_options(
     _check_surrogate(surrogate, importance_sampling, dual_clip, delta, sapo_tau_pos, sapo_tau_neg)
     if not isinstance(kl_bias_correction, bool):
         raise TypeError(f"kl_bias_correction must be a bool, got {kl_bias_correction!r}")
+    V.check_number(top_entropy_quantile, "top_entropy_quantile")
+    if not 0.0 <= top_entropy_quantile <= 1.0:
+        raise ValueError(f"top_entropy_quantile must be in [0, 1], got {top_entropy_quantile}")
     V.check_loss_agg(loss_agg, max_length=max_length, num_items=num_items)
     return eps_high
 
@@ -140,6 +143,29 @@ def _is_metrics(is_w: Tensor, mask_f: Tensor) -> dict[str, Tensor]:
             "is_weight_min": low.where(any_counted, 0.0).float(),
             "is_weight_max": high.where(any_counted, 0.0).float(),
         }  # fmt: skip
+
+
+def top_entropy_tokens(entropy: Tensor, mask: Tensor | None, *, quantile: float) -> Tensor:
+    """``(B, T)`` bool: the counted tokens whose entropy is at or above the
+    ``1 - quantile`` quantile of the counted tokens' entropies (TRL's
+    ``top_entropy_quantile``: ``torch.quantile``, linear interpolation; no counted token:
+    all False). A sort with the uncounted tokens pushed to the end, so no host sync (TRL's
+    boolean indexing would sync). Per call: under data parallelism each rank's threshold
+    is its own, where TRL gathers the entropies of all ranks first."""
+    with torch.no_grad():
+        h = entropy.detach().float()
+        counted = torch.ones_like(h, dtype=torch.bool) if mask is None else mask.detach() != 0
+        if h.numel() == 0:
+            return counted
+        ordered = torch.where(counted, h, float("inf")).flatten().sort().values
+        n = counted.sum()
+        pos = (1.0 - quantile) * (n - 1).clamp(min=0).to(torch.float64)
+        lo = pos.floor().long()
+        hi = torch.minimum(lo + 1, (n - 1).clamp(min=0))
+        frac = (pos - lo).float()
+        below, above = ordered[lo], ordered[hi]
+        threshold = torch.lerp(below, above, frac)  # as torch.quantile interpolates
+        return counted & (h >= threshold) & (n > 0)
 
 
 def _check_policy_args(*, ref_logprobs, **options) -> float:
@@ -263,6 +289,7 @@ def policy_loss(
     sapo_tau_neg: float = 1.05,
     is_weights: Tensor | None = None,
     kl_bias_correction: bool = False,
+    top_entropy_quantile: float = 1.0,
     loss_agg: str = "token-mean",
     max_length: int | None = None,
     num_items: int | float | Tensor | None = None,
@@ -331,6 +358,13 @@ def policy_loss(
             (DeepSeek-V3.2, TRL's ``use_bias_correction_kl``); with
             ``importance_sampling="sequence"`` by the sequence ratio, with its exact
             gradient. The ``kl`` metric stays the uncorrected estimate.
+        top_entropy_quantile: ``rho < 1`` keeps the policy term only at the counted tokens
+            whose entropy is at or above the ``1 - rho`` quantile of this call's counted
+            tokens (TRL's "20% high-entropy tokens" recipe, ``rho = 0.2``; threshold as
+            ``torch.quantile``, linear); the KL and the normaliser still count every token.
+            Needs the entropy first: log-probs and entropy in one vocabulary pass, then the
+            token layer (as GSPO). The quantile is per call (per rank): TRL gathers the
+            entropies of every data-parallel rank first.
         loss_agg: ``"token-mean"`` | ``"seq-mean-token-mean"`` | ``"seq-mean-token-sum"`` |
             ``"seq-mean-token-sum-norm"`` (see ``fused_rl._agg.token_weights``); a sequence
             with no counted token contributes 0, never NaN.
@@ -393,10 +427,13 @@ def policy_loss(
         entropy_coef=entropy_coef, ref_logprobs=ref_logprobs, kl_estimator=kl_estimator,
         importance_sampling=importance_sampling, loss_agg=loss_agg, max_length=max_length,
         surrogate=surrogate, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
-        kl_bias_correction=kl_bias_correction, num_items=num_items,
+        kl_bias_correction=kl_bias_correction, top_entropy_quantile=top_entropy_quantile,
+        num_items=num_items,
     )  # fmt: skip
-    need_entropy = with_entropy or entropy_coef != 0.0
-    if process_group is not None or is_dtensor(logits):  # targets checked with the shards
+    need_entropy = with_entropy or entropy_coef != 0.0 or top_entropy_quantile < 1.0
+    # by composition (log-probs and entropy first, then the token layer): vocabulary-sharded
+    # logits, and the top-entropy selection, whose threshold needs every token's entropy
+    if process_group is not None or is_dtensor(logits) or top_entropy_quantile < 1.0:
         return sharded_policy_loss(
             logits, targets, advantages, process_group=process_group, temperature=temperature,
             ignore_index=ignore_index, need_entropy=need_entropy, mask=mask, backend=backend,
@@ -470,6 +507,7 @@ def policy_loss_from_logprobs(
     sapo_tau_neg: float = 1.05,
     is_weights: Tensor | None = None,
     kl_bias_correction: bool = False,
+    top_entropy_quantile: float = 1.0,
     loss_agg: str = "token-mean",
     max_length: int | None = None,
     num_items: int | float | Tensor | None = None,
@@ -517,13 +555,19 @@ def policy_loss_from_logprobs(
         entropy_coef=entropy_coef, ref_logprobs=ref_logprobs, kl_estimator=kl_estimator,
         importance_sampling=importance_sampling, loss_agg=loss_agg, max_length=max_length,
         surrogate=surrogate, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
-        kl_bias_correction=kl_bias_correction, num_items=num_items,
+        kl_bias_correction=kl_bias_correction, top_entropy_quantile=top_entropy_quantile,
+        num_items=num_items,
     )  # fmt: skip
     if entropy_coef != 0.0 and entropy is None:
         raise ValueError("entropy_coef != 0 needs the per-token entropy tensor")
     V.check_mask_weights(mask, "mask")
     which = resolve_backend(backend, logprobs)
     is_w = _is_weights_2d(is_weights, batch, length)
+    if top_entropy_quantile < 1.0:
+        if entropy is None:
+            raise ValueError("top_entropy_quantile < 1 needs the per-token entropy tensor")
+        keep = top_entropy_tokens(entropy, mask, quantile=top_entropy_quantile)
+        is_w = keep.to(stats_dtype(logprobs.dtype)) if is_w is None else is_w * keep
     variant = _variant_args(is_w, surrogate, sapo_tau_pos, sapo_tau_neg, kl_bias_correction)
     if which == "triton":
         loss, metrics, *_ = policy_logprobs_fwd_op(

@@ -274,3 +274,72 @@ def test_token_local_surrogates_keep_the_single_pass():
             loss.backward()
         counts[surrogate] = c.total
     assert len(set(counts.values())) == 1, counts
+
+
+# ----------------------------------------------------------------------------- top entropy
+
+
+def _trl_high_entropy_mask(entropy, mask, rho):
+    """TRL's ``get_high_entropy_mask`` (one process): threshold ``torch.quantile`` of the
+    valid tokens' entropies at ``1 - rho``."""
+    valid = entropy[mask.bool()].float()
+    if valid.numel() == 0:
+        return torch.zeros_like(entropy, dtype=torch.bool)
+    threshold = torch.quantile(valid, 1.0 - rho)
+    return ((entropy * mask.float()) >= threshold) & mask.bool()
+
+
+@pytest.mark.parametrize("rho", (0.0, 0.2, 0.5, 0.77, 1.0))
+def test_top_entropy_tokens_match_trl(rho):
+    from fused_rl.losses import top_entropy_tokens
+
+    g = torch.Generator().manual_seed(3)
+    for shape in ((3, 7), (1, 1), (4, 2)):
+        entropy = torch.rand(shape, generator=g) * 3
+        entropy[0, 0] = float("nan") if shape == (3, 7) else entropy[0, 0]  # at padding
+        mask = torch.rand(shape, generator=g) > 0.3
+        if shape == (3, 7):
+            mask[0, 0] = False
+            mask[1] = False  # a fully masked row
+        got = top_entropy_tokens(entropy, mask, quantile=rho)
+        assert torch.equal(got, _trl_high_entropy_mask(entropy, mask, rho)), (shape, rho)
+    none = torch.zeros(2, 3, dtype=torch.bool)
+    assert not top_entropy_tokens(torch.rand(2, 3), none, quantile=rho).any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_top_entropy_quantile_matches_oracle(backend):
+    """The policy term counts only the high-entropy tokens; the KL and the normaliser still
+    count every token (TRL's order: entropy mask before IS and KL)."""
+    r = _rollout(seed=4)
+    rho = 0.4
+    logits = r["logits"].clone().requires_grad_()
+    loss, metrics = fused_rl.policy_loss(
+        logits, r["targets"], r["adv"], old_logprobs=r["old"], ref_logprobs=r["ref"],
+        mask=r["mask"], beta=0.1, eps_high=0.28, is_weights=r["is_w"],
+        top_entropy_quantile=rho, backend=backend,
+    )  # fmt: skip
+    leaf = r["logits"].double().requires_grad_()
+    with torch.no_grad():
+        logsm = torch.log_softmax(leaf, -1)
+        entropy = -(logsm.exp() * logsm).sum(-1)
+    counted = r["mask"] & (r["targets"] != -100)
+    keep = _trl_high_entropy_mask(entropy, counted, rho)
+    assert 0 < keep.sum() < counted.sum()
+    want, _ = _oracle(r, leaf, surrogate="ppo", beta=0.1, is_weights=r["is_w"] * keep)
+    assert_rel(loss, want, FP32_TOL, "loss")
+    (grad,) = torch.autograd.grad(loss, logits)
+    (exact,) = torch.autograd.grad(want, leaf)
+    assert_rel(grad, exact, FP32_TOL, "gradient")
+    # from hidden states: the same selection
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(B, T, H, generator=g, requires_grad=True)
+    weight = torch.randn(V, H, generator=g)
+    kw = dict(old_logprobs=r["old"], mask=r["mask"], top_entropy_quantile=rho, backend=backend)
+    lin, _ = fused_rl.linear_policy_loss(hidden, weight, r["targets"], r["adv"], **kw)
+    mat, _ = fused_rl.policy_loss(F.linear(hidden, weight), r["targets"], r["adv"], **kw)
+    assert_rel(lin, mat, FP32_TOL, "linear")
+    with pytest.raises(ValueError, match="top_entropy_quantile"):
+        fused_rl.policy_loss(logits, r["targets"], r["adv"], top_entropy_quantile=1.5)
+    with pytest.raises(ValueError, match="entropy"):
+        fused_rl.policy_loss_from_logprobs(torch.randn(B, T), r["adv"], top_entropy_quantile=0.2)
