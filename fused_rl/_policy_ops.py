@@ -110,7 +110,8 @@ def _token_layer(logp, entropy, targets, adv, old, ref, mask, is_w, ignore_index
         HAS_OLD=old is not None, HAS_REF=ref is not None, HAS_MASK=mask is not None,
         HAS_IS=is_w is not None, ADD_KL=ref is not None and beta != 0.0, KL_KIND=kl_kind,
         BIAS_KL=bias_kl, ENTROPY_BONUS=bonus,
-        USE_DUAL=dual_clip != 0.0, USE_DELTA=delta != 0.0, SEQUENCE=sequence,
+        USE_DUAL=dual_clip != 0.0, USE_DELTA=delta != 0.0, SEQUENCE=sequence != 0,
+        SEQ_TOKEN=sequence == 2,
         BLOCK_T=TOKEN_BLOCK_T, ACC=triton_acc(g.dtype),
     )  # fmt: skip
 
@@ -290,7 +291,7 @@ def policy_loss_fwd(
     kl_kind: int,
     entropy_coef: float,
     with_entropy: bool,
-    sequence: bool,
+    sequence: int,
     agg: int,
     max_length: float,
     num_items: float,
@@ -321,13 +322,13 @@ def policy_loss_fwd(
     mask = _mask_arg(mask)
     hyper = (eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef, surrogate,
              tau_pos, tau_neg, bias_kl)  # fmt: skip
-    if sequence:  # GSPO: layer 1, then the token layer over whole sequences
+    if sequence:  # GSPO(-token): layer 1, then the token layer over whole sequences
         logp, entropy, row_max, log_sum = token_stats_fwd(
             logits3d, targets, temperature, ignore_index, with_entropy
         )
         _token_layer(
             logp, entropy if with_entropy else None, targets, adv, old, ref, mask, is_w,
-            ignore_index, hyper, bonus, True, g, h, part,
+            ignore_index, hyper, bonus, sequence, g, h, part,
         )  # fmt: skip
         if not bonus:
             entropy = new(False)
@@ -400,7 +401,7 @@ def policy_logprobs_fwd(
     beta: float,
     kl_kind: int,
     entropy_coef: float,
-    sequence: bool,
+    sequence: int,
     agg: int,
     max_length: float,
     num_items: float,

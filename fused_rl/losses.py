@@ -25,7 +25,7 @@ from .reference.kl import KL_KINDS
 from .reference.policy import ClipConfig, policy_token_terms
 from .reference.reductions import mask_weights
 
-IMPORTANCE_SAMPLING = ("token", "sequence")
+IMPORTANCE_SAMPLING = ("token", "sequence", "sequence-token")  # the kernels' order
 SURROGATES = ("ppo", "cispo", "sapo", "gpg")  # the order of kernels/token_layer.py SURROGATE_*
 
 # ----------------------------------------------------------------------------- helpers
@@ -97,7 +97,7 @@ def _check_surrogate(surrogate, importance_sampling, dual_clip, delta, tau_pos, 
         raise ValueError(
             f"importance_sampling='sequence' works with the ratio surrogates ('ppo' = GSPO, "
             f"'sapo'); surrogate={surrogate!r} weighs each token's own log-prob, so use "
-            "importance_sampling='token'"
+            "importance_sampling='token' or 'sequence-token'"
         )
     if surrogate != "ppo":
         for name, value in (("delta", delta), ("dual_clip", dual_clip)):
@@ -234,12 +234,13 @@ def _logits_rank_message(logits: Tensor) -> str:
     return msg
 
 
-def _loss_from_logprobs(logp, entropy, adv2d, mask_f, weights, num_items, **token_kwargs):
+def _loss_from_logprobs(logp, entropy, adv2d, mask_f, weights, num_items, rollout_is,
+                        **token_kwargs):  # fmt: skip
     terms = policy_token_terms(logp, adv2d, mask_f, entropy=entropy, **token_kwargs)
     loss = (terms["loss"] * weights).where(weights != 0, torch.zeros_like(weights)).sum()
     metrics = _metrics(terms, mask_f, token_kwargs["surrogate"])
-    if token_kwargs["is_weights"] is not None:
-        metrics.update(_is_metrics(token_kwargs["is_weights"], mask_f))
+    if rollout_is is not None:
+        metrics.update(_is_metrics(rollout_is, mask_f))
     return poison_empty(loss, num_items, weights.numel()), metrics
 
 
@@ -336,9 +337,11 @@ def policy_loss(
             deprecated alias of ``kl_estimator=`` (``FutureWarning``).
         entropy_coef: entropy bonus ``-entropy_coef * H`` (H differentiable, same pass).
         with_entropy: report the mean entropy as a metric even when ``entropy_coef == 0``.
-        importance_sampling: ``"token"`` or ``"sequence"`` (GSPO: one ratio per sequence,
+        importance_sampling: ``"token"``, ``"sequence"`` (GSPO: one ratio per sequence,
             ``exp(masked mean of logp - old)``, differentiable through every token; with
-            ``surrogate="ppo"`` or ``"sapo"``).
+            ``surrogate="ppo"`` or ``"sapo"``) or ``"sequence-token"`` (GSPO-token, TRL's
+            ``sequence_token`` and verl's ``gspo``: the sequence ratio's value with each
+            token's own gradient, ``sg(s) r_t / sg(r_t)``).
         surrogate: the policy term per token, ``r`` the ratio, ``A`` the advantage:
             ``"ppo"`` (default) the clipped surrogate above; ``"cispo"`` (MiniMax-M1)
             ``-sg(clamp(r, 1 - eps_low, 1 + eps_high)) A logp``, verl's two-sided band (TRL's
@@ -450,7 +453,7 @@ def policy_loss(
             logits, targets, adv2d, old_logprobs, ref_logprobs, mask, float(temperature),
             int(ignore_index), float(eps_low), float(eps_high), float(dual_clip or 0.0),
             float(delta or 0.0), float(beta), KL_KINDS.index(kl_estimator), float(entropy_coef),
-            bool(need_entropy), importance_sampling == "sequence",
+            bool(need_entropy), IMPORTANCE_SAMPLING.index(importance_sampling),
             LOSS_AGG_MODES.index(loss_agg), float(max_length or length),
             *_num_items_args(num_items), *variant,
         )  # fmt: skip
@@ -469,7 +472,7 @@ def policy_loss(
         logits, targets, temperature, ignore_index, need_entropy, which
     )
     return _loss_from_logprobs(
-        logp, entropy, adv2d, mask_f, weights, num_items, old_logp=old_logprobs,
+        logp, entropy, adv2d, mask_f, weights, num_items, is_w, old_logp=old_logprobs,
         ref_logp=ref_logprobs, clip=ClipConfig(eps_low, eps_high, dual_clip, delta),
         beta=beta, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
         importance_sampling=importance_sampling, surrogate=surrogate, tau_pos=sapo_tau_pos,
@@ -562,7 +565,7 @@ def policy_loss_from_logprobs(
         raise ValueError("entropy_coef != 0 needs the per-token entropy tensor")
     V.check_mask_weights(mask, "mask")
     which = resolve_backend(backend, logprobs)
-    is_w = _is_weights_2d(is_weights, batch, length)
+    is_w = rollout_is = _is_weights_2d(is_weights, batch, length)  # metrics: the rollout's
     if top_entropy_quantile < 1.0:
         if entropy is None:
             raise ValueError("top_entropy_quantile < 1 needs the per-token entropy tensor")
@@ -573,13 +576,14 @@ def policy_loss_from_logprobs(
         loss, metrics, *_ = policy_logprobs_fwd_op(
             logprobs, entropy, adv2d, old_logprobs, ref_logprobs, mask, float(eps_low),
             float(eps_high), float(dual_clip or 0.0), float(delta or 0.0), float(beta),
-            KL_KINDS.index(kl_estimator), float(entropy_coef), importance_sampling == "sequence",
-            LOSS_AGG_MODES.index(loss_agg), float(max_length or length),
+            KL_KINDS.index(kl_estimator), float(entropy_coef),
+            IMPORTANCE_SAMPLING.index(importance_sampling), LOSS_AGG_MODES.index(loss_agg),
+            float(max_length or length),
             *_num_items_args(num_items), *variant,
         )  # fmt: skip
         out = metrics_dict(metrics, has_kl=ref_logprobs is not None,
                            has_entropy=entropy is not None, surrogate=variant[1])  # fmt: skip
-        return loss, _with_is_metrics(out, is_w, mask)
+        return loss, _with_is_metrics(out, rollout_is, mask)
     acc = stats_dtype(logprobs.dtype)
     adv2d, old_logprobs, ref_logprobs = _constants(acc, adv2d, old_logprobs, ref_logprobs)
     entropy = None if entropy is None else entropy.to(acc)  # as the kernel reads it; keeps grad
@@ -588,7 +592,7 @@ def policy_loss_from_logprobs(
     )
     weights = token_weights(mask_f, loss_agg, max_length=max_length, num_items=num_items, dtype=acc)
     return _loss_from_logprobs(
-        logprobs, entropy, adv2d, mask_f, weights, num_items, old_logp=old_logprobs,
+        logprobs, entropy, adv2d, mask_f, weights, num_items, rollout_is, old_logp=old_logprobs,
         ref_logp=ref_logprobs, clip=ClipConfig(eps_low, eps_high, dual_clip, delta),
         beta=beta, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
         importance_sampling=importance_sampling, surrogate=surrogate, tau_pos=sapo_tau_pos,

@@ -153,6 +153,7 @@ def _policy_token_fwd_kernel(
     USE_DUAL: tl.constexpr,
     USE_DELTA: tl.constexpr,
     SEQUENCE: tl.constexpr,
+    SEQ_TOKEN: tl.constexpr,
     BLOCK_T: tl.constexpr,
     ACC: tl.constexpr,
 ):
@@ -161,7 +162,9 @@ def _policy_token_fwd_kernel(
 
     ``SEQUENCE``: GSPO, one ratio per sequence ``exp(sum m (logp - old) / sum m)``; the
     surrogate's gradient then reaches every token through that mean (a third pass writes
-    ``g`` once the sequence's total is known). Bytes: reads the inputs once (twice with
+    ``g`` once the sequence's total is known). ``SEQ_TOKEN`` (GSPO-token): the value of the
+    sequence ratio, the gradient through each token's own log-prob (``sg(s) r_t / sg(r_t)``):
+    ``g`` is written per token, as at token level. Bytes: reads the inputs once (twice with
     ``SEQUENCE``), writes ~13 floats per token.
     """
     b = tl.program_id(0).to(tl.int64)
@@ -226,9 +229,9 @@ def _policy_token_fwd_kernel(
             ENTROPY_BONUS, USE_DUAL, USE_DELTA,
         )  # fmt: skip
         counted = m != 0
-        if SEQUENCE:  # the ratio part reaches every token; the direct part is written below
-            acc_g += tl.where(counted, m * d_ratio, 0.0)
-        else:
+        if SEQUENCE and not SEQ_TOKEN:  # the ratio part reaches every token; the direct
+            acc_g += tl.where(counted, m * d_ratio, 0.0)  # part is written below
+        else:  # token level, or GSPO-token: the sequence ratio's value, each token's gradient
             g = d_ratio + d_direct
             tl.store(g_ptr + rows, tl.where(counted, m * g, 0.0), mask=in_seq)
         if ENTROPY_BONUS:
@@ -236,7 +239,7 @@ def _policy_token_fwd_kernel(
         store_policy_partials(
             part_ptr, n_rows, rows, in_seq, m, loss, code, aux, ratio, old - logp, kl, entropy
         )
-    if SEQUENCE:
+    if SEQUENCE and not SEQ_TOKEN:
         # d ratio_b / d logp_t = ratio_b * m_t / sum m: every token shares the sequence's total
         per_token = tl.sum(acc_g, 0) / tl.where(seq_n != 0, seq_n, 1.0)
         for t0 in range(0, rows_inner, BLOCK_T):

@@ -73,7 +73,10 @@ def _oracle_logp(r, logp, *, surrogate, eps_low=0.2, eps_high=0.28, tau_pos=1.0,
     delta = logp - old
     if sequence:
         n = m.sum(1, keepdim=True)
-        delta = ((delta * m).sum(1, keepdim=True) / n.clamp(min=1)).expand(B, T)
+        seq = (delta * m).sum(1, keepdim=True) / n.clamp(min=1)
+        if sequence == "token":  # GSPO-token: sg(s) * r_t / sg(r_t)
+            seq = seq.detach() + (logp - logp.detach())
+        delta = seq.expand(B, T)
     ratio = torch.exp(delta)
     lo, hi = 1 - eps_low, 1 + eps_high
     aux = torch.zeros_like(ratio)
@@ -122,6 +125,8 @@ CASES = {
     "gpg": dict(surrogate="gpg", is_weights="B1"),
     "gspo+bias_kl": dict(surrogate="ppo", sequence=True, beta=0.1, bias=True, is_weights="BT"),
     "sapo-sequence": dict(surrogate="sapo", sequence=True, eps_low=0.2),
+    "gspo-token+bias_kl": dict(surrogate="ppo", sequence="token", beta=0.1, bias=True),
+    "cispo-sequence-token": dict(surrogate="cispo", sequence="token", is_weights="BT"),
 }
 
 
@@ -134,7 +139,8 @@ def _kwargs(r, case):
     seq = kw.pop("sequence", False)
     is_kind = kw.pop("is_weights", None)
     bias = kw.pop("bias", False)
-    ours = dict(kw, importance_sampling="sequence" if seq else "token",
+    level = {False: "token", True: "sequence", "token": "sequence-token"}[seq]
+    ours = dict(kw, importance_sampling=level,
                 kl_bias_correction=bias, is_weights=_is_weights(r, is_kind))  # fmt: skip
     ours.setdefault("eps_high", 0.28)
     if "tau_pos" in ours:
@@ -172,7 +178,9 @@ def test_policy_loss_variant_matches_oracle(case, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", ["cispo", "sapo+is+bias_kl", "gpg", "gspo+bias_kl"])
+@pytest.mark.parametrize(
+    "case", ["cispo", "sapo+is+bias_kl", "gpg", "gspo+bias_kl", "gspo-token+bias_kl"]
+)
 def test_from_logprobs_variant_matches_oracle(case, backend):
     r = _rollout(seed=1)
     ours, oracle = _kwargs(r, CASES[case])

@@ -124,6 +124,8 @@ def policy_token_terms(
     log_ratio = logp - old
     if importance_sampling == "sequence":
         log_ratio = sequence_log_ratio(log_ratio, mask_f)
+    elif importance_sampling == "sequence-token":  # the sequence's value, each token's gradient
+        log_ratio = sequence_log_ratio(log_ratio.detach(), mask_f) + (logp - logp.detach())
     ratio = torch.exp(log_ratio)
     loss, clipped, low, high, aux = surrogate_terms(
         surrogate, ratio, logp, adv, clip, tau_pos, tau_neg
