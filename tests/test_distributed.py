@@ -511,26 +511,31 @@ def token_count_dp_invariance(ctx):
 
 def _policy_variants(B, T, g):
     """(name, keyword arguments of policy_loss) covering token and sequence importance
-    sampling, KL, the entropy bonus and metric, masks, ignore_index and num_items. The old
-    log-probs sit ``delta`` away from the current ones, far from the clip boundaries (a
-    token crossing one between two runs would flip its whole gradient row)."""
-    deltas = torch.tensor([-0.5, -0.1, 0.05, 0.3, 0.6, -0.3])
-    delta_tok = deltas[torch.randint(0, len(deltas), (B, T), generator=g)]
-    delta_seq = deltas[:B, None].expand(B, T)
+    sampling, KL, the entropy bonus and metric, masks, ignore_index, num_items, another
+    surrogate with rollout IS weights. The old log-probs sit ``old_shift`` away from the
+    current ones, far from the clip boundaries (a token crossing one between two runs would
+    flip its whole gradient row); ``ref_shift`` likewise for the reference policy."""
+    shifts = torch.tensor([-0.5, -0.1, 0.05, 0.3, 0.6, -0.3])
+    shift_tok = shifts[torch.randint(0, len(shifts), (B, T), generator=g)]
+    shift_seq = shifts[:B, None].expand(B, T)
     mask = torch.rand(B, T, generator=g) > 0.25
     weights = torch.rand(B, T, generator=g) * mask
     adv = torch.randn(B, generator=g)
     return [
         ("ppo_kl_entropy", dict(
-            advantages=torch.randn(B, T, generator=g), delta=delta_tok, mask=mask,
-            ref_delta=0.3, beta=0.04, kl_estimator="k3", entropy_coef=0.01, temperature=0.8,
+            advantages=torch.randn(B, T, generator=g), old_shift=shift_tok, mask=mask,
+            ref_shift=0.3, beta=0.04, kl_estimator="k3", entropy_coef=0.01, temperature=0.8,
             eps_high=0.28, dual_clip=3.0, loss_agg="seq-mean-token-mean")),
         ("gspo", dict(
-            advantages=adv, delta=delta_seq, mask=weights, importance_sampling="sequence",
+            advantages=adv, old_shift=shift_seq, mask=weights, importance_sampling="sequence",
             eps_low=3e-4, eps_high=4e-4, with_entropy=True)),
         ("on_policy_num_items", dict(
-            advantages=adv, delta=None, mask=None, with_entropy=True, num_items=7.0,
+            advantages=adv, old_shift=None, mask=None, with_entropy=True, num_items=7.0,
             loss_agg="token-mean")),
+        ("cispo_is_weights", dict(
+            advantages=adv, old_shift=shift_tok, mask=mask, surrogate="cispo",
+            is_weights=torch.rand(B, T, generator=g) + 0.5, ref_shift=0.3, beta=0.04,
+            kl_bias_correction=True)),
     ]  # fmt: skip
 
 
@@ -552,17 +557,18 @@ def policy_loss_vocab_parallel(ctx):
     mesh = _mesh(ctx)
     for i, (name, kw) in enumerate(_policy_variants(B, T, g)):
         kw = dict(kw)
-        adv, delta, ref_delta = kw.pop("advantages"), kw.pop("delta"), kw.pop("ref_delta", None)
+        adv, old_shift = kw.pop("advantages"), kw.pop("old_shift")
+        ref_shift = kw.pop("ref_shift", None)
         # the unsharded call (the reference backend: its parity with the fused kernels is
         # tests/test_policy*.py's job; this keeps the interpreter's work small)
         with torch.no_grad():
             logp = fused_rl.token_logprobs(
                 full, targets, temperature=kw.get("temperature", 1.0), backend="reference"
             )
-        if delta is not None:
-            kw["old_logprobs"] = logp + delta
-        if ref_delta is not None:
-            kw["ref_logprobs"] = logp + ref_delta
+        if old_shift is not None:
+            kw["old_logprobs"] = logp + old_shift
+        if ref_shift is not None:
+            kw["ref_logprobs"] = logp + ref_shift
         whole = full.clone().requires_grad_()
         ref_loss, ref_metrics = fused_rl.policy_loss(whole, targets, adv, backend="reference", **kw)
         ref_loss.backward()
