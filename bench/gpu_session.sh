@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: the CUDA test-suite, then the full benchmark suite.
 #
-#   bash bench/gpu_session.sh [all|tests|bench] [extra bench/run.py arguments]
+#   bash bench/gpu_session.sh [all|tests|bench|linear] [extra bench/run.py arguments]
 #
 #   all (default)  tests (at most TEST_TIMEOUT s), then `bench/run.py --suite full` until
 #                  the time budget is spent
 #   tests          the CUDA test-suite only
 #   bench          the full suite only
+#   linear         issue 14's fused-linear measurements: peak memory against tokens
+#                  (`bench/run.py memory`, measured), then the full suite's linear cases,
+#                  16384 tokens x 151936 first (the targets' shape); results.md's
+#                  "Targets (issue 14, fused linear)" gives the verdicts
 #
 # The bench part RESUMES: cases already in bench/results/<gpu>/results.json of this working
 # tree are skipped, so repeated calls (each under the 10-minute command limit) complete the
@@ -16,8 +20,10 @@
 #   $OUT/bench.log             the benchmark's output (its table at the end)
 #   $OUT/results/results.json  all results so far (this call's merged into the tree's)
 #   $OUT/results/results.md    the tables
+#   linear: $OUT/memory.log, $OUT/results/memory_vs_tokens.json (and its plot where the
+#           GPU machine has matplotlib)
 # To commit them (on the machine that called):
-#   mkdir -p bench/results/<gpu> && cp <files_at>/results/results.* bench/results/<gpu>/
+#   mkdir -p bench/results/<gpu> && cp <files_at>/results/* bench/results/<gpu>/
 #   python bench/run.py report --out bench/results/<gpu>     # the PNG plots (matplotlib)
 # then call again with `bench` to continue an unfinished suite.
 #
@@ -70,11 +76,42 @@ if [ "$PART" = all ] || [ "$PART" = tests ]; then
     echo "pytest exit status $status (124 = stopped by TEST_TIMEOUT)"
 fi
 
-if [ "$PART" = all ] || [ "$PART" = bench ]; then
+if [ "$PART" = all ] || [ "$PART" = bench ] || [ "$PART" = linear ]; then
     SLUG=$("$PY" -c "import sys, torch; sys.path.insert(0, '.'); from bench.measure import \
 slug, device_name; print(slug(device_name('cuda' if torch.cuda.is_available() else 'cpu')))")
     # resume from what this working tree already holds for this GPU
     [ -f "bench/results/$SLUG/results.json" ] && cp "bench/results/$SLUG/results.json" "$OUT/results/"
+fi
+
+if [ "$PART" = linear ]; then
+    LINEAR=linear_policy_loss,linear_token_logprobs
+    echo "== fused-linear peak memory against tokens (measured)"
+    "$PY" bench/run.py memory --op "$LINEAR" --vocab 151936 --dtype bf16 \
+        --providers fused_rl,fused_rl_mat,eager,liger --out "$OUT/results" 2>&1 \
+        | tee "$OUT/memory.log" | tail -30
+    status=${PIPESTATUS[0]}
+    BUDGET=${BENCH_BUDGET:-$((500 - SECONDS))}
+    echo "== linear cases of the full suite on $SLUG, budget ${BUDGET}s (16384 x 151936 first)"
+    DEADLINE=$((SECONDS + BUDGET))
+    {
+        "$PY" bench/run.py --suite full --op "$LINEAR" --tokens 16384 --vocab 151936 --resume \
+            --no-plots --time-budget "$BUDGET" --out "$OUT/results" "$@"
+        first=$?
+        rest=0
+        if [ $((DEADLINE - SECONDS)) -gt 30 ]; then
+            "$PY" bench/run.py --suite full --op "$LINEAR" --resume --no-plots \
+                --time-budget "$((DEADLINE - SECONDS))" --out "$OUT/results" "$@"
+            rest=$?
+        fi
+        [ "$first" -ne 0 ] && exit "$first"
+        exit "$rest"
+    } 2>&1 | tee "$OUT/bench.log" | tail -60
+    bench_status=${PIPESTATUS[0]}
+    echo "bench exit status $bench_status; results for bench/results/$SLUG/ in $OUT/results/"
+    [ "$status" -eq 0 ] && status=$bench_status
+fi
+
+if [ "$PART" = all ] || [ "$PART" = bench ]; then
     BUDGET=${BENCH_BUDGET:-$((500 - SECONDS))}
     echo "== full benchmark suite on $SLUG, budget ${BUDGET}s"
     "$PY" bench/run.py --suite full --resume --no-plots --time-budget "$BUDGET" \

@@ -5,6 +5,9 @@ between runs), peak memory from ``torch.cuda.max_memory_allocated`` above what w
 before the call (the inputs), achieved GB/s from the explicit byte counts below, as a share
 of a device-to-device copy measured at the start of the run.
 
+Linear ops on a GPU: their GEMM work (``gemm_flops``) per second, as a share of the dense
+bf16 ``torch.matmul`` rate measured at the start of the run (``matmul_tflops``).
+
 CPU: a ``time.perf_counter`` median of a few runs -- the Triton interpreter and the CPU
 references, NOT a performance figure -- and no measured memory (see ``memory_profile``).
 """
@@ -68,6 +71,31 @@ def bytes_moved(case: Case) -> int:
     if case.mode != "fwd_bwd" and case.op in ("ppo_loss", "value_loss"):
         per_token = {"ppo_loss": 26, "value_loss": 13}[case.op]
     return per_token * n
+
+
+def gemm_flops(case: Case) -> int | None:
+    """The GEMM work of a linear case, ``2*N*V*H`` flops a GEMM: the logits, and with
+    gradients ``dH`` and ``dW`` (three GEMMs, the materialised path's count; a backward that
+    recomputes the logits runs a fourth, not counted: it is overhead). None for other ops."""
+    if case.op not in LINEAR_OPS:
+        return None
+    return 2 * case.tokens * case.vocab * case.hidden * (3 if case.mode == "fwd_bwd" else 1)
+
+
+def matmul_tflops(device, dtype=torch.bfloat16, size: int = 8192) -> float | None:
+    """The dense ``torch.matmul`` rate on this GPU (TFLOP/s of a ``size``-cubed product in
+    ``dtype``, median of ``do_bench``): the ceiling a linear op's GEMM work is compared with
+    (issue 14: at least 70% of it). None on CPU."""
+    if not is_gpu(device):
+        return None
+    from triton.testing import do_bench
+
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    ms = do_bench(lambda: torch.matmul(a, b), warmup=25, rep=200, quantiles=[0.5])
+    ms = ms[0] if isinstance(ms, (list, tuple)) else ms
+    torch.cuda.empty_cache()
+    return 2 * size**3 / (ms * 1e-3) / 1e12
 
 
 def sync(device) -> None:

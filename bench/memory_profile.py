@@ -9,10 +9,27 @@ tensors autograd saves for the backward, backward temporaries, the outputs and t
 gradient -- with their real lifetimes. It leaves out kernel-internal workspaces and the
 CUDA caching allocator's rounding (512-byte blocks), so measured GPU peaks run a little
 higher. Triton launches are skipped (``skip_triton_launches``): kernels allocate nothing,
-their launchers' ``torch.empty`` outputs are counted. Where a provider cannot run on fake
-tensors (a host sync on data), Liger-Kernel falls back to a model read from its source
-(``liger_model_bytes``), others to "not modelled". ``torch.compile`` is not modelled (its fused
-kernels decide what is materialised; it is measured on GPUs only).
+their launchers' ``torch.empty`` outputs are counted. On real CPU tensors (Triton launches
+stubbed) the same count equals the peak of ``torch.profiler``'s memory timeline
+(``tests/test_bench.py::test_memory_model_matches_profiler_on_cpu``).
+
+fused_rl's fused-linear ops (``fused_rl/linear.py``) are modelled on the path a GPU takes:
+``dW += dz^T h_c`` as ``torch.mm(..., out_dtype=fp32)``, which CUDA has and CPU lacks (a
+CPU run upcasts the chunk instead), see ``gemm_out_dtype``. ``linear_policy_loss`` (GRPO,
+gradients on) then holds, per chunk: the ``(N, H)`` copy of the hidden rows that predict the
+targets, ``dH`` (``N*H``, the hidden dtype), ``dW`` in fp32 (``V*H*4``), the chunk's
+``(chunk, V)`` logits (overwritten in place by their gradient) and the fp32 ``(V, H)``
+product of that chunk's ``dz^T h_c`` before it is added: ``2*N*H*e + 8*V*H + chunk*V*e``,
+the peak at H = 4096. After the chunks ``dW`` is cast to the weight dtype (``V*H*(4 + e)``
+for a moment) and saved with ``dH`` (and ``d_bias``); the backward allocates their copies
+times the upstream scalar (``2*(N + V)*H*e`` for a moment). ``linear_token_logprobs``
+holds the same in its backward, which recomputes each chunk's logits.
+
+Where a provider cannot run on fake tensors (a host sync on data, ``torch.compile`` inside)
+Liger-Kernel falls back to a model read from its source (``liger_model_bytes``; for the
+fused-linear loss ``liger_linear_model_bytes``, checked against a CPU run of the real code
+where ``liger_kernel`` is importable), others to "not modelled". ``torch.compile`` is not
+modelled (its fused kernels decide what is materialised; it is measured on GPUs only).
 """
 
 from __future__ import annotations
@@ -25,7 +42,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from . import providers as P
-from .cases import HIDDEN, LINEAR_OPS, OP_VARIANTS, Case, make_inputs
+from .cases import FULL_SEQLEN, HIDDEN, LINEAR_OPS, OP_VARIANTS, Case, make_inputs
+
+# the memory-vs-tokens plot of the fused-linear ops (``memory_vs_tokens``): its token counts,
+# cases and providers (chunked fused_rl, materialised fused, materialised eager, Liger)
+MEMORY_TOKENS = (1024, 2048, 4096, 8192, 16384)
+MEMORY_CASES = (
+    ("linear_policy_loss", "grpo", "fwd_bwd"),
+    ("linear_token_logprobs", "logp", "fwd_bwd"),
+)
+MEMORY_PROVIDERS = ("fused_rl", "fused_rl_mat", "eager", "liger")
 
 
 class AllocationTracker(TorchDispatchMode):
@@ -94,8 +120,11 @@ def liger_model_bytes(case: Case) -> int | None:
     lse, is_clipped, kl, the float mask and the three masked outputs (8 x 4 B per token, two
     more for GSPO's per-sequence pre-pass), and its backward ``dloss`` plus ``dlogits`` of the
     whole (B, T+1, V) buffer (``inplace=False``; ``inplace=True`` writes it into the logits).
+    ``LigerFusedLinearGRPOLoss``: ``liger_linear_model_bytes``.
     """
     n = case.tokens
+    if case.op == "linear_policy_loss":
+        return liger_linear_model_bytes(case) if case.variant == "grpo" else None
     if case.op == "token_logprobs":
         return 4 * n if (case.mode, case.variant) == ("fwd_nograd", "logp") else None
     if case.op != "policy_loss" or case.variant == "grpo+entropy":
@@ -105,6 +134,62 @@ def liger_model_bytes(case: Case) -> int | None:
     return per_token + 4 * n + grad
 
 
+LIGER_SEQ_CHUNK, LIGER_VOCAB_CHUNK = 2048, 4096  # Liger 0.8.5's _SELECTIVE_LOGPROB_*_CHUNK_SIZE
+
+
+def _liger_blocks_peak(t: int, v: int, h: int, e: int) -> int:
+    """The largest bytes of temporaries alive at once in one ``_selective_logprob_backward``
+    call of Liger 0.8.5 on ``t`` rows: per ``(n, c)`` block (rows by ``LIGER_SEQ_CHUNK``,
+    columns by ``LIGER_VOCAB_CHUNK``) fp32 logits, probabilities and their gradient (12 B an
+    element), the previous block's still bound while the next ones are made, and the two
+    GEMMs' fp32 copies of a weight block / of the rows and their fp32 products."""
+    up = 0 if e == 4 else 4  # `.float()` copies; none for fp32
+    prev, peak = 0, 0  # prev: the previous block's elements (its three fp32 tensors live)
+    for r0 in range(0, t, LIGER_SEQ_CHUNK):
+        n = min(LIGER_SEQ_CHUNK, t - r0)
+        for c0 in range(0, v, LIGER_VOCAB_CHUNK):
+            c = min(LIGER_VOCAB_CHUNK, v - c0)
+            nc = n * c
+            peak = max(
+                peak,
+                12 * prev + (e + up) * nc,  # logits = (h_c @ w_c.T).float()
+                8 * prev + 12 * nc,  # probs = exp(logits - log_z): the difference, exp
+                4 * prev + 12 * nc,  # grad_logits = -g * probs
+                12 * nc + up * c * h + 4 * n * h,  # grad_logits @ w_c.float()
+                12 * nc + up * n * h + 4 * c * h,  # grad_logits.T @ h_c.float()
+            )
+            prev = nc
+    return peak
+
+
+def liger_linear_model_bytes(case: Case) -> int:
+    """``LigerFusedLinearGRPOLoss`` (Liger-Kernel 0.8.5, ``chunked_loss/fused_linear_ppo.py``)
+    as the benchmark calls it (``chunk_size=1``: one sequence of ``T`` rows per chunk; token
+    importance sampling; no bias), from its source. ``e``: the dtype's bytes.
+
+    Its forward runs a forward + backward per chunk: ``grad_weight = zeros_like(weight)``
+    (``V*H*e``) accumulates the chunks' weight gradients and a list their ``(T, H)`` input
+    gradients. Each chunk's backward (``_selective_logprob_backward``) holds fp32
+    ``grad_weight`` (``V*H*4``) and ``grad_hidden`` (``T*H*4``) and recomputes the logits in
+    blocks of 2048 x 4096 (``_liger_blocks_peak``), then returns both cast to the dtype
+    (``(V + T)*H*e`` more, with the fp32 ones alive: at H = 4096 the peak, ``8*V*H`` and
+    the input gradients). After the chunks, ``torch.cat`` of the list (``N*H*e``, the list
+    alive); the backward returns the saved gradients as they are (the upstream gradient is
+    1), and the benchmark pads the input gradient to the ``(B, T+1, H)`` window
+    (``B*(T+1)*H*e``). Per-token tensors (``B*T`` floats) are left out. Checked against the
+    real code on CPU by ``tests/test_bench.py::test_liger_linear_model_matches_its_code``.
+    """
+    b, t, v, h, e = case.batch, case.seqlen, case.vocab, case.hidden, case.torch_dtype.itemsize
+    copy = 0 if e == 4 else e  # `.to(dtype)` of the fp32 gradients: none for fp32
+    acc = v * h * e + (b - 1) * t * h * e  # grad_weight and the earlier chunks' input grads
+    fp32 = v * h * 4 + t * h * 4  # the chunk backward's fp32 grad_weight, grad_hidden
+    loop = acc + fp32 + _liger_blocks_peak(t, v, h, e)
+    cast = acc + fp32 + copy * (v + t) * h
+    concat = v * h * e + 2 * b * t * h * e
+    end = v * h * e + b * t * h * e + b * (t + 1) * h * e
+    return max(loop, cast, concat, end)
+
+
 def model_device() -> str:
     """Where the model's fake tensors live: where fused_rl's Triton path runs. On a CUDA
     machine that is ``cuda`` (fake CUDA tensors allocate nothing); on CPU tensors it needs the
@@ -112,15 +197,59 @@ def model_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def model_peak(provider: str, case: Case, device=None) -> tuple[int | None, str]:
+_UNSET = object()
+
+
+@contextlib.contextmanager
+def gemm_out_dtype(supported: bool | None = True):
+    """Which path ``fused_rl.linear._addmm_wide`` takes for ``dW += dz^T h_c`` in 16 bits:
+    ``True`` (the default of the model) as on CUDA, one ``torch.mm(..., out_dtype=fp32)``
+    and its fp32 ``(V, H)`` product per chunk; ``False`` as on CPU, whose ``mm`` has no
+    ``out_dtype``: fp32 copies of the chunk's ``dz`` and rows; ``None``: what this process
+    found out (a real CPU run before the model would otherwise switch the model to the CPU
+    path). Fake CPU tensors take either path."""
+    try:
+        from fused_rl import linear
+
+        table = linear._MM_OUT_DTYPE
+    except (ImportError, AttributeError):  # an older or reworked fused_rl: nothing to pin
+        yield
+        return
+    if supported is None:
+        yield
+        return
+    saved = {kind: table.get(kind, _UNSET) for kind in ("cpu", "cuda")}
+    table.update(cpu=supported, cuda=supported)
+    try:
+        yield
+    finally:
+        for kind, value in saved.items():
+            if value is _UNSET:
+                table.pop(kind, None)
+            else:
+                table[kind] = value
+
+
+def model_peak(
+    provider: str, case: Case, device=None, gemm_out_dtype_path: bool | None = True
+) -> tuple[int | None, str]:
     """``(bytes, how)``: modelled peak bytes above the inputs of one run of ``case`` by
     ``provider``, or ``(None, why not)``; on fake tensors of ``device`` (default
-    ``model_device()``)."""
+    ``model_device()``), fused_rl's fused-linear dW GEMM on the path ``gemm_out_dtype``
+    names (default: a GPU's)."""
     device = model_device() if device is None else device
     if provider == "compile":
         return None, "torch.compile is not modelled (measured on GPUs)"
-    if provider == "liger" and not P.liger_version():
-        return None, "liger_kernel is not importable"
+    if provider == "liger" and (not P.liger_version() or case.op in LINEAR_OPS):
+        # the fused-linear loss compiles its loss math and syncs on the upstream gradient:
+        # no fake-tensor run; without liger_kernel, its source read once (0.8.5) stands in
+        peak = liger_model_bytes(case)
+        if peak is not None:
+            return peak, "modelled from Liger 0.8.5's source"
+        if case.op == "linear_token_logprobs":
+            return None, "n/a: Liger has no public fused-linear per-token log-prob op"
+        if not P.liger_version():
+            return None, "liger_kernel is not importable"
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import fused_rl
@@ -128,7 +257,7 @@ def model_peak(provider: str, case: Case, device=None) -> tuple[int | None, str]
     saved_check = fused_rl.config.check_values
     fused_rl.config.check_values = False  # value checks read data: none on fake tensors
     try:
-        with FakeTensorMode(), skip_triton_launches():
+        with FakeTensorMode(), skip_triton_launches(), gemm_out_dtype(gemm_out_dtype_path):
             inp = make_inputs(case, device)
             try:
                 run = P.build(provider, case, inp)
@@ -145,7 +274,7 @@ def model_peak(provider: str, case: Case, device=None) -> tuple[int | None, str]
         if provider == "liger":
             peak = liger_model_bytes(case)
             if peak is not None:
-                return peak, "modelled from Liger's source"
+                return peak, "modelled from Liger 0.8.5's source"
         return None, f"not modelled ({type(exc).__name__})"
     finally:
         fused_rl.config.check_values = saved_check
@@ -157,10 +286,19 @@ def model_peak_bytes(provider: str, case: Case, device=None) -> int | None:
 
 
 def memory_table(
-    tokens: int, vocab: int, dtype: str, seqlen: int, device, measure: bool, ops=None
+    tokens: int,
+    vocab: int,
+    dtype: str,
+    seqlen: int,
+    device,
+    measure: bool,
+    ops=None,
+    providers=None,
+    groups=None,
 ) -> list[dict]:
     """Rows ``{case, provider, peak_mb, how}`` for the logits ops (default) or ``ops`` at one
-    shape (linear ops at H = ``cases.HIDDEN["full"]``)."""
+    shape (linear ops at H = ``cases.HIDDEN["full"]``); ``providers`` (default: all) and
+    ``groups`` (``(op, variant, mode)`` triples; default: every variant of ``ops``)."""
     from . import measure as M
 
     batch = max(1, tokens // seqlen)
@@ -168,10 +306,14 @@ def memory_table(
     rows = []
     for op in ops or ("token_logprobs", "policy_loss"):
         for variant, mode in OP_VARIANTS[op]:
+            if groups is not None and (op, variant, mode) not in groups:
+                continue
             hidden = HIDDEN["full"] if op in LINEAR_OPS else None
             case = Case(op, variant, mode, batch, seqlen, vocab, dtype, hidden=hidden)
             inp = make_inputs(case, device) if measure else None
-            for provider in P.PROVIDERS:
+            for provider in providers or P.PROVIDERS:
+                if not P.applies(provider, case):
+                    continue
                 row = {"case": case, "provider": provider, "peak_mb": None, "how": "modelled"}
                 if measure:
                     row["how"] = "measured"
@@ -191,6 +333,59 @@ def memory_table(
             del inp
             M.free_memory(device)
     return rows
+
+
+def memory_vs_tokens(
+    tokens=MEMORY_TOKENS,
+    vocab: int = 151936,
+    dtype: str = "bf16",
+    device="cpu",
+    measure: bool = False,
+    seqlen: int = FULL_SEQLEN,
+    providers=MEMORY_PROVIDERS,
+    groups=MEMORY_CASES,
+) -> list[dict]:
+    """The fused-linear ops' peak memory against the token count (H = ``HIDDEN["full"]``):
+    ``memory_table`` rows at each of ``tokens`` (``T = min(seqlen, tokens)``), flattened to
+    JSON-ready dicts ``{op, variant, mode, tokens, batch, seqlen, vocab, hidden, dtype,
+    provider, peak_mb, how}``; measured on a GPU (``measure``), modelled otherwise."""
+    ops = list(dict.fromkeys(op for op, _, _ in groups))
+    out = []
+    for n in tokens:
+        rows = memory_table(n, vocab, dtype, min(seqlen, n), device, measure, ops=ops,
+                            providers=providers, groups=groups)  # fmt: skip
+        for row in rows:
+            case = row["case"]
+            out.append({"op": case.op, "variant": case.variant, "mode": case.mode,
+                        "tokens": case.tokens, "batch": case.batch, "seqlen": case.seqlen,
+                        "vocab": case.vocab, "hidden": case.hidden, "dtype": case.dtype,
+                        "provider": row["provider"], "peak_mb": row["peak_mb"],
+                        "how": row["how"]})  # fmt: skip
+    return out
+
+
+def format_memory_vs_tokens(rows: list[dict]) -> str:
+    """One block per case: a row per token count, a column per provider (GB = 2^30 B)."""
+    providers = list(dict.fromkeys(r["provider"] for r in rows))
+    lines = []
+    by_case: dict = {}
+    for r in rows:
+        by_case.setdefault((r["op"], r["variant"], r["mode"]), []).append(r)
+    for (op, variant, mode), case_rows in by_case.items():
+        first = case_rows[0]
+        lines += ["", f"{op}[{variant}] {mode}, H={first['hidden']} V={first['vocab']} "
+                      f"{first['dtype']}: peak GB above the inputs"]  # fmt: skip
+        lines.append(f"{'tokens':>8} " + " ".join(f"{p:>13}" for p in providers))
+        for n in dict.fromkeys(r["tokens"] for r in case_rows):
+            cells = []
+            for p in providers:
+                r = next((x for x in case_rows if x["tokens"] == n and x["provider"] == p), None)
+                mb = None if r is None else r["peak_mb"]
+                cells.append(f"{mb / 1024:>13.2f}" if mb is not None else f"{'-':>13}")
+            lines.append(f"{n:>8} " + " ".join(cells))
+        hows = {r["provider"]: r["how"] for r in case_rows}
+        lines += [f"  {p}: {how}" for p, how in hows.items()]
+    return "\n".join(lines)
 
 
 def format_memory_table(rows: list[dict], tokens: int, vocab: int, dtype: str) -> str:

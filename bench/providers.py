@@ -9,6 +9,11 @@
   asked for, compile time does not fit the quick budget).
 * ``trl``: TRL's ``selective_log_softmax`` (per-row ``logsumexp`` loop in fp32, per-row
   ``log_softmax`` in bf16) and its chunked ``entropy_from_logits``, after TRL's ``logits / T``.
+* ``fused_rl_mat``: the linear ops' MATERIALISED fused path: ``F.linear`` to the whole
+  ``(B, T + 1, V)`` logits, then fused_rl's logits op (``policy_loss`` / ``token_logprobs``,
+  Triton) on that buffer as it comes; autograd's linear backward forms ``dH`` and ``dW`` from
+  the ``(B, T + 1, V)`` logits gradient. What issue 14's time and memory targets compare the
+  chunked ``fused_rl`` with. Linear ops only.
 * ``liger``: Liger-Kernel's Triton GRPO loss (``triton_grpo_loss``) and
   ``fused_selective_log_softmax``, where ``liger_kernel`` is importable; for
   ``linear_policy_loss`` its chunked ``LigerFusedLinearGRPOLoss`` (``loss_type="bnpo"``: the
@@ -39,9 +44,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .cases import GAE, POLICY, PPO, TEMPERATURE, VALUE_CLIP, Case
+from .cases import GAE, LINEAR_OPS, POLICY, PPO, TEMPERATURE, VALUE_CLIP, Case
 
-PROVIDERS = ("fused_rl", "fused_rl_ref", "eager", "compile", "trl", "liger")
+PROVIDERS = ("fused_rl", "fused_rl_ref", "fused_rl_mat", "eager", "compile", "trl", "liger")
 BASELINE = "fused_rl"  # the provider the others' time and memory are compared with
 MUST_MEET_TOL = ("fused_rl", "fused_rl_ref")  # the package itself: no "less accurate" excuse
 
@@ -303,6 +308,52 @@ def _fused_fn(name: str, backend: str):
     return (lambda *a, **k: fn(*a, backend=backend, **k)) if takes_backend else fn
 
 
+def _policy_kwargs(inp: dict, variant: str) -> dict:
+    """fused_rl's policy-loss keywords for the benchmark's GRPO / GSPO objective."""
+    return dict(
+        old_logprobs=inp["old_logprobs"],
+        ref_logprobs=inp["ref_logprobs"],
+        mask=inp["mask"],
+        temperature=TEMPERATURE,
+        eps_low=POLICY["eps_low"],
+        eps_high=POLICY["eps_high"],
+        beta=POLICY["beta"],
+        kl_estimator=POLICY["kl_estimator"],
+        entropy_coef=POLICY["entropy_coef"] if variant == "grpo+entropy" else 0.0,
+        importance_sampling="sequence" if variant == "gspo" else "token",
+        loss_agg="token-mean",
+    )
+
+
+def _fused_materialised_forward(case: Case, inp: dict):
+    """``fused_rl_mat``: ``F.linear`` over all ``T + 1`` hidden positions (the model's
+    ``(B, T + 1, V)`` logits), then fused_rl's Triton logits op on that buffer as it comes
+    (its backward writes the whole buffer's gradient, zero at the last position)."""
+    if case.op == "linear_token_logprobs":
+        fn = _fused_fn("token_logprobs", "triton")
+        with_entropy = case.variant == "logp+entropy"
+
+        def forward():
+            logits = F.linear(inp["hidden"], inp["weight"])
+            out = fn(logits, inp["targets"], temperature=TEMPERATURE, return_entropy=with_entropy)
+            return out if with_entropy else (out,)
+
+        return forward
+    if case.op == "linear_policy_loss":
+        fn = _fused_fn("policy_loss", "triton")
+        kwargs = _policy_kwargs(inp, case.variant)
+
+        def forward():
+            logits = F.linear(inp["hidden"], inp["weight"])
+            return (fn(logits, inp["targets"], inp["advantages"], **kwargs)[0],)
+
+        return forward
+    raise Unavailable(
+        "fused_rl_mat is the linear ops' materialised fused path (F.linear, then fused_rl's "
+        "logits op)"
+    )
+
+
 def _fused_forward(case: Case, inp: dict, backend: str):
     fn = _fused_fn(case.op, backend)
     if case.op == "token_logprobs":
@@ -316,19 +367,7 @@ def _fused_forward(case: Case, inp: dict, backend: str):
 
         return forward
     if case.op == "policy_loss":
-        kwargs = dict(
-            old_logprobs=inp["old_logprobs"],
-            ref_logprobs=inp["ref_logprobs"],
-            mask=inp["mask"],
-            temperature=TEMPERATURE,
-            eps_low=POLICY["eps_low"],
-            eps_high=POLICY["eps_high"],
-            beta=POLICY["beta"],
-            kl_estimator=POLICY["kl_estimator"],
-            entropy_coef=POLICY["entropy_coef"] if case.variant == "grpo+entropy" else 0.0,
-            importance_sampling="sequence" if case.variant == "gspo" else "token",
-            loss_agg="token-mean",
-        )
+        kwargs = _policy_kwargs(inp, case.variant)
         # the model's (B, T+1, V) buffer as it comes (as Liger gets it): the backward writes
         # its whole gradient, zero in the last position, with no slice backward
         logits = inp["buf_leaf"] if backend == "triton" else inp["logits"]
@@ -345,19 +384,7 @@ def _fused_forward(case: Case, inp: dict, backend: str):
     if case.op == "linear_policy_loss":
         if case.variant != "grpo":
             raise ValueError(f"no linear_policy_loss variant {case.variant!r}")
-        kwargs = dict(
-            old_logprobs=inp["old_logprobs"],
-            ref_logprobs=inp["ref_logprobs"],
-            mask=inp["mask"],
-            temperature=TEMPERATURE,
-            eps_low=POLICY["eps_low"],
-            eps_high=POLICY["eps_high"],
-            beta=POLICY["beta"],
-            kl_estimator=POLICY["kl_estimator"],
-            entropy_coef=0.0,
-            importance_sampling="token",
-            loss_agg="token-mean",
-        )
+        kwargs = _policy_kwargs(inp, case.variant)
         args = [inp[k] for k in ("hidden", "weight", "targets", "advantages")]
         return lambda: (fn(*args, **kwargs)[0],)
     if case.op == "ppo_loss":
@@ -632,12 +659,21 @@ def _wrt_upstream(case: Case, inp: dict, provider: str):
     return [], [], None
 
 
+def applies(provider: str, case: Case) -> bool:
+    """Whether ``provider`` is one for ``case`` at all: ``fused_rl_mat`` (the materialised
+    path of the linear ops) has no meaning for the other ops, which it skips without a
+    'not measured' note. Every other pairing is up to ``build``."""
+    return provider != "fused_rl_mat" or case.op in LINEAR_OPS
+
+
 def build(provider: str, case: Case, inp: dict, *, compile_on_cpu: bool = False) -> Runner:
     """A callable running ``case`` once with ``provider``; raises ``Unavailable``."""
     if provider == "fused_rl":
         forward = _fused_forward(case, inp, "triton")
     elif provider == "fused_rl_ref":
         forward = _fused_forward(case, inp, "reference")
+    elif provider == "fused_rl_mat":
+        forward = _fused_materialised_forward(case, inp)
     elif provider == "eager":
         forward = _eager_forward(case, inp, compiled=False)
     elif provider == "compile":

@@ -137,6 +137,54 @@ def _targets(records: list[dict], meta: dict) -> list[str]:
     return out
 
 
+# issue 14's targets for linear_policy_loss (GRPO, bf16, forward + backward) on a GPU
+LINEAR_TIME_VS_MATERIALISED = 1.1  # time <= 1.1x the materialised fused path's
+LINEAR_MEMORY_FRACTION = 1 / 8  # peak <= 1/8 of the materialised fused path's, at 16K tokens
+LINEAR_MEMORY_TOKENS = 16384
+LINEAR_SPEEDUP_VS_LIGER = 1.5  # >= 1.5x faster than LigerFusedLinearGRPOLoss
+LINEAR_PCT_MATMUL = 70.0  # GEMM work at >= 70% of torch.matmul's bf16 rate
+
+
+def _linear_targets(records: list[dict], meta: dict) -> list[str]:
+    """Issue 14's targets, evaluated from GPU records of linear_policy_loss[grpo] in bf16
+    (``fused_rl_mat``: F.linear + fused_rl on the materialised logits)."""
+    matmul = meta["device"].get("matmul_tflops")
+    out = []
+    for r in records:
+        if (r["op"], r["variant"], r["mode"], r["provider"], r["dtype"]) != (
+            "linear_policy_loss", "grpo", "fwd_bwd", BASELINE, "bf16"
+        ) or not r["ms"]:  # fmt: skip
+            continue
+        parts = []
+        s = r.get("speedup_vs", {}).get("fused_rl_mat")
+        if s is not None:
+            verdict_ = "met" if 1 / s <= LINEAR_TIME_VS_MATERIALISED else "MISSED"
+            parts.append(f"time {1 / s:.2f}x the materialised fused path's "
+                         f"(<= {LINEAR_TIME_VS_MATERIALISED}x: {verdict_})")  # fmt: skip
+        m = r.get("memory_ratio_vs", {}).get("fused_rl_mat")
+        if m is not None:
+            text = f"peak 1/{m:.2f} of the materialised fused path's"
+            if r["tokens"] == LINEAR_MEMORY_TOKENS:
+                ok = 1 / m <= LINEAR_MEMORY_FRACTION
+                text += f" (<= 1/8 at 16K tokens: {'met' if ok else 'MISSED'})"
+            parts.append(text)
+        s = r.get("speedup_vs", {}).get("liger")
+        if s is not None:
+            ok = s >= LINEAR_SPEEDUP_VS_LIGER
+            parts.append(f"{s:.2f}x vs Liger's chunked GRPO (>= {LINEAR_SPEEDUP_VS_LIGER}x: "
+                         f"{'met' if ok else 'MISSED'})")  # fmt: skip
+        if r.get("pct_matmul") is not None:
+            ok = r["pct_matmul"] >= LINEAR_PCT_MATMUL
+            parts.append(
+                f"GEMM work at {r['pct_matmul']:.0f}% of torch.matmul's bf16 rate "
+                f"({r['tflops']:.0f} of {matmul:.0f} TFLOP/s; whole op time, so a lower bound "
+                f"on the GEMMs' own rate; >= {LINEAR_PCT_MATMUL:.0f}%: {'met' if ok else 'MISSED'})"
+            )
+        if parts:
+            out.append(f"- linear_policy_loss fwd+bwd {_shape(r)}: " + "; ".join(parts))
+    return out
+
+
 def verdict(r: dict) -> str:
     """ok / less accurate: why / FAIL: why (records of older runs: from their status)."""
     if r.get("verdict"):
@@ -207,6 +255,9 @@ def write_markdown(path: str, meta: dict, records: list[dict], skipped: list[dic
         targets = _targets(records, meta)
         if targets:
             lines += ["## Targets (issue 6)", "", *targets, ""]
+        linear = _linear_targets(records, meta)
+        if linear:
+            lines += ["## Targets (issue 14, fused linear)", "", *linear, ""]
     ops = []
     for r in records:
         if r["op"] not in ops:
@@ -335,3 +386,74 @@ def write_plots(outdir: str, records: list[dict], meta: dict) -> list[str]:
         plt.close(fig)
         written.append(name)
     return written
+
+
+# the memory-vs-tokens plot's legend: what each provider of a fused-linear case runs
+MEMORY_LABELS = {
+    "fused_rl": "fused_rl (chunked, gradients in the forward)",
+    "fused_rl_mat": "materialised fused (F.linear + fused_rl)",
+    "eager": "materialised eager (F.linear + fp32 eager)",
+    "liger": "Liger LigerFusedLinearGRPOLoss",
+}
+
+
+def memory_plot_name(dtype: str) -> str:
+    return f"plot_memory_vs_tokens_linear_{dtype}.png"
+
+
+def write_memory_vs_tokens(outdir: str, rows: list[dict], meta: dict) -> str | None:
+    """Peak memory against tokens of the fused-linear ops (``memory_profile.memory_vs_tokens``
+    rows), a panel per case, a line per provider; titled MODELLED or MEASURED by the rows'
+    ``how`` (a line modelled from a provider's source says so in its label). Returns the
+    file written (None without matplotlib or rows)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is not installed; no plot (pip install matplotlib)")
+        return None
+    rows = [r for r in rows if r["peak_mb"] is not None]
+    if not rows:
+        return None
+    groups = list(dict.fromkeys((r["op"], r["variant"], r["mode"]) for r in rows))
+    measured = all(r["how"] == "measured" for r in rows)
+    modelled = all(r["how"].startswith("modelled") for r in rows)
+    kind = "MEASURED" if measured else "MODELLED" if modelled else "measured and modelled"
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.5), squeeze=False)
+    for ax, (op, variant, mode) in zip(axes[0], groups):
+        case_rows = [r for r in rows if (r["op"], r["variant"], r["mode"]) == (op, variant, mode)]
+        for provider in dict.fromkeys(r["provider"] for r in case_rows):
+            pts = sorted((r["tokens"], r["peak_mb"] / 1024, r["how"])
+                         for r in case_rows if r["provider"] == provider)  # fmt: skip
+            label = MEMORY_LABELS.get(provider, provider)
+            hows = {how for _, _, how in pts}
+            how = hows.pop() if len(hows) == 1 else None
+            if how not in (None, "measured", "modelled"):
+                label += f" [{how}]"  # e.g. modelled from Liger's source
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
+        first = case_rows[0]
+        ax.set_title(f"{op}[{variant}] {mode}\nH={first['hidden']} V={first['vocab']} "
+                     f"{first['dtype']} (T={first['seqlen']})", fontsize=9)  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["tokens"] for r in case_rows}))
+        ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.set_xlabel("tokens (B*T)")
+        ax.set_ylabel("peak memory above the inputs (GiB)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    where = meta["device"]["name"]
+    how = {
+        "MEASURED": "MEASURED: torch.cuda.max_memory_allocated above the inputs",
+        "MODELLED": "MODELLED, not measured: the tensors each provider allocates, counted on "
+        "fake tensors (bench/memory_profile.py)",
+    }.get(kind, "measured, except the lines marked modelled")
+    fig.suptitle(f"Fused-linear ops: peak memory above the inputs vs tokens, on {where}\n{how}",
+                 fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    name = memory_plot_name(rows[0]["dtype"])
+    fig.savefig(os.path.join(outdir, name), dpi=90)
+    plt.close(fig)
+    return name

@@ -8,6 +8,7 @@ Usage::
     python bench/run.py --suite full --out bench/results/<gpu>   # figures to commit
     python bench/run.py report --out bench/results/<gpu>         # results.md + plots again
     python bench/run.py memory --vocab 151936 --tokens 16384 --dtype bf16
+    python bench/run.py memory --op linear_policy_loss    # its table, memory vs tokens plot
     python bench/run.py host                          # host cost per call, tiny shape
 
 Every case runs each provider (``bench/providers.py``) on the same inputs in this process.
@@ -64,10 +65,15 @@ from bench import console as C  # noqa: E402
 from bench import measure as M  # noqa: E402
 from bench import providers as P  # noqa: E402
 from bench import report as R  # noqa: E402
-from bench.cases import DTYPES, OPS, Case, make_inputs, select_cases  # noqa: E402
+from bench.cases import DTYPES, LINEAR_OPS, OPS, Case, make_inputs, select_cases  # noqa: E402
 from bench.memory_profile import (  # noqa: E402
+    MEMORY_CASES,
+    MEMORY_PROVIDERS,
+    MEMORY_TOKENS,
     format_memory_table,
+    format_memory_vs_tokens,
     memory_table,
+    memory_vs_tokens,
     model_peak_bytes,
 )
 from bench.oracle import Oracle  # noqa: E402
@@ -93,7 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         nargs="?",
         default="suite",
         choices=("suite", "memory", "report", "host"),
-        help="suite (default): time + memory + accuracy; memory: peak memory per provider; "
+        help="suite (default): time + memory + accuracy; memory: peak memory per provider "
+        "(and the fused-linear ops' memory against tokens: memory_vs_tokens.json and a plot "
+        "in --out); "
         "report: rewrite results.md and the plots from --out/results.json; host: "
         "microseconds and launches per call on a tiny shape (bench/host.py)",
     )
@@ -175,6 +183,8 @@ def _record(case: Case, provider: str, **fields) -> dict:
         "bytes": M.bytes_moved(case),
         "gbps": None,
         "pct_copy": None,
+        "tflops": None,  # linear ops on a GPU: GEMM work (measure.gemm_flops) per second
+        "pct_matmul": None,  # ... as a share of torch.matmul's bf16 rate on this GPU
         "err": None,  # {output: RMS relative error vs the float64 oracle}
         "err_row": None,  # {output: worst row's error}
         "err_max": None,
@@ -212,10 +222,13 @@ def _oracle(case: Case, inp: dict, device):
         return None, "not checked: the float64 oracle does not fit in memory"
 
 
-def run_case(case: Case, args, device, copy_gbps, skipped: list, providers) -> list[dict]:
+def run_case(
+    case: Case, args, device, copy_gbps, skipped: list, providers, matmul_tflops=None
+) -> list[dict]:
     """``providers`` on one case: warm-up run checked against the float64 oracle, timing,
-    peak memory (GPU) or the memory model (CPU). Raises ``DeviceFailure`` on a CUDA error,
-    recording nothing of the case."""
+    peak memory (GPU) or the memory model (CPU); a linear op's GEMM rate against
+    ``matmul_tflops`` (GPU). Raises ``DeviceFailure`` on a CUDA error, recording nothing of
+    the case."""
     records = []
     try:
         inp = make_inputs(case, device, seed=args.seed)
@@ -227,6 +240,8 @@ def run_case(case: Case, args, device, copy_gbps, skipped: list, providers) -> l
     names = P.output_names(case)
     oracle, oracle_note = _oracle(case, inp, device)
     for provider in providers:
+        if not P.applies(provider, case):
+            continue
         try:
             run = P.build(provider, case, inp, compile_on_cpu=args.compile_cpu)
         except Exception as exc:  # a provider that cannot even be built must not stop the run
@@ -256,6 +271,11 @@ def run_case(case: Case, args, device, copy_gbps, skipped: list, providers) -> l
             if M.is_gpu(device):
                 rec["gbps"] = rec["bytes"] / (p50 * 1e-3) / 1e9
                 rec["pct_copy"] = 100.0 * rec["gbps"] / copy_gbps if copy_gbps else None
+                flops = M.gemm_flops(case)
+                if flops is not None:
+                    rec["tflops"] = flops / (p50 * 1e-3) / 1e12
+                    if matmul_tflops:
+                        rec["pct_matmul"] = 100.0 * rec["tflops"] / matmul_tflops
         except Exception as exc:
             if M.is_gpu(device) and M.is_device_fatal(exc):
                 raise DeviceFailure(f"{case.label()} {provider}: {exc}"[:300]) from exc
@@ -361,7 +381,7 @@ def _still_to_run(cases, providers, previous: dict, env_now) -> dict:
     todo = {}
     for case in cases:
         key = R.case_key(vars(case))
-        left = [p for p in providers if (*key, p) not in final]
+        left = [p for p in providers if (*key, p) not in final and P.applies(p, case)]
         if left:
             todo[case] = left
     return todo
@@ -373,16 +393,23 @@ def write_reports(out_dir: str, meta: dict, records, skipped, plots: bool) -> li
 
 
 def run_report(args) -> None:
-    """Rewrite results.md and the plots from results.json (e.g. after a GPU session)."""
+    """Rewrite results.md and the plots from results.json (e.g. after a GPU session), and
+    the memory-vs-tokens plot from memory_vs_tokens.json where there is one."""
     out_dir = args.out or default_out(args.device or "cpu")
     doc = R.load_json(os.path.join(out_dir, "results.json"))
-    if doc is None:
-        raise SystemExit(f"no results.json in {out_dir}")
-    records, skipped = doc.pop("records"), doc.pop("skipped", [])
-    # ratios are added at the end of a suite: a run killed mid-way has none yet
-    R.add_ratios(records, gpu=not str(doc.get("time_kind", "")).startswith(M.CPU_TIME_LABEL))
-    plots = write_reports(out_dir, doc, records, skipped, plots=not args.no_plots)
-    print(f"{out_dir}: results.md and {len(plots)} plot(s) from {len(records)} records")
+    memory = R.load_json(os.path.join(out_dir, "memory_vs_tokens.json"))
+    if doc is None and memory is None:
+        raise SystemExit(f"no results.json or memory_vs_tokens.json in {out_dir}")
+    if doc is not None:
+        records, skipped = doc.pop("records"), doc.pop("skipped", [])
+        # ratios are added at the end of a suite: a run killed mid-way has none yet
+        gpu = not str(doc.get("time_kind", "")).startswith(M.CPU_TIME_LABEL)
+        R.add_ratios(records, gpu=gpu)
+        plots = write_reports(out_dir, doc, records, skipped, plots=not args.no_plots)
+        print(f"{out_dir}: results.md and {len(plots)} plot(s) from {len(records)} records")
+    if memory is not None and not args.no_plots:  # e.g. from a GPU without matplotlib
+        name = R.write_memory_vs_tokens(out_dir, memory.pop("records"), memory)
+        print(f"{out_dir}: {name} from memory_vs_tokens.json")
 
 
 def _shown(path: str) -> str:
@@ -412,8 +439,10 @@ def run_suite(args) -> dict:
         if "compile" in args.providers and not args.compile_cpu:
             print("note: torch.compile skipped on CPU (compile time); --compile-cpu runs it")
     copy = M.copy_gbps(device)
+    linear = any(c.op in LINEAR_OPS for c in cases)
+    matmul = M.matmul_tflops(device) if linear else None
     meta = {
-        "device": {"name": M.device_name(device), "copy_gbps": copy},
+        "device": {"name": M.device_name(device), "copy_gbps": copy, "matmul_tflops": matmul},
         "versions": versions(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "suite": args.suite,
@@ -450,7 +479,7 @@ def run_suite(args) -> dict:
             progress.step(f"skipped ({stop_reason}): " + case.label())
             continue
         try:
-            records += run_case(case, args, device, copy, skipped, todo[case])
+            records += run_case(case, args, device, copy, skipped, todo[case], matmul)
         except DeviceFailure as exc:
             stop_reason = "not run: the GPU failed on an earlier case"
             print(f"\nDEVICE FAILURE, stopping: {exc}", flush=True)
@@ -492,8 +521,44 @@ def run_memory(args) -> None:
             "No CUDA device: peaks below are MODELLED (bench/memory_profile.py): every tensor "
             "each provider materialises, at this shape, counted on fake tensors."
         )
-    rows = memory_table(tokens, vocab, dtype, seqlen, device, measure=gpu, ops=ops)
+    rows = memory_table(tokens, vocab, dtype, seqlen, device, measure=gpu, ops=ops,
+                        providers=args.providers)  # fmt: skip
     print(format_memory_table(rows, tokens, vocab, dtype))
+    linear = [g for g in MEMORY_CASES if ops is None or g[0] in ops]
+    if linear:
+        run_memory_vs_tokens(args, device, vocab, dtype, linear)
+
+
+def run_memory_vs_tokens(args, device, vocab: int, dtype: str, groups) -> list[dict]:
+    """The fused-linear ops' peak memory against tokens (``--tokens`` when it lists more
+    than one count, else ``MEMORY_TOKENS``) at H = 4096: a table, ``memory_vs_tokens.json``
+    and the plot in ``--out`` (default ``bench/results/local/<device>/``)."""
+    gpu = M.is_gpu(device)
+    tokens = args.tokens if args.tokens and len(args.tokens) > 1 else list(MEMORY_TOKENS)
+    providers = [p for p in MEMORY_PROVIDERS if p in args.providers]
+    rows = memory_vs_tokens(tokens, vocab, dtype, device, measure=gpu,
+                            seqlen=args.seqlen or 1024, providers=providers,
+                            groups=groups)  # fmt: skip
+    print(format_memory_vs_tokens(rows))
+    out_dir = args.out or default_out(device)
+    os.makedirs(out_dir, exist_ok=True)
+    meta = {
+        "device": {"name": M.device_name(device)},
+        "versions": versions(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "memory_kind": "torch.cuda.max_memory_allocated above inputs"
+        if gpu
+        else "modelled (bench/memory_profile.py), not measured",
+    }
+    path = os.path.join(out_dir, "memory_vs_tokens.json")
+    R.write_json(path, meta, rows, [])
+    written = [path]
+    if not args.no_plots:
+        name = R.write_memory_vs_tokens(out_dir, rows, meta)
+        if name:
+            written.append(os.path.join(out_dir, name))
+    print(f"\n{'measured' if gpu else 'MODELLED'} peaks -> " + ", ".join(map(_shown, written)))
+    return rows
 
 
 def run_host(args) -> dict:
