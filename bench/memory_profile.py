@@ -14,15 +14,14 @@ stubbed) the same count equals the peak of ``torch.profiler``'s memory timeline
 (``tests/test_bench.py::test_memory_model_matches_profiler_on_cpu``).
 
 fused_rl's fused-linear ops (``fused_rl/linear.py``) are modelled on the path a GPU takes:
-``dW += dz^T h_c`` as ``torch.mm(..., out_dtype=fp32)``, which CUDA has and CPU lacks (a
-CPU run upcasts the chunk instead), see ``gemm_out_dtype``. ``linear_policy_loss`` (GRPO,
-gradients on) then holds, per chunk: the ``(N, H)`` copy of the hidden rows that predict the
-targets, ``dH`` (``N*H``, the hidden dtype), ``dW`` in fp32 (``V*H*4``), the chunk's
-``(chunk, V)`` logits (overwritten in place by their gradient) and the fp32 ``(V, H)``
-product of that chunk's ``dz^T h_c`` before it is added: ``2*N*H*e + 8*V*H + chunk*V*e``,
-the peak at H = 4096. After the chunks ``dW`` is cast to the weight dtype (``V*H*(4 + e)``
-for a moment) and saved with ``dH`` (and ``d_bias``); the backward allocates their copies
-times the upstream scalar (``2*(N + V)*H*e`` for a moment). ``linear_token_logprobs``
+``dW += dz^T h_c`` as ``torch.addmm(dW, ..., out_dtype=fp32, out=dW)``, which CUDA has and
+CPU lacks (a CPU run upcasts the chunk instead), see ``gemm_out_dtype``. ``linear_policy_loss``
+(GRPO, gradients on) then holds, per chunk: the ``(N, H)`` copy of the hidden rows that
+predict the targets, ``dH`` (``N*H``, the hidden dtype), ``dW`` in fp32 (``V*H*4``) and the
+chunk's ``(chunk, V)`` logits (overwritten in place by their gradient). After the chunks
+``dW`` is cast to the weight dtype (``V*H*(4 + e)`` for a moment: the peak at H = 4096,
+``2*N*H*e + 6*V*H``) and saved with ``dH`` (and ``d_bias``); the backward allocates their
+copies times the upstream scalar (``2*(N + V)*H*e`` for a moment). ``linear_token_logprobs``
 holds the same in its backward, which recomputes each chunk's logits.
 
 Where a provider cannot run on fake tensors (a host sync on data, ``torch.compile`` inside)
@@ -203,8 +202,8 @@ _UNSET = object()
 @contextlib.contextmanager
 def gemm_out_dtype(supported: bool | None = True):
     """Which path ``fused_rl.linear._addmm_wide`` takes for ``dW += dz^T h_c`` in 16 bits:
-    ``True`` (the default of the model) as on CUDA, one ``torch.mm(..., out_dtype=fp32)``
-    and its fp32 ``(V, H)`` product per chunk; ``False`` as on CPU, whose ``mm`` has no
+    ``True`` (the default of the model) as on CUDA, one ``torch.addmm(..., out_dtype=fp32,
+    out=dW)`` accumulating in place; ``False`` as on CPU, whose ``addmm`` has no
     ``out_dtype``: fp32 copies of the chunk's ``dz`` and rows; ``None``: what this process
     found out (a real CPU run before the model would otherwise switch the model to the CPU
     path). Fake CPU tensors take either path."""

@@ -35,7 +35,7 @@ METRIC_COLUMNS = {
 }
 AUX_COLUMN, KL_COLUMN, ENTROPY_COLUMN, N_COLS = 5, 8, 9, 11
 # what the COL_AUX column holds, per surrogate (fused_rl.losses.SURROGATES order)
-AUX_METRIC = ("dual_clip_frac", "cispo_clip_frac", "sapo_gate_mean", None)
+AUX_METRIC = ("dual_clip_frac", "cispo_clip_frac", "sapo_gate_mean", None, None)
 FINALIZE_BLOCK_B, FINALIZE_BLOCK_T, TOKEN_BLOCK_T = 16, 128, 256
 
 

@@ -20,8 +20,8 @@ better: its output is one scalar, so the chunk's gradients are formed in the FOR
 overwrites ``z`` with ``dz``, then ``dH_c``, ``dW``) and the backward only multiplies them
 by the upstream gradient: three GEMMs per chunk instead of four.
 
-Peak memory above the inputs: one chunk's logits, ``dW`` in fp32 (and, on CUDA with 16-bit
-weights, one fp32 ``(V, H)`` product per chunk before it is added) and ``dH``.
+Peak memory above the inputs: one chunk's logits, ``dW`` in fp32 (the GEMM accumulates into
+it directly on CUDA; elsewhere through fp32 copies of the chunk) and ``dH``.
 
 ``chunk_tokens=None`` picks the largest chunk whose logits stay under
 ``CHUNK_BYTES`` (256 MiB): at V = 151936 in bf16, 883 tokens.
@@ -88,14 +88,14 @@ def _chunk_grad(z, targets, row_max, log_sum, entropy, g, h, temperature, ignore
     return _stats_bwd_into(z3, z3, *args, None, None, temperature, ignore_index)[:, 0]
 
 
-_MM_OUT_DTYPE: dict[str, bool] = {}  # device type -> torch.mm(..., out_dtype=) works there
+_MM_OUT_DTYPE: dict[str, bool] = {}  # device type -> torch.addmm(..., out_dtype=) works there
 
 
 def _addmm_wide(acc_out: Tensor, a: Tensor, b: Tensor) -> None:
     """``acc_out += a @ b`` with the product itself in ``acc_out``'s (fp32 / fp64) dtype, not
-    rounded to ``a``'s 16-bit dtype first: one GEMM with an fp32 output where torch offers it
-    (``torch.mm(..., out_dtype=)``, CUDA; a ``(V, H)`` fp32 temporary per chunk), else on
-    upcast copies of the chunk."""
+    rounded to ``a``'s 16-bit dtype first: one GEMM accumulating straight into ``acc_out``
+    where torch offers it (``torch.addmm(..., out_dtype=, out=acc_out)``, CUDA: no ``(V, H)``
+    temporary), else on upcast copies of the chunk."""
     if a.dtype == acc_out.dtype:
         acc_out.addmm_(a, b)
         return
@@ -105,12 +105,12 @@ def _addmm_wide(acc_out: Tensor, a: Tensor, b: Tensor) -> None:
         return
     if _MM_OUT_DTYPE.get(kind, True):
         try:
-            acc_out.add_(torch.mm(a, b, out_dtype=acc_out.dtype))
+            torch.addmm(acc_out, a, b, out_dtype=acc_out.dtype, out=acc_out)
             _MM_OUT_DTYPE[kind] = True
             return
         except (TypeError, NotImplementedError, RuntimeError) as exc:
-            # "not supported here" ("out_dtype" keyword, "aten::mm.dtype" backend), never
-            # another error (out of memory) that would switch the fast path off for good
+            # "not supported here" ("out_dtype" keyword, "aten::addmm.dtype_out" backend),
+            # never another error (out of memory) that would switch the fast path off for good
             if not isinstance(exc, NotImplementedError) and "dtype" not in str(exc):
                 raise
             _MM_OUT_DTYPE[kind] = False

@@ -26,7 +26,13 @@ from .reference.policy import ClipConfig, policy_token_terms
 from .reference.reductions import mask_weights
 
 IMPORTANCE_SAMPLING = ("token", "sequence", "sequence-token")  # the kernels' order
-SURROGATES = ("ppo", "cispo", "sapo", "gpg")  # the order of kernels/token_layer.py SURROGATE_*
+SURROGATES = (
+    "ppo",
+    "cispo",
+    "sapo",
+    "gpg",
+    "gmpo",
+)  # the order of kernels/token_layer.py SURROGATE_*
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -98,6 +104,11 @@ def _check_surrogate(surrogate, importance_sampling, dual_clip, delta, tau_pos, 
             f"importance_sampling='sequence' works with the ratio surrogates ('ppo' = GSPO, "
             f"'sapo'); surrogate={surrogate!r} weighs each token's own log-prob, so use "
             "importance_sampling='token' or 'sequence-token'"
+        )
+    if surrogate == "gmpo" and importance_sampling != "sequence":
+        raise ValueError(
+            "surrogate='gmpo' is sequence-level (one geometric-mean ratio per sequence): pass "
+            f"importance_sampling='sequence', got {importance_sampling!r}"
         )
     if surrogate != "ppo":
         for name, value in (("delta", delta), ("dual_clip", dual_clip)):

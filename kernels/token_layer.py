@@ -130,12 +130,28 @@ SURROGATE_PPO = tl.constexpr(0)
 SURROGATE_CISPO = tl.constexpr(1)
 SURROGATE_SAPO = tl.constexpr(2)
 SURROGATE_GPG = tl.constexpr(3)
+SURROGATE_GMPO = tl.constexpr(4)
+
+
+@triton.jit
+def gmpo_log_ratio(log_ratio, adv, eps_low, eps_high):
+    """GMPO's token log-ratio clipped in log space on the advantage's side:
+    ``(sign(A) min(sign(A) d, sign(A) clamp(d, -eps_low, eps_high)), d/d logp)`` with ``d``
+    the token's log-ratio; ``A = 0`` gives ``(0, 0)`` (verl's ``geo_mean``)."""
+    clipped = clamp(log_ratio, -eps_low, eps_high)
+    up = adv > 0
+    down = adv < 0
+    value = tl.where(up, tl.minimum(log_ratio, clipped), tl.maximum(log_ratio, clipped))
+    value = tl.where(up | down, value, 0.0)
+    frozen = (up & (log_ratio > eps_high)) | (down & (log_ratio < -eps_low))
+    grad = tl.where((up | down) & ~frozen, 1.0, 0.0)
+    return value, grad
 
 
 @triton.jit
 def surrogate_loss(
-    logp, log_ratio, adv, eps_low, eps_high, dual_clip, delta, tau_pos, tau_neg,
-    SURROGATE: tl.constexpr, USE_DUAL: tl.constexpr, USE_DELTA: tl.constexpr,
+    logp, log_ratio, token_log_ratio, adv, eps_low, eps_high, dual_clip, delta, tau_pos,
+    tau_neg, SURROGATE: tl.constexpr, USE_DUAL: tl.constexpr, USE_DELTA: tl.constexpr,
 ):  # fmt: skip
     """The policy term of one token: ``(loss, d loss / d log_ratio, d loss / d logp direct,
     ratio, code, aux)``; ``code`` packs the clip flags (1 clipped, 2 low, 4 high), ``aux`` is
@@ -146,7 +162,10 @@ def surrogate_loss(
       (verl's two-sided ``pg_clipfrac``); aux: ``r > 1+eps_high and A > 0`` (TRL / Liger);
     * sapo: ``-A sigmoid(tau (r-1)) 4/tau``, ``tau`` = ``tau_pos`` where ``A > 0`` else
       ``tau_neg``; aux: that soft gate;
-    * gpg: ``-A logp`` (REINFORCE); aux 0.
+    * gpg: ``-A logp`` (REINFORCE); aux 0;
+    * gmpo: ``-A r`` with ``r`` the geometric-mean ratio built by the sequence pass from
+      :func:`gmpo_log_ratio`; flags from this token's own log-ratio ``token_log_ratio``
+      (frozen by the log-space clip: 2 low where ``A < 0``, 4 high where ``A > 0``).
     """
     ratio = tl.exp(log_ratio)
     zero = logp * 0.0
@@ -177,11 +196,17 @@ def surrogate_loss(
         loss = -adv * aux
         d_ratio = -adv * 4.0 * gate * (1.0 - gate) * ratio  # tau cancels
         code = tl.where(ratio != ratio, 0, 0)
-    else:
+    elif SURROGATE == SURROGATE_GPG:
         loss = -adv * logp
         d_ratio = zero
         d_direct = -adv
         code = tl.where(ratio != ratio, 0, 0)
+    else:
+        loss = -adv * ratio
+        d_ratio = loss
+        low = (adv < 0) & (token_log_ratio < -eps_low)
+        high = (adv > 0) & (token_log_ratio > eps_high)
+        code = tl.where(low | high, 1, 0) + tl.where(low, 2, 0) + tl.where(high, 4, 0)
     return loss, d_ratio, d_direct, ratio, code, aux
 
 
@@ -190,6 +215,7 @@ def policy_token_loss(
     logp,
     entropy,
     log_ratio,
+    token_log_ratio,
     adv,
     ref_logp,
     is_weight,
@@ -217,12 +243,13 @@ def policy_token_loss(
     rollout IS weight multiplies the policy term only; ``BIAS_KL`` multiplies the KL by the
     ratio ``r``, NOT detached (DeepSeek-V3.2, TRL's ``use_bias_correction_kl``).
     ``d_ratio`` is the derivative through ``log_ratio`` (a sequence ratio passes it on to
-    every token of the sequence), ``d_direct`` the one through this token's ``logp`` alone;
+    every token of the sequence; ``token_log_ratio`` is the token's own, for GMPO's flags),
+    ``d_direct`` the one through this token's ``logp`` alone;
     at token level ``dL/dlogp = d_ratio + d_direct``. ``kl`` is 0 without ``HAS_REF``.
     """
     loss, d_ratio, d_direct, ratio, code, aux = surrogate_loss(
-        logp, log_ratio, adv, eps_low, eps_high, dual_clip, delta, tau_pos, tau_neg,
-        SURROGATE, USE_DUAL, USE_DELTA,
+        logp, log_ratio, token_log_ratio, adv, eps_low, eps_high, dual_clip, delta, tau_pos,
+        tau_neg, SURROGATE, USE_DUAL, USE_DELTA,
     )  # fmt: skip
     loss = loss * is_weight
     d_ratio = d_ratio * is_weight

@@ -19,6 +19,8 @@ from .token_layer import (
     COL_COUNT,
     COL_LOSS,
     COL_RATIO_MAX,
+    SURROGATE_GMPO,
+    gmpo_log_ratio,
     kl_and_grad,
     policy_token_loss,
     store_policy_partials,
@@ -187,14 +189,17 @@ def _policy_token_fwd_kernel(
         for t0 in range(0, rows_inner, BLOCK_T):
             ts = t0 + offs
             in_seq = ts < rows_inner
-            m, logp, old, _, _, _ = _token_inputs(
+            m, logp, old, _, adv, _ = _token_inputs(
                 logp_ptr, targets_ptr, adv_ptr, old_ptr, ref_ptr, mask_ptr, b, ts, in_seq,
                 rows_inner, logp_stride_outer, logp_stride_inner, t_stride_outer,
                 t_stride_inner, adv_stride_outer, adv_stride_inner, old_stride_outer,
                 old_stride_inner, ref_stride_outer, ref_stride_inner, mask_stride_outer,
                 mask_stride_inner, ignore_index, HAS_TARGETS, HAS_OLD, HAS_REF, HAS_MASK, ACC,
             )  # fmt: skip
-            acc_lr += tl.where(m != 0, m * (logp - old), 0.0)
+            token_lr = logp - old
+            if SURROGATE == SURROGATE_GMPO:  # the geometric mean of log-space-clipped ratios
+                token_lr, _ = gmpo_log_ratio(token_lr, adv, eps_low, eps_high)
+            acc_lr += tl.where(m != 0, m * token_lr, 0.0)
             acc_n += m
         seq_n = tl.sum(acc_n, 0)
         seq_lr = tl.where(seq_n != 0, tl.sum(acc_lr, 0) / tl.where(seq_n != 0, seq_n, 1.0), 0.0)
@@ -224,9 +229,9 @@ def _policy_token_fwd_kernel(
                                   in_seq).to(ACC)  # fmt: skip
             is_weight = tl.where(m != 0, is_raw, 1.0)
         loss, d_ratio, d_direct, ratio, code, aux, kl = policy_token_loss(
-            logp, entropy, log_ratio, adv, ref, is_weight, eps_low, eps_high, dual_clip, delta,
-            beta, entropy_coef, tau_pos, tau_neg, SURROGATE, HAS_REF, ADD_KL, KL_KIND, BIAS_KL,
-            ENTROPY_BONUS, USE_DUAL, USE_DELTA,
+            logp, entropy, log_ratio, logp - old, adv, ref, is_weight, eps_low, eps_high,
+            dual_clip, delta, beta, entropy_coef, tau_pos, tau_neg, SURROGATE, HAS_REF, ADD_KL,
+            KL_KIND, BIAS_KL, ENTROPY_BONUS, USE_DUAL, USE_DELTA,
         )  # fmt: skip
         counted = m != 0
         if SEQUENCE and not SEQ_TOKEN:  # the ratio part reaches every token; the direct
@@ -245,14 +250,17 @@ def _policy_token_fwd_kernel(
         for t0 in range(0, rows_inner, BLOCK_T):
             ts = t0 + offs
             in_seq = ts < rows_inner
-            m, logp, _, ref, _, _ = _token_inputs(
+            m, logp, old, ref, adv, _ = _token_inputs(
                 logp_ptr, targets_ptr, adv_ptr, old_ptr, ref_ptr, mask_ptr, b, ts, in_seq,
                 rows_inner, logp_stride_outer, logp_stride_inner, t_stride_outer,
                 t_stride_inner, adv_stride_outer, adv_stride_inner, old_stride_outer,
                 old_stride_inner, ref_stride_outer, ref_stride_inner, mask_stride_outer,
-                mask_stride_inner, ignore_index, HAS_TARGETS, False, HAS_REF, HAS_MASK, ACC,
+                mask_stride_inner, ignore_index, HAS_TARGETS, HAS_OLD, HAS_REF, HAS_MASK, ACC,
             )  # fmt: skip
             g = per_token + logp * 0.0
+            if SURROGATE == SURROGATE_GMPO:  # a token frozen by the log-space clip gets none
+                _, d_token = gmpo_log_ratio(logp - old, adv, eps_low, eps_high)
+                g = g * d_token
             if ADD_KL:  # the direct part: the KL's (the surrogates here act through the ratio)
                 _, dkl = kl_and_grad(logp, ref, KL_KIND)
                 if BIAS_KL:

@@ -168,9 +168,9 @@ def _policy_loss_fwd_kernel(
         is_off = token_offset(row, rows_inner, is_stride_outer, is_stride_inner)
         is_weight = tl.where(active, tl.load(is_ptr + is_off).to(ACC), 1.0)
     loss, d_ratio, d_direct, ratio, code, aux, kl = policy_token_loss(
-        logp, entropy, logp - old, adv, ref, is_weight, eps_low, eps_high, dual_clip, delta,
-        beta, entropy_coef, tau_pos, tau_neg, SURROGATE, HAS_REF, ADD_KL, KL_KIND, BIAS_KL,
-        ENTROPY_BONUS, USE_DUAL, USE_DELTA,
+        logp, entropy, logp - old, logp - old, adv, ref, is_weight, eps_low, eps_high,
+        dual_clip, delta, beta, entropy_coef, tau_pos, tau_neg, SURROGATE, HAS_REF, ADD_KL,
+        KL_KIND, BIAS_KL, ENTROPY_BONUS, USE_DUAL, USE_DELTA,
     )  # fmt: skip
     dloss_dlogp = d_ratio + d_direct  # token level: the ratio moves with this logp only
     # tokens that do not count contribute exactly 0 even where their loss is inf/NaN

@@ -287,3 +287,11 @@ def test_readme_python_blocks_run():
             cwd=ROOT,
         )  # fmt: skip
         assert proc.returncode == 0, f"README block failed:\n{block}\n{proc.stderr[-2000:]}"
+
+
+@pytest.mark.parametrize("doc", ["README.md", "CONTRIBUTING.md", "docs/compat.md"])
+def test_no_section_twice(doc):
+    """A section header appears once (a stale copy of a section once lingered in README)."""
+    headers = [line for line in _read(doc).splitlines() if line.startswith("## ")]
+    twice = sorted({h for h in headers if headers.count(h) > 1})
+    assert not twice, f"{doc} repeats {twice}"

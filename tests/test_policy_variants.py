@@ -70,7 +70,10 @@ def _oracle_logp(r, logp, *, surrogate, eps_low=0.2, eps_high=0.28, tau_pos=1.0,
     old = torch.where(m > 0, r["old"].double(), logp.detach())
     ref = torch.where(m > 0, r["ref"].double(), logp.detach())
     adv = r["adv"].double()[:, None].expand(B, T)
-    delta = logp - old
+    delta = token_delta = logp - old
+    if surrogate == "gmpo":  # verl geo_mean: sign(A) * min(sign(A) d, sign(A) clamp(d))
+        sign = torch.sign(adv)
+        delta = sign * torch.minimum(sign * delta, sign * delta.clamp(-eps_low, eps_high))
     if sequence:
         n = m.sum(1, keepdim=True)
         seq = (delta * m).sum(1, keepdim=True) / n.clamp(min=1)
@@ -92,8 +95,12 @@ def _oracle_logp(r, logp, *, surrogate, eps_low=0.2, eps_high=0.28, tau_pos=1.0,
         tau = torch.where(adv > 0, tau_pos, tau_neg).double()
         aux = torch.sigmoid(tau * (ratio - 1)) * 4 / tau
         pol = -aux * adv
-    else:
+    elif surrogate == "gpg":
         pol = -adv * logp
+    else:  # gmpo: -A times the geometric mean of the clipped ratios
+        pol = -adv * ratio
+        d = token_delta.detach()
+        clipped = ((adv > 0) & (d > eps_high)) | ((adv < 0) & (d < -eps_low))
     if is_weights is not None:
         is_weights = is_weights.double().reshape(B, -1).expand(B, T)
         pol = pol * is_weights
@@ -127,6 +134,18 @@ CASES = {
     "sapo-sequence": dict(surrogate="sapo", sequence=True, eps_low=0.2),
     "gspo-token+bias_kl": dict(surrogate="ppo", sequence="token", beta=0.1, bias=True),
     "cispo-sequence-token": dict(surrogate="cispo", sequence="token", is_weights="BT"),
+    "gmpo": dict(
+        surrogate="gmpo", sequence=True, eps_low=0.4, eps_high=0.4, loss_agg="seq-mean-token-mean"
+    ),
+    "gmpo+is+bias_kl": dict(
+        surrogate="gmpo",
+        sequence=True,
+        eps_low=0.3,
+        eps_high=0.5,
+        is_weights="B1",
+        beta=0.1,
+        bias=True,
+    ),
 }
 
 
@@ -179,7 +198,7 @@ def test_policy_loss_variant_matches_oracle(case, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
-    "case", ["cispo", "sapo+is+bias_kl", "gpg", "gspo+bias_kl", "gspo-token+bias_kl"]
+    "case", ["cispo", "sapo+is+bias_kl", "gpg", "gspo+bias_kl", "gspo-token+bias_kl", "gmpo"]
 )
 def test_from_logprobs_variant_matches_oracle(case, backend):
     r = _rollout(seed=1)
@@ -224,9 +243,12 @@ def test_every_surrogate_has_an_oracle_case():
 def test_surrogate_metric_names():
     r = _rollout()
     names = {}
-    for surrogate in ("ppo", "cispo", "sapo", "gpg"):
-        _, metrics = fused_rl.policy_loss(r["logits"], r["targets"], r["adv"],
-                                          surrogate=surrogate, backend="reference")  # fmt: skip
+    for surrogate in ("ppo", "cispo", "sapo", "gpg", "gmpo"):
+        level = "sequence" if surrogate == "gmpo" else "token"
+        _, metrics = fused_rl.policy_loss(
+            r["logits"], r["targets"], r["adv"], surrogate=surrogate, importance_sampling=level,
+            backend="reference",
+        )  # fmt: skip
         names[surrogate] = set(metrics)
     base = {"clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_max",
             "approx_kl"}  # fmt: skip
@@ -234,6 +256,7 @@ def test_surrogate_metric_names():
     assert names["cispo"] == base | {"cispo_clip_frac"}
     assert names["sapo"] == base | {"sapo_gate_mean"}
     assert names["gpg"] == base
+    assert names["gmpo"] == base
 
 
 @pytest.mark.parametrize(
@@ -242,6 +265,7 @@ def test_surrogate_metric_names():
         (dict(surrogate="vespa"), "surrogate"),
         (dict(surrogate="cispo", importance_sampling="sequence"), "importance_sampling"),
         (dict(surrogate="gpg", importance_sampling="sequence"), "importance_sampling"),
+        (dict(surrogate="gmpo"), "importance_sampling"),
         (dict(surrogate="cispo", delta=2.0), "delta"),
         (dict(surrogate="sapo", dual_clip=3.0), "dual_clip"),
         (dict(surrogate="sapo", sapo_tau_pos=0.0), "sapo_tau_pos"),
@@ -351,3 +375,28 @@ def test_top_entropy_quantile_matches_oracle(backend):
         fused_rl.policy_loss(logits, r["targets"], r["adv"], top_entropy_quantile=1.5)
     with pytest.raises(ValueError, match="entropy"):
         fused_rl.policy_loss_from_logprobs(torch.randn(B, T), r["adv"], top_entropy_quantile=0.2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_luspo_is_gspo_with_length_weighted_sequences(backend):
+    """TRL's / Liger's LUSPO, ``mean_i(n_i * l_i)`` with ``l_i`` GSPO's sequence loss, is
+    ``importance_sampling="sequence", loss_agg="seq-mean-token-sum"``."""
+    r = _rollout(seed=5)
+    logits = r["logits"].clone().requires_grad_()
+    loss, _ = fused_rl.policy_loss(
+        logits, r["targets"], r["adv"], old_logprobs=r["old"], mask=r["mask"],
+        importance_sampling="sequence", loss_agg="seq-mean-token-sum", eps_low=0.2,
+        eps_high=0.28, backend=backend,
+    )  # fmt: skip
+    leaf = r["logits"].double().requires_grad_()
+    m = (r["mask"] & (r["targets"] != -100)).double()
+    logp = torch.log_softmax(leaf, -1).gather(-1, r["targets"].clamp(min=0)[..., None])[..., 0]
+    old = torch.where(m > 0, r["old"].double(), logp.detach())
+    n = m.sum(1)
+    rho = torch.exp(((logp - old) * m).sum(1) / n.clamp(min=1))
+    adv = r["adv"].double()
+    per_seq = -torch.minimum(rho * adv, rho.clamp(0.8, 1.28) * adv)
+    want = (n * per_seq).mean()
+    assert_rel(loss, want, FP32_TOL, "loss")
+    assert_rel(torch.autograd.grad(loss, logits)[0], torch.autograd.grad(want, leaf)[0],
+               FP32_TOL, "gradient")  # fmt: skip

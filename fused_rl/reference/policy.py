@@ -53,6 +53,16 @@ def sequence_log_ratio(log_ratio: torch.Tensor, mask_f: torch.Tensor) -> torch.T
     return per_seq[:, None].expand_as(log_ratio)
 
 
+def gmpo_log_ratio(log_ratio: torch.Tensor, adv: torch.Tensor, clip: ClipConfig) -> torch.Tensor:
+    """GMPO's token log-ratio, clipped in log space on the advantage's side (verl
+    ``geo_mean``): ``min(d, clamp(d))`` where ``A > 0``, ``max`` where ``A < 0``, 0 at ``A = 0``."""
+    clipped = torch.clamp(log_ratio, -clip.eps_low, clip.eps_high)
+    value = torch.where(
+        adv > 0, torch.minimum(log_ratio, clipped), torch.maximum(log_ratio, clipped)
+    )
+    return torch.where(adv != 0, value, torch.zeros_like(value))
+
+
 def surrogate_terms(
     surrogate: str,
     ratio: torch.Tensor,
@@ -61,10 +71,12 @@ def surrogate_terms(
     clip: ClipConfig,
     tau_pos: float,
     tau_neg: float,
+    token_log_ratio: torch.Tensor | None = None,
 ):
     """Per-token policy term of ``surrogate`` (``kernels/token_layer.surrogate_loss``):
     ``(loss, clipped, clipped_low, clipped_high, aux)``, ``aux`` the surrogate's own metric
-    (ppo: dual clip active; cispo: ``r > 1 + eps_high and A > 0``; sapo: the soft gate)."""
+    (ppo: dual clip active; cispo: ``r > 1 + eps_high and A > 0``; sapo: the soft gate;
+    gmpo: none, its flags are the tokens frozen by the log-space clip)."""
     no = torch.zeros_like(ratio, dtype=torch.bool)
     if surrogate == "ppo":
         loss, clipped, low, high, dual = clipped_surrogate(ratio, adv, clip)
@@ -80,6 +92,10 @@ def surrogate_terms(
         return -adv * gate, no, no, no, gate
     if surrogate == "gpg":
         return -adv * logp, no, no, no, torch.zeros_like(ratio)
+    if surrogate == "gmpo":  # ratio: the geometric mean of the clipped token ratios
+        low = (adv < 0) & (token_log_ratio < -clip.eps_low)
+        high = (adv > 0) & (token_log_ratio > clip.eps_high)
+        return -adv * ratio, low | high, low, high, torch.zeros_like(ratio)
     raise ValueError(f"unknown surrogate {surrogate!r}")
 
 
@@ -121,14 +137,16 @@ def policy_token_terms(
     if ref_logp is not None:
         ref_logp = torch.where(counted, ref_logp, detached)
     adv = torch.where(counted, adv, torch.zeros_like(adv))
-    log_ratio = logp - old
+    log_ratio = token_log_ratio = logp - old
+    if surrogate == "gmpo":
+        log_ratio = gmpo_log_ratio(log_ratio, adv, clip)
     if importance_sampling == "sequence":
         log_ratio = sequence_log_ratio(log_ratio, mask_f)
     elif importance_sampling == "sequence-token":  # the sequence's value, each token's gradient
         log_ratio = sequence_log_ratio(log_ratio.detach(), mask_f) + (logp - logp.detach())
     ratio = torch.exp(log_ratio)
     loss, clipped, low, high, aux = surrogate_terms(
-        surrogate, ratio, logp, adv, clip, tau_pos, tau_neg
+        surrogate, ratio, logp, adv, clip, tau_pos, tau_neg, token_log_ratio.detach()
     )
     if is_weights is not None:
         loss = loss * torch.where(counted, is_weights, torch.ones_like(is_weights))
