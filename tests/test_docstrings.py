@@ -24,6 +24,7 @@ MODULES = [
     "fused_rl.compat.torchtune",
     "fused_rl.compat.trl",
     "fused_rl.compat.verl",
+    "fused_rl.compat.liger",
 ]
 
 

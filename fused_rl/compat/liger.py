@@ -1,0 +1,445 @@
+"""Drop-in replacement for Liger-Kernel's Triton GRPO loss, on fused_rl's fused policy loss.
+
+Change ``from liger_kernel.transformers.grpo_loss import triton_grpo_loss`` to
+``from fused_rl.compat.liger import triton_grpo_loss``. Liger is not imported (nor needed).
+
+Mirrors ``liger_kernel/transformers/grpo_loss.py::triton_grpo_loss`` of Liger-Kernel 0.8.5
+(and its op, ``liger_kernel/ops/grpo_loss.py::GrpoLossFunction``): the signature and defaults,
+the logits layout, the loss types ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``cispo``,
+``sapo``, token- and sequence-level importance sampling, ``vllm_is_ratio``, ``delta``,
+``use_bias_correction_kl``, ``num_items_in_batch``, ``reduce`` and the return values.
+
+What Liger does, and so the adapter does:
+
+* ``logits`` are the model's ``(B, L + 1, V)`` output for ``(B, L)`` ``completion_ids``:
+  position ``t`` predicts ``completion_ids[:, t]``, the last position is not used (its
+  gradient is 0). ``log p = log_softmax(logits / temperature)`` (default ``0.9``).
+* Per token, ``r = exp(log p - old_logp)`` (``old_logp=None``: on-policy, ``r = 1`` with the
+  policy gradient), ``A`` the sequence's advantage:
+
+  - ``grpo`` / ``bnpo`` / ``dr_grpo`` / ``dapo``: ``-min(min(r, delta) A,
+    clamp(r, 1 - eps_low, 1 + eps_high) A)`` (``delta=None``: no cap);
+  - ``cispo``: ``-sg(min(r, eps_high)) A log p``: ``eps_high`` is the absolute cap (Liger's
+    and TRL's CISPO; verl's is a band around 1);
+  - ``sapo``: ``-A sigmoid(tau (r - 1)) 4 / tau``, ``tau = sapo_temperature_pos`` where
+    ``A > 0``, else ``sapo_temperature_neg``;
+
+  times ``vllm_is_ratio`` (``(B, L)``, ``(B, 1)`` or ``(B,)``), plus ``beta * k3`` with
+  ``k3 = exp(ref - log p) - (ref - log p) - 1`` (times ``r``, not detached, with
+  ``use_bias_correction_kl``: DeepSeek-V3.2).
+* ``importance_sampling_level="sequence"`` (GSPO; PPO types only): ``r`` is the sequence's
+  ``exp(sum_t (log p - old) m / max(sum_t m, 1))``, differentiated through every token.
+* Aggregation (``reduce=True``), ``m`` the completion mask: ``grpo`` / ``sapo``
+  ``mean_i sum_t L m / max(n_i, 1)``; ``bnpo`` ``sum L m / max(sum m, 1)``; ``dr_grpo``
+  ``sum L m / (B * max_completion_length)`` (default ``L``); ``dapo`` / ``cispo``
+  ``sum L m / max(N / world_size, 1)`` with ``N = num_items_in_batch``, or, when None, the
+  mask's sum all-reduced over the default process group when ``torch.distributed`` is
+  initialised (Liger's ``_compute_dapo_normalizer``).
+* Returns, with ``reduce=True``: ``(loss, [kl_mean, clip_ratio])`` (``kl_mean`` only when
+  ``beta != 0``): 0-dim fp32 tensors, the metrics ``sum x m / max(sum m, 1)`` of the
+  per-token KL (the bias-corrected one when corrected) and the clip indicator (PPO types:
+  ``r < 1 - eps_low`` where ``A < 0`` or ``r > 1 + eps_high`` where ``A > 0``, ``r`` before
+  ``delta``; ``cispo``: ``r > eps_high`` where ``A > 0``; ``sapo``: 0). With
+  ``reduce=False`` (Liger's default): ``(per_token_loss, per_token_kl, is_clipped)``, each
+  ``(B, L)`` fp32 times the mask (``per_token_kl`` None when ``beta == 0``).
+* Errors as Liger: ``AssertionError`` for missing ``logits`` / ``completion_ids`` /
+  ``advantages``, an unknown ``importance_sampling_level`` or ``beta != 0`` without
+  ``ref_logp``; ``ValueError`` for an unknown ``loss_type``, ``delta`` with ``cispo`` /
+  ``sapo``, sequence level with ``cispo`` / ``sapo``, a SAPO temperature ``<= 0``.
+
+How it runs: with ``reduce=True``, one :func:`fused_rl.policy_loss` call on the logits (one
+pass over them forward with the loss as its epilogue, one backward; the metrics from its
+reduction). The outputs fused_rl's fused loss does not give (the per-token losses of
+``reduce=False``; the bias-corrected ``kl_mean``) take :func:`fused_rl.token_logprobs` (the
+same one pass each way) and the per-token math on ``(B, L)`` tensors.
+
+Where it departs (docs/compat.md, "Liger"):
+
+* ``loss_type="luspo"`` and ``"vespo"`` raise ``NotImplementedError`` (issue 15's remaining
+  work).
+* ``inplace`` is accepted and has no effect: Liger's ``inplace=True`` writes the gradient over
+  the ``logits`` tensor itself during the backward (its memory saving); fused_rl's backward
+  writes one gradient buffer and never modifies ``logits``.
+* Liger 0.8.5's sequence-level bias-corrected KL gradient is exact, as here and in TRL
+  (Liger <= 0.8.4's Triton op used an approximation that drops the shared ratio's term).
+* Liger's own checks are asserts and shapes it does not check read out of bounds: here
+  ``logits`` must be ``(B, L + 1, V)`` with ``(B, L)`` ``completion_ids`` and ``(B,)``
+  ``advantages`` (``ValueError``), an id outside ``[0, V)`` at a counted token raises
+  ``ValueError`` (eager mode), ``delta`` must be ``> 1 + eps_high`` (``ValueError``: below
+  that, Liger's ``min(r, delta)`` also flattens the loss inside the clip band for ``A > 0``),
+  ``cispo`` needs a cap ``eps_high > 0``, ``eps_low`` / ``eps_high`` ``>= 0``.
+* Values at masked positions never matter (Liger does not read them either); inputs need
+  not be contiguous; ``logits`` of dtype fp64 are computed in fp64 (the outputs are still
+  fp32, as Liger's).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .. import _validation as V
+from ..logprobs import token_logprobs
+from ..losses import policy_loss, policy_loss_from_logprobs
+from .trl import _NO_IGNORE, _check_index_range
+
+# Liger's ``_str_to_loss_type`` keys, in its order (the list its ValueError prints)
+LOSS_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo", "luspo", "cispo", "sapo", "vespo")
+PPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+SUPPORTED_LOSS_TYPES = (*PPO_LOSS_TYPES, "cispo", "sapo")
+_NOT_BUILT = {
+    "luspo": "LUSPO (each sequence's loss scaled by its length)",
+    "vespo": "VESPO (a detached gamma weight per sequence)",
+}
+_ORIGINAL = "Liger's triton_grpo_loss"
+
+
+def _validate(loss_type, importance_sampling_level, delta, beta, ref_logp, tau_pos, tau_neg):
+    """Liger's checks, in its order and with its exception types."""
+    if importance_sampling_level not in ("token", "sequence"):
+        raise AssertionError(
+            "importance_sampling_level must be 'token' or 'sequence', got "
+            f"{importance_sampling_level}"
+        )
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"Unknown loss_type '{loss_type}'. Supported types: {list(LOSS_TYPES)}")
+    if loss_type in _NOT_BUILT:
+        raise NotImplementedError(
+            f"loss_type={loss_type!r} ({_NOT_BUILT[loss_type]}) is not built in fused_rl yet "
+            f"(issue 15's remaining work); fused_rl.compat.liger has {list(SUPPORTED_LOSS_TYPES)}"
+        )
+    if beta != 0.0 and ref_logp is None:
+        raise AssertionError(f"beta = {beta} needs ref_logp (the reference policy's log-probs)")
+    if delta is not None and loss_type in ("cispo", "sapo", "vespo"):
+        raise ValueError(
+            f"delta (two-sided clipping) is not supported for loss_type='{loss_type}'."
+        )
+    if importance_sampling_level == "sequence" and loss_type in ("cispo", "sapo", "vespo"):
+        raise ValueError(
+            f"Sequence-level importance sampling is not supported for loss_type='{loss_type}'. "
+            "Use importance_sampling_level='token' instead."
+        )
+    if loss_type == "sapo":
+        for name, value in (("sapo_temperature_pos", tau_pos), ("sapo_temperature_neg", tau_neg)):
+            V.check_number(value, name)
+            if not value > 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+
+
+def _check_shapes(logits, completion_ids, advantages, **per_token) -> tuple[int, int]:
+    V.check_float(logits, "logits")
+    V.check_tensor(completion_ids, "completion_ids")
+    if completion_ids.dtype not in V.INDEX_DTYPES:
+        raise TypeError(
+            f"completion_ids must be an int64 or int32 tensor, got {completion_ids.dtype}"
+        )
+    if completion_ids.dim() != 2:
+        raise ValueError(f"completion_ids must be (B, L), got shape {tuple(completion_ids.shape)}")
+    batch, length = completion_ids.shape
+    if logits.dim() != 3 or tuple(logits.shape[:2]) != (batch, length + 1) or logits.shape[2] == 0:
+        raise ValueError(
+            f"logits must be the model's (B, L + 1, V) = ({batch}, {length + 1}, V) output for "
+            f"(B, L) = {(batch, length)} completion_ids (position t predicts completion_ids[:, t]; "
+            f"the last position is dropped, as in Liger), got shape {tuple(logits.shape)}"
+        )
+    V.check_float(advantages, "advantages")
+    if tuple(advantages.shape) != (batch,):
+        raise ValueError(
+            f"advantages must be (B,) = ({batch},), one per sequence (Liger reads one per "
+            f"sequence), got shape {tuple(advantages.shape)}"
+        )
+    for name, t in per_token.items():
+        if t is None:
+            continue
+        if name == "completion_mask":
+            V.check_mask_dtype(t, name)
+        else:
+            V.check_float(t, name)
+        V.check_shape(t, (batch, length), name, "(B, L)")
+    V.check_same_device(logits=logits, completion_ids=completion_ids, advantages=advantages,
+                        **per_token)  # fmt: skip
+    return batch, length
+
+
+def _check_clip(loss_type, eps_low, eps_high, delta) -> None:
+    """fused_rl's checks of the clip arguments, run up front whichever path computes."""
+    V.check_nonnegative(eps_low, "eps_low")
+    V.check_nonnegative(eps_high, "eps_high")
+    if delta is not None:
+        V.check_number(delta, "delta")
+        if not delta > 1.0 + eps_high:
+            raise ValueError(
+                f"delta must be > 1 + eps_high = {1.0 + eps_high}, got {delta} (below it the "
+                "cap would cut the unclipped branch where A > 0 too)"
+            )
+
+
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _dapo_normalizer(count: Tensor, num_items_in_batch) -> Tensor:
+    """Liger's ``_compute_dapo_normalizer``: ``max(N / world_size, 1)``, ``N`` the given
+    ``num_items_in_batch`` or this micro-batch's mask sum all-reduced over the ranks."""
+    world = _world_size()
+    if num_items_in_batch is not None:
+        if isinstance(num_items_in_batch, Tensor):
+            n = num_items_in_batch.to(device=count.device, dtype=torch.float32).reshape(())
+        else:
+            n = torch.as_tensor(float(num_items_in_batch), device=count.device, dtype=torch.float32)
+        return torch.clamp(n / world, min=1.0)
+    n = count.clone()
+    if world > 1:
+        torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.SUM)
+    return torch.clamp(n / world, min=1.0)
+
+
+def _aggregation(loss_type, count, batch, length, max_completion_length, num_items_in_batch):
+    """``(loss_agg, num_items)`` of :func:`fused_rl.policy_loss` giving Liger's reduction."""
+    if loss_type in ("grpo", "sapo"):
+        return "seq-mean-token-mean", None
+    if loss_type == "bnpo":
+        return "token-mean", torch.clamp(count, min=1.0)
+    if loss_type == "dr_grpo":
+        max_len = length if max_completion_length is None else max_completion_length
+        return "token-mean", torch.as_tensor(float(batch * max_len), device=count.device)
+    return "token-mean", _dapo_normalizer(count, num_items_in_batch)
+
+
+def _cispo_scale(cap) -> float:
+    """CISPO's ``min(r, C) = C * min(r / C, 1)``: fused_rl's CISPO weight is the band
+    ``clamp(r, 1 - eps_low, 1 + eps_high)``, so ``C >= 1`` is ``eps_low=1, eps_high=C - 1``
+    and a cap below 1 (TRL's and Liger's default is below 1) is the ratio ``r / C`` (old
+    log-probs shifted by ``log C``) with the advantage times ``C``. Returns the scale: 1.0,
+    or ``C`` when ``C < 1``."""
+    V.check_number(cap, "eps_high")
+    if not (math.isfinite(cap) and cap > 0):
+        raise ValueError(f"eps_high is CISPO's cap on the ratio and must be > 0, got {cap}")
+    return 1.0 if cap >= 1.0 else float(cap)
+
+
+def triton_grpo_loss(
+    logits,
+    old_logp,
+    ref_logp,
+    completion_ids,
+    advantages,
+    completion_mask=None,
+    temperature=0.9,
+    beta=0.04,
+    eps_low=0.2,
+    eps_high=0.4,
+    inplace=True,
+    loss_type="dapo",
+    max_completion_length=None,
+    importance_sampling_level="token",
+    reduce=False,
+    sapo_temperature_pos=1.0,
+    sapo_temperature_neg=1.05,
+    vllm_is_ratio=None,
+    delta=None,
+    use_bias_correction_kl=False,
+    num_items_in_batch=None,
+    vespo_k_pos=2.0,
+    vespo_lambda_pos=3.0,
+    vespo_k_neg=3.0,
+    vespo_lambda_neg=2.0,
+):
+    """Mirrors ``liger_kernel.transformers.grpo_loss.triton_grpo_loss`` (Liger-Kernel 0.8.5).
+
+    The GRPO-family loss straight from the logits; see the module docstring for the math of
+    each ``loss_type`` and what departs from Liger.
+
+    Args:
+        logits: ``(B, L + 1, V)`` model output (the last position is not used).
+        old_logp: ``(B, L)`` sampling-policy log-probs, or None (on-policy).
+        ref_logp: ``(B, L)`` reference log-probs; required when ``beta != 0``.
+        completion_ids: ``(B, L)`` int64 / int32 token ids.
+        advantages: ``(B,)``, one per sequence.
+        completion_mask: ``(B, L)`` mask (bool, integer or float) or None (all count).
+        temperature: the logits are divided by it.
+        beta: KL coefficient (k3 to ``ref_logp``).
+        eps_low, eps_high: the clip band ``[1 - eps_low, 1 + eps_high]``; for ``cispo``
+            ``eps_high`` is the absolute cap on the ratio.
+        inplace: accepted, no effect (fused_rl never writes over ``logits``).
+        loss_type: ``"grpo"``, ``"bnpo"``, ``"dr_grpo"``, ``"dapo"``, ``"cispo"``, ``"sapo"``
+            (``"luspo"``, ``"vespo"``: ``NotImplementedError``).
+        max_completion_length: ``dr_grpo``'s length (default ``L``).
+        importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO).
+        reduce: True: ``(loss, metrics)``; False: per-token outputs.
+        sapo_temperature_pos, sapo_temperature_neg: SAPO's temperatures (``> 0``).
+        vllm_is_ratio: ``(B, L)``, ``(B, 1)`` or ``(B,)`` rollout IS correction: multiplies
+            the policy term, before the KL.
+        delta: cap on the unclipped ratio (PPO types), ``> 1 + eps_high``, or None.
+        use_bias_correction_kl: multiply the KL by the (not detached) ratio.
+        num_items_in_batch: ``dapo`` / ``cispo``'s token count over the whole generation
+            batch (a number or a tensor), or None.
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's; accepted for
+            the signature (VESPO is not built yet).
+
+    Returns:
+        ``reduce=True``: ``(loss, metrics)``, ``loss`` a 0-dim fp32 tensor differentiable
+        w.r.t. ``logits``, ``metrics`` the list ``[kl_mean, clip_ratio]`` (``[clip_ratio]``
+        when ``beta == 0``) of detached 0-dim fp32 tensors. ``reduce=False``:
+        ``(per_token_loss, per_token_kl, is_clipped)``, ``(B, L)`` fp32 each, times the mask;
+        ``per_token_loss`` differentiable, ``per_token_kl`` None when ``beta == 0``.
+
+    Example:
+        >>> import torch
+        >>> from fused_rl.compat.liger import triton_grpo_loss
+        >>> logits = torch.zeros(2, 4, 8, requires_grad=True)  # (B, L + 1, V)
+        >>> ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+        >>> old = torch.full((2, 3), -2.0)  # log(1/8) = -2.079: every ratio is 0.924
+        >>> adv = torch.tensor([1.0, -0.5])
+        >>> loss, metrics = triton_grpo_loss(logits, old, None, ids, adv, beta=0.0,
+        ...                                  eps_low=0.05, reduce=True)  # dapo: token mean
+        >>> round(loss.item(), 4), [round(m.item(), 4) for m in metrics]  # [clip_ratio]
+        (-0.2243, [0.5])
+        >>> loss.backward(); logits.grad[:, -1].abs().max().item()  # last position unused
+        0.0
+        >>> per_token, kl, clipped = triton_grpo_loss(logits, old, None, ids, adv, beta=0.0)
+        >>> per_token.shape, kl
+        (torch.Size([2, 3]), None)
+    """
+    del inplace, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg
+    if logits is None or completion_ids is None or advantages is None:
+        raise AssertionError("must provide logits, completion_ids and advantages")
+    _validate(loss_type, importance_sampling_level, delta, beta, ref_logp,
+              sapo_temperature_pos, sapo_temperature_neg)  # fmt: skip
+    batch, length = _check_shapes(
+        logits, completion_ids, advantages, old_logp=old_logp, ref_logp=ref_logp,
+        completion_mask=completion_mask,
+    )  # fmt: skip
+    V.check_positive(temperature, "temperature")
+    _check_clip(loss_type, eps_low, eps_high, delta)
+    mask = completion_mask
+    keep = None if mask is None else mask != 0
+    _check_index_range(completion_ids, logits.shape[-1], "completion_ids", _ORIGINAL, keep,
+                       "mask the token out (completion_mask = 0) or pass a valid id")  # fmt: skip
+    # masked tokens are never read (as in Liger's kernel): their ids become the ignore index
+    targets = completion_ids if keep is None else torch.where(keep, completion_ids, _NO_IGNORE)
+
+    scale = _cispo_scale(eps_high) if loss_type == "cispo" else 1.0
+    clip_low, clip_high = eps_low, eps_high
+    if loss_type == "cispo":
+        clip_low, clip_high = 1.0, (eps_high - 1.0 if scale == 1.0 else 0.0)
+    surrogate = {"cispo": "cispo", "sapo": "sapo"}.get(loss_type, "ppo")
+    options = dict(
+        ref_logprobs=ref_logp if beta != 0.0 else None, eps_low=clip_low, eps_high=clip_high,
+        delta=delta, beta=float(beta) * scale if use_bias_correction_kl else float(beta),
+        kl_estimator="k3", importance_sampling=importance_sampling_level, surrogate=surrogate,
+        sapo_tau_pos=sapo_temperature_pos, sapo_tau_neg=sapo_temperature_neg,
+        is_weights=vllm_is_ratio, kl_bias_correction=bool(use_bias_correction_kl),
+    )  # fmt: skip
+    adv = advantages if scale == 1.0 else advantages * scale
+    shift = math.log(scale)  # old' = old + log C: the ratio r / C (cispo with C < 1)
+
+    with torch.no_grad():
+        mask_f = (
+            torch.ones(batch, length, device=logits.device)
+            if mask is None else mask.detach().to(torch.float32)
+        )  # fmt: skip
+        count = mask_f.sum()
+        to_liger = count / torch.clamp(count, min=1.0)  # fused_rl's masked means -> Liger's
+    bias_kl = beta != 0.0 and bool(use_bias_correction_kl)
+    fused = reduce and not bias_kl and not (shift != 0.0 and old_logp is None)
+
+    if fused:  # one fused pass over the logits each way
+        old = old_logp if shift == 0.0 else old_logp.detach() + shift
+        loss_agg, num_items = _aggregation(loss_type, count, batch, length,
+                                           max_completion_length, num_items_in_batch)  # fmt: skip
+        loss, metrics = policy_loss(
+            logits, targets, adv, old_logprobs=old, mask=mask, temperature=temperature,
+            loss_agg=loss_agg, num_items=num_items, ignore_index=_NO_IGNORE, **options,
+        )  # fmt: skip
+        out = []
+        if beta != 0.0:
+            out.append((metrics["kl"] * to_liger).float())
+        out.append(_clip_metric(loss_type, metrics, to_liger))
+        return loss.float(), out
+
+    logp = token_logprobs(logits, targets, temperature=temperature, ignore_index=_NO_IGNORE)
+    old = old_logp.detach().to(logp.dtype) if old_logp is not None else logp.detach()
+    per_token = dict(
+        level=importance_sampling_level, loss_type=loss_type, eps_low=eps_low,
+        eps_high=eps_high, delta=delta, tau_pos=sapo_temperature_pos,
+        tau_neg=sapo_temperature_neg, vllm_is_ratio=vllm_is_ratio, beta=beta,
+        bias_kl=bool(use_bias_correction_kl),
+    )  # fmt: skip
+    if reduce:
+        loss_agg, num_items = _aggregation(loss_type, count, batch, length,
+                                           max_completion_length, num_items_in_batch)  # fmt: skip
+        loss, metrics = policy_loss_from_logprobs(
+            logp, adv, old_logprobs=old + shift if shift != 0.0 else old, mask=mask,
+            loss_agg=loss_agg, num_items=num_items, **options,
+        )  # fmt: skip
+        out = []
+        if beta != 0.0:  # Liger's per-token KL is the bias-corrected one: k3 * r
+            with torch.no_grad():
+                _, kl, _ = _token_terms(logp.detach(), old, ref_logp, advantages, mask_f,
+                                        **per_token)  # fmt: skip
+                out.append((kl.sum() / torch.clamp(count, min=1.0)).float())
+        out.append(_clip_metric(loss_type, metrics, to_liger))
+        return loss.float(), out
+    # reduce=False: the per-token outputs, from the log-probs on (B, L) tensors
+    loss, kl, clipped = _token_terms(logp, old, ref_logp, advantages, mask_f, **per_token)
+    return loss.float(), None if kl is None else kl.detach().float(), clipped.float()
+
+
+def _token_terms(logp, old, ref_logp, advantages, mask_f, *, level, loss_type, eps_low,
+                 eps_high, delta, tau_pos, tau_neg, vllm_is_ratio, beta, bias_kl):  # fmt: skip
+    """Liger's per-token ``(loss, kl, is_clipped)``, each times the mask (``kl`` None when
+    ``beta == 0``); ``loss`` differentiable w.r.t. ``logp`` (``old`` is a constant). Values
+    at masked tokens never matter (log-prob 0, ratio 1)."""
+    acc = logp.dtype
+    m = mask_f.to(acc)
+    counted = m != 0
+    logp = torch.where(counted, logp, 0.0)
+    old = torch.where(counted, old.to(acc), logp.detach())
+    log_ratio = logp - old
+    if level == "sequence":
+        log_ratio = (log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
+    ratio = torch.exp(log_ratio)
+    adv = advantages.detach().to(acc)[:, None]
+    if loss_type == "cispo":  # the absolute cap, detached
+        loss = -torch.clamp(ratio, max=eps_high).detach() * adv * logp
+        clipped = (ratio > eps_high) & (adv > 0)
+    elif loss_type == "sapo":
+        tau = torch.where(adv > 0, float(tau_pos), float(tau_neg)).to(acc)
+        loss = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
+        clipped = torch.zeros_like(ratio, dtype=torch.bool)
+    else:
+        low, high = 1.0 - eps_low, 1.0 + eps_high
+        capped = ratio if delta is None else torch.clamp(ratio, max=delta)
+        loss = -torch.minimum(capped * adv, torch.clamp(ratio, low, high) * adv)
+        clipped = ((ratio < low) & (adv < 0)) | ((ratio > high) & (adv > 0))
+    loss = loss.expand_as(logp)
+    if vllm_is_ratio is not None:
+        w = vllm_is_ratio.detach().to(acc)
+        loss = loss * (w[:, None] if w.dim() == 1 else w)
+    kl = None
+    if beta != 0.0:
+        neg = torch.where(counted, ref_logp.detach().to(acc), logp.detach()) - logp
+        kl = torch.exp(neg) - neg - 1.0
+        if bias_kl:
+            kl = kl * ratio
+        loss = loss + beta * kl
+        kl = torch.where(counted, kl * m, 0.0)
+    zero = torch.zeros_like(loss)
+    return (torch.where(counted, loss * m, zero), kl,
+            torch.where(counted, clipped.expand_as(logp).to(acc) * m, zero))  # fmt: skip
+
+
+def _clip_metric(loss_type: str, metrics: dict, to_liger: Tensor) -> Tensor:
+    """Liger's ``clip_ratio`` from fused_rl's metrics (masked means, rescaled to Liger's
+    ``max(sum m, 1)`` denominator)."""
+    if loss_type == "sapo":
+        return torch.zeros((), dtype=torch.float32, device=to_liger.device)
+    name = "cispo_clip_frac" if loss_type == "cispo" else "clip_frac"
+    return (metrics[name] * to_liger).float()
+
+
+__all__ = ["LOSS_TYPES", "PPO_LOSS_TYPES", "SUPPORTED_LOSS_TYPES", "triton_grpo_loss"]

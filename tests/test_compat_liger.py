@@ -1,0 +1,317 @@
+"""fused_rl.compat.liger.triton_grpo_loss against a float64 transcription of Liger-Kernel
+0.8.5's ``triton_grpo_loss`` (``liger_kernel/transformers/grpo_loss.py`` and the op in
+``liger_kernel/ops/grpo_loss.py``), written here from the math: the ``(B, L + 1, V)`` logits
+layout and temperature, the PPO / CISPO / SAPO per-token losses, ``delta``, token and
+sequence importance sampling, ``vllm_is_ratio`` before the KL, k3 (bias-corrected), the six
+reductions and the ``[kl_mean, clip_ratio]`` metrics; values, gradients w.r.t. the logits
+under a random upstream gradient, and the errors Liger raises."""
+
+import inspect
+
+import pytest
+import torch
+from helpers import rel_err
+
+from fused_rl.compat.liger import LOSS_TYPES, triton_grpo_loss
+
+# ----------------------------------------------------------------------------- the oracle
+
+
+def o_liger(logits, old, ref, ids, adv, mask=None, temperature=0.9, beta=0.04, eps_low=0.2,
+            eps_high=0.4, loss_type="dapo", max_completion_length=None,
+            importance_sampling_level="token", reduce=False, sapo_temperature_pos=1.0,
+            sapo_temperature_neg=1.05, vllm_is_ratio=None, delta=None,
+            use_bias_correction_kl=False, num_items_in_batch=None):  # fmt: skip
+    """Liger's GRPO loss in float64 with autograd (its gradients are the exact ones)."""
+    B, L = ids.shape
+    m = torch.ones(B, L, dtype=torch.float64) if mask is None else mask.double()
+    safe_ids = torch.where(m != 0, ids, 0)  # Liger never reads masked ids
+    logp = torch.log_softmax(logits[:, :-1].double() / temperature, -1)
+    logp = logp.gather(-1, safe_ids[..., None])[..., 0]
+    old = logp.detach() if old is None else old.double()
+    A = adv.double()[:, None]
+    log_ratio = logp - old
+    if importance_sampling_level == "sequence":
+        log_ratio = (log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
+    coef_1 = torch.exp(log_ratio)
+    if loss_type == "cispo":
+        coef_2 = torch.clamp(coef_1, max=eps_high).detach()
+        loss = -coef_2 * A * logp
+        clipped = (coef_1 > eps_high) & (A > 0)
+    elif loss_type == "sapo":
+        tau = torch.where(A > 0, sapo_temperature_pos, sapo_temperature_neg).double()
+        loss = -torch.sigmoid(tau * (coef_1 - 1.0)) * 4.0 / tau * A
+        clipped = torch.zeros_like(coef_1, dtype=torch.bool)
+    else:
+        coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+        clipped = ((coef_1 < 1 - eps_low) & (A < 0)) | ((coef_1 > 1 + eps_high) & (A > 0))
+        c1 = coef_1 if delta is None else torch.clamp(coef_1, max=delta)
+        loss = -torch.minimum(c1 * A, coef_2 * A)
+    loss = loss.expand(B, L)
+    clipped = clipped.expand(B, L).double()
+    if vllm_is_ratio is not None:
+        w = vllm_is_ratio.double()
+        loss = loss * (w[:, None] if w.dim() == 1 else w)
+    kl = None
+    if beta != 0.0:
+        neg = ref.double() - logp
+        kl = torch.exp(neg) - neg - 1
+        if use_bias_correction_kl:
+            kl = kl * coef_1
+        loss = loss + beta * kl
+    if not reduce:
+        return loss * m, None if kl is None else kl * m, clipped * m
+    if loss_type in ("grpo", "sapo"):
+        red = ((loss * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
+    elif loss_type == "bnpo":
+        red = (loss * m).sum() / m.sum().clamp(min=1)
+    elif loss_type == "dr_grpo":
+        red = (loss * m).sum() / (B * (max_completion_length or L))
+    else:
+        n = m.sum() if num_items_in_batch is None else torch.as_tensor(float(num_items_in_batch))
+        red = (loss * m).sum() / n.clamp(min=1)
+    count = m.sum().clamp(min=1)
+    metrics = [] if kl is None else [(kl.detach() * m).sum() / count]
+    metrics.append((clipped * m).sum() / count)
+    return red, metrics
+
+
+# ----------------------------------------------------------------------------- inputs
+
+B, L, V = 3, 5, 32
+
+
+def make_case(seed=0, far=True):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, L + 1, V, generator=g, dtype=torch.float64) * 2
+    ids = torch.randint(0, V, (B, L), generator=g)
+    with torch.no_grad():
+        logp = torch.log_softmax(logits[:, :-1] / 0.9, -1).gather(-1, ids[..., None])[..., 0]
+    old = logp + torch.randn(B, L, generator=g, dtype=torch.float64) * 0.3
+    if far:  # ratios far from 1
+        old[0, 1] = logp[0, 1] - 3.0
+        old[1, 0] = logp[1, 0] + 4.0
+    ref = logp + torch.randn(B, L, generator=g, dtype=torch.float64) * 0.5
+    adv = torch.tensor([0.8, -1.3, 0.0], dtype=torch.float64)  # positive, negative, zero
+    mask = torch.ones(B, L, dtype=torch.long)
+    mask[1, 3:] = 0  # padding
+    mask[2, 0] = 0
+    ids[1, 4] = -100  # a padding id Liger never reads
+    vllm = torch.rand(B, L, generator=g, dtype=torch.float64) + 0.5
+    return logits, old, ref, ids, adv, mask, vllm
+
+
+def run(kwargs, case=None, seed=1, float_mask=False):
+    """The adapter and the oracle, both differentiated under one random upstream gradient."""
+    logits, old, ref, ids, adv, mask, vllm = case or make_case()
+    if float_mask:
+        mask = mask.double()
+    args = dict(old=old, ref=ref, ids=ids, adv=adv, mask=mask)
+    kwargs = dict(kwargs)
+    if kwargs.pop("with_vllm", False):
+        kwargs["vllm_is_ratio"] = vllm
+    if kwargs.pop("on_policy", False):
+        args["old"] = None
+    g = torch.Generator().manual_seed(seed)
+    x = logits.clone().requires_grad_()
+    y = logits.clone().requires_grad_()
+    ours = triton_grpo_loss(x, args["old"], args["ref"], ids, adv, mask, **kwargs)
+    theirs = o_liger(y, args["old"], args["ref"], ids, adv, mask, **kwargs)
+    if kwargs.get("reduce", False):
+        up = torch.randn((), generator=g, dtype=torch.float64)
+        ours[0].backward(up.float())
+        theirs[0].backward(up)
+    else:
+        up = torch.randn(B, L, generator=g, dtype=torch.float64)
+        ours[0].backward(up.float())
+        theirs[0].backward(up)
+    return ours, theirs, x.grad, y.grad
+
+
+FP32_OUT = 2e-7  # the outputs are fp32 (as Liger's), computed in fp64 and rounded once
+
+
+def check_reduced(ours, theirs, grad, ref_grad):
+    (loss, metrics), (ref_loss, ref_metrics) = ours, theirs
+    assert loss.dtype == torch.float32 and loss.dim() == 0
+    assert rel_err(loss, ref_loss) <= FP32_OUT, (loss.item(), ref_loss.item())
+    assert rel_err(grad, ref_grad) <= 1e-6, "gradient"  # the upstream scalar was fp32
+    assert isinstance(metrics, list) and len(metrics) == len(ref_metrics)
+    for got, want in zip(metrics, ref_metrics):
+        assert got.dtype == torch.float32 and got.dim() == 0 and not got.requires_grad
+        assert abs(got.item() - want.item()) <= 1e-6 * max(1.0, abs(want.item())), (got, want)
+    assert (grad[:, -1] == 0).all()
+
+
+def check_per_token(ours, theirs, grad, ref_grad):
+    for got, want in zip(ours, theirs):
+        if want is None:
+            assert got is None
+            continue
+        assert got.dtype == torch.float32 and got.shape == (B, L)
+        assert rel_err(got, want) <= FP32_OUT
+    assert not ours[1 if ours[1] is not None else 2].requires_grad
+    assert rel_err(grad, ref_grad) <= 1e-6
+    assert (grad[:, -1] == 0).all()
+
+
+# ----------------------------------------------------------------------------- values
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"])
+def test_reduced_against_the_oracle(loss_type):
+    """Every loss type, reduced (the fused path): padding, negative / zero advantages, ratios
+    far from 1, vLLM IS weights, the KL, the default temperature 0.9."""
+    kwargs = dict(loss_type=loss_type, reduce=True, with_vllm=True, beta=0.04,
+                  eps_high=5.0 if loss_type == "cispo" else 0.28)  # fmt: skip
+    check_reduced(*run(kwargs))
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo", "sapo"])
+def test_per_token_against_the_oracle(loss_type):
+    """reduce=False (Liger's default): (per_token_loss, per_token_kl, is_clipped)."""
+    check_per_token(*run(dict(loss_type=loss_type, with_vllm=True)))
+
+
+@pytest.mark.parametrize("reduce", [True, False])
+def test_sequence_level_delta_bias_corrected_kl(reduce):
+    """GSPO (sequence ratio, exact gradient), delta, (B, 1) vLLM weights and the
+    bias-corrected KL (exact at sequence level, as TRL and Liger 0.8.5)."""
+    logits, old, ref, ids, adv, mask, vllm = make_case(seed=2)
+    kwargs = dict(loss_type="grpo", importance_sampling_level="sequence", delta=1.5,
+                  use_bias_correction_kl=True, beta=0.1, reduce=reduce,
+                  vllm_is_ratio=vllm[:, :1])  # fmt: skip
+    check = check_reduced if reduce else check_per_token
+    check(*run(kwargs, case=(logits, old, ref, ids, adv, mask, vllm)))
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_bias_corrected_kl_and_delta(level):
+    """The bias-corrected KL's metric is the corrected per-token KL (k3 * r), token level."""
+    kwargs = dict(loss_type="dapo", importance_sampling_level=level, delta=2.0, beta=0.2,
+                  use_bias_correction_kl=True, reduce=True, temperature=1.3)  # fmt: skip
+    check_reduced(*run(kwargs, seed=3))
+
+
+@pytest.mark.parametrize("eps_high", [0.4, 1.0, 5.0])
+@pytest.mark.parametrize("on_policy", [False, True])
+def test_cispo_caps(eps_high, on_policy):
+    """CISPO's absolute cap, below 1 (Liger's default 0.4: TRL's with epsilon_high unset),
+    at 1 and above; on-policy (old_logp=None) too."""
+    kwargs = dict(loss_type="cispo", eps_high=eps_high, reduce=True, on_policy=on_policy,
+                  beta=0.05, use_bias_correction_kl=eps_high == 0.4)  # fmt: skip
+    check_reduced(*run(kwargs, seed=4))
+    if eps_high == 0.4:
+        check_per_token(*run({**kwargs, "reduce": False}, seed=5))
+
+
+def test_normalisers():
+    """dapo's num_items_in_batch (a number or a tensor), dr_grpo's max_completion_length,
+    bnpo and grpo with a float mask and an empty row."""
+    logits, old, ref, ids, adv, mask, vllm = make_case(seed=6)
+    mask[2] = 0  # an empty sequence
+    case = (logits, old, ref, ids, adv, mask, vllm)
+    for kwargs in (
+        dict(loss_type="dapo", num_items_in_batch=40),
+        dict(loss_type="dapo", num_items_in_batch=torch.tensor(0.5)),  # clamped to 1
+        dict(loss_type="dr_grpo", max_completion_length=16),
+        dict(loss_type="bnpo"),
+        dict(loss_type="grpo"),
+        dict(loss_type="sapo", sapo_temperature_pos=0.7, sapo_temperature_neg=2.0),
+    ):
+        check_reduced(*run({**kwargs, "reduce": True, "beta": 0.0}, case=case, float_mask=True))
+
+
+def test_no_mask_and_on_policy():
+    logits, old, ref, ids, adv, mask, vllm = make_case(seed=7)
+    ids[1, 4] = 3
+    case = (logits, old, ref, ids, adv, None, vllm)
+    check_reduced(*run(dict(loss_type="grpo", reduce=True, on_policy=True), case=case))
+    check_per_token(*run(dict(loss_type="sapo", on_policy=True, beta=0.0), case=case))
+
+
+def test_inplace_is_a_no_op():
+    """Liger's inplace=True writes the gradient over the logits; here they are left alone and
+    both settings give the same result."""
+    logits, old, ref, ids, adv, mask, _ = make_case(seed=8)
+    grads = []
+    for inplace in (True, False):
+        x = logits.clone().requires_grad_()
+        loss, _ = triton_grpo_loss(x, old, ref, ids, adv, mask, inplace=inplace, reduce=True)
+        loss.backward()
+        assert torch.equal(x.detach(), logits)
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_fp32_and_bf16_logits():
+    """fp32 logits (Liger's usual input) to fp32 accuracy; bf16 logits give a bf16 gradient."""
+    logits, old, ref, ids, adv, mask, _ = make_case(seed=9)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        x = logits.to(dtype).requires_grad_()
+        loss, metrics = triton_grpo_loss(x, old.float(), ref.float(), ids, adv.float(), mask,
+                                         reduce=True)  # fmt: skip
+        loss.backward()
+        ref_loss, _ = o_liger(logits.to(dtype).double(), old, ref, ids, adv, mask, reduce=True)
+        assert loss.dtype == torch.float32 and x.grad.dtype == dtype
+        assert rel_err(loss, ref_loss) <= tol
+
+
+# ----------------------------------------------------------------------------- contract
+
+
+def test_signature_is_ligers():
+    """Liger-Kernel 0.8.5's parameters, order and defaults."""
+    expected = [
+        ("logits", inspect.Parameter.empty), ("old_logp", inspect.Parameter.empty),
+        ("ref_logp", inspect.Parameter.empty), ("completion_ids", inspect.Parameter.empty),
+        ("advantages", inspect.Parameter.empty), ("completion_mask", None),
+        ("temperature", 0.9), ("beta", 0.04), ("eps_low", 0.2), ("eps_high", 0.4),
+        ("inplace", True), ("loss_type", "dapo"), ("max_completion_length", None),
+        ("importance_sampling_level", "token"), ("reduce", False),
+        ("sapo_temperature_pos", 1.0), ("sapo_temperature_neg", 1.05),
+        ("vllm_is_ratio", None), ("delta", None), ("use_bias_correction_kl", False),
+        ("num_items_in_batch", None), ("vespo_k_pos", 2.0), ("vespo_lambda_pos", 3.0),
+        ("vespo_k_neg", 3.0), ("vespo_lambda_neg", 2.0),
+    ]  # fmt: skip
+    params = inspect.signature(triton_grpo_loss).parameters
+    assert [(n, p.default) for n, p in params.items()] == expected
+
+
+def test_errors():
+    logits, old, ref, ids, adv, mask, _ = make_case(seed=10)
+    call = lambda **kw: triton_grpo_loss(  # noqa: E731
+        kw.pop("logits", logits), old, kw.pop("ref", ref), kw.pop("ids", ids),
+        kw.pop("adv", adv), mask, **kw)  # fmt: skip
+    for name in ("luspo", "vespo"):
+        with pytest.raises(NotImplementedError, match=rf"{name}.*issue 15"):
+            call(loss_type=name)
+    with pytest.raises(ValueError, match=r"Unknown loss_type 'ppo'\. Supported types: ") as e:
+        call(loss_type="ppo")
+    assert all(repr(t) in str(e.value) for t in LOSS_TYPES)
+    for loss_type in ("cispo", "sapo"):
+        with pytest.raises(ValueError, match=rf"delta .*loss_type='{loss_type}'"):
+            call(loss_type=loss_type, delta=2.0)
+        with pytest.raises(ValueError, match="Sequence-level importance sampling"):
+            call(loss_type=loss_type, importance_sampling_level="sequence")
+    with pytest.raises(ValueError, match="sapo_temperature_neg must be positive"):
+        call(loss_type="sapo", sapo_temperature_neg=0.0)
+    with pytest.raises(AssertionError, match="ref_logp"):
+        call(ref=None)
+    with pytest.raises(AssertionError, match="importance_sampling_level"):
+        call(importance_sampling_level="sequence_token")
+    with pytest.raises(AssertionError, match="must provide"):
+        call(adv=None)
+    with pytest.raises(ValueError, match=r"\(B, L \+ 1, V\)"):
+        call(logits=logits[:, :-1])
+    with pytest.raises(ValueError, match="advantages"):
+        call(adv=adv[:, None].expand(B, L))
+    with pytest.raises(ValueError, match="delta"):
+        call(delta=1.2)  # not above 1 + eps_high
+    with pytest.raises(ValueError, match="eps_high"):
+        call(loss_type="cispo", eps_high=0.0)
+    bad = ids.clone()
+    bad[0, 0] = V
+    with pytest.raises(ValueError, match="completion_ids"):
+        call(ids=bad)
+    triton_grpo_loss(logits, old, ref, ids, adv, mask)  # -100 at a masked token: never read
