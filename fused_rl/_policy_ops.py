@@ -35,7 +35,7 @@ METRIC_COLUMNS = {
 }
 AUX_COLUMN, KL_COLUMN, ENTROPY_COLUMN, N_COLS = 5, 8, 9, 11
 # what the COL_AUX column holds, per surrogate (fused_rl.losses.SURROGATES order)
-AUX_METRIC = ("dual_clip_frac", "cispo_clip_frac", "sapo_gate_mean", None, None)
+AUX_METRIC = ("dual_clip_frac", "cispo_clip_frac", "sapo_gate_mean", None, None, "vespo_phi_mean")
 FINALIZE_BLOCK_B, FINALIZE_BLOCK_T, TOKEN_BLOCK_T = 16, 128, 256
 
 
@@ -96,7 +96,7 @@ def _token_layer(logp, entropy, targets, adv, old, ref, mask, is_w, ignore_index
     if outer * inner == 0:
         return
     eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef, *variant = hyper
-    surrogate, tau_pos, tau_neg, bias_kl = variant
+    surrogate, sp0, sp1, sp2, sp3, bias_kl = variant
     dummy = g
     _policy_token_fwd_kernel[(outer,)](
         logp, entropy if entropy is not None else dummy,
@@ -105,7 +105,7 @@ def _token_layer(logp, entropy, targets, adv, old, ref, mask, is_w, ignore_index
         is_w if is_w is not None else dummy, g, h, part,
         inner, *logp.stride(), *_strides(entropy), *_strides(targets), *adv.stride(),
         *_strides(old), *_strides(ref), *_strides(mask), *_strides(is_w), ignore_index,
-        *_pairs(eps_low, eps_high, dual_clip, delta, beta, entropy_coef, tau_pos, tau_neg),
+        *_pairs(eps_low, eps_high, dual_clip, delta, beta, entropy_coef, sp0, sp1, sp2, sp3),
         SURROGATE=surrogate, HAS_ENTROPY=entropy is not None, HAS_TARGETS=targets is not None,
         HAS_OLD=old is not None, HAS_REF=ref is not None, HAS_MASK=mask is not None,
         HAS_IS=is_w is not None, ADD_KL=ref is not None and beta != 0.0, KL_KIND=kl_kind,
@@ -132,7 +132,7 @@ def _fused_rows(logits3d, targets, adv, old, ref, mask, is_w, temperature, ignor
     if outer * inner == 0:
         return
     eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef, *variant = hyper
-    surrogate, tau_pos, tau_neg, bias_kl = variant
+    surrogate, sp0, sp1, sp2, sp3, bias_kl = variant
     block = vocab_block(vocab)
     _policy_loss_fwd_kernel[(outer * inner,)](
         logits3d, targets, adv, old if old is not None else g, ref if ref is not None else g,
@@ -142,7 +142,7 @@ def _fused_rows(logits3d, targets, adv, old, ref, mask, is_w, temperature, ignor
         inner, position_shift(positions, inner), vocab, *logits3d.stride(),
         *targets.stride(), *adv.stride(), *_strides(old), *_strides(ref), *_strides(mask),
         *_strides(is_w), *f32_pair(1.0 / temperature), ignore_index,
-        *_pairs(eps_low, eps_high, dual_clip, delta, beta, entropy_coef, tau_pos, tau_neg),
+        *_pairs(eps_low, eps_high, dual_clip, delta, beta, entropy_coef, sp0, sp1, sp2, sp3),
         SURROGATE=surrogate, HAS_OLD=old is not None, HAS_REF=ref is not None,
         HAS_MASK=mask is not None, HAS_IS=is_w is not None,
         ADD_KL=ref is not None and beta != 0.0, KL_KIND=kl_kind, BIAS_KL=bias_kl,
@@ -174,8 +174,10 @@ def policy_rows_grad_into(
     with_entropy: bool,
     is_w: Tensor | None,
     surrogate: int,
-    tau_pos: float,
-    tau_neg: float,
+    sp0: float,
+    sp1: float,
+    sp2: float,
+    sp3: float,
     bias_kl: bool,
 ) -> Tensor:
     """The fused forward for token-level importance sampling, without the reduction, and
@@ -194,7 +196,7 @@ def policy_rows_grad_into(
     new = lambda on=True: logits3d.new_empty((outer, inner) if on else (0,), dtype=dtype)
     part = logits3d.new_empty((N_COLS, outer * inner), dtype=dtype)
     hyper = (eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef, surrogate,
-             tau_pos, tau_neg, bias_kl)  # fmt: skip
+             sp0, sp1, sp2, sp3, bias_kl)  # fmt: skip
     _fused_rows(
         logits3d, targets, adv, old, ref, _mask_arg(mask), is_w, temperature, ignore_index,
         hyper, with_entropy or bonus, new(), new(), new(bonus), new(), new(bonus), part, grad,
@@ -223,8 +225,10 @@ def policy_rows_grad_fwd(
     with_entropy: bool,
     is_w: Tensor | None,
     surrogate: int,
-    tau_pos: float,
-    tau_neg: float,
+    sp0: float,
+    sp1: float,
+    sp2: float,
+    sp3: float,
     bias_kl: bool,
 ) -> tuple[Tensor, Tensor]:
     """:func:`policy_rows_grad_into` into a fresh gradient buffer: ``(part, grad)`` (the
@@ -233,7 +237,7 @@ def policy_rows_grad_fwd(
     part = policy_rows_grad_into(
         grad, logits3d, targets, adv, old, ref, mask, row_scale, temperature, ignore_index,
         eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef, with_entropy, is_w,
-        surrogate, tau_pos, tau_neg, bias_kl,
+        surrogate, sp0, sp1, sp2, sp3, bias_kl,
     )  # fmt: skip
     return part, grad
 
@@ -298,8 +302,10 @@ def policy_loss_fwd(
     num_items_t: Tensor | None,
     is_w: Tensor | None,
     surrogate: int,
-    tau_pos: float,
-    tau_neg: float,
+    sp0: float,
+    sp1: float,
+    sp2: float,
+    sp3: float,
     bias_kl: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The policy loss over ``(B, S, V)`` logits for ``(B, T)`` targets / per-token inputs
@@ -321,7 +327,7 @@ def policy_loss_fwd(
     g, h = new(), new(bonus)
     mask = _mask_arg(mask)
     hyper = (eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef, surrogate,
-             tau_pos, tau_neg, bias_kl)  # fmt: skip
+             sp0, sp1, sp2, sp3, bias_kl)  # fmt: skip
     if sequence:  # GSPO(-token): layer 1, then the token layer over whole sequences
         logp, entropy, row_max, log_sum = token_stats_fwd(
             logits3d, targets, temperature, ignore_index, with_entropy
@@ -408,8 +414,10 @@ def policy_logprobs_fwd(
     num_items_t: Tensor | None,
     is_w: Tensor | None,
     surrogate: int,
-    tau_pos: float,
-    tau_neg: float,
+    sp0: float,
+    sp1: float,
+    sp2: float,
+    sp3: float,
     bias_kl: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The policy loss from ``(B, T)`` log-probs (and entropy), any strides.
@@ -424,7 +432,7 @@ def policy_logprobs_fwd(
     part = logp.new_empty((N_COLS, outer * inner), dtype=dtype)
     g, h = new(), new(bonus)
     hyper = (eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef, surrogate,
-             tau_pos, tau_neg, bias_kl)  # fmt: skip
+             sp0, sp1, sp2, sp3, bias_kl)  # fmt: skip
     _token_layer(
         logp, entropy, None, adv, old, ref, _mask_arg(mask), is_w, 0, hyper, bonus, sequence, g,
         h, part,

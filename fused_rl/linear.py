@@ -427,6 +427,10 @@ def linear_policy_loss(
     surrogate: str = "ppo",
     sapo_tau_pos: float = 1.0,
     sapo_tau_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
     is_weights: Tensor | None = None,
     kl_bias_correction: bool = False,
     top_entropy_quantile: float = 1.0,
@@ -470,13 +474,20 @@ def linear_policy_loss(
         entropy_coef=entropy_coef, kl_estimator=kl_estimator,
         importance_sampling=importance_sampling, loss_agg=loss_agg, max_length=max_length,
         surrogate=surrogate, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
-        kl_bias_correction=kl_bias_correction, top_entropy_quantile=top_entropy_quantile,
+        vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+        vespo_lambda_neg=vespo_lambda_neg, kl_bias_correction=kl_bias_correction,
+        top_entropy_quantile=top_entropy_quantile,
         num_items=num_items,
     )  # fmt: skip
     variant = dict(surrogate=surrogate, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
+                   vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
+                   vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
                    is_weights=is_weights, kl_bias_correction=kl_bias_correction)  # fmt: skip
     need_entropy = with_entropy or entropy_coef != 0.0 or top_entropy_quantile < 1.0
+    # one pass when every token's gradient is known from its own row (VESPO's phi needs the
+    # sequence's total first, GSPO its ratio, the entropy selection every entropy)
     one_pass = importance_sampling == "token" and top_entropy_quantile == 1.0
+    one_pass = one_pass and surrogate != "vespo"
     if one_pass and _grad_wanted(hidden, weight, bias):
         rows, weight_c, bias_c, flat_targets, chunk, which = _prepare(
             hidden, weight, bias, targets, temperature, ignore_index, chunk_tokens, backend
@@ -544,6 +555,7 @@ def _check_options(targets, advantages, old_logprobs, ref_logprobs, mask, is_wei
 def _fused_policy_loss(rows, weight, bias, flat_targets, shape, advantages, old, ref, mask,
                        chunk, *, temperature, ignore_index, hyper, with_entropy, loss_agg,
                        max_length, num_items, surrogate, sapo_tau_pos, sapo_tau_neg,
+                       vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg,
                        is_weights, kl_bias_correction):  # fmt: skip
     """The Triton path of :func:`linear_policy_loss` for token-level importance sampling
     (:class:`_LinearPolicyLoss`): per-token inputs flattened to ``(N,)`` and the
@@ -553,6 +565,7 @@ def _fused_policy_loss(rows, weight, bias, flat_targets, shape, advantages, old,
         _constants,
         _is_weights_2d,
         _num_items_args,
+        _surrogate_params,
         _variant_args,
         _with_is_metrics,
     )
@@ -562,7 +575,9 @@ def _fused_policy_loss(rows, weight, bias, flat_targets, shape, advantages, old,
     flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
     adv, old, ref = _constants(acc, _advantages_2d(advantages, batch, length), old, ref)
     is_w = _is_weights_2d(is_weights, batch, length)
-    variant = _variant_args(is_w, surrogate, sapo_tau_pos, sapo_tau_neg, kl_bias_correction)
+    params = _surrogate_params(surrogate, sapo_tau_pos, sapo_tau_neg, vespo_k_pos,
+                               vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)  # fmt: skip
+    variant = _variant_args(is_w, surrogate, params, kl_bias_correction)
     counted = (flat_targets != ignore_index).view(batch, length)
     m = counted.to(acc) if mask is None else mask_weights(mask.detach(), acc) * counted
     scale = sequence_scale(m, loss_agg, max_length=max_length, num_items=num_items)

@@ -32,6 +32,7 @@ SURROGATES = (
     "sapo",
     "gpg",
     "gmpo",
+    "vespo",
 )  # the order of kernels/token_layer.py SURROGATE_*
 
 # ----------------------------------------------------------------------------- helpers
@@ -69,7 +70,8 @@ def _metrics(terms: dict[str, Tensor], mask_f: Tensor, surrogate: str = "ppo") -
 def check_policy_options(
     *, eps_low, eps_high, dual_clip, delta, beta, entropy_coef, kl_estimator,
     importance_sampling, loss_agg, max_length, surrogate="ppo", sapo_tau_pos=1.0,
-    sapo_tau_neg=1.05, kl_bias_correction=False, top_entropy_quantile=1.0, num_items=None,
+    sapo_tau_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
+    vespo_lambda_neg=2.0, kl_bias_correction=False, top_entropy_quantile=1.0, num_items=None,
 ) -> float:  # fmt: skip
     """Validate the hyper-parameters that need no tensor (the shared validators of
     ``_validation``; also run by ``fused_rl.nn.PolicyLoss`` at construction); return the
@@ -88,6 +90,10 @@ def check_policy_options(
     V.check_choice(kl_estimator, KL_KINDS, "kl_estimator")
     V.check_choice(importance_sampling, IMPORTANCE_SAMPLING, "importance_sampling")
     _check_surrogate(surrogate, importance_sampling, dual_clip, delta, sapo_tau_pos, sapo_tau_neg)
+    for name, value in (("vespo_k_pos", vespo_k_pos), ("vespo_k_neg", vespo_k_neg)):
+        V.check_number(value, name)
+    V.check_nonnegative(vespo_lambda_pos, "vespo_lambda_pos")
+    V.check_nonnegative(vespo_lambda_neg, "vespo_lambda_neg")
     if not isinstance(kl_bias_correction, bool):
         raise TypeError(f"kl_bias_correction must be a bool, got {kl_bias_correction!r}")
     V.check_number(top_entropy_quantile, "top_entropy_quantile")
@@ -104,6 +110,11 @@ def _check_surrogate(surrogate, importance_sampling, dual_clip, delta, tau_pos, 
             f"importance_sampling='sequence' works with the ratio surrogates ('ppo' = GSPO, "
             f"'sapo'); surrogate={surrogate!r} weighs each token's own log-prob, so use "
             "importance_sampling='token' or 'sequence-token'"
+        )
+    if surrogate == "vespo" and importance_sampling != "token":
+        raise ValueError(
+            "surrogate='vespo' weighs each token by its sequence's phi, already a sequence-level "
+            f"weight: pass importance_sampling='token' (as Liger), got {importance_sampling!r}"
         )
     if surrogate == "gmpo" and importance_sampling != "sequence":
         raise ValueError(
@@ -255,10 +266,28 @@ def _loss_from_logprobs(logp, entropy, adv2d, mask_f, weights, num_items, rollou
     return poison_empty(loss, num_items, weights.numel()), metrics
 
 
-def _variant_args(is_w, surrogate, tau_pos, tau_neg, kl_bias_correction) -> tuple:
-    """The kernels' variant arguments ``(is_w, surrogate, tau_pos, tau_neg, bias_kl)``."""
-    return (is_w, SURROGATES.index(surrogate), float(tau_pos), float(tau_neg),
-            bool(kl_bias_correction))  # fmt: skip
+def _surrogate_params(
+    surrogate, sapo_tau_pos, sapo_tau_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+    vespo_lambda_neg,
+) -> tuple[float, float, float, float]:  # fmt: skip
+    """The surrogate's own parameters, the kernels' ``sp0 ... sp3``."""
+    if surrogate == "sapo":
+        return float(sapo_tau_pos), float(sapo_tau_neg), 0.0, 0.0
+    if surrogate == "vespo":
+        return (float(vespo_k_pos), float(vespo_lambda_pos), float(vespo_k_neg),
+                float(vespo_lambda_neg))  # fmt: skip
+    return 0.0, 0.0, 0.0, 0.0
+
+
+def _variant_args(is_w, surrogate, params, kl_bias_correction) -> tuple:
+    """The kernels' variant arguments ``(is_w, surrogate, sp0, sp1, sp2, sp3, bias_kl)``."""
+    return (is_w, SURROGATES.index(surrogate), *params, bool(kl_bias_correction))
+
+
+def _is_level(importance_sampling: str, surrogate: str) -> int:
+    """The kernels' importance-sampling level: VESPO runs the sequence pass for its phi and
+    writes each token's own gradient, as GSPO-token does."""
+    return 2 if surrogate == "vespo" else IMPORTANCE_SAMPLING.index(importance_sampling)
 
 
 def _with_is_metrics(metrics, is_w, mask, targets=None, ignore_index=-100) -> dict[str, Tensor]:
@@ -299,6 +328,10 @@ def policy_loss(
     surrogate: str = "ppo",
     sapo_tau_pos: float = 1.0,
     sapo_tau_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
     is_weights: Tensor | None = None,
     kl_bias_correction: bool = False,
     top_entropy_quantile: float = 1.0,
@@ -360,9 +393,20 @@ def policy_loss(
             eps_high=C - 1``); ``"sapo"`` ``-A sigmoid(tau (r - 1)) 4 / tau`` with
             ``tau = sapo_tau_pos`` where ``A > 0``, else ``sapo_tau_neg`` (the soft gate;
             its gradient at ``r = 1`` is PPO's); ``"gpg"`` ``-A logp`` (GPG / REINFORCE).
-            ``delta`` and ``dual_clip`` apply to ``"ppo"`` only. No surrogate clamps the
-            log-ratio (verl clamps it to +-20: use its adapter for that).
+            ``"gmpo"`` (geometric-mean policy optimisation; with
+            ``importance_sampling="sequence"``): ``-A r_seq`` with ``r_seq`` the geometric
+            mean of the token ratios, each clipped in log space to ``[-eps_low, eps_high]``
+            on its advantage's side (a token the clip froze gets no gradient; use
+            ``loss_agg="seq-mean-token-mean"`` for GMPO's mean over sequences);
+            ``"vespo"`` ``-sg(phi) A logp``, ``phi = exp(lam + k ln w - lam w)`` of the
+            sequence's clamped log-weight sum ``ln w`` (its log-ratios and the
+            ``is_weights``' logs, which then weigh nothing else), ``(k, lam)`` by the sign
+            of ``A``. ``delta`` and ``dual_clip`` apply to ``"ppo"`` only. Only VESPO clamps
+            the log-ratio (verl clamps it to +-20 in vanilla / sapo / cispo: use its
+            adapter for that).
         sapo_tau_pos, sapo_tau_neg: SAPO's temperatures (> 0; TRL's and verl's defaults).
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's shape
+            parameters for ``A >= 0`` and ``A < 0`` (TRL's and Liger's defaults).
         is_weights: rollout (behaviour-policy, e.g. vLLM) importance-sampling weights,
             ``(B, T)``, ``(B, 1)`` or ``(B,)`` constants (see
             :func:`fused_rl.rollout_is_weights`): they multiply the per-token policy term
@@ -403,11 +447,12 @@ def policy_loss(
         ``entropy`` (when computed); per surrogate ``dual_clip_frac`` (ppo),
         ``cispo_clip_frac`` (cispo: ``r > 1 + eps_high`` where ``A > 0``, TRL's and Liger's
         ``clip_ratio``; ``clip_frac`` is then verl's two-sided ``r`` outside the band),
-        ``sapo_gate_mean`` (sapo); ``is_weight_*`` with ``is_weights``. The computation
-        never syncs with the host; in eager mode the check that targets lie in ``[0, V)``
-        syncs once, and the one that a float / integer ``mask`` holds no negative weight
-        once more (switch both off with ``fused_rl.config.check_values = False``; under
-        ``torch.compile`` they never run).
+        ``sapo_gate_mean`` (sapo), ``vespo_phi_mean`` (vespo: token-weighted, where TRL's
+        ``vespo/phi_seq_mean`` weighs sequences); ``is_weight_*`` with ``is_weights``. The
+        computation never syncs with the host; in eager mode the check that targets lie in
+        ``[0, V)`` syncs once, and the one that a float / integer ``mask`` holds no negative
+        weight once more (switch both off with ``fused_rl.config.check_values = False``;
+        under ``torch.compile`` they never run).
 
     Example:
         >>> import torch, fused_rl
@@ -441,7 +486,9 @@ def policy_loss(
         entropy_coef=entropy_coef, ref_logprobs=ref_logprobs, kl_estimator=kl_estimator,
         importance_sampling=importance_sampling, loss_agg=loss_agg, max_length=max_length,
         surrogate=surrogate, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
-        kl_bias_correction=kl_bias_correction, top_entropy_quantile=top_entropy_quantile,
+        vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+        vespo_lambda_neg=vespo_lambda_neg, kl_bias_correction=kl_bias_correction,
+        top_entropy_quantile=top_entropy_quantile,
         num_items=num_items,
     )  # fmt: skip
     need_entropy = with_entropy or entropy_coef != 0.0 or top_entropy_quantile < 1.0
@@ -457,14 +504,16 @@ def policy_loss(
     V.check_mask_weights(mask, "mask")
     which = resolve_backend(backend, logits, targets)
     is_w = _is_weights_2d(is_weights, batch, length)
-    variant = _variant_args(is_w, surrogate, sapo_tau_pos, sapo_tau_neg, kl_bias_correction)
+    params = _surrogate_params(surrogate, sapo_tau_pos, sapo_tau_neg, vespo_k_pos,
+                               vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)  # fmt: skip
+    variant = _variant_args(is_w, surrogate, params, kl_bias_correction)
 
     if which == "triton":
         loss, metrics, *_ = policy_loss_fwd_op(
             logits, targets, adv2d, old_logprobs, ref_logprobs, mask, float(temperature),
             int(ignore_index), float(eps_low), float(eps_high), float(dual_clip or 0.0),
             float(delta or 0.0), float(beta), KL_KINDS.index(kl_estimator), float(entropy_coef),
-            bool(need_entropy), IMPORTANCE_SAMPLING.index(importance_sampling),
+            bool(need_entropy), _is_level(importance_sampling, surrogate),
             LOSS_AGG_MODES.index(loss_agg), float(max_length or length),
             *_num_items_args(num_items), *variant,
         )  # fmt: skip
@@ -486,8 +535,8 @@ def policy_loss(
         logp, entropy, adv2d, mask_f, weights, num_items, is_w, old_logp=old_logprobs,
         ref_logp=ref_logprobs, clip=ClipConfig(eps_low, eps_high, dual_clip, delta),
         beta=beta, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
-        importance_sampling=importance_sampling, surrogate=surrogate, tau_pos=sapo_tau_pos,
-        tau_neg=sapo_tau_neg, is_weights=None if is_w is None else is_w.detach().to(acc),
+        importance_sampling=importance_sampling, surrogate=surrogate, params=params,
+        is_weights=None if is_w is None else is_w.detach().to(acc),
         kl_bias_correction=kl_bias_correction,
     )  # fmt: skip
 
@@ -519,6 +568,10 @@ def policy_loss_from_logprobs(
     surrogate: str = "ppo",
     sapo_tau_pos: float = 1.0,
     sapo_tau_neg: float = 1.05,
+    vespo_k_pos: float = 2.0,
+    vespo_lambda_pos: float = 3.0,
+    vespo_k_neg: float = 3.0,
+    vespo_lambda_neg: float = 2.0,
     is_weights: Tensor | None = None,
     kl_bias_correction: bool = False,
     top_entropy_quantile: float = 1.0,
@@ -569,7 +622,9 @@ def policy_loss_from_logprobs(
         entropy_coef=entropy_coef, ref_logprobs=ref_logprobs, kl_estimator=kl_estimator,
         importance_sampling=importance_sampling, loss_agg=loss_agg, max_length=max_length,
         surrogate=surrogate, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
-        kl_bias_correction=kl_bias_correction, top_entropy_quantile=top_entropy_quantile,
+        vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+        vespo_lambda_neg=vespo_lambda_neg, kl_bias_correction=kl_bias_correction,
+        top_entropy_quantile=top_entropy_quantile,
         num_items=num_items,
     )  # fmt: skip
     if entropy_coef != 0.0 and entropy is None:
@@ -582,13 +637,15 @@ def policy_loss_from_logprobs(
             raise ValueError("top_entropy_quantile < 1 needs the per-token entropy tensor")
         keep = top_entropy_tokens(entropy, mask, quantile=top_entropy_quantile)
         is_w = keep.to(stats_dtype(logprobs.dtype)) if is_w is None else is_w * keep
-    variant = _variant_args(is_w, surrogate, sapo_tau_pos, sapo_tau_neg, kl_bias_correction)
+    params = _surrogate_params(surrogate, sapo_tau_pos, sapo_tau_neg, vespo_k_pos,
+                               vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)  # fmt: skip
+    variant = _variant_args(is_w, surrogate, params, kl_bias_correction)
     if which == "triton":
         loss, metrics, *_ = policy_logprobs_fwd_op(
             logprobs, entropy, adv2d, old_logprobs, ref_logprobs, mask, float(eps_low),
             float(eps_high), float(dual_clip or 0.0), float(delta or 0.0), float(beta),
             KL_KINDS.index(kl_estimator), float(entropy_coef),
-            IMPORTANCE_SAMPLING.index(importance_sampling), LOSS_AGG_MODES.index(loss_agg),
+            _is_level(importance_sampling, surrogate), LOSS_AGG_MODES.index(loss_agg),
             float(max_length or length),
             *_num_items_args(num_items), *variant,
         )  # fmt: skip
@@ -606,7 +663,7 @@ def policy_loss_from_logprobs(
         logprobs, entropy, adv2d, mask_f, weights, num_items, rollout_is, old_logp=old_logprobs,
         ref_logp=ref_logprobs, clip=ClipConfig(eps_low, eps_high, dual_clip, delta),
         beta=beta, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
-        importance_sampling=importance_sampling, surrogate=surrogate, tau_pos=sapo_tau_pos,
-        tau_neg=sapo_tau_neg, is_weights=None if is_w is None else is_w.detach().to(acc),
+        importance_sampling=importance_sampling, surrogate=surrogate, params=params,
+        is_weights=None if is_w is None else is_w.detach().to(acc),
         kl_bias_correction=kl_bias_correction,
     )  # fmt: skip

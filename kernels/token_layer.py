@@ -131,6 +131,8 @@ SURROGATE_CISPO = tl.constexpr(1)
 SURROGATE_SAPO = tl.constexpr(2)
 SURROGATE_GPG = tl.constexpr(3)
 SURROGATE_GMPO = tl.constexpr(4)
+SURROGATE_VESPO = tl.constexpr(5)
+LN_1E_8 = tl.constexpr(-18.420680743952367)  # log(1e-8), VESPO's floor on the log-weight
 
 
 @triton.jit
@@ -150,8 +152,8 @@ def gmpo_log_ratio(log_ratio, adv, eps_low, eps_high):
 
 @triton.jit
 def surrogate_loss(
-    logp, log_ratio, token_log_ratio, adv, eps_low, eps_high, dual_clip, delta, tau_pos,
-    tau_neg, SURROGATE: tl.constexpr, USE_DUAL: tl.constexpr, USE_DELTA: tl.constexpr,
+    logp, log_ratio, token_log_ratio, adv, eps_low, eps_high, dual_clip, delta, sp0, sp1,
+    sp2, sp3, SURROGATE: tl.constexpr, USE_DUAL: tl.constexpr, USE_DELTA: tl.constexpr,
 ):  # fmt: skip
     """The policy term of one token: ``(loss, d loss / d log_ratio, d loss / d logp direct,
     ratio, code, aux)``; ``code`` packs the clip flags (1 clipped, 2 low, 4 high), ``aux`` is
@@ -165,7 +167,13 @@ def surrogate_loss(
     * gpg: ``-A logp`` (REINFORCE); aux 0;
     * gmpo: ``-A r`` with ``r`` the geometric-mean ratio built by the sequence pass from
       :func:`gmpo_log_ratio`; flags from this token's own log-ratio ``token_log_ratio``
-      (frozen by the log-space clip: 2 low where ``A < 0``, 4 high where ``A > 0``).
+      (frozen by the log-space clip: 2 low where ``A < 0``, 4 high where ``A > 0``);
+    * vespo: ``-sg(phi) A logp`` with ``log_ratio`` the sequence's log-weight sum ``S`` (the
+      sequence pass), ``ln w = clamp(S, ln 1e-8, 20)``, ``phi = exp(lam + k ln w - lam w)``
+      (0 where not finite), ``(k, lam)`` = ``(sp0, sp1)`` where ``A >= 0`` else
+      ``(sp2, sp3)``, ``lam >= 1e-4``; aux: ``phi``.
+
+    ``sp0 ... sp3`` are the surrogate's own parameters (sapo: ``tau_pos``, ``tau_neg``).
     """
     ratio = tl.exp(log_ratio)
     zero = logp * 0.0
@@ -190,7 +198,7 @@ def surrogate_loss(
         code = tl.where(low | high, 1, 0) + tl.where(low, 2, 0) + tl.where(high, 4, 0)
         aux = tl.where(high & (adv > 0), 1.0, 0.0)
     elif SURROGATE == SURROGATE_SAPO:
-        tau = tl.where(adv > 0, tau_pos, tau_neg)
+        tau = tl.where(adv > 0, sp0, sp1)
         gate = tl.sigmoid(tau * (ratio - 1.0))
         aux = gate * 4.0 / tau
         loss = -adv * aux
@@ -201,12 +209,25 @@ def surrogate_loss(
         d_ratio = zero
         d_direct = -adv
         code = tl.where(ratio != ratio, 0, 0)
-    else:
+    elif SURROGATE == SURROGATE_GMPO:
         loss = -adv * ratio
         d_ratio = loss
         low = (adv < 0) & (token_log_ratio < -eps_low)
         high = (adv > 0) & (token_log_ratio > eps_high)
         code = tl.where(low | high, 1, 0) + tl.where(low, 2, 0) + tl.where(high, 4, 0)
+    else:
+        log_w = clamp(log_ratio, LN_1E_8, 20.0)
+        positive = adv >= 0
+        k = tl.where(positive, sp0, sp2)
+        lam = tl.maximum(tl.where(positive, sp1, sp3), 1e-4)
+        phi = tl.exp(lam + k * log_w - lam * tl.exp(log_w))
+        phi = tl.where(tl.abs(phi) < float("inf"), phi, 0.0)  # NaN / inf -> 0, as TRL
+        aux = phi
+        ratio = tl.exp(token_log_ratio)  # for the metrics and a bias-corrected KL
+        loss = -phi * adv * logp
+        d_ratio = zero
+        d_direct = -phi * adv
+        code = tl.where(ratio != ratio, 0, 0)
     return loss, d_ratio, d_direct, ratio, code, aux
 
 
@@ -225,8 +246,10 @@ def policy_token_loss(
     delta,
     beta,
     entropy_coef,
-    tau_pos,
-    tau_neg,
+    sp0,
+    sp1,
+    sp2,
+    sp3,
     SURROGATE: tl.constexpr,
     HAS_REF: tl.constexpr,
     ADD_KL: tl.constexpr,
@@ -248,12 +271,13 @@ def policy_token_loss(
     at token level ``dL/dlogp = d_ratio + d_direct``. ``kl`` is 0 without ``HAS_REF``.
     """
     loss, d_ratio, d_direct, ratio, code, aux = surrogate_loss(
-        logp, log_ratio, token_log_ratio, adv, eps_low, eps_high, dual_clip, delta, tau_pos,
-        tau_neg, SURROGATE, USE_DUAL, USE_DELTA,
+        logp, log_ratio, token_log_ratio, adv, eps_low, eps_high, dual_clip, delta, sp0, sp1,
+        sp2, sp3, SURROGATE, USE_DUAL, USE_DELTA,
     )  # fmt: skip
-    loss = loss * is_weight
-    d_ratio = d_ratio * is_weight
-    d_direct = d_direct * is_weight
+    if SURROGATE != SURROGATE_VESPO:  # VESPO folds the IS weights into phi
+        loss = loss * is_weight
+        d_ratio = d_ratio * is_weight
+        d_direct = d_direct * is_weight
     kl = logp * 0.0
     if HAS_REF:
         kl, dkl = kl_and_grad(logp, ref_logp, KL_KIND)

@@ -14,12 +14,14 @@ its metrics.
 import triton
 import triton.language as tl
 
-from .common import as_weight, nan_max, pair, token_offset
+from .common import as_weight, clamp, nan_max, pair, token_offset
 from .token_layer import (
     COL_COUNT,
     COL_LOSS,
     COL_RATIO_MAX,
+    LN_1E_8,
     SURROGATE_GMPO,
+    SURROGATE_VESPO,
     gmpo_log_ratio,
     kl_and_grad,
     policy_token_loss,
@@ -137,10 +139,14 @@ def _policy_token_fwd_kernel(
     beta_lo,
     entropy_coef_hi,
     entropy_coef_lo,
-    tau_pos_hi,
-    tau_pos_lo,
-    tau_neg_hi,
-    tau_neg_lo,
+    sp0_hi,
+    sp0_lo,
+    sp1_hi,
+    sp1_lo,
+    sp2_hi,
+    sp2_lo,
+    sp3_hi,
+    sp3_lo,
     SURROGATE: tl.constexpr,
     HAS_ENTROPY: tl.constexpr,
     HAS_TARGETS: tl.constexpr,
@@ -177,8 +183,10 @@ def _policy_token_fwd_kernel(
     delta = pair(delta_hi, delta_lo, ACC)
     beta = pair(beta_hi, beta_lo, ACC)
     entropy_coef = pair(entropy_coef_hi, entropy_coef_lo, ACC)
-    tau_pos = pair(tau_pos_hi, tau_pos_lo, ACC)
-    tau_neg = pair(tau_neg_hi, tau_neg_lo, ACC)
+    sp0 = pair(sp0_hi, sp0_lo, ACC)
+    sp1 = pair(sp1_hi, sp1_lo, ACC)
+    sp2 = pair(sp2_hi, sp2_lo, ACC)
+    sp3 = pair(sp3_hi, sp3_lo, ACC)
     n_rows = tl.num_programs(0).to(tl.int64) * rows_inner
     offs = tl.arange(0, BLOCK_T)
     seq_lr = tl.zeros((), ACC)
@@ -199,10 +207,18 @@ def _policy_token_fwd_kernel(
             token_lr = logp - old
             if SURROGATE == SURROGATE_GMPO:  # the geometric mean of log-space-clipped ratios
                 token_lr, _ = gmpo_log_ratio(token_lr, adv, eps_low, eps_high)
+            if SURROGATE == SURROGATE_VESPO:  # the clamped log-weight SUM, rollout IS folded in
+                token_lr = clamp(token_lr, -20.0, 20.0)
             acc_lr += tl.where(m != 0, m * token_lr, 0.0)
+            if SURROGATE == SURROGATE_VESPO and HAS_IS:
+                is_raw = _load_tokens(is_ptr, b, ts, rows_inner, is_stride_outer,
+                                      is_stride_inner, in_seq).to(ACC)  # fmt: skip
+                acc_lr += tl.where(m != 0, clamp(tl.log(is_raw), LN_1E_8, 20.0), 0.0)
             acc_n += m
         seq_n = tl.sum(acc_n, 0)
         seq_lr = tl.where(seq_n != 0, tl.sum(acc_lr, 0) / tl.where(seq_n != 0, seq_n, 1.0), 0.0)
+        if SURROGATE == SURROGATE_VESPO:
+            seq_lr = tl.sum(acc_lr, 0)
     acc_g = tl.zeros((BLOCK_T,), ACC)
     for t0 in range(0, rows_inner, BLOCK_T):
         ts = t0 + offs
@@ -230,7 +246,7 @@ def _policy_token_fwd_kernel(
             is_weight = tl.where(m != 0, is_raw, 1.0)
         loss, d_ratio, d_direct, ratio, code, aux, kl = policy_token_loss(
             logp, entropy, log_ratio, logp - old, adv, ref, is_weight, eps_low, eps_high,
-            dual_clip, delta, beta, entropy_coef, tau_pos, tau_neg, SURROGATE, HAS_REF, ADD_KL,
+            dual_clip, delta, beta, entropy_coef, sp0, sp1, sp2, sp3, SURROGATE, HAS_REF, ADD_KL,
             KL_KIND, BIAS_KL, ENTROPY_BONUS, USE_DUAL, USE_DELTA,
         )  # fmt: skip
         counted = m != 0

@@ -91,10 +91,14 @@ def _policy_loss_fwd_kernel(
     beta_lo,
     entropy_coef_hi,
     entropy_coef_lo,
-    tau_pos_hi,
-    tau_pos_lo,
-    tau_neg_hi,
-    tau_neg_lo,
+    sp0_hi,
+    sp0_lo,
+    sp1_hi,
+    sp1_lo,
+    sp2_hi,
+    sp2_lo,
+    sp3_hi,
+    sp3_lo,
     SURROGATE: tl.constexpr,
     HAS_OLD: tl.constexpr,
     HAS_REF: tl.constexpr,
@@ -131,8 +135,10 @@ def _policy_loss_fwd_kernel(
     delta = pair(delta_hi, delta_lo, ACC)
     beta = pair(beta_hi, beta_lo, ACC)
     entropy_coef = pair(entropy_coef_hi, entropy_coef_lo, ACC)
-    tau_pos = pair(tau_pos_hi, tau_pos_lo, ACC)
-    tau_neg = pair(tau_neg_hi, tau_neg_lo, ACC)
+    sp0 = pair(sp0_hi, sp0_lo, ACC)
+    sp1 = pair(sp1_hi, sp1_lo, ACC)
+    sp2 = pair(sp2_hi, sp2_lo, ACC)
+    sp3 = pair(sp3_hi, sp3_lo, ACC)
     row_ptr = row_pointer(logits_ptr, row, rows_inner, shift, stride_outer, stride_inner)
     target = tl.load(targets_ptr + token_offset(row, rows_inner, t_stride_outer, t_stride_inner))
     target = target.to(tl.int64)
@@ -169,7 +175,7 @@ def _policy_loss_fwd_kernel(
         is_weight = tl.where(active, tl.load(is_ptr + is_off).to(ACC), 1.0)
     loss, d_ratio, d_direct, ratio, code, aux, kl = policy_token_loss(
         logp, entropy, logp - old, logp - old, adv, ref, is_weight, eps_low, eps_high,
-        dual_clip, delta, beta, entropy_coef, tau_pos, tau_neg, SURROGATE, HAS_REF, ADD_KL,
+        dual_clip, delta, beta, entropy_coef, sp0, sp1, sp2, sp3, SURROGATE, HAS_REF, ADD_KL,
         KL_KIND, BIAS_KL, ENTROPY_BONUS, USE_DUAL, USE_DELTA,
     )  # fmt: skip
     dloss_dlogp = d_ratio + d_direct  # token level: the ratio moves with this logp only

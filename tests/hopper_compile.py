@@ -39,7 +39,7 @@ FLOAT_ARGS = {
     "decay_lo", "coef_hi", "coef_lo", "num_items", "n_seq", "max_length", "eps_hi", "eps_lo",
     "eps_low_hi", "eps_low_lo", "eps_high_hi", "eps_high_lo", "dual_clip_hi", "dual_clip_lo",
     "delta_hi", "delta_lo", "beta_hi", "beta_lo", "entropy_coef_hi", "entropy_coef_lo",
-    "tau_pos_hi", "tau_pos_lo", "tau_neg_hi", "tau_neg_lo",
+    "sp0_hi", "sp0_lo", "sp1_hi", "sp1_lo", "sp2_hi", "sp2_lo", "sp3_hi", "sp3_lo",
 }  # fmt: skip
 # modules whose every pointer offset must be computed in 64 bits (narrow_offset_products)
 WIDE_OFFSET_MODULES = ["token_reductions", "token_values", "token_gaussian", "token_rollout"]
@@ -58,7 +58,7 @@ INPUT_POINTERS = {"logits_ptr", "grad_ptr", "x_ptr", "gx_ptr", "v_ptr", "gv_ptr"
 # small values so the compile stays fast; the real launchers pick larger ones
 BLOCKS = {"BLOCK_V": 256, "BLOCK": 256, "BLOCK_P": 128, "BLOCK_T": 64, "BLOCK_N": 64, "BLOCK_R": 16,
           "BLOCK_B": 16}  # fmt: skip
-ENUMS = {"KL_KIND": 5, "KIND": 5, "MODE": 3, "AGG": 4, "SURROGATE": 5}
+ENUMS = {"KL_KIND": 5, "KIND": 5, "MODE": 3, "AGG": 4, "SURROGATE": 6}
 
 
 def _kernels(modules=MODULES):

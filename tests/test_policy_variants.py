@@ -21,6 +21,8 @@ negative and zero advantages, ratios far from 1.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -62,8 +64,8 @@ def _oracle(r, logits, **kw):
 
 
 def _oracle_logp(r, logp, *, surrogate, eps_low=0.2, eps_high=0.28, tau_pos=1.0, tau_neg=1.05,
-                 beta=0.0, is_weights=None, bias=False, sequence=False,
-                 loss_agg="token-mean"):  # fmt: skip
+                 k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0, beta=0.0,
+                 is_weights=None, bias=False, sequence=False, loss_agg="token-mean"):  # fmt: skip
     """float64 loss and metrics from per-token ``logp`` (float64, with grad)."""
     m = (r["mask"] & (r["targets"] != -100)).double()
     logp = torch.where(m > 0, logp, torch.zeros_like(logp))
@@ -97,10 +99,26 @@ def _oracle_logp(r, logp, *, surrogate, eps_low=0.2, eps_high=0.28, tau_pos=1.0,
         pol = -aux * adv
     elif surrogate == "gpg":
         pol = -adv * logp
+    elif surrogate == "vespo":  # TRL get_gamma_weights: everything under no_grad
+        with torch.no_grad():
+            total = (token_delta.clamp(-20, 20) * m).sum(1, keepdim=True)
+            if is_weights is not None:
+                w_is = is_weights.double().reshape(B, -1).expand(B, T)
+                total = total + (w_is.log().clamp(math.log(1e-8), 20) * m).sum(1, keepdim=True)
+            log_w = total.clamp(math.log(1e-8), 20)
+            k = torch.where(adv >= 0, k_pos, k_neg).double()
+            lam = torch.where(adv >= 0, lambda_pos, lambda_neg).double().clamp(min=1e-4)
+            phi = torch.exp(lam + k * log_w - lam * log_w.exp())
+            phi = torch.where(torch.isfinite(phi), phi, torch.zeros_like(phi))
+        pol = -phi * adv * logp
+        aux = phi
+        ratio = torch.exp(token_delta)
+        is_weights_for_metrics, is_weights = is_weights, None  # folded into phi
     else:  # gmpo: -A times the geometric mean of the clipped ratios
         pol = -adv * ratio
         d = token_delta.detach()
         clipped = ((adv > 0) & (d > eps_high)) | ((adv < 0) & (d < -eps_low))
+    is_weights_for_metrics = locals().get("is_weights_for_metrics", is_weights)
     if is_weights is not None:
         is_weights = is_weights.double().reshape(B, -1).expand(B, T)
         pol = pol * is_weights
@@ -113,11 +131,12 @@ def _oracle_logp(r, logp, *, surrogate, eps_low=0.2, eps_high=0.28, tau_pos=1.0,
         loss = ((per_token * m).sum(1) / n.clamp(min=1)).sum() / B
     mean = lambda x: (x.double() * m).sum() / m.sum()  # noqa: E731
     metrics = {"clip_frac": mean(clipped), "ratio_mean": mean(ratio.detach())}
-    name = {"ppo": None, "cispo": "cispo_clip_frac", "sapo": "sapo_gate_mean"}.get(surrogate)
+    names = {"cispo": "cispo_clip_frac", "sapo": "sapo_gate_mean", "vespo": "vespo_phi_mean"}
+    name = names.get(surrogate)
     if name:
         metrics[name] = mean(aux.detach())
-    if is_weights is not None:
-        w = is_weights[m > 0]
+    if is_weights_for_metrics is not None:
+        w = is_weights_for_metrics.double().reshape(B, -1).expand(B, T)[m > 0]
         metrics.update(is_weight_mean=w.mean(), is_weight_min=w.min(), is_weight_max=w.max())
     return loss, metrics
 
@@ -134,6 +153,16 @@ CASES = {
     "sapo-sequence": dict(surrogate="sapo", sequence=True, eps_low=0.2),
     "gspo-token+bias_kl": dict(surrogate="ppo", sequence="token", beta=0.1, bias=True),
     "cispo-sequence-token": dict(surrogate="cispo", sequence="token", is_weights="BT"),
+    "vespo": dict(surrogate="vespo"),
+    "vespo+is+kl": dict(
+        surrogate="vespo",
+        k_pos=1.5,
+        lambda_pos=2.5,
+        k_neg=2.0,
+        lambda_neg=0.0,
+        is_weights="BT",
+        beta=0.05,
+    ),
     "gmpo": dict(
         surrogate="gmpo", sequence=True, eps_low=0.4, eps_high=0.4, loss_agg="seq-mean-token-mean"
     ),
@@ -165,6 +194,9 @@ def _kwargs(r, case):
     if "tau_pos" in ours:
         ours["sapo_tau_pos"] = ours.pop("tau_pos")
         ours["sapo_tau_neg"] = ours.pop("tau_neg")
+    for name in ("k_pos", "lambda_pos", "k_neg", "lambda_neg"):
+        if name in ours:
+            ours[f"vespo_{name}"] = ours.pop(name)
     oracle = dict(kw, sequence=seq, bias=bias, is_weights=_is_weights(r, is_kind))
     return ours, oracle
 
@@ -215,7 +247,7 @@ def test_from_logprobs_variant_matches_oracle(case, backend):
     _check(loss, metrics, want, want_metrics, [grad], [exact])
 
 
-@pytest.mark.parametrize("case", ["cispo-trl-cap", "sapo", "gpg", "ppo+is+bias_kl"])
+@pytest.mark.parametrize("case", ["cispo-trl-cap", "sapo", "gpg", "ppo+is+bias_kl", "vespo+is+kl"])
 def test_linear_policy_loss_variant_matches_oracle(case):
     """From hidden states (the fused-linear path: gradients formed in the forward)."""
     r = _rollout(seed=2)
@@ -243,7 +275,7 @@ def test_every_surrogate_has_an_oracle_case():
 def test_surrogate_metric_names():
     r = _rollout()
     names = {}
-    for surrogate in ("ppo", "cispo", "sapo", "gpg", "gmpo"):
+    for surrogate in ("ppo", "cispo", "sapo", "gpg", "gmpo", "vespo"):
         level = "sequence" if surrogate == "gmpo" else "token"
         _, metrics = fused_rl.policy_loss(
             r["logits"], r["targets"], r["adv"], surrogate=surrogate, importance_sampling=level,
@@ -257,6 +289,7 @@ def test_surrogate_metric_names():
     assert names["sapo"] == base | {"sapo_gate_mean"}
     assert names["gpg"] == base
     assert names["gmpo"] == base
+    assert names["vespo"] == base | {"vespo_phi_mean"}
 
 
 @pytest.mark.parametrize(
@@ -266,6 +299,8 @@ def test_surrogate_metric_names():
         (dict(surrogate="cispo", importance_sampling="sequence"), "importance_sampling"),
         (dict(surrogate="gpg", importance_sampling="sequence"), "importance_sampling"),
         (dict(surrogate="gmpo"), "importance_sampling"),
+        (dict(surrogate="vespo", importance_sampling="sequence"), "importance_sampling"),
+        (dict(surrogate="vespo", vespo_lambda_neg=-1.0), "vespo_lambda_neg"),
         (dict(surrogate="cispo", delta=2.0), "delta"),
         (dict(surrogate="sapo", dual_clip=3.0), "dual_clip"),
         (dict(surrogate="sapo", sapo_tau_pos=0.0), "sapo_tau_pos"),

@@ -69,8 +69,7 @@ def surrogate_terms(
     logp: torch.Tensor,
     adv: torch.Tensor,
     clip: ClipConfig,
-    tau_pos: float,
-    tau_neg: float,
+    params: tuple[float, float, float, float],
     token_log_ratio: torch.Tensor | None = None,
 ):
     """Per-token policy term of ``surrogate`` (``kernels/token_layer.surrogate_loss``):
@@ -87,7 +86,7 @@ def surrogate_terms(
         low, high = ratio < lo, ratio > hi
         return -weight * adv * logp, low | high, low, high, high & (adv > 0)
     if surrogate == "sapo":
-        tau = torch.where(adv > 0, tau_pos, tau_neg).to(ratio.dtype)
+        tau = torch.where(adv > 0, params[0], params[1]).to(ratio.dtype)
         gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
         return -adv * gate, no, no, no, gate
     if surrogate == "gpg":
@@ -96,7 +95,29 @@ def surrogate_terms(
         low = (adv < 0) & (token_log_ratio < -clip.eps_low)
         high = (adv > 0) & (token_log_ratio > clip.eps_high)
         return -adv * ratio, low | high, low, high, torch.zeros_like(ratio)
+    if surrogate == "vespo":  # ratio: the sequence's log-weight sum S (policy_token_terms)
+        log_w = torch.clamp(torch.log(ratio), LN_1E_8, 20.0)
+        positive = adv >= 0
+        k = torch.where(positive, params[0], params[2]).to(ratio.dtype)
+        lam = torch.where(positive, params[1], params[3]).to(ratio.dtype).clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+        phi = torch.where(torch.isfinite(phi), phi, torch.zeros_like(phi)).detach()
+        return -phi * adv * logp, no, no, no, phi
     raise ValueError(f"unknown surrogate {surrogate!r}")
+
+
+LN_1E_8 = -18.420680743952367  # log(1e-8), VESPO's floor on the log-weight
+
+
+def _vespo_log_weight(log_ratio, mask_f, is_weights):
+    """VESPO's per-sequence ``S = sum_t m clamp(d_t, -20, 20) + sum_t clamp(log w_t, ln 1e-8,
+    20)`` (detached, broadcast to the tokens; IS terms over counted tokens)."""
+    counted = mask_f != 0
+    total = torch.where(counted, mask_f * log_ratio.detach().clamp(-20.0, 20.0), 0.0).sum(-1)
+    if is_weights is not None:
+        log_is = torch.log(is_weights.detach()).clamp(LN_1E_8, 20.0)
+        total = total + torch.where(counted, log_is, 0.0).sum(-1)
+    return total[:, None].expand_as(log_ratio)
 
 
 def policy_token_terms(
@@ -113,8 +134,7 @@ def policy_token_terms(
     entropy_coef: float,
     importance_sampling: str,
     surrogate: str = "ppo",
-    tau_pos: float = 1.0,
-    tau_neg: float = 1.05,
+    params: tuple[float, float, float, float] = (1.0, 1.05, 0.0, 0.0),
     is_weights: torch.Tensor | None = None,
     kl_bias_correction: bool = False,
 ) -> dict[str, torch.Tensor]:
@@ -140,15 +160,19 @@ def policy_token_terms(
     log_ratio = token_log_ratio = logp - old
     if surrogate == "gmpo":
         log_ratio = gmpo_log_ratio(log_ratio, adv, clip)
-    if importance_sampling == "sequence":
+    if surrogate == "vespo":  # phi from the clamped log-weight sum, rollout IS folded in
+        log_ratio = _vespo_log_weight(log_ratio, mask_f, is_weights)
+    elif importance_sampling == "sequence":
         log_ratio = sequence_log_ratio(log_ratio, mask_f)
     elif importance_sampling == "sequence-token":  # the sequence's value, each token's gradient
         log_ratio = sequence_log_ratio(log_ratio.detach(), mask_f) + (logp - logp.detach())
     ratio = torch.exp(log_ratio)
     loss, clipped, low, high, aux = surrogate_terms(
-        surrogate, ratio, logp, adv, clip, tau_pos, tau_neg, token_log_ratio.detach()
+        surrogate, ratio, logp, adv, clip, params, token_log_ratio.detach()
     )
-    if is_weights is not None:
+    if surrogate == "vespo":  # the metrics (and a bias-corrected KL) see the token's ratio
+        ratio = torch.exp(token_log_ratio)
+    if is_weights is not None and surrogate != "vespo":
         loss = loss * torch.where(counted, is_weights, torch.ones_like(is_weights))
     terms = {
         "ratio": ratio,
