@@ -33,18 +33,23 @@ METRIC_COLUMNS = {
     "ratio_max": 10,
     "approx_kl": 7,
 }
-AUX_COLUMN, KL_COLUMN, ENTROPY_COLUMN, N_COLS = 5, 8, 9, 11
+AUX_COLUMN, KL_COLUMN, ENTROPY_COLUMN = 5, 8, 9
+# the rollout IS weights' mean / min / max (COL_IS*): written and reduced only with weights
+IS_COLUMNS = {"is_weight_mean": 11, "is_weight_min": 12, "is_weight_max": 13}
+N_BASE_COLS, N_COLS = 11, 14
 # what the COL_AUX column holds, per surrogate (fused_rl.losses.SURROGATES order)
 AUX_METRIC = ("dual_clip_frac", "cispo_clip_frac", "sapo_gate_mean", None, None, "vespo_phi_mean")
 FINALIZE_BLOCK_B, FINALIZE_BLOCK_T, TOKEN_BLOCK_T = 16, 128, 256
 
 
 def metrics_dict(
-    metrics: Tensor, *, has_kl: bool, has_entropy: bool, surrogate: int = 0
+    metrics: Tensor, *, has_kl: bool, has_entropy: bool, surrogate: int = 0, has_is: bool = False
 ) -> dict[str, Tensor]:
     """Name the finalize kernel's ``(N_COLS,)`` output (0-dim views, no copies)."""
     cols = metrics.unbind()
     out = {name: cols[k] for name, k in METRIC_COLUMNS.items()}
+    if has_is:
+        out.update({name: cols[k] for name, k in IS_COLUMNS.items()})
     if AUX_METRIC[surrogate] is not None:
         out[AUX_METRIC[surrogate]] = cols[AUX_COLUMN]
     if has_kl:
@@ -69,7 +74,7 @@ def _mask_arg(mask: Tensor | None) -> Tensor | None:
     return mask.view(torch.uint8) if mask is not None and mask.dtype == torch.bool else mask
 
 
-def _finalize(part, n_outer, inner, dtype, agg, max_length, num_items, num_items_t):
+def _finalize(part, n_outer, inner, dtype, agg, max_length, num_items, num_items_t, has_is):
     """Launch the reduction: ``(loss, metrics, seq_scale)``."""
     from .kernels.token_policy import _policy_finalize_kernel
 
@@ -78,7 +83,7 @@ def _finalize(part, n_outer, inner, dtype, agg, max_length, num_items, num_items
     metrics = torch.empty(N_COLS, dtype=torch.float32, device=dev)
     per_seq = agg == 1  # seq-mean-token-mean
     seq_scale = torch.empty(max(n_outer, 1) if per_seq else 1, dtype=dtype, device=dev)
-    _policy_finalize_kernel[(N_COLS,)](
+    _policy_finalize_kernel[(N_COLS if has_is else N_BASE_COLS,)](
         part, loss, metrics, seq_scale, num_items_t if num_items_t is not None else part,
         n_outer, inner, float(num_items), float(max(n_outer, 1)), float(max_length),
         AGG=agg, NUM_ITEMS_TENSOR=num_items_t is not None, BLOCK_B=FINALIZE_BLOCK_B,
@@ -260,13 +265,17 @@ def policy_finalize(
     max_length: float,
     num_items: float,
     num_items_t: Tensor | None,
+    has_is: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(loss, metrics, seq_scale)`` from the ``(N_COLS, outer * inner)`` partial columns
-    (the reduction every policy forward ends with, as an op of its own)."""
-    return _finalize(part, outer, inner, part.dtype, agg, max_length, num_items, num_items_t)
+    (the reduction every policy forward ends with, as an op of its own); ``has_is``: the IS
+    columns were written."""
+    return _finalize(
+        part, outer, inner, part.dtype, agg, max_length, num_items, num_items_t, has_is
+    )
 
 
-def _finalize_fake(part, outer, inner, agg, max_length, num_items, num_items_t):
+def _finalize_fake(part, outer, inner, agg, max_length, num_items, num_items_t, has_is):
     n_scale = max(outer, 1) if agg == 1 else 1
     return (
         part.new_empty(()), part.new_empty(N_COLS, dtype=torch.float32),
@@ -345,7 +354,7 @@ def policy_loss_fwd(
             with_entropy, row_max, log_sum, entropy, g, h, part,
         )  # fmt: skip
     loss, metrics, seq_scale = _finalize(
-        part, outer, inner, dtype, agg, max_length, num_items, num_items_t
+        part, outer, inner, dtype, agg, max_length, num_items, num_items_t, is_w is not None
     )
     return loss, metrics, seq_scale, row_max, log_sum, entropy, g, h
 
@@ -438,7 +447,7 @@ def policy_logprobs_fwd(
         h, part,
     )  # fmt: skip
     loss, metrics, seq_scale = _finalize(
-        part, outer, inner, dtype, agg, max_length, num_items, num_items_t
+        part, outer, inner, dtype, agg, max_length, num_items, num_items_t, is_w is not None
     )
     return loss, metrics, seq_scale, g, h
 

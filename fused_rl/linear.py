@@ -234,7 +234,9 @@ class _LinearPolicyLoss(torch.autograd.Function):
             if need_b:
                 d_bias.add_(dz.sum(0, dtype=acc))
             del z, dz
-        loss, metrics, _ = policy_finalize_op(part, *shape, agg, max_len, n_items, num_items_t)
+        loss, metrics, _ = policy_finalize_op(
+            part, *shape, agg, max_len, n_items, num_items_t, is_w is not None
+        )
         ctx.save_for_backward(
             rows, weight, bias, d_hidden,  # the inputs only to mark a double backward
             d_weight.to(weight.dtype) if need_w else None,
@@ -567,7 +569,6 @@ def _fused_policy_loss(rows, weight, bias, flat_targets, shape, advantages, old,
         _num_items_args,
         _surrogate_params,
         _variant_args,
-        _with_is_metrics,
     )
 
     batch, length = shape
@@ -594,6 +595,5 @@ def _fused_policy_loss(rows, weight, bias, flat_targets, shape, advantages, old,
             row_scale, n_items_t, config,
         )  # fmt: skip
     out = metrics_dict(metrics, has_kl=ref is not None, has_entropy=with_entropy,
-                       surrogate=variant[1])  # fmt: skip
-    out = _with_is_metrics(out, is_w, mask, flat_targets.view(batch, length), ignore_index)
+                       surrogate=variant[1], has_is=is_w is not None)  # fmt: skip
     return poison_empty(loss, num_items, batch * length), out

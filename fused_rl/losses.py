@@ -290,17 +290,11 @@ def _is_level(importance_sampling: str, surrogate: str) -> int:
     return 2 if surrogate == "vespo" else IMPORTANCE_SAMPLING.index(importance_sampling)
 
 
-def _with_is_metrics(metrics, is_w, mask, targets=None, ignore_index=-100) -> dict[str, Tensor]:
-    """The kernels' metrics plus the IS-weight ones (torch, only when weights are given);
-    counted tokens: ``mask`` (None: all) where ``targets`` (None: all) is not ignored."""
-    if is_w is None:
-        return metrics
-    mask_f = torch.ones_like(is_w, dtype=torch.float32)
-    if mask is not None:
-        mask_f = mask_weights(mask.detach(), torch.float32)
-    if targets is not None:
-        mask_f = mask_f * (targets != ignore_index)
-    return {**metrics, **_is_metrics(is_w, mask_f)}
+def _counted_weights(mask, like) -> Tensor:
+    """``mask`` as fp32 weights (None: every token counts), ``like``'s shape."""
+    if mask is None:
+        return torch.ones(like.shape, dtype=torch.float32, device=like.device)
+    return mask_weights(mask.detach(), torch.float32)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -518,8 +512,9 @@ def policy_loss(
             *_num_items_args(num_items), *variant,
         )  # fmt: skip
         has_kl = ref_logprobs is not None
-        out = metrics_dict(metrics, has_kl=has_kl, has_entropy=need_entropy, surrogate=variant[1])
-        return loss, _with_is_metrics(out, is_w, mask, targets, ignore_index)
+        out = metrics_dict(metrics, has_kl=has_kl, has_entropy=need_entropy,
+                           surrogate=variant[1], has_is=is_w is not None)  # fmt: skip
+        return loss, out
 
     acc = stats_dtype(logits.dtype)
     adv2d, old_logprobs, ref_logprobs = _constants(acc, adv2d, old_logprobs, ref_logprobs)
@@ -650,8 +645,11 @@ def policy_loss_from_logprobs(
             *_num_items_args(num_items), *variant,
         )  # fmt: skip
         out = metrics_dict(metrics, has_kl=ref_logprobs is not None,
-                           has_entropy=entropy is not None, surrogate=variant[1])  # fmt: skip
-        return loss, _with_is_metrics(out, rollout_is, mask)
+                           has_entropy=entropy is not None, surrogate=variant[1],
+                           has_is=rollout_is is not None)  # fmt: skip
+        if rollout_is is not None and is_w is not rollout_is:  # the kernel saw them masked
+            out.update(_is_metrics(rollout_is, _counted_weights(mask, rollout_is)))
+        return loss, out
     acc = stats_dtype(logprobs.dtype)
     adv2d, old_logprobs, ref_logprobs = _constants(acc, adv2d, old_logprobs, ref_logprobs)
     entropy = None if entropy is None else entropy.to(acc)  # as the kernel reads it; keeps grad

@@ -123,6 +123,11 @@ COL_APPROX_KL = tl.constexpr(7)
 COL_KL = tl.constexpr(8)
 COL_ENTROPY = tl.constexpr(9)
 COL_RATIO_MAX = tl.constexpr(10)  # the ratio itself (reduced with max, not sum)
+# rollout IS weights, written only with them (HAS_IS) and reduced only then: m * w (mean),
+# w at counted tokens (+inf elsewhere, reduced with min), w (0 elsewhere, reduced with max)
+COL_IS = tl.constexpr(11)
+COL_IS_MIN = tl.constexpr(12)
+COL_IS_MAX = tl.constexpr(13)
 
 
 # surrogates, in the order of fused_rl.losses.SURROGATES
@@ -301,7 +306,20 @@ def _flag(code, bit: tl.constexpr, counted, m):
 
 @triton.jit
 def store_policy_partials(
-    part_ptr, n_rows, rows, store_mask, m, loss, code, aux, ratio, neg_log_ratio, kl, entropy
+    part_ptr,
+    n_rows,
+    rows,
+    store_mask,
+    m,
+    loss,
+    code,
+    aux,
+    ratio,
+    neg_log_ratio,
+    kl,
+    entropy,
+    is_weight,
+    HAS_IS: tl.constexpr,
 ):
     """Write one token's (or a block's) ``m * x`` for every metric column; tokens with
     ``m == 0`` write exact zeros whatever their (possibly NaN / inf) values."""
@@ -320,3 +338,8 @@ def store_policy_partials(
     tl.store(col + COL_KL * n_rows, tl.where(counted, m * kl, zero), mask=store_mask)
     tl.store(col + COL_ENTROPY * n_rows, tl.where(counted, m * entropy, zero), mask=store_mask)
     tl.store(col + COL_RATIO_MAX * n_rows, tl.where(counted, ratio, zero), mask=store_mask)
+    if HAS_IS:
+        w = is_weight + zero
+        tl.store(col + COL_IS * n_rows, tl.where(counted, m * w, zero), mask=store_mask)
+        tl.store(col + COL_IS_MIN * n_rows, tl.where(counted, w, float("inf")), mask=store_mask)
+        tl.store(col + COL_IS_MAX * n_rows, tl.where(counted, w, zero), mask=store_mask)

@@ -17,6 +17,8 @@ import triton.language as tl
 from .common import as_weight, clamp, nan_max, pair, token_offset
 from .token_layer import (
     COL_COUNT,
+    COL_IS_MAX,
+    COL_IS_MIN,
     COL_LOSS,
     COL_RATIO_MAX,
     LN_1E_8,
@@ -258,8 +260,9 @@ def _policy_token_fwd_kernel(
         if ENTROPY_BONUS:
             tl.store(h_ptr + rows, -entropy_coef * m, mask=in_seq)
         store_policy_partials(
-            part_ptr, n_rows, rows, in_seq, m, loss, code, aux, ratio, old - logp, kl, entropy
-        )
+            part_ptr, n_rows, rows, in_seq, m, loss, code, aux, ratio, old - logp, kl, entropy,
+            is_weight, HAS_IS,
+        )  # fmt: skip
     if SEQUENCE and not SEQ_TOKEN:
         # d ratio_b / d logp_t = ratio_b * m_t / sum m: every token shares the sequence's total
         per_token = tl.sum(acc_g, 0) / tl.where(seq_n != 0, seq_n, 1.0)
@@ -318,6 +321,7 @@ def _policy_finalize_kernel(
     tot_x = tl.zeros((), ACC)
     seq_sum = tl.zeros((), ACC)
     x_max = tl.zeros((), ACC)
+    x_min = tl.zeros((), ACC) + float("inf")
     n_nan = tl.zeros((), tl.int32)
     for b0 in range(0, n_outer, BLOCK_B):
         bs = b0 + tl.arange(0, BLOCK_B).to(tl.int64)
@@ -332,8 +336,12 @@ def _policy_finalize_kernel(
             xx = tl.load(col + rows, mask=tile, other=0.0).to(ACC)
             sum_m += tl.sum(mm, 1)
             sum_x += tl.sum(xx, 1)
-            if k == COL_RATIO_MAX:
+            if k == COL_RATIO_MAX or k == COL_IS_MAX:
                 x_max = nan_max(x_max, tl.max(tl.max(xx, 1), 0))
+                n_nan += tl.sum(tl.sum((xx != xx).to(tl.int32), 1), 0)
+            if k == COL_IS_MIN:  # uncounted tokens hold +inf (masked lanes load +inf too)
+                xx = tl.load(col + rows, mask=tile, other=float("inf")).to(ACC)
+                x_min = tl.minimum(x_min, tl.min(tl.min(xx, 1), 0))
                 n_nan += tl.sum(tl.sum((xx != xx).to(tl.int32), 1), 0)
         tot_m += tl.sum(sum_m, 0)
         tot_x += tl.sum(sum_x, 0)
@@ -365,8 +373,11 @@ def _policy_finalize_kernel(
             tl.store(seq_scale_ptr, scale)
         tl.store(loss_ptr, loss)
         tl.store(metrics_ptr + k, loss.to(tl.float32))
-    elif k == COL_RATIO_MAX:
+    elif k == COL_RATIO_MAX or k == COL_IS_MAX:
         tl.store(metrics_ptr + k, tl.where(n_nan > 0, float("nan"), x_max).to(tl.float32))
+    elif k == COL_IS_MIN:  # 0 when nothing counts
+        x_min = tl.where(x_min == float("inf"), 0.0, x_min)
+        tl.store(metrics_ptr + k, tl.where(n_nan > 0, float("nan"), x_min).to(tl.float32))
     elif k == COL_COUNT:
         tl.store(metrics_ptr + k, tot_m.to(tl.float32))
     else:

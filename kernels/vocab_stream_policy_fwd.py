@@ -188,8 +188,9 @@ def _policy_loss_fwd_kernel(
     if ENTROPY_BONUS:
         tl.store(entropy_ptr + row, entropy)
     store_policy_partials(
-        part_ptr, n_rows, row, row >= 0, m, loss, code, aux, ratio, old - logp, kl, entropy
-    )
+        part_ptr, n_rows, row, row >= 0, m, loss, code, aux, ratio, old - logp, kl, entropy,
+        is_weight, HAS_IS,
+    )  # fmt: skip
     if WRITE_GRAD:  # layer 3 on the row just reduced (its second read comes from L2)
         scale = tl.load(row_scale_ptr + row).to(ACC) * inv_temperature
         g = tl.where(active, m * dloss_dlogp, 0.0) * scale

@@ -1,8 +1,10 @@
 """fused_rl.compat.verl's policy-loss registry (``get_policy_loss_fn``: vanilla, gspo, sapo,
-gpg, cispo) against a float64 transcription of verl 0.9.1's ``core_algos`` formulas, written
-here from the math (verl's ``agg_loss``, the GSPO-token ratio clamped at 10, the +-20
-log-ratio clamp, SAPO's gate, CISPO's two-sided band, the rollout IS weights, the metrics):
-values, gradients w.r.t. ``log_prob`` under a random upstream gradient, metrics, errors."""
+gpg, cispo, clip_cov, kl_cov, geo_mean) against a float64 transcription of verl 0.9.1's
+``core_algos`` formulas, written here from the math (verl's ``agg_loss``, the GSPO-token
+ratio clamped at 10, the +-20 log-ratio clamp, SAPO's gate, CISPO's two-sided band, Clip-Cov's
+random and KL-Cov's top-k covariance selections, GMPO's log-space clip, the rollout IS
+weights, the metrics): values, gradients w.r.t. ``log_prob`` under a random upstream
+gradient, metrics, errors."""
 
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -365,8 +367,7 @@ def test_registry():
         del verl.POLICY_LOSS_REGISTRY["custom"]
 
 
-@pytest.mark.parametrize("name", ["clip_cov", "kl_cov", "geo_mean", "dppo_tv", "dppo_kl", "dro",
-                                  "bypass_mode"])  # fmt: skip
+@pytest.mark.parametrize("name", ["dppo_tv", "dppo_kl", "dro", "bypass_mode"])
 def test_not_built_yet(name):
     with pytest.raises(NotImplementedError, match=rf"'{name}'.*issue 15"):
         verl.get_policy_loss_fn(name)
@@ -419,3 +420,321 @@ def test_errors():
         verl.compute_policy_loss_sapo(old, lp, adv, mask, config={"tau_neg": 0.0})
     with pytest.raises(ValueError, match="config.clip_ratio_low"):
         verl.compute_policy_loss_cispo(old, lp, adv, mask, config={"clip_ratio_low": -0.1})
+
+
+# ------------------------------------------------------------------- clip_cov, kl_cov, geo_mean
+# float64 transcriptions of verl 0.9.1's compute_policy_loss_{clip_cov,kl_cov,geo_mean}
+
+
+def o_clip_cov(old, lp, adv, m, mode, cfg, w):
+    """verl's Clip-Cov; consumes the global CPU RNG (randperm) as verl does."""
+    low = cfg.get("clip_ratio_low", 0.2)
+    high = cfg.get("clip_ratio_high", 0.2)
+    pl = cfg.get("policy_loss", {})
+    ratio_c, lb, ub = (pl.get("clip_cov_ratio", 2e-4), pl.get("clip_cov_lb", 1.0),
+                       pl.get("clip_cov_ub", 5.0))  # fmt: skip
+    d = lp - old
+    r = torch.exp(d)
+    ppo_kl = o_masked_mean(-d, m).detach()
+    L1 = -adv * r
+    L2 = -adv * torch.clamp(r, 1 - low, 1 + high)
+    corr = torch.ones_like(adv)
+    by_origin = (L2 > L1) & (m > 0)
+    cov = (adv - o_masked_mean(adv, m)) * (lp - o_masked_mean(lp.detach(), m))
+    cov = cov.detach().clone()
+    cov[m == 0] = -torch.inf
+    cov[by_origin] = -torch.inf
+    num = max(int(ratio_c * m.sum().item()), 1)
+    idx = torch.nonzero((cov < ub) & (cov > lb) & (m > 0))
+    if len(idx) > 0:
+        perm = torch.randperm(len(idx))
+        idx = idx[perm[: min(num, len(idx))]]
+    corr[idx[:, 0], idx[:, 1]] = 0
+    L = torch.maximum(L1, L2) * corr
+    if w is not None:
+        L = L * w
+    loss = o_agg(L, m, mode, **cfg.get("global_batch_info", {}))
+    return loss, {"actor/pg_clipfrac": float(o_masked_mean((corr == 0).double(), m)),
+                  "actor/ppo_kl": float(ppo_kl)}, corr  # fmt: skip
+
+
+def o_kl_cov(old, lp, adv, m, mode, cfg, w):
+    pl = cfg.get("policy_loss", {})
+    ratio_k = pl.get("kl_cov_ratio", 2e-4)
+    coef = pl.get("ppo_kl_coef", 0.1)
+    coef = 1.0 if coef is None else coef
+    d = lp - old
+    r = torch.exp(d)
+    L = -adv * r
+    L_kl = -adv * r + coef * d.abs()
+    valid = m > 0
+    flat = torch.nonzero(valid.reshape(-1), as_tuple=True)[0]
+    a, p = adv[valid].detach().reshape(-1), lp[valid].detach().reshape(-1)
+    chosen = torch.zeros(m.numel(), dtype=torch.bool)
+    if len(a) > 0:
+        cov = (a - a.mean()) * (p - p.mean())
+        k = max(1, int(len(cov) * ratio_k))
+        chosen[flat[torch.topk(cov, k, largest=True).indices]] = True
+    chosen = chosen.reshape(m.shape)
+    L = torch.where(chosen, L_kl, L)
+    if w is not None:
+        L = L * w
+    loss = o_agg(L, m, mode, **cfg.get("global_batch_info", {}))
+    return loss, {"actor/ppo_kl": float(o_masked_mean(d.abs(), m).detach())}, chosen
+
+
+def o_geo_mean(old, lp, adv, m, cfg, w):
+    low = cfg.get("clip_ratio_low", 0.2)
+    high = cfg.get("clip_ratio_high", 0.2)
+    d = lp - old
+    sgn = torch.sign(adv)
+    dc = torch.clamp(d, -low, high)
+    dmin = sgn * torch.min(sgn * d, sgn * dc)
+    n = m.sum(-1)
+    ratio = torch.exp((dmin * m).sum(-1) / (n + 1e-8))
+    a = (adv * m).sum(-1) / (n + 1e-8)
+    L = -a * ratio
+    if w is not None:
+        L = L * torch.exp((torch.log(w + 1e-10) * m).sum(-1) / (n + 1e-8))
+    clipped = torch.ne(d, dc)
+    return torch.mean(L), {
+        "actor/pg_clipfrac": float(o_masked_mean((clipped * (adv > 0)).double(), m)),
+        "actor/ppo_kl": float(o_masked_mean(-d, m).detach()),
+        "actor/pg_clipfrac_lower": float(o_masked_mean((clipped * (adv < 0)).double(), m)),
+    }
+
+
+GEO_TOL = 1e-8  # the exponent's n_i vs verl's n_i + 1e-8 (relative 1e-8 / n_i)
+
+
+def make_cov_case(seed, dtype=torch.float64, rows=4, cols=40):
+    """Many tokens, per-token advantages of both signs and zeros, padding, an empty row."""
+    g = torch.Generator().manual_seed(seed)
+    lp = -torch.rand(rows, cols, generator=g, dtype=torch.float64) * 4 - 0.05
+    old = lp + torch.randn(rows, cols, generator=g, dtype=torch.float64) * 0.3
+    adv = torch.randn(rows, cols, generator=g, dtype=torch.float64) * 1.5
+    adv[0, :5] = 0.0
+    mask = torch.ones(rows, cols, dtype=torch.float64)
+    mask[1, 30:] = 0.0
+    mask[2, ::7] = 0.0
+    mask[3] = 0.0  # an all-masked sequence
+    w = torch.rand(rows, cols, generator=g, dtype=torch.float64) * 1.5 + 0.25
+    cast = lambda x: x.to(dtype)  # noqa: E731
+    return cast(old), cast(lp), cast(adv), cast(mask), cast(w)
+
+
+COV_CONFIG = {**CONFIG, "policy_loss": {"clip_cov_ratio": 0.05, "clip_cov_lb": 0.2,
+                                        "clip_cov_ub": 3.0, "kl_cov_ratio": 0.05,
+                                        "ppo_kl_coef": 0.7}}  # fmt: skip
+
+
+def run_cov_pair(name, case, mode, cfg, with_w=True, seed=1):
+    old, lp, adv, mask, w = case
+    weights = w if with_w else None
+    upstream = torch.randn((), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    x = lp.clone().requires_grad_()
+    kwargs = {} if mode is None else {"loss_agg_mode": mode}
+    torch.manual_seed(123)
+    loss, metrics = verl.get_policy_loss_fn(name)(old, x, adv, mask, config=cfg,
+                                                  rollout_is_weights=weights, **kwargs)  # fmt: skip
+    loss.backward(upstream.to(loss.dtype))
+    y = lp.double().clone().requires_grad_()
+    args = (old.double(), y, adv.double(), mask.double())
+    wd = None if weights is None else weights.double()
+    torch.manual_seed(123)
+    if name == "geo_mean":
+        ref_loss, ref_metrics = o_geo_mean(*args, cfg, wd)
+    else:
+        oracle = o_clip_cov if name == "clip_cov" else o_kl_cov
+        ref_loss, ref_metrics, _ = oracle(*args, mode or "token-mean", cfg, wd)
+    ref_loss.backward(upstream)
+    return (loss, x.grad, metrics), (ref_loss, y.grad, ref_metrics)
+
+
+@pytest.mark.parametrize("name", ["clip_cov", "kl_cov"])
+@pytest.mark.parametrize("mode", [None, "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_cov_against_the_oracle(name, mode):
+    case = make_cov_case(seed=20)
+    check(*run_cov_pair(name, case, mode, COV_CONFIG), F64_TOL)
+    check(*run_cov_pair(name, case, mode, COV_CONFIG, with_w=False), F64_TOL)
+
+
+def test_cov_global_batch_info_fp32_and_defaults():
+    case = make_cov_case(seed=21)
+    cfg = {**COV_CONFIG, "global_batch_info": {"dp_size": 2, "batch_num_tokens": 77}}
+    for name in ("clip_cov", "kl_cov"):
+        check(*run_cov_pair(name, case, "token-mean", cfg), F64_TOL)
+        ours, ref = run_cov_pair(name, make_cov_case(seed=22, dtype=torch.float32), None,
+                                 COV_CONFIG)  # fmt: skip
+        assert ours[0].dtype == torch.float32
+        check(ours, ref, FP32_TOL)
+        check(*run_cov_pair(name, case, None, {}), F64_TOL)  # PolicyLossConfig's defaults
+
+
+def test_clip_cov_selection_is_verls():
+    """The same seed picks the same tokens as verl's randperm; they get loss and gradient 0;
+    the global RNG is left where verl leaves it."""
+    old, lp, adv, mask, _ = make_cov_case(seed=23)
+    cfg = {**COV_CONFIG, "clip_ratio": 0.2}
+    for seed in (0, 1, 2):
+        torch.manual_seed(seed)
+        _, _, corr = o_clip_cov(old, lp, adv, mask, "token-mean", cfg, None)
+        after_ref = torch.rand(())
+        assert 1 < int((corr == 0).sum()) <= max(int(0.05 * mask.sum()), 1)
+        torch.manual_seed(seed)
+        x = lp.clone().requires_grad_()
+        loss, metrics = verl.compute_policy_loss_clip_cov(old, x, adv, mask, config=cfg)
+        assert torch.rand(()) == after_ref  # one randperm of the same length consumed
+        loss.backward()
+        assert (x.grad[corr == 0] == 0).all()
+        assert metrics["actor/pg_clipfrac"] == pytest.approx(
+            float((corr == 0).sum() / (mask.sum() + 1e-8)), rel=1e-12
+        )
+    torch.manual_seed(0)
+    a, _ = verl.compute_policy_loss_clip_cov(old, lp, adv, mask, config=cfg)
+    torch.manual_seed(5)
+    b, _ = verl.compute_policy_loss_clip_cov(old, lp, adv, mask, config=cfg)
+    assert a != b  # a different draw
+
+
+def test_clip_cov_no_candidate_and_clip_num():
+    """No covariance inside (lb, ub): nothing dropped and the RNG is untouched (verl draws
+    only with a candidate); clip_num is at least 1."""
+    old, lp, adv, mask, _ = make_cov_case(seed=24)
+    cfg = {**CONFIG, "policy_loss": {"clip_cov_lb": 1e6, "clip_cov_ub": 1e7}}
+    torch.manual_seed(3)
+    loss, metrics = verl.compute_policy_loss_clip_cov(old, lp, adv, mask, config=cfg)
+    after = torch.rand(())
+    torch.manual_seed(3)
+    assert torch.rand(()) == after and metrics["actor/pg_clipfrac"] == 0.0
+    cfg = {**CONFIG, "policy_loss": {"clip_cov_ratio": 1e-9, "clip_cov_lb": -1e9}}
+    torch.manual_seed(3)
+    _, metrics = verl.compute_policy_loss_clip_cov(old, lp, adv, mask, config=cfg)
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(1 / float(mask.sum()), rel=1e-6)
+
+
+def test_kl_cov_penalty_and_defaults():
+    """The chosen tokens' gradient is -A r + coef sign(d) (sign(0) = 0), the others' -A r;
+    ppo_kl_coef None is verl's fallback 1.0, absent the dataclass's 0.1."""
+    old, lp, adv, mask, w = make_cov_case(seed=25)
+    lp[0, 7] = old[0, 7] = 0.0  # d = 0 at a token made the largest covariance
+    adv[0, 7] = 50.0
+    for coef in (None, 0.3):
+        cfg = {**CONFIG, "policy_loss": {"ppo_kl_coef": coef, "kl_cov_ratio": 0.02}}
+        x = lp.clone().requires_grad_()
+        loss, metrics = verl.compute_policy_loss_kl_cov(old, x, adv, mask, config=cfg,
+                                                        rollout_is_weights=w)  # fmt: skip
+        loss.backward()
+        y = lp.clone().requires_grad_()
+        ref, ref_metrics, chosen = o_kl_cov(old, y, adv, mask, "token-mean",
+                                            {**cfg}, w)  # fmt: skip
+        ref.backward()
+        assert chosen[0, 7] and int(chosen.sum()) == max(1, int(mask.sum() * 0.02))
+        assert rel_err(loss, ref) <= F64_TOL and rel_err(x.grad, y.grad) <= F64_TOL
+        n = mask.sum()
+        expected = -adv[0, 7] * w[0, 7] / n  # sign(0) = 0: no penalty gradient
+        assert x.grad[0, 7].item() == pytest.approx(expected.item(), rel=1e-12)
+    loss_none, _ = verl.compute_policy_loss_kl_cov(
+        old, lp, adv, mask, config={"policy_loss": {"ppo_kl_coef": None}}
+    )
+    loss_default, _ = verl.compute_policy_loss_kl_cov(old, lp, adv, mask, config={})
+    ref_none, _, _ = o_kl_cov(old, lp, adv, mask, "token-mean",
+                              {"policy_loss": {"ppo_kl_coef": None}}, None)  # fmt: skip
+    ref_default, _, _ = o_kl_cov(old, lp, adv, mask, "token-mean", {}, None)
+    assert rel_err(loss_none, ref_none) <= F64_TOL
+    assert rel_err(loss_default, ref_default) <= F64_TOL
+
+
+def test_kl_cov_no_clipping_far_ratios():
+    """kl_cov has no clip: ratios far outside any band keep -A r and its gradient."""
+    old, lp, adv, mask, _ = make_cov_case(seed=26)
+    old[0, 10] = lp[0, 10] - 8.0  # r = e^8
+    old[1, 3] = lp[1, 3] + 9.0  # r = e^-9
+    adv[0, 10], adv[1, 3] = 1.0, -1.0
+    check(*run_cov_pair("kl_cov", (old, lp, adv, mask, None), None, COV_CONFIG, with_w=False),
+          F64_TOL)  # fmt: skip
+
+
+@pytest.mark.parametrize("with_w", [True, False])
+def test_geo_mean_against_the_oracle(with_w):
+    """Token-level advantages (zeros, both signs), padding, an all-masked sequence counted in
+    the mean, the geometric-mean IS weight, loss_agg_mode ignored."""
+    case = make_cov_case(seed=30)
+    cfg = {**CONFIG, "clip_ratio_low": 0.15, "clip_ratio_high": 0.25}
+    for mode in (None, "token-mean", "anything"):
+        check(*run_cov_pair("geo_mean", case, mode, cfg, with_w=with_w), GEO_TOL)
+    ours, ref = run_cov_pair("geo_mean", make_cov_case(seed=31, dtype=torch.float32), None, cfg)
+    assert ours[0].dtype == torch.float32
+    check(ours, ref, FP32_TOL)
+
+
+def test_geo_mean_sequence_advantages_and_frozen_tokens():
+    """Sequence-constant advantages (GMPO's case): -mean_i A_i rho_i; a token past its side's
+    bound gets no gradient; A > 0 tokens below -low count in pg_clipfrac (verl's metric) but
+    keep their gradient."""
+    old, lp, adv, mask, w = make_cov_case(seed=32)
+    adv = torch.tensor([1.0, -2.0, 0.5, 1.0], dtype=torch.float64)[:, None].expand_as(lp).clone()
+    old[0, 3] = lp[0, 3] - 1.0  # A > 0, d = 1 > high: frozen
+    old[0, 4] = lp[0, 4] + 1.0  # A > 0, d = -1 < -low: counted by pg_clipfrac, not frozen
+    old[1, 2] = lp[1, 2] + 1.0  # A < 0, d < -low: frozen
+    x = lp.clone().requires_grad_()
+    loss, metrics = verl.compute_policy_loss_geo_mean(old, x, adv, mask, config=CONFIG,
+                                                      rollout_is_weights=w[:, :1])  # fmt: skip
+    loss.backward()
+    assert x.grad[0, 3] == 0 and x.grad[1, 2] == 0 and x.grad[0, 4] != 0
+    y = lp.clone().requires_grad_()
+    ref, ref_metrics = o_geo_mean(old, y, adv, mask, CONFIG, w[:, :1])
+    ref.backward()
+    assert rel_err(loss, ref) <= GEO_TOL and rel_err(x.grad, y.grad) <= GEO_TOL
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(ref_metrics["actor/pg_clipfrac"])
+    assert ref_metrics["actor/pg_clipfrac"] > 0
+
+
+def test_geo_mean_bool_mask_nan_and_empty_batch():
+    old, lp, adv, mask, w = make_cov_case(seed=33)
+    poisoned = lp.clone()
+    poisoned[mask == 0] = float("nan")
+    x = poisoned.clone().requires_grad_()
+    loss, _ = verl.compute_policy_loss_geo_mean(old, x, adv, mask.bool(), config=CONFIG,
+                                                rollout_is_weights=w)  # fmt: skip
+    loss.backward()
+    ref, _ = o_geo_mean(old, lp, adv, mask, CONFIG, w)
+    assert rel_err(loss, ref) <= GEO_TOL
+    assert torch.isfinite(x.grad).all() and (x.grad[mask == 0] == 0).all()
+    zero = torch.zeros_like(mask)  # verl: every L_i = 0, mean 0 (not NaN)
+    loss, metrics = verl.compute_policy_loss_geo_mean(old, lp, adv, zero, config=CONFIG)
+    assert loss.item() == 0.0 and metrics["actor/ppo_kl"] == 0.0
+
+
+def test_new_entries_errors_and_signatures():
+    import inspect
+
+    old, lp, adv, mask, w = make_cov_case(seed=34)
+    for name in ("clip_cov", "kl_cov", "geo_mean"):
+        fn = verl.get_policy_loss_fn(name)
+        assert fn is getattr(verl, f"compute_policy_loss_{name}")
+        sig = inspect.signature(fn)
+        assert list(sig.parameters) == ["old_log_prob", "log_prob", "advantages",
+                                        "response_mask", "loss_agg_mode", "config",
+                                        "rollout_is_weights"]  # fmt: skip
+        assert sig.parameters["loss_agg_mode"].default == "token-mean"
+        with pytest.raises(AssertionError, match="config"):
+            fn(old, lp, adv, mask)
+        with pytest.raises(ValueError, match="rollout_is_weights"):
+            fn(old, lp, adv, mask, config=CONFIG, rollout_is_weights=w[:, :2])
+        with pytest.raises(ValueError, match="config.clip_ratio_low"):
+            fn(old, lp, adv, mask, config={"clip_ratio_low": -0.1})
+    with pytest.raises(AssertionError, match="clip_ratio should be larger than 0"):
+        verl.compute_policy_loss_clip_cov(
+            old, lp, adv, mask, config={"policy_loss": {"clip_cov_ratio": 0.0}}
+        )
+    with pytest.raises(AssertionError, match="kl_cov_ratio should be larger than 0"):
+        verl.compute_policy_loss_kl_cov(
+            old, lp, adv, mask, config={"policy_loss": {"kl_cov_ratio": -1.0}}
+        )
+    with pytest.raises(AssertionError, match="policy_loss"):
+        verl.compute_policy_loss_kl_cov(old, lp, adv, mask, config={"policy_loss": None})
+    with pytest.raises(ValueError, match=">= 0 for kl_cov"):
+        verl.compute_policy_loss_kl_cov(old, lp, adv, mask, config={}, rollout_is_weights=-w)
+    with pytest.raises(ValueError, match="Invalid loss_agg_mode"):
+        verl.compute_policy_loss_clip_cov(old, lp, adv, mask, "mean", CONFIG)

@@ -324,22 +324,26 @@ def test_invalid_combinations_name_the_argument(options, argument):
 
 @pytest.mark.no_poison  # the NaN fill of fresh buffers is the test's, not the call's
 def test_token_local_surrogates_keep_the_single_pass():
-    """cispo / sapo / gpg with IS weights and the bias-corrected KL cost what PPO costs: the
-    same launches (one fused vocab kernel and one reduction forward, one kernel backward)."""
+    """cispo / sapo / gpg with IS weights (and their metrics) and the bias-corrected KL cost
+    what plain PPO costs: the same launches (one fused vocab kernel and one reduction
+    forward, one kernel backward)."""
     from fused_rl.profiling import LaunchCounter
 
     r = _rollout()
     counts = {}
-    for surrogate in ("ppo", "cispo", "sapo", "gpg"):
+    for surrogate in ("plain ppo", "ppo", "cispo", "sapo", "gpg"):
         logits = r["logits"].clone().requires_grad_()
+        plain = surrogate == "plain ppo"
         with LaunchCounter() as c:
-            loss, _ = fused_rl.policy_loss(
+            loss, metrics = fused_rl.policy_loss(
                 logits, r["targets"], r["adv"], old_logprobs=r["old"], mask=r["mask"],
-                ref_logprobs=r["ref"], beta=0.1, kl_bias_correction=surrogate != "ppo",
-                surrogate=surrogate, backend="triton",
+                ref_logprobs=r["ref"], beta=0.1, kl_bias_correction=not plain,
+                is_weights=None if plain else r["is_w"], surrogate=surrogate.split()[-1],
+                backend="triton",
             )  # fmt: skip
             loss.backward()
         counts[surrogate] = c.total
+        assert plain or "is_weight_max" in metrics  # the IS metrics come from the reduction
     assert len(set(counts.values())) == 1, counts
 
 

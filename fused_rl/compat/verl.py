@@ -1385,7 +1385,7 @@ def linear_cross_entropy(
     dist_process_group=None,
 ) -> tuple[Tensor, Tensor]:
     """Mirrors ``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy`` (verl's Triton
-    fused lm_head + log-prob / entropy op; no vocab parallelism yet).
+    fused lm_head + log-prob / entropy op, vocab-parallel with ``dist_process_group``).
 
     Per token, with ``z = hidden @ weight.T / temperature``: ``log_softmax(z)[label]`` (the
     log-prob, not its negative, despite the name) and the entropy of ``softmax(z)``. Runs
@@ -1403,8 +1403,15 @@ def linear_cross_entropy(
             (their sum over ``N``), case-insensitive as verl's ``reduction.lower()``; anything
             else raises ``ValueError`` naming ``reduction`` (a non-str ``TypeError``). The
             entropy is per token whatever the reduction, as in verl.
-        dist_process_group: must be None; a process group (verl's vocab-parallel form, each
-            rank holding a vocabulary slice) raises ``NotImplementedError``: issue 16.
+        dist_process_group: None, or verl's vocab-parallel form (Megatron's tensor-parallel
+            group): ``weight`` is this rank's ``(V_local, H)`` slice, rank ``r`` holding ids
+            ``[r V_local, (r + 1) V_local)`` of ``V = P V_local``; ``hidden`` and the global
+            ``labels`` are the same on every rank. Every rank gets the unsharded log-probs
+            and entropy and its slice of the weight gradient; as in verl, ``hidden``'s
+            gradient is this rank's PARTIAL ``dz W_local`` (not all-reduced: verl's callers
+            reduce it, Megatron's sequence-parallel gather by its reduce-scatter). Runs
+            :func:`fused_rl.linear_token_logprobs` with ``process_group=``,
+            ``reduce_hidden_grad=False``: two all-reduces forward, none backward.
 
     Returns:
         ``(logprobs, entropy)`` in fp32 whatever the inputs' dtype, as verl allocates them:
@@ -1431,7 +1438,6 @@ def linear_cross_entropy(
         >>> total.shape, round(total.item(), 3)
         (torch.Size([]), -16.636)
     """
-    _no_vocab_parallel(dist_process_group)
     if not isinstance(reduction, str):
         raise TypeError(
             f"reduction must be a str, one of {LINEAR_CE_REDUCTIONS}, got "
@@ -1451,8 +1457,20 @@ def linear_cross_entropy(
         )
     ids = ids.reshape(-1)
     V.check_same_device(hidden=hidden, labels=ids)
-    _check_token_range(ids, weight.shape[0], "labels", "linear_cross_entropy")
-    logp, entropy = _linear_stats(rows, weight, ids, temperature, None)
+    if dist_process_group is None:
+        _check_token_range(ids, weight.shape[0], "labels", "linear_cross_entropy")
+        logp, entropy = _linear_stats(rows, weight, ids, temperature, None)
+    else:  # verl's equal slices; the labels are the same on every rank: all raise, or none
+        import torch.distributed as dist
+
+        from ..linear import linear_token_logprobs
+
+        world = dist.get_world_size(dist_process_group)
+        _check_token_range(ids, world * weight.shape[0], "labels", "linear_cross_entropy")
+        logp, entropy = linear_token_logprobs(
+            rows, weight, ids, temperature=float(temperature), return_entropy=True,
+            process_group=dist_process_group, reduce_hidden_grad=False,
+        )  # fmt: skip
     logp, entropy = logp.float(), entropy.float()
     if mode == "sum":
         logp = logp.sum()
@@ -1484,9 +1502,6 @@ VERL_POLICY_LOSSES = (
 _NOT_BUILT = {
     "dppo_tv": "DPPO-Binary-TV",
     "dppo_kl": "DPPO-Binary-KL",
-    "clip_cov": "Clip-Cov (covariance-selected tokens dropped from the clipped loss)",
-    "kl_cov": "KL-Cov (a |log-ratio| penalty on the top-covariance tokens)",
-    "geo_mean": "GMPO (the geometric mean of the token ratios, clipped in log space)",
     "dro": "DRO (a quadratic log-ratio penalty)",
     "bypass_mode": "bypass mode (rollout correction computed inside the loss)",
 }
@@ -1500,6 +1515,15 @@ _ACTOR_DEFAULTS = {
     "clip_ratio_high": 0.2,
     "tau_pos": 1.0,
     "tau_neg": 1.05,
+}
+# verl 0.9.1 ``PolicyLossConfig`` defaults (``config.policy_loss.*``) and the fallbacks its
+# functions use when a field is None (``ppo_kl_coef``: 0.1 in the dataclass, 1.0 when None)
+_POLICY_LOSS_DEFAULTS = {
+    "clip_cov_ratio": (0.0002, 0.0002),
+    "clip_cov_lb": (1.0, 1.0),
+    "clip_cov_ub": (5.0, 5.0),
+    "kl_cov_ratio": (0.0002, 0.0002),
+    "ppo_kl_coef": (0.1, 1.0),
 }
 _BATCH_INFO_KEYS = ("dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor")
 
@@ -1858,11 +1882,338 @@ def compute_policy_loss_cispo(
     )  # fmt: skip
 
 
+def _policy_loss_field(config, name: str):
+    """``config.policy_loss.<name>`` (verl's ``PolicyLossConfig``): its default where the
+    field (or ``policy_loss`` itself) is absent, verl's fallback where it is None; an explicit
+    ``policy_loss=None`` fails verl's assert."""
+    default, fallback = _POLICY_LOSS_DEFAULTS[name]
+    sub = _config_value(config, "policy_loss", {})
+    if sub is None:
+        raise AssertionError("config.policy_loss is None (verl asserts it is set)")
+    value = _config_value(sub, name, default)
+    return fallback if value is None else value
+
+
+def _rollout_weights_2d(weights, like: Tensor):
+    """rollout IS weights ``(B, T)`` / ``(B, 1)`` / ``(B,)`` as a tensor broadcasting to
+    ``(B, T)`` (detached)."""
+    if weights is None:
+        return None
+    w = weights.detach()
+    return w[:, None] if w.dim() == 1 else w
+
+
+def _registry_prologue(name, old_log_prob, log_prob, advantages, response_mask, config, weights):
+    if config is None:
+        raise AssertionError(f"compute_policy_loss_{name} needs config (verl's ActorConfig)")
+    _check_registry_inputs(old_log_prob, log_prob, advantages, response_mask, weights)
+    low, high = _clip_band(config)
+    V.check_nonnegative(low, "config.clip_ratio_low (or clip_ratio)")
+    V.check_nonnegative(high, "config.clip_ratio_high (or clip_ratio)")
+    acc = torch.float64 if log_prob.dtype == torch.float64 else torch.float32
+    return low, high, acc
+
+
+def _as_floats(metrics: dict) -> dict:
+    return {k: v if isinstance(v, float) else v.detach().item() for k, v in metrics.items()}
+
+
+def _clip_cov_selection(old_log_prob, log_prob, advantages, response_mask, low, high, ratio,
+                        lb, ub) -> Tensor:  # fmt: skip
+    """verl 0.9.1's Clip-Cov token choice, as its op sequence (in the inputs' dtypes, so the
+    same tokens are candidates): ``corr``, 0 on the chosen tokens, 1 elsewhere, in the
+    advantages' dtype. Consumes the global CPU RNG as verl does (one ``torch.randperm`` when
+    there is a candidate)."""
+    with torch.no_grad():
+        lp = log_prob.detach()
+        r = torch.exp(lp - old_log_prob)
+        pg1 = -advantages * r
+        pg2 = -advantages * torch.clamp(r, 1 - low, 1 + high)
+        clip_by_origin = (pg2 > pg1) & (response_mask > 0)
+        cov = (advantages - _masked_mean(advantages, response_mask)) * (
+            lp - _masked_mean(lp, response_mask)
+        )
+        cov[response_mask == 0] = -torch.inf
+        cov[clip_by_origin] = -torch.inf
+        clip_num = max(int(ratio * response_mask.sum().item()), 1)
+        chosen = torch.nonzero((cov < ub) & (cov > lb) & (response_mask > 0))
+        corr = torch.ones_like(advantages)
+        if len(chosen) > 0:
+            perm = torch.randperm(len(chosen))  # verl's call: the global CPU generator
+            chosen = chosen[perm[: min(clip_num, len(chosen))]]
+            corr[chosen[:, 0], chosen[:, 1]] = 0
+    return corr
+
+
+def compute_policy_loss_clip_cov(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Mirrors ``verl.trainer.ppo.core_algos.compute_policy_loss_clip_cov`` (the
+    ``"clip_cov"`` entry; Clip-Cov, arXiv 2505.22617).
+
+    Per token ``r = exp(log_prob - old_log_prob)`` (no clamp),
+    ``L = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high)) * corr`` (no dual
+    clip), times ``rollout_is_weights``, aggregated by :func:`agg_loss` with
+    ``loss_agg_mode`` and ``config.global_batch_info``. ``corr`` is 0 on at most
+    ``max(int(clip_cov_ratio * sum(m)), 1)`` tokens drawn at random (``torch.randperm`` on
+    the global CPU generator, as verl: the same seed picks the same tokens) among the
+    counted, not PPO-clipped tokens whose covariance ``(A - mean A) (logp - mean logp)``
+    (masked means over this micro-batch, ``+ 1e-8`` as verl) lies strictly inside
+    ``(clip_cov_lb, clip_cov_ub)``: they get loss and gradient 0 (and still count in the
+    aggregation's denominator). Runs :func:`fused_rl.policy_loss_from_logprobs` with
+    ``corr`` (times the rollout weights) as its ``is_weights``.
+
+    Args:
+        config: as :func:`compute_policy_loss_gspo`'s, plus ``config.policy_loss``'s
+            ``clip_cov_ratio`` (0.0002, ``> 0``), ``clip_cov_lb`` (1.0), ``clip_cov_ub``
+            (5.0) (verl's ``PolicyLossConfig`` defaults, also where None).
+
+    Returns:
+        ``(pg_loss, {"actor/pg_clipfrac": masked mean of [corr == 0] (the covariance-chosen
+        tokens only), "actor/ppo_kl": masked mean of old - new})``.
+
+    Example:
+        >>> import torch
+        >>> from fused_rl.compat import verl as core_algos
+        >>> logp = torch.tensor([[-1.0, -2.0, -3.0, -4.0]], requires_grad=True)
+        >>> adv = torch.tensor([[2.0, 0.0, 0.0, -2.0]])  # covariances 3, 0, 0, 3
+        >>> _ = torch.manual_seed(0)
+        >>> loss, metrics = core_algos.compute_policy_loss_clip_cov(
+        ...     logp.detach(), logp, adv, torch.ones(1, 4), config={})
+        >>> metrics["actor/pg_clipfrac"]  # one of the two candidates dropped
+        0.25
+    """
+    from ..losses import policy_loss_from_logprobs
+
+    weights = rollout_is_weights
+    low, high, acc = _registry_prologue(
+        "clip_cov", old_log_prob, log_prob, advantages, response_mask, config, weights
+    )
+    ratio = _policy_loss_field(config, "clip_cov_ratio")
+    if not ratio > 0:
+        raise AssertionError("clip_ratio should be larger than 0.")  # verl's message
+    lb, ub = _policy_loss_field(config, "clip_cov_lb"), _policy_loss_field(config, "clip_cov_ub")
+    batch_info = _global_batch_info(config)
+    agg_w, divisor = _agg_as_weights(response_mask, loss_agg_mode, acc, **batch_info)
+    out_dtype = _verl_loss_dtype(
+        "clip_cov", old_log_prob, log_prob, advantages, response_mask, weights, loss_agg_mode,
+        batch_info,
+    )  # fmt: skip
+    corr = _clip_cov_selection(old_log_prob, log_prob, advantages, response_mask, low, high,
+                               ratio, lb, ub)  # fmt: skip
+    w = _rollout_weights_2d(weights, corr)
+    is_w = corr.to(acc) if w is None else corr.to(acc) * w.to(acc)
+    loss, _ = policy_loss_from_logprobs(
+        log_prob, advantages, old_logprobs=old_log_prob, mask=agg_w, is_weights=is_w,
+        eps_low=low, eps_high=high, loss_agg="token-mean", num_items=divisor,
+    )  # fmt: skip
+    with torch.no_grad():
+        mask = _fp32(response_mask)
+        d = log_prob.detach().to(acc) - old_log_prob.detach().to(acc)
+        metrics = {
+            "actor/pg_clipfrac": _masked_mean((corr == 0).float(), mask),
+            "actor/ppo_kl": _masked_mean(-d, mask),
+        }
+    return loss.to(out_dtype), _as_floats(metrics)
+
+
+def _kl_cov_selection(log_prob, advantages, response_mask, ratio) -> Tensor:
+    """verl 0.9.1's KL-Cov token choice (bool ``(B, T)``): the ``max(1, int(N ratio))``
+    largest covariances ``(A - mean A) (logp - mean logp)`` over the ``N`` counted tokens
+    (plain means, on the CPU, ``torch.topk``, as verl; none when ``N == 0``)."""
+    with torch.no_grad():
+        valid = response_mask > 0
+        valid_idx = torch.nonzero(valid.reshape(-1), as_tuple=True)[0]
+        adv = advantages[valid].detach().reshape(-1).cpu()
+        lp = log_prob[valid].detach().reshape(-1).cpu()
+        chosen = torch.zeros(valid.numel(), dtype=torch.bool, device=valid.device)
+        if min(ratio, len(adv)) != 0:
+            cov = (adv - adv.mean()) * (lp - lp.mean())
+            k = max(1, int(len(cov) * ratio))
+            top = torch.topk(cov, k, largest=True).indices
+            if len(top) != 0:
+                chosen[valid_idx[top.to(valid_idx.device)]] = True
+    return chosen.reshape(valid.shape)
+
+
+def compute_policy_loss_kl_cov(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Mirrors ``verl.trainer.ppo.core_algos.compute_policy_loss_kl_cov`` (the ``"kl_cov"``
+    entry; KL-Cov, arXiv 2505.22617).
+
+    Per token ``r = exp(log_prob - old_log_prob)`` (no clamp, no clipping), ``L = -A r``,
+    plus ``ppo_kl_coef * |log_prob - old_log_prob|`` on the ``max(1, int(N kl_cov_ratio))``
+    counted tokens of largest covariance ``(A - mean A) (logp - mean logp)`` (``N`` counted
+    tokens, plain means, ``torch.topk`` as verl), times ``rollout_is_weights``, aggregated by
+    :func:`agg_loss` with ``loss_agg_mode`` and ``config.global_batch_info``. Runs
+    :func:`fused_rl.policy_loss_from_logprobs`: the PPO surrogate with a band that never
+    binds (``eps_low=1``, ``eps_high`` the dtype's largest number) and ``beta=ppo_kl_coef,
+    kl_estimator="abs"`` against ``where(chosen, old_log_prob, log_prob.detach())`` (0,
+    gradient 0, off the chosen tokens; ``sign(0) = 0`` as ``torch.abs``); the rollout
+    weights weigh the penalty too (as verl), through the aggregation's per-token weights.
+
+    Args:
+        config: as :func:`compute_policy_loss_gspo`'s, plus ``config.policy_loss``'s
+            ``kl_cov_ratio`` (0.0002, ``> 0``) and ``ppo_kl_coef`` (0.1, verl's
+            ``PolicyLossConfig`` default; 1.0 where it is None, verl's fallback).
+        rollout_is_weights: ``>= 0`` (``ValueError`` otherwise).
+
+    Returns:
+        ``(pg_loss, {"actor/ppo_kl": masked mean of |log_prob - old_log_prob|})``.
+
+    Example:
+        >>> import torch
+        >>> from fused_rl.compat import verl as core_algos
+        >>> logp = torch.tensor([[-1.0, -2.0, -3.0]], requires_grad=True)
+        >>> old = torch.tensor([[-1.5, -2.0, -3.0]])
+        >>> adv = torch.tensor([[2.0, 0.0, -1.0]])  # token 0 has the largest covariance
+        >>> loss, metrics = core_algos.compute_policy_loss_kl_cov(
+        ...     old, logp, adv, torch.ones(1, 3), config={"policy_loss": {"ppo_kl_coef": 1.0}})
+        >>> loss.backward(); [round(g, 4) for g in logp.grad[0].tolist()]  # (-A r + sign) / 3
+        [-0.7658, 0.0, 0.3333]
+    """
+    from ..losses import policy_loss_from_logprobs
+
+    weights = rollout_is_weights
+    _, _, acc = _registry_prologue(
+        "kl_cov", old_log_prob, log_prob, advantages, response_mask, config, weights
+    )
+    ratio = _policy_loss_field(config, "kl_cov_ratio")
+    if not ratio > 0:
+        raise AssertionError("kl_cov_ratio should be larger than 0.")  # verl's message
+    coef = _policy_loss_field(config, "ppo_kl_coef")
+    V.check_number(coef, "config.policy_loss.ppo_kl_coef")
+    batch_info = _global_batch_info(config)
+    agg_w, divisor = _agg_as_weights(response_mask, loss_agg_mode, acc, **batch_info)
+    out_dtype = _verl_loss_dtype(
+        "kl_cov", old_log_prob, log_prob, advantages, response_mask, weights, loss_agg_mode,
+        batch_info,
+    )  # fmt: skip
+    w = _rollout_weights_2d(weights, log_prob)
+    if w is not None:  # verl weighs the whole per-token loss, penalty included
+        if bool((w < 0).any()):
+            raise ValueError("rollout_is_weights must be >= 0 for kl_cov")
+        agg_w = agg_w * w.to(acc)
+    chosen = _kl_cov_selection(log_prob, advantages, response_mask, ratio)
+    ref = torch.where(chosen, old_log_prob.detach().to(acc), log_prob.detach().to(acc))
+    loss, _ = policy_loss_from_logprobs(
+        log_prob, advantages, old_logprobs=old_log_prob, ref_logprobs=ref, mask=agg_w,
+        eps_low=1.0, eps_high=float(torch.finfo(acc).max), beta=float(coef),
+        kl_estimator="abs", loss_agg="token-mean", num_items=divisor,
+    )  # fmt: skip
+    with torch.no_grad():
+        d = log_prob.detach().to(acc) - old_log_prob.detach().to(acc)
+        metrics = {"actor/ppo_kl": _masked_mean(d.abs(), _fp32(response_mask))}
+    return loss.to(out_dtype), _as_floats(metrics)
+
+
+def compute_policy_loss_geo_mean(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Mirrors ``verl.trainer.ppo.core_algos.compute_policy_loss_geo_mean`` (the
+    ``"geo_mean"`` entry; GMPO, arXiv 2507.20673).
+
+    Per token ``d = log_prob - old_log_prob`` (no clamp), ``dc = clamp(d, -clip_ratio_low,
+    clip_ratio_high)`` (log-space bounds), ``d* = min(d, dc)`` where ``A > 0``, ``max`` where
+    ``A < 0``, 0 where ``A = 0``; per sequence ``rho_i = exp(sum_t d* m / n_i)``,
+    ``A_i = sum_t A m / (n_i + 1e-8)``, ``L_i = -A_i rho_i`` times, with rollout weights,
+    their geometric mean ``exp(sum_t log(w + 1e-10) m / (n_i + 1e-8))``; the loss is the
+    mean of ``L_i`` over **all** ``B`` sequences (a fully masked one counts, with
+    ``L_i = 0``); ``loss_agg_mode`` and ``config.global_batch_info`` are not used (as verl).
+    A token the clip froze (``A > 0, d > high`` or ``A < 0, d < -low``) gets no gradient.
+    Runs :func:`fused_rl.policy_loss_from_logprobs` (``surrogate="gmpo",
+    importance_sampling="sequence"``, per-token weights ``m / (n_i + 1e-8)``, divisor ``B``,
+    the geometric-mean weight as ``(B, 1)`` ``is_weights``). The exponent's denominator is
+    ``n_i`` where verl's is ``n_i + 1e-8``: a relative difference of ``1e-8 / n_i`` in
+    ``log rho_i``, below fp32 rounding (at ``n_i = 0`` both give ``rho = 1`` and ``L_i = 0``).
+
+    Args:
+        config: ``clip_ratio`` / ``clip_ratio_low`` / ``clip_ratio_high`` (0.2; ``>= 0``).
+
+    Returns:
+        ``(pg_loss, {"actor/pg_clipfrac": masked mean of [d != dc and A > 0] (verl's: also
+        counts A > 0 tokens below -low, which are not frozen), "actor/ppo_kl": masked mean
+        of old - new, "actor/pg_clipfrac_lower": masked mean of [d != dc and A < 0]})``.
+
+    Example:
+        >>> import torch
+        >>> from fused_rl.compat import verl as core_algos
+        >>> logp = torch.tensor([[0.1, 0.5], [0.0, 0.0]], requires_grad=True)
+        >>> adv = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
+        >>> loss, metrics = core_algos.compute_policy_loss_geo_mean(
+        ...     torch.zeros(2, 2), logp, adv, torch.ones(2, 2), config={})
+        >>> round(loss.item(), 4), metrics["actor/pg_clipfrac"]  # -exp((0.1 + 0.2) / 2) / 2
+        (-0.5809, 0.25)
+    """
+    from ..losses import policy_loss_from_logprobs
+
+    del loss_agg_mode  # verl's GMPO ignores it
+    weights = rollout_is_weights
+    low, high, acc = _registry_prologue(
+        "geo_mean", old_log_prob, log_prob, advantages, response_mask, config, weights
+    )
+    dtype = torch.promote_types(
+        torch.promote_types(log_prob.dtype, old_log_prob.dtype), advantages.dtype
+    )
+    if response_mask.is_floating_point():
+        dtype = torch.promote_types(dtype, response_mask.dtype)
+    with torch.no_grad():
+        valid = response_mask.bool()
+        m = response_mask.detach().to(acc)
+        n = m.sum(-1, keepdim=True)
+        agg_w = m / (n + 1e-8)
+        seq_w = None
+        w = _rollout_weights_2d(weights, log_prob)
+        if w is not None:
+            dtype = torch.promote_types(dtype, w.dtype)
+            log_w = torch.where(valid, torch.log(w.to(acc) + 1e-10), 0.0)
+            seq_w = torch.exp((log_w * m).sum(-1, keepdim=True) / (n + 1e-8))
+        batch = torch.as_tensor(float(log_prob.shape[0]), dtype=acc, device=log_prob.device)
+    loss, _ = policy_loss_from_logprobs(
+        log_prob, advantages, old_logprobs=old_log_prob, mask=agg_w, is_weights=seq_w,
+        eps_low=low, eps_high=high, surrogate="gmpo", importance_sampling="sequence",
+        loss_agg="token-mean", num_items=batch,
+    )  # fmt: skip
+    with torch.no_grad():
+        mask = _fp32(response_mask)
+        d = log_prob.detach().to(acc) - old_log_prob.detach().to(acc)
+        adv = advantages.detach().to(acc)
+        frozen = torch.ne(d, torch.clamp(d, -low, high))
+        metrics = {
+            "actor/pg_clipfrac": _masked_mean((frozen & (adv > 0)).float(), mask),
+            "actor/ppo_kl": _masked_mean(-d, mask),
+            "actor/pg_clipfrac_lower": _masked_mean((frozen & (adv < 0)).float(), mask),
+        }
+    return loss.to(dtype), _as_floats(metrics)
+
+
 POLICY_LOSS_REGISTRY: dict = {
     "vanilla": compute_policy_loss_vanilla,
     "gspo": compute_policy_loss_gspo,
     "sapo": compute_policy_loss_sapo,
     "gpg": compute_policy_loss_gpg,
+    "clip_cov": compute_policy_loss_clip_cov,
+    "kl_cov": compute_policy_loss_kl_cov,
+    "geo_mean": compute_policy_loss_geo_mean,
     "cispo": compute_policy_loss_cispo,
 }
 
@@ -1894,21 +2245,21 @@ def get_policy_loss_fn(name: str):
     """Mirrors ``verl.trainer.ppo.core_algos.get_policy_loss_fn``: the policy loss registered
     under ``name``.
 
-    ``"vanilla"``, ``"gspo"``, ``"sapo"``, ``"gpg"``, ``"cispo"`` (and whatever
-    :func:`register_policy_loss` added) are here. verl 0.9's other entries (``"dppo_tv"``,
-    ``"dppo_kl"``, ``"clip_cov"``, ``"kl_cov"``, ``"geo_mean"``, ``"dro"``,
-    ``"bypass_mode"``) are not built yet: ``NotImplementedError`` naming the variant (issue
-    15's remaining work). Any other name raises verl's ``ValueError("Unsupported loss mode:
-    ...")`` listing the known names.
+    ``"vanilla"``, ``"gspo"``, ``"sapo"``, ``"gpg"``, ``"clip_cov"``, ``"kl_cov"``,
+    ``"geo_mean"``, ``"cispo"`` (and whatever :func:`register_policy_loss` added) are here.
+    verl 0.9's other entries (``"dppo_tv"``, ``"dppo_kl"``, ``"dro"``, ``"bypass_mode"``) are
+    not built yet: ``NotImplementedError`` naming the variant (issue 15's remaining work).
+    Any other name raises verl's ``ValueError("Unsupported loss mode: ...")`` listing the
+    known names.
 
     Example:
         >>> from fused_rl.compat import verl as core_algos
-        >>> core_algos.get_policy_loss_fn("cispo").__name__
-        'compute_policy_loss_cispo'
-        >>> core_algos.get_policy_loss_fn("geo_mean")
+        >>> core_algos.get_policy_loss_fn("geo_mean").__name__
+        'compute_policy_loss_geo_mean'
+        >>> core_algos.get_policy_loss_fn("dro")
         Traceback (most recent call last):
         ...
-        NotImplementedError: verl's policy loss 'geo_mean' (GMPO ...) is not built in fused_rl ...
+        NotImplementedError: verl's policy loss 'dro' (DRO ...) is not built in fused_rl ...
     """
     if name in POLICY_LOSS_REGISTRY:
         return POLICY_LOSS_REGISTRY[name]
@@ -1929,8 +2280,11 @@ __all__ += [
     "POLICY_LOSS_REGISTRY",
     "VERL_POLICY_LOSSES",
     "compute_policy_loss_cispo",
+    "compute_policy_loss_clip_cov",
+    "compute_policy_loss_geo_mean",
     "compute_policy_loss_gpg",
     "compute_policy_loss_gspo",
+    "compute_policy_loss_kl_cov",
     "compute_policy_loss_sapo",
     "get_policy_loss_fn",
     "register_policy_loss",
