@@ -7,6 +7,7 @@ reductions and the ``[kl_mean, clip_ratio]`` metrics; values, gradients w.r.t. t
 under a random upstream gradient, and the errors Liger raises."""
 
 import inspect
+import math
 
 import pytest
 import torch
@@ -21,8 +22,11 @@ def o_liger(logits, old, ref, ids, adv, mask=None, temperature=0.9, beta=0.04, e
             eps_high=0.4, loss_type="dapo", max_completion_length=None,
             importance_sampling_level="token", reduce=False, sapo_temperature_pos=1.0,
             sapo_temperature_neg=1.05, vllm_is_ratio=None, delta=None,
-            use_bias_correction_kl=False, num_items_in_batch=None):  # fmt: skip
-    """Liger's GRPO loss in float64 with autograd (its gradients are the exact ones)."""
+            use_bias_correction_kl=False, num_items_in_batch=None, vespo_k_pos=2.0,
+            vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0):  # fmt: skip
+    """Liger's GRPO loss in float64 with autograd (its gradients are the exact ones); LUSPO
+    reduced by TRL's formula (``o_trl_luspo``), Liger's Triton reduction being defective
+    under padding."""
     B, L = ids.shape
     m = torch.ones(B, L, dtype=torch.float64) if mask is None else mask.double()
     safe_ids = torch.where(m != 0, ids, 0)  # Liger never reads masked ids
@@ -42,16 +46,35 @@ def o_liger(logits, old, ref, ids, adv, mask=None, temperature=0.9, beta=0.04, e
         tau = torch.where(A > 0, sapo_temperature_pos, sapo_temperature_neg).double()
         loss = -torch.sigmoid(tau * (coef_1 - 1.0)) * 4.0 / tau * A
         clipped = torch.zeros_like(coef_1, dtype=torch.bool)
+    elif loss_type == "vespo":  # Liger's get_gamma_weights, then -phi A logp
+        with torch.no_grad():
+            seq = (torch.clamp(logp - old, -20.0, 20.0) * m).sum(-1, keepdim=True)
+            if vllm_is_ratio is not None:
+                v = vllm_is_ratio.double()
+                v = v[:, None] if v.dim() == 1 else v
+                log_v = torch.clamp(torch.log(v), math.log(1e-8), 20.0)
+                seq = seq + log_v.sum(-1, keepdim=True)  # every position, unmasked
+            log_w = torch.clamp(seq, math.log(1e-8), 20.0)
+            nonneg = A >= 0
+            k = torch.where(nonneg, vespo_k_pos, vespo_k_neg)
+            lam = torch.where(nonneg, vespo_lambda_pos, vespo_lambda_neg).clamp(min=1e-4)
+            phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+            phi = phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        loss = -phi * A * logp
+        clipped = torch.zeros_like(loss, dtype=torch.bool)
+        vllm_is_ratio = None  # folded into phi
     else:
         coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
         clipped = ((coef_1 < 1 - eps_low) & (A < 0)) | ((coef_1 > 1 + eps_high) & (A > 0))
         c1 = coef_1 if delta is None else torch.clamp(coef_1, max=delta)
         loss = -torch.minimum(c1 * A, coef_2 * A)
+    policy = loss  # (B, 1) at sequence level
     loss = loss.expand(B, L)
     clipped = clipped.expand(B, L).double()
     if vllm_is_ratio is not None:
         w = vllm_is_ratio.double()
-        loss = loss * (w[:, None] if w.dim() == 1 else w)
+        w = w[:, None] if w.dim() == 1 else w
+        loss, policy = loss * w, policy * w
     kl = None
     if beta != 0.0:
         neg = ref.double() - logp
@@ -61,7 +84,9 @@ def o_liger(logits, old, ref, ids, adv, mask=None, temperature=0.9, beta=0.04, e
         loss = loss + beta * kl
     if not reduce:
         return loss * m, None if kl is None else kl * m, clipped * m
-    if loss_type in ("grpo", "sapo"):
+    if loss_type == "luspo":
+        red = o_trl_luspo(policy, None if kl is None else beta * kl, m)
+    elif loss_type in ("grpo", "sapo"):
         red = ((loss * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
     elif loss_type == "bnpo":
         red = (loss * m).sum() / m.sum().clamp(min=1)
@@ -74,6 +99,22 @@ def o_liger(logits, old, ref, ids, adv, mask=None, temperature=0.9, beta=0.04, e
     metrics = [] if kl is None else [(kl.detach() * m).sum() / count]
     metrics.append((clipped * m).sum() / count)
     return red, metrics
+
+
+def o_trl_luspo(policy, kl_term, m):
+    """TRL's LUSPO reduction ``mean(L * n)`` (``n`` the row's token count), ``L`` the loss
+    tensor as TRL builds it: ``(B, 1)`` when the policy term is per sequence and nothing
+    token-shaped is added, else ``(B, L)``, the mean then running over every position. The
+    token-shaped terms are zeroed at padding (where TRL adds whatever sits there: the
+    documented departure; with an all-ones mask this is TRL's formula exactly)."""
+    n = m.sum(-1, keepdim=True)
+    if policy.shape[-1] == 1 and kl_term is None:
+        return (policy * n).mean()
+    per_seq = policy if policy.shape[-1] == 1 else 0.0
+    tokens = 0.0 if policy.shape[-1] == 1 else policy * m
+    if kl_term is not None:
+        tokens = tokens + kl_term * m
+    return ((per_seq + tokens) * n).expand(m.shape).mean()
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -283,9 +324,12 @@ def test_errors():
     call = lambda **kw: triton_grpo_loss(  # noqa: E731
         kw.pop("logits", logits), old, kw.pop("ref", ref), kw.pop("ids", ids),
         kw.pop("adv", adv), mask, **kw)  # fmt: skip
-    for name in ("luspo", "vespo"):
-        with pytest.raises(NotImplementedError, match=rf"{name}.*issue 15"):
-            call(loss_type=name)
+    with pytest.raises(
+        ValueError, match=r"^loss_type='vespo' requires importance_sampling_level='token'\.$"
+    ):
+        call(loss_type="vespo", importance_sampling_level="sequence", delta=2.0)
+    with pytest.raises(ValueError, match=r"delta .*loss_type='vespo'"):
+        call(loss_type="vespo", delta=2.0)
     with pytest.raises(ValueError, match=r"Unknown loss_type 'ppo'\. Supported types: ") as e:
         call(loss_type="ppo")
     assert all(repr(t) in str(e.value) for t in LOSS_TYPES)
@@ -315,3 +359,87 @@ def test_errors():
     with pytest.raises(ValueError, match="completion_ids"):
         call(ids=bad)
     triton_grpo_loss(logits, old, ref, ids, adv, mask)  # -100 at a masked token: never read
+
+
+# ----------------------------------------------------------------------------- luspo, vespo
+
+
+@pytest.mark.parametrize("level", ["sequence", "token"])
+@pytest.mark.parametrize("reduce", [True, False])
+def test_luspo(level, reduce):
+    """LUSPO reduced by TRL's mean(L * n): padding, negative / zero advantages, far ratios;
+    sequence level with no / (B, 1) / (B,) vLLM ratios and beta = 0 is TRL's (B, 1) loss,
+    the rest (KL, token-level, a (B, L) ratio) TRL's mean over (B, L); delta too.
+    reduce=False: Liger's per-token outputs (the GRPO ones)."""
+    logits, old, ref, ids, adv, mask, vllm = make_case(seed=40)
+    case = (logits, old, ref, ids, adv, mask, vllm)
+    check = check_reduced if reduce else check_per_token
+    for extra in (
+        dict(beta=0.0),
+        dict(beta=0.0, vllm_is_ratio=vllm[:, :1]),
+        dict(beta=0.0, vllm_is_ratio=vllm[:, 0], delta=1.5),
+        dict(beta=0.07, with_vllm=True),
+        dict(beta=0.07, use_bias_correction_kl=True, vllm_is_ratio=vllm[:, :1]),
+    ):
+        kwargs = dict(loss_type="luspo", importance_sampling_level=level, reduce=reduce, **extra)
+        check(*run(kwargs, case=case))
+
+
+def test_luspo_is_trls_formula_without_padding():
+    """With an all-ones mask the adapter is TRL's formula as shipped (mean over (B, L) of
+    L * n) and Liger's Triton forward ((1 / (B L)) sum_i n_i sum_t L m); gradient: TRL's
+    -rho_i A_i / B per token at sequence level (Liger's Triton backward is 1 / L of it)."""
+    logits, old, ref, ids, adv, _, vllm = make_case(seed=41)
+    ids[1, 4] = 3
+    mask = torch.ones(B, L, dtype=torch.long)
+    for kwargs in (dict(beta=0.0), dict(beta=0.05, with_vllm=True)):
+        for level in ("sequence", "token"):
+            check_reduced(*run(dict(loss_type="luspo", reduce=True,
+                                    importance_sampling_level=level, **kwargs),
+                               case=(logits, old, ref, ids, adv, mask, vllm)))  # fmt: skip
+    # the gradient w.r.t. the log-probs, through the logits: -rho A / B at an unclipped token
+    from fused_rl import token_logprobs
+
+    x = logits.clone().requires_grad_()
+    loss, _ = triton_grpo_loss(x, old, None, ids, adv, mask, beta=0.0, loss_type="luspo",
+                               importance_sampling_level="sequence", reduce=True, eps_low=10.0,
+                               eps_high=10.0, temperature=1.0)  # fmt: skip
+    loss.backward()
+    y = logits.clone().requires_grad_()
+    logp = token_logprobs(y[:, :-1], ids)
+    rho = torch.exp((logp - old).detach().mean(-1))
+    (logp * (-rho * adv / B)[:, None]).sum().backward()
+    assert rel_err(x.grad, y.grad) <= 1e-6
+
+
+@pytest.mark.parametrize("reduce", [True, False])
+def test_vespo(reduce):
+    """VESPO: phi from the clamped log-ratio sum with the vLLM ratio's logs folded in (every
+    position of a (B, L) ratio, a (B, 1) / (B,) one once), -phi A logp, no vLLM factor on
+    the loss, dapo's normaliser, clip_ratio 0; the KL (bias-corrected too); on-policy."""
+    logits, old, ref, ids, adv, mask, vllm = make_case(seed=42)
+    case = (logits, old, ref, ids, adv, mask, vllm)
+    check = check_reduced if reduce else check_per_token
+    shapes = dict(vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=2.0, vespo_lambda_neg=0.0)
+    for extra in (
+        dict(beta=0.0),
+        dict(beta=0.04, with_vllm=True),
+        dict(beta=0.1, use_bias_correction_kl=True, vllm_is_ratio=vllm[:, :1], **shapes),
+        dict(beta=0.0, vllm_is_ratio=vllm[:, 0], num_items_in_batch=17),
+        dict(beta=0.04, on_policy=True, with_vllm=True),
+    ):
+        check(*run(dict(loss_type="vespo", reduce=reduce, **extra), case=case))
+
+
+def test_vespo_extremes():
+    """Log-weights past VESPO's clamps (a far-off sequence, a zero vLLM ratio at a padding
+    position: ln 0 floored at ln 1e-8, over every position as Liger), phi's NaN / inf as 0,
+    and phi's gradient scale: -phi A per token."""
+    logits, old, ref, ids, adv, mask, vllm = make_case(seed=43)
+    old[0] = old[0] - 30.0  # S_0 > 20: w = e^20, phi ~ 0
+    vllm = vllm.clone()
+    vllm[1, 4] = 0.0  # padding position of row 1: counted in its log-sum, as Liger
+    case = (logits, old, ref, ids, adv, mask, vllm)
+    for reduce in (True, False):
+        check = check_reduced if reduce else check_per_token
+        check(*run(dict(loss_type="vespo", reduce=reduce, beta=0.0, with_vllm=True), case=case))

@@ -5,9 +5,10 @@ Change ``from liger_kernel.transformers.grpo_loss import triton_grpo_loss`` to
 
 Mirrors ``liger_kernel/transformers/grpo_loss.py::triton_grpo_loss`` of Liger-Kernel 0.8.5
 (and its op, ``liger_kernel/ops/grpo_loss.py::GrpoLossFunction``): the signature and defaults,
-the logits layout, the loss types ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``cispo``,
-``sapo``, token- and sequence-level importance sampling, ``vllm_is_ratio``, ``delta``,
-``use_bias_correction_kl``, ``num_items_in_batch``, ``reduce`` and the return values.
+the logits layout, the loss types ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``,
+``cispo``, ``sapo``, ``vespo``, token- and sequence-level importance sampling,
+``vllm_is_ratio``, ``delta``, ``use_bias_correction_kl``, ``num_items_in_batch``, ``reduce``
+and the return values.
 
 What Liger does, and so the adapter does:
 
@@ -17,21 +18,28 @@ What Liger does, and so the adapter does:
 * Per token, ``r = exp(log p - old_logp)`` (``old_logp=None``: on-policy, ``r = 1`` with the
   policy gradient), ``A`` the sequence's advantage:
 
-  - ``grpo`` / ``bnpo`` / ``dr_grpo`` / ``dapo``: ``-min(min(r, delta) A,
+  - ``grpo`` / ``bnpo`` / ``dr_grpo`` / ``dapo`` / ``luspo``: ``-min(min(r, delta) A,
     clamp(r, 1 - eps_low, 1 + eps_high) A)`` (``delta=None``: no cap);
   - ``cispo``: ``-sg(min(r, eps_high)) A log p``: ``eps_high`` is the absolute cap (Liger's
     and TRL's CISPO; verl's is a band around 1);
   - ``sapo``: ``-A sigmoid(tau (r - 1)) 4 / tau``, ``tau = sapo_temperature_pos`` where
     ``A > 0``, else ``sapo_temperature_neg``;
+  - ``vespo``: ``-sg(phi_i) A log p`` with TRL's / Liger's ``get_gamma_weights``:
+    ``S_i = sum_t clamp(d_t, -20, 20) m_t + sum_t clamp(log v_t, ln 1e-8, 20)`` (``d`` the
+    log-ratio, ``v`` the vLLM ratio over every position of its row; a ``(B,)`` / ``(B, 1)``
+    one once), ``ln w = clamp(S_i, ln 1e-8, 20)``, ``phi = exp(lam + k ln w - lam w)``
+    (NaN / inf as 0), ``(k, lam)`` the ``vespo_*_pos`` pair where ``A >= 0``, else
+    ``_neg``, ``lam >= 1e-4``; the vLLM ratio is folded into ``phi`` only;
 
-  times ``vllm_is_ratio`` (``(B, L)``, ``(B, 1)`` or ``(B,)``), plus ``beta * k3`` with
-  ``k3 = exp(ref - log p) - (ref - log p) - 1`` (times ``r``, not detached, with
+  times ``vllm_is_ratio`` (``(B, L)``, ``(B, 1)`` or ``(B,)``; not ``vespo``), plus
+  ``beta * k3`` with ``k3 = exp(ref - log p) - (ref - log p) - 1`` (times ``r``, not detached, with
   ``use_bias_correction_kl``: DeepSeek-V3.2).
 * ``importance_sampling_level="sequence"`` (GSPO; PPO types only): ``r`` is the sequence's
   ``exp(sum_t (log p - old) m / max(sum_t m, 1))``, differentiated through every token.
 * Aggregation (``reduce=True``), ``m`` the completion mask: ``grpo`` / ``sapo``
   ``mean_i sum_t L m / max(n_i, 1)``; ``bnpo`` ``sum L m / max(sum m, 1)``; ``dr_grpo``
-  ``sum L m / (B * max_completion_length)`` (default ``L``); ``dapo`` / ``cispo``
+  ``sum L m / (B * max_completion_length)`` (default ``L``); ``luspo`` TRL's
+  ``mean(L * n_i)`` (below); ``dapo`` / ``cispo`` / ``vespo``
   ``sum L m / max(N / world_size, 1)`` with ``N = num_items_in_batch``, or, when None, the
   mask's sum all-reduced over the default process group when ``torch.distributed`` is
   initialised (Liger's ``_compute_dapo_normalizer``).
@@ -39,24 +47,35 @@ What Liger does, and so the adapter does:
   ``beta != 0``): 0-dim fp32 tensors, the metrics ``sum x m / max(sum m, 1)`` of the
   per-token KL (the bias-corrected one when corrected) and the clip indicator (PPO types:
   ``r < 1 - eps_low`` where ``A < 0`` or ``r > 1 + eps_high`` where ``A > 0``, ``r`` before
-  ``delta``; ``cispo``: ``r > eps_high`` where ``A > 0``; ``sapo``: 0). With
+  ``delta``; ``cispo``: ``r > eps_high`` where ``A > 0``; ``sapo``, ``vespo``: 0). With
   ``reduce=False`` (Liger's default): ``(per_token_loss, per_token_kl, is_clipped)``, each
   ``(B, L)`` fp32 times the mask (``per_token_kl`` None when ``beta == 0``).
 * Errors as Liger: ``AssertionError`` for missing ``logits`` / ``completion_ids`` /
   ``advantages``, an unknown ``importance_sampling_level`` or ``beta != 0`` without
   ``ref_logp``; ``ValueError`` for an unknown ``loss_type``, ``delta`` with ``cispo`` /
-  ``sapo``, sequence level with ``cispo`` / ``sapo``, a SAPO temperature ``<= 0``.
+  ``sapo`` / ``vespo``, sequence level with ``cispo`` / ``sapo`` / ``vespo`` (for
+  ``vespo`` Liger's wrapper message, first), a SAPO temperature ``<= 0``.
 
 How it runs: with ``reduce=True``, one :func:`fused_rl.policy_loss` call on the logits (one
 pass over them forward with the loss as its epilogue, one backward; the metrics from its
 reduction). The outputs fused_rl's fused loss does not give (the per-token losses of
-``reduce=False``; the bias-corrected ``kl_mean``) take :func:`fused_rl.token_logprobs` (the
-same one pass each way) and the per-token math on ``(B, L)`` tensors.
+``reduce=False``; the bias-corrected ``kl_mean``) and ``luspo`` / ``vespo`` (which need
+the log-probs first, as Liger's VESPO does) take :func:`fused_rl.token_logprobs` (the same
+one pass each way), then the per-token math on ``(B, L)`` tensors or
+:func:`fused_rl.policy_loss_from_logprobs`: ``vespo`` as ``surrogate="gpg"`` with the
+advantage ``phi_i A_i`` (the value ``-phi A log p``, the gradient ``-phi A``); ``luspo`` with
+per-token weights ``m n_i / L`` over ``B``, a sequence-shaped policy term given ``L / n_i``
+back through ``is_weights``.
 
 Where it departs (docs/compat.md, "Liger"):
 
-* ``loss_type="luspo"`` and ``"vespo"`` raise ``NotImplementedError`` (issue 15's remaining
-  work).
+* ``loss_type="luspo"`` with ``reduce=True`` follows TRL's ``mean(L * n_i)`` (``n_i`` the
+  row's token count), not Liger's Triton op, which under padding scales the forward by
+  ``n_i^2`` at sequence level and its backward by ``1 / L`` (VARIANTS.md 3.3): per
+  sequence ``n_i l_i / B`` when TRL's loss is ``(B, 1)`` (sequence level, no token-shaped
+  term), else ``(1 / (B L)) sum_t n_i L_t``; the token-shaped terms (the KL, the token-level
+  loss, a ``(B, L)`` vLLM ratio) are left out at padding positions, where TRL's mean adds
+  whatever sits there. With an all-ones mask this is TRL's formula, and Liger's forward.
 * ``inplace`` is accepted and has no effect: Liger's ``inplace=True`` writes the gradient over
   the ``logits`` tensor itself during the backward (its memory saving); fused_rl's backward
   writes one gradient buffer and never modifies ``logits``.
@@ -88,11 +107,8 @@ from .trl import _NO_IGNORE, _check_index_range
 # Liger's ``_str_to_loss_type`` keys, in its order (the list its ValueError prints)
 LOSS_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo", "luspo", "cispo", "sapo", "vespo")
 PPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-SUPPORTED_LOSS_TYPES = (*PPO_LOSS_TYPES, "cispo", "sapo")
-_NOT_BUILT = {
-    "luspo": "LUSPO (each sequence's loss scaled by its length)",
-    "vespo": "VESPO (a detached gamma weight per sequence)",
-}
+SUPPORTED_LOSS_TYPES = LOSS_TYPES  # every one (the name kept for callers)
+_LN_1E_8 = math.log(1e-8)  # VESPO's floor on the log-weights
 _ORIGINAL = "Liger's triton_grpo_loss"
 
 
@@ -103,13 +119,10 @@ def _validate(loss_type, importance_sampling_level, delta, beta, ref_logp, tau_p
             "importance_sampling_level must be 'token' or 'sequence', got "
             f"{importance_sampling_level}"
         )
+    if loss_type == "vespo" and importance_sampling_level == "sequence":  # Liger's wrapper
+        raise ValueError("loss_type='vespo' requires importance_sampling_level='token'.")
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"Unknown loss_type '{loss_type}'. Supported types: {list(LOSS_TYPES)}")
-    if loss_type in _NOT_BUILT:
-        raise NotImplementedError(
-            f"loss_type={loss_type!r} ({_NOT_BUILT[loss_type]}) is not built in fused_rl yet "
-            f"(issue 15's remaining work); fused_rl.compat.liger has {list(SUPPORTED_LOSS_TYPES)}"
-        )
     if beta != 0.0 and ref_logp is None:
         raise AssertionError(f"beta = {beta} needs ref_logp (the reference policy's log-probs)")
     if delta is not None and loss_type in ("cispo", "sapo", "vespo"):
@@ -221,6 +234,47 @@ def _cispo_scale(cap) -> float:
     return 1.0 if cap >= 1.0 else float(cap)
 
 
+def _vespo_phi(logp, old, advantages, mask_f, vllm_is_ratio, k_pos, lam_pos, k_neg, lam_neg):
+    """Liger's (and TRL's) ``get_gamma_weights``, detached, ``(B, 1)`` in ``logp``'s dtype:
+    ``S_i = sum_t clamp(d_t, -20, 20) m_t + sum_t clamp(log v_t, ln 1e-8, 20)`` (the vLLM
+    ratio's logs over **every** position of its row, unmasked; a ``(B,)`` / ``(B, 1)`` ratio
+    once), ``ln w = clamp(S_i, ln 1e-8, 20)``, ``(k, lam)`` by ``A_i >= 0``, ``lam >= 1e-4``,
+    ``phi = exp(lam + k ln w - lam w)`` with NaN / inf as 0. Masked log-ratios never matter."""
+    with torch.no_grad():
+        acc = logp.dtype
+        m = mask_f.to(acc)
+        d = torch.where(m != 0, logp - old.to(acc), 0.0)
+        total = (torch.clamp(d, -20.0, 20.0) * m).sum(-1, keepdim=True)
+        if vllm_is_ratio is not None:
+            v = vllm_is_ratio.detach().to(acc)
+            v = v[:, None] if v.dim() == 1 else v
+            total = total + torch.clamp(torch.log(v), _LN_1E_8, 20.0).sum(-1, keepdim=True)
+        log_w = torch.clamp(total, _LN_1E_8, 20.0)
+        nonneg = advantages.detach().to(acc)[:, None] >= 0
+        k = torch.where(nonneg, float(k_pos), float(k_neg)).to(acc)
+        lam = torch.where(nonneg, float(lam_pos), float(lam_neg)).to(acc).clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+        return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _luspo_weights(mask_f, level, vllm_is_ratio, batch, length, dtype):
+    """TRL's LUSPO ``mean(L * n)`` over ``(B, L)``, padding left out, as fused_rl's
+    ``(mask weights, is_weights, num_items)``: every counted token weighs ``n_i / L`` over
+    ``B``; a sequence-shaped policy term (sequence level with no or a per-sequence vLLM ratio:
+    TRL's ``(B, 1)`` loss) takes ``L / n_i`` back through ``is_weights``, so it weighs
+    ``n_i / B`` per sequence, as TRL's."""
+    m = mask_f.to(dtype)
+    n = m.sum(-1, keepdim=True)
+    weights = m * (n / length)
+    v = None if vllm_is_ratio is None else vllm_is_ratio.detach().to(dtype)
+    if v is not None and v.dim() == 1:
+        v = v[:, None]
+    if level == "sequence" and (v is None or v.shape[-1] == 1):
+        back = torch.where(n > 0, length / torch.where(n > 0, n, 1.0), 0.0)
+        v = back if v is None else back * v
+    return weights, v, torch.as_tensor(float(batch), dtype=dtype, device=m.device)
+
+
 def triton_grpo_loss(
     logits,
     old_logp,
@@ -265,8 +319,8 @@ def triton_grpo_loss(
         eps_low, eps_high: the clip band ``[1 - eps_low, 1 + eps_high]``; for ``cispo``
             ``eps_high`` is the absolute cap on the ratio.
         inplace: accepted, no effect (fused_rl never writes over ``logits``).
-        loss_type: ``"grpo"``, ``"bnpo"``, ``"dr_grpo"``, ``"dapo"``, ``"cispo"``, ``"sapo"``
-            (``"luspo"``, ``"vespo"``: ``NotImplementedError``).
+        loss_type: ``"grpo"``, ``"bnpo"``, ``"dr_grpo"``, ``"dapo"``, ``"luspo"``,
+            ``"cispo"``, ``"sapo"``, ``"vespo"``.
         max_completion_length: ``dr_grpo``'s length (default ``L``).
         importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO).
         reduce: True: ``(loss, metrics)``; False: per-token outputs.
@@ -277,8 +331,8 @@ def triton_grpo_loss(
         use_bias_correction_kl: multiply the KL by the (not detached) ratio.
         num_items_in_batch: ``dapo`` / ``cispo``'s token count over the whole generation
             batch (a number or a tensor), or None.
-        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's; accepted for
-            the signature (VESPO is not built yet).
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's shape
+            (``k``) and rate (``lam``) for ``A >= 0`` and ``A < 0``.
 
     Returns:
         ``reduce=True``: ``(loss, metrics)``, ``loss`` a 0-dim fp32 tensor differentiable
@@ -304,7 +358,7 @@ def triton_grpo_loss(
         >>> per_token.shape, kl
         (torch.Size([2, 3]), None)
     """
-    del inplace, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg
+    del inplace
     if logits is None or completion_ids is None or advantages is None:
         raise AssertionError("must provide logits, completion_ids and advantages")
     _validate(loss_type, importance_sampling_level, delta, beta, ref_logp,
@@ -346,6 +400,7 @@ def triton_grpo_loss(
         to_liger = count / torch.clamp(count, min=1.0)  # fused_rl's masked means -> Liger's
     bias_kl = beta != 0.0 and bool(use_bias_correction_kl)
     fused = reduce and not bias_kl and not (shift != 0.0 and old_logp is None)
+    fused = fused and loss_type not in ("luspo", "vespo")  # they need the log-probs first
 
     if fused:  # one fused pass over the logits each way
         old = old_logp if shift == 0.0 else old_logp.detach() + shift
@@ -363,12 +418,38 @@ def triton_grpo_loss(
 
     logp = token_logprobs(logits, targets, temperature=temperature, ignore_index=_NO_IGNORE)
     old = old_logp.detach().to(logp.dtype) if old_logp is not None else logp.detach()
+    phi = None
+    if loss_type == "vespo":  # the rollout IS ratio is folded into phi, nothing else
+        phi = _vespo_phi(logp.detach(), old, advantages, mask_f, vllm_is_ratio, vespo_k_pos,
+                         vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)  # fmt: skip
     per_token = dict(
         level=importance_sampling_level, loss_type=loss_type, eps_low=eps_low,
         eps_high=eps_high, delta=delta, tau_pos=sapo_temperature_pos,
         tau_neg=sapo_temperature_neg, vllm_is_ratio=vllm_is_ratio, beta=beta,
-        bias_kl=bool(use_bias_correction_kl),
+        bias_kl=bool(use_bias_correction_kl), phi=phi,
     )  # fmt: skip
+    if reduce and loss_type in ("luspo", "vespo"):
+        if loss_type == "vespo":  # -sg(phi) A logp: GPG with the advantage phi A
+            weights, is_w = mask, None
+            adv = advantages.detach().to(logp.dtype) * phi[:, 0]
+            num_items = _dapo_normalizer(count, num_items_in_batch)
+            options.update(surrogate="gpg", is_weights=None)
+        else:
+            weights, is_w, num_items = _luspo_weights(mask_f, importance_sampling_level,
+                                                      vllm_is_ratio, batch, length,
+                                                      logp.dtype)  # fmt: skip
+            options.update(is_weights=is_w)
+        loss, _ = policy_loss_from_logprobs(
+            logp, adv, old_logprobs=old, mask=weights, loss_agg="token-mean",
+            num_items=num_items, **options,
+        )  # fmt: skip
+        with torch.no_grad():  # Liger's metrics, sum x m / max(sum m, 1)
+            _, kl, clipped = _token_terms(logp.detach(), old, ref_logp, advantages, mask_f,
+                                          **per_token)  # fmt: skip
+            denominator = torch.clamp(count, min=1.0)
+            out = [] if kl is None else [(kl.sum() / denominator).float()]
+            out.append((clipped.sum() / denominator).float())
+        return loss.float(), out
     if reduce:
         loss_agg, num_items = _aggregation(loss_type, count, batch, length,
                                            max_completion_length, num_items_in_batch)  # fmt: skip
@@ -390,10 +471,12 @@ def triton_grpo_loss(
 
 
 def _token_terms(logp, old, ref_logp, advantages, mask_f, *, level, loss_type, eps_low,
-                 eps_high, delta, tau_pos, tau_neg, vllm_is_ratio, beta, bias_kl):  # fmt: skip
+                 eps_high, delta, tau_pos, tau_neg, vllm_is_ratio, beta, bias_kl,
+                 phi=None):  # fmt: skip
     """Liger's per-token ``(loss, kl, is_clipped)``, each times the mask (``kl`` None when
     ``beta == 0``); ``loss`` differentiable w.r.t. ``logp`` (``old`` is a constant). Values
-    at masked tokens never matter (log-prob 0, ratio 1)."""
+    at masked tokens never matter (log-prob 0, ratio 1). ``phi``: VESPO's ``(B, 1)``
+    weights (the vLLM ratio already folded in)."""
     acc = logp.dtype
     m = mask_f.to(acc)
     counted = m != 0
@@ -411,6 +494,10 @@ def _token_terms(logp, old, ref_logp, advantages, mask_f, *, level, loss_type, e
         tau = torch.where(adv > 0, float(tau_pos), float(tau_neg)).to(acc)
         loss = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv
         clipped = torch.zeros_like(ratio, dtype=torch.bool)
+    elif loss_type == "vespo":  # -sg(phi) A logp, no clip
+        loss = -phi.to(acc) * adv * logp
+        clipped = torch.zeros_like(ratio, dtype=torch.bool)
+        vllm_is_ratio = None  # folded into phi
     else:
         low, high = 1.0 - eps_low, 1.0 + eps_high
         capped = ratio if delta is None else torch.clamp(ratio, max=delta)
