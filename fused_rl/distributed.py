@@ -108,6 +108,7 @@ class VocabShard:
     columns: int
     vocab_size: int
     explicit: bool
+    name: str = "logits"  # the sharded argument, for messages ("weight" for the linear ops)
 
     @property
     def valid(self) -> int:
@@ -154,6 +155,18 @@ def resolve_shard(
                 "vocab_start / vocab_size describe a vocabulary shard: they need process_group"
             )
         return logits, targets, None
+    V.check_float(logits, "logits")
+    columns = logits.shape[-1] if logits.dim() >= 1 else 0
+    return logits, targets, group_shard(process_group, columns, vocab_start, vocab_size)
+
+
+def group_shard(
+    process_group, columns: int, vocab_start: int | None, vocab_size: int | None,
+    name: str = "logits",
+) -> VocabShard:  # fmt: skip
+    """This rank's :class:`VocabShard` of ``columns`` vocabulary entries in ``process_group``
+    from the ``vocab_start`` / ``vocab_size`` keywords (checked here, locally: they raise on
+    every rank or on none); the layout across ranks is checked by the first collective."""
     _check_int(vocab_start, "vocab_start", 0)
     _check_int(vocab_size, "vocab_size", 1)
     if vocab_start is not None and vocab_size is None:
@@ -163,12 +176,11 @@ def resolve_shard(
     dist = _dist()
     world = dist.get_world_size(process_group)
     rank = dist.get_rank(process_group)
-    V.check_float(logits, "logits")
-    columns = logits.shape[-1] if logits.dim() >= 1 else 0
     start = rank * columns if vocab_start is None else vocab_start
     vocab = world * columns if vocab_size is None else vocab_size
-    shard = VocabShard(process_group, rank, world, start, columns, vocab, vocab_start is not None)
-    return logits, targets, shard
+    return VocabShard(
+        process_group, rank, world, start, columns, vocab, vocab_start is not None, name
+    )
 
 
 def _from_dtensor(logits, targets):
@@ -216,7 +228,7 @@ def _layout_error(hdr: list[float], shard: VocabShard) -> str | None:
     v_max, v_min = hdr[2 * world], -hdr[2 * world + 1]
     if not shard.explicit and len(set(widths)) > 1:
         return (
-            f"logits: the vocabulary shards differ in width across the process group "
+            f"{shard.name}: the vocabulary shards differ in width across the process group "
             f"(V_local per rank: {widths}); rank r must hold global ids [r*V_local, "
             f"(r+1)*V_local): pad the last shard and pass vocab_size= (as Megatron pads), "
             f"or pass vocab_start= and vocab_size= for ragged shards"
@@ -347,9 +359,19 @@ def _header(shard: VocabShard, dtype, device) -> Tensor:
 def _merge(x3d, targets, t_local, ignored, spec: _Spec, inner: int):
     """Layer 1 locally, the two all-reduces, the merge. Returns ``(logp, entropy, m, log_S)``
     ``(outer, inner)`` (``logp`` / ``entropy`` None when not asked for)."""
+    return merge_partials(_local_stats(x3d, t_local, spec, inner), targets, t_local, ignored, spec)
+
+
+def merge_partials(local, targets, t_local, ignored, spec: _Spec):
+    """The two all-reduces and the merge of this rank's layer-1 partials ``local = (logp,
+    entropy, row_max, log_sum)`` (any one shape; ``logp`` / ``entropy`` unread when not
+    asked for) into ``(logp, entropy, m, log_S)`` of the whole vocabulary, that shape.
+
+    Shared by :func:`_merge` (one call's logits) and the vocab-parallel
+    :func:`fused_rl.linear_token_logprobs` (the partials of all its chunks, merged once)."""
     dist = _dist()
     shard = spec.shard
-    logp_l, ent_l, m_l, log_s_l = _local_stats(x3d, t_local, spec, inner)
+    logp_l, ent_l, m_l, log_s_l = local
     dtype, dev = m_l.dtype, m_l.device
     n = m_l.numel()
     if spec.check and spec.with_targets:
@@ -499,6 +521,12 @@ class _ShardedTokenStats(torch.autograd.Function):
         return grad, None, None, None, None
 
 
+def check_vocab_limit(shard: VocabShard) -> None:
+    """Ids and widths travel in the float header: the vocabulary must stay below 2^24."""
+    if shard.vocab_size >= MAX_VOCAB:
+        raise ValueError(f"vocab_size must be < 2^24 = {MAX_VOCAB}, got {shard.vocab_size}")
+
+
 def sharded_token_stats(
     logits: Tensor,
     targets: Tensor | None,
@@ -512,8 +540,7 @@ def sharded_token_stats(
     """``(logp, entropy)`` (each None when not asked for) of the full-vocabulary softmax
     from this rank's shard; arguments already checked locally (shapes, dtypes, temperature),
     layout and target range checked here through the first collective."""
-    if shard.vocab_size >= MAX_VOCAB:
-        raise ValueError(f"vocab_size must be < 2^24 = {MAX_VOCAB}, got {shard.vocab_size}")
+    check_vocab_limit(shard)
     x3d = as_rows3d(logits)
     t_local = ignored = t2d = None
     if targets is not None:

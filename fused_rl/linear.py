@@ -29,6 +29,8 @@ it directly on CUDA; elsewhere through fp32 copies of the chunk) and ``dH``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -119,10 +121,24 @@ def _addmm_wide(acc_out: Tensor, a: Tensor, b: Tensor) -> None:
 
 class _LinearTokenStats(torch.autograd.Function):
     """``(logp, entropy)`` of ``F.linear(hidden, weight, bias)`` for ``(N, H)`` hidden rows
-    and ``(N,)`` targets, chunk by chunk (see the module docstring)."""
+    and ``(N,)`` targets, chunk by chunk (see the module docstring).
+
+    ``tp`` (:class:`_TensorParallel`, None when unsharded): ``weight`` / ``bias`` are this
+    rank's vocabulary shard. Forward: each chunk's local logits through layer 1 on the
+    shard (local target ids, as ``fused_rl.distributed``), the per-token partials of all
+    chunks merged at the end by ONE :func:`fused_rl.distributed.merge_partials` (two
+    all-reduces per call, whatever the number of chunks). Backward: the chunk's local logits
+    recomputed, layer 3 with the global statistics (no collective), ``dW_local += dz^T h``,
+    ``dH_local = dz W_local``, then (``tp.reduce_hidden``) one SUM all-reduce of the
+    ``(N, H)`` ``dH`` so every rank holds the unsharded hidden gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, ignore_index, chunk, which):
+    def forward(ctx, hidden, weight, bias, targets, temperature, ignore_index, chunk, which,
+                tp=None):  # fmt: skip
+        ctx.tp = tp
+        ctx.set_materialize_grads(False)
+        if tp is not None:
+            return _LinearTokenStats._sharded_forward(ctx, hidden, weight, bias, targets, chunk)
         n_rows = hidden.shape[0]
         acc = stats_dtype(hidden.dtype)
         logp = hidden.new_empty((n_rows,), dtype=acc)
@@ -137,8 +153,31 @@ class _LinearTokenStats(torch.autograd.Function):
             del z
         ctx.save_for_backward(hidden, weight, bias, targets, row_max, log_sum, entropy)
         ctx.config = (temperature, ignore_index, chunk, which)
-        ctx.set_materialize_grads(False)
         return logp, entropy
+
+    @staticmethod
+    def _sharded_forward(ctx, hidden, weight, bias, targets, chunk):
+        from .distributed import _local_stats, _local_targets, merge_partials
+
+        spec = ctx.tp.spec
+        n_rows = hidden.shape[0]
+        t_local, ignored = _local_targets(targets, spec.shard, spec.ignore_index)
+        acc = stats_dtype(hidden.dtype)
+        # this rank's partials (logp, entropy, row max, log-sum) of every token
+        local = [hidden.new_empty((n_rows,), dtype=acc) for _ in range(4)]
+        w_valid, b_valid = _valid_rows(weight, bias, spec.shard.valid)  # padding: unread
+        for start in range(0, n_rows, chunk):
+            rows = slice(start, min(start + chunk, n_rows))
+            z = F.linear(hidden[rows], w_valid, b_valid)
+            stats = _local_stats(z[None], t_local[None, rows], spec, z.shape[0])
+            for buf, part in zip(local, stats):
+                if part.numel():  # entropy: empty when not asked for (Triton)
+                    buf[rows] = part[0]
+            del z
+        logp, entropy, m, log_s = merge_partials(local, targets, t_local, ignored, spec)
+        ctx.save_for_backward(hidden, weight, bias, t_local, m, log_s, entropy)
+        ctx.config = (spec.temperature, spec.ignore_index, chunk, spec.which)
+        return logp, (entropy if entropy is not None else m.new_empty((0,)))
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
@@ -157,23 +196,31 @@ class _LinearTokenStats(torch.autograd.Function):
     def _grads(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, targets, row_max, log_sum, entropy = ctx.saved_tensors
         temperature, ignore_index, chunk, which = ctx.config
+        tp = ctx.tp
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if grad_logp is None and grad_entropy is None:
-            return (None,) * 8
+            return (None,) * 9
         if grad_logp is None:
-            grad_logp = torch.zeros_like(entropy)
+            grad_logp = torch.zeros_like(row_max)
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         d_hidden = hidden.new_empty(hidden.shape) if need_h else None
         d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         d_bias = torch.zeros(weight.shape[:1], dtype=acc, device=weight.device) if need_b else None
+        dw_out, db_out, out_dtype = d_weight, d_bias, weight.dtype
+        if tp is not None:  # padding rows of the shard: unread, their gradient stays zero
+            valid = tp.spec.shard.valid
+            weight, bias = _valid_rows(weight, bias, valid)
+            d_weight = d_weight[:valid] if need_w else None
+            d_bias = d_bias[:valid] if need_b else None
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, min(start + chunk, hidden.shape[0]))
             z = F.linear(hidden[rows], weight, bias)  # recomputed: the forward kept no logits
-            dz = _chunk_grad(
-                z, targets[rows], row_max[rows], log_sum[rows], entropy[rows], grad_logp[rows],
-                grad_entropy[rows] if grad_entropy is not None else None, temperature,
-                ignore_index, which,
-            )  # fmt: skip
+            stats = (targets[rows], row_max[rows], log_sum[rows], _rows_of(entropy, rows),
+                     grad_logp[rows], _rows_of(grad_entropy, rows))  # fmt: skip
+            if tp is None:
+                dz = _chunk_grad(z, *stats, temperature, ignore_index, which)
+            else:  # this rank's columns, the global statistics (here targets: local ids)
+                dz = _shard_chunk_grad(z, *stats, tp.spec)
             if need_h:
                 d_hidden[rows] = dz @ weight
             if need_w:
@@ -181,12 +228,56 @@ class _LinearTokenStats(torch.autograd.Function):
             if need_b:
                 d_bias.add_(dz.sum(0, dtype=acc))
             del z, dz
+        if need_h and tp is not None and tp.reduce_hidden:
+            # hidden is replicated: its gradient is the sum of every shard's dz W_local
+            from .distributed import _dist
+
+            dist = _dist()
+            dist.all_reduce(d_hidden, op=dist.ReduceOp.SUM, group=tp.spec.shard.group)
         return (
             d_hidden,
-            d_weight.to(weight.dtype) if need_w else None,
-            d_bias.to(bias.dtype) if need_b else None,
-            None, None, None, None, None,
+            dw_out.to(out_dtype) if need_w else None,
+            db_out.to(out_dtype) if need_b else None,
+            None, None, None, None, None, None,
         )  # fmt: skip
+
+
+def _rows_of(t: Tensor | None, rows: slice) -> Tensor | None:
+    return None if t is None else t[rows]
+
+
+def _valid_rows(weight: Tensor, bias: Tensor | None, valid: int):
+    """The shard's first ``valid`` rows (its real vocabulary ids; the rest is padding)."""
+    if valid == weight.shape[0]:
+        return weight, bias
+    return weight[:valid], (bias[:valid] if bias is not None else None)
+
+
+def _shard_chunk_grad(z, t_local, row_max, log_sum, entropy, g, h, spec):
+    """``dL/dz`` of one chunk's ``(n, V_local)`` local logits: layer 3 on the shard's valid
+    columns with the global statistics (a target owned elsewhere matches no column),
+    written over ``z`` where it can be (Triton, eager, no padding column); otherwise
+    ``fused_rl.distributed``'s local backward (the reference backend, padding columns
+    zeroed, an empty shard)."""
+    from .distributed import LOCAL_IGNORE, _backward_local
+
+    if spec.which == "triton" and spec.shard.valid == z.shape[1] > 0:
+        return _chunk_grad(z, t_local, row_max, log_sum, entropy, g, h, spec.temperature,
+                           LOCAL_IGNORE, "triton")  # fmt: skip
+    row = lambda t: None if t is None else t[None]  # noqa: E731
+    return _backward_local(
+        z[None], t_local[None], row_max[None], log_sum[None], row(entropy), g[None], row(h),
+        spec, z.shape[0],
+    )[0]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _TensorParallel:
+    """The vocab-parallel configuration of a linear op: the distributed spec (shard, layer
+    options, value checks) and whether the backward all-reduces the hidden gradient."""
+
+    spec: object  # fused_rl.distributed._Spec
+    reduce_hidden: bool
 
 
 class _LinearPolicyLoss(torch.autograd.Function):
@@ -265,7 +356,7 @@ class _LinearPolicyLoss(torch.autograd.Function):
         return grads + (None,) * (n_inputs - 3)
 
 
-def _check_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+def _check_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None, sharded=False) -> None:
     V.check_float(hidden, "hidden")
     V.check_float(weight, "weight")
     if hidden.dim() not in (2, 3):
@@ -275,7 +366,7 @@ def _check_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> None:
             f"weight must be the lm_head's (V, H) with H = hidden.shape[-1] = "
             f"{hidden.shape[-1]}, got shape {tuple(weight.shape)}"
         )
-    if weight.shape[0] == 0:
+    if weight.shape[0] == 0 and not sharded:  # a vocabulary shard may be empty (ragged)
         raise ValueError("weight must have at least one row (V >= 1)")
     if weight.dtype != hidden.dtype:
         raise TypeError(
@@ -325,12 +416,14 @@ def _window_rows(hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
     return hidden.reshape(batch * length, hidden.shape[-1]), targets.reshape(-1)
 
 
-def _prepare(hidden, weight, bias, targets, temperature, ignore_index, chunk_tokens, backend):
+def _prepare(hidden, weight, bias, targets, temperature, ignore_index, chunk_tokens, backend,
+             sharded=False):  # fmt: skip
     """Checked inputs of a linear op: ``(rows, weight, bias, flat_targets, chunk, which)``
     with ``rows`` the ``(N, H)`` hidden rows that predict the ``(N,)`` targets, in the
-    autocast dtype under ``torch.autocast``."""
+    autocast dtype under ``torch.autocast``. ``sharded``: ``weight`` is a vocabulary shard
+    (possibly empty) and ``targets`` global ids, range-checked by the merge's collective."""
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
-    _check_linear(hidden, weight, bias)
+    _check_linear(hidden, weight, bias, sharded)
     V.check_tensor(targets, "targets")
     if targets.dtype not in V.INDEX_DTYPES:
         raise TypeError(f"targets must be an int64 or int32 tensor, got {targets.dtype}")
@@ -342,7 +435,8 @@ def _prepare(hidden, weight, bias, targets, temperature, ignore_index, chunk_tok
             raise ValueError(f"chunk_tokens must be a positive integer, got {chunk_tokens}")
     rows, flat_targets = _window_rows(hidden, targets)
     vocab = weight.shape[0]
-    V.check_target_range(flat_targets, vocab, ignore_index, "targets")
+    if not sharded:
+        V.check_target_range(flat_targets, vocab, ignore_index, "targets")
     which = resolve_backend(backend, hidden, weight, bias, targets)
     chunk = int(chunk_tokens) if chunk_tokens else default_chunk_tokens(vocab, hidden.dtype)
     return rows, weight, bias, flat_targets, chunk, which
@@ -358,6 +452,10 @@ def linear_token_logprobs(
     ignore_index: int = -100,
     return_entropy: bool = False,
     chunk_tokens: int | None = None,
+    process_group=None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+    reduce_hidden_grad: bool = True,
     backend: str = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Per-token ``log_softmax((hidden @ weight.T + bias) / temperature)[target]`` (and the
@@ -375,6 +473,25 @@ def linear_token_logprobs(
         temperature, ignore_index, return_entropy, backend: as :func:`token_logprobs`.
         chunk_tokens: rows per chunk; None keeps a chunk's logits under 256 MiB
             (``fused_rl.linear.CHUNK_BYTES``).
+        process_group: vocabulary (tensor) parallelism, the Megatron ``ColumnParallelLinear``
+            lm_head: ``weight`` (and ``bias``) are this rank's ``(V_local, H)`` shard,
+            ``hidden`` is the same on every rank, ``targets`` hold global ids. Every rank
+            returns the unsharded call's values; ``weight`` / ``bias`` get their shard of the
+            unsharded gradient; ``hidden`` gets the WHOLE unsharded gradient on every rank
+            (see ``reduce_hidden_grad``). Collectives per call: the two all-reduces of
+            :func:`token_logprobs` ``(process_group=)`` once for all chunks (12 bytes a token,
+            16 with the entropy, plus a ``2 P + 4``-float header) forward; one all-reduce of
+            the ``(N, H)`` hidden gradient (hidden's dtype) backward.
+        vocab_start, vocab_size: the shard layout (padded or ragged vocabulary), with
+            ``process_group``, as :func:`token_logprobs`; shards of different widths, a
+            gap or a target outside ``[0, V)`` raise ``ValueError`` on every rank.
+        reduce_hidden_grad: with ``process_group``: True (default) all-reduces (SUM) the
+            hidden gradient over the group, as the op replaces the lm_head and its input's
+            ``copy_to_tensor_model_parallel_region``; False leaves each rank its partial
+            ``dz W_local`` (they sum to the unsharded gradient) for a framework that reduces
+            it itself: Megatron's sequence parallelism (``gather_from_sequence_parallel_region``,
+            whose backward reduce-scatters) or verl's ``linear_cross_entropy``. No effect
+            without a process group.
 
     Returns:
         ``logp`` ``targets.shape`` (fp32; fp64 for fp64 inputs), 0 at ignored tokens; with
@@ -382,7 +499,7 @@ def linear_token_logprobs(
 
     Cost: one GEMM per chunk forward, two more backward (the logits are recomputed, as in
     verl's ``FusedLinearForPPO``); the vocab kernels read each chunk's logits once
-    forward and once backward.
+    forward and once backward. Vocab-parallel: the same on each rank's shard.
 
     Example:
         >>> import torch, fused_rl
@@ -393,15 +510,45 @@ def linear_token_logprobs(
         >>> torch.allclose(lp, ref, atol=1e-5)
         True
     """
+    sharded = process_group is not None
+    if not sharded and (vocab_start is not None or vocab_size is not None):
+        raise ValueError(
+            "vocab_start / vocab_size describe a vocabulary shard: they need process_group"
+        )
+    if not isinstance(reduce_hidden_grad, bool):
+        raise TypeError(f"reduce_hidden_grad must be a bool, got {type(reduce_hidden_grad)}")
     rows, weight, bias, flat_targets, chunk, which = _prepare(
-        hidden, weight, bias, targets, temperature, ignore_index, chunk_tokens, backend
-    )
+        hidden, weight, bias, targets, temperature, ignore_index, chunk_tokens, backend,
+        sharded,
+    )  # fmt: skip
+    tp = None
+    if sharded:
+        tp = _tensor_parallel(
+            process_group, weight, vocab_start, vocab_size, temperature, ignore_index,
+            return_entropy, which, reduce_hidden_grad, rows,
+        )  # fmt: skip
     with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
         logp, entropy = _LinearTokenStats.apply(
-            rows, weight, bias, flat_targets, float(temperature), int(ignore_index), chunk, which
-        )
-    logp, entropy = logp.view(targets.shape), entropy.view(targets.shape)
-    return (logp, entropy) if return_entropy else logp
+            rows, weight, bias, flat_targets, float(temperature), int(ignore_index), chunk,
+            which, tp,
+        )  # fmt: skip
+    logp = logp.view(targets.shape)
+    return (logp, entropy.view(targets.shape)) if return_entropy else logp
+
+
+def _tensor_parallel(group, weight, vocab_start, vocab_size, temperature, ignore_index,
+                     with_entropy, which, reduce_hidden, rows) -> _TensorParallel:  # fmt: skip
+    """This rank's shard of the lm_head (``weight``'s rows) in ``group``, as a
+    :class:`_TensorParallel` for :class:`_LinearTokenStats`."""
+    from .distributed import _Spec, check_vocab_limit, group_shard
+
+    shard = group_shard(group, weight.shape[0], vocab_start, vocab_size, name="weight")
+    check_vocab_limit(shard)
+    spec = _Spec(
+        shard, float(temperature), int(ignore_index), True, bool(with_entropy), which,
+        V.value_checks_enabled(rows),
+    )  # fmt: skip
+    return _TensorParallel(spec, reduce_hidden)
 
 
 @V.deprecated_keyword("kl", "kl_estimator")
@@ -440,6 +587,10 @@ def linear_policy_loss(
     max_length: int | None = None,
     num_items: int | float | Tensor | None = None,
     ignore_index: int = -100,
+    process_group=None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+    reduce_hidden_grad: bool = True,
     backend: str = "auto",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """:func:`fused_rl.policy_loss` straight from hidden states: the same loss, gradients
@@ -459,6 +610,13 @@ def linear_policy_loss(
     :func:`policy_loss_from_logprobs`, whose backward recomputes each chunk's logits (GSPO's
     sequence totals must exist before any token's gradient): four GEMMs per chunk with
     gradients, one without.
+
+    Vocabulary parallelism (``process_group``, ``vocab_start``, ``vocab_size``,
+    ``reduce_hidden_grad``: as :func:`linear_token_logprobs`, ``weight`` / ``bias`` this
+    rank's lm_head shard, ``hidden`` replicated): always the composition, the vocab-parallel
+    :func:`linear_token_logprobs` feeding :func:`policy_loss_from_logprobs`; every rank
+    computes the same loss and metrics (not reduced), the shard's ``weight`` gradient and
+    (all-reduced by default) the whole ``hidden`` gradient.
 
     Example:
         >>> import torch, fused_rl
@@ -489,7 +647,7 @@ def linear_policy_loss(
     # one pass when every token's gradient is known from its own row (VESPO's phi needs the
     # sequence's total first, GSPO its ratio, the entropy selection every entropy)
     one_pass = importance_sampling == "token" and top_entropy_quantile == 1.0
-    one_pass = one_pass and surrogate != "vespo"
+    one_pass = one_pass and surrogate != "vespo" and process_group is None
     if one_pass and _grad_wanted(hidden, weight, bias):
         rows, weight_c, bias_c, flat_targets, chunk, which = _prepare(
             hidden, weight, bias, targets, temperature, ignore_index, chunk_tokens, backend
@@ -505,7 +663,9 @@ def linear_policy_loss(
             )  # fmt: skip
     out = linear_token_logprobs(
         hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
-        return_entropy=need_entropy, chunk_tokens=chunk_tokens, backend=backend,
+        return_entropy=need_entropy, chunk_tokens=chunk_tokens, process_group=process_group,
+        vocab_start=vocab_start, vocab_size=vocab_size, reduce_hidden_grad=reduce_hidden_grad,
+        backend=backend,
     )  # fmt: skip
     logp, entropy = out if need_entropy else (out, None)
     counted = targets != ignore_index  # policy_loss counts a token only where it is not ignored
