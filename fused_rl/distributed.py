@@ -25,6 +25,11 @@ global ``m``, ``log S`` and ``H``, and layer 3 (``token_stats_bwd_op``) runs on 
 with local target ids (a target owned elsewhere becomes ``-2``, which matches no column;
 ignored tokens become the local ``ignore_index`` ``-1``).
 
+:func:`fused_rl.linear_token_logprobs` / :func:`fused_rl.linear_policy_loss` with
+``process_group=`` (an lm_head ``weight`` shard, replicated ``hidden``) run layer 1 on each
+chunk of local logits and merge the partials of all chunks with one :func:`merge_partials`
+(the same two all-reduces); their backward adds one all-reduce of the hidden gradient.
+
 Layout (see :func:`fused_rl.token_logprobs`): by default rank ``r`` of ``P`` holds global ids
 ``[r V_local, (r + 1) V_local)`` and ``V = P V_local``. ``vocab_size=V`` alone: the same equal
 shards with the last rank(s) padded (Megatron pads the vocabulary to a multiple of the

@@ -23,6 +23,14 @@ by the upstream gradient: three GEMMs per chunk instead of four.
 Peak memory above the inputs: one chunk's logits, ``dW`` in fp32 (the GEMM accumulates into
 it directly on CUDA; elsewhere through fp32 copies of the chunk) and ``dH``.
 
+Vocabulary parallelism (``process_group=``, a Megatron ``ColumnParallelLinear`` lm_head:
+each rank its ``(V_local, H)`` weight shard, ``hidden`` replicated): the chunks' layer-1
+partials on the local shard merge ONCE per call through
+:func:`fused_rl.distributed.merge_partials` (two all-reduces however many chunks); the
+backward is local (layer 3 with the global statistics, the shard's ``dW``) but for one
+all-reduce of ``dH`` (``reduce_hidden_grad=True``, the default), so that every rank's
+``hidden`` gradient is the unsharded one.
+
 ``chunk_tokens=None`` picks the largest chunk whose logits stay under
 ``CHUNK_BYTES`` (256 MiB): at V = 151936 in bf16, 883 tokens.
 """
