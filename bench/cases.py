@@ -37,8 +37,13 @@ OP_VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {
         itertools.product(("logp", "logp+entropy"), ("fwd_nograd", "fwd", "fwd_bwd"))
     ),
     # grpo: token-level ratio, k3 KL (beta 0.04), no entropy bonus (what Liger's loss does);
-    # grpo+entropy: the same plus an entropy bonus; gspo: sequence-level ratio (GSPO)
-    "policy_loss": (("grpo", "fwd_bwd"), ("grpo+entropy", "fwd_bwd"), ("gspo", "fwd_bwd")),
+    # grpo+entropy: the same plus an entropy bonus; gspo: sequence-level ratio (GSPO);
+    # cispo: MiniMax-M1's detached capped ratio times log p (CISPO band below); gmpo: the
+    # geometric mean of log-space-clipped token ratios per sequence, seq-mean-token-mean
+    # (GMPO); grpo+is: grpo with rollout IS weights (``is_weights``) on the policy term
+    "policy_loss": tuple(
+        (v, "fwd_bwd") for v in ("grpo", "grpo+entropy", "gspo", "cispo", "gmpo", "grpo+is")
+    ),
     "ppo_loss": (("torchtune", "fwd_bwd"),),
     "value_loss": (("clipped", "fwd_bwd"),),
     "masked_whiten": (("zero-mean", "fwd_nograd"),),
@@ -56,6 +61,11 @@ HIDDEN = {"quick": 16, "full": 4096}
 # its whole gradient row, and grad_weight (a sum over all tokens) cannot leave a row out
 CLIP_MARGIN = 0.05
 
+# the policy variants whose inputs keep every token's log-ratio CLIP_MARGIN away from the
+# variant's clip boundaries (the older grpo / grpo+entropy / gspo inputs are kept as they
+# were, so earlier results stay comparable: the oracle leaves their boundary tokens out)
+NEW_POLICY_VARIANTS = ("cispo", "gmpo", "grpo+is")
+
 # Hyper-parameters shared by every provider of an op (a benchmark compares like with like).
 TEMPERATURE = 1.0
 POLICY = {
@@ -65,6 +75,16 @@ POLICY = {
     "kl_estimator": "k3",
     "entropy_coef": 0.01,
 }
+# CISPO's band [1 - eps_low, 1 + eps_high] = [0, 1.28]: the one-sided cap min(r, 1.28) of
+# MiniMax-M1, TRL and Liger (whose ``eps_high`` is the absolute cap C = 1.28); the lower end
+# never binds (r > 0). The weight is detached, so the gradient has no kink at the cap.
+CISPO = {"eps_low": 1.0, "eps_high": POLICY["eps_high"]}
+# GMPO clips each token's log-ratio to [-eps_low, eps_high] (POLICY's, in log space) on its
+# advantage's side, and aggregates seq-mean-token-mean (the mean over sequences of the
+# per-sequence objective), in every provider and the oracle
+LOSS_AGG = {"gmpo": "seq-mean-token-mean"}  # the others: token-mean
+# grpo+is: rollout IS weights uniform in this range, (B, T), drawn after the other inputs
+IS_WEIGHTS_RANGE = (0.5, 1.5)
 PPO = {"epsilon": 0.1, "value_clip_range": 0.2, "value_coeff": 0.1}
 VALUE_CLIP = 0.2
 GAE = {"gamma": 0.99, "lam": 0.95}
@@ -275,10 +295,24 @@ def _linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     return out.view(batch, seqlen)
 
 
-def _away_from_clip(log_ratio: torch.Tensor, margin: float = CLIP_MARGIN) -> torch.Tensor:
-    """``log_ratio`` with every value within ``margin`` of a clip boundary (log(1 - eps_low),
-    log(1 + eps_high)) moved to ``margin`` from it, on its own side."""
-    for bound in (math.log(1.0 - POLICY["eps_low"]), math.log(1.0 + POLICY["eps_high"])):
+def clip_bounds(variant: str) -> tuple[float, ...]:
+    """The log-ratios (GSPO's: the sequence's; the others': a token's) at which
+    ``variant``'s gradient jumps (a branch switches): PPO-clip's ``log(1 - eps_low)``,
+    ``log(1 + eps_high)``; GMPO's log-space band ``-eps_low``, ``eps_high``; none for CISPO
+    (its detached weight ``min(r, C)`` is continuous in ``r``)."""
+    if variant == "cispo":
+        return ()
+    if variant == "gmpo":
+        return (-POLICY["eps_low"], POLICY["eps_high"])
+    return (math.log(1.0 - POLICY["eps_low"]), math.log(1.0 + POLICY["eps_high"]))
+
+
+def _away_from_clip(
+    log_ratio: torch.Tensor, margin: float = CLIP_MARGIN, variant: str = "grpo"
+) -> torch.Tensor:
+    """``log_ratio`` with every value within ``margin`` of a clip boundary of ``variant``
+    (:func:`clip_bounds`) moved to ``margin`` from it, on its own side."""
+    for bound in clip_bounds(variant):
         gap = log_ratio - bound
         side = torch.where(gap < 0, -1.0, 1.0)
         log_ratio = torch.where(gap.abs() < margin, bound + side * margin, log_ratio)
@@ -344,9 +378,18 @@ def make_inputs(case: Case, device: str | torch.device, seed: int = 0) -> dict:
         else:
             logp = _true_logprobs(buf[:, :-1], targets)
             inp["advantages"] = randn(b)  # one per sequence (GRPO / GSPO)
-            inp["old_logprobs"] = logp + randn(b, t, scale=0.1)
+            log_ratio = -randn(b, t, scale=0.1)  # old = logp + N(0, 0.1^2): r ~ 1 +- 10%
+            if case.variant in NEW_POLICY_VARIANTS:
+                # no token within CLIP_MARGIN of a clip boundary: bf16 log-probs (TRL's)
+                # would otherwise flip tokens across it (a whole gradient row each)
+                log_ratio = _away_from_clip(log_ratio, variant=case.variant)
+            inp["old_logprobs"] = logp - log_ratio
             inp["ref_logprobs"] = logp + randn(b, t, scale=0.2)
             inp["mask"] = _lengths_mask(b, t, gen, device)
+            if case.variant == "grpo+is":  # drawn last: the other inputs are grpo's
+                low, high = IS_WEIGHTS_RANGE
+                u = torch.rand(b, t, generator=gen, device=device)
+                inp["is_weights"] = u.mul_(high - low).add_(low)
         return inp
 
     mask = _lengths_mask(b, t, gen, device)

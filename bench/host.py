@@ -30,6 +30,10 @@ BETA, ENTROPY_COEF, EPS_LOW, EPS_HIGH = 0.04, 0.01, 0.2, 0.28
 
 CALLS = {
     "policy_loss": "fused_rl.policy_loss fwd+bwd (k3, entropy, every metric)",
+    # the token-local variants: the same call with another surrogate / IS weights, which
+    # must cost what PPO-clip costs (the same launches; tests/test_bench.py checks it)
+    "policy_loss_cispo": "  same, surrogate='cispo'",
+    "policy_loss_is": "  same, PPO-clip with is_weights (B, T)",
     "token_logprobs": "fused_rl.token_logprobs(...).sum() fwd+bwd",
     "eager": "eager GRPO loss + entropy bonus fwd+bwd (the yardstick)",
     "liger": "Liger triton_grpo_loss fwd+bwd (no entropy bonus)",
@@ -80,10 +84,11 @@ def make_inputs(batch: int, seqlen: int, vocab: int, device, dtype=torch.float32
         "old_logprobs": logp + noise(0.1),
         "ref_logprobs": logp + noise(0.2),
         "mask": mask,
+        "is_weights": 0.5 + torch.rand(batch, seqlen, generator=gen).to(device),
     }
 
 
-def _policy_loss(inp):
+def _policy_loss(inp, **variant):
     import fused_rl
 
     logits = inp["logits"]
@@ -104,6 +109,7 @@ def _policy_loss(inp):
             entropy_coef=ENTROPY_COEF,
             loss_agg="token-mean",
             backend="triton",
+            **variant,
         )
         loss.backward()
         return loss, metrics
@@ -170,6 +176,8 @@ def _liger(inp):
 
 BUILDERS: dict[str, Callable] = {
     "policy_loss": _policy_loss,
+    "policy_loss_cispo": lambda inp: _policy_loss(inp, surrogate="cispo"),
+    "policy_loss_is": lambda inp: _policy_loss(inp, is_weights=inp["is_weights"]),
     "token_logprobs": _token_logprobs,
     "eager": _eager,
     "liger": _liger,

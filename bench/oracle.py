@@ -39,7 +39,7 @@ import math
 
 import torch
 
-from .cases import GAE, POLICY, PPO, TEMPERATURE, VALUE_CLIP, Case
+from .cases import CISPO, GAE, LOSS_AGG, POLICY, PPO, TEMPERATURE, VALUE_CLIP, Case, clip_bounds
 
 CHUNK = 1 << 25  # float64 elements per streamed block of logits rows (256 MB each)
 SCALAR_FLOOR = 1e-2  # |a - b| / max(|b|, floor) for 0-dim outputs (a loss can sit near 0)
@@ -274,26 +274,54 @@ def linear_grads64(hidden, weight, targets, lse, entropy, g, h, tau: float = TEM
     return d_hidden, d_weight
 
 
-def policy_loss64(logp, entropy, advantages, old, ref, mask, variant: str):
-    """The benchmark's GRPO / GSPO objective in float64 from the math: clipped ratio
-    (token-level, or the sequence's mean log-ratio for GSPO) with per-sequence advantages,
-    plus ``beta`` times the k3 estimate of KL(pi || pi_ref), minus ``entropy_coef`` times
-    the entropy (``grpo+entropy``), token-mean over the mask. Returns ``(loss, log_ratio)``."""
+def policy_loss64(logp, entropy, advantages, old, ref, mask, variant: str, is_weights=None):
+    """The benchmark's policy objective in float64 from the math, per variant:
+
+    * ``grpo`` / ``grpo+entropy`` / ``grpo+is``: ``max(-A r, -A clip(r, 1 - eps_low,
+      1 + eps_high))`` of the token ratio ``r``, per-sequence advantages ``A``;
+    * ``gspo``: the same of the sequence ratio (the exp of the sequence's mean log-ratio);
+    * ``cispo``: ``-sg(clip(r, 1 - eps_low, 1 + eps_high)) A logp``, ``CISPO``'s band;
+    * ``gmpo``: ``-A exp(mean over the sequence of c)``, ``c`` each token's log-ratio ``d``
+      clipped in log space on its advantage's side: ``min(d, clip(d, -eps_low, eps_high))``
+      where ``A > 0``, ``max(...)`` where ``A < 0``, 0 where ``A = 0``;
+
+    times ``is_weights`` when given (the policy term only), plus ``beta`` times the k3
+    estimate of KL(pi || pi_ref), minus ``entropy_coef`` times the entropy
+    (``grpo+entropy``); token-mean over the mask (``gmpo``: the mean over sequences of each
+    one's token mean). Returns ``(loss, log_ratio)``: the log-ratio whose crossing of
+    :func:`bench.cases.clip_bounds` is a kink (GSPO's: the sequence's)."""
     m = mask.bool()
     count = m.sum()
-    if variant == "gspo":
-        per_seq = torch.where(m, logp - old, 0.0).sum(-1) / m.sum(-1).clamp(min=1)
-        log_ratio = per_seq[:, None].expand_as(logp)
-    else:
-        log_ratio = logp - old
-    ratio = log_ratio.exp()
     adv = advantages[:, None]
-    low, high = 1.0 - POLICY["eps_low"], 1.0 + POLICY["eps_high"]
-    surrogate = torch.maximum(-adv * ratio, -adv * ratio.clamp(low, high))
+    log_ratio = logp - old
+    if variant == "gmpo":
+        c = log_ratio.clamp(-POLICY["eps_low"], POLICY["eps_high"])
+        # c where the clip binds on the advantage's side (frozen: no gradient), else d
+        frozen = torch.where(adv > 0, log_ratio > c, torch.where(adv < 0, log_ratio < c, False))
+        c = torch.where(frozen, c.detach(), log_ratio)
+        c = torch.where(adv == 0, 0.0, c)
+        n = m.sum(-1).clamp(min=1)
+        seq = torch.where(m, c, 0.0).sum(-1) / n
+        policy = (-advantages * seq.exp())[:, None].expand_as(logp)
+    elif variant == "cispo":
+        low, high = 1.0 - CISPO["eps_low"], 1.0 + CISPO["eps_high"]
+        policy = -adv * log_ratio.exp().clamp(low, high).detach() * logp
+    else:
+        if variant == "gspo":
+            per_seq = torch.where(m, log_ratio, 0.0).sum(-1) / m.sum(-1).clamp(min=1)
+            log_ratio = per_seq[:, None].expand_as(logp)
+        ratio = log_ratio.exp()
+        low, high = 1.0 - POLICY["eps_low"], 1.0 + POLICY["eps_high"]
+        policy = torch.maximum(-adv * ratio, -adv * ratio.clamp(low, high))
+    if is_weights is not None:
+        policy = policy * is_weights
     d = ref - logp
-    per_token = surrogate + POLICY["beta"] * (d.exp() - d - 1.0)
+    per_token = policy + POLICY["beta"] * (d.exp() - d - 1.0)
     if variant == "grpo+entropy":
         per_token = per_token - POLICY["entropy_coef"] * entropy
+    if LOSS_AGG.get(variant, "token-mean") == "seq-mean-token-mean":
+        per_seq = torch.where(m, per_token, 0.0).sum(-1) / m.sum(-1).clamp(min=1)
+        return per_seq.mean(), log_ratio
     return torch.where(m, per_token, 0.0).sum() / count, log_ratio
 
 
@@ -440,11 +468,13 @@ class Oracle:
         logp, entropy, lse = token_stats64(logits, targets)
         logp_leaf, entropy_leaf = logp.requires_grad_(), entropy.requires_grad_()
         args = [_f64(inp[k]) for k in ("advantages", "old_logprobs", "ref_logprobs")]
+        is_weights = inp.get("is_weights")  # grpo+is only
+        is_weights = None if is_weights is None else _f64(is_weights)
         loss, log_ratio = policy_loss64(logp_leaf, entropy_leaf, *args, inp["mask"],
-                                        self.case.variant)  # fmt: skip
+                                        self.case.variant, is_weights)  # fmt: skip
         g, h = torch.autograd.grad(loss, [logp_leaf, entropy_leaf], allow_unused=True)
         h = torch.zeros_like(g) if h is None else h
-        bounds = [math.log(1.0 - POLICY["eps_low"]), math.log(1.0 + POLICY["eps_high"])]
+        bounds = clip_bounds(self.case.variant)
         kink = inp["mask"].bool() & _near(log_ratio.detach(), bounds)
         self.values["loss"] = loss
         self._vocab = (logits, targets, lse.detach(), entropy.detach(), g, h, kink)

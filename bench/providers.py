@@ -44,7 +44,17 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .cases import GAE, LINEAR_OPS, POLICY, PPO, TEMPERATURE, VALUE_CLIP, Case
+from .cases import (
+    CISPO,
+    GAE,
+    LINEAR_OPS,
+    LOSS_AGG,
+    POLICY,
+    PPO,
+    TEMPERATURE,
+    VALUE_CLIP,
+    Case,
+)
 
 PROVIDERS = ("fused_rl", "fused_rl_ref", "fused_rl_mat", "eager", "compile", "trl", "liger")
 BASELINE = "fused_rl"  # the provider the others' time and memory are compared with
@@ -158,30 +168,57 @@ def eager_token_logprobs(logits, targets, with_entropy: bool):
     return logp, entropy
 
 
-def token_policy_loss(logp, entropy, advantages, old, ref, mask, variant: str):
-    """The GRPO / GSPO objective on per-token tensors, token-mean over the mask."""
+def token_policy_loss(logp, entropy, advantages, old, ref, mask, variant: str, is_weights=None):
+    """The benchmark's policy objective on per-token tensors (every variant of ``policy_loss``;
+    ``bench/oracle.py::policy_loss64`` is its float64 twin):
+
+    * ``grpo`` / ``grpo+entropy`` / ``grpo+is``: PPO-clip of the token ratio ``r``;
+    * ``gspo``: PPO-clip of the sequence ratio ``exp(masked mean of logp - old)``;
+    * ``cispo``: ``-sg(clamp(r, 1 - eps_low, 1 + eps_high)) A logp`` on ``CISPO``'s band;
+    * ``gmpo``: ``-A exp(masked mean of the token log-ratios d clipped in log space)``,
+      ``min(d, clamp(d, -eps_low, eps_high))`` where ``A > 0``, ``max`` where ``A < 0``, 0
+      where ``A = 0`` (a token the clip froze gets no gradient);
+
+    the policy term times ``is_weights`` (when given), plus ``beta`` k3 KL, minus the entropy
+    bonus (``grpo+entropy``), aggregated token-mean (``gmpo``: seq-mean-token-mean)."""
     m = mask.to(logp.dtype)
     adv = advantages[:, None]
-    if variant == "gspo":
-        seq_log_ratio = ((logp - old) * m).sum(-1) / m.sum(-1).clamp(min=1.0)
-        ratio = torch.exp(seq_log_ratio)[:, None].expand_as(logp)
-    else:
+    if variant == "gmpo":
+        d = logp - old
+        dc = torch.clamp(d, -POLICY["eps_low"], POLICY["eps_high"])
+        side = torch.where(adv < 0, torch.maximum(d, dc), torch.zeros_like(d))
+        d = torch.where(adv > 0, torch.minimum(d, dc), side)
+        seq_log_ratio = (d * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+        policy = (-advantages * torch.exp(seq_log_ratio))[:, None].expand_as(logp)
+    elif variant == "cispo":
         ratio = torch.exp(logp - old)
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1.0 - POLICY["eps_low"], 1.0 + POLICY["eps_high"])
-    per_token = torch.maximum(unclipped, clipped)
+        weight = torch.clamp(ratio, 1.0 - CISPO["eps_low"], 1.0 + CISPO["eps_high"]).detach()
+        policy = -adv * weight * logp
+    else:
+        if variant == "gspo":
+            seq_log_ratio = ((logp - old) * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+            ratio = torch.exp(seq_log_ratio)[:, None].expand_as(logp)
+        else:
+            ratio = torch.exp(logp - old)
+        unclipped = -adv * ratio
+        clipped = -adv * torch.clamp(ratio, 1.0 - POLICY["eps_low"], 1.0 + POLICY["eps_high"])
+        policy = torch.maximum(unclipped, clipped)
+    if is_weights is not None:
+        policy = policy * is_weights
     neg_log_ratio = ref - logp  # k3 estimator of KL(pi || pi_ref)
-    per_token = per_token + POLICY["beta"] * (torch.exp(neg_log_ratio) - neg_log_ratio - 1.0)
+    per_token = policy + POLICY["beta"] * (torch.exp(neg_log_ratio) - neg_log_ratio - 1.0)
     if entropy is not None:
         per_token = per_token - POLICY["entropy_coef"] * entropy
+    if LOSS_AGG.get(variant, "token-mean") == "seq-mean-token-mean":
+        return ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
     return (per_token * m).sum() / m.sum()
 
 
-def eager_policy_loss(logits, targets, advantages, old, ref, mask, variant: str):
+def eager_policy_loss(logits, targets, advantages, old, ref, mask, variant: str, is_weights=None):
     with_entropy = variant == "grpo+entropy"
     stats = eager_token_logprobs(logits, targets, with_entropy)
     entropy = stats[1] if with_entropy else None
-    return (token_policy_loss(stats[0], entropy, advantages, old, ref, mask, variant),)
+    return (token_policy_loss(stats[0], entropy, advantages, old, ref, mask, variant, is_weights),)
 
 
 def eager_linear_token_logprobs(hidden, weight, targets, with_entropy: bool):
@@ -286,11 +323,12 @@ def trl_token_stats(logits, targets, with_entropy: bool):
     return logp, trl_entropy_from_logits(scaled)
 
 
-def trl_policy_loss(logits, targets, advantages, old, ref, mask, variant: str):
+def trl_policy_loss(logits, targets, advantages, old, ref, mask, variant: str, is_weights=None):
     with_entropy = variant == "grpo+entropy"
     stats = trl_token_stats(logits, targets, with_entropy)
     entropy = stats[1] if with_entropy else None
-    return (token_policy_loss(stats[0].float(), entropy, advantages, old, ref, mask, variant),)
+    logp = stats[0].float()
+    return (token_policy_loss(logp, entropy, advantages, old, ref, mask, variant, is_weights),)
 
 
 # ----------------------------------------------------------------------------- fused_rl
@@ -309,8 +347,9 @@ def _fused_fn(name: str, backend: str):
 
 
 def _policy_kwargs(inp: dict, variant: str) -> dict:
-    """fused_rl's policy-loss keywords for the benchmark's GRPO / GSPO objective."""
-    return dict(
+    """fused_rl's policy-loss keywords for the benchmark's objective of ``variant`` (the
+    eager :func:`token_policy_loss`)."""
+    kwargs = dict(
         old_logprobs=inp["old_logprobs"],
         ref_logprobs=inp["ref_logprobs"],
         mask=inp["mask"],
@@ -320,9 +359,16 @@ def _policy_kwargs(inp: dict, variant: str) -> dict:
         beta=POLICY["beta"],
         kl_estimator=POLICY["kl_estimator"],
         entropy_coef=POLICY["entropy_coef"] if variant == "grpo+entropy" else 0.0,
-        importance_sampling="sequence" if variant == "gspo" else "token",
-        loss_agg="token-mean",
+        importance_sampling="sequence" if variant in ("gspo", "gmpo") else "token",
+        loss_agg=LOSS_AGG.get(variant, "token-mean"),
     )
+    if variant in ("cispo", "gmpo"):
+        kwargs["surrogate"] = variant
+    if variant == "cispo":
+        kwargs.update(eps_low=CISPO["eps_low"], eps_high=CISPO["eps_high"])
+    if variant == "grpo+is":
+        kwargs["is_weights"] = inp["is_weights"]
+    return kwargs
 
 
 def _fused_materialised_forward(case: Case, inp: dict):
@@ -463,7 +509,8 @@ def _eager_forward(case: Case, inp: dict, compiled: bool, flavour: str = "eager"
         fn = _compiled((flavour, op, variant), base) if compiled else base
         args = [inp[k] for k in ("logits", "targets", "advantages")]
         args += [inp[k] for k in ("old_logprobs", "ref_logprobs", "mask")]
-        return lambda: fn(*args, variant)
+        is_weights = inp.get("is_weights")  # grpo+is only
+        return lambda: fn(*args, variant, is_weights)
     if op == "linear_token_logprobs":
         with_entropy = variant == "logp+entropy"
         base = eager_linear_token_logprobs
@@ -594,6 +641,8 @@ def _liger_forward(case: Case, inp: dict):
         raise Unavailable(f"Liger has no {case.op}")
     if case.variant == "grpo+entropy":
         raise Unavailable("Liger's GRPO loss has no entropy bonus")
+    if case.variant == "gmpo":
+        raise Unavailable("Liger has no GMPO (geometric-mean) loss")
     triton_grpo_loss = _liger_import("liger_kernel.transformers.grpo_loss", "triton_grpo_loss")
 
     params = inspect.signature(triton_grpo_loss).parameters
@@ -614,6 +663,17 @@ def _liger_forward(case: Case, inp: dict):
                 "this liger_kernel has no importance_sampling_level (GSPO)", transient=True
             )
         kwargs["importance_sampling_level"] = "sequence"
+    if case.variant == "cispo":
+        if "loss_type" not in params:
+            raise Unavailable("this liger_kernel has no loss_type (CISPO)", transient=True)
+        # Liger's CISPO weight is sg(min(r, eps_high)), eps_high the absolute cap C: the
+        # benchmark's band [1 - 1, 1 + 0.28] is exactly min(r, 1.28) (r > 0)
+        kwargs.update(loss_type="cispo", eps_high=1.0 + CISPO["eps_high"])
+    if case.variant == "grpo+is":
+        if "vllm_is_ratio" not in params:
+            raise Unavailable("this liger_kernel has no vllm_is_ratio (IS weights)", transient=True)
+        # Liger multiplies the per-token PPO term by it before adding the KL, as fused_rl
+        kwargs["vllm_is_ratio"] = inp["is_weights"]
     mask = inp["mask"]
     mask_int = mask.to(torch.int32)
     m = mask.float()

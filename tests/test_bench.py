@@ -88,6 +88,9 @@ def test_cli_quick_suite_writes_results(tmp_path):
         "grpo",
         "grpo+entropy",
         "gspo",
+        "cispo",
+        "gmpo",
+        "grpo+is",
     }
     for r in records:
         assert RECORD_KEYS <= set(r), set(r) ^ RECORD_KEYS
@@ -97,7 +100,89 @@ def test_cli_quick_suite_writes_results(tmp_path):
         assert r["err_max"] <= r["tol"] == 1e-4, r  # every provider, fused_rl included
     providers = {r["provider"] for r in records if r["op"] == "policy_loss"}
     assert {"fused_rl", "fused_rl_ref", "eager", "trl"} <= providers
-    assert (out / "results.md").read_text().count("| fused_rl |") == 4
+    assert (out / "results.md").read_text().count("| fused_rl |") == 7
+
+
+NEW_POLICY = ("cispo", "gmpo", "grpo+is")
+
+
+def _verdicts(case: Case, inp: dict, providers) -> dict:
+    from bench import accuracy as A
+    from bench.oracle import Oracle
+
+    oracle = Oracle(case, inp)
+    out = {}
+    for provider in providers:
+        cmp = oracle.compare_all(P.output_names(case), P.build(provider, case, inp)())
+        out[provider] = A.judge(provider, case.dtype, cmp)["verdict"]
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("variant", NEW_POLICY)
+def test_new_policy_variants_meet_the_oracle(variant, dtype):
+    """cispo / gmpo / grpo+is through the Triton interpreter, the reference path, eager and
+    TRL against the float64 oracle (TRL's bf16 log_softmax: its declared "less accurate")."""
+    case = Case("policy_loss", variant, "fwd_bwd", 3, 16, 1000, dtype)
+    inp = make_inputs(case, "cpu")
+    verdicts = _verdicts(case, inp, ("fused_rl", "fused_rl_ref", "eager", "trl"))
+    for provider, verdict in verdicts.items():
+        allowed = {"ok"} | ({"less accurate"} if provider == "trl" and dtype == "bf16" else set())
+        assert verdict.split(":")[0] in allowed, (provider, verdict)
+
+
+@pytest.mark.parametrize("variant", NEW_POLICY)
+def test_new_policy_variants_are_their_own_math(monkeypatch, variant):
+    """The variant's keywords matter: fused_rl run as plain GRPO (no surrogate, no IS
+    weights, token-mean) fails the oracle of the variant, so neither side can silently fall
+    back to GRPO."""
+    case = Case("policy_loss", variant, "fwd_bwd", 3, 16, 1000, "fp32")
+    inp = make_inputs(case, "cpu")
+    original = P._policy_kwargs
+    monkeypatch.setattr(P, "_policy_kwargs", lambda inp, v: original(inp, "grpo"))
+    assert _verdicts(case, inp, ("fused_rl_ref",))["fused_rl_ref"].startswith("FAIL"), variant
+
+
+def test_new_policy_inputs():
+    """is_weights (B, T) in [0.5, 1.5] for grpo+is only, drawn after grpo's inputs (which it
+    shares); every new variant's log-ratios CLIP_MARGIN from its clip boundaries; gmpo's
+    inputs have tokens the clip freezes (on both sides of the band)."""
+    from bench.cases import CLIP_MARGIN, clip_bounds
+
+    grpo = make_inputs(Case("policy_loss", "grpo", "fwd_bwd", 4, 64, 333, "bf16"), "cpu")
+    for variant in NEW_POLICY:
+        inp = make_inputs(Case("policy_loss", variant, "fwd_bwd", 4, 64, 333, "bf16"), "cpu")
+        assert ("is_weights" in inp) == (variant == "grpo+is")
+        for key in ("buf", "targets", "advantages", "ref_logprobs", "mask"):
+            assert torch.equal(inp[key], grpo[key]), key
+        logp = P.eager_token_logprobs(inp["logits"].detach(), inp["targets"], False)[0]
+        d = logp - inp["old_logprobs"]
+        for bound in clip_bounds(variant):
+            assert (d - bound).abs().min() > CLIP_MARGIN - 1e-3, (variant, bound)
+        if variant == "gmpo":
+            assert (d > clip_bounds("gmpo")[1]).any() and (d < clip_bounds("gmpo")[0]).any()
+    w = make_inputs(Case("policy_loss", "grpo+is", "fwd_bwd", 4, 64, 333, "bf16"), "cpu")
+    w = w["is_weights"]
+    assert w.shape == (4, 64) and w.dtype == torch.float32
+    assert 0.5 <= w.min() and w.max() <= 1.5 and w.std() > 0.2
+
+
+def test_liger_new_policy_variants_through_its_signature(monkeypatch):
+    """Liger's provider for cispo (loss_type='cispo', cap eps_high = 1.28) and grpo+is
+    (vllm_is_ratio) meets the oracle, run here on fused_rl.compat.liger.triton_grpo_loss
+    (Liger 0.8.5's signature and math, tested against a float64 transcription of Liger's
+    kernel in tests/test_compat_liger.py); gmpo is Unavailable (Liger has none)."""
+    from fused_rl.compat.liger import triton_grpo_loss
+
+    monkeypatch.setattr(P, "liger_version", lambda: "0.8.5 (fused_rl.compat.liger stand-in)")
+    monkeypatch.setattr(P, "_liger_import", lambda module, name: triton_grpo_loss)
+    for variant in ("cispo", "grpo+is", "grpo"):
+        case = Case("policy_loss", variant, "fwd_bwd", 3, 16, 1000, "fp32")
+        inp = make_inputs(case, "cpu")
+        assert _verdicts(case, inp, ("liger",))["liger"] == "ok", variant
+    case = Case("policy_loss", "gmpo", "fwd_bwd", 3, 16, 1000, "fp32")
+    with pytest.raises(P.Unavailable, match="GMPO"):
+        P.build("liger", case, make_inputs(case, "cpu"))
 
 
 def test_wrong_math_is_a_failure(monkeypatch, device):
@@ -250,6 +335,10 @@ def test_host_command_prints_every_row(capsys):
         us, ratio, launches = rows[name][len(host.CALLS[name]) :].split()[:3]
         assert float(us) > 0 and float(ratio) > 0 and int(launches) > 0, rows[name]
     assert rows["eager"].split()[-2] == "1.00"
+    # the token-local variants cost what PPO-clip costs: the same launches per call
+    ppo = rows["policy_loss"].split()[-1]
+    for name in ("policy_loss_cispo", "policy_loss_is"):
+        assert rows[name].split()[-1] == ppo, (rows[name], rows["policy_loss"])
 
 
 def test_suites_and_filters():
@@ -426,7 +515,8 @@ def test_linear_memory_model_at_issue_14_shape():
 def _readme_bench_section() -> str:
     text = open(os.path.join(ROOT, "README.md")).read()
     start = text.index("## Benchmarks")
-    return text[start : text.index("\n## ", start + 1)]
+    end = text.find("\n## ", start + 1)  # the last section: to the end of the file
+    return text[start:] if end < 0 else text[start:end]
 
 
 def _profiled_peak(run) -> int:

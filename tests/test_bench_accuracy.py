@@ -159,7 +159,7 @@ def test_wrong_gradient_fails_the_run(monkeypatch, tmp_path, capsys):
     rc, out = _main(tmp_path, capsys, "--providers=fused_rl_ref,eager")
     assert rc == 1, out
     assert "FAIL: grad_logits 1.0e-01 > tol 0.0001" in out
-    assert "FAILURES (3; the run exits 1):" in out and "disagrees with the math" in out
+    assert "FAILURES (6; the run exits 1):" in out and "disagrees with the math" in out
     rows = [line for line in out.splitlines() if " eager " in f" {line} "]
     assert rows and all("FAIL" in line for line in rows if "ms" not in line), rows
     assert all("ok" in line for line in out.splitlines() if " fused_rl_ref " in line)
