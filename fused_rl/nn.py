@@ -112,7 +112,9 @@ class LinearPolicyLoss(PolicyLoss):
     """:func:`fused_rl.linear_policy_loss` as a module: the policy loss straight from the
     final hidden states and the lm_head, the ``(N, V)`` logits never held whole.
 
-    The constructor takes :class:`PolicyLoss`'s options plus ``chunk_tokens``; ``forward``
+    The constructor takes :class:`PolicyLoss`'s options (``process_group`` included: then
+    ``weight`` is this rank's vocabulary slice) plus ``chunk_tokens``, ``vocab_start``,
+    ``vocab_size`` and ``reduce_hidden_grad`` (:func:`fused_rl.linear_policy_loss`); ``forward``
     takes ``hidden`` ``(B, S, H)``, the lm_head ``weight`` ``(V, H)``, ``targets``
     ``(B, T)`` and ``advantages``, and the per-batch keywords (``bias`` too).
 
@@ -127,8 +129,9 @@ class LinearPolicyLoss(PolicyLoss):
         >>> loss.backward()
     """
 
-    # no process_group: the linear ops take the whole lm_head
-    OPTIONS = (*(o for o in _POLICY_OPTIONS if o != "process_group"), "chunk_tokens")
+    # process_group: a vocabulary-sharded lm_head (each rank's weight its slice)
+    OPTIONS = (*_POLICY_OPTIONS, "chunk_tokens", "vocab_start", "vocab_size",
+               "reduce_hidden_grad")  # fmt: skip
 
     def forward(
         self,

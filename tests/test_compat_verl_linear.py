@@ -206,13 +206,14 @@ def test_linear_cross_entropy_arguments(device):
 # ----------------------------------------------------------------------------- errors
 
 
-def test_dist_process_group_is_issue_16(device):
+def test_dist_process_group_must_be_a_group(device):
+    """Anything but None or a ProcessGroup is a clear error (the vocab-parallel form itself is
+    checked across ranks in tests/test_distributed_linear.py)."""
     gen = torch.Generator().manual_seed(7)
     hidden, weight, ids = inputs(gen, (2, 3), torch.float32, device)
-    with pytest.raises(NotImplementedError, match="dist_process_group.*issue 16"):
-        verl.linear_cross_entropy(hidden, weight, ids, 1.0, "none", object())
-    with pytest.raises(NotImplementedError, match="issue 16"):
-        verl.linear_cross_entropy(hidden, weight, ids, dist_process_group="tp-group")
+    for bad in (object(), "tp-group"):
+        with pytest.raises(TypeError, match="dist_process_group"):
+            verl.linear_cross_entropy(hidden, weight, ids, 1.0, "none", bad)
 
 
 @pytest.mark.parametrize("reduction, error", [("avg", ValueError), ("", ValueError),

@@ -1224,15 +1224,6 @@ __all__ = [
 LINEAR_CE_REDUCTIONS = ("none", "sum", "mean")
 
 
-def _no_vocab_parallel(dist_process_group) -> None:
-    if dist_process_group is not None:
-        raise NotImplementedError(
-            "dist_process_group must be None: the vocab-parallel form of linear_cross_entropy "
-            "(each rank of the group holding a slice of the lm_head's vocabulary) is issue 16's "
-            "work and not built yet"
-        )
-
-
 def _token_ids(ids, name: str) -> Tensor:
     """verl's token ids as the kernels take them: int64 / int32 as they come, any other
     integer dtype as int64 (verl casts to int64); bool / floating ids raise ``TypeError``."""
@@ -1465,6 +1456,11 @@ def linear_cross_entropy(
 
         from ..linear import linear_token_logprobs
 
+        if not isinstance(dist_process_group, dist.ProcessGroup):
+            raise TypeError(
+                "dist_process_group must be None or a torch.distributed ProcessGroup (the "
+                f"tensor-parallel group), got {type(dist_process_group).__name__}"
+            )
         world = dist.get_world_size(dist_process_group)
         _check_token_range(ids, world * weight.shape[0], "labels", "linear_cross_entropy")
         logp, entropy = linear_token_logprobs(
