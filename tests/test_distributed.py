@@ -11,14 +11,8 @@ verdicts to a file, and one test per (world size, check) reads them.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import sys
-import tempfile
-import time
-import traceback
-from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
@@ -30,7 +24,8 @@ import fused_rl
 from fused_rl import config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers import F64_TOL, FP32_TOL, assert_rel, compiled_scalar_abi, oracle_token_stats  # noqa: E402
+from dist_harness import failures, needs_gloo, needs_interpreter  # noqa: E402
+from helpers import F64_TOL, FP32_TOL, assert_rel, oracle_token_stats  # noqa: E402
 
 WORLD_SIZES = (2, 3)
 BACKENDS = ("triton", "reference")
@@ -601,75 +596,13 @@ def policy_loss_vocab_parallel(ctx):
                 assert_rel(grad, whole.grad[..., ids], FP32_TOL, f"grad {what} {how}")
 
 
-# ----------------------------------------------------------------------------- harness
-
-
-def _poison_empty():
-    """NaN-fill fresh floating ``torch.empty`` allocations (tests/conftest.py does this for
-    in-process tests): an output the code never writes fails."""
-    real_empty, real_empty_like = torch.empty, torch.empty_like
-
-    def fill(t):
-        if t.is_floating_point() and t.numel() > 0:
-            t.fill_(float("nan"))
-        return t
-
-    torch.empty = lambda *a, **k: fill(real_empty(*a, **k))
-    torch.empty_like = lambda *a, **k: fill(real_empty_like(*a, **k))
-
-
-def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-        timeout=timedelta(seconds=30),
-    )  # fmt: skip
-    _poison_empty()
-    ctx = Ctx(rank, world)
-    verdicts = {}
-    with compiled_scalar_abi():
-        for name, fn in CHECKS.items():
-            try:
-                t0 = time.perf_counter()
-                fn(ctx)
-                if os.environ.get("FUSED_RL_TIME_CHECKS"):
-                    print(f"rank {rank} {name}: {time.perf_counter() - t0:.2f} s", flush=True)
-                verdicts[name] = None
-            except BaseException:  # noqa: B036 - a verdict per check, whatever it raised
-                verdicts[name] = traceback.format_exc()
-    Path(out_dir, f"{rank}.json").write_text(json.dumps(verdicts))
-    dist.destroy_process_group()
-
-
-_RESULTS: dict = {}
-
-
-def _results(world: int) -> list[dict]:
-    if world not in _RESULTS:
-        with tempfile.TemporaryDirectory() as tmp:
-            init_file = os.path.join(tmp, "init")
-            torch.multiprocessing.spawn(
-                _worker, args=(world, init_file, tmp), nprocs=world, join=True
-            )
-            _RESULTS[world] = [json.loads(Path(tmp, f"{r}.json").read_text()) for r in range(world)]
-    return _RESULTS[world]
-
-
-needs_gloo = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
-)
-
-
-@needs_gloo
-@pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU ranks run Triton through the interpreter"
-)
 @pytest.mark.parametrize("name", list(CHECKS))
 @pytest.mark.parametrize("world", WORLD_SIZES)
+@needs_gloo
+@needs_interpreter
 def test_vocab_parallel(world, name):
-    failures = [
-        f"rank {r}:\n{v[name]}" for r, v in enumerate(_results(world)) if v[name] is not None
-    ]
-    assert not failures, "\n".join(failures)
+    failed = failures(__name__, world, name)
+    assert not failed, "\n".join(failed)
 
 
 def test_signatures():

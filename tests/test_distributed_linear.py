@@ -13,13 +13,7 @@ rank, as ``tests/test_distributed.py``.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import tempfile
-import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -30,8 +24,9 @@ import torch.nn.functional as F
 import fused_rl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers import FP32_TOL, assert_rel, compiled_scalar_abi, oracle_token_stats, rel_err  # noqa: E402
-from test_distributed import _CountCollectives, _group_ok, _poison_empty  # noqa: E402
+from dist_harness import failures, needs_gloo, needs_interpreter  # noqa: E402
+from helpers import FP32_TOL, assert_rel, oracle_token_stats, rel_err  # noqa: E402
+from test_distributed import _CountCollectives, _group_ok  # noqa: E402
 
 WORLD_SIZES = (2, 3)
 BACKENDS = ("triton", "reference")
@@ -376,58 +371,13 @@ def double_backward_raises(ctx):
         grad.sum().backward()
 
 
-# ----------------------------------------------------------------------------- harness
-
-
-def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-        timeout=timedelta(seconds=30),
-    )  # fmt: skip
-    _poison_empty()
-    ctx = Ctx(rank, world)
-    verdicts = {}
-    with compiled_scalar_abi():
-        for name, fn in CHECKS.items():
-            try:
-                t0 = time.perf_counter()
-                fn(ctx)
-                if os.environ.get("FUSED_RL_TIME_CHECKS"):
-                    print(f"rank {rank} {name}: {time.perf_counter() - t0:.2f} s", flush=True)
-                verdicts[name] = None
-            except BaseException:  # noqa: B036 - a verdict per check, whatever it raised
-                verdicts[name] = traceback.format_exc()
-    Path(out_dir, f"{rank}.json").write_text(json.dumps(verdicts))
-    dist.destroy_process_group()
-
-
-_RESULTS: dict = {}
-
-
-def _results(world: int) -> list[dict]:
-    if world not in _RESULTS:
-        with tempfile.TemporaryDirectory() as tmp:
-            init_file = os.path.join(tmp, "init")
-            torch.multiprocessing.spawn(
-                _worker, args=(world, init_file, tmp), nprocs=world, join=True
-            )
-            _RESULTS[world] = [json.loads(Path(tmp, f"{r}.json").read_text()) for r in range(world)]
-    return _RESULTS[world]
-
-
-@pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
-)
-@pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU ranks run Triton through the interpreter"
-)
 @pytest.mark.parametrize("name", list(CHECKS))
 @pytest.mark.parametrize("world", WORLD_SIZES)
+@needs_gloo
+@needs_interpreter
 def test_vocab_parallel_linear(world, name):
-    failures = [
-        f"rank {r}:\n{v[name]}" for r, v in enumerate(_results(world)) if v[name] is not None
-    ]
-    assert not failures, "\n".join(failures)
+    failed = failures(__name__, world, name)
+    assert not failed, "\n".join(failed)
 
 
 def test_signatures():

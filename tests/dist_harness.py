@@ -1,0 +1,85 @@
+"""The process-group harness of the vocab-parallel tests (``test_distributed*.py``).
+
+Each test module keeps a ``CHECKS`` dict (name -> ``check(ctx)``) and a ``Ctx(rank, world)``
+class; :func:`failures` runs every check of a module on ``world`` gloo ranks in ONE spawn
+(cached per module and world size) and returns each rank's traceback for a check, so a
+parametrised test per (world, check) reads its verdict without spawning again. Fresh
+``torch.empty`` buffers are NaN-filled on the ranks, as tests/conftest.py does in process.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import compiled_scalar_abi
+
+needs_gloo = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
+)
+needs_interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU ranks run Triton through the interpreter"
+)
+
+
+def poison_empty() -> None:
+    """NaN-fill fresh floating ``torch.empty`` allocations (tests/conftest.py does this for
+    in-process tests): an output the code never writes fails."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def fill(t):
+        if t.is_floating_point() and t.numel() > 0:
+            t.fill_(float("nan"))
+        return t
+
+    torch.empty = lambda *a, **k: fill(real_empty(*a, **k))
+    torch.empty_like = lambda *a, **k: fill(real_empty_like(*a, **k))
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str, module: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=30),
+    )  # fmt: skip
+    poison_empty()
+    tests = importlib.import_module(module)
+    ctx = tests.Ctx(rank, world)
+    verdicts = {}
+    with compiled_scalar_abi():
+        for name, fn in tests.CHECKS.items():
+            try:
+                t0 = time.perf_counter()
+                fn(ctx)
+                if os.environ.get("FUSED_RL_TIME_CHECKS"):
+                    print(f"rank {rank} {name}: {time.perf_counter() - t0:.2f} s", flush=True)
+                verdicts[name] = None
+            except BaseException:  # noqa: B036 - a verdict per check, whatever it raised
+                verdicts[name] = traceback.format_exc()
+    Path(out_dir, f"{rank}.json").write_text(json.dumps(verdicts))
+    dist.destroy_process_group()
+
+
+_RESULTS: dict = {}
+
+
+def failures(module: str, world: int, name: str) -> list[str]:
+    """Each rank's traceback of check ``name`` of test module ``module`` at ``world`` ranks."""
+    if (module, world) not in _RESULTS:
+        with tempfile.TemporaryDirectory() as tmp:
+            init_file = os.path.join(tmp, "init")
+            torch.multiprocessing.spawn(
+                _worker, args=(world, init_file, tmp, module), nprocs=world, join=True
+            )
+            _RESULTS[module, world] = [
+                json.loads(Path(tmp, f"{r}.json").read_text()) for r in range(world)
+            ]
+    return [f"rank {r}:\n{v[name]}" for r, v in enumerate(_RESULTS[module, world]) if v[name]]
