@@ -6,4 +6,4 @@ PY=${PYTHON:-python3}
 bash scripts/setup.sh
 "$PY" -m ruff check .
 "$PY" -m ruff format --check .
-"$PY" -m pytest -q --benchmark-disable "$@"
+"$PY" -m pytest -q --benchmark-disable -n auto "$@"  # pytest-xdist: one worker per core
