@@ -8,7 +8,7 @@ derivative w.r.t. ``logp`` so the backward needs only the per-token coefficients
 import triton
 import triton.language as tl
 
-from .common import clamp, nan_min
+from .common import clamp, nan_max, nan_min
 
 
 @triton.jit
@@ -148,7 +148,7 @@ def gmpo_log_ratio(log_ratio, adv, eps_low, eps_high):
     clipped = clamp(log_ratio, -eps_low, eps_high)
     up = adv > 0
     down = adv < 0
-    value = tl.where(up, tl.minimum(log_ratio, clipped), tl.maximum(log_ratio, clipped))
+    value = tl.where(up, nan_min(log_ratio, clipped), nan_max(log_ratio, clipped))
     value = tl.where(up | down, value, 0.0)
     frozen = (up & (log_ratio > eps_high)) | (down & (log_ratio < -eps_low))
     grad = tl.where((up | down) & ~frozen, 1.0, 0.0)
@@ -181,7 +181,7 @@ def surrogate_loss(
     ``sp0 ... sp3`` are the surrogate's own parameters (sapo: ``tau_pos``, ``tau_neg``).
     """
     ratio = tl.exp(log_ratio)
-    zero = logp * 0.0
+    zero = tl.zeros_like(logp)  # not logp * 0.0: NaN at logp = -inf
     d_direct = zero
     aux = zero
     if SURROGATE == SURROGATE_PPO:
@@ -224,7 +224,7 @@ def surrogate_loss(
         log_w = clamp(log_ratio, LN_1E_8, 20.0)
         positive = adv >= 0
         k = tl.where(positive, sp0, sp2)
-        lam = tl.maximum(tl.where(positive, sp1, sp3), 1e-4)
+        lam = nan_max(tl.where(positive, sp1, sp3), 1e-4)
         phi = tl.exp(lam + k * log_w - lam * tl.exp(log_w))
         phi = tl.where(tl.abs(phi) < float("inf"), phi, 0.0)  # NaN / inf -> 0, as TRL
         aux = phi
@@ -283,7 +283,7 @@ def policy_token_loss(
         loss = loss * is_weight
         d_ratio = d_ratio * is_weight
         d_direct = d_direct * is_weight
-    kl = logp * 0.0
+    kl = tl.zeros_like(logp)
     if HAS_REF:
         kl, dkl = kl_and_grad(logp, ref_logp, KL_KIND)
         if ADD_KL:

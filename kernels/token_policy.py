@@ -14,7 +14,7 @@ its metrics.
 import triton
 import triton.language as tl
 
-from .common import as_weight, clamp, nan_max, pair, token_offset
+from .common import as_weight, clamp, nan_max, nan_min, pair, token_offset
 from .token_layer import (
     COL_COUNT,
     COL_IS_MAX,
@@ -74,7 +74,7 @@ def _token_inputs(
         ref = tl.where(counted, ref_raw, logp)
     adv = _load_tokens(adv_ptr, b, ts, rows_inner, adv_so, adv_si, in_seq).to(ACC)
     adv = tl.where(counted, adv, 0.0)
-    return m, logp, old, ref, adv, logp * 0.0
+    return m, logp, old, ref, adv, tl.zeros_like(logp)
 
 
 @triton.jit(
@@ -238,10 +238,10 @@ def _policy_token_fwd_kernel(
                                ent_stride_inner, in_seq).to(ACC)  # fmt: skip
             entropy = tl.where(m != 0, ent, 0.0)
         if SEQUENCE:
-            log_ratio = logp * 0.0 + seq_lr
+            log_ratio = tl.zeros_like(logp) + seq_lr
         else:
             log_ratio = logp - old
-        is_weight = logp * 0.0 + 1.0
+        is_weight = tl.zeros_like(logp) + 1.0
         if HAS_IS:
             is_raw = _load_tokens(is_ptr, b, ts, rows_inner, is_stride_outer, is_stride_inner,
                                   in_seq).to(ACC)  # fmt: skip
@@ -276,7 +276,7 @@ def _policy_token_fwd_kernel(
                 old_stride_inner, ref_stride_outer, ref_stride_inner, mask_stride_outer,
                 mask_stride_inner, ignore_index, HAS_TARGETS, HAS_OLD, HAS_REF, HAS_MASK, ACC,
             )  # fmt: skip
-            g = per_token + logp * 0.0
+            g = per_token + tl.zeros_like(logp)
             if SURROGATE == SURROGATE_GMPO:  # a token frozen by the log-space clip gets none
                 _, d_token = gmpo_log_ratio(logp - old, adv, eps_low, eps_high)
                 g = g * d_token
@@ -341,7 +341,7 @@ def _policy_finalize_kernel(
                 n_nan += tl.sum(tl.sum((xx != xx).to(tl.int32), 1), 0)
             if k == COL_IS_MIN:  # uncounted tokens hold +inf (masked lanes load +inf too)
                 xx = tl.load(col + rows, mask=tile, other=float("inf")).to(ACC)
-                x_min = tl.minimum(x_min, tl.min(tl.min(xx, 1), 0))
+                x_min = nan_min(x_min, tl.min(tl.min(xx, 1), 0))
                 n_nan += tl.sum(tl.sum((xx != xx).to(tl.int32), 1), 0)
         tot_m += tl.sum(sum_m, 0)
         tot_x += tl.sum(sum_x, 0)

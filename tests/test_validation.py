@@ -47,6 +47,7 @@ INPUTS = {
     "group_advantages": lambda: ((_x(B * T),), {"group_size": T}),
     "rloo_advantages": lambda: ((_x(B * T),), {"group_size": T}),
     "kl_estimate": lambda: ((_x(B, T), _x(B, T)), {}),
+    "rollout_is_weights": lambda: ((_x(B, T), _x(B, T)), {}),
     "gaussian_logprob": lambda: ((_x(B, T), _x(B, T).exp(), _x(B, T)), {}),
     "gaussian_entropy": lambda: ((_x(B, T).exp(),), {}),
     "token_logprobs": lambda: ((_x(B, T, V_SIZE), torch.zeros(B, T, dtype=torch.long)), {}),
@@ -380,7 +381,7 @@ def test_keyword_only_arguments(call, name):
 # ----------------------------------------------------------------------------- mask weights
 
 MASKS = ("mask", "padding_masks", "value_padding_masks")
-INDICATOR_MASK_OPS = ("gae", "kl_penalized_rewards")  # nonzero counts: not weights
+INDICATOR_MASK_OPS = ("gae", "kl_penalized_rewards", "rollout_is_weights")  # nonzero counts
 
 
 def _mask_cases():
