@@ -1489,6 +1489,9 @@ __all__ += ["FusedLinearForPPO", "LINEAR_CE_REDUCTIONS", "linear_cross_entropy"]
 # divisor, and compute verl's metrics beside it. These four compute in fp32 (fp64 for fp64
 # log-probs) and round the loss once to verl's dtype in both ``half_precision`` modes: no verl
 # half-precision op sequence is reproduced for them (``vanilla`` keeps its ``"original"``).
+# ``clip_cov``, ``kl_cov``, ``geo_mean``, ``dppo_tv``, ``dppo_kl`` and ``dro`` run the same op
+# with their token-space terms (selections, trust-region masks, truncated ratios, weights)
+# computed in plain PyTorch beside it.
 
 # verl 0.9.1's registry, in its order (the list its ValueError prints)
 VERL_POLICY_LOSSES = (
@@ -1496,9 +1499,6 @@ VERL_POLICY_LOSSES = (
     "dro", "cispo", "bypass_mode",
 )  # fmt: skip
 _NOT_BUILT = {
-    "dppo_tv": "DPPO-Binary-TV",
-    "dppo_kl": "DPPO-Binary-KL",
-    "dro": "DRO (a quadratic log-ratio penalty)",
     "bypass_mode": "bypass mode (rollout correction computed inside the loss)",
 }
 _SEQ_MODES = ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -2202,6 +2202,225 @@ def compute_policy_loss_geo_mean(
     return loss.to(dtype), _as_floats(metrics)
 
 
+_DPPO_CLIP_RATIO_C = 20.0  # verl's ``config.get("clip_ratio_c", 20.0)`` in the DPPO losses
+
+
+def _dppo(kind, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+          rollout_is_weights):  # fmt: skip
+    """verl 0.9.1's DPPO-Binary-TV / -KL (``kind`` "tv" | "kl") on the native op."""
+    from ..losses import policy_loss_from_logprobs
+
+    name = f"dppo_{kind}"
+    weights = rollout_is_weights
+    low, high, acc = _registry_prologue(
+        name, old_log_prob, log_prob, advantages, response_mask, config, weights
+    )
+    c = _config_value(config, "clip_ratio_c", _DPPO_CLIP_RATIO_C)
+    V.check_positive(c, "config.clip_ratio_c")
+    batch_info = _global_batch_info(config)
+    agg_w, divisor = _agg_as_weights(response_mask, loss_agg_mode, acc, **batch_info)
+    out_dtype = _verl_loss_dtype(
+        name, old_log_prob, log_prob, advantages, response_mask, weights, loss_agg_mode,
+        batch_info,
+    )  # fmt: skip
+    with torch.no_grad():
+        # the trust-region test in the inputs' dtypes, as verl (the same tokens pass)
+        lp, old = log_prob.detach(), old_log_prob.detach()
+        prob, old_prob = torch.exp(lp), torch.exp(old)
+        if kind == "tv":
+            pos = (prob - old_prob) <= high
+            neg = (prob - old_prob) >= -low
+        else:
+            binary_kl = old_prob * (old - lp) + (1 - old_prob) * torch.log(
+                (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8)
+            )
+            pos = (binary_kl <= high) | (prob <= old_prob)
+            neg = (binary_kl <= low) | (prob >= old_prob)
+        valid = torch.where(advantages > 0, pos, neg).to(acc)
+        d = torch.clamp(lp.to(acc) - old.to(acc), -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+        ratio = torch.exp(d)
+        trunc = torch.clamp(ratio, max=c)  # TIS: the detached, truncated ratio
+        is_w = trunc * valid
+        w = _rollout_weights_2d(weights, is_w)
+        if w is not None:
+            is_w = is_w * w.to(acc)
+    # -A logp (GPG's surrogate) times sg(min(r, c)) [valid] w: verl's loss and gradient
+    loss, _ = policy_loss_from_logprobs(
+        log_prob, advantages, mask=agg_w, is_weights=is_w, surrogate="gpg",
+        loss_agg="token-mean", num_items=divisor,
+    )  # fmt: skip
+    with torch.no_grad():
+        mask = _fp32(response_mask)
+        metrics = {
+            "actor/pg_clipfrac": _masked_mean(1.0 - valid, mask),
+            "actor/ppo_kl": _masked_mean(-d, mask),
+            "actor/pg_clipfrac_lower": _masked_mean((ratio > c).to(acc) * valid, mask),
+        }
+    return loss.to(out_dtype), _as_floats(metrics)
+
+
+def compute_policy_loss_dppo_tv(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Mirrors ``verl.trainer.ppo.core_algos.compute_policy_loss_dppo_tv`` (the ``"dppo_tv"``
+    entry; DPPO-Binary-TV, arXiv 2602.04879).
+
+    Per token ``r = exp(clamp(log_prob - old_log_prob, -20, 20))`` and
+    ``L = -A sg(min(r, clip_ratio_c)) log_prob * valid`` (truncated importance sampling
+    instead of the dual clip; ``clip_ratio_c`` is ``config.get("clip_ratio_c", 20.0)`` as
+    verl reads it: verl's ``ActorConfig`` carries 3.0, a dict without the key gives 20.0; it
+    must be ``> 0``), times ``rollout_is_weights``, aggregated by :func:`agg_loss` with
+    ``loss_agg_mode`` and ``config.global_batch_info``. ``valid`` (detached, computed in the
+    inputs' dtypes as verl, so the same tokens pass) is ``p - p_old <= clip_ratio_high``
+    where ``A > 0`` and ``p - p_old >= -clip_ratio_low`` where ``A <= 0``
+    (``p = exp(log_prob)``, the total-variation bound); ``clip_ratio_low`` /
+    ``clip_ratio_high`` (each ``clip_ratio`` when None) are the divergence thresholds, not a
+    ratio band. The gradient is ``-A sg(min(r, c)) valid w``. Runs
+    :func:`fused_rl.policy_loss_from_logprobs` with ``surrogate="gpg"`` (``-A log_prob``) and
+    ``sg(min(r, c)) valid w`` as its ``is_weights`` (those weights computed in plain PyTorch on
+    the ``(B, T)`` log-probs, no gradient).
+
+    Returns:
+        ``(pg_loss, {"actor/pg_clipfrac": masked mean of [not valid], "actor/ppo_kl": masked
+        mean of the clamped old - new, "actor/pg_clipfrac_lower": masked mean of
+        [r > clip_ratio_c and valid]})``.
+
+    Example:
+        >>> import torch
+        >>> from fused_rl.compat import verl as core_algos
+        >>> logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+        >>> old = torch.tensor([[-1.0, -1.5]])  # ratios 1 and e^-0.5, both in the region
+        >>> loss, metrics = core_algos.compute_policy_loss_dppo_tv(
+        ...     old, logp, torch.ones(1, 2), torch.ones(1, 2), config={})
+        >>> round(loss.item(), 4), metrics["actor/pg_clipfrac"]  # (1 + 2 e^-0.5) / 2
+        (1.1065, 0.0)
+    """
+    return _dppo(
+        "tv", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+        rollout_is_weights,
+    )  # fmt: skip
+
+
+def compute_policy_loss_dppo_kl(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Mirrors ``verl.trainer.ppo.core_algos.compute_policy_loss_dppo_kl`` (the ``"dppo_kl"``
+    entry; DPPO-Binary-KL, arXiv 2602.04879).
+
+    Per token ``r = exp(clamp(log_prob - old_log_prob, -20, 20))`` and
+    ``L = -A sg(min(r, clip_ratio_c)) log_prob * valid`` (truncated importance sampling
+    instead of the dual clip; ``clip_ratio_c`` is ``config.get("clip_ratio_c", 20.0)`` as
+    verl reads it: verl's ``ActorConfig`` carries 3.0, a dict without the key gives 20.0; it
+    must be ``> 0``), times ``rollout_is_weights``, aggregated by :func:`agg_loss` with
+    ``loss_agg_mode`` and ``config.global_batch_info``. ``valid`` (detached, computed in the
+    inputs' dtypes as verl, so the same tokens pass) is
+    ``kl <= clip_ratio_high or p <= p_old`` where ``A > 0`` and
+    ``kl <= clip_ratio_low or p >= p_old`` where ``A <= 0``, with ``p = exp(log_prob)`` and
+    the binary KL
+    ``kl = p_old (log p_old - log p) + (1 - p_old) log((1 - p_old + 1e-8) / (1 - p + 1e-8))``;
+    ``clip_ratio_low`` /
+    ``clip_ratio_high`` (each ``clip_ratio`` when None) are the divergence thresholds, not a
+    ratio band. The gradient is ``-A sg(min(r, c)) valid w``. Runs
+    :func:`fused_rl.policy_loss_from_logprobs` with ``surrogate="gpg"`` (``-A log_prob``) and
+    ``sg(min(r, c)) valid w`` as its ``is_weights`` (those weights computed in plain PyTorch on
+    the ``(B, T)`` log-probs, no gradient).
+
+    Returns:
+        ``(pg_loss, {"actor/pg_clipfrac": masked mean of [not valid], "actor/ppo_kl": masked
+        mean of the clamped old - new, "actor/pg_clipfrac_lower": masked mean of
+        [r > clip_ratio_c and valid]})``.
+    """
+    return _dppo(
+        "kl", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+        rollout_is_weights,
+    )  # fmt: skip
+
+
+def compute_policy_loss_dro(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Mirrors ``verl.trainer.ppo.core_algos.compute_policy_loss_dro`` (the ``"dro"`` entry;
+    Direct Reward Optimization with a quadratic log-ratio penalty).
+
+    Per token ``L = -(A log_prob - beta / 2 (log_prob - old_log_prob)^2)`` (no clamp),
+    times ``rollout_is_weights`` (the whole term, penalty included, as verl), aggregated by
+    :func:`agg_loss` with ``loss_agg_mode`` and ``config.global_batch_info``; ``beta`` is
+    ``config.policy_loss.dro_beta`` (verl's ``PolicyLossConfig``: None by default, which
+    raises verl's ``ValueError``, as does ``beta <= 0``). The gradient is
+    ``(-A + beta (log_prob - old_log_prob)) w``. Runs
+    :func:`fused_rl.policy_loss_from_logprobs` with ``surrogate="gpg"`` (``-A log_prob``) and
+    its KL term ``beta * k2`` against ``ref_logprobs=old_log_prob``; the rollout weights go
+    into its per-token ``mask`` (with the aggregation's weights) rather than ``is_weights``,
+    which would leave the penalty unweighted (so they must be ``>= 0``).
+
+    Returns:
+        ``(pg_loss, {"actor/ppo_kl": masked mean of old - new})``.
+
+    Example:
+        >>> import torch
+        >>> from fused_rl.compat import verl as core_algos
+        >>> logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+        >>> old = torch.tensor([[-1.0, -1.0]])
+        >>> loss, metrics = core_algos.compute_policy_loss_dro(
+        ...     old, logp, torch.ones(1, 2), torch.ones(1, 2),
+        ...     config={"policy_loss": {"dro_beta": 1.0}})
+        >>> round(loss.item(), 4), metrics["actor/ppo_kl"]  # (1 + 2.5) / 2
+        (1.75, 0.5)
+    """
+    from ..losses import policy_loss_from_logprobs
+
+    weights = rollout_is_weights
+    if config is None:
+        raise AssertionError("compute_policy_loss_dro needs config (verl's ActorConfig)")
+    _check_registry_inputs(old_log_prob, log_prob, advantages, response_mask, weights)
+    sub = _config_value(config, "policy_loss", {})
+    if sub is None:
+        raise AssertionError("config.policy_loss is None (verl asserts it is set)")
+    beta = _config_value(sub, "dro_beta", None)
+    if beta is None or beta <= 0:
+        raise ValueError("policy_loss.dro_beta must be a positive value when using DRO")
+    acc = torch.float64 if log_prob.dtype == torch.float64 else torch.float32
+    batch_info = _global_batch_info(config)
+    agg_w, divisor = _agg_as_weights(response_mask, loss_agg_mode, acc, **batch_info)
+    out_dtype = _verl_loss_dtype(
+        "dro", old_log_prob, log_prob, advantages, response_mask, weights, loss_agg_mode,
+        batch_info,
+    )  # fmt: skip
+    w = _rollout_weights_2d(weights, agg_w)
+    if w is not None:
+        counted = torch.where(agg_w != 0, w.to(acc).expand_as(agg_w), 0.0)
+        if bool((counted < 0).any()):  # they weigh the mask: no negative weight there
+            raise ValueError("rollout_is_weights must be >= 0 on counted tokens for DRO")
+        agg_w = agg_w * counted
+    loss, _ = policy_loss_from_logprobs(
+        log_prob, advantages, ref_logprobs=old_log_prob, mask=agg_w, surrogate="gpg",
+        beta=float(beta), kl_estimator="k2", loss_agg="token-mean", num_items=divisor,
+    )  # fmt: skip
+    with torch.no_grad():
+        mask = _fp32(response_mask)
+        d = log_prob.detach().to(acc) - old_log_prob.detach().to(acc)
+        metrics = {"actor/ppo_kl": _masked_mean(-d, mask)}
+    return loss.to(out_dtype), _as_floats(metrics)
+
+
 POLICY_LOSS_REGISTRY: dict = {
     "vanilla": compute_policy_loss_vanilla,
     "gspo": compute_policy_loss_gspo,
@@ -2211,6 +2430,9 @@ POLICY_LOSS_REGISTRY: dict = {
     "kl_cov": compute_policy_loss_kl_cov,
     "geo_mean": compute_policy_loss_geo_mean,
     "cispo": compute_policy_loss_cispo,
+    "dppo_tv": compute_policy_loss_dppo_tv,
+    "dppo_kl": compute_policy_loss_dppo_kl,
+    "dro": compute_policy_loss_dro,
 }
 
 
@@ -2242,9 +2464,9 @@ def get_policy_loss_fn(name: str):
     under ``name``.
 
     ``"vanilla"``, ``"gspo"``, ``"sapo"``, ``"gpg"``, ``"clip_cov"``, ``"kl_cov"``,
-    ``"geo_mean"``, ``"cispo"`` (and whatever :func:`register_policy_loss` added) are here.
-    verl 0.9's other entries (``"dppo_tv"``, ``"dppo_kl"``, ``"dro"``, ``"bypass_mode"``) are
-    not built yet: ``NotImplementedError`` naming the variant (issue 15's remaining work).
+    ``"geo_mean"``, ``"cispo"``, ``"dppo_tv"``, ``"dppo_kl"``, ``"dro"`` (and whatever
+    :func:`register_policy_loss` added) are here. verl 0.9's ``"bypass_mode"`` is not built
+    yet: ``NotImplementedError`` naming the variant (issue 15's remaining work).
     Any other name raises verl's ``ValueError("Unsupported loss mode: ...")`` listing the
     known names.
 
@@ -2252,10 +2474,10 @@ def get_policy_loss_fn(name: str):
         >>> from fused_rl.compat import verl as core_algos
         >>> core_algos.get_policy_loss_fn("geo_mean").__name__
         'compute_policy_loss_geo_mean'
-        >>> core_algos.get_policy_loss_fn("dro")
+        >>> core_algos.get_policy_loss_fn("bypass_mode")
         Traceback (most recent call last):
         ...
-        NotImplementedError: verl's policy loss 'dro' (DRO ...) is not built in fused_rl ...
+        NotImplementedError: verl's policy loss 'bypass_mode' (bypass mode ...) is not built ...
     """
     if name in POLICY_LOSS_REGISTRY:
         return POLICY_LOSS_REGISTRY[name]
@@ -2277,6 +2499,9 @@ __all__ += [
     "VERL_POLICY_LOSSES",
     "compute_policy_loss_cispo",
     "compute_policy_loss_clip_cov",
+    "compute_policy_loss_dppo_kl",
+    "compute_policy_loss_dppo_tv",
+    "compute_policy_loss_dro",
     "compute_policy_loss_geo_mean",
     "compute_policy_loss_gpg",
     "compute_policy_loss_gspo",
