@@ -367,7 +367,7 @@ def test_registry():
         del verl.POLICY_LOSS_REGISTRY["custom"]
 
 
-@pytest.mark.parametrize("name", ["dppo_tv", "dppo_kl", "dro", "bypass_mode"])
+@pytest.mark.parametrize("name", ["bypass_mode"])
 def test_not_built_yet(name):
     with pytest.raises(NotImplementedError, match=rf"'{name}'.*issue 15"):
         verl.get_policy_loss_fn(name)
