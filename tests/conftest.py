@@ -12,10 +12,19 @@ if not torch.cuda.is_available():
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-# Dynamo maps torch functions to trace rules once, lazily, by their identity; built while the
-# poison fixture below had replaced torch.empty, the map would lack the real one and a later
-# torch.compile test would refuse to trace torch.empty. Build it now, unpoisoned.
-torch._dynamo.trace_rules.get_torch_obj_rule_map()
+
+def _unpoisoned_trace_rules() -> None:
+    """Dynamo maps torch functions to trace rules once, lazily, by their identity; built while
+    the poison fixture below had replaced torch.empty, the map would lack the real one and a
+    later torch.compile test would refuse to trace torch.empty. Build it unpoisoned, and
+    again whenever something cleared it (``dist.init_process_group`` does)."""
+    rules = torch._dynamo.trace_rules
+    if torch.empty not in rules.get_torch_obj_rule_map():
+        rules.clear_lru_cache()
+        rules.get_torch_obj_rule_map()
+
+
+_unpoisoned_trace_rules()
 
 
 def pytest_configure(config):
@@ -39,6 +48,7 @@ def device():
 @pytest.fixture(autouse=True)
 def _poison_empty(request, monkeypatch):
     """NaN-fill every floating ``torch.empty`` / ``torch.empty_like`` during the test."""
+    _unpoisoned_trace_rules()  # before the patch: a map built during it would lack torch.empty
     if "no_poison" in request.keywords:
         yield
         return
