@@ -206,6 +206,43 @@ def full_cases() -> list[Case]:
     return sorted(cases, key=lambda c: priority.get((c.op, c.mode), 4))
 
 
+# the side-by-side with the peers' own paths (what a user would pick instead of fused_rl):
+# the GRPO loss on the model's (B, T + 1, V) buffer, the fused heads from hidden states at
+# H = 4096, and the no-grad log-probs, each at the shapes RL trainers run
+PEER_POLICY_SHAPES = ((4, 1024, 32000), (8, 2048, 151936), (4, 4096, 262144))
+PEER_LINEAR_SHAPES = ((16, 1024, 151936), (4, 1024, 151936))
+PEER_LOGPROB_SHAPES = ((8, 2048, 151936),)
+
+
+def peer_cases() -> list[Case]:
+    """The ``peers`` suite: bf16, ``policy_loss[grpo]`` forward + backward (torch.compile
+    included) at ``PEER_POLICY_SHAPES``; ``linear_policy_loss[grpo]`` and
+    ``linear_token_logprobs[logp]`` forward + backward at ``PEER_LINEAR_SHAPES`` (H = 4096);
+    ``token_logprobs`` no-grad with and without entropy at ``PEER_LOGPROB_SHAPES``. Ordered
+    so that a run cut short by a GPU lease has the fused heads at the largest token count,
+    then the logits ops, then the rest."""
+
+    def linear(b, t, v):
+        return [Case(op, variant, "fwd_bwd", b, t, v, "bf16", compile_ok=False,
+                     hidden=HIDDEN["full"])
+                for op, variant in (("linear_policy_loss", "grpo"),
+                                    ("linear_token_logprobs", "logp"))]  # fmt: skip
+
+    first, *rest = PEER_LINEAR_SHAPES
+    cases = linear(*first)
+    cases += [Case("policy_loss", "grpo", "fwd_bwd", b, t, v, "bf16")
+              for b, t, v in PEER_POLICY_SHAPES]  # fmt: skip
+    for b, t, v in PEER_LOGPROB_SHAPES:
+        cases += [Case("token_logprobs", variant, "fwd_nograd", b, t, v, "bf16", compile_ok=False)
+                  for variant in ("logp", "logp+entropy")]  # fmt: skip
+    for shape in rest:
+        cases += linear(*shape)
+    return cases
+
+
+SUITES = {"quick": quick_cases, "full": full_cases, "peers": peer_cases}
+
+
 def select_cases(
     suite: str,
     ops: list[str] | None = None,
@@ -219,15 +256,15 @@ def select_cases(
     With ``tokens``, logits ops use ``T = min(seqlen or 1024, tokens)`` and token ops use
     ``T = min(seqlen or 1024, tokens)`` too (``B = tokens / T``).
     """
-    if suite not in ("quick", "full"):
-        raise ValueError(f"--suite must be quick or full, got {suite!r}")
+    if suite not in SUITES:
+        raise ValueError(f"--suite must be one of {', '.join(SUITES)}, got {suite!r}")
     for op in ops or ():
         if op not in OPS:
             raise ValueError(f"--op {op!r} is not one of {', '.join(OPS)}")
     for dt in dtypes or ():
         if dt not in DTYPES:
             raise ValueError(f"--dtype {dt!r} is not one of {', '.join(DTYPES)}")
-    base = quick_cases() if suite == "quick" else full_cases()
+    base = SUITES[suite]()
     if tokens or vocabs or seqlen:
         default_t = seqlen or (4 if suite == "quick" else FULL_SEQLEN)
         grid_tokens = tokens or sorted({c.tokens for c in base if c.vocab})
@@ -247,7 +284,9 @@ def select_cases(
         for op in TOKEN_OPS:
             base += _token_cases(op, tok_shapes)
         for op in LINEAR_OPS:
-            base += _logits_cases(op, shapes, hidden=HIDDEN[suite])
+            base += _logits_cases(
+                op, shapes, hidden=HIDDEN["quick" if suite == "quick" else "full"]
+            )
     out = []
     for c in base:
         if ops and c.op not in ops:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: the CUDA test-suite, then the full benchmark suite.
 #
-#   bash bench/gpu_session.sh [all|tests|bench|linear] [extra bench/run.py arguments]
+#   bash bench/gpu_session.sh [all|tests|bench|linear|peers|host] [extra bench/run.py arguments]
 #
 #   all (default)  tests (at most TEST_TIMEOUT s), then `bench/run.py --suite full` until
 #                  the time budget is spent
@@ -11,6 +11,10 @@
 #                  (`bench/run.py memory`, measured), then the full suite's linear cases,
 #                  16384 tokens x 151936 first (the targets' shape); results.md's
 #                  "Targets (issue 14, fused linear)" gives the verdicts
+#   peers          the side-by-side with the peers' own paths (`bench/run.py --suite peers`:
+#                  TRL's and verl's fused heads, Liger with inplace=True and False, eager,
+#                  torch.compile), then the host cost with real launches at 1 x 16 x 1024
+#   host           the host cost alone ($OUT/host.log)
 #
 # The bench part RESUMES: cases already in bench/results/<gpu>/results.json of this working
 # tree are skipped, so repeated calls (each under the 10-minute command limit) complete the
@@ -20,6 +24,7 @@
 #   $OUT/bench.log             the benchmark's output (its table at the end)
 #   $OUT/results/results.json  all results so far (this call's merged into the tree's)
 #   $OUT/results/results.md    the tables
+#   peers, host: $OUT/host.log (microseconds and launches per call, real kernels)
 #   linear: $OUT/memory.log, $OUT/results/memory_vs_tokens.json (and its plot where the
 #           GPU machine has matplotlib)
 # To commit them (on the machine that called):
@@ -29,8 +34,9 @@
 #
 # Environment: OUT (default bench/results/_session), BENCH_BUDGET (seconds for the bench
 # part; default 500 minus the time already spent), TEST_TIMEOUT (default 240).
-# liger-kernel is not on the GPU image: carry its wheel in .whl/ (see the device README's
-# notes; it is pure Python, `pip download --no-deps liger-kernel`) and it is measured too.
+# liger-kernel, trl and verl are not on the GPU image: carry their wheels in .whl/ (see the
+# device README's notes; pure Python, `pip download --no-deps liger-kernel==0.8.5
+# trl==1.16.0 verl`; TRL's fused head needs only transformers, verl's file only torch).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -60,6 +66,9 @@ rm -f "$OUT/install.log"
 torch.version.cuda, 'triton', triton.__version__, 'fused_rl', fused_rl.__version__); \
 print(torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0))"
     "$PY" -c "import liger_kernel; print('liger_kernel importable')" 2>&1 | tail -1
+    "$PY" -c "import trl.kernels.chunked_logprob as m; import importlib.metadata as im; \
+print('trl', im.version('trl'), 'ChunkedLogProbFunction importable')" 2>&1 | tail -1
+    "$PY" -c "import importlib.util as u; print('verl found at', u.find_spec('verl').origin)" 2>&1 | tail -1
 } >"$OUT/env.txt" 2>&1
 
 status=0
@@ -69,14 +78,15 @@ if [ "$PART" = all ] || [ "$PART" = tests ]; then
     # kernel variants: ~1 minute on the H100 machine, against over 4 minutes serially
     XDIST=""
     "$PY" -c "import xdist" 2>/dev/null && XDIST="-n auto"
+    # every failure is recorded: no -x (it hides the failures after the first)
     # shellcheck disable=SC2086
-    timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -q -x $XDIST tests --benchmark-disable \
+    timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -q -rfE $XDIST tests --benchmark-disable \
         -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -15
     status=${PIPESTATUS[0]}
     echo "pytest exit status $status (124 = stopped by TEST_TIMEOUT)"
 fi
 
-if [ "$PART" = all ] || [ "$PART" = bench ] || [ "$PART" = linear ]; then
+if [ "$PART" = all ] || [ "$PART" = bench ] || [ "$PART" = linear ] || [ "$PART" = peers ]; then
     SLUG=$("$PY" -c "import sys, torch; sys.path.insert(0, '.'); from bench.measure import \
 slug, device_name; print(slug(device_name('cuda' if torch.cuda.is_available() else 'cpu')))")
     # resume from what this working tree already holds for this GPU
@@ -109,6 +119,22 @@ if [ "$PART" = linear ]; then
     bench_status=${PIPESTATUS[0]}
     echo "bench exit status $bench_status; results for bench/results/$SLUG/ in $OUT/results/"
     [ "$status" -eq 0 ] && status=$bench_status
+fi
+
+if [ "$PART" = peers ]; then
+    BUDGET=${BENCH_BUDGET:-$((500 - SECONDS))}
+    echo "== side-by-side with the peers on $SLUG, budget ${BUDGET}s"
+    "$PY" bench/run.py --suite peers --resume --no-plots --time-budget "$BUDGET" \
+        --out "$OUT/results" "$@" 2>&1 | tee "$OUT/bench.log" | tail -80
+    bench_status=${PIPESTATUS[0]}
+    echo "bench exit status $bench_status; results for bench/results/$SLUG/ in $OUT/results/"
+    [ "$status" -eq 0 ] && status=$bench_status
+fi
+
+if [ "$PART" = peers ] || [ "$PART" = host ]; then
+    echo "== host cost with real launches, 1 x 16 x 1024 bf16"
+    "$PY" bench/run.py host --device cuda --tokens 16 --seqlen 16 --vocab 1024 --dtype bf16 \
+        2>&1 | tee "$OUT/host.log"
 fi
 
 if [ "$PART" = all ] || [ "$PART" = bench ]; then

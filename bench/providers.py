@@ -14,6 +14,15 @@
   Triton) on that buffer as it comes; autograd's linear backward forms ``dH`` and ``dW`` from
   the ``(B, T + 1, V)`` logits gradient. What issue 14's time and memory targets compare the
   chunked ``fused_rl`` with. Linear ops only.
+* ``trl`` on the linear ops: TRL's own chunked fused LM head (``trl.kernels.chunked_logprob.
+  ChunkedLogProbFunction``, what GRPOTrainer runs since TRL 1.15: cuBLAS tiles of 4096 tokens x
+  32768 vocabulary columns folded by a Triton kernel, the logits recomputed in the backward)
+  and the benchmark's loss on its log-probs, where ``trl`` is importable.
+* ``verl``: verl's torch ``FusedLinearForPPO`` (512-token chunks; log-probs and entropy),
+  loaded from its file in the installed verl (verl's package ``__init__`` needs Ray), then
+  the benchmark's loss. Linear ops only.
+* ``liger_inplace``: ``liger`` with Liger's default ``inplace=True`` (the gradient written into
+  the logits buffer: here a copy of its own, made outside the measured call). policy_loss only.
 * ``liger``: Liger-Kernel's Triton GRPO loss (``triton_grpo_loss``) and
   ``fused_selective_log_softmax``, where ``liger_kernel`` is importable; for
   ``linear_policy_loss`` its chunked ``LigerFusedLinearGRPOLoss`` (``loss_type="bnpo"``: the
@@ -21,7 +30,7 @@
 
 Linear ops (``linear_token_logprobs``, ``linear_policy_loss``): fused_rl's ops from the hidden
 states and the lm_head; eager / compile run ``F.linear`` on ``hidden[:, :-1]`` and then the
-eager log-prob / GRPO loss above (logits upcast to fp32); TRL has no fused-linear op.
+eager log-prob / GRPO loss above (logits upcast to fp32).
 
 ``build(provider, case, inp)`` returns a zero-argument callable that runs the measured work
 once (forward; or forward + ``torch.autograd.grad`` under the case's random upstream
@@ -56,7 +65,17 @@ from .cases import (
     Case,
 )
 
-PROVIDERS = ("fused_rl", "fused_rl_ref", "fused_rl_mat", "eager", "compile", "trl", "liger")
+PROVIDERS = (
+    "fused_rl",
+    "fused_rl_ref",
+    "fused_rl_mat",
+    "eager",
+    "compile",
+    "trl",
+    "liger",
+    "liger_inplace",
+    "verl",
+)
 BASELINE = "fused_rl"  # the provider the others' time and memory are compared with
 MUST_MEET_TOL = ("fused_rl", "fused_rl_ref")  # the package itself: no "less accurate" excuse
 
@@ -548,19 +567,28 @@ def _eager_forward(case: Case, inp: dict, compiled: bool, flavour: str = "eager"
 
 def liger_version() -> str | None:
     try:
-        from importlib.metadata import version
-
         importlib.import_module("liger_kernel")
-        return version("liger-kernel")
     except Exception:
+        return None
+    return _package_version("liger-kernel")
+
+
+def _package_version(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
         return None
 
 
 def environment(provider: str, device, compile_on_cpu: bool) -> str:
     """What this machine offers ``provider`` (a package version, a compile switch): a note
     that it could not run here is retried by ``--resume`` only where this has changed."""
-    if provider == "liger":
+    if provider in ("liger", "liger_inplace"):
         return f"liger_kernel {liger_version()}"
+    if provider in ("trl", "verl"):
+        return f"{provider} {_package_version(provider)}, torch {torch.__version__}"
     if provider == "compile":
         return f"torch {torch.__version__} on {torch.device(device).type}, cpu {compile_on_cpu}"
     return f"torch {torch.__version__}"
@@ -624,7 +652,7 @@ def _liger_linear_forward(case: Case, inp: dict):
     return forward
 
 
-def _liger_forward(case: Case, inp: dict):
+def _liger_forward(case: Case, inp: dict, inplace: bool = False):
     if liger_version() is None:
         raise Unavailable("liger_kernel is not importable", transient=True)
     if case.op in ("linear_token_logprobs", "linear_policy_loss"):
@@ -651,9 +679,9 @@ def _liger_forward(case: Case, inp: dict):
         beta=POLICY["beta"],
         eps_low=POLICY["eps_low"],
         eps_high=POLICY["eps_high"],
-        # the logits are reused by every provider and repetition: keep them intact (Liger's
-        # default inplace=True writes the gradient into the logits buffer)
-        inplace=False,
+        # Liger's default inplace=True writes the gradient into the logits buffer: then it
+        # gets a copy of its own (every provider reuses the logits)
+        inplace=inplace,
     )
     if "reduce" in params:
         kwargs["reduce"] = False  # per-token loss; we aggregate token-mean like the others
@@ -677,10 +705,15 @@ def _liger_forward(case: Case, inp: dict):
     mask = inp["mask"]
     mask_int = mask.to(torch.int32)
     m = mask.float()
+    buf = inp["buf_leaf"]
+    if inplace:
+        if case.op != "policy_loss":
+            raise Unavailable("liger_inplace is Liger's GRPO loss with inplace=True")
+        buf = inp["buf_inplace"] = buf.detach().clone().requires_grad_()
 
     def forward():
         per_token = triton_grpo_loss(
-            inp["buf_leaf"],
+            buf,
             inp["old_logprobs"],
             inp["ref_logprobs"],
             inp["targets"],
@@ -693,6 +726,91 @@ def _liger_forward(case: Case, inp: dict):
     return forward
 
 
+# ----------------------------------------------------------------------------- TRL, verl
+
+# GRPOTrainer's vocabulary tile (``_CHUNKED_LOGPROB_CHUNK_SIZE``, TRL 1.16)
+TRL_VOCAB_CHUNK = 32768
+VERL_TOKEN_CHUNK = 512  # FusedLinearForPPO's default chunk_size
+
+
+def _trl_chunked_logprob():
+    try:  # the kernels module needs transformers only (trl.trainer.utils also needs datasets)
+        module = importlib.import_module("trl.kernels.chunked_logprob")
+    except Exception as exc:
+        raise Unavailable(f"trl.kernels.chunked_logprob: {type(exc).__name__}: {exc}"[:200],
+                          transient=True) from exc  # fmt: skip
+    return module.ChunkedLogProbFunction
+
+
+def _verl_fused_linear():
+    """verl's ``FusedLinearForPPO`` class, loaded from its file in the installed verl: the
+    module imports torch only, but verl's package ``__init__`` imports Ray and more."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        raise Unavailable("verl is not installed", transient=True)
+    root = list(spec.submodule_search_locations)[0]
+    path = os.path.join(root, "utils", "experimental", "torch_functional.py")
+    if not os.path.exists(path):
+        raise Unavailable("this verl has no utils/experimental/torch_functional.py", transient=True)
+    file_spec = importlib.util.spec_from_file_location("_bench_verl_torch_functional", path)
+    module = importlib.util.module_from_spec(file_spec)
+    file_spec.loader.exec_module(module)
+    return module.FusedLinearForPPO
+
+
+def _linear_loss_forward(case: Case, inp: dict, logprobs):
+    """``logprobs(with_entropy) -> (logp (B, T), entropy or None)`` of a peer's fused head,
+    then the case's output: the log-probs, or the benchmark's GRPO loss on them."""
+    with_entropy = case.variant == "logp+entropy"
+    if case.op == "linear_token_logprobs":
+
+        def forward():
+            logp, entropy = logprobs(with_entropy)
+            return (logp, entropy) if with_entropy else (logp,)
+
+        return forward
+    args = [inp[k] for k in ("advantages", "old_logprobs", "ref_logprobs", "mask")]
+    return lambda: (token_policy_loss(logprobs(False)[0], None, *args, case.variant),)
+
+
+def _trl_linear_forward(case: Case, inp: dict):
+    """TRL's fused head as GRPOTrainer calls it: for the loss, on the valid positions only
+    (``hidden[mask]``, then ``masked_scatter`` back), with the entropy GRPOTrainer logs; for
+    the log-probs, on every position (the case's output), as TRL does off Triton devices."""
+    fn = _trl_chunked_logprob()
+    window, weight, targets, mask = (
+        inp["hidden"][:, :-1],
+        inp["weight"],
+        inp["targets"],
+        inp.get("mask"),
+    )
+    hidden_size = window.shape[-1]
+
+    def logprobs(with_entropy: bool):
+        if case.op == "linear_policy_loss":
+            out = fn.apply(window[mask], weight, None, targets[mask], TEMPERATURE, TRL_VOCAB_CHUNK,
+                           None, 1.0, ("entropy",))  # fmt: skip
+            logp = out[0].new_zeros(mask.shape).masked_scatter(mask, out[0])
+            return logp, None
+        outputs = ("entropy",) if with_entropy else ()
+        out = fn.apply(window.reshape(-1, hidden_size), weight, None, targets.reshape(-1),
+                       TEMPERATURE, TRL_VOCAB_CHUNK, None, 1.0, outputs)  # fmt: skip
+        entropy = out[1].view(targets.shape) if with_entropy else None
+        return out[0].view(targets.shape), entropy
+
+    return _linear_loss_forward(case, inp, logprobs)
+
+
+def _verl_linear_forward(case: Case, inp: dict):
+    """verl's torch ``FusedLinearForPPO`` on the positions that predict the targets."""
+    head = _verl_fused_linear()(chunk_size=VERL_TOKEN_CHUNK, impl_backend="torch")
+    window, weight, targets = inp["hidden"][:, :-1], inp["weight"], inp["targets"]
+    return _linear_loss_forward(case, inp, lambda _: head(window, weight, targets, TEMPERATURE))
+
+
 # ----------------------------------------------------------------------------- entry point
 
 
@@ -703,6 +821,8 @@ def _wrt_upstream(case: Case, inp: dict, provider: str):
     if case.op == "policy_loss":
         if provider in ("liger", "fused_rl"):  # they differentiate the whole (B, T+1, V) buffer
             return [inp["buf_leaf"]], [None], lambda g: (g[0][:, :-1],)
+        if provider == "liger_inplace":  # its own copy of the buffer
+            return [inp["buf_inplace"]], [None], lambda g: (g[0][:, :-1],)
         return [inp["logits"]], [None], None
     if case.op == "linear_token_logprobs":
         ups = [inp["g_logp"]] + ([inp["g_entropy"]] if case.variant == "logp+entropy" else [])
@@ -721,9 +841,14 @@ def _wrt_upstream(case: Case, inp: dict, provider: str):
 
 def applies(provider: str, case: Case) -> bool:
     """Whether ``provider`` is one for ``case`` at all: ``fused_rl_mat`` (the materialised
-    path of the linear ops) has no meaning for the other ops, which it skips without a
-    'not measured' note. Every other pairing is up to ``build``."""
-    return provider != "fused_rl_mat" or case.op in LINEAR_OPS
+    path of the linear ops) and ``verl`` (a fused head) have no meaning for the other ops,
+    nor ``liger_inplace`` beside policy_loss: skipped without a 'not measured' note. Every
+    other pairing is up to ``build``."""
+    if provider in ("fused_rl_mat", "verl"):
+        return case.op in LINEAR_OPS
+    if provider == "liger_inplace":
+        return case.op == "policy_loss"
+    return True
 
 
 def build(provider: str, case: Case, inp: dict, *, compile_on_cpu: bool = False) -> Runner:
@@ -747,11 +872,16 @@ def build(provider: str, case: Case, inp: dict, *, compile_on_cpu: bool = False)
             raise Unavailable("torch.compile measured on the suite's compile subset only")
         forward = _eager_forward(case, inp, compiled=True)
     elif provider == "trl":
-        if case.op in ("linear_token_logprobs", "linear_policy_loss"):
-            raise Unavailable("TRL has no fused-linear log-prob or loss")
-        forward = _eager_forward(case, inp, compiled=False, flavour="trl")
+        if case.op in LINEAR_OPS:
+            forward = _trl_linear_forward(case, inp)
+        else:
+            forward = _eager_forward(case, inp, compiled=False, flavour="trl")
+    elif provider == "verl":
+        forward = _verl_linear_forward(case, inp)
     elif provider == "liger":
         forward = _liger_forward(case, inp)
+    elif provider == "liger_inplace":
+        forward = _liger_forward(case, inp, inplace=True)
     else:
         raise ValueError(f"unknown provider {provider!r}; one of {PROVIDERS}")
     wrt, upstream, post = _wrt_upstream(case, inp, provider)

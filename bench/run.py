@@ -65,7 +65,15 @@ from bench import console as C  # noqa: E402
 from bench import measure as M  # noqa: E402
 from bench import providers as P  # noqa: E402
 from bench import report as R  # noqa: E402
-from bench.cases import DTYPES, LINEAR_OPS, OPS, Case, make_inputs, select_cases  # noqa: E402
+from bench.cases import (  # noqa: E402
+    DTYPES,
+    LINEAR_OPS,
+    OPS,
+    SUITES,
+    Case,
+    make_inputs,
+    select_cases,
+)
 from bench.memory_profile import (  # noqa: E402
     MEMORY_CASES,
     MEMORY_PROVIDERS,
@@ -105,7 +113,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "report: rewrite results.md and the plots from --out/results.json; host: "
         "microseconds and launches per call on a tiny shape (bench/host.py)",
     )
-    p.add_argument("--suite", default="quick", choices=("quick", "full"))
+    p.add_argument(
+        "--suite",
+        default="quick",
+        choices=tuple(SUITES),
+        help="quick (CPU), full (the GPU grid) or peers (the side-by-side with the peers' "
+        "own paths: TRL's and verl's fused heads, Liger inplace=True, at trainers' shapes)",
+    )
     p.add_argument("--op", type=_csv(str), default=None, help=f"comma list of: {', '.join(OPS)}")
     p.add_argument("--tokens", type=_csv(int), default=None, help="comma list of B*T values")
     p.add_argument("--vocab", type=_csv(int), default=None, help="comma list of V values")
@@ -335,6 +349,8 @@ def versions() -> dict:
         "triton": triton_version,
         "fused_rl": fused_rl.__version__,
         "liger_kernel": P.liger_version(),
+        "trl": P._package_version("trl"),
+        "verl": P._package_version("verl"),
     }
 
 
