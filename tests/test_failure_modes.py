@@ -11,6 +11,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from conftest import DEVICE
 
 import fused_rl
 from fused_rl import config
@@ -26,13 +27,13 @@ def _gen():
     return torch.Generator().manual_seed(11)
 
 
-def _policy_inputs():
+def _policy_inputs(device=DEVICE):
     g = _gen()
     logits = torch.randn(B, T, V, generator=g)
     targets = torch.randint(0, V, (B, T), generator=g)
     adv = torch.randn(B, T, generator=g)
     old = torch.randn(B, T, generator=g) - 2.0
-    return logits, targets, adv, old
+    return tuple(t.to(device) for t in (logits, targets, adv, old))
 
 
 def _policy(backend, *, logits=None, targets=None, old=None, **kw):
@@ -118,7 +119,7 @@ def test_policy_loss_nan_under_compile(backend):
 
 def _token_inputs(n=3):
     g = _gen()
-    return [torch.randn(B, T, generator=g) for _ in range(n)]
+    return [torch.randn(B, T, generator=g).to(DEVICE) for _ in range(n)]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -160,8 +161,9 @@ def test_kl_estimate_nan(backend, kind):
 def test_kl_penalized_rewards_nan(backend):
     lp, ref = _token_inputs(2)
     lp[0, 3] = NAN
+    scores = torch.ones(B, device=DEVICE)
     rewards = fused_rl.kl_penalized_rewards(
-        torch.ones(B), lp, ref, kl_coef=0.1, kl_estimator="low_var_kl", backend=backend
+        scores, lp, ref, kl_coef=0.1, kl_estimator="low_var_kl", backend=backend
     )
     assert torch.isnan(rewards[0, 3]) and torch.isfinite(rewards[1]).all()
 
@@ -293,7 +295,7 @@ def test_numpy_scalar_hyper_parameters(backend, scalar):
         "gae": lambda c: fused_rl.gae(x, y, gamma=c(1), lam=c(0.5), backend=backend)[0],
         "value_loss": lambda c: fused_rl.value_loss(x, y, x, clip=c(0.25), backend=backend)[0],
         "kl_rewards": lambda c: fused_rl.kl_penalized_rewards(
-            torch.ones(B), x, y, kl_coef=c(0.5), backend=backend
+            torch.ones(B, device=DEVICE), x, y, kl_coef=c(0.5), backend=backend
         ),
         "whiten": lambda c: fused_rl.masked_whiten(x, eps=c(1), backend=backend),
     }
@@ -351,7 +353,8 @@ def test_trl_sentinel_label_unchecked_is_nan(backend, monkeypatch):
     from fused_rl.compat import trl
 
     monkeypatch.setattr(config, "check_values", False)
-    logits, targets, _, _ = _policy_inputs()
+    # the patch below steers auto only for CPU tensors (CUDA ones always take Triton)
+    logits, targets, _, _ = _policy_inputs(DEVICE if backend == "triton" else "cpu")
     targets[0, 1] = -(2**31)
     targets[1, 2] = -(2**31) + 1
     monkeypatch.setattr(fused_rl._backend, "interpreter_enabled", lambda: backend == "triton")
@@ -365,12 +368,13 @@ def test_trl_sentinel_label_unchecked_is_nan(backend, monkeypatch):
 def test_num_items_tensor_not_positive_is_nan(backend, count):
     """A float ``num_items <= 0`` raises; a tensor's value is never read on the host, so one
     that holds 0, a negative count or NaN gives a NaN loss, on both backends."""
-    loss, metrics, grad = _policy(backend, num_items=torch.tensor(count))
+    loss, metrics, grad = _policy(backend, num_items=torch.tensor(count, device=DEVICE))
     assert torch.isnan(loss) and torch.isnan(grad).any()
     assert torch.isfinite(metrics["ratio_mean"])  # the metrics do not use the count
-    lp = torch.randn(B, T, requires_grad=True)
+    lp = torch.randn(B, T, device=DEVICE, requires_grad=True)
     loss, _ = fused_rl.policy_loss_from_logprobs(
-        lp, torch.ones(B), old_logprobs=lp.detach(), num_items=torch.tensor(count),
+        lp, torch.ones(B, device=DEVICE), old_logprobs=lp.detach(),
+        num_items=torch.tensor(count, device=DEVICE),
         backend=backend,
     )  # fmt: skip
     assert torch.isnan(loss)
@@ -397,7 +401,7 @@ def _negative_mask_calls(backend, mask):
         )[0],
         "policy_loss": lambda: _policy(backend, mask=mask)[0],
         "policy_loss_from_logprobs": lambda: fused_rl.policy_loss_from_logprobs(
-            x, torch.ones(B), old_logprobs=y, mask=mask, backend=backend
+            x, torch.ones(B, device=DEVICE), old_logprobs=y, mask=mask, backend=backend
         )[0],
         "PolicyLoss": lambda: PolicyLoss(backend=backend)(
             logits, targets, adv, old_logprobs=old, mask=mask
@@ -406,7 +410,7 @@ def _negative_mask_calls(backend, mask):
 
 
 def _negative_mask(dtype=torch.float32):
-    mask = torch.ones(B, T, dtype=dtype)
+    mask = torch.ones(B, T, dtype=dtype, device=DEVICE)
     mask[1, 2] = -1
     return mask
 
@@ -463,11 +467,16 @@ def test_mask_weight_check_skips_what_cannot_be_negative(backend, monkeypatch):
     real = V.value_checks_enabled
     monkeypatch.setattr(V, "value_checks_enabled", lambda *t: reads.append(t) or real(*t))
     x, y = _token_inputs(2)
-    for mask in (torch.ones(B, T, dtype=torch.bool), torch.ones(B, T, dtype=torch.uint8)):
+    for mask in (
+        torch.ones(B, T, dtype=torch.bool, device=DEVICE),
+        torch.ones(B, T, dtype=torch.uint8, device=DEVICE),
+    ):
         fused_rl.masked_sum(x, mask, backend=backend)
-        fused_rl.policy_loss_from_logprobs(x, torch.ones(B), mask=mask, backend=backend)
+        fused_rl.policy_loss_from_logprobs(
+            x, torch.ones(B, device=DEVICE), mask=mask, backend=backend
+        )
     assert not reads
-    fused_rl.masked_sum(x, torch.ones(B, T), backend=backend)
+    fused_rl.masked_sum(x, torch.ones(B, T, device=DEVICE), backend=backend)
     assert len(reads) == 1  # a float mask is read (once)
     monkeypatch.undo()
     mask = _negative_mask()
@@ -475,12 +484,12 @@ def test_mask_weight_check_skips_what_cannot_be_negative(backend, monkeypatch):
     want = fused_rl.gae(x, y, gamma=0.9, lam=0.9, mask=mask != 0, backend=backend)
     assert torch.equal(adv, want[0]) and torch.equal(ret, want[1])
     rewards = fused_rl.kl_penalized_rewards(
-        torch.ones(B), x, y, kl_coef=0.1, mask=mask, backend=backend
+        torch.ones(B, device=DEVICE), x, y, kl_coef=0.1, mask=mask, backend=backend
     )
     assert torch.equal(
         rewards,
         fused_rl.kl_penalized_rewards(
-            torch.ones(B), x, y, kl_coef=0.1, mask=mask != 0, backend=backend
+            torch.ones(B, device=DEVICE), x, y, kl_coef=0.1, mask=mask != 0, backend=backend
         ),
     )
 
@@ -495,8 +504,8 @@ def test_triton_double_backward_raises(op):
     """Every Triton backward computes its gradient from saved statistics taken as constants, so
     a Hessian-vector product through it raises (it used to be silently wrong: off by 0.4)."""
     logits = _policy_inputs()[0].double().requires_grad_(True)
-    x = torch.randn(B, T, dtype=torch.float64, requires_grad=True)
-    y = torch.randn(B, T, dtype=torch.float64)
+    x = torch.randn(B, T, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    y = torch.randn(B, T, dtype=torch.float64, device=DEVICE)
     losses = {
         "policy_loss": lambda: (logits, _policy_tensor_loss(logits)),
         "kl_estimate": lambda: (
@@ -524,9 +533,8 @@ def _policy_tensor_loss(logits):
 def test_empty_leading_dims(backend, shape):
     """A 4-D logits tensor with an empty leading dim (found by the fuzz suite: ``reshape(-1,
     ...)`` is ambiguous for 0 elements) gives empty outputs and gradients."""
-    logits = torch.randn(shape, requires_grad=True)
-    logp, entropy = fused_rl.token_logprobs(
-        logits, torch.zeros(shape[:-1], dtype=torch.long), return_entropy=True, backend=backend
-    )
+    logits = torch.randn(shape, device=DEVICE, requires_grad=True)
+    targets = torch.zeros(shape[:-1], dtype=torch.long, device=DEVICE)
+    logp, entropy = fused_rl.token_logprobs(logits, targets, return_entropy=True, backend=backend)
     (logp.sum() + entropy.sum()).backward()
     assert logp.shape == entropy.shape == shape[:-1] and logits.grad.shape == shape

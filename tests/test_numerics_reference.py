@@ -12,6 +12,7 @@ import functools
 
 import pytest
 import torch
+from conftest import DEVICE
 from helpers import FP32_TOL, assert_rel, seed_gae_loop
 
 import fused_rl
@@ -61,7 +62,7 @@ def _special_logits(vocab, dtype):
     logits[:, -5:] = special
     # a row with -inf entries has -inf before them too (all -inf stays all -inf)
     logits[torch.isneginf(special).any(-1), :-5] = -INF
-    return logits.to(dtype), targets
+    return logits.to(DEVICE, dtype), targets.to(DEVICE)
 
 
 def oracle_logprob_stats(logits, targets, g, h):
@@ -88,7 +89,7 @@ def test_logprobs_nonfinite_rows(backend, vocab, dtype):
     finite results (a -inf target: logp = -inf)."""
     logits, targets = _special_logits(vocab, dtype)
     gen = torch.Generator().manual_seed(1)
-    g, h = torch.randn(2, len(targets), generator=gen, dtype=torch.float64).to(dtype)
+    g, h = torch.randn(2, len(targets), generator=gen, dtype=torch.float64).to(DEVICE, dtype)
     o_lp, o_ent, o_grad = oracle_logprob_stats(logits, targets, g, h)
     tol = FP32_TOL if dtype == torch.float32 else 1e-12
     x = logits.clone().requires_grad_(True)
@@ -118,7 +119,7 @@ def test_compat_entropy_from_logits_nonfinite(backend, module, monkeypatch):
     entropy = functools.partial(fused_rl.token_entropy, backend=backend)
     monkeypatch.setattr(module, "token_entropy", entropy)
     logits, targets = _special_logits(5, torch.float32)
-    zeros = torch.zeros(len(targets))
+    zeros = torch.zeros(len(targets), device=DEVICE)
     _, o_ent, _ = oracle_logprob_stats(logits, targets, zeros, zeros)
     out = module.entropy_from_logits(logits.reshape(2, 5, 5))
     assert out.dtype == torch.float32
@@ -185,6 +186,7 @@ def _poisoned(case):
     mask[0, 2] = mask[2, 0] = mask[2, 5] = False
     if weights:
         mask = torch.rand(3, 6, generator=gen, dtype=torch.float64) * mask
+    x, mask = x.to(DEVICE), mask.to(DEVICE)
     clean = x.clone()
     x[where] = value
     return x, clean, mask, mask[where] == 0
@@ -204,6 +206,7 @@ def test_reductions_nonfinite(backend, op, case):
     x_in = x.clone().requires_grad_(True)
     out = call(x_in, mask, backend)
     gy = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=out.dtype)
+    gy = gy.to(DEVICE)
     if op.startswith("whiten"):
         gy = gy * (w != 0)  # the padding's outputs are zeroed downstream
     (grad,) = torch.autograd.grad(out, x_in, gy)
@@ -265,8 +268,8 @@ def test_gae_nonfinite(backend, case):
     steps reach nothing."""
     tensor, step, value, gamma, lam, masked = GAE_CASES[case]
     gen = torch.Generator().manual_seed(4)
-    rewards, values = torch.randn(2, 2, 40, generator=gen)
-    mask = torch.ones(2, 40, dtype=torch.bool)
+    rewards, values = torch.randn(2, 2, 40, generator=gen).to(DEVICE)
+    mask = torch.ones(2, 40, dtype=torch.bool, device=DEVICE)
     mask[:, 10] = mask[1, 30:] = False
     {"rewards": rewards, "values": values}[tensor][0, step] = value
     mask = mask if masked else None
@@ -283,7 +286,7 @@ def test_gae_inf_beyond_fp32_decay_range(backend):
     still carries ``c * inf = inf`` to every earlier step (T = 1300: a second kernel block
     of 276 steps, whose carry is the inf)."""
     gen = torch.Generator().manual_seed(5)
-    rewards, values = torch.randn(2, 1, 1300, generator=gen)
+    rewards, values = torch.randn(2, 1, 1300, generator=gen).to(DEVICE)
     rewards[0, 1290] = INF
     adv, ret = fused_rl.gae(rewards, values, gamma=0.5, lam=1.0, backend=backend)
     o_adv, o_ret = o_gae(rewards, values, 0.5, 1.0)
@@ -315,7 +318,7 @@ def test_group_advantages_nonfinite(mode, value, pos):
     shift) or not, identically on both backends; other groups are untouched. (Both centre on
     the first score, so with an inf first every entry is ``(s - inf) - NaN = NaN`` where the
     plain formula gives -inf: the same positions are non-finite.)"""
-    scores = torch.randn(12, generator=torch.Generator().manual_seed(6))
+    scores = torch.randn(12, generator=torch.Generator().manual_seed(6)).to(DEVICE)
     scores[4 + pos] = value
     ref, tri = (_group_call(mode)(scores, 4, b) for b in ("reference", "triton"))
     assert_same_nonfinite(tri, ref, FP32_TOL, f"{mode}: triton vs reference")
@@ -329,7 +332,7 @@ def o_kl_rewards(scores, logp, ref, coef, mask):
     """float64 k1 rewards: ``-coef * (logp - ref)`` at counted steps, 0 elsewhere, plus the
     score at the last counted step."""
     reward = torch.where(mask, -coef * (logp.double() - ref.double()), 0.0)
-    steps = torch.arange(mask.shape[1])
+    steps = torch.arange(mask.shape[1], device=mask.device)
     last = torch.where(mask, steps, -1).amax(1)
     hit = steps[None, :] == last[:, None]
     return torch.where(hit, reward + scores.double()[:, None], reward)
@@ -343,9 +346,9 @@ def test_kl_penalized_rewards_nonfinite(backend, target, value, counted):
     """A NaN / inf log-prob reaches its own step when counted and nothing when masked out; a
     NaN / inf score reaches the step it lands on."""
     gen = torch.Generator().manual_seed(7)
-    logp, ref = torch.randn(2, 3, 6, generator=gen) - 1.0
-    scores = torch.randn(3, generator=gen)
-    mask = torch.ones(3, 6, dtype=torch.bool)
+    logp, ref = torch.randn(2, 3, 6, generator=gen).to(DEVICE) - 1.0
+    scores = torch.randn(3, generator=gen).to(DEVICE)
+    mask = torch.ones(3, 6, dtype=torch.bool, device=DEVICE)
     mask[0, 2] = mask[1, 4:] = False
     step = (0, 3) if counted else (0, 2)
     if target == "scores":

@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import DEVICE
 
 import fused_rl
 from fused_rl import _validation as V
@@ -272,8 +273,9 @@ KL_ALIASES = {
 
 def _kl_call(op: str, backend: str, **kw):
     args, kwargs = INPUTS[op]()
+    args = tuple(a.to(DEVICE) for a in args)
     if op.startswith("policy"):
-        kwargs.update(ref_logprobs=_x(B, T) - 2.0, beta=0.1)
+        kwargs.update(ref_logprobs=_x(B, T).to(DEVICE) - 2.0, beta=0.1)
     else:  # a reference different from the policy
         args = (*args[:-1], args[-1] * 0.5 - 1.0)
     out = getattr(fused_rl, op)(*args, **kwargs, **kw, backend=backend)
