@@ -37,6 +37,19 @@ def interpreter_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@torch.compiler.assume_constant_result
+def _standard_library_interpreted() -> bool | None:
+    """Whether Triton's standard library was imported interpreted; None before its import.
+
+    A constant to ``torch.compile``: Dynamo cannot trace ``type()`` of a compiled Triton
+    function (torch 2.11 fails ``fullgraph=True`` on "TritonKernelVariable() has no type"),
+    and the answer cannot change once Triton is imported."""
+    std = sys.modules.get("triton.language.standard")
+    if std is None:
+        return None
+    return type(std.sigmoid).__name__ == "InterpretedFunction"
+
+
 def _interpreter_mismatch() -> str | None:
     """Why the interpreter setting and Triton's own state disagree, or None.
 
@@ -45,10 +58,9 @@ def _interpreter_mismatch() -> str | None:
     (``TRITON_INTERPRET=1`` set after the import) fails deep inside Triton, so the variable
     must agree with the state Triton was imported in.
     """
-    std = sys.modules.get("triton.language.standard")
-    if std is None:  # not imported yet: Triton will follow the environment
+    interpreted = _standard_library_interpreted()
+    if interpreted is None:  # not imported yet: Triton will follow the environment
         return None
-    interpreted = type(std.sigmoid).__name__ == "InterpretedFunction"
     if interpreter_requested() and not interpreted:
         return (
             "TRITON_INTERPRET=1 was set after `import triton`, so Triton's standard library is "

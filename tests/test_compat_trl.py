@@ -403,7 +403,7 @@ def test_one_dim_logits_and_empty_rows(device):
             with compat.half_precision(mode):
                 out = selective_log_softmax(z, torch.tensor(4, device=device), 0.5)
                 assert out.shape == () and out.dtype == trl_output_dtype(z)
-                want = selective_log_softmax_oracle(z.double(), torch.tensor(4), 0.5)
+                want = selective_log_softmax_oracle(z.double(), torch.tensor(4, device=device), 0.5)
                 assert rel_err(out, want) <= 1e-2
                 empty = torch.randn(0, 3, 5, device=device, dtype=dtype)
                 index = torch.zeros(0, 3, dtype=torch.long, device=device)

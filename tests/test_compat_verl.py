@@ -495,7 +495,7 @@ def test_compute_value_loss(mode, device):
         v = vpreds.float().to(device).requires_grad_()
         got = verl.compute_value_loss(v, returns.float().to(device), values.float().to(device),
                                       m.to(device), 0.2, mode, **kw)  # fmt: skip
-        v64 = v.detach().double().requires_grad_()
+        v64 = v.detach().double().cpu().requires_grad_()  # the oracle's inputs are on the CPU
         want = o_value_loss(v64, returns, values, m, 0.2, mode, **kw)
         assert all(rel_err(g, w) <= 1e-5 for g, w in zip(got, want))
         got[0].backward()

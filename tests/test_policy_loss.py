@@ -786,3 +786,20 @@ def test_packed_logits_workarounds_agree(backend, device):
         (grad,) = torch.autograd.grad(got, xp)
         assert_rel(got, want, FP32_TOL, fn.__name__)
         assert_rel(grad, want_grad, FP32_TOL, f"{fn.__name__} grad")
+
+
+def test_reference_keeps_surrogate_parameters_in_float64(device):
+    """The reference's surrogate parameters take the inputs' dtype: SAPO's 1.05 rounded to
+    fp32 first (a Python float in ``torch.where`` becomes the default dtype) gave float64
+    callers a loss 5e-8 off, seen where the GPU run used the reference for CPU tensors."""
+    gen = torch.Generator().manual_seed(11)
+    lp = torch.randn(3, 6, generator=gen, dtype=torch.float64).to(device)
+    old = lp + 0.3 * torch.randn(3, 6, generator=gen, dtype=torch.float64).to(device)
+    adv = torch.randn(3, generator=gen, dtype=torch.float64).to(device)
+    loss, _ = policy_loss_from_logprobs(lp, adv, old_logprobs=old, surrogate="sapo",
+                                        sapo_tau_pos=1.1, sapo_tau_neg=1.05,
+                                        backend="reference")  # fmt: skip
+    r, a = torch.exp(lp - old), adv[:, None]
+    tau = torch.where(a > 0, 1.1, 1.05 + 0.0 * a)  # float64 temperatures
+    want = (-a * torch.sigmoid(tau * (r - 1.0)) * 4.0 / tau).mean()
+    assert abs(loss.item() - want.item()) <= 1e-14 * max(abs(want.item()), 1.0)

@@ -145,10 +145,11 @@ def test_verl_truncated_is(device, backend, level):
         assert got.dtype == torch.float32 and got.shape == old.shape
         _check_padding(got, None, mask)
     assert_rel(_on_counted(exact, mask), _on_counted(want, mask), FP32_TOL, "verl exact")
-    # without the clamp: off by less than e^-20 where it acted, fp32 rounding elsewhere
+    # without the clamp: off by less than e^-20 where it acted, fp32 rounding elsewhere (a
+    # few ulps: a GPU's exp, ex2.approx of a rounded x * log2(e), is not correctly rounded)
     want_c = _on_counted(want, mask)
     diff = (_on_counted(plain, mask).double() - want_c).abs()
-    assert (diff <= math.exp(-20.0) + 2.0**-23 * want_c).all(), diff.max()
+    assert (diff <= math.exp(-20.0) + 2.0**-21 * want_c).all(), diff.max()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
