@@ -38,6 +38,7 @@ from unittest import mock
 
 import pytest
 import torch
+from conftest import DEVICE
 from fuzz_strategies import (
     IGNORE_INDICES,
     INF,
@@ -244,9 +245,14 @@ def same(a, b) -> bool:
 
 @contextlib.contextmanager
 def _auto_resolves_to(backend: str):
-    """The compat adapters call the ops with ``backend="auto"``: make it pick ``backend``."""
+    """The compat adapters call the ops with ``backend="auto"``: make it pick ``backend``
+    (the reference: as if Triton could not run on any device, CUDA included, without the
+    warning auto gives for that)."""
     if backend == "reference":
-        with mock.patch.object(_backend, "interpreter_enabled", lambda: False):
+        with (
+            mock.patch.object(_backend, "_triton_problem", lambda device: "the test's choice"),
+            mock.patch.object(_backend, "_warn_once", lambda message: None),
+        ):
             yield
     else:
         yield
@@ -268,12 +274,13 @@ def _flatten(obj, prefix: str = "") -> dict:
 
 
 def run_backend(case: Case, backend: str, *, mask_upstream=False, check_mutation=True):
-    """Forward and backward of ``case`` on ``backend``: ``{output name: value}`` with the
-    gradients as ``grad.<arg>``. Asserts that no input (nor its storage) was modified."""
+    """Forward and backward of ``case`` on ``backend`` with its tensors on ``DEVICE``:
+    ``{output name: value}`` with the gradients as ``grad.<arg>``. Asserts that no input (nor
+    its storage) was modified."""
     leaves = {}
     for name, arg in case.args.items():
         if arg is not None:
-            leaves[name] = arg.base.detach().clone().requires_grad_(name in case.grad)
+            leaves[name] = arg.base.detach().to(DEVICE, copy=True).requires_grad_(name in case.grad)
     inputs = {n: (None if a is None else a.view(leaves[n])) for n, a in case.args.items()}
     with _auto_resolves_to(backend):
         outs = _flatten(case.call(inputs, backend))
@@ -289,7 +296,7 @@ def run_backend(case: Case, backend: str, *, mask_upstream=False, check_mutation
             u = torch.randn(value.shape, generator=gen, dtype=torch.float64)
             if mask_upstream and name in case.local_outputs:
                 u = u * case.local_outputs[name].expand(u.shape)
-            upstream.append(u.to(value.dtype))
+            upstream.append(u.to(value.device, value.dtype))
         # w.r.t. the tensors the op received (not the storage): the sum an expand's backward
         # does afterwards would add rounding the fp64 oracle does not have
         with _auto_resolves_to(backend):
@@ -301,7 +308,9 @@ def run_backend(case: Case, backend: str, *, mask_upstream=False, check_mutation
             result[f"grad.{name}"] = torch.zeros_like(inputs[name]) if g is None else g
     if check_mutation:
         for name, leaf in leaves.items():
-            assert same(leaf.detach(), case.args[name].base), f"{backend} modified input {name}"
+            assert same(leaf.detach().cpu(), case.args[name].base), (
+                f"{backend} modified input {name}"
+            )
     return result
 
 
@@ -421,9 +430,10 @@ def assert_negative_weight_raises(case: Case, names) -> None:
     STATS[case.op]["neg_weight"] += 1
     event(f"{case.op}: negative mask weight raises")
     pattern = rf"^({'|'.join(map(re.escape, names))}) has a negative weight .* must be >= 0$"
+    inputs = {k: None if a is None else a.view(a.base.to(DEVICE)) for k, a in case.args.items()}
     for backend in ("reference", "triton"):
         with pytest.raises(ValueError, match=pattern):
-            case.call(case.inputs(), backend)
+            case.call(inputs, backend)
 
 
 def _record(case: Case) -> None:
@@ -447,7 +457,7 @@ def assert_nan_where_required(backend, out, required) -> None:
     """``required``: ``{output: bool tensor | bool}``, where NaN must show (``Case.nan_rule``)."""
     for name, where in required.items():
         value = out[name]
-        where = torch.as_tensor(where).expand(value.shape)
+        where = torch.as_tensor(where, device=value.device).expand(value.shape)
         missing = where & ~torch.isnan(value)
         if missing.any():
             raise AssertionError(
@@ -465,7 +475,7 @@ def assert_uncounted_ignored(case, backend, out, expect) -> None:
             continue
         want = expect[name]
         if name in case.local_outputs:  # compare the counted positions only
-            keep = case.local_outputs[name].expand(value.shape)
+            keep = case.local_outputs[name].to(value.device).expand(value.shape)
             value, want = value[keep], want[keep]
         if not same(value, want):
             changed.append(f"  {name}: {_short(value)} (with 0 there: {_short(want)})")
@@ -615,9 +625,9 @@ def clip_hyper(draw):
         ),
     }
     if hyper["num_items"] == "tensor":
-        hyper["num_items"] = torch.tensor(3.0)
+        hyper["num_items"] = torch.tensor(3.0, device=DEVICE)
     elif hyper["num_items"] == "zero-tensor":
-        hyper["num_items"] = torch.tensor(0.0)
+        hyper["num_items"] = torch.tensor(0.0, device=DEVICE)
     return hyper
 
 
@@ -1009,7 +1019,8 @@ def value_loss_cases(draw):
         "num_items": draw(st.sampled_from((None, None, 2, 0.5, "tensor", "zero-tensor"))),
     }
     if hyper["num_items"] in ("tensor", "zero-tensor"):
-        hyper["num_items"] = torch.tensor(3.0 if hyper["num_items"] == "tensor" else 0.0)
+        n = 3.0 if hyper["num_items"] == "tensor" else 0.0
+        hyper["num_items"] = torch.tensor(n, device=DEVICE)
 
     def call(x, backend):
         loss, metrics = fused_rl.value_loss(
@@ -1889,6 +1900,7 @@ def bad_inputs(draw):
     b, t, v = draw(st.integers(1, 3)), draw(st.integers(2, 4)), draw(st.sampled_from((3, 17)))
     dtype = draw(st.sampled_from((torch.float32, torch.bfloat16, torch.float64)))
     kwargs = spec["valid"](b, t, v, dtype, torch.Generator().manual_seed(draw(st.integers(0, 99))))
+    kwargs = {k: x.to(DEVICE) if isinstance(x, torch.Tensor) else x for k, x in kwargs.items()}
     options = []  # (argument, bad value, exception, name the message must hold)
     for name in spec["floats"]:
         x = kwargs[name]
@@ -1926,13 +1938,14 @@ def bad_inputs(draw):
         kwargs["beta"] = 0.1
     if op in ("policy_loss", "policy_loss_from_logprobs"):
         shape = kwargs["advantages"].shape
-        options.append(("advantages", torch.zeros(shape[0], 1), ValueError))
+        options.append(("advantages", torch.zeros(shape[0], 1, device=DEVICE), ValueError))
     if op == "policy_loss_from_logprobs":
         options.append(("entropy", None, ValueError))
         kwargs["entropy_coef"] = 0.01
     if op.startswith(("policy", "token", "trl", "verl", "torchtune")):  # too few dims
         first = "logits" if "logits" in kwargs else "logprobs"
-        options.append((first, _randn(None, 3 if op.startswith("policy") else 0), ValueError))
+        too_few_dims = _randn(None, 3 if op.startswith("policy") else 0).to(DEVICE)
+        options.append((first, too_few_dims, ValueError))
     name, value, exc = draw(st.sampled_from(options))
     kwargs[name] = value
     backend = draw(st.sampled_from(("auto", "triton", "reference")))
@@ -2134,7 +2147,7 @@ FOUND = {
         "policy_loss_from_logprobs",
         lambda x, b: _policy_outputs(
             *fused_rl.policy_loss_from_logprobs(
-                x["lp"], x["adv"], num_items=torch.tensor(0.0), backend=b
+                x["lp"], x["adv"], num_items=torch.tensor(0.0, device=DEVICE), backend=b
             )
         ),
         lp=torch.zeros(0, 3), adv=torch.zeros(0), grad=("lp",), nan_rule=lambda x: {"loss": True},
@@ -2142,7 +2155,9 @@ FOUND = {
     "value_loss num_items=tensor(0), B=0": lambda: fixed_case(
         "value_loss",
         lambda x, b: _policy_outputs(
-            *fused_rl.value_loss(x["v"], x["v"], x["v"], num_items=torch.tensor(0.0), backend=b)
+            *fused_rl.value_loss(
+                x["v"], x["v"], x["v"], num_items=torch.tensor(0.0, device=DEVICE), backend=b
+            )
         ),
         v=torch.zeros(0, 3), grad=("v",), nan_rule=lambda x: {"loss": True},
     ),

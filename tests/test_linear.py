@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import DEVICE
 from helpers import FP32_TOL, assert_rel
 
 import fused_rl
@@ -30,7 +31,7 @@ def _oracle(h, w, b, targets, temperature, ignore_index=-100):
     return logp, torch.where(ok, entropy, torch.zeros_like(entropy))  # as token_logprobs
 
 
-def _inputs(n=13, hdim=8, vocab=37, dtype=torch.float32, device="cpu", seed=0, bias=True):
+def _inputs(n=13, hdim=8, vocab=37, dtype=torch.float32, device=DEVICE, seed=0, bias=True):
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(n, hdim, generator=g).to(device, dtype).requires_grad_()
     w = (torch.randn(vocab, hdim, generator=g) / hdim**0.5).to(device, dtype).requires_grad_()
@@ -142,7 +143,7 @@ def test_no_grad_computes_statistics_only():
 def test_tied_weight_accumulates():
     """A weight tied to the input embedding gets both gradients."""
     h, w, _, t = _inputs(bias=False)
-    ids = torch.tensor([3, 5, 5])
+    ids = torch.tensor([3, 5, 5], device=DEVICE)
     emb = F.embedding(ids, w).sum()
     lp = fused_rl.linear_token_logprobs(h, w, t, chunk_tokens=4, backend="triton")
     (got,) = torch.autograd.grad(lp.sum() + emb, w)
@@ -251,8 +252,8 @@ def test_linear_policy_loss_matches_policy_loss(case, backend, device):
 
 def test_linear_policy_loss_float_mask_and_ignored_tokens():
     """A float mask weights tokens; an ignored target never counts, whatever its weight."""
-    h, w, b, t, r = _rollout("cpu")
-    weights = torch.rand(t.shape, generator=torch.Generator().manual_seed(5))
+    h, w, b, t, r = _rollout(DEVICE)
+    weights = torch.rand(t.shape, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     loss, _ = fused_rl.linear_policy_loss(
         h, w, t, r["advantages"], bias=b, mask=weights, old_logprobs=r["old_logprobs"],
         backend="triton",
@@ -270,13 +271,15 @@ def test_linear_policy_loss_float_mask_and_ignored_tokens():
 def test_linear_policy_loss_no_logits_sized_allocation(backend):
     g = torch.Generator().manual_seed(6)
     batch, length, hdim, vocab = 4, 16, 16, 1000
-    h = torch.randn(batch, length + 1, hdim, generator=g).requires_grad_()
-    w = torch.randn(vocab, hdim, generator=g).requires_grad_()
-    t = torch.randint(0, vocab, (batch, length), generator=g)
+    h = torch.randn(batch, length + 1, hdim, generator=g).to(DEVICE).requires_grad_()
+    w = torch.randn(vocab, hdim, generator=g).to(DEVICE).requires_grad_()
+    t = torch.randint(0, vocab, (batch, length), generator=g).to(DEVICE)
+    adv = torch.randn(batch, generator=g).to(DEVICE)
+    ref = torch.zeros(batch, length, device=DEVICE)
     with AllocationTracker() as a:
         loss, _ = fused_rl.linear_policy_loss(
-            h, w, t, torch.randn(batch, generator=g), entropy_coef=0.01, beta=0.1,
-            ref_logprobs=torch.zeros(batch, length), chunk_tokens=8, backend=backend,
+            h, w, t, adv, entropy_coef=0.01, beta=0.1, ref_logprobs=ref, chunk_tokens=8,
+            backend=backend,
         )  # fmt: skip
         loss.backward()
     assert a.count_at_least(batch * length * vocab * 4) == 0, sorted(a.sizes)[-5:]
@@ -285,7 +288,7 @@ def test_linear_policy_loss_no_logits_sized_allocation(backend):
 def test_linear_policy_loss_module():
     from fused_rl.nn import LinearPolicyLoss
 
-    h, w, b, t, r = _rollout("cpu")
+    h, w, b, t, r = _rollout(DEVICE)
     module = LinearPolicyLoss(eps_high=0.28, beta=0.04, chunk_tokens=3, backend="reference")
     loss, metrics = module(h, w, t, r["advantages"], bias=b, ref_logprobs=r["ref_logprobs"])
     want, _ = fused_rl.linear_policy_loss(
@@ -304,7 +307,7 @@ def test_linear_policy_loss_module():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_torch_compile_fullgraph(backend):
     """Both ops trace with ``torch.compile(fullgraph=True)`` and give the eager results."""
-    h, w, b, t, r = _rollout("cpu")
+    h, w, b, t, r = _rollout(DEVICE)
 
     def loss_fn(h, w, b):
         lp = fused_rl.linear_token_logprobs(h, w, t, bias=b, chunk_tokens=4, backend=backend)
@@ -340,14 +343,14 @@ def test_autocast_matches_eager_autocast(backend):
     """Under autocast, bf16 hidden next to an fp32 lm_head works as F.linear does, and the
     backward recomputes exactly the forward's (bf16) logits."""
     g = torch.Generator().manual_seed(7)
-    h = (torch.randn(24, 16, generator=g) * 4).bfloat16().requires_grad_()
-    w = torch.randn(53, 16, generator=g).requires_grad_()
-    t = torch.randint(0, 53, (24,), generator=g)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    h = (torch.randn(24, 16, generator=g) * 4).to(DEVICE, torch.bfloat16).requires_grad_()
+    w = torch.randn(53, 16, generator=g).to(DEVICE).requires_grad_()
+    t = torch.randint(0, 53, (24,), generator=g).to(DEVICE)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
         lp = fused_rl.linear_token_logprobs(h, w, t, chunk_tokens=5, backend=backend)
         eager = fused_rl.token_logprobs(F.linear(h, w), t, backend="reference")
     assert_rel(lp, eager, FP32_TOL)
-    up = torch.randn(t.shape, generator=g)
+    up = torch.randn(t.shape, generator=g).to(DEVICE)
     got = torch.autograd.grad((lp * up).sum(), (h, w))
     want = torch.autograd.grad((eager * up).sum(), (h, w))
     for name, a, e in zip(("hidden", "weight"), got, want):
@@ -378,7 +381,7 @@ def test_linear_policy_loss_gemms_per_chunk(importance_sampling, grad, per_chunk
     """Token-level IS with grad: the gradients are formed in the forward, three GEMMs per
     chunk in all (logits, dH, dW) and none in the backward; GSPO needs every sequence total
     before any gradient, so its backward recomputes the logits (four); no_grad: one."""
-    h, w, b, t, r = _rollout("cpu")
+    h, w, b, t, r = _rollout(DEVICE)
     kw = dict(bias=b, chunk_tokens=4, importance_sampling=importance_sampling,
               old_logprobs=r["old_logprobs"], backend="triton")  # fmt: skip
     chunks = -(-t.numel() // 4)
@@ -396,7 +399,7 @@ def test_linear_policy_loss_gemms_per_chunk(importance_sampling, grad, per_chunk
 def test_linear_policy_loss_one_vocab_kernel_per_chunk():
     """The fused path reads each chunk's logits with ONE Triton kernel (statistics, loss
     epilogue and the gradient written in place), plus one reduction for the whole call."""
-    h, w, b, t, r = _rollout("cpu")
+    h, w, b, t, r = _rollout(DEVICE)
     with LaunchCounter() as c:
         loss, _ = fused_rl.linear_policy_loss(h, w, t, r["advantages"], bias=b, chunk_tokens=4,
                                               entropy_coef=0.01, backend="triton")  # fmt: skip
@@ -410,7 +413,7 @@ def test_linear_policy_loss_one_vocab_kernel_per_chunk():
 @pytest.mark.parametrize("frozen", ("weight", "hidden"))
 def test_linear_policy_loss_frozen_input(frozen):
     """A frozen lm_head (or hidden) gets no gradient and costs no GEMM for it."""
-    h, w, b, t, r = _rollout("cpu")
+    h, w, b, t, r = _rollout(DEVICE)
     (w if frozen == "weight" else h).requires_grad_(False)
     b.requires_grad_(False)
     args = (h, w, t, r["advantages"])
@@ -425,7 +428,7 @@ def test_linear_policy_loss_frozen_input(frozen):
 def test_linear_policy_loss_tied_weight_and_double_backward():
     """A weight used twice (tied embedding) accumulates both gradients; a second backward
     through the fused gradients raises."""
-    h, w, b, t, r = _rollout("cpu", dtype=torch.float64)
+    h, w, b, t, r = _rollout(DEVICE, dtype=torch.float64)
     for backend in BACKENDS:
         loss, _ = fused_rl.linear_policy_loss(h, w, t, r["advantages"], chunk_tokens=4,
                                               backend=backend)  # fmt: skip
@@ -443,7 +446,7 @@ def test_linear_policy_loss_tied_weight_and_double_backward():
 def test_linear_policy_loss_bf16_as_accurate_as_materialised():
     """bf16: the fused-linear loss and its gradients are no worse than policy_loss on the
     materialised bf16 logits, against the float64 oracle (dW summed in fp32)."""
-    h, w, b, t, r = _rollout("cpu", dtype=torch.bfloat16)
+    h, w, b, t, r = _rollout(DEVICE, dtype=torch.bfloat16)
     kw = dict(old_logprobs=r["old_logprobs"], mask=r["mask"], entropy_coef=0.01,
               eps_high=0.28)  # fmt: skip
     loss, _ = fused_rl.linear_policy_loss(h, w, t, r["advantages"], bias=b, chunk_tokens=5,
@@ -465,8 +468,8 @@ def test_linear_policy_loss_bf16_as_accurate_as_materialised():
 def test_linear_policy_loss_num_items_and_empty_batch():
     """A global token count (number or tensor) normalises token-mean; an empty batch with a
     bad count tensor is NaN, never a silent 0."""
-    h, w, b, t, r = _rollout("cpu")
-    for n in (40, torch.tensor(40.0)):
+    h, w, b, t, r = _rollout(DEVICE)
+    for n in (40, torch.tensor(40.0, device=DEVICE)):
         loss, _ = fused_rl.linear_policy_loss(h, w, t, r["advantages"], num_items=n,
                                               backend="triton")  # fmt: skip
         want, _ = fused_rl.policy_loss(F.linear(h, w), t, r["advantages"], num_items=n,
@@ -475,7 +478,7 @@ def test_linear_policy_loss_num_items_and_empty_batch():
         assert_rel(torch.autograd.grad(loss, (w,))[0], torch.autograd.grad(want, (w,))[0],
                    FP32_TOL)  # fmt: skip
     empty = t[:0]
-    bad_count = torch.tensor(0.0)
+    bad_count = torch.tensor(0.0, device=DEVICE)
     loss, _ = fused_rl.linear_policy_loss(h[:0], w, empty, r["advantages"][:0],
                                           num_items=bad_count, backend="triton")  # fmt: skip
     assert torch.isnan(loss)

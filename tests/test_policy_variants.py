@@ -26,6 +26,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import DEVICE
 from helpers import FP32_TOL, assert_rel
 
 import fused_rl
@@ -54,7 +55,8 @@ def _rollout(seed=0, dtype=torch.float32):
     old[~mask] = float("nan")  # padding may hold anything
     ref = (logp - torch.randn(B, T, generator=g) * 0.5).float()
     is_w = torch.rand(B, T, generator=g) * 1.5 + 0.25
-    return dict(logits=logits, targets=targets, mask=mask, adv=adv, old=old, ref=ref, is_w=is_w)
+    r = dict(logits=logits, targets=targets, mask=mask, adv=adv, old=old, ref=ref, is_w=is_w)
+    return {k: v.to(DEVICE) for k, v in r.items()}
 
 
 def _oracle(r, logits, **kw):
@@ -163,8 +165,8 @@ CASES = {
         is_weights="BT",
         beta=0.05,
     ),
-    "gmpo": dict(
-        surrogate="gmpo", sequence=True, eps_low=0.4, eps_high=0.4, loss_agg="seq-mean-token-mean"
+    "gmpo": dict(  # clipped in log space: bounds away from the log-ratios (-0.4 is one)
+        surrogate="gmpo", sequence=True, eps_low=0.3, eps_high=0.4, loss_agg="seq-mean-token-mean"
     ),
     "gmpo+is+bias_kl": dict(
         surrogate="gmpo",
@@ -222,7 +224,7 @@ def test_policy_loss_variant_matches_oracle(case, backend):
     )  # fmt: skip
     leaf = r["logits"].double().requires_grad_()
     want, want_metrics = _oracle(r, leaf, **oracle)
-    up = torch.tensor(0.61)
+    up = torch.tensor(0.61, device=DEVICE)
     grads = torch.autograd.grad(loss, logits, up)
     exact = torch.autograd.grad(want, leaf, up.double())
     _check(loss, metrics, want, want_metrics, grads, exact)
@@ -253,8 +255,8 @@ def test_linear_policy_loss_variant_matches_oracle(case):
     r = _rollout(seed=2)
     ours, oracle = _kwargs(r, CASES[case])
     g = torch.Generator().manual_seed(9)
-    hidden = torch.randn(B, T, H, generator=g, requires_grad=True)
-    weight = torch.randn(V, H, generator=g, requires_grad=True)
+    hidden = torch.randn(B, T, H, generator=g).to(DEVICE).requires_grad_()
+    weight = torch.randn(V, H, generator=g).to(DEVICE).requires_grad_()
     loss, metrics = fused_rl.linear_policy_loss(
         hidden, weight, r["targets"], r["adv"], old_logprobs=r["old"], ref_logprobs=r["ref"],
         mask=r["mask"], chunk_tokens=4, backend="triton", **ours,
@@ -305,8 +307,8 @@ def test_surrogate_metric_names():
         (dict(surrogate="sapo", dual_clip=3.0), "dual_clip"),
         (dict(surrogate="sapo", sapo_tau_pos=0.0), "sapo_tau_pos"),
         (dict(surrogate="sapo", sapo_tau_neg=-1.0), "sapo_tau_neg"),
-        (dict(is_weights=torch.ones(B, T + 1)), "is_weights"),
-        (dict(is_weights=torch.ones(B, T, dtype=torch.long)), "is_weights"),
+        (dict(is_weights=torch.ones(B, T + 1, device=DEVICE)), "is_weights"),
+        (dict(is_weights=torch.ones(B, T, dtype=torch.long, device=DEVICE)), "is_weights"),
     ],
 )
 def test_invalid_combinations_name_the_argument(options, argument):
@@ -404,8 +406,8 @@ def test_top_entropy_quantile_matches_oracle(backend):
     assert_rel(grad, exact, FP32_TOL, "gradient")
     # from hidden states: the same selection
     g = torch.Generator().manual_seed(2)
-    hidden = torch.randn(B, T, H, generator=g, requires_grad=True)
-    weight = torch.randn(V, H, generator=g)
+    hidden = torch.randn(B, T, H, generator=g).to(DEVICE).requires_grad_()
+    weight = torch.randn(V, H, generator=g).to(DEVICE)
     kw = dict(old_logprobs=r["old"], mask=r["mask"], top_entropy_quantile=rho, backend=backend)
     lin, _ = fused_rl.linear_policy_loss(hidden, weight, r["targets"], r["adv"], **kw)
     mat, _ = fused_rl.policy_loss(F.linear(hidden, weight), r["targets"], r["adv"], **kw)
@@ -413,7 +415,9 @@ def test_top_entropy_quantile_matches_oracle(backend):
     with pytest.raises(ValueError, match="top_entropy_quantile"):
         fused_rl.policy_loss(logits, r["targets"], r["adv"], top_entropy_quantile=1.5)
     with pytest.raises(ValueError, match="entropy"):
-        fused_rl.policy_loss_from_logprobs(torch.randn(B, T), r["adv"], top_entropy_quantile=0.2)
+        fused_rl.policy_loss_from_logprobs(
+            torch.randn(B, T, device=DEVICE), r["adv"], top_entropy_quantile=0.2
+        )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
