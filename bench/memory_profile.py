@@ -22,7 +22,9 @@ chunk's ``(chunk, V)`` logits (overwritten in place by their gradient). After th
 ``dW`` is cast to the weight dtype (``V*H*(4 + e)`` for a moment: the peak at H = 4096,
 ``2*N*H*e + 6*V*H``) and saved with ``dH`` (and ``d_bias``); the backward allocates their
 copies times the upstream scalar (``2*(N + V)*H*e`` for a moment). ``linear_token_logprobs``
-holds the same in its backward, which recomputes each chunk's logits.
+holds the same in its backward, which recomputes each chunk's logits. On fake tensors that
+GEMM is answered by the model itself (``FakeAddmmOutDtype``: it writes into ``dW``, no new
+storage), not by torch's fake-tensor implementation, which torch 2.11 gets wrong.
 
 Where a provider cannot run on fake tensors (a host sync on data, ``torch.compile`` inside)
 Liger-Kernel falls back to a model read from its source (``liger_model_bytes``; for the
@@ -189,6 +191,51 @@ def liger_linear_model_bytes(case: Case) -> int:
     return max(loop, cast, concat, end)
 
 
+_ADDMM_DTYPE_OUT = (
+    torch.ops.aten.addmm.dtype_out if "dtype_out" in torch.ops.aten.addmm.overloads() else None
+)
+
+
+class FakeAddmmOutDtype(TorchDispatchMode):
+    """``torch.addmm(c, a, b, out_dtype=, out=)`` (``aten.addmm.dtype_out``, fused_rl's dW
+    GEMM on a GPU) on fake tensors: checks the shapes and dtypes and returns ``out``, which the
+    op writes in place (no new storage: what cuBLAS does on CUDA, workspaces aside as for
+    every op here). Fake tensors hold no data, so nothing else about the op can matter to the
+    model.
+
+    Why not torch's own fake implementation: torch 2.11 registers ``aten.addmm``'s
+    decomposition for every overload of ``addmm``, so ``dtype_out`` runs it with
+    ``beta=out_dtype`` and fails on ``beta * self`` ("unsupported operand type(s) for *:
+    'torch.dtype' and 'FakeTensor'"; torch 2.13 has a decomposition of its own for it). The
+    model then counted memory a GPU never allocates: fused_rl's ``_addmm_wide`` reads that
+    TypeError as "no out_dtype here" and takes the CPU's path (fp32 copies of each chunk),
+    and the fake-tensor mode logs the error with its traceback, whose frames (pinned by any
+    handler that keeps records, pytest's log capture) keep the first chunk's tensors alive.
+    The H200 run (torch 2.11) modelled 5,650,741,576 bytes at issue 14's shape, where this
+    path gives 4,003,545,156 and the H200 measured 3,818 MB (4.00e9 bytes) on real tensors;
+    ``tests/test_bench.py::test_linear_memory_model_with_torch_211_addmm`` replays it."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _ADDMM_DTYPE_OUT:
+            return _addmm_dtype_out_fake(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _addmm_dtype_out_fake(bias, mat1, mat2, out_dtype, *, out, beta=1, alpha=1):
+    """The checks of ``aten.addmm.dtype_out`` that a fake tensor can make; returns ``out``."""
+    del beta, alpha  # scalars: no memory
+    if mat1.dim() != 2 or mat2.dim() != 2 or mat1.shape[1] != mat2.shape[0]:
+        raise RuntimeError(f"addmm: mat1 {tuple(mat1.shape)} and mat2 {tuple(mat2.shape)}")
+    shape = (mat1.shape[0], mat2.shape[1])
+    if tuple(out.shape) != shape or out.dtype != out_dtype:
+        raise RuntimeError(
+            f"addmm: out {tuple(out.shape)} {out.dtype}, expected {shape} {out_dtype}"
+        )
+    torch.broadcast_shapes(bias.shape, shape)  # raises when self does not broadcast
+    return out
+
+
 def model_device() -> str:
     """Where the model's fake tensors live: where fused_rl's Triton path runs. On a CUDA
     machine that is ``cuda`` (fake CUDA tensors allocate nothing); on CPU tensors it needs the
@@ -256,7 +303,12 @@ def model_peak(
     saved_check = fused_rl.config.check_values
     fused_rl.config.check_values = False  # value checks read data: none on fake tensors
     try:
-        with FakeTensorMode(), skip_triton_launches(), gemm_out_dtype(gemm_out_dtype_path):
+        with (
+            FakeTensorMode(),
+            FakeAddmmOutDtype(),
+            skip_triton_launches(),
+            gemm_out_dtype(gemm_out_dtype_path),
+        ):
             inp = make_inputs(case, device)
             try:
                 run = P.build(provider, case, inp)
