@@ -27,9 +27,10 @@ from bench import providers as P  # noqa: E402
 from bench.cases import HIDDEN, LINEAR_OPS, Case, make_inputs  # noqa: E402
 
 
-def parse_case(text: str, mode: str = "fwd_bwd", dtype: str = "bf16") -> Case:
-    """``op:variant:BxTxV`` (``BxTxV`` for the logits ops; H = 4096 for the linear ops)."""
-    op, variant, shape = text.split(":")
+def parse_case(text: str, dtype: str = "bf16") -> Case:
+    """``op:variant:BxTxV[:mode]`` (mode default ``fwd_bwd``; H = 4096 for the linear ops)."""
+    op, variant, shape, *rest = text.split(":")
+    mode = rest[0] if rest else "fwd_bwd"
     b, t, v = (int(x) for x in shape.split("x"))
     hidden = HIDDEN["full"] if op in LINEAR_OPS else None
     return Case(op, variant, mode, b, t, v, dtype, compile_ok=False, hidden=hidden)
@@ -48,15 +49,16 @@ def kernel_times(run, reps: int) -> dict[str, tuple[float, float]]:
     count: dict[str, int] = collections.defaultdict(int)
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            total[event.name] += event.device_time_total if hasattr(event, "device_time_total") \
-                else event.cuda_time_total  # fmt: skip
+            # device_time_total (torch >= 2.4), cuda_time_total before
+            us = getattr(event, "device_time_total", None)
+            total[event.name] += event.cuda_time_total if us is None else us
             count[event.name] += 1
     return {name: (total[name] / reps, count[name] / reps) for name in total}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--case", action="append", required=True, help="op:variant:BxTxV")
+    p.add_argument("--case", action="append", required=True, help="op:variant:BxTxV[:mode]")
     p.add_argument("--providers", default="fused_rl,liger")
     p.add_argument("--reps", type=int, default=5)
     args = p.parse_args(argv)
