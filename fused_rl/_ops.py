@@ -88,6 +88,17 @@ def _differentiable_once(backward: Callable) -> Callable:
     return run
 
 
+def _tracing() -> bool:
+    """A functorch transform, or ``make_fx`` recording the call (``torch.export``; the AOT
+    autograd trace of a compiled backward, where ``is_compiling()`` is False in torch 2.11):
+    the launcher cannot run on the tracer's fake tensors, the op records itself instead.
+    A bare ``FakeTensorMode`` (no proxy mode) still runs the launcher: memory models use it."""
+    return (
+        torch._C._are_functorch_transforms_active()
+        or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
+    )
+
+
 class FusedOp:
     """``fused_rl::<name>`` around ``launcher`` (positional arguments only, annotated)."""
 
@@ -129,7 +140,7 @@ class FusedOp:
         )
 
     def __call__(self, *args):
-        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        if torch.compiler.is_compiling() or _tracing():
             return self.op(*args)
         if self.function is not None and _needs_grad(args):
             return self.function.apply(*args)

@@ -671,3 +671,27 @@ def test_entropy_never_negative_on_point_masses(backend, temperature, device):
     )
     assert (ent >= 0).all(), ent
     assert (token_entropy(logits, temperature=temperature, backend=backend) >= 0).all()
+
+
+def test_make_fx_records_the_ops_forward_and_backward(device, monkeypatch):
+    """``make_fx`` with fake tensors (``torch.export``; the AOT autograd trace of a compiled
+    backward, outside Dynamo in torch 2.11) records fused_rl's ops, forward and backward,
+    instead of running a launcher on fake tensors ("Cannot access data pointer")."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fused_rl import policy_loss
+
+    monkeypatch.setattr(config, "check_values", False)  # reads data: none to read
+    logits = torch.randn(2, 4, 7, device=device)
+    targets = torch.randint(0, 7, (2, 3), device=device)
+    adv = torch.randn(2, device=device)
+
+    def step(x, y, a):
+        x = x.detach().requires_grad_()
+        loss = policy_loss(x, y, a)[0] + token_logprobs(x[:, :-1], y).sum()
+        return torch.autograd.grad(loss, x)[0]
+
+    graph = make_fx(step, tracing_mode="fake")(logits, targets, adv)
+    ops = {str(n.target) for n in graph.graph.nodes if "fused_rl" in str(n.target)}
+    assert {"fused_rl.policy_loss_fwd.default", "fused_rl.token_stats_bwd.default"} <= ops
+    assert "fused_rl.token_stats_fwd.default" in ops
