@@ -213,10 +213,31 @@ print("clean")
 """
 
 
+_RUNTIME_BOUND_LOOP = """
+import torch, triton, triton.language as tl
+
+@triton.jit
+def copy(src, dst, n, BLOCK: tl.constexpr):
+    for start in range(0, n, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        tl.store(dst + cols, tl.load(src + cols, mask=cols < n), mask=cols < n)
+
+x = torch.arange(5.0)
+y = torch.empty(5)
+copy[(1,)](x, y, 5, BLOCK=4)
+assert torch.equal(x, y)
+"""
+
+
 def test_interpreter_numpy_warnings_do_not_reach_the_caller():
     """The interpreter evaluates masked-out lanes in NumPy (log(0), 0 * inf); fused_rl's
     launches silence those floating-point warnings instead of leaking them to user code."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
+    probe = subprocess.run([sys.executable, "-c", _RUNTIME_BOUND_LOOP], capture_output=True,
+                           text=True, env=env, timeout=300)  # fmt: skip
+    if probe.returncode != 0:  # e.g. Triton 3.6's interpreter under NumPy >= 2.4
+        pytest.skip("this Triton's interpreter cannot run a plain loop to a runtime bound here: "
+                    + probe.stderr.strip().splitlines()[-1][:200])  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-c", _LEAKY], capture_output=True, text=True, env=env, timeout=300
     )
