@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._launch import f32_pair, stats_dtype, triton_acc, vocab_block, vocab_warps
+from ._launch import f32_pair, stats_dtype, triton_acc, vocab_launch
 from ._ops import FusedOp
 from ._vocab_ops import position_shift, token_stats_bwd_op, token_stats_fwd
 
@@ -138,7 +138,6 @@ def _fused_rows(logits3d, targets, adv, old, ref, mask, is_w, temperature, ignor
         return
     eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef, *variant = hyper
     surrogate, sp0, sp1, sp2, sp3, bias_kl = variant
-    block = vocab_block(vocab)
     _policy_loss_fwd_kernel[(outer * inner,)](
         logits3d, targets, adv, old if old is not None else g, ref if ref is not None else g,
         mask if mask is not None else g, is_w if is_w is not None else g, row_max, log_sum,
@@ -153,8 +152,8 @@ def _fused_rows(logits3d, targets, adv, old, ref, mask, is_w, temperature, ignor
         ADD_KL=ref is not None and beta != 0.0, KL_KIND=kl_kind, BIAS_KL=bias_kl,
         WITH_ENTROPY=with_entropy,
         ENTROPY_BONUS=entropy_coef != 0.0, USE_DUAL=dual_clip != 0.0, USE_DELTA=delta != 0.0,
-        WRITE_GRAD=grad is not None, BLOCK_V=block, ACC=triton_acc(logits3d.dtype),
-        num_warps=vocab_warps(block),
+        WRITE_GRAD=grad is not None, ACC=triton_acc(logits3d.dtype),
+        **vocab_launch(vocab, writes=grad is not None),
     )  # fmt: skip
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from . import _validation as V
-from ._launch import f32_pair, stats_dtype, triton_acc, vocab_block, vocab_warps
+from ._launch import f32_pair, stats_dtype, triton_acc, vocab_launch
 from ._ops import FusedOp
 from ._shapes import as_rows3d
 from .reference import logprobs as ref
@@ -86,14 +86,13 @@ def token_stats_fwd(
     row_max, log_sum = new(True), new(True)
     if outer * inner == 0:
         return logp, entropy, row_max, log_sum
-    block = vocab_block(vocab)
     tgt = targets if targets is not None else row_max
     _token_stats_fwd_kernel[(outer * inner,)](
         logits3d, tgt, logp, entropy, row_max, log_sum,
         inner, position_shift(positions, inner), vocab, *logits3d.stride(), *tgt.stride(),
         *f32_pair(1.0 / temperature), ignore_index,
-        HAS_TARGETS=targets is not None, WITH_ENTROPY=with_entropy, BLOCK_V=block,
-        ACC=triton_acc(logits3d.dtype), num_warps=vocab_warps(block),
+        HAS_TARGETS=targets is not None, WITH_ENTROPY=with_entropy,
+        ACC=triton_acc(logits3d.dtype), **vocab_launch(vocab, writes=False),
     )  # fmt: skip
     return logp, entropy, row_max, log_sum
 
@@ -162,7 +161,6 @@ def token_stats_bwd_into(
     inner = row_max.shape[1]
     if grad.numel() == 0:
         return grad
-    block = vocab_block(vocab)
     dummy = row_max
     strides = lambda t: t.stride() if t is not None else (0, 0)
     seq_stride = 0 if seq_scale is None or seq_scale.numel() == 1 else seq_scale.stride(0)
@@ -193,9 +191,8 @@ def token_stats_bwd_into(
         HAS_H=h is not None,
         HAS_SCALE=scale is not None,
         HAS_SEQ_SCALE=seq_scale is not None,
-        BLOCK_V=block,
         ACC=triton_acc(logits3d.dtype),
-        num_warps=vocab_warps(block),
+        **vocab_launch(vocab, writes=True),
     )
     return grad
 

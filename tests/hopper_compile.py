@@ -196,44 +196,50 @@ def offset_check_works() -> list[str]:
 
 def vocab_stream_vectorised() -> list[str]:
     """The vocab-stream kernels as launched for a real vocabulary (bf16, V = 151936, the
-    launchers' BLOCK_V and num_warps, a unit vocab stride and 16-divisible row strides, as
+    launchers' ``vocab_launch`` options, a unit vocab stride and 16-divisible row strides, as
     Triton specialises them at launch): their row loads must compile to 128-bit vector
-    loads (``ld.global.v4``), and the backward's gradient stores to vector stores. A change
-    that silently turns them into scalar accesses would cost most of the bandwidth.
+    loads (``ld.global.v4``), and the gradient stores to vector stores. A change that
+    silently turns them into scalar accesses would cost most of the bandwidth. The read-only
+    forward kernels (one warp per row) must also reduce without a barrier (``bar.sync``): a
+    cross-warp reduction per block step is what made the 8-warp forward slower than a copy.
 
     Returns the problems found (empty when all is well)."""
     from fused_rl.kernels.vocab_stream_bwd import _token_stats_bwd_kernel
     from fused_rl.kernels.vocab_stream_fwd import _token_stats_fwd_kernel
     from fused_rl.kernels.vocab_stream_policy_fwd import _policy_loss_fwd_kernel
 
-    from fused_rl._launch import vocab_block, vocab_warps
+    from fused_rl._launch import vocab_launch
 
-    block = vocab_block(151936)
-    cases = [
+    policy = dict(HAS_OLD=True, HAS_REF=True, HAS_MASK=True, ADD_KL=True, KL_KIND=2,
+                  SURROGATE=0, HAS_IS=True, BIAS_KL=False, WITH_ENTROPY=True,
+                  ENTROPY_BONUS=True, USE_DUAL=True, USE_DELTA=True)  # fmt: skip
+    cases = [  # (kernel, flags, writes a gradient row)
         (_token_stats_fwd_kernel, dict(HAS_TARGETS=True, WITH_ENTROPY=True), False),
         (_token_stats_bwd_kernel, dict(HAS_TARGETS=True, HAS_G=True, HAS_H=True,
                                        HAS_SCALE=True, HAS_SEQ_SCALE=True), True),
+        (_policy_loss_fwd_kernel, dict(policy, WRITE_GRAD=False), False),
         # WRITE_GRAD: the fused-linear loss also writes each row's gradient (vector stores)
-        (_policy_loss_fwd_kernel, dict(HAS_OLD=True, HAS_REF=True, HAS_MASK=True, ADD_KL=True,
-                                       KL_KIND=2, SURROGATE=0, HAS_IS=True, BIAS_KL=False,
-                                       WITH_ENTROPY=True, ENTROPY_BONUS=True, USE_DUAL=True,
-                                       USE_DELTA=True, WRITE_GRAD=True), True),
+        (_policy_loss_fwd_kernel, dict(policy, WRITE_GRAD=True), True),
     ]  # fmt: skip
     problems = []
-    for kernel, flags, vector_stores in cases:
+    for kernel, flags, writes in cases:
         names = [p.name for p in kernel.params]
         signature = _signature(kernel, True)
         signature["stride_v"] = "constexpr"
         aligned = [n for n in names if n.endswith("_ptr")] + ["V", "stride_outer", "stride_inner"]
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-        constexprs = dict(flags, BLOCK_V=block, ACC=tl.float32, stride_v=1)
+        launch = vocab_launch(151936, writes=writes)
+        constexprs = dict(flags, BLOCK_V=launch["BLOCK_V"], ACC=tl.float32, stride_v=1)
         source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-        options = {"num_warps": vocab_warps(block)}
+        options = {"num_warps": launch["num_warps"]}
         ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+        label = f"{kernel.__name__} ({'writes' if writes else 'reads'})"
         if "ld.global.v4" not in ptx:
-            problems.append(f"{kernel.__name__}: no 128-bit vector load of the logits row")
-        if vector_stores and "st.global.v4" not in ptx:
-            problems.append(f"{kernel.__name__}: no 128-bit vector store of the gradient row")
+            problems.append(f"{label}: no 128-bit vector load of the logits row")
+        if writes and "st.global.v4" not in ptx:
+            problems.append(f"{label}: no 128-bit vector store of the gradient row")
+        if not writes and re.search(r"\bbar(rier)?\.sync", ptx):
+            problems.append(f"{label}: a barrier in the one-warp forward (cross-warp reduction)")
     return problems
 
 
