@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import inspect
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -259,6 +260,41 @@ def count_launches(fn: Callable[[], object]) -> int:
     return counter.total
 
 
+def count_host_work(fn: Callable[[], object]) -> dict[str, int]:
+    """What one call makes the host do, counted (deterministic, unlike a timing): the Python
+    functions of fused_rl it enters (``py_frames``: the wrapper, validation, launchers) and
+    the ops that reach PyTorch's dispatcher (``dispatch_ops``: every aten op, whether it
+    launches or not). Run with the kernels stubbed and the value checks off, as timed."""
+    import sys
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Ops(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    frames = 0
+    package = f"{os.sep}fused_rl{os.sep}"
+
+    def profile(frame, event, _arg):
+        nonlocal frames
+        if event == "call" and package in frame.f_code.co_filename:
+            frames += 1
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(previous)
+    with _Ops() as ops:
+        fn()
+    return {"py_frames": frames, "dispatch_ops": ops.count}
+
+
 def measure(
     calls=tuple(CALLS),
     device=None,
@@ -290,6 +326,7 @@ def measure(
                 "us": statistics.median(samples[name]),
                 "samples": samples[name],
                 "launches": count_launches(fn),
+                **count_host_work(fn),
             }
     eager = rows.get("eager", {}).get("us")
     for row in rows.values():
@@ -315,7 +352,8 @@ def format_table(result: dict) -> str:
         f"Host cost per call, B={b} T={t} V={v} {result['dtype'].replace('torch.', '')} on "
         f"{result['device']}: {how}; value checks off; median of {_repeats(result)} samples",
         "",
-        f"{'call':<58} {'us/call':>9} {'x eager':>8} {'launches':>9}",
+        f"{'call':<58} {'us/call':>9} {'x eager':>8} {'launches':>9} {'py frames':>9} "
+        f"{'aten ops':>8}",
     ]
     for name, row in result["rows"].items():
         label = CALLS[name]
@@ -323,7 +361,8 @@ def format_table(result: dict) -> str:
             lines.append(f"{label:<58} {'-':>9} {'-':>8} {'-':>9}  ({row['skipped']})")
             continue
         ratio = f"{row['vs_eager']:.2f}" if row.get("vs_eager") is not None else "-"
-        lines.append(f"{label:<58} {row['us']:>9.1f} {ratio:>8} {row['launches']:>9}")
+        lines.append(f"{label:<58} {row['us']:>9.1f} {ratio:>8} {row['launches']:>9} "
+                     f"{row['py_frames']:>9} {row['dispatch_ops']:>8}")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -8,3 +8,5 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 bash scripts/setup.sh
 "$PY" bench/run.py "${@:---suite=quick}"
+# the host cost per call (microseconds, launches, fused_rl functions, dispatcher ops)
+"$PY" bench/run.py host

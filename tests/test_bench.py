@@ -338,8 +338,8 @@ def test_memory_command_cpu(capsys):
 
 @pytest.mark.no_poison
 def test_host_command_prints_every_row(capsys):
-    """``bench/run.py host``: a row per call with us/call, x eager and launches (Liger: a
-    row either way, measured or saying why not)."""
+    """``bench/run.py host``: a row per call with us/call, x eager, launches, fused_rl
+    functions and dispatcher ops (Liger: a row either way, measured or saying why not)."""
     from bench import host
 
     assert main(["host", "--repeat=2", "--number=2"]) == 0
@@ -348,14 +348,16 @@ def test_host_command_prints_every_row(capsys):
     rows = {name: line for line in out.splitlines() for name, label in host.CALLS.items()
             if line.startswith(label)}  # fmt: skip
     assert set(rows) == set(host.CALLS), out
+    cells = {name: rows[name][len(host.CALLS[name]) :].split() for name in rows}
     for name in ("policy_loss", "token_logprobs", "eager"):
-        us, ratio, launches = rows[name][len(host.CALLS[name]) :].split()[:3]
+        us, ratio, launches, frames, ops = cells[name][:5]
         assert float(us) > 0 and float(ratio) > 0 and int(launches) > 0, rows[name]
-    assert rows["eager"].split()[-2] == "1.00"
-    # the token-local variants cost what PPO-clip costs: the same launches per call
-    ppo = rows["policy_loss"].split()[-1]
+        assert int(frames) >= 0 and int(ops) > 0, rows[name]
+    assert cells["eager"][1] == "1.00" and cells["eager"][3] == "0"  # no fused_rl code
+    # the token-local variants cost what PPO-clip costs: the same launches and ops per call
+    ppo = cells["policy_loss"]
     for name in ("policy_loss_cispo", "policy_loss_is"):
-        assert rows[name].split()[-1] == ppo, (rows[name], rows["policy_loss"])
+        assert (cells[name][2], cells[name][4]) == (ppo[2], ppo[4]), (rows[name], ppo)
 
 
 def test_suites_and_filters():
