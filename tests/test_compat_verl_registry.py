@@ -369,7 +369,7 @@ def test_registry():
 
 @pytest.mark.parametrize("name", ["bypass_mode"])
 def test_not_built_yet(name):
-    with pytest.raises(NotImplementedError, match=rf"'{name}'.*issue 15"):
+    with pytest.raises(NotImplementedError, match=rf"'{name}'.*not built in fused_rl yet"):
         verl.get_policy_loss_fn(name)
 
 

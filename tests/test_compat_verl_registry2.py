@@ -297,7 +297,7 @@ def test_registry_and_signatures():
         assert sig.parameters["config"].default is None
         assert sig.parameters["rollout_is_weights"].default is None
         assert "Mirrors" in fn.__doc__
-    with pytest.raises(NotImplementedError, match=r"'bypass_mode'.*issue 15"):
+    with pytest.raises(NotImplementedError, match=r"'bypass_mode'.*not built in fused_rl yet"):
         verl.get_policy_loss_fn("bypass_mode")
     assert set(verl.POLICY_LOSS_REGISTRY) == set(verl.VERL_POLICY_LOSSES) - {"bypass_mode"}
 

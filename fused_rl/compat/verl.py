@@ -2466,7 +2466,7 @@ def get_policy_loss_fn(name: str):
     ``"vanilla"``, ``"gspo"``, ``"sapo"``, ``"gpg"``, ``"clip_cov"``, ``"kl_cov"``,
     ``"geo_mean"``, ``"cispo"``, ``"dppo_tv"``, ``"dppo_kl"``, ``"dro"`` (and whatever
     :func:`register_policy_loss` added) are here. verl 0.9's ``"bypass_mode"`` is not built
-    yet: ``NotImplementedError`` naming the variant (issue 15's remaining work).
+    yet: ``NotImplementedError`` naming the variant and the losses that are.
     Any other name raises verl's ``ValueError("Unsupported loss mode: ...")`` listing the
     known names.
 
@@ -2484,8 +2484,8 @@ def get_policy_loss_fn(name: str):
     if name in _NOT_BUILT:
         built = ", ".join(repr(n) for n in POLICY_LOSS_REGISTRY)
         raise NotImplementedError(
-            f"verl's policy loss {name!r} ({_NOT_BUILT[name]}) is not built in fused_rl yet "
-            f"(issue 15's remaining work); fused_rl.compat.verl has {built}"
+            f"verl's policy loss {name!r} ({_NOT_BUILT[name]}) is not built in fused_rl yet; "
+            f"fused_rl.compat.verl has {built}"
         )
     known = [
         *POLICY_LOSS_REGISTRY,
