@@ -253,12 +253,18 @@ def check_choice(value: str, choices: Sequence[str], name: str) -> None:
 
 def value_checks_enabled(*tensors: torch.Tensor) -> bool:
     """True when data-dependent checks (which sync with the host) may run."""
-    if not config.check_values:
-        return False
+    return config.check_values and host_sync_allowed(*tensors)
+
+
+def host_sync_allowed(*tensors: torch.Tensor) -> bool:
+    """True in eager mode on real tensors: not tracing, not capturing a CUDA graph."""
     if torch.compiler.is_compiling():
         return False
     if any(t.is_meta for t in tensors):  # shape-only tensors: no values to read
         return False
+    modes = torch._C._TorchDispatchModeKey
+    if any(torch._C._get_dispatch_mode(k) is not None for k in (modes.FAKE, modes.PROXY)):
+        return False  # fake tensors (make_fx, a memory model): no values either
     if any(t.is_cuda for t in tensors) and torch.cuda.is_current_stream_capturing():
         return False
     return True

@@ -18,7 +18,10 @@ tokens in chunks of ``chunk_tokens`` rows. Per chunk:
 better: its output is one scalar, so the chunk's gradients are formed in the FORWARD
 (:class:`_LinearPolicyLoss`: one vocab kernel per chunk computes the loss terms and
 overwrites ``z`` with ``dz``, then ``dH_c``, ``dW``) and the backward only multiplies them
-by the upstream gradient: three GEMMs per chunk instead of four.
+by the upstream gradient: three GEMMs per chunk instead of four. In eager mode it runs on
+the counted rows only (``config.skip_padding_rows``: mask weight != 0, target !=
+``ignore_index``; one host sync for their count, as TRL's GRPOTrainer), so padding costs no
+GEMM work; skipped rows keep the zero partials and zero ``dH`` their programs would write.
 
 Peak memory above the inputs: one chunk's logits, ``dW`` in fp32 (the GEMM accumulates into
 it directly on CUDA; elsewhere through fp32 copies of the chunk) and ``dH``.
@@ -44,6 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _validation as V
+from . import config
 from ._agg import LOSS_AGG_MODES, poison_empty, sequence_scale
 from ._backend import resolve_backend
 from ._launch import stats_dtype
@@ -291,7 +295,8 @@ class _TensorParallel:
 class _LinearPolicyLoss(torch.autograd.Function):
     """The token-level policy loss of ``F.linear(rows, weight, bias)`` with its gradients
     formed in the forward (one GEMM per chunk for the logits, two for the gradients) and
-    scaled by the upstream scalar in the backward; Triton backend only.
+    scaled by the upstream scalar in the backward; Triton backend only. With ``kept``
+    (``config.skip_padding_rows``) only the counted rows go through the GEMMs.
 
     Per chunk: ``z = h_c W^T (+ b)``; ONE vocab kernel (``policy_rows_grad_into``: layer 1,
     the token layer as epilogue, then layer 3 on the row it just reduced, whose second read
@@ -303,20 +308,27 @@ class _LinearPolicyLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, weight, bias, targets, adv, old, ref, mask, is_w, row_scale,
-                num_items_t, config):  # fmt: skip
+                num_items_t, kept, config):  # fmt: skip
         (temperature, ignore_index, hyper, with_entropy, chunk, agg, shape, max_len, n_items,
          variant) = config  # fmt: skip
         n_rows = rows.shape[0]
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         acc = stats_dtype(rows.dtype)
-        part = rows.new_empty((N_COLS, n_rows), dtype=acc)
-        d_hidden = rows.new_empty(rows.shape) if need_h else None
+        # kept: the counted rows' indices (None: every row). A skipped row's partials and
+        # hidden gradient are the zeros its kernel program would write.
+        fresh = torch.empty if kept is None else torch.zeros
+        part = fresh((N_COLS, n_rows), dtype=acc, device=rows.device)
+        d_hidden = fresh(rows.shape, dtype=rows.dtype, device=rows.device) if need_h else None
         d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         d_bias = torch.zeros(weight.shape[:1], dtype=acc, device=weight.device) if need_b else None
         col = lambda t, r: None if t is None else t[r, None]  # noqa: E731  (n, 1) per chunk
-        for start in range(0, n_rows, chunk):
-            r = slice(start, min(start + chunk, n_rows))
-            z = F.linear(rows[r], weight, bias)
+        n_work = n_rows if kept is None else kept.numel()
+        for start in range(0, n_work, chunk):
+            r = slice(start, min(start + chunk, n_work))
+            if kept is not None:
+                r = kept[r]
+            h_c = rows[r]  # a gather of the counted rows, or a view
+            z = F.linear(h_c, weight, bias)
             args = (col(targets, r), col(adv, r), col(old, r), col(ref, r), col(mask, r),
                     row_scale[r], temperature, ignore_index, *hyper, with_entropy,
                     col(is_w, r), *variant)  # fmt: skip
@@ -329,10 +341,10 @@ class _LinearPolicyLoss(torch.autograd.Function):
             if need_h:
                 d_hidden[r] = dz @ weight
             if need_w:
-                _addmm_wide(d_weight, dz.t(), rows[r])
+                _addmm_wide(d_weight, dz.t(), h_c)
             if need_b:
                 d_bias.add_(dz.sum(0, dtype=acc))
-            del z, dz
+            del z, dz, h_c
         loss, metrics, _ = policy_finalize_op(
             part, *shape, agg, max_len, n_items, num_items_t, is_w is not None
         )
@@ -722,6 +734,16 @@ def _check_options(targets, advantages, old_logprobs, ref_logprobs, mask, is_wei
     return eps_high
 
 
+def _counted_rows(m: Tensor, rows: Tensor) -> Tensor | None:
+    """The indices of the rows with a nonzero weight ``m`` (``(B, T)``; NaN counts), or None
+    to run every row: ``config.skip_padding_rows`` off, no row to skip, or no host sync
+    allowed here (tracing, CUDA-graph capture, fake tensors)."""
+    if not config.skip_padding_rows or not V.host_sync_allowed(m, rows):
+        return None
+    kept = torch.nonzero(m.reshape(-1) != 0).squeeze(1)  # the one host sync
+    return None if kept.numel() == m.numel() else kept
+
+
 def _fused_policy_loss(rows, weight, bias, flat_targets, shape, advantages, old, ref, mask,
                        chunk, *, temperature, ignore_index, hyper, with_entropy, loss_agg,
                        max_length, num_items, surrogate, sapo_tau_pos, sapo_tau_neg,
@@ -751,6 +773,7 @@ def _fused_policy_loss(rows, weight, bias, flat_targets, shape, advantages, old,
     m = counted.to(acc) if mask is None else mask_weights(mask.detach(), acc) * counted
     scale = sequence_scale(m, loss_agg, max_length=max_length, num_items=num_items)
     row_scale = scale.expand(batch, length).contiguous().view(-1)  # the kernel reads stride 1
+    kept = _counted_rows(m, rows)
     n_items, n_items_t = _num_items_args(num_items)
     config = (float(temperature), int(ignore_index), tuple(float(x) for x in hyper[:5])
               + (int(hyper[5]), float(hyper[6])), bool(with_entropy), chunk,
@@ -760,7 +783,7 @@ def _fused_policy_loss(rows, weight, bias, flat_targets, shape, advantages, old,
         loss, metrics = _LinearPolicyLoss.apply(
             rows, weight, bias, flat_targets, flat(adv), flat(old), flat(ref),
             flat(mask.detach()) if mask is not None else None, flat(_constants(acc, is_w)[0]),
-            row_scale, n_items_t, config,
+            row_scale, n_items_t, kept, config,
         )  # fmt: skip
     out = metrics_dict(metrics, has_kl=ref is not None, has_entropy=with_entropy,
                        surrogate=variant[1], has_is=is_w is not None)  # fmt: skip

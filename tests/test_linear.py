@@ -482,3 +482,58 @@ def test_linear_policy_loss_num_items_and_empty_batch():
     loss, _ = fused_rl.linear_policy_loss(h[:0], w, empty, r["advantages"][:0],
                                           num_items=bad_count, backend="triton")  # fmt: skip
     assert torch.isnan(loss)
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("mask_kind", ["bool", "weights", "none", "nothing_counted"])
+def test_linear_policy_loss_skips_padding_rows(loss_agg, mask_kind, monkeypatch, device):
+    """``config.skip_padding_rows`` (the default): the GEMMs run on the counted rows only,
+    with the loss, every metric and every gradient those of the run over all rows (padding
+    rows' hidden gradient exactly zero), and the GEMMs' row count down by the padding."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class GemmRows(TorchDispatchMode):  # rows through the logits GEMM (the (M, V) outputs)
+        rows = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.__name__.startswith(("addmm", "mm")) and out.shape[-1] == w.shape[0]:
+                self.rows += out.shape[0]
+            return out
+
+    h, w, b, t, r = _rollout(device)
+    adv = r.pop("advantages")
+    if mask_kind == "weights":
+        r["mask"] = r["mask"] * torch.rand(r["mask"].shape, generator=torch.Generator()
+                                           .manual_seed(9)).to(device)  # fmt: skip
+    elif mask_kind == "none":
+        r.pop("mask")
+    elif mask_kind == "nothing_counted":
+        r["mask"] = torch.zeros_like(r["mask"])
+    kw = dict(bias=b, chunk_tokens=4, loss_agg=loss_agg, beta=0.04, entropy_coef=0.01, **r)
+    runs = {}
+    for skip in (False, True):
+        monkeypatch.setattr(fused_rl.config, "skip_padding_rows", skip)
+        for x in (h, w, b):
+            x.grad = None
+        with GemmRows() as gemm:
+            loss, metrics = fused_rl.linear_policy_loss(h, w, t, adv, **kw)
+        if loss.requires_grad:
+            loss.backward()
+        grads = [None if x.grad is None else x.grad.clone() for x in (h, w, b)]
+        runs[skip] = (loss.detach(), metrics, grads, gemm.rows)
+    (loss0, m0, g0, rows0), (loss1, m1, g1, rows1) = runs[False], runs[True]
+    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=1e-7, equal_nan=True)
+    assert set(m1) == set(m0)
+    for name in m0:
+        torch.testing.assert_close(m1[name], m0[name], rtol=1e-6, atol=1e-7, equal_nan=True)
+    for a, e in zip(g1, g0):
+        assert (a is None) == (e is None)
+        if a is not None:
+            torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6, equal_nan=True)
+    counted = (t != -100) & (r["mask"] != 0 if "mask" in r else True)
+    padding = ~counted
+    if g1[0] is not None and padding.any():  # the rows S-T-1 ... S-2 predict the targets
+        window = g1[0][:, h.shape[1] - t.shape[1] - 1 : -1]
+        assert (window[padding] == 0).all()
+    assert rows0 == t.numel() and rows1 == int(counted.sum())
