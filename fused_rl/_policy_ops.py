@@ -42,6 +42,14 @@ AUX_METRIC = ("dual_clip_frac", "cispo_clip_frac", "sapo_gate_mean", None, None,
 FINALIZE_BLOCK_B, FINALIZE_BLOCK_T, TOKEN_BLOCK_T = 16, 128, 256
 
 
+def uncounted_partials(n_rows: int, dtype: torch.dtype, device) -> Tensor:
+    """``(N_COLS, n_rows)``: the partial columns a token with weight 0 writes (the kernels'
+    epilogue): 0 in every column but the IS weights' minimum, +inf there."""
+    part = torch.zeros((N_COLS, n_rows), dtype=dtype, device=device)
+    part[IS_COLUMNS["is_weight_min"]] = float("inf")
+    return part
+
+
 def metrics_dict(
     metrics: Tensor, *, has_kl: bool, has_entropy: bool, surrogate: int = 0, has_is: bool = False
 ) -> dict[str, Tensor]:

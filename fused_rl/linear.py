@@ -58,6 +58,7 @@ from ._policy_ops import (
     policy_finalize_op,
     policy_rows_grad_fwd_op,
     policy_rows_grad_into,
+    uncounted_partials,
 )
 from ._vocab_ops import token_stats_bwd_into, token_stats_bwd_op, token_stats_fwd_op
 from .reference import logprobs as ref
@@ -314,11 +315,14 @@ class _LinearPolicyLoss(torch.autograd.Function):
         n_rows = rows.shape[0]
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         acc = stats_dtype(rows.dtype)
-        # kept: the counted rows' indices (None: every row). A skipped row's partials and
-        # hidden gradient are the zeros its kernel program would write.
-        fresh = torch.empty if kept is None else torch.zeros
-        part = fresh((N_COLS, n_rows), dtype=acc, device=rows.device)
-        d_hidden = fresh(rows.shape, dtype=rows.dtype, device=rows.device) if need_h else None
+        # kept: the counted rows' indices (None: every row). A skipped row gets the partials
+        # and the zero hidden gradient its kernel program would write.
+        if kept is None:
+            part = rows.new_empty((N_COLS, n_rows), dtype=acc)
+            d_hidden = rows.new_empty(rows.shape) if need_h else None
+        else:
+            part = uncounted_partials(n_rows, acc, rows.device)
+            d_hidden = rows.new_zeros(rows.shape) if need_h else None
         d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         d_bias = torch.zeros(weight.shape[:1], dtype=acc, device=weight.device) if need_b else None
         col = lambda t, r: None if t is None else t[r, None]  # noqa: E731  (n, 1) per chunk

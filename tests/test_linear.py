@@ -488,7 +488,8 @@ def test_linear_policy_loss_num_items_and_empty_batch():
 @pytest.mark.parametrize("mask_kind", ["bool", "weights", "none", "nothing_counted"])
 def test_linear_policy_loss_skips_padding_rows(loss_agg, mask_kind, monkeypatch, device):
     """``config.skip_padding_rows`` (the default): the GEMMs run on the counted rows only,
-    with the loss, every metric and every gradient those of the run over all rows (padding
+    with the loss, every metric (the IS weights' minimum included: a skipped row holds the
+    +inf an uncounted one writes) and every gradient those of the run over all rows (padding
     rows' hidden gradient exactly zero), and the GEMMs' row count down by the padding."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -510,7 +511,9 @@ def test_linear_policy_loss_skips_padding_rows(loss_agg, mask_kind, monkeypatch,
         r.pop("mask")
     elif mask_kind == "nothing_counted":
         r["mask"] = torch.zeros_like(r["mask"])
-    kw = dict(bias=b, chunk_tokens=4, loss_agg=loss_agg, beta=0.04, entropy_coef=0.01, **r)
+    is_w = (torch.rand(t.shape, generator=torch.Generator().manual_seed(5)) + 0.5).to(device)
+    kw = dict(bias=b, chunk_tokens=4, loss_agg=loss_agg, beta=0.04, entropy_coef=0.01,
+              is_weights=is_w, **r)  # fmt: skip
     runs = {}
     for skip in (False, True):
         monkeypatch.setattr(fused_rl.config, "skip_padding_rows", skip)
