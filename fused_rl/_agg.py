@@ -20,6 +20,27 @@ LOSS_AGG_MODES = (
 )
 
 
+def check_loss_agg(loss_agg: str, *, max_length, num_items) -> None:
+    """The aggregation arguments of every loss (:func:`token_weights`).
+
+    ``loss_agg``: one of ``LOSS_AGG_MODES``; ``max_length``: None or an int ``>= 1`` (checked
+    whichever the mode); ``num_items``: None, a finite number ``> 0``, or a one-element real
+    tensor (its value is not checked: that would sync with the host).
+    """
+    V.check_choice(loss_agg, LOSS_AGG_MODES, "loss_agg")
+    V.check_positive_int(max_length, "max_length", allow_none=True)
+    if isinstance(num_items, torch.Tensor):
+        if num_items.is_complex() or num_items.dtype == torch.bool:
+            raise TypeError(f"num_items must be a real number tensor, got {num_items.dtype}")
+        if num_items.numel() != 1:
+            raise ValueError(
+                f"num_items must be a number or a one-element tensor, got shape "
+                f"{tuple(num_items.shape)}"
+            )
+        return
+    V.check_positive(num_items, "num_items", allow_none=True)
+
+
 def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     """``num / den`` with 0 where ``den == 0`` (an empty sequence contributes 0, never NaN)."""
     safe = torch.where(den != 0, den, torch.ones_like(den))

@@ -61,7 +61,6 @@ Example (one process; with ``torchrun`` each rank passes its own shard):
 
 from __future__ import annotations
 
-import functools
 import math
 import sys
 from dataclasses import dataclass
@@ -561,51 +560,6 @@ def sharded_token_stats(
     logp = logp.reshape(shape) if targets is not None else None
     entropy = entropy.reshape(shape) if with_entropy else None
     return logp, entropy
-
-
-# ----------------------------------------------------------------------------- policy loss
-
-
-def sharded_policy_loss(
-    logits: Tensor, targets: Tensor, advantages: Tensor, *, process_group, temperature,
-    ignore_index, need_entropy: bool, mask, backend: str, options: dict,
-) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
-    """:func:`fused_rl.policy_loss` over vocabulary-sharded logits, by composition: the
-    vocab-parallel :func:`fused_rl.token_logprobs` (with the entropy when the loss or the
-    metrics need it) feeding :func:`fused_rl.policy_loss_from_logprobs`, with ``mask``
-    restricted to tokens that are not ``ignore_index``. Every rank computes the same loss
-    and metrics; the logits' gradient is each rank's shard (no collective backward).
-
-    ``options``: ``policy_loss``'s arguments (its ``locals()``), of which every keyword
-    ``policy_loss_from_logprobs`` also takes is passed on (so a new loss option reaches
-    the sharded path without an edit here)."""
-    from .logprobs import token_logprobs
-    from .losses import policy_loss_from_logprobs
-
-    out = token_logprobs(
-        logits, targets, temperature=temperature, ignore_index=ignore_index,
-        return_entropy=need_entropy, process_group=process_group, backend=backend,
-    )  # fmt: skip
-    logp, entropy = out if need_entropy else (out, None)
-    if is_dtensor(targets):
-        targets = targets.to_local()
-    counted = targets != ignore_index
-    mask = counted if mask is None else torch.where(counted, mask, torch.zeros_like(mask))
-    shared = {k: options[k] for k in _from_logprobs_keywords() if k in options}
-    return policy_loss_from_logprobs(
-        logp, advantages, mask=mask, entropy=entropy, backend=backend, **shared
-    )
-
-
-@functools.cache
-def _from_logprobs_keywords() -> tuple[str, ...]:
-    import inspect
-
-    from .losses import policy_loss_from_logprobs
-
-    params = inspect.signature(policy_loss_from_logprobs).parameters.values()
-    own = ("mask", "entropy", "backend")
-    return tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in own)
 
 
 # ----------------------------------------------------------------------------- data parallel

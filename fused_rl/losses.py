@@ -11,16 +11,20 @@ vocab-stream kernel. The ``reference`` backend is the same math in plain PyTorch
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from torch import Tensor
 
 from . import _validation as V
-from ._agg import LOSS_AGG_MODES, masked_mean_all, poison_empty, token_weights
+from ._agg import LOSS_AGG_MODES, check_loss_agg, masked_mean_all, poison_empty, token_weights
 from ._backend import resolve_backend
 from ._launch import stats_dtype
 from ._policy_ops import AUX_METRIC, metrics_dict, policy_logprobs_fwd_op, policy_loss_fwd_op
 from ._vocab_ops import check_targets_window, token_stats_nocheck, window
-from .distributed import is_dtensor, sharded_policy_loss
+from .distributed import is_dtensor
+from .logprobs import token_logprobs
 from .reference.kl import KL_KINDS
 from .reference.policy import ClipConfig, policy_token_terms
 from .reference.reductions import mask_weights
@@ -99,7 +103,7 @@ def check_policy_options(
     V.check_number(top_entropy_quantile, "top_entropy_quantile")
     if not 0.0 <= top_entropy_quantile <= 1.0:
         raise ValueError(f"top_entropy_quantile must be in [0, 1], got {top_entropy_quantile}")
-    V.check_loss_agg(loss_agg, max_length=max_length, num_items=num_items)
+    check_loss_agg(loss_agg, max_length=max_length, num_items=num_items)
     return eps_high
 
 
@@ -489,7 +493,7 @@ def policy_loss(
     # by composition (log-probs and entropy first, then the token layer): vocabulary-sharded
     # logits, and the top-entropy selection, whose threshold needs every token's entropy
     if process_group is not None or is_dtensor(logits) or top_entropy_quantile < 1.0:
-        return sharded_policy_loss(
+        return _sharded_policy_loss(
             logits, targets, advantages, process_group=process_group, temperature=temperature,
             ignore_index=ignore_index, need_entropy=need_entropy, mask=mask, backend=backend,
             options=locals(),
@@ -665,3 +669,38 @@ def policy_loss_from_logprobs(
         is_weights=None if is_w is None else is_w.detach().to(acc),
         kl_bias_correction=kl_bias_correction,
     )  # fmt: skip
+
+
+def _sharded_policy_loss(
+    logits: Tensor, targets: Tensor, advantages: Tensor, *, process_group, temperature,
+    ignore_index, need_entropy: bool, mask, backend: str, options: dict,
+) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
+    """:func:`fused_rl.policy_loss` over vocabulary-sharded logits, by composition: the
+    vocab-parallel :func:`fused_rl.token_logprobs` (with the entropy when the loss or the
+    metrics need it) feeding :func:`fused_rl.policy_loss_from_logprobs`, with ``mask``
+    restricted to tokens that are not ``ignore_index``. Every rank computes the same loss
+    and metrics; the logits' gradient is each rank's shard (no collective backward).
+
+    ``options``: ``policy_loss``'s arguments (its ``locals()``), of which every keyword
+    ``policy_loss_from_logprobs`` also takes is passed on (so a new loss option reaches
+    the sharded path without an edit here)."""
+    out = token_logprobs(
+        logits, targets, temperature=temperature, ignore_index=ignore_index,
+        return_entropy=need_entropy, process_group=process_group, backend=backend,
+    )  # fmt: skip
+    logp, entropy = out if need_entropy else (out, None)
+    if is_dtensor(targets):
+        targets = targets.to_local()
+    counted = targets != ignore_index
+    mask = counted if mask is None else torch.where(counted, mask, torch.zeros_like(mask))
+    shared = {k: options[k] for k in _from_logprobs_keywords() if k in options}
+    return policy_loss_from_logprobs(
+        logp, advantages, mask=mask, entropy=entropy, backend=backend, **shared
+    )
+
+
+@functools.cache
+def _from_logprobs_keywords() -> tuple[str, ...]:
+    params = inspect.signature(policy_loss_from_logprobs).parameters.values()
+    own = ("mask", "entropy", "backend")
+    return tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in own)

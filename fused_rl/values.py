@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from . import _validation as V
-from ._agg import poison_empty, token_weights
+from ._agg import check_loss_agg, poison_empty, token_weights
 from ._backend import resolve_backend
 from ._launch import f32_pair, triton_acc
 from ._ops import FusedOp
@@ -307,7 +307,7 @@ def value_loss(
     V.check_mask(mask, "mask", values.shape, "values.shape")
     V.check_same_device(values=values, mask=mask)
     V.check_nonnegative(clip, "clip", allow_none=True)
-    V.check_loss_agg(loss_agg, max_length=max_length, num_items=num_items)
+    check_loss_agg(loss_agg, max_length=max_length, num_items=num_items)
     which = resolve_backend(backend, values, old_values, returns, mask)
     mask = None if mask is None else mask.detach()  # a constant, as on the Triton path
     counted = mask if mask is not None else torch.ones_like(values, dtype=torch.bool)

@@ -18,12 +18,10 @@ from conftest import DEVICE
 
 import fused_rl
 from fused_rl import _validation as V
+from fused_rl._agg import check_loss_agg
 
 B, T, V_SIZE = 2, 4, 5
 NAN, INF = float("nan"), float("inf")
-
-# (argument, bad value id) that fused_rl/losses.py does not reject as the validators do yet:
-# it should call V.check_loss_agg(loss_agg, max_length=..., num_items=...)
 
 
 def _x(*shape: int, dtype=torch.float32) -> torch.Tensor:
@@ -255,7 +253,7 @@ def test_validators_accept():
     V.check_unit_interval(0, "a")
     V.check_mask(None, "m", (2, 3), "x.shape")
     V.check_mask(torch.zeros(2, 3, dtype=torch.uint8), "m", (2, 3), "x.shape")
-    V.check_loss_agg("token-mean", max_length=None, num_items=torch.tensor(5))
+    check_loss_agg("token-mean", max_length=None, num_items=torch.tensor(5))
     with pytest.raises(ValueError, match=r"m must have shape x.shape = \(2, 3\)"):
         V.check_mask(torch.zeros(3, 2), "m", (2, 3), "x.shape")
 
