@@ -89,7 +89,10 @@ def merge_moments(n_a, s_a, q_a, n_b, s_b, q_b):
     """Chan's pairwise merge of two ``(n, s, q)`` moment triples (an empty one is all zeros)."""
     n = n_a + n_b
     delta = s_b / safe(n_b) - s_a / safe(n_a)
-    q = q_a + q_b + delta * delta * (n_a * n_b / safe(n))
+    # no cross term with an empty side: its inf * 0 would turn a variance that overflows fp32
+    # (inf, as in float64 autograd) into NaN (a NaN count is not empty: NaN goes through)
+    both = (n_a != 0) & (n_b != 0)
+    q = q_a + q_b + tl.where(both, delta * delta * (n_a * n_b / safe(n)), 0.0)
     return n, s_a + s_b, q
 
 
