@@ -34,9 +34,14 @@
 #
 # Environment: OUT (default bench/results/_session), BENCH_BUDGET (seconds for the bench
 # part; default 500 minus the time already spent), TEST_TIMEOUT (default 240).
-# liger-kernel, trl and verl are not on the GPU image: carry their wheels in .whl/ (see the
-# device README's notes; pure Python, `pip download --no-deps liger-kernel==0.8.5
-# trl==1.16.0 verl`; TRL's fused head needs only transformers, verl's file only torch).
+# liger-kernel, trl and verl are not on the GPU image: carry their wheels in .whl/ (the
+# device README's notes), all pure Python except multiprocess (per Python version):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux2014_x86_64 -d .whl liger-kernel==0.8.5 \
+#     trl==1.16.0 verl==0.9.1 datasets==4.8.0 dill==0.4.0 multiprocess==0.70.18
+# TRL's fused head imports transformers (on the image) and, in its backward,
+# trl.trainer.utils, which needs datasets (+ dill, multiprocess); verl's file needs torch.
+# The run of 2026-11-26 (H200): `peers` then `tests` took 357 s of command time.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
