@@ -21,7 +21,8 @@ overwrites ``z`` with ``dz``, then ``dH_c``, ``dW``) and the backward only multi
 by the upstream gradient: three GEMMs per chunk instead of four. In eager mode it runs on
 the counted rows only (``config.skip_padding_rows``: mask weight != 0, target !=
 ``ignore_index``; one host sync for their count, as TRL's GRPOTrainer), so padding costs no
-GEMM work; skipped rows keep the zero partials and zero ``dH`` their programs would write.
+GEMM work; skipped rows get the partials of an uncounted token (``uncounted_partials``) and
+a zero ``dH``, what their programs would write.
 
 Peak memory above the inputs: one chunk's logits, ``dW`` in fp32 (the GEMM accumulates into
 it directly on CUDA; elsewhere through fp32 copies of the chunk) and ``dH``.
@@ -51,7 +52,7 @@ from . import config
 from ._agg import LOSS_AGG_MODES, poison_empty, sequence_scale
 from ._backend import resolve_backend
 from ._launch import stats_dtype
-from ._ops import _serialised_when_interpreting
+from ._ops import _serialised_when_interpreting, _tracing
 from ._policy_ops import (
     N_COLS,
     metrics_dict,
@@ -98,7 +99,7 @@ def _chunk_grad(z, targets, row_max, log_sum, entropy, g, h, temperature, ignore
     z3 = z[:, None]
     if which == "reference":
         return ref.grad_logits(z3, *args, temperature, ignore_index)[:, 0]
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _tracing():  # a traced op may not mutate its input
         return token_stats_bwd_op(z3, *args, None, None, temperature, ignore_index)[:, 0]
     return _stats_bwd_into(z3, z3, *args, None, None, temperature, ignore_index)[:, 0]
 
@@ -325,18 +326,23 @@ class _LinearPolicyLoss(torch.autograd.Function):
             d_hidden = rows.new_zeros(rows.shape) if need_h else None
         d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         d_bias = torch.zeros(weight.shape[:1], dtype=acc, device=weight.device) if need_b else None
-        col = lambda t, r: None if t is None else t[r, None]  # noqa: E731  (n, 1) per chunk
-        n_work = n_rows if kept is None else kept.numel()
+        col = lambda t, c: None if t is None else t[c, None]  # noqa: E731  (n, 1) per chunk
+        n_work = n_rows
+        if kept is not None:  # the counted rows' per-token inputs, gathered once
+            pick = lambda t: None if t is None else t[kept]  # noqa: E731
+            targets, adv, old, ref, mask, is_w, row_scale = map(
+                pick, (targets, adv, old, ref, mask, is_w, row_scale)
+            )
+            n_work = kept.numel()
         for start in range(0, n_work, chunk):
-            r = slice(start, min(start + chunk, n_work))
-            if kept is not None:
-                r = kept[r]
-            h_c = rows[r]  # a gather of the counted rows, or a view
+            c = slice(start, min(start + chunk, n_work))  # into the per-token inputs
+            r = c if kept is None else kept[c]  # into rows, part and d_hidden
+            h_c = rows[r]  # a view, or a gather of the counted rows
             z = F.linear(h_c, weight, bias)
-            args = (col(targets, r), col(adv, r), col(old, r), col(ref, r), col(mask, r),
-                    row_scale[r], temperature, ignore_index, *hyper, with_entropy,
-                    col(is_w, r), *variant)  # fmt: skip
-            if torch.compiler.is_compiling():  # a traced op may not mutate its input
+            args = (col(targets, c), col(adv, c), col(old, c), col(ref, c), col(mask, c),
+                    row_scale[c], temperature, ignore_index, *hyper, with_entropy,
+                    col(is_w, c), *variant)  # fmt: skip
+            if torch.compiler.is_compiling() or _tracing():  # a traced op may not mutate
                 part[:, r], dz3 = policy_rows_grad_fwd_op(z[:, None], *args)
                 dz = dz3[:, 0]
             else:  # the chunk's logits become their gradient in place

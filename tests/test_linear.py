@@ -540,3 +540,29 @@ def test_linear_policy_loss_skips_padding_rows(loss_agg, mask_kind, monkeypatch,
         window = g1[0][:, h.shape[1] - t.shape[1] - 1 : -1]
         assert (window[padding] == 0).all()
     assert rows0 == t.numel() and rows1 == int(counted.sum())
+
+
+def test_make_fx_records_the_linear_ops(monkeypatch, device):
+    """``make_fx`` with fake tensors (``torch.export``; torch 2.11's AOT trace of a compiled
+    backward) records the fused-linear ops' vocab kernels as custom ops instead of running
+    their in-place launchers on fake tensors ("Cannot access data pointer")."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    monkeypatch.setattr(fused_rl.config, "check_values", False)
+    h, w, b, t, r = _rollout(device)
+    adv = r.pop("advantages")
+
+    def step(hidden, weight, targets, advantages, old, ref, mask):
+        hidden = hidden.detach().requires_grad_()
+        weight = weight.detach().requires_grad_()
+        lp = fused_rl.linear_token_logprobs(hidden, weight, targets, chunk_tokens=4)
+        loss, _ = fused_rl.linear_policy_loss(
+            hidden, weight, targets, advantages, chunk_tokens=4, beta=0.04,
+            old_logprobs=old, ref_logprobs=ref, mask=mask,
+        )  # fmt: skip
+        return torch.autograd.grad(loss + lp.sum(), (hidden, weight))
+
+    inputs = (h, w, t, adv, r["old_logprobs"], r["ref_logprobs"], r["mask"])
+    graph = make_fx(step, tracing_mode="fake")(*inputs)
+    ops = {str(n.target) for n in graph.graph.nodes if "fused_rl" in str(n.target)}
+    assert {"fused_rl.policy_rows_grad_fwd.default", "fused_rl.token_stats_bwd.default"} <= ops

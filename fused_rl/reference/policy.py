@@ -86,9 +86,10 @@ def surrogate_terms(
         low, high = ratio < lo, ratio > hi
         return -weight * adv * logp, low | high, low, high, high & (adv > 0)
     if surrogate == "sapo":
-        # the parameters as tensors of the ratio's dtype: a Python float in torch.where is
-        # rounded to the default dtype (fp32) first, which float64 callers would see
-        tau = torch.where(adv > 0, ratio.new_tensor(params[0]), ratio.new_tensor(params[1]))
+        # one branch a tensor of the ratio's dtype: torch.where of two Python floats gives
+        # the default dtype (fp32), which float64 callers would see; full_like copies nothing
+        # from the host (new_tensor would, a sync on CUDA)
+        tau = torch.where(adv > 0, torch.full_like(ratio, params[0]), params[1])
         gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
         return -adv * gate, no, no, no, gate
     if surrogate == "gpg":
@@ -100,9 +101,8 @@ def surrogate_terms(
     if surrogate == "vespo":  # ratio: the sequence's log-weight sum S (policy_token_terms)
         log_w = torch.clamp(torch.log(ratio), LN_1E_8, 20.0)
         positive = adv >= 0
-        k = torch.where(positive, ratio.new_tensor(params[0]), ratio.new_tensor(params[2]))
-        lam = torch.where(positive, ratio.new_tensor(params[1]), ratio.new_tensor(params[3]))
-        lam = lam.clamp(min=1e-4)
+        k = torch.where(positive, torch.full_like(ratio, params[0]), params[2])
+        lam = torch.where(positive, torch.full_like(ratio, params[1]), params[3]).clamp(min=1e-4)
         phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
         phi = torch.where(torch.isfinite(phi), phi, torch.zeros_like(phi)).detach()
         return -phi * adv * logp, no, no, no, phi
