@@ -803,3 +803,23 @@ def test_reference_keeps_surrogate_parameters_in_float64(device):
     tau = torch.where(a > 0, 1.1, 1.05 + 0.0 * a)  # float64 temperatures
     want = (-a * torch.sigmoid(tau * (r - 1.0)) * 4.0 / tau).mean()
     assert abs(loss.item() - want.item()) <= 1e-14 * max(abs(want.item()), 1.0)
+
+
+def test_reference_vespo_parameters_stay_float64(device):
+    """VESPO's ``k`` / ``lambda`` reach the reference's weight ``phi`` in the inputs' dtype
+    (float64 here, parameters that fp32 cannot hold exactly)."""
+    from fused_rl.reference.policy import ClipConfig, surrogate_terms
+
+    gen = torch.Generator().manual_seed(12)
+    ratio = torch.exp(0.5 * torch.randn(3, 4, generator=gen, dtype=torch.float64)).to(device)
+    adv = torch.randn(3, 1, generator=gen, dtype=torch.float64).to(device)
+    logp = torch.randn(3, 4, generator=gen, dtype=torch.float64).to(device)
+    params = (2.1, 3.3, 2.9, 0.7)
+    *_, phi = surrogate_terms("vespo", ratio, logp, adv, ClipConfig(0.2, 0.28), params)
+    positive = adv >= 0
+    k = torch.where(positive, 2.1, 2.9 + 0.0 * adv)
+    lam = torch.where(positive, 3.3, 0.7 + 0.0 * adv)
+    log_w = torch.log(ratio).clamp(-18.420680743952367, 20.0)
+    want = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    assert phi.dtype == torch.float64
+    torch.testing.assert_close(phi, want, rtol=1e-14, atol=0.0)
