@@ -126,10 +126,13 @@ if [ "$PART" = linear ]; then
     [ "$status" -eq 0 ] && status=$bench_status
 fi
 
-if [ "$PART" = peers ]; then
+SUITE=""
+[ "$PART" = peers ] && SUITE=peers
+{ [ "$PART" = all ] || [ "$PART" = bench ]; } && SUITE=full
+if [ -n "$SUITE" ]; then
     BUDGET=${BENCH_BUDGET:-$((500 - SECONDS))}
-    echo "== side-by-side with the peers on $SLUG, budget ${BUDGET}s"
-    "$PY" bench/run.py --suite peers --resume --no-plots --time-budget "$BUDGET" \
+    echo "== $SUITE benchmark suite on $SLUG, budget ${BUDGET}s"
+    "$PY" bench/run.py --suite "$SUITE" --resume --no-plots --time-budget "$BUDGET" \
         --out "$OUT/results" "$@" 2>&1 | tee "$OUT/bench.log" | tail -80
     bench_status=${PIPESTATUS[0]}
     echo "bench exit status $bench_status; results for bench/results/$SLUG/ in $OUT/results/"
@@ -142,13 +145,4 @@ if [ "$PART" = peers ] || [ "$PART" = host ]; then
         2>&1 | tee "$OUT/host.log"
 fi
 
-if [ "$PART" = all ] || [ "$PART" = bench ]; then
-    BUDGET=${BENCH_BUDGET:-$((500 - SECONDS))}
-    echo "== full benchmark suite on $SLUG, budget ${BUDGET}s"
-    "$PY" bench/run.py --suite full --resume --no-plots --time-budget "$BUDGET" \
-        --out "$OUT/results" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
-    bench_status=${PIPESTATUS[0]}
-    echo "bench exit status $bench_status; results for bench/results/$SLUG/ in $OUT/results/"
-    [ "$status" -eq 0 ] && status=$bench_status
-fi
 exit "$status"

@@ -570,10 +570,10 @@ def liger_version() -> str | None:
         importlib.import_module("liger_kernel")
     except Exception:
         return None
-    return _package_version("liger-kernel")
+    return package_version("liger-kernel")
 
 
-def _package_version(name: str) -> str | None:
+def package_version(name: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -588,7 +588,7 @@ def environment(provider: str, device, compile_on_cpu: bool) -> str:
     if provider in ("liger", "liger_inplace"):
         return f"liger_kernel {liger_version()}"
     if provider in ("trl", "verl"):
-        return f"{provider} {_package_version(provider)}, torch {torch.__version__}"
+        return f"{provider} {package_version(provider)}, torch {torch.__version__}"
     if provider == "compile":
         return f"torch {torch.__version__} on {torch.device(device).type}, cpu {compile_on_cpu}"
     return f"torch {torch.__version__}"

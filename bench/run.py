@@ -349,8 +349,8 @@ def versions() -> dict:
         "triton": triton_version,
         "fused_rl": fused_rl.__version__,
         "liger_kernel": P.liger_version(),
-        "trl": P._package_version("trl"),
-        "verl": P._package_version("verl"),
+        "trl": P.package_version("trl"),
+        "verl": P.package_version("verl"),
     }
 
 
