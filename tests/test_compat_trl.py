@@ -13,6 +13,7 @@ from helpers import rel_err
 import fused_rl
 import fused_rl.compat as compat
 import fused_rl.compat.trl as trl_compat
+from fused_rl.compat._checks import NO_IGNORE
 from fused_rl.compat.trl import entropy_from_logits, selective_log_softmax
 
 # ----------------------------------------------------------------------------- oracles
@@ -224,7 +225,7 @@ def test_unchecked_labels_give_nan_not_skip(device, monkeypatch, backend):
     monkeypatch.setattr(fused_rl.config, "check_values", False)
     logits = torch.randn(2, 3, 9, device=device)
     index = torch.randint(0, 9, (2, 3), device=device)
-    index[0, 0], index[1, 2] = 9, trl_compat._NO_IGNORE
+    index[0, 0], index[1, 2] = 9, NO_IGNORE
     index[1, 1] = -5
     mask = torch.ones(2, 3, device=device)
     mask[1, 1] = 0
@@ -508,3 +509,28 @@ def test_one_range_check(monkeypatch, device):
         logits, torch.randint(0, 11, (2, 3, 2), device=device), 0.5, mask[..., None]
     )
     assert calls == ["sync"]
+
+
+def test_adapters_share_checks_not_private_helpers():
+    """The label checks the adapters share live in ``fused_rl.compat._checks``: no adapter
+    imports another adapter's private (underscore) names. (The modules of the
+    ``fused_rl.compat.verl`` package are one adapter: they may share theirs.)"""
+    import ast
+    from pathlib import Path
+
+    root = Path(compat.__file__).parent
+    adapters = {"trl", "liger", "torchtune", "ding", "ding_v053", "verl"}
+    offenders = []
+    for path in sorted(root.rglob("*.py")):
+        inside = path.relative_to(root).parts[0].removesuffix(".py")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or not node.module:
+                continue
+            base = node.module.split(".")[0]
+            level_ok = node.level == (2 if path.parent != root else 1)
+            if not level_ok or base not in adapters or base == inside:
+                continue
+            private = [a.name for a in node.names if a.name.startswith("_")]
+            if private:
+                offenders.append(f"{path.relative_to(root)}: from .{node.module} {private}")
+    assert not offenders, offenders

@@ -71,8 +71,8 @@ from torch.distributions import Categorical, Independent, Normal
 
 from .. import _validation as V
 from ..continuous import _check_sigma_positive, gaussian_entropy, gaussian_logprob
+from ._checks import check_index_range, checked_logprobs
 from ._precision import original_half_precision
-from .trl import _check_index_range, _checked_logprobs
 
 __all__ = [
     "KL_TYPES",
@@ -172,7 +172,7 @@ def _check_action(logits: Tensor, action: Tensor, name: str, action_name: str = 
     if action.dtype not in V.INDEX_DTYPES:
         action = action.long()  # Categorical.log_prob calls .long()
     V.check_targets(action, logits, action_name)
-    _check_index_range(action, logits.shape[-1], action_name, "DI-engine's Categorical")
+    check_index_range(action, logits.shape[-1], action_name, "DI-engine's Categorical")
     return action
 
 
@@ -186,7 +186,7 @@ def _categorical_logp(
         dist = Categorical(logits=logits, validate_args=False)
         logp = dist.log_prob(action)
         return (logp, dist.entropy()) if entropy else logp
-    return _checked_logprobs(logits, action, return_entropy=entropy)
+    return checked_logprobs(logits, action, return_entropy=entropy)
 
 
 def _gaussian(mu: Tensor, sigma: Tensor, action: Tensor, original: bool) -> Tensor:
@@ -573,7 +573,7 @@ def _method_logprobs(eager, logits: Tensor, index: Tensor) -> Tensor:
     index = _check_action(logits, index, "logits", "index").long()
     if original_half_precision(logits):
         return eager(logits, index)
-    return _checked_logprobs(logits, index).to(logits.dtype)
+    return checked_logprobs(logits, index).to(logits.dtype)
 
 
 def efficient_method(logits: Tensor, index: Tensor) -> Tensor:

@@ -102,7 +102,7 @@ from torch import Tensor
 from .. import _validation as V
 from ..logprobs import token_logprobs
 from ..losses import policy_loss, policy_loss_from_logprobs
-from .trl import _NO_IGNORE, _check_index_range
+from ._checks import NO_IGNORE, check_index_range
 
 # Liger's ``_str_to_loss_type`` keys, in its order (the list its ValueError prints)
 LOSS_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo", "luspo", "cispo", "sapo", "vespo")
@@ -371,10 +371,10 @@ def triton_grpo_loss(
     _check_clip(loss_type, eps_low, eps_high, delta)
     mask = completion_mask
     keep = None if mask is None else mask != 0
-    _check_index_range(completion_ids, logits.shape[-1], "completion_ids", _ORIGINAL, keep,
-                       "mask the token out (completion_mask = 0) or pass a valid id")  # fmt: skip
+    check_index_range(completion_ids, logits.shape[-1], "completion_ids", _ORIGINAL, keep,
+                      "mask the token out (completion_mask = 0) or pass a valid id")  # fmt: skip
     # masked tokens are never read (as in Liger's kernel): their ids become the ignore index
-    targets = completion_ids if keep is None else torch.where(keep, completion_ids, _NO_IGNORE)
+    targets = completion_ids if keep is None else torch.where(keep, completion_ids, NO_IGNORE)
 
     scale = _cispo_scale(eps_high) if loss_type == "cispo" else 1.0
     clip_low, clip_high = eps_low, eps_high
@@ -408,7 +408,7 @@ def triton_grpo_loss(
                                            max_completion_length, num_items_in_batch)  # fmt: skip
         loss, metrics = policy_loss(
             logits, targets, adv, old_logprobs=old, mask=mask, temperature=temperature,
-            loss_agg=loss_agg, num_items=num_items, ignore_index=_NO_IGNORE, **options,
+            loss_agg=loss_agg, num_items=num_items, ignore_index=NO_IGNORE, **options,
         )  # fmt: skip
         out = []
         if beta != 0.0:
@@ -416,7 +416,7 @@ def triton_grpo_loss(
         out.append(_clip_metric(loss_type, metrics, to_liger))
         return loss.float(), out
 
-    logp = token_logprobs(logits, targets, temperature=temperature, ignore_index=_NO_IGNORE)
+    logp = token_logprobs(logits, targets, temperature=temperature, ignore_index=NO_IGNORE)
     old = old_logp.detach().to(logp.dtype) if old_logp is not None else logp.detach()
     phi = None
     if loss_type == "vespo":  # the rollout IS ratio is folded into phi, nothing else

@@ -66,8 +66,8 @@ from torch.autograd.function import once_differentiable
 from .. import _validation as V
 from ..advantages import gae
 from ..values import ppo_loss
+from ._checks import check_index_range, checked_logprobs, gather_logprobs
 from ._precision import original_half_precision
-from .trl import _check_index_range, _checked_logprobs, _gather_logprobs
 
 __all__ = [
     "PPOLoss",
@@ -345,9 +345,9 @@ def logits_to_logprobs(logits: Tensor, sequences: Tensor, temperature: float = 1
         V.check_logits(logits)
         V.check_targets(sequences, logits, "sequences")
         V.check_positive(temperature, "temperature")
-        _check_index_range(sequences, logits.shape[-1], "sequences", original)
+        check_index_range(sequences, logits.shape[-1], "sequences", original)
         return _eager_logprobs(logits, sequences, temperature)
-    return _gather_logprobs(
+    return gather_logprobs(
         logits, sequences, temperature=temperature, name="sequences", original=original
     )
 
@@ -374,14 +374,14 @@ def batched_logits_to_logprobs(
     V.check_positive(temperature, "temperature")
     V.check_positive_int(chunk_size, "chunk_size")
     original = "torchtune's batched_logits_to_logprobs"
-    _check_index_range(sequences, logits.shape[-1], "sequences", original)
+    check_index_range(sequences, logits.shape[-1], "sequences", original)
     if original_half_precision(logits):
         parts = [
             _eager_logprobs(z, s, temperature).to(torch.float32)
             for z, s in zip(logits.split(chunk_size), sequences.split(chunk_size), strict=True)
         ]
         return torch.cat(parts) if parts else logits.new_empty(sequences.shape, dtype=torch.float32)
-    logp = _checked_logprobs(logits, sequences, temperature=temperature)
+    logp = checked_logprobs(logits, sequences, temperature=temperature)
     return logp.to(torch.float32)
 
 

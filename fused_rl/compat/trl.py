@@ -62,20 +62,12 @@ from torch import Tensor
 
 from .. import _validation as V
 from .._backend import resolve_backend, triton_installed
-from .._vocab_ops import token_stats_nocheck
 from ..logprobs import token_entropy
+from ._checks import check_index_range, checked_logprobs
 from ._precision import original_half_precision
 
-# Passed as ``ignore_index``: these helpers have no ignore index in the originals, and an
-# out-of-range label must not become a 0 log-prob. A label equal to this value is itself out
-# of range: the eager range check rejects it, and without that check (``check_values=False``,
-# ``torch.compile``) ``_checked_logprobs`` turns its row into NaN like any other bad label.
-# Entries that ``row_mask`` masks are replaced by it, so the kernels skip them.
-_NO_IGNORE = -(2**31)
-
 _SELECTIVE = "TRL's selective_log_softmax"
-# What an out-of-range label's message tells the caller to do.
-_RELABEL = "replace ignored labels (e.g. -100) by a valid id and mask them out"
+# What an out-of-range label's message tells the caller to do when a row mask is given.
 _ROW_MASK_FIX = "pass row_mask = 0 where a label is ignored, or replace it by a valid id"
 # Devices on which TRL >= 1.14 runs its own Triton kernel (``_supports_trl_loss_kernel``).
 _TRL_KERNEL_DEVICES = ("cuda", "xpu")
@@ -113,29 +105,6 @@ def _trl_kernel_path(
     return takes
 
 
-def _check_index_range(
-    index: Tensor,
-    vocab: int,
-    name: str,
-    original: str,
-    keep: Tensor | None = None,
-    fix: str = _RELABEL,
-) -> None:
-    """Eager-mode check that ``index`` lies in ``[0, vocab)`` where ``keep`` is True (all of
-    it when None); one host sync. ``fix``: what the message tells the caller to do."""
-    if not V.value_checks_enabled(index):
-        return
-    bad = (index < 0) | (index >= vocab)
-    if keep is not None:
-        bad = bad & keep
-    if bool(bad.any()):
-        first = index[bad].reshape(-1)[0].item()
-        raise ValueError(
-            f"{name} holds {first}, outside [0, V) = [0, {vocab}); {original} has no ignore "
-            f"index: {fix}"
-        )
-
-
 def _keep_mask(row_mask: Tensor | None, index: Tensor, logits: Tensor) -> Tensor | None:
     """``row_mask != 0`` broadcast to ``index.shape`` (TRL masks ``row_mask == 0``), or None."""
     if row_mask is None:
@@ -152,45 +121,6 @@ def _keep_mask(row_mask: Tensor | None, index: Tensor, logits: Tensor) -> Tensor
             f"got {tuple(row_mask.shape)}"
         )
     return (row_mask != 0).expand(index.shape)
-
-
-def _checked_logprobs(
-    logits: Tensor,
-    index: Tensor,
-    *,
-    temperature: float = 1.0,
-    keep: Tensor | None = None,
-    return_entropy: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """:func:`fused_rl.token_logprobs` with no ignore index (and 0 where ``keep`` is False),
-    for an ``index`` that has passed :func:`_check_index_range` (so the eager range check,
-    a host sync, runs once, not twice). fp32 results (fp64 for fp64 logits)."""
-    V.check_positive(temperature, "temperature")
-    which = resolve_backend("auto", logits, index)
-    targets = index if keep is None else torch.where(keep, index, _NO_IGNORE)
-    logp, entropy = token_stats_nocheck(
-        logits, targets, temperature, _NO_IGNORE, return_entropy, which
-    )
-    if not V.value_checks_enabled(index):  # the sentinel label went through unchecked
-        sentinel = index == _NO_IGNORE
-        if keep is not None:
-            sentinel = sentinel & keep
-        logp = torch.where(sentinel, float("nan"), logp)
-        if return_entropy:
-            entropy = torch.where(sentinel, float("nan"), entropy)
-    return (logp, entropy) if return_entropy else logp
-
-
-def _gather_logprobs(
-    logits: Tensor, index: Tensor, *, temperature: float, name: str, original: str
-) -> Tensor:
-    """``log_softmax(logits / T).gather(-1, index[..., None])[..., 0]`` in ``logits.dtype``
-    (the verl and torchtune adapters' gather)."""
-    V.check_logits(logits)
-    V.check_targets(index, logits, name)
-    _check_index_range(index, logits.shape[-1], name, original)
-    logp = _checked_logprobs(logits, index, temperature=temperature)
-    return logp.to(logits.dtype)
 
 
 def _check_index(logits: Tensor, index: Tensor) -> bool:
@@ -294,16 +224,16 @@ def selective_log_softmax(
     V.check_positive(temperature, "temperature")
     multi = _check_index(logits, index)
     keep = _keep_mask(row_mask, index, logits)
-    _check_index_range(index, logits.shape[-1], "index", _SELECTIVE, keep, _ROW_MASK_FIX)
+    check_index_range(index, logits.shape[-1], "index", _SELECTIVE, keep, _ROW_MASK_FIX)
     kernel_path = _trl_kernel_path(logits, index, row_mask)
     if original_half_precision(logits) and not kernel_path:
         return _original_selective(logits, index, float(temperature), keep)
     out_dtype = torch.float32 if kernel_path else logits.dtype
     if not multi:
-        logp = _checked_logprobs(logits, index, temperature=temperature, keep=keep)
+        logp = checked_logprobs(logits, index, temperature=temperature, keep=keep)
         return logp.to(out_dtype)
     columns = [
-        _checked_logprobs(
+        checked_logprobs(
             logits,
             index[..., k],
             temperature=temperature,

@@ -71,8 +71,8 @@ from .. import _validation as V
 from ..advantages import gae
 from ..kl import kl_estimate
 from ..logprobs import token_entropy
+from ._checks import gather_logprobs
 from ._precision import half_precision_mode, original_half_precision
-from .trl import _gather_logprobs
 
 LOSS_AGG_MODES = (
     "token-mean",
@@ -198,7 +198,7 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor, inplace_backward: bool 
             for z, y in zip(logits, labels)
         ]
         return torch.stack(rows)
-    return _gather_logprobs(
+    return gather_logprobs(
         logits, labels, temperature=1.0, name="labels", original="verl's logprobs_from_logits"
     )
 
