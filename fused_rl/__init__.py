@@ -15,6 +15,7 @@ from .kl import kl_estimate
 from .linear import linear_policy_loss, linear_token_logprobs
 from .logprobs import token_entropy, token_logprobs
 from .losses import policy_loss, policy_loss_from_logprobs
+from .policy_config import PolicyConfig
 from .reductions import masked_mean, masked_sum, masked_var, masked_whiten
 from .rollout import rollout_is_weights
 from .values import ppo_loss, value_loss
@@ -36,6 +37,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "PolicyConfig",
     "rloo_advantages",
     "rollout_is_weights",
     "policy_loss",

@@ -10,14 +10,8 @@ from __future__ import annotations
 import torch
 
 from . import _validation as V
+from .kernels.modes import LOSS_AGG_MODES  # noqa: F401  (re-exported: the modes' old home)
 from .reference.reductions import mask_weights
-
-LOSS_AGG_MODES = (
-    "token-mean",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-sum-norm",
-)
 
 
 def check_loss_agg(loss_agg: str, *, max_length, num_items) -> None:
@@ -29,6 +23,12 @@ def check_loss_agg(loss_agg: str, *, max_length, num_items) -> None:
     """
     V.check_choice(loss_agg, LOSS_AGG_MODES, "loss_agg")
     V.check_positive_int(max_length, "max_length", allow_none=True)
+    check_num_items(num_items)
+
+
+def check_num_items(num_items) -> None:
+    """``num_items``: None, a finite number ``> 0``, or a one-element real tensor (its value
+    is not checked: that would sync with the host)."""
     if isinstance(num_items, torch.Tensor):
         if num_items.is_complex() or num_items.dtype == torch.bool:
             raise TypeError(f"num_items must be a real number tensor, got {num_items.dtype}")

@@ -17,12 +17,15 @@ scales ``g``, ``h`` by ``seq_scale[b]`` and the upstream gradient, both read on 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
 from ._launch import f32_pair, stats_dtype, triton_acc, vocab_launch
 from ._ops import FusedOp
 from ._vocab_ops import position_shift, token_stats_bwd_op, token_stats_fwd
+from .kernels.modes import POLICY_PARAMS, SURROGATES
 
 # the columns of kernels/token_layer.py (COL_*) that are metrics, by name
 METRIC_COLUMNS = {
@@ -37,8 +40,10 @@ AUX_COLUMN, KL_COLUMN, ENTROPY_COLUMN = 5, 8, 9
 # the rollout IS weights' mean / min / max (COL_IS*): written and reduced only with weights
 IS_COLUMNS = {"is_weight_mean": 11, "is_weight_min": 12, "is_weight_max": 13}
 N_BASE_COLS, N_COLS = 11, 14
-# what the COL_AUX column holds, per surrogate (fused_rl.losses.SURROGATES order)
-AUX_METRIC = ("dual_clip_frac", "cispo_clip_frac", "sapo_gate_mean", None, None, "vespo_phi_mean")
+# what the COL_AUX column holds, per surrogate (in kernels/modes.py SURROGATES order)
+_AUX_BY_NAME = {"ppo": "dual_clip_frac", "cispo": "cispo_clip_frac", "sapo": "sapo_gate_mean",
+                "vespo": "vespo_phi_mean"}  # fmt: skip
+AUX_METRIC = tuple(_AUX_BY_NAME.get(name) for name in SURROGATES)
 FINALIZE_BLOCK_B, FINALIZE_BLOCK_T, TOKEN_BLOCK_T = 16, 128, 256
 
 
@@ -67,10 +72,28 @@ def metrics_dict(
     return out
 
 
-def _pairs(*values: float) -> list[float]:
-    """Each hyper-parameter as an fp32 ``(hi, lo)`` pair (``f32_pair``): kernels recombine
-    them in their accumulation dtype, so fp64 inputs see fp64 hyper-parameters."""
-    return [half for v in values for half in f32_pair(v)]
+@functools.lru_cache(maxsize=256)
+def _hyper(hyper: tuple[float, ...]) -> tuple[float, ...]:
+    """``PolicyConfig.kernel_params`` as the kernels' ``hyper`` tuple: each value an fp32
+    ``(hi, lo)`` pair (``f32_pair``), recombined in the accumulation dtype by the kernels'
+    ``param``, so fp64 inputs see fp64 hyper-parameters. Cached: a config's table is the
+    same every step."""
+    return tuple(half for v in hyper for half in f32_pair(v))
+
+
+_BETA, _ENTROPY_COEF = POLICY_PARAMS.index("beta"), POLICY_PARAMS.index("entropy_coef")
+_DUAL_CLIP, _DELTA = POLICY_PARAMS.index("dual_clip"), POLICY_PARAMS.index("delta")
+
+
+def _policy_switches(hyper: list[float], modes: list[int], has_ref: bool) -> dict:
+    """The constexpr switches both policy kernels take, from ``PolicyConfig.kernel_params``
+    / ``kernel_modes``: one place, so the two kernels never see different variants."""
+    surrogate, kl_kind, bias_kl, _sequence, _agg = modes
+    return dict(
+        SURROGATE=surrogate, KL_KIND=kl_kind, BIAS_KL=bool(bias_kl),
+        ADD_KL=has_ref and hyper[_BETA] != 0.0, ENTROPY_BONUS=hyper[_ENTROPY_COEF] != 0.0,
+        USE_DUAL=hyper[_DUAL_CLIP] != 0.0, USE_DELTA=hyper[_DELTA] != 0.0,
+    )  # fmt: skip
 
 
 def _strides(t: Tensor | None) -> tuple[int, int]:
@@ -100,16 +123,15 @@ def _finalize(part, n_outer, inner, dtype, agg, max_length, num_items, num_items
     return loss, metrics, seq_scale
 
 
-def _token_layer(logp, entropy, targets, adv, old, ref, mask, is_w, ignore_index, hyper, bonus,
-                 sequence, g, h, part):  # fmt: skip
+def _token_layer(logp, entropy, targets, adv, old, ref, mask, is_w, ignore_index, hyper, modes,
+                 g, h, part):  # fmt: skip
     """Launch the token-layer kernel (one program per sequence) on ``(B, T)`` inputs."""
     from .kernels.token_policy import _policy_token_fwd_kernel
 
     outer, inner = logp.shape
     if outer * inner == 0:
         return
-    eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef, *variant = hyper
-    surrogate, sp0, sp1, sp2, sp3, bias_kl = variant
+    sequence = modes[3]
     dummy = g
     _policy_token_fwd_kernel[(outer,)](
         logp, entropy if entropy is not None else dummy,
@@ -118,14 +140,11 @@ def _token_layer(logp, entropy, targets, adv, old, ref, mask, is_w, ignore_index
         is_w if is_w is not None else dummy, g, h, part,
         inner, *logp.stride(), *_strides(entropy), *_strides(targets), *adv.stride(),
         *_strides(old), *_strides(ref), *_strides(mask), *_strides(is_w), ignore_index,
-        *_pairs(eps_low, eps_high, dual_clip, delta, beta, entropy_coef, sp0, sp1, sp2, sp3),
-        SURROGATE=surrogate, HAS_ENTROPY=entropy is not None, HAS_TARGETS=targets is not None,
+        _hyper(tuple(hyper)), HAS_ENTROPY=entropy is not None, HAS_TARGETS=targets is not None,
         HAS_OLD=old is not None, HAS_REF=ref is not None, HAS_MASK=mask is not None,
-        HAS_IS=is_w is not None, ADD_KL=ref is not None and beta != 0.0, KL_KIND=kl_kind,
-        BIAS_KL=bias_kl, ENTROPY_BONUS=bonus,
-        USE_DUAL=dual_clip != 0.0, USE_DELTA=delta != 0.0, SEQUENCE=sequence != 0,
-        SEQ_TOKEN=sequence == 2,
+        HAS_IS=is_w is not None, SEQUENCE=sequence != 0, SEQ_TOKEN=sequence == 2,
         BLOCK_T=TOKEN_BLOCK_T, ACC=triton_acc(g.dtype),
+        **_policy_switches(hyper, modes, ref is not None),
     )  # fmt: skip
 
 
@@ -133,7 +152,7 @@ def _token_layer(logp, entropy, targets, adv, old, ref, mask, is_w, ignore_index
 
 
 def _fused_rows(logits3d, targets, adv, old, ref, mask, is_w, temperature, ignore_index, hyper,
-                with_entropy, row_max, log_sum, entropy, g, h, part, grad=None,
+                modes, with_entropy, row_max, log_sum, entropy, g, h, part, grad=None,
                 row_scale=None):  # fmt: skip
     """Launch the fused vocab-stream kernel (layer 1 + the token layer as epilogue), one
     program per target token, writing the per-token outputs and partial columns (and, with
@@ -144,8 +163,6 @@ def _fused_rows(logits3d, targets, adv, old, ref, mask, is_w, temperature, ignor
     inner = targets.shape[1]
     if outer * inner == 0:
         return
-    eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef, *variant = hyper
-    surrogate, sp0, sp1, sp2, sp3, bias_kl = variant
     _policy_loss_fwd_kernel[(outer * inner,)](
         logits3d, targets, adv, old if old is not None else g, ref if ref is not None else g,
         mask if mask is not None else g, is_w if is_w is not None else g, row_max, log_sum,
@@ -153,14 +170,10 @@ def _fused_rows(logits3d, targets, adv, old, ref, mask, is_w, temperature, ignor
         grad if grad is not None else g, row_scale if row_scale is not None else g,
         inner, position_shift(positions, inner), vocab, *logits3d.stride(),
         *targets.stride(), *adv.stride(), *_strides(old), *_strides(ref), *_strides(mask),
-        *_strides(is_w), *f32_pair(1.0 / temperature), ignore_index,
-        *_pairs(eps_low, eps_high, dual_clip, delta, beta, entropy_coef, sp0, sp1, sp2, sp3),
-        SURROGATE=surrogate, HAS_OLD=old is not None, HAS_REF=ref is not None,
-        HAS_MASK=mask is not None, HAS_IS=is_w is not None,
-        ADD_KL=ref is not None and beta != 0.0, KL_KIND=kl_kind, BIAS_KL=bias_kl,
-        WITH_ENTROPY=with_entropy,
-        ENTROPY_BONUS=entropy_coef != 0.0, USE_DUAL=dual_clip != 0.0, USE_DELTA=delta != 0.0,
-        WRITE_GRAD=grad is not None, ACC=triton_acc(logits3d.dtype),
+        *_strides(is_w), *f32_pair(1.0 / temperature), ignore_index, _hyper(tuple(hyper)),
+        HAS_OLD=old is not None, HAS_REF=ref is not None, HAS_MASK=mask is not None,
+        HAS_IS=is_w is not None, WITH_ENTROPY=with_entropy, WRITE_GRAD=grad is not None,
+        ACC=triton_acc(logits3d.dtype), **_policy_switches(hyper, modes, ref is not None),
         **vocab_launch(vocab, writes=grad is not None),
     )  # fmt: skip
 
@@ -173,29 +186,19 @@ def policy_rows_grad_into(
     old: Tensor | None,
     ref: Tensor | None,
     mask: Tensor | None,
+    is_w: Tensor | None,
     row_scale: Tensor,
     temperature: float,
     ignore_index: int,
-    eps_low: float,
-    eps_high: float,
-    dual_clip: float,
-    delta: float,
-    beta: float,
-    kl_kind: int,
-    entropy_coef: float,
     with_entropy: bool,
-    is_w: Tensor | None,
-    surrogate: int,
-    sp0: float,
-    sp1: float,
-    sp2: float,
-    sp3: float,
-    bias_kl: bool,
+    hyper: list[float],
+    modes: list[int],
 ) -> Tensor:
     """The fused forward for token-level importance sampling, without the reduction, and
     with each row's gradient written in the same program: ``(outer, T, V)`` logits (no
     window), ``(outer, T)`` per-token inputs, ``row_scale`` ``(outer * T,)`` multiplying
-    each row's ``g``/``h`` (the aggregation normaliser). Writes ``dL/dlogits`` to ``grad``
+    each row's ``g``/``h`` (the aggregation normaliser); ``hyper`` / ``modes``:
+    ``PolicyConfig.kernel_params`` / ``kernel_modes``. Writes ``dL/dlogits`` to ``grad``
     (contiguous, the logits' shape and dtype; may BE ``logits3d`` when that is contiguous:
     each block of a row is read before it is overwritten) and returns the
     ``(N_COLS, outer * T)`` partial columns that :func:`policy_finalize` reduces. The
@@ -204,15 +207,13 @@ def policy_rows_grad_into(
     if logits3d.shape[1] != inner:
         raise ValueError("policy_rows_grad_into takes (outer, T, V) logits for (outer, T) targets")
     dtype = stats_dtype(logits3d.dtype)
-    bonus = entropy_coef != 0.0
+    bonus = hyper[_ENTROPY_COEF] != 0.0
     new = lambda on=True: logits3d.new_empty((outer, inner) if on else (0,), dtype=dtype)
     part = logits3d.new_empty((N_COLS, outer * inner), dtype=dtype)
-    hyper = (eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef, surrogate,
-             sp0, sp1, sp2, sp3, bias_kl)  # fmt: skip
     _fused_rows(
         logits3d, targets, adv, old, ref, _mask_arg(mask), is_w, temperature, ignore_index,
-        hyper, with_entropy or bonus, new(), new(), new(bonus), new(), new(bonus), part, grad,
-        row_scale,
+        hyper, modes, with_entropy or bonus, new(), new(), new(bonus), new(), new(bonus), part,
+        grad, row_scale,
     )  # fmt: skip
     return part
 
@@ -224,32 +225,20 @@ def policy_rows_grad_fwd(
     old: Tensor | None,
     ref: Tensor | None,
     mask: Tensor | None,
+    is_w: Tensor | None,
     row_scale: Tensor,
     temperature: float,
     ignore_index: int,
-    eps_low: float,
-    eps_high: float,
-    dual_clip: float,
-    delta: float,
-    beta: float,
-    kl_kind: int,
-    entropy_coef: float,
     with_entropy: bool,
-    is_w: Tensor | None,
-    surrogate: int,
-    sp0: float,
-    sp1: float,
-    sp2: float,
-    sp3: float,
-    bias_kl: bool,
+    hyper: list[float],
+    modes: list[int],
 ) -> tuple[Tensor, Tensor]:
     """:func:`policy_rows_grad_into` into a fresh gradient buffer: ``(part, grad)`` (the
     form ``torch.compile`` traces, since a custom op may not mutate its input)."""
     grad = torch.empty(logits3d.shape, dtype=logits3d.dtype, device=logits3d.device)
     part = policy_rows_grad_into(
-        grad, logits3d, targets, adv, old, ref, mask, row_scale, temperature, ignore_index,
-        eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef, with_entropy, is_w,
-        surrogate, sp0, sp1, sp2, sp3, bias_kl,
+        grad, logits3d, targets, adv, old, ref, mask, is_w, row_scale, temperature,
+        ignore_index, with_entropy, hyper, modes,
     )  # fmt: skip
     return part, grad
 
@@ -301,32 +290,19 @@ def policy_loss_fwd(
     old: Tensor | None,
     ref: Tensor | None,
     mask: Tensor | None,
+    is_w: Tensor | None,
+    num_items_t: Tensor | None,
     temperature: float,
     ignore_index: int,
-    eps_low: float,
-    eps_high: float,
-    dual_clip: float,
-    delta: float,
-    beta: float,
-    kl_kind: int,
-    entropy_coef: float,
     with_entropy: bool,
-    sequence: int,
-    agg: int,
+    hyper: list[float],
+    modes: list[int],
     max_length: float,
     num_items: float,
-    num_items_t: Tensor | None,
-    is_w: Tensor | None,
-    surrogate: int,
-    sp0: float,
-    sp1: float,
-    sp2: float,
-    sp3: float,
-    bias_kl: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The policy loss over ``(B, S, V)`` logits for ``(B, T)`` targets / per-token inputs
-    (any strides; ``adv`` may be an expanded ``(B,)``). ``dual_clip``/``delta`` of 0 and
-    ``num_items`` <= 0 mean off.
+    (any strides; ``adv`` may be an expanded ``(B,)``). ``hyper`` / ``modes``:
+    ``PolicyConfig.kernel_params`` / ``kernel_modes``; ``num_items`` <= 0 means off.
 
     Returns ``(loss, metrics, seq_scale, row_max, log_sum, entropy, g, h)``: ``loss`` 0-dim,
     ``metrics`` ``(N_COLS,)`` fp32, ``seq_scale`` the aggregation normaliser, and ``(B, T)``
@@ -336,21 +312,19 @@ def policy_loss_fwd(
     n_rows = outer * inner
     dtype = stats_dtype(logits3d.dtype)
     dev = logits3d.device
-    bonus = entropy_coef != 0.0
+    bonus = hyper[_ENTROPY_COEF] != 0.0
     with_entropy = with_entropy or bonus
     new = lambda on=True: torch.empty((outer, inner) if on else (0,), dtype=dtype, device=dev)
     part = torch.empty((N_COLS, n_rows), dtype=dtype, device=dev)
     g, h = new(), new(bonus)
     mask = _mask_arg(mask)
-    hyper = (eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef, surrogate,
-             sp0, sp1, sp2, sp3, bias_kl)  # fmt: skip
-    if sequence:  # GSPO(-token): layer 1, then the token layer over whole sequences
+    if modes[3]:  # GSPO(-token), VESPO: layer 1, then the token layer over whole sequences
         logp, entropy, row_max, log_sum = token_stats_fwd(
             logits3d, targets, temperature, ignore_index, with_entropy
         )
         _token_layer(
             logp, entropy if with_entropy else None, targets, adv, old, ref, mask, is_w,
-            ignore_index, hyper, bonus, sequence, g, h, part,
+            ignore_index, hyper, modes, g, h, part,
         )  # fmt: skip
         if not bonus:
             entropy = new(False)
@@ -358,22 +332,22 @@ def policy_loss_fwd(
         row_max, log_sum, entropy = new(), new(), new(bonus)
         _fused_rows(
             logits3d, targets, adv, old, ref, mask, is_w, temperature, ignore_index, hyper,
-            with_entropy, row_max, log_sum, entropy, g, h, part,
+            modes, with_entropy, row_max, log_sum, entropy, g, h, part,
         )  # fmt: skip
     loss, metrics, seq_scale = _finalize(
-        part, outer, inner, dtype, agg, max_length, num_items, num_items_t, is_w is not None
-    )
+        part, outer, inner, dtype, modes[4], max_length, num_items, num_items_t,
+        is_w is not None,
+    )  # fmt: skip
     return loss, metrics, seq_scale, row_max, log_sum, entropy, g, h
 
 
-def _fwd_fake(logits3d, targets, adv, old, ref, mask, temperature, ignore_index, eps_low,
-              eps_high, dual_clip, delta, beta, kl_kind, entropy_coef, with_entropy, sequence,
-              agg, max_length, num_items, num_items_t, *_variant):  # fmt: skip
+def _fwd_fake(logits3d, targets, adv, old, ref, mask, is_w, num_items_t, temperature,
+              ignore_index, with_entropy, hyper, modes, max_length, num_items):  # fmt: skip
     outer, inner = targets.shape
     dtype = stats_dtype(logits3d.dtype)
     new = lambda on=True: logits3d.new_empty((outer, inner) if on else (0,), dtype=dtype)
-    bonus = entropy_coef != 0.0
-    n_scale = max(outer, 1) if agg == 1 else 1
+    bonus = hyper[_ENTROPY_COEF] != 0.0
+    n_scale = max(outer, 1) if modes[4] == 1 else 1
     return (
         logits3d.new_empty((), dtype=dtype), logits3d.new_empty(N_COLS, dtype=torch.float32),
         logits3d.new_empty(n_scale, dtype=dtype), new(), new(), new(bonus), new(), new(bonus),
@@ -381,7 +355,7 @@ def _fwd_fake(logits3d, targets, adv, old, ref, mask, temperature, ignore_index,
 
 
 def _fwd_setup(ctx, inputs, output):
-    logits3d, targets, _adv, _old, _ref, _mask, temperature, ignore_index, *_hyper = inputs
+    logits3d, targets, *_tensors, temperature, ignore_index = inputs[:10]
     ctx.temperature, ctx.ignore_index = temperature, ignore_index
     _, metrics, seq_scale, row_max, log_sum, entropy, g, h = output
     ctx.save_for_backward(logits3d, targets, seq_scale, row_max, log_sum, entropy, g, h)
@@ -416,25 +390,12 @@ def policy_logprobs_fwd(
     old: Tensor | None,
     ref: Tensor | None,
     mask: Tensor | None,
-    eps_low: float,
-    eps_high: float,
-    dual_clip: float,
-    delta: float,
-    beta: float,
-    kl_kind: int,
-    entropy_coef: float,
-    sequence: int,
-    agg: int,
+    is_w: Tensor | None,
+    num_items_t: Tensor | None,
+    hyper: list[float],
+    modes: list[int],
     max_length: float,
     num_items: float,
-    num_items_t: Tensor | None,
-    is_w: Tensor | None,
-    surrogate: int,
-    sp0: float,
-    sp1: float,
-    sp2: float,
-    sp3: float,
-    bias_kl: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The policy loss from ``(B, T)`` log-probs (and entropy), any strides.
 
@@ -443,32 +404,29 @@ def policy_logprobs_fwd(
     """
     outer, inner = logp.shape
     dtype = stats_dtype(logp.dtype)
-    bonus = entropy_coef != 0.0
+    bonus = hyper[_ENTROPY_COEF] != 0.0
     new = lambda on=True: logp.new_empty((outer, inner) if on else (0,), dtype=dtype)
     part = logp.new_empty((N_COLS, outer * inner), dtype=dtype)
     g, h = new(), new(bonus)
-    hyper = (eps_low, eps_high, dual_clip, delta, beta, kl_kind, entropy_coef, surrogate,
-             sp0, sp1, sp2, sp3, bias_kl)  # fmt: skip
     _token_layer(
-        logp, entropy, None, adv, old, ref, _mask_arg(mask), is_w, 0, hyper, bonus, sequence, g,
-        h, part,
-    )  # fmt: skip
-    loss, metrics, seq_scale = _finalize(
-        part, outer, inner, dtype, agg, max_length, num_items, num_items_t, is_w is not None
+        logp, entropy, None, adv, old, ref, _mask_arg(mask), is_w, 0, hyper, modes, g, h, part
     )
+    loss, metrics, seq_scale = _finalize(
+        part, outer, inner, dtype, modes[4], max_length, num_items, num_items_t,
+        is_w is not None,
+    )  # fmt: skip
     return loss, metrics, seq_scale, g, h
 
 
-def _logprobs_fake(logp, entropy, adv, old, ref, mask, eps_low, eps_high, dual_clip, delta,
-                   beta, kl_kind, entropy_coef, sequence, agg, max_length, num_items,
-                   num_items_t, *_variant):  # fmt: skip
+def _logprobs_fake(logp, entropy, adv, old, ref, mask, is_w, num_items_t, hyper, modes,
+                   max_length, num_items):  # fmt: skip
     outer, inner = logp.shape
     dtype = stats_dtype(logp.dtype)
-    n_scale = max(outer, 1) if agg == 1 else 1
+    n_scale = max(outer, 1) if modes[4] == 1 else 1
     return (
         logp.new_empty((), dtype=dtype), logp.new_empty(N_COLS, dtype=torch.float32),
         logp.new_empty(n_scale, dtype=dtype), logp.new_empty((outer, inner), dtype=dtype),
-        logp.new_empty((outer, inner) if entropy_coef != 0.0 else (0,), dtype=dtype),
+        logp.new_empty((outer, inner) if hyper[_ENTROPY_COEF] != 0.0 else (0,), dtype=dtype),
     )  # fmt: skip
 
 

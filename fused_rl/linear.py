@@ -49,7 +49,7 @@ from torch import Tensor
 
 from . import _validation as V
 from . import config
-from ._agg import LOSS_AGG_MODES, poison_empty, sequence_scale
+from ._agg import poison_empty, sequence_scale
 from ._backend import resolve_backend
 from ._launch import stats_dtype
 from ._ops import _serialised_when_interpreting, _tracing
@@ -62,8 +62,8 @@ from ._policy_ops import (
     uncounted_partials,
 )
 from ._vocab_ops import token_stats_bwd_into, token_stats_bwd_op, token_stats_fwd_op
+from .policy_config import PolicyConfig, takes_policy_options
 from .reference import logprobs as ref
-from .reference.kl import KL_KINDS
 from .reference.logprobs import differentiable_once
 from .reference.reductions import mask_weights
 
@@ -294,6 +294,22 @@ class _TensorParallel:
     reduce_hidden: bool
 
 
+@dataclass(frozen=True)
+class _LinearLaunch:
+    """The non-tensor arguments of :class:`_LinearPolicyLoss`: the vocabulary options, the
+    chunking, and the config's kernel table (``PolicyConfig.kernel_params`` / ``modes``)."""
+
+    temperature: float
+    ignore_index: int
+    with_entropy: bool
+    chunk: int
+    shape: tuple[int, int]
+    max_length: float
+    num_items: float
+    hyper: list[float]
+    modes: list[int]
+
+
 class _LinearPolicyLoss(torch.autograd.Function):
     """The token-level policy loss of ``F.linear(rows, weight, bias)`` with its gradients
     formed in the forward (one GEMM per chunk for the logits, two for the gradients) and
@@ -310,9 +326,9 @@ class _LinearPolicyLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, weight, bias, targets, adv, old, ref, mask, is_w, row_scale,
-                num_items_t, kept, config):  # fmt: skip
-        (temperature, ignore_index, hyper, with_entropy, chunk, agg, shape, max_len, n_items,
-         variant) = config  # fmt: skip
+                num_items_t, kept, launch):  # fmt: skip
+        temperature, ignore_index = launch.temperature, launch.ignore_index
+        with_entropy = launch.with_entropy
         n_rows = rows.shape[0]
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         acc = stats_dtype(rows.dtype)
@@ -334,14 +350,14 @@ class _LinearPolicyLoss(torch.autograd.Function):
                 pick, (targets, adv, old, ref, mask, is_w, row_scale)
             )
             n_work = kept.numel()
-        for start in range(0, n_work, chunk):
-            c = slice(start, min(start + chunk, n_work))  # into the per-token inputs
+        for start in range(0, n_work, launch.chunk):
+            c = slice(start, min(start + launch.chunk, n_work))  # into the per-token inputs
             r = c if kept is None else kept[c]  # into rows, part and d_hidden
             h_c = rows[r]  # a view, or a gather of the counted rows
             z = F.linear(h_c, weight, bias)
             args = (col(targets, c), col(adv, c), col(old, c), col(ref, c), col(mask, c),
-                    row_scale[c], temperature, ignore_index, *hyper, with_entropy,
-                    col(is_w, c), *variant)  # fmt: skip
+                    col(is_w, c), row_scale[c], temperature, ignore_index, with_entropy,
+                    launch.hyper, launch.modes)  # fmt: skip
             if torch.compiler.is_compiling() or _tracing():  # a traced op may not mutate
                 part[:, r], dz3 = policy_rows_grad_fwd_op(z[:, None], *args)
                 dz = dz3[:, 0]
@@ -356,8 +372,9 @@ class _LinearPolicyLoss(torch.autograd.Function):
                 d_bias.add_(dz.sum(0, dtype=acc))
             del z, dz, h_c
         loss, metrics, _ = policy_finalize_op(
-            part, *shape, agg, max_len, n_items, num_items_t, is_w is not None
-        )
+            part, *launch.shape, launch.modes[4], launch.max_length, launch.num_items,
+            num_items_t, is_w is not None,
+        )  # fmt: skip
         ctx.save_for_backward(
             rows, weight, bias, d_hidden,  # the inputs only to mark a double backward
             d_weight.to(weight.dtype) if need_w else None,
@@ -582,6 +599,7 @@ def _tensor_parallel(group, weight, vocab_start, vocab_size, temperature, ignore
 
 
 @V.deprecated_keyword("kl", "kl_estimator")
+@takes_policy_options
 def linear_policy_loss(
     hidden: Tensor,
     weight: Tensor,
@@ -594,33 +612,15 @@ def linear_policy_loss(
     ref_logprobs: Tensor | None = None,
     mask: Tensor | None = None,
     temperature: float = 1.0,
-    eps_low: float = 0.2,
-    eps_high: float | None = None,
-    dual_clip: float | None = None,
-    delta: float | None = None,
-    beta: float = 0.0,
-    kl_estimator: str = "k3",
-    entropy_coef: float = 0.0,
     with_entropy: bool = False,
-    importance_sampling: str = "token",
-    surrogate: str = "ppo",
-    sapo_tau_pos: float = 1.0,
-    sapo_tau_neg: float = 1.05,
-    vespo_k_pos: float = 2.0,
-    vespo_lambda_pos: float = 3.0,
-    vespo_k_neg: float = 3.0,
-    vespo_lambda_neg: float = 2.0,
     is_weights: Tensor | None = None,
-    kl_bias_correction: bool = False,
-    top_entropy_quantile: float = 1.0,
-    loss_agg: str = "token-mean",
-    max_length: int | None = None,
     num_items: int | float | Tensor | None = None,
     ignore_index: int = -100,
     process_group=None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     reduce_hidden_grad: bool = True,
+    policy: PolicyConfig,
     backend: str = "auto",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """:func:`fused_rl.policy_loss` straight from hidden states: the same loss, gradients
@@ -629,7 +629,8 @@ def linear_policy_loss(
     ``(N, V)`` logits never held whole.
 
     Shapes and ``chunk_tokens`` as :func:`linear_token_logprobs` (``hidden`` ``(B, S, H)``
-    with ``(B, T)`` targets, ``S >= T``); every other keyword as :func:`policy_loss`.
+    with ``(B, T)`` targets, ``S >= T``); every other keyword as :func:`policy_loss`
+    (the policy options: :class:`fused_rl.PolicyConfig`, or ``policy_config=``).
 
     How (module docstring): with gradients on and ``importance_sampling="token"`` on the
     Triton backend, one pass over the chunks computes the loss, the metrics and the
@@ -656,40 +657,23 @@ def linear_policy_loss(
         >>> loss, m = fused_rl.linear_policy_loss(h, w, t, torch.tensor([1.0, -1.0]))
         >>> loss.backward()
     """
-    from .losses import policy_loss_from_logprobs
+    from .losses import counted_mask, policy_loss_from_logprobs
 
-    eps_high = _check_options(
-        targets, advantages, old_logprobs, ref_logprobs, mask, is_weights, eps_low=eps_low,
-        eps_high=eps_high, dual_clip=dual_clip, delta=delta, beta=beta,
-        entropy_coef=entropy_coef, kl_estimator=kl_estimator,
-        importance_sampling=importance_sampling, loss_agg=loss_agg, max_length=max_length,
-        surrogate=surrogate, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
-        vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
-        vespo_lambda_neg=vespo_lambda_neg, kl_bias_correction=kl_bias_correction,
-        top_entropy_quantile=top_entropy_quantile,
-        num_items=num_items,
-    )  # fmt: skip
-    variant = dict(surrogate=surrogate, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
-                   vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
-                   vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg,
-                   is_weights=is_weights, kl_bias_correction=kl_bias_correction)  # fmt: skip
-    need_entropy = with_entropy or entropy_coef != 0.0 or top_entropy_quantile < 1.0
+    _check_policy_tensors(
+        targets, advantages, old_logprobs, ref_logprobs, mask, is_weights, policy, num_items
+    )
+    need_entropy = with_entropy or policy.uses_entropy
     # one pass when every token's gradient is known from its own row (VESPO's phi needs the
     # sequence's total first, GSPO its ratio, the entropy selection every entropy)
-    one_pass = importance_sampling == "token" and top_entropy_quantile == 1.0
-    one_pass = one_pass and surrogate != "vespo" and process_group is None
-    if one_pass and _grad_wanted(hidden, weight, bias):
+    if policy.token_level and process_group is None and _grad_wanted(hidden, weight, bias):
         rows, weight_c, bias_c, flat_targets, chunk, which = _prepare(
             hidden, weight, bias, targets, temperature, ignore_index, chunk_tokens, backend
         )
         if which == "triton":
             return _fused_policy_loss(
                 rows, weight_c, bias_c, flat_targets, targets.shape, advantages, old_logprobs,
-                ref_logprobs, mask, chunk, temperature=temperature, ignore_index=ignore_index,
-                hyper=(eps_low, eps_high, dual_clip or 0.0, delta or 0.0, beta,
-                       KL_KINDS.index(kl_estimator), entropy_coef),
-                with_entropy=need_entropy, loss_agg=loss_agg, max_length=max_length,
-                num_items=num_items, **variant,
+                ref_logprobs, mask, is_weights, num_items, chunk, temperature=temperature,
+                ignore_index=ignore_index, with_entropy=need_entropy, policy=policy,
             )  # fmt: skip
     out = linear_token_logprobs(
         hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
@@ -698,20 +682,11 @@ def linear_policy_loss(
         backend=backend,
     )  # fmt: skip
     logp, entropy = out if need_entropy else (out, None)
-    counted = targets != ignore_index  # policy_loss counts a token only where it is not ignored
-    if mask is None:
-        mask = counted
-    elif mask.dtype == torch.bool:
-        mask = mask & counted
-    else:
-        mask = torch.where(counted, mask, torch.zeros_like(mask))
+    # policy_loss counts a token only where it is not ignored
     return policy_loss_from_logprobs(
-        logp, advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask,
-        entropy=entropy, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, delta=delta,
-        beta=beta, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
-        importance_sampling=importance_sampling, loss_agg=loss_agg, max_length=max_length,
-        num_items=num_items, top_entropy_quantile=top_entropy_quantile, backend=backend,
-        **variant,
+        logp, advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+        mask=counted_mask(mask, targets, ignore_index), entropy=entropy,
+        is_weights=is_weights, num_items=num_items, policy_config=policy, backend=backend,
     )  # fmt: skip
 
 
@@ -721,12 +696,13 @@ def _grad_wanted(*tensors: Tensor | None) -> bool:
     return any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
 
 
-def _check_options(targets, advantages, old_logprobs, ref_logprobs, mask, is_weights, **options):
-    """The policy options and per-token tensors, checked before any GEMM (a bad option fails
-    before any work); returns the resolved ``eps_high``."""
-    from .losses import _advantages_2d, _check_policy_args, _check_token_tensors, _is_weights_2d
+def _check_policy_tensors(targets, advantages, old_logprobs, ref_logprobs, mask, is_weights,
+                          policy, num_items) -> None:  # fmt: skip
+    """The per-token tensors and what the call adds to the config's checks, before any GEMM
+    (a bad argument fails before any work)."""
+    from .losses import _advantages_2d, _check_call, _check_token_tensors, _is_weights_2d
 
-    eps_high = _check_policy_args(ref_logprobs=ref_logprobs, **options)
+    _check_call(policy, ref_logprobs, num_items)
     V.check_tensor(targets, "targets")
     if targets.dim() != 2:
         raise ValueError(f"targets must be (B, T), got shape {tuple(targets.shape)}")
@@ -741,7 +717,6 @@ def _check_options(targets, advantages, old_logprobs, ref_logprobs, mask, is_wei
         ref_logprobs=ref_logprobs, mask=mask, is_weights=is_weights,
     )  # fmt: skip
     V.check_mask_weights(mask, "mask")
-    return eps_high
 
 
 def _counted_rows(m: Tensor, rows: Tensor) -> Tensor | None:
@@ -755,46 +730,35 @@ def _counted_rows(m: Tensor, rows: Tensor) -> Tensor | None:
 
 
 def _fused_policy_loss(rows, weight, bias, flat_targets, shape, advantages, old, ref, mask,
-                       chunk, *, temperature, ignore_index, hyper, with_entropy, loss_agg,
-                       max_length, num_items, surrogate, sapo_tau_pos, sapo_tau_neg,
-                       vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg,
-                       is_weights, kl_bias_correction):  # fmt: skip
+                       is_weights, num_items, chunk, *, temperature, ignore_index,
+                       with_entropy, policy):  # fmt: skip
     """The Triton path of :func:`linear_policy_loss` for token-level importance sampling
     (:class:`_LinearPolicyLoss`): per-token inputs flattened to ``(N,)`` and the
     aggregation's per-row scale computed from the mask before the chunk loop."""
-    from .losses import (
-        _advantages_2d,
-        _constants,
-        _is_weights_2d,
-        _num_items_args,
-        _surrogate_params,
-        _variant_args,
-    )
+    from .losses import _advantages_2d, _constants, _is_weights_2d, _num_items_args
 
     batch, length = shape
     acc = stats_dtype(rows.dtype)
     flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
     adv, old, ref = _constants(acc, _advantages_2d(advantages, batch, length), old, ref)
     is_w = _is_weights_2d(is_weights, batch, length)
-    params = _surrogate_params(surrogate, sapo_tau_pos, sapo_tau_neg, vespo_k_pos,
-                               vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)  # fmt: skip
-    variant = _variant_args(is_w, surrogate, params, kl_bias_correction)
     counted = (flat_targets != ignore_index).view(batch, length)
     m = counted.to(acc) if mask is None else mask_weights(mask.detach(), acc) * counted
-    scale = sequence_scale(m, loss_agg, max_length=max_length, num_items=num_items)
+    scale = sequence_scale(m, policy.loss_agg, max_length=policy.max_length, num_items=num_items)
     row_scale = scale.expand(batch, length).contiguous().view(-1)  # the kernel reads stride 1
     kept = _counted_rows(m, rows)
     n_items, n_items_t = _num_items_args(num_items)
-    config = (float(temperature), int(ignore_index), tuple(float(x) for x in hyper[:5])
-              + (int(hyper[5]), float(hyper[6])), bool(with_entropy), chunk,
-              LOSS_AGG_MODES.index(loss_agg), (batch, length), float(max_length or length),
-              n_items, variant[1:])  # fmt: skip
+    launch = _LinearLaunch(
+        float(temperature), int(ignore_index), bool(with_entropy), chunk, shape,
+        float(policy.max_length or length), n_items, policy.kernel_params,
+        policy.kernel_modes,
+    )  # fmt: skip
     with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
         loss, metrics = _LinearPolicyLoss.apply(
             rows, weight, bias, flat_targets, flat(adv), flat(old), flat(ref),
             flat(mask.detach()) if mask is not None else None, flat(_constants(acc, is_w)[0]),
-            row_scale, n_items_t, kept, config,
+            row_scale, n_items_t, kept, launch,
         )  # fmt: skip
     out = metrics_dict(metrics, has_kl=ref is not None, has_entropy=with_entropy,
-                       surrogate=variant[1], has_is=is_w is not None)  # fmt: skip
+                       surrogate=launch.modes[0], has_is=is_w is not None)  # fmt: skip
     return poison_empty(loss, num_items, batch * length), out

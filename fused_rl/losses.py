@@ -11,33 +11,21 @@ vocab-stream kernel. The ``reference`` backend is the same math in plain PyTorch
 
 from __future__ import annotations
 
-import functools
-import inspect
-
 import torch
 from torch import Tensor
 
 from . import _validation as V
-from ._agg import LOSS_AGG_MODES, check_loss_agg, masked_mean_all, poison_empty, token_weights
+from ._agg import check_num_items, masked_mean_all, poison_empty, token_weights
 from ._backend import resolve_backend
 from ._launch import stats_dtype
 from ._policy_ops import AUX_METRIC, metrics_dict, policy_logprobs_fwd_op, policy_loss_fwd_op
 from ._vocab_ops import check_targets_window, token_stats_nocheck, window
 from .distributed import is_dtensor
+from .kernels.modes import IMPORTANCE_SAMPLING, LOSS_AGG_MODES, SURROGATES  # noqa: F401
 from .logprobs import token_logprobs
-from .reference.kl import KL_KINDS
-from .reference.policy import ClipConfig, policy_token_terms
+from .policy_config import PolicyConfig, takes_policy_options
+from .reference.policy import policy_token_terms
 from .reference.reductions import mask_weights
-
-IMPORTANCE_SAMPLING = ("token", "sequence", "sequence-token")  # the kernels' order
-SURROGATES = (
-    "ppo",
-    "cispo",
-    "sapo",
-    "gpg",
-    "gmpo",
-    "vespo",
-)  # the order of kernels/token_layer.py SURROGATE_*
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -69,71 +57,6 @@ def _metrics(terms: dict[str, Tensor], mask_f: Tensor, surrogate: str = "ppo") -
             if name in terms:
                 out[name] = mean(terms[name])
     return out
-
-
-def check_policy_options(
-    *, eps_low, eps_high, dual_clip, delta, beta, entropy_coef, kl_estimator,
-    importance_sampling, loss_agg, max_length, surrogate="ppo", sapo_tau_pos=1.0,
-    sapo_tau_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
-    vespo_lambda_neg=2.0, kl_bias_correction=False, top_entropy_quantile=1.0, num_items=None,
-) -> float:  # fmt: skip
-    """Validate the hyper-parameters that need no tensor (the shared validators of
-    ``_validation``; also run by ``fused_rl.nn.PolicyLoss`` at construction); return the
-    resolved ``eps_high``."""
-    V.check_nonnegative(eps_low, "eps_low")
-    V.check_nonnegative(eps_high, "eps_high", allow_none=True)
-    V.check_number(dual_clip, "dual_clip", allow_none=True)
-    V.check_number(delta, "delta", allow_none=True)
-    V.check_number(beta, "beta")
-    V.check_number(entropy_coef, "entropy_coef")
-    eps_high = eps_low if eps_high is None else eps_high
-    if dual_clip is not None and not dual_clip > 1.0:
-        raise ValueError(f"dual_clip must be > 1 (arXiv 1912.09729) or None, got {dual_clip}")
-    if delta is not None and not delta > 1.0 + eps_high:
-        raise ValueError(f"delta must be > 1 + eps_high = {1.0 + eps_high}, got {delta}")
-    V.check_choice(kl_estimator, KL_KINDS, "kl_estimator")
-    V.check_choice(importance_sampling, IMPORTANCE_SAMPLING, "importance_sampling")
-    _check_surrogate(surrogate, importance_sampling, dual_clip, delta, sapo_tau_pos, sapo_tau_neg)
-    for name, value in (("vespo_k_pos", vespo_k_pos), ("vespo_k_neg", vespo_k_neg)):
-        V.check_number(value, name)
-    V.check_nonnegative(vespo_lambda_pos, "vespo_lambda_pos")
-    V.check_nonnegative(vespo_lambda_neg, "vespo_lambda_neg")
-    if not isinstance(kl_bias_correction, bool):
-        raise TypeError(f"kl_bias_correction must be a bool, got {kl_bias_correction!r}")
-    V.check_number(top_entropy_quantile, "top_entropy_quantile")
-    if not 0.0 <= top_entropy_quantile <= 1.0:
-        raise ValueError(f"top_entropy_quantile must be in [0, 1], got {top_entropy_quantile}")
-    check_loss_agg(loss_agg, max_length=max_length, num_items=num_items)
-    return eps_high
-
-
-def _check_surrogate(surrogate, importance_sampling, dual_clip, delta, tau_pos, tau_neg) -> None:
-    V.check_choice(surrogate, SURROGATES, "surrogate")
-    if surrogate in ("cispo", "gpg") and importance_sampling == "sequence":
-        raise ValueError(
-            f"importance_sampling='sequence' works with the ratio surrogates ('ppo' = GSPO, "
-            f"'sapo'); surrogate={surrogate!r} weighs each token's own log-prob, so use "
-            "importance_sampling='token' or 'sequence-token'"
-        )
-    if surrogate == "vespo" and importance_sampling != "token":
-        raise ValueError(
-            "surrogate='vespo' weighs each token by its sequence's phi, already a sequence-level "
-            f"weight: pass importance_sampling='token' (as Liger), got {importance_sampling!r}"
-        )
-    if surrogate == "gmpo" and importance_sampling != "sequence":
-        raise ValueError(
-            "surrogate='gmpo' is sequence-level (one geometric-mean ratio per sequence): pass "
-            f"importance_sampling='sequence', got {importance_sampling!r}"
-        )
-    if surrogate != "ppo":
-        for name, value in (("delta", delta), ("dual_clip", dual_clip)):
-            if value is not None:
-                raise ValueError(
-                    f"{name} caps PPO's clipped surrogate; it does not apply to "
-                    f"surrogate={surrogate!r} (pass {name}=None)"
-                )
-    V.check_positive(tau_pos, "sapo_tau_pos")
-    V.check_positive(tau_neg, "sapo_tau_neg")
 
 
 def _is_weights_2d(is_weights: Tensor | None, batch: int, length: int) -> Tensor | None:
@@ -194,14 +117,14 @@ def top_entropy_tokens(entropy: Tensor, mask: Tensor | None, *, quantile: float)
         return counted & (h >= threshold) & (n > 0)
 
 
-def _check_policy_args(*, ref_logprobs, **options) -> float:
-    """:func:`check_policy_options`, and ``beta != 0`` needs ``ref_logprobs``."""
-    eps_high = check_policy_options(**options)
-    if options["beta"] != 0.0 and ref_logprobs is None:
+def _check_call(policy: PolicyConfig, ref_logprobs, num_items) -> None:
+    """What a call adds to the config's own checks: ``beta != 0`` needs ``ref_logprobs``;
+    ``num_items`` (a per-call value: a number or a one-element tensor)."""
+    if policy.beta != 0.0 and ref_logprobs is None:
         raise ValueError(
-            f"beta = {options['beta']} needs ref_logprobs (the reference policy's log-probs)"
+            f"beta = {policy.beta} needs ref_logprobs (the reference policy's log-probs)"
         )
-    return eps_high
+    check_num_items(num_items)
 
 
 def _check_token_tensors(batch: int, length: int, **tensors: Tensor | None) -> None:
@@ -260,38 +183,16 @@ def _logits_rank_message(logits: Tensor) -> str:
     return msg
 
 
-def _loss_from_logprobs(logp, entropy, adv2d, mask_f, weights, num_items, rollout_is,
-                        **token_kwargs):  # fmt: skip
-    terms = policy_token_terms(logp, adv2d, mask_f, entropy=entropy, **token_kwargs)
+def _loss_from_logprobs(logp, entropy, adv2d, mask_f, weights, num_items, rollout_is, policy,
+                        **tensors):  # fmt: skip
+    """The reference path's loss and metrics from per-token log-probs (``tensors``:
+    ``old_logp``, ``ref_logp``, ``is_weights`` for :func:`policy_token_terms`)."""
+    terms = policy_token_terms(logp, adv2d, mask_f, entropy=entropy, config=policy, **tensors)
     loss = (terms["loss"] * weights).where(weights != 0, torch.zeros_like(weights)).sum()
-    metrics = _metrics(terms, mask_f, token_kwargs["surrogate"])
+    metrics = _metrics(terms, mask_f, policy.surrogate)
     if rollout_is is not None:
         metrics.update(_is_metrics(rollout_is, mask_f))
     return poison_empty(loss, num_items, weights.numel()), metrics
-
-
-def _surrogate_params(
-    surrogate, sapo_tau_pos, sapo_tau_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
-    vespo_lambda_neg,
-) -> tuple[float, float, float, float]:  # fmt: skip
-    """The surrogate's own parameters, the kernels' ``sp0 ... sp3``."""
-    if surrogate == "sapo":
-        return float(sapo_tau_pos), float(sapo_tau_neg), 0.0, 0.0
-    if surrogate == "vespo":
-        return (float(vespo_k_pos), float(vespo_lambda_pos), float(vespo_k_neg),
-                float(vespo_lambda_neg))  # fmt: skip
-    return 0.0, 0.0, 0.0, 0.0
-
-
-def _variant_args(is_w, surrogate, params, kl_bias_correction) -> tuple:
-    """The kernels' variant arguments ``(is_w, surrogate, sp0, sp1, sp2, sp3, bias_kl)``."""
-    return (is_w, SURROGATES.index(surrogate), *params, bool(kl_bias_correction))
-
-
-def _is_level(importance_sampling: str, surrogate: str) -> int:
-    """The kernels' importance-sampling level: VESPO runs the sequence pass for its phi and
-    writes each token's own gradient, as GSPO-token does."""
-    return 2 if surrogate == "vespo" else IMPORTANCE_SAMPLING.index(importance_sampling)
 
 
 def _counted_weights(mask, like) -> Tensor:
@@ -305,6 +206,7 @@ def _counted_weights(mask, like) -> Tensor:
 
 
 @V.deprecated_keyword("kl", "kl_estimator")
+@takes_policy_options
 def policy_loss(
     logits: Tensor,
     targets: Tensor,
@@ -314,30 +216,12 @@ def policy_loss(
     ref_logprobs: Tensor | None = None,
     mask: Tensor | None = None,
     temperature: float = 1.0,
-    eps_low: float = 0.2,
-    eps_high: float | None = None,
-    dual_clip: float | None = None,
-    delta: float | None = None,
-    beta: float = 0.0,
-    kl_estimator: str = "k3",
-    entropy_coef: float = 0.0,
     with_entropy: bool = False,
-    importance_sampling: str = "token",
-    surrogate: str = "ppo",
-    sapo_tau_pos: float = 1.0,
-    sapo_tau_neg: float = 1.05,
-    vespo_k_pos: float = 2.0,
-    vespo_lambda_pos: float = 3.0,
-    vespo_k_neg: float = 3.0,
-    vespo_lambda_neg: float = 2.0,
     is_weights: Tensor | None = None,
-    kl_bias_correction: bool = False,
-    top_entropy_quantile: float = 1.0,
-    loss_agg: str = "token-mean",
-    max_length: int | None = None,
     num_items: int | float | Tensor | None = None,
     ignore_index: int = -100,
     process_group=None,
+    policy: PolicyConfig,
     backend: str = "auto",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO / GRPO clipped-surrogate loss from the policy logits, fused over the vocabulary.
@@ -369,62 +253,12 @@ def policy_loss(
             mode (one host sync, with the target check below); unchecked (``torch.compile``,
             ``fused_rl.config.check_values = False``) it makes the loss NaN.
         temperature: logits are divided by it.
-        eps_low, eps_high: clip band ``[1 - eps_low, 1 + eps_high]``; ``eps_high=None`` =
-            ``eps_low`` (DAPO's clip-higher: ``eps_high > eps_low``).
-        dual_clip: ``c > 1``: where ``A < 0`` the loss is capped at ``-c A`` (arXiv 1912.09729).
-        delta: TRL's two-sided clip: the unclipped ratio is capped at ``delta`` first.
-        beta, kl_estimator: KL penalty ``beta * kl`` per token, ``kl`` estimated by
-            ``kl_estimator`` in ``k1``, ``k2``, ``k3``, ``low_var_kl``, ``abs`` with
-            ``log_ratio = logp - ref`` (:func:`fused_rl.kl_estimate`). ``kl=`` is a
-            deprecated alias of ``kl_estimator=`` (``FutureWarning``).
-        entropy_coef: entropy bonus ``-entropy_coef * H`` (H differentiable, same pass).
         with_entropy: report the mean entropy as a metric even when ``entropy_coef == 0``.
-        importance_sampling: ``"token"``, ``"sequence"`` (GSPO: one ratio per sequence,
-            ``exp(masked mean of logp - old)``, differentiable through every token; with
-            ``surrogate="ppo"`` or ``"sapo"``) or ``"sequence-token"`` (GSPO-token, TRL's
-            ``sequence_token`` and verl's ``gspo``: the sequence ratio's value with each
-            token's own gradient, ``sg(s) r_t / sg(r_t)``).
-        surrogate: the policy term per token, ``r`` the ratio, ``A`` the advantage:
-            ``"ppo"`` (default) the clipped surrogate above; ``"cispo"`` (MiniMax-M1)
-            ``-sg(clamp(r, 1 - eps_low, 1 + eps_high)) A logp``, verl's two-sided band (TRL's
-            and Liger's absolute cap ``C``, ``sg(min(r, C))``, is ``eps_low=1,
-            eps_high=C - 1``); ``"sapo"`` ``-A sigmoid(tau (r - 1)) 4 / tau`` with
-            ``tau = sapo_tau_pos`` where ``A > 0``, else ``sapo_tau_neg`` (the soft gate;
-            its gradient at ``r = 1`` is PPO's); ``"gpg"`` ``-A logp`` (GPG / REINFORCE).
-            ``"gmpo"`` (geometric-mean policy optimisation; with
-            ``importance_sampling="sequence"``): ``-A r_seq`` with ``r_seq`` the geometric
-            mean of the token ratios, each clipped in log space to ``[-eps_low, eps_high]``
-            on its advantage's side (a token the clip froze gets no gradient; use
-            ``loss_agg="seq-mean-token-mean"`` for GMPO's mean over sequences);
-            ``"vespo"`` ``-sg(phi) A logp``, ``phi = exp(lam + k ln w - lam w)`` of the
-            sequence's clamped log-weight sum ``ln w`` (its log-ratios and the
-            ``is_weights``' logs, which then weigh nothing else), ``(k, lam)`` by the sign
-            of ``A``. ``delta`` and ``dual_clip`` apply to ``"ppo"`` only. Only VESPO clamps
-            the log-ratio (verl clamps it to +-20 in vanilla / sapo / cispo: use its
-            adapter for that).
-        sapo_tau_pos, sapo_tau_neg: SAPO's temperatures (> 0; TRL's and verl's defaults).
-        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's shape
-            parameters for ``A >= 0`` and ``A < 0`` (TRL's and Liger's defaults).
         is_weights: rollout (behaviour-policy, e.g. vLLM) importance-sampling weights,
             ``(B, T)``, ``(B, 1)`` or ``(B,)`` constants (see
             :func:`fused_rl.rollout_is_weights`): they multiply the per-token policy term
             only, before the KL is added, as verl, TRL and Liger do. Adds the metrics
             ``is_weight_mean`` / ``_min`` / ``_max`` over counted tokens.
-        kl_bias_correction: multiply the KL term by the ratio ``r``, NOT detached
-            (DeepSeek-V3.2, TRL's ``use_bias_correction_kl``); with
-            ``importance_sampling="sequence"`` by the sequence ratio, with its exact
-            gradient. The ``kl`` metric stays the uncorrected estimate.
-        top_entropy_quantile: ``rho < 1`` keeps the policy term only at the counted tokens
-            whose entropy is at or above the ``1 - rho`` quantile of this call's counted
-            tokens (TRL's "20% high-entropy tokens" recipe, ``rho = 0.2``; threshold as
-            ``torch.quantile``, linear); the KL and the normaliser still count every token.
-            Needs the entropy first: log-probs and entropy in one vocabulary pass, then the
-            token layer (as GSPO). The quantile is per call (per rank): TRL gathers the
-            entropies of every data-parallel rank first.
-        loss_agg: ``"token-mean"`` | ``"seq-mean-token-mean"`` | ``"seq-mean-token-sum"`` |
-            ``"seq-mean-token-sum-norm"`` (see ``fused_rl._agg.token_weights``); a sequence
-            with no counted token contributes 0, never NaN.
-        max_length: the ``seq-mean-token-sum-norm`` constant (default T).
         num_items: replaces the token count of ``token-mean`` (global count across
             micro-batches / ranks, e.g. ``fused_rl.distributed.global_token_count(mask)``).
             A tensor value is not checked (no host sync).
@@ -435,6 +269,11 @@ def policy_loss(
             :func:`fused_rl.token_logprobs` (two all-reduces, 12 or 16 bytes per token)
             feeding :func:`policy_loss_from_logprobs` (``fused_rl.distributed``).
         backend: ``"auto"`` | ``"triton"`` | ``"reference"``.
+        eps_low, eps_high, dual_clip, delta, beta, kl_estimator, entropy_coef,
+            importance_sampling, surrogate, sapo_tau_*, vespo_*, kl_bias_correction,
+            top_entropy_quantile, loss_agg, max_length, log_ratio_clamp: the policy options,
+            documented once on :class:`fused_rl.PolicyConfig` (checked before any work);
+            or ``policy_config=`` a whole :class:`fused_rl.PolicyConfig`.
 
     Returns:
         ``(loss, metrics)``: ``loss`` a 0-dim fp32 tensor, differentiable w.r.t. ``logits``;
@@ -470,7 +309,6 @@ def policy_loss(
     check_targets_window(targets, logits)
     V.check_positive(temperature, "temperature")
     batch, length = targets.shape
-    vocab = logits.shape[-1]
     adv2d = _advantages_2d(advantages, batch, length)
     _check_token_tensors(
         batch, length, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask
@@ -479,64 +317,48 @@ def policy_loss(
         logits=logits, advantages=advantages, old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs, mask=mask, is_weights=is_weights,
     )  # fmt: skip
-    eps_high = _check_policy_args(
-        eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, delta=delta, beta=beta,
-        entropy_coef=entropy_coef, ref_logprobs=ref_logprobs, kl_estimator=kl_estimator,
-        importance_sampling=importance_sampling, loss_agg=loss_agg, max_length=max_length,
-        surrogate=surrogate, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
-        vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
-        vespo_lambda_neg=vespo_lambda_neg, kl_bias_correction=kl_bias_correction,
-        top_entropy_quantile=top_entropy_quantile,
-        num_items=num_items,
-    )  # fmt: skip
-    need_entropy = with_entropy or entropy_coef != 0.0 or top_entropy_quantile < 1.0
+    _check_call(policy, ref_logprobs, num_items)
+    need_entropy = with_entropy or policy.uses_entropy
     # by composition (log-probs and entropy first, then the token layer): vocabulary-sharded
     # logits, and the top-entropy selection, whose threshold needs every token's entropy
-    if process_group is not None or is_dtensor(logits) or top_entropy_quantile < 1.0:
-        return _sharded_policy_loss(
-            logits, targets, advantages, process_group=process_group, temperature=temperature,
-            ignore_index=ignore_index, need_entropy=need_entropy, mask=mask, backend=backend,
-            options=locals(),
+    if process_group is not None or is_dtensor(logits) or policy.top_entropy_quantile < 1.0:
+        return _composed_policy_loss(
+            logits, targets, advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+            mask=mask, is_weights=is_weights, num_items=num_items, temperature=temperature,
+            ignore_index=ignore_index, need_entropy=need_entropy, process_group=process_group,
+            policy=policy, backend=backend,
         )  # fmt: skip
-    V.check_target_range(targets, vocab, ignore_index, "targets")
+    V.check_target_range(targets, logits.shape[-1], ignore_index, "targets")
     V.check_mask_weights(mask, "mask")
     which = resolve_backend(backend, logits, targets)
     is_w = _is_weights_2d(is_weights, batch, length)
-    params = _surrogate_params(surrogate, sapo_tau_pos, sapo_tau_neg, vespo_k_pos,
-                               vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)  # fmt: skip
-    variant = _variant_args(is_w, surrogate, params, kl_bias_correction)
 
     if which == "triton":
+        n_items, n_items_t = _num_items_args(num_items)
         loss, metrics, *_ = policy_loss_fwd_op(
-            logits, targets, adv2d, old_logprobs, ref_logprobs, mask, float(temperature),
-            int(ignore_index), float(eps_low), float(eps_high), float(dual_clip or 0.0),
-            float(delta or 0.0), float(beta), KL_KINDS.index(kl_estimator), float(entropy_coef),
-            bool(need_entropy), _is_level(importance_sampling, surrogate),
-            LOSS_AGG_MODES.index(loss_agg), float(max_length or length),
-            *_num_items_args(num_items), *variant,
+            logits, targets, adv2d, old_logprobs, ref_logprobs, mask, is_w, n_items_t,
+            float(temperature), int(ignore_index), bool(need_entropy), policy.kernel_params,
+            policy.kernel_modes, float(policy.max_length or length), n_items,
         )  # fmt: skip
-        has_kl = ref_logprobs is not None
-        out = metrics_dict(metrics, has_kl=has_kl, has_entropy=need_entropy,
-                           surrogate=variant[1], has_is=is_w is not None)  # fmt: skip
+        out = metrics_dict(metrics, has_kl=ref_logprobs is not None, has_entropy=need_entropy,
+                           surrogate=SURROGATES.index(policy.surrogate),
+                           has_is=is_w is not None)  # fmt: skip
         return loss, out
 
     acc = stats_dtype(logits.dtype)
     adv2d, old_logprobs, ref_logprobs = _constants(acc, adv2d, old_logprobs, ref_logprobs)
     counted = targets != ignore_index
     mask_f = counted.to(acc) if mask is None else mask_weights(mask.detach(), acc) * counted
-    weights = token_weights(mask_f, loss_agg, max_length=max_length, num_items=num_items, dtype=acc)
+    weights = token_weights(mask_f, policy.loss_agg, max_length=policy.max_length,
+                            num_items=num_items, dtype=acc)  # fmt: skip
     if length != logits.shape[1]:
         logits = window(logits, length)
     logp, entropy = token_stats_nocheck(
         logits, targets, temperature, ignore_index, need_entropy, which
     )
     return _loss_from_logprobs(
-        logp, entropy, adv2d, mask_f, weights, num_items, is_w, old_logp=old_logprobs,
-        ref_logp=ref_logprobs, clip=ClipConfig(eps_low, eps_high, dual_clip, delta),
-        beta=beta, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
-        importance_sampling=importance_sampling, surrogate=surrogate, params=params,
-        is_weights=None if is_w is None else is_w.detach().to(acc),
-        kl_bias_correction=kl_bias_correction,
+        logp, entropy, adv2d, mask_f, weights, num_items, is_w, policy, old_logp=old_logprobs,
+        ref_logp=ref_logprobs, is_weights=None if is_w is None else is_w.detach().to(acc),
     )  # fmt: skip
 
 
@@ -548,6 +370,7 @@ def _num_items_args(num_items) -> tuple[float, Tensor | None]:
 
 
 @V.deprecated_keyword("kl", "kl_estimator")
+@takes_policy_options
 def policy_loss_from_logprobs(
     logprobs: Tensor,
     advantages: Tensor,
@@ -556,27 +379,9 @@ def policy_loss_from_logprobs(
     ref_logprobs: Tensor | None = None,
     mask: Tensor | None = None,
     entropy: Tensor | None = None,
-    eps_low: float = 0.2,
-    eps_high: float | None = None,
-    dual_clip: float | None = None,
-    delta: float | None = None,
-    beta: float = 0.0,
-    kl_estimator: str = "k3",
-    entropy_coef: float = 0.0,
-    importance_sampling: str = "token",
-    surrogate: str = "ppo",
-    sapo_tau_pos: float = 1.0,
-    sapo_tau_neg: float = 1.05,
-    vespo_k_pos: float = 2.0,
-    vespo_lambda_pos: float = 3.0,
-    vespo_k_neg: float = 3.0,
-    vespo_lambda_neg: float = 2.0,
     is_weights: Tensor | None = None,
-    kl_bias_correction: bool = False,
-    top_entropy_quantile: float = 1.0,
-    loss_agg: str = "token-mean",
-    max_length: int | None = None,
     num_items: int | float | Tensor | None = None,
+    policy: PolicyConfig,
     backend: str = "auto",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """:func:`policy_loss` for callers that already hold per-token ``logprobs`` ``(B, T)``
@@ -616,40 +421,27 @@ def policy_loss_from_logprobs(
         logprobs=logprobs, advantages=advantages, old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs, mask=mask, entropy=entropy, is_weights=is_weights,
     )  # fmt: skip
-    eps_high = _check_policy_args(
-        eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, delta=delta, beta=beta,
-        entropy_coef=entropy_coef, ref_logprobs=ref_logprobs, kl_estimator=kl_estimator,
-        importance_sampling=importance_sampling, loss_agg=loss_agg, max_length=max_length,
-        surrogate=surrogate, sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg,
-        vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
-        vespo_lambda_neg=vespo_lambda_neg, kl_bias_correction=kl_bias_correction,
-        top_entropy_quantile=top_entropy_quantile,
-        num_items=num_items,
-    )  # fmt: skip
-    if entropy_coef != 0.0 and entropy is None:
+    _check_call(policy, ref_logprobs, num_items)
+    if policy.entropy_coef != 0.0 and entropy is None:
         raise ValueError("entropy_coef != 0 needs the per-token entropy tensor")
     V.check_mask_weights(mask, "mask")
     which = resolve_backend(backend, logprobs)
     is_w = rollout_is = _is_weights_2d(is_weights, batch, length)  # metrics: the rollout's
-    if top_entropy_quantile < 1.0:
+    if policy.top_entropy_quantile < 1.0:
         if entropy is None:
             raise ValueError("top_entropy_quantile < 1 needs the per-token entropy tensor")
-        keep = top_entropy_tokens(entropy, mask, quantile=top_entropy_quantile)
+        keep = top_entropy_tokens(entropy, mask, quantile=policy.top_entropy_quantile)
         is_w = keep.to(stats_dtype(logprobs.dtype)) if is_w is None else is_w * keep
-    params = _surrogate_params(surrogate, sapo_tau_pos, sapo_tau_neg, vespo_k_pos,
-                               vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)  # fmt: skip
-    variant = _variant_args(is_w, surrogate, params, kl_bias_correction)
     if which == "triton":
+        n_items, n_items_t = _num_items_args(num_items)
         loss, metrics, *_ = policy_logprobs_fwd_op(
-            logprobs, entropy, adv2d, old_logprobs, ref_logprobs, mask, float(eps_low),
-            float(eps_high), float(dual_clip or 0.0), float(delta or 0.0), float(beta),
-            KL_KINDS.index(kl_estimator), float(entropy_coef),
-            _is_level(importance_sampling, surrogate), LOSS_AGG_MODES.index(loss_agg),
-            float(max_length or length),
-            *_num_items_args(num_items), *variant,
+            logprobs, entropy, adv2d, old_logprobs, ref_logprobs, mask, is_w, n_items_t,
+            policy.kernel_params, policy.kernel_modes, float(policy.max_length or length),
+            n_items,
         )  # fmt: skip
         out = metrics_dict(metrics, has_kl=ref_logprobs is not None,
-                           has_entropy=entropy is not None, surrogate=variant[1],
+                           has_entropy=entropy is not None,
+                           surrogate=SURROGATES.index(policy.surrogate),
                            has_is=rollout_is is not None)  # fmt: skip
         if rollout_is is not None and is_w is not rollout_is:  # the kernel saw them masked
             out.update(_is_metrics(rollout_is, _counted_weights(mask, rollout_is)))
@@ -660,30 +452,27 @@ def policy_loss_from_logprobs(
     mask_f = (
         torch.ones_like(logprobs, dtype=acc) if mask is None else mask_weights(mask.detach(), acc)
     )
-    weights = token_weights(mask_f, loss_agg, max_length=max_length, num_items=num_items, dtype=acc)
+    weights = token_weights(mask_f, policy.loss_agg, max_length=policy.max_length,
+                            num_items=num_items, dtype=acc)  # fmt: skip
     return _loss_from_logprobs(
-        logprobs, entropy, adv2d, mask_f, weights, num_items, rollout_is, old_logp=old_logprobs,
-        ref_logp=ref_logprobs, clip=ClipConfig(eps_low, eps_high, dual_clip, delta),
-        beta=beta, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
-        importance_sampling=importance_sampling, surrogate=surrogate, params=params,
+        logprobs, entropy, adv2d, mask_f, weights, num_items, rollout_is, policy,
+        old_logp=old_logprobs, ref_logp=ref_logprobs,
         is_weights=None if is_w is None else is_w.detach().to(acc),
-        kl_bias_correction=kl_bias_correction,
     )  # fmt: skip
 
 
-def _sharded_policy_loss(
-    logits: Tensor, targets: Tensor, advantages: Tensor, *, process_group, temperature,
-    ignore_index, need_entropy: bool, mask, backend: str, options: dict,
+def _composed_policy_loss(
+    logits: Tensor, targets: Tensor, advantages: Tensor, *, old_logprobs, ref_logprobs, mask,
+    is_weights, num_items, temperature, ignore_index, need_entropy: bool, process_group,
+    policy: PolicyConfig, backend: str,
 ) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
-    """:func:`fused_rl.policy_loss` over vocabulary-sharded logits, by composition: the
-    vocab-parallel :func:`fused_rl.token_logprobs` (with the entropy when the loss or the
-    metrics need it) feeding :func:`fused_rl.policy_loss_from_logprobs`, with ``mask``
-    restricted to tokens that are not ``ignore_index``. Every rank computes the same loss
-    and metrics; the logits' gradient is each rank's shard (no collective backward).
-
-    ``options``: ``policy_loss``'s arguments (its ``locals()``), of which every keyword
-    ``policy_loss_from_logprobs`` also takes is passed on (so a new loss option reaches
-    the sharded path without an edit here)."""
+    """:func:`fused_rl.policy_loss` by composition: :func:`fused_rl.token_logprobs` (with
+    the entropy when the loss or the metrics need it; vocab-parallel with ``process_group``
+    or a ``DTensor``) feeding :func:`fused_rl.policy_loss_from_logprobs` with the same
+    config, ``mask`` restricted to tokens that are not ``ignore_index``. Runs for
+    vocabulary-sharded logits (every rank computes the same loss and metrics; the logits'
+    gradient is each rank's shard, no collective backward) and for the top-entropy
+    selection (its threshold needs every token's entropy)."""
     out = token_logprobs(
         logits, targets, temperature=temperature, ignore_index=ignore_index,
         return_entropy=need_entropy, process_group=process_group, backend=backend,
@@ -691,16 +480,19 @@ def _sharded_policy_loss(
     logp, entropy = out if need_entropy else (out, None)
     if is_dtensor(targets):
         targets = targets.to_local()
-    counted = targets != ignore_index
-    mask = counted if mask is None else torch.where(counted, mask, torch.zeros_like(mask))
-    shared = {k: options[k] for k in _from_logprobs_keywords() if k in options}
     return policy_loss_from_logprobs(
-        logp, advantages, mask=mask, entropy=entropy, backend=backend, **shared
-    )
+        logp, advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+        mask=counted_mask(mask, targets, ignore_index), entropy=entropy,
+        is_weights=is_weights, num_items=num_items, policy_config=policy, backend=backend,
+    )  # fmt: skip
 
 
-@functools.cache
-def _from_logprobs_keywords() -> tuple[str, ...]:
-    params = inspect.signature(policy_loss_from_logprobs).parameters.values()
-    own = ("mask", "entropy", "backend")
-    return tuple(p.name for p in params if p.kind is p.KEYWORD_ONLY and p.name not in own)
+def counted_mask(mask: Tensor | None, targets: Tensor, ignore_index: int) -> Tensor:
+    """``mask`` (None: every token) restricted to the tokens whose target is not
+    ``ignore_index``, in ``mask``'s own dtype (bool, integer or float weights)."""
+    counted = targets != ignore_index
+    if mask is None:
+        return counted
+    if mask.dtype == torch.bool:
+        return mask & counted
+    return torch.where(counted, mask, torch.zeros_like(mask))

@@ -2,50 +2,43 @@
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import Tensor
 
 from . import _validation as V
 from ._backend import BACKENDS
 from .linear import linear_policy_loss
-from .losses import check_policy_options, policy_loss
+from .losses import policy_loss
+from .policy_config import OPTION_NAMES, PolicyConfig
 
-# the keyword options of policy_loss that configure the loss (not per-batch tensors)
-_POLICY_OPTIONS = tuple(
-    name
-    for name, p in inspect.signature(policy_loss).parameters.items()
-    if p.kind is inspect.Parameter.KEYWORD_ONLY
-    and name not in ("old_logprobs", "ref_logprobs", "mask", "is_weights", "num_items")
-)
+# what a call needs besides the policy options and the per-batch tensors
+_CALL_OPTIONS = ("temperature", "with_entropy", "ignore_index", "process_group", "backend")
 
 
-def _check_options(config: dict) -> None:
-    """The checks ``policy_loss`` would run on these options, at construction: a typo in a
-    config fails when the module is built, not at the first training step."""
-    defaults = inspect.signature(policy_loss).parameters
-    options = {name: config.get(name, defaults[name].default) for name in _POLICY_OPTIONS}
-    check_policy_options(**{k: options[k] for k in _TENSOR_FREE_OPTIONS})
-    V.check_positive(options["temperature"], "temperature")
-    V.check_choice(options["backend"], BACKENDS, "backend")
-    if isinstance(options["ignore_index"], bool) or not isinstance(options["ignore_index"], int):
-        raise TypeError(
-            f"ignore_index must be an int, got {type(options['ignore_index']).__name__}"
-        )
-
-
-_TENSOR_FREE_OPTIONS = tuple(inspect.signature(check_policy_options).parameters)[:-1]
+def _check_call_options(options: dict) -> None:
+    """The call options :func:`fused_rl.policy_loss` would check, at construction: a typo in
+    a config fails when the module is built, not at the first training step."""
+    if "temperature" in options:
+        V.check_positive(options["temperature"], "temperature")
+    V.check_choice(options.get("backend", "auto"), BACKENDS, "backend")
+    ignore_index = options.get("ignore_index", -100)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    chunk = options.get("chunk_tokens")
+    if chunk is not None:
+        V.check_number(chunk, "chunk_tokens")
+        if int(chunk) != chunk or chunk < 1:
+            raise ValueError(f"chunk_tokens must be a positive integer, got {chunk}")
 
 
 class PolicyLoss(torch.nn.Module):
     """PPO / GRPO policy loss over logits (:func:`fused_rl.policy_loss`) as a module.
 
-    The constructor takes the keyword options of ``policy_loss`` (``eps_low``, ``eps_high``,
-    ``dual_clip``, ``delta``, ``beta``, ``kl_estimator``, ``entropy_coef``, ``with_entropy``,
-    ``importance_sampling``, ``loss_agg``, ``max_length``, ``temperature``,
-    ``ignore_index``, ``process_group``, ``backend``; ``kl=`` is a deprecated alias of
-    ``kl_estimator=``, with one ``FutureWarning`` at construction); ``forward`` takes the
+    The constructor takes the policy options (every :class:`fused_rl.PolicyConfig` field,
+    or a whole ``policy_config``; held as ``self.policy_config``) and the call options
+    ``temperature``, ``with_entropy``, ``ignore_index``, ``process_group``, ``backend``
+    (``self.call_options``), all checked at construction; ``kl=`` is a deprecated alias of
+    ``kl_estimator=``, with one ``FutureWarning`` at construction. ``forward`` takes the
     per-batch tensors, as
     :func:`fused_rl.policy_loss` does: ``mask`` is ``(B, T)`` bool, integer or float, a float
     (or integer) mask being per-token weights ``>= 0`` (see :func:`fused_rl.policy_loss`).
@@ -59,26 +52,34 @@ class PolicyLoss(torch.nn.Module):
         >>> loss.backward()
     """
 
-    OPTIONS = _POLICY_OPTIONS
+    OPTIONS = (*OPTION_NAMES, *_CALL_OPTIONS)
 
-    def __init__(self, **config):
+    def __init__(self, policy_config: PolicyConfig | None = None, **options):
         super().__init__()
         name = type(self).__name__
-        if "kl" in config:
-            config = V.renamed_keyword(
-                config, old="kl", new="kl_estimator", where=f"fused_rl.nn.{name}"
+        if "kl" in options:
+            options = V.renamed_keyword(
+                options, old="kl", new="kl_estimator", where=f"fused_rl.nn.{name}"
             )
-        unknown = sorted(set(config) - set(self.OPTIONS))
+        unknown = sorted(set(options) - set(self.OPTIONS))
         if unknown:
             raise TypeError(f"{name} got unknown options {unknown}; known: {self.OPTIONS}")
-        _check_options({k: v for k, v in config.items() if k in _POLICY_OPTIONS})
-        if config.get("chunk_tokens") is not None:
-            V.check_number(config["chunk_tokens"], "chunk_tokens")
-            if int(config["chunk_tokens"]) != config["chunk_tokens"] or config["chunk_tokens"] < 1:
-                raise ValueError(
-                    f"chunk_tokens must be a positive integer, got {config['chunk_tokens']}"
-                )
-        self.config = dict(config)
+        fields = {k: v for k, v in options.items() if k in OPTION_NAMES}
+        if policy_config is not None and fields:
+            raise TypeError(f"{name} got policy_config and the options {sorted(fields)}")
+        if policy_config is not None and not isinstance(policy_config, PolicyConfig):
+            raise TypeError(
+                f"policy_config must be a fused_rl.PolicyConfig, got {type(policy_config).__name__}"
+            )
+        self.policy_config = PolicyConfig(**fields) if policy_config is None else policy_config
+        self.call_options = {k: v for k, v in options.items() if k not in OPTION_NAMES}
+        self._given = dict(options)
+        _check_call_options(self.call_options)
+
+    @property
+    def config(self) -> dict:
+        """The options as given to the constructor (``kl=`` under its new name)."""
+        return dict(self._given)
 
     def forward(
         self,
@@ -101,11 +102,15 @@ class PolicyLoss(torch.nn.Module):
             mask=mask,
             is_weights=is_weights,
             num_items=num_items,
-            **self.config,
+            policy_config=self.policy_config,
+            **self.call_options,
         )
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in self.config.items())
+        default = PolicyConfig()
+        changed = {k: getattr(self.policy_config, k) for k in OPTION_NAMES
+                   if getattr(self.policy_config, k) != getattr(default, k)}  # fmt: skip
+        return ", ".join(f"{k}={v!r}" for k, v in {**changed, **self.call_options}.items())
 
 
 class LinearPolicyLoss(PolicyLoss):
@@ -130,7 +135,7 @@ class LinearPolicyLoss(PolicyLoss):
     """
 
     # process_group: a vocabulary-sharded lm_head (each rank's weight its slice)
-    OPTIONS = (*_POLICY_OPTIONS, "chunk_tokens", "vocab_start", "vocab_size",
+    OPTIONS = (*PolicyLoss.OPTIONS, "chunk_tokens", "vocab_start", "vocab_size",
                "reduce_hidden_grad")  # fmt: skip
 
     def forward(
@@ -158,5 +163,6 @@ class LinearPolicyLoss(PolicyLoss):
             mask=mask,
             is_weights=is_weights,
             num_items=num_items,
-            **self.config,
+            policy_config=self.policy_config,
+            **self.call_options,
         )

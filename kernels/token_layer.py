@@ -8,7 +8,13 @@ derivative w.r.t. ``logp`` so the backward needs only the per-token coefficients
 import triton
 import triton.language as tl
 
-from .common import clamp, nan_max, nan_min
+from .common import clamp, nan_max, nan_min, pair
+from .modes import KL_KINDS, POLICY_PARAMS, SURROGATES
+
+KL_K1 = tl.constexpr(KL_KINDS.index("k1"))
+KL_K2 = tl.constexpr(KL_KINDS.index("k2"))
+KL_K3 = tl.constexpr(KL_KINDS.index("k3"))
+KL_LOW_VAR = tl.constexpr(KL_KINDS.index("low_var_kl"))
 
 
 @triton.jit
@@ -33,19 +39,19 @@ def kl_and_grad(logp, ref_logp, KIND: tl.constexpr):
     """``(kl, d kl / d logp)`` for ``log_ratio = logp - ref_logp``; clamps pass gradient
     inclusively at their bounds, as ``torch.clamp`` does.
 
-    ``KIND`` indexes ``fused_rl.reference.kl.KL_KINDS``: 0 k1, 1 k2, 2 k3, 3 low_var_kl, 4 abs.
+    ``KIND`` indexes ``kernels/modes.py`` ``KL_KINDS`` (the last, ``abs``, is the ``else``).
     """
     d = logp - ref_logp
-    if KIND == 0:
+    if KIND == KL_K1:
         kl = d
         grad = tl.zeros_like(d) + 1.0  # not d * 0 + 1: NaN at d = +-inf (padding)
-    elif KIND == 1:
+    elif KIND == KL_K2:
         kl = 0.5 * d * d
         grad = d
-    elif KIND == 2:
+    elif KIND == KL_K3:
         kl, em1 = k3_and_expm1(-d)
         grad = -em1  # 1 - exp(-d)
-    elif KIND == 3:
+    elif KIND == KL_LOW_VAR:
         neg = clamp(-d, -20.0, 20.0)
         raw, em1 = k3_and_expm1(neg)
         kl = clamp(raw, -10.0, 10.0)
@@ -130,13 +136,46 @@ COL_IS_MIN = tl.constexpr(12)
 COL_IS_MAX = tl.constexpr(13)
 
 
-# surrogates, in the order of fused_rl.losses.SURROGATES
-SURROGATE_PPO = tl.constexpr(0)
-SURROGATE_CISPO = tl.constexpr(1)
-SURROGATE_SAPO = tl.constexpr(2)
-SURROGATE_GPG = tl.constexpr(3)
-SURROGATE_GMPO = tl.constexpr(4)
-SURROGATE_VESPO = tl.constexpr(5)
+SURROGATE_PPO = tl.constexpr(SURROGATES.index("ppo"))
+SURROGATE_CISPO = tl.constexpr(SURROGATES.index("cispo"))
+SURROGATE_SAPO = tl.constexpr(SURROGATES.index("sapo"))
+SURROGATE_GPG = tl.constexpr(SURROGATES.index("gpg"))
+SURROGATE_GMPO = tl.constexpr(SURROGATES.index("gmpo"))
+SURROGATE_VESPO = tl.constexpr(SURROGATES.index("vespo"))
+
+# positions in the ``hyper`` tuple of fp32 pairs (kernels/modes.py POLICY_PARAMS)
+P_EPS_LOW = tl.constexpr(POLICY_PARAMS.index("eps_low"))
+P_EPS_HIGH = tl.constexpr(POLICY_PARAMS.index("eps_high"))
+P_DUAL_CLIP = tl.constexpr(POLICY_PARAMS.index("dual_clip"))
+P_DELTA = tl.constexpr(POLICY_PARAMS.index("delta"))
+P_BETA = tl.constexpr(POLICY_PARAMS.index("beta"))
+P_ENTROPY_COEF = tl.constexpr(POLICY_PARAMS.index("entropy_coef"))
+P_SP0 = tl.constexpr(POLICY_PARAMS.index("sp0"))
+P_SP1 = tl.constexpr(POLICY_PARAMS.index("sp1"))
+P_SP2 = tl.constexpr(POLICY_PARAMS.index("sp2"))
+P_SP3 = tl.constexpr(POLICY_PARAMS.index("sp3"))
+P_LOG_RATIO_CLAMP = tl.constexpr(POLICY_PARAMS.index("log_ratio_clamp"))
+
+
+@triton.jit
+def param(hyper, INDEX: tl.constexpr, ACC: tl.constexpr):
+    """Hyper-parameter ``INDEX`` (a ``P_*`` position) of the ``hyper`` tuple, recombined from
+    its fp32 pair in ``ACC``: fp64-exact for fp64 inputs (gradcheck, the oracles)."""
+    return pair(hyper[2 * INDEX], hyper[2 * INDEX + 1], ACC)
+
+
+@triton.jit
+def token_log_ratio(logp, old, hyper, ACC: tl.constexpr):
+    """``(log_ratio, inside)``: each token's ``logp - old``, clamped to ``[-c, c]`` by the
+    ``log_ratio_clamp`` option ``c`` (``+inf``: off), and where its gradient passes (as
+    ``torch.clamp``: inclusive bounds, none at NaN; everywhere when off, so a NaN keeps its
+    NaN gradient)."""
+    c = param(hyper, P_LOG_RATIO_CLAMP, ACC)
+    d = logp - old
+    inside = tl.where(c == float("inf"), 1, tl.where((d >= -c) & (d <= c), 1, 0)) != 0
+    return clamp(d, -c, c), inside
+
+
 LN_1E_8 = tl.constexpr(-18.420680743952367)  # log(1e-8), VESPO's floor on the log-weight
 
 
@@ -157,8 +196,8 @@ def gmpo_log_ratio(log_ratio, adv, eps_low, eps_high):
 
 @triton.jit
 def surrogate_loss(
-    logp, log_ratio, token_log_ratio, adv, eps_low, eps_high, dual_clip, delta, sp0, sp1,
-    sp2, sp3, SURROGATE: tl.constexpr, USE_DUAL: tl.constexpr, USE_DELTA: tl.constexpr,
+    logp, log_ratio, token_log_ratio, adv, hyper, SURROGATE: tl.constexpr,
+    USE_DUAL: tl.constexpr, USE_DELTA: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """The policy term of one token: ``(loss, d loss / d log_ratio, d loss / d logp direct,
     ratio, code, aux)``; ``code`` packs the clip flags (1 clipped, 2 low, 4 high), ``aux`` is
@@ -180,11 +219,15 @@ def surrogate_loss(
 
     ``sp0 ... sp3`` are the surrogate's own parameters (sapo: ``tau_pos``, ``tau_neg``).
     """
+    eps_low = param(hyper, P_EPS_LOW, ACC)
+    eps_high = param(hyper, P_EPS_HIGH, ACC)
     ratio = tl.exp(log_ratio)
     zero = tl.zeros_like(logp)  # not logp * 0.0: NaN at logp = -inf
     d_direct = zero
     aux = zero
     if SURROGATE == SURROGATE_PPO:
+        dual_clip = param(hyper, P_DUAL_CLIP, ACC)
+        delta = param(hyper, P_DELTA, ACC)
         loss, dloss_dratio, code = clipped_surrogate(
             ratio, adv, eps_low, eps_high, dual_clip, delta, USE_DUAL, USE_DELTA
         )
@@ -203,7 +246,7 @@ def surrogate_loss(
         code = tl.where(low | high, 1, 0) + tl.where(low, 2, 0) + tl.where(high, 4, 0)
         aux = tl.where(high & (adv > 0), 1.0, 0.0)
     elif SURROGATE == SURROGATE_SAPO:
-        tau = tl.where(adv > 0, sp0, sp1)
+        tau = tl.where(adv > 0, param(hyper, P_SP0, ACC), param(hyper, P_SP1, ACC))
         gate = tl.sigmoid(tau * (ratio - 1.0))
         aux = gate * 4.0 / tau
         loss = -adv * aux
@@ -223,8 +266,9 @@ def surrogate_loss(
     else:
         log_w = clamp(log_ratio, LN_1E_8, 20.0)
         positive = adv >= 0
-        k = tl.where(positive, sp0, sp2)
-        lam = nan_max(tl.where(positive, sp1, sp3), 1e-4)
+        k = tl.where(positive, param(hyper, P_SP0, ACC), param(hyper, P_SP2, ACC))
+        lam = tl.where(positive, param(hyper, P_SP1, ACC), param(hyper, P_SP3, ACC))
+        lam = nan_max(lam, 1e-4)
         phi = tl.exp(lam + k * log_w - lam * tl.exp(log_w))
         phi = tl.where(tl.abs(phi) < float("inf"), phi, 0.0)  # NaN / inf -> 0, as TRL
         aux = phi
@@ -245,16 +289,7 @@ def policy_token_loss(
     adv,
     ref_logp,
     is_weight,
-    eps_low,
-    eps_high,
-    dual_clip,
-    delta,
-    beta,
-    entropy_coef,
-    sp0,
-    sp1,
-    sp2,
-    sp3,
+    hyper,
     SURROGATE: tl.constexpr,
     HAS_REF: tl.constexpr,
     ADD_KL: tl.constexpr,
@@ -263,6 +298,7 @@ def policy_token_loss(
     ENTROPY_BONUS: tl.constexpr,
     USE_DUAL: tl.constexpr,
     USE_DELTA: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     """Per-token policy loss on scalars or blocks: ``(loss, d_ratio, d_direct, ratio, code,
     aux, kl)``.
@@ -276,9 +312,8 @@ def policy_token_loss(
     at token level ``dL/dlogp = d_ratio + d_direct``. ``kl`` is 0 without ``HAS_REF``.
     """
     loss, d_ratio, d_direct, ratio, code, aux = surrogate_loss(
-        logp, log_ratio, token_log_ratio, adv, eps_low, eps_high, dual_clip, delta, sp0, sp1,
-        sp2, sp3, SURROGATE, USE_DUAL, USE_DELTA,
-    )  # fmt: skip
+        logp, log_ratio, token_log_ratio, adv, hyper, SURROGATE, USE_DUAL, USE_DELTA, ACC
+    )
     if SURROGATE != SURROGATE_VESPO:  # VESPO folds the IS weights into phi
         loss = loss * is_weight
         d_ratio = d_ratio * is_weight
@@ -287,6 +322,7 @@ def policy_token_loss(
     if HAS_REF:
         kl, dkl = kl_and_grad(logp, ref_logp, KL_KIND)
         if ADD_KL:
+            beta = param(hyper, P_BETA, ACC)
             if BIAS_KL:
                 loss += beta * kl * ratio
                 d_ratio += beta * kl * ratio
@@ -295,7 +331,7 @@ def policy_token_loss(
                 loss += beta * kl
                 d_direct += beta * dkl
     if ENTROPY_BONUS:
-        loss -= entropy_coef * entropy
+        loss -= param(hyper, P_ENTROPY_COEF, ACC) * entropy
     return loss, d_ratio, d_direct, ratio, code, aux, kl
 
 

@@ -14,7 +14,8 @@ its metrics.
 import triton
 import triton.language as tl
 
-from .common import as_weight, clamp, nan_max, nan_min, pair, token_offset
+from .common import as_weight, clamp, nan_max, nan_min, token_offset
+from .modes import LOSS_AGG_MODES
 from .token_layer import (
     COL_COUNT,
     COL_IS_MAX,
@@ -22,19 +23,24 @@ from .token_layer import (
     COL_LOSS,
     COL_RATIO_MAX,
     LN_1E_8,
+    P_BETA,
+    P_ENTROPY_COEF,
+    P_EPS_HIGH,
+    P_EPS_LOW,
     SURROGATE_GMPO,
     SURROGATE_VESPO,
     gmpo_log_ratio,
     kl_and_grad,
+    param,
     policy_token_loss,
     store_policy_partials,
+    token_log_ratio,
 )
 
-# loss_agg modes, in the order of fused_rl._agg.LOSS_AGG_MODES
-AGG_TOKEN_MEAN = tl.constexpr(0)
-AGG_SEQ_MEAN_TOKEN_MEAN = tl.constexpr(1)
-AGG_SEQ_MEAN_TOKEN_SUM = tl.constexpr(2)
-AGG_SEQ_MEAN_TOKEN_SUM_NORM = tl.constexpr(3)
+AGG_TOKEN_MEAN = tl.constexpr(LOSS_AGG_MODES.index("token-mean"))
+AGG_SEQ_MEAN_TOKEN_MEAN = tl.constexpr(LOSS_AGG_MODES.index("seq-mean-token-mean"))
+AGG_SEQ_MEAN_TOKEN_SUM = tl.constexpr(LOSS_AGG_MODES.index("seq-mean-token-sum"))
+AGG_SEQ_MEAN_TOKEN_SUM_NORM = tl.constexpr(LOSS_AGG_MODES.index("seq-mean-token-sum-norm"))
 
 
 @triton.jit
@@ -129,26 +135,7 @@ def _policy_token_fwd_kernel(
     is_stride_outer,
     is_stride_inner,
     ignore_index,
-    eps_low_hi,
-    eps_low_lo,
-    eps_high_hi,
-    eps_high_lo,
-    dual_clip_hi,
-    dual_clip_lo,
-    delta_hi,
-    delta_lo,
-    beta_hi,
-    beta_lo,
-    entropy_coef_hi,
-    entropy_coef_lo,
-    sp0_hi,
-    sp0_lo,
-    sp1_hi,
-    sp1_lo,
-    sp2_hi,
-    sp2_lo,
-    sp3_hi,
-    sp3_lo,
+    hyper,
     SURROGATE: tl.constexpr,
     HAS_ENTROPY: tl.constexpr,
     HAS_TARGETS: tl.constexpr,
@@ -178,17 +165,11 @@ def _policy_token_fwd_kernel(
     ``SEQUENCE``), writes ~13 floats per token.
     """
     b = tl.program_id(0).to(tl.int64)
-    # hyper-parameters arrive as fp32 pairs: fp64-exact for fp64 inputs (gradcheck, oracles)
-    eps_low = pair(eps_low_hi, eps_low_lo, ACC)
-    eps_high = pair(eps_high_hi, eps_high_lo, ACC)
-    dual_clip = pair(dual_clip_hi, dual_clip_lo, ACC)
-    delta = pair(delta_hi, delta_lo, ACC)
-    beta = pair(beta_hi, beta_lo, ACC)
-    entropy_coef = pair(entropy_coef_hi, entropy_coef_lo, ACC)
-    sp0 = pair(sp0_hi, sp0_lo, ACC)
-    sp1 = pair(sp1_hi, sp1_lo, ACC)
-    sp2 = pair(sp2_hi, sp2_lo, ACC)
-    sp3 = pair(sp3_hi, sp3_lo, ACC)
+    # hyper: the policy options' fp32 pairs (kernels/modes.py POLICY_PARAMS), read by ``param``
+    eps_low = param(hyper, P_EPS_LOW, ACC)
+    eps_high = param(hyper, P_EPS_HIGH, ACC)
+    beta = param(hyper, P_BETA, ACC)
+    entropy_coef = param(hyper, P_ENTROPY_COEF, ACC)
     n_rows = tl.num_programs(0).to(tl.int64) * rows_inner
     offs = tl.arange(0, BLOCK_T)
     seq_lr = tl.zeros((), ACC)
@@ -206,7 +187,7 @@ def _policy_token_fwd_kernel(
                 old_stride_inner, ref_stride_outer, ref_stride_inner, mask_stride_outer,
                 mask_stride_inner, ignore_index, HAS_TARGETS, HAS_OLD, HAS_REF, HAS_MASK, ACC,
             )  # fmt: skip
-            token_lr = logp - old
+            token_lr, _ = token_log_ratio(logp, old, hyper, ACC)
             if SURROGATE == SURROGATE_GMPO:  # the geometric mean of log-space-clipped ratios
                 token_lr, _ = gmpo_log_ratio(token_lr, adv, eps_low, eps_high)
             if SURROGATE == SURROGATE_VESPO:  # the clamped log-weight SUM, rollout IS folded in
@@ -237,25 +218,25 @@ def _policy_token_fwd_kernel(
             ent = _load_tokens(entropy_ptr, b, ts, rows_inner, ent_stride_outer,
                                ent_stride_inner, in_seq).to(ACC)  # fmt: skip
             entropy = tl.where(m != 0, ent, 0.0)
+        token_lr, inside = token_log_ratio(logp, old, hyper, ACC)
         if SEQUENCE:
             log_ratio = tl.zeros_like(logp) + seq_lr
         else:
-            log_ratio = logp - old
+            log_ratio = token_lr
         is_weight = tl.zeros_like(logp) + 1.0
         if HAS_IS:
             is_raw = _load_tokens(is_ptr, b, ts, rows_inner, is_stride_outer, is_stride_inner,
                                   in_seq).to(ACC)  # fmt: skip
             is_weight = tl.where(m != 0, is_raw, 1.0)
         loss, d_ratio, d_direct, ratio, code, aux, kl = policy_token_loss(
-            logp, entropy, log_ratio, logp - old, adv, ref, is_weight, eps_low, eps_high,
-            dual_clip, delta, beta, entropy_coef, sp0, sp1, sp2, sp3, SURROGATE, HAS_REF, ADD_KL,
-            KL_KIND, BIAS_KL, ENTROPY_BONUS, USE_DUAL, USE_DELTA,
+            logp, entropy, log_ratio, token_lr, adv, ref, is_weight, hyper, SURROGATE, HAS_REF,
+            ADD_KL, KL_KIND, BIAS_KL, ENTROPY_BONUS, USE_DUAL, USE_DELTA, ACC,
         )  # fmt: skip
         counted = m != 0
         if SEQUENCE and not SEQ_TOKEN:  # the ratio part reaches every token; the direct
             acc_g += tl.where(counted, m * d_ratio, 0.0)  # part is written below
         else:  # token level, or GSPO-token: the sequence ratio's value, each token's gradient
-            g = d_ratio + d_direct
+            g = tl.where(inside, d_ratio, 0.0) + d_direct
             tl.store(g_ptr + rows, tl.where(counted, m * g, 0.0), mask=in_seq)
         if ENTROPY_BONUS:
             tl.store(h_ptr + rows, -entropy_coef * m, mask=in_seq)
@@ -276,9 +257,10 @@ def _policy_token_fwd_kernel(
                 old_stride_inner, ref_stride_outer, ref_stride_inner, mask_stride_outer,
                 mask_stride_inner, ignore_index, HAS_TARGETS, HAS_OLD, HAS_REF, HAS_MASK, ACC,
             )  # fmt: skip
-            g = per_token + tl.zeros_like(logp)
+            token_lr, inside = token_log_ratio(logp, old, hyper, ACC)
+            g = tl.where(inside, per_token, 0.0) + tl.zeros_like(logp)
             if SURROGATE == SURROGATE_GMPO:  # a token frozen by the log-space clip gets none
-                _, d_token = gmpo_log_ratio(logp - old, adv, eps_low, eps_high)
+                _, d_token = gmpo_log_ratio(token_lr, adv, eps_low, eps_high)
                 g = g * d_token
             if ADD_KL:  # the direct part: the KL's (the surrogates here act through the ratio)
                 _, dkl = kl_and_grad(logp, ref, KL_KIND)

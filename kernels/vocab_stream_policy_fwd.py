@@ -18,7 +18,13 @@ import triton
 import triton.language as tl
 
 from .common import as_weight, pair, row_pointer, token_offset
-from .token_layer import policy_token_loss, store_policy_partials
+from .token_layer import (
+    P_ENTROPY_COEF,
+    param,
+    policy_token_loss,
+    store_policy_partials,
+    token_log_ratio,
+)
 from .vocab_stream_bwd import write_grad_row
 from .vocab_stream_fwd import row_moments, target_logit
 
@@ -79,26 +85,7 @@ def _policy_loss_fwd_kernel(
     inv_t_hi,
     inv_t_lo,
     ignore_index,
-    eps_low_hi,
-    eps_low_lo,
-    eps_high_hi,
-    eps_high_lo,
-    dual_clip_hi,
-    dual_clip_lo,
-    delta_hi,
-    delta_lo,
-    beta_hi,
-    beta_lo,
-    entropy_coef_hi,
-    entropy_coef_lo,
-    sp0_hi,
-    sp0_lo,
-    sp1_hi,
-    sp1_lo,
-    sp2_hi,
-    sp2_lo,
-    sp3_hi,
-    sp3_lo,
+    hyper,
     SURROGATE: tl.constexpr,
     HAS_OLD: tl.constexpr,
     HAS_REF: tl.constexpr,
@@ -128,17 +115,8 @@ def _policy_loss_fwd_kernel(
     row = tl.program_id(0).to(tl.int64)
     n_rows = tl.num_programs(0).to(tl.int64)
     inv_temperature = pair(inv_t_hi, inv_t_lo, ACC)  # 1 / T, fp64-exact for fp64 logits
-    # hyper-parameters arrive as fp32 pairs: fp64-exact for fp64 inputs (gradcheck, oracles)
-    eps_low = pair(eps_low_hi, eps_low_lo, ACC)
-    eps_high = pair(eps_high_hi, eps_high_lo, ACC)
-    dual_clip = pair(dual_clip_hi, dual_clip_lo, ACC)
-    delta = pair(delta_hi, delta_lo, ACC)
-    beta = pair(beta_hi, beta_lo, ACC)
-    entropy_coef = pair(entropy_coef_hi, entropy_coef_lo, ACC)
-    sp0 = pair(sp0_hi, sp0_lo, ACC)
-    sp1 = pair(sp1_hi, sp1_lo, ACC)
-    sp2 = pair(sp2_hi, sp2_lo, ACC)
-    sp3 = pair(sp3_hi, sp3_lo, ACC)
+    # hyper: the policy options' fp32 pairs (kernels/modes.py POLICY_PARAMS), read by ``param``
+    entropy_coef = param(hyper, P_ENTROPY_COEF, ACC)
     row_ptr = row_pointer(logits_ptr, row, rows_inner, shift, stride_outer, stride_inner)
     target = tl.load(targets_ptr + token_offset(row, rows_inner, t_stride_outer, t_stride_inner))
     target = target.to(tl.int64)
@@ -173,12 +151,13 @@ def _policy_loss_fwd_kernel(
     if HAS_IS:
         is_off = token_offset(row, rows_inner, is_stride_outer, is_stride_inner)
         is_weight = tl.where(active, tl.load(is_ptr + is_off).to(ACC), 1.0)
+    log_ratio, inside = token_log_ratio(logp, old, hyper, ACC)
     loss, d_ratio, d_direct, ratio, code, aux, kl = policy_token_loss(
-        logp, entropy, logp - old, logp - old, adv, ref, is_weight, eps_low, eps_high,
-        dual_clip, delta, beta, entropy_coef, sp0, sp1, sp2, sp3, SURROGATE, HAS_REF, ADD_KL,
-        KL_KIND, BIAS_KL, ENTROPY_BONUS, USE_DUAL, USE_DELTA,
+        logp, entropy, log_ratio, log_ratio, adv, ref, is_weight, hyper, SURROGATE, HAS_REF,
+        ADD_KL, KL_KIND, BIAS_KL, ENTROPY_BONUS, USE_DUAL, USE_DELTA, ACC,
     )  # fmt: skip
-    dloss_dlogp = d_ratio + d_direct  # token level: the ratio moves with this logp only
+    # token level: the ratio moves with this logp only (where the log-ratio is not clamped)
+    dloss_dlogp = tl.where(inside, d_ratio, 0.0) + d_direct
     # tokens that do not count contribute exactly 0 even where their loss is inf/NaN
     tl.store(g_ptr + row, tl.where(active, m * dloss_dlogp, 0.0))
     if ENTROPY_BONUS:

@@ -16,6 +16,7 @@ import traceback
 
 import triton
 import triton.language as tl
+from fused_rl.kernels.modes import POLICY_PARAMS
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -37,10 +38,10 @@ FLOAT_ARGS = {
     "eps", "correction", "clip_hi", "clip_lo", "lo_hi", "lo_lo", "hi_hi", "hi_lo",
     "vclip_hi", "vclip_lo", "coeff_hi", "coeff_lo", "gamma_hi", "gamma_lo", "decay_hi",
     "decay_lo", "coef_hi", "coef_lo", "num_items", "n_seq", "max_length", "eps_hi", "eps_lo",
-    "eps_low_hi", "eps_low_lo", "eps_high_hi", "eps_high_lo", "dual_clip_hi", "dual_clip_lo",
-    "delta_hi", "delta_lo", "beta_hi", "beta_lo", "entropy_coef_hi", "entropy_coef_lo",
-    "sp0_hi", "sp0_lo", "sp1_hi", "sp1_lo", "sp2_hi", "sp2_lo", "sp3_hi", "sp3_lo",
 }  # fmt: skip
+# tuple arguments: the policy kernels' hyper-parameters, one fp32 (hi, lo) pair per entry of
+# kernels/modes.py POLICY_PARAMS
+TUPLE_ARGS = {"hyper": ("fp32",) * (2 * len(POLICY_PARAMS))}
 # modules whose every pointer offset must be computed in 64 bits (narrow_offset_products)
 WIDE_OFFSET_MODULES = ["token_reductions", "token_values", "token_gaussian", "token_rollout"]
 INT_NAMES = {"ignore_index", "rows_inner", "group_size", "shift", "positions", "n_outer"}
@@ -103,6 +104,8 @@ def _signature(fn, low_precision: bool):
             sig[p.name] = "*bf16" if low_precision and p.name in INPUT_POINTERS else wide
         elif p.name in FLOAT_ARGS:
             sig[p.name] = "fp32"
+        elif p.name in TUPLE_ARGS:
+            sig[p.name] = TUPLE_ARGS[p.name]
         elif _is_int_arg(p.name):
             sig[p.name] = "i32"
         else:  # a new float argument compiled as i32 would hide a real signature error

@@ -59,6 +59,7 @@ def oracle_policy_loss(
     max_length=None,
     num_items=None,
     ignore_index=-100,
+    log_ratio_clamp=None,
 ):
     """``(loss, metrics)`` in the dtype of ``logits`` (call it with ``logits.double()``)."""
     n_seq, length, _ = logits.shape
@@ -75,6 +76,8 @@ def oracle_policy_loss(
         adv = adv[:, None].expand(n_seq, length)
     old = logp.detach() if old_logprobs is None else _promoted(old_logprobs, work)
     log_ratio = logp - old
+    if log_ratio_clamp is not None:  # verl's clamp: the ratio of the clamped log-ratio
+        log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
     if importance_sampling == "sequence":
         n = m.sum(-1)
         per_seq = (m * log_ratio).sum(-1) / torch.where(n > 0, n, torch.ones_like(n))

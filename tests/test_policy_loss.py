@@ -14,6 +14,7 @@ import torch
 from helpers import FP32_TOL, assert_rel, bf16_tol
 from policy_oracle import oracle_policy_loss
 
+import fused_rl
 from fused_rl import policy_loss, policy_loss_from_logprobs, token_logprobs
 from fused_rl._agg import LOSS_AGG_MODES
 from fused_rl.reference.kl import KL_KINDS  # every estimator, so a new one is tested
@@ -805,17 +806,34 @@ def test_reference_keeps_surrogate_parameters_in_float64(device):
     assert abs(loss.item() - want.item()) <= 1e-14 * max(abs(want.item()), 1.0)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("importance_sampling", ["token", "sequence"])
+@pytest.mark.parametrize("clamp", [5.0, 29.5])
+def test_log_ratio_clamp(backend, importance_sampling, clamp, device):
+    """``log_ratio_clamp`` (verl's +-20): each token's log-ratio clamped before the ratio (and
+    before GSPO's sequence mean), no gradient through a clamped one; log-ratios of +-30, so
+    the clamp is active at some tokens and not at others."""
+    logits, targets, adv, kw = make_inputs(device=device, old="far", adv="token")
+    _check_parity(
+        backend, logits, targets, adv, importance_sampling=importance_sampling,
+        log_ratio_clamp=clamp, **kw,
+    )  # fmt: skip
+
+
 def test_reference_vespo_parameters_stay_float64(device):
     """VESPO's ``k`` / ``lambda`` reach the reference's weight ``phi`` in the inputs' dtype
     (float64 here, parameters that fp32 cannot hold exactly)."""
-    from fused_rl.reference.policy import ClipConfig, surrogate_terms
+    from fused_rl.reference.policy import surrogate_terms
 
     gen = torch.Generator().manual_seed(12)
     ratio = torch.exp(0.5 * torch.randn(3, 4, generator=gen, dtype=torch.float64)).to(device)
     adv = torch.randn(3, 1, generator=gen, dtype=torch.float64).to(device)
     logp = torch.randn(3, 4, generator=gen, dtype=torch.float64).to(device)
-    params = (2.1, 3.3, 2.9, 0.7)
-    *_, phi = surrogate_terms("vespo", ratio, logp, adv, ClipConfig(0.2, 0.28), params)
+    config = fused_rl.PolicyConfig(
+        eps_high=0.28, surrogate="vespo", vespo_k_pos=2.1, vespo_lambda_pos=3.3,
+        vespo_k_neg=2.9, vespo_lambda_neg=0.7,
+    )  # fmt: skip
+    *_, phi = surrogate_terms(ratio, logp, adv, config)
     positive = adv >= 0
     k = torch.where(positive, 2.1, 2.9 + 0.0 * adv)
     lam = torch.where(positive, 3.3, 0.7 + 0.0 * adv)

@@ -9,28 +9,23 @@ gradient 50/50, ``torch.clamp`` passes gradient on its bounds; the kernel does t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .kl import kl_estimate
 
-
-@dataclass(frozen=True)
-class ClipConfig:
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    dual_clip: float | None = None
-    delta: float | None = None
+if TYPE_CHECKING:  # the options object; the reference reads its fields only
+    from ..policy_config import PolicyConfig
 
 
-def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip: ClipConfig):
+def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip):
     """Per-token ``-min(r A, clip(r) A)`` with the optional caps, and its branch flags.
 
     Returns ``(loss, clipped, clipped_low, clipped_high, dual_clipped)``; the flags are bool
     tensors: the clipped branch strictly chosen (and at which bound), the dual clip active.
     """
-    lo, hi = 1.0 - clip.eps_low, 1.0 + clip.eps_high
+    lo, hi = 1.0 - clip.eps_low, 1.0 + clip.clip_high
     unclipped_ratio = ratio if clip.delta is None else torch.clamp(ratio, max=clip.delta)
     surr_unclipped = unclipped_ratio * adv
     surr_clipped = torch.clamp(ratio, lo, hi) * adv
@@ -53,10 +48,10 @@ def sequence_log_ratio(log_ratio: torch.Tensor, mask_f: torch.Tensor) -> torch.T
     return per_seq[:, None].expand_as(log_ratio)
 
 
-def gmpo_log_ratio(log_ratio: torch.Tensor, adv: torch.Tensor, clip: ClipConfig) -> torch.Tensor:
+def gmpo_log_ratio(log_ratio: torch.Tensor, adv: torch.Tensor, clip) -> torch.Tensor:
     """GMPO's token log-ratio, clipped in log space on the advantage's side (verl
     ``geo_mean``): ``min(d, clamp(d))`` where ``A > 0``, ``max`` where ``A < 0``, 0 at ``A = 0``."""
-    clipped = torch.clamp(log_ratio, -clip.eps_low, clip.eps_high)
+    clipped = torch.clamp(log_ratio, -clip.eps_low, clip.clip_high)
     value = torch.where(
         adv > 0, torch.minimum(log_ratio, clipped), torch.maximum(log_ratio, clipped)
     )
@@ -64,24 +59,23 @@ def gmpo_log_ratio(log_ratio: torch.Tensor, adv: torch.Tensor, clip: ClipConfig)
 
 
 def surrogate_terms(
-    surrogate: str,
     ratio: torch.Tensor,
     logp: torch.Tensor,
     adv: torch.Tensor,
-    clip: ClipConfig,
-    params: tuple[float, float, float, float],
+    config: PolicyConfig,
     token_log_ratio: torch.Tensor | None = None,
 ):
-    """Per-token policy term of ``surrogate`` (``kernels/token_layer.surrogate_loss``):
+    """Per-token policy term of ``config.surrogate`` (``kernels/token_layer.surrogate_loss``):
     ``(loss, clipped, clipped_low, clipped_high, aux)``, ``aux`` the surrogate's own metric
     (ppo: dual clip active; cispo: ``r > 1 + eps_high and A > 0``; sapo: the soft gate;
     gmpo: none, its flags are the tokens frozen by the log-space clip)."""
+    surrogate, clip, params = config.surrogate, config, config.surrogate_params()
     no = torch.zeros_like(ratio, dtype=torch.bool)
     if surrogate == "ppo":
         loss, clipped, low, high, dual = clipped_surrogate(ratio, adv, clip)
         return loss, clipped, low, high, dual
     if surrogate == "cispo":
-        lo, hi = 1.0 - clip.eps_low, 1.0 + clip.eps_high
+        lo, hi = 1.0 - clip.eps_low, 1.0 + clip.clip_high
         weight = torch.clamp(ratio, lo, hi).detach()
         low, high = ratio < lo, ratio > hi
         return -weight * adv * logp, low | high, low, high, high & (adv > 0)
@@ -96,7 +90,7 @@ def surrogate_terms(
         return -adv * logp, no, no, no, torch.zeros_like(ratio)
     if surrogate == "gmpo":  # ratio: the geometric mean of the clipped token ratios
         low = (adv < 0) & (token_log_ratio < -clip.eps_low)
-        high = (adv > 0) & (token_log_ratio > clip.eps_high)
+        high = (adv > 0) & (token_log_ratio > clip.clip_high)
         return -adv * ratio, low | high, low, high, torch.zeros_like(ratio)
     if surrogate == "vespo":  # ratio: the sequence's log-weight sum S (policy_token_terms)
         log_w = torch.clamp(torch.log(ratio), LN_1E_8, 20.0)
@@ -131,17 +125,11 @@ def policy_token_terms(
     old_logp: torch.Tensor | None,
     ref_logp: torch.Tensor | None,
     entropy: torch.Tensor | None,
-    clip: ClipConfig,
-    beta: float,
-    kl_estimator: str,
-    entropy_coef: float,
-    importance_sampling: str,
-    surrogate: str = "ppo",
-    params: tuple[float, float, float, float] = (1.0, 1.05, 0.0, 0.0),
+    config: PolicyConfig,
     is_weights: torch.Tensor | None = None,
-    kl_bias_correction: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Per-token loss (differentiable w.r.t. ``logp`` and ``entropy``) and metric terms.
+    """Per-token loss (differentiable w.r.t. ``logp`` and ``entropy``) and metric terms of
+    the options in ``config`` (a :class:`fused_rl.PolicyConfig`).
 
     ``old_logp=None`` is on-policy: ``old = logp.detach()``, so the ratio is 1 and the
     gradient is the policy gradient. ``is_weights`` (constants) multiply the policy term
@@ -160,18 +148,23 @@ def policy_token_terms(
     if ref_logp is not None:
         ref_logp = torch.where(counted, ref_logp, detached)
     adv = torch.where(counted, adv, torch.zeros_like(adv))
-    log_ratio = token_log_ratio = logp - old
+    surrogate, importance_sampling = config.surrogate, config.importance_sampling
+    log_ratio = logp - old
+    if config.log_ratio_clamp is not None:
+        log_ratio = torch.clamp(log_ratio, -config.log_ratio_clamp, config.log_ratio_clamp)
+    token_log_ratio = log_ratio
     if surrogate == "gmpo":
-        log_ratio = gmpo_log_ratio(log_ratio, adv, clip)
+        log_ratio = gmpo_log_ratio(log_ratio, adv, config)
     if surrogate == "vespo":  # phi from the clamped log-weight sum, rollout IS folded in
         log_ratio = _vespo_log_weight(log_ratio, mask_f, is_weights)
     elif importance_sampling == "sequence":
         log_ratio = sequence_log_ratio(log_ratio, mask_f)
     elif importance_sampling == "sequence-token":  # the sequence's value, each token's gradient
-        log_ratio = sequence_log_ratio(log_ratio.detach(), mask_f) + (logp - logp.detach())
+        own = logp if config.log_ratio_clamp is None else token_log_ratio  # (none if clamped)
+        log_ratio = sequence_log_ratio(log_ratio.detach(), mask_f) + (own - own.detach())
     ratio = torch.exp(log_ratio)
     loss, clipped, low, high, aux = surrogate_terms(
-        surrogate, ratio, logp, adv, clip, params, token_log_ratio.detach()
+        ratio, logp, adv, config, token_log_ratio.detach()
     )
     if surrogate == "vespo":  # the metrics (and a bias-corrected KL) see the token's ratio
         ratio = torch.exp(token_log_ratio)
@@ -186,13 +179,14 @@ def policy_token_terms(
         "neg_log_ratio": old - logp,
     }
     if ref_logp is not None:
-        kl_tok = kl_estimate(logp, ref_logp, kl_estimator)
+        kl_tok = kl_estimate(logp, ref_logp, config.kl_estimator)
         terms["kl"] = kl_tok
-        if beta != 0.0:
-            loss = loss + beta * (kl_tok * ratio if kl_bias_correction else kl_tok)
+        if config.beta != 0.0:
+            kl_term = kl_tok * ratio if config.kl_bias_correction else kl_tok
+            loss = loss + config.beta * kl_term
     if entropy is not None:
         terms["entropy"] = entropy
-        if entropy_coef != 0.0:
-            loss = loss - entropy_coef * entropy
+        if config.entropy_coef != 0.0:
+            loss = loss - config.entropy_coef * entropy
     terms["loss"] = loss
     return terms

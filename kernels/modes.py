@@ -1,0 +1,40 @@
+"""The policy kernels' mode lists and hyper-parameter table, defined once (plain Python).
+
+The kernels turn each name into a ``tl.constexpr`` index (``SURROGATES.index("ppo")``) and
+the Python side (``fused_rl.policy_config``) validates and packs options in the same order,
+so the two can never drift apart. No Triton here: ``import fused_rl`` reads these tables
+without importing Triton.
+"""
+
+# ``surrogate=``: the per-token policy term (kernels/token_layer.py ``surrogate_loss``)
+SURROGATES = ("ppo", "cispo", "sapo", "gpg", "gmpo", "vespo")
+# ``importance_sampling=``: one ratio per token, per sequence (GSPO), or the sequence's value
+# with each token's own gradient (GSPO-token)
+IMPORTANCE_SAMPLING = ("token", "sequence", "sequence-token")
+# ``kl_estimator=`` (kernels/token_layer.py ``kl_and_grad``)
+KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs")
+# ``loss_agg=`` (the finalize kernel's ``AGG``)
+LOSS_AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+)
+
+# The policy kernels' runtime hyper-parameters, in the order of the ``hyper`` tuple they take
+# (each as an fp32 ``(hi, lo)`` pair, ``fused_rl._launch.f32_pair``): values come from
+# ``PolicyConfig.kernel_params``; the kernels read one with ``param(hyper, P_<NAME>, ACC)``.
+# ``sp0 ... sp3`` are the surrogate's own parameters (SAPO's temperatures, VESPO's k / lambda).
+POLICY_PARAMS = (
+    "eps_low",
+    "eps_high",
+    "dual_clip",
+    "delta",
+    "beta",
+    "entropy_coef",
+    "sp0",
+    "sp1",
+    "sp2",
+    "sp3",
+    "log_ratio_clamp",
+)
