@@ -53,6 +53,15 @@ from ._agg import poison_empty, sequence_scale
 from ._backend import resolve_backend
 from ._launch import stats_dtype
 from ._ops import _serialised_when_interpreting, _tracing
+from ._policy_inputs import (
+    advantages_2d,
+    check_call,
+    check_token_tensors,
+    counted_mask,
+    is_weights_2d,
+    num_items_args,
+    rollout_constants,
+)
 from ._policy_ops import (
     N_COLS,
     metrics_dict,
@@ -62,6 +71,7 @@ from ._policy_ops import (
     uncounted_partials,
 )
 from ._vocab_ops import token_stats_bwd_into, token_stats_bwd_op, token_stats_fwd_op
+from .losses import policy_loss_from_logprobs
 from .policy_config import PolicyConfig, takes_policy_options
 from .reference import logprobs as ref
 from .reference.logprobs import differentiable_once
@@ -657,8 +667,6 @@ def linear_policy_loss(
         >>> loss, m = fused_rl.linear_policy_loss(h, w, t, torch.tensor([1.0, -1.0]))
         >>> loss.backward()
     """
-    from .losses import counted_mask, policy_loss_from_logprobs
-
     _check_policy_tensors(
         targets, advantages, old_logprobs, ref_logprobs, mask, is_weights, policy, num_items
     )
@@ -700,16 +708,14 @@ def _check_policy_tensors(targets, advantages, old_logprobs, ref_logprobs, mask,
                           policy, num_items) -> None:  # fmt: skip
     """The per-token tensors and what the call adds to the config's checks, before any GEMM
     (a bad argument fails before any work)."""
-    from .losses import _advantages_2d, _check_call, _check_token_tensors, _is_weights_2d
-
-    _check_call(policy, ref_logprobs, num_items)
+    check_call(policy, ref_logprobs, num_items)
     V.check_tensor(targets, "targets")
     if targets.dim() != 2:
         raise ValueError(f"targets must be (B, T), got shape {tuple(targets.shape)}")
     batch, length = targets.shape
-    _advantages_2d(advantages, batch, length)
-    _is_weights_2d(is_weights, batch, length)
-    _check_token_tensors(
+    advantages_2d(advantages, batch, length)
+    is_weights_2d(is_weights, batch, length)
+    check_token_tensors(
         batch, length, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask
     )
     V.check_same_device(
@@ -735,19 +741,17 @@ def _fused_policy_loss(rows, weight, bias, flat_targets, shape, advantages, old,
     """The Triton path of :func:`linear_policy_loss` for token-level importance sampling
     (:class:`_LinearPolicyLoss`): per-token inputs flattened to ``(N,)`` and the
     aggregation's per-row scale computed from the mask before the chunk loop."""
-    from .losses import _advantages_2d, _constants, _is_weights_2d, _num_items_args
-
     batch, length = shape
     acc = stats_dtype(rows.dtype)
     flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
-    adv, old, ref = _constants(acc, _advantages_2d(advantages, batch, length), old, ref)
-    is_w = _is_weights_2d(is_weights, batch, length)
+    adv, old, ref = rollout_constants(acc, advantages_2d(advantages, batch, length), old, ref)
+    is_w = is_weights_2d(is_weights, batch, length)
     counted = (flat_targets != ignore_index).view(batch, length)
     m = counted.to(acc) if mask is None else mask_weights(mask.detach(), acc) * counted
     scale = sequence_scale(m, policy.loss_agg, max_length=policy.max_length, num_items=num_items)
     row_scale = scale.expand(batch, length).contiguous().view(-1)  # the kernel reads stride 1
     kept = _counted_rows(m, rows)
-    n_items, n_items_t = _num_items_args(num_items)
+    n_items, n_items_t = num_items_args(num_items)
     launch = _LinearLaunch(
         float(temperature), int(ignore_index), bool(with_entropy), chunk, shape,
         float(policy.max_length or length), n_items, policy.kernel_params,
@@ -756,8 +760,8 @@ def _fused_policy_loss(rows, weight, bias, flat_targets, shape, advantages, old,
     with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
         loss, metrics = _LinearPolicyLoss.apply(
             rows, weight, bias, flat_targets, flat(adv), flat(old), flat(ref),
-            flat(mask.detach()) if mask is not None else None, flat(_constants(acc, is_w)[0]),
-            row_scale, n_items_t, kept, launch,
+            flat(mask.detach()) if mask is not None else None,
+            flat(rollout_constants(acc, is_w)[0]), row_scale, n_items_t, kept, launch,
         )  # fmt: skip
     out = metrics_dict(metrics, has_kl=ref is not None, has_entropy=with_entropy,
                        surrogate=launch.modes[0], has_is=is_w is not None)  # fmt: skip

@@ -15,9 +15,19 @@ import torch
 from torch import Tensor
 
 from . import _validation as V
-from ._agg import check_num_items, masked_mean_all, poison_empty, token_weights
+from ._agg import masked_mean_all, poison_empty, token_weights
 from ._backend import resolve_backend
 from ._launch import stats_dtype
+from ._policy_inputs import (
+    advantages_2d,
+    check_call,
+    check_token_tensors,
+    counted_mask,
+    counted_weights,
+    is_weights_2d,
+    num_items_args,
+    rollout_constants,
+)
 from ._policy_ops import AUX_METRIC, metrics_dict, policy_logprobs_fwd_op, policy_loss_fwd_op
 from ._vocab_ops import check_targets_window, token_stats_nocheck, window
 from .distributed import is_dtensor
@@ -57,23 +67,6 @@ def _metrics(terms: dict[str, Tensor], mask_f: Tensor, surrogate: str = "ppo") -
             if name in terms:
                 out[name] = mean(terms[name])
     return out
-
-
-def _is_weights_2d(is_weights: Tensor | None, batch: int, length: int) -> Tensor | None:
-    """Rollout IS weights ``(B, T)``, ``(B, 1)`` or ``(B,)`` as a ``(B, T)`` view."""
-    if is_weights is None:
-        return None
-    V.check_float(is_weights, "is_weights")
-    shape = tuple(is_weights.shape)
-    if shape == (batch,):
-        return is_weights[:, None].expand(batch, length)
-    if shape == (batch, 1):
-        return is_weights.expand(batch, length)
-    if shape == (batch, length):
-        return is_weights
-    raise ValueError(
-        f"is_weights must have shape (B, T) = ({batch}, {length}), (B, 1) or (B,), got {shape}"
-    )
 
 
 def _is_metrics(is_w: Tensor, mask_f: Tensor) -> dict[str, Tensor]:
@@ -117,54 +110,6 @@ def top_entropy_tokens(entropy: Tensor, mask: Tensor | None, *, quantile: float)
         return counted & (h >= threshold) & (n > 0)
 
 
-def _check_call(policy: PolicyConfig, ref_logprobs, num_items) -> None:
-    """What a call adds to the config's own checks: ``beta != 0`` needs ``ref_logprobs``;
-    ``num_items`` (a per-call value: a number or a one-element tensor)."""
-    if policy.beta != 0.0 and ref_logprobs is None:
-        raise ValueError(
-            f"beta = {policy.beta} needs ref_logprobs (the reference policy's log-probs)"
-        )
-    check_num_items(num_items)
-
-
-def _check_token_tensors(batch: int, length: int, **tensors: Tensor | None) -> None:
-    """Optional ``(B, T)`` per-token inputs: float tensors (``mask``: bool / int / float)."""
-    for name, t in tensors.items():
-        if t is None:
-            continue
-        if name == "mask":
-            V.check_mask_dtype(t, name)
-        else:
-            V.check_float(t, name)
-        V.check_shape(t, (batch, length), name, "(B, T)")
-
-
-def _constants(acc: torch.dtype, *tensors: Tensor | None) -> tuple[Tensor | None, ...]:
-    """Rollout inputs (advantages, old / reference log-probs) detached and in the
-    accumulation dtype ``acc``, as the kernels read them: the fused kernel never
-    differentiates w.r.t. them, and computes in fp32 (fp64 for fp64 log-probs) whatever
-    their own dtypes, so an fp64 ``old_logprobs`` next to fp32 logits gives an fp32 loss."""
-    return tuple(None if t is None else t.detach().to(acc) for t in tensors)
-
-
-def _advantages_2d(advantages: Tensor, batch: int, length: int) -> Tensor:
-    """``(B,)`` (one per sequence) or ``(B, T)`` (per token) advantages as a ``(B, T)`` view."""
-    V.check_float(advantages, "advantages")
-    shape = tuple(advantages.shape)
-    if shape == (batch,):
-        return advantages[:, None].expand(batch, length)
-    if shape == (batch, length):
-        return advantages
-    if shape == (batch, 1):
-        raise ValueError(
-            f"advantages of shape (B, 1) = {shape} is ambiguous: pass (B,) for one advantage "
-            f"per sequence or (B, T) = ({batch}, {length}) for one per token"
-        )
-    raise ValueError(
-        f"advantages must have shape (B,) = ({batch},) or (B, T) = ({batch}, {length}), got {shape}"
-    )
-
-
 def _logits_rank_message(logits: Tensor) -> str:
     """What ``policy_loss`` says about logits that are not 3-D (packed ``(N, V)`` ones get a
     way out)."""
@@ -193,13 +138,6 @@ def _loss_from_logprobs(logp, entropy, adv2d, mask_f, weights, num_items, rollou
     if rollout_is is not None:
         metrics.update(_is_metrics(rollout_is, mask_f))
     return poison_empty(loss, num_items, weights.numel()), metrics
-
-
-def _counted_weights(mask, like) -> Tensor:
-    """``mask`` as fp32 weights (None: every token counts), ``like``'s shape."""
-    if mask is None:
-        return torch.ones(like.shape, dtype=torch.float32, device=like.device)
-    return mask_weights(mask.detach(), torch.float32)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -309,15 +247,15 @@ def policy_loss(
     check_targets_window(targets, logits)
     V.check_positive(temperature, "temperature")
     batch, length = targets.shape
-    adv2d = _advantages_2d(advantages, batch, length)
-    _check_token_tensors(
+    adv2d = advantages_2d(advantages, batch, length)
+    check_token_tensors(
         batch, length, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask
     )
     V.check_same_device(
         logits=logits, advantages=advantages, old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs, mask=mask, is_weights=is_weights,
     )  # fmt: skip
-    _check_call(policy, ref_logprobs, num_items)
+    check_call(policy, ref_logprobs, num_items)
     need_entropy = with_entropy or policy.uses_entropy
     # by composition (log-probs and entropy first, then the token layer): vocabulary-sharded
     # logits, and the top-entropy selection, whose threshold needs every token's entropy
@@ -331,10 +269,10 @@ def policy_loss(
     V.check_target_range(targets, logits.shape[-1], ignore_index, "targets")
     V.check_mask_weights(mask, "mask")
     which = resolve_backend(backend, logits, targets)
-    is_w = _is_weights_2d(is_weights, batch, length)
+    is_w = is_weights_2d(is_weights, batch, length)
 
     if which == "triton":
-        n_items, n_items_t = _num_items_args(num_items)
+        n_items, n_items_t = num_items_args(num_items)
         loss, metrics, *_ = policy_loss_fwd_op(
             logits, targets, adv2d, old_logprobs, ref_logprobs, mask, is_w, n_items_t,
             float(temperature), int(ignore_index), bool(need_entropy), policy.kernel_params,
@@ -346,7 +284,7 @@ def policy_loss(
         return loss, out
 
     acc = stats_dtype(logits.dtype)
-    adv2d, old_logprobs, ref_logprobs = _constants(acc, adv2d, old_logprobs, ref_logprobs)
+    adv2d, old_logprobs, ref_logprobs = rollout_constants(acc, adv2d, old_logprobs, ref_logprobs)
     counted = targets != ignore_index
     mask_f = counted.to(acc) if mask is None else mask_weights(mask.detach(), acc) * counted
     weights = token_weights(mask_f, policy.loss_agg, max_length=policy.max_length,
@@ -360,13 +298,6 @@ def policy_loss(
         logp, entropy, adv2d, mask_f, weights, num_items, is_w, policy, old_logp=old_logprobs,
         ref_logp=ref_logprobs, is_weights=None if is_w is None else is_w.detach().to(acc),
     )  # fmt: skip
-
-
-def _num_items_args(num_items) -> tuple[float, Tensor | None]:
-    """``num_items`` as the kernels take it: a number (``-1``: not given) or a tensor."""
-    if isinstance(num_items, Tensor):
-        return -1.0, num_items.reshape(())
-    return (-1.0 if num_items is None else float(num_items)), None
 
 
 @V.deprecated_keyword("kl", "kl_estimator")
@@ -412,8 +343,8 @@ def policy_loss_from_logprobs(
             )
         raise ValueError(f"logprobs must be (B, T), got shape {tuple(logprobs.shape)}{hint}")
     batch, length = logprobs.shape
-    adv2d = _advantages_2d(advantages, batch, length)
-    _check_token_tensors(
+    adv2d = advantages_2d(advantages, batch, length)
+    check_token_tensors(
         batch, length, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask,
         entropy=entropy,
     )  # fmt: skip
@@ -421,19 +352,19 @@ def policy_loss_from_logprobs(
         logprobs=logprobs, advantages=advantages, old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs, mask=mask, entropy=entropy, is_weights=is_weights,
     )  # fmt: skip
-    _check_call(policy, ref_logprobs, num_items)
+    check_call(policy, ref_logprobs, num_items)
     if policy.entropy_coef != 0.0 and entropy is None:
         raise ValueError("entropy_coef != 0 needs the per-token entropy tensor")
     V.check_mask_weights(mask, "mask")
     which = resolve_backend(backend, logprobs)
-    is_w = rollout_is = _is_weights_2d(is_weights, batch, length)  # metrics: the rollout's
+    is_w = rollout_is = is_weights_2d(is_weights, batch, length)  # metrics: the rollout's
     if policy.top_entropy_quantile < 1.0:
         if entropy is None:
             raise ValueError("top_entropy_quantile < 1 needs the per-token entropy tensor")
         keep = top_entropy_tokens(entropy, mask, quantile=policy.top_entropy_quantile)
         is_w = keep.to(stats_dtype(logprobs.dtype)) if is_w is None else is_w * keep
     if which == "triton":
-        n_items, n_items_t = _num_items_args(num_items)
+        n_items, n_items_t = num_items_args(num_items)
         loss, metrics, *_ = policy_logprobs_fwd_op(
             logprobs, entropy, adv2d, old_logprobs, ref_logprobs, mask, is_w, n_items_t,
             policy.kernel_params, policy.kernel_modes, float(policy.max_length or length),
@@ -444,10 +375,10 @@ def policy_loss_from_logprobs(
                            surrogate=SURROGATES.index(policy.surrogate),
                            has_is=rollout_is is not None)  # fmt: skip
         if rollout_is is not None and is_w is not rollout_is:  # the kernel saw them masked
-            out.update(_is_metrics(rollout_is, _counted_weights(mask, rollout_is)))
+            out.update(_is_metrics(rollout_is, counted_weights(mask, rollout_is)))
         return loss, out
     acc = stats_dtype(logprobs.dtype)
-    adv2d, old_logprobs, ref_logprobs = _constants(acc, adv2d, old_logprobs, ref_logprobs)
+    adv2d, old_logprobs, ref_logprobs = rollout_constants(acc, adv2d, old_logprobs, ref_logprobs)
     entropy = None if entropy is None else entropy.to(acc)  # as the kernel reads it; keeps grad
     mask_f = (
         torch.ones_like(logprobs, dtype=acc) if mask is None else mask_weights(mask.detach(), acc)
@@ -485,14 +416,3 @@ def _composed_policy_loss(
         mask=counted_mask(mask, targets, ignore_index), entropy=entropy,
         is_weights=is_weights, num_items=num_items, policy_config=policy, backend=backend,
     )  # fmt: skip
-
-
-def counted_mask(mask: Tensor | None, targets: Tensor, ignore_index: int) -> Tensor:
-    """``mask`` (None: every token) restricted to the tokens whose target is not
-    ``ignore_index``, in ``mask``'s own dtype (bool, integer or float weights)."""
-    counted = targets != ignore_index
-    if mask is None:
-        return counted
-    if mask.dtype == torch.bool:
-        return mask & counted
-    return torch.where(counted, mask, torch.zeros_like(mask))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "fused_rl"
 
 
@@ -87,3 +89,53 @@ def test_no_import_cycle():
     graph = import_graph()
     assert "fused_rl.losses" in graph and "fused_rl.distributed" in graph["fused_rl.losses"]
     assert cycles(graph) == []
+
+
+# The package's layers, lowest first: a module imports only modules of its own layer or a
+# lower one (within a layer, test_no_import_cycle keeps the imports acyclic). The reference
+# twin reads alone: plain PyTorch over the leaf helpers, nothing of the Triton side.
+LAYERS = (
+    ("leaves", ("fused_rl._shapes", "fused_rl.kernels.modes")),
+    ("reference", ("fused_rl.reference",)),
+    ("base", ("fused_rl.config", "fused_rl._version", "fused_rl._backend", "fused_rl._launch",
+              "fused_rl._policy_inputs",
+              "fused_rl._validation", "fused_rl._agg", "fused_rl.policy_config",
+              "fused_rl.profiling", "fused_rl._describe")),
+    ("ops", ("fused_rl._ops", "fused_rl._vocab_ops", "fused_rl._policy_ops")),
+    ("vocab parallel", ("fused_rl.distributed",)),
+    ("functions", ("fused_rl.logprobs", "fused_rl.kl", "fused_rl.reductions",
+                   "fused_rl.rollout", "fused_rl.continuous", "fused_rl.advantages",
+                   "fused_rl.values", "fused_rl.losses", "fused_rl.linear")),
+    ("adapters", ("fused_rl.nn", "fused_rl.compat", "fused_rl.__main__")),
+    ("package", ("fused_rl",)),
+)  # fmt: skip
+
+
+def layer_of(module: str) -> int:
+    """The layer of ``module`` (a listed module or a submodule of one; ``fused_rl`` itself
+    only by name, so a new module must be placed)."""
+    for i, (_, prefixes) in enumerate(LAYERS):
+        if module in prefixes or any(
+            module.startswith(p + ".") for p in prefixes if p != "fused_rl"
+        ):
+            return i
+    raise AssertionError(f"{module} is in no layer of tests/test_imports.py LAYERS: add it")
+
+
+def test_imports_point_down():
+    graph = import_graph()
+    upward = [
+        f"{m} ({LAYERS[layer_of(m)][0]}) imports {t} ({LAYERS[layer_of(t)][0]})"
+        for m, targets in sorted(graph.items())
+        for t in sorted(targets)
+        if layer_of(t) > layer_of(m)
+    ]
+    assert upward == []
+
+
+def test_layer_check_works():
+    assert layer_of("fused_rl.reference.policy") < layer_of("fused_rl._launch")
+    assert layer_of("fused_rl.compat.verl.core_algos") > layer_of("fused_rl.losses")
+    assert layer_of("fused_rl") == len(LAYERS) - 1
+    with pytest.raises(AssertionError, match="in no layer"):
+        layer_of("fused_rl.somewhere_new")

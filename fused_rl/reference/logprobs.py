@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .._launch import stats_dtype
 from .._shapes import as_rows3d
+from .reductions import acc_dtype
 
 # Rows per chunk: keeps the transient fp32 copy at (CHUNK_ELEMENTS) floats.
 CHUNK_ELEMENTS = 1 << 22
@@ -44,7 +44,7 @@ def row_stats(
     Ignored rows give 0 for all four. A target outside ``[0, V)`` gives NaN.
     """
     outer, inner, vocab = logits3d.shape
-    dtype = stats_dtype(logits3d.dtype)
+    dtype = acc_dtype(logits3d)
     logp = torch.zeros(outer, inner, dtype=dtype, device=logits3d.device)
     entropy, row_max, log_sum = (torch.zeros_like(logp) for _ in range(3))
     for idx in _chunks(outer, inner, vocab):

@@ -9,14 +9,9 @@ gradient 50/50, ``torch.clamp`` passes gradient on its bounds; the kernel does t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from .kl import kl_estimate
-
-if TYPE_CHECKING:  # the options object; the reference reads its fields only
-    from ..policy_config import PolicyConfig
 
 
 def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip):
@@ -62,7 +57,7 @@ def surrogate_terms(
     ratio: torch.Tensor,
     logp: torch.Tensor,
     adv: torch.Tensor,
-    config: PolicyConfig,
+    config,
     token_log_ratio: torch.Tensor | None = None,
 ):
     """Per-token policy term of ``config.surrogate`` (``kernels/token_layer.surrogate_loss``):
@@ -125,7 +120,7 @@ def policy_token_terms(
     old_logp: torch.Tensor | None,
     ref_logp: torch.Tensor | None,
     entropy: torch.Tensor | None,
-    config: PolicyConfig,
+    config,
     is_weights: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-token loss (differentiable w.r.t. ``logp`` and ``entropy``) and metric terms of

@@ -1,0 +1,102 @@
+"""The per-token inputs of the policy losses (private): shapes, checks and the forms the
+kernels read, shared by ``fused_rl.losses`` and ``fused_rl.linear``."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _validation as V
+from ._agg import check_num_items
+from .policy_config import PolicyConfig
+from .reference.reductions import mask_weights
+
+
+def check_call(policy: PolicyConfig, ref_logprobs, num_items) -> None:
+    """What a call adds to the config's own checks: ``beta != 0`` needs ``ref_logprobs``;
+    ``num_items`` (a per-call value: a number or a one-element tensor)."""
+    if policy.beta != 0.0 and ref_logprobs is None:
+        raise ValueError(
+            f"beta = {policy.beta} needs ref_logprobs (the reference policy's log-probs)"
+        )
+    check_num_items(num_items)
+
+
+def check_token_tensors(batch: int, length: int, **tensors: Tensor | None) -> None:
+    """Optional ``(B, T)`` per-token inputs: float tensors (``mask``: bool / int / float)."""
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if name == "mask":
+            V.check_mask_dtype(t, name)
+        else:
+            V.check_float(t, name)
+        V.check_shape(t, (batch, length), name, "(B, T)")
+
+
+def rollout_constants(acc: torch.dtype, *tensors: Tensor | None) -> tuple[Tensor | None, ...]:
+    """Rollout inputs (advantages, old / reference log-probs) detached and in the
+    accumulation dtype ``acc``, as the kernels read them: the fused kernel never
+    differentiates w.r.t. them, and computes in fp32 (fp64 for fp64 log-probs) whatever
+    their own dtypes, so an fp64 ``old_logprobs`` next to fp32 logits gives an fp32 loss."""
+    return tuple(None if t is None else t.detach().to(acc) for t in tensors)
+
+
+def advantages_2d(advantages: Tensor, batch: int, length: int) -> Tensor:
+    """``(B,)`` (one per sequence) or ``(B, T)`` (per token) advantages as a ``(B, T)`` view."""
+    V.check_float(advantages, "advantages")
+    shape = tuple(advantages.shape)
+    if shape == (batch,):
+        return advantages[:, None].expand(batch, length)
+    if shape == (batch, length):
+        return advantages
+    if shape == (batch, 1):
+        raise ValueError(
+            f"advantages of shape (B, 1) = {shape} is ambiguous: pass (B,) for one advantage "
+            f"per sequence or (B, T) = ({batch}, {length}) for one per token"
+        )
+    raise ValueError(
+        f"advantages must have shape (B,) = ({batch},) or (B, T) = ({batch}, {length}), got {shape}"
+    )
+
+
+def is_weights_2d(is_weights: Tensor | None, batch: int, length: int) -> Tensor | None:
+    """Rollout IS weights ``(B, T)``, ``(B, 1)`` or ``(B,)`` as a ``(B, T)`` view."""
+    if is_weights is None:
+        return None
+    V.check_float(is_weights, "is_weights")
+    shape = tuple(is_weights.shape)
+    if shape == (batch,):
+        return is_weights[:, None].expand(batch, length)
+    if shape == (batch, 1):
+        return is_weights.expand(batch, length)
+    if shape == (batch, length):
+        return is_weights
+    raise ValueError(
+        f"is_weights must have shape (B, T) = ({batch}, {length}), (B, 1) or (B,), got {shape}"
+    )
+
+
+def num_items_args(num_items) -> tuple[float, Tensor | None]:
+    """``num_items`` as the kernels take it: a number (``-1``: not given) or a tensor."""
+    if isinstance(num_items, Tensor):
+        return -1.0, num_items.reshape(())
+    return (-1.0 if num_items is None else float(num_items)), None
+
+
+def counted_mask(mask: Tensor | None, targets: Tensor, ignore_index: int) -> Tensor:
+    """``mask`` (None: every token) restricted to the tokens whose target is not
+    ``ignore_index``, in ``mask``'s own dtype (bool, integer or float weights)."""
+    counted = targets != ignore_index
+    if mask is None:
+        return counted
+    if mask.dtype == torch.bool:
+        return mask & counted
+    return torch.where(counted, mask, torch.zeros_like(mask))
+
+
+def counted_weights(mask, like) -> Tensor:
+    """``mask`` as fp32 weights (None: every token counts), ``like``'s shape."""
+    if mask is None:
+        return torch.ones(like.shape, dtype=torch.float32, device=like.device)
+    return mask_weights(mask.detach(), torch.float32)
