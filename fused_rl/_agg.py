@@ -1,8 +1,14 @@
-"""Loss aggregation (``loss_agg``) as per-token weights: ``loss = sum_t w_t * L_t``.
+"""Loss aggregation (``loss_agg``): ``loss = sum_t w_t L_t`` with ``w_t = m_t s_b``.
 
-The weights depend on the mask only, never on the logits, so they are computed before the
-fused kernel (O(B*T) work, no host sync) and the kernel's epilogue needs only ``w_t`` to emit
-both its share of the loss and the backward coefficients ``g_t = w_t * dL_t/dlogp_t``.
+``m`` is the mask weight and ``s`` the mode's normaliser (:func:`sequence_scale`: one value
+per sequence for ``seq-mean-token-mean``, else one for all), which depends on the mask only,
+never on the logits. Two users, one definition of ``s``:
+
+* the reference path multiplies per-token losses by :func:`token_weights`;
+* the Triton path applies the same ``s`` after the per-token pass, inside the finalize
+  kernel (``kernels/token_policy.py``, ``AGG``), which also hands ``s`` to the backward; the
+  fused-linear loss needs ``s`` before its chunk loop and takes it from
+  :func:`sequence_scale` here.
 """
 
 from __future__ import annotations

@@ -432,42 +432,6 @@ def merge_partials(local, targets, t_local, ignored, spec: _Spec):
 # ----------------------------------------------------------------------------- backward
 
 
-def _reference_grad(x3d, t_local, m, log_s, entropy, g, h, spec: _Spec) -> Tensor:
-    """Layer 3 in plain PyTorch on this rank's valid columns, window rows only: the
-    reference's closed form (``fused_rl.reference.logprobs.grad_logits``) with a target
-    that may be owned by another rank (``NOT_OWNED``: no one-hot term here)."""
-    outer, inner, vocab = x3d.shape
-    dtype = m.dtype
-    temperature = spec.temperature
-    grad = torch.empty(x3d.shape, dtype=x3d.dtype, device=x3d.device)
-    active = torch.ones(outer, inner, dtype=torch.bool, device=x3d.device)
-    if t_local is not None:
-        active = t_local != LOCAL_IGNORE
-    needed = torch.zeros_like(active)
-    for coef in (g, h):
-        if coef is not None:
-            needed |= coef != 0
-    active = active & needed
-    for idx in ref._chunks(outer, inner, vocab):
-        d = x3d[idx].to(dtype) / temperature - m[idx][..., None]
-        p = torch.exp(d - log_s[idx][..., None])
-        out = torch.zeros_like(d)
-        if g is not None:
-            g_rows = g[idx][..., None].to(dtype)
-            out -= g_rows * p
-            t = t_local[idx].long()
-            here = (t >= 0) & (t < vocab)
-            one_hot = torch.where(here[..., None], g_rows, 0.0)
-            out.scatter_add_(-1, t.clamp(0, vocab - 1)[..., None], one_hot)
-        if h is not None:
-            mean_d = (log_s[idx] - entropy[idx])[..., None]
-            centred = torch.where(p == 0, torch.zeros_like(d), p * (d - mean_d))
-            out -= h[idx][..., None].to(dtype) * centred
-        out = torch.where(active[idx][..., None], out / temperature, torch.zeros_like(out))
-        grad[idx] = out.to(grad.dtype)
-    return grad
-
-
 def _backward_local(x3d, t_local, m, log_s, entropy, g, h, spec: _Spec, inner: int) -> Tensor:
     """The gradient of this rank's whole ``(outer, S, V_local)`` buffer: layer 3 with the
     global statistics, no collective; zero at padding columns and outside the window."""
@@ -479,14 +443,16 @@ def _backward_local(x3d, t_local, m, log_s, entropy, g, h, spec: _Spec, inner: i
     if spec.which == "reference":
         positions = x.shape[1]
         if inner != positions:
-            window = _reference_grad(
+            window = ref.grad_logits(
                 x.narrow(1, position_shift(positions, inner), inner), t_local, m, log_s,
-                entropy, g, h, spec,
+                entropy, g, h, spec.temperature, LOCAL_IGNORE,
             )  # fmt: skip
             grad = x.new_zeros(x.shape)
             grad.narrow(1, position_shift(positions, inner), inner).copy_(window)
         else:
-            grad = _reference_grad(x, t_local, m, log_s, entropy, g, h, spec)
+            grad = ref.grad_logits(
+                x, t_local, m, log_s, entropy, g, h, spec.temperature, LOCAL_IGNORE
+            )
     else:
         grad = token_stats_bwd_op(
             x, t_local, m, log_s, entropy if h is not None else None, g, h, None, None,

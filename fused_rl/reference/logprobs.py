@@ -103,8 +103,11 @@ def grad_logits(
         if g is not None:
             g_rows = g[idx][..., None].to(dtype)
             out -= g_rows * p
-            t = targets[idx].long().clamp(0, vocab - 1)[..., None]
-            out.scatter_add_(-1, t, g_rows)
+            t = targets[idx].long()
+            # a target outside [0, V) adds no one-hot term: a vocabulary shard's target
+            # that another rank owns (fused_rl.distributed), or a bad id (its logp is NaN)
+            one_hot = torch.where(((t >= 0) & (t < vocab))[..., None], g_rows, 0.0)
+            out.scatter_add_(-1, t.clamp(0, vocab - 1)[..., None], one_hot)
         if h is not None:
             mean_d = (log_sum[idx] - entropy[idx])[..., None]  # E_p[z] - row max
             centred = torch.where(p == 0, torch.zeros_like(d), p * (d - mean_d))  # NaN stays
