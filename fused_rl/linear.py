@@ -57,7 +57,6 @@ from ._policy_inputs import (
     advantages_2d,
     check_call,
     check_token_tensors,
-    counted_mask,
     is_weights_2d,
     num_items_args,
     rollout_constants,
@@ -71,7 +70,7 @@ from ._policy_ops import (
     uncounted_partials,
 )
 from ._vocab_ops import token_stats_bwd_into, token_stats_bwd_op, token_stats_fwd_op
-from .losses import policy_loss_from_logprobs
+from .losses import loss_from_token_stats
 from .policy_config import PolicyConfig, takes_policy_options
 from .reference import logprobs as ref
 from .reference.logprobs import differentiable_once
@@ -690,11 +689,10 @@ def linear_policy_loss(
         backend=backend,
     )  # fmt: skip
     logp, entropy = out if need_entropy else (out, None)
-    # policy_loss counts a token only where it is not ignored
-    return policy_loss_from_logprobs(
-        logp, advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-        mask=counted_mask(mask, targets, ignore_index), entropy=entropy,
-        is_weights=is_weights, num_items=num_items, policy_config=policy, backend=backend,
+    return loss_from_token_stats(
+        logp, entropy, targets, advantages, old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs, mask=mask, is_weights=is_weights, num_items=num_items,
+        ignore_index=ignore_index, policy=policy, backend=backend,
     )  # fmt: skip
 
 

@@ -393,22 +393,36 @@ def policy_loss_from_logprobs(
 
 
 def _composed_policy_loss(
-    logits: Tensor, targets: Tensor, advantages: Tensor, *, old_logprobs, ref_logprobs, mask,
-    is_weights, num_items, temperature, ignore_index, need_entropy: bool, process_group,
-    policy: PolicyConfig, backend: str,
+    logits: Tensor, targets: Tensor, advantages: Tensor, *, temperature, ignore_index,
+    need_entropy: bool, process_group, backend: str, **loss_inputs,
 ) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
     """:func:`fused_rl.policy_loss` by composition: :func:`fused_rl.token_logprobs` (with
     the entropy when the loss or the metrics need it; vocab-parallel with ``process_group``
-    or a ``DTensor``) feeding :func:`fused_rl.policy_loss_from_logprobs` with the same
-    config, ``mask`` restricted to tokens that are not ``ignore_index``. Runs for
-    vocabulary-sharded logits (every rank computes the same loss and metrics; the logits'
-    gradient is each rank's shard, no collective backward) and for the top-entropy
-    selection (its threshold needs every token's entropy)."""
+    or a ``DTensor``), then :func:`loss_from_token_stats`. Runs for vocabulary-sharded
+    logits (every rank computes the same loss and metrics; the logits' gradient is each
+    rank's shard, no collective backward) and for the top-entropy selection (its threshold
+    needs every token's entropy)."""
     out = token_logprobs(
         logits, targets, temperature=temperature, ignore_index=ignore_index,
         return_entropy=need_entropy, process_group=process_group, backend=backend,
     )  # fmt: skip
     logp, entropy = out if need_entropy else (out, None)
+    return loss_from_token_stats(
+        logp, entropy, targets, advantages, ignore_index=ignore_index, backend=backend,
+        **loss_inputs,
+    )  # fmt: skip
+
+
+def loss_from_token_stats(
+    logp: Tensor, entropy: Tensor | None, targets: Tensor, advantages: Tensor, *,
+    old_logprobs, ref_logprobs, mask, is_weights, num_items, ignore_index, policy: PolicyConfig,
+    backend: str,
+) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
+    """The second half of every composed policy loss (vocabulary-parallel or DTensor
+    logits, the top-entropy selection, and ``linear_policy_loss`` whenever it does not run
+    its one-pass chunks): :func:`policy_loss_from_logprobs` on the per-token ``logp`` (and
+    ``entropy``), counting a token only where its target is not ``ignore_index``, as the
+    fused path does."""
     if is_dtensor(targets):
         targets = targets.to_local()
     return policy_loss_from_logprobs(
