@@ -29,6 +29,11 @@ _unpoisoned_trace_rules()
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "no_poison: do not NaN-fill torch.empty in this test")
+    config.addinivalue_line(
+        "markers",
+        "integration: runs a subprocess, the bench CLI, the example or the sm_90 compile "
+        "(part of the suite and of CI; `-m 'not integration'` leaves them out)",
+    )
 
 
 def pytest_collection_modifyitems(config, items):

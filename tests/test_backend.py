@@ -137,6 +137,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.integration
 def test_import_without_triton():
     """With Triton unimportable, ``import fused_rl`` works and every op runs the reference,
     even with ``TRITON_INTERPRET=1`` set."""
@@ -171,6 +172,7 @@ def test_describe_reports_the_auto_backend(interpreter):
     assert "Triton interpreter (TRITON_INTERPRET=1): off" in str(d)
 
 
+@pytest.mark.integration
 def test_python_m_fused_rl_prints_the_report():
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     proc = subprocess.run(
@@ -230,6 +232,7 @@ assert torch.equal(x, y)
 """
 
 
+@pytest.mark.integration
 def test_interpreter_numpy_warnings_do_not_reach_the_caller():
     """The interpreter evaluates masked-out lanes in NumPy (log(0), 0 * inf); fused_rl's
     launches silence those floating-point warnings instead of leaking them to user code."""

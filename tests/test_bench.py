@@ -17,6 +17,9 @@ import sys
 import pytest
 import torch
 
+# an integration test (subprocess / CLI / compile): `pytest -m 'not integration'` skips it
+pytestmark = pytest.mark.integration
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)

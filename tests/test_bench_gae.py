@@ -15,6 +15,9 @@ from helpers import FP32_TOL, assert_rel, seed_gae_loop
 
 from fused_rl.advantages import gae
 
+# an integration test (subprocess / CLI / compile): `pytest -m 'not integration'` skips it
+pytestmark = pytest.mark.integration
+
 GAMMA, LAM = 0.99, 0.95
 SHAPE = (8, 1024)
 

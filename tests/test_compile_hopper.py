@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+# an integration test (subprocess / CLI / compile): `pytest -m 'not integration'` skips it
+pytestmark = pytest.mark.integration
+
 pytest.importorskip("triton.backends.compiler")
 
 

@@ -73,6 +73,7 @@ def test_cited_files_exist(doc):
             )
 
 
+@pytest.mark.integration
 def test_nothing_points_outside_the_repository():
     """The project stands alone: no document or source cites files that only exist next to
     the repository (a design document, ../ paths)."""
@@ -294,6 +295,7 @@ def test_the_runnable_examples_are_where_the_test_finds_them():
         assert page in with_blocks, f"{page} has no python block left to run"
 
 
+@pytest.mark.integration
 @pytest.mark.no_poison
 @pytest.mark.parametrize("doc", _docs_with_python_blocks())
 def test_python_blocks_run(doc):

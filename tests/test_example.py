@@ -7,6 +7,9 @@ import pathlib
 import pytest
 import torch
 
+# an integration test (subprocess / CLI / compile): `pytest -m 'not integration'` skips it
+pytestmark = pytest.mark.integration
+
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "train_tiny_lm.py"
 
 
