@@ -5,20 +5,31 @@ plain-PyTorch reference. ``print(fused_rl.describe())`` (or ``python -m fused_rl
 backend each device gets and why; ``fused_rl.available_backends(device)`` lists what can run.
 """
 
-from . import config, distributed  # noqa: F401  (distributed: a module, not an op)
-from ._backend import available_backends
-from ._describe import describe
-from ._version import __version__
-from .advantages import gae, group_advantages, kl_penalized_rewards, rloo_advantages
-from .continuous import gaussian_entropy, gaussian_logprob
-from .kl import kl_estimate
-from .linear import linear_policy_loss, linear_token_logprobs
-from .logprobs import token_entropy, token_logprobs
-from .losses import policy_loss, policy_loss_from_logprobs
-from .policy_config import PolicyConfig
-from .reductions import masked_mean, masked_sum, masked_var, masked_whiten
-from .rollout import rollout_is_weights
-from .values import ppo_loss, value_loss
+import os as _os
+
+# A source checkout keeps the Triton kernels in kernels/ beside this package (an install maps
+# that folder to fused_rl.kernels): look there first, so that a checkout imported from its
+# own directory runs its own kernels, not those of whatever fused_rl install is on the path.
+_ROOT = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if _os.path.isfile(_os.path.join(_ROOT, "kernels", "modes.py")) and _os.path.isfile(
+    _os.path.join(_ROOT, "pyproject.toml")
+):
+    __path__.append(_ROOT)
+
+from . import config, distributed  # noqa: E402, F401  (distributed: a module, not an op)
+from ._backend import available_backends  # noqa: E402
+from ._describe import describe  # noqa: E402
+from ._version import __version__  # noqa: E402
+from .advantages import gae, group_advantages, kl_penalized_rewards, rloo_advantages  # noqa: E402
+from .continuous import gaussian_entropy, gaussian_logprob  # noqa: E402
+from .kl import kl_estimate  # noqa: E402
+from .linear import linear_policy_loss, linear_token_logprobs  # noqa: E402
+from .logprobs import token_entropy, token_logprobs  # noqa: E402
+from .losses import policy_loss, policy_loss_from_logprobs  # noqa: E402
+from .policy_config import PolicyConfig  # noqa: E402
+from .reductions import masked_mean, masked_sum, masked_var, masked_whiten  # noqa: E402
+from .rollout import rollout_is_weights  # noqa: E402
+from .values import ppo_loss, value_loss  # noqa: E402
 
 __all__ = [
     "__version__",

@@ -267,3 +267,29 @@ def test_warnings_point_at_the_user_s_line():
         warnings.simplefilter("always")
         fused_rl.kl_estimate(torch.zeros(2, 2), torch.zeros(2, 2), kind="k2")
     assert [w.filename for w in caught] == [__file__]
+
+
+@pytest.mark.integration
+def test_a_checkout_runs_its_own_kernels(tmp_path):
+    """A copy of the source tree imported from its own directory finds ITS kernels/ as
+    ``fused_rl.kernels``, not those of the fused_rl install on the path (this repository's
+    editable install, here)."""
+    import shutil
+    from pathlib import Path
+
+    root = Path(fused_rl.__file__).resolve().parent.parent
+    for name in ("fused_rl", "kernels"):
+        shutil.copytree(root / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(root / "pyproject.toml", tmp_path / "pyproject.toml")
+    code = (
+        "import fused_rl, fused_rl.kernels.modes as m; print(fused_rl.__file__); print(m.__file__)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    package, modes = proc.stdout.split()
+    assert Path(package).is_relative_to(tmp_path) and Path(modes).is_relative_to(tmp_path), (
+        package,
+        modes,
+    )
