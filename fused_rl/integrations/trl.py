@@ -1,0 +1,447 @@
+"""fused_rl inside TRL's ``GRPOTrainer`` (TRL >= 1.15; 1.16 current).
+
+Since TRL 1.15 ``trl.GRPOTrainer`` computes every per-token log-prob and entropy with its own
+chunked fused LM head: ``trl.trainer.utils.add_fused_lm_head`` patches the model's forward so
+that ``model(..., labels=labels, fused_lm_head=True)`` runs the backbone and projects the
+hidden states through the LM head in chunks. The function-level drop-ins of
+``fused_rl.compat.trl`` (``selective_log_softmax``, ``entropy_from_logits``) are never called
+there. This module replaces that head::
+
+    from fused_rl.integrations.trl import GRPOTrainer   # was: from trl import GRPOTrainer
+
+or, for a script or a library that constructs ``trl.GRPOTrainer`` itself::
+
+    import fused_rl.integrations.trl as fused_trl
+    fused_trl.patch()            # or: with fused_trl.patched(): ...
+
+What runs: every ``fused_lm_head=True`` forward TRL makes (the policy in the training step,
+the old policy, the reference model: one code path, so an on-policy ratio is exactly 1)
+runs the model's backbone, then :func:`fused_rl.linear_token_logprobs` on the hidden states
+of the positions whose label is not ``-100`` (log-probs and, where TRL asks for it, the
+entropy, in one pass; the ``(N, V)`` logits never exist whole). TRL's semantics are kept:
+the causal shift (or pre-shifted ``shift_labels``), ``-100`` labels ignored and 0 in the
+output, ``loss = -sum(log_probs) / num_items_in_batch`` (the number of counted labels when
+not given), the MoE load-balancing loss when the config asks for router logits, the
+returned ``FusedCausalLMOutput`` fields ``loss``, ``log_probs``, ``entropy``,
+``label_mask``, ``aux_loss``. The backbone and the LM head are looked up through the model
+at each call, so FSDP / PEFT replacements made after construction are used. The trainer's
+loss (``_compute_loss``) is TRL's own, fed with fused_rl's log-probs and entropies.
+
+What fused_rl cannot do yet raises at construction (``ValueError`` naming the option), never
+a silent fall-back to TRL's head: ``final_logit_softcapping`` in the model config (Gemma 2 /
+3), a logit scale ``<= 0``, a fused-head output other than ``log_probs`` / ``entropy``, and
+DeepSpeed ZeRO-3 (fused_rl's backward recomputes the logits from the ``lm_head`` weight,
+which ZeRO-3 has released by then). A positive logit scale (the config's ``logit_scale``,
+``output_multiplier``, ``lm_head_multiplier`` or ``logits_scaling``, read as TRL reads them)
+is exact: ``log_softmax(s z / T) = log_softmax(z / (T / s))``, so it runs as the
+temperature ``T / s``. ``cast_lm_head_to_fp32=True``: the hidden states (and the head, if
+it is not already) go to fp32 and the head runs outside autocast, as in TRL.
+
+The backend (``"auto"``, ``"triton"``, ``"reference"``: :mod:`fused_rl._backend`) and the
+rows per chunk are options: ``GRPOTrainer(..., fused_rl_backend=..., fused_rl_chunk_tokens=...)``
+or ``patch(backend=..., chunk_tokens=...)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+import types
+from collections.abc import Callable, Iterator
+
+import torch
+
+from .. import _validation as V
+from .._backend import BACKENDS
+from ..linear import linear_token_logprobs
+
+__all__ = [
+    "GRPOTrainer",  # noqa: F822  (built on first access: __getattr__ below)
+    "MIN_TRL_VERSION",
+    "add_fused_lm_head",
+    "is_patched",
+    "patch",
+    "patched",
+    "unpatch",
+]
+
+MIN_TRL_VERSION = (1, 15)
+INSTALL_HINT = "pip install 'trl>=1.15'"
+OUTPUTS = ("log_probs", "entropy")  # the fused-head outputs fused_rl computes
+# the config fields TRL reads as a multiplier of the logits, in its order of precedence
+_SCALE_FIELDS = ("logit_scale", "output_multiplier", "lm_head_multiplier")
+_MARK = "_fused_rl_lm_head"  # attribute of a model whose forward this module patched
+
+
+def _trl():
+    """``(trl, trl.trainer.grpo_trainer, trl.trainer.utils)``, or an ImportError that says
+    what to install."""
+    try:
+        import trl
+        from trl.trainer import grpo_trainer
+        from trl.trainer import utils as trl_utils
+    except ImportError as exc:
+        raise ImportError(
+            f"fused_rl.integrations.trl needs TRL >= 1.15 ({INSTALL_HINT}): {exc}"
+        ) from exc
+    from packaging.version import Version
+
+    version = Version(trl.__version__)
+    if version.release[:2] < MIN_TRL_VERSION or not hasattr(trl_utils, "add_fused_lm_head"):
+        raise ImportError(
+            f"fused_rl.integrations.trl needs TRL >= 1.15, whose trainers compute log-probs "
+            f"with a fused LM head; found TRL {trl.__version__} ({INSTALL_HINT}). With "
+            "TRL <= 1.14, use fused_rl.compat.trl's selective_log_softmax / entropy_from_logits"
+        )
+    return trl, grpo_trainer, trl_utils
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """fused_rl's choices for the head: ``backend`` as every fused_rl op takes it, and
+    ``chunk_tokens`` (rows per GEMM chunk; None keeps a chunk's logits under 256 MiB)."""
+
+    backend: str = "auto"
+    chunk_tokens: int | None = None
+
+    def __post_init__(self):
+        V.check_choice(self.backend, BACKENDS, "fused_rl_backend")
+        V.check_positive_int(self.chunk_tokens, "fused_rl_chunk_tokens", allow_none=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Head:
+    """What a patched forward needs, fixed when the head is added."""
+
+    temperature: float  # TRL's temperature divided by the config's logit scale
+    cast_fp32: bool
+    entropy: bool
+    backbone: str  # the model attribute holding the backbone
+    router_logits: bool  # the config asks for router logits (MoE)
+    options: Options
+    original_forward: Callable  # the forward before any fused head
+
+
+def logit_scale(text_config) -> tuple[float, str | None]:
+    """The factor TRL's fused head multiplies the logits by, read from the model's text
+    config as TRL >= 1.15 reads it, and the field it came from (None: no field, 1.0)."""
+    for name in _SCALE_FIELDS:
+        value = getattr(text_config, name, None)
+        if value is not None:
+            return float(value), name
+    value = getattr(text_config, "logits_scaling", None)
+    if value is None:
+        return 1.0, None
+    if getattr(text_config, "model_type", None) == "hyperclovax":  # multiplies by it
+        return float(value), "logits_scaling"
+    if value == 0:
+        raise ValueError("the model config's logits_scaling is 0: the logits are divided by it")
+    return 1.0 / float(value), "logits_scaling"  # Granite, MiniCPM3: divide by it
+
+
+def _check_head(model, text_config, outputs, temperature) -> float:
+    """The checks of :func:`add_fused_lm_head`, each a ``ValueError`` naming the option;
+    returns the temperature with the config's logit scale folded in."""
+    if isinstance(outputs, str) or not all(isinstance(o, str) for o in outputs):
+        raise TypeError(f"outputs must be a tuple of field names, got {outputs!r}")
+    unknown = [o for o in outputs if o not in OUTPUTS]
+    if unknown:
+        raise ValueError(
+            f"the fused LM head was asked for outputs {unknown}: fused_rl computes "
+            f"{' and '.join(OUTPUTS)} only (use trl.GRPOTrainer for the others)"
+        )
+    V.check_positive(temperature, "temperature")
+    softcap = getattr(text_config, "final_logit_softcapping", None)
+    if softcap is not None:
+        raise ValueError(
+            f"the model config sets final_logit_softcapping={softcap} (Gemma 2 / 3): "
+            "fused_rl's LM head has no logit soft-capping yet; use trl.GRPOTrainer for this "
+            "model"
+        )
+    scale, field = logit_scale(text_config)
+    if not (scale > 0 and scale < float("inf")):
+        raise ValueError(
+            f"the model config's {field} gives a logit scale of {scale}: fused_rl runs a scale "
+            "s > 0 as the temperature T / s and cannot apply this one"
+        )
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled():
+        raise ValueError(
+            "DeepSpeed ZeRO-3 is enabled: fused_rl's LM head recomputes the logits from the "
+            "lm_head weight in its backward, where ZeRO-3 has released it; use ZeRO-2 or "
+            "FSDP, or trl.GRPOTrainer"
+        )
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "weight", None) is None:
+        raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head) weight")
+    return float(temperature) / scale
+
+
+def _backbone_attribute(model, text_config) -> str:
+    """Where the backbone that returns ``last_hidden_state`` lives: ``base_model``, except
+    for vision-language models before transformers 5, which keep their language backbone
+    under ``model``."""
+    import transformers
+    from packaging.version import Version
+
+    if text_config is not model.config and Version(transformers.__version__).major < 5:
+        return "model"
+    return "base_model"
+
+
+def add_fused_lm_head(
+    model,
+    temperature: float = 1.0,
+    cast_lm_head_to_fp32: bool = False,
+    outputs: tuple[str, ...] = ("log_probs",),
+    *,
+    backend: str = "auto",
+    chunk_tokens: int | None = None,
+) -> None:
+    """``trl.trainer.utils.add_fused_lm_head`` (TRL >= 1.15) with fused_rl's head:
+    ``model(..., labels=labels, fused_lm_head=True)`` returns TRL's ``FusedCausalLMOutput``
+    with ``log_probs`` (and ``entropy`` if in ``outputs``) from
+    :func:`fused_rl.linear_token_logprobs`; without ``fused_lm_head`` the forward is the
+    original one (generation is unchanged). Adding it again replaces the previous head.
+    Raises ``ValueError`` for what fused_rl cannot do (module docstring)."""
+    _, _, trl_utils = _trl()
+    options = Options(backend, chunk_tokens)
+    text_config = model.config.get_text_config()
+    head_temperature = _check_head(model, text_config, outputs, temperature)
+    previous = model.__dict__.get(_MARK)
+    head = _Head(
+        temperature=head_temperature,
+        cast_fp32=bool(cast_lm_head_to_fp32),
+        entropy="entropy" in outputs,
+        backbone=_backbone_attribute(model, text_config),
+        router_logits=bool(getattr(text_config, "output_router_logits", False)),
+        options=options,
+        original_forward=model.forward if previous is None else previous.original_forward,
+    )
+    output_type = trl_utils.FusedCausalLMOutput
+
+    # the class's signature, which generate() checks its keyword arguments against
+    @functools.wraps(type(model).forward)
+    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None,
+                num_items_in_batch=None, **kwargs):  # fmt: skip
+        if not fused_lm_head:
+            extra = dict(labels=labels, shift_labels=shift_labels,
+                         num_items_in_batch=num_items_in_batch)  # fmt: skip
+            kwargs.update({k: v for k, v in extra.items() if v is not None})
+            return head.original_forward(*args, **kwargs)
+        return _fused_forward(
+            self, head, output_type, args, kwargs, labels, shift_labels, num_items_in_batch
+        )
+
+    model.forward = types.MethodType(forward, model)
+    setattr(model, _MARK, head)
+
+
+def _full(param):
+    """A DTensor (FSDP2) parameter gathered whole; anything else as it is."""
+    if param is not None and hasattr(param, "full_tensor"):
+        return param.full_tensor()
+    return param
+
+
+def _fused_forward(model, head: _Head, output_type, args, kwargs, labels, shift_labels,
+                   num_items_in_batch):  # fmt: skip
+    if labels is None and shift_labels is None:
+        raise ValueError("fused_lm_head=True needs labels (or shift_labels)")
+    kwargs["use_cache"] = False
+    if head.router_logits:
+        kwargs.setdefault("output_router_logits", True)
+    backbone_out = getattr(model, head.backbone)(*args, **kwargs)
+    hidden = backbone_out.last_hidden_state
+    if shift_labels is None:  # position t predicts label t + 1
+        hidden, targets = hidden[:, :-1], labels[:, 1:]
+    else:  # already shifted (context / sequence parallelism)
+        targets = shift_labels
+    lm_head = model.get_output_embeddings()
+    weight, bias = _full(lm_head.weight), _full(lm_head.bias)
+    hidden, targets = hidden.to(weight.device), targets.to(weight.device)
+    mask = targets != -100
+    context = contextlib.nullcontext()
+    if head.cast_fp32:
+        hidden = hidden.float()
+        weight = weight.float()
+        bias = None if bias is None else bias.float()
+        context = torch.autocast(hidden.device.type, enabled=False)
+    with context:
+        # only the counted positions go through the head (one host sync for their count)
+        out = linear_token_logprobs(
+            hidden[mask], weight, targets[mask], bias=bias, temperature=head.temperature,
+            return_entropy=head.entropy, chunk_tokens=head.options.chunk_tokens,
+            backend=head.options.backend,
+        )  # fmt: skip
+    log_probs, entropy = out if head.entropy else (out, None)
+    # scattered into zeros: the output stays connected to the model when no label counts
+    log_probs = log_probs.new_zeros(mask.shape).masked_scatter(mask, log_probs)
+    if entropy is not None:
+        entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)
+    count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    loss = -log_probs.sum() / count
+    aux_loss = None
+    if kwargs.get("output_router_logits"):
+        aux_loss = _load_balancing_loss(model, backbone_out, kwargs.get("attention_mask"))
+        text_config = model.config.get_text_config()
+        loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
+    return output_type(
+        loss=loss, log_probs=log_probs, entropy=entropy, label_mask=mask, aux_loss=aux_loss
+    )
+
+
+def _load_balancing_loss(model, backbone_out, attention_mask):
+    """The MoE load-balancing loss of the backbone's router logits (the Mixtral function
+    the MoE families share), with the expert counts from the config (else the model)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    text_config = model.config.get_text_config()
+    counts = []
+    for names in (("num_experts", "num_local_experts"), ("num_experts_per_tok",)):
+        value = next((getattr(src, n) for src in (text_config, model) for n in names
+                      if getattr(src, n, None) is not None), None)  # fmt: skip
+        if value is None:
+            raise ValueError(f"output_router_logits: the model config has no {names[0]}")
+        counts.append(value)
+    return load_balancing_loss_func(backbone_out.router_logits, *counts, attention_mask)
+
+
+# -- the trainer ---------------------------------------------------------------------------
+
+_LOCK = threading.RLock()  # TRL's module global is replaced while one __init__ runs
+_STATE = threading.local()  # .options: set while a fused __init__ runs on this thread
+_PATCH: dict = {}  # while patched: cls, init (TRL's __init__), options
+
+
+@contextlib.contextmanager
+def _fused_heads(options: Options) -> Iterator[None]:
+    """While TRL's ``GRPOTrainer.__init__`` runs: its ``add_fused_lm_head`` is this
+    module's, with ``options``. An inner fused ``__init__`` on the same thread (the subclass
+    calling a patched ``trl.GRPOTrainer.__init__``) keeps the outer options."""
+    if getattr(_STATE, "options", None) is not None:
+        yield
+        return
+    _, grpo_module, _ = _trl()
+    with _LOCK:
+        previous = grpo_module.add_fused_lm_head
+        grpo_module.add_fused_lm_head = functools.partial(
+            add_fused_lm_head, backend=options.backend, chunk_tokens=options.chunk_tokens
+        )
+        _STATE.options = options
+        try:
+            yield
+        finally:
+            _STATE.options = None
+            grpo_module.add_fused_lm_head = previous
+
+
+def _check_installed(trainer) -> None:
+    """Every model TRL gave a fused head now has fused_rl's, or a RuntimeError: a TRL that
+    adds its head by another route must never run its own head silently."""
+    from accelerate.utils import is_peft_model
+
+    model = trainer.model
+    models = {"policy": model.get_base_model() if is_peft_model(model) else model}
+    if getattr(trainer, "ref_model", None) is not None:
+        models["reference model"] = trainer.accelerator.unwrap_model(trainer.ref_model)
+    missing = [name for name, m in models.items() if _MARK not in vars(m)]
+    if missing:
+        trl, _, _ = _trl()
+        raise RuntimeError(
+            f"TRL {trl.__version__} did not add its fused LM head to the {' and '.join(missing)}"
+            " through trl.trainer.grpo_trainer.add_fused_lm_head, so fused_rl could not "
+            "replace it; fused_rl.integrations.trl follows TRL 1.15-1.16"
+        )
+
+
+def _fused_init(trainer, trl_init: Callable[[], None], options: Options) -> None:
+    """Run TRL's ``__init__`` (``trl_init``) with fused_rl's heads, then check them."""
+    with _fused_heads(options):
+        trl_init()
+    _check_installed(trainer)
+    trainer.fused_rl_options = options
+
+
+def _make_trainer_class():
+    trl, _, _ = _trl()
+
+    class GRPOTrainer(trl.GRPOTrainer):
+        """``trl.GRPOTrainer`` with every log-prob and entropy from fused_rl (the policy in
+        the training step, the old policy, the reference model): same constructor and
+        ``GRPOConfig``, plus two keyword-only options, ``fused_rl_backend`` (``"auto"``,
+        ``"triton"``, ``"reference"``) and ``fused_rl_chunk_tokens`` (rows per GEMM chunk).
+        See :mod:`fused_rl.integrations.trl`."""
+
+        def __init__(self, *args, fused_rl_backend: str = "auto",
+                     fused_rl_chunk_tokens: int | None = None, **kwargs):  # fmt: skip
+            options = Options(fused_rl_backend, fused_rl_chunk_tokens)
+            _fused_init(self, lambda: super(GRPOTrainer, self).__init__(*args, **kwargs), options)
+
+    GRPOTrainer.__module__ = __name__
+    return GRPOTrainer
+
+
+def __getattr__(name: str):
+    # GRPOTrainer subclasses TRL's: built on first use, so importing this module needs no TRL
+    if name == "GRPOTrainer":
+        cls = _make_trainer_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def patch(*, backend: str = "auto", chunk_tokens: int | None = None) -> None:
+    """Make ``trl.GRPOTrainer`` itself (and every subclass, for scripts and TRL's CLI that
+    construct it) behave as :class:`GRPOTrainer` with these options: its ``__init__`` is
+    wrapped. Idempotent (patching again only updates the options); :func:`unpatch`
+    restores TRL's ``__init__`` exactly. Trainers constructed before keep their head."""
+    options = Options(backend, chunk_tokens)
+    trl, _, _ = _trl()
+    with _LOCK:
+        if _PATCH:
+            _PATCH["options"] = options
+            return
+        cls = trl.GRPOTrainer
+        original = cls.__dict__["__init__"]
+
+        @functools.wraps(original)
+        def __init__(self, *args, **kwargs):
+            run = lambda: original(self, *args, **kwargs)  # noqa: E731
+            _fused_init(self, run, _PATCH.get("options", options))
+
+        _PATCH.update(cls=cls, init=original, options=options)
+        cls.__init__ = __init__
+
+
+def unpatch() -> None:
+    """Undo :func:`patch` (nothing to do if not patched)."""
+    with _LOCK:
+        if not _PATCH:
+            return
+        _PATCH["cls"].__init__ = _PATCH["init"]
+        _PATCH.clear()
+
+
+def is_patched() -> bool:
+    return bool(_PATCH)
+
+
+@contextlib.contextmanager
+def patched(*, backend: str = "auto", chunk_tokens: int | None = None) -> Iterator[None]:
+    """:func:`patch` for the block; on exit the previous state (unpatched, or patched with
+    the previous options) comes back."""
+    with _LOCK:
+        before = _PATCH.get("options")
+        patch(backend=backend, chunk_tokens=chunk_tokens)
+    try:
+        yield
+    finally:
+        with _LOCK:
+            if before is None:
+                unpatch()
+            else:
+                _PATCH["options"] = before

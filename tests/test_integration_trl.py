@@ -1,0 +1,488 @@
+"""fused_rl.integrations.trl against the installed TRL (>= 1.15; skipped without it).
+
+The integration is proven by training: a tiny Qwen2 model built from a config, a word-level
+tokenizer built in code, an in-memory prompt dataset and a simple reward, trained for 3
+optimizer steps (``num_iterations=2``, so the second pass over each generation is
+off-policy) by ``trl.GRPOTrainer`` and by the integrated trainer from the same seed and
+weights. Every logged metric must agree per step (1e-5 absolute + 1e-4 relative in fp32)
+and so must the final parameters; TRL's chunked head must never run in the integrated
+trainer, fused_rl's linear op on every fused forward. Cheaper tests check the head alone
+against TRL's head (values and gradients), the errors raised at construction, and
+``patch()`` / ``unpatch()``.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+
+import pytest
+import torch
+
+import fused_rl.integrations.trl as fused_trl
+import fused_rl.linear as fused_linear
+
+
+def _trl_version_ok() -> bool:
+    try:
+        import trl
+        from packaging.version import Version
+    except ImportError:
+        return False
+    return Version(trl.__version__).release[:2] >= (1, 15)
+
+
+needs_trl = pytest.mark.skipif(not _trl_version_ok(), reason="needs TRL >= 1.15")
+
+VOCAB = 509
+EOS = 1
+ATOL, RTOL = 1e-5, 1e-4  # every logged metric, fp32
+PARAM_ATOL = 1e-5
+TIMING_KEYS = ("step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second")
+
+
+def test_clear_error_without_trl(monkeypatch):
+    """Runs everywhere: without TRL the module imports, and using it names the install."""
+    monkeypatch.setitem(sys.modules, "trl", None)  # `import trl` raises ImportError
+    with pytest.raises(ImportError, match=r"pip install 'trl>=1.15'"):
+        fused_trl.GRPOTrainer  # noqa: B018
+    with pytest.raises(ImportError, match=r"pip install 'trl>=1.15'"):
+        fused_trl.patch()
+    with pytest.raises(AttributeError):
+        fused_trl.NoSuchName  # noqa: B018
+
+
+# ----------------------------------------------------------------------------- the setup
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": EOS, **{f"w{i}": i + 2 for i in range(VOCAB - 2)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece()  # joins the words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+def _tiny_config(**extra):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=EOS,
+        bos_token_id=EOS, tie_word_embeddings=False, **extra,
+    )  # fmt: skip
+
+
+def _tiny_model(seed=0, **extra):
+    """A random tiny Qwen2 whose completions end early often enough to be padded: one
+    embedding dimension is a large constant, so the final hidden states share a direction,
+    along which the EOS row of the head points."""
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(_tiny_config(**extra))
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 10.0
+        model.lm_head.weight[EOS, 0] = 0.6
+    return model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The policy's weights and tokenizer on disk: TRL builds the reference model from the
+    policy's path."""
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    _tiny_model().save_pretrained(path)
+    _tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def _dataset():
+    from datasets import Dataset
+
+    prompts = [" ".join(f"w{(7 * i + j) % 300}" for j in range(3 + i % 3)) for i in range(8)]
+    return Dataset.from_dict({"prompt": prompts})
+
+
+def reward_w5(completions, **kwargs):
+    """The fraction of ``w5`` words, plus a little for length."""
+    return [c.split().count("w5") / max(1, len(c.split())) + 0.01 * len(c) for c in completions]
+
+
+class Calls:
+    """Counts TRL's chunked head and fused_rl's linear op (with the backend it ran)."""
+
+    def __init__(self, monkeypatch):
+        import trl.trainer.utils as trl_utils
+
+        self.trl = 0
+        self.fused: list[str] = []
+        trl_apply = trl_utils._ChunkedLogProbFunction.apply
+        fused_apply = fused_linear._LinearTokenStats.apply
+
+        def counted_trl(*args):
+            self.trl += 1
+            return trl_apply(*args)
+
+        def counted_fused(*args):
+            self.fused.append(args[7])  # `which`: "triton" or "reference"
+            return fused_apply(*args)
+
+        monkeypatch.setattr(trl_utils._ChunkedLogProbFunction, "apply", counted_trl)
+        monkeypatch.setattr(fused_linear._LinearTokenStats, "apply", counted_fused)
+
+
+def _config(out_dir, *, loss_type, beta, accumulation, **extra):
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=out_dir, max_steps=3, num_generations=2, per_device_train_batch_size=4,
+        max_completion_length=8, num_iterations=2, gradient_accumulation_steps=accumulation,
+        loss_type=loss_type, beta=beta, learning_rate=1e-3, report_to=[], use_cpu=True,
+        seed=0, logging_steps=1, bf16=False, save_strategy="no", disable_tqdm=True, **extra,
+    )  # fmt: skip
+
+
+def _train(trainer_cls, model_dir, tmp_path, monkeypatch, case, **trainer_kwargs):
+    """Train one trainer; its log history, final parameters, call counts and seconds."""
+    with monkeypatch.context() as patch_ctx:
+        calls = Calls(patch_ctx)
+        args = _config(str(tmp_path / "out"), **case)
+        trainer = trainer_cls(
+            model=model_dir, reward_funcs=reward_w5, args=args, train_dataset=_dataset(),
+            processing_class=_tokenizer(), **trainer_kwargs,
+        )  # fmt: skip
+        start = time.perf_counter()
+        trainer.train()
+        seconds = time.perf_counter() - start
+    params = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+    return trainer.state.log_history, params, calls, seconds
+
+
+_BASELINES: dict = {}
+
+
+def _baseline(model_dir, tmp_path_factory, monkeypatch, case):
+    """``trl.GRPOTrainer``'s run of ``case`` (once per case in this module)."""
+    import trl
+
+    key = tuple(sorted((k, str(v)) for k, v in case.items()))
+    if key not in _BASELINES:
+        assert not fused_trl.is_patched()
+        path = tmp_path_factory.mktemp("baseline")
+        _BASELINES[key] = _train(trl.GRPOTrainer, model_dir, path, monkeypatch, case)
+    return _BASELINES[key]
+
+
+def compare_logs(want, got, atol=ATOL, rtol=RTOL):
+    """Every logged value per step: equal keys, numbers within ``atol + rtol |want|``.
+    Returns the worst absolute and relative difference of each metric."""
+    assert len(want) == len(got)
+    worst: dict[str, tuple[float, float]] = {}
+    for step, (a, b) in enumerate(zip(want, got)):
+        assert sorted(a) == sorted(b), f"step {step}: logged keys differ"
+        for key, x in a.items():
+            if key in TIMING_KEYS:
+                continue
+            y = b[key]
+            if not isinstance(x, (int, float)):
+                assert x == y, (step, key)
+                continue
+            diff = abs(x - y)
+            assert diff <= atol + rtol * abs(x), f"step {step} {key}: TRL {x}, fused_rl {y}"
+            rel = diff / abs(x) if x else (0.0 if diff == 0 else float("inf"))
+            prev = worst.get(key, (0.0, 0.0))
+            worst[key] = (max(prev[0], diff), max(prev[1], rel))
+    return worst
+
+
+def compare_params(want, got, atol=PARAM_ATOL, rtol=0.0):
+    worst = 0.0
+    for name, w in want.items():
+        diff = (got[name].float() - w.float()).abs()
+        bound = atol + rtol * w.float().abs()
+        assert (diff <= bound).all(), f"{name}: max diff {diff.max().item():.3g}"
+        worst = max(worst, diff.max().item())
+    return worst
+
+
+def _report(name, worst, param_diff, calls, seconds):
+    """One line per case (pytest -s shows them): the worst differences per metric."""
+    parts = [f"{k} {a:.2g}/{r:.2g}" for k, (a, r) in sorted(worst.items()) if a]
+    print(
+        f"\n[{name}] {seconds:.1f}s, fused_rl calls {len(calls.fused)} "
+        f"({sorted(set(calls.fused))}), TRL head calls {calls.trl}; params max |diff| "
+        f"{param_diff:.2g}; metrics max abs/rel (nonzero only): {', '.join(parts) or 'none'}"
+    )
+
+
+# ----------------------------------------------------------------------------- training
+
+FULL = dict(beta=0.04, accumulation=2)
+CASES = [
+    pytest.param(dict(loss_type="grpo", **FULL), "subclass", "auto", id="grpo"),
+    pytest.param(dict(loss_type="dapo", **FULL), "subclass", "auto", id="dapo"),
+    pytest.param(dict(loss_type="dr_grpo", **FULL), "subclass", "auto", id="dr_grpo"),
+    pytest.param(dict(loss_type="bnpo", **FULL), "subclass", "auto", id="bnpo"),
+    pytest.param(dict(loss_type="dapo", **FULL), "patch", "auto", id="dapo-patch"),
+    pytest.param(
+        dict(loss_type="grpo", beta=0.0, accumulation=1),
+        "patch",
+        "reference",
+        id="grpo-beta0-accum1-patch-reference",
+    ),  # fmt: skip
+]
+
+
+@needs_trl
+@pytest.mark.parametrize("case, how, backend", CASES)
+def test_training_matches_trl(model_dir, tmp_path, tmp_path_factory, monkeypatch, case, how,
+                              backend):  # fmt: skip
+    import trl
+
+    want_log, want_params, want_calls, want_s = _baseline(
+        model_dir, tmp_path_factory, monkeypatch, case
+    )
+    assert want_calls.trl > 0 and want_calls.fused == []
+    if how == "subclass":
+        got = _train(fused_trl.GRPOTrainer, model_dir, tmp_path, monkeypatch, case,
+                     fused_rl_backend=backend)  # fmt: skip
+    else:
+        with fused_trl.patched(backend=backend):
+            got = _train(trl.GRPOTrainer, model_dir, tmp_path, monkeypatch, case)
+        assert not fused_trl.is_patched()
+    got_log, got_params, calls, seconds = got
+    assert calls.trl == 0, "TRL's chunked head ran in the integrated trainer"
+    # every fused forward TRL made went to fused_rl, with the backend asked for
+    assert len(calls.fused) == want_calls.trl
+    expected = "reference" if backend == "reference" else fused_trl_auto_backend()
+    assert set(calls.fused) == {expected}
+    worst = compare_logs(want_log, got_log)
+    param_diff = compare_params(want_params, got_params)
+    _report(f"{case} {how} {backend}; TRL {want_s:.1f}s", worst, param_diff, calls, seconds)
+
+
+def fused_trl_auto_backend() -> str:
+    from fused_rl._backend import resolve_backend
+
+    return resolve_backend("auto", torch.empty(0))
+
+
+@needs_trl
+def test_training_bf16_cast_lm_head_to_fp32(model_dir, tmp_path, tmp_path_factory,
+                                            monkeypatch):  # fmt: skip
+    """A bf16 model with ``cast_lm_head_to_fp32=True``: fused_rl's head gets the hidden
+    states in fp32 like TRL's. The backbone runs in bf16, so parameters are compared to
+    one bf16 rounding."""
+    case = dict(loss_type="grpo", beta=0.04, accumulation=2, cast_lm_head_to_fp32=True,
+                model_init_kwargs={"dtype": "bfloat16"})  # fmt: skip
+    want_log, want_params, want_calls, _ = _baseline(model_dir, tmp_path_factory, monkeypatch, case)
+    got_log, got_params, calls, seconds = _train(
+        fused_trl.GRPOTrainer, model_dir, tmp_path, monkeypatch, case
+    )
+    assert calls.trl == 0 and len(calls.fused) == want_calls.trl
+    worst = compare_logs(want_log, got_log)
+    param_diff = compare_params(want_params, got_params, rtol=2.0**-8)
+    _report("bf16 model, cast_lm_head_to_fp32", worst, param_diff, calls, seconds)
+
+
+# ----------------------------------------------------------------------------- the head
+
+
+def _head_pair(model, trl_kwargs, fused_kwargs=None):
+    """Two copies of ``model``: TRL's fused head on one, fused_rl's on the other."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    theirs, ours = model, copy.deepcopy(model)
+    add_fused_lm_head(theirs, **trl_kwargs)
+    fused_trl.add_fused_lm_head(ours, **trl_kwargs, **(fused_kwargs or {}))
+    return theirs, ours
+
+
+def _inputs(batch=3, length=9, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, VOCAB, (batch, length), generator=gen)
+    attention = torch.ones_like(ids)
+    attention[0, :3] = 0  # left padding
+    attention[2, -2:] = 0  # right padding
+    labels = ids.masked_fill(attention == 0, -100)
+    labels[:, :4] = -100  # the prompt
+    return ids, attention, labels
+
+
+def _run_head(model, ids, attention, labels, **kwargs):
+    out = model(input_ids=ids, attention_mask=attention, labels=labels, fused_lm_head=True,
+                **kwargs)  # fmt: skip
+    gen = torch.Generator().manual_seed(5)
+    total = out.loss * 0.3 + (out.log_probs * torch.randn(out.log_probs.shape, generator=gen)).sum()
+    if out.entropy is not None:
+        total = total + (out.entropy * torch.randn(out.entropy.shape, generator=gen)).sum()
+    model.zero_grad()
+    total.backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+def _assert_heads_agree(theirs, ours, *call, atol=1e-5, rtol=1e-4, **kwargs):
+    want, want_grads = _run_head(theirs, *call, **kwargs)
+    got, got_grads = _run_head(ours, *call, **kwargs)
+    for field in ("loss", "log_probs", "entropy", "label_mask", "aux_loss"):
+        a, b = getattr(want, field), getattr(got, field)
+        assert (a is None) == (b is None), field
+        if a is not None:
+            assert a.shape == b.shape and a.dtype == b.dtype, field
+            torch.testing.assert_close(b, a, atol=atol, rtol=rtol, msg=field)
+    assert sorted(want_grads) == sorted(got_grads)
+    for name, g in want_grads.items():
+        torch.testing.assert_close(got_grads[name], g, atol=atol, rtol=rtol, msg=name)
+    return want, got
+
+
+@needs_trl
+@pytest.mark.parametrize("shifted", [False, True], ids=["labels", "shift_labels"])
+def test_head_matches_trl(shifted):
+    """Values and gradients of TRL's head and fused_rl's, with a biased head, a temperature,
+    a logit scale from the config, padding and ``num_items_in_batch``."""
+    model = _tiny_model(seed=3, logit_scale=0.5)
+    with torch.no_grad():  # a biased head, as some models have
+        head = torch.nn.Linear(64, VOCAB, bias=True)
+        head.weight.copy_(model.lm_head.weight)
+        head.bias.normal_(0, 0.5)
+        model.lm_head = head
+    kwargs = dict(temperature=0.7, outputs=("log_probs", "entropy"))
+    theirs, ours = _head_pair(model, kwargs)
+    ids, attention, labels = _inputs()
+    if shifted:  # pre-shifted labels: every position scored as is
+        shift = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1)
+        extra = dict(labels=None, shift_labels=shift)
+        _assert_heads_agree(theirs, ours, ids, attention, **extra)
+    else:
+        _assert_heads_agree(theirs, ours, ids, attention, labels)
+        _assert_heads_agree(theirs, ours, ids, attention, labels, num_items_in_batch=7)
+
+
+@needs_trl
+def test_head_no_counted_label_and_outputs():
+    """No label counts: loss 0, zeros, and a backward that runs; without ``entropy`` in
+    ``outputs`` there is none; without ``fused_lm_head`` the original forward runs."""
+    theirs, ours = _head_pair(_tiny_model(seed=4), {})
+    ids, attention, labels = _inputs()
+    none = torch.full_like(labels, -100)
+    want, got = _assert_heads_agree(theirs, ours, ids, attention, none)
+    assert got.entropy is None and got.loss.item() == 0.0 and not got.log_probs.any()
+    plain = ours(input_ids=ids, attention_mask=attention)
+    torch.testing.assert_close(plain.logits, theirs(input_ids=ids, attention_mask=attention).logits)
+
+
+@needs_trl
+def test_head_cast_lm_head_to_fp32_bf16_model():
+    model = _tiny_model(seed=5).to(torch.bfloat16)
+    theirs, ours = _head_pair(
+        model, dict(cast_lm_head_to_fp32=True, outputs=("log_probs", "entropy"))
+    )
+    ids, attention, labels = _inputs()
+    want, got = _assert_heads_agree(theirs, ours, ids, attention, labels, atol=1e-2, rtol=1e-2)
+    assert got.log_probs.dtype == torch.float32
+
+
+@needs_trl
+def test_head_moe_aux_loss():
+    """A Qwen2-MoE asking for router logits: the load-balancing loss in ``aux_loss`` and in
+    ``loss``, as TRL's head."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(6)
+    config = Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+        output_router_logits=True, router_aux_loss_coef=0.02, tie_word_embeddings=False,
+    )  # fmt: skip
+    theirs, ours = _head_pair(Qwen2MoeForCausalLM(config), dict(outputs=("log_probs", "entropy")))
+    ids, attention, labels = _inputs()
+    want, got = _assert_heads_agree(theirs, ours, ids, attention, labels)
+    assert got.aux_loss is not None and float(got.aux_loss) > 0
+
+
+# ----------------------------------------------------------------------------- what raises
+
+
+@needs_trl
+@pytest.mark.parametrize(
+    "config, outputs, match",
+    [
+        (dict(final_logit_softcapping=30.0), ("log_probs",), "final_logit_softcapping"),
+        (dict(logit_scale=-1.0), ("log_probs",), "logit_scale"),
+        (dict(logits_scaling=0.0), ("log_probs",), "logits_scaling"),
+        ({}, ("log_probs", "is_top1"), "is_top1"),
+    ],
+)
+def test_head_raises_for_what_fused_rl_cannot_do(config, outputs, match):
+    model = _tiny_model(**config)
+    with pytest.raises(ValueError, match=match):
+        fused_trl.add_fused_lm_head(model, outputs=outputs)
+    assert "forward" not in vars(model)  # nothing patched
+    with pytest.raises(ValueError, match="fused_rl_backend"):
+        fused_trl.GRPOTrainer(model=model, fused_rl_backend="cuda")
+
+
+@needs_trl
+def test_trainer_raises_at_construction(model_dir, tmp_path):
+    """Gemma-style soft-capping: the trainer refuses at construction, it never falls back
+    to TRL's head."""
+    from transformers import Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM.from_pretrained(model_dir)
+    model.config.final_logit_softcapping = 30.0
+    args = _config(str(tmp_path), loss_type="grpo", beta=0.0, accumulation=1)
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        fused_trl.GRPOTrainer(model=model, reward_funcs=reward_w5, args=args,
+                              train_dataset=_dataset(), processing_class=_tokenizer())  # fmt: skip
+
+
+@needs_trl
+def test_trainer_refuses_a_trl_head(model_dir, tmp_path, monkeypatch):
+    """A TRL that added its head some other way than the function fused_rl replaces: a
+    RuntimeError, never TRL's head running silently."""
+    import contextlib
+
+    monkeypatch.setattr(fused_trl, "_fused_heads", lambda options: contextlib.nullcontext())
+    args = _config(str(tmp_path), loss_type="grpo", beta=0.0, accumulation=1)
+    with pytest.raises(RuntimeError, match="did not add its fused LM head"):
+        fused_trl.GRPOTrainer(model=model_dir, reward_funcs=reward_w5, args=args,
+                              train_dataset=_dataset(), processing_class=_tokenizer())  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- patch()
+
+
+@needs_trl
+def test_patch_unpatch_restore_exactly():
+    import trl
+    from trl.trainer import grpo_trainer
+
+    init = trl.GRPOTrainer.__dict__["__init__"]
+    head = grpo_trainer.add_fused_lm_head
+    fused_trl.patch()
+    try:
+        fused_trl.patch(backend="reference")  # again: only the options change
+        assert fused_trl.is_patched()
+        assert trl.GRPOTrainer.__init__ is not init
+        with fused_trl.patched(backend="triton"):
+            assert fused_trl._PATCH["options"].backend == "triton"
+        assert fused_trl.is_patched() and fused_trl._PATCH["options"].backend == "reference"
+    finally:
+        fused_trl.unpatch()
+    fused_trl.unpatch()  # again: nothing to do
+    assert not fused_trl.is_patched()
+    assert trl.GRPOTrainer.__dict__["__init__"] is init
+    assert grpo_trainer.add_fused_lm_head is head
+    with fused_trl.patched():
+        assert fused_trl.is_patched()
+    assert trl.GRPOTrainer.__dict__["__init__"] is init
+    assert issubclass(fused_trl.GRPOTrainer, trl.GRPOTrainer)
+    assert fused_trl.GRPOTrainer.__module__ == "fused_rl.integrations.trl"
