@@ -12,8 +12,8 @@ from helpers import rel_err
 
 import fused_rl
 import fused_rl.compat as compat
+import fused_rl.compat._checks as compat_checks
 import fused_rl.compat.trl as trl_compat
-from fused_rl.compat._checks import NO_IGNORE
 from fused_rl.compat.trl import entropy_from_logits, selective_log_softmax
 
 # ----------------------------------------------------------------------------- oracles
@@ -116,7 +116,9 @@ def bit_equal(a, b):
 def backend(request, monkeypatch):
     """The adapter has no ``backend`` argument: force its dispatch to fused_rl's reference."""
     if request.param == "reference":
-        monkeypatch.setattr(trl_compat, "resolve_backend", lambda _backend, *t: "reference")
+        force = lambda _backend, *t: "reference"
+        monkeypatch.setattr(trl_compat, "resolve_backend", force)  # entropy_from_logits
+        monkeypatch.setattr(compat_checks, "resolve_backend", force)  # the shared gather
     return request.param
 
 
@@ -225,7 +227,7 @@ def test_unchecked_labels_give_nan_not_skip(device, monkeypatch, backend):
     monkeypatch.setattr(fused_rl.config, "check_values", False)
     logits = torch.randn(2, 3, 9, device=device)
     index = torch.randint(0, 9, (2, 3), device=device)
-    index[0, 0], index[1, 2] = 9, NO_IGNORE
+    index[0, 0], index[1, 2] = 9, compat_checks.NO_IGNORE
     index[1, 1] = -5
     mask = torch.ones(2, 3, device=device)
     mask[1, 1] = 0
