@@ -696,6 +696,137 @@ def test_grpo_dtypes_from_the_live_check():
                                eager) or rewards.dtype != torch.bfloat16  # fmt: skip
 
 
+# ----------------------------------------------------------------------------- the package
+
+# Every public name fused_rl.compat.verl had as one module (its __all__, and the v0.5 modes);
+# the names it only imported (torch, F, Tensor, V, sys, ...) were never its API.
+PUBLIC_NAMES = [
+    "FusedLinearForPPO", "KL_PENALTIES", "LINEAR_CE_REDUCTIONS", "LOSS_AGG_MODES",
+    "LOSS_AGG_MODES_V05", "POLICY_LOSS_REGISTRY", "VERL_POLICY_LOSSES", "agg_loss",
+    "clip_by_value", "compute_entropy_loss", "compute_gae_advantage_return",
+    "compute_grpo_outcome_advantage", "compute_policy_loss", "compute_policy_loss_cispo",
+    "compute_policy_loss_clip_cov", "compute_policy_loss_dppo_kl", "compute_policy_loss_dppo_tv",
+    "compute_policy_loss_dro", "compute_policy_loss_geo_mean", "compute_policy_loss_gpg",
+    "compute_policy_loss_gspo", "compute_policy_loss_kl_cov", "compute_policy_loss_sapo",
+    "compute_policy_loss_vanilla", "compute_value_loss", "entropy_from_logits",
+    "get_policy_loss_fn", "kl_penalty", "kl_penalty_forward", "legacy_v05", "linear_cross_entropy",
+    "logprobs_from_logits", "masked_mean", "masked_sum", "masked_var", "masked_whiten",
+    "register_policy_loss",
+]  # fmt: skip
+LEGACY_V05_NAMES = [
+    "LOSS_AGG_MODES", "agg_loss", "clip_by_value", "compute_entropy_loss",
+    "compute_gae_advantage_return", "compute_grpo_outcome_advantage", "compute_policy_loss",
+    "compute_value_loss", "entropy_from_logits", "kl_penalty", "logprobs_from_logits",
+    "masked_mean", "masked_sum", "masked_var", "masked_whiten",
+]  # fmt: skip
+# the fused_rl.compat.verl import paths README.md, docs/, tests/, scripts/ and bench/ use
+IMPORT_PATHS = [
+    "fused_rl.compat.verl",
+    "fused_rl.compat.verl.FusedLinearForPPO",
+    "fused_rl.compat.verl.get_policy_loss_fn",
+    "fused_rl.compat.verl.legacy_v05",
+    "fused_rl.compat.verl.legacy_v05.compute_value_loss",
+    "fused_rl.compat.verl.linear_cross_entropy",
+]
+# verl's modules (``verl.utils.<path>`` flattened where a function has the module's name)
+SUBMODULES = [
+    "core_algos",
+    "experimental_torch_functional",
+    "kernel_linear_cross_entropy",
+    "legacy_v05",
+    "policy_loss",
+    "policy_loss_composed",
+    "torch_functional",
+]
+PRIVATE_SUBMODULES = ["_accurate", "_policy_loss_common", "_precision_twins"]
+
+
+def _resolve(path: str):
+    """``path``'s object: the longest importable module prefix, then attributes."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ModuleNotFoundError(path)
+
+
+def test_every_public_name_resolves():
+    """``from fused_rl.compat.verl import X`` for every name the single module had, each the
+    object its submodule defines (re-exported, not copied)."""
+    for name in PUBLIC_NAMES:
+        obj = getattr(importlib.import_module("fused_rl.compat.verl"), name)
+        home = getattr(obj, "__module__", None)
+        if home is not None and name != "legacy_v05":
+            assert home.startswith("fused_rl.compat.verl."), name
+            assert getattr(importlib.import_module(home), name) is obj, name
+    assert sorted(verl.__all__) == sorted(set(PUBLIC_NAMES) - {"LOSS_AGG_MODES_V05"})
+    for name in LEGACY_V05_NAMES:
+        assert hasattr(legacy_v05, name), name
+    assert sorted(legacy_v05.__all__) == sorted(LEGACY_V05_NAMES)
+    assert legacy_v05.LOSS_AGG_MODES is verl.LOSS_AGG_MODES_V05
+    submodule_names = {
+        n
+        for m in SUBMODULES
+        if m != "legacy_v05"
+        for n in importlib.import_module(f"fused_rl.compat.verl.{m}").__all__
+    }
+    assert submodule_names == set(verl.__all__) - {"legacy_v05"}  # fmt: skip
+
+
+@pytest.mark.parametrize("path", IMPORT_PATHS)
+def test_documented_import_paths_resolve(path):
+    obj = _resolve(path)
+    if path.endswith(".linear_cross_entropy"):  # the function, as before the split (its
+        assert obj is verl.linear_cross_entropy and callable(obj)  # module: kernel_...)
+
+
+def test_legacy_v05_is_a_real_module():
+    """A file, not a module built at import time: nothing in the package writes sys.modules
+    or calls types.ModuleType."""
+    import ast
+    import pathlib
+
+    assert legacy_v05.__spec__.origin.endswith("legacy_v05.py")
+    assert legacy_v05.__name__ == "fused_rl.compat.verl.legacy_v05"
+    package = pathlib.Path(verl.__file__).parent
+    for path in package.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                assert (node.value.id, node.attr) not in (
+                    ("types", "ModuleType"),
+                    ("sys", "modules"),
+                ), path.name
+
+
+def test_submodules_are_verls_and_small():
+    import pkgutil
+
+    found = sorted(m.name for m in pkgutil.iter_modules(verl.__path__))
+    assert found == sorted(SUBMODULES + PRIVATE_SUBMODULES)
+    for name in found:
+        module = importlib.import_module(f"fused_rl.compat.verl.{name}")
+        with open(module.__file__) as f:
+            assert len(f.readlines()) <= 800, name
+
+
+@pytest.mark.no_poison
+@pytest.mark.parametrize("name", SUBMODULES)
+def test_docstring_examples_of_every_submodule(name):
+    """tests/test_docstrings.py runs the package's own examples; these are its modules'."""
+    import doctest
+
+    module = importlib.import_module(f"fused_rl.compat.verl.{name}")
+    flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+    result = doctest.testmod(module, optionflags=flags)
+    assert result.attempted > 0, f"{name} has no docstring example"
+    assert result.failed == 0
+
+
 # ----------------------------------------------------------------------------- backends / originals
 
 

@@ -9,10 +9,12 @@ included), running on fused_rl's kernels. Adopt fused_rl by changing one import:
 * ``fused_rl.compat.trl``: ``selective_log_softmax``, ``entropy_from_logits``;
 * ``fused_rl.compat.verl``: ``verl`` ``core_algos`` (the policy-loss registry included) /
   ``torch_functional`` and the fused lm_head ops (``FusedLinearForPPO``,
-  ``linear_cross_entropy``);
+  ``linear_cross_entropy``): a package laid out like verl's modules, every name also at its
+  top level;
 * ``fused_rl.compat.liger``: Liger-Kernel's ``triton_grpo_loss``.
 
-None of these libraries is imported or needed. The submodules are not imported here.
+None of these libraries is imported or needed. The submodules are not imported here. The
+label checks they share are in ``fused_rl.compat._checks``.
 
 Half precision: by default the math runs in fp32 and each output is rounded once, which is at
 least as accurate as the originals; ``half_precision("original")`` reproduces the originals'
