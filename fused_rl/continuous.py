@@ -244,6 +244,17 @@ def _rows(x: Tensor, shape: torch.Size) -> Tensor:
     return x.expand(shape).reshape(math.prod(shape[:-1]), shape[-1])
 
 
+def _summed_wide(x: Tensor, shape: torch.Size, acc: torch.dtype) -> Tensor:
+    """``x`` in ``acc`` (the accumulation dtype) when it is narrower, broadcasts to ``shape``
+    and needs a gradient: autograd's expand backward sums the per-element gradients in the
+    input's dtype, so each share was rounded first (fuzz: a ``(N,)`` bf16 ``mu`` for
+    ``(R, N)`` actions lost 14% of a sum with cancellation; an fp32 ``sigma`` next to fp64
+    actions summed shares past the fp32 range to ``inf - inf = NaN``). One cast of the small
+    tensor each way: the sum runs in ``acc`` and is rounded once, as on the reference."""
+    wide_sum = x.requires_grad and torch.is_grad_enabled() and x.numel() != math.prod(shape)
+    return x.to(acc) if wide_sum and x.dtype != acc else x
+
+
 def gaussian_logprob(
     mu: Tensor, sigma: Tensor, actions: Tensor, *, backend: str = "auto"
 ) -> Tensor:
@@ -262,6 +273,13 @@ def gaussian_logprob(
     ``sigma <= 0`` (or NaN) raises ``ValueError`` in eager mode (one host sync, see
     ``fused_rl.config.check_values``); under ``torch.compile``, CUDA-graph capture or with
     the check off it yields NaN / inf, as the formula does.
+
+    Gradients, on both backends: ``d mu = (g z) / sigma``, ``d sigma = d mu z - g / sigma``
+    with ``z = (a - mu) / sigma``, in that order, so they are finite wherever the float64
+    gradient fits the dtype (a tiny ``sigma`` such as ``1e-20`` included); a sample whose
+    upstream gradient ``g`` is 0 (a ratio ``exp(-inf) = 0``, a clipped one) gets exact zeros,
+    never ``0 * inf = NaN`` from a log-prob that overflowed to ``-inf``. The gradient of a
+    broadcast input is summed in the accumulation dtype and rounded once.
 
     Example:
         >>> import torch, fused_rl
@@ -282,6 +300,8 @@ def gaussian_logprob(
     which = resolve_backend(backend, mu, sigma, actions)
     if which == "reference":
         return ref.gaussian_logprob(mu, sigma, actions)
+    acc = ref.acc_dtype(mu, sigma, actions)
+    mu, sigma, actions = (_summed_wide(x, shape, acc) for x in (mu, sigma, actions))
     out = _logprob_op(_rows(mu, shape), _rows(sigma, shape), _rows(actions, shape))
     return out.reshape(shape[:-1])
 

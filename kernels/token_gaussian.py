@@ -79,10 +79,16 @@ def _gaussian_logprob_bwd_kernel(
     ACC: tl.constexpr,
 ):
     """``dmu = g (a - mu) / sigma^2``, ``dsigma = g ((a - mu)^2 / sigma^3 - 1 / sigma)``;
-    contiguous ``(R, N)`` outputs (``d actions = -dmu`` is left to the caller)."""
+    contiguous ``(R, N)`` outputs (``d actions = -dmu`` is left to the caller).
+
+    Formed as ``z = (a - mu) / sigma``, ``dmu = (g z) / sigma``, ``dsigma = dmu z - g / sigma``:
+    no intermediate overflows where the result fits (``(a - mu) / sigma^2`` alone passes
+    3.4e38 at ``sigma = 1e-20``). A row whose ``g`` is 0 writes exact zeros: a zero upstream
+    (a ratio ``exp(-inf) = 0``, a clipped sample) never turns an overflowed ``z`` into NaN."""
     row_start = tl.program_id(0).to(tl.int64) * BLOCK_R
     rows = (row_start + tl.arange(0, BLOCK_R)).to(tl.int64)
     g = tl.load(grad_out_ptr + rows * stride_g, mask=rows < R, other=0.0).to(ACC)
+    counted = (g != 0)[:, None]
     for col_start in range(0, N, BLOCK_N):
         rows, cols, ok = _tile(row_start, col_start, R, N, BLOCK_R, BLOCK_N)
         mu = tl.load(mu_ptr + rows[:, None] * stride_mr + cols[None, :] * stride_mn, mask=ok)
@@ -92,12 +98,11 @@ def _gaussian_logprob_bwd_kernel(
         act = tl.load(act_ptr + rows[:, None] * stride_ar + cols[None, :] * stride_an, mask=ok)
         inv_sigma = 1.0 / sigma.to(ACC)
         z = (act.to(ACC) - mu.to(ACC)) * inv_sigma
-        gz = g[:, None] * z * inv_sigma
+        gz = tl.where(counted, g[:, None] * z * inv_sigma, 0.0)
+        dsigma = tl.where(counted, gz * z - g[:, None] * inv_sigma, 0.0)
         dst = rows[:, None] * N + cols[None, :]
         tl.store(grad_mu_ptr + dst, cast_for(gz, grad_mu_ptr), mask=ok)
-        tl.store(
-            grad_sigma_ptr + dst, cast_for(gz * z - g[:, None] * inv_sigma, grad_sigma_ptr), mask=ok
-        )
+        tl.store(grad_sigma_ptr + dst, cast_for(dsigma, grad_sigma_ptr), mask=ok)
 
 
 @triton.jit(do_not_specialize=["R", "N"])

@@ -189,3 +189,70 @@ def test_bad_arguments(device):
         gaussian_logprob(mu, sigma.to("meta"), actions)
     with pytest.raises(ValueError, match="action dimension"):
         gaussian_entropy(torch.tensor(1.0, device=device))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tiny_sigma_gradients_do_not_overflow(device, backend):
+    """Fuzz finding 12: the fp32 reference differentiated ``(a - mu) / sigma`` by autograd,
+    whose ``(a - mu) / sigma^2`` passes 3.4e38 at ``sigma = 1e-20``: ``-inf`` where the
+    gradient is finite, and NaN (``0 * inf``) under a zero upstream (DI-engine's ratio
+    ``exp(-inf) = 0``). Both backends now give the float64 gradient rounded once, and a zero
+    upstream gives exact zeros, also where ``z`` itself overflows (``mu = 1e30``)."""
+    mu = torch.tensor([[0.3], [0.3], [0.3], [1e30], [0.3]], device=device)
+    sigma = torch.tensor([[1e-20], [1e-20], [1e-30], [1e-30], [1e-12]], device=device)
+    actions = torch.tensor([[1.2], [1.2], [1.2], [0.0], [0.3 + 2e-12]], device=device)
+    up = torch.tensor([0.0, -1e-30, 0.0, 0.0, 0.5], device=device)
+    lp, grads = _value_and_grads(
+        lambda m, s, a: gaussian_logprob(m, s, a, backend=backend), (mu, sigma, actions), up
+    )
+    _, o_grads = _value_and_grads(
+        lambda m, s, a: _oracle(m, s, a)[0], (mu, sigma, actions), up.double()
+    )
+    assert torch.isneginf(lp[:4]).all() and torch.isfinite(lp[4])  # -(a - mu)^2 / 2 sigma^2
+    for name, g, o_g in zip(("mu", "sigma", "actions"), grads, o_grads):
+        assert not torch.isnan(g).any(), f"{backend} d/d{name}: {g.flatten().tolist()}"
+        zero = up == 0
+        assert (g[zero] == 0).all(), f"{backend} d/d{name} under a zero upstream"
+        assert torch.isfinite(o_g).all()
+        torch.testing.assert_close(g, o_g.float(), rtol=4 * FP32_TOL, atol=0.0)
+
+
+def test_reference_backward_is_differentiable():
+    """The reference's written-out backward (finding 12) is plain PyTorch: a Hessian-vector
+    product through it is right (``gradgradcheck``), unlike the Triton path's, which raises."""
+    mu, sigma, actions = _inputs((3, 4), (4,), (3, 4), "cpu", dtype=torch.float64, seed=4)
+    leaves = [x.requires_grad_(True) for x in (mu, sigma, actions)]
+    fn = lambda m, s, a: gaussian_logprob(m, s, a, backend="reference")  # noqa: E731
+    assert torch.autograd.gradcheck(fn, leaves)
+    assert torch.autograd.gradgradcheck(fn, leaves)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_broadcast_gradient_summed_wide(device, backend):
+    """A broadcast input narrower than the accumulation has its gradient summed over the
+    broadcast rows in the accumulation dtype and rounded once (fuzz: the Triton path rounded
+    each row's share to the input's dtype first: a ``(1,)`` bf16 ``mu`` lost 14% of a sum with
+    cancellation; an fp32 ``sigma`` next to fp64 actions summed ``+inf`` and ``-inf`` shares
+    to NaN)."""
+    mu = torch.tensor([-2.171875], dtype=torch.bfloat16, device=device)
+    sigma = torch.tensor([0.11317846], device=device)
+    actions = torch.tensor([[-0.21787894], [0.04033468], [-0.05966354]], device=device)
+    up = torch.tensor([1.2, -0.8, -1.5], device=device)
+    _, (g_mu, g_sigma) = _value_and_grads(
+        lambda m, s: gaussian_logprob(m, s, actions, backend=backend), (mu, sigma), up
+    )
+    _, (o_mu, o_sigma) = _value_and_grads(
+        lambda m, s: _oracle(m, s, actions)[0], (mu, sigma), up.double()
+    )
+    assert g_mu.dtype == torch.bfloat16 and g_sigma.dtype == torch.float32
+    assert torch.equal(g_mu, o_mu.to(torch.bfloat16))  # one rounding of the sum
+    torch.testing.assert_close(g_sigma, o_sigma.float(), rtol=FP32_TOL, atol=0.0)
+
+    huge = torch.tensor([[1e30]], dtype=torch.float64, device=device)  # z^2 / sigma: 8e60
+    up2 = torch.tensor([1.0, -0.5], device=device)
+    _, (g_sigma,) = _value_and_grads(
+        lambda s: gaussian_logprob(torch.zeros(2, 1, device=device), s, huge, backend=backend),
+        (torch.tensor([0.5], device=device),),
+        up2,
+    )
+    assert torch.equal(g_sigma, torch.tensor([float("inf")], device=device))  # +4e60, not NaN

@@ -370,6 +370,9 @@ def test_num_items_tensor_not_positive_is_nan(backend, count):
     that holds 0, a negative count or NaN gives a NaN loss, on both backends."""
     loss, metrics, grad = _policy(backend, num_items=torch.tensor(count, device=DEVICE))
     assert torch.isnan(loss) and torch.isnan(grad).any()
+    # the normaliser is NaN: each gradient element NaN or 0, which ones differs by backend
+    # (fuzz finding 10, documented in CONTRIBUTING.md)
+    assert (torch.isnan(grad) | (grad == 0)).all()
     assert torch.isfinite(metrics["ratio_mean"])  # the metrics do not use the count
     lp = torch.randn(B, T, device=DEVICE, requires_grad=True)
     loss, _ = fused_rl.policy_loss_from_logprobs(
@@ -378,8 +381,36 @@ def test_num_items_tensor_not_positive_is_nan(backend, count):
         backend=backend,
     )  # fmt: skip
     assert torch.isnan(loss)
+    (grad,) = torch.autograd.grad(loss, lp)
+    assert torch.isnan(grad).any() and (torch.isnan(grad) | (grad == 0)).all()
     with pytest.raises(ValueError, match="num_items must be"):
         _policy(backend, num_items=count if count == count else 0.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_num_items_not_positive_empty_batch(backend, loss_agg):
+    """Documented (CONTRIBUTING.md): with no token at all, a ``num_items`` tensor <= 0 makes
+    the policy loss NaN on the reference whatever ``loss_agg`` (``_agg.poison_empty`` does
+    not look at the mode), on the Triton backend only with ``token-mean``, the mode that
+    reads it (0 otherwise, as for a non-empty batch); the gradient is empty."""
+    lp = torch.zeros(0, T, device=DEVICE, requires_grad=True)
+    loss, _ = fused_rl.policy_loss_from_logprobs(
+        lp, torch.zeros(0, device=DEVICE), num_items=torch.tensor(0.0, device=DEVICE),
+        loss_agg=loss_agg, backend=backend,
+    )  # fmt: skip
+    if loss_agg == "token-mean" or backend == "reference":
+        assert torch.isnan(loss)
+    else:
+        assert loss.item() == 0.0
+    (grad,) = torch.autograd.grad(loss, lp)
+    assert grad.shape == (0, T)
+    full = torch.zeros(B, T, device=DEVICE, requires_grad=True)  # a non-empty batch: 0
+    loss, _ = fused_rl.policy_loss_from_logprobs(
+        full, torch.zeros(B, device=DEVICE), num_items=torch.tensor(0.0, device=DEVICE),
+        loss_agg=loss_agg, backend=backend,
+    )  # fmt: skip
+    assert torch.isnan(loss) if loss_agg == "token-mean" else loss.item() == 0.0
 
 
 def _negative_mask_calls(backend, mask):
@@ -455,6 +486,76 @@ def test_negative_mask_weight_under_compile_is_nan():
     fn = torch.compile(call, fullgraph=True, backend="aot_eager")
     assert torch.isnan(fn(x, _negative_mask()))
     assert torch.equal(fn(x, _negative_mask().abs()), call(x, _negative_mask().abs()))
+
+
+def _nan_or(got: torch.Tensor, clean: torch.Tensor) -> bool:
+    """Every element of ``got`` is NaN or equal to ``clean``'s."""
+    return bool((torch.isnan(got) | (got == clean)).all())
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_negative_mask_weight_unchecked_gradients(backend, loss_agg, monkeypatch):
+    """Fuzz finding 10, documented (CONTRIBUTING.md, "NaN, threads and other failure modes"):
+    unchecked, a negative weight is a NaN weight that counts its token: the loss and the
+    mean metrics are NaN, ``ratio_max`` takes that token's ratio too, and each gradient
+    element is NaN or its value with the weight at 0, with a layout that differs by backend
+    and path (Triton: ``g_t`` times the NaN normaliser, the reference: autograd)."""
+    monkeypatch.setattr(config, "check_values", False)
+
+    def run(mask):
+        lp = torch.tensor([[-0.2, -1.0, -2.0, -0.3]], device=DEVICE, requires_grad=True)
+        loss, metrics = fused_rl.policy_loss_from_logprobs(
+            lp, torch.ones(1, device=DEVICE), old_logprobs=torch.full((1, 4), -1.0, device=DEVICE),
+            mask=mask, loss_agg=loss_agg, backend=backend,
+        )  # fmt: skip
+        (grad,) = torch.autograd.grad(loss, lp)
+        return loss, metrics, grad
+
+    loss, metrics, grad = run(torch.tensor([[-0.5, 1.0, 0.0, 2.0]], device=DEVICE))
+    clean_loss, _, clean = run(torch.tensor([[0.0, 1.0, 0.0, 2.0]], device=DEVICE))
+    assert torch.isnan(loss) and torch.isfinite(clean_loss)
+    for name in ("ratio_mean", "approx_kl", "clip_frac", "clip_frac_high", "dual_clip_frac"):
+        assert torch.isnan(metrics[name]), name
+    # the negative-weight token's ratio exp(-0.2 + 1) is the largest: a max, not a mean
+    assert metrics["ratio_max"].item() == pytest.approx(math.exp(0.8), rel=1e-6)
+    assert _nan_or(grad, clean)
+    token_mean = loss_agg == "token-mean"  # seq-mean-token-sum's normaliser 1 / B is finite
+    nan_at = {  # token 0 is clipped (no gradient), 2 does not count, 3 is clipped
+        "triton": [True] * 4,  # the backward multiplies every g_t by the NaN normaliser
+        "reference": [False, token_mean, False, False],  # NaN weight x a nonzero gradient
+    }[backend]
+    assert torch.isnan(grad[0]).tolist() == nan_at, grad
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_negative_mask_weight_unchecked_at_an_ignored_token(backend, monkeypatch):
+    """Fuzz finding 9, documented: a negative weight at an ``ignore_index`` token still
+    counts (``0 * NaN`` is NaN, not 0): NaN loss, and ``ratio_max`` takes a ratio there, the
+    reference's ``exp(0 - old)`` (its log-prob of an ignored target is 0), the Triton
+    backend's ``exp(log p(ignore_index) - old)``, NaN for -100, outside ``[0, V)``."""
+    monkeypatch.setattr(config, "check_values", False)
+
+    def run(mask):
+        logits = torch.linspace(-2, 2, 15, device=DEVICE).reshape(1, 3, 5).requires_grad_(True)
+        loss, metrics = fused_rl.policy_loss(
+            logits, torch.tensor([[-100, 1, 2]], device=DEVICE), torch.ones(1, device=DEVICE),
+            old_logprobs=torch.full((1, 3), -1.5, device=DEVICE), mask=mask, backend=backend,
+        )  # fmt: skip
+        (grad,) = torch.autograd.grad(loss, logits)
+        return loss, metrics, grad
+
+    loss, metrics, grad = run(torch.tensor([[-0.5, 1.0, 1.0]], device=DEVICE))
+    _, clean_metrics, clean = run(torch.tensor([[0.0, 1.0, 1.0]], device=DEVICE))
+    assert torch.isnan(loss) and torch.isnan(metrics["ratio_mean"])
+    if backend == "reference":
+        assert metrics["ratio_max"].item() == pytest.approx(math.exp(1.5), rel=1e-6)
+        assert metrics["ratio_max"] > clean_metrics["ratio_max"]
+    else:
+        assert torch.isnan(metrics["ratio_max"])
+    assert _nan_or(grad, clean)
+    assert torch.equal(grad[0, 0], torch.zeros(5, device=DEVICE))  # an ignored row: no gradient
+    assert torch.isnan(grad[0, 1:]).all()  # the NaN normaliser (token-mean) reaches the rest
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
