@@ -467,6 +467,11 @@ def test_patch_unpatch_restore_exactly():
 
     init = trl.GRPOTrainer.__dict__["__init__"]
     head = grpo_trainer.add_fused_lm_head
+    with pytest.raises(ValueError, match="^backend must be one of"):
+        fused_trl.patch(backend="cuda")
+    with pytest.raises(ValueError, match="^chunk_tokens must be"):
+        fused_trl.patch(chunk_tokens=0)
+    assert not fused_trl.is_patched()
     fused_trl.patch()
     try:
         fused_trl.patch(backend="reference")  # again: only the options change

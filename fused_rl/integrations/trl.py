@@ -106,9 +106,12 @@ class Options:
     backend: str = "auto"
     chunk_tokens: int | None = None
 
-    def __post_init__(self):
-        V.check_choice(self.backend, BACKENDS, "fused_rl_backend")
-        V.check_positive_int(self.chunk_tokens, "fused_rl_chunk_tokens", allow_none=True)
+    @classmethod
+    def checked(cls, backend, chunk_tokens, prefix: str = "") -> Options:
+        """The options, each checked under the name the caller gave it (``prefix`` +)."""
+        V.check_choice(backend, BACKENDS, prefix + "backend")
+        V.check_positive_int(chunk_tokens, prefix + "chunk_tokens", allow_none=True)
+        return cls(backend, None if chunk_tokens is None else int(chunk_tokens))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +211,7 @@ def add_fused_lm_head(
     original one (generation is unchanged). Adding it again replaces the previous head.
     Raises ``ValueError`` for what fused_rl cannot do (module docstring)."""
     _, _, trl_utils = _trl()
-    options = Options(backend, chunk_tokens)
+    options = Options.checked(backend, chunk_tokens)
     text_config = model.config.get_text_config()
     head_temperature = _check_head(model, text_config, outputs, temperature)
     previous = model.__dict__.get(_MARK)
@@ -378,7 +381,7 @@ def _make_trainer_class():
 
         def __init__(self, *args, fused_rl_backend: str = "auto",
                      fused_rl_chunk_tokens: int | None = None, **kwargs):  # fmt: skip
-            options = Options(fused_rl_backend, fused_rl_chunk_tokens)
+            options = Options.checked(fused_rl_backend, fused_rl_chunk_tokens, "fused_rl_")
             _fused_init(self, lambda: super(GRPOTrainer, self).__init__(*args, **kwargs), options)
 
     GRPOTrainer.__module__ = __name__
@@ -399,7 +402,7 @@ def patch(*, backend: str = "auto", chunk_tokens: int | None = None) -> None:
     construct it) behave as :class:`GRPOTrainer` with these options: its ``__init__`` is
     wrapped. Idempotent (patching again only updates the options); :func:`unpatch`
     restores TRL's ``__init__`` exactly. Trainers constructed before keep their head."""
-    options = Options(backend, chunk_tokens)
+    options = Options.checked(backend, chunk_tokens)
     trl, _, _ = _trl()
     with _LOCK:
         if _PATCH:
