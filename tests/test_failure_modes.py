@@ -253,6 +253,7 @@ print("ok")
 """
 
 
+@pytest.mark.integration
 def test_interpreter_enabled_after_triton_import_is_explained():
     """``TRITON_INTERPRET=1`` set after ``import triton`` cannot work: ``auto`` runs the
     reference with a warning that says what to do, ``triton`` raises the same words."""
