@@ -227,8 +227,7 @@ CASES = [
     pytest.param(dict(loss_type="grpo", **FULL), "subclass", "auto", id="grpo"),
     pytest.param(dict(loss_type="dapo", **FULL), "subclass", "auto", id="dapo"),
     pytest.param(dict(loss_type="dr_grpo", **FULL), "subclass", "auto", id="dr_grpo"),
-    pytest.param(dict(loss_type="bnpo", **FULL), "subclass", "auto", id="bnpo"),
-    pytest.param(dict(loss_type="dapo", **FULL), "patch", "auto", id="dapo-patch"),
+    pytest.param(dict(loss_type="bnpo", **FULL), "patch", "auto", id="bnpo-patch"),
     pytest.param(
         dict(loss_type="grpo", beta=0.0, accumulation=1),
         "patch",
