@@ -6,7 +6,7 @@ never on the logits. Two users, one definition of ``s``:
 
 * the reference path multiplies per-token losses by :func:`token_weights`;
 * the Triton path applies the same ``s`` after the per-token pass, inside the finalize
-  kernel (``kernels/token_policy.py``, ``AGG``), which also hands ``s`` to the backward; the
+  kernel (``kernels/policy/token_pass.py``, ``AGG``), which also hands ``s`` to the backward; the
   fused-linear loss needs ``s`` before its chunk loop and takes it from
   :func:`sequence_scale` here.
 """

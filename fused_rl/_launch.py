@@ -58,7 +58,7 @@ def f32_pair(x: float) -> tuple[float, float]:
     """``(hi, lo)``, both fp32-representable, with ``hi + lo == x`` to ~48 bits.
 
     Triton passes Python floats as fp32; the kernels add the pair back up in their
-    accumulation dtype (``pair`` in ``kernels/token_layer.py``), so fp64 inputs get
+    accumulation dtype (``pair`` in ``kernels/policy/layer2.py``), so fp64 inputs get
     (nearly) fp64 hyper-parameters and fp32 ones exactly ``fp32(x)``.
     """
     hi = _to_f32(x)

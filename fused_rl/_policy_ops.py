@@ -27,7 +27,7 @@ from ._ops import FusedOp
 from ._vocab_ops import position_shift, token_stats_bwd_op, token_stats_fwd
 from .kernels.modes import POLICY_PARAMS, SURROGATES
 
-# the columns of kernels/token_layer.py (COL_*) that are metrics, by name
+# the columns of kernels/policy/layer2.py (COL_*) that are metrics, by name
 METRIC_COLUMNS = {
     "clip_frac": 2,
     "clip_frac_low": 3,
@@ -107,7 +107,7 @@ def _mask_arg(mask: Tensor | None) -> Tensor | None:
 
 def _finalize(part, n_outer, inner, dtype, agg, max_length, num_items, num_items_t, has_is):
     """Launch the reduction: ``(loss, metrics, seq_scale)``."""
-    from .kernels.token_policy import _policy_finalize_kernel
+    from .kernels.policy.finalize import _policy_finalize_kernel
 
     dev = part.device
     loss = torch.empty((), dtype=dtype, device=dev)
@@ -126,7 +126,7 @@ def _finalize(part, n_outer, inner, dtype, agg, max_length, num_items, num_items
 def _token_layer(logp, entropy, targets, adv, old, ref, mask, is_w, ignore_index, hyper, modes,
                  g, h, part):  # fmt: skip
     """Launch the token-layer kernel (one program per sequence) on ``(B, T)`` inputs."""
-    from .kernels.token_policy import _policy_token_fwd_kernel
+    from .kernels.policy.token_pass import _policy_token_fwd_kernel
 
     outer, inner = logp.shape
     if outer * inner == 0:
@@ -157,7 +157,7 @@ def _fused_rows(logits3d, targets, adv, old, ref, mask, is_w, temperature, ignor
     """Launch the fused vocab-stream kernel (layer 1 + the token layer as epilogue), one
     program per target token, writing the per-token outputs and partial columns (and, with
     ``grad``/``row_scale``, each row's gradient: layer 3 in the same program)."""
-    from .kernels.vocab_stream_policy_fwd import _policy_loss_fwd_kernel
+    from .kernels.vocab.policy_fused import _policy_loss_fwd_kernel
 
     outer, positions, vocab = logits3d.shape
     inner = targets.shape[1]

@@ -75,7 +75,7 @@ def token_stats_fwd(
     Returns ``(logp, entropy, row_max, log_sum)``, each ``(outer, T)``; ``logp`` /
     ``entropy`` are empty when not asked for (no targets / ``with_entropy=False``).
     """
-    from .kernels.vocab_stream_fwd import _token_stats_fwd_kernel
+    from .kernels.vocab.layer1 import _token_stats_fwd_kernel
 
     outer, positions, vocab = logits3d.shape
     inner = positions if targets is None else targets.shape[1]
@@ -155,7 +155,7 @@ def token_stats_bwd_into(
     dtype), which may BE ``logits3d`` when that is contiguous: each program reads a block
     of its own row and then overwrites exactly that block, so the logits are consumed in
     place (the fused-linear ops turn a chunk's logits into its gradient this way)."""
-    from .kernels.vocab_stream_bwd import _token_stats_bwd_kernel
+    from .kernels.vocab.layer3 import _token_stats_bwd_kernel
 
     outer, positions, vocab = logits3d.shape
     inner = row_max.shape[1]

@@ -41,7 +41,7 @@ def gae_fwd(
     rewards: Tensor, values: Tensor, mask: Tensor | None, gamma: float, lam: float
 ) -> tuple[Tensor, Tensor]:
     """Launch the GAE kernel on ``(B, T)`` tensors (any strides); contiguous outputs."""
-    from .kernels.token_advantages import _gae_fwd_kernel
+    from .kernels.token_ops.advantages import _gae_fwd_kernel
 
     n_rows, length = rewards.shape
     dtype = ref.acc_dtype(rewards, values)
@@ -82,7 +82,7 @@ def kl_penalized_rewards_fwd(
     kl_estimator: str,
 ) -> Tensor:
     """Launch the KL-penalised-rewards kernel; ``(B, T)`` contiguous output."""
-    from .kernels.token_advantages import _kl_penalized_rewards_fwd_kernel
+    from .kernels.token_ops.advantages import _kl_penalized_rewards_fwd_kernel
 
     n_rows, length = logprobs.shape
     dtype = ref.acc_dtype(scores, logprobs, ref_logprobs)
@@ -122,7 +122,7 @@ _GROUP_MODES = {"std": 0, "none": 1, "rloo": 2}
 
 def group_advantages_fwd(scores: Tensor, group_size: int, mode: str, eps: float) -> Tensor:
     """Launch the group-baseline kernel on flat ``(B,)`` scores; ``(B,)`` output."""
-    from .kernels.token_advantages import _group_advantages_fwd_kernel
+    from .kernels.token_ops.advantages import _group_advantages_fwd_kernel
 
     dtype = ref.acc_dtype(scores)
     out = _new_out(scores.shape, dtype, scores.device)

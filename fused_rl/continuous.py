@@ -44,7 +44,7 @@ def _grid(n_rows: int, block_r: int) -> tuple[int]:
 
 def gaussian_logprob_fwd(mu: Tensor, sigma: Tensor, actions: Tensor) -> Tensor:
     """Launch the log-prob kernel on ``(R, N)`` views (any strides); ``(R,)`` output."""
-    from .kernels.token_gaussian import _gaussian_logprob_fwd_kernel
+    from .kernels.token_ops.gaussian import _gaussian_logprob_fwd_kernel
 
     n_rows, n_cols = mu.shape
     dtype = ref.acc_dtype(mu, sigma, actions)
@@ -77,7 +77,7 @@ def gaussian_logprob_bwd(
 ) -> tuple[Tensor, Tensor]:
     """Launch the log-prob backward: contiguous ``(R, N)`` grads, d/dmu in the wider of mu's
     and the actions' dtypes (the actions' gradient is its negation), d/dsigma in sigma's."""
-    from .kernels.token_gaussian import _gaussian_logprob_bwd_kernel
+    from .kernels.token_ops.gaussian import _gaussian_logprob_bwd_kernel
 
     n_rows, n_cols = mu.shape
     # d/dmu in the wider of mu's and the actions' dtypes: d/dactions = -d/dmu must not be
@@ -113,7 +113,7 @@ def gaussian_logprob_bwd(
 
 def gaussian_entropy_fwd(sigma: Tensor) -> Tensor:
     """Launch the entropy kernel on an ``(R, N)`` view; ``(R,)`` output."""
-    from .kernels.token_gaussian import _gaussian_entropy_fwd_kernel
+    from .kernels.token_ops.gaussian import _gaussian_entropy_fwd_kernel
 
     n_rows, n_cols = sigma.shape
     dtype = ref.acc_dtype(sigma)
@@ -137,7 +137,7 @@ def gaussian_entropy_fwd(sigma: Tensor) -> Tensor:
 
 def gaussian_entropy_bwd(sigma: Tensor, grad_out: Tensor) -> Tensor:
     """Launch the entropy backward: contiguous ``(R, N)`` grad in sigma's dtype."""
-    from .kernels.token_gaussian import _gaussian_entropy_bwd_kernel
+    from .kernels.token_ops.gaussian import _gaussian_entropy_bwd_kernel
 
     n_rows, n_cols = sigma.shape
     grad_sigma = torch.empty((n_rows, n_cols), dtype=sigma.dtype, device=sigma.device)

@@ -10,7 +10,7 @@ and each rank's gradient is its shard of the unsharded gradient.
 How (CONTRIBUTING.md, "The three layers"): layer 1 runs on the local shard, unchanged, and
 yields per-token partial statistics (shard max ``m_r``, ``log s_r``, entropy ``H_r``, and
 the target's ``logp`` on the rank that owns the target). They merge like the kernel merges
-blocks of one row (``kernels/vocab_stream_fwd.py``, ``merge_stats``), with two all-reduces:
+blocks of one row (``kernels/vocab/layer1.py``, ``merge_stats``), with two all-reduces:
 
 1. ``MAX`` of the row max, ``(N,)`` floats, plus a fixed header of ``2 P + 4`` floats
    (each rank's ``(vocab_start, columns)``, ``vocab_size`` and the target range) that

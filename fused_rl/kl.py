@@ -1,8 +1,8 @@
 """Fused per-token KL estimators: ``kl_estimate``.
 
-Triton path (``kernels/token_kl.py``): one elementwise forward launch and one backward launch
+Triton path (``kernels/token_ops/kl.py``): one elementwise forward launch and one backward launch
 writing the gradients of ``logprobs`` and, when it requires grad, ``ref_logprobs``. The math
-is the lead's device function ``kernels/token_layer.kl_and_grad``, shared with the fused
+is the lead's device function ``kernels/policy/layer2.kl_and_grad``, shared with the fused
 policy-loss epilogue, so both paths estimate the same KL. Both launchers are
 ``fused_rl._ops.FusedOp`` objects (``fused_rl::kl_estimate_fwd``, ``fused_rl::kl_estimate_bwd``):
 custom ops with fake and autograd registrations for ``torch.compile``, direct calls in eager.
@@ -27,7 +27,7 @@ from .reference.reductions import acc_dtype
 
 def kl_estimate_fwd(logprobs: Tensor, ref_logprobs: Tensor, kind: int) -> Tensor:
     """``kl`` (contiguous ``(R, C)``, fp32 / fp64) of two 2-D views (any strides)."""
-    from .kernels.token_kl import _kl_estimate_fwd_kernel
+    from .kernels.token_ops.kl import _kl_estimate_fwd_kernel
 
     dtype = acc_dtype(logprobs, ref_logprobs)
     out = torch.empty(logprobs.shape, dtype=dtype, device=logprobs.device)
@@ -51,7 +51,7 @@ def kl_estimate_bwd(
 ) -> tuple[Tensor, Tensor]:
     """Gradients w.r.t. ``logprobs`` and ``ref_logprobs`` (contiguous, their dtypes); an
     unwanted one is returned empty (shape ``(0,)``)."""
-    from .kernels.token_kl import _kl_estimate_bwd_kernel
+    from .kernels.token_ops.kl import _kl_estimate_bwd_kernel
 
     def new(t: Tensor, on: bool) -> Tensor:
         return torch.empty(t.shape if on else (0,), dtype=t.dtype, device=t.device)

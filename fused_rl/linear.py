@@ -745,7 +745,11 @@ def _fused_policy_loss(rows, weight, bias, flat_targets, shape, advantages, old,
     adv, old, ref = rollout_constants(acc, advantages_2d(advantages, batch, length), old, ref)
     is_w = is_weights_2d(is_weights, batch, length)
     counted = (flat_targets != ignore_index).view(batch, length)
-    m = counted.to(acc) if mask is None else mask_weights(mask.detach(), acc) * counted
+    m = (
+        counted.to(acc)
+        if mask is None
+        else torch.where(counted, mask_weights(mask.detach(), acc), 0.0)
+    )
     scale = sequence_scale(m, policy.loss_agg, max_length=policy.max_length, num_items=num_items)
     row_scale = scale.expand(batch, length).contiguous().view(-1)  # the kernel reads stride 1
     kept = _counted_rows(m, rows)
@@ -763,4 +767,5 @@ def _fused_policy_loss(rows, weight, bias, flat_targets, shape, advantages, old,
         )  # fmt: skip
     out = metrics_dict(metrics, has_kl=ref is not None, has_entropy=with_entropy,
                        surrogate=launch.modes[0], has_is=is_w is not None)  # fmt: skip
-    return poison_empty(loss, num_items, batch * length), out
+    per_count = num_items if policy.loss_agg == "token-mean" else None  # no other mode reads it
+    return poison_empty(loss, per_count, batch * length), out

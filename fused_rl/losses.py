@@ -137,7 +137,8 @@ def _loss_from_logprobs(logp, entropy, adv2d, mask_f, weights, num_items, rollou
     metrics = _metrics(terms, mask_f, policy.surrogate)
     if rollout_is is not None:
         metrics.update(_is_metrics(rollout_is, mask_f))
-    return poison_empty(loss, num_items, weights.numel()), metrics
+    per_count = num_items if policy.loss_agg == "token-mean" else None  # no other mode reads it
+    return poison_empty(loss, per_count, weights.numel()), metrics
 
 
 # ----------------------------------------------------------------------------- public API
@@ -286,7 +287,11 @@ def policy_loss(
     acc = stats_dtype(logits.dtype)
     adv2d, old_logprobs, ref_logprobs = rollout_constants(acc, adv2d, old_logprobs, ref_logprobs)
     counted = targets != ignore_index
-    mask_f = counted.to(acc) if mask is None else mask_weights(mask.detach(), acc) * counted
+    mask_f = (
+        counted.to(acc)
+        if mask is None
+        else torch.where(counted, mask_weights(mask.detach(), acc), 0.0)
+    )
     weights = token_weights(mask_f, policy.loss_agg, max_length=policy.max_length,
                             num_items=num_items, dtype=acc)  # fmt: skip
     if length != logits.shape[1]:

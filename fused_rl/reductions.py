@@ -1,7 +1,7 @@
 """Masked reductions on token tensors: ``masked_sum``, ``masked_mean``, ``masked_var``,
 ``masked_whiten``.
 
-Triton path (``kernels/token_reductions.py``), deterministic, no host sync, fp32 accumulation
+Triton path (``kernels/token_ops/reductions.py``), deterministic, no host sync, fp32 accumulation
 (fp64 for fp64 inputs):
 
 * whole-tensor statistics: one flat launch writing per-block moments ``(n, sum, M2)`` plus one
@@ -77,7 +77,7 @@ def masked_moments_fwd(
     x2d: Tensor, mask2d: Tensor | None, per_row: bool, with_var: bool, correction: float
 ) -> Tensor:
     """``(4, R)`` (``per_row``) or ``(4, 1)`` stats ``(n, sum, mean, var)`` of a 2-D view."""
-    from .kernels.token_reductions import (
+    from .kernels.token_ops.reductions import (
         _masked_moments_finalize_kernel,
         _masked_moments_fwd_kernel,
         _masked_row_moments_fwd_kernel,
@@ -123,7 +123,7 @@ def masked_moments_bwd(
     correction: float,
 ) -> Tensor:
     """Gradient w.r.t. ``x2d`` (contiguous, ``x2d.dtype``) of the stats under ``grad_stats``."""
-    from .kernels.token_reductions import _masked_moments_bwd_kernel
+    from .kernels.token_ops.reductions import _masked_moments_bwd_kernel
 
     grad = torch.empty(x2d.shape, dtype=x2d.dtype, device=x2d.device)
     if x2d.numel() == 0:
@@ -144,7 +144,7 @@ def masked_whiten_fwd(
     x2d: Tensor, mask2d: Tensor | None, keep_mean: bool, eps: float
 ) -> tuple[Tensor, Tensor]:
     """``(y, stats)``: whitened ``(R, C)`` tensor (contiguous) and the ``(4, 1)`` stats used."""
-    from .kernels.token_reductions import _masked_whiten_fwd_kernel
+    from .kernels.token_ops.reductions import _masked_whiten_fwd_kernel
 
     stats = masked_moments_fwd(x2d, mask2d, False, True, 1.0)
     y = torch.empty(x2d.shape, dtype=stats.dtype, device=x2d.device)
@@ -160,7 +160,7 @@ def masked_whiten_bwd(
     x2d: Tensor, mask2d: Tensor | None, stats: Tensor, grad_y: Tensor, keep_mean: bool, eps: float
 ) -> Tensor:
     """Gradient of :func:`masked_whiten_fwd` w.r.t. ``x2d`` (contiguous, ``x2d.dtype``)."""
-    from .kernels.token_reductions import (
+    from .kernels.token_ops.reductions import (
         _masked_whiten_bwd_kernel,
         _masked_whiten_bwd_partials_kernel,
     )

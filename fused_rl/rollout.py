@@ -6,7 +6,7 @@ to reject tokens / sequences (VARIANTS.md section 6). They are constants (no gra
 multiply the per-token policy term only (a policy loss's ``is_weights=``), never the KL or
 entropy terms.
 
-Why a Triton kernel (``kernels/token_rollout.py``) rather than a few torch ops: the torch
+Why a Triton kernel (``kernels/token_ops/rollout.py``) rather than a few torch ops: the torch
 version costs 5 launches at best (token level, truncate: difference, ``where`` on the mask,
 exp, clamp, the padding ``where``) and about 12 for a sequence-level mask (the sum, the
 count and division for the mean, two comparisons, their ``or``, the rejection ``where``,
@@ -52,7 +52,7 @@ def rollout_is_weights_fwd(
     """Launch the rollout-IS kernel on ``(B, T)`` tensors (any strides). ``level`` indexes
     ``LEVELS``; ``clip_min`` 0.0 / ``clip_max`` inf mean no bound. Returns contiguous
     ``(weights, keep)``; ``keep`` is ``(B, T)`` bool with ``reject``, else empty ``(0,)``."""
-    from .kernels.token_rollout import _rollout_is_weights_fwd_kernel
+    from .kernels.token_ops.rollout import _rollout_is_weights_fwd_kernel
 
     n_rows, length = old_logprobs.shape
     dtype = acc_dtype(old_logprobs, rollout_logprobs)

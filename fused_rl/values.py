@@ -1,6 +1,6 @@
 """Fused value losses on token tensors: ``value_loss`` and torchtune's complete ``ppo_loss``.
 
-Triton path (``kernels/token_values.py``): one flat forward launch writing per-block partial
+Triton path (``kernels/token_ops/values.py``): one flat forward launch writing per-block partial
 sums, one single-program launch merging them into the scalar outputs (deterministic, no float
 atomics, no host sync), and one backward launch that recomputes every per-token derivative
 from the inputs. Each launcher is a :class:`fused_rl._ops.FusedOp` (``fused_rl::value_loss_fwd``,
@@ -51,7 +51,7 @@ def value_loss_fwd(
 ) -> Tensor:
     """``(4,)`` = ``(loss, clip_frac, value_mean, 1/count)`` for 2-D inputs (any strides);
     ``weights`` fp32 contiguous ``(R, C)``."""
-    from .kernels.token_values import _value_loss_finalize_kernel, _value_loss_fwd_kernel
+    from .kernels.token_ops.values import _value_loss_finalize_kernel, _value_loss_fwd_kernel
 
     dtype = acc_dtype(values, old_values, returns)
     acc = triton_acc(dtype)
@@ -83,7 +83,7 @@ def value_loss_bwd(
     clip: float | None,
 ) -> Tensor:
     """Gradient w.r.t. ``values`` (contiguous, ``values.dtype``) under ``grad_out`` ``(4,)``."""
-    from .kernels.token_values import _value_loss_bwd_kernel
+    from .kernels.token_ops.values import _value_loss_bwd_kernel
 
     grad = torch.empty(values.shape, dtype=values.dtype, device=values.device)
     if values.numel() == 0:
@@ -118,7 +118,7 @@ def ppo_loss_fwd(
 ) -> Tensor:
     """``(8,)`` = ``(loss, policy_loss, value_loss, ratios_mean, clipfrac, 1/den_policy,
     1/den_value, 1/N)`` for six 2-D inputs of one shape (any strides)."""
-    from .kernels.token_values import _ppo_loss_finalize_kernel, _ppo_loss_fwd_kernel
+    from .kernels.token_ops.values import _ppo_loss_finalize_kernel, _ppo_loss_fwd_kernel
 
     tensors = (pi_old_logprobs, pi_logprobs, advantages, phi_old_values, phi_values, returns)
     dtype = acc_dtype(*tensors)
@@ -158,7 +158,7 @@ def ppo_loss_bwd(
     value_coeff: float,
 ) -> tuple[Tensor, Tensor]:
     """Gradients w.r.t. ``pi_logprobs`` and ``phi_values`` (contiguous, their dtypes)."""
-    from .kernels.token_values import _ppo_loss_bwd_kernel
+    from .kernels.token_ops.values import _ppo_loss_bwd_kernel
 
     tensors = (pi_old_logprobs, pi_logprobs, advantages, phi_old_values, phi_values, returns)
     g_lp = torch.empty(pi_logprobs.shape, dtype=pi_logprobs.dtype, device=pi_logprobs.device)

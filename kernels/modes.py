@@ -6,12 +6,12 @@ so the two can never drift apart. No Triton here: ``import fused_rl`` reads thes
 without importing Triton.
 """
 
-# ``surrogate=``: the per-token policy term (kernels/token_layer.py ``surrogate_loss``)
+# ``surrogate=``: the per-token policy term (kernels/policy/layer2.py ``surrogate_loss``)
 SURROGATES = ("ppo", "cispo", "sapo", "gpg", "gmpo", "vespo")
 # ``importance_sampling=``: one ratio per token, per sequence (GSPO), or the sequence's value
 # with each token's own gradient (GSPO-token)
 IMPORTANCE_SAMPLING = ("token", "sequence", "sequence-token")
-# ``kl_estimator=`` (kernels/token_layer.py ``kl_and_grad``)
+# ``kl_estimator=`` (kernels/policy/layer2.py ``kl_and_grad``)
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs")
 # ``loss_agg=`` (the finalize kernel's ``AGG``)
 LOSS_AGG_MODES = (

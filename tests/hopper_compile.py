@@ -21,16 +21,17 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 MODULES = [
-    "vocab_stream_fwd",
-    "vocab_stream_bwd",
-    "vocab_stream_policy_fwd",
-    "token_values",
-    "token_reductions",
-    "token_kl",
-    "token_advantages",
-    "token_gaussian",
-    "token_policy",
-    "token_rollout",
+    "vocab.layer1",
+    "vocab.layer3",
+    "vocab.policy_fused",
+    "token_ops.values",
+    "token_ops.reductions",
+    "token_ops.kl",
+    "token_ops.advantages",
+    "token_ops.gaussian",
+    "policy.token_pass",
+    "policy.finalize",
+    "token_ops.rollout",
 ]
 # runtime float arguments (everything else that is not a pointer is an integer)
 FLOAT_ARGS = {
@@ -43,7 +44,12 @@ FLOAT_ARGS = {
 # kernels/modes.py POLICY_PARAMS
 TUPLE_ARGS = {"hyper": ("fp32",) * (2 * len(POLICY_PARAMS))}
 # modules whose every pointer offset must be computed in 64 bits (narrow_offset_products)
-WIDE_OFFSET_MODULES = ["token_reductions", "token_values", "token_gaussian", "token_rollout"]
+WIDE_OFFSET_MODULES = [
+    "token_ops.reductions",
+    "token_ops.values",
+    "token_ops.gaussian",
+    "token_ops.rollout",
+]
 INT_NAMES = {"ignore_index", "rows_inner", "group_size", "shift", "positions", "n_outer"}
 
 
@@ -207,9 +213,9 @@ def vocab_stream_vectorised() -> list[str]:
     cross-warp reduction per block step is what made the 8-warp forward slower than a copy.
 
     Returns the problems found (empty when all is well)."""
-    from fused_rl.kernels.vocab_stream_bwd import _token_stats_bwd_kernel
-    from fused_rl.kernels.vocab_stream_fwd import _token_stats_fwd_kernel
-    from fused_rl.kernels.vocab_stream_policy_fwd import _policy_loss_fwd_kernel
+    from fused_rl.kernels.vocab.layer1 import _token_stats_fwd_kernel
+    from fused_rl.kernels.vocab.layer3 import _token_stats_bwd_kernel
+    from fused_rl.kernels.vocab.policy_fused import _policy_loss_fwd_kernel
 
     from fused_rl._launch import vocab_launch
 

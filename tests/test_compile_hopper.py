@@ -37,7 +37,7 @@ def test_every_kernel_compiles_for_sm90():
 def test_token_reductions_offsets_are_64bit():
     """Lengths and strides reach a kernel as i32 when they fit, so ``stats + 3 * R`` wraps past
     ~715M rows unless the product is 64-bit. ``hopper_compile.py --offsets`` compiles every
-    ``token_reductions`` kernel for sm_90 and walks back from each pointer offset
+    ``token_ops/reductions`` kernel for sm_90 and walks back from each pointer offset
     (``tt.addptr``) in its TTIR, failing on any i32 product on the way; it first checks that
     the walk flags a known i32 offset and passes its int64 twin (``offset_check_works``)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -327,15 +327,10 @@ def known_open(case: Case) -> str | None:
     exactly one place, its reproducer, until it is fixed: then that reproducer XPASSes, the
     strict mark fails the run, and its rule here must go. Findings 9 and 10 (unchecked
     negative mask weights, a ``num_items`` tensor <= 0) are documented behaviour, checked by
-    :func:`check_invalid_weights`, :func:`assert_nan_or_clean` and
-    :func:`empty_batch_count_quirk`; 12 (DI-engine continuous, fp32 reference overflow) is
+    :func:`check_invalid_weights` and :func:`assert_nan_or_clean` (an ignored token's weight
+    no longer counts: the half of 9 that was a bug is fixed); 12 (DI-engine continuous, fp32
+    reference overflow) and 13 (a ``num_items`` tensor read by a mode that ignores it) are
     fixed."""
-    n, agg = case.hyper.get("num_items"), case.hyper.get("loss_agg")
-    if case.op.startswith("policy_loss") and isinstance(n, torch.Tensor):
-        tokens = [a.shape for k, a in case.args.items() if k in ("targets", "logprobs", "lp") and a]
-        no_length = case.hyper.get("max_length") is None and bool(tokens) and tokens[0][-1] == 0
-        if agg == "seq-mean-token-sum-norm" and no_length:
-            return "num_items tensor, T = 0, seq-mean-token-sum-norm: NaN on Triton (finding 13)"
     return None
 
 
@@ -377,7 +372,6 @@ def check_case(case: Case, precision: torch.dtype | None = None) -> None:
         assume(known_open(case) is None)
     _record(case)
     bad_count = invalid_num_items(case)
-    empty_count = empty_batch_count_quirk(case)
     uncounted = case.uncounted_plants()
     mask_up = uncounted and bool(case.local_outputs)
     runs = {b: run_backend(case, b, mask_upstream=mask_up) for b in ("reference", "triton")}
@@ -408,8 +402,6 @@ def check_case(case: Case, precision: torch.dtype | None = None) -> None:
             ref, tri = (
                 {k: v for k, v in r.items() if not k.startswith("grad.")} for r in runs.values()
             )
-        if empty_count:  # documented: the loss is NaN on the reference, 0 on Triton, below
-            ref, tri = ({k: v for k, v in r.items() if k != "loss"} for r in (ref, tri))
         assert_backends_agree(
             ref, tri, precision, oracle=oracle, condition=condition,
             scale=case.input_scale() if case.linear else _scaled_logit_rounding(case),
@@ -421,8 +413,6 @@ def check_case(case: Case, precision: torch.dtype | None = None) -> None:
             grads = {k: v for k, v in out.items() if k.startswith("grad.")}
             zeros = {k: torch.zeros_like(v) for k, v in grads.items()}
             check(assert_nan_or_clean, backend, grads, zeros)
-    if empty_count:
-        check(assert_empty_batch_count_loss, runs)
     required = case.nan_rule(case.inputs()) if case.nan_rule is not None else {}
     if required:
         STATS[case.op]["nan_rule"] += 1
@@ -483,27 +473,6 @@ def invalid_num_items(case: Case) -> bool:
         isinstance(n, torch.Tensor) and not bool(n > 0)
         and case.hyper.get("loss_agg", "token-mean") == "token-mean"
     )  # fmt: skip
-
-
-def empty_batch_count_quirk(case: Case) -> bool:
-    """A policy loss of an empty batch (``B * T == 0``) with a ``num_items`` tensor <= 0 and
-    a ``loss_agg`` that does not read it (not ``token-mean``): documented (CONTRIBUTING.md,
-    "NaN, threads and other failure modes"), the reference's loss is NaN (``poison_empty``
-    does not look at the mode), the Triton one 0, the value a non-empty batch gets on both."""
-    n = case.hyper.get("num_items")
-    if case.op not in ("policy_loss", "policy_loss_from_logprobs") or invalid_num_items(case):
-        return False
-    tokens = [a.shape for k, a in case.args.items() if k in ("targets", "logprobs", "lp") and a]
-    empty = bool(tokens) and math.prod(tokens[0]) == 0
-    return empty and isinstance(n, torch.Tensor) and not bool(n > 0)
-
-
-def assert_empty_batch_count_loss(runs) -> None:
-    """:func:`empty_batch_count_quirk`'s documented loss on each backend."""
-    ref, tri = runs["reference"]["loss"], runs["triton"]["loss"]
-    assert torch.isnan(ref) and tri.item() == 0.0, (
-        f"empty batch, num_items <= 0 it does not read: reference {ref} (NaN), triton {tri} (0)"
-    )
 
 
 def zero_negative_weights(case: Case) -> Case:
@@ -2299,8 +2268,7 @@ FOUND = {
         ),
         lp=torch.zeros(0, 3), adv=torch.zeros(0), grad=("lp",), nan_rule=lambda x: {"loss": True},
     ),
-    # and a mode that does not read num_items: documented (empty_batch_count_quirk), the
-    # reference's loss is NaN (poison_empty ignores the mode), Triton's 0
+    # and a mode that does not read num_items: 0 on both backends, as a non-empty batch
     "policy_loss_from_logprobs num_items=tensor(0), B=0, seq-mean-token-mean": lambda: fixed_case(
         "policy_loss_from_logprobs",
         lambda x, b: _policy_outputs(
@@ -2312,9 +2280,8 @@ FOUND = {
         lp=torch.zeros(0, 3), adv=torch.zeros(0), grad=("lp",),
         hyper={"num_items": torch.tensor(0.0), "loss_agg": "seq-mean-token-mean"},
     ),
-    # open (finding 13): Triton's finalize applies a num_items tensor's "den > 0, else NaN"
-    # to every mode's normaliser; seq-mean-token-sum-norm's B * T is 0 when T = 0 (the
-    # reference's max(T, 1) is not): NaN on Triton, 0 on the reference, for any num_items
+    # finding 13 (fixed): the finalize kernel applied a num_items tensor's "den > 0, else
+    # NaN" to every mode's normaliser; seq-mean-token-sum-norm's B * T is 0 when T = 0
     "policy_loss_from_logprobs T=0 seq-mean-token-sum-norm num_items=tensor(3)": lambda: (
         fixed_case(
             "policy_loss_from_logprobs",
@@ -2375,9 +2342,7 @@ FOUND = {
 
 
 # reproducers of open findings (see ``known_open``): strict xfail until fixed
-OPEN_FOUND = {
-    "policy_loss_from_logprobs T=0 seq-mean-token-sum-norm num_items=tensor(3)": "finding 13",
-}
+OPEN_FOUND: dict[str, str] = {}
 
 
 def _found_params():

@@ -95,15 +95,15 @@ def test_kernels_name_every_table_entry():
     """Each ``POLICY_PARAMS`` entry has its ``P_*`` position in the token layer, each mode
     list its constants (what keeps the kernels and the Python side in one order)."""
     pytest.importorskip("triton")
-    from fused_rl.kernels import token_layer, token_policy
+    from fused_rl.kernels.policy import finalize, layer2
 
     for i, name in enumerate(modes.POLICY_PARAMS):
-        assert getattr(token_layer, f"P_{name.upper()}").value == i, name
+        assert getattr(layer2, f"P_{name.upper()}").value == i, name
     for i, name in enumerate(modes.SURROGATES):
-        assert getattr(token_layer, f"SURROGATE_{name.upper()}").value == i, name
+        assert getattr(layer2, f"SURROGATE_{name.upper()}").value == i, name
     for i, name in enumerate(modes.LOSS_AGG_MODES):
         const = "AGG_" + name.upper().replace("-", "_")
-        assert getattr(token_policy, const).value == i, name
+        assert getattr(finalize, const).value == i, name
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])

@@ -1,6 +1,6 @@
 """Reference token layer of the policy losses (plain PyTorch on ``(B, T)`` tensors).
 
-The same math as the epilogue of the fused kernel (``kernels/token_layer.py``), written for
+The same math as the epilogue of the fused kernel (``kernels/policy/layer2.py``), written for
 reading: the surrogates (PPO's clipped one with asymmetric clip, TRL's two-sided ``delta``
 cap and dual clip; CISPO, SAPO, GPG), the rollout IS weight, KL to a reference policy
 (optionally bias-corrected) and an entropy bonus. Ties in ``torch.minimum`` split their
@@ -60,7 +60,7 @@ def surrogate_terms(
     config,
     token_log_ratio: torch.Tensor | None = None,
 ):
-    """Per-token policy term of ``config.surrogate`` (``kernels/token_layer.surrogate_loss``):
+    """Per-token policy term of ``config.surrogate`` (``kernels/policy/layer2.surrogate_loss``):
     ``(loss, clipped, clipped_low, clipped_high, aux)``, ``aux`` the surrogate's own metric
     (ppo: dual clip active; cispo: ``r > 1 + eps_high and A > 0``; sapo: the soft gate;
     gmpo: none, its flags are the tokens frozen by the log-space clip)."""

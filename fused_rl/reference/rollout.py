@@ -1,6 +1,6 @@
 """Reference rollout (behaviour-policy) importance-sampling weights: ``rollout_is_weights``.
 
-Plain PyTorch, readable first; the twin of ``kernels/token_rollout.py`` and the CPU fallback.
+Plain PyTorch, readable first; the twin of ``kernels/token_ops/rollout.py`` and the CPU fallback.
 The semantics (and how each library's mode maps onto them) are documented on the public
 function, :func:`fused_rl.rollout.rollout_is_weights`.
 

@@ -1,6 +1,6 @@
 """Layer 2, token space: clipped value loss and torchtune's full PPO loss on ``(R, C)`` views.
 
-Flat, two-stage deterministic kernels (see ``token_reductions.py`` for the conventions): the
+Flat, two-stage deterministic kernels (see ``token_ops/reductions.py`` for the conventions): the
 forward kernel writes per-block partial sums, one single-program kernel merges them and writes
 the scalar outputs, and the backward kernel recomputes every per-token derivative from the
 inputs (nothing of size ``B*T`` is saved between forward and backward).
@@ -16,8 +16,8 @@ Gradients follow PyTorch's subgradient conventions so fp64 parity is exact at ti
 import triton
 import triton.language as tl
 
-from .common import cast_for, clamp, nan_max, pair
-from .token_reductions import flat_rowcol, load_weight, safe, sum_partials, wide
+from ..common import cast_for, clamp, nan_max, pair
+from .reductions import flat_rowcol, load_weight, safe, sum_partials, wide
 
 
 @triton.jit

@@ -17,7 +17,7 @@ stays exact to fp32 even for logits of magnitude 1e4.
 import triton
 import triton.language as tl
 
-from .common import nan_max, pair, row_pointer, token_offset
+from ..common import nan_max, pair, row_pointer, token_offset
 
 
 @triton.jit

@@ -8,7 +8,7 @@ action of ``N`` dimensions, reduced over ``N`` inside the program (no atomics). 
 import triton
 import triton.language as tl
 
-from .common import cast_for
+from ..common import cast_for
 
 HALF_LOG_2PI = tl.constexpr(0.9189385332046727)  # 0.5 * log(2 * pi)
 

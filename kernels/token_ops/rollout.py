@@ -5,7 +5,7 @@ and mode (``fused_rl.rollout.rollout_is_weights`` documents the semantics):
 
 * token level: grid ``(B, cdiv(T, BLOCK_T))``, one block of one sequence per program;
 * sequence / geometric level: grid ``(B, 1)``, one program per sequence (as
-  ``token_policy._policy_token_fwd_kernel`` is organised): a first pass sums the counted
+  ``policy/token_pass._policy_token_fwd_kernel`` is organised): a first pass sums the counted
   log-ratios (and counts the tokens for the mean) in a fixed order, a second writes the
   sequence's weight to its tokens. Reads the inputs once, the mask twice.
 
@@ -17,7 +17,7 @@ reaches a sum) and get weight 1, ``keep`` False. Bounds arrive as fp32 pairs (``
 import triton
 import triton.language as tl
 
-from .common import clamp, pair
+from ..common import clamp, pair
 
 
 @triton.jit

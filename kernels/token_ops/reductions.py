@@ -1,6 +1,6 @@
 """Layer 2, token space: masked reductions on ``(R, C)`` views (sum, mean, variance, whiten).
 
-Conventions shared by the token-space kernels (``token_values.py``, ``token_kl.py`` import
+Conventions shared by the token-space kernels (``values.py``, ``kl.py`` import
 the helpers below):
 
 * every input is a 2-D view ``(R, C)`` with its own strides; element ``(r, c)`` lives at
@@ -23,7 +23,7 @@ single pass over the data with no cancellation between two large sums.
 import triton
 import triton.language as tl
 
-from .common import as_weight, cast_for, pair
+from ..common import as_weight, cast_for, pair
 
 
 @triton.jit

@@ -8,8 +8,8 @@ no atomics (bit-identical on repeat). Hyper-parameters arrive as runtime fp32 pa
 import triton
 import triton.language as tl
 
-from .common import nan_max, pair
-from .token_layer import kl_and_grad
+from ..common import nan_max, pair
+from ..policy.layer2 import kl_and_grad
 
 
 @triton.jit

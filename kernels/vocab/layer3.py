@@ -15,7 +15,7 @@ bf16), plus O(1) floats per row.
 import triton
 import triton.language as tl
 
-from .common import pair, token_offset
+from ..common import pair, token_offset
 
 
 @triton.jit(

@@ -1,7 +1,7 @@
 """Layer 2, token space: elementwise KL estimators on ``(R, C)`` views (see
-``token_layer.kl_and_grad`` for the formulas and their derivatives).
+``layer2.kl_and_grad`` for the formulas and their derivatives).
 
-Flat kernels (conventions in ``token_reductions.py``): the forward writes ``kl`` only; the
+Flat kernels (conventions in ``token_ops/reductions.py``): the forward writes ``kl`` only; the
 backward recomputes ``d kl / d logp`` from the inputs and writes ``g * d kl/d logp`` for
 ``logprobs`` and its negation for ``ref_logprobs`` (``kl`` depends on ``logp - ref`` only).
 """
@@ -9,9 +9,9 @@ backward recomputes ``d kl / d logp`` from the inputs and writes ``g * d kl/d lo
 import triton
 import triton.language as tl
 
-from .common import cast_for
-from .token_layer import kl_and_grad
-from .token_reductions import flat_rowcol
+from ..common import cast_for
+from ..policy.layer2 import kl_and_grad
+from .reductions import flat_rowcol
 
 
 @triton.jit(do_not_specialize=["N", "C"])

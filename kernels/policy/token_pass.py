@@ -1,27 +1,17 @@
-"""Layer 2 on ``(B, T)`` tensors: the policy loss from per-token log-probs, and the one
-reduction that turns every policy-loss forward's per-token partials into the loss and all
-its metrics.
+"""Layer 2 as a kernel of its own, on ``(B, T)`` tensors (no logits row in sight).
 
-* ``_policy_token_fwd_kernel`` -- one program per sequence: the token layer of
-  ``policy_loss_from_logprobs`` and of sequence-level importance sampling (GSPO), whose
-  ratio needs the whole sequence's log-probs before any token's loss. Writes the same
-  ``g``, ``h`` and partials as the fused vocab-stream forward.
-* ``_policy_finalize_kernel`` -- one program per partial column, a fixed-order
-  (deterministic, bit-identical on repeat) two-level sum over ``(B, T)`` tiles: the metric
-  means, the ratio max, and the aggregated loss with its per-sequence backward scale.
+``_policy_token_fwd_kernel`` -- one program per sequence: the token layer of
+``policy_loss_from_logprobs`` and of sequence-level importance sampling (GSPO, GMPO,
+VESPO), whose ratio or weight needs the whole sequence's log-probs before any token's loss.
+Writes the same ``g``, ``h`` and partials as the fused vocab-stream forward
+(``vocab/policy_fused.py``); ``finalize.py`` reduces them.
 """
 
 import triton
 import triton.language as tl
 
-from .common import as_weight, clamp, nan_max, nan_min, token_offset
-from .modes import LOSS_AGG_MODES
-from .token_layer import (
-    COL_COUNT,
-    COL_IS_MAX,
-    COL_IS_MIN,
-    COL_LOSS,
-    COL_RATIO_MAX,
+from ..common import as_weight, clamp, token_offset
+from .layer2 import (
     LN_1E_8,
     P_BETA,
     P_ENTROPY_COEF,
@@ -36,11 +26,6 @@ from .token_layer import (
     store_policy_partials,
     token_log_ratio,
 )
-
-AGG_TOKEN_MEAN = tl.constexpr(LOSS_AGG_MODES.index("token-mean"))
-AGG_SEQ_MEAN_TOKEN_MEAN = tl.constexpr(LOSS_AGG_MODES.index("seq-mean-token-mean"))
-AGG_SEQ_MEAN_TOKEN_SUM = tl.constexpr(LOSS_AGG_MODES.index("seq-mean-token-sum"))
-AGG_SEQ_MEAN_TOKEN_SUM_NORM = tl.constexpr(LOSS_AGG_MODES.index("seq-mean-token-sum-norm"))
 
 
 @triton.jit
@@ -60,13 +45,13 @@ def _token_inputs(
     count (weight ``m == 0``) replaced so nothing can leak from them: ``logp`` 0, ``old`` and
     ``ref`` = ``logp`` (ratio 1, KL 0), advantage 0. Returns ``(m, logp, old, ref, adv, 0)``."""
     m = tl.where(in_seq, 1.0, 0.0).to(ACC)
-    if HAS_TARGETS:
-        target = _load_tokens(targets_ptr, b, ts, rows_inner, t_so, t_si, in_seq)
-        m = tl.where(target != ignore_index, m, 0.0)
     if HAS_MASK:
         m = m * as_weight(
             _load_tokens(mask_ptr, b, ts, rows_inner, mask_so, mask_si, in_seq).to(ACC)
         )
+    if HAS_TARGETS:  # after the weight: an ignored token never counts, whatever its weight
+        target = _load_tokens(targets_ptr, b, ts, rows_inner, t_so, t_si, in_seq)
+        m = tl.where(target != ignore_index, m, 0.0)
     counted = m != 0
     logp = _load_tokens(logp_ptr, b, ts, rows_inner, logp_so, logp_si, in_seq).to(ACC)
     logp = tl.where(counted, logp, 0.0)
@@ -268,100 +253,3 @@ def _policy_token_fwd_kernel(
                     dkl = dkl * tl.exp(seq_lr)
                 g += beta * dkl
             tl.store(g_ptr + b * rows_inner + ts, tl.where(m != 0, m * g, 0.0), mask=in_seq)
-
-
-@triton.jit(do_not_specialize=["n_outer", "rows_inner"])
-def _policy_finalize_kernel(
-    part_ptr,
-    loss_ptr,
-    metrics_ptr,
-    seq_scale_ptr,
-    num_items_ptr,
-    n_outer,
-    rows_inner,
-    num_items,
-    n_seq,
-    max_length,
-    AGG: tl.constexpr,
-    NUM_ITEMS_TENSOR: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    ACC: tl.constexpr,
-):
-    """Program ``k`` reduces partial column ``k`` of ``(N_COLS, n_outer * rows_inner)``.
-
-    ``metrics[k]`` (fp32): ``sum col_k / sum col_COUNT`` (0 when nothing counts), the max for
-    ``COL_RATIO_MAX`` (NaN if any counted ratio is NaN), the token count for ``COL_COUNT``,
-    and the aggregated loss for ``COL_LOSS``, which also writes ``loss`` (``ACC``) and the
-    backward's ``seq_scale``: ``w_t = m_t * seq_scale[b]`` with ``loss = sum_t w_t L_t``, one
-    value per sequence for ``seq-mean-token-mean``, else one for all.
-    """
-    k = tl.program_id(0)
-    n_rows = n_outer.to(tl.int64) * rows_inner
-    col = part_ptr + k.to(tl.int64) * n_rows
-    tot_m = tl.zeros((), ACC)
-    tot_x = tl.zeros((), ACC)
-    seq_sum = tl.zeros((), ACC)
-    x_max = tl.zeros((), ACC)
-    x_min = tl.zeros((), ACC) + float("inf")
-    n_nan = tl.zeros((), tl.int32)
-    for b0 in range(0, n_outer, BLOCK_B):
-        bs = b0 + tl.arange(0, BLOCK_B).to(tl.int64)
-        in_b = bs < n_outer
-        sum_m = tl.zeros((BLOCK_B,), ACC)
-        sum_x = tl.zeros((BLOCK_B,), ACC)
-        for t0 in range(0, rows_inner, BLOCK_T):
-            ts = t0 + tl.arange(0, BLOCK_T)
-            tile = in_b[:, None] & (ts < rows_inner)[None, :]
-            rows = bs[:, None] * rows_inner + ts[None, :]
-            mm = tl.load(part_ptr + COL_COUNT * n_rows + rows, mask=tile, other=0.0).to(ACC)
-            xx = tl.load(col + rows, mask=tile, other=0.0).to(ACC)
-            sum_m += tl.sum(mm, 1)
-            sum_x += tl.sum(xx, 1)
-            if k == COL_RATIO_MAX or k == COL_IS_MAX:
-                x_max = nan_max(x_max, tl.max(tl.max(xx, 1), 0))
-                n_nan += tl.sum(tl.sum((xx != xx).to(tl.int32), 1), 0)
-            if k == COL_IS_MIN:  # uncounted tokens hold +inf (masked lanes load +inf too)
-                xx = tl.load(col + rows, mask=tile, other=float("inf")).to(ACC)
-                x_min = nan_min(x_min, tl.min(tl.min(xx, 1), 0))
-                n_nan += tl.sum(tl.sum((xx != xx).to(tl.int32), 1), 0)
-        tot_m += tl.sum(sum_m, 0)
-        tot_x += tl.sum(sum_x, 0)
-        if AGG == AGG_SEQ_MEAN_TOKEN_MEAN:
-            nonempty = sum_m != 0
-            safe_m = tl.where(nonempty, sum_m, 1.0)
-            seq_sum += tl.sum(tl.where(nonempty, sum_x / safe_m, 0.0), 0)
-            if k == COL_LOSS:
-                scale_b = tl.where(nonempty, 1.0 / (n_seq * safe_m), 0.0)
-                tl.store(seq_scale_ptr + bs, scale_b, mask=in_b)
-    if k == COL_LOSS:
-        if AGG == AGG_SEQ_MEAN_TOKEN_MEAN:
-            loss = seq_sum / n_seq
-        else:
-            if AGG == AGG_TOKEN_MEAN:
-                if NUM_ITEMS_TENSOR:
-                    den = tl.load(num_items_ptr).to(ACC)
-                else:
-                    den = tot_m * 0.0 + num_items
-                    den = tl.where(num_items > 0, den, tot_m)  # num_items <= 0: not given
-            elif AGG == AGG_SEQ_MEAN_TOKEN_SUM:
-                den = tot_m * 0.0 + n_seq
-            else:
-                den = (tot_m * 0.0 + n_seq) * max_length  # in ACC: B * L may pass 2^24
-            scale = tl.where(den != 0, 1.0 / tl.where(den != 0, den, 1.0), 0.0)
-            if NUM_ITEMS_TENSOR:  # never read on the host: a count <= 0 gives NaN, loudly
-                scale = tl.where(den > 0, 1.0 / den, float("nan"))
-            loss = tot_x * scale
-            tl.store(seq_scale_ptr, scale)
-        tl.store(loss_ptr, loss)
-        tl.store(metrics_ptr + k, loss.to(tl.float32))
-    elif k == COL_RATIO_MAX or k == COL_IS_MAX:
-        tl.store(metrics_ptr + k, tl.where(n_nan > 0, float("nan"), x_max).to(tl.float32))
-    elif k == COL_IS_MIN:  # 0 when nothing counts
-        x_min = tl.where(x_min == float("inf"), 0.0, x_min)
-        tl.store(metrics_ptr + k, tl.where(n_nan > 0, float("nan"), x_min).to(tl.float32))
-    elif k == COL_COUNT:
-        tl.store(metrics_ptr + k, tot_m.to(tl.float32))
-    else:
-        mean = tl.where(tot_m != 0, tot_x / tl.where(tot_m != 0, tot_m, 1.0), 0.0)
-        tl.store(metrics_ptr + k, mean.to(tl.float32))

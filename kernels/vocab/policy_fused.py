@@ -1,32 +1,32 @@
 """Layer 1 + layer 2 fused: one pass over each logits row, with the policy loss as epilogue.
 
 Per token the kernel streams the row once (``row_moments``), computes the clipped surrogate,
-KL and entropy bonus on the resulting scalars (``token_layer.policy_token_loss``) and writes
+KL and entropy bonus on the resulting scalars (``layer2.policy_token_loss``) and writes
 only per-token numbers:
 
 * the backward coefficients ``g = m * dL/dlogp`` and ``h = m * dL/dH`` (``m`` the token's
   mask weight; the loss aggregation's normaliser is applied later, per sequence, by the
   backward) and the softmax normaliser ``(row max, log s)``;
-* one column per metric of ``m * x`` (``token_layer.store_policy_partials``), which
-  ``token_policy._policy_finalize_kernel`` reduces into the loss and every metric.
+* one column per metric of ``m * x`` (``layer2.store_policy_partials``), which
+  ``policy/finalize._policy_finalize_kernel`` reduces into the loss and every metric.
 
 Bytes per call: reads the logits once (2 per element in bf16; rows that do not count read
-nothing), writes ~16 floats per token. The backward is ``vocab_stream_bwd``.
+nothing), writes ~16 floats per token. The backward is ``vocab/layer3``.
 """
 
 import triton
 import triton.language as tl
 
-from .common import as_weight, pair, row_pointer, token_offset
-from .token_layer import (
+from ..common import as_weight, pair, row_pointer, token_offset
+from ..policy.layer2 import (
     P_ENTROPY_COEF,
     param,
     policy_token_loss,
     store_policy_partials,
     token_log_ratio,
 )
-from .vocab_stream_bwd import write_grad_row
-from .vocab_stream_fwd import row_moments, target_logit
+from .layer1 import row_moments, target_logit
+from .layer3 import write_grad_row
 
 
 @triton.jit(
@@ -120,10 +120,11 @@ def _policy_loss_fwd_kernel(
     row_ptr = row_pointer(logits_ptr, row, rows_inner, shift, stride_outer, stride_inner)
     target = tl.load(targets_ptr + token_offset(row, rows_inner, t_stride_outer, t_stride_inner))
     target = target.to(tl.int64)
-    m = tl.where(target != ignore_index, 1.0, 0.0).to(ACC)
+    m = tl.zeros((), ACC) + 1.0
     if HAS_MASK:
         mask_off = token_offset(row, rows_inner, mask_stride_outer, mask_stride_inner)
-        m = m * as_weight(tl.load(mask_ptr + mask_off).to(ACC))
+        m = as_weight(tl.load(mask_ptr + mask_off).to(ACC))
+    m = tl.where(target != ignore_index, m, 0.0)  # after the weight: an ignored token never counts
     # padding (m == 0) costs no bandwidth: its logp / entropy are never used
     active = m != 0
 

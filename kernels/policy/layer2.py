@@ -8,8 +8,8 @@ derivative w.r.t. ``logp`` so the backward needs only the per-token coefficients
 import triton
 import triton.language as tl
 
-from .common import clamp, nan_max, nan_min, pair
-from .modes import KL_KINDS, POLICY_PARAMS, SURROGATES
+from ..common import clamp, nan_max, nan_min, pair
+from ..modes import KL_KINDS, POLICY_PARAMS, SURROGATES
 
 KL_K1 = tl.constexpr(KL_KINDS.index("k1"))
 KL_K2 = tl.constexpr(KL_KINDS.index("k2"))
