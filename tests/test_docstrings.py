@@ -24,6 +24,14 @@ MODULES = [
     "fused_rl.compat.torchtune",
     "fused_rl.compat.trl",
     "fused_rl.compat.verl",
+    "fused_rl.compat.verl.torch_functional",
+    "fused_rl.compat.verl.core_algos",
+    "fused_rl.compat.verl.policy_loss",
+    "fused_rl.compat.verl.policy_loss_composed",
+    "fused_rl.compat.verl.kernel_linear_cross_entropy",
+    "fused_rl.compat.verl.experimental_torch_functional",
+    "fused_rl.compat.verl.legacy_v05",
+    "fused_rl.policy_config",
     "fused_rl.compat.liger",
 ]
 

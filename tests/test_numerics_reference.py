@@ -117,7 +117,8 @@ def test_logprobs_nonfinite_rows(backend, vocab, dtype):
 def test_compat_entropy_from_logits_nonfinite(backend, module, monkeypatch):
     """TRL's / verl's ``entropy_from_logits`` reach the same entropy: NaN rows stay NaN."""
     entropy = functools.partial(fused_rl.token_entropy, backend=backend)
-    monkeypatch.setattr(module, "token_entropy", entropy)
+    # the module whose entropy_from_logits looks token_entropy up (verl's: torch_functional)
+    monkeypatch.setattr(getattr(module, "torch_functional", module), "token_entropy", entropy)
     logits, targets = _special_logits(5, torch.float32)
     zeros = torch.zeros(len(targets), device=DEVICE)
     _, o_ent, _ = oracle_logprob_stats(logits, targets, zeros, zeros)
