@@ -427,7 +427,8 @@ def _check_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None, sharded=F
     if weight.dtype != hidden.dtype:
         raise TypeError(
             f"weight ({weight.dtype}) and hidden ({hidden.dtype}) must share a dtype, as "
-            "torch.nn.functional.linear needs"
+            "torch.nn.functional.linear needs (a wider weight, an fp32 head, is fine: the "
+            "hidden states are cast up to it; cast a narrower weight up yourself)"
         )
     if bias is not None:
         V.check_float(bias, "bias")
@@ -448,6 +449,22 @@ def _autocast_inputs(hidden: Tensor, weight: Tensor, bias: Tensor | None):
     dtype = torch.get_autocast_dtype(hidden.device.type)
     cast = lambda t: t if t is None or not t.is_floating_point() else t.to(dtype)  # noqa: E731
     return cast(hidden), cast(weight), cast(bias)
+
+
+def _promote_hidden(hidden: Tensor, weight: Tensor) -> Tensor:
+    """A wider lm_head than the hidden states (an fp32 head with a bf16 / fp16 model, TRL's
+    ``cast_lm_head_to_fp32``): the hidden states cast up to the head's dtype, so the logits
+    and their softmax are computed in it (an ``(N, H)`` copy; the gradient reaches
+    ``hidden`` in its own dtype). Any other mismatch is left to :func:`_check_linear`."""
+    if not isinstance(hidden, Tensor) or not isinstance(weight, Tensor):
+        return hidden
+    if hidden.dtype == weight.dtype or not (
+        hidden.is_floating_point() and weight.is_floating_point()
+    ):
+        return hidden
+    if torch.finfo(weight.dtype).bits > torch.finfo(hidden.dtype).bits:
+        return hidden.to(weight.dtype)
+    return hidden
 
 
 def _window_rows(hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
@@ -479,6 +496,7 @@ def _prepare(hidden, weight, bias, targets, temperature, ignore_index, chunk_tok
     autocast dtype under ``torch.autocast``. ``sharded``: ``weight`` is a vocabulary shard
     (possibly empty) and ``targets`` global ids, range-checked by the merge's collective."""
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
+    hidden = _promote_hidden(hidden, weight)
     _check_linear(hidden, weight, bias, sharded)
     V.check_tensor(targets, "targets")
     if targets.dtype not in V.INDEX_DTYPES:
@@ -522,7 +540,9 @@ def linear_token_logprobs(
 
     Args:
         hidden: ``(B, S, H)`` or ``(N, H)`` final hidden states (any strides).
-        weight: the lm_head ``(V, H)``, ``hidden``'s dtype.
+        weight: the lm_head ``(V, H)``, ``hidden``'s dtype or a wider one (an fp32 head with
+            bf16 / fp16 hidden states, TRL's ``cast_lm_head_to_fp32``: ``hidden`` is cast up,
+            the logits computed in fp32, ``hidden``'s gradient returned in its dtype).
         targets: ``(B, T)`` with ``T <= S`` (``T < S``: rows ``S-T-1 ... S-2`` predict them,
             the causal-LM shift; other rows get a zero gradient) or ``(N,)``; int64 / int32.
         bias: optional ``(V,)``.

@@ -176,7 +176,7 @@ def test_bad_arguments_name_themselves():
     with pytest.raises(ValueError, match="bias must be"):
         fused_rl.linear_token_logprobs(h, w, t, bias=b[:3])
     with pytest.raises(TypeError, match="weight .* and hidden .* must share a dtype"):
-        fused_rl.linear_token_logprobs(h, w.double(), t)
+        fused_rl.linear_token_logprobs(h.double(), w, t)  # a narrower head is not cast up
     with pytest.raises(ValueError, match="targets must be"):
         fused_rl.linear_token_logprobs(h, w, t[:4])
     with pytest.raises(ValueError, match="hidden must be"):
@@ -566,3 +566,33 @@ def test_make_fx_records_the_linear_ops(monkeypatch, device):
     graph = make_fx(step, tracing_mode="fake")(*inputs)
     ops = {str(n.target) for n in graph.graph.nodes if "fused_rl" in str(n.target)}
     assert {"fused_rl.policy_rows_grad_fwd.default", "fused_rl.token_stats_bwd.default"} <= ops
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_fp32_head_takes_half_precision_hidden_states(backend):
+    """An fp32 lm_head with bf16 hidden states (TRL's ``cast_lm_head_to_fp32``): the hidden
+    states are cast up, so the result is the fp32 computation on ``hidden.float()``, and
+    ``hidden``'s gradient comes back in bf16."""
+    h, w, _, t = _inputs()
+    h16 = h.to(torch.bfloat16).detach().requires_grad_()
+    h32 = h16.detach().float().requires_grad_()
+    adv = torch.ones(1, device=t.device)
+    old = torch.full((1, t.shape[0]), -3.5, device=t.device)
+    for op, view, kw in (
+        (fused_rl.linear_token_logprobs, lambda x: x, {}),
+        (fused_rl.linear_policy_loss, lambda x: x[None], {"old_logprobs": old}),
+    ):
+        w32 = w.detach().requires_grad_()
+        w_ref = w.detach().requires_grad_()
+        args = (view(t), adv) if kw else (t,)
+        out = op(view(h16), w32, *args, chunk_tokens=5, backend=backend, **kw)
+        want = op(view(h32), w_ref, *args, chunk_tokens=5, backend=backend, **kw)
+        out, want = (o[0] if isinstance(o, tuple) else o for o in (out, want))
+        assert out.dtype == want.dtype == torch.float32
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        up = torch.randn_like(out)
+        g16 = torch.autograd.grad(out, [h16, w32], up)
+        g32 = torch.autograd.grad(want, [h32, w_ref], up)
+        assert g16[0].dtype == torch.bfloat16 and g16[1].dtype == torch.float32
+        torch.testing.assert_close(g16[0], g32[0].to(torch.bfloat16), rtol=0, atol=0)
+        torch.testing.assert_close(g16[1], g32[1], rtol=0, atol=0)
