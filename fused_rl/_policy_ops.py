@@ -25,21 +25,15 @@ from torch import Tensor
 from ._launch import f32_pair, stats_dtype, triton_acc, vocab_launch
 from ._ops import FusedOp
 from ._vocab_ops import position_shift, token_stats_bwd_op, token_stats_fwd
-from .kernels.modes import POLICY_PARAMS, SURROGATES
+from .kernels.modes import N_BASE_COLUMNS, POLICY_COLUMNS, POLICY_PARAMS, SURROGATES
 
-# the columns of kernels/policy/layer2.py (COL_*) that are metrics, by name
-METRIC_COLUMNS = {
-    "clip_frac": 2,
-    "clip_frac_low": 3,
-    "clip_frac_high": 4,
-    "ratio_mean": 6,
-    "ratio_max": 10,
-    "approx_kl": 7,
-}
-AUX_COLUMN, KL_COLUMN, ENTROPY_COLUMN = 5, 8, 9
-# the rollout IS weights' mean / min / max (COL_IS*): written and reduced only with weights
-IS_COLUMNS = {"is_weight_mean": 11, "is_weight_min": 12, "is_weight_max": 13}
-N_BASE_COLS, N_COLS = 11, 14
+# the partial columns (kernels/modes.py POLICY_COLUMNS), by name: the metrics every call
+# reports, the optional ones, the IS weights' (written and reduced only with weights)
+COLUMN = {name: k for k, name in enumerate(POLICY_COLUMNS)}
+_ALWAYS = ("clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_max", "approx_kl")
+METRIC_COLUMNS = {name: COLUMN[name] for name in _ALWAYS}
+IS_COLUMNS = {name: COLUMN[name] for name in ("is_weight_mean", "is_weight_min", "is_weight_max")}
+N_BASE_COLS, N_COLS = N_BASE_COLUMNS, len(POLICY_COLUMNS)
 # what the COL_AUX column holds, per surrogate (in kernels/modes.py SURROGATES order)
 _AUX_BY_NAME = {"ppo": "dual_clip_frac", "cispo": "cispo_clip_frac", "sapo": "sapo_gate_mean",
                 "vespo": "vespo_phi_mean"}  # fmt: skip
@@ -56,19 +50,22 @@ def uncounted_partials(n_rows: int, dtype: torch.dtype, device) -> Tensor:
 
 
 def metrics_dict(
-    metrics: Tensor, *, has_kl: bool, has_entropy: bool, surrogate: int = 0, has_is: bool = False
-) -> dict[str, Tensor]:
+    metrics: Tensor, *, has_kl: bool, has_entropy: bool, surrogate: int = 0,
+    has_is: bool = False, bias_kl: bool = False,
+) -> dict[str, Tensor]:  # fmt: skip
     """Name the finalize kernel's ``(N_COLS,)`` output (0-dim views, no copies)."""
     cols = metrics.unbind()
     out = {name: cols[k] for name, k in METRIC_COLUMNS.items()}
     if has_is:
         out.update({name: cols[k] for name, k in IS_COLUMNS.items()})
     if AUX_METRIC[surrogate] is not None:
-        out[AUX_METRIC[surrogate]] = cols[AUX_COLUMN]
+        out[AUX_METRIC[surrogate]] = cols[COLUMN["aux"]]
     if has_kl:
-        out["kl"] = cols[KL_COLUMN]
+        out["kl"] = cols[COLUMN["kl"]]
+        if bias_kl:
+            out["kl_bias_corrected"] = cols[COLUMN["kl_bias_corrected"]]
     if has_entropy:
-        out["entropy"] = cols[ENTROPY_COLUMN]
+        out["entropy"] = cols[COLUMN["entropy"]]
     return out
 
 

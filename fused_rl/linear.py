@@ -786,6 +786,7 @@ def _fused_policy_loss(rows, weight, bias, flat_targets, shape, advantages, old,
             flat(rollout_constants(acc, is_w)[0]), row_scale, n_items_t, kept, launch,
         )  # fmt: skip
     out = metrics_dict(metrics, has_kl=ref is not None, has_entropy=with_entropy,
-                       surrogate=launch.modes[0], has_is=is_w is not None)  # fmt: skip
+                       surrogate=launch.modes[0], has_is=is_w is not None,
+                       bias_kl=policy.kl_bias_correction)  # fmt: skip
     per_count = num_items if policy.loss_agg == "token-mean" else None  # no other mode reads it
     return poison_empty(loss, per_count, batch * length), out

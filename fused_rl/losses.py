@@ -63,7 +63,7 @@ def _metrics(terms: dict[str, Tensor], mask_f: Tensor, surrogate: str = "ppo") -
         aux = AUX_METRIC[SURROGATES.index(surrogate)]
         if aux is not None:
             out[aux] = mean(terms["aux"])
-        for name in ("kl", "entropy"):
+        for name in ("kl", "kl_bias_corrected", "entropy"):
             if name in terms:
                 out[name] = mean(terms[name])
     return out
@@ -219,7 +219,8 @@ def policy_loss(
         ``metrics`` detached fp32 0-dim tensors, masked means over counted tokens:
         ``clip_frac`` (clipped branch strictly chosen), ``clip_frac_low``,
         ``clip_frac_high``, ``dual_clip_frac``, ``ratio_mean``, ``ratio_max``,
-        ``approx_kl`` (``mean(old - logp)``), ``kl`` (when ``ref_logprobs`` is given),
+        ``approx_kl`` (``mean(old - logp)``), ``kl`` (when ``ref_logprobs`` is given;
+        with ``kl_bias_correction`` also ``kl_bias_corrected``, the mean of ``kl * r``),
         ``entropy`` (when computed); per surrogate ``dual_clip_frac`` (ppo),
         ``cispo_clip_frac`` (cispo: ``r > 1 + eps_high`` where ``A > 0``, TRL's and Liger's
         ``clip_ratio``; ``clip_frac`` is then verl's two-sided ``r`` outside the band),
@@ -281,7 +282,8 @@ def policy_loss(
         )  # fmt: skip
         out = metrics_dict(metrics, has_kl=ref_logprobs is not None, has_entropy=need_entropy,
                            surrogate=SURROGATES.index(policy.surrogate),
-                           has_is=is_w is not None)  # fmt: skip
+                           has_is=is_w is not None,
+                           bias_kl=policy.kl_bias_correction)  # fmt: skip
         return loss, out
 
     acc = stats_dtype(logits.dtype)
@@ -378,7 +380,8 @@ def policy_loss_from_logprobs(
         out = metrics_dict(metrics, has_kl=ref_logprobs is not None,
                            has_entropy=entropy is not None,
                            surrogate=SURROGATES.index(policy.surrogate),
-                           has_is=rollout_is is not None)  # fmt: skip
+                           has_is=rollout_is is not None,
+                           bias_kl=policy.kl_bias_correction)  # fmt: skip
         if rollout_is is not None and is_w is not rollout_is:  # the kernel saw them masked
             out.update(_is_metrics(rollout_is, counted_weights(mask, rollout_is)))
         return loss, out

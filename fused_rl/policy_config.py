@@ -83,7 +83,8 @@ class PolicyConfig:
         kl_bias_correction: multiply the KL term by the ratio ``r``, NOT detached
             (DeepSeek-V3.2, TRL's ``use_bias_correction_kl``); with
             ``importance_sampling="sequence"`` by the sequence ratio, with its exact gradient.
-            The ``kl`` metric stays the uncorrected estimate.
+            The ``kl`` metric stays the uncorrected estimate; ``kl_bias_corrected`` is the
+            corrected one, the mean of ``kl * r`` (what TRL logs as ``kl`` then).
         top_entropy_quantile: ``rho < 1`` keeps the policy term only at the counted tokens
             whose entropy is at or above the ``1 - rho`` quantile of this call's counted
             tokens (TRL's "20% high-entropy tokens" recipe, ``rho = 0.2``; threshold as

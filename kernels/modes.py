@@ -38,3 +38,28 @@ POLICY_PARAMS = (
     "sp3",
     "log_ratio_clamp",
 )
+
+# The per-token partial columns every policy forward writes (an ``(N, rows)`` block: kernels/
+# policy/layer2.py ``store_policy_partials``) and the finalize kernel reduces into the loss
+# and the metrics; each is named for the metric it gives (``count``: the token weights'
+# sum; ``aux``: the surrogate's own metric; ``ratio_max`` a max, ``is_weight_min`` a min,
+# the rest masked means). The rollout IS columns come last: written and reduced only with
+# IS weights (the first ``N_BASE_COLUMNS`` always).
+POLICY_COLUMNS = (
+    "count",
+    "loss",
+    "clip_frac",
+    "clip_frac_low",
+    "clip_frac_high",
+    "aux",
+    "ratio_mean",
+    "approx_kl",
+    "kl",
+    "entropy",
+    "ratio_max",
+    "kl_bias_corrected",
+    "is_weight_mean",
+    "is_weight_min",
+    "is_weight_max",
+)
+N_BASE_COLUMNS = POLICY_COLUMNS.index("is_weight_mean")

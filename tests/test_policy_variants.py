@@ -137,6 +137,8 @@ def _oracle_logp(r, logp, *, surrogate, eps_low=0.2, eps_high=0.28, tau_pos=1.0,
     name = names.get(surrogate)
     if name:
         metrics[name] = mean(aux.detach())
+    if beta and bias:  # TRL's kl metric under bias correction: the mean of k3 * r
+        metrics["kl_bias_corrected"] = mean((k3 * ratio).detach())
     if is_weights_for_metrics is not None:
         w = is_weights_for_metrics.double().reshape(B, -1).expand(B, T)[m > 0]
         metrics.update(is_weight_mean=w.mean(), is_weight_min=w.min(), is_weight_max=w.max())

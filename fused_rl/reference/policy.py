@@ -176,6 +176,8 @@ def policy_token_terms(
     if ref_logp is not None:
         kl_tok = kl_estimate(logp, ref_logp, config.kl_estimator)
         terms["kl"] = kl_tok
+        if config.kl_bias_correction:  # TRL's kl metric under bias correction
+            terms["kl_bias_corrected"] = kl_tok * ratio
         if config.beta != 0.0:
             kl_term = kl_tok * ratio if config.kl_bias_correction else kl_tok
             loss = loss + config.beta * kl_term

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from ..common import clamp, nan_max, nan_min, pair
-from ..modes import KL_KINDS, POLICY_PARAMS, SURROGATES
+from ..modes import KL_KINDS, POLICY_COLUMNS, POLICY_PARAMS, SURROGATES
 
 KL_K1 = tl.constexpr(KL_KINDS.index("k1"))
 KL_K2 = tl.constexpr(KL_KINDS.index("k2"))
@@ -116,24 +116,25 @@ def clipped_surrogate(
 
 
 # Columns of the per-token partial sums every policy-loss forward writes (``(N_COLS, rows)``,
-# column-major) and ``_policy_finalize_kernel`` reduces; ``fused_rl._policy_partials`` names
-# them. Each holds ``m * x`` for the token's weight ``m`` (mask * not-ignored), 0 elsewhere.
-COL_COUNT = tl.constexpr(0)
-COL_LOSS = tl.constexpr(1)
-COL_CLIPPED = tl.constexpr(2)
-COL_CLIPPED_LOW = tl.constexpr(3)
-COL_CLIPPED_HIGH = tl.constexpr(4)
-COL_AUX = tl.constexpr(5)  # the surrogate's own metric (dual clip for ppo)
-COL_RATIO = tl.constexpr(6)
-COL_APPROX_KL = tl.constexpr(7)
-COL_KL = tl.constexpr(8)
-COL_ENTROPY = tl.constexpr(9)
-COL_RATIO_MAX = tl.constexpr(10)  # the ratio itself (reduced with max, not sum)
+# column-major; kernels/modes.py POLICY_COLUMNS) and ``finalize.py`` reduces. Each holds
+# ``m * x`` for the token's weight ``m`` (mask * not-ignored), 0 elsewhere.
+COL_COUNT = tl.constexpr(POLICY_COLUMNS.index("count"))
+COL_LOSS = tl.constexpr(POLICY_COLUMNS.index("loss"))
+COL_CLIPPED = tl.constexpr(POLICY_COLUMNS.index("clip_frac"))
+COL_CLIPPED_LOW = tl.constexpr(POLICY_COLUMNS.index("clip_frac_low"))
+COL_CLIPPED_HIGH = tl.constexpr(POLICY_COLUMNS.index("clip_frac_high"))
+COL_AUX = tl.constexpr(POLICY_COLUMNS.index("aux"))  # the surrogate's own metric
+COL_RATIO = tl.constexpr(POLICY_COLUMNS.index("ratio_mean"))
+COL_APPROX_KL = tl.constexpr(POLICY_COLUMNS.index("approx_kl"))
+COL_KL = tl.constexpr(POLICY_COLUMNS.index("kl"))
+COL_ENTROPY = tl.constexpr(POLICY_COLUMNS.index("entropy"))
+COL_RATIO_MAX = tl.constexpr(POLICY_COLUMNS.index("ratio_max"))  # the ratio (reduced: max)
+COL_KL_CORRECTED = tl.constexpr(POLICY_COLUMNS.index("kl_bias_corrected"))  # kl * ratio
 # rollout IS weights, written only with them (HAS_IS) and reduced only then: m * w (mean),
 # w at counted tokens (+inf elsewhere, reduced with min), w (0 elsewhere, reduced with max)
-COL_IS = tl.constexpr(11)
-COL_IS_MIN = tl.constexpr(12)
-COL_IS_MAX = tl.constexpr(13)
+COL_IS = tl.constexpr(POLICY_COLUMNS.index("is_weight_mean"))
+COL_IS_MIN = tl.constexpr(POLICY_COLUMNS.index("is_weight_min"))
+COL_IS_MAX = tl.constexpr(POLICY_COLUMNS.index("is_weight_max"))
 
 
 SURROGATE_PPO = tl.constexpr(SURROGATES.index("ppo"))
@@ -374,6 +375,8 @@ def store_policy_partials(
     tl.store(col + COL_KL * n_rows, tl.where(counted, m * kl, zero), mask=store_mask)
     tl.store(col + COL_ENTROPY * n_rows, tl.where(counted, m * entropy, zero), mask=store_mask)
     tl.store(col + COL_RATIO_MAX * n_rows, tl.where(counted, ratio, zero), mask=store_mask)
+    kl_corrected = tl.where(counted, m * kl * ratio, zero)  # TRL's bias-corrected kl metric
+    tl.store(col + COL_KL_CORRECTED * n_rows, kl_corrected, mask=store_mask)
     if HAS_IS:
         w = is_weight + zero
         tl.store(col + COL_IS * n_rows, tl.where(counted, m * w, zero), mask=store_mask)
