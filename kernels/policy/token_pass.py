@@ -147,7 +147,7 @@ def _policy_token_fwd_kernel(
     ``g`` once the sequence's total is known). ``SEQ_TOKEN`` (GSPO-token): the value of the
     sequence ratio, the gradient through each token's own log-prob (``sg(s) r_t / sg(r_t)``):
     ``g`` is written per token, as at token level. Bytes: reads the inputs once (twice with
-    ``SEQUENCE``), writes ~13 floats per token.
+    ``SEQUENCE``), writes ~14 floats per token.
     """
     b = tl.program_id(0).to(tl.int64)
     # hyper: the policy options' fp32 pairs (kernels/modes.py POLICY_PARAMS), read by ``param``
