@@ -11,7 +11,8 @@ only per-token numbers:
   ``policy/finalize._policy_finalize_kernel`` reduces into the loss and every metric.
 
 Bytes per call: reads the logits once (2 per element in bf16; rows that do not count read
-nothing), writes ~17 floats per token (the backward coefficients, the row normaliser, 12 partial columns). The backward is ``vocab/layer3``.
+nothing), writes ~17 floats per token (the backward coefficients, the row normaliser and
+12 partial columns). The backward is ``vocab/layer3``.
 """
 
 import triton
