@@ -25,7 +25,13 @@ from torch import Tensor
 from ._launch import f32_pair, stats_dtype, triton_acc, vocab_launch
 from ._ops import FusedOp
 from ._vocab_ops import position_shift, token_stats_bwd_op, token_stats_fwd
-from .kernels.modes import N_BASE_COLUMNS, POLICY_COLUMNS, POLICY_PARAMS, SURROGATES
+from .kernels.modes import (
+    N_BASE_COLUMNS,
+    POLICY_COLUMNS,
+    POLICY_PARAMS,
+    SEQUENCE_METRICS,
+    SURROGATES,
+)
 
 # the partial columns (kernels/modes.py POLICY_COLUMNS), by name: the metrics every call
 # reports, the optional ones, the IS weights' (written and reduced only with weights)
@@ -34,6 +40,10 @@ _ALWAYS = ("clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_
 METRIC_COLUMNS = {name: COLUMN[name] for name in _ALWAYS}
 IS_COLUMNS = {name: COLUMN[name] for name in ("is_weight_mean", "is_weight_min", "is_weight_max")}
 N_BASE_COLS, N_COLS = N_BASE_COLUMNS, len(POLICY_COLUMNS)
+# the finalize kernel's output: one value per column, then the per-sequence extremes
+SEQUENCE_OUTPUTS = {name: N_COLS + i for i, name in enumerate(SEQUENCE_METRICS)}
+N_OUTPUTS = N_COLS + len(SEQUENCE_METRICS)
+_REPORTED = (*METRIC_COLUMNS.items(), *SEQUENCE_OUTPUTS.items())  # every call's metrics
 # what the COL_AUX column holds, per surrogate (in kernels/modes.py SURROGATES order)
 _AUX_BY_NAME = {"ppo": "dual_clip_frac", "cispo": "cispo_clip_frac", "sapo": "sapo_gate_mean",
                 "vespo": "vespo_phi_mean"}  # fmt: skip
@@ -53,11 +63,14 @@ def metrics_dict(
     metrics: Tensor, *, has_kl: bool, has_entropy: bool, surrogate: int = 0,
     has_is: bool = False, bias_kl: bool = False,
 ) -> dict[str, Tensor]:  # fmt: skip
-    """Name the finalize kernel's ``(N_COLS,)`` output (0-dim views, no copies)."""
+    """Name the finalize kernel's ``(N_OUTPUTS,)`` output (0-dim views, no copies)."""
     cols = metrics.unbind()
-    out = {name: cols[k] for name, k in METRIC_COLUMNS.items()}
+    out = {}
+    for name, k in _REPORTED:  # a loop, not a comprehension: no Python frame per call
+        out[name] = cols[k]
     if has_is:
-        out.update({name: cols[k] for name, k in IS_COLUMNS.items()})
+        for name, k in IS_COLUMNS.items():
+            out[name] = cols[k]
     if AUX_METRIC[surrogate] is not None:
         out[AUX_METRIC[surrogate]] = cols[COLUMN["aux"]]
     if has_kl:
@@ -108,7 +121,7 @@ def _finalize(part, n_outer, inner, dtype, agg, max_length, num_items, num_items
 
     dev = part.device
     loss = torch.empty((), dtype=dtype, device=dev)
-    metrics = torch.empty(N_COLS, dtype=torch.float32, device=dev)
+    metrics = torch.empty(N_OUTPUTS, dtype=torch.float32, device=dev)
     per_seq = agg == 1  # seq-mean-token-mean
     seq_scale = torch.empty(max(n_outer, 1) if per_seq else 1, dtype=dtype, device=dev)
     _policy_finalize_kernel[(N_COLS if has_is else N_BASE_COLS,)](
@@ -271,7 +284,7 @@ def policy_finalize(
 def _finalize_fake(part, outer, inner, agg, max_length, num_items, num_items_t, has_is):
     n_scale = max(outer, 1) if agg == 1 else 1
     return (
-        part.new_empty(()), part.new_empty(N_COLS, dtype=torch.float32),
+        part.new_empty(()), part.new_empty(N_OUTPUTS, dtype=torch.float32),
         part.new_empty(n_scale),
     )  # fmt: skip
 
@@ -346,7 +359,7 @@ def _fwd_fake(logits3d, targets, adv, old, ref, mask, is_w, num_items_t, tempera
     bonus = hyper[_ENTROPY_COEF] != 0.0
     n_scale = max(outer, 1) if modes[4] == 1 else 1
     return (
-        logits3d.new_empty((), dtype=dtype), logits3d.new_empty(N_COLS, dtype=torch.float32),
+        logits3d.new_empty((), dtype=dtype), logits3d.new_empty(N_OUTPUTS, dtype=torch.float32),
         logits3d.new_empty(n_scale, dtype=dtype), new(), new(), new(bonus), new(), new(bonus),
     )  # fmt: skip
 
@@ -421,7 +434,7 @@ def _logprobs_fake(logp, entropy, adv, old, ref, mask, is_w, num_items_t, hyper,
     dtype = stats_dtype(logp.dtype)
     n_scale = max(outer, 1) if modes[4] == 1 else 1
     return (
-        logp.new_empty((), dtype=dtype), logp.new_empty(N_COLS, dtype=torch.float32),
+        logp.new_empty((), dtype=dtype), logp.new_empty(N_OUTPUTS, dtype=torch.float32),
         logp.new_empty(n_scale, dtype=dtype), logp.new_empty((outer, inner), dtype=dtype),
         logp.new_empty((outer, inner) if hyper[_ENTROPY_COEF] != 0.0 else (0,), dtype=dtype),
     )  # fmt: skip

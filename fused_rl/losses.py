@@ -47,6 +47,22 @@ def _masked_max(x: Tensor, mask_f: Tensor) -> Tensor:
     return torch.where(mask_f != 0, x, torch.zeros_like(x)).amax()
 
 
+def _sequence_extreme(flags: Tensor, mask_f: Tensor, which) -> Tensor:
+    """The min / max over sequences with a counted token of each sequence's weighted mean of
+    ``flags`` (TRL's ``clip_ratio/low_min`` / ``high_max``); 0 when none counts. No sync."""
+    counted = mask_f != 0
+    weighted = torch.where(counted, flags.to(mask_f.dtype) * mask_f, torch.zeros_like(mask_f))
+    n = mask_f.sum(-1)
+    has = n != 0
+    per_seq = weighted.sum(-1) / torch.where(has, n, torch.ones_like(n))
+    if per_seq.numel() == 0:  # static shape: no sync, traceable
+        return per_seq.new_zeros(()).float()
+    fill = float("inf") if which is min else float("-inf")
+    ext = torch.where(has, per_seq, fill)
+    ext = ext.amin() if which is min else ext.amax()
+    return torch.where(ext.abs() == float("inf"), torch.zeros_like(ext), ext).float()
+
+
 def _metrics(terms: dict[str, Tensor], mask_f: Tensor, surrogate: str = "ppo") -> dict[str, Tensor]:
     """Masked means over counted tokens, detached fp32 0-dim tensors (no host sync)."""
     with torch.no_grad():
@@ -59,6 +75,8 @@ def _metrics(terms: dict[str, Tensor], mask_f: Tensor, surrogate: str = "ppo") -
             "ratio_mean": mean(ratio),
             "ratio_max": _masked_max(ratio, mask_f),
             "approx_kl": mean(terms["neg_log_ratio"]),
+            "clip_frac_low_seq_min": _sequence_extreme(terms["clipped_low"], mask_f, min),
+            "clip_frac_high_seq_max": _sequence_extreme(terms["clipped_high"], mask_f, max),
         }
         aux = AUX_METRIC[SURROGATES.index(surrogate)]
         if aux is not None:
@@ -218,7 +236,10 @@ def policy_loss(
         ``(loss, metrics)``: ``loss`` a 0-dim fp32 tensor, differentiable w.r.t. ``logits``;
         ``metrics`` detached fp32 0-dim tensors, masked means over counted tokens:
         ``clip_frac`` (clipped branch strictly chosen), ``clip_frac_low``,
-        ``clip_frac_high``, ``dual_clip_frac``, ``ratio_mean``, ``ratio_max``,
+        ``clip_frac_high`` (and over sequences, ``clip_frac_low_seq_min`` /
+        ``clip_frac_high_seq_max``: the min / max of a sequence's share of such tokens,
+        TRL's ``clip_ratio/low_min`` / ``high_max``; 0 when no sequence counts),
+        ``dual_clip_frac``, ``ratio_mean``, ``ratio_max``,
         ``approx_kl`` (``mean(old - logp)``), ``kl`` (when ``ref_logprobs`` is given;
         with ``kl_bias_correction`` also ``kl_bias_corrected``, the mean of ``kl * r``),
         ``entropy`` (when computed); per surrogate ``dual_clip_frac`` (ppo),

@@ -63,3 +63,8 @@ POLICY_COLUMNS = (
     "is_weight_max",
 )
 N_BASE_COLUMNS = POLICY_COLUMNS.index("is_weight_mean")
+# Metrics the finalize kernel computes past the columns' own (its output holds
+# ``len(POLICY_COLUMNS) + len(SEQUENCE_METRICS)`` values): per-sequence extremes of a
+# column's per-sequence mean, over the sequences with a counted token (TRL's
+# ``clip_ratio/low_min`` and ``clip_ratio/high_max``).
+SEQUENCE_METRICS = ("clip_frac_low_seq_min", "clip_frac_high_seq_max")

@@ -37,6 +37,11 @@ def _masked_mean(x, m):
     return (x * m).sum() / n if n > 0 else x.new_zeros(())
 
 
+def _seq_extreme(x, m, pick):
+    shares = [(x[b] * m[b]).sum() / m[b].sum() for b in range(x.shape[0]) if m[b].sum() > 0]
+    return pick(shares) if shares else x.new_zeros(())
+
+
 def oracle_policy_loss(
     logits,
     targets,
@@ -137,6 +142,10 @@ def oracle_policy_loss(
             "ratio_mean": _masked_mean(r, m),
             "ratio_max": r[keep].max() if keep.any() else r.new_zeros(()),
             "approx_kl": _masked_mean(old - logp.detach(), m),
+            # per sequence: the weighted share of clipped tokens; the extreme over sequences
+            # that have a counted token (0 when none has)
+            "clip_frac_low_seq_min": _seq_extreme((clipped & (r < lo)).to(work), m, min),
+            "clip_frac_high_seq_max": _seq_extreme((clipped & (r > hi)).to(work), m, max),
         }
         if kl_tok is not None:
             metrics["kl"] = _masked_mean(kl_tok.detach(), m)

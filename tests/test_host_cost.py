@@ -25,9 +25,9 @@ from bench import host  # noqa: E402
 
 # (fused_rl Python functions entered, dispatcher ops) per forward + backward
 BUDGET = {
-    "policy_loss": (113, 17),
-    "policy_loss_cispo": (113, 17),
-    "policy_loss_is": (116, 17),
+    "policy_loss": (112, 17),
+    "policy_loss_cispo": (112, 17),
+    "policy_loss_is": (114, 17),
     "token_logprobs": (75, 14),
 }
 

@@ -287,7 +287,7 @@ def test_surrogate_metric_names():
         )  # fmt: skip
         names[surrogate] = set(metrics)
     base = {"clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_max",
-            "approx_kl"}  # fmt: skip
+            "approx_kl", "clip_frac_low_seq_min", "clip_frac_high_seq_max"}  # fmt: skip
     assert names["ppo"] == base | {"dual_clip_frac"}
     assert names["cispo"] == base | {"cispo_clip_frac"}
     assert names["sapo"] == base | {"sapo_gate_mean"}

@@ -11,7 +11,17 @@ import triton.language as tl
 
 from ..common import nan_max, nan_min
 from ..modes import LOSS_AGG_MODES
-from .layer2 import COL_COUNT, COL_IS_MAX, COL_IS_MIN, COL_LOSS, COL_RATIO_MAX
+from .layer2 import (
+    COL_CLIPPED_HIGH,
+    COL_CLIPPED_LOW,
+    COL_COUNT,
+    COL_IS_MAX,
+    COL_IS_MIN,
+    COL_LOSS,
+    COL_RATIO_MAX,
+    OUT_HIGH_SEQ_MAX,
+    OUT_LOW_SEQ_MIN,
+)
 
 AGG_TOKEN_MEAN = tl.constexpr(LOSS_AGG_MODES.index("token-mean"))
 AGG_SEQ_MEAN_TOKEN_MEAN = tl.constexpr(LOSS_AGG_MODES.index("seq-mean-token-mean"))
@@ -43,7 +53,9 @@ def _policy_finalize_kernel(
     ``COL_RATIO_MAX`` (NaN if any counted ratio is NaN), the token count for ``COL_COUNT``,
     and the aggregated loss for ``COL_LOSS``, which also writes ``loss`` (``ACC``) and the
     backward's ``seq_scale``: ``w_t = m_t * seq_scale[b]`` with ``loss = sum_t w_t L_t``, one
-    value per sequence for ``seq-mean-token-mean``, else one for all.
+    value per sequence for ``seq-mean-token-mean``, else one for all. The clip columns also
+    give the min (low) / max (high) over sequences with a counted token of their
+    per-sequence mean (``metrics[OUT_*]``; 0 when no sequence counts).
     """
     k = tl.program_id(0)
     n_rows = n_outer.to(tl.int64) * rows_inner
@@ -54,6 +66,7 @@ def _policy_finalize_kernel(
     x_max = tl.zeros((), ACC)
     x_min = tl.zeros((), ACC) + float("inf")
     n_nan = tl.zeros((), tl.int32)
+    seq_ext = tl.zeros((), ACC) + tl.where(k == COL_CLIPPED_LOW, float("inf"), float("-inf"))
     for b0 in range(0, n_outer, BLOCK_B):
         bs = b0 + tl.arange(0, BLOCK_B).to(tl.int64)
         in_b = bs < n_outer
@@ -76,6 +89,14 @@ def _policy_finalize_kernel(
                 n_nan += tl.sum(tl.sum((xx != xx).to(tl.int32), 1), 0)
         tot_m += tl.sum(sum_m, 0)
         tot_x += tl.sum(sum_x, 0)
+        if k == COL_CLIPPED_LOW or k == COL_CLIPPED_HIGH:  # per-sequence means' extremes
+            has_tokens = in_b & (sum_m != 0)
+            seq_mean = sum_x / tl.where(has_tokens, sum_m, 1.0)
+            if k == COL_CLIPPED_LOW:
+                seq_ext = nan_min(seq_ext, tl.min(tl.where(has_tokens, seq_mean, float("inf")), 0))
+            else:
+                seq_ext = nan_max(seq_ext, tl.max(tl.where(has_tokens, seq_mean, float("-inf")), 0))
+            n_nan += tl.sum((has_tokens & (seq_mean != seq_mean)).to(tl.int32), 0)  # tl.min
         if AGG == AGG_SEQ_MEAN_TOKEN_MEAN:
             nonempty = sum_m != 0
             safe_m = tl.where(nonempty, sum_m, 1.0)
@@ -111,6 +132,13 @@ def _policy_finalize_kernel(
         tl.store(metrics_ptr + k, tl.where(n_nan > 0, float("nan"), x_min).to(tl.float32))
     elif k == COL_COUNT:
         tl.store(metrics_ptr + k, tot_m.to(tl.float32))
+    elif k == COL_CLIPPED_LOW or k == COL_CLIPPED_HIGH:
+        mean = tl.where(tot_m != 0, tot_x / tl.where(tot_m != 0, tot_m, 1.0), 0.0)
+        tl.store(metrics_ptr + k, mean.to(tl.float32))
+        seq_ext = tl.where(tl.abs(seq_ext) == float("inf"), 0.0, seq_ext)  # none counted: 0
+        seq_ext = tl.where(n_nan > 0, float("nan"), seq_ext)  # (tl.min / tl.max drop NaN)
+        out = tl.where(k == COL_CLIPPED_LOW, OUT_LOW_SEQ_MIN, OUT_HIGH_SEQ_MAX)
+        tl.store(metrics_ptr + out, seq_ext.to(tl.float32))
     else:
         mean = tl.where(tot_m != 0, tot_x / tl.where(tot_m != 0, tot_m, 1.0), 0.0)
         tl.store(metrics_ptr + k, mean.to(tl.float32))

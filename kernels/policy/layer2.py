@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from ..common import clamp, nan_max, nan_min, pair
-from ..modes import KL_KINDS, POLICY_COLUMNS, POLICY_PARAMS, SURROGATES
+from ..modes import KL_KINDS, POLICY_COLUMNS, POLICY_PARAMS, SEQUENCE_METRICS, SURROGATES
 
 KL_K1 = tl.constexpr(KL_KINDS.index("k1"))
 KL_K2 = tl.constexpr(KL_KINDS.index("k2"))
@@ -135,6 +135,13 @@ COL_KL_CORRECTED = tl.constexpr(POLICY_COLUMNS.index("kl_bias_corrected"))  # kl
 COL_IS = tl.constexpr(POLICY_COLUMNS.index("is_weight_mean"))
 COL_IS_MIN = tl.constexpr(POLICY_COLUMNS.index("is_weight_min"))
 COL_IS_MAX = tl.constexpr(POLICY_COLUMNS.index("is_weight_max"))
+# the finalize kernel's outputs past the columns (kernels/modes.py SEQUENCE_METRICS)
+OUT_LOW_SEQ_MIN = tl.constexpr(
+    len(POLICY_COLUMNS) + SEQUENCE_METRICS.index("clip_frac_low_seq_min")
+)
+OUT_HIGH_SEQ_MAX = tl.constexpr(
+    len(POLICY_COLUMNS) + SEQUENCE_METRICS.index("clip_frac_high_seq_max")
+)
 
 
 SURROGATE_PPO = tl.constexpr(SURROGATES.index("ppo"))
