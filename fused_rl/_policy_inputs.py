@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from . import _validation as V
-from ._agg import check_num_items
+from ._agg import check_num_items, sequence_scale
 from .policy_config import PolicyConfig
 from .reference.reductions import mask_weights
 
@@ -100,3 +100,32 @@ def counted_weights(mask, like) -> Tensor:
     if mask is None:
         return torch.ones(like.shape, dtype=torch.float32, device=like.device)
     return mask_weights(mask.detach(), torch.float32)
+
+
+def weights_of(mask, like: Tensor, dtype, targets=None, ignore_index: int = -100) -> Tensor:
+    """The ``(B, T)`` token weights ``m`` in ``dtype``: ``mask``'s (None: 1), 0 where
+    ``targets`` is ``ignore_index`` (the ignore mask after the weight, as the kernels)."""
+    m = (
+        torch.ones(like.shape, dtype=dtype, device=like.device)
+        if mask is None
+        else (mask_weights(mask.detach(), dtype))
+    )
+    return m if targets is None else torch.where(targets != ignore_index, m, 0.0)
+
+
+def entropy_scale(m: Tensor, policy: PolicyConfig, num_items) -> Tensor | None:
+    """The per-sequence factor ``c`` (``(B, 1)`` or ``(1, 1)``, ``m``'s dtype) that turns the
+    entropy bonus aggregated by ``loss_agg`` into a token mean (``entropy_agg="token-mean"``):
+    with ``loss_agg``'s weights ``m_t s_b``, ``sum_t m_t s_b c_b H_t = sum_t m_t H_t / sum m``
+    for ``c_b = 1 / (s_b sum m)`` (0 where that is 0: nothing counts). From the mask alone,
+    so it is known before any logit is read. None when the bonus follows ``loss_agg``."""
+    if policy.entropy_agg is None or policy.entropy_coef == 0.0:
+        return None
+    s = sequence_scale(m, policy.loss_agg, max_length=policy.max_length, num_items=num_items)
+    den = s * m.sum()
+    return torch.where(den != 0, 1.0 / torch.where(den != 0, den, 1.0), 0.0)
+
+
+def per_row(scale: Tensor | None, shape) -> Tensor | None:
+    """A ``(B, 1)`` / ``(1, 1)`` factor as the contiguous ``(B * T,)`` rows the kernels read."""
+    return None if scale is None else scale.expand(shape).contiguous().view(-1)

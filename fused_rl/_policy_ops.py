@@ -134,7 +134,7 @@ def _finalize(part, n_outer, inner, dtype, agg, max_length, num_items, num_items
 
 
 def _token_layer(logp, entropy, targets, adv, old, ref, mask, is_w, ignore_index, hyper, modes,
-                 g, h, part):  # fmt: skip
+                 g, h, part, ent_scale=None):  # fmt: skip
     """Launch the token-layer kernel (one program per sequence) on ``(B, T)`` inputs."""
     from .kernels.policy.token_pass import _policy_token_fwd_kernel
 
@@ -148,11 +148,13 @@ def _token_layer(logp, entropy, targets, adv, old, ref, mask, is_w, ignore_index
         targets if targets is not None else dummy, adv, old if old is not None else dummy,
         ref if ref is not None else dummy, mask if mask is not None else dummy,
         is_w if is_w is not None else dummy, g, h, part,
-        inner, *logp.stride(), *_strides(entropy), *_strides(targets), *adv.stride(),
+        ent_scale if ent_scale is not None else dummy, inner, *logp.stride(),
+        *_strides(entropy), *_strides(targets), *adv.stride(),
         *_strides(old), *_strides(ref), *_strides(mask), *_strides(is_w), ignore_index,
         _hyper(tuple(hyper)), HAS_ENTROPY=entropy is not None, HAS_TARGETS=targets is not None,
         HAS_OLD=old is not None, HAS_REF=ref is not None, HAS_MASK=mask is not None,
         HAS_IS=is_w is not None, SEQUENCE=sequence != 0, SEQ_TOKEN=sequence == 2,
+        HAS_ENT_SCALE=ent_scale is not None,
         BLOCK_T=TOKEN_BLOCK_T, ACC=triton_acc(g.dtype),
         **_policy_switches(hyper, modes, ref is not None),
     )  # fmt: skip
@@ -163,7 +165,7 @@ def _token_layer(logp, entropy, targets, adv, old, ref, mask, is_w, ignore_index
 
 def _fused_rows(logits3d, targets, adv, old, ref, mask, is_w, temperature, ignore_index, hyper,
                 modes, with_entropy, row_max, log_sum, entropy, g, h, part, grad=None,
-                row_scale=None):  # fmt: skip
+                row_scale=None, ent_scale=None):  # fmt: skip
     """Launch the fused vocab-stream kernel (layer 1 + the token layer as epilogue), one
     program per target token, writing the per-token outputs and partial columns (and, with
     ``grad``/``row_scale``, each row's gradient: layer 3 in the same program)."""
@@ -178,11 +180,13 @@ def _fused_rows(logits3d, targets, adv, old, ref, mask, is_w, temperature, ignor
         mask if mask is not None else g, is_w if is_w is not None else g, row_max, log_sum,
         entropy, g, h, part,
         grad if grad is not None else g, row_scale if row_scale is not None else g,
-        inner, position_shift(positions, inner), vocab, *logits3d.stride(),
+        ent_scale if ent_scale is not None else g, inner, position_shift(positions, inner),
+        vocab, *logits3d.stride(),
         *targets.stride(), *adv.stride(), *_strides(old), *_strides(ref), *_strides(mask),
         *_strides(is_w), *f32_pair(1.0 / temperature), ignore_index, _hyper(tuple(hyper)),
         HAS_OLD=old is not None, HAS_REF=ref is not None, HAS_MASK=mask is not None,
         HAS_IS=is_w is not None, WITH_ENTROPY=with_entropy, WRITE_GRAD=grad is not None,
+        HAS_ENT_SCALE=ent_scale is not None,
         ACC=triton_acc(logits3d.dtype), **_policy_switches(hyper, modes, ref is not None),
         **vocab_launch(vocab, writes=grad is not None),
     )  # fmt: skip
@@ -198,6 +202,7 @@ def policy_rows_grad_into(
     mask: Tensor | None,
     is_w: Tensor | None,
     row_scale: Tensor,
+    ent_scale: Tensor | None,
     temperature: float,
     ignore_index: int,
     with_entropy: bool,
@@ -223,7 +228,7 @@ def policy_rows_grad_into(
     _fused_rows(
         logits3d, targets, adv, old, ref, _mask_arg(mask), is_w, temperature, ignore_index,
         hyper, modes, with_entropy or bonus, new(), new(), new(bonus), new(), new(bonus), part,
-        grad, row_scale,
+        grad, row_scale, ent_scale,
     )  # fmt: skip
     return part
 
@@ -237,6 +242,7 @@ def policy_rows_grad_fwd(
     mask: Tensor | None,
     is_w: Tensor | None,
     row_scale: Tensor,
+    ent_scale: Tensor | None,
     temperature: float,
     ignore_index: int,
     with_entropy: bool,
@@ -247,7 +253,7 @@ def policy_rows_grad_fwd(
     form ``torch.compile`` traces, since a custom op may not mutate its input)."""
     grad = torch.empty(logits3d.shape, dtype=logits3d.dtype, device=logits3d.device)
     part = policy_rows_grad_into(
-        grad, logits3d, targets, adv, old, ref, mask, is_w, row_scale, temperature,
+        grad, logits3d, targets, adv, old, ref, mask, is_w, row_scale, ent_scale, temperature,
         ignore_index, with_entropy, hyper, modes,
     )  # fmt: skip
     return part, grad
@@ -302,6 +308,7 @@ def policy_loss_fwd(
     mask: Tensor | None,
     is_w: Tensor | None,
     num_items_t: Tensor | None,
+    ent_scale: Tensor | None,
     temperature: float,
     ignore_index: int,
     with_entropy: bool,
@@ -334,7 +341,7 @@ def policy_loss_fwd(
         )
         _token_layer(
             logp, entropy if with_entropy else None, targets, adv, old, ref, mask, is_w,
-            ignore_index, hyper, modes, g, h, part,
+            ignore_index, hyper, modes, g, h, part, ent_scale,
         )  # fmt: skip
         if not bonus:
             entropy = new(False)
@@ -342,7 +349,7 @@ def policy_loss_fwd(
         row_max, log_sum, entropy = new(), new(), new(bonus)
         _fused_rows(
             logits3d, targets, adv, old, ref, mask, is_w, temperature, ignore_index, hyper,
-            modes, with_entropy, row_max, log_sum, entropy, g, h, part,
+            modes, with_entropy, row_max, log_sum, entropy, g, h, part, ent_scale=ent_scale,
         )  # fmt: skip
     loss, metrics, seq_scale = _finalize(
         part, outer, inner, dtype, modes[4], max_length, num_items, num_items_t,
@@ -351,8 +358,9 @@ def policy_loss_fwd(
     return loss, metrics, seq_scale, row_max, log_sum, entropy, g, h
 
 
-def _fwd_fake(logits3d, targets, adv, old, ref, mask, is_w, num_items_t, temperature,
-              ignore_index, with_entropy, hyper, modes, max_length, num_items):  # fmt: skip
+def _fwd_fake(logits3d, targets, adv, old, ref, mask, is_w, num_items_t, ent_scale,
+              temperature, ignore_index, with_entropy, hyper, modes, max_length,
+              num_items):  # fmt: skip
     outer, inner = targets.shape
     dtype = stats_dtype(logits3d.dtype)
     new = lambda on=True: logits3d.new_empty((outer, inner) if on else (0,), dtype=dtype)
@@ -365,7 +373,7 @@ def _fwd_fake(logits3d, targets, adv, old, ref, mask, is_w, num_items_t, tempera
 
 
 def _fwd_setup(ctx, inputs, output):
-    logits3d, targets, *_tensors, temperature, ignore_index = inputs[:10]
+    logits3d, targets, temperature, ignore_index = inputs[0], inputs[1], inputs[9], inputs[10]
     ctx.temperature, ctx.ignore_index = temperature, ignore_index
     _, metrics, seq_scale, row_max, log_sum, entropy, g, h = output
     ctx.save_for_backward(logits3d, targets, seq_scale, row_max, log_sum, entropy, g, h)
@@ -402,6 +410,7 @@ def policy_logprobs_fwd(
     mask: Tensor | None,
     is_w: Tensor | None,
     num_items_t: Tensor | None,
+    ent_scale: Tensor | None,
     hyper: list[float],
     modes: list[int],
     max_length: float,
@@ -419,8 +428,9 @@ def policy_logprobs_fwd(
     part = logp.new_empty((N_COLS, outer * inner), dtype=dtype)
     g, h = new(), new(bonus)
     _token_layer(
-        logp, entropy, None, adv, old, ref, _mask_arg(mask), is_w, 0, hyper, modes, g, h, part
-    )
+        logp, entropy, None, adv, old, ref, _mask_arg(mask), is_w, 0, hyper, modes, g, h, part,
+        ent_scale,
+    )  # fmt: skip
     loss, metrics, seq_scale = _finalize(
         part, outer, inner, dtype, modes[4], max_length, num_items, num_items_t,
         is_w is not None,
@@ -428,8 +438,8 @@ def policy_logprobs_fwd(
     return loss, metrics, seq_scale, g, h
 
 
-def _logprobs_fake(logp, entropy, adv, old, ref, mask, is_w, num_items_t, hyper, modes,
-                   max_length, num_items):  # fmt: skip
+def _logprobs_fake(logp, entropy, adv, old, ref, mask, is_w, num_items_t, ent_scale, hyper,
+                   modes, max_length, num_items):  # fmt: skip
     outer, inner = logp.shape
     dtype = stats_dtype(logp.dtype)
     n_scale = max(outer, 1) if modes[4] == 1 else 1

@@ -57,8 +57,10 @@ from ._policy_inputs import (
     advantages_2d,
     check_call,
     check_token_tensors,
+    entropy_scale,
     is_weights_2d,
     num_items_args,
+    per_row,
     rollout_constants,
 )
 from ._policy_ops import (
@@ -335,7 +337,7 @@ class _LinearPolicyLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, weight, bias, targets, adv, old, ref, mask, is_w, row_scale,
-                num_items_t, kept, launch):  # fmt: skip
+                ent_scale, num_items_t, kept, launch):  # fmt: skip
         temperature, ignore_index = launch.temperature, launch.ignore_index
         with_entropy = launch.with_entropy
         n_rows = rows.shape[0]
@@ -355,8 +357,8 @@ class _LinearPolicyLoss(torch.autograd.Function):
         n_work = n_rows
         if kept is not None:  # the counted rows' per-token inputs, gathered once
             pick = lambda t: None if t is None else t[kept]  # noqa: E731
-            targets, adv, old, ref, mask, is_w, row_scale = map(
-                pick, (targets, adv, old, ref, mask, is_w, row_scale)
+            targets, adv, old, ref, mask, is_w, row_scale, ent_scale = map(
+                pick, (targets, adv, old, ref, mask, is_w, row_scale, ent_scale)
             )
             n_work = kept.numel()
         for start in range(0, n_work, launch.chunk):
@@ -365,8 +367,9 @@ class _LinearPolicyLoss(torch.autograd.Function):
             h_c = rows[r]  # a view, or a gather of the counted rows
             z = F.linear(h_c, weight, bias)
             args = (col(targets, c), col(adv, c), col(old, c), col(ref, c), col(mask, c),
-                    col(is_w, c), row_scale[c], temperature, ignore_index, with_entropy,
-                    launch.hyper, launch.modes)  # fmt: skip
+                    col(is_w, c), row_scale[c], None if ent_scale is None else ent_scale[c],
+                    temperature, ignore_index, with_entropy, launch.hyper,
+                    launch.modes)  # fmt: skip
             if torch.compiler.is_compiling() or _tracing():  # a traced op may not mutate
                 part[:, r], dz3 = policy_rows_grad_fwd_op(z[:, None], *args)
                 dz = dz3[:, 0]
@@ -783,7 +786,9 @@ def _fused_policy_loss(rows, weight, bias, flat_targets, shape, advantages, old,
         loss, metrics = _LinearPolicyLoss.apply(
             rows, weight, bias, flat_targets, flat(adv), flat(old), flat(ref),
             flat(mask.detach()) if mask is not None else None,
-            flat(rollout_constants(acc, is_w)[0]), row_scale, n_items_t, kept, launch,
+            flat(rollout_constants(acc, is_w)[0]), row_scale,
+            per_row(entropy_scale(m, policy, num_items), (batch, length)), n_items_t, kept,
+            launch,
         )  # fmt: skip
     out = metrics_dict(metrics, has_kl=ref is not None, has_entropy=with_entropy,
                        surrogate=launch.modes[0], has_is=is_w is not None,

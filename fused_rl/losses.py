@@ -24,9 +24,12 @@ from ._policy_inputs import (
     check_token_tensors,
     counted_mask,
     counted_weights,
+    entropy_scale,
     is_weights_2d,
     num_items_args,
+    per_row,
     rollout_constants,
+    weights_of,
 )
 from ._policy_ops import AUX_METRIC, metrics_dict, policy_logprobs_fwd_op, policy_loss_fwd_op
 from ._vocab_ops import check_targets_window, token_stats_nocheck, window
@@ -150,7 +153,9 @@ def _loss_from_logprobs(logp, entropy, adv2d, mask_f, weights, num_items, rollou
                         **tensors):  # fmt: skip
     """The reference path's loss and metrics from per-token log-probs (``tensors``:
     ``old_logp``, ``ref_logp``, ``is_weights`` for :func:`policy_token_terms`)."""
-    terms = policy_token_terms(logp, adv2d, mask_f, entropy=entropy, config=policy, **tensors)
+    ent = entropy_scale(mask_f, policy, num_items)
+    terms = policy_token_terms(logp, adv2d, mask_f, entropy=entropy, config=policy,
+                               entropy_scale=ent, **tensors)  # fmt: skip
     loss = (terms["loss"] * weights).where(weights != 0, torch.zeros_like(weights)).sum()
     metrics = _metrics(terms, mask_f, policy.surrogate)
     if rollout_is is not None:
@@ -296,8 +301,12 @@ def policy_loss(
 
     if which == "triton":
         n_items, n_items_t = num_items_args(num_items)
+        ent = None
+        if policy.entropy_agg is not None and policy.entropy_coef != 0.0:
+            m = weights_of(mask, targets, stats_dtype(logits.dtype), targets, ignore_index)
+            ent = per_row(entropy_scale(m, policy, num_items), (batch, length))
         loss, metrics, *_ = policy_loss_fwd_op(
-            logits, targets, adv2d, old_logprobs, ref_logprobs, mask, is_w, n_items_t,
+            logits, targets, adv2d, old_logprobs, ref_logprobs, mask, is_w, n_items_t, ent,
             float(temperature), int(ignore_index), bool(need_entropy), policy.kernel_params,
             policy.kernel_modes, float(policy.max_length or length), n_items,
         )  # fmt: skip
@@ -393,8 +402,12 @@ def policy_loss_from_logprobs(
         is_w = keep.to(stats_dtype(logprobs.dtype)) if is_w is None else is_w * keep
     if which == "triton":
         n_items, n_items_t = num_items_args(num_items)
+        ent = None
+        if policy.entropy_agg is not None and policy.entropy_coef != 0.0:
+            m = weights_of(mask, logprobs, stats_dtype(logprobs.dtype))
+            ent = per_row(entropy_scale(m, policy, num_items), (batch, length))
         loss, metrics, *_ = policy_logprobs_fwd_op(
-            logprobs, entropy, adv2d, old_logprobs, ref_logprobs, mask, is_w, n_items_t,
+            logprobs, entropy, adv2d, old_logprobs, ref_logprobs, mask, is_w, n_items_t, ent,
             policy.kernel_params, policy.kernel_modes, float(policy.max_length or length),
             n_items,
         )  # fmt: skip

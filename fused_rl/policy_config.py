@@ -101,6 +101,10 @@ class PolicyConfig:
             GMPO's clip, VESPO's weight), with no gradient where the clamp is active (as
             ``torch.clamp``); verl clamps at 20 in its vanilla, SAPO and CISPO losses. The
             ``approx_kl`` metric stays the unclamped ``mean(old - logp)``. None: no clamp.
+        entropy_agg: how the entropy bonus is aggregated. None: with ``loss_agg``, as every
+            other term; ``"token-mean"``: ``-entropy_coef`` times the mean entropy over the
+            counted tokens whatever ``loss_agg`` (TRL's ``entropy_coef``; the same under
+            ``token-mean``). Under ``num_items`` the mean is still over this call's tokens.
     """
 
     eps_low: float = 0.2
@@ -123,6 +127,7 @@ class PolicyConfig:
     loss_agg: str = "token-mean"
     max_length: int | None = None
     log_ratio_clamp: float | None = None
+    entropy_agg: str | None = None
 
     if TYPE_CHECKING:  # derived by __post_init__: attributes, not fields (no repr, no eq)
         uses_entropy: bool
@@ -161,6 +166,8 @@ class PolicyConfig:
             )
         check_loss_agg(self.loss_agg, max_length=self.max_length, num_items=None)
         V.check_positive(self.log_ratio_clamp, "log_ratio_clamp", allow_none=True)
+        if self.entropy_agg is not None:
+            V.check_choice(self.entropy_agg, ("token-mean",), "entropy_agg")
         # derived once, read per call as plain attributes (not fields: no repr, no eq)
         for name in ("uses_entropy", "token_level", "kernel_params", "kernel_modes"):
             object.__setattr__(self, name, getattr(self, f"_{name}")())

@@ -57,6 +57,7 @@ def test_modules_take_every_option():
         (dict(log_ratio_clamp="20"), TypeError, "log_ratio_clamp"),
         (dict(kl_bias_correction=1), TypeError, "kl_bias_correction"),
         (dict(top_entropy_quantile=1.5), ValueError, "top_entropy_quantile"),
+        (dict(entropy_agg="seq-mean-token-mean"), ValueError, "entropy_agg"),
     ],
 )
 def test_bad_option_names_itself_at_construction(options, error, name):

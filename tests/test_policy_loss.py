@@ -820,6 +820,63 @@ def test_log_ratio_clamp(backend, importance_sampling, clamp, device):
     )  # fmt: skip
 
 
+def _token_mean_entropy_oracle(coef):
+    """``oracle_policy_loss`` without the bonus, minus ``coef`` times the token-mean entropy
+    over counted tokens (TRL's entropy bonus), in the logits' dtype."""
+
+    def fn(logits, targets, adv, *, entropy_agg, entropy_coef, **kw):
+        loss, metrics = oracle_policy_loss(logits, targets, adv, with_entropy=True, **kw)
+        log_p = torch.log_softmax(logits / kw.get("temperature", 1.0), dim=-1)
+        entropy = -(log_p.exp() * log_p).sum(-1)
+        counted = targets != -100
+        m = counted.to(logits.dtype)
+        if kw.get("mask") is not None:
+            m = torch.where(counted, kw["mask"].to(logits.dtype), 0.0)
+        mean_h = torch.where(m != 0, entropy * m, 0.0).sum() / m.sum()
+        return loss - coef * mean_h, metrics
+
+    return fn
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss_agg", LOSS_AGG_MODES)
+def test_entropy_bonus_as_a_token_mean(backend, loss_agg, device):
+    """``entropy_agg="token-mean"`` (TRL's ``entropy_coef``): the bonus is ``-coef`` times the
+    mean entropy over counted tokens whatever ``loss_agg``, value and gradient, on the fused
+    path, from log-probs (GSPO) and from hidden states."""
+    coef = 0.03
+    logits, targets, adv, kw = make_inputs(device=device, mask="float")
+    kw.update(entropy_coef=coef, entropy_agg="token-mean", loss_agg=loss_agg)
+    upstream = 1.3
+    loss, metrics, grad = _run(policy_loss, logits, targets, adv, upstream, backend=backend, **kw)
+    want, _, want_grad = _run(
+        _token_mean_entropy_oracle(coef), logits.double(), targets, adv, upstream, **kw
+    )
+    assert_rel(loss, want, FP32_TOL, f"{backend} loss")
+    assert_rel(grad, want_grad, FP32_TOL, f"{backend} grad")
+    # the same call with the bonus aggregated by loss_agg differs unless loss_agg is token-mean
+    other, _ = policy_loss(logits, targets, adv, backend=backend,
+                           **{**kw, "entropy_agg": None})  # fmt: skip
+    if loss_agg != "token-mean":
+        assert not torch.allclose(other, loss, rtol=1e-4, atol=0.0)
+    # GSPO (the token-layer kernel), and from hidden states (the one-pass chunks)
+    seq, _, seq_grad = _run(policy_loss, logits, targets, adv, upstream, backend=backend,
+                            importance_sampling="sequence", **kw)  # fmt: skip
+    want, _, want_grad = _run(
+        _token_mean_entropy_oracle(coef), logits.double(), targets, adv, upstream,
+        importance_sampling="sequence", **kw,
+    )  # fmt: skip
+    assert_rel(seq, want, FP32_TOL, f"{backend} GSPO loss")
+    assert_rel(seq_grad, want_grad, FP32_TOL, f"{backend} GSPO grad")
+    eye = torch.eye(logits.shape[-1], device=device)
+    hidden = logits.detach().clone().requires_grad_()  # an identity lm_head: the same loss
+    lin, _ = fused_rl.linear_policy_loss(hidden, eye, targets, adv, chunk_tokens=4,
+                                         backend=backend, **kw)  # fmt: skip
+    (lin_grad,) = torch.autograd.grad(lin * upstream, hidden)
+    assert_rel(lin, loss, FP32_TOL, f"{backend} linear loss")
+    assert_rel(lin_grad, grad, FP32_TOL, f"{backend} linear grad")
+
+
 def test_reference_vespo_parameters_stay_float64(device):
     """VESPO's ``k`` / ``lambda`` reach the reference's weight ``phi`` in the inputs' dtype
     (float64 here, parameters that fp32 cannot hold exactly)."""

@@ -122,6 +122,7 @@ def policy_token_terms(
     entropy: torch.Tensor | None,
     config,
     is_weights: torch.Tensor | None = None,
+    entropy_scale: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-token loss (differentiable w.r.t. ``logp`` and ``entropy``) and metric terms of
     the options in ``config`` (a :class:`fused_rl.PolicyConfig`).
@@ -183,7 +184,8 @@ def policy_token_terms(
             loss = loss + config.beta * kl_term
     if entropy is not None:
         terms["entropy"] = entropy
-        if config.entropy_coef != 0.0:
-            loss = loss - config.entropy_coef * entropy
+        if config.entropy_coef != 0.0:  # entropy_scale: the bonus as a token mean
+            bonus = entropy if entropy_scale is None else entropy_scale * entropy
+            loss = loss - config.entropy_coef * bonus
     terms["loss"] = loss
     return terms

@@ -298,6 +298,7 @@ def policy_token_loss(
     ref_logp,
     is_weight,
     hyper,
+    ent_scale,
     SURROGATE: tl.constexpr,
     HAS_REF: tl.constexpr,
     ADD_KL: tl.constexpr,
@@ -311,13 +312,15 @@ def policy_token_loss(
     """Per-token policy loss on scalars or blocks: ``(loss, d_ratio, d_direct, ratio, code,
     aux, kl)``.
 
-    ``loss = is_weight * surrogate + beta kl(logp, ref) [* r] - entropy_coef H``: the
+    ``loss = is_weight * surrogate + beta kl(logp, ref) [* r] - entropy_coef c H``: the
     rollout IS weight multiplies the policy term only; ``BIAS_KL`` multiplies the KL by the
     ratio ``r``, NOT detached (DeepSeek-V3.2, TRL's ``use_bias_correction_kl``).
     ``d_ratio`` is the derivative through ``log_ratio`` (a sequence ratio passes it on to
     every token of the sequence; ``token_log_ratio`` is the token's own, for GMPO's flags),
     ``d_direct`` the one through this token's ``logp`` alone;
     at token level ``dL/dlogp = d_ratio + d_direct``. ``kl`` is 0 without ``HAS_REF``.
+    ``ent_scale`` (``c``): 1, or the factor that makes the bonus a token mean whatever the
+    loss aggregation (``entropy_agg="token-mean"``, ``fused_rl._policy_inputs``).
     """
     loss, d_ratio, d_direct, ratio, code, aux = surrogate_loss(
         logp, log_ratio, token_log_ratio, adv, hyper, SURROGATE, USE_DUAL, USE_DELTA, ACC
@@ -339,7 +342,7 @@ def policy_token_loss(
                 loss += beta * kl
                 d_direct += beta * dkl
     if ENTROPY_BONUS:
-        loss -= param(hyper, P_ENTROPY_COEF, ACC) * entropy
+        loss -= param(hyper, P_ENTROPY_COEF, ACC) * ent_scale * entropy
     return loss, d_ratio, d_direct, ratio, code, aux, kl
 
 

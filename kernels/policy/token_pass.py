@@ -102,6 +102,7 @@ def _policy_token_fwd_kernel(
     g_ptr,
     h_ptr,
     part_ptr,
+    ent_scale_ptr,
     rows_inner,
     logp_stride_outer,
     logp_stride_inner,
@@ -136,6 +137,7 @@ def _policy_token_fwd_kernel(
     USE_DELTA: tl.constexpr,
     SEQUENCE: tl.constexpr,
     SEQ_TOKEN: tl.constexpr,
+    HAS_ENT_SCALE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     ACC: tl.constexpr,
 ):
@@ -213,9 +215,14 @@ def _policy_token_fwd_kernel(
             is_raw = _load_tokens(is_ptr, b, ts, rows_inner, is_stride_outer, is_stride_inner,
                                   in_seq).to(ACC)  # fmt: skip
             is_weight = tl.where(m != 0, is_raw, 1.0)
+        ent_scale = tl.zeros_like(logp) + 1.0
+        if HAS_ENT_SCALE:  # the bonus as a token mean whatever loss_agg (contiguous (B*T,))
+            ent_scale = _load_tokens(ent_scale_ptr, b, ts, rows_inner, rows_inner, 1,
+                                     in_seq).to(ACC)  # fmt: skip
         loss, d_ratio, d_direct, ratio, code, aux, kl = policy_token_loss(
-            logp, entropy, log_ratio, token_lr, adv, ref, is_weight, hyper, SURROGATE, HAS_REF,
-            ADD_KL, KL_KIND, BIAS_KL, ENTROPY_BONUS, USE_DUAL, USE_DELTA, ACC,
+            logp, entropy, log_ratio, token_lr, adv, ref, is_weight, hyper, ent_scale,
+            SURROGATE, HAS_REF, ADD_KL, KL_KIND, BIAS_KL, ENTROPY_BONUS, USE_DUAL, USE_DELTA,
+            ACC,
         )  # fmt: skip
         counted = m != 0
         if SEQUENCE and not SEQ_TOKEN:  # the ratio part reaches every token; the direct
@@ -224,7 +231,7 @@ def _policy_token_fwd_kernel(
             g = tl.where(inside, d_ratio, 0.0) + d_direct
             tl.store(g_ptr + rows, tl.where(counted, m * g, 0.0), mask=in_seq)
         if ENTROPY_BONUS:
-            tl.store(h_ptr + rows, -entropy_coef * m, mask=in_seq)
+            tl.store(h_ptr + rows, -entropy_coef * ent_scale * m, mask=in_seq)
         store_policy_partials(
             part_ptr, n_rows, rows, in_seq, m, loss, code, aux, ratio, old - logp, kl, entropy,
             is_weight, HAS_IS,

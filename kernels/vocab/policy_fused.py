@@ -65,6 +65,7 @@ def _policy_loss_fwd_kernel(
     part_ptr,
     grad_ptr,
     row_scale_ptr,
+    ent_scale_ptr,
     rows_inner,
     shift,
     V,
@@ -100,6 +101,7 @@ def _policy_loss_fwd_kernel(
     USE_DUAL: tl.constexpr,
     USE_DELTA: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
+    HAS_ENT_SCALE: tl.constexpr,
     BLOCK_V: tl.constexpr,
     ACC: tl.constexpr,
 ):
@@ -153,17 +155,21 @@ def _policy_loss_fwd_kernel(
     if HAS_IS:
         is_off = token_offset(row, rows_inner, is_stride_outer, is_stride_inner)
         is_weight = tl.where(active, tl.load(is_ptr + is_off).to(ACC), 1.0)
+    ent_scale = 1.0
+    if HAS_ENT_SCALE:  # the bonus as a token mean whatever loss_agg (per row, contiguous)
+        ent_scale = tl.load(ent_scale_ptr + row).to(ACC)
+    bonus = entropy_coef * ent_scale
     log_ratio, inside = token_log_ratio(logp, old, hyper, ACC)
     loss, d_ratio, d_direct, ratio, code, aux, kl = policy_token_loss(
-        logp, entropy, log_ratio, log_ratio, adv, ref, is_weight, hyper, SURROGATE, HAS_REF,
-        ADD_KL, KL_KIND, BIAS_KL, ENTROPY_BONUS, USE_DUAL, USE_DELTA, ACC,
+        logp, entropy, log_ratio, log_ratio, adv, ref, is_weight, hyper, ent_scale, SURROGATE,
+        HAS_REF, ADD_KL, KL_KIND, BIAS_KL, ENTROPY_BONUS, USE_DUAL, USE_DELTA, ACC,
     )  # fmt: skip
     # token level: the ratio moves with this logp only (where the log-ratio is not clamped)
     dloss_dlogp = tl.where(inside, d_ratio, 0.0) + d_direct
     # tokens that do not count contribute exactly 0 even where their loss is inf/NaN
     tl.store(g_ptr + row, tl.where(active, m * dloss_dlogp, 0.0))
     if ENTROPY_BONUS:
-        tl.store(h_ptr + row, -entropy_coef * m)
+        tl.store(h_ptr + row, -bonus * m)
     tl.store(max_ptr + row, tl.where(active, row_max, 0.0))
     tl.store(log_sum_ptr + row, tl.where(active, log_s, 0.0))
     if ENTROPY_BONUS:
@@ -177,7 +183,7 @@ def _policy_loss_fwd_kernel(
         g = tl.where(active, m * dloss_dlogp, 0.0) * scale
         h = 0.0
         if ENTROPY_BONUS:
-            h = tl.where(active, -entropy_coef * m, 0.0) * scale
+            h = tl.where(active, -bonus * m, 0.0) * scale
         write_grad_row(
             row_ptr, grad_ptr + row * V, V, stride_v, inv_temperature, row_max, log_s,
             log_s - entropy, g, h, target, active & ((g != 0) | (h != 0)), True,
