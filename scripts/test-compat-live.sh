@@ -4,8 +4,9 @@
 # For each library, in its own virtual environment (which sees this machine's torch, triton
 # and fused_rl through --system-site-packages, so nothing multi-GB is downloaded):
 #   1. scripts/compat_live/<lib>/install.sh installs the pinned upstream release(s);
-#   2. the project's real-library tests, tests/test_compat_<lib>.py (they skip without the
-#      library; here they run against it);
+#   2. the project's real-library tests, tests/test_compat_<lib>.py and, where there is one,
+#      the trainer integration's training runs, tests/test_integration_<lib>.py (they skip
+#      without the library; here they run against it);
 #   3. scripts/compat_live/<lib>/check.py: a differential comparison of every adapter function
 #      with the original (values, gradients, dtypes over random shapes, masks, dtypes and edge
 #      cases) and, where the release ships them, the library's own unit tests run twice: as
@@ -28,8 +29,11 @@ for lib in "${LIBS[@]}"; do
     [ -x "$venv/bin/python" ] || "$PY" -m venv --system-site-packages "$venv"
     vpy="$venv/bin/python"
     bash "scripts/compat_live/$lib/install.sh" "$vpy"
+    tests=("tests/test_compat_$lib.py")
+    # a trainer integration is proven by training: the tiny-model runs against the trainer
+    [ -f "tests/test_integration_$lib.py" ] && tests+=("tests/test_integration_$lib.py")
     "$vpy" -m pytest -q -p no:cacheprovider --benchmark-disable \
-        --junitxml "$OUT/$lib.project-tests.xml" "tests/test_compat_$lib.py" || status=1
+        --junitxml "$OUT/$lib.project-tests.xml" "${tests[@]}" || status=1
     "$vpy" "scripts/compat_live/$lib/check.py" --out "$OUT/$lib.json" || status=1
 done
 "$PY" scripts/compat_live/summary.py "$OUT" --write docs/compat.md
