@@ -490,3 +490,128 @@ def test_patch_unpatch_restore_exactly():
     assert trl.GRPOTrainer.__dict__["__init__"] is init
     assert issubclass(fused_trl.GRPOTrainer, trl.GRPOTrainer)
     assert fused_trl.GRPOTrainer.__module__ == "fused_rl.integrations.trl"
+
+
+# ----------------------------------------------------------------------------- the loss
+
+LOSS_CASES = [
+    pytest.param(dict(loss_type="grpo", **FULL), "subclass", id="grpo"),
+    pytest.param(dict(loss_type="bnpo", **FULL), "patch", id="bnpo-patch"),
+    pytest.param(dict(loss_type="dr_grpo", **FULL), "subclass", id="dr_grpo"),
+    pytest.param(dict(loss_type="dapo", **FULL), "subclass", id="dapo"),
+    pytest.param(
+        # a narrow band, so the second (off-policy) pass clips at both bounds (and delta set)
+        dict(
+            loss_type="dapo",
+            entropy_coef=0.05,
+            epsilon=1e-3,
+            epsilon_high=2e-3,
+            delta=1.004,
+            **FULL,
+        ),
+        "subclass",
+        id="dapo-entropy-clip-higher-delta",
+    ),
+    pytest.param(
+        dict(
+            loss_type="grpo", entropy_coef=0.05, use_bias_correction_kl=True, epsilon=2e-3, **FULL
+        ),
+        "subclass",
+        id="grpo-entropy-bias-kl",
+    ),
+]
+
+
+@needs_trl
+@pytest.mark.parametrize("case, how", LOSS_CASES)
+def test_training_loss_matches_trl(model_dir, tmp_path, tmp_path_factory, monkeypatch, case,
+                                   how):  # fmt: skip
+    """``fused_rl_loss=True``: the loss and every metric TRL's ``_compute_loss`` logs come
+    from one ``fused_rl.linear_policy_loss`` call per micro-batch, the old-policy and
+    reference log-probs from fused_rl's head; TRL's head and loss never run."""
+    import trl
+    from trl.trainer import grpo_trainer
+
+    import fused_rl.linear as linear
+
+    want_log, want_params, want_calls, want_s = _baseline(
+        model_dir, tmp_path_factory, monkeypatch, case
+    )
+    loss_calls = []
+    real_loss = linear.linear_policy_loss
+
+    def counted_loss(*args, **kwargs):
+        loss_calls.append(kwargs.get("loss_agg"))
+        return real_loss(*args, **kwargs)
+
+    def trl_loss(*args, **kwargs):
+        raise AssertionError("TRL's _compute_loss ran")
+
+    monkeypatch.setattr(linear, "linear_policy_loss", counted_loss)
+    monkeypatch.setattr(grpo_trainer.GRPOTrainer, "_compute_loss", trl_loss, raising=True)
+    if how == "subclass":
+        got = _train(fused_trl.GRPOTrainer, model_dir, tmp_path, monkeypatch, case,
+                     fused_rl_loss=True)  # fmt: skip
+    else:
+        with fused_trl.patched(loss=True):
+            got = _train(trl.GRPOTrainer, model_dir, tmp_path, monkeypatch, case)
+        assert not fused_trl.is_patched()
+    got_log, got_params, calls, seconds = got
+    assert calls.trl == 0
+    training_forwards = 6  # 3 steps x accumulation 2
+    assert len(loss_calls) == training_forwards
+    # the other forwards (old policy, reference model) through fused_rl's head
+    assert len(calls.fused) == want_calls.trl - training_forwards
+    worst = compare_logs(want_log, got_log)
+    param_diff = compare_params(want_params, got_params)
+    if case.get("epsilon", 0.2) < 0.01:  # the narrow band: the clip metrics are exercised
+        for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/high_max"):
+            assert max(entry.get(key, 0.0) for entry in got_log) > 0, key
+    _report(f"loss {case} {how}; TRL {want_s:.1f}s", worst, param_diff, calls, seconds)
+
+
+@needs_trl
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (dict(loss_type="cispo"), "loss_type='cispo'"),
+        (dict(importance_sampling_level="sequence"), "importance_sampling_level='sequence'"),
+        (dict(top_entropy_quantile=0.2), "top_entropy_quantile=0.2"),
+        (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold=0.5"),
+        (dict(use_adaptive_entropy=True), "use_adaptive_entropy"),
+    ],
+    ids=["cispo", "sequence-is", "top-entropy", "off-policy-mask", "adaptive-entropy"],
+)
+def test_loss_raises_for_what_does_not_map(model_dir, tmp_path, extra, match):
+    """``fused_rl_loss=True`` with a loss option fused_rl does not map exactly: a
+    ``ValueError`` at construction naming it (the same options work without it)."""
+    args = _config(str(tmp_path), beta=0.0, accumulation=1, **{"loss_type": "grpo", **extra})
+    kwargs = dict(model=model_dir, reward_funcs=reward_w5, args=args, train_dataset=_dataset(),
+                  processing_class=_tokenizer())  # fmt: skip
+    with pytest.raises(ValueError, match=match):
+        fused_trl.GRPOTrainer(**kwargs, fused_rl_loss=True)
+    fused_trl.GRPOTrainer(**kwargs)  # fused_rl_loss=False: fused_rl's head, TRL's loss
+
+
+@needs_trl
+def test_loss_option_checks(model_dir, tmp_path):
+    """``fused_rl_loss`` must be a bool; a subclass with its own ``_compute_loss`` raises
+    (fused_rl would replace it); ``patch(loss=True)`` reaches ``trl.GRPOTrainer``."""
+    import trl
+
+    with pytest.raises(TypeError, match="fused_rl_loss"):
+        fused_trl.GRPOTrainer(model=model_dir, fused_rl_loss=1)
+
+    class Custom(fused_trl.GRPOTrainer):
+        def _compute_loss(self, model, inputs):
+            return super()._compute_loss(model, inputs)
+
+    args = _config(str(tmp_path), loss_type="grpo", beta=0.0, accumulation=1)
+    kwargs = dict(model=model_dir, reward_funcs=reward_w5, args=args, train_dataset=_dataset(),
+                  processing_class=_tokenizer())  # fmt: skip
+    with pytest.raises(ValueError, match="_compute_loss overridden by Custom"):
+        Custom(**kwargs, fused_rl_loss=True)
+    with fused_trl.patched(loss=True):
+        trainer = trl.GRPOTrainer(**kwargs)
+    assert trainer.fused_rl_options.loss and "_compute_loss" in vars(trainer)
+    assert "_compute_loss" not in vars(fused_trl.GRPOTrainer(**kwargs))

@@ -24,8 +24,12 @@ output, ``loss = -sum(log_probs) / num_items_in_batch`` (the number of counted l
 not given), the MoE load-balancing loss when the config asks for router logits, the
 returned ``FusedCausalLMOutput`` fields ``loss``, ``log_probs``, ``entropy``,
 ``label_mask``, ``aux_loss``. The backbone and the LM head are looked up through the model
-at each call, so FSDP / PEFT replacements made after construction are used. The trainer's
-loss (``_compute_loss``) is TRL's own, fed with fused_rl's log-probs and entropies.
+at each call, so FSDP / PEFT replacements made after construction are used. By default the
+trainer's loss (``_compute_loss``) is TRL's own, fed with fused_rl's log-probs and entropies;
+``GRPOTrainer(..., fused_rl_loss=True)`` / ``patch(loss=True)`` computes it, and every
+metric TRL logs with it, with one :func:`fused_rl.linear_policy_loss` call from the policy's
+last hidden states (``loss_type`` grpo, bnpo, dr_grpo, dapo; any other loss option of TRL's
+raises ``ValueError`` at construction naming it: :mod:`fused_rl.integrations._trl_loss`).
 
 What fused_rl cannot do yet raises at construction (``ValueError`` naming the option), never
 a silent fall-back to TRL's head: ``final_logit_softcapping`` in the model config (Gemma 2 /
@@ -105,13 +109,16 @@ class Options:
 
     backend: str = "auto"
     chunk_tokens: int | None = None
+    loss: bool = False  # the trainer's loss through one fused_rl.linear_policy_loss call
 
     @classmethod
-    def checked(cls, backend, chunk_tokens, prefix: str = "") -> Options:
+    def checked(cls, backend, chunk_tokens, prefix: str = "", loss: bool = False) -> Options:
         """The options, each checked under the name the caller gave it (``prefix`` +)."""
         V.check_choice(backend, BACKENDS, prefix + "backend")
         V.check_positive_int(chunk_tokens, prefix + "chunk_tokens", allow_none=True)
-        return cls(backend, None if chunk_tokens is None else int(chunk_tokens))
+        if not isinstance(loss, bool):
+            raise TypeError(f"{prefix}loss must be a bool, got {loss!r}")
+        return cls(backend, None if chunk_tokens is None else int(chunk_tokens), loss)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,7 +236,9 @@ def add_fused_lm_head(
     # the class's signature, which generate() checks its keyword arguments against
     @functools.wraps(type(model).forward)
     def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None,
-                num_items_in_batch=None, **kwargs):  # fmt: skip
+                num_items_in_batch=None, fused_rl_loss=None, **kwargs):  # fmt: skip
+        if fused_rl_loss is not None:  # the trainer's loss (fused_rl_loss=True)
+            return _loss_forward(self, head, args, kwargs, fused_rl_loss)
         if not fused_lm_head:
             extra = dict(labels=labels, shift_labels=shift_labels,
                          num_items_in_batch=num_items_in_batch)  # fmt: skip
@@ -250,6 +259,33 @@ def _full(param):
     return param
 
 
+def _head_inputs(model, head: _Head, hidden):
+    """The hidden states, the LM head's weight and bias (gathered whole), and the context
+    the head runs in (fp32 outside autocast under ``cast_lm_head_to_fp32``)."""
+    lm_head = model.get_output_embeddings()
+    weight, bias = _full(lm_head.weight), _full(lm_head.bias)
+    hidden = hidden.to(weight.device)
+    context = contextlib.nullcontext()
+    if head.cast_fp32:
+        hidden = hidden.float()
+        weight = weight.float()
+        bias = None if bias is None else bias.float()
+        context = torch.autocast(hidden.device.type, enabled=False)
+    return hidden, weight, bias, context
+
+
+def _loss_forward(model, head: _Head, args, kwargs, request):
+    """``model(..., fused_rl_loss=request)``: the backbone, then the trainer's loss from its
+    last hidden states in one ``linear_policy_loss`` call (:mod:`._trl_loss`)."""
+    from . import _trl_loss
+
+    kwargs["use_cache"] = False
+    backbone_out = getattr(model, head.backbone)(*args, **kwargs)
+    hidden, weight, bias, context = _head_inputs(model, head, backbone_out.last_hidden_state)
+    with context:
+        return _trl_loss.loss_forward(hidden, weight, bias, request, head)
+
+
 def _fused_forward(model, head: _Head, output_type, args, kwargs, labels, shift_labels,
                    num_items_in_batch):  # fmt: skip
     if labels is None and shift_labels is None:
@@ -263,16 +299,9 @@ def _fused_forward(model, head: _Head, output_type, args, kwargs, labels, shift_
         hidden, targets = hidden[:, :-1], labels[:, 1:]
     else:  # already shifted (context / sequence parallelism)
         targets = shift_labels
-    lm_head = model.get_output_embeddings()
-    weight, bias = _full(lm_head.weight), _full(lm_head.bias)
-    hidden, targets = hidden.to(weight.device), targets.to(weight.device)
+    hidden, weight, bias, context = _head_inputs(model, head, hidden)
+    targets = targets.to(weight.device)
     mask = targets != -100
-    context = contextlib.nullcontext()
-    if head.cast_fp32:
-        hidden = hidden.float()
-        weight = weight.float()
-        bias = None if bias is None else bias.float()
-        context = torch.autocast(hidden.device.type, enabled=False)
     with context:
         # only the counted positions go through the head (one host sync for their count)
         out = linear_token_logprobs(
@@ -366,6 +395,11 @@ def _fused_init(trainer, trl_init: Callable[[], None], options: Options) -> None
     with _fused_heads(options):
         trl_init()
     _check_installed(trainer)
+    if options.loss:
+        from . import _trl_loss
+
+        trainer.fused_rl_policy_options = _trl_loss.policy_options(trainer)
+        trainer._compute_loss = types.MethodType(_trl_loss.compute_loss, trainer)
     trainer.fused_rl_options = options
 
 
@@ -375,13 +409,17 @@ def _make_trainer_class():
     class GRPOTrainer(trl.GRPOTrainer):
         """``trl.GRPOTrainer`` with every log-prob and entropy from fused_rl (the policy in
         the training step, the old policy, the reference model): same constructor and
-        ``GRPOConfig``, plus two keyword-only options, ``fused_rl_backend`` (``"auto"``,
-        ``"triton"``, ``"reference"``) and ``fused_rl_chunk_tokens`` (rows per GEMM chunk).
-        See :mod:`fused_rl.integrations.trl`."""
+        ``GRPOConfig``, plus three keyword-only options, ``fused_rl_backend`` (``"auto"``,
+        ``"triton"``, ``"reference"``), ``fused_rl_chunk_tokens`` (rows per GEMM chunk) and
+        ``fused_rl_loss`` (the training loss through one ``fused_rl.linear_policy_loss``
+        call). See :mod:`fused_rl.integrations.trl`."""
 
         def __init__(self, *args, fused_rl_backend: str = "auto",
-                     fused_rl_chunk_tokens: int | None = None, **kwargs):  # fmt: skip
-            options = Options.checked(fused_rl_backend, fused_rl_chunk_tokens, "fused_rl_")
+                     fused_rl_chunk_tokens: int | None = None, fused_rl_loss: bool = False,
+                     **kwargs):  # fmt: skip
+            options = Options.checked(
+                fused_rl_backend, fused_rl_chunk_tokens, "fused_rl_", loss=fused_rl_loss
+            )
             _fused_init(self, lambda: super(GRPOTrainer, self).__init__(*args, **kwargs), options)
 
     GRPOTrainer.__module__ = __name__
@@ -397,12 +435,13 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def patch(*, backend: str = "auto", chunk_tokens: int | None = None) -> None:
+def patch(*, backend: str = "auto", chunk_tokens: int | None = None, loss: bool = False) -> None:
     """Make ``trl.GRPOTrainer`` itself (and every subclass, for scripts and TRL's CLI that
     construct it) behave as :class:`GRPOTrainer` with these options: its ``__init__`` is
     wrapped. Idempotent (patching again only updates the options); :func:`unpatch`
-    restores TRL's ``__init__`` exactly. Trainers constructed before keep their head."""
-    options = Options.checked(backend, chunk_tokens)
+    restores TRL's ``__init__`` exactly. Trainers constructed before keep their head.
+    ``loss=True``: the training loss through one ``fused_rl.linear_policy_loss`` call."""
+    options = Options.checked(backend, chunk_tokens, loss=loss)
     trl, _, _ = _trl()
     with _LOCK:
         if _PATCH:
@@ -434,12 +473,13 @@ def is_patched() -> bool:
 
 
 @contextlib.contextmanager
-def patched(*, backend: str = "auto", chunk_tokens: int | None = None) -> Iterator[None]:
+def patched(*, backend: str = "auto", chunk_tokens: int | None = None,
+            loss: bool = False) -> Iterator[None]:  # fmt: skip
     """:func:`patch` for the block; on exit the previous state (unpatched, or patched with
     the previous options) comes back."""
     with _LOCK:
         before = _PATCH.get("options")
-        patch(backend=backend, chunk_tokens=chunk_tokens)
+        patch(backend=backend, chunk_tokens=chunk_tokens, loss=loss)
     try:
         yield
     finally:
