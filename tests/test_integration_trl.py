@@ -615,3 +615,61 @@ def test_loss_option_checks(model_dir, tmp_path):
         trainer = trl.GRPOTrainer(**kwargs)
     assert trainer.fused_rl_options.loss and "_compute_loss" in vars(trainer)
     assert "_compute_loss" not in vars(fused_trl.GRPOTrainer(**kwargs))
+
+
+def test_loss_metrics_are_trls_definitions():
+    """Runs everywhere (no TRL needed): the fused_rl metrics the integration logs under TRL's
+    names equal TRL 1.16's definitions, written out here from its ``_compute_loss``, with
+    ``delta`` binding, a zero advantage and a sequence with no counted token:
+    ``clip_ratio/low_mean`` = mean of ``r < 1 - eps_low and A < 0``, ``high_mean`` of
+    ``r > 1 + eps_high and A > 0``, ``region_mean`` their union, ``low_min`` / ``high_max``
+    the NaN-ignoring min / max of the per-sequence means, ``kl`` the mean of
+    ``(exp(ref - logp) - (ref - logp) - 1) r`` under ``use_bias_correction_kl``."""
+    import fused_rl
+
+    gen = torch.Generator().manual_seed(0)
+    batch, length, width, vocab = 6, 7, 16, 40
+    hidden = torch.randn(batch, length + 1, width, generator=gen, requires_grad=True)
+    weight = torch.randn(vocab, width, generator=gen, requires_grad=True)
+    targets = torch.randint(0, vocab, (batch, length), generator=gen)
+    adv = torch.randn(batch, generator=gen)
+    adv[0] = 0.0
+    mask = (torch.rand(batch, length, generator=gen) > 0.3).long()
+    mask[1] = 0
+    with torch.no_grad():
+        logits = hidden[:, :-1] @ weight.T
+        logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
+        probs = torch.softmax(logits, -1)
+        entropy = -(probs * torch.log_softmax(logits, -1)).sum(-1)
+    old = logp + 0.3 * torch.randn(batch, length, generator=gen)
+    ref = logp + 0.2 * torch.randn(batch, length, generator=gen)
+    eps_low, eps_high, delta, beta, coef = 0.1, 0.15, 1.3, 0.04, 0.05
+    ratio, a, m = torch.exp(logp - old), adv[:, None], mask.float()
+    assert ((ratio > delta) & (m > 0)).any()  # delta binds somewhere
+    low = ((ratio < 1 - eps_low) & (a < 0)).float()
+    high = ((ratio > 1 + eps_high) & (a > 0)).float()
+    kl = (torch.exp(ref - logp) - (ref - logp) - 1) * ratio
+    mean = lambda x: (x * m).sum() / m.sum()  # noqa: E731
+    per_seq = lambda x: (x * m).sum(-1) / m.sum(-1)  # noqa: E731  (NaN: no counted token)
+    term = -torch.minimum(ratio.clamp(max=delta) * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a)
+    per_token = term + beta * kl
+    want_loss = ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1)).mean() - coef * mean(entropy)
+    want = {
+        "clip_frac_low": mean(low),
+        "clip_frac_high": mean(high),
+        "clip_frac": mean(((low + high) > 0).float()),
+        "clip_frac_low_seq_min": per_seq(low).nan_to_num(2.0).min(),
+        "clip_frac_high_seq_max": per_seq(high).nan_to_num(-1.0).max(),
+        "kl_bias_corrected": mean(kl),
+        "entropy": mean(entropy),
+    }
+    for backend in ("auto", "reference"):
+        loss, metrics = fused_rl.linear_policy_loss(
+            hidden, weight, targets, adv, old_logprobs=old, ref_logprobs=ref, mask=mask,
+            eps_low=eps_low, eps_high=eps_high, delta=delta, beta=beta, kl_bias_correction=True,
+            entropy_coef=coef, entropy_agg="token-mean", with_entropy=True,
+            loss_agg="seq-mean-token-mean", backend=backend,
+        )  # fmt: skip
+        torch.testing.assert_close(loss.detach(), want_loss, atol=1e-6, rtol=1e-5)
+        for key, value in want.items():
+            torch.testing.assert_close(metrics[key], value.float(), atol=1e-6, rtol=1e-5, msg=key)
