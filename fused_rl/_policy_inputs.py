@@ -95,13 +95,6 @@ def counted_mask(mask: Tensor | None, targets: Tensor, ignore_index: int) -> Ten
     return torch.where(counted, mask, torch.zeros_like(mask))
 
 
-def counted_weights(mask, like) -> Tensor:
-    """``mask`` as fp32 weights (None: every token counts), ``like``'s shape."""
-    if mask is None:
-        return torch.ones(like.shape, dtype=torch.float32, device=like.device)
-    return mask_weights(mask.detach(), torch.float32)
-
-
 def weights_of(mask, like: Tensor, dtype, targets=None, ignore_index: int = -100) -> Tensor:
     """The ``(B, T)`` token weights ``m`` in ``dtype``: ``mask``'s (None: 1), 0 where
     ``targets`` is ``ignore_index`` (the ignore mask after the weight, as the kernels)."""

@@ -62,6 +62,7 @@ from ._policy_inputs import (
     num_items_args,
     per_row,
     rollout_constants,
+    weights_of,
 )
 from ._policy_ops import (
     N_COLS,
@@ -76,7 +77,6 @@ from .losses import loss_from_token_stats
 from .policy_config import PolicyConfig, takes_policy_options
 from .reference import logprobs as ref
 from .reference.logprobs import differentiable_once
-from .reference.reductions import mask_weights
 
 # layer 3 writing over its input: a raw launcher (no custom op, it mutates), serialised and
 # with NumPy's masked-lane warnings silenced under the interpreter as every FusedOp is
@@ -767,12 +767,8 @@ def _fused_policy_loss(rows, weight, bias, flat_targets, shape, advantages, old,
     flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
     adv, old, ref = rollout_constants(acc, advantages_2d(advantages, batch, length), old, ref)
     is_w = is_weights_2d(is_weights, batch, length)
-    counted = (flat_targets != ignore_index).view(batch, length)
-    m = (
-        counted.to(acc)
-        if mask is None
-        else torch.where(counted, mask_weights(mask.detach(), acc), 0.0)
-    )
+    targets2d = flat_targets.view(batch, length)
+    m = weights_of(mask, targets2d, acc, targets2d, ignore_index)
     scale = sequence_scale(m, policy.loss_agg, max_length=policy.max_length, num_items=num_items)
     row_scale = scale.expand(batch, length).contiguous().view(-1)  # the kernel reads stride 1
     kept = _counted_rows(m, rows)

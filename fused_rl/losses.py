@@ -23,7 +23,6 @@ from ._policy_inputs import (
     check_call,
     check_token_tensors,
     counted_mask,
-    counted_weights,
     entropy_scale,
     is_weights_2d,
     num_items_args,
@@ -38,7 +37,6 @@ from .kernels.modes import IMPORTANCE_SAMPLING, LOSS_AGG_MODES, SURROGATES  # no
 from .logprobs import token_logprobs
 from .policy_config import PolicyConfig, takes_policy_options
 from .reference.policy import policy_token_terms
-from .reference.reductions import mask_weights
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -318,12 +316,7 @@ def policy_loss(
 
     acc = stats_dtype(logits.dtype)
     adv2d, old_logprobs, ref_logprobs = rollout_constants(acc, adv2d, old_logprobs, ref_logprobs)
-    counted = targets != ignore_index
-    mask_f = (
-        counted.to(acc)
-        if mask is None
-        else torch.where(counted, mask_weights(mask.detach(), acc), 0.0)
-    )
+    mask_f = weights_of(mask, targets, acc, targets, ignore_index)
     weights = token_weights(mask_f, policy.loss_agg, max_length=policy.max_length,
                             num_items=num_items, dtype=acc)  # fmt: skip
     if length != logits.shape[1]:
@@ -417,14 +410,12 @@ def policy_loss_from_logprobs(
                            has_is=rollout_is is not None,
                            bias_kl=policy.kl_bias_correction)  # fmt: skip
         if rollout_is is not None and is_w is not rollout_is:  # the kernel saw them masked
-            out.update(_is_metrics(rollout_is, counted_weights(mask, rollout_is)))
+            out.update(_is_metrics(rollout_is, weights_of(mask, rollout_is, torch.float32)))
         return loss, out
     acc = stats_dtype(logprobs.dtype)
     adv2d, old_logprobs, ref_logprobs = rollout_constants(acc, adv2d, old_logprobs, ref_logprobs)
     entropy = None if entropy is None else entropy.to(acc)  # as the kernel reads it; keeps grad
-    mask_f = (
-        torch.ones_like(logprobs, dtype=acc) if mask is None else mask_weights(mask.detach(), acc)
-    )
+    mask_f = weights_of(mask, logprobs, acc)
     weights = token_weights(mask_f, policy.loss_agg, max_length=policy.max_length,
                             num_items=num_items, dtype=acc)  # fmt: skip
     return _loss_from_logprobs(
