@@ -43,11 +43,17 @@ N_BASE_COLS, N_COLS = N_BASE_COLUMNS, len(POLICY_COLUMNS)
 # the finalize kernel's output: one value per column, then the per-sequence extremes
 SEQUENCE_OUTPUTS = {name: N_COLS + i for i, name in enumerate(SEQUENCE_METRICS)}
 N_OUTPUTS = N_COLS + len(SEQUENCE_METRICS)
-_REPORTED = (*METRIC_COLUMNS.items(), *SEQUENCE_OUTPUTS.items())  # every call's metrics
-# what the COL_AUX column holds, per surrogate (in kernels/modes.py SURROGATES order)
+_REPORTED = (  # every call's metrics
+    *METRIC_COLUMNS.items(),
+    *((name, k) for name, k in SEQUENCE_OUTPUTS.items() if name != "aux_seq_mean"),
+)
+# what the COL_AUX column holds, per surrogate (in kernels/modes.py SURROGATES order), and
+# the name of its mean over sequences where that is a metric of its own (VESPO's ``phi`` is
+# one value per sequence: TRL's ``vespo/phi_seq_mean`` weighs sequences, not tokens)
 _AUX_BY_NAME = {"ppo": "dual_clip_frac", "cispo": "cispo_clip_frac", "sapo": "sapo_gate_mean",
                 "vespo": "vespo_phi_mean"}  # fmt: skip
 AUX_METRIC = tuple(_AUX_BY_NAME.get(name) for name in SURROGATES)
+AUX_SEQ_METRIC = tuple("vespo_phi_seq_mean" if name == "vespo" else None for name in SURROGATES)
 FINALIZE_BLOCK_B, FINALIZE_BLOCK_T, TOKEN_BLOCK_T = 16, 128, 256
 
 
@@ -73,6 +79,8 @@ def metrics_dict(
             out[name] = cols[k]
     if AUX_METRIC[surrogate] is not None:
         out[AUX_METRIC[surrogate]] = cols[COLUMN["aux"]]
+    if AUX_SEQ_METRIC[surrogate] is not None:
+        out[AUX_SEQ_METRIC[surrogate]] = cols[SEQUENCE_OUTPUTS["aux_seq_mean"]]
     if has_kl:
         out["kl"] = cols[COLUMN["kl"]]
         if bias_kl:

@@ -30,7 +30,13 @@ from ._policy_inputs import (
     rollout_constants,
     weights_of,
 )
-from ._policy_ops import AUX_METRIC, metrics_dict, policy_logprobs_fwd_op, policy_loss_fwd_op
+from ._policy_ops import (
+    AUX_METRIC,
+    AUX_SEQ_METRIC,
+    metrics_dict,
+    policy_logprobs_fwd_op,
+    policy_loss_fwd_op,
+)
 from ._vocab_ops import check_targets_window, token_stats_nocheck, window
 from .distributed import is_dtensor
 from .kernels.modes import IMPORTANCE_SAMPLING, LOSS_AGG_MODES, SURROGATES  # noqa: F401
@@ -64,6 +70,18 @@ def _sequence_extreme(flags: Tensor, mask_f: Tensor, which) -> Tensor:
     return torch.where(ext.abs() == float("inf"), torch.zeros_like(ext), ext).float()
 
 
+def _sequence_mean(x: Tensor, mask_f: Tensor) -> Tensor:
+    """The mean over sequences with a counted token of each sequence's weighted mean of
+    ``x`` (every such sequence weighs 1); 0 when none counts. No sync."""
+    counted = mask_f != 0
+    weighted = torch.where(counted, x.to(mask_f.dtype) * mask_f, torch.zeros_like(mask_f))
+    n = mask_f.sum(-1)
+    has = n != 0
+    per_seq = torch.where(has, weighted.sum(-1) / torch.where(has, n, torch.ones_like(n)), 0.0)
+    n_seq = has.sum().to(per_seq.dtype)
+    return (per_seq.sum() / torch.where(n_seq != 0, n_seq, torch.ones_like(n_seq))).float()
+
+
 def _metrics(terms: dict[str, Tensor], mask_f: Tensor, surrogate: str = "ppo") -> dict[str, Tensor]:
     """Masked means over counted tokens, detached fp32 0-dim tensors (no host sync)."""
     with torch.no_grad():
@@ -78,10 +96,15 @@ def _metrics(terms: dict[str, Tensor], mask_f: Tensor, surrogate: str = "ppo") -
             "approx_kl": mean(terms["neg_log_ratio"]),
             "clip_frac_low_seq_min": _sequence_extreme(terms["clipped_low"], mask_f, min),
             "clip_frac_high_seq_max": _sequence_extreme(terms["clipped_high"], mask_f, max),
+            "clip_frac_low_seq_mean": _sequence_mean(terms["clipped_low"], mask_f),
+            "clip_frac_high_seq_mean": _sequence_mean(terms["clipped_high"], mask_f),
         }
         aux = AUX_METRIC[SURROGATES.index(surrogate)]
         if aux is not None:
             out[aux] = mean(terms["aux"])
+        aux_seq = AUX_SEQ_METRIC[SURROGATES.index(surrogate)]
+        if aux_seq is not None:
+            out[aux_seq] = _sequence_mean(terms["aux"].detach(), mask_f)
         for name in ("kl", "kl_bias_corrected", "entropy"):
             if name in terms:
                 out[name] = mean(terms[name])

@@ -64,7 +64,14 @@ POLICY_COLUMNS = (
 )
 N_BASE_COLUMNS = POLICY_COLUMNS.index("is_weight_mean")
 # Metrics the finalize kernel computes past the columns' own (its output holds
-# ``len(POLICY_COLUMNS) + len(SEQUENCE_METRICS)`` values): per-sequence extremes of a
-# column's per-sequence mean, over the sequences with a counted token (TRL's
-# ``clip_ratio/low_min`` and ``clip_ratio/high_max``).
-SEQUENCE_METRICS = ("clip_frac_low_seq_min", "clip_frac_high_seq_max")
+# ``len(POLICY_COLUMNS) + len(SEQUENCE_METRICS)`` values), over the sequences with a counted
+# token, of a column's per-sequence mean: its extremes (TRL's ``clip_ratio/low_min`` and
+# ``clip_ratio/high_max``) and its mean (each sequence weighs 1: TRL's sequence-level clip
+# ratios, and VESPO's ``phi`` per sequence from the ``aux`` column).
+SEQUENCE_METRICS = (
+    "clip_frac_low_seq_min",
+    "clip_frac_high_seq_max",
+    "clip_frac_low_seq_mean",
+    "clip_frac_high_seq_mean",
+    "aux_seq_mean",
+)

@@ -42,6 +42,11 @@ def _seq_extreme(x, m, pick):
     return pick(shares) if shares else x.new_zeros(())
 
 
+def _seq_mean(x, m):
+    shares = [(x[b] * m[b]).sum() / m[b].sum() for b in range(x.shape[0]) if m[b].sum() > 0]
+    return torch.stack(shares).mean() if shares else x.new_zeros(())
+
+
 def oracle_policy_loss(
     logits,
     targets,
@@ -146,6 +151,8 @@ def oracle_policy_loss(
             # that have a counted token (0 when none has)
             "clip_frac_low_seq_min": _seq_extreme((clipped & (r < lo)).to(work), m, min),
             "clip_frac_high_seq_max": _seq_extreme((clipped & (r > hi)).to(work), m, max),
+            "clip_frac_low_seq_mean": _seq_mean((clipped & (r < lo)).to(work), m),
+            "clip_frac_high_seq_mean": _seq_mean((clipped & (r > hi)).to(work), m),
         }
         if kl_tok is not None:
             metrics["kl"] = _masked_mean(kl_tok.detach(), m)

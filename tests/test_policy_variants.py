@@ -137,6 +137,9 @@ def _oracle_logp(r, logp, *, surrogate, eps_low=0.2, eps_high=0.28, tau_pos=1.0,
     name = names.get(surrogate)
     if name:
         metrics[name] = mean(aux.detach())
+    if surrogate == "vespo":  # one phi per sequence, each counted sequence weighs 1
+        counted = m.sum(1) > 0
+        metrics["vespo_phi_seq_mean"] = aux.detach().expand(B, T)[counted, 0].mean()
     if beta and bias:  # TRL's kl metric under bias correction: the mean of k3 * r
         metrics["kl_bias_corrected"] = mean((k3 * ratio).detach())
     if is_weights_for_metrics is not None:
@@ -287,13 +290,14 @@ def test_surrogate_metric_names():
         )  # fmt: skip
         names[surrogate] = set(metrics)
     base = {"clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_max",
-            "approx_kl", "clip_frac_low_seq_min", "clip_frac_high_seq_max"}  # fmt: skip
+            "approx_kl", "clip_frac_low_seq_min", "clip_frac_high_seq_max",
+            "clip_frac_low_seq_mean", "clip_frac_high_seq_mean"}  # fmt: skip
     assert names["ppo"] == base | {"dual_clip_frac"}
     assert names["cispo"] == base | {"cispo_clip_frac"}
     assert names["sapo"] == base | {"sapo_gate_mean"}
     assert names["gpg"] == base
     assert names["gmpo"] == base
-    assert names["vespo"] == base | {"vespo_phi_mean"}
+    assert names["vespo"] == base | {"vespo_phi_mean", "vespo_phi_seq_mean"}
 
 
 @pytest.mark.parametrize(

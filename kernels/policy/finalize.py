@@ -12,6 +12,7 @@ import triton.language as tl
 from ..common import nan_max, nan_min
 from ..modes import LOSS_AGG_MODES
 from .layer2 import (
+    COL_AUX,
     COL_CLIPPED_HIGH,
     COL_CLIPPED_LOW,
     COL_COUNT,
@@ -19,7 +20,10 @@ from .layer2 import (
     COL_IS_MIN,
     COL_LOSS,
     COL_RATIO_MAX,
+    OUT_AUX_SEQ_MEAN,
     OUT_HIGH_SEQ_MAX,
+    OUT_HIGH_SEQ_MEAN,
+    OUT_LOW_SEQ_MEAN,
     OUT_LOW_SEQ_MIN,
 )
 
@@ -55,7 +59,8 @@ def _policy_finalize_kernel(
     backward's ``seq_scale``: ``w_t = m_t * seq_scale[b]`` with ``loss = sum_t w_t L_t``, one
     value per sequence for ``seq-mean-token-mean``, else one for all. The clip columns also
     give the min (low) / max (high) over sequences with a counted token of their
-    per-sequence mean (``metrics[OUT_*]``; 0 when no sequence counts).
+    per-sequence mean, and (with ``COL_AUX``) the mean over those sequences of it
+    (``metrics[OUT_*]``; 0 when no sequence counts).
     """
     k = tl.program_id(0)
     n_rows = n_outer.to(tl.int64) * rows_inner
@@ -67,6 +72,8 @@ def _policy_finalize_kernel(
     x_min = tl.zeros((), ACC) + float("inf")
     n_nan = tl.zeros((), tl.int32)
     seq_ext = tl.zeros((), ACC) + tl.where(k == COL_CLIPPED_LOW, float("inf"), float("-inf"))
+    seq_means = tl.zeros((), ACC)  # the sum over counted sequences of their means
+    n_counted = tl.zeros((), ACC)
     for b0 in range(0, n_outer, BLOCK_B):
         bs = b0 + tl.arange(0, BLOCK_B).to(tl.int64)
         in_b = bs < n_outer
@@ -97,6 +104,10 @@ def _policy_finalize_kernel(
             else:
                 seq_ext = nan_max(seq_ext, tl.max(tl.where(has_tokens, seq_mean, float("-inf")), 0))
             n_nan += tl.sum((has_tokens & (seq_mean != seq_mean)).to(tl.int32), 0)  # tl.min
+        if k == COL_CLIPPED_LOW or k == COL_CLIPPED_HIGH or k == COL_AUX:
+            has_seq = in_b & (sum_m != 0)
+            seq_means += tl.sum(tl.where(has_seq, sum_x / tl.where(has_seq, sum_m, 1.0), 0.0), 0)
+            n_counted += tl.sum(has_seq.to(ACC), 0)
         if AGG == AGG_SEQ_MEAN_TOKEN_MEAN:
             nonempty = sum_m != 0
             safe_m = tl.where(nonempty, sum_m, 1.0)
@@ -139,6 +150,12 @@ def _policy_finalize_kernel(
         seq_ext = tl.where(n_nan > 0, float("nan"), seq_ext)  # (tl.min / tl.max drop NaN)
         out = tl.where(k == COL_CLIPPED_LOW, OUT_LOW_SEQ_MIN, OUT_HIGH_SEQ_MAX)
         tl.store(metrics_ptr + out, seq_ext.to(tl.float32))
+        seq_mean_all = seq_means / tl.where(n_counted != 0, n_counted, 1.0)
+        out = tl.where(k == COL_CLIPPED_LOW, OUT_LOW_SEQ_MEAN, OUT_HIGH_SEQ_MEAN)
+        tl.store(metrics_ptr + out, seq_mean_all.to(tl.float32))
     else:
         mean = tl.where(tot_m != 0, tot_x / tl.where(tot_m != 0, tot_m, 1.0), 0.0)
         tl.store(metrics_ptr + k, mean.to(tl.float32))
+        if k == COL_AUX:
+            seq_mean_all = seq_means / tl.where(n_counted != 0, n_counted, 1.0)
+            tl.store(metrics_ptr + OUT_AUX_SEQ_MEAN, seq_mean_all.to(tl.float32))

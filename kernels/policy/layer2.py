@@ -142,6 +142,13 @@ OUT_LOW_SEQ_MIN = tl.constexpr(
 OUT_HIGH_SEQ_MAX = tl.constexpr(
     len(POLICY_COLUMNS) + SEQUENCE_METRICS.index("clip_frac_high_seq_max")
 )
+OUT_LOW_SEQ_MEAN = tl.constexpr(
+    len(POLICY_COLUMNS) + SEQUENCE_METRICS.index("clip_frac_low_seq_mean")
+)
+OUT_HIGH_SEQ_MEAN = tl.constexpr(
+    len(POLICY_COLUMNS) + SEQUENCE_METRICS.index("clip_frac_high_seq_mean")
+)
+OUT_AUX_SEQ_MEAN = tl.constexpr(len(POLICY_COLUMNS) + SEQUENCE_METRICS.index("aux_seq_mean"))
 
 
 SURROGATE_PPO = tl.constexpr(SURROGATES.index("ppo"))
