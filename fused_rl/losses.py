@@ -264,15 +264,18 @@ def policy_loss(
         ``clip_frac`` (clipped branch strictly chosen), ``clip_frac_low``,
         ``clip_frac_high`` (and over sequences, ``clip_frac_low_seq_min`` /
         ``clip_frac_high_seq_max``: the min / max of a sequence's share of such tokens,
-        TRL's ``clip_ratio/low_min`` / ``high_max``; 0 when no sequence counts),
+        TRL's ``clip_ratio/low_min`` / ``high_max``; ``clip_frac_low_seq_mean`` /
+        ``clip_frac_high_seq_mean``: their mean, each such sequence weighing 1; 0 when no
+        sequence counts),
         ``dual_clip_frac``, ``ratio_mean``, ``ratio_max``,
         ``approx_kl`` (``mean(old - logp)``), ``kl`` (when ``ref_logprobs`` is given;
         with ``kl_bias_correction`` also ``kl_bias_corrected``, the mean of ``kl * r``),
         ``entropy`` (when computed); per surrogate ``dual_clip_frac`` (ppo),
         ``cispo_clip_frac`` (cispo: ``r > 1 + eps_high`` where ``A > 0``, TRL's and Liger's
         ``clip_ratio``; ``clip_frac`` is then verl's two-sided ``r`` outside the band),
-        ``sapo_gate_mean`` (sapo), ``vespo_phi_mean`` (vespo: token-weighted, where TRL's
-        ``vespo/phi_seq_mean`` weighs sequences); ``is_weight_*`` with ``is_weights``. The
+        ``sapo_gate_mean`` (sapo), ``vespo_phi_mean`` (vespo: token-weighted) and
+        ``vespo_phi_seq_mean`` (each sequence with a counted token weighs 1, TRL's
+        ``vespo/phi_seq_mean``); ``is_weight_*`` with ``is_weights``. The
         computation never syncs with the host; in eager mode the check that targets lie in
         ``[0, V)`` syncs once, and the one that a float / integer ``mask`` holds no negative
         weight once more (switch both off with ``fused_rl.config.check_values = False``;

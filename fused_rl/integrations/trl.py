@@ -28,8 +28,10 @@ at each call, so FSDP / PEFT replacements made after construction are used. By d
 trainer's loss (``_compute_loss``) is TRL's own, fed with fused_rl's log-probs and entropies;
 ``GRPOTrainer(..., fused_rl_loss=True)`` / ``patch(loss=True)`` computes it, and every
 metric TRL logs with it, with one :func:`fused_rl.linear_policy_loss` call from the policy's
-last hidden states (``loss_type`` grpo, bnpo, dr_grpo, dapo; any other loss option of TRL's
-raises ``ValueError`` at construction naming it: :mod:`fused_rl.integrations._trl_loss`).
+last hidden states (every ``loss_type`` of TRL 1.16, sequence-level importance sampling,
+the entropy bonus (static or adaptive), top-entropy tokens, vLLM's importance-sampling
+correction, the MoE load-balancing loss; ``off_policy_mask_threshold`` raises ``ValueError``
+at construction: :mod:`fused_rl.integrations._trl_loss`).
 
 What fused_rl cannot do yet raises at construction (``ValueError`` naming the option), never
 a silent fall-back to TRL's head: ``final_logit_softcapping`` in the model config (Gemma 2 /
@@ -281,9 +283,12 @@ def _loss_forward(model, head: _Head, args, kwargs, request):
 
     kwargs["use_cache"] = False
     backbone_out = getattr(model, head.backbone)(*args, **kwargs)
+    aux_loss = None
+    if kwargs.get("output_router_logits"):
+        aux_loss = _load_balancing_loss(model, backbone_out, kwargs.get("attention_mask"))
     hidden, weight, bias, context = _head_inputs(model, head, backbone_out.last_hidden_state)
     with context:
-        return _trl_loss.loss_forward(hidden, weight, bias, request, head)
+        return _trl_loss.loss_forward(hidden, weight, bias, request, head, aux_loss)
 
 
 def _fused_forward(model, head: _Head, output_type, args, kwargs, labels, shift_labels,
