@@ -15,6 +15,10 @@
 #                  TRL's and verl's fused heads, Liger with inplace=True and False, eager,
 #                  torch.compile), then the host cost with real launches at 1 x 16 x 1024
 #   host           the host cost alone ($OUT/host.log)
+#   e2e            one GRPO step of TRL's GRPOTrainer, TRL's head against fused_rl's
+#                  integration (bench/e2e_trl.py: a random Qwen2.5-1.5B-shaped model,
+#                  vocabulary 151936, 2 x (256 + 4096) tokens): $OUT/e2e.log and
+#                  $OUT/results/e2e_trl.json (needs the trl and datasets wheels in .whl/)
 #
 # The bench part RESUMES: cases already in bench/results/<gpu>/results.json of this working
 # tree are skipped, so repeated calls (each under the 10-minute command limit) complete the
@@ -143,6 +147,13 @@ if [ "$PART" = peers ] || [ "$PART" = host ]; then
     echo "== host cost with real launches, 1 x 16 x 1024 bf16"
     "$PY" bench/run.py host --device cuda --tokens 16 --seqlen 16 --vocab 1024 --dtype bf16 \
         2>&1 | tee "$OUT/host.log"
+fi
+
+if [ "$PART" = e2e ]; then
+    echo "== one GRPO step of TRL's GRPOTrainer: TRL's head against fused_rl's"
+    "$PY" -m bench.e2e_trl --device cuda --out "$OUT/results/e2e_trl.json" "$@" 2>&1 \
+        | grep -v "Loading weights" | tee "$OUT/e2e.log" | tail -20
+    status=${PIPESTATUS[0]}
 fi
 
 exit "$status"

@@ -884,3 +884,22 @@ def test_training_loss_moe_aux_loss(tmp_path_factory, monkeypatch):
     worst = compare_logs(want_log, got_log)
     param_diff = compare_params(want_params, got_params)
     _report("loss, MoE aux loss", worst, param_diff, calls, seconds)
+
+
+@needs_trl
+def test_bench_e2e_parity(tmp_path):
+    """``bench/e2e_trl.py`` at its tiny shape: the three variants (TRL's head, fused_rl's
+    head, fused_rl's loss) step from the same weights on the same micro-batch to the same
+    loss and gradient norm."""
+    import json
+
+    from bench import e2e_trl
+
+    out = tmp_path / "e2e.json"
+    assert e2e_trl.main(["--device", "cpu", "--tiny", "--out", str(out)]) == 0
+    results = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
+    assert sorted(results) == sorted(e2e_trl.VARIANTS)
+    base = results["trl"]
+    for r in results.values():
+        assert abs(r["loss"] - base["loss"]) <= ATOL + RTOL * abs(base["loss"]), r["variant"]
+        assert abs(r["grad_norm"] - base["grad_norm"]) <= RTOL * base["grad_norm"], r["variant"]
