@@ -111,8 +111,11 @@ def test_fused_linear_for_ppo(lead, chunk, temperature, strided, dtype, backend_
 def test_fused_linear_for_ppo_module(device):
     module = verl.FusedLinearForPPO()
     assert isinstance(module, torch.nn.Module) and module.chunk_size == 512
-    assert "chunk_size=512" in repr(module)
+    assert "chunk_size=512" in repr(module) and module.impl_backend == "torch"
     assert list(module.parameters()) == []  # the lm_head weight is an argument, as in verl
+    assert verl.FusedLinearForPPO(impl_backend="liger").impl_backend == "liger"  # verl 0.9.1
+    with pytest.raises(ValueError, match="Unsupported FusedLinearForPPO backend: triton"):
+        verl.FusedLinearForPPO(impl_backend="triton")
     gen = torch.Generator().manual_seed(3)
     hidden, weight, ids = inputs(gen, (2, 5), torch.float32, device)
     # positional temperature, int ids of another dtype (verl casts them to int64)

@@ -31,6 +31,8 @@ class FusedLinearForPPO(torch.nn.Module):
 
     Args:
         chunk_size: tokens per chunk (verl's default 512); a positive int.
+        impl_backend: ``"torch"`` or ``"liger"`` (verl 0.9.1's choice of implementation;
+            both run fused_rl's op here); anything else raises verl's ``ValueError``.
 
     ``forward(hidden_states, vocab_weights, input_ids, temperature=1.0)``:
 
@@ -69,13 +71,18 @@ class FusedLinearForPPO(torch.nn.Module):
         (torch.Size([2, 3, 8]), torch.Size([16, 8]))
     """
 
-    def __init__(self, chunk_size: int = 512):
+    def __init__(self, chunk_size: int = 512, impl_backend: str = "torch"):
         super().__init__()
         V.check_positive_int(chunk_size, "chunk_size")
+        if impl_backend not in ("torch", "liger"):  # verl's check and message
+            raise ValueError(
+                f"Unsupported FusedLinearForPPO backend: {impl_backend}. Choose 'torch' or 'liger'."
+            )
         self.chunk_size = chunk_size
+        self.impl_backend = impl_backend
 
     def extra_repr(self) -> str:
-        return f"chunk_size={self.chunk_size}"
+        return f"chunk_size={self.chunk_size}, impl_backend={self.impl_backend!r}"
 
     def forward(
         self,

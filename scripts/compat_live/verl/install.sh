@@ -2,10 +2,11 @@
 # Install verl 0.9.1 into the live-check venv ($1 = its python; the venv is created with
 # --system-site-packages, so it already sees this machine's torch, triton and fused_rl).
 #
-# verl itself goes in with --no-deps; then only what `verl.trainer.ppo.core_algos` and
-# `verl.utils.torch_functional` import at module level (verl/__init__ pulls in ray, tensordict,
-# transformers and omegaconf; core_algos codetiming through verl.workers.config), with verl
-# 0.9.1's own version pins. A constraints file pins torch, triton and numpy to the versions the
+# verl itself goes in with --no-deps; then only what `verl.trainer.ppo.core_algos`,
+# `verl.utils.torch_functional` and the actor's loss module `verl.workers.utils.losses` import
+# at module level (verl/__init__ pulls in ray, tensordict, transformers and omegaconf;
+# core_algos codetiming through verl.workers.config; the losses module datasets and pillow
+# through verl.utils.dataset), with verl 0.9.1's own version pins. A constraints file pins torch, triton and numpy to the versions the
 # venv already sees, so pip can never replace them: it fails instead.
 #
 # verl's CPU unit tests are not in the wheel: they come from the sdist
@@ -35,6 +36,8 @@ pip_install \
     "transformers>=5.5.3,<5.11,!=5.6.0" \
     "omegaconf" \
     "codetiming" \
+    "datasets" \
+    "pillow" \
     "packaging>=20.0" \
     "pytest"
 
