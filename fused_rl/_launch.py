@@ -66,6 +66,13 @@ def f32_pair(x: float) -> tuple[float, float]:
     return hi, _to_f32(lo)
 
 
+# the vocab kernels' soft-cap pair ``(inv_cap_hi, inv_cap_lo)`` when there is no cap (unread:
+# ``HAS_SOFTCAP=False``). With a cap ``c`` the launchers pass ``f32_pair(c / T)`` where
+# ``f32_pair(1 / T)`` goes otherwise, and ``f32_pair(1 / c)`` here (``kernels/vocab/layer1.py``
+# ``scaled_logits``), written out at each launch so a call without a cap runs no more Python.
+NO_CAP = (0.0, 0.0)
+
+
 def _to_f32(x: float) -> float:
     """``x`` rounded to the nearest fp32 (inf beyond its range), on the host, no tensor."""
     try:

@@ -22,7 +22,7 @@ import functools
 import torch
 from torch import Tensor
 
-from ._launch import f32_pair, stats_dtype, triton_acc, vocab_launch
+from ._launch import NO_CAP, f32_pair, stats_dtype, triton_acc, vocab_launch
 from ._ops import FusedOp
 from ._vocab_ops import position_shift, token_stats_bwd_op, token_stats_fwd
 from .kernels.modes import (
@@ -171,9 +171,9 @@ def _token_layer(logp, entropy, targets, adv, old, ref, mask, is_w, ignore_index
 # ----------------------------------------------------------------------------- from logits
 
 
-def _fused_rows(logits3d, targets, adv, old, ref, mask, is_w, temperature, ignore_index, hyper,
-                modes, with_entropy, row_max, log_sum, entropy, g, h, part, grad=None,
-                row_scale=None, ent_scale=None):  # fmt: skip
+def _fused_rows(logits3d, targets, adv, old, ref, mask, is_w, temperature, softcap,
+                ignore_index, hyper, modes, with_entropy, row_max, log_sum, entropy, g, h, part,
+                grad=None, row_scale=None, ent_scale=None):  # fmt: skip
     """Launch the fused vocab-stream kernel (layer 1 + the token layer as epilogue), one
     program per target token, writing the per-token outputs and partial columns (and, with
     ``grad``/``row_scale``, each row's gradient: layer 3 in the same program)."""
@@ -191,10 +191,13 @@ def _fused_rows(logits3d, targets, adv, old, ref, mask, is_w, temperature, ignor
         ent_scale if ent_scale is not None else g, inner, position_shift(positions, inner),
         vocab, *logits3d.stride(),
         *targets.stride(), *adv.stride(), *_strides(old), *_strides(ref), *_strides(mask),
-        *_strides(is_w), *f32_pair(1.0 / temperature), ignore_index, _hyper(tuple(hyper)),
+        *_strides(is_w),
+        *f32_pair(1.0 / temperature if softcap is None else softcap / temperature),
+        *(NO_CAP if softcap is None else f32_pair(1.0 / softcap)), ignore_index,
+        _hyper(tuple(hyper)),
         HAS_OLD=old is not None, HAS_REF=ref is not None, HAS_MASK=mask is not None,
         HAS_IS=is_w is not None, WITH_ENTROPY=with_entropy, WRITE_GRAD=grad is not None,
-        HAS_ENT_SCALE=ent_scale is not None,
+        HAS_ENT_SCALE=ent_scale is not None, HAS_SOFTCAP=softcap is not None,
         ACC=triton_acc(logits3d.dtype), **_policy_switches(hyper, modes, ref is not None),
         **vocab_launch(vocab, writes=grad is not None),
     )  # fmt: skip
@@ -212,6 +215,7 @@ def policy_rows_grad_into(
     row_scale: Tensor,
     ent_scale: Tensor | None,
     temperature: float,
+    softcap: float | None,
     ignore_index: int,
     with_entropy: bool,
     hyper: list[float],
@@ -234,9 +238,9 @@ def policy_rows_grad_into(
     new = lambda on=True: logits3d.new_empty((outer, inner) if on else (0,), dtype=dtype)
     part = logits3d.new_empty((N_COLS, outer * inner), dtype=dtype)
     _fused_rows(
-        logits3d, targets, adv, old, ref, _mask_arg(mask), is_w, temperature, ignore_index,
-        hyper, modes, with_entropy or bonus, new(), new(), new(bonus), new(), new(bonus), part,
-        grad, row_scale, ent_scale,
+        logits3d, targets, adv, old, ref, _mask_arg(mask), is_w, temperature, softcap,
+        ignore_index, hyper, modes, with_entropy or bonus, new(), new(), new(bonus), new(),
+        new(bonus), part, grad, row_scale, ent_scale,
     )  # fmt: skip
     return part
 
@@ -252,6 +256,7 @@ def policy_rows_grad_fwd(
     row_scale: Tensor,
     ent_scale: Tensor | None,
     temperature: float,
+    softcap: float | None,
     ignore_index: int,
     with_entropy: bool,
     hyper: list[float],
@@ -262,7 +267,7 @@ def policy_rows_grad_fwd(
     grad = torch.empty(logits3d.shape, dtype=logits3d.dtype, device=logits3d.device)
     part = policy_rows_grad_into(
         grad, logits3d, targets, adv, old, ref, mask, is_w, row_scale, ent_scale, temperature,
-        ignore_index, with_entropy, hyper, modes,
+        softcap, ignore_index, with_entropy, hyper, modes,
     )  # fmt: skip
     return part, grad
 
@@ -318,6 +323,7 @@ def policy_loss_fwd(
     num_items_t: Tensor | None,
     ent_scale: Tensor | None,
     temperature: float,
+    softcap: float | None,
     ignore_index: int,
     with_entropy: bool,
     hyper: list[float],
@@ -345,7 +351,7 @@ def policy_loss_fwd(
     mask = _mask_arg(mask)
     if modes[3]:  # GSPO(-token), VESPO: layer 1, then the token layer over whole sequences
         logp, entropy, row_max, log_sum = token_stats_fwd(
-            logits3d, targets, temperature, ignore_index, with_entropy
+            logits3d, targets, temperature, softcap, ignore_index, with_entropy
         )
         _token_layer(
             logp, entropy if with_entropy else None, targets, adv, old, ref, mask, is_w,
@@ -356,8 +362,9 @@ def policy_loss_fwd(
     else:  # one fused pass: layer 1 with the token layer as epilogue
         row_max, log_sum, entropy = new(), new(), new(bonus)
         _fused_rows(
-            logits3d, targets, adv, old, ref, mask, is_w, temperature, ignore_index, hyper,
-            modes, with_entropy, row_max, log_sum, entropy, g, h, part, ent_scale=ent_scale,
+            logits3d, targets, adv, old, ref, mask, is_w, temperature, softcap, ignore_index,
+            hyper, modes, with_entropy, row_max, log_sum, entropy, g, h, part,
+            ent_scale=ent_scale,
         )  # fmt: skip
     loss, metrics, seq_scale = _finalize(
         part, outer, inner, dtype, modes[4], max_length, num_items, num_items_t,
@@ -367,7 +374,7 @@ def policy_loss_fwd(
 
 
 def _fwd_fake(logits3d, targets, adv, old, ref, mask, is_w, num_items_t, ent_scale,
-              temperature, ignore_index, with_entropy, hyper, modes, max_length,
+              temperature, softcap, ignore_index, with_entropy, hyper, modes, max_length,
               num_items):  # fmt: skip
     outer, inner = targets.shape
     dtype = stats_dtype(logits3d.dtype)
@@ -381,8 +388,8 @@ def _fwd_fake(logits3d, targets, adv, old, ref, mask, is_w, num_items_t, ent_sca
 
 
 def _fwd_setup(ctx, inputs, output):
-    logits3d, targets, temperature, ignore_index = inputs[0], inputs[1], inputs[9], inputs[10]
-    ctx.temperature, ctx.ignore_index = temperature, ignore_index
+    logits3d, targets = inputs[0], inputs[1]
+    ctx.temperature, ctx.softcap, ctx.ignore_index = inputs[9], inputs[10], inputs[11]
     _, metrics, seq_scale, row_max, log_sum, entropy, g, h = output
     ctx.save_for_backward(logits3d, targets, seq_scale, row_max, log_sum, entropy, g, h)
     ctx.mark_non_differentiable(metrics, seq_scale, row_max, log_sum, entropy, g, h)
@@ -396,7 +403,8 @@ def _fwd_backward(ctx, grad_loss, *_unused):
     if grad_loss is not None:
         grad = token_stats_bwd_op(
             logits3d, targets, row_max, log_sum, entropy if has_h else None, g,
-            h if has_h else None, grad_loss, seq_scale, ctx.temperature, ctx.ignore_index,
+            h if has_h else None, grad_loss, seq_scale, ctx.temperature, ctx.softcap,
+            ctx.ignore_index,
         )  # fmt: skip
     return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
 

@@ -13,6 +13,10 @@ Positions: the logits may carry more positions than there are targets, ``(B, S, 
 causal-LM shift: the last position predicts past the sequence, earlier ones belong to the
 prompt). The backward then writes the gradient of the whole buffer, zero outside the
 window, so no slice backward (a second full-size gradient plus a copy) ever runs.
+
+Scaling: every op takes ``temperature`` and ``softcap`` (None: no cap): the softmax is over
+``z = x / T``, or ``z = c tanh(x / c) / T`` with the soft cap ``c`` (Gemma's logit
+soft-capping, applied before the temperature).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 from torch import Tensor
 
 from . import _validation as V
-from ._launch import f32_pair, stats_dtype, triton_acc, vocab_launch
+from ._launch import NO_CAP, f32_pair, stats_dtype, triton_acc, vocab_launch
 from ._ops import FusedOp
 from ._shapes import as_rows3d
 from .reference import logprobs as ref
@@ -66,6 +70,7 @@ def token_stats_fwd(
     logits3d: Tensor,
     targets: Tensor | None,
     temperature: float,
+    softcap: float | None,
     ignore_index: int,
     with_entropy: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -90,14 +95,16 @@ def token_stats_fwd(
     _token_stats_fwd_kernel[(outer * inner,)](
         logits3d, tgt, logp, entropy, row_max, log_sum,
         inner, position_shift(positions, inner), vocab, *logits3d.stride(), *tgt.stride(),
-        *f32_pair(1.0 / temperature), ignore_index,
+        *f32_pair(1.0 / temperature if softcap is None else softcap / temperature),
+        *(NO_CAP if softcap is None else f32_pair(1.0 / softcap)), ignore_index,
         HAS_TARGETS=targets is not None, WITH_ENTROPY=with_entropy,
-        ACC=triton_acc(logits3d.dtype), **vocab_launch(vocab, writes=False),
+        HAS_SOFTCAP=softcap is not None, ACC=triton_acc(logits3d.dtype),
+        **vocab_launch(vocab, writes=False),
     )  # fmt: skip
     return logp, entropy, row_max, log_sum
 
 
-def _fwd_fake(logits3d, targets, temperature, ignore_index, with_entropy):
+def _fwd_fake(logits3d, targets, temperature, softcap, ignore_index, with_entropy):
     outer, positions, _ = logits3d.shape
     inner = positions if targets is None else targets.shape[1]
     dtype = stats_dtype(logits3d.dtype)
@@ -119,6 +126,7 @@ def token_stats_bwd(
     scale: Tensor | None,
     seq_scale: Tensor | None,
     temperature: float,
+    softcap: float | None,
     ignore_index: int,
 ) -> Tensor:
     """Launch the layer-3 kernel: the gradient w.r.t. the whole ``(outer, S, V)`` buffer
@@ -133,7 +141,7 @@ def token_stats_bwd(
     grad = torch.empty(logits3d.shape, dtype=logits3d.dtype, device=logits3d.device)
     return token_stats_bwd_into(
         grad, logits3d, targets, row_max, log_sum, entropy, g, h, scale, seq_scale,
-        temperature, ignore_index,
+        temperature, softcap, ignore_index,
     )  # fmt: skip
 
 
@@ -149,6 +157,7 @@ def token_stats_bwd_into(
     scale: Tensor | None,
     seq_scale: Tensor | None,
     temperature: float,
+    softcap: float | None,
     ignore_index: int,
 ) -> Tensor:
     """:func:`token_stats_bwd` writing into ``grad`` (contiguous, ``logits3d``'s shape and
@@ -184,13 +193,15 @@ def token_stats_bwd_into(
         *strides(g),
         *strides(h),
         seq_stride,
-        *f32_pair(1.0 / temperature),
+        *f32_pair(1.0 / temperature if softcap is None else softcap / temperature),
+        *(NO_CAP if softcap is None else f32_pair(1.0 / softcap)),
         ignore_index,
         HAS_TARGETS=targets is not None,
         HAS_G=g is not None and targets is not None,
         HAS_H=h is not None,
         HAS_SCALE=scale is not None,
         HAS_SEQ_SCALE=seq_scale is not None,
+        HAS_SOFTCAP=softcap is not None,
         ACC=triton_acc(logits3d.dtype),
         **vocab_launch(vocab, writes=True),
     )
@@ -209,10 +220,11 @@ token_stats_bwd_op.register_fake(_bwd_fake)
 
 
 def _setup_context(ctx, inputs, output):
-    logits3d, targets, temperature, ignore_index, with_entropy = inputs
+    logits3d, targets, temperature, softcap, ignore_index, with_entropy = inputs
     _, entropy, row_max, log_sum = output
     ctx.save_for_backward(logits3d, targets, row_max, log_sum, entropy)
-    ctx.temperature, ctx.ignore_index, ctx.with_entropy = temperature, ignore_index, with_entropy
+    ctx.temperature, ctx.softcap = temperature, softcap
+    ctx.ignore_index, ctx.with_entropy = ignore_index, with_entropy
     ctx.mark_non_differentiable(row_max, log_sum)
     ctx.set_materialize_grads(False)
 
@@ -226,7 +238,7 @@ def _backward(ctx, grad_logp, grad_entropy, _grad_max, _grad_log_sum):
     grad = token_stats_bwd_op(
         logits3d, targets, row_max, log_sum,
         entropy if grad_entropy is not None else None, grad_logp, grad_entropy, None, None,
-        ctx.temperature, ctx.ignore_index,
+        ctx.temperature, ctx.softcap, ctx.ignore_index,
     )  # fmt: skip
     return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
 
@@ -246,6 +258,7 @@ def token_stats_nocheck(
     ignore_index: int,
     with_entropy: bool,
     which: str,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``(logp, entropy or None)`` on already validated arguments and a resolved backend
     (the fused losses call this so the eager target-range check, a host sync, runs once)."""
@@ -253,14 +266,15 @@ def token_stats_nocheck(
         if targets.shape != logits.shape[:-1]:
             logits = window(logits, targets.shape[-1])
         logp, entropy = ref.token_stats(
-            logits, targets, temperature=temperature, ignore_index=ignore_index
+            logits, targets, temperature=temperature, ignore_index=ignore_index, softcap=softcap
         )
         return logp, entropy if with_entropy else None
     logits3d = as_rows3d(logits)
     n_targets = targets.shape[-1] if targets.dim() > 0 else 1
     t2d = targets.reshape(logits3d.shape[0], n_targets if logits.dim() > 1 else 1)
     logp, entropy, _, _ = token_stats_fwd_op(
-        logits3d, t2d, float(temperature), int(ignore_index), bool(with_entropy)
-    )
+        logits3d, t2d, float(temperature), None if softcap is None else float(softcap),
+        int(ignore_index), bool(with_entropy),
+    )  # fmt: skip
     logp = logp.reshape(targets.shape)
     return logp, entropy.reshape(targets.shape) if with_entropy else None

@@ -298,6 +298,7 @@ class _Spec:
     with_entropy: bool
     which: str
     check: bool
+    softcap: float | None = None  # the logit soft cap (None: none), applied before 1 / T
 
 
 def _local_targets(targets: Tensor, shard: VocabShard, ignore_index: int):
@@ -337,8 +338,10 @@ def _local_stats(x3d: Tensor, t_local: Tensor | None, spec: _Spec, inner: int):
     if spec.which == "reference":
         if inner != x.shape[1]:
             x = x.narrow(1, position_shift(x.shape[1], inner), inner)
-        return ref.row_stats(x, t_local, spec.temperature, LOCAL_IGNORE)
-    return token_stats_fwd_op(x, t_local, spec.temperature, LOCAL_IGNORE, spec.with_entropy)
+        return ref.row_stats(x, t_local, spec.temperature, LOCAL_IGNORE, spec.softcap)
+    return token_stats_fwd_op(
+        x, t_local, spec.temperature, spec.softcap, LOCAL_IGNORE, spec.with_entropy
+    )
 
 
 def _target_part(targets: Tensor, ignore_index: int, dtype) -> Tensor:
@@ -445,18 +448,18 @@ def _backward_local(x3d, t_local, m, log_s, entropy, g, h, spec: _Spec, inner: i
         if inner != positions:
             window = ref.grad_logits(
                 x.narrow(1, position_shift(positions, inner), inner), t_local, m, log_s,
-                entropy, g, h, spec.temperature, LOCAL_IGNORE,
+                entropy, g, h, spec.temperature, LOCAL_IGNORE, spec.softcap,
             )  # fmt: skip
             grad = x.new_zeros(x.shape)
             grad.narrow(1, position_shift(positions, inner), inner).copy_(window)
         else:
             grad = ref.grad_logits(
-                x, t_local, m, log_s, entropy, g, h, spec.temperature, LOCAL_IGNORE
+                x, t_local, m, log_s, entropy, g, h, spec.temperature, LOCAL_IGNORE, spec.softcap
             )
     else:
         grad = token_stats_bwd_op(
             x, t_local, m, log_s, entropy if h is not None else None, g, h, None, None,
-            spec.temperature, LOCAL_IGNORE,
+            spec.temperature, spec.softcap, LOCAL_IGNORE,
         )  # fmt: skip
     if valid != columns:  # padding columns (Megatron's padded vocabulary): zero gradient
         grad = torch.nn.functional.pad(grad, (0, columns - valid))
@@ -506,10 +509,12 @@ def sharded_token_stats(
     ignore_index: int,
     with_entropy: bool,
     which: str,
+    softcap: float | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
     """``(logp, entropy)`` (each None when not asked for) of the full-vocabulary softmax
-    from this rank's shard; arguments already checked locally (shapes, dtypes, temperature),
-    layout and target range checked here through the first collective."""
+    from this rank's shard; arguments already checked locally (shapes, dtypes, temperature,
+    softcap), layout and target range checked here through the first collective. The cap
+    is elementwise, so each rank caps its own columns before the merge."""
     check_vocab_limit(shard)
     x3d = as_rows3d(logits)
     t_local = ignored = t2d = None
@@ -519,7 +524,7 @@ def sharded_token_stats(
         t_local, ignored = _local_targets(t2d, shard, ignore_index)
     spec = _Spec(
         shard, float(temperature), int(ignore_index), targets is not None, bool(with_entropy),
-        which, V.value_checks_enabled(logits),
+        which, V.value_checks_enabled(logits), None if softcap is None else float(softcap),
     )  # fmt: skip
     logp, entropy = _ShardedTokenStats.apply(x3d, t2d, t_local, ignored, spec)
     shape = targets.shape if targets is not None else logits.shape[:-1]

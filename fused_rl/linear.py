@@ -92,16 +92,17 @@ def default_chunk_tokens(vocab: int, dtype: torch.dtype) -> int:
     return max(1, CHUNK_BYTES // max(1, vocab * itemsize))
 
 
-def _chunk_stats(z: Tensor, targets: Tensor, temperature, ignore_index, which):
+def _chunk_stats(z: Tensor, targets: Tensor, temperature, softcap, ignore_index, which):
     """``(logp, entropy, row_max, log_sum)`` of one chunk's ``(n, V)`` logits."""
     if which == "triton":
-        out = token_stats_fwd_op(z[None], targets[None], temperature, ignore_index, True)
+        out = token_stats_fwd_op(z[None], targets[None], temperature, softcap, ignore_index, True)
     else:
-        out = ref.row_stats(z[None], targets[None], temperature, ignore_index)
+        out = ref.row_stats(z[None], targets[None], temperature, ignore_index, softcap)
     return tuple(x[0] for x in out)
 
 
-def _chunk_grad(z, targets, row_max, log_sum, entropy, g, h, temperature, ignore_index, which):
+def _chunk_grad(z, targets, row_max, log_sum, entropy, g, h, temperature, softcap, ignore_index,
+                which):  # fmt: skip
     """``dL/dz`` of one chunk's ``(n, V)`` logits from per-token ``(n,)`` statistics and
     ``g``/``h``: layer 3, written over ``z`` in eager mode on the Triton path (a fresh buffer
     under ``torch.compile``, which cannot trace a mutation of its input)."""
@@ -109,10 +110,11 @@ def _chunk_grad(z, targets, row_max, log_sum, entropy, g, h, temperature, ignore
     args = (col(targets), col(row_max), col(log_sum), col(entropy), col(g), col(h))
     z3 = z[:, None]
     if which == "reference":
-        return ref.grad_logits(z3, *args, temperature, ignore_index)[:, 0]
+        return ref.grad_logits(z3, *args, temperature, ignore_index, softcap)[:, 0]
+    rest = (None, None, temperature, softcap, ignore_index)
     if torch.compiler.is_compiling() or _tracing():  # a traced op may not mutate its input
-        return token_stats_bwd_op(z3, *args, None, None, temperature, ignore_index)[:, 0]
-    return _stats_bwd_into(z3, z3, *args, None, None, temperature, ignore_index)[:, 0]
+        return token_stats_bwd_op(z3, *args, *rest)[:, 0]
+    return _stats_bwd_into(z3, z3, *args, *rest)[:, 0]
 
 
 _MM_OUT_DTYPE: dict[str, bool] = {}  # device type -> torch.addmm(..., out_dtype=) works there
@@ -158,8 +160,8 @@ class _LinearTokenStats(torch.autograd.Function):
     ``(N, H)`` ``dH`` so every rank holds the unsharded hidden gradient."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, ignore_index, chunk, which,
-                tp=None):  # fmt: skip
+    def forward(ctx, hidden, weight, bias, targets, temperature, softcap, ignore_index, chunk,
+                which, tp=None):  # fmt: skip
         ctx.tp = tp
         ctx.set_materialize_grads(False)
         if tp is not None:
@@ -173,11 +175,11 @@ class _LinearTokenStats(torch.autograd.Function):
         for start in range(0, n_rows, chunk):
             rows = slice(start, min(start + chunk, n_rows))
             z = F.linear(hidden[rows], weight, bias)
-            stats = _chunk_stats(z, targets[rows], temperature, ignore_index, which)
+            stats = _chunk_stats(z, targets[rows], temperature, softcap, ignore_index, which)
             logp[rows], entropy[rows], row_max[rows], log_sum[rows] = stats
             del z
         ctx.save_for_backward(hidden, weight, bias, targets, row_max, log_sum, entropy)
-        ctx.config = (temperature, ignore_index, chunk, which)
+        ctx.config = (temperature, softcap, ignore_index, chunk, which)
         return logp, entropy
 
     @staticmethod
@@ -201,7 +203,7 @@ class _LinearTokenStats(torch.autograd.Function):
             del z
         logp, entropy, m, log_s = merge_partials(local, targets, t_local, ignored, spec)
         ctx.save_for_backward(hidden, weight, bias, t_local, m, log_s, entropy)
-        ctx.config = (spec.temperature, spec.ignore_index, chunk, spec.which)
+        ctx.config = (spec.temperature, spec.softcap, spec.ignore_index, chunk, spec.which)
         return logp, (entropy if entropy is not None else m.new_empty((0,)))
 
     @staticmethod
@@ -220,11 +222,11 @@ class _LinearTokenStats(torch.autograd.Function):
     @staticmethod
     def _grads(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, targets, row_max, log_sum, entropy = ctx.saved_tensors
-        temperature, ignore_index, chunk, which = ctx.config
+        temperature, softcap, ignore_index, chunk, which = ctx.config
         tp = ctx.tp
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if grad_logp is None and grad_entropy is None:
-            return (None,) * 9
+            return (None,) * 10
         if grad_logp is None:
             grad_logp = torch.zeros_like(row_max)
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
@@ -243,7 +245,7 @@ class _LinearTokenStats(torch.autograd.Function):
             stats = (targets[rows], row_max[rows], log_sum[rows], _rows_of(entropy, rows),
                      grad_logp[rows], _rows_of(grad_entropy, rows))  # fmt: skip
             if tp is None:
-                dz = _chunk_grad(z, *stats, temperature, ignore_index, which)
+                dz = _chunk_grad(z, *stats, temperature, softcap, ignore_index, which)
             else:  # this rank's columns, the global statistics (here targets: local ids)
                 dz = _shard_chunk_grad(z, *stats, tp.spec)
             if need_h:
@@ -263,7 +265,7 @@ class _LinearTokenStats(torch.autograd.Function):
             d_hidden,
             dw_out.to(out_dtype) if need_w else None,
             db_out.to(out_dtype) if need_b else None,
-            None, None, None, None, None, None,
+            None, None, None, None, None, None, None,
         )  # fmt: skip
 
 
@@ -288,7 +290,7 @@ def _shard_chunk_grad(z, t_local, row_max, log_sum, entropy, g, h, spec):
 
     if spec.which == "triton" and spec.shard.valid == z.shape[1] > 0:
         return _chunk_grad(z, t_local, row_max, log_sum, entropy, g, h, spec.temperature,
-                           LOCAL_IGNORE, "triton")  # fmt: skip
+                           spec.softcap, LOCAL_IGNORE, "triton")  # fmt: skip
     row = lambda t: None if t is None else t[None]  # noqa: E731
     return _backward_local(
         z[None], t_local[None], row_max[None], log_sum[None], row(entropy), g[None], row(h),
@@ -311,6 +313,7 @@ class _LinearLaunch:
     chunking, and the config's kernel table (``PolicyConfig.kernel_params`` / ``modes``)."""
 
     temperature: float
+    softcap: float | None
     ignore_index: int
     with_entropy: bool
     chunk: int
@@ -339,7 +342,7 @@ class _LinearPolicyLoss(torch.autograd.Function):
     def forward(ctx, rows, weight, bias, targets, adv, old, ref, mask, is_w, row_scale,
                 ent_scale, num_items_t, kept, launch):  # fmt: skip
         temperature, ignore_index = launch.temperature, launch.ignore_index
-        with_entropy = launch.with_entropy
+        softcap, with_entropy = launch.softcap, launch.with_entropy
         n_rows = rows.shape[0]
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         acc = stats_dtype(rows.dtype)
@@ -368,7 +371,7 @@ class _LinearPolicyLoss(torch.autograd.Function):
             z = F.linear(h_c, weight, bias)
             args = (col(targets, c), col(adv, c), col(old, c), col(ref, c), col(mask, c),
                     col(is_w, c), row_scale[c], None if ent_scale is None else ent_scale[c],
-                    temperature, ignore_index, with_entropy, launch.hyper,
+                    temperature, softcap, ignore_index, with_entropy, launch.hyper,
                     launch.modes)  # fmt: skip
             if torch.compiler.is_compiling() or _tracing():  # a traced op may not mutate
                 part[:, r], dz3 = policy_rows_grad_fwd_op(z[:, None], *args)
@@ -492,8 +495,8 @@ def _window_rows(hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
     return hidden.reshape(batch * length, hidden.shape[-1]), targets.reshape(-1)
 
 
-def _prepare(hidden, weight, bias, targets, temperature, ignore_index, chunk_tokens, backend,
-             sharded=False):  # fmt: skip
+def _prepare(hidden, weight, bias, targets, temperature, softcap, ignore_index, chunk_tokens,
+             backend, sharded=False):  # fmt: skip
     """Checked inputs of a linear op: ``(rows, weight, bias, flat_targets, chunk, which)``
     with ``rows`` the ``(N, H)`` hidden rows that predict the ``(N,)`` targets, in the
     autocast dtype under ``torch.autocast``. ``sharded``: ``weight`` is a vocabulary shard
@@ -505,6 +508,8 @@ def _prepare(hidden, weight, bias, targets, temperature, ignore_index, chunk_tok
     if targets.dtype not in V.INDEX_DTYPES:
         raise TypeError(f"targets must be an int64 or int32 tensor, got {targets.dtype}")
     V.check_positive(temperature, "temperature")
+    if softcap is not None:
+        V.check_positive(softcap, "softcap")
     V.check_same_device(hidden=hidden, targets=targets)
     if chunk_tokens is not None:
         V.check_number(chunk_tokens, "chunk_tokens")
@@ -526,6 +531,7 @@ def linear_token_logprobs(
     *,
     bias: Tensor | None = None,
     temperature: float = 1.0,
+    softcap: float | None = None,
     ignore_index: int = -100,
     return_entropy: bool = False,
     chunk_tokens: int | None = None,
@@ -550,6 +556,8 @@ def linear_token_logprobs(
             the causal-LM shift; other rows get a zero gradient) or ``(N,)``; int64 / int32.
         bias: optional ``(V,)``.
         temperature, ignore_index, return_entropy, backend: as :func:`token_logprobs`.
+        softcap: Gemma-style soft cap ``c`` of the logits, as :func:`token_logprobs`: each
+            chunk's ``z = hidden @ weight.T + bias`` becomes ``c tanh(z / c)``, then ``/ T``.
         chunk_tokens: rows per chunk; None keeps a chunk's logits under 256 MiB
             (``fused_rl.linear.CHUNK_BYTES``).
         process_group: vocabulary (tensor) parallelism, the Megatron ``ColumnParallelLinear``
@@ -597,26 +605,28 @@ def linear_token_logprobs(
     if not isinstance(reduce_hidden_grad, bool):
         raise TypeError(f"reduce_hidden_grad must be a bool, got {type(reduce_hidden_grad)}")
     rows, weight, bias, flat_targets, chunk, which = _prepare(
-        hidden, weight, bias, targets, temperature, ignore_index, chunk_tokens, backend,
-        sharded,
+        hidden, weight, bias, targets, temperature, softcap, ignore_index, chunk_tokens,
+        backend, sharded,
     )  # fmt: skip
+    cap = None if softcap is None else float(softcap)
     tp = None
     if sharded:
         tp = _tensor_parallel(
-            process_group, weight, vocab_start, vocab_size, temperature, ignore_index,
+            process_group, weight, vocab_start, vocab_size, temperature, cap, ignore_index,
             return_entropy, which, reduce_hidden_grad, rows,
         )  # fmt: skip
     with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
         logp, entropy = _LinearTokenStats.apply(
-            rows, weight, bias, flat_targets, float(temperature), int(ignore_index), chunk,
-            which, tp,
+            rows, weight, bias, flat_targets, float(temperature), cap, int(ignore_index),
+            chunk, which, tp,
         )  # fmt: skip
     logp = logp.view(targets.shape)
     return (logp, entropy.view(targets.shape)) if return_entropy else logp
 
 
-def _tensor_parallel(group, weight, vocab_start, vocab_size, temperature, ignore_index,
-                     with_entropy, which, reduce_hidden, rows) -> _TensorParallel:  # fmt: skip
+def _tensor_parallel(group, weight, vocab_start, vocab_size, temperature, softcap,
+                     ignore_index, with_entropy, which, reduce_hidden,
+                     rows) -> _TensorParallel:  # fmt: skip
     """This rank's shard of the lm_head (``weight``'s rows) in ``group``, as a
     :class:`_TensorParallel` for :class:`_LinearTokenStats`."""
     from .distributed import _Spec, check_vocab_limit, group_shard
@@ -625,7 +635,7 @@ def _tensor_parallel(group, weight, vocab_start, vocab_size, temperature, ignore
     check_vocab_limit(shard)
     spec = _Spec(
         shard, float(temperature), int(ignore_index), True, bool(with_entropy), which,
-        V.value_checks_enabled(rows),
+        V.value_checks_enabled(rows), softcap,
     )  # fmt: skip
     return _TensorParallel(spec, reduce_hidden)
 
@@ -644,6 +654,7 @@ def linear_policy_loss(
     ref_logprobs: Tensor | None = None,
     mask: Tensor | None = None,
     temperature: float = 1.0,
+    softcap: float | None = None,
     with_entropy: bool = False,
     is_weights: Tensor | None = None,
     num_items: int | float | Tensor | None = None,
@@ -662,7 +673,9 @@ def linear_policy_loss(
 
     Shapes and ``chunk_tokens`` as :func:`linear_token_logprobs` (``hidden`` ``(B, S, H)``
     with ``(B, T)`` targets, ``S >= T``); every other keyword as :func:`policy_loss`
-    (the policy options: :class:`fused_rl.PolicyConfig`, or ``policy_config=``).
+    (the policy options: :class:`fused_rl.PolicyConfig`, or ``policy_config=``);
+    ``softcap``: the soft cap ``c`` of the logits, ``c tanh(z / c) / T`` with
+    ``z = hidden @ weight.T + bias`` (as :func:`linear_token_logprobs`).
 
     How (module docstring): with gradients on and ``importance_sampling="token"`` on the
     Triton backend, one pass over the chunks computes the loss, the metrics and the
@@ -697,19 +710,21 @@ def linear_policy_loss(
     # sequence's total first, GSPO its ratio, the entropy selection every entropy)
     if policy.token_level and process_group is None and _grad_wanted(hidden, weight, bias):
         rows, weight_c, bias_c, flat_targets, chunk, which = _prepare(
-            hidden, weight, bias, targets, temperature, ignore_index, chunk_tokens, backend
-        )
+            hidden, weight, bias, targets, temperature, softcap, ignore_index, chunk_tokens,
+            backend,
+        )  # fmt: skip
         if which == "triton":
             return _fused_policy_loss(
                 rows, weight_c, bias_c, flat_targets, targets.shape, advantages, old_logprobs,
                 ref_logprobs, mask, is_weights, num_items, chunk, temperature=temperature,
-                ignore_index=ignore_index, with_entropy=need_entropy, policy=policy,
+                softcap=softcap, ignore_index=ignore_index, with_entropy=need_entropy,
+                policy=policy,
             )  # fmt: skip
     out = linear_token_logprobs(
-        hidden, weight, targets, bias=bias, temperature=temperature, ignore_index=ignore_index,
-        return_entropy=need_entropy, chunk_tokens=chunk_tokens, process_group=process_group,
-        vocab_start=vocab_start, vocab_size=vocab_size, reduce_hidden_grad=reduce_hidden_grad,
-        backend=backend,
+        hidden, weight, targets, bias=bias, temperature=temperature, softcap=softcap,
+        ignore_index=ignore_index, return_entropy=need_entropy, chunk_tokens=chunk_tokens,
+        process_group=process_group, vocab_start=vocab_start, vocab_size=vocab_size,
+        reduce_hidden_grad=reduce_hidden_grad, backend=backend,
     )  # fmt: skip
     logp, entropy = out if need_entropy else (out, None)
     return loss_from_token_stats(
@@ -757,7 +772,7 @@ def _counted_rows(m: Tensor, rows: Tensor) -> Tensor | None:
 
 
 def _fused_policy_loss(rows, weight, bias, flat_targets, shape, advantages, old, ref, mask,
-                       is_weights, num_items, chunk, *, temperature, ignore_index,
+                       is_weights, num_items, chunk, *, temperature, softcap, ignore_index,
                        with_entropy, policy):  # fmt: skip
     """The Triton path of :func:`linear_policy_loss` for token-level importance sampling
     (:class:`_LinearPolicyLoss`): per-token inputs flattened to ``(N,)`` and the
@@ -774,7 +789,8 @@ def _fused_policy_loss(rows, weight, bias, flat_targets, shape, advantages, old,
     kept = _counted_rows(m, rows)
     n_items, n_items_t = num_items_args(num_items)
     launch = _LinearLaunch(
-        float(temperature), int(ignore_index), bool(with_entropy), chunk, shape,
+        float(temperature), None if softcap is None else float(softcap), int(ignore_index),
+        bool(with_entropy), chunk, shape,
         float(policy.max_length or length), n_items, policy.kernel_params,
         policy.kernel_modes,
     )  # fmt: skip

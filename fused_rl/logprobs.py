@@ -20,7 +20,7 @@ from .reference import logprobs as ref
 # ----------------------------------------------------------------------------- public API
 
 
-def _check_common(logits: Tensor, temperature: float, sharded: bool = False) -> None:
+def _check_common(logits: Tensor, temperature: float, softcap, sharded: bool = False) -> None:
     if sharded:  # a vocabulary shard may be empty (a DTensor's trailing ranks, ragged)
         V.check_float(logits, "logits")
         if logits.dim() < 1:
@@ -28,6 +28,8 @@ def _check_common(logits: Tensor, temperature: float, sharded: bool = False) -> 
     else:
         V.check_logits(logits)
     V.check_positive(temperature, "temperature")
+    if softcap is not None:  # no call without a cap: a frame costs host time on every step
+        V.check_positive(softcap, "softcap")
 
 
 def token_logprobs(
@@ -35,6 +37,7 @@ def token_logprobs(
     targets: Tensor,
     *,
     temperature: float = 1.0,
+    softcap: float | None = None,
     ignore_index: int = -100,
     return_entropy: bool = False,
     process_group=None,
@@ -55,6 +58,11 @@ def token_logprobs(
         targets: ``(...)`` = ``logits.shape[:-1]``, or ``(..., T)`` for ``(..., S, V)``
             logits with ``S > T``; int64 or int32, any strides.
         temperature: logits are divided by it (``> 0``), as torchtune / verl do.
+        softcap: Gemma-style logit soft-capping (a finite ``c > 0``; None = none): the logits
+            become ``c * tanh(logits / c)`` before the division by ``temperature``, and the
+            gradient goes through the cap. Every output is then of ``softmax(z)``,
+            ``z = c tanh(logits / c) / T`` (the cap applies to the raw logits: a ``-inf``
+            logit becomes ``-c``).
         ignore_index: targets equal to it give 0 for every output and exactly 0 gradient.
         return_entropy: also return ``H = -sum p log p`` of ``softmax(logits / T)``,
             differentiable (an entropy bonus), at no extra pass over the logits.
@@ -94,16 +102,16 @@ def token_logprobs(
     """
     if process_group is not None or _vocab_parallel(logits, vocab_start, vocab_size):
         return _sharded(
-            logits, targets, temperature=temperature, ignore_index=ignore_index,
-            with_entropy=return_entropy, process_group=process_group, vocab_start=vocab_start,
-            vocab_size=vocab_size, backend=backend,
+            logits, targets, temperature=temperature, softcap=softcap,
+            ignore_index=ignore_index, with_entropy=return_entropy, process_group=process_group,
+            vocab_start=vocab_start, vocab_size=vocab_size, backend=backend,
         )  # fmt: skip
-    _check_common(logits, temperature)
+    _check_common(logits, temperature, softcap)
     check_targets_window(targets, logits)
     V.check_target_range(targets, logits.shape[-1], ignore_index, "targets")
     which = resolve_backend(backend, logits, targets)
     logp, entropy = token_stats_nocheck(
-        logits, targets, temperature, ignore_index, return_entropy, which
+        logits, targets, temperature, ignore_index, return_entropy, which, softcap
     )
     return (logp, entropy) if return_entropy else logp
 
@@ -112,6 +120,7 @@ def token_entropy(
     logits: Tensor,
     *,
     temperature: float = 1.0,
+    softcap: float | None = None,
     process_group=None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
@@ -121,6 +130,8 @@ def token_entropy(
 
     Args:
         logits: ``(..., V)`` float, any strides.
+        temperature, softcap: as for :func:`token_logprobs` (the entropy of
+            ``softmax(c tanh(logits / c) / T)`` with a soft cap ``c``).
         process_group, vocab_start, vocab_size: vocabulary parallelism, as for
             :func:`token_logprobs` (12 bytes per token over two all-reduces forward,
             nothing backward); a ``DTensor`` placed ``Shard(-1)`` brings its own group.
@@ -135,16 +146,17 @@ def token_entropy(
     """
     if process_group is not None or _vocab_parallel(logits, vocab_start, vocab_size):
         return _sharded(
-            logits, None, temperature=temperature, ignore_index=-100, with_entropy=True,
-            process_group=process_group, vocab_start=vocab_start, vocab_size=vocab_size,
-            backend=backend,
+            logits, None, temperature=temperature, softcap=softcap, ignore_index=-100,
+            with_entropy=True, process_group=process_group, vocab_start=vocab_start,
+            vocab_size=vocab_size, backend=backend,
         )  # fmt: skip
-    _check_common(logits, temperature)
+    _check_common(logits, temperature, softcap)
     which = resolve_backend(backend, logits)
     if which == "reference":
-        return ref.token_stats(logits, None, temperature=temperature)[1]
+        return ref.token_stats(logits, None, temperature=temperature, softcap=softcap)[1]
     logits3d = as_rows3d(logits)
-    _, entropy, _, _ = token_stats_fwd_op(logits3d, None, float(temperature), -100, True)
+    cap = None if softcap is None else float(softcap)
+    _, entropy, _, _ = token_stats_fwd_op(logits3d, None, float(temperature), cap, -100, True)
     return entropy.reshape(logits.shape[:-1])
 
 
@@ -153,26 +165,26 @@ def _vocab_parallel(logits, vocab_start, vocab_size) -> bool:
 
 
 def _sharded(
-    logits, targets, *, temperature, ignore_index, with_entropy, process_group, vocab_start,
-    vocab_size, backend,
+    logits, targets, *, temperature, softcap, ignore_index, with_entropy, process_group,
+    vocab_start, vocab_size, backend,
 ):  # fmt: skip
     """The vocabulary-parallel path (``fused_rl.distributed``): ``logp`` / ``(logp,
     entropy)`` / ``entropy`` (``targets`` None) of the whole vocabulary's softmax."""
     logits, targets, shard = resolve_shard(logits, targets, process_group, vocab_start, vocab_size)
     if shard is None:  # a DTensor replicated over the vocabulary: an ordinary call
         if targets is None:
-            return token_entropy(logits, temperature=temperature, backend=backend)
+            return token_entropy(logits, temperature=temperature, softcap=softcap, backend=backend)
         return token_logprobs(
-            logits, targets, temperature=temperature, ignore_index=ignore_index,
-            return_entropy=with_entropy, backend=backend,
+            logits, targets, temperature=temperature, softcap=softcap,
+            ignore_index=ignore_index, return_entropy=with_entropy, backend=backend,
         )  # fmt: skip
-    _check_common(logits, temperature, sharded=True)
+    _check_common(logits, temperature, softcap, sharded=True)
     if targets is not None:
         check_targets_window(targets, logits)
     which = resolve_backend(backend, logits, targets)
     logp, entropy = sharded_token_stats(
-        logits, targets, shard, temperature=temperature, ignore_index=ignore_index,
-        with_entropy=with_entropy, which=which,
+        logits, targets, shard, temperature=temperature, softcap=softcap,
+        ignore_index=ignore_index, with_entropy=with_entropy, which=which,
     )  # fmt: skip
     if targets is None:
         return entropy

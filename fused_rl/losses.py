@@ -199,6 +199,7 @@ def policy_loss(
     ref_logprobs: Tensor | None = None,
     mask: Tensor | None = None,
     temperature: float = 1.0,
+    softcap: float | None = None,
     with_entropy: bool = False,
     is_weights: Tensor | None = None,
     num_items: int | float | Tensor | None = None,
@@ -236,6 +237,9 @@ def policy_loss(
             mode (one host sync, with the target check below); unchecked (``torch.compile``,
             ``fused_rl.config.check_values = False``) it makes the loss NaN.
         temperature: logits are divided by it.
+        softcap: Gemma-style logit soft-capping (a finite ``c > 0``; None = none):
+            ``logp = log_softmax(c tanh(logits / c) / T)[target]``, the cap before the
+            temperature, its gradient included (as :func:`fused_rl.token_logprobs`).
         with_entropy: report the mean entropy as a metric even when ``entropy_coef == 0``.
         is_weights: rollout (behaviour-policy, e.g. vLLM) importance-sampling weights,
             ``(B, T)``, ``(B, 1)`` or ``(B,)`` constants (see
@@ -298,6 +302,9 @@ def policy_loss(
     V.check_logits(logits)
     check_targets_window(targets, logits)
     V.check_positive(temperature, "temperature")
+    if softcap is not None:  # no call without a cap: a frame costs host time on every step
+        V.check_positive(softcap, "softcap")
+        softcap = float(softcap)
     batch, length = targets.shape
     adv2d = advantages_2d(advantages, batch, length)
     check_token_tensors(
@@ -315,8 +322,8 @@ def policy_loss(
         return _composed_policy_loss(
             logits, targets, advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
             mask=mask, is_weights=is_weights, num_items=num_items, temperature=temperature,
-            ignore_index=ignore_index, need_entropy=need_entropy, process_group=process_group,
-            policy=policy, backend=backend,
+            softcap=softcap, ignore_index=ignore_index, need_entropy=need_entropy,
+            process_group=process_group, policy=policy, backend=backend,
         )  # fmt: skip
     V.check_target_range(targets, logits.shape[-1], ignore_index, "targets")
     V.check_mask_weights(mask, "mask")
@@ -331,8 +338,9 @@ def policy_loss(
             ent = per_row(entropy_scale(m, policy, num_items), (batch, length))
         loss, metrics, *_ = policy_loss_fwd_op(
             logits, targets, adv2d, old_logprobs, ref_logprobs, mask, is_w, n_items_t, ent,
-            float(temperature), int(ignore_index), bool(need_entropy), policy.kernel_params,
-            policy.kernel_modes, float(policy.max_length or length), n_items,
+            float(temperature), softcap, int(ignore_index), bool(need_entropy),
+            policy.kernel_params, policy.kernel_modes, float(policy.max_length or length),
+            n_items,
         )  # fmt: skip
         out = metrics_dict(metrics, has_kl=ref_logprobs is not None, has_entropy=need_entropy,
                            surrogate=SURROGATES.index(policy.surrogate),
@@ -348,7 +356,7 @@ def policy_loss(
     if length != logits.shape[1]:
         logits = window(logits, length)
     logp, entropy = token_stats_nocheck(
-        logits, targets, temperature, ignore_index, need_entropy, which
+        logits, targets, temperature, ignore_index, need_entropy, which, softcap
     )
     return _loss_from_logprobs(
         logp, entropy, adv2d, mask_f, weights, num_items, is_w, policy, old_logp=old_logprobs,
@@ -452,7 +460,7 @@ def policy_loss_from_logprobs(
 
 
 def _composed_policy_loss(
-    logits: Tensor, targets: Tensor, advantages: Tensor, *, temperature, ignore_index,
+    logits: Tensor, targets: Tensor, advantages: Tensor, *, temperature, softcap, ignore_index,
     need_entropy: bool, process_group, backend: str, **loss_inputs,
 ) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
     """:func:`fused_rl.policy_loss` by composition: :func:`fused_rl.token_logprobs` (with
@@ -462,7 +470,7 @@ def _composed_policy_loss(
     rank's shard, no collective backward) and for the top-entropy selection (its threshold
     needs every token's entropy)."""
     out = token_logprobs(
-        logits, targets, temperature=temperature, ignore_index=ignore_index,
+        logits, targets, temperature=temperature, softcap=softcap, ignore_index=ignore_index,
         return_entropy=need_entropy, process_group=process_group, backend=backend,
     )  # fmt: skip
     logp, entropy = out if need_entropy else (out, None)

@@ -12,7 +12,9 @@ from .losses import policy_loss
 from .policy_config import OPTION_NAMES, PolicyConfig
 
 # what a call needs besides the policy options and the per-batch tensors
-_CALL_OPTIONS = ("temperature", "with_entropy", "ignore_index", "process_group", "backend")
+_CALL_OPTIONS = (
+    "temperature", "softcap", "with_entropy", "ignore_index", "process_group", "backend",
+)  # fmt: skip
 
 
 def _check_call_options(options: dict) -> None:
@@ -20,6 +22,7 @@ def _check_call_options(options: dict) -> None:
     a config fails when the module is built, not at the first training step."""
     if "temperature" in options:
         V.check_positive(options["temperature"], "temperature")
+    V.check_positive(options.get("softcap"), "softcap", allow_none=True)
     V.check_choice(options.get("backend", "auto"), BACKENDS, "backend")
     ignore_index = options.get("ignore_index", -100)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
@@ -36,12 +39,13 @@ class PolicyLoss(torch.nn.Module):
 
     The constructor takes the policy options (every :class:`fused_rl.PolicyConfig` field,
     or a whole ``policy_config``; held as ``self.policy_config``) and the call options
-    ``temperature``, ``with_entropy``, ``ignore_index``, ``process_group``, ``backend``
-    (``self.call_options``), all checked at construction; ``kl=`` is a deprecated alias of
-    ``kl_estimator=``, with one ``FutureWarning`` at construction. ``forward`` takes the
-    per-batch tensors, as
-    :func:`fused_rl.policy_loss` does: ``mask`` is ``(B, T)`` bool, integer or float, a float
-    (or integer) mask being per-token weights ``>= 0`` (see :func:`fused_rl.policy_loss`).
+    ``temperature``, ``softcap`` (Gemma-style logit soft-capping, see
+    :func:`fused_rl.policy_loss`), ``with_entropy``, ``ignore_index``, ``process_group``,
+    ``backend`` (``self.call_options``), all checked at construction; ``kl=`` is a
+    deprecated alias of ``kl_estimator=``, with one ``FutureWarning`` at construction.
+    ``forward`` takes the per-batch tensors, as :func:`fused_rl.policy_loss` does: ``mask``
+    is ``(B, T)`` bool, integer or float, a float (or integer) mask being per-token weights
+    ``>= 0`` (see :func:`fused_rl.policy_loss`).
 
     Example:
         >>> import torch

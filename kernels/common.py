@@ -30,6 +30,17 @@ def token_offset(row, rows_inner, stride_outer, stride_inner):
     return outer * stride_outer + inner * stride_inner
 
 
+@triton.jit
+def tanh_and_sech2(u):
+    """``(tanh u, 1 - tanh^2 u)`` from one ``e = exp(-2|u|)``: ``tanh |u| = (1 - e) / (1 + e)``
+    and ``sech^2 u = 4 e / (1 + e)^2``, neither cancelling for large ``|u|`` (no
+    ``1 - tanh^2``); ``u = +-inf`` gives ``(+-1, 0)``, NaN gives NaN."""
+    e = tl.exp(-2.0 * tl.abs(u))
+    r = 1.0 / (1.0 + e)
+    t = (1.0 - e) * r
+    return tl.where(u < 0, -t, t), 4.0 * e * r * r
+
+
 # ``tl.minimum``/``tl.maximum`` default to min/max-num semantics: they return the other operand
 # when one is NaN, which would turn a NaN token into a finite loss. These propagate NaN exactly
 # as ``torch.minimum``/``torch.maximum``/``torch.clamp`` do; every kernel uses them

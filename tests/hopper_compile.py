@@ -35,7 +35,8 @@ MODULES = [
 ]
 # runtime float arguments (everything else that is not a pointer is an integer)
 FLOAT_ARGS = {
-    "inv_t_hi", "inv_t_lo", "eps_low", "eps_high", "dual_clip", "delta", "beta", "entropy_coef",
+    "inv_t_hi", "inv_t_lo", "inv_cap_hi", "inv_cap_lo", "eps_low", "eps_high", "dual_clip",
+    "delta", "beta", "entropy_coef",
     "eps", "correction", "clip_hi", "clip_lo", "lo_hi", "lo_lo", "hi_hi", "hi_lo",
     "vclip_hi", "vclip_lo", "coeff_hi", "coeff_lo", "gamma_hi", "gamma_lo", "decay_hi",
     "decay_lo", "coef_hi", "coef_lo", "num_items", "n_seq", "max_length", "eps_hi", "eps_lo",
@@ -221,14 +222,21 @@ def vocab_stream_vectorised() -> list[str]:
 
     policy = dict(HAS_OLD=True, HAS_REF=True, HAS_MASK=True, ADD_KL=True, KL_KIND=2,
                   SURROGATE=0, HAS_IS=True, BIAS_KL=False, WITH_ENTROPY=True,
-                  ENTROPY_BONUS=True, USE_DUAL=True, USE_DELTA=True)  # fmt: skip
+                  ENTROPY_BONUS=True, USE_DUAL=True, USE_DELTA=True, HAS_ENT_SCALE=False,
+                  HAS_SOFTCAP=False)  # fmt: skip
+    bwd = dict(HAS_TARGETS=True, HAS_G=True, HAS_H=True, HAS_SCALE=True, HAS_SEQ_SCALE=True)
     cases = [  # (kernel, flags, writes a gradient row)
-        (_token_stats_fwd_kernel, dict(HAS_TARGETS=True, WITH_ENTROPY=True), False),
-        (_token_stats_bwd_kernel, dict(HAS_TARGETS=True, HAS_G=True, HAS_H=True,
-                                       HAS_SCALE=True, HAS_SEQ_SCALE=True), True),
+        (_token_stats_fwd_kernel, dict(HAS_TARGETS=True, WITH_ENTROPY=True, HAS_SOFTCAP=False),
+         False),
+        (_token_stats_bwd_kernel, dict(bwd, HAS_SOFTCAP=False), True),
         (_policy_loss_fwd_kernel, dict(policy, WRITE_GRAD=False), False),
         # WRITE_GRAD: the fused-linear loss also writes each row's gradient (vector stores)
         (_policy_loss_fwd_kernel, dict(policy, WRITE_GRAD=True), True),
+        # the logit soft cap (a tanh per element) keeps the vector loads and stores
+        (_token_stats_fwd_kernel, dict(HAS_TARGETS=True, WITH_ENTROPY=True, HAS_SOFTCAP=True),
+         False),
+        (_token_stats_bwd_kernel, dict(bwd, HAS_SOFTCAP=True), True),
+        (_policy_loss_fwd_kernel, dict(policy, WRITE_GRAD=True, HAS_SOFTCAP=True), True),
     ]  # fmt: skip
     problems = []
     for kernel, flags, writes in cases:

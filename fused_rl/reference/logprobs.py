@@ -6,6 +6,9 @@ backward recomputes ``softmax`` chunk by chunk with the same closed form as the 
 kernel (CONTRIBUTING.md, "The three layers"):
 
     dL/dx_j = (1/T) * [ g (1[j = y] - p_j) - h p_j (z_j - E_p[z]) ]
+
+With the soft cap ``c`` (``softcap``; Gemma's logit soft-capping) ``z = c tanh(x / c) / T``
+and the bracket is times ``dz/dx * T = 1 - tanh^2(x / c)``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,14 @@ from .reductions import acc_dtype
 
 # Rows per chunk: keeps the transient fp32 copy at (CHUNK_ELEMENTS) floats.
 CHUNK_ELEMENTS = 1 << 22
+
+
+def scaled(x: torch.Tensor, temperature: float, softcap: float | None) -> torch.Tensor:
+    """``z = x / T``, or ``c tanh(x / c) / T`` with the soft cap ``c`` (``x`` in the
+    accumulation dtype)."""
+    if softcap is None:
+        return x / temperature
+    return torch.tanh(x / softcap) * (softcap / temperature)
 
 
 def _chunks(outer: int, inner: int, vocab: int):
@@ -37,6 +48,7 @@ def row_stats(
     targets: torch.Tensor | None,
     temperature: float,
     ignore_index: int,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(logp, entropy, row_max, log_sum)`` as fp32 ``(outer, inner)`` tensors (fp64 for
     fp64 logits), no autograd. ``lse = row_max + log_sum``, kept apart as in the kernel.
@@ -48,7 +60,7 @@ def row_stats(
     logp = torch.zeros(outer, inner, dtype=dtype, device=logits3d.device)
     entropy, row_max, log_sum = (torch.zeros_like(logp) for _ in range(3))
     for idx in _chunks(outer, inner, vocab):
-        z = logits3d[idx].to(dtype) / temperature
+        z = scaled(logits3d[idx].to(dtype), temperature, softcap)
         m = z.amax(-1, keepdim=True)
         d = z - m  # exact (Sterbenz) for the z near the max, which carry the mass
         ls = torch.logsumexp(d, dim=-1, keepdim=True)
@@ -82,6 +94,7 @@ def grad_logits(
     h: torch.Tensor | None,
     temperature: float,
     ignore_index: int,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Gradient w.r.t. ``logits3d`` given per-row ``g = dL/dlogp`` and ``h = dL/dH``."""
     outer, inner, vocab = logits3d.shape
@@ -97,7 +110,8 @@ def grad_logits(
     active = active & needed
     dtype = row_max.dtype
     for idx in _chunks(outer, inner, vocab):
-        d = logits3d[idx].to(dtype) / temperature - row_max[idx][..., None]
+        x = logits3d[idx].to(dtype)
+        d = scaled(x, temperature, softcap) - row_max[idx][..., None]
         p = torch.exp(d - log_sum[idx][..., None])
         out = torch.zeros_like(d)
         if g is not None:
@@ -112,6 +126,8 @@ def grad_logits(
             mean_d = (log_sum[idx] - entropy[idx])[..., None]  # E_p[z] - row max
             centred = torch.where(p == 0, torch.zeros_like(d), p * (d - mean_d))  # NaN stays
             out -= h[idx][..., None].to(dtype) * centred
+        if softcap is not None:  # dz/dx * T = sech^2(x / c) (no 1 - tanh^2 cancellation)
+            out = out * torch.cosh(x / softcap).pow(-2)
         out = torch.where(active[idx][..., None], out / temperature, torch.zeros_like(out))
         grad[idx] = out.to(grad.dtype)
     return grad
@@ -152,15 +168,18 @@ def differentiable_once(grad: torch.Tensor | None, *sources) -> torch.Tensor | N
 
 
 class TokenStats(torch.autograd.Function):
-    """Differentiable ``(logp, entropy)`` of ``softmax(logits / T)`` for ``(outer, inner, V)``,
+    """Differentiable ``(logp, entropy)`` of ``softmax(z)`` (``z`` the scaled logits:
+    :func:`scaled`) for ``(outer, inner, V)``,
     once (``differentiable_once``): the backward treats the saved row statistics as constants.
     """
 
     @staticmethod
-    def forward(ctx, logits3d, targets, temperature, ignore_index):
-        logp, entropy, row_max, log_sum = row_stats(logits3d, targets, temperature, ignore_index)
+    def forward(ctx, logits3d, targets, temperature, ignore_index, softcap=None):
+        logp, entropy, row_max, log_sum = row_stats(
+            logits3d, targets, temperature, ignore_index, softcap
+        )
         ctx.save_for_backward(logits3d, targets, row_max, log_sum, entropy)
-        ctx.temperature = temperature
+        ctx.temperature, ctx.softcap = temperature, softcap
         ctx.ignore_index = ignore_index
         return logp, entropy
 
@@ -178,8 +197,10 @@ class TokenStats(torch.autograd.Function):
                 grad_entropy,
                 ctx.temperature,
                 ctx.ignore_index,
+                ctx.softcap,
             )
-        return differentiable_once(grad, logits3d, grad_logp, grad_entropy), None, None, None
+        grad = differentiable_once(grad, logits3d, grad_logp, grad_entropy)
+        return grad, None, None, None, None
 
 
 def token_stats(
@@ -188,9 +209,10 @@ def token_stats(
     *,
     temperature: float = 1.0,
     ignore_index: int = -100,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference ``(logp, entropy)``, fp32 tensors of shape ``logits.shape[:-1]`` (fp64 for
-    fp64 logits).
+    fp64 logits); ``softcap``: the soft cap ``c`` (``z = c tanh(x / c) / T``), None for none.
 
     ``targets=None`` gives a zero ``logp`` and the entropy of every row.
     """
@@ -199,7 +221,7 @@ def token_stats(
     rows_shape = logits3d.shape[:-1]
     t3d = None if targets is None else targets.reshape(rows_shape)
     if torch.is_grad_enabled() and logits.requires_grad:
-        logp, entropy = TokenStats.apply(logits3d, t3d, temperature, ignore_index)
+        logp, entropy = TokenStats.apply(logits3d, t3d, temperature, ignore_index, softcap)
     else:
-        logp, entropy, _, _ = row_stats(logits3d, t3d, temperature, ignore_index)
+        logp, entropy, _, _ = row_stats(logits3d, t3d, temperature, ignore_index, softcap)
     return logp.reshape(lead), entropy.reshape(lead)

@@ -1,6 +1,7 @@
 """Layer 1, vocab-stream forward: one pass over each logits row.
 
-Per row of logits ``x`` (scaled ``z = x / T``) the pass keeps, in fp32:
+Per row of logits ``x`` (scaled ``z = x / T``, or soft-capped ``z = c tanh(x / c) / T``) the
+pass keeps, in fp32:
 
 * ``m``: the running maximum of ``z``;
 * ``s``: ``sum exp(z - m)``;
@@ -17,7 +18,7 @@ stays exact to fp32 even for logits of magnitude 1e4.
 import triton
 import triton.language as tl
 
-from ..common import nan_max, pair, row_pointer, token_offset
+from ..common import nan_max, pair, row_pointer, tanh_and_sech2, token_offset
 
 
 @triton.jit
@@ -34,6 +35,18 @@ def merge_stats(m_a, s_a, w_a, m_b, s_b, w_b):
     w_a = tl.where(s_a > 0, w_a + (m_a - m_ref) * s_a, 0.0)
     w_b = tl.where(s_b > 0, w_b + (m_b - m_ref) * s_b, 0.0)
     return m, s_a * alpha_a + s_b * alpha_b, w_a * alpha_a + w_b * alpha_b
+
+
+@triton.jit
+def scaled_logits(x, inv_temperature, inv_cap, HAS_SOFTCAP: tl.constexpr):
+    """``z = x / T``; with the soft cap ``c`` (Gemma's ``final_logit_softcapping``),
+    ``z = c tanh(x / c) / T``, where ``inv_temperature`` carries ``c / T`` and ``inv_cap``
+    ``1 / c`` (the launchers pass them so, ``fused_rl._launch.NO_CAP`` without a cap)."""
+    if HAS_SOFTCAP:
+        t, _ = tanh_and_sech2(x * inv_cap)
+        return t * inv_temperature
+    else:
+        return x * inv_temperature
 
 
 @triton.jit
@@ -57,12 +70,15 @@ def row_moments(
     V,
     stride_v,
     inv_temperature,
+    inv_cap,
     active,
     WITH_ENTROPY: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    """Stream one logits row once; return ``(m, log_s, entropy)`` of ``softmax(x / T)``.
+    """Stream one logits row once; return ``(m, log_s, entropy)`` of ``softmax(z)``,
+    ``z`` the scaled logits (:func:`scaled_logits`).
 
     ``lse = m + log_s``; keeping the two apart lets ``logp = (z_y - m) - log_s`` avoid the
     rounding of a large ``lse`` (|logits| ~ 1e4 in fp32). ``active`` False skips the loads
@@ -75,7 +91,9 @@ def row_moments(
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V, other=float("-inf"))
-        z = x.to(ACC) * inv_temperature
+        z = scaled_logits(x.to(ACC), inv_temperature, inv_cap, HAS_SOFTCAP)
+        if HAS_SOFTCAP:  # the cap maps the padding lanes' -inf to -c / T: back to -inf
+            z = tl.where(cols < V, z, float("-inf"))
         m_b, s_b, w_b = block_stats(z, WITH_ENTROPY)
         m, s, w = merge_stats(m, s, w, m_b, s_b, w_b)
     log_s = tl.log(s)
@@ -85,12 +103,16 @@ def row_moments(
 
 
 @triton.jit
-def target_logit(row_ptr, target, V, stride_v, inv_temperature, active, ACC: tl.constexpr):
+def target_logit(
+    row_ptr, target, V, stride_v, inv_temperature, inv_cap, active,
+    HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
     """Scaled logit of the target, or NaN for a target outside ``[0, V)`` (never a wild read)."""
     in_range = (target >= 0) & (target < V)
     safe = tl.where(in_range, target, 0).to(tl.int64)
     x = tl.load(row_ptr + safe * stride_v, mask=active & in_range, other=0.0)
-    return tl.where(in_range, x.to(ACC) * inv_temperature, float("nan"))
+    z = scaled_logits(x.to(ACC), inv_temperature, inv_cap, HAS_SOFTCAP)
+    return tl.where(in_range, z, float("nan"))
 
 
 @triton.jit(
@@ -113,17 +135,22 @@ def _token_stats_fwd_kernel(
     t_stride_inner,
     inv_t_hi,
     inv_t_lo,
+    inv_cap_hi,
+    inv_cap_lo,
     ignore_index,
     HAS_TARGETS: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
     ACC: tl.constexpr,
 ):
     """One program per target row: ``logp`` (if targets), ``entropy`` (if asked), ``m``,
     ``log s``, each written contiguous ``(outer * rows_inner,)``. Logits row ``inner + shift``
-    of each ``outer`` predicts target ``inner`` (see ``row_pointer``); targets are strided."""
+    of each ``outer`` predicts target ``inner`` (see ``row_pointer``); targets are strided.
+    ``inv_t``: ``1 / T`` (``c / T`` with ``HAS_SOFTCAP``), ``inv_cap``: ``1 / c``."""
     row = tl.program_id(0).to(tl.int64)
     inv_temperature = pair(inv_t_hi, inv_t_lo, ACC)  # 1 / T, fp64-exact for fp64 logits
+    inv_cap = pair(inv_cap_hi, inv_cap_lo, ACC)  # HAS_SOFTCAP: 1 / c, and the above c / T
     row_ptr = row_pointer(logits_ptr, row, rows_inner, shift, stride_outer, stride_inner)
     if HAS_TARGETS:
         t_off = token_offset(row, rows_inner, t_stride_outer, t_stride_inner)
@@ -132,12 +159,15 @@ def _token_stats_fwd_kernel(
     else:
         active = row >= 0
     m, log_s, entropy = row_moments(
-        row_ptr, V, stride_v, inv_temperature, active, WITH_ENTROPY, BLOCK_V, ACC
-    )
+        row_ptr, V, stride_v, inv_temperature, inv_cap, active, WITH_ENTROPY, HAS_SOFTCAP,
+        BLOCK_V, ACC,
+    )  # fmt: skip
     tl.store(max_ptr + row, tl.where(active, m, 0.0))
     tl.store(log_sum_ptr + row, tl.where(active, log_s, 0.0))
     if WITH_ENTROPY:
         tl.store(entropy_ptr + row, tl.where(active, entropy, 0.0))
     if HAS_TARGETS:
-        z_y = target_logit(row_ptr, target, V, stride_v, inv_temperature, active, ACC)
+        z_y = target_logit(
+            row_ptr, target, V, stride_v, inv_temperature, inv_cap, active, HAS_SOFTCAP, ACC
+        )
         tl.store(logp_ptr + row, tl.where(active, (z_y - m) - log_s, 0.0))

@@ -5,6 +5,9 @@ Any loss that sees the vocabulary only through ``logp_t`` and ``H_t`` has, with
 
     dL/dx_j = (1/T) * [ g (1[j = y] - p_j) - h p_j (z_j - E_p[z]) ]
 
+With the soft cap ``z = c tanh(x / c) / T`` the bracket is multiplied by
+``dz/dx * T = 1 - tanh^2(x / c)``, recomputed from the same read of ``x`` (no extra bytes).
+
 ``p = exp((z - m) - log s)`` is recomputed from the forward's saved row max ``m`` and
 ``log s`` (never from a rounded ``lse = m + log s``), and ``z - E_p[z] = (z - m) - (log s - H)``.
 
@@ -15,7 +18,7 @@ bf16), plus O(1) floats per row.
 import triton
 import triton.language as tl
 
-from ..common import pair, token_offset
+from ..common import pair, tanh_and_sech2, token_offset
 
 
 @triton.jit(
@@ -60,12 +63,15 @@ def _token_stats_bwd_kernel(
     seq_scale_stride,
     inv_t_hi,
     inv_t_lo,
+    inv_cap_hi,
+    inv_cap_lo,
     ignore_index,
     HAS_TARGETS: tl.constexpr,
     HAS_G: tl.constexpr,
     HAS_H: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     HAS_SEQ_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
     ACC: tl.constexpr,
 ):
@@ -81,10 +87,12 @@ def _token_stats_bwd_kernel(
     gradient of a fused scalar loss); ``seq_scale_ptr`` (optional) one more per ``outer``
     (stride 0: one for all), the loss aggregation's normaliser. Both are read on device.
     Ignored rows (target == ignore_index) and rows with ``g == h == 0`` (padding of a fused
-    loss) read nothing and get exactly zero gradient.
+    loss) read nothing and get exactly zero gradient. ``inv_t``: ``1 / T`` (``c / T`` with
+    ``HAS_SOFTCAP``), ``inv_cap``: ``1 / c``.
     """
     prow = tl.program_id(0).to(tl.int64)
     inv_temperature = pair(inv_t_hi, inv_t_lo, ACC)  # 1 / T, fp64-exact for fp64 logits
+    inv_cap = pair(inv_cap_hi, inv_cap_lo, ACC)  # HAS_SOFTCAP: 1 / c, and the above c / T
     outer = prow // positions
     pos = prow - outer * positions
     inner = pos - shift
@@ -119,31 +127,43 @@ def _token_stats_bwd_kernel(
     h = tl.where(active, h, 0.0)
     active = active & ((g != 0) | (h != 0))  # a NaN upstream gradient still reads
     write_grad_row(
-        row_ptr, grad_ptr + prow * V, V, stride_v, inv_temperature, m, log_s, mean_d, g, h,
-        target, active, HAS_TARGETS, HAS_H, BLOCK_V, ACC,
+        row_ptr, grad_ptr + prow * V, V, stride_v, inv_temperature, inv_cap, m, log_s, mean_d,
+        g, h, target, active, HAS_TARGETS, HAS_H, HAS_SOFTCAP, BLOCK_V, ACC,
     )  # fmt: skip
 
 
 @triton.jit
 def write_grad_row(
-    row_ptr, grad_row, V, stride_v, inv_temperature, m, log_s, mean_d, g, h, target, active,
-    HAS_TARGETS: tl.constexpr, HAS_H: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    row_ptr, grad_row, V, stride_v, inv_temperature, inv_cap, m, log_s, mean_d, g, h, target,
+    active, HAS_TARGETS: tl.constexpr, HAS_H: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """Stream one logits row and write its gradient ``(1/T)[g (1[j=y] - p) - h p (z - E_p z)]``
     to ``grad_row`` (contiguous; may be the row itself: each block is read before it is
-    overwritten). ``g``/``h`` already carry ``1/T`` and every scale; ``mean_d`` is
-    ``E_p[z] - m``. An inactive row reads nothing and writes zeros."""
+    overwritten). ``g``/``h`` already carry ``inv_temperature`` and every scale; ``mean_d``
+    is ``E_p[z] - m``. With ``HAS_SOFTCAP`` (``inv_temperature = c / T``, ``inv_cap = 1 / c``)
+    each column's term is times ``dz/dx * T / c = (1 - tanh^2(x / c)) / c``. An inactive
+    row reads nothing and writes zeros."""
+    if HAS_SOFTCAP:
+        g = g * inv_cap
+        h = h * inv_cap
     n_read = tl.where(active, V, 0)
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         in_row = cols < V
         x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < n_read, other=0.0)
-        d = x.to(ACC) * inv_temperature - m
+        if HAS_SOFTCAP:
+            t, sech2 = tanh_and_sech2(x.to(ACC) * inv_cap)
+            d = t * inv_temperature - m
+        else:
+            d = x.to(ACC) * inv_temperature - m
         p = tl.exp(d - log_s)
         grad = -g * p
         if HAS_TARGETS:
             grad += tl.where(cols == target, g, 0.0)
         if HAS_H:
             grad -= h * tl.where(p > 0, p * (d - mean_d), 0.0)  # 0 * -inf guarded
+        if HAS_SOFTCAP:
+            grad = grad * sech2
         grad = tl.where(active, grad, 0.0)
         tl.store(grad_row + cols, grad.to(grad_row.dtype.element_ty), mask=in_row)

@@ -86,6 +86,8 @@ def _policy_loss_fwd_kernel(
     is_stride_inner,
     inv_t_hi,
     inv_t_lo,
+    inv_cap_hi,
+    inv_cap_lo,
     ignore_index,
     hyper,
     SURROGATE: tl.constexpr,
@@ -102,6 +104,7 @@ def _policy_loss_fwd_kernel(
     USE_DELTA: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     HAS_ENT_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
     ACC: tl.constexpr,
 ):
@@ -114,10 +117,12 @@ def _policy_loss_fwd_kernel(
     ``dL/dlogits`` to ``grad_ptr`` (contiguous ``(outer * rows_inner, V)``, may BE the
     logits: written in place), with ``g``/``h`` times ``row_scale[row]`` (the loss
     aggregation's normaliser, known from the mask alone). Bytes: one more read of the row
-    (from L2 right after the first) and one write."""
+    (from L2 right after the first) and one write. ``inv_t``: ``1 / T`` (``c / T`` with
+    ``HAS_SOFTCAP``, the soft cap ``c``), ``inv_cap``: ``1 / c``."""
     row = tl.program_id(0).to(tl.int64)
     n_rows = tl.num_programs(0).to(tl.int64)
     inv_temperature = pair(inv_t_hi, inv_t_lo, ACC)  # 1 / T, fp64-exact for fp64 logits
+    inv_cap = pair(inv_cap_hi, inv_cap_lo, ACC)  # HAS_SOFTCAP: 1 / c, and the above c / T
     # hyper: the policy options' fp32 pairs (kernels/modes.py POLICY_PARAMS), read by ``param``
     entropy_coef = param(hyper, P_ENTROPY_COEF, ACC)
     row_ptr = row_pointer(logits_ptr, row, rows_inner, shift, stride_outer, stride_inner)
@@ -133,9 +138,12 @@ def _policy_loss_fwd_kernel(
 
     # layer 1: the only pass over the logits
     row_max, log_s, entropy = row_moments(
-        row_ptr, V, stride_v, inv_temperature, active, WITH_ENTROPY, BLOCK_V, ACC
+        row_ptr, V, stride_v, inv_temperature, inv_cap, active, WITH_ENTROPY, HAS_SOFTCAP,
+        BLOCK_V, ACC,
+    )  # fmt: skip
+    z_y = target_logit(
+        row_ptr, target, V, stride_v, inv_temperature, inv_cap, active, HAS_SOFTCAP, ACC
     )
-    z_y = target_logit(row_ptr, target, V, stride_v, inv_temperature, active, ACC)
     logp = tl.where(active, (z_y - row_max) - log_s, 0.0)
     entropy = tl.where(active, entropy, 0.0)
 
@@ -185,7 +193,7 @@ def _policy_loss_fwd_kernel(
         if ENTROPY_BONUS:
             h = tl.where(active, -bonus * m, 0.0) * scale
         write_grad_row(
-            row_ptr, grad_ptr + row * V, V, stride_v, inv_temperature, row_max, log_s,
+            row_ptr, grad_ptr + row * V, V, stride_v, inv_temperature, inv_cap, row_max, log_s,
             log_s - entropy, g, h, target, active & ((g != 0) | (h != 0)), True,
-            ENTROPY_BONUS, BLOCK_V, ACC,
+            ENTROPY_BONUS, HAS_SOFTCAP, BLOCK_V, ACC,
         )  # fmt: skip
