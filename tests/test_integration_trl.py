@@ -146,7 +146,8 @@ class Calls:
             return trl_apply(*args)
 
         def counted_fused(*args):
-            self.fused.append(args[7])  # `which`: "triton" or "reference"
+            # the backend it ran: its `which` argument, "triton" or "reference"
+            self.fused.append(next(a for a in args if a in ("triton", "reference")))
             return fused_apply(*args)
 
         monkeypatch.setattr(trl_utils._ChunkedLogProbFunction, "apply", counted_trl)
@@ -382,6 +383,21 @@ def test_head_matches_trl(shifted):
 
 
 @needs_trl
+@pytest.mark.parametrize("scale", [None, 1.6], ids=["softcap", "softcap-logit-scale"])
+def test_head_softcap_matches_trl(scale):
+    """Gemma 2 / 3's ``final_logit_softcapping`` (TRL: ``c tanh(s z / c) / T``), alone and
+    with a logit scale, a cap small enough to bend the tiny model's logits."""
+    extra = {} if scale is None else {"logit_scale": scale}
+    model = _tiny_model(seed=5, final_logit_softcapping=1.5, **extra)
+    theirs, ours = _head_pair(model, dict(temperature=0.8, outputs=("log_probs", "entropy")))
+    ids, attention, labels = _inputs()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attention).logits
+    assert logits.abs().max() > 1.5 * (scale or 1.0)  # the cap binds
+    _assert_heads_agree(theirs, ours, ids, attention, labels)
+
+
+@needs_trl
 def test_head_no_counted_label_and_outputs():
     """No label counts: loss 0, zeros, and a backward that runs; without ``entropy`` in
     ``outputs`` there is none; without ``fused_lm_head`` the original forward runs."""
@@ -422,7 +438,7 @@ def test_head_moe_aux_loss():
 @pytest.mark.parametrize(
     "config, outputs, match",
     [
-        (dict(final_logit_softcapping=30.0), ("log_probs",), "final_logit_softcapping"),
+        (dict(final_logit_softcapping=0.0), ("log_probs",), "final_logit_softcapping"),
         (dict(logit_scale=-1.0), ("log_probs",), "logit_scale"),
         (dict(logits_scaling=0.0), ("log_probs",), "logits_scaling"),
         ({}, ("log_probs", "is_top1"), "is_top1"),
@@ -439,12 +455,12 @@ def test_head_raises_for_what_fused_rl_cannot_do(config, outputs, match):
 
 @needs_trl
 def test_trainer_raises_at_construction(model_dir, tmp_path):
-    """Gemma-style soft-capping: the trainer refuses at construction, it never falls back
-    to TRL's head."""
+    """A soft-cap fused_rl cannot apply (0.0, which TRL reads as 1.0): the trainer refuses
+    at construction, it never falls back to TRL's head."""
     from transformers import Qwen2ForCausalLM
 
     model = Qwen2ForCausalLM.from_pretrained(model_dir)
-    model.config.final_logit_softcapping = 30.0
+    model.config.final_logit_softcapping = 0.0
     args = _config(str(tmp_path), loss_type="grpo", beta=0.0, accumulation=1)
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         fused_trl.GRPOTrainer(model=model, reward_funcs=reward_w5, args=args,
@@ -903,3 +919,28 @@ def test_bench_e2e_parity(tmp_path):
     for r in results.values():
         assert abs(r["loss"] - base["loss"]) <= ATOL + RTOL * abs(base["loss"]), r["variant"]
         assert abs(r["grad_norm"] - base["grad_norm"]) <= RTOL * base["grad_norm"], r["variant"]
+
+
+@needs_trl
+def test_training_softcap_matches_trl(tmp_path_factory, monkeypatch):
+    """A policy whose config sets ``final_logit_softcapping`` (Gemma 2 / 3): TRL's head and
+    fused_rl's both cap every log-prob (old policy, reference, training step), and with
+    ``fused_rl_loss=True`` so does the loss's one fused call."""
+    import trl
+
+    path = tmp_path_factory.mktemp("tiny_softcap")
+    _tiny_model(final_logit_softcapping=2.0).save_pretrained(path)
+    _tokenizer().save_pretrained(path)
+    case = dict(loss_type="grpo", epsilon=2e-3, **FULL)
+    want_log, want_params, want_calls, _ = _train(
+        trl.GRPOTrainer, str(path), tmp_path_factory.mktemp("a"), monkeypatch, case
+    )
+    for loss in (False, True):
+        got_log, got_params, calls, seconds = _train(
+            fused_trl.GRPOTrainer, str(path), tmp_path_factory.mktemp("b"), monkeypatch, case,
+            fused_rl_loss=loss,
+        )  # fmt: skip
+        assert calls.trl == 0 and len(calls.fused) == want_calls.trl - (6 if loss else 0)
+        worst = compare_logs(want_log, got_log)
+        param_diff = compare_params(want_params, got_params)
+        _report(f"softcap 2.0, fused_rl_loss={loss}", worst, param_diff, calls, seconds)

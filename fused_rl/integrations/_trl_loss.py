@@ -216,7 +216,8 @@ def loss_forward(hidden, weight, bias, request: LossRequest, head, aux_loss=None
         hidden, weight, request.targets, request.advantages, bias=bias,
         old_logprobs=request.old_logprobs, ref_logprobs=request.ref_logprobs,
         mask=request.mask, is_weights=request.is_weights, num_items=request.num_items,
-        temperature=head.temperature, with_entropy=True, chunk_tokens=head.options.chunk_tokens,
+        temperature=head.temperature, softcap=head.softcap, with_entropy=True,
+        chunk_tokens=head.options.chunk_tokens,
         backend=head.options.backend, **request.options,
     )  # fmt: skip
     return _output_type()(loss=loss, metrics=metrics, aux_loss=aux_loss)

@@ -33,15 +33,17 @@ the entropy bonus (static or adaptive), top-entropy tokens, vLLM's importance-sa
 correction, the MoE load-balancing loss; ``off_policy_mask_threshold`` raises ``ValueError``
 at construction: :mod:`fused_rl.integrations._trl_loss`).
 
-What fused_rl cannot do yet raises at construction (``ValueError`` naming the option), never
-a silent fall-back to TRL's head: ``final_logit_softcapping`` in the model config (Gemma 2 /
-3), a logit scale ``<= 0``, a fused-head output other than ``log_probs`` / ``entropy``, and
-DeepSpeed ZeRO-3 (fused_rl's backward recomputes the logits from the ``lm_head`` weight,
-which ZeRO-3 has released by then). A positive logit scale (the config's ``logit_scale``,
-``output_multiplier``, ``lm_head_multiplier`` or ``logits_scaling``, read as TRL reads them)
-is exact: ``log_softmax(s z / T) = log_softmax(z / (T / s))``, so it runs as the
-temperature ``T / s``. ``cast_lm_head_to_fp32=True``: the hidden states (and the head, if
-it is not already) go to fp32 and the head runs outside autocast, as in TRL.
+What fused_rl cannot do raises at construction (``ValueError`` naming the option), never
+a silent fall-back to TRL's head: a logit scale ``<= 0``, a ``final_logit_softcapping``
+that is not a finite ``c > 0``, a fused-head output other than ``log_probs`` / ``entropy``,
+and DeepSpeed ZeRO-3 (fused_rl's backward recomputes the logits from the ``lm_head``
+weight, which ZeRO-3 has released by then). A positive logit scale (the config's
+``logit_scale``, ``output_multiplier``, ``lm_head_multiplier`` or ``logits_scaling``, read
+as TRL reads them) is exact: ``log_softmax(s z / T) = log_softmax(z / (T / s))``, so it
+runs as the temperature ``T / s``; with Gemma 2 / 3's ``final_logit_softcapping = c``
+(TRL: ``c tanh(s z / c) / T``) as the soft-cap ``c / s`` with the temperature ``T / s``.
+``cast_lm_head_to_fp32=True``: the hidden states (and the head, if it is not already) go
+to fp32 and the head runs outside autocast, as in TRL.
 
 The backend (``"auto"``, ``"triton"``, ``"reference"``: :mod:`fused_rl._backend`) and the
 rows per chunk are options: ``GRPOTrainer(..., fused_rl_backend=..., fused_rl_chunk_tokens=...)``
@@ -128,6 +130,7 @@ class _Head:
     """What a patched forward needs, fixed when the head is added."""
 
     temperature: float  # TRL's temperature divided by the config's logit scale
+    softcap: float | None  # the config's final_logit_softcapping divided by the logit scale
     cast_fp32: bool
     entropy: bool
     backbone: str  # the model attribute holding the backbone
@@ -153,9 +156,10 @@ def logit_scale(text_config) -> tuple[float, str | None]:
     return 1.0 / float(value), "logits_scaling"  # Granite, MiniCPM3: divide by it
 
 
-def _check_head(model, text_config, outputs, temperature) -> float:
+def _check_head(model, text_config, outputs, temperature) -> tuple[float, float | None]:
     """The checks of :func:`add_fused_lm_head`, each a ``ValueError`` naming the option;
-    returns the temperature with the config's logit scale folded in."""
+    returns the temperature and the soft-cap with the config's logit scale ``s`` folded in:
+    TRL's ``c tanh(s z / c) / T`` is ``c' tanh(z / c') / (T / s)`` with ``c' = c / s``."""
     if isinstance(outputs, str) or not all(isinstance(o, str) for o in outputs):
         raise TypeError(f"outputs must be a tuple of field names, got {outputs!r}")
     unknown = [o for o in outputs if o not in OUTPUTS]
@@ -166,11 +170,11 @@ def _check_head(model, text_config, outputs, temperature) -> float:
         )
     V.check_positive(temperature, "temperature")
     softcap = getattr(text_config, "final_logit_softcapping", None)
-    if softcap is not None:
+    if softcap is not None and not (float(softcap) > 0 and float(softcap) < float("inf")):
+        # TRL's kernel reads 0.0 as a cap of 1.0 (`softcap or 1.0`); a cap must be > 0 here
         raise ValueError(
-            f"the model config sets final_logit_softcapping={softcap} (Gemma 2 / 3): "
-            "fused_rl's LM head has no logit soft-capping yet; use trl.GRPOTrainer for this "
-            "model"
+            f"the model config sets final_logit_softcapping={softcap}: fused_rl soft-caps "
+            "at a finite c > 0 (None: no cap)"
         )
     scale, field = logit_scale(text_config)
     if not (scale > 0 and scale < float("inf")):
@@ -189,7 +193,7 @@ def _check_head(model, text_config, outputs, temperature) -> float:
     head = model.get_output_embeddings()
     if head is None or getattr(head, "weight", None) is None:
         raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head) weight")
-    return float(temperature) / scale
+    return float(temperature) / scale, None if softcap is None else float(softcap) / scale
 
 
 def _backbone_attribute(model, text_config) -> str:
@@ -222,10 +226,11 @@ def add_fused_lm_head(
     _, _, trl_utils = _trl()
     options = Options.checked(backend, chunk_tokens)
     text_config = model.config.get_text_config()
-    head_temperature = _check_head(model, text_config, outputs, temperature)
+    head_temperature, head_softcap = _check_head(model, text_config, outputs, temperature)
     previous = model.__dict__.get(_MARK)
     head = _Head(
         temperature=head_temperature,
+        softcap=head_softcap,
         cast_fp32=bool(cast_lm_head_to_fp32),
         entropy="entropy" in outputs,
         backbone=_backbone_attribute(model, text_config),
@@ -311,8 +316,8 @@ def _fused_forward(model, head: _Head, output_type, args, kwargs, labels, shift_
         # only the counted positions go through the head (one host sync for their count)
         out = linear_token_logprobs(
             hidden[mask], weight, targets[mask], bias=bias, temperature=head.temperature,
-            return_entropy=head.entropy, chunk_tokens=head.options.chunk_tokens,
-            backend=head.options.backend,
+            softcap=head.softcap, return_entropy=head.entropy,
+            chunk_tokens=head.options.chunk_tokens, backend=head.options.backend,
         )  # fmt: skip
     log_probs, entropy = out if head.entropy else (out, None)
     # scattered into zeros: the output stays connected to the model when no label counts
