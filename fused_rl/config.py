@@ -11,7 +11,15 @@ on the counted rows only (mask weight != 0, target != ignore_index), as TRL's GR
 does: one host sync for their count, in eager mode only (never under ``torch.compile`` or
 CUDA-graph capture, which run every row). The loss, metrics and gradients are the same
 (padding rows get a zero gradient either way); with 25% padding the GEMMs do 25% less.
+
+``batch_invariant``: every GEMM of the fused-linear ops (``linear_token_logprobs``,
+``linear_policy_loss``) has exactly ``chunk`` rows, the last chunk's padded with zero rows,
+so a row's logits, log-prob, entropy and hidden gradient do not depend on how many rows the
+call holds, where the row sits or what surrounds it (docs/numerics.md, "Batch invariance").
+It costs at most ``chunk - 1`` padded rows of GEMM work per call (none when the row count
+is a multiple of the chunk); False gives the last chunk a GEMM of its own rows only.
 """
 
 check_values: bool = True
 skip_padding_rows: bool = True
+batch_invariant: bool = True

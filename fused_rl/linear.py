@@ -84,12 +84,44 @@ _stats_bwd_into = _serialised_when_interpreting(token_stats_bwd_into)
 _policy_rows_grad_into = _serialised_when_interpreting(policy_rows_grad_into)
 
 CHUNK_BYTES = 256 * 2**20  # the logits of one chunk, the only (rows, V) buffer alive
+MAX_DEFAULT_CHUNK = 4096  # rows: a small vocabulary's chunk (and its padding) stays small
 
 
 def default_chunk_tokens(vocab: int, dtype: torch.dtype) -> int:
-    """Rows per chunk so that a chunk's logits take at most :data:`CHUNK_BYTES`."""
+    """Rows per chunk so that a chunk's logits take at most :data:`CHUNK_BYTES`, and at most
+    :data:`MAX_DEFAULT_CHUNK` (a chunk's GEMM is padded to it: ``_gemm_rows``)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return max(1, CHUNK_BYTES // max(1, vocab * itemsize))
+    return max(1, min(MAX_DEFAULT_CHUNK, CHUNK_BYTES // max(1, vocab * itemsize)))
+
+
+def _gemm_rows(rows: Tensor, chunk: int) -> Tensor:
+    """``rows`` (``n <= chunk`` of them) as the operand of a GEMM of exactly ``chunk`` rows:
+    zero rows appended (``config.batch_invariant``). Every GEMM a row goes through then has
+    a shape fixed by the vocabulary, the dtype and ``chunk_tokens``, never by how many rows
+    the call holds, so the kernel the BLAS library picks for it, and the row's result, do
+    not depend on the batch (a result row depends only on its operand row)."""
+    n = rows.shape[0]
+    if n == chunk or not config.batch_invariant:
+        return rows
+    padded = rows.new_zeros((chunk, rows.shape[1]))
+    padded[:n] = rows
+    return padded
+
+
+def _chunk_logits(rows: Tensor, weight: Tensor, bias: Tensor | None, chunk: int):
+    """``(z, z_full)``: the ``(n, V)`` logits of ``rows`` and the GEMM's whole output, of
+    which ``z`` is the first ``n`` rows (``_gemm_rows``)."""
+    z_full = F.linear(_gemm_rows(rows, chunk), weight, bias)
+    return z_full[: rows.shape[0]], z_full
+
+
+def _hidden_grad(dz: Tensor, weight: Tensor, chunk: int, dz_full: Tensor | None = None) -> Tensor:
+    """``dz W`` for the chunk's ``n`` rows through a GEMM of ``chunk`` rows: ``dz_full``, the
+    buffer ``dz`` is the head of (its other rows hold finite values no result row reads), or
+    ``dz`` padded (``_gemm_rows``)."""
+    n = dz.shape[0]
+    full = dz_full if dz_full is not None and config.batch_invariant else _gemm_rows(dz, chunk)
+    return (full @ weight)[:n]
 
 
 def _chunk_stats(z: Tensor, targets: Tensor, temperature, softcap, ignore_index, which):
@@ -103,18 +135,19 @@ def _chunk_stats(z: Tensor, targets: Tensor, temperature, softcap, ignore_index,
 
 def _chunk_grad(z, targets, row_max, log_sum, entropy, g, h, temperature, softcap, ignore_index,
                 which):  # fmt: skip
-    """``dL/dz`` of one chunk's ``(n, V)`` logits from per-token ``(n,)`` statistics and
-    ``g``/``h``: layer 3, written over ``z`` in eager mode on the Triton path (a fresh buffer
-    under ``torch.compile``, which cannot trace a mutation of its input)."""
+    """``(dz, in_place)``: ``dL/dz`` of one chunk's ``(n, V)`` logits from per-token
+    ``(n,)`` statistics and ``g``/``h``: layer 3, written over ``z`` (``in_place``) in eager
+    mode on the Triton path (a fresh buffer under ``torch.compile``, which cannot trace a
+    mutation of its input)."""
     col = lambda t: None if t is None else t.reshape(-1, 1)  # noqa: E731
     args = (col(targets), col(row_max), col(log_sum), col(entropy), col(g), col(h))
     z3 = z[:, None]
     if which == "reference":
-        return ref.grad_logits(z3, *args, temperature, ignore_index, softcap)[:, 0]
+        return ref.grad_logits(z3, *args, temperature, ignore_index, softcap)[:, 0], False
     rest = (None, None, temperature, softcap, ignore_index)
     if torch.compiler.is_compiling() or _tracing():  # a traced op may not mutate its input
-        return token_stats_bwd_op(z3, *args, *rest)[:, 0]
-    return _stats_bwd_into(z3, z3, *args, *rest)[:, 0]
+        return token_stats_bwd_op(z3, *args, *rest)[:, 0], False
+    return _stats_bwd_into(z3, z3, *args, *rest)[:, 0], True
 
 
 _MM_OUT_DTYPE: dict[str, bool] = {}  # device type -> torch.addmm(..., out_dtype=) works there
@@ -174,7 +207,7 @@ class _LinearTokenStats(torch.autograd.Function):
         log_sum = hidden.new_empty((n_rows,), dtype=acc)
         for start in range(0, n_rows, chunk):
             rows = slice(start, min(start + chunk, n_rows))
-            z = F.linear(hidden[rows], weight, bias)
+            z, _ = _chunk_logits(hidden[rows], weight, bias, chunk)
             stats = _chunk_stats(z, targets[rows], temperature, softcap, ignore_index, which)
             logp[rows], entropy[rows], row_max[rows], log_sum[rows] = stats
             del z
@@ -195,7 +228,7 @@ class _LinearTokenStats(torch.autograd.Function):
         w_valid, b_valid = _valid_rows(weight, bias, spec.shard.valid)  # padding: unread
         for start in range(0, n_rows, chunk):
             rows = slice(start, min(start + chunk, n_rows))
-            z = F.linear(hidden[rows], w_valid, b_valid)
+            z, _ = _chunk_logits(hidden[rows], w_valid, b_valid, chunk)
             stats = _local_stats(z[None], t_local[None, rows], spec, z.shape[0])
             for buf, part in zip(local, stats):
                 if part.numel():  # entropy: empty when not asked for (Triton)
@@ -241,20 +274,21 @@ class _LinearTokenStats(torch.autograd.Function):
             d_bias = d_bias[:valid] if need_b else None
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, min(start + chunk, hidden.shape[0]))
-            z = F.linear(hidden[rows], weight, bias)  # recomputed: the forward kept no logits
+            # recomputed: the forward kept no logits
+            z, z_full = _chunk_logits(hidden[rows], weight, bias, chunk)
             stats = (targets[rows], row_max[rows], log_sum[rows], _rows_of(entropy, rows),
                      grad_logp[rows], _rows_of(grad_entropy, rows))  # fmt: skip
             if tp is None:
-                dz = _chunk_grad(z, *stats, temperature, softcap, ignore_index, which)
+                dz, in_place = _chunk_grad(z, *stats, temperature, softcap, ignore_index, which)
             else:  # this rank's columns, the global statistics (here targets: local ids)
-                dz = _shard_chunk_grad(z, *stats, tp.spec)
-            if need_h:
-                d_hidden[rows] = dz @ weight
+                dz, in_place = _shard_chunk_grad(z, *stats, tp.spec)
+            if need_h:  # dz written over z: its GEMM buffer is z's
+                d_hidden[rows] = _hidden_grad(dz, weight, chunk, z_full if in_place else None)
             if need_w:
                 _addmm_wide(d_weight, dz.t(), hidden[rows])
             if need_b:
                 d_bias.add_(dz.sum(0, dtype=acc))
-            del z, dz
+            del z, z_full, dz
         if need_h and tp is not None and tp.reduce_hidden:
             # hidden is replicated: its gradient is the sum of every shard's dz W_local
             from .distributed import _dist
@@ -281,11 +315,11 @@ def _valid_rows(weight: Tensor, bias: Tensor | None, valid: int):
 
 
 def _shard_chunk_grad(z, t_local, row_max, log_sum, entropy, g, h, spec):
-    """``dL/dz`` of one chunk's ``(n, V_local)`` local logits: layer 3 on the shard's valid
-    columns with the global statistics (a target owned elsewhere matches no column),
-    written over ``z`` where it can be (Triton, eager, no padding column); otherwise
-    ``fused_rl.distributed``'s local backward (the reference backend, padding columns
-    zeroed, an empty shard)."""
+    """``(dz, in_place)``: ``dL/dz`` of one chunk's ``(n, V_local)`` local logits: layer 3
+    on the shard's valid columns with the global statistics (a target owned elsewhere
+    matches no column), written over ``z`` where it can be (Triton, eager, no padding
+    column); otherwise ``fused_rl.distributed``'s local backward (the reference backend,
+    padding columns zeroed, an empty shard)."""
     from .distributed import LOCAL_IGNORE, _backward_local
 
     if spec.which == "triton" and spec.shard.valid == z.shape[1] > 0:
@@ -295,7 +329,7 @@ def _shard_chunk_grad(z, t_local, row_max, log_sum, entropy, g, h, spec):
     return _backward_local(
         z[None], t_local[None], row_max[None], log_sum[None], row(entropy), g[None], row(h),
         spec, z.shape[0],
-    )[0]  # fmt: skip
+    )[0], False  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -368,24 +402,24 @@ class _LinearPolicyLoss(torch.autograd.Function):
             c = slice(start, min(start + launch.chunk, n_work))  # into the per-token inputs
             r = c if kept is None else kept[c]  # into rows, part and d_hidden
             h_c = rows[r]  # a view, or a gather of the counted rows
-            z = F.linear(h_c, weight, bias)
+            z, z_full = _chunk_logits(h_c, weight, bias, launch.chunk)
             args = (col(targets, c), col(adv, c), col(old, c), col(ref, c), col(mask, c),
                     col(is_w, c), row_scale[c], None if ent_scale is None else ent_scale[c],
                     temperature, softcap, ignore_index, with_entropy, launch.hyper,
                     launch.modes)  # fmt: skip
             if torch.compiler.is_compiling() or _tracing():  # a traced op may not mutate
                 part[:, r], dz3 = policy_rows_grad_fwd_op(z[:, None], *args)
-                dz = dz3[:, 0]
+                dz, dz_full = dz3[:, 0], None
             else:  # the chunk's logits become their gradient in place
                 part[:, r] = _policy_rows_grad_into(z[:, None], z[:, None], *args)
-                dz = z
+                dz, dz_full = z, z_full
             if need_h:
-                d_hidden[r] = dz @ weight
+                d_hidden[r] = _hidden_grad(dz, weight, launch.chunk, dz_full)
             if need_w:
                 _addmm_wide(d_weight, dz.t(), h_c)
             if need_b:
                 d_bias.add_(dz.sum(0, dtype=acc))
-            del z, dz, h_c
+            del z, z_full, dz, dz_full, h_c
         loss, metrics, _ = policy_finalize_op(
             part, *launch.shape, launch.modes[4], launch.max_length, launch.num_items,
             num_items_t, is_w is not None,
