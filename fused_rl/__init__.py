@@ -22,6 +22,7 @@ from ._describe import describe  # noqa: E402
 from ._version import __version__  # noqa: E402
 from .advantages import gae, group_advantages, kl_penalized_rewards, rloo_advantages  # noqa: E402
 from .continuous import gaussian_entropy, gaussian_logprob  # noqa: E402
+from .distill import distill_loss  # noqa: E402
 from .kl import kl_estimate  # noqa: E402
 from .linear import linear_policy_loss, linear_token_logprobs  # noqa: E402
 from .logprobs import token_entropy, token_logprobs  # noqa: E402
@@ -36,6 +37,7 @@ __all__ = [
     "available_backends",
     "config",
     "describe",
+    "distill_loss",
     "gae",
     "gaussian_entropy",
     "gaussian_logprob",

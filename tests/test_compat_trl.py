@@ -536,3 +536,175 @@ def test_adapters_share_checks_not_private_helpers():
             if private:
                 offenders.append(f"{path.relative_to(root)}: from .{node.module} {private}")
     assert not offenders, offenders
+
+
+# ----------------------------------------------------------------------------- GKD loss
+
+from fused_rl.compat.trl import generalized_jsd_loss  # noqa: E402
+
+JSD_REDUCTIONS = ("batchmean", "sum", "mean", "none")
+
+
+def generalized_jsd_oracle(s, t, labels=None, beta=0.5, temperature=1.0, reduction="batchmean",
+                           num_items_in_batch=None):  # fmt: skip
+    """A copy of TRL 1.16's ``GKDTrainer.generalized_jsd_loss`` math (run in float64 for the
+    oracle, or in the inputs' half dtype as TRL runs it): ``F.kl_div(..., reduction="none")``
+    gives ``(..., V)`` elementwise terms, masked to ``jsd[labels != -100]``."""
+    ls = F.log_softmax(s / temperature, dim=-1)
+    lt = F.log_softmax(t / temperature, dim=-1)
+    if beta == 0:
+        jsd = F.kl_div(ls, lt, reduction="none", log_target=True)
+    elif beta == 1:
+        jsd = F.kl_div(lt, ls, reduction="none", log_target=True)
+    else:
+        b = torch.tensor(beta, dtype=ls.dtype)
+        lm = torch.logsumexp(torch.stack([ls + torch.log1p(-b), lt + torch.log(b)]), dim=0)
+        jsd = b * F.kl_div(lm, lt, reduction="none", log_target=True)
+        jsd = jsd + (1 - b) * F.kl_div(lm, ls, reduction="none", log_target=True)
+    mask = None
+    if labels is not None:
+        mask = labels != -100
+        jsd = jsd[mask]
+    if num_items_in_batch is not None:
+        return jsd.sum() / num_items_in_batch
+    if reduction == "batchmean":
+        return jsd.sum() / (mask.sum().clamp_min(1) if labels is not None else max(jsd.size(0), 1))
+    if reduction == "sum":
+        return jsd.sum()
+    if reduction == "mean":
+        return jsd.mean()
+    return jsd
+
+
+def _gkd_inputs(shape, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    s = (torch.randn(shape, generator=gen, dtype=torch.float64) * 2).to(device, dtype)
+    t = (torch.randn(shape, generator=gen, dtype=torch.float64) * 2).to(device, dtype)
+    labels = torch.randint(0, shape[-1], shape[:-1], generator=gen).to(device)
+    if labels.dim():
+        labels[..., :2] = -100
+    return s, t, labels, gen
+
+
+def test_generalized_jsd_signature_is_trl_1_16():
+    pos, empty = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.empty
+    got = [(p.name, p.kind, p.default)
+           for p in inspect.signature(generalized_jsd_loss).parameters.values()]  # fmt: skip
+    assert got == [
+        ("student_logits", pos, empty), ("teacher_logits", pos, empty), ("labels", pos, None),
+        ("beta", pos, 0.5), ("temperature", pos, 1.0), ("reduction", pos, "batchmean"),
+        ("num_items_in_batch", pos, None),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("reduction", JSD_REDUCTIONS)
+def test_generalized_jsd_loss_matches_trl_math(beta, reduction, device, backend):
+    """Every reduction, with and without labels and ``num_items_in_batch``, against the
+    float64 copy of TRL's math: value and the student's gradient (random upstream)."""
+    s, t, labels, gen = _gkd_inputs((2, 5, 13), torch.float32, device, seed=int(beta * 10))
+    for lab in (None, labels):
+        for n_items in (None, torch.tensor(3.0)):
+            leaf = s.clone().requires_grad_()
+            out = generalized_jsd_loss(leaf, t, lab, beta, 0.8, reduction, n_items)
+            s64 = s.double().requires_grad_()
+            want = generalized_jsd_oracle(s64, t.double(), lab, beta, 0.8, reduction, n_items)
+            assert out.shape == want.shape and out.dtype == torch.float32
+            assert rel_err(out, want) <= 1e-5, (lab is None, n_items)
+            up = torch.randn(want.shape, generator=gen, dtype=torch.float64)
+            (g,) = torch.autograd.grad(out, leaf, up.to(device, out.dtype))
+            (g64,) = torch.autograd.grad(want, s64, up.to(device))
+            assert rel_err(g, g64) <= 1e-5, (lab is None, n_items)
+
+
+def test_generalized_jsd_loss_edges(device, backend):
+    """TRL's denominators: ``batchmean`` without labels divides by ``shape[0]`` (the batch
+    size, not the token count), ``mean`` by ``tokens * V``; nothing counted gives 0 for
+    ``batchmean`` / ``sum`` and NaN for ``mean`` (an empty mean). (N, V) and 4-D logits."""
+    s, t, labels, _ = _gkd_inputs((3, 4, 6), torch.float32, device, seed=5)
+    per_token = generalized_jsd_loss(s, t, reduction="sum")
+    assert rel_err(generalized_jsd_loss(s, t), per_token / 3) <= 1e-6
+    assert rel_err(generalized_jsd_loss(s, t, reduction="mean"), per_token / (12 * 6)) <= 1e-6
+    none = torch.full_like(labels, -100)
+    assert generalized_jsd_loss(s, t, none).item() == 0.0
+    assert generalized_jsd_loss(s, t, none, reduction="sum").item() == 0.0
+    assert generalized_jsd_loss(s, t, none, reduction="mean").isnan()
+    assert generalized_jsd_loss(s, t, none, reduction="none").shape == (0, 6)
+    for shape in [(7, 9), (2, 2, 3, 9), (9,)]:
+        s, t, labels, _ = _gkd_inputs(shape, torch.float32, device, seed=len(shape))
+        for lab in (None, labels):
+            for reduction in JSD_REDUCTIONS:
+                out = generalized_jsd_loss(s, t, lab, 0.4, 1.0, reduction)
+                want = generalized_jsd_oracle(s.double(), t.double(), lab, 0.4, 1.0, reduction)
+                assert out.shape == want.shape and rel_err(out, want) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_generalized_jsd_loss_half_precision(dtype, device, backend):
+    """``"accurate"``: fp32 math rounded once, at least as close to float64 as TRL's own
+    half-precision arithmetic; ``"original"``: TRL's arithmetic bit for bit."""
+    s, t, labels, gen = _gkd_inputs((2, 4, 37), dtype, device, seed=9)
+    for beta in (0.0, 0.5, 1.0):
+        for reduction in ("batchmean", "sum"):
+            leaf = s.clone().requires_grad_()
+            out = generalized_jsd_loss(leaf, t, labels, beta, 0.9, reduction)
+            assert out.dtype == dtype
+            s64 = s.double().requires_grad_()
+            want = generalized_jsd_oracle(s64, t.double(), labels, beta, 0.9, reduction)
+            theirs_leaf = s.clone().requires_grad_()
+            theirs = generalized_jsd_oracle(theirs_leaf, t, labels, beta, 0.9, reduction)
+            assert rel_err(out, want) <= tolerance(dtype, rel_err(theirs, want))
+            up = torch.randn((), generator=gen, dtype=torch.float64)
+            (g,) = torch.autograd.grad(out, leaf, up.to(device, dtype))
+            (g64,) = torch.autograd.grad(want, s64, up.to(device))
+            (gt,) = torch.autograd.grad(theirs, theirs_leaf, up.to(device, dtype))
+            assert rel_err(g, g64) <= grad_tolerance(dtype, rel_err(gt, g64), backend, device)
+            with compat.half_precision("original"):
+                ours = generalized_jsd_loss(s, t, labels, beta, 0.9, reduction)
+            assert bit_equal(ours, generalized_jsd_oracle(s, t, labels, beta, 0.9, reduction))
+
+
+def test_generalized_jsd_loss_bad_arguments(device):
+    s = torch.randn(2, 3, 5, device=device)
+    with pytest.raises(ValueError, match="teacher_logits must have student_logits' shape"):
+        generalized_jsd_loss(s, torch.randn(2, 3, 6, device=device))
+    with pytest.raises(ValueError, match="teacher_logits requires grad"):
+        generalized_jsd_loss(s, s.clone().requires_grad_())
+    for beta in (-0.5, 2.0):
+        with pytest.raises(ValueError, match="beta"):
+            generalized_jsd_loss(s, s, beta=beta)
+    with pytest.raises(ValueError, match="temperature"):
+        generalized_jsd_loss(s, s, temperature=0.0)
+    with pytest.raises(ValueError, match="reduction"):
+        generalized_jsd_loss(s, s, reduction="avg")
+    with pytest.raises(ValueError, match="labels must have shape"):
+        generalized_jsd_loss(s, s, torch.zeros(3, 2, dtype=torch.long, device=device))
+    with pytest.raises(ValueError, match="num_items"):
+        generalized_jsd_loss(s, s, num_items_in_batch=0)
+
+
+def test_generalized_jsd_loss_against_installed_trl(device):
+    """Only where TRL is installed (its GKD trainer importable): the adapter against TRL's
+    own static method, fp32 to 1e-5, half precision in ``"original"`` mode bit for bit."""
+    gkd = pytest.importorskip("trl.experimental.gkd.gkd_trainer")
+    trl_loss = gkd.GKDTrainer.generalized_jsd_loss
+    for dtype in (torch.float32, torch.bfloat16):
+        s, t, labels, gen = _gkd_inputs((2, 5, 13), dtype, device, seed=21)
+        for beta in (0.0, 0.3, 1.0):
+            for reduction in JSD_REDUCTIONS:
+                for lab, n_items in ((None, None), (labels, None), (labels, 6)):
+                    args = (lab, beta, 0.8, reduction, n_items)
+                    ours_leaf, trl_leaf = s.clone().requires_grad_(), s.clone().requires_grad_()
+                    want = trl_loss(trl_leaf, t, *args)
+                    if dtype == torch.float32:
+                        got = generalized_jsd_loss(ours_leaf, t, *args)
+                        assert got.dtype == want.dtype and got.shape == want.shape
+                        assert rel_err(got, want) <= 1e-5
+                        up = torch.randn(want.shape, generator=gen).to(device)
+                        (g,) = torch.autograd.grad(got, ours_leaf, up)
+                        (gw,) = torch.autograd.grad(want, trl_leaf, up)
+                        assert rel_err(g, gw) <= 1e-5
+                    else:
+                        with compat.half_precision("original"):
+                            got = generalized_jsd_loss(ours_leaf, t, *args)
+                        assert bit_equal(got, want)

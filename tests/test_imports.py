@@ -103,7 +103,7 @@ LAYERS = (
               "fused_rl.profiling", "fused_rl._describe")),
     ("ops", ("fused_rl._ops", "fused_rl._vocab_ops", "fused_rl._policy_ops")),
     ("vocab parallel", ("fused_rl.distributed",)),
-    ("functions", ("fused_rl.logprobs", "fused_rl.kl", "fused_rl.reductions",
+    ("functions", ("fused_rl.logprobs", "fused_rl.kl", "fused_rl.reductions", "fused_rl.distill",
                    "fused_rl.rollout", "fused_rl.continuous", "fused_rl.advantages",
                    "fused_rl.values", "fused_rl.losses", "fused_rl.linear")),
     ("adapters", ("fused_rl.nn", "fused_rl.compat", "fused_rl.integrations", "fused_rl.__main__")),

@@ -2,7 +2,9 @@
 
 Change ``from trl.trainer.utils import selective_log_softmax, entropy_from_logits`` to
 ``from fused_rl.compat.trl import selective_log_softmax, entropy_from_logits``. TRL is not
-imported (nor needed).
+imported (nor needed). :func:`generalized_jsd_loss` mirrors the static method
+``GKDTrainer.generalized_jsd_loss`` of ``trl/experimental/gkd/gkd_trainer.py`` (TRL 1.16);
+its own docstring says what it keeps and what differs.
 
 Mirrors ``trl/trainer/utils.py`` of TRL >= 1.14 (1.16 current):
 ``selective_log_softmax(logits, index, temperature=1.0, row_mask=None)``, with its
@@ -61,7 +63,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _validation as V
+from .._agg import check_num_items
 from .._backend import resolve_backend, triton_installed
+from ..distill import distill_loss
 from ..logprobs import token_entropy
 from ._checks import check_index_range, checked_logprobs
 from ._precision import original_half_precision
@@ -277,3 +281,170 @@ def entropy_from_logits(logits: Tensor, chunk_size: int = 128) -> Tensor:
         return _original_entropy(logits, chunk_size)
     entropy = token_entropy(logits, backend=resolve_backend("auto", logits))
     return entropy.to(torch.float32 if kernel_path else logits.dtype)
+
+
+# ----------------------------------------------------------------------------- GKD
+
+_REDUCTIONS = ("batchmean", "sum", "mean", "none")
+
+
+def _trl_jsd_terms(student_logits: Tensor, teacher_logits: Tensor, beta: float,
+                   temperature: float) -> Tensor:  # fmt: skip
+    """TRL 1.16's elementwise ``jsd`` (``(..., V)``: ``F.kl_div(..., reduction="none")``
+    terms), op for op in the inputs' dtype."""
+    student_log_probs = F.log_softmax(student_logits / temperature, dim=-1)
+    teacher_log_probs = F.log_softmax(teacher_logits / temperature, dim=-1)
+    if beta == 0:
+        return F.kl_div(student_log_probs, teacher_log_probs, reduction="none", log_target=True)
+    if beta == 1:
+        return F.kl_div(teacher_log_probs, student_log_probs, reduction="none", log_target=True)
+    beta_t = torch.tensor(beta, dtype=student_log_probs.dtype, device=student_log_probs.device)
+    mixture_log_probs = torch.logsumexp(
+        torch.stack(
+            [student_log_probs + torch.log1p(-beta_t), teacher_log_probs + torch.log(beta_t)]
+        ),
+        dim=0,
+    )
+    kl_teacher = F.kl_div(mixture_log_probs, teacher_log_probs, reduction="none", log_target=True)
+    kl_student = F.kl_div(mixture_log_probs, student_log_probs, reduction="none", log_target=True)
+    return beta_t * kl_teacher + (1 - beta_t) * kl_student
+
+
+def _trl_jsd_loss(student_logits, teacher_logits, labels, beta, temperature, reduction,
+                  num_items_in_batch):  # fmt: skip
+    """TRL 1.16's ``generalized_jsd_loss`` transcribed (the ``"none"`` reduction, and every
+    reduction under ``half_precision("original")``)."""
+    jsd = _trl_jsd_terms(student_logits, teacher_logits, beta, temperature)
+    mask = None
+    if labels is not None:
+        mask = labels != -100
+        jsd = jsd[mask]
+    if num_items_in_batch is not None:
+        jsd_sum = jsd.sum()
+        if isinstance(num_items_in_batch, Tensor):
+            num_items_in_batch = num_items_in_batch.to(jsd_sum.device)
+        return jsd_sum / num_items_in_batch
+    if reduction == "batchmean":
+        denom = mask.sum().clamp_min(1) if labels is not None else max(jsd.size(0), 1)
+        return jsd.sum() / denom
+    if reduction == "sum":
+        return jsd.sum()
+    if reduction == "mean":
+        return jsd.mean()
+    return jsd
+
+
+def generalized_jsd_loss(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    labels: Tensor | None = None,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    reduction: str = "batchmean",
+    num_items_in_batch: int | float | Tensor | None = None,
+) -> Tensor:
+    """Mirrors ``trl.experimental.gkd.GKDTrainer.generalized_jsd_loss`` (TRL 1.16, a static
+    method there): the GKD loss from student and teacher logits without TRL's two fp32
+    ``(..., V)`` log-softmaxes, through :func:`fused_rl.distill_loss`.
+
+    Per position, of ``softmax(logits / temperature)`` (student ``p``, teacher ``q``):
+    ``beta == 0``: ``KL(q || p)``; ``beta == 1``: ``KL(p || q)``; else ``beta KL(q || m) +
+    (1 - beta) KL(p || m)``, ``m = (1 - beta) p + beta q``. Positions whose ``labels`` are
+    -100 do not count. TRL's reductions, exactly:
+
+    * ``num_items_in_batch`` given: the sum over counted positions divided by it, whatever
+      ``reduction`` (``"none"`` included, as in TRL);
+    * ``"batchmean"``: the sum over the number of counted positions (0 when none counts);
+      without ``labels``, over ``student_logits.shape[0]`` (TRL's ``jsd.size(0)``: the
+      batch size of ``(B, T, V)`` logits, not the number of tokens);
+    * ``"sum"``: the sum;
+    * ``"mean"``: TRL's ``jsd.mean()`` over its per-vocabulary-entry terms: the sum over
+      ``counted positions * V`` (NaN when none counts, as TRL's empty mean);
+    * ``"none"``: TRL's elementwise ``(..., V)`` terms (``(n_counted, V)`` with ``labels``),
+      computed in plain PyTorch (the result is itself ``(N, V)``): in fp32 (fp64 for fp64
+      inputs) and rounded once, or TRL's own arithmetic under ``half_precision("original")``.
+
+    Args:
+        student_logits, teacher_logits: ``(B, T, V)`` (or ``(N, V)``; any number of leading
+            dims), float, any strides; the teacher must not require grad (``ValueError``: TRL
+            computes it under ``no_grad``; pass ``.detach()``).
+        labels: ``student_logits.shape[:-1]`` int labels, -100 where a position does not count.
+        beta: in ``[0, 1]``. temperature: ``> 0``, divides both logits.
+        reduction: one of ``"batchmean"``, ``"sum"``, ``"mean"``, ``"none"`` (another
+            string raises ``ValueError``; TRL returns the unreduced terms for it).
+        num_items_in_batch: a number ``> 0`` or a one-element tensor (its value is not read
+            on the host: ``<= 0`` gives NaN).
+
+    Returns:
+        A 0-dim loss (the unreduced terms for ``"none"``) in the promoted dtype of the two
+        logits, as TRL's; differentiable w.r.t. ``student_logits``.
+
+    Differences from TRL, deliberate: ``-inf`` logits give the finite limit ``0 log 0 = 0``
+    in every reduction but ``"none"`` (TRL's ``F.kl_div`` gives NaN there); fp16 / bf16
+    logits are computed in fp32 and the loss rounded once (``half_precision("original")``
+    runs TRL's own arithmetic, bit for bit); ``num_items_in_batch`` as a number must be
+    ``> 0`` (TRL divides by 0).
+
+    Example:
+        >>> import torch
+        >>> from fused_rl.compat.trl import generalized_jsd_loss
+        >>> student = torch.randn(2, 4, 9, requires_grad=True)
+        >>> teacher = torch.randn(2, 4, 9)
+        >>> labels = torch.tensor([[-100, 3, 1, 2], [-100, -100, 5, 0]])
+        >>> loss = generalized_jsd_loss(student, teacher, labels, beta=0.1, temperature=0.9)
+        >>> loss.backward()
+        >>> generalized_jsd_loss(student, teacher, labels, reduction="none").shape
+        torch.Size([5, 9])
+    """
+    V.check_logits(student_logits, "student_logits")
+    V.check_logits(teacher_logits, "teacher_logits")
+    if teacher_logits.shape != student_logits.shape:
+        raise ValueError(
+            f"teacher_logits must have student_logits' shape {tuple(student_logits.shape)}, "
+            f"got {tuple(teacher_logits.shape)}"
+        )
+    V.check_unit_interval(beta, "beta")
+    V.check_positive(temperature, "temperature")
+    V.check_choice(reduction, _REDUCTIONS, "reduction")
+    if labels is not None:
+        V.check_targets(labels, student_logits, "labels")
+    if num_items_in_batch is not None:
+        check_num_items(num_items_in_batch)
+    if teacher_logits.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            "teacher_logits requires grad: the teacher gets no gradient (TRL computes it "
+            "under torch.no_grad()); pass teacher_logits.detach()"
+        )
+    out_dtype = torch.promote_types(student_logits.dtype, teacher_logits.dtype)
+    if original_half_precision(student_logits, teacher_logits):
+        return _trl_jsd_loss(student_logits, teacher_logits, labels, float(beta),
+                             float(temperature), reduction, num_items_in_batch)  # fmt: skip
+    if reduction == "none" and num_items_in_batch is None:
+        acc = torch.float64 if out_dtype == torch.float64 else torch.float32
+        jsd = _trl_jsd_terms(student_logits.to(acc), teacher_logits.to(acc), float(beta),
+                             float(temperature))  # fmt: skip
+        return (jsd if labels is None else jsd[labels != -100]).to(out_dtype)
+    vocab = student_logits.shape[-1]
+    student, teacher, targets = student_logits, teacher_logits, labels
+    if student.dim() not in (2, 3):  # distill_loss takes (N, V) or (B, T, V)
+        student, teacher = student.reshape(-1, vocab), teacher.reshape(-1, vocab)
+        targets = None if labels is None else labels.reshape(-1)
+    num_items = num_items_in_batch
+    if isinstance(num_items, Tensor):
+        num_items = num_items.to(student.device)
+    elif num_items is None and reduction == "batchmean" and labels is None:
+        lead = student_logits.shape[0] if student_logits.dim() > 1 else vocab
+        num_items = max(lead, 1)
+    elif num_items is None and reduction == "sum":
+        num_items = 1
+    elif num_items is None and reduction == "mean":
+        if labels is not None:
+            num_items = (labels != -100).sum() * vocab  # on device: no host sync
+        else:
+            n = student_logits.numel()
+            num_items = n if n > 0 else torch.zeros((), device=student.device)  # NaN, as TRL
+    loss, _ = distill_loss(
+        student, teacher, beta=beta, temperature=temperature, targets=targets,
+        num_items=num_items, backend=resolve_backend("auto", student),
+    )  # fmt: skip
+    return loss.to(out_dtype)

@@ -1,0 +1,349 @@
+"""On-policy distillation losses from student and teacher logits: ``distill_loss``.
+
+The divergence of TRL's ``GKDTrainer.generalized_jsd_loss`` (forward KL, reverse KL or the
+generalized Jensen-Shannon divergence of both softmaxes) per token, aggregated over counted
+tokens by ``loss_agg``, streamed over the vocabulary: on the Triton backend a forward is the
+vocab kernel ``kernels/vocab/distill.py`` (one pass over both rows for ``beta`` in {0, 1},
+two for the general ``beta``) and one reduction that finishes the loss and every metric;
+a backward is one kernel that reads both rows once and writes the student's gradient.
+Nothing of size ``(N, V)`` is allocated beyond the inputs and that gradient. Both are
+:class:`fused_rl._ops.FusedOp` (``torch.library`` custom ops for ``torch.compile``, a
+direct call in eager mode). The ``reference`` backend is the same math in plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+from torch import Tensor
+
+from . import _validation as V
+from ._agg import check_loss_agg, masked_mean_all, poison_empty, token_weights
+from ._backend import resolve_backend
+from ._launch import f32_pair, triton_acc, vocab_launch
+from ._ops import FusedOp
+from ._policy_inputs import num_items_args, weights_of
+from ._shapes import as_rows3d
+from .kernels.modes import LOSS_AGG_MODES
+from .reference import distill as ref
+from .reference.reductions import acc_dtype
+
+# the kernels' MODE (kernels/vocab/distill.py MODE_*), by ``beta``: 0, 1, anything between
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+# the partial columns (kernels/vocab/distill.py COL_*) and so the finalize kernel's outputs
+COLUMNS = ("jsd", "forward_kl", "reverse_kl", "student_entropy", "teacher_entropy", "count")
+METRICS = COLUMNS[:-1]
+N_STATS = 5  # per-row statistics saved for the backward (kernels/vocab/distill.py STAT_*)
+FINALIZE_BLOCK_B, FINALIZE_BLOCK_T = 16, 128
+_SEQ_MEAN_TOKEN_MEAN = LOSS_AGG_MODES.index("seq-mean-token-mean")
+
+
+def divergence_mode(beta: float) -> int:
+    """The kernel's ``MODE`` for ``beta``: forward KL at 0, reverse KL at 1, else the JSD
+    (TRL's ``beta == 0`` / ``beta == 1`` tests, exactly)."""
+    return 0 if beta == 0 else 1 if beta == 1 else 2
+
+
+def _beta_args(beta: float) -> tuple[float, ...]:
+    """``beta``, ``log beta``, ``log(1 - beta)`` as fp32 pairs (the logs only for the JSD)."""
+    logs = (math.log(beta), math.log1p(-beta)) if 0.0 < beta < 1.0 else (0.0, 0.0)
+    return (*f32_pair(beta), *f32_pair(logs[0]), *f32_pair(logs[1]))
+
+
+def _acc(student: Tensor, teacher: Tensor) -> torch.dtype:
+    return acc_dtype(student, teacher)
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def distill_fwd(
+    student3d: Tensor,
+    teacher3d: Tensor,
+    targets: Tensor | None,
+    mask: Tensor | None,
+    num_items_t: Tensor | None,
+    beta: float,
+    temperature: float,
+    ignore_index: int,
+    agg: int,
+    max_length: float,
+    num_items: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The distillation loss over ``(outer, inner, V)`` student / teacher logits (any
+    strides, each its own) with ``(outer, inner)`` targets / mask (any strides; a bool mask
+    passed as uint8). ``agg``: index in ``LOSS_AGG_MODES``; ``num_items`` <= 0 means off.
+
+    Returns ``(loss, metrics, seq_scale, stats, part)``: ``loss`` 0-dim (fp32, fp64 for an
+    fp64 input), ``metrics`` ``(len(COLUMNS),)`` fp32 (token means of each column, the
+    weight total last), ``seq_scale`` the aggregation's normaliser, ``stats``
+    ``(N_STATS, N)`` and ``part`` ``(len(COLUMNS), N)`` for the backward. Two launches.
+    """
+    from .kernels.vocab.distill import _distill_finalize_kernel, _distill_fwd_kernel
+
+    outer, inner, vocab = student3d.shape
+    n_rows = outer * inner
+    acc = _acc(student3d, teacher3d)
+    dev = student3d.device
+    part = torch.empty((len(COLUMNS), n_rows), dtype=acc, device=dev)
+    stats = torch.empty((N_STATS, n_rows), dtype=acc, device=dev)
+    strides = lambda t: t.stride() if t is not None else (0, 0)
+    if n_rows:
+        _distill_fwd_kernel[(n_rows,)](
+            student3d, teacher3d, targets if targets is not None else part,
+            mask if mask is not None else part, part, stats, inner, n_rows, vocab,
+            *student3d.stride(), *teacher3d.stride(), *strides(targets), *strides(mask),
+            *f32_pair(1.0 / temperature), *_beta_args(beta), ignore_index,
+            MODE=divergence_mode(beta), HAS_TARGETS=targets is not None,
+            HAS_MASK=mask is not None, ACC=triton_acc(acc), **vocab_launch(vocab, writes=True),
+        )  # fmt: skip
+    loss = torch.empty((), dtype=acc, device=dev)
+    metrics = torch.empty(len(COLUMNS), dtype=torch.float32, device=dev)
+    seq_scale = torch.empty(max(outer, 1) if agg == _SEQ_MEAN_TOKEN_MEAN else 1, dtype=acc,
+                            device=dev)  # fmt: skip
+    _distill_finalize_kernel[(len(COLUMNS),)](
+        part, loss, metrics, seq_scale, num_items_t if num_items_t is not None else part,
+        outer, inner, float(num_items), float(max(outer, 1)), float(max_length),
+        AGG=agg, NUM_ITEMS_TENSOR=num_items_t is not None, BLOCK_B=FINALIZE_BLOCK_B,
+        BLOCK_T=FINALIZE_BLOCK_T, ACC=triton_acc(acc),
+    )  # fmt: skip
+    return loss, metrics, seq_scale, stats, part
+
+
+def _fwd_fake(student3d, teacher3d, targets, mask, num_items_t, beta, temperature, ignore_index,
+              agg, max_length, num_items):  # fmt: skip
+    outer, inner, _ = student3d.shape
+    acc = _acc(student3d, teacher3d)
+    n_scale = max(outer, 1) if agg == _SEQ_MEAN_TOKEN_MEAN else 1
+    return (
+        student3d.new_empty((), dtype=acc),
+        student3d.new_empty(len(COLUMNS), dtype=torch.float32),
+        student3d.new_empty(n_scale, dtype=acc),
+        student3d.new_empty((N_STATS, outer * inner), dtype=acc),
+        student3d.new_empty((len(COLUMNS), outer * inner), dtype=acc),
+    )
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+def distill_bwd(
+    student3d: Tensor,
+    teacher3d: Tensor,
+    stats: Tensor,
+    part: Tensor,
+    seq_scale: Tensor,
+    grad_loss: Tensor,
+    beta: float,
+    temperature: float,
+) -> Tensor:
+    """The student's gradient, a fresh contiguous ``(outer, inner, V)`` buffer in its
+    dtype, from the forward's ``stats`` / ``part`` / ``seq_scale`` and the upstream
+    gradient ``grad_loss`` (0-dim, read on device). One launch."""
+    from .kernels.vocab.distill import _distill_bwd_kernel
+
+    outer, inner, vocab = student3d.shape
+    grad = torch.empty(student3d.shape, dtype=student3d.dtype, device=student3d.device)
+    if grad.numel() == 0:
+        return grad
+    n_rows = outer * inner
+    _distill_bwd_kernel[(n_rows,)](
+        student3d, teacher3d, grad, stats, part, grad_loss, seq_scale, inner, n_rows, vocab,
+        *student3d.stride(), *teacher3d.stride(), 0 if seq_scale.numel() == 1 else 1,
+        *f32_pair(1.0 / temperature), *_beta_args(beta), MODE=divergence_mode(beta),
+        ACC=triton_acc(stats.dtype), **vocab_launch(vocab, writes=True),
+    )  # fmt: skip
+    return grad
+
+
+def _bwd_fake(student3d, *_args):
+    return student3d.new_empty(student3d.shape)
+
+
+distill_bwd_op = FusedOp("distill_bwd", distill_bwd)
+distill_bwd_op.register_fake(_bwd_fake)
+
+
+def _setup_context(ctx, inputs, output):
+    student3d, teacher3d, *_ = inputs
+    ctx.beta, ctx.temperature = inputs[5], inputs[6]
+    _, metrics, seq_scale, stats, part = output
+    ctx.save_for_backward(student3d, teacher3d, stats, part, seq_scale)
+    ctx.mark_non_differentiable(metrics, seq_scale, stats, part)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad_loss, *_unused):
+    student3d, teacher3d, stats, part, seq_scale = ctx.saved_tensors
+    grad = None
+    if grad_loss is not None:
+        grad = distill_bwd_op(
+            student3d, teacher3d, stats, part, seq_scale, grad_loss, ctx.beta, ctx.temperature
+        )
+    return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
+
+
+distill_fwd_op = FusedOp("distill_fwd", distill_fwd)
+distill_fwd_op.register_fake(_fwd_fake)
+distill_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def _check(logits, teacher_logits, beta, temperature, mask, targets, ignore_index, loss_agg,
+           max_length, num_items) -> None:  # fmt: skip
+    V.check_logits(logits, "logits")
+    if logits.dim() not in (2, 3):
+        raise ValueError(f"logits must be (B, T, V) or (N, V), got shape {tuple(logits.shape)}")
+    V.check_logits(teacher_logits, "teacher_logits")
+    if teacher_logits.shape[-1] != logits.shape[-1]:
+        raise ValueError(
+            f"teacher_logits must have the student's vocabulary size: logits has "
+            f"V = {logits.shape[-1]}, teacher_logits V = {teacher_logits.shape[-1]}"
+        )
+    if teacher_logits.shape != logits.shape:
+        raise ValueError(
+            f"teacher_logits must have logits' shape {tuple(logits.shape)}, got "
+            f"{tuple(teacher_logits.shape)}"
+        )
+    if teacher_logits.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            "teacher_logits requires grad: the teacher gets no gradient from distill_loss; "
+            "pass teacher_logits.detach() (or compute it under torch.no_grad())"
+        )
+    V.check_unit_interval(beta, "beta")
+    V.check_positive(temperature, "temperature")
+    lead = tuple(logits.shape[:-1])
+    if targets is not None:
+        V.check_targets(targets, logits, "targets")
+    if not isinstance(ignore_index, numbers.Integral) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    V.check_mask(mask, "mask", lead, "logits.shape[:-1]")
+    check_loss_agg(loss_agg, max_length=max_length, num_items=num_items)
+    V.check_same_device(logits=logits, teacher_logits=teacher_logits, mask=mask, targets=targets)
+
+
+def distill_loss(
+    logits: Tensor,
+    teacher_logits: Tensor,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    mask: Tensor | None = None,
+    targets: Tensor | None = None,
+    ignore_index: int = -100,
+    loss_agg: str = "token-mean",
+    num_items: int | float | Tensor | None = None,
+    max_length: int | None = None,
+    backend: str = "auto",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """On-policy distillation loss (GKD): a divergence between the student's and the
+    teacher's next-token distributions, fused over the vocabulary.
+
+    Per token, with ``p = softmax(logits / T)`` (student) and ``q = softmax(teacher_logits
+    / T)`` (teacher), the divergence of TRL's ``GKDTrainer.generalized_jsd_loss``:
+    ``beta == 0``: forward KL ``KL(q || p) = sum_v q (log q - log p)``; ``beta == 1``:
+    reverse KL ``KL(p || q)``; otherwise the generalized Jensen-Shannon divergence
+    ``beta KL(q || m) + (1 - beta) KL(p || m)`` with ``m = (1 - beta) p + beta q``. The
+    per-token divergences are aggregated over counted tokens by ``loss_agg``.
+
+    Args:
+        logits: the student's ``(B, T, V)`` (or packed ``(N, V)``: one sequence) logits,
+            fp32 / bf16 / fp16 (fp64 for gradcheck), any strides (a slice is read in place).
+        teacher_logits: the teacher's, the same shape; any float dtype (it may differ from
+            the student's) and strides. Read-only: it gets no gradient, and one that
+            requires grad raises ``ValueError`` (pass ``.detach()``).
+        beta: in ``[0, 1]`` (see above; 0 and 1 are exact tests, as TRL's).
+        temperature: both logits are divided by it (``> 0``); the loss is not rescaled.
+        mask: ``logits.shape[:-1]``, bool / integer / float: a token counts where it is
+            nonzero; a float (or integer) mask is a per-token weight ``m_t >= 0``, as for
+            :func:`fused_rl.policy_loss` (a negative one raises in eager mode with
+            ``fused_rl.config.check_values`` on, else makes the loss NaN).
+        targets: optional ``logits.shape[:-1]`` int64 / int32 labels: a token counts only
+            where ``targets != ignore_index`` (TRL's ``labels == -100`` masking). Only
+            compared with ``ignore_index``, never read as an index.
+        ignore_index: see ``targets``.
+        loss_agg: ``"token-mean"`` (default: the sum over counted tokens over their count,
+            0 when nothing counts: TRL's ``"batchmean"`` with labels), ``"seq-mean-token-mean"``,
+            ``"seq-mean-token-sum"``, ``"seq-mean-token-sum-norm"``: the policy losses'
+            modes (``fused_rl.PolicyConfig``); packed ``(N, V)`` logits are one sequence.
+        num_items: replaces the token count of ``token-mean`` (a global count across
+            micro-batches / ranks); a tensor's value is never read on the host (<= 0: NaN).
+        max_length: the ``seq-mean-token-sum-norm`` length (default ``T``).
+        backend: ``"auto"`` | ``"triton"`` | ``"reference"``.
+
+    Returns:
+        ``(loss, metrics)``: ``loss`` a 0-dim fp32 tensor (fp64 for an fp64 input),
+        differentiable w.r.t. ``logits`` only; ``metrics`` detached fp32 0-dim tensors,
+        weighted means over counted tokens (0 when none counts), all from the same passes:
+        ``jsd`` (the divergence used, i.e. the forward KL for ``beta == 0``, the reverse KL
+        for ``beta == 1``), ``forward_kl`` (``KL(q || p)``), ``reverse_kl`` (``KL(p ||
+        q)``), ``student_entropy``, ``teacher_entropy``.
+
+    A NaN logit in a counted token makes the loss and metrics NaN; tokens that do not count
+    never matter (NaN / inf there included) and get an exactly zero gradient. ``-inf``
+    logits give the finite limit (``0 log 0 = 0``), where TRL's ``F.kl_div`` gives NaN.
+    Triton cost: forward one vocab kernel (one pass over both rows for ``beta`` in {0, 1},
+    two for the general ``beta``) and one reduction; backward one kernel (``2`` reads and
+    ``1`` write of a row); O(N) floats saved (``kernels/vocab/distill.py``).
+
+    Example:
+        >>> import torch, fused_rl
+        >>> student = torch.randn(2, 5, 11, requires_grad=True)
+        >>> teacher = torch.randn(2, 5, 11)
+        >>> labels = torch.randint(0, 11, (2, 5))
+        >>> labels[:, :2] = -100  # the prompt does not count
+        >>> loss, metrics = fused_rl.distill_loss(student, teacher, beta=0.5, targets=labels)
+        >>> loss.backward()
+        >>> sorted(metrics)
+        ['forward_kl', 'jsd', 'reverse_kl', 'student_entropy', 'teacher_entropy']
+        >>> bool(student.grad[:, :2].eq(0).all())
+        True
+    """
+    _check(logits, teacher_logits, beta, temperature, mask, targets, ignore_index, loss_agg,
+           max_length, num_items)  # fmt: skip
+    which = resolve_backend(backend, logits, teacher_logits, mask, targets)
+    beta, temperature = float(beta), float(temperature)
+    if which == "reference":
+        return _reference(logits, teacher_logits, beta, temperature, mask, targets,
+                          ignore_index, loss_agg, num_items, max_length)  # fmt: skip
+    student3d, teacher3d = as_rows3d(logits), as_rows3d(teacher_logits)
+    outer, inner = student3d.shape[:2]
+    rows = lambda t: None if t is None else t.reshape(outer, inner)  # a view, strides kept
+    if mask is not None and mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)  # read as bytes, no copy
+    n_items, n_items_t = num_items_args(num_items)
+    loss, metrics, *_ = distill_fwd_op(
+        student3d, teacher3d, rows(targets), rows(mask), n_items_t, beta, temperature,
+        int(ignore_index), LOSS_AGG_MODES.index(loss_agg), float(max_length or inner), n_items,
+    )  # fmt: skip
+    values = metrics.unbind()
+    out = {}
+    for k, name in enumerate(METRICS):  # a loop, not a comprehension: no Python frame
+        out[name] = values[k]
+    return loss, out
+
+
+def _reference(logits, teacher_logits, beta, temperature, mask, targets, ignore_index, loss_agg,
+               num_items, max_length):  # fmt: skip
+    """The reference backend: per-token divergences (``fused_rl.reference.distill``), the
+    weights of ``fused_rl._agg``, masked means for the metrics."""
+    acc = acc_dtype(logits, teacher_logits)
+    lead = logits.shape[:-1]
+    rows = (1, lead[0]) if logits.dim() == 2 else tuple(lead)
+    m = weights_of(mask, logits[..., 0], acc, targets, ignore_index).reshape(rows)
+    terms = ref.token_divergences(
+        logits, teacher_logits, beta=beta, temperature=temperature, counted=(m != 0).reshape(lead)
+    )
+    d = terms["d"].reshape(rows)
+    w = token_weights(m, loss_agg, max_length=max_length, num_items=num_items, dtype=acc)
+    loss = torch.where(w != 0, d * w, torch.zeros_like(d)).sum()
+    loss = poison_empty(loss, num_items if loss_agg == "token-mean" else None, w.numel())
+    with torch.no_grad():
+        metrics = {"jsd": masked_mean_all(d.detach(), m)}
+        for name in METRICS[1:]:
+            metrics[name] = masked_mean_all(terms[name].reshape(rows), m)
+    return loss, metrics

@@ -1,0 +1,562 @@
+"""fused_rl.distill_loss (on-policy distillation: forward KL, reverse KL, generalized JSD)
+against a float64 oracle written here from the formulas of TRL's ``generalized_jsd_loss``:
+values, metrics and the student's gradient under a random upstream gradient, on both
+backends; awkward shapes and strides, masks, NaN, gradcheck, torch.compile, launches."""
+
+from __future__ import annotations
+
+import doctest
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import F64_TOL, FP32_TOL, rel_err
+
+import fused_rl
+import fused_rl.distill as distill_mod
+from fused_rl._agg import LOSS_AGG_MODES
+from fused_rl.profiling import AllocationTracker, LaunchCounter
+
+BACKENDS = ("triton", "reference")
+BETAS = (0.0, 0.3, 0.5, 1.0)
+# launches per call (tests/test_call_cost.py's counting): forward = the vocab kernel + the
+# finalize reduction; backward = the autograd seed + the one gradient kernel; any beta
+DISTILL_FWD_LAUNCHES, DISTILL_BWD_LAUNCHES = 2, 2
+
+# ----------------------------------------------------------------------------- oracle
+
+
+def oracle_terms(s, t, beta, temperature, dtype=torch.float64):
+    """Per-token ``(d, forward_kl, reverse_kl, student_entropy, teacher_entropy)`` in
+    ``dtype`` (float64: the oracle; the inputs' own half dtype: eager PyTorch in that dtype,
+    as TRL computes), straight from the definitions (the mixture from probabilities)."""
+    lp = torch.log_softmax(s.to(dtype) / temperature, -1)
+    lq = torch.log_softmax(t.to(dtype) / temperature, -1)
+    p, q = lp.exp(), lq.exp()
+    fwd = (q * (lq - lp)).sum(-1)
+    rev = (p * (lp - lq)).sum(-1)
+    if beta == 0:
+        d = fwd
+    elif beta == 1:
+        d = rev
+    else:
+        lm = ((1 - beta) * p + beta * q).log()
+        d = beta * (q * (lq - lm)).sum(-1) + (1 - beta) * (p * (lp - lm)).sum(-1)
+    return d, fwd, rev, -(p * lp).sum(-1), -(q * lq).sum(-1)
+
+
+def oracle_weights(shape, mask, targets, ignore_index=-100):
+    m = torch.ones(shape, dtype=torch.float64) if mask is None else mask.double()
+    if targets is not None:
+        m = torch.where(targets != ignore_index, m, 0.0)
+    return m
+
+
+def oracle_aggregate(d, m, loss_agg="token-mean", num_items=None, max_length=None):
+    """``loss_agg`` as the policy losses define it, on ``(B, T)`` per-token ``d``."""
+    md = torch.where(m != 0, m * d, 0.0)
+    n_seq, length = d.shape
+    if loss_agg == "token-mean":
+        den = m.sum() if num_items is None else torch.as_tensor(float(num_items))
+        return md.sum() / den if den != 0 else md.sum() * 0
+    if loss_agg == "seq-mean-token-mean":
+        per = md.sum(1) / torch.where(m.sum(1) != 0, m.sum(1), 1.0)
+        return torch.where(m.sum(1) != 0, per, 0.0).sum() / max(n_seq, 1)
+    if loss_agg == "seq-mean-token-sum":
+        return md.sum() / max(n_seq, 1)
+    return md.sum() / (max(n_seq, 1) * (max_length or length))
+
+
+def oracle_call(s, t, *, beta, temperature=1.0, mask=None, targets=None, loss_agg="token-mean",
+                num_items=None, max_length=None, dtype=torch.float64):  # fmt: skip
+    terms = oracle_terms(s, t, beta, temperature, dtype)
+    rows = terms[0].shape if s.dim() == 3 else (1, s.shape[0])
+    m = oracle_weights(s.shape[:-1], mask, targets).reshape(rows)
+    terms = [x.reshape(rows) for x in terms]
+    loss = oracle_aggregate(terms[0], m, loss_agg, num_items, max_length)
+    count = m.sum()
+    mean = lambda x: (
+        (torch.where(m != 0, m * x.detach(), 0.0).sum() / count) if count else 0 * count
+    )
+    names = ("jsd", "forward_kl", "reverse_kl", "student_entropy", "teacher_entropy")
+    return loss, {name: mean(x) for name, x in zip(names, terms, strict=True)}
+
+
+def grad_tol(dtype, eager_err, backend):
+    """fp32: FP32_TOL; bf16: twice eager bf16's error (floor 1e-3), and one bf16 ulp for the
+    interpreter's truncating fp32 -> bf16 store (tests/test_compat_trl.py)."""
+    if dtype in (torch.float32, torch.float64):
+        return FP32_TOL
+    tol = max(2 * eager_err, 1e-3)
+    if backend == "triton" and not torch.cuda.is_available():
+        tol = max(tol, 2.0**-7)
+    return tol
+
+
+def run(s, t, up, **kw):
+    """``(loss, metrics, d loss / d s)`` under the upstream scalar ``up``."""
+    s = s.detach().requires_grad_()
+    loss, metrics = fused_rl.distill_loss(s, t, **kw)
+    (grad,) = torch.autograd.grad(loss, s, up.to(loss.dtype))
+    return loss, metrics, grad
+
+
+def check_against_oracle(s, t, *, backend, dtype=torch.float32, seed=0, **kw):
+    gen = torch.Generator().manual_seed(seed)
+    up = torch.randn((), generator=gen, dtype=torch.float64).to(s.device)
+    loss, metrics, grad = run(s, t, up, backend=backend, **kw)
+    s64 = s.detach().double().requires_grad_()
+    want, want_metrics = oracle_call(s64, t.detach().double(), **kw)
+    (want_grad,) = torch.autograd.grad(want, s64, up)
+    assert loss.dtype == (torch.float64 if torch.float64 in (s.dtype, t.dtype) else torch.float32)
+    assert grad.dtype == s.dtype and grad.shape == s.shape
+    tol = FP32_TOL if dtype != torch.float64 else F64_TOL
+    assert rel_err(loss, want) <= tol, (rel_err(loss, want), float(loss), float(want))
+    for name, value in want_metrics.items():
+        assert metrics[name].dtype == torch.float32 and metrics[name].shape == ()
+        assert not metrics[name].requires_grad
+        assert rel_err(metrics[name], value) <= max(tol, 1e-6), name
+    eager_err = 0.0
+    if dtype in (torch.float16, torch.bfloat16):
+        leaf = s.detach().clone().requires_grad_()
+        eager, _ = oracle_call(leaf, t.detach(), dtype=dtype, **kw)
+        (eager_grad,) = torch.autograd.grad(eager, leaf, up.to(dtype))
+        eager_err = rel_err(eager_grad, want_grad)
+    assert rel_err(grad, want_grad) <= grad_tol(dtype, eager_err, backend), rel_err(grad, want_grad)
+    return loss, metrics, grad
+
+
+def make(shape, dtype=torch.float32, *, seed=0, scale=2.0, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    s = (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(device, dtype)
+    t = (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(device, dtype)
+    return s, t, gen
+
+
+# ----------------------------------------------------------------------------- values, grads
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("beta", BETAS)
+def test_matches_oracle(beta, temperature, dtype, backend, device):
+    """Strided student (the model's ``[:, :-1]`` slice) and teacher (a transposed buffer),
+    a float mask and ignored targets."""
+    gen = torch.Generator().manual_seed(int(beta * 10) + int(temperature * 10))
+    B, T, V = 2, 5, 37
+    buf = (torch.randn(B, T + 1, V, generator=gen) * 2).to(device, dtype)
+    s = buf[:, :-1]
+    t = (torch.randn(T, B, V, generator=gen) * 2).to(device, dtype).transpose(0, 1)
+    mask = torch.rand(B, T, generator=gen).to(device)
+    mask[0, 1] = 0.0
+    targets = torch.randint(0, V, (B, T), generator=gen).to(device)
+    targets[1, :2] = -100
+    check_against_oracle(s, t, backend=backend, dtype=dtype, beta=beta,
+                         temperature=temperature, mask=mask, targets=targets)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "shape", [(3, 1, 11), (2, 3, 5), (1, 2, 1), (7, 13), (1, 3, 5000)], ids=str
+)  # T = 1, V below one block, V = 1, packed (N, V), V above one block
+def test_awkward_shapes(shape, backend, device):
+    for beta in (0.0, 0.4, 1.0):
+        s, t, _ = make(shape, seed=len(shape) + shape[-1], device=device)
+        if shape[-1] == 5000:  # the row maximum in the second block for one row only
+            s[..., 0, 4500] += 12.0
+            t[..., 1, 4200] += 12.0
+        check_against_oracle(s, t, backend=backend, beta=beta, temperature=0.9)
+
+
+@pytest.mark.parametrize("beta", BETAS)
+def test_online_rescaling_over_many_blocks(beta, device, monkeypatch):
+    """Blocks of 16 columns over rows whose maximum rises block after block (and falls, and
+    jumps by 1e3): every online rescaling of the running sums is exercised."""
+    monkeypatch.setattr(distill_mod, "vocab_launch", lambda v, writes: {"BLOCK_V": 16})
+    V = 100
+    ramp = torch.linspace(-3.0, 9.0, V, dtype=torch.float64)
+    s = torch.stack([ramp, ramp.flip(0), torch.randn(V, dtype=torch.float64)]).reshape(1, 3, V)
+    t = torch.stack([torch.randn(V, dtype=torch.float64), ramp, ramp * 0.5]).reshape(1, 3, V)
+    s[0, 2, 70] += 1000.0  # a far larger logit late in the row
+    t[0, 0, 50] -= 1000.0
+    check_against_oracle(s.float().to(device), t.float().to(device), backend="triton", beta=beta)
+    check_against_oracle(s.to(device), t.to(device), backend="triton", beta=beta,
+                         dtype=torch.float64, temperature=0.7)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strides_mixed_dtypes_and_large_offsets(backend, device):
+    """Last-dim strides, a student and teacher of different dtypes, logits offset by 1e4 (all
+    statistics are relative to the row maxima: nothing cancels)."""
+    s, t, _ = make((2, 4, 2 * 29), device=device, seed=5)
+    check_against_oracle(s[..., ::2], t[..., 1::2], backend=backend, beta=0.5)
+    s, t, _ = make((2, 4, 29), device=device, seed=6)
+    check_against_oracle(s + 1e4, t - 1e4, backend=backend, beta=0.0)
+    check_against_oracle(s + 1e4, t - 1e4, backend=backend, beta=0.7)
+    s16, t32 = s.to(torch.bfloat16), t.to(torch.float32)
+    check_against_oracle(s16, t32, backend=backend, beta=0.3, dtype=torch.bfloat16)
+    check_against_oracle(t32.half(), s16, backend=backend, beta=1.0, dtype=torch.float16)
+    loss, _, grad = run(s.double(), t, torch.tensor(1.0, device=device), beta=0.5,
+                        backend=backend)  # fmt: skip
+    assert loss.dtype == torch.float64 and grad.dtype == torch.float64
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss_agg", LOSS_AGG_MODES)
+def test_every_loss_agg_and_num_items(loss_agg, backend, device):
+    s, t, gen = make((3, 4, 17), device=device, seed=11)
+    mask = (torch.rand(3, 4, generator=gen) > 0.3).to(device)
+    mask[2] = False  # an empty sequence
+    for kw in ({}, {"num_items": 7}, {"num_items": torch.tensor(4.5, device=device)},
+               {"max_length": 9}):  # fmt: skip
+        if "num_items" in kw and loss_agg != "token-mean":
+            continue
+        if "max_length" in kw and loss_agg != "seq-mean-token-sum-norm":
+            continue
+        check_against_oracle(s, t, backend=backend, beta=0.3, temperature=0.8, mask=mask,
+                             loss_agg=loss_agg, **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_num_items_tensor_not_positive_is_nan(backend, device):
+    s, t, _ = make((2, 3, 7), device=device)
+    for bad in (0.0, -2.0):
+        loss, metrics = fused_rl.distill_loss(
+            s, t, num_items=torch.tensor(bad, device=device), backend=backend
+        )
+        assert loss.isnan() and torch.isfinite(metrics["jsd"])
+    empty = torch.zeros(0, 3, 7, device=device)
+    loss, _ = fused_rl.distill_loss(empty, empty, num_items=torch.tensor(0.0), backend=backend)
+    assert loss.isnan()
+
+
+# ----------------------------------------------------------------------------- masks, NaN
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_masked_ignored_and_empty(backend, device):
+    """Uncounted tokens never matter (NaN / inf logits there included) and get exact zero
+    gradients; a batch where nothing counts gives 0 for the loss and every metric."""
+    s, t, gen = make((2, 4, 9), device=device, seed=3)
+    targets = torch.randint(0, 9, (2, 4), generator=gen).to(device)
+    targets[0] = -100  # a whole sequence ignored
+    mask = torch.ones(2, 4, dtype=torch.bool, device=device)
+    mask[1, 2] = False
+    s[0, 1, 3] = t[1, 2, 0] = float("nan")
+    s[1, 2, 4] = float("inf")
+    for beta in BETAS:
+        for agg in LOSS_AGG_MODES:
+            loss, metrics, grad = run(
+                s, t, torch.tensor(0.8, device=device), beta=beta, mask=mask, targets=targets,
+                loss_agg=agg, backend=backend,
+            )  # fmt: skip
+            assert torch.isfinite(loss) and all(torch.isfinite(v) for v in metrics.values())
+            assert torch.isfinite(grad).all()
+            assert bool((grad[0] == 0).all()) and bool((grad[1, 2] == 0).all())
+    nothing = torch.zeros(2, 4, device=device)
+    for agg in LOSS_AGG_MODES:
+        loss, metrics, grad = run(s, t, torch.tensor(1.0, device=device), mask=nothing,
+                                  loss_agg=agg, backend=backend)  # fmt: skip
+        assert loss.item() == 0.0 and all(v.item() == 0.0 for v in metrics.values())
+        assert bool((grad == 0).all())
+    empty = torch.zeros(0, 4, 9, device=device)
+    loss, metrics = fused_rl.distill_loss(empty, empty, backend=backend)
+    assert loss.item() == 0.0 and metrics["jsd"].item() == 0.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("beta", BETAS)
+def test_nan_in_nan_out(beta, backend, device):
+    """A NaN logit (student or teacher) or an all ``-inf`` student row in a counted token
+    makes the loss and the metrics NaN; the other rows' gradients stay finite."""
+    for where in ("student", "teacher", "neg_inf_row"):
+        s, t, _ = make((2, 3, 11), device=device, seed=4)
+        if where == "student":
+            s[1, 1, 5] = float("nan")
+        elif where == "teacher":
+            t[1, 1, 5] = float("nan")
+        else:
+            s[1, 1] = float("-inf")
+        loss, metrics, grad = run(s, t, torch.tensor(1.0, device=device), beta=beta,
+                                  backend=backend)  # fmt: skip
+        assert loss.isnan(), where
+        assert metrics["jsd"].isnan(), where
+        assert torch.isfinite(grad[0]).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("beta", BETAS)
+def test_neg_inf_columns_are_the_smaller_vocabulary(beta, backend, device):
+    """Columns that are ``-inf`` in both rows (a padded vocabulary) give exactly the
+    divergence over the other columns, and zero gradient there (TRL's ``F.kl_div`` gives
+    NaN: ``0 * (-inf - -inf)``)."""
+    s, t, _ = make((2, 3, 12), device=device, seed=8)
+    keep = torch.ones(12, dtype=torch.bool)
+    keep[[2, 7, 11]] = False
+    s[..., ~keep] = float("-inf")
+    t[..., ~keep] = float("-inf")
+    up = torch.tensor(1.3, device=device)
+    loss, metrics, grad = run(s, t, up, beta=beta, temperature=0.8, backend=backend)
+    want, want_metrics, want_grad = run(s[..., keep], t[..., keep], up, beta=beta,
+                                        temperature=0.8, backend=backend)  # fmt: skip
+    assert rel_err(loss, want) <= 1e-6
+    assert all(rel_err(metrics[k], want_metrics[k]) <= 1e-6 for k in metrics)
+    assert bool((grad[..., ~keep] == 0).all())
+    assert rel_err(grad[..., keep], want_grad) <= 1e-6
+
+
+def test_teacher_is_never_written(device):
+    s, t, _ = make((2, 3, 11), device=device)
+    before = t.clone()
+    s.requires_grad_()
+    for backend in BACKENDS:
+        loss, _ = fused_rl.distill_loss(s, t, beta=0.5, backend=backend)
+        loss.backward()
+    assert torch.equal(t, before) and t.grad is None
+    with torch.no_grad():  # a teacher that requires grad is fine where no gradient flows
+        fused_rl.distill_loss(s, t.clone().requires_grad_(), backend="triton")
+
+
+# ----------------------------------------------------------------------------- autograd
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("beta", [0.0, 0.4, 1.0])
+def test_gradcheck_float64(beta, backend, device):
+    gen = torch.Generator().manual_seed(17)
+    s = torch.randn(2, 2, 5, generator=gen, dtype=torch.float64).to(device).requires_grad_()
+    t = torch.randn(2, 2, 5, generator=gen, dtype=torch.float64).to(device)
+    mask = torch.tensor([[1.0, 0.5], [0.0, 2.0]], dtype=torch.float64, device=device)
+    fn = lambda x: fused_rl.distill_loss(
+        x, t, beta=beta, temperature=0.7, mask=mask, loss_agg="seq-mean-token-mean",
+        backend=backend,
+    )[0]  # fmt: skip
+    assert torch.autograd.gradcheck(fn, (s,))
+
+
+def test_double_backward_raises(device):
+    s, t, _ = make((1, 2, 5), torch.float64, device=device)
+    s.requires_grad_()
+    loss, _ = fused_rl.distill_loss(s, t, backend="triton")
+    (g,) = torch.autograd.grad(loss, s, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        torch.autograd.grad(g.square().sum(), s)
+
+
+@pytest.mark.no_poison
+def test_torch_compile_fullgraph(device):
+    s, t, gen = make((2, 4, 23), device=device, seed=12)
+    mask = (torch.rand(2, 4, generator=gen) > 0.2).to(device)
+    targets = torch.randint(0, 23, (2, 4), generator=gen).to(device)
+    targets[0, 0] = -100
+
+    def f(x, y, m, lab):
+        loss, metrics = fused_rl.distill_loss(x[:, 1:], y[:, 1:], beta=0.3, temperature=0.7,
+                                              mask=m[:, 1:], targets=lab[:, 1:])  # fmt: skip
+        return loss, metrics["forward_kl"], metrics["teacher_entropy"]
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    outs = []
+    for fn in (f, compiled):
+        x = s.clone().requires_grad_()
+        out = fn(x, t, mask, targets)
+        (grad,) = torch.autograd.grad(out[0], x, torch.tensor(0.6, device=device))
+        outs.append((*out, grad))
+    for a, b in zip(*outs, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_deterministic(device):
+    s, t, _ = make((3, 5, 31), device=device, seed=13)
+    a = run(s, t, torch.tensor(1.0, device=device), beta=0.5, backend="triton")
+    b = run(s, t, torch.tensor(1.0, device=device), beta=0.5, backend="triton")
+    assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2])
+
+
+# ----------------------------------------------------------------------------- cost
+
+
+@pytest.mark.no_poison  # the NaN fill of fresh buffers is the test's, not the call's
+@pytest.mark.parametrize("beta", [0.0, 0.5])
+def test_launches_and_one_nv_allocation(beta, device, monkeypatch):
+    """Forward: the vocab kernel and the finalize reduction (any beta: the JSD's second pass
+    is inside the kernel); backward: the autograd seed and one gradient kernel. The only
+    N*V-sized allocation is the student's gradient (O(N) floats otherwise)."""
+    monkeypatch.setattr(fused_rl.config, "check_values", False)
+    B, T, V = 2, 6, 500
+    s, t, gen = make((B, T, V), device=device)
+    s.requires_grad_()
+    mask = torch.rand(B, T, generator=gen).to(device)
+    targets = torch.randint(0, V, (B, T), generator=gen).to(device)
+    with LaunchCounter() as fwd:
+        loss, metrics = fused_rl.distill_loss(s, t, beta=beta, mask=mask, targets=targets,
+                                              backend="triton")  # fmt: skip
+    with LaunchCounter() as bwd:
+        loss.backward()
+    assert fwd.total == DISTILL_FWD_LAUNCHES, (fwd.ops, fwd.kernels)
+    assert bwd.total == DISTILL_BWD_LAUNCHES, (bwd.ops, bwd.kernels)
+    s.grad = None
+    with AllocationTracker() as a:
+        loss, _ = fused_rl.distill_loss(s, t, beta=beta, mask=mask, targets=targets,
+                                        backend="triton")  # fmt: skip
+        loss.backward()
+    assert a.count_at_least(B * T * V * s.element_size() // 4) == 1
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_arguments_name_the_argument(device):
+    s, t, _ = make((2, 3, 7), device=device)
+    call = lambda **kw: fused_rl.distill_loss(kw.pop("s", s), kw.pop("t", t), **kw)
+    with pytest.raises(ValueError, match=r"teacher_logits.*V = 7.*V = 8"):
+        call(t=torch.randn(2, 3, 8, device=device))
+    with pytest.raises(ValueError, match=r"teacher_logits must have logits' shape"):
+        call(t=torch.randn(3, 2, 7, device=device))
+    with pytest.raises(ValueError, match=r"teacher_logits requires grad.*detach"):
+        call(t=t.clone().requires_grad_())
+    for bad in (-0.1, 1.5, math.nan, math.inf):
+        with pytest.raises(ValueError, match=r"\bbeta\b"):
+            call(beta=bad)
+    for bad in (True, torch.tensor(0.5), "0.5"):
+        with pytest.raises(TypeError, match=r"\bbeta\b"):
+            call(beta=bad)
+    for bad in (0.0, -1.0, math.nan):
+        with pytest.raises(ValueError, match=r"\btemperature\b"):
+            call(temperature=bad)
+    with pytest.raises(ValueError, match=r"\blogits\b"):
+        call(s=s[0, 0], t=t[0, 0])
+    with pytest.raises(ValueError, match=r"\blogits\b"):
+        call(s=s[None], t=t[None])
+    with pytest.raises(TypeError, match=r"\bteacher_logits\b"):
+        call(t=t.long())
+    with pytest.raises(ValueError, match=r"\bmask\b"):
+        call(mask=torch.ones(3, 2, device=device))
+    with pytest.raises(ValueError, match=r"\bmask\b has a negative weight"):
+        call(mask=-torch.ones(2, 3, device=device))
+    with pytest.raises(ValueError, match=r"\btargets\b"):
+        call(targets=torch.zeros(2, 4, dtype=torch.long, device=device))
+    with pytest.raises(TypeError, match=r"\btargets\b"):
+        call(targets=torch.zeros(2, 3, device=device))
+    with pytest.raises(TypeError, match=r"\bignore_index\b"):
+        call(ignore_index=-100.0)
+    with pytest.raises(ValueError, match=r"\bloss_agg\b"):
+        call(loss_agg="mean")
+    with pytest.raises(ValueError, match=r"\bnum_items\b"):
+        call(num_items=0)
+    with pytest.raises(ValueError, match=r"\bbackend\b"):
+        call(backend="cuda")
+
+
+def test_kernel_tables_match_the_python_names():
+    import fused_rl.kernels.vocab.distill as k
+
+    v = lambda x: int(getattr(x, "value", x))
+
+    assert [v(k.MODE_FORWARD_KL), v(k.MODE_REVERSE_KL), v(k.MODE_JSD)] == [
+        distill_mod.DIVERGENCES.index(n) for n in ("forward_kl", "reverse_kl", "jsd")
+    ]
+    cols = [k.COL_D, k.COL_FORWARD_KL, k.COL_REVERSE_KL, k.COL_STUDENT_ENTROPY,
+            k.COL_TEACHER_ENTROPY, k.COL_COUNT]  # fmt: skip
+    assert [v(c) for c in cols] == list(range(len(distill_mod.COLUMNS)))
+    assert k.N_COLS == len(cols)
+    assert distill_mod.N_STATS == k.N_STATS
+    assert [distill_mod.divergence_mode(b) for b in (0, 0.0, 1e-9, 0.5, 1 - 1e-9, 1)] == [
+        0, 0, 2, 2, 2, 1,
+    ]  # fmt: skip
+
+
+@pytest.mark.no_poison
+def test_docstring_example():
+    result = doctest.testmod(distill_mod, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
+
+
+# ----------------------------------------------------------------------------- sm_90 compile
+
+# Run in a subprocess without TRITON_INTERPRET (this process interprets): every variant of
+# the three distill kernels through Triton's front end, LLVM and ptxas for cuda:90, no GPU
+# needed; the pointer offsets 64-bit (``hopper_compile.narrow_offset_products``); the row
+# loads of both vocab kernels 128-bit vectors when launched on a bf16 vocabulary.
+_COMPILE_SCRIPT = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hopper_compile import narrow_offset_products
+import fused_rl.kernels.vocab.distill as k
+
+FLOATS = {"inv_t_hi", "inv_t_lo", "beta_hi", "beta_lo", "log_beta_hi", "log_beta_lo",
+          "log_1m_beta_hi", "log_1m_beta_lo", "num_items", "n_seq", "max_length"}
+
+def signature(fn, logits, acc, unit=()):
+    out = {}
+    for p in fn.params:
+        n = p.name
+        if p.is_constexpr or n in unit:
+            out[n] = "constexpr"
+        elif n == "targets_ptr":
+            out[n] = "*i64"
+        elif n == "mask_ptr":
+            out[n] = "*u8"
+        elif n in ("s_ptr", "t_ptr", "grad_ptr"):
+            out[n] = logits
+        elif n.endswith("_ptr"):
+            out[n] = acc
+        else:
+            out[n] = "fp32" if n in FLOATS else "i32"
+    return out
+
+def build(fn, consts, logits, acc, unit=(), attrs=None):
+    src = ASTSource(fn=fn, signature=signature(fn, logits, acc, unit),
+                    constexprs={**consts, **{n: 1 for n in unit}}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+
+count = 0
+for logits, acc, ACC in (("*bf16", "*fp32", tl.float32), ("*fp64", "*fp64", tl.float64)):
+    for mode in range(3):
+        variants = [(k._distill_bwd_kernel, {})]
+        variants += [(k._distill_fwd_kernel, dict(HAS_TARGETS=a, HAS_MASK=b))
+                     for a in (False, True) for b in (False, True)]
+        for fn, flags in variants:
+            c = build(fn, dict(MODE=mode, BLOCK_V=256, ACC=ACC, **flags), logits, acc)
+            narrow = narrow_offset_products(c.asm["ttir"])
+            assert not narrow, (fn.__name__, narrow)
+            count += 1
+    for agg in range(4):
+        for tensor in (False, True):
+            build(k._distill_finalize_kernel, dict(AGG=agg, NUM_ITEMS_TENSOR=tensor, BLOCK_B=16,
+                  BLOCK_T=128, ACC=ACC), logits, acc)
+            count += 1
+aligned = ("V", "s_stride_outer", "s_stride_inner", "t_stride_outer", "t_stride_inner")
+for fn, flags in ((k._distill_fwd_kernel, dict(HAS_TARGETS=True, HAS_MASK=True)),
+                  (k._distill_bwd_kernel, {})):
+    names = [p.name for p in fn.params if not p.is_constexpr]
+    unit = ("s_stride_v", "t_stride_v")
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n.endswith("_ptr") or n in aligned}
+    c = build(fn, dict(MODE=2, BLOCK_V=4096, ACC=tl.float32, **flags), "*bf16", "*fp32",
+              unit, attrs)
+    assert "ld.global.v4" in c.asm["ptx"] or "ld.global.nc.v4" in c.asm["ptx"], fn.__name__
+print("compiled", count)
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.no_poison
+def test_kernels_compile_for_sm90():
+    pytest.importorskip("triton.backends.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    tests = str(Path(__file__).parent)
+    result = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT, tests], env=env, capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert result.stdout.strip().endswith("compiled 46")
