@@ -23,6 +23,8 @@
   the benchmark's loss. Linear ops only.
 * ``liger_inplace``: ``liger`` with Liger's default ``inplace=True`` (the gradient written into
   the logits buffer: here a copy of its own, made outside the measured call). policy_loss only.
+* ``fused_rl_inplace``: ``fused_rl`` with ``inplace=True`` (the backward writes the gradient
+  into the logits buffer: a copy of its own, as ``liger_inplace``). policy_loss only.
 * ``liger``: Liger-Kernel's Triton GRPO loss (``triton_grpo_loss``) and
   ``fused_selective_log_softmax``, where ``liger_kernel`` is importable; for
   ``linear_policy_loss`` its chunked ``LigerFusedLinearGRPOLoss`` (``loss_type="bnpo"``: the
@@ -74,10 +76,18 @@ PROVIDERS = (
     "trl",
     "liger",
     "liger_inplace",
+    "fused_rl_inplace",
     "verl",
 )
+# the fused_rl providers that write into a copy of the logits buffer of their own: the key
+# of that copy in the inputs (made at build time, outside the measured call) and the
+# keywords they add to fused_rl.policy_loss
+FUSED_VARIANTS = {
+    "fused_rl_inplace": ("buf_fused_inplace", dict(inplace=True)),
+}
 BASELINE = "fused_rl"  # the provider the others' time and memory are compared with
-MUST_MEET_TOL = ("fused_rl", "fused_rl_ref")  # the package itself: no "less accurate" excuse
+# the package itself: no "less accurate" excuse
+MUST_MEET_TOL = ("fused_rl", "fused_rl_ref", *FUSED_VARIANTS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -417,6 +427,21 @@ def _fused_materialised_forward(case: Case, inp: dict):
         "fused_rl_mat is the linear ops' materialised fused path (F.linear, then fused_rl's "
         "logits op)"
     )
+
+
+def _fused_variant_forward(case: Case, inp: dict, provider: str):
+    """A :data:`FUSED_VARIANTS` provider: fused_rl's Triton ``policy_loss`` with its
+    keywords, on its own copy of the ``(B, T + 1, V)`` buffer. Every measured run after the
+    first reads the previous run's gradient as logits (as ``liger_inplace``): the same
+    bytes and launches; the first run, checked against the oracle, reads the logits."""
+    if case.op != "policy_loss":
+        options = FUSED_VARIANTS[provider][1]
+        raise Unavailable(f"{provider} is fused_rl's policy_loss with {options}")
+    key, options = FUSED_VARIANTS[provider]
+    fn = _fused_fn(case.op, "triton")
+    kwargs = _policy_kwargs(inp, case.variant) | options
+    logits = inp[key] = inp["buf_leaf"].detach().clone().requires_grad_()
+    return lambda: (fn(logits, inp["targets"], inp["advantages"], **kwargs)[0],)
 
 
 def _fused_forward(case: Case, inp: dict, backend: str):
@@ -823,6 +848,8 @@ def _wrt_upstream(case: Case, inp: dict, provider: str):
             return [inp["buf_leaf"]], [None], lambda g: (g[0][:, :-1],)
         if provider == "liger_inplace":  # its own copy of the buffer
             return [inp["buf_inplace"]], [None], lambda g: (g[0][:, :-1],)
+        if provider in FUSED_VARIANTS:  # its own copy of the buffer
+            return [inp[FUSED_VARIANTS[provider][0]]], [None], lambda g: (g[0][:, :-1],)
         return [inp["logits"]], [None], None
     if case.op == "linear_token_logprobs":
         ups = [inp["g_logp"]] + ([inp["g_entropy"]] if case.variant == "logp+entropy" else [])
@@ -842,11 +869,11 @@ def _wrt_upstream(case: Case, inp: dict, provider: str):
 def applies(provider: str, case: Case) -> bool:
     """Whether ``provider`` is one for ``case`` at all: ``fused_rl_mat`` (the materialised
     path of the linear ops) and ``verl`` (a fused head) have no meaning for the other ops,
-    nor ``liger_inplace`` beside policy_loss: skipped without a 'not measured' note. Every
-    other pairing is up to ``build``."""
+    nor ``liger_inplace`` and the :data:`FUSED_VARIANTS` beside policy_loss: skipped
+    without a 'not measured' note. Every other pairing is up to ``build``."""
     if provider in ("fused_rl_mat", "verl"):
         return case.op in LINEAR_OPS
-    if provider == "liger_inplace":
+    if provider == "liger_inplace" or provider in FUSED_VARIANTS:
         return case.op == "policy_loss"
     return True
 
@@ -882,6 +909,8 @@ def build(provider: str, case: Case, inp: dict, *, compile_on_cpu: bool = False)
         forward = _liger_forward(case, inp)
     elif provider == "liger_inplace":
         forward = _liger_forward(case, inp, inplace=True)
+    elif provider in FUSED_VARIANTS:
+        forward = _fused_variant_forward(case, inp, provider)
     else:
         raise ValueError(f"unknown provider {provider!r}; one of {PROVIDERS}")
     wrt, upstream, post = _wrt_upstream(case, inp, provider)

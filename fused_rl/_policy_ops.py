@@ -23,8 +23,16 @@ import torch
 from torch import Tensor
 
 from ._launch import NO_CAP, f32_pair, stats_dtype, triton_acc, vocab_launch
-from ._ops import FusedOp
-from ._vocab_ops import position_shift, token_stats_bwd_op, token_stats_fwd
+from ._ops import FusedOp, _differentiable_once, _serialised_when_interpreting
+from ._vocab_ops import (
+    hand_back,
+    keep_for_inplace,
+    position_shift,
+    take_for_inplace,
+    token_stats_bwd_into,
+    token_stats_bwd_op,
+    token_stats_fwd,
+)
 from .kernels.modes import (
     N_BASE_COLUMNS,
     POLICY_COLUMNS,
@@ -412,6 +420,43 @@ def _fwd_backward(ctx, grad_loss, *_unused):
 policy_loss_fwd_op = FusedOp("policy_loss_fwd", policy_loss_fwd)
 policy_loss_fwd_op.register_fake(_fwd_fake)
 policy_loss_fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup)
+
+_policy_loss_fwd = _serialised_when_interpreting(policy_loss_fwd)
+_token_stats_bwd_into = _serialised_when_interpreting(token_stats_bwd_into)
+
+
+def _inplace_backward(ctx, grad_loss, *_unused):
+    logits3d = take_for_inplace(ctx)
+    targets, seq_scale, row_max, log_sum, entropy, g, h = ctx.saved_tensors
+    grad = None
+    if grad_loss is not None:
+        has_h = h.numel() > 0
+        _token_stats_bwd_into(
+            logits3d, logits3d, targets, row_max, log_sum, entropy if has_h else None, g,
+            h if has_h else None, grad_loss, seq_scale, ctx.temperature, ctx.softcap,
+            ctx.ignore_index,
+        )  # fmt: skip
+        grad = hand_back(logits3d, grad_loss)
+    return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
+
+
+class PolicyLossInplace(torch.autograd.Function):
+    """``policy_loss_fwd_op`` with ``inplace=True`` (eager only; same arguments and outputs):
+    the same forward kernels, and the layer-3 backward writes ``dL/dlogits`` into the
+    logits buffer and returns it (``_vocab_ops.check_inplace`` / ``hand_back``)."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        output = _policy_loss_fwd(*args)
+        ctx.temperature, ctx.softcap, ctx.ignore_index = args[9], args[10], args[11]
+        _, metrics, seq_scale, row_max, log_sum, entropy, g, h = output
+        ctx.save_for_backward(args[1], seq_scale, row_max, log_sum, entropy, g, h)
+        keep_for_inplace(ctx, args[0])
+        ctx.mark_non_differentiable(metrics, seq_scale, row_max, log_sum, entropy, g, h)
+        ctx.set_materialize_grads(False)
+        return output
+
+    backward = staticmethod(_differentiable_once(_inplace_backward))
 
 
 # ----------------------------------------------------------------------------- from log-probs

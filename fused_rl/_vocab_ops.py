@@ -26,9 +26,10 @@ from torch import Tensor
 
 from . import _validation as V
 from ._launch import NO_CAP, f32_pair, stats_dtype, triton_acc, vocab_launch
-from ._ops import FusedOp
+from ._ops import FusedOp, _differentiable_once, _serialised_when_interpreting, _tracing
 from ._shapes import as_rows3d
 from .reference import logprobs as ref
+from .reference.logprobs import check_inplace_version, differentiable_once
 
 
 def position_shift(positions: int, n_targets: int) -> int:
@@ -160,10 +161,11 @@ def token_stats_bwd_into(
     softcap: float | None,
     ignore_index: int,
 ) -> Tensor:
-    """:func:`token_stats_bwd` writing into ``grad`` (contiguous, ``logits3d``'s shape and
-    dtype), which may BE ``logits3d`` when that is contiguous: each program reads a block
+    """:func:`token_stats_bwd` writing into ``grad`` (``logits3d``'s shape and dtype, each
+    row contiguous: any row strides), which may BE ``logits3d``: each program reads a block
     of its own row and then overwrites exactly that block, so the logits are consumed in
-    place (the fused-linear ops turn a chunk's logits into its gradient this way)."""
+    place (the fused-linear ops turn a chunk's logits into its gradient this way, and
+    ``inplace=True`` the model's logits)."""
     from .kernels.vocab.layer3 import _token_stats_bwd_kernel
 
     outer, positions, vocab = logits3d.shape
@@ -189,6 +191,7 @@ def token_stats_bwd_into(
         position_shift(positions, inner),
         vocab,
         *logits3d.stride(),
+        *grad.stride()[:2],
         *strides(targets),
         *strides(g),
         *strides(h),
@@ -248,6 +251,130 @@ token_stats_fwd_op.register_fake(_fwd_fake)
 token_stats_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+# ----------------------------------------------------------------------------- inplace=True
+#
+# The backward writes dL/dlogits INTO the logits buffer (layer 3 with ``grad`` = the logits:
+# each program reads a block of its row before it overwrites it) and hands that buffer on as
+# the gradient, so the loss step allocates no (N, V) gradient. Eager only: a traced op may
+# not write into its input (the functionalised graph would copy the gradient back, the very
+# buffer this saves), so the public functions raise under tracing (check_inplace).
+
+
+def check_inplace(logits: Tensor, op: str, inplace=True) -> None:
+    """What ``inplace=True`` needs of ``logits`` (raises naming ``inplace`` and ``logits``):
+    an eager call (not ``torch.compile`` / ``make_fx`` / ``torch.export``), a backward to
+    run (grad mode on, ``logits.requires_grad``), and a buffer the kernel can write whole:
+    the vocabulary dimension contiguous (stride 1) and no two elements at one address
+    (``logits[:, :-1]`` and other slices are fine: the kernel writes exactly the rows it
+    reads; a transposed, ``expand``-ed or overlapping view is not)."""
+    if not isinstance(inplace, bool):
+        raise TypeError(f"inplace must be a bool, got {inplace!r}")
+    if torch.compiler.is_compiling() or _tracing():
+        raise RuntimeError(
+            f"{op}(inplace=True) is eager-only: under torch.compile, make_fx or torch.export a "
+            "traced op may not write into its input logits (the graph would copy the "
+            "gradient back into them, allocating the (N, V) buffer inplace=True saves). Call "
+            "without inplace=True inside a compiled region"
+        )
+    if not (torch.is_grad_enabled() and logits.requires_grad):
+        why = "logits do not require grad" if torch.is_grad_enabled() else "grad mode is off"
+        raise ValueError(
+            f"{op}(inplace=True) writes the gradient w.r.t. logits into logits in the "
+            f"backward, but there is no backward ({why}): drop inplace=True"
+        )
+    shape, strides = logits.shape, logits.stride()
+    if shape[-1] > 1 and strides[-1] != 1:
+        raise ValueError(
+            f"inplace=True needs logits whose vocabulary (last) dimension is contiguous "
+            f"(stride 1), got strides {strides} for shape {tuple(shape)}: a transposed or "
+            "strided view cannot take its gradient in place (pass a contiguous buffer, or "
+            "call without inplace=True)"
+        )
+    dims = sorted((st, n) for st, n in zip(strides, shape) if n > 1)
+    extent = 1
+    for st, n in dims:  # each dimension steps past everything the smaller strides span
+        if st < extent:
+            raise ValueError(
+                f"inplace=True needs logits whose elements do not overlap in memory, got "
+                f"strides {strides} for shape {tuple(shape)} (an expand()-ed or as_strided "
+                "view): the gradient of several elements would land at one address"
+            )
+        extent = st * n
+    if logits.dim() > 3:  # as_rows3d merges the leading dimensions: a view, or a copy
+        try:
+            logits.view(shape[:-2].numel(), *shape[-2:])
+        except RuntimeError:
+            raise ValueError(
+                f"inplace=True needs logits whose leading dimensions merge into one without "
+                f"a copy (shape {tuple(shape)}, strides {strides}): the gradient would be "
+                "written into the copy"
+            ) from None
+
+
+def keep_for_inplace(ctx, logits3d: Tensor) -> None:
+    """Hold the logits on ``ctx`` (not ``save_for_backward``: the version check is
+    :func:`take_for_inplace`'s, naming ``inplace``) with their version now."""
+    ctx.inplace_logits, ctx.inplace_version = logits3d, logits3d._version
+
+
+def take_for_inplace(ctx) -> Tensor:
+    """The logits held by :func:`keep_for_inplace`, after checking that nothing wrote into
+    them since (raises naming ``inplace``)."""
+    logits3d = ctx.inplace_logits
+    check_inplace_version(logits3d, ctx.inplace_version)
+    return logits3d
+
+
+def hand_back(logits3d: Tensor, *sources) -> Tensor:
+    """The logits, now holding their gradient, as the gradient: their version advanced (an
+    op that saved them for a later backward raises instead of reading a gradient as
+    logits), a fresh alias (autograd's accumulation into a leaf's ``.grad`` takes it
+    as it is, no copy), marked differentiable once."""
+    torch.autograd.graph.increment_version(logits3d)
+    return differentiable_once(logits3d.detach(), logits3d, *sources)
+
+
+_token_stats_fwd = _serialised_when_interpreting(token_stats_fwd)
+_token_stats_bwd_into = _serialised_when_interpreting(token_stats_bwd_into)
+
+
+def _inplace_backward(ctx, grad_logp, grad_entropy, _grad_max, _grad_log_sum):
+    logits3d = take_for_inplace(ctx)
+    targets, row_max, log_sum, entropy = ctx.saved_tensors
+    if targets is None:
+        grad_logp = None
+    if not ctx.with_entropy:
+        grad_entropy = None
+    _token_stats_bwd_into(
+        logits3d, logits3d, targets, row_max, log_sum,
+        entropy if grad_entropy is not None else None, grad_logp, grad_entropy, None, None,
+        ctx.temperature, ctx.softcap, ctx.ignore_index,
+    )  # fmt: skip
+    grad = hand_back(logits3d, grad_logp, grad_entropy)
+    return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
+
+
+class TokenStatsInplace(torch.autograd.Function):
+    """``token_stats_fwd_op`` with ``inplace=True``: the same layer-1 forward; the layer-3
+    backward writes the gradient into the logits and returns them (eager only)."""
+
+    @staticmethod
+    def forward(ctx, logits3d, targets, temperature, softcap, ignore_index, with_entropy):
+        output = _token_stats_fwd(
+            logits3d, targets, temperature, softcap, ignore_index, with_entropy
+        )
+        _, entropy, row_max, log_sum = output
+        ctx.save_for_backward(targets, row_max, log_sum, entropy)
+        keep_for_inplace(ctx, logits3d)
+        ctx.temperature, ctx.softcap = temperature, softcap
+        ctx.ignore_index, ctx.with_entropy = ignore_index, with_entropy
+        ctx.mark_non_differentiable(row_max, log_sum)
+        ctx.set_materialize_grads(False)
+        return output
+
+    backward = staticmethod(_differentiable_once(_inplace_backward))
+
+
 # ----------------------------------------------------------------------------- callers
 
 
@@ -259,20 +386,28 @@ def token_stats_nocheck(
     with_entropy: bool,
     which: str,
     softcap: float | None = None,
+    inplace: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """``(logp, entropy or None)`` on already validated arguments and a resolved backend
-    (the fused losses call this so the eager target-range check, a host sync, runs once)."""
+    (the fused losses call this so the eager target-range check, a host sync, runs once).
+    ``inplace``: the backward writes the gradient into ``logits`` (checked by
+    :func:`check_inplace`); the reference computes it apart and copies it in
+    (``reference.logprobs.GradIntoInput``)."""
     if which == "reference":
+        if inplace:  # around the whole buffer: the window's complement gets its zeros too
+            logits = ref.GradIntoInput.apply(logits)
         if targets.shape != logits.shape[:-1]:
             logits = window(logits, targets.shape[-1])
         logp, entropy = ref.token_stats(
-            logits, targets, temperature=temperature, ignore_index=ignore_index, softcap=softcap
-        )
+            logits, targets, temperature=temperature, ignore_index=ignore_index,
+            softcap=softcap, inplace=inplace,
+        )  # fmt: skip
         return logp, entropy if with_entropy else None
     logits3d = as_rows3d(logits)
     n_targets = targets.shape[-1] if targets.dim() > 0 else 1
     t2d = targets.reshape(logits3d.shape[0], n_targets if logits.dim() > 1 else 1)
-    logp, entropy, _, _ = token_stats_fwd_op(
+    op = TokenStatsInplace.apply if inplace else token_stats_fwd_op
+    logp, entropy, _, _ = op(
         logits3d, t2d, float(temperature), None if softcap is None else float(softcap),
         int(ignore_index), bool(with_entropy),
     )  # fmt: skip

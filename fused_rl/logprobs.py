@@ -13,7 +13,12 @@ from torch import Tensor
 from . import _validation as V
 from ._backend import resolve_backend
 from ._shapes import as_rows3d
-from ._vocab_ops import check_targets_window, token_stats_fwd_op, token_stats_nocheck
+from ._vocab_ops import (
+    check_inplace,
+    check_targets_window,
+    token_stats_fwd_op,
+    token_stats_nocheck,
+)
 from .distributed import is_dtensor, resolve_shard, sharded_token_stats
 from .reference import logprobs as ref
 
@@ -43,6 +48,7 @@ def token_logprobs(
     process_group=None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
+    inplace: bool = False,
     backend: str = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probability of each target token, ``log_softmax(logits / T)[target]``, fused.
@@ -82,6 +88,14 @@ def token_logprobs(
             id ``vocab_start``; the shards must be contiguous in rank order from id 0.
             Shards that do not tile ``[0, vocab_size)``, or a target outside it, raise
             ``ValueError`` on every rank (no rank left in a collective).
+        inplace: the backward writes the gradient w.r.t. ``logits`` INTO ``logits`` and
+            hands that buffer on as the gradient (as Liger's ``inplace=True``): no
+            ``(N, V)`` gradient is allocated. The logits' values are destroyed by the
+            backward: nothing may read them afterwards, and nothing whose backward reads
+            them may use them (see docs/usage.md, "inplace=True"); the rules and what is
+            checked are :func:`fused_rl.policy_loss`'s. Same values and gradients as the
+            default, bit for bit. Eager only (raises under ``torch.compile``); not with
+            vocabulary parallelism (``NotImplementedError``).
         backend: ``"auto"`` | ``"triton"`` | ``"reference"`` (see ``fused_rl._backend``).
 
     Returns:
@@ -101,6 +115,11 @@ def token_logprobs(
         (torch.Size([2, 5]), torch.Size([2, 5, 11]))
     """
     if process_group is not None or _vocab_parallel(logits, vocab_start, vocab_size):
+        if inplace:
+            raise NotImplementedError(
+                "inplace=True is not implemented for vocabulary-parallel logits "
+                "(process_group=, vocab_start= / vocab_size=, or a DTensor): call without it"
+            )
         return _sharded(
             logits, targets, temperature=temperature, softcap=softcap,
             ignore_index=ignore_index, with_entropy=return_entropy, process_group=process_group,
@@ -108,10 +127,12 @@ def token_logprobs(
         )  # fmt: skip
     _check_common(logits, temperature, softcap)
     check_targets_window(targets, logits)
+    if inplace is not False:
+        check_inplace(logits, "token_logprobs", inplace)
     V.check_target_range(targets, logits.shape[-1], ignore_index, "targets")
     which = resolve_backend(backend, logits, targets)
     logp, entropy = token_stats_nocheck(
-        logits, targets, temperature, ignore_index, return_entropy, which, softcap
+        logits, targets, temperature, ignore_index, return_entropy, which, softcap, inplace
     )
     return (logp, entropy) if return_entropy else logp
 

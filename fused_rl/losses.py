@@ -33,11 +33,12 @@ from ._policy_inputs import (
 from ._policy_ops import (
     AUX_METRIC,
     AUX_SEQ_METRIC,
+    PolicyLossInplace,
     metrics_dict,
     policy_logprobs_fwd_op,
     policy_loss_fwd_op,
 )
-from ._vocab_ops import check_targets_window, token_stats_nocheck, window
+from ._vocab_ops import check_inplace, check_targets_window, token_stats_nocheck, window
 from .distributed import is_dtensor
 from .kernels.modes import IMPORTANCE_SAMPLING, LOSS_AGG_MODES, SURROGATES  # noqa: F401
 from .logprobs import token_logprobs
@@ -205,6 +206,7 @@ def policy_loss(
     num_items: int | float | Tensor | None = None,
     ignore_index: int = -100,
     process_group=None,
+    inplace: bool = False,
     policy: PolicyConfig,
     backend: str = "auto",
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -255,6 +257,26 @@ def policy_loss(
             unsharded loss and metrics, and its shard of the gradient: the vocab-parallel
             :func:`fused_rl.token_logprobs` (two all-reduces, 12 or 16 bytes per token)
             feeding :func:`policy_loss_from_logprobs` (``fused_rl.distributed``).
+        inplace: the backward writes the gradient w.r.t. ``logits`` INTO ``logits`` and
+            hands that buffer on as the gradient (Liger's ``inplace=True``): the loss step
+            allocates no ``(N, V)`` gradient (with the model's whole ``(B, S, V)`` buffer,
+            zero at the positions that predict no target). Same kernels, same values and
+            gradients as the default, bit for bit; on the reference backend the gradient
+            is computed apart and copied in. **The logits' values are destroyed by the
+            backward**: nothing may read them afterwards, and they must feed no other op
+            whose backward reads them (a second loss or metric on the same logits with
+            grad); an op that saved them for its backward raises autograd's "modified by an
+            inplace operation" when its backward runs after this one (the write advances
+            their version). A leaf's ``.grad`` then shares the logits' memory. Raises
+            ``ValueError`` (naming ``inplace`` and ``logits``) when the logits do not
+            require grad, or are a view the kernel cannot write whole (vocabulary stride
+            not 1, overlapping elements; a slice such as ``logits[:, :-1]`` is fine, the
+            kernel writes exactly the rows it reads, but autograd's slice backward then
+            allocates the full-size gradient anyway: pass the buffer), ``RuntimeError``
+            when they were modified between the forward and the backward, and under
+            ``torch.compile`` (eager only; without ``fullgraph`` the call graph-breaks and
+            runs eagerly); ``NotImplementedError`` with ``process_group`` or DTensor
+            logits.
         backend: ``"auto"`` | ``"triton"`` | ``"reference"``.
         eps_low, eps_high, dual_clip, delta, beta, kl_estimator, entropy_coef,
             importance_sampling, surrogate, sapo_tau_*, vespo_*, kl_bias_correction,
@@ -316,6 +338,13 @@ def policy_loss(
     )  # fmt: skip
     check_call(policy, ref_logprobs, num_items)
     need_entropy = with_entropy or policy.uses_entropy
+    if inplace is not False:
+        if process_group is not None or is_dtensor(logits):
+            raise NotImplementedError(
+                "inplace=True is not implemented for vocabulary-parallel logits "
+                "(process_group= or DTensor logits): call without it"
+            )
+        check_inplace(logits, "policy_loss", inplace)
     # by composition (log-probs and entropy first, then the token layer): vocabulary-sharded
     # logits, and the top-entropy selection, whose threshold needs every token's entropy
     if process_group is not None or is_dtensor(logits) or policy.top_entropy_quantile < 1.0:
@@ -323,7 +352,7 @@ def policy_loss(
             logits, targets, advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
             mask=mask, is_weights=is_weights, num_items=num_items, temperature=temperature,
             softcap=softcap, ignore_index=ignore_index, need_entropy=need_entropy,
-            process_group=process_group, policy=policy, backend=backend,
+            process_group=process_group, policy=policy, backend=backend, inplace=inplace,
         )  # fmt: skip
     V.check_target_range(targets, logits.shape[-1], ignore_index, "targets")
     V.check_mask_weights(mask, "mask")
@@ -336,7 +365,8 @@ def policy_loss(
         if policy.entropy_agg is not None and policy.entropy_coef != 0.0:
             m = weights_of(mask, targets, stats_dtype(logits.dtype), targets, ignore_index)
             ent = per_row(entropy_scale(m, policy, num_items), (batch, length))
-        loss, metrics, *_ = policy_loss_fwd_op(
+        op = PolicyLossInplace.apply if inplace else policy_loss_fwd_op
+        loss, metrics, *_ = op(
             logits, targets, adv2d, old_logprobs, ref_logprobs, mask, is_w, n_items_t, ent,
             float(temperature), softcap, int(ignore_index), bool(need_entropy),
             policy.kernel_params, policy.kernel_modes, float(policy.max_length or length),
@@ -353,10 +383,10 @@ def policy_loss(
     mask_f = weights_of(mask, targets, acc, targets, ignore_index)
     weights = token_weights(mask_f, policy.loss_agg, max_length=policy.max_length,
                             num_items=num_items, dtype=acc)  # fmt: skip
-    if length != logits.shape[1]:
+    if length != logits.shape[1] and not inplace:  # inplace: windowed inside, after the copy
         logits = window(logits, length)
     logp, entropy = token_stats_nocheck(
-        logits, targets, temperature, ignore_index, need_entropy, which, softcap
+        logits, targets, temperature, ignore_index, need_entropy, which, softcap, inplace
     )
     return _loss_from_logprobs(
         logp, entropy, adv2d, mask_f, weights, num_items, is_w, policy, old_logp=old_logprobs,
@@ -461,7 +491,7 @@ def policy_loss_from_logprobs(
 
 def _composed_policy_loss(
     logits: Tensor, targets: Tensor, advantages: Tensor, *, temperature, softcap, ignore_index,
-    need_entropy: bool, process_group, backend: str, **loss_inputs,
+    need_entropy: bool, process_group, backend: str, inplace: bool = False, **loss_inputs,
 ) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
     """:func:`fused_rl.policy_loss` by composition: :func:`fused_rl.token_logprobs` (with
     the entropy when the loss or the metrics need it; vocab-parallel with ``process_group``
@@ -471,7 +501,8 @@ def _composed_policy_loss(
     needs every token's entropy)."""
     out = token_logprobs(
         logits, targets, temperature=temperature, softcap=softcap, ignore_index=ignore_index,
-        return_entropy=need_entropy, process_group=process_group, backend=backend,
+        return_entropy=need_entropy, process_group=process_group, inplace=inplace,
+        backend=backend,
     )  # fmt: skip
     logp, entropy = out if need_entropy else (out, None)
     return loss_from_token_stats(

@@ -15,6 +15,8 @@ from .policy_config import OPTION_NAMES, PolicyConfig
 _CALL_OPTIONS = (
     "temperature", "softcap", "with_entropy", "ignore_index", "process_group", "backend",
 )  # fmt: skip
+# what only a call on materialised logits takes (fused_rl.policy_loss)
+_LOGITS_OPTIONS = ("inplace",)
 
 
 def _check_call_options(options: dict) -> None:
@@ -22,6 +24,9 @@ def _check_call_options(options: dict) -> None:
     a config fails when the module is built, not at the first training step."""
     if "temperature" in options:
         V.check_positive(options["temperature"], "temperature")
+    for name in _LOGITS_OPTIONS:
+        if not isinstance(options.get(name, False), bool):
+            raise TypeError(f"{name} must be a bool, got {options[name]!r}")
     V.check_positive(options.get("softcap"), "softcap", allow_none=True)
     V.check_choice(options.get("backend", "auto"), BACKENDS, "backend")
     ignore_index = options.get("ignore_index", -100)
@@ -41,8 +46,10 @@ class PolicyLoss(torch.nn.Module):
     or a whole ``policy_config``; held as ``self.policy_config``) and the call options
     ``temperature``, ``softcap`` (Gemma-style logit soft-capping, see
     :func:`fused_rl.policy_loss`), ``with_entropy``, ``ignore_index``, ``process_group``,
-    ``backend`` (``self.call_options``), all checked at construction; ``kl=`` is a
-    deprecated alias of ``kl_estimator=``, with one ``FutureWarning`` at construction.
+    ``backend`` and ``inplace`` (the backward writes the gradient into the logits: see
+    :func:`fused_rl.policy_loss`) (``self.call_options``), all checked at construction;
+    ``kl=`` is a deprecated alias of ``kl_estimator=``, with one ``FutureWarning`` at
+    construction.
     ``forward`` takes the per-batch tensors, as :func:`fused_rl.policy_loss` does: ``mask``
     is ``(B, T)`` bool, integer or float, a float (or integer) mask being per-token weights
     ``>= 0`` (see :func:`fused_rl.policy_loss`).
@@ -56,7 +63,7 @@ class PolicyLoss(torch.nn.Module):
         >>> loss.backward()
     """
 
-    OPTIONS = (*OPTION_NAMES, *_CALL_OPTIONS)
+    OPTIONS = (*OPTION_NAMES, *_CALL_OPTIONS, *_LOGITS_OPTIONS)
 
     def __init__(self, policy_config: PolicyConfig | None = None, **options):
         super().__init__()
@@ -138,8 +145,9 @@ class LinearPolicyLoss(PolicyLoss):
         >>> loss.backward()
     """
 
-    # process_group: a vocabulary-sharded lm_head (each rank's weight its slice)
-    OPTIONS = (*PolicyLoss.OPTIONS, "chunk_tokens", "vocab_start", "vocab_size",
+    # process_group: a vocabulary-sharded lm_head (each rank's weight its slice); no
+    # inplace: the chunks' logits are the op's own, already turned into their gradient
+    OPTIONS = (*OPTION_NAMES, *_CALL_OPTIONS, "chunk_tokens", "vocab_start", "vocab_size",
                "reduce_hidden_grad")  # fmt: skip
 
     def forward(

@@ -171,21 +171,34 @@ class TokenStats(torch.autograd.Function):
     """Differentiable ``(logp, entropy)`` of ``softmax(z)`` (``z`` the scaled logits:
     :func:`scaled`) for ``(outer, inner, V)``,
     once (``differentiable_once``): the backward treats the saved row statistics as constants.
+
+    ``inplace``: the logits are held as they are, not saved (autograd's version check), for
+    :class:`GradIntoInput` downstream in the graph, which checks their version itself and
+    takes the gradient into them.
     """
 
     @staticmethod
-    def forward(ctx, logits3d, targets, temperature, ignore_index, softcap=None):
+    def forward(ctx, logits3d, targets, temperature, ignore_index, softcap=None, inplace=False):
         logp, entropy, row_max, log_sum = row_stats(
             logits3d, targets, temperature, ignore_index, softcap
         )
-        ctx.save_for_backward(logits3d, targets, row_max, log_sum, entropy)
+        if inplace:
+            ctx.logits3d = logits3d
+            ctx.save_for_backward(targets, row_max, log_sum, entropy)
+        else:
+            ctx.save_for_backward(logits3d, targets, row_max, log_sum, entropy)
+        ctx.inplace = inplace
         ctx.temperature, ctx.softcap = temperature, softcap
         ctx.ignore_index = ignore_index
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        logits3d, targets, row_max, log_sum, entropy = ctx.saved_tensors
+        if ctx.inplace:
+            logits3d = ctx.logits3d
+            targets, row_max, log_sum, entropy = ctx.saved_tensors
+        else:
+            logits3d, targets, row_max, log_sum, entropy = ctx.saved_tensors
         with torch.no_grad():
             grad = grad_logits(
                 logits3d,
@@ -200,7 +213,44 @@ class TokenStats(torch.autograd.Function):
                 ctx.softcap,
             )
         grad = differentiable_once(grad, logits3d, grad_logp, grad_entropy)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
+
+
+INPLACE_MODIFIED = (
+    "inplace=True: the logits were modified in place between the forward and the backward "
+    "(version {saved} after the forward, {now} at the backward), so their gradient would be "
+    "written over values it does not belong to. Nothing may write into the logits before the "
+    "backward has run (a second backward, retain_graph=True, finds the first one's gradient "
+    "there); or call without inplace=True"
+)
+
+
+def check_inplace_version(logits: torch.Tensor, saved: int) -> None:
+    """Raise :data:`INPLACE_MODIFIED` unless ``logits`` are at version ``saved`` still."""
+    now = logits._version
+    if now != saved:
+        raise RuntimeError(INPLACE_MODIFIED.format(saved=saved, now=now))
+
+
+class GradIntoInput(torch.autograd.Function):
+    """``x`` as it is (a view), whose backward copies the gradient arriving for ``x`` into
+    ``x``'s own memory and passes that memory on as the gradient: the reference backend's
+    ``inplace=True``. The gradient is computed in a buffer of its own first (the reference
+    allocates it; the Triton path writes into the logits directly), then copied; the copy
+    advances ``x``'s version, so an op that saved ``x`` for a later backward raises."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.x, ctx.version = x, x._version
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x = ctx.x
+        check_inplace_version(x, ctx.version)
+        with torch.no_grad():
+            x.detach().copy_(grad)
+        return differentiable_once(x.detach(), x, grad)
 
 
 def token_stats(
@@ -210,18 +260,25 @@ def token_stats(
     temperature: float = 1.0,
     ignore_index: int = -100,
     softcap: float | None = None,
+    inplace: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference ``(logp, entropy)``, fp32 tensors of shape ``logits.shape[:-1]`` (fp64 for
     fp64 logits); ``softcap``: the soft cap ``c`` (``z = c tanh(x / c) / T``), None for none.
 
-    ``targets=None`` gives a zero ``logp`` and the entropy of every row.
+    ``targets=None`` gives a zero ``logp`` and the entropy of every row. ``inplace``: the
+    logits are not saved for the backward (:class:`GradIntoInput` upstream checks them).
     """
     lead = logits.shape[:-1]
     logits3d = as_rows3d(logits)
     rows_shape = logits3d.shape[:-1]
     t3d = None if targets is None else targets.reshape(rows_shape)
     if torch.is_grad_enabled() and logits.requires_grad:
-        logp, entropy = TokenStats.apply(logits3d, t3d, temperature, ignore_index, softcap)
+        if inplace:
+            logp, entropy = TokenStats.apply(
+                logits3d, t3d, temperature, ignore_index, softcap, True
+            )
+        else:
+            logp, entropy = TokenStats.apply(logits3d, t3d, temperature, ignore_index, softcap)
     else:
         logp, entropy, _, _ = row_stats(logits3d, t3d, temperature, ignore_index, softcap)
     return logp.reshape(lead), entropy.reshape(lead)

@@ -54,6 +54,8 @@ def _token_stats_bwd_kernel(
     stride_outer,
     stride_inner,
     stride_v,
+    grad_stride_outer,
+    grad_stride_inner,
     t_stride_outer,
     t_stride_inner,
     g_stride_outer,
@@ -76,7 +78,9 @@ def _token_stats_bwd_kernel(
     ACC: tl.constexpr,
 ):
     """One program per row of the WHOLE ``(outer, positions, V)`` logits buffer; ``grad`` is
-    a fresh contiguous buffer of that shape.
+    a buffer of that shape whose rows are contiguous (``grad_stride_outer`` /
+    ``grad_stride_inner`` apart): a fresh contiguous one, or the logits themselves
+    (``inplace=True``: each block of a row is read before it is overwritten).
 
     Position ``s`` of each ``outer`` predicts token ``s - shift`` of ``(outer, rows_inner)``
     per-token inputs (``shift = positions - rows_inner - 1`` for a buffer with more positions
@@ -126,8 +130,9 @@ def _token_stats_bwd_kernel(
     g = tl.where(active, g, 0.0)
     h = tl.where(active, h, 0.0)
     active = active & ((g != 0) | (h != 0))  # a NaN upstream gradient still reads
+    grad_row = grad_ptr + outer * grad_stride_outer + pos * grad_stride_inner
     write_grad_row(
-        row_ptr, grad_ptr + prow * V, V, stride_v, inv_temperature, inv_cap, m, log_s, mean_d,
+        row_ptr, grad_row, V, stride_v, inv_temperature, inv_cap, m, log_s, mean_d,
         g, h, target, active, HAS_TARGETS, HAS_H, HAS_SOFTCAP, BLOCK_V, ACC,
     )  # fmt: skip
 
