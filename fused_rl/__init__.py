@@ -30,6 +30,7 @@ from .losses import policy_loss, policy_loss_from_logprobs  # noqa: E402
 from .policy_config import PolicyConfig  # noqa: E402
 from .reductions import masked_mean, masked_sum, masked_var, masked_whiten  # noqa: E402
 from .rollout import rollout_is_weights  # noqa: E402
+from .truncated import truncated_logprobs  # noqa: E402
 from .values import ppo_loss, value_loss  # noqa: E402
 
 __all__ = [
@@ -58,5 +59,6 @@ __all__ = [
     "ppo_loss",
     "token_entropy",
     "token_logprobs",
+    "truncated_logprobs",
     "value_loss",
 ]

@@ -47,6 +47,7 @@ INPUTS = {
     "rloo_advantages": lambda: ((_x(B * T),), {"group_size": T}),
     "kl_estimate": lambda: ((_x(B, T), _x(B, T)), {}),
     "rollout_is_weights": lambda: ((_x(B, T), _x(B, T)), {}),
+    "truncated_logprobs": lambda: ((_x(B, T, V_SIZE), torch.zeros(B, T, dtype=torch.long)), {}),
     "gaussian_logprob": lambda: ((_x(B, T), _x(B, T).exp(), _x(B, T)), {}),
     "gaussian_entropy": lambda: ((_x(B, T).exp(),), {}),
     "token_logprobs": lambda: ((_x(B, T, V_SIZE), torch.zeros(B, T, dtype=torch.long)), {}),

@@ -1,0 +1,460 @@
+"""Log-probs under a sampler's top-k / top-p truncation, streamed (``fused_rl.truncated``).
+
+The distribution is vLLM's sampler's: ``z = x / T``; top-k keeps ``{z >= tau_k}``, ``tau_k``
+the k-th largest ``z`` of the row (every token tied AT ``tau_k`` is kept, so more than k may
+be); top-p then keeps, of those, ``{z >= v*}``: ``v*`` the largest kept value whose kept mass
+``F(v) = sum_{kept z >= v} exp(z - m)`` reaches ``p`` times the kept total (the token that
+crosses ``p`` is kept, with every token tied with it: a threshold, independent of any sort's
+order among ties). The target's log-prob is ``z_y - lse_kept`` for ``z_y >= tau`` (``tau``
+the final threshold), ``-inf`` otherwise. No row is ever sorted in memory; nothing of size
+``(N, V)`` is allocated.
+
+Forward, one program per row (``_truncated_logprobs_fwd_kernel``):
+
+* **Pass A** (always; the only pass for top-k with ``k <= MAX_STREAMED_K`` = 64, with or
+  without top-p): the row's ``KK`` largest values are kept in registers (``KK = k``, or 64
+  for top-p alone / top-k > 64; ``KS = 64`` slots, the unused ones ``-inf``), unordered,
+  with ``thr`` their smallest. Each block of ``BLOCK_V`` logits is viewed as 64 groups; a
+  round takes the groups' maxima and inserts those above ``thr``, largest first, each
+  replacing the smallest held value (O(64) register work, no sort); the inserted maxima are
+  struck from their groups and the next round takes the new maxima, until no group holds a
+  value above ``thr`` (one or two rounds per block once the set is full: a block rarely
+  holds many of the row's largest values). The count of values seen equal to ``thr`` is
+  kept exactly (``eqcnt``: a larger ``thr`` than the block's previous one was held whole,
+  an unchanged one carries its count), so the tokens tied AT the k-th value that did not
+  fit a slot are counted and kept. Also per row: the online max and ``sum exp(z - m)``
+  (top-p alone / no truncation), the row minimum (top-k > 64), a NaN count. With ``k <=
+  64`` the kept set's mass is summed from the registers (plus ``extra * exp(tau_k - m)``
+  for the uncounted ties) and the top-p cut is a 64 x 64 comparison of the same registers
+  (the mass at or above each held value).
+* **Top-p without top-k, or top-k > 64** (``k < V``): if the row's 64 largest values (and
+  the ties at the 64th) already hold ``p`` of the mass (a peaked row), the cut is read off
+  the registers: still one pass. Otherwise a bracket ``[lo, hi)`` on the value holding the
+  answer is narrowed by **search passes**: each streams the row once and, for ``N_CAND =
+  16`` candidate thresholds in the bracket, sums the count and the mass of the values at or
+  above each (a 16-wide comparison per logit); the bracket becomes the candidate interval
+  holding the answer. Candidates are spread evenly over the values while the bracket spans
+  more than an octave or crosses 0 (the first passes, at most 3), else evenly over the
+  floats' order-preserving integer keys (their bits), which shrinks the key range 16-fold a
+  pass: at most 3 + 8 = 11 search passes in fp32 / bf16 (3 + 19 in fp64) whatever the
+  data. It stops when the bracket holds at most 64 values (then one **collect pass** gathers
+  them into registers as pass A does, and the answer is read off exactly) or a single float
+  value (a tie group at the boundary: no collect pass). For top-p the bracket starts at
+  ``[max(tau_k, m + log((1 - p) F / V) - 1), v_64)`` (below its ``lo`` lies less than ``1 -
+  p`` of the mass); for top-k > 64 at ``[row min, v_64)``, searched first (on the count),
+  then top-p on top of it.
+
+Bytes per row (``E`` bytes per logit, ``V`` the vocabulary), forward:
+
+* no truncation; top-k <= 64 with or without top-p; top-p (alone or after top-k > 64) when
+  the 64 largest hold ``p``: ONE read, ``V E`` (as ``token_logprobs``), plus the target
+  logit and 16-20 bytes written (``logp``, ``tau``, ``m``, ``log F``, the pass count);
+* top-p otherwise: ``(1 + s + c) V E`` with ``s`` search passes and ``c <= 1`` collect pass.
+  Measured here (CPU interpreter, same arithmetic): Gaussian logits, ``p`` in 0.9 - 0.99,
+  ``V`` = 32768: 4-5 reads; ``V`` = 151936: 5-6 reads; at most 13 (fp32) in any case;
+* top-k > 64: the same for the k-th value (5 reads at ``V`` = 151936, ``k`` = 1000), and as
+  many again for top-p on top of it.
+
+A search pass is compute-heavier than pass A (16 compares and masked adds per logit); the
+search and its bracket bounds are in ``_search``. ``passes_ptr`` records each row's reads
+(``tests/test_truncated.py`` checks them).
+
+Backward (``_truncated_logprobs_bwd_kernel``): ONE pass, reads the row, writes
+``dL/dx = (onehot_y - p) g / T`` on ``{z >= tau}`` (``p = exp((z - m) - log F)``) and 0
+elsewhere, from the three saved floats per row: ``V E`` read + ``V E`` written per row;
+rows with a zero coefficient (ignored, target cut, ``g == 0``) write zeros without reading.
+A row with a NaN / ``+inf`` logit, or all ``-inf``, gives a NaN ``logp`` and a NaN gradient
+row.
+"""
+
+import triton
+import triton.language as tl
+
+from ..common import cast_for, nan_max, nan_min, pair, row_pointer, token_offset
+
+KS = tl.constexpr(64)  # register slots: fused_rl.truncated.MAX_STREAMED_K
+
+
+@triton.jit
+def _key(z, ACC: tl.constexpr):
+    """Order-preserving int64 key of a float (non-NaN): ``a < b`` iff ``key(a) < key(b)``
+    (``-0.0`` just below ``+0.0``); fp32 bits sign-extended, fp64 bits as they are."""
+    if ACC == tl.float64:
+        b = z.to(tl.int64, bitcast=True)
+        return b ^ ((b >> 63) & 0x7FFFFFFFFFFFFFFF)
+    else:
+        b = z.to(tl.int32, bitcast=True)
+        return (b ^ ((b >> 31) & 0x7FFFFFFF)).to(tl.int64)
+
+
+@triton.jit
+def _unkey(key, ACC: tl.constexpr):
+    """The float of a key (:func:`_key`'s inverse)."""
+    if ACC == tl.float64:
+        b = key ^ ((key >> 63) & 0x7FFFFFFFFFFFFFFF)
+        return b.to(tl.float64, bitcast=True)
+    else:
+        k = key.to(tl.int32)
+        b = k ^ ((k >> 31) & 0x7FFFFFFF)
+        return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _absorb(zs, top, thr, eqcnt, kk, BLOCK: tl.constexpr):
+    """Merge one block ``zs`` (``-inf`` where not a candidate; no NaN) into the running set
+    ``top`` of the ``kk`` largest values seen (unordered, in slots ``< kk``; ``-inf`` in
+    the others and in slots not filled yet), ``thr`` = the smallest held (the ``kk``-th
+    largest seen), ``eqcnt`` = how many values seen equal ``thr`` (held or not).
+
+    The block is viewed as ``KS`` groups of ``BLOCK / KS``; each round takes the groups'
+    maxima, inserts those above ``thr`` largest first (each replaces the smallest held value,
+    O(KS)), strikes them from their groups and takes the next maxima; it ends when no
+    group holds a value above ``thr``. Every value above the returned ``thr`` is held."""
+    G: tl.constexpr = BLOCK // KS
+    slot = tl.arange(0, KS)
+    live = slot < kk
+    lane = tl.arange(0, G)
+    top_old = top
+    thr_old = thr
+    work = tl.reshape(zs, (KS, G))
+    gm = tl.max(work, 1)
+    while tl.max(gm, 0) > thr:  # each round strikes >= 1 value: terminates
+        cand = gm
+        struck = slot < 0
+        best = tl.max(cand, 0)
+        while best > thr:  # insert the round's maxima, largest first
+            group = tl.min(tl.where(cand == best, slot, KS), 0)
+            held = tl.min(tl.where(live & (top == thr), slot, KS), 0)
+            top = tl.where(slot == held, best, top)
+            thr = tl.min(tl.where(live, top, float("inf")), 0)
+            cand = tl.where(slot == group, float("-inf"), cand)
+            struck = struck | (slot == group)
+            best = tl.max(cand, 0)
+        # strike each inserted maximum from its group (its first lane, should it repeat)
+        first = tl.min(tl.where(work == gm[:, None], lane[None, :], G), 1)
+        work = tl.where(struck[:, None] & (lane[None, :] == first[:, None]), float("-inf"), work)
+        gm = tl.max(work, 1)
+    # values equal to the new thr: a larger thr than before was held whole; an unchanged
+    # one carries its count; plus this block's own
+    held = tl.sum((live & (top_old == thr)).to(tl.int32), 0)
+    eqcnt = tl.where(thr == thr_old, eqcnt, held) + tl.sum((zs == thr).to(tl.int32), 0)
+    return top, thr, eqcnt
+
+
+@triton.jit
+def _cut_in_registers(top, e, thr, tie_mass, kk, goal):
+    """Top-p on held values: the largest held ``v`` with ``F(v) >= goal``, ``F(v)`` = mass
+    of the held values ``>= v`` (``e = exp(top - m)``) plus ``tie_mass`` (values equal to
+    ``thr`` not held) when ``v <= thr``. Returns ``(found, v, F(v))``."""
+    slot = tl.arange(0, KS)
+    live = slot < kk
+    at_or_above = (top[None, :] >= top[:, None]) & live[None, :]
+    mass = tl.sum(tl.where(at_or_above, e[None, :], 0.0), 1)
+    mass += tl.where(top <= thr, tie_mass, 0.0)
+    ok = live & (mass >= goal)
+    found = tl.sum(ok.to(tl.int32), 0) > 0
+    v = tl.max(tl.where(ok, top, float("-inf")), 0)
+    f_v = tl.sum(tl.where(live & (top >= v), e, 0.0), 0) + tl.where(v <= thr, tie_mass, 0.0)
+    return found, v, f_v
+
+
+@triton.jit
+def _search(
+    row_ptr, V, stride_v, inv_t, m, lo, hi, c_hi, f_hi, goal, enabled,
+    BY_COUNT: tl.constexpr, N_CAND: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
+    BLOCK_V: tl.constexpr, MAX_SEARCH_PASSES: tl.constexpr, ACC: tl.constexpr,
+    VALUE_PASSES: tl.constexpr = 3,
+):  # fmt: skip
+    """The largest row value ``v`` in ``[lo, hi)`` with ``G(v) >= goal``, ``G`` the count
+    (``BY_COUNT``) or the mass ``exp(z - m)`` of the row values ``>= v``, given ``c_hi`` /
+    ``f_hi`` = count / mass of the values ``>= hi`` (``G(hi) < goal <= G(lo)``).
+
+    Returns ``(v, F(v), passes)``: search passes narrow the bracket on the values' keys,
+    then one collect pass (<= 64 values left) or none (one value left)."""
+    j = tl.arange(0, N_CAND)
+    f_lo = f_hi
+    n_in = c_hi * 0
+    passes = n_in.to(tl.int32)
+    done = enabled == 0
+    single = done
+    while done == 0:
+        k_lo = _key(lo, ACC)
+        k_hi = _key(hi, ACC)
+        if ACC == tl.float64:  # halves: no int64 overflow; the range shrinks to R / 16 + 2
+            half_range = (k_hi >> 1) - (k_lo >> 1)
+            step = (half_range + N_CAND // 2 - 1) // (N_CAND // 2)
+        else:  # fp32 keys in int64: exact, the range shrinks to ceil(R / 16)
+            step = (k_hi - k_lo + N_CAND - 1) // N_CAND
+        step = tl.where(step < 1, 1, step)
+        ck = k_lo + step * j.to(tl.int64)
+        # a bracket over more than an octave, or across 0, puts evenly spaced keys on tiny
+        # magnitudes: there (for VALUE_PASSES passes at most) space the values evenly
+        narrow = (lo > 0.0) & (hi <= 2.0 * lo) | (hi <= 0.0) & (lo >= 2.0 * hi)
+        wide = (narrow == 0) & (passes < VALUE_PASSES) & (hi - lo < float("inf"))
+        vk = _key(lo + (hi - lo) * (j.to(ACC) * (1.0 / N_CAND)), ACC)
+        ck = tl.where(wide, vk, ck)
+        ck = tl.where(ck < k_hi, ck, k_hi - 1)  # cand[0] = lo; all < hi; non-decreasing
+        cand = _unkey(ck, ACC)
+        cnt = tl.zeros((N_CAND,), tl.int64)
+        mass = tl.zeros((N_CAND,), ACC)
+        for start in range(0, V, SEARCH_BLOCK):
+            cols = start + tl.arange(0, SEARCH_BLOCK)
+            x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V, other=0.0)
+            z = x.to(ACC) * inv_t
+            inside = (cols < V) & (z >= lo) & (z < hi)
+            ge = inside[:, None] & (z[:, None] >= cand[None, :])
+            e = tl.exp(z - m)
+            cnt += tl.sum(ge.to(tl.int64), 0)
+            mass += tl.sum(tl.where(ge, e[:, None], 0.0), 0)
+        passes += 1
+        if BY_COUNT:
+            meets = (c_hi + cnt) >= goal
+        else:
+            meets = (f_hi + mass) >= goal
+        best = tl.max(tl.where(meets | (j == 0), j, 0), 0)
+        new_lo = tl.max(tl.where(j == best, cand, float("-inf")), 0)
+        new_hi = tl.min(tl.where(cand > new_lo, cand, hi), 0)
+        f_lo = f_hi + tl.max(tl.where(j == best, mass, 0.0), 0)
+        c_lo = c_hi + tl.max(tl.where(j == best, cnt, 0), 0)
+        c_hi += tl.max(tl.where(cand == new_hi, cnt, 0), 0)  # 0 when new_hi == hi
+        f_hi += tl.max(tl.where(cand == new_hi, mass, 0.0), 0)
+        n_in = c_lo - c_hi
+        lo = new_lo
+        hi = new_hi
+        single = (_key(hi, ACC) - _key(lo, ACC)) <= 1
+        done = single | (n_in <= KS) | (passes >= MAX_SEARCH_PASSES)
+    # <= 64 values left in [lo, hi): gather them (sorted) and read the answer off
+    collect = (enabled != 0) & (single == 0)
+    top = tl.full((KS,), float("-inf"), ACC)
+    thr = tl.full((), float("-inf"), ACC)
+    eqcnt = tl.zeros((), tl.int32)
+    for start in range(0, tl.where(collect, V, 0), BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V, other=0.0)
+        z = x.to(ACC) * inv_t
+        inside = (cols < V) & (z >= lo) & (z < hi)
+        top, thr, eqcnt = _absorb(tl.where(inside, z, float("-inf")), top, thr, eqcnt, KS, BLOCK_V)
+    passes += collect.to(tl.int32)
+    held = top > float("-inf")
+    e = tl.exp(top - m)
+    at_or_above = (top[None, :] >= top[:, None]) & held[None, :]
+    if BY_COUNT:
+        meets = (c_hi + tl.sum(at_or_above.to(tl.int64), 1)) >= goal
+    else:
+        meets = (f_hi + tl.sum(tl.where(at_or_above, e[None, :], 0.0), 1)) >= goal
+    ok = tl.where(collect, held & meets, False)
+    found = tl.sum(ok.to(tl.int32), 0) > 0
+    v = tl.max(tl.where(ok, top, float("-inf")), 0)
+    f_v = f_hi + tl.sum(tl.where(held & (top >= v), e, 0.0), 0)
+    # not found: one value left (or rounding): lo, whose mass f_lo was summed
+    return tl.where(found, v, lo), tl.where(found, f_v, f_lo), passes
+
+
+@triton.jit(
+    do_not_specialize=[
+        "rows_inner", "ignore_index", "t_stride_outer", "t_stride_inner", "top_k",
+    ]
+)  # fmt: skip
+def _truncated_logprobs_fwd_kernel(
+    logits_ptr,
+    targets_ptr,
+    logp_ptr,
+    stats_ptr,
+    passes_ptr,
+    rows_inner,
+    n_rows,
+    V,
+    stride_outer,
+    stride_inner,
+    stride_v,
+    t_stride_outer,
+    t_stride_inner,
+    inv_t_hi,
+    inv_t_lo,
+    p_hi,
+    p_lo,
+    log1mp_hi,
+    log1mp_lo,
+    top_k,
+    ignore_index,
+    TOPK_REG: tl.constexpr,
+    SEARCH_K: tl.constexpr,
+    TOP_P: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    SEARCH_BLOCK: tl.constexpr,
+    N_CAND: tl.constexpr,
+    MAX_SEARCH_PASSES: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """One program per row of ``(outer, rows_inner, V)`` logits: ``logp`` (contiguous), the
+    row's ``(tau, m, log F)`` in ``stats`` ``(3, n_rows)`` and its passes over the row.
+    ``TOPK_REG``: top-k with ``k <= 64`` (``k < V``); ``SEARCH_K``: top-k with ``64 < k < V``;
+    ``TOP_P``: top-p with ``p < 1`` (``p``, ``log(1 - p)`` as fp32 pairs)."""
+    row = tl.program_id(0).to(tl.int64)
+    inv_t = pair(inv_t_hi, inv_t_lo, ACC)
+    row_ptr = row_pointer(logits_ptr, row, rows_inner, 0, stride_outer, stride_inner)
+    target = tl.load(targets_ptr + token_offset(row, rows_inner, t_stride_outer, t_stride_inner))
+    target = target.to(tl.int64)
+    active = target != ignore_index
+    COLLECT: tl.constexpr = TOPK_REG or SEARCH_K or TOP_P
+    NEED_SUM: tl.constexpr = not (TOPK_REG or SEARCH_K)
+    if TOPK_REG:
+        kk = top_k
+    else:
+        kk = top_k * 0 + KS
+
+    # ---- pass A
+    m = tl.full((), float("-inf"), ACC)
+    s = tl.zeros((), ACC)
+    z_min = tl.full((), float("inf"), ACC)
+    n_nan = tl.zeros((), tl.int32)
+    top = tl.full((KS,), float("-inf"), ACC)
+    thr = tl.full((), float("-inf"), ACC)
+    eqcnt = tl.zeros((), tl.int32)
+    for start in range(0, tl.where(active, V, 0), BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V, other=float("-inf"))
+        z = x.to(ACC) * inv_t
+        n_nan += tl.sum((z != z).to(tl.int32), 0)
+        zs = tl.where(z == z, z, float("-inf"))
+        if NEED_SUM:
+            m_new = nan_max(m, tl.max(zs, 0))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(zs - m_ref), 0)
+            m = m_new
+        if SEARCH_K:
+            z_min = nan_min(z_min, tl.min(tl.where(cols < V, zs, float("inf")), 0))
+        if COLLECT:
+            top, thr, eqcnt = _absorb(zs, top, thr, eqcnt, kk, BLOCK_V)
+    passes = active.to(tl.int32)
+    if not NEED_SUM:
+        m = tl.max(top, 0)
+    ok = active & (n_nan == 0) & (tl.abs(m) < float("inf"))
+    m_safe = tl.where(ok, m, 0.0)
+
+    # ---- the kept set: threshold tau, mass f = sum_{z >= tau} exp(z - m)
+    tau = tl.full((), float("-inf"), ACC)
+    f = s
+    if COLLECT:
+        slot = tl.arange(0, KS)
+        e = tl.exp(top - m_safe)
+        ties = tl.sum(((top == thr) & (slot < kk)).to(tl.int32), 0)
+        extra = tl.where(eqcnt > ties, eqcnt - ties, 0)
+        tie_mass = extra.to(ACC) * tl.exp(thr - m_safe)
+        f_held = tl.sum(tl.where(slot < kk, e, 0.0), 0) + tie_mass  # mass of {z >= thr}
+        if TOPK_REG:
+            tau = thr
+            f = f_held
+        if SEARCH_K:
+            # count of {z >= thr}: the 64 held and the ties left out (thr = -inf: every value)
+            resolved = (thr == float("-inf")) | (extra + KS >= top_k)
+            lo = tl.where(resolved, thr, z_min)
+            tau_k, f_k, n_pass = _search(
+                row_ptr, V, stride_v, inv_t, m_safe, lo, thr, (extra + KS).to(tl.int64), f_held,
+                top_k.to(tl.int64), ok & (resolved == 0), True, N_CAND, SEARCH_BLOCK, BLOCK_V,
+                MAX_SEARCH_PASSES, ACC,
+            )  # fmt: skip
+            tau = tl.where(resolved, thr, tau_k)
+            f = tl.where(resolved, f_held, f_k)
+            passes += n_pass
+        if TOP_P:
+            goal = pair(p_hi, p_lo, ACC) * f
+            found, v, f_v = _cut_in_registers(top, e, thr, tie_mass, kk, goal)
+            if TOPK_REG:  # the k largest are all held: always found but for rounding
+                tau = tl.where(found, v, tau)
+                f = tl.where(found, f_v, f)
+            else:
+                # below lo lies less than (1 - p) of the mass: V exp(lo - m) <= (1 - p) f
+                log1mp = pair(log1mp_hi, log1mp_lo, ACC)
+                bound = m_safe + log1mp + tl.log(f) - tl.log(tl.zeros((), ACC) + V) - 1.0
+                lo = nan_max(tau, tl.where(bound < thr, bound, tau))
+                v_s, f_s, n_pass = _search(
+                    row_ptr, V, stride_v, inv_t, m_safe, lo, thr, (extra + KS).to(tl.int64),
+                    f_held, goal, ok & (found == 0), False, N_CAND, SEARCH_BLOCK, BLOCK_V,
+                    MAX_SEARCH_PASSES, ACC,
+                )  # fmt: skip
+                tau = tl.where(found, v, v_s)
+                f = tl.where(found, f_v, f_s)
+                passes += n_pass
+    log_f = tl.log(f)
+    tau = tl.where(ok, tau, float("nan"))
+    m = tl.where(ok, m, float("nan"))
+    log_f = tl.where(ok, log_f, float("nan"))
+
+    # ---- the target
+    in_range = (target >= 0) & (target < V)
+    safe = tl.where(in_range, target, 0)
+    x_y = tl.load(row_ptr + safe * stride_v, mask=active & in_range, other=0.0)
+    z_y = x_y.to(ACC) * inv_t
+    logp = tl.where(z_y >= tau, (z_y - m) - log_f, float("-inf"))
+    logp = tl.where(ok, logp, float("nan"))
+    logp = tl.where(in_range, logp, float("nan"))
+    tl.store(logp_ptr + row, tl.where(active, logp, 0.0))
+    tl.store(stats_ptr + row, tl.where(active, tau, 0.0))
+    tl.store(stats_ptr + n_rows + row, tl.where(active, m, 0.0))
+    tl.store(stats_ptr + 2 * n_rows + row, tl.where(active, log_f, 0.0))
+    tl.store(passes_ptr + row, passes)
+
+
+@triton.jit(
+    do_not_specialize=[
+        "rows_inner", "ignore_index", "t_stride_outer", "t_stride_inner", "g_stride_outer",
+        "g_stride_inner",
+    ]
+)  # fmt: skip
+def _truncated_logprobs_bwd_kernel(
+    logits_ptr,
+    targets_ptr,
+    stats_ptr,
+    g_ptr,
+    grad_ptr,
+    rows_inner,
+    n_rows,
+    V,
+    stride_outer,
+    stride_inner,
+    stride_v,
+    grad_stride_outer,
+    grad_stride_inner,
+    t_stride_outer,
+    t_stride_inner,
+    g_stride_outer,
+    g_stride_inner,
+    inv_t_hi,
+    inv_t_lo,
+    ignore_index,
+    BLOCK_V: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """One program per row: ``grad = (onehot_y - p) g / T`` on ``{z >= tau}``, 0 elsewhere,
+    ``p = exp((z - m) - log F)`` from the forward's ``stats``; a NaN row (NaN ``log F``)
+    gets NaN; a zero coefficient (ignored, target cut or out of range, ``g == 0``) writes
+    zeros and reads nothing."""
+    row = tl.program_id(0).to(tl.int64)
+    inv_t = pair(inv_t_hi, inv_t_lo, ACC)
+    row_ptr = row_pointer(logits_ptr, row, rows_inner, 0, stride_outer, stride_inner)
+    grad_row = row_pointer(grad_ptr, row, rows_inner, 0, grad_stride_outer, grad_stride_inner)
+    target = tl.load(targets_ptr + token_offset(row, rows_inner, t_stride_outer, t_stride_inner))
+    target = target.to(tl.int64)
+    g = tl.load(g_ptr + token_offset(row, rows_inner, g_stride_outer, g_stride_inner)).to(ACC)
+    tau = tl.load(stats_ptr + row).to(ACC)
+    m = tl.load(stats_ptr + n_rows + row).to(ACC)
+    log_f = tl.load(stats_ptr + 2 * n_rows + row).to(ACC)
+    active = target != ignore_index
+    in_range = (target >= 0) & (target < V)
+    bad = active & (log_f != log_f)
+    safe = tl.where(in_range, target, 0)
+    x_y = tl.load(row_ptr + safe * stride_v, mask=active & in_range & (bad == 0), other=0.0)
+    kept_y = (x_y.to(ACC) * inv_t) >= tau
+    coef = tl.where(active & in_range & kept_y & (bad == 0), g * inv_t, 0.0)
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        valid = cols < V
+        live = tl.where(valid, coef, 0.0) != 0.0  # per lane (a NaN g is live)
+        x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=live, other=0.0)
+        z = x.to(ACC) * inv_t
+        p = tl.exp((z - m) - log_f)
+        onehot = tl.where(cols == target, 1.0, 0.0)
+        grad = tl.where(live & (z >= tau), (onehot - p) * coef, 0.0)
+        grad = tl.where(bad, float("nan"), grad)
+        tl.store(grad_row + cols, cast_for(grad, grad_ptr), mask=valid)

@@ -1,0 +1,460 @@
+"""``truncated_logprobs``: log-probs under a sampler's top-k / top-p truncation.
+
+Every check is against float64 oracles written here: ``oracle_threshold`` (the documented
+threshold rule, a Python loop over the sorted row) and ``vllm_keep`` (vLLM's sampler:
+ascending sort, ``cumsum <= 1 - p`` dropped, the largest always kept), the latter only
+where the two rules agree (no tie at the top-p boundary) and in one test that shows where
+they differ. Values and gradients under random upstream gradients, both backends, fp32 and
+bf16, temperatures 1 and 0.7, awkward shapes, ties at the k-th value and at the top-p
+boundary (in registers and through the search passes), NaN in -> NaN out, gradcheck,
+``torch.compile(fullgraph=True)``, bad arguments, launches and passes over a row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import F64_TOL, FP32_TOL, assert_rel, bf16_tol
+
+import fused_rl
+import fused_rl.truncated as T
+from fused_rl.profiling import AllocationTracker, LaunchCounter
+
+BACKENDS = ("triton", "reference")
+TOP_KS = (1, 2, 7, 64, None)
+TOP_PS = (0.1, 0.5, 0.9, 1.0, None)
+NEG_INF = float("-inf")
+
+
+# ----------------------------------------------------------------------------- oracles
+
+
+def oracle_threshold(z_row: torch.Tensor, top_k, top_p) -> float:
+    """The kept set's threshold on one row of tempered logits (float64, no NaN): top-k
+    keeps ``z >= `` the k-th largest; top-p keeps ``z >= `` the value of the token whose
+    cumulative probability (descending, over the top-k set) first reaches ``p``."""
+    values = sorted(z_row.tolist(), reverse=True)
+    thr = NEG_INF
+    if top_k is not None and top_k < len(values):
+        thr = values[top_k - 1]
+    kept = [v for v in values if v >= thr]
+    if top_p is not None and top_p < 1.0:
+        weights = [math.exp(v - kept[0]) for v in kept]
+        total, cum = math.fsum(weights), 0.0
+        for v, w in zip(kept, weights):
+            cum += w
+            if cum >= top_p * total:
+                thr = v
+                break
+    return thr
+
+
+def vllm_keep(z_row: torch.Tensor, top_k, top_p) -> torch.Tensor:
+    """vLLM's ``apply_top_k_top_p`` on one float64 row (its documented semantics, written
+    here; a stable sort fixes its order among ties): sort ascending; top-k masks values
+    below the k-th largest; top-p masks the positions whose cumulative probability (of
+    everything up to and including them) is ``<= 1 - p``, never the last (largest)."""
+    s, idx = torch.sort(z_row, stable=True)
+    n = s.numel()
+    if top_k is not None and top_k < n:
+        s = s.masked_fill(s < s[n - top_k], NEG_INF)
+    if top_p is not None and top_p < 1.0:
+        cum = torch.softmax(s, -1).cumsum(-1)
+        drop = cum <= 1 - top_p
+        drop[-1] = False
+        s = s.masked_fill(drop, NEG_INF)
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[idx] = s > NEG_INF
+    return keep
+
+
+def oracle(x, targets, top_k=None, top_p=None, temperature=1.0, ignore_index=-100,
+           rule="threshold", dtype=torch.float64):  # fmt: skip
+    """float64 log-probs (differentiable in ``x``); ``rule="vllm"`` keeps vLLM's set.
+    ``dtype``: the arithmetic's (``x.dtype``: eager PyTorch in that dtype), the kept set
+    always the float64 one."""
+    rows = (x.detach().double() / temperature).reshape(-1, x.shape[-1])
+    z = x.to(dtype) / temperature
+    if rule == "threshold":
+        thr = torch.tensor([oracle_threshold(r, top_k, top_p) for r in rows], dtype=rows.dtype)
+        keep = (rows >= thr[:, None]).reshape(z.shape)
+    else:
+        keep = torch.stack([vllm_keep(r, top_k, top_p) for r in rows]).reshape(z.shape)
+    ignored = targets == ignore_index
+    t = torch.where(ignored, 0, targets).long()[..., None]
+    lse = torch.logsumexp(z.masked_fill(~keep, NEG_INF), -1)
+    logp = torch.where(keep.gather(-1, t)[..., 0], z.gather(-1, t)[..., 0] - lse, NEG_INF)
+    return torch.where(ignored, 0.0, logp)
+
+
+def value_and_grad(fn, x, upstream):
+    """``fn(x)`` and the gradient of ``sum(out * upstream)`` over its finite entries."""
+    leaf = x.detach().clone().requires_grad_()
+    out = fn(leaf)
+    loss = (torch.where(torch.isfinite(out), out, 0.0) * upstream.to(out.dtype)).sum()
+    (grad,) = torch.autograd.grad(loss, leaf)
+    return out.detach(), grad
+
+
+def fused(backend, **kw):
+    return lambda leaf, targets: fused_rl.truncated_logprobs(leaf, targets, backend=backend, **kw)
+
+
+def check_against_oracle(backend, x, targets, view=lambda t: t, tol=None, **kw):
+    """Values and gradients of both backends' call against the float64 oracle: the same
+    ``-inf`` pattern (the same kept sets), finite values and the gradient at ``tol``, exact
+    zero gradient rows for ignored and cut targets."""
+    g = torch.Generator().manual_seed(7)
+    up = torch.randn(targets.shape, generator=g, dtype=torch.float64).to(x.device)
+    out, grad = value_and_grad(lambda leaf: fused(backend, **kw)(view(leaf), targets), x, up)
+    o_out, o_grad = value_and_grad(lambda leaf: oracle(view(leaf), targets, **kw), x.double(), up)
+    assert out.dtype == (torch.float64 if x.dtype == torch.float64 else torch.float32)
+    assert grad.dtype == x.dtype and grad.shape == x.shape
+    assert torch.equal(torch.isinf(out), torch.isinf(o_out)), (out, o_out)
+    fin = torch.isfinite(o_out)
+    if tol is None:  # bf16: no worse than twice the same math in eager bf16 (floor 1e-3)
+        eager = lambda leaf: oracle(view(leaf), targets, dtype=x.dtype, **kw)  # noqa: E731
+        e_out, e_grad = value_and_grad(eager, x, up)
+        tols = (bf16_tol(e_out[fin], o_out[fin]), bf16_tol(e_grad, o_grad))
+    else:
+        tols = (tol, tol)
+    assert_rel(out[fin], o_out[fin], tols[0], "logp")
+    assert_rel(grad, o_grad, tols[1], "grad")
+    cut = view(grad).detach()[~fin | (targets == -100)]
+    assert torch.equal(cut, torch.zeros_like(cut)), "cut / ignored targets: zero gradient"
+    return out
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Pass A in blocks of 64 logits (64 groups of 1; search steps of 64): a row of ~100
+    crosses blocks."""
+    monkeypatch.setattr(T, "_block", lambda vocab: 64)
+
+
+@pytest.fixture
+def blocks_of_128(monkeypatch):
+    """Pass A in blocks of 128 (64 groups of 2: a group's second value follows its first)."""
+    monkeypatch.setattr(T, "_block", lambda vocab: 128)
+
+
+def _rows(shape, seed=0, device="cpu"):
+    """Rows from peaked to flat (scales 8 .. 0.5), so top-p resolves both in registers and
+    through the search passes; targets: one ignored, one the row max, the rest random."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    rows = x.view(-1, shape[-1])
+    scales = (8.0, 0.5, 2.0, 1.0, 4.0, 0.7)
+    for i in range(rows.shape[0]):
+        rows[i] *= scales[i % len(scales)]
+    targets = torch.randint(0, shape[-1], shape[:-1], generator=g)
+    flat = targets.view(-1)
+    flat[0] = -100
+    flat[1] = rows[1].argmax()
+    return x.to(device), targets.to(device)
+
+
+# ----------------------------------------------------------------------------- parity
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("top_p", TOP_PS)
+@pytest.mark.parametrize("top_k", TOP_KS)
+def test_matches_oracle(top_k, top_p, backend, small_blocks, device):
+    """fp32, V = 97 over two blocks of pass A; temperature 0.7 on every other case."""
+    x, targets = _rows((2, 3, 97), seed=TOP_KS.index(top_k), device=device)
+    temperature = 0.7 if (TOP_KS.index(top_k) + TOP_PS.index(top_p)) % 2 else 1.0
+    check_against_oracle(backend, x, targets, tol=FP32_TOL, top_k=top_k, top_p=top_p,
+                         temperature=temperature)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("temperature", (1.0, 0.7))
+@pytest.mark.parametrize(("top_k", "top_p"), [(7, None), (None, 0.9), (64, 0.5), (2, 0.9)])
+def test_bf16(top_k, top_p, temperature, backend, device):
+    x, targets = _rows((2, 3, 97), seed=3, device=device)
+    check_against_oracle(backend, x.bfloat16(), targets, top_k=top_k, top_p=top_p,
+                         temperature=temperature)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("top_k", "top_p"), [(100, None), (None, 0.9), (90, 0.7)])
+def test_float64_search_passes(top_k, top_p, backend, device):
+    """fp64 logits (int64 keys) through the search passes: the float64 tolerance."""
+    x, targets = _rows((2, 3, 150), seed=5, device=device)
+    check_against_oracle(backend, x.double(), targets, tol=F64_TOL, top_k=top_k, top_p=top_p)
+
+
+# (logits shape, targets shape, top_k, top_p, temperature, view, targets dtype)
+SHAPES = {
+    "odd_V": ((3, 5, 37), None, 7, 0.9, 0.7, None, torch.int64),
+    "V_below_k": ((2, 3, 5), None, 7, 0.5, 1.0, None, torch.int64),
+    "T1": ((4, 1, 50), None, 2, None, 1.0, None, torch.int64),
+    "slice": ((2, 6, 131), (2, 5), 64, 0.9, 0.7, lambda x: x[:, 1:, ::2], torch.int64),
+    "1d": ((41,), (), 3, 0.5, 1.0, None, torch.int64),
+    "2d_int32": ((7, 41), None, None, 0.5, 0.7, None, torch.int32),
+    "two_blocks": ((1, 3, 2100), None, 64, 0.9, 1.0, None, torch.int64),  # 2048 a block
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(SHAPES))
+def test_awkward_shapes(case, backend, device):
+    shape, tshape, top_k, top_p, temperature, view, tdtype = SHAPES[case]
+    view = view or (lambda t: t)
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(shape, generator=g) * 2).to(device)
+    vshape = view(x).shape
+    targets = torch.randint(0, vshape[-1], vshape[:-1], generator=g).to(device, tdtype)
+    if case == "slice":  # strided targets too (ids[:, 1:])
+        targets = torch.randint(0, vshape[-1], (2, 6), generator=g).to(device)[:, 1:]
+    if targets.dim():
+        targets[(-1,) * targets.dim()] = -100
+    check_against_oracle(backend, x, targets, view=view, tol=FP32_TOL, top_k=top_k,
+                         top_p=top_p, temperature=temperature)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cut_and_ignored_targets(backend, device):
+    """A target cut by top-k or top-p: ``-inf`` and a zero gradient row; ignored: 0."""
+    x = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]] * 3, device=device)
+    targets = torch.tensor([3, 2, -100], device=device)
+    leaf = x.clone().requires_grad_()
+    out = fused_rl.truncated_logprobs(leaf, targets, top_k=2, backend=backend)
+    assert out[0] == NEG_INF and out[1] == NEG_INF and out[2] == 0
+    out[2].backward()
+    assert torch.equal(leaf.grad, torch.zeros_like(x))
+    leaf.grad = None
+    out = fused_rl.truncated_logprobs(leaf, targets.clone().fill_(1), top_p=0.5, backend=backend)
+    assert torch.isinf(out).all()  # p(3.0) = 0.64 >= 0.5: only the first token is kept
+    out.sum().backward()
+    assert torch.equal(leaf.grad, torch.zeros_like(x))
+
+
+# ----------------------------------------------------------------------------- ties
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("top_k", (1, 2, 11, 64, 100, 200))
+def test_ties_at_the_kth_value(top_k, backend, blocks_of_128, device):
+    """Every token tied at the k-th value is kept: a tied maximum (k = 1), ties inside the
+    64 register slots, 150 ties spread over three blocks (more than the slots hold:
+    counted), and k = 200 below the tie group (the count search)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.rand(2, 300, generator=g) * 2 - 3.0
+    x[:, :10] = 5.0  # top 10 tied
+    x[0, torch.randperm(300, generator=g)[:150]] = 2.0  # 150 tied (overwrites some 5s)
+    x[1, 20:22] = 7.0  # a tied maximum
+    targets = torch.tensor([int((x[0] == 2.0).nonzero()[-1]), 21], device=device)
+    if top_k < 11:
+        targets[0] = int(x[0].argmax())
+    out = check_against_oracle(backend, x.to(device), targets, tol=FP32_TOL, top_k=top_k)
+    assert torch.isfinite(out).all()  # a 2.0 (k >= 11) and the second of two maxima (k >= 1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ties_at_the_top_p_boundary_in_registers(backend, device):
+    """The crossing token is tied: all its ties are kept (the threshold rule), where
+    vLLM's sort-position rule keeps one of the two (documented difference)."""
+    z = torch.tensor([2.0, 1.0, 1.0, 0.0, -1.0, -2.0], dtype=torch.float64)
+    q = torch.softmax(z, -1)
+    p = float(q[0] + 0.5 * q[1])  # crosses at the first of the tied pair
+    x = z.float().repeat(2, 1).to(device)
+    targets = torch.tensor([1, 2], device=device)
+    out = check_against_oracle(backend, x, targets, tol=FP32_TOL, top_p=p)
+    assert torch.isfinite(out).all()  # both tied tokens kept
+    assert vllm_keep(z, None, p).tolist() == [True, False, True, False, False, False]
+    with_k = check_against_oracle(backend, x, targets, tol=FP32_TOL, top_k=4, top_p=p)
+    assert torch.isfinite(with_k).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("top_k", (None, 100))
+def test_ties_at_the_top_p_boundary_searched(top_k, backend, small_blocks, device):
+    """The 64 largest hold less than p, so the threshold is searched (top-k = 100: the
+    k-th value too); it falls inside a group of 200 tied tokens below them (more than a
+    collect pass holds: the one-value bracket). (Ties AT the 64th value need no search:
+    pass A counts them, test_ties_at_the_kth_value.)"""
+    g = torch.Generator().manual_seed(4)
+    x = torch.full((300,), -2.0)
+    order = torch.randperm(300, generator=g)
+    x[order[:70]] = torch.linspace(0.5, 1.5, 70)  # 70 distinct above, 200 tied, 30 below
+    x[order[70:270]] = 0.0
+    x = x.repeat(2, 1).to(device)
+    tie = int((x[0] == 0.0).nonzero()[-1])
+    targets = torch.tensor([tie, int((x[0] == -2.0).nonzero()[0])], device=device)
+    out = check_against_oracle(backend, x, targets, tol=FP32_TOL, top_k=top_k, top_p=0.5)
+    assert torch.isfinite(out[0]) and out[1] == NEG_INF
+    if backend == "triton":
+        launch = T.truncated_logprobs_fwd_op.launcher
+        _, _, passes = launch(x[None], targets[None], top_k or 0, 0.5, 1.0, -100)
+        assert (passes > 1).all(), passes
+
+
+# ----------------------------------------------------------------------------- vLLM
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("top_k", "top_p", "temperature"),
+    [(5, None, 1.0), (None, 0.8, 0.7), (20, 0.6, 1.3), (1, 0.3, 1.0), (64, 0.95, 0.7)],
+)
+def test_matches_vllm_without_boundary_ties(top_k, top_p, temperature, backend, device):
+    """Continuous random logits (no ties): the kept sets, values and gradients are those of
+    vLLM's sampler (its sort-based rule, float64) as well as of the threshold rule."""
+    g = torch.Generator().manual_seed(9)
+    x = (torch.randn(4, 80, generator=g) * 2).to(device)
+    targets = torch.stack([torch.randperm(80, generator=g)[0] for _ in range(4)]).to(device)
+    targets[0] = x[0].argmax()
+    kw = dict(top_k=top_k, top_p=top_p, temperature=temperature)
+    vllm = oracle(x, targets, rule="vllm", **kw)
+    assert torch.equal(vllm, oracle(x, targets, **kw))
+    out = check_against_oracle(backend, x, targets, tol=FP32_TOL, **kw)
+    assert torch.equal(torch.isinf(out), torch.isinf(vllm))
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("top_k", "top_p"), [(None, None), (3, None), (None, 0.5), (100, 0.9)])
+def test_nan_in_nan_out(top_k, top_p, backend, device):
+    """A NaN, a ``+inf`` or an all ``-inf`` row: NaN and a NaN gradient row; the other rows
+    exact; an ignored NaN row: 0 and zero gradient."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 130, generator=g)
+    x[0, 3] = float("nan")
+    x[1, 5] = float("inf")
+    x[2] = NEG_INF
+    x[4, 7] = float("nan")
+    x = x.to(device).requires_grad_()
+    targets = torch.tensor([1, 2, 3, int(x[3].argmax()), -100], device=device)
+    out = fused_rl.truncated_logprobs(x, targets, top_k=top_k, top_p=top_p, backend=backend)
+    assert out[:3].isnan().all() and torch.isfinite(out[3]) and out[4] == 0
+    out.backward(torch.ones(5, device=device))
+    assert x.grad[:3].isnan().all() and torch.isfinite(x.grad[3]).all()
+    assert torch.equal(x.grad[4], torch.zeros_like(x.grad[4]))
+    want = oracle(x[3:4].detach(), targets[3:4], top_k=top_k, top_p=top_p)
+    assert_rel(out[3:4], want, FP32_TOL, "the clean row")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradcheck_float64(backend, device):
+    torch.manual_seed(16)
+    x = torch.randn(1, 3, 8, device=device, dtype=torch.float64, requires_grad=True)
+    targets = torch.tensor([[0, 1, -100]], device=device)
+    targets[0, 0] = x[0, 0].argmax()  # kept
+    fn = lambda t: fused_rl.truncated_logprobs(  # noqa: E731
+        t, targets, top_k=5, top_p=0.8, temperature=0.7, backend=backend
+    ).nan_to_num(neginf=0.0)
+    assert torch.autograd.gradcheck(fn, (x,))
+
+
+@pytest.mark.no_poison
+def test_torch_compile_fullgraph(device):
+    x, targets = _rows((2, 4, 37), seed=1, device=device)
+
+    def f(logits, y):
+        return fused_rl.truncated_logprobs(logits, y, top_k=5, top_p=0.9, temperature=0.7)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    up = torch.randn(targets.shape, device=device)
+    eager, e_grad = value_and_grad(lambda leaf: f(leaf, targets), x, up)
+    comp, c_grad = value_and_grad(lambda leaf: compiled(leaf, targets), x, up)
+    torch.testing.assert_close(comp, eager, rtol=0, atol=0)
+    torch.testing.assert_close(c_grad, e_grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "name"),
+    [
+        (dict(top_k=0), ValueError, "top_k"),
+        (dict(top_k=-3), ValueError, "top_k"),
+        (dict(top_k=True), TypeError, "top_k"),
+        (dict(top_k=2.0), TypeError, "top_k"),
+        (dict(top_k="3"), TypeError, "top_k"),
+        (dict(top_p=0.0), ValueError, "top_p"),
+        (dict(top_p=1.5), ValueError, "top_p"),
+        (dict(top_p=-0.1), ValueError, "top_p"),
+        (dict(top_p=float("nan")), ValueError, "top_p"),
+        (dict(top_p="0.5"), TypeError, "top_p"),
+        (dict(top_p=True), TypeError, "top_p"),
+        (dict(top_p=torch.tensor(0.5)), TypeError, "top_p"),
+        (dict(temperature=0.0), ValueError, "temperature"),
+        (dict(ignore_index=1.5), TypeError, "ignore_index"),
+        (dict(backend="bogus"), ValueError, "backend"),
+    ],
+)
+def test_bad_arguments(kwargs, error, name):
+    x, targets = torch.randn(2, 3, 11), torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(error, match=rf"\b{name}\b"):
+        fused_rl.truncated_logprobs(x, targets, **kwargs)
+
+
+def test_bad_tensors():
+    x = torch.randn(2, 3, 11)
+    with pytest.raises(ValueError, match="targets must have shape"):
+        fused_rl.truncated_logprobs(x, torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(TypeError, match="targets must be an int64 or int32"):
+        fused_rl.truncated_logprobs(x, torch.zeros(2, 3))
+    with pytest.raises(TypeError, match="logits must be a floating"):
+        fused_rl.truncated_logprobs(x.long(), torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"targets holds 11, outside \[0, V\)"):
+        fused_rl.truncated_logprobs(x, torch.full((2, 3), 11))
+    assert fused_rl.truncated_logprobs(x, torch.zeros(2, 3, dtype=torch.long), top_p=1.0,
+                                       top_k=11).isfinite().all()  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- cost
+
+# launches: forward ONE kernel; backward ONE kernel (+ the caller's sum and the autograd seed)
+FORWARD_LAUNCHES, FORWARD_BACKWARD_LAUNCHES = 1, 4
+
+
+@pytest.mark.no_poison  # the NaN fill of fresh buffers is the test's, not the call's
+@pytest.mark.parametrize(("top_k", "top_p"), [(7, None), (None, 0.9), (100, 0.5)])
+def test_launches_and_allocations(top_k, top_p, device, monkeypatch):
+    monkeypatch.setattr(fused_rl.config, "check_values", False)
+    x = torch.randn(3, 5, 257, device=device, requires_grad=True)
+    targets = torch.randint(0, 257, (3, 5), device=device)
+    call = lambda: fused_rl.truncated_logprobs(x, targets, top_k=top_k, top_p=top_p,  # noqa: E731
+                                               backend="triton")  # fmt: skip
+    with torch.no_grad(), LaunchCounter() as c:
+        call()
+    assert (c.total, c.kernels) == (FORWARD_LAUNCHES, ["_truncated_logprobs_fwd_kernel"])
+    with LaunchCounter() as c:
+        call().sum().backward()
+    assert c.total == FORWARD_BACKWARD_LAUNCHES, (c.ops, c.kernels)
+    nv_bytes = x.numel() * x.element_size()
+    with AllocationTracker() as a:
+        out = call()
+    assert a.count_at_least(nv_bytes // 4) == 0  # nothing of size (N, V) forward
+    with AllocationTracker() as a:
+        out.sum().backward()
+    assert a.count_at_least(nv_bytes) == 1  # the gradient
+
+
+def test_passes_over_a_row(device):
+    """Reads of each row (bytes = passes x V x element size): one for top-k <= 64 with or
+    without top-p, and for top-p where the 64 largest hold p; at most 1 + 11 + 1 otherwise,
+    fp32 (pass A, search passes, one collect pass), even for logits spread over every
+    octave; 0 for an ignored row."""
+    g = torch.Generator().manual_seed(8)
+    peaked = torch.randn(1, 4, 400, generator=g) * 6
+    flat = torch.randn(1, 4, 400, generator=g)
+    octaves = torch.sign(torch.randn(1, 4, 400, generator=g)) * 10 ** (
+        torch.rand(1, 4, 400, generator=g) * 40 - 39)  # fmt: skip
+    targets = torch.zeros(1, 4, dtype=torch.long)
+    targets[0, 3] = -100
+    runs = lambda x, k, p: T.truncated_logprobs_fwd_op.launcher(x, targets, k, p, 1.0, -100)  # noqa: E731
+    for k, p in [(1, 1.0), (64, 1.0), (64, 0.9), (7, 0.5), (0, 1.0)]:
+        assert runs(flat, k, p)[2].tolist() == [1, 1, 1, 0]
+    assert runs(peaked, 0, 0.9)[2].tolist() == [1, 1, 1, 0]
+    for x, k, p in [(flat, 0, 0.9), (flat, 200, 1.0), (octaves, 0, 0.99), (octaves, 300, 1.0)]:
+        logp, _, passes = runs(x, k, p)
+        assert 1 < passes[:3].min() and passes[:3].max() <= 1 + 11 + 1, passes
+        want = oracle(x, targets, top_k=k or None, top_p=p)
+        assert_rel(logp[torch.isfinite(want)], want[torch.isfinite(want)], FP32_TOL, "logp")
+        assert torch.equal(torch.isinf(logp), torch.isinf(want))
