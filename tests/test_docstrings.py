@@ -12,6 +12,8 @@ MODULES = [
     "fused_rl.logprobs",
     "fused_rl.losses",
     "fused_rl.linear",
+    "fused_rl.distill",
+    "fused_rl.truncated",
     "fused_rl.nn",
     "fused_rl.values",
     "fused_rl.kl",
