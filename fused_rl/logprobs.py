@@ -49,6 +49,8 @@ def token_logprobs(
     vocab_start: int | None = None,
     vocab_size: int | None = None,
     inplace: bool = False,
+    top_k: int | None = None,
+    top_p: float | None = None,
     backend: str = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probability of each target token, ``log_softmax(logits / T)[target]``, fused.
@@ -96,6 +98,13 @@ def token_logprobs(
             checked are :func:`fused_rl.policy_loss`'s. Same values and gradients as the
             default, bit for bit. Eager only (raises under ``torch.compile``); not with
             vocabulary parallelism (``NotImplementedError``).
+        top_k, top_p: the log-prob under the distribution a sampler truncated to the top-k
+            tokens, then to the smallest top-p mass of those, renormalised (vLLM's order;
+            ties at either cut kept whole): :func:`fused_rl.truncated_logprobs`, whose
+            docstring gives the rules and the passes; a target outside the kept set gives
+            ``-inf`` and zero gradient. ``targets`` then have ``logits.shape[:-1]``; not
+            with ``return_entropy``, ``softcap``, ``inplace`` or vocabulary parallelism
+            (``ValueError``).
         backend: ``"auto"`` | ``"triton"`` | ``"reference"`` (see ``fused_rl._backend``).
 
     Returns:
@@ -114,6 +123,10 @@ def token_logprobs(
         >>> logp.shape, logits.grad.shape
         (torch.Size([2, 5]), torch.Size([2, 5, 11]))
     """
+    if top_k is not None or top_p is not None:
+        return _truncated(logits, targets, top_k, top_p, temperature, softcap, ignore_index,
+                          return_entropy, process_group, vocab_start, vocab_size, inplace,
+                          backend)  # fmt: skip
     if process_group is not None or _vocab_parallel(logits, vocab_start, vocab_size):
         if inplace:
             raise NotImplementedError(
@@ -135,6 +148,29 @@ def token_logprobs(
         logits, targets, temperature, ignore_index, return_entropy, which, softcap, inplace
     )
     return (logp, entropy) if return_entropy else logp
+
+
+def _truncated(logits, targets, top_k, top_p, temperature, softcap, ignore_index,
+               return_entropy, process_group, vocab_start, vocab_size, inplace,
+               backend):  # fmt: skip
+    """``token_logprobs`` with ``top_k`` / ``top_p``: :func:`fused_rl.truncated_logprobs`,
+    after refusing the options it does not take."""
+    from .truncated import truncated_logprobs
+
+    refused = {"return_entropy": return_entropy, "softcap": softcap is not None,
+               "inplace": inplace is not False,
+               "process_group / vocab_start / vocab_size": process_group is not None
+               or vocab_start is not None or vocab_size is not None}  # fmt: skip
+    named = [name for name, given in refused.items() if given]
+    if named:
+        raise ValueError(
+            f"token_logprobs with top_k / top_p (truncated log-probs) does not take "
+            f"{', '.join(named)}: call it without them"
+        )
+    return truncated_logprobs(
+        logits, targets, top_k=top_k, top_p=top_p, temperature=temperature,
+        ignore_index=ignore_index, backend=backend,
+    )  # fmt: skip
 
 
 def token_entropy(

@@ -458,3 +458,26 @@ def test_passes_over_a_row(device):
         want = oracle(x, targets, top_k=k or None, top_p=p)
         assert_rel(logp[torch.isfinite(want)], want[torch.isfinite(want)], FP32_TOL, "logp")
         assert torch.equal(torch.isinf(logp), torch.isinf(want))
+
+
+def test_token_logprobs_takes_top_k_and_top_p(device):
+    """``token_logprobs(..., top_k=, top_p=)`` is ``truncated_logprobs`` (the same values and
+    gradients); the options it does not take with truncation raise naming them."""
+    g = torch.Generator().manual_seed(21)
+    logits = torch.randn(2, 3, 37, generator=g).to(device)
+    targets = torch.randint(0, 37, (2, 3), generator=g).to(device)
+    for kw in (dict(top_k=5), dict(top_p=0.7), dict(top_k=9, top_p=0.5, temperature=0.8)):
+        a = logits.clone().requires_grad_(True)
+        b = logits.clone().requires_grad_(True)
+        got = fused_rl.token_logprobs(a, targets, **kw)
+        want = fused_rl.truncated_logprobs(b, targets, **kw)
+        assert torch.equal(got, want)
+        up = torch.randn(want.shape, generator=g).to(device)
+        up = torch.where(torch.isfinite(want), up, 0.0)
+        got.backward(up)
+        want.backward(up)
+        assert torch.equal(a.grad, b.grad)
+    for bad, name in ((dict(return_entropy=True), "return_entropy"),
+                      (dict(softcap=3.0), "softcap")):  # fmt: skip
+        with pytest.raises(ValueError, match=name):
+            fused_rl.token_logprobs(logits, targets, top_k=5, **bad)
