@@ -25,6 +25,7 @@ from .continuous import gaussian_entropy, gaussian_logprob  # noqa: E402
 from .distill import distill_loss  # noqa: E402
 from .kl import kl_estimate  # noqa: E402
 from .linear import linear_policy_loss, linear_token_logprobs  # noqa: E402
+from .linear_distill import linear_distill_loss  # noqa: E402
 from .logprobs import token_entropy, token_logprobs  # noqa: E402
 from .losses import policy_loss, policy_loss_from_logprobs  # noqa: E402
 from .policy_config import PolicyConfig  # noqa: E402
@@ -45,6 +46,7 @@ __all__ = [
     "group_advantages",
     "kl_estimate",
     "kl_penalized_rewards",
+    "linear_distill_loss",
     "linear_policy_loss",
     "linear_token_logprobs",
     "masked_mean",

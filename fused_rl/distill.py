@@ -9,6 +9,11 @@ a backward is one kernel that reads both rows once and writes the student's grad
 Nothing of size ``(N, V)`` is allocated beyond the inputs and that gradient. Both are
 :class:`fused_rl._ops.FusedOp` (``torch.library`` custom ops for ``torch.compile``, a
 direct call in eager mode). The ``reference`` backend is the same math in plain PyTorch.
+
+The same kernels run on chunks of logits for :func:`fused_rl.linear_distill_loss`
+(``distill_rows_fwd``, ``distill_rows_grad_into`` / ``distill_rows_grad_fwd``,
+``distill_finalize``: "chunk rows" below), and with log-probability inputs taken as free
+coordinates (the backward kernel's ``FREE``) for ``fused_rl.compat.liger.liger_jsd``.
 """
 
 from __future__ import annotations
@@ -71,25 +76,39 @@ def distill_fwd(
     agg: int,
     max_length: float,
     num_items: float,
+    free: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The distillation loss over ``(outer, inner, V)`` student / teacher logits (any
     strides, each its own) with ``(outer, inner)`` targets / mask (any strides; a bool mask
-    passed as uint8). ``agg``: index in ``LOSS_AGG_MODES``; ``num_items`` <= 0 means off.
+    passed as uint8). ``agg``: index in ``LOSS_AGG_MODES``; ``num_items`` <= 0 means off;
+    ``free``: the backward's gradient form (the kernel's ``FREE``: log-probability inputs
+    taken as free coordinates, ``fused_rl.compat.liger.liger_jsd``), unused here.
 
     Returns ``(loss, metrics, seq_scale, stats, part)``: ``loss`` 0-dim (fp32, fp64 for an
     fp64 input), ``metrics`` ``(len(COLUMNS),)`` fp32 (token means of each column, the
     weight total last), ``seq_scale`` the aggregation's normaliser, ``stats``
     ``(N_STATS, N)`` and ``part`` ``(len(COLUMNS), N)`` for the backward. Two launches.
     """
-    from .kernels.vocab.distill import _distill_finalize_kernel, _distill_fwd_kernel
+    outer, inner, _ = student3d.shape
+    acc = _acc(student3d, teacher3d)
+    part = torch.empty((len(COLUMNS), outer * inner), dtype=acc, device=student3d.device)
+    stats = torch.empty((N_STATS, outer * inner), dtype=acc, device=student3d.device)
+    _launch_rows(student3d, teacher3d, targets, mask, part, stats, beta, temperature,
+                 ignore_index)  # fmt: skip
+    loss, metrics, seq_scale = _launch_finalize(part, outer, inner, agg, max_length, num_items,
+                                                num_items_t)  # fmt: skip
+    return loss, metrics, seq_scale, stats, part
+
+
+def _launch_rows(student3d, teacher3d, targets, mask, part, stats, beta, temperature,
+                 ignore_index) -> None:  # fmt: skip
+    """The forward vocab kernel over every row of ``(outer, inner, V)`` logits: writes the
+    ``(len(COLUMNS), N)`` partial columns ``part`` and the ``(N_STATS, N)`` statistics."""
+    from .kernels.vocab.distill import _distill_fwd_kernel
 
     outer, inner, vocab = student3d.shape
     n_rows = outer * inner
-    acc = _acc(student3d, teacher3d)
-    dev = student3d.device
-    part = torch.empty((len(COLUMNS), n_rows), dtype=acc, device=dev)
-    stats = torch.empty((N_STATS, n_rows), dtype=acc, device=dev)
-    strides = lambda t: t.stride() if t is not None else (0, 0)
+    strides = lambda t: t.stride() if t is not None else (0, 0)  # noqa: E731
     if n_rows:
         _distill_fwd_kernel[(n_rows,)](
             student3d, teacher3d, targets if targets is not None else part,
@@ -97,8 +116,17 @@ def distill_fwd(
             *student3d.stride(), *teacher3d.stride(), *strides(targets), *strides(mask),
             *f32_pair(1.0 / temperature), *_beta_args(beta), ignore_index,
             MODE=divergence_mode(beta), HAS_TARGETS=targets is not None,
-            HAS_MASK=mask is not None, ACC=triton_acc(acc), **vocab_launch(vocab, writes=True),
+            HAS_MASK=mask is not None, ACC=triton_acc(part.dtype),
+            **vocab_launch(vocab, writes=True),
         )  # fmt: skip
+
+
+def _launch_finalize(part, outer, inner, agg, max_length, num_items, num_items_t):
+    """``(loss, metrics, seq_scale)`` from the ``(len(COLUMNS), outer * inner)`` partial
+    columns: one launch (``_distill_finalize_kernel``)."""
+    from .kernels.vocab.distill import _distill_finalize_kernel
+
+    acc, dev = part.dtype, part.device
     loss = torch.empty((), dtype=acc, device=dev)
     metrics = torch.empty(len(COLUMNS), dtype=torch.float32, device=dev)
     seq_scale = torch.empty(max(outer, 1) if agg == _SEQ_MEAN_TOKEN_MEAN else 1, dtype=acc,
@@ -109,11 +137,11 @@ def distill_fwd(
         AGG=agg, NUM_ITEMS_TENSOR=num_items_t is not None, BLOCK_B=FINALIZE_BLOCK_B,
         BLOCK_T=FINALIZE_BLOCK_T, ACC=triton_acc(acc),
     )  # fmt: skip
-    return loss, metrics, seq_scale, stats, part
+    return loss, metrics, seq_scale
 
 
 def _fwd_fake(student3d, teacher3d, targets, mask, num_items_t, beta, temperature, ignore_index,
-              agg, max_length, num_items):  # fmt: skip
+              agg, max_length, num_items, free):  # fmt: skip
     outer, inner, _ = student3d.shape
     acc = _acc(student3d, teacher3d)
     n_scale = max(outer, 1) if agg == _SEQ_MEAN_TOKEN_MEAN else 1
@@ -138,10 +166,12 @@ def distill_bwd(
     grad_loss: Tensor,
     beta: float,
     temperature: float,
+    free: bool,
 ) -> Tensor:
     """The student's gradient, a fresh contiguous ``(outer, inner, V)`` buffer in its
     dtype, from the forward's ``stats`` / ``part`` / ``seq_scale`` and the upstream
-    gradient ``grad_loss`` (0-dim, read on device). One launch."""
+    gradient ``grad_loss`` (0-dim, read on device); ``free``: the kernel's ``FREE``
+    form. One launch."""
     from .kernels.vocab.distill import _distill_bwd_kernel
 
     outer, inner, vocab = student3d.shape
@@ -153,7 +183,7 @@ def distill_bwd(
         student3d, teacher3d, grad, stats, part, grad_loss, seq_scale, inner, n_rows, vocab,
         *student3d.stride(), *teacher3d.stride(), 0 if seq_scale.numel() == 1 else 1,
         *f32_pair(1.0 / temperature), *_beta_args(beta), MODE=divergence_mode(beta),
-        ACC=triton_acc(stats.dtype), **vocab_launch(vocab, writes=True),
+        ACC=triton_acc(stats.dtype), FREE=bool(free), **vocab_launch(vocab, writes=True),
     )  # fmt: skip
     return grad
 
@@ -168,7 +198,7 @@ distill_bwd_op.register_fake(_bwd_fake)
 
 def _setup_context(ctx, inputs, output):
     student3d, teacher3d, *_ = inputs
-    ctx.beta, ctx.temperature = inputs[5], inputs[6]
+    ctx.beta, ctx.temperature, ctx.free = inputs[5], inputs[6], inputs[11]
     _, metrics, seq_scale, stats, part = output
     ctx.save_for_backward(student3d, teacher3d, stats, part, seq_scale)
     ctx.mark_non_differentiable(metrics, seq_scale, stats, part)
@@ -180,14 +210,134 @@ def _backward(ctx, grad_loss, *_unused):
     grad = None
     if grad_loss is not None:
         grad = distill_bwd_op(
-            student3d, teacher3d, stats, part, seq_scale, grad_loss, ctx.beta, ctx.temperature
-        )
+            student3d, teacher3d, stats, part, seq_scale, grad_loss, ctx.beta, ctx.temperature,
+            ctx.free,
+        )  # fmt: skip
     return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
 
 
 distill_fwd_op = FusedOp("distill_fwd", distill_fwd)
 distill_fwd_op.register_fake(_fwd_fake)
 distill_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------- chunk rows
+# The pieces ``fused_rl.linear_distill_loss`` runs on each chunk of logits it computes from
+# hidden states: the forward kernel on the chunk's rows, the backward kernel writing ``dz``
+# with the aggregation's per-row scale (known from the mask alone), and one finalize over
+# every chunk's partial columns.
+
+
+def distill_rows_fwd(
+    student2d: Tensor,
+    teacher2d: Tensor,
+    targets: Tensor | None,
+    mask: Tensor | None,
+    beta: float,
+    temperature: float,
+    ignore_index: int,
+) -> tuple[Tensor, Tensor]:
+    """``(part, stats)``, ``(len(COLUMNS), n)`` / ``(N_STATS, n)``, of ``n`` rows of student
+    / teacher logits (``(n, V)`` each, any strides) with ``(n,)`` targets / mask (a bool
+    mask as uint8). One launch."""
+    n = student2d.shape[0]
+    acc = _acc(student2d, teacher2d)
+    part = torch.empty((len(COLUMNS), n), dtype=acc, device=student2d.device)
+    stats = torch.empty((N_STATS, n), dtype=acc, device=student2d.device)
+    row = lambda t: None if t is None else t[None]  # noqa: E731
+    _launch_rows(student2d[None], teacher2d[None], row(targets), row(mask), part, stats, beta,
+                 temperature, ignore_index)  # fmt: skip
+    return part, stats
+
+
+def _rows_fwd_fake(student2d, teacher2d, *_args):
+    n, acc = student2d.shape[0], _acc(student2d, teacher2d)
+    return (student2d.new_empty((len(COLUMNS), n), dtype=acc),
+            student2d.new_empty((N_STATS, n), dtype=acc))  # fmt: skip
+
+
+distill_rows_fwd_op = FusedOp("distill_rows_fwd", distill_rows_fwd)
+distill_rows_fwd_op.register_fake(_rows_fwd_fake)
+
+
+def distill_finalize(
+    part: Tensor,
+    outer: int,
+    inner: int,
+    agg: int,
+    max_length: float,
+    num_items: float,
+    num_items_t: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(loss, metrics, seq_scale)`` from ``(len(COLUMNS), outer * inner)`` partial columns
+    (:func:`distill_fwd`'s reduction as an op of its own). One launch."""
+    return _launch_finalize(part, outer, inner, agg, max_length, num_items, num_items_t)
+
+
+def _finalize_fake(part, outer, inner, agg, *_args):
+    n_scale = max(outer, 1) if agg == _SEQ_MEAN_TOKEN_MEAN else 1
+    return (part.new_empty(()), part.new_empty(len(COLUMNS), dtype=torch.float32),
+            part.new_empty(n_scale))  # fmt: skip
+
+
+distill_finalize_op = FusedOp("distill_finalize_fwd", distill_finalize)
+distill_finalize_op.register_fake(_finalize_fake)
+
+
+def distill_rows_grad_into(
+    grad: Tensor,
+    student2d: Tensor,
+    teacher2d: Tensor,
+    stats: Tensor,
+    part: Tensor,
+    row_scale: Tensor,
+    scale: Tensor,
+    beta: float,
+    temperature: float,
+) -> Tensor:
+    """The student's gradient of ``n`` rows into ``grad`` (contiguous ``(n, V)``, the
+    student's dtype; it may be ``student2d`` itself: the kernel reads each block before it
+    writes it), from :func:`distill_rows_fwd`'s ``stats`` / ``part`` (``(k, n)`` columns of
+    one stride), the ``(n,)`` per-row scale and the 0-dim ``scale``. One launch; returns
+    ``grad``. Mutates ``grad``: a raw launcher, not a custom op."""
+    from .kernels.vocab.distill import _distill_bwd_kernel
+
+    n, vocab = student2d.shape
+    if n == 0 or vocab == 0:
+        return grad
+    if stats.stride(0) != part.stride(0) or stats.stride(1) != 1 or part.stride(1) != 1:
+        raise ValueError("distill_rows_grad_into takes stats / part columns of one stride")
+    # one row per "sequence" (rows_inner = 1): row r's scale is row_scale[r]
+    _distill_bwd_kernel[(n,)](
+        student2d, teacher2d, grad, stats, part, scale, row_scale, 1, stats.stride(0), vocab,
+        student2d.stride(0), 0, student2d.stride(1), teacher2d.stride(0), 0,
+        teacher2d.stride(1), row_scale.stride(0), *f32_pair(1.0 / temperature),
+        *_beta_args(beta), MODE=divergence_mode(beta), ACC=triton_acc(stats.dtype), FREE=False,
+        **vocab_launch(vocab, writes=True),
+    )  # fmt: skip
+    return grad
+
+
+def distill_rows_grad_fwd(
+    student2d: Tensor,
+    teacher2d: Tensor,
+    stats: Tensor,
+    part: Tensor,
+    row_scale: Tensor,
+    scale: Tensor,
+    beta: float,
+    temperature: float,
+) -> Tensor:
+    """:func:`distill_rows_grad_into` into a fresh buffer (the form ``torch.compile``
+    traces: a custom op may not mutate its input)."""
+    grad = torch.empty(student2d.shape, dtype=student2d.dtype, device=student2d.device)
+    return distill_rows_grad_into(grad, student2d, teacher2d, stats, part, row_scale, scale,
+                                  beta, temperature)  # fmt: skip
+
+
+distill_rows_grad_fwd_op = FusedOp("distill_rows_grad_fwd", distill_rows_grad_fwd)
+distill_rows_grad_fwd_op.register_fake(lambda student2d, *_args: student2d.new_empty(
+    student2d.shape))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- public API
@@ -209,21 +359,39 @@ def _check(logits, teacher_logits, beta, temperature, mask, targets, ignore_inde
             f"teacher_logits must have logits' shape {tuple(logits.shape)}, got "
             f"{tuple(teacher_logits.shape)}"
         )
-    if teacher_logits.requires_grad and torch.is_grad_enabled():
-        raise ValueError(
-            "teacher_logits requires grad: the teacher gets no gradient from distill_loss; "
-            "pass teacher_logits.detach() (or compute it under torch.no_grad())"
-        )
-    V.check_unit_interval(beta, "beta")
-    V.check_positive(temperature, "temperature")
+    check_teacher_frozen(teacher_logits=teacher_logits)
     lead = tuple(logits.shape[:-1])
     if targets is not None:
         V.check_targets(targets, logits, "targets")
+    check_options(lead, "logits.shape[:-1]", beta, temperature, mask, ignore_index, loss_agg,
+                  max_length, num_items)  # fmt: skip
+    V.check_same_device(logits=logits, teacher_logits=teacher_logits, mask=mask, targets=targets)
+
+
+def check_teacher_frozen(**tensors: Tensor | None) -> None:
+    """A teacher tensor that requires grad (with grad mode on) raises ``ValueError`` naming
+    it: the teacher gets no gradient from the distillation losses."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if t is not None and t.requires_grad:
+            raise ValueError(
+                f"{name} requires grad: the teacher gets no gradient from the distillation "
+                f"loss; pass {name}.detach() (or compute it under torch.no_grad(); a teacher "
+                "module's parameters: requires_grad_(False))"
+            )
+
+
+def check_options(lead, expected, beta, temperature, mask, ignore_index, loss_agg, max_length,
+                  num_items) -> None:  # fmt: skip
+    """The distillation losses' non-tensor options and ``mask`` (``lead``-shaped, named
+    ``expected`` in the message)."""
+    V.check_unit_interval(beta, "beta")
+    V.check_positive(temperature, "temperature")
     if not isinstance(ignore_index, numbers.Integral) or isinstance(ignore_index, bool):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    V.check_mask(mask, "mask", lead, "logits.shape[:-1]")
+    V.check_mask(mask, "mask", lead, expected)
     check_loss_agg(loss_agg, max_length=max_length, num_items=num_items)
-    V.check_same_device(logits=logits, teacher_logits=teacher_logits, mask=mask, targets=targets)
 
 
 def distill_loss(
@@ -303,13 +471,22 @@ def distill_loss(
         >>> bool(student.grad[:, :2].eq(0).all())
         True
     """
+    return _distill_loss(logits, teacher_logits, beta, temperature, mask, targets, ignore_index,
+                         loss_agg, num_items, max_length, backend, False)  # fmt: skip
+
+
+def _distill_loss(logits, teacher_logits, beta, temperature, mask, targets, ignore_index,
+                  loss_agg, num_items, max_length, backend, free):  # fmt: skip
+    """:func:`distill_loss`; ``free``: the gradient w.r.t. ``logits`` taken as free
+    log-probability coordinates (the kernel's ``FREE``: ``fused_rl.compat.liger``), not
+    through the softmax. The value is the same."""
     _check(logits, teacher_logits, beta, temperature, mask, targets, ignore_index, loss_agg,
            max_length, num_items)  # fmt: skip
     which = resolve_backend(backend, logits, teacher_logits, mask, targets)
     beta, temperature = float(beta), float(temperature)
     if which == "reference":
         return _reference(logits, teacher_logits, beta, temperature, mask, targets,
-                          ignore_index, loss_agg, num_items, max_length)  # fmt: skip
+                          ignore_index, loss_agg, num_items, max_length, free)  # fmt: skip
     student3d, teacher3d = as_rows3d(logits), as_rows3d(teacher_logits)
     outer, inner = student3d.shape[:2]
     rows = lambda t: None if t is None else t.reshape(outer, inner)  # a view, strides kept
@@ -319,6 +496,7 @@ def distill_loss(
     loss, metrics, *_ = distill_fwd_op(
         student3d, teacher3d, rows(targets), rows(mask), n_items_t, beta, temperature,
         int(ignore_index), LOSS_AGG_MODES.index(loss_agg), float(max_length or inner), n_items,
+        bool(free),
     )  # fmt: skip
     values = metrics.unbind()
     out = {}
@@ -328,7 +506,7 @@ def distill_loss(
 
 
 def _reference(logits, teacher_logits, beta, temperature, mask, targets, ignore_index, loss_agg,
-               num_items, max_length):  # fmt: skip
+               num_items, max_length, free=False):  # fmt: skip
     """The reference backend: per-token divergences (``fused_rl.reference.distill``), the
     weights of ``fused_rl._agg``, masked means for the metrics."""
     acc = acc_dtype(logits, teacher_logits)
@@ -336,8 +514,9 @@ def _reference(logits, teacher_logits, beta, temperature, mask, targets, ignore_
     rows = (1, lead[0]) if logits.dim() == 2 else tuple(lead)
     m = weights_of(mask, logits[..., 0], acc, targets, ignore_index).reshape(rows)
     terms = ref.token_divergences(
-        logits, teacher_logits, beta=beta, temperature=temperature, counted=(m != 0).reshape(lead)
-    )
+        logits, teacher_logits, beta=beta, temperature=temperature,
+        counted=(m != 0).reshape(lead), free_logprobs=free,
+    )  # fmt: skip
     d = terms["d"].reshape(rows)
     w = token_weights(m, loss_agg, max_length=max_length, num_items=num_items, dtype=acc)
     loss = torch.where(w != 0, d * w, torch.zeros_like(d)).sum()

@@ -443,3 +443,274 @@ def test_vespo_extremes():
     for reduce in (True, False):
         check = check_reduced if reduce else check_per_token
         check(*run(dict(loss_type="vespo", reduce=reduce, beta=0.0, with_vllm=True), case=case))
+
+
+# ----------------------------------------------------------------------------- JSD losses
+# liger_jsd / LigerJSD and liger_fused_linear_jsd / LigerFusedLinearJSD against a float64
+# transcription of Liger-Kernel 0.8.5's ``_jsd_kernel`` (liger_kernel/ops/jsd.py) and
+# ``fused_linear_jsd_forward`` (liger_kernel/ops/fused_linear_jsd.py): the elementwise loss on
+# the log-probabilities X (student) and Y (teacher), differentiated with X as free coordinates
+# (the kernel's dX), summed over the rows whose label is not ignore_index over their count;
+# and, where ``liger_kernel`` imports (it runs on CPU through the Triton interpreter), against
+# Liger itself.
+
+import torch.nn.functional as F  # noqa: E402
+
+import fused_rl  # noqa: E402
+from fused_rl.compat.liger import (  # noqa: E402
+    LigerFusedLinearJSD,
+    LigerJSD,
+    liger_fused_linear_jsd,
+    liger_jsd,
+)
+
+JSD_BETAS = (0.0, 0.3, 0.5, 1.0)
+
+
+def o_liger_jsd(x, y, labels=None, beta=0.5, ignore_index=-100):
+    """Liger's JSD of ``(BT, V)`` log-probabilities as its kernel computes it: ``Q = e^X``,
+    ``P = e^Y``; forward KL ``P (Y - X)`` at beta 0, reverse ``Q (X - Y)`` at 1, else
+    ``beta P (Y - log M) + (1 - beta) Q (X - log M)``, ``M = beta P + (1 - beta) Q``;
+    ``sum / n_non_ignore``."""
+    q, p = x.exp(), y.exp()
+    if beta == 0.0:
+        terms = p * (y - x)
+    elif beta == 1.0:
+        terms = q * (x - y)
+    else:
+        log_m = (beta * p + (1 - beta) * q).log()
+        terms = beta * p * (y - log_m) + (1 - beta) * q * (x - log_m)
+    rows = terms.sum(-1)
+    if labels is None:
+        return rows.sum() / rows.shape[0]
+    keep = labels != ignore_index
+    return torch.where(keep, rows, 0.0).sum() / keep.sum()
+
+
+def jsd_case(seed=0, n=6, vocab=19, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, vocab, generator=g, dtype=torch.float64) * 2
+    t_logits = torch.randn(n, vocab, generator=g, dtype=torch.float64) * 2
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    labels[1] = labels[4] = -100
+    x = logits.log_softmax(-1).to(dtype)
+    y = t_logits.log_softmax(-1).to(dtype)
+    return logits, x, y, labels, g
+
+
+def jsd_grad_tol(dtype):
+    """fp32: 1e-5 (Liger's own fp32 tolerance); bf16: the bf16 rounding of the inputs' own
+    log-probabilities and of the stored gradient."""
+    return 1e-5 if dtype == torch.float32 else 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("beta", JSD_BETAS)
+def test_liger_jsd_against_the_oracle(beta, dtype):
+    """Values (input's dtype) and Liger's dX w.r.t. leaf log-probabilities, with and without
+    labels, under a random upstream gradient; the module form gives the same."""
+    _, x, y, labels, g = jsd_case(seed=int(beta * 10), dtype=dtype)
+    up = torch.randn((), generator=g, dtype=torch.float64)
+    for lab in (None, labels):
+        leaf = x.clone().requires_grad_()
+        loss = liger_jsd(leaf, y, lab, beta=beta)
+        assert loss.dtype == dtype and loss.shape == ()
+        (grad,) = torch.autograd.grad(loss, leaf, up.to(dtype))
+        x64 = x.double().requires_grad_()
+        want = o_liger_jsd(x64, y.double(), lab, beta)
+        (want_grad,) = torch.autograd.grad(want, x64, up)
+        assert rel_err(loss, want) <= (1e-6 if dtype == torch.float32 else 8e-3)
+        assert grad.dtype == dtype and rel_err(grad, want_grad) <= jsd_grad_tol(dtype)
+        if lab is not None:
+            assert (grad[lab == -100] == 0).all()
+        module = LigerJSD(beta=beta)(leaf, y, lab)
+        torch.testing.assert_close(module, loss, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("beta", JSD_BETAS)
+def test_liger_jsd_through_log_softmax_is_distill_loss(beta):
+    """From the logits (``input = log_softmax(logits)``, Liger's usage) the gradient is the
+    oracle's through the log-softmax, and distill_loss's on the logits: Liger's free-
+    coordinate dX and the softmax gradient agree there."""
+    logits, _, y, labels, g = jsd_case(seed=20 + int(beta * 10))
+    up = torch.randn((), generator=g, dtype=torch.float64)
+    leaf = logits.float().requires_grad_()
+    loss = liger_jsd(leaf.log_softmax(-1), y, labels, beta=beta)
+    (grad,) = torch.autograd.grad(loss, leaf, up.float())
+    z64 = logits.clone().requires_grad_()
+    want = o_liger_jsd(z64.log_softmax(-1), y.double(), labels, beta)
+    (want_grad,) = torch.autograd.grad(want, z64, up)
+    assert rel_err(grad, want_grad) <= 1e-5
+    z = logits.float().requires_grad_()
+    distill, _ = fused_rl.distill_loss(z, y, beta=beta, targets=labels)
+    (distill_grad,) = torch.autograd.grad(distill, z, up.float())
+    assert rel_err(distill, want) <= 1e-6 and rel_err(distill_grad, want_grad) <= 1e-5
+
+
+def test_liger_jsd_all_ignored_and_no_teacher_gradient():
+    _, x, y, labels, _ = jsd_case(seed=30)
+    leaf = x.clone().requires_grad_()
+    teacher = y.clone().requires_grad_()
+    loss = liger_jsd(leaf, teacher, torch.full_like(labels, -100), beta=0.4)
+    loss.backward()
+    assert loss.item() == 0.0 and (leaf.grad == 0).all() and teacher.grad is None
+    loss = liger_jsd(leaf, teacher, labels, beta=0.4)  # a teacher requiring grad: ignored
+    assert teacher.grad is None and loss.requires_grad
+
+
+def o_liger_fused_linear_jsd(h, w, th, tw, labels=None, beta=0.5, ignore_index=-100,
+                             temperature=1.0):  # fmt: skip
+    """Liger's fused linear JSD in float64: each model's ``log_softmax(x W^T / T)``, the JSD
+    above on them (autograd through the student's log-softmax)."""
+    x = torch.log_softmax(F.linear(h, w) / temperature, -1)
+    y = torch.log_softmax(F.linear(th, tw) / temperature, -1)
+    return o_liger_jsd(x, y, labels, beta, ignore_index)
+
+
+def fused_linear_case(seed=0, n=11, hdim=8, t_hdim=12, vocab=23, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hdim, generator=g).to(dtype)
+    w = (torch.randn(vocab, hdim, generator=g) * 2 / hdim**0.5).to(dtype)
+    th = torch.randn(n, t_hdim, generator=g).to(dtype)
+    tw = (torch.randn(vocab, t_hdim, generator=g) * 2 / t_hdim**0.5).to(dtype)
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    labels[0] = labels[7] = -100
+    return h, w, th, tw, labels, g
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("beta", JSD_BETAS)
+def test_liger_fused_linear_jsd_against_the_oracle(beta, dtype):
+    """fp32 loss, gradients of student_input and student_weight in their dtype, a teacher of
+    another width, labels, temperature; the module form gives the same."""
+    h, w, th, tw, labels, g = fused_linear_case(seed=40 + int(beta * 10), dtype=dtype)
+    up = torch.randn((), generator=g, dtype=torch.float64)
+    hl, wl = h.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = liger_fused_linear_jsd(hl, wl, th, tw, labels, jsd_beta=beta, temperature=1.7)
+    assert loss.dtype == torch.float32 and loss.shape == ()
+    grads = torch.autograd.grad(loss, (hl, wl), up.float())
+    leaves = [x.double().requires_grad_() for x in (h, w)]
+    want = o_liger_fused_linear_jsd(*leaves, th.double(), tw.double(), labels, beta,
+                                    temperature=1.7)  # fmt: skip
+    want_grads = torch.autograd.grad(want, leaves, up)
+    # bf16: the heads' logits are rounded to bf16 (Liger's path off CUDA)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert rel_err(loss, want) <= tol
+    for got, exp in zip(grads, want_grads):
+        assert got.dtype == dtype and rel_err(got, exp) <= tol
+    module = LigerFusedLinearJSD(jsd_beta=beta, temperature=1.7)(hl, wl, th, tw, labels)
+    torch.testing.assert_close(module, loss, rtol=0, atol=0)
+
+
+def test_liger_fused_linear_jsd_no_labels_accum_dtype_and_teacher():
+    """No labels (every row counts), accum_dtype accepted (fp32 accumulation whatever it
+    is), a teacher requiring grad gets none."""
+    h, w, th, tw, _, _ = fused_linear_case(seed=50)
+    hl, wl = h.clone().requires_grad_(), w.clone().requires_grad_()
+    tl_ = th.clone().requires_grad_()
+    loss = liger_fused_linear_jsd(hl, wl, tl_, tw, accum_dtype=torch.float32)
+    loss.backward()
+    assert tl_.grad is None
+    leaves = [x.double().requires_grad_() for x in (h, w)]
+    want = o_liger_fused_linear_jsd(*leaves, th.double(), tw.double())
+    want.backward()
+    assert rel_err(loss, want) <= 1e-5
+    assert rel_err(hl.grad, leaves[0].grad) <= 1e-5 and rel_err(wl.grad, leaves[1].grad) <= 1e-5
+
+
+def test_jsd_signatures_are_ligers():
+    """Liger-Kernel 0.8.5's parameters, order and defaults."""
+    E = inspect.Parameter.empty
+
+    def sig(fn):
+        return [(n, p.default) for n, p in inspect.signature(fn).parameters.items()]
+
+    assert sig(liger_jsd) == [("input", E), ("target", E), ("shift_labels", None),
+                              ("beta", 0.5), ("ignore_index", -100)]  # fmt: skip
+    assert sig(LigerJSD.__init__)[1:] == [("beta", 0.5), ("ignore_index", -100)]
+    assert sig(LigerJSD.forward)[1:] == [("log_q", E), ("log_p", E), ("shift_labels", None)]
+    assert sig(liger_fused_linear_jsd) == [
+        ("student_input", E), ("student_weight", E), ("teacher_input", E),
+        ("teacher_weight", E), ("shift_labels", None), ("jsd_beta", 0.5),
+        ("ignore_index", -100), ("temperature", 1.0), ("accum_dtype", None),
+    ]  # fmt: skip
+    assert sig(LigerFusedLinearJSD.__init__)[1:] == [
+        ("jsd_beta", 0.5), ("ignore_index", -100), ("temperature", 1.0), ("accum_dtype", None),
+    ]  # fmt: skip
+    assert sig(LigerFusedLinearJSD.forward)[1:] == [
+        ("student_input", E), ("student_weight", E), ("teacher_input", E),
+        ("teacher_weight", E), ("shift_labels", E),
+    ]  # fmt: skip
+
+
+def test_jsd_errors():
+    _, x, y, labels, _ = jsd_case(seed=60)
+    with pytest.raises(AssertionError, match=r"the shape of shift_labels must be \(BT,\)"):
+        liger_jsd(x, y, labels[:-1])
+    with pytest.raises(ValueError, match=r"\binput must be \(BT, V\)"):
+        liger_jsd(x[None], y[None])
+    with pytest.raises(ValueError, match=r"\btarget must have input's shape"):
+        liger_jsd(x, y[:, :-1])
+    with pytest.raises(ValueError, match=r"\bbeta\b"):
+        liger_jsd(x, y, beta=1.5)
+    h, w, th, tw, labels, _ = fused_linear_case(seed=61)
+    with pytest.raises(AssertionError, match="temperature cannot be 0"):
+        LigerFusedLinearJSD(temperature=0)
+    with pytest.raises(ValueError, match=r"\btemperature\b"):
+        liger_fused_linear_jsd(h, w, th, tw, temperature=-1.0)
+    with pytest.raises(AssertionError, match=r"shift_labels"):
+        liger_fused_linear_jsd(h, w, th, tw, labels[:-1])
+    with pytest.raises(ValueError, match=r"teacher_weight.*V = 23.*V = 22"):
+        liger_fused_linear_jsd(h, w, th, tw[:-1])
+    with pytest.raises(ValueError, match=r"teacher_input must have student_input's BT"):
+        liger_fused_linear_jsd(h, w, th[:-1], tw)
+    with pytest.raises(ValueError, match=r"\bstudent_input must be \(BT, H\)"):
+        liger_fused_linear_jsd(h[None], w, th, tw)
+    with pytest.raises(ValueError, match=r"\bteacher_weight must be \(V, H'\)"):
+        liger_fused_linear_jsd(h, w, th, tw[:, :-1])
+    with pytest.raises(TypeError, match=r"\baccum_dtype\b"):
+        liger_fused_linear_jsd(h, w, th, tw, accum_dtype="fp32")
+
+
+def _liger():
+    """Liger-Kernel's functional module, or a skip (it is not a dependency)."""
+    return pytest.importorskip("liger_kernel.transformers.functional")
+
+
+def _quiet(fn, *args):
+    """Liger's launches under the Triton interpreter, its NumPy warnings on masked lanes
+    silenced (fused_rl's own launches do that themselves)."""
+    import warnings
+
+    import numpy
+
+    with numpy.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return fn(*args)
+
+
+@pytest.mark.no_poison
+@pytest.mark.parametrize("beta", JSD_BETAS)
+def test_liger_jsd_against_liger(beta):
+    """The adapters against Liger-Kernel itself (skipped where it is not installed): values
+    and gradients, with and without labels, fp32."""
+    lf = _liger()
+    _, x, y, labels, g = jsd_case(seed=70 + int(beta * 10))
+    up = torch.randn((), generator=g)
+    for lab in (None, labels):
+        ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+        a = liger_jsd(ours, y, lab, beta)
+        b = _quiet(lf.liger_jsd, theirs, y, lab, beta)
+        _quiet(torch.autograd.backward, [a, b], [up, up])
+        assert a.dtype == b.dtype and rel_err(a, b) <= 1e-5
+        assert rel_err(ours.grad, theirs.grad) <= 1e-5
+    h, w, th, tw, labels, _ = fused_linear_case(seed=71 + int(beta * 10))
+    for lab in (None, labels):
+        hs = [h.clone().requires_grad_() for _ in range(2)]
+        ws = [w.clone().requires_grad_() for _ in range(2)]
+        a = liger_fused_linear_jsd(hs[0], ws[0], th, tw, lab, beta, -100, 1.3)
+        b = _quiet(lf.liger_fused_linear_jsd, hs[1], ws[1], th, tw, lab, beta, -100, 1.3)
+        _quiet(torch.autograd.backward, [a, b], [up, up])
+        assert a.dtype == b.dtype and rel_err(a, b) <= 1e-5
+        assert rel_err(hs[0].grad, hs[1].grad) <= 1e-5
+        assert rel_err(ws[0].grad, ws[1].grad) <= 1e-5

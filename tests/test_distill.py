@@ -326,6 +326,41 @@ def test_teacher_is_never_written(device):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("beta", BETAS)
+def test_free_logprob_gradient(beta, backend, device):
+    """The kernel's ``FREE`` form (``fused_rl.compat.liger.liger_jsd``): on log-probability
+    inputs the same value, and the gradient of the divergence written on ``log p`` with
+    ``log p`` free (Liger's dX: ``-q``, ``p (log p - log q + 1)``, ``(1 - beta) p log(p /
+    m)``), per counted row times its weight; through a ``log_softmax`` the softmax gradient."""
+    from fused_rl.distill import _distill_loss
+
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(2, 3, 13, generator=gen, dtype=torch.float64).log_softmax(-1).to(device)
+    y = torch.randn(2, 3, 13, generator=gen, dtype=torch.float64).log_softmax(-1).to(device)
+    mask = torch.tensor([[1.0, 0.0, 2.0], [0.5, 1.0, 1.0]], dtype=torch.float64, device=device)
+    up = torch.tensor(0.9, dtype=torch.float64, device=device)
+    leaf = x.clone().requires_grad_()
+    loss, _ = _distill_loss(leaf, y, beta, 1.0, mask, None, -100, "token-mean", None, None,
+                            backend, True)  # fmt: skip
+    (grad,) = torch.autograd.grad(loss, leaf, up)
+    x64 = x.clone().requires_grad_()
+    q, p = x64.exp(), y.exp()  # Liger's notation: Q the student's, P the teacher's
+    if beta == 0:
+        terms = p * (y - x64)
+    elif beta == 1:
+        terms = q * (x64 - y)
+    else:
+        log_m = (beta * p + (1 - beta) * q).log()
+        terms = beta * p * (y - log_m) + (1 - beta) * q * (x64 - log_m)
+    want = (terms.sum(-1) * mask).sum() / mask.sum()
+    (want_grad,) = torch.autograd.grad(want, x64, up)
+    assert rel_err(loss, want) <= F64_TOL and rel_err(grad, want_grad) <= F64_TOL
+    assert bool((grad[0, 1] == 0).all())
+    plain, _, plain_grad = run(x, y, up, beta=beta, mask=mask, backend=backend)
+    assert rel_err(plain, want) <= F64_TOL and rel_err(plain_grad, want_grad) > 1e-6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("beta", [0.0, 0.4, 1.0])
 def test_gradcheck_float64(beta, backend, device):
     gen = torch.Generator().manual_seed(17)
@@ -480,9 +515,10 @@ def test_docstring_example():
 # ----------------------------------------------------------------------------- sm_90 compile
 
 # Run in a subprocess without TRITON_INTERPRET (this process interprets): every variant of
-# the three distill kernels through Triton's front end, LLVM and ptxas for cuda:90, no GPU
-# needed; the pointer offsets 64-bit (``hopper_compile.narrow_offset_products``); the row
-# loads of both vocab kernels 128-bit vectors when launched on a bf16 vocabulary.
+# the three distill kernels (the backward's FREE form too) through Triton's front end, LLVM
+# and ptxas for cuda:90, no GPU needed; the pointer offsets 64-bit
+# (``hopper_compile.narrow_offset_products``); the row loads of both vocab kernels 128-bit
+# vectors when launched on a bf16 vocabulary.
 _COMPILE_SCRIPT = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
@@ -521,7 +557,7 @@ def build(fn, consts, logits, acc, unit=(), attrs=None):
 count = 0
 for logits, acc, ACC in (("*bf16", "*fp32", tl.float32), ("*fp64", "*fp64", tl.float64)):
     for mode in range(3):
-        variants = [(k._distill_bwd_kernel, {})]
+        variants = [(k._distill_bwd_kernel, dict(FREE=free)) for free in (False, True)]
         variants += [(k._distill_fwd_kernel, dict(HAS_TARGETS=a, HAS_MASK=b))
                      for a in (False, True) for b in (False, True)]
         for fn, flags in variants:
@@ -536,7 +572,7 @@ for logits, acc, ACC in (("*bf16", "*fp32", tl.float32), ("*fp64", "*fp64", tl.f
             count += 1
 aligned = ("V", "s_stride_outer", "s_stride_inner", "t_stride_outer", "t_stride_inner")
 for fn, flags in ((k._distill_fwd_kernel, dict(HAS_TARGETS=True, HAS_MASK=True)),
-                  (k._distill_bwd_kernel, {})):
+                  (k._distill_bwd_kernel, dict(FREE=False))):
     names = [p.name for p in fn.params if not p.is_constexpr]
     unit = ("s_stride_v", "t_stride_v")
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
@@ -559,4 +595,4 @@ def test_kernels_compile_for_sm90():
         text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert result.stdout.strip().endswith("compiled 46")
+    assert result.stdout.strip().endswith("compiled 52")

@@ -1,4 +1,7 @@
-"""Drop-in replacement for Liger-Kernel's Triton GRPO loss, on fused_rl's fused policy loss.
+"""Drop-in replacements for Liger-Kernel's Triton GRPO loss, on fused_rl's fused policy loss,
+and for its JSD losses (``liger_jsd`` / ``LigerJSD``, ``liger_fused_linear_jsd`` /
+``LigerFusedLinearJSD``), on :func:`fused_rl.distill_loss` /
+:func:`fused_rl.linear_distill_loss` (see "The JSD losses" below).
 
 Change ``from liger_kernel.transformers.grpo_loss import triton_grpo_loss`` to
 ``from fused_rl.compat.liger import triton_grpo_loss``. Liger is not imported (nor needed).
@@ -90,6 +93,43 @@ Where it departs (docs/compat.md, "Liger"):
 * Values at masked positions never matter (Liger does not read them either); inputs need
   not be contiguous; ``logits`` of dtype fp64 are computed in fp64 (the outputs are still
   fp32, as Liger's).
+
+The JSD losses (``liger_kernel/ops/jsd.py``, ``liger_kernel/ops/fused_linear_jsd.py``,
+``liger_kernel/transformers/{jsd,fused_linear_jsd,functional}.py`` of Liger-Kernel 0.8.5):
+
+* ``liger_jsd(input, target, shift_labels=None, beta=0.5, ignore_index=-100)``: ``input``
+  ``X = log Q`` the student's and ``target`` ``Y = log P`` the teacher's ``(BT, V)``
+  log-probabilities. Per row: ``beta == 0``: ``KL(P || Q) = sum P (Y - X)``;
+  ``beta == 1``: ``KL(Q || P) = sum Q (X - Y)``; otherwise ``beta KL(P || M) +
+  (1 - beta) KL(Q || M)`` with ``M = beta P + (1 - beta) Q``. That is TRL's
+  ``generalized_jsd_loss`` and so :func:`fused_rl.distill_loss` with the SAME ``beta`` (its
+  ``m = (1 - beta) p + beta q``, ``p`` the student's): no mirroring. Reduction: the sum over
+  the rows whose label is not ``ignore_index`` (every row without labels) over their count
+  (0 when none counts): ``loss_agg="token-mean"`` with ``targets=shift_labels``. The result
+  has ``input``'s dtype (Liger's ``loss.to(_input.dtype)``); ``target`` gets no gradient.
+  A log-probability row is its own ``log_softmax``, so passing both as logits gives Liger's
+  value. Liger's gradient ``dX`` is the partial derivative with ``X`` as free coordinates
+  (``-P``; ``Q (X - Y) + Q``; ``(1 - beta) Q (X - log M)``), not the gradient through a
+  softmax: the distill kernel's ``FREE`` form gives exactly it (the two differ by
+  ``Q`` times a per-row constant and agree once the gradient goes back through a
+  ``log_softmax``).
+* ``liger_fused_linear_jsd(student_input, student_weight, teacher_input, teacher_weight,
+  shift_labels=None, jsd_beta=0.5, ignore_index=-100, temperature=1.0, accum_dtype=None)``:
+  ``log_softmax(x W^T / temperature)`` of each model (``(BT, H)`` / ``(BT, H')`` inputs, no
+  bias), the same divergence and reduction, the gradient through the student's
+  ``log_softmax`` to ``student_input`` and ``student_weight`` (the teacher gets none): exactly
+  :func:`fused_rl.linear_distill_loss` with ``beta=jsd_beta``. The loss is fp32 (Liger's).
+  ``accum_dtype`` (Liger: the dtype ``dW`` accumulates in, None: the weight's) is accepted:
+  fused_rl accumulates ``dW`` in fp32 always (fp64 for fp64) and returns it in the weight's
+  dtype.
+
+Where the JSD adapters depart from Liger 0.8.5 (docs/compat.md): inputs that are not
+log-probabilities (Liger exponentiates them as given, fused_rl normalises each row first:
+the same value on log-probabilities); ``-inf`` entries of both rows give 0 (Liger: NaN);
+``beta`` outside ``[0, 1]`` and ``temperature <= 0`` raise ``ValueError``; 16-bit heads give
+16-bit logits (as Liger off CUDA; Liger 0.8.5 on an sm_80+ GPU asks the GEMM for fp32
+logits); a teacher tensor that requires grad is detached (Liger ignores it too); inputs need
+not be contiguous, and ``BT = 0`` gives 0.
 """
 
 from __future__ import annotations
@@ -100,6 +140,8 @@ import torch
 from torch import Tensor
 
 from .. import _validation as V
+from ..distill import _distill_loss
+from ..linear_distill import linear_distill_loss
 from ..logprobs import token_logprobs
 from ..losses import policy_loss, policy_loss_from_logprobs
 from ._checks import NO_IGNORE, check_index_range
@@ -529,4 +571,219 @@ def _clip_metric(loss_type: str, metrics: dict, to_liger: Tensor) -> Tensor:
     return (metrics[name] * to_liger).float()
 
 
-__all__ = ["LOSS_TYPES", "PPO_LOSS_TYPES", "SUPPORTED_LOSS_TYPES", "triton_grpo_loss"]
+# ----------------------------------------------------------------------------- JSD
+
+
+def _check_labels(shift_labels, n_rows: int) -> None:
+    """Liger's own check of ``shift_labels`` (an ``AssertionError`` with its words)."""
+    if shift_labels is None:
+        return
+    V.check_tensor(shift_labels, "shift_labels")
+    if tuple(shift_labels.shape) != (n_rows,):
+        raise AssertionError(f"the shape of shift_labels must be (BT,). Got: {shift_labels.shape}")
+
+
+def _check_rows(x, name: str, what: str) -> None:
+    V.check_float(x, name)
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be {what}, got shape {tuple(x.shape)}")
+
+
+def liger_jsd(input, target, shift_labels=None, beta=0.5, ignore_index=-100):
+    """Mirrors ``liger_kernel.transformers.functional.liger_jsd`` (Liger-Kernel 0.8.5): the
+    generalized JSD between the student's and the teacher's distributions given as
+    log-probabilities, on :func:`fused_rl.distill_loss` (module docstring).
+
+    Args:
+        input: ``(BT, V)`` the student's log-probabilities ``log Q`` (Liger's "predictions").
+        target: ``(BT, V)`` the teacher's log-probabilities ``log P``; no gradient.
+        shift_labels: optional ``(BT,)`` labels: a row counts where it is not
+            ``ignore_index`` (``AssertionError`` for another shape, as Liger).
+        beta: in ``[0, 1]``: ``0`` forward KL ``KL(P || Q)``, ``1`` reverse KL
+            ``KL(Q || P)``, between: ``beta KL(P || M) + (1 - beta) KL(Q || M)``,
+            ``M = beta P + (1 - beta) Q`` (TRL's and fused_rl's ``beta``).
+        ignore_index: see ``shift_labels``.
+
+    Returns:
+        The 0-dim loss in ``input``'s dtype: the counted rows' divergences summed over their
+        count (0 when none counts); its gradient w.r.t. ``input`` is Liger's ``dX`` (the
+        partial derivatives on the log-probabilities).
+
+    Example:
+        >>> import torch
+        >>> from fused_rl.compat.liger import liger_jsd
+        >>> x = torch.randn(4, 6).log_softmax(-1).requires_grad_()
+        >>> y = torch.randn(4, 6).log_softmax(-1)
+        >>> loss = liger_jsd(x, y, beta=0.0)  # forward KL, sum P (Y - X) per row, mean
+        >>> bool(torch.allclose(loss, (y.exp() * (y - x)).sum(-1).mean()))
+        True
+        >>> loss.backward(); bool(torch.allclose(x.grad, -y.exp() / 4))  # Liger's dX = -P / n
+        True
+    """
+    _check_rows(input, "input", "(BT, V) log-probabilities")
+    V.check_float(target, "target")
+    if tuple(target.shape) != tuple(input.shape):
+        raise ValueError(
+            f"target must have input's shape (BT, V) = {tuple(input.shape)}, got "
+            f"{tuple(target.shape)}"
+        )
+    _check_labels(shift_labels, input.shape[0])
+    loss, _ = _distill_loss(
+        input, target.detach(), beta, 1.0, None, shift_labels, ignore_index, "token-mean",
+        None, None, "auto", True,
+    )  # fmt: skip
+    return loss.to(input.dtype)
+
+
+class LigerJSD(torch.nn.Module):
+    """Mirrors ``liger_kernel.transformers.LigerJSD`` (Liger-Kernel 0.8.5):
+    ``LigerJSD(beta=0.5, ignore_index=-100)(log_q, log_p, shift_labels=None)`` is
+    :func:`liger_jsd` (``log_q`` the student's log-probabilities, ``log_p`` the teacher's).
+
+    Example:
+        >>> import torch
+        >>> from fused_rl.compat.liger import LigerJSD
+        >>> x = torch.randn(4, 6).log_softmax(-1).requires_grad_()
+        >>> y = torch.randn(4, 6).log_softmax(-1)
+        >>> labels = torch.tensor([1, -100, 2, 3])
+        >>> LigerJSD(beta=0.3)(x, y, labels).shape
+        torch.Size([])
+    """
+
+    def __init__(self, beta: float = 0.5, ignore_index: int = -100):
+        super().__init__()
+        self.beta = beta
+        self.ignore_index = ignore_index
+
+    def forward(self, log_q, log_p, shift_labels=None):
+        return liger_jsd(log_q, log_p, shift_labels, self.beta, self.ignore_index)
+
+
+def liger_fused_linear_jsd(
+    student_input,
+    student_weight,
+    teacher_input,
+    teacher_weight,
+    shift_labels=None,
+    jsd_beta=0.5,
+    ignore_index=-100,
+    temperature=1.0,
+    accum_dtype=None,
+):
+    """Mirrors ``liger_kernel.transformers.functional.liger_fused_linear_jsd`` (Liger-Kernel
+    0.8.5): the generalized JSD of ``log_softmax(student_input @ student_weight.T /
+    temperature)`` and the teacher's, its lm_head fused, on
+    :func:`fused_rl.linear_distill_loss` (chunks of tokens; neither model's ``(BT, V)``
+    logits held whole).
+
+    Args:
+        student_input: ``(BT, H)`` the student's final hidden states.
+        student_weight: ``(V, H)`` the student's lm_head (no bias, as Liger).
+        teacher_input: ``(BT, H')`` the teacher's hidden states (``H'`` may differ); no
+            gradient.
+        teacher_weight: ``(V, H')`` the teacher's lm_head; no gradient.
+        shift_labels: optional ``(BT,)``: rows whose label is ``ignore_index`` do not count
+            (``AssertionError`` for another shape, as Liger).
+        jsd_beta: ``beta`` of :func:`liger_jsd`.
+        ignore_index: see ``shift_labels``.
+        temperature: both models' logits are divided by it (``> 0``; the loss is not
+            rescaled).
+        accum_dtype: accepted (None or a floating dtype): ``dW`` accumulates in fp32 (fp64
+            for fp64) whatever it is, and comes back in ``student_weight``'s dtype.
+
+    Returns:
+        The 0-dim fp32 loss (Liger's dtype): the counted rows' divergences over their count.
+
+    Example:
+        >>> import torch
+        >>> from fused_rl.compat.liger import liger_fused_linear_jsd
+        >>> h = torch.randn(4, 8, requires_grad=True)
+        >>> w = torch.randn(16, 8, requires_grad=True)
+        >>> th, tw = torch.randn(4, 12), torch.randn(16, 12)  # a wider teacher
+        >>> loss = liger_fused_linear_jsd(h, w, th, tw, jsd_beta=0.5, temperature=2.0)
+        >>> loss.dtype, loss.shape
+        (torch.float32, torch.Size([]))
+        >>> loss.backward(); w.grad.shape
+        torch.Size([16, 8])
+    """
+    _check_rows(student_input, "student_input", "(BT, H)")
+    _check_rows(teacher_input, "teacher_input", "(BT, H')")
+    _check_rows(student_weight, "student_weight", "the student's lm_head (V, H)")
+    _check_rows(teacher_weight, "teacher_weight", "the teacher's lm_head (V, H')")
+    if student_weight.shape[1] != student_input.shape[1]:
+        raise ValueError(
+            f"student_weight must be (V, H) with H = student_input.shape[1] = "
+            f"{student_input.shape[1]}, got shape {tuple(student_weight.shape)}"
+        )
+    if teacher_weight.shape[1] != teacher_input.shape[1]:
+        raise ValueError(
+            f"teacher_weight must be (V, H') with H' = teacher_input.shape[1] = "
+            f"{teacher_input.shape[1]}, got shape {tuple(teacher_weight.shape)}"
+        )
+    if teacher_input.shape[0] != student_input.shape[0]:
+        raise ValueError(
+            f"teacher_input must have student_input's BT = {student_input.shape[0]} rows, got "
+            f"{teacher_input.shape[0]}"
+        )
+    if teacher_weight.shape[0] != student_weight.shape[0]:
+        raise ValueError(
+            f"teacher_weight must have the student's vocabulary size: student_weight has "
+            f"V = {student_weight.shape[0]}, teacher_weight V = {teacher_weight.shape[0]}"
+        )
+    _check_labels(shift_labels, teacher_input.shape[0])
+    if accum_dtype is not None and not (
+        isinstance(accum_dtype, torch.dtype) and accum_dtype.is_floating_point
+    ):
+        raise TypeError(f"accum_dtype must be None or a floating torch.dtype, got {accum_dtype!r}")
+    loss, _ = linear_distill_loss(
+        student_input, student_weight, teacher_input.detach(), teacher_weight.detach(),
+        beta=jsd_beta, temperature=temperature, targets=shift_labels,
+        ignore_index=ignore_index,
+    )  # fmt: skip
+    return loss.float()
+
+
+class LigerFusedLinearJSD(torch.nn.Module):
+    """Mirrors ``liger_kernel.transformers.LigerFusedLinearJSD`` (Liger-Kernel 0.8.5):
+    ``LigerFusedLinearJSD(jsd_beta=0.5, ignore_index=-100, temperature=1.0,
+    accum_dtype=None)(student_input, student_weight, teacher_input, teacher_weight,
+    shift_labels)`` is :func:`liger_fused_linear_jsd`; ``temperature=0`` raises Liger's
+    ``AssertionError``.
+
+    Example:
+        >>> import torch
+        >>> from fused_rl.compat.liger import LigerFusedLinearJSD
+        >>> h, w = torch.randn(4, 8, requires_grad=True), torch.randn(16, 8)
+        >>> jsd = LigerFusedLinearJSD(jsd_beta=0.1, temperature=2.0)
+        >>> jsd(h, w, torch.randn(4, 12), torch.randn(16, 12), None).backward()
+        >>> h.grad.shape
+        torch.Size([4, 8])
+    """
+
+    def __init__(self, jsd_beta=0.5, ignore_index=-100, temperature=1.0, accum_dtype=None):
+        super().__init__()
+        if temperature == 0:
+            raise AssertionError("temperature cannot be 0.")
+        self.jsd_beta = jsd_beta
+        self.temperature = temperature
+        self.ignore_index = ignore_index
+        self.accum_dtype = accum_dtype
+
+    def forward(self, student_input, student_weight, teacher_input, teacher_weight,
+                shift_labels):  # fmt: skip
+        return liger_fused_linear_jsd(
+            student_input, student_weight, teacher_input, teacher_weight, shift_labels,
+            self.jsd_beta, self.ignore_index, self.temperature, self.accum_dtype,
+        )  # fmt: skip
+
+
+__all__ = [
+    "LOSS_TYPES",
+    "PPO_LOSS_TYPES",
+    "SUPPORTED_LOSS_TYPES",
+    "LigerFusedLinearJSD",
+    "LigerJSD",
+    "liger_fused_linear_jsd",
+    "liger_jsd",
+    "triton_grpo_loss",
+]

@@ -36,6 +36,7 @@ def token_divergences(
     beta: float,
     temperature: float,
     counted: Tensor | None = None,
+    free_logprobs: bool = False,
 ) -> dict[str, Tensor]:
     """Per-row divergences of ``softmax(logits / T)`` (student ``p``) and
     ``softmax(teacher_logits / T)`` (teacher ``q``), ``(..., V)`` each.
@@ -46,6 +47,9 @@ def token_divergences(
     beta q``), differentiable w.r.t. ``logits``; and, detached, ``forward_kl``,
     ``reverse_kl``, ``student_entropy``, ``teacher_entropy``. ``counted`` (bool,
     ``logits.shape[:-1]``): rows outside it give 0 everywhere, with 0 gradient.
+    ``free_logprobs``: the same values, differentiated with ``log p`` as free coordinates
+    (``log p = z / T - sg(logsumexp(z / T))``: Liger's JSD, whose inputs are log-probabilities
+    and whose gradient is the partial derivative on them, not through the softmax).
     """
     acc = acc_dtype(logits, teacher_logits)
     z = logits.to(acc)
@@ -54,7 +58,11 @@ def token_divergences(
         keep = counted[..., None]
         z = torch.where(keep, z, torch.zeros_like(z))
         u = torch.where(keep, u, torch.zeros_like(u))
-    log_p = F.log_softmax(z / temperature, dim=-1)
+    if free_logprobs:  # the value of log_softmax, the gradient of the identity
+        zs = z / temperature
+        log_p = zs - torch.logsumexp(zs, dim=-1, keepdim=True).detach()
+    else:
+        log_p = F.log_softmax(z / temperature, dim=-1)
     log_q = F.log_softmax(u / temperature, dim=-1)
     p, q = log_p.exp(), log_q.exp()
     forward_kl = _xlogy_terms(q, log_q - log_p).sum(-1)
@@ -86,3 +94,53 @@ def token_divergences(
         for name, value in out.items():
             out[name] = torch.where(counted, value, torch.zeros_like(value))
     return out
+
+
+def student_grad(
+    logits: Tensor,
+    teacher_logits: Tensor,
+    *,
+    beta: float,
+    temperature: float,
+    counted: Tensor | None = None,
+) -> Tensor:
+    """``dD/dlogits`` of :func:`token_divergences`' ``d`` per row, written out (no autograd:
+    the chunks of ``fused_rl.linear_distill_loss`` form it inside their forward, where
+    ``torch.compile`` traces plain tensor code): with ``z = logits / T``,
+
+    * forward KL: ``(p - q) / T``;
+    * reverse KL: ``p ((log p - log q) - KL(p || q)) / T``;
+    * JSD: ``-(1 - beta) p (L - sum_w p_w L_w) / T`` with ``L = log(m / p) =
+      logaddexp(log(1 - beta), log(beta) + log q - log p)``.
+
+    Columns where ``p = 0`` get 0 (NaN stays NaN elsewhere); rows outside ``counted`` are
+    zeroed before anything is computed. Returns ``logits``' shape in fp32 (fp64 for an fp64
+    input).
+    """
+    acc = acc_dtype(logits, teacher_logits)
+    z = logits.detach().to(acc)
+    u = teacher_logits.detach().to(acc)
+    if counted is not None:
+        keep = counted[..., None]
+        z = torch.where(keep, z, torch.zeros_like(z))
+        u = torch.where(keep, u, torch.zeros_like(u))
+    log_p = F.log_softmax(z / temperature, dim=-1)
+    log_q = F.log_softmax(u / temperature, dim=-1)
+    p = log_p.exp()
+    zero = p == 0
+    if beta == 0:
+        g = p - log_q.exp()
+    elif beta == 1:
+        r = torch.where(zero, torch.zeros_like(log_p), log_p - log_q)
+        g = p * (r - (p * r).sum(-1, keepdim=True))
+    else:
+        delta = torch.where(zero, torch.zeros_like(log_p), log_q - log_p)
+        big = torch.logaddexp(
+            torch.full_like(delta, math.log1p(-beta)), math.log(beta) + delta
+        )  # L = log(m / p)
+        big = torch.where(zero, torch.zeros_like(big), big)
+        g = -(1.0 - beta) * p * (big - (p * big).sum(-1, keepdim=True))
+    g = g / temperature
+    if counted is not None:
+        g = torch.where(counted[..., None], g, torch.zeros_like(g))
+    return g

@@ -38,6 +38,15 @@ aggregation's scale and the upstream gradient ``c``):
   terms cancel), so through the softmax ``dD/dz_v = -(1 - beta) p_v (L_v - sum_w p_w L_w)``,
   i.e. ``p_v (g_v - (1 - beta) KL(p || m))`` with ``g_v = (1 - beta) log(p_v / m_v)``.
 
+With ``FREE`` (``fused_rl.compat.liger.liger_jsd``: log-probability inputs taken as free
+coordinates, Liger's ``dX``) the per-row constant is dropped: ``-q_v``,
+``p_v ((log p_v - log q_v) + 1)``, ``(1 - beta) p_v log(p_v / m_v)``.
+
+From hidden states (``fused_rl.linear_distill_loss``) the same two vocab kernels run on each
+chunk's logits: the forward kernel on the chunk's rows, then the backward kernel with the
+aggregation's per-row scale (known from the mask alone) writing ``dz`` over the student's
+chunk in place.
+
 What the forward saves per row for the backward (``stats``, ``(N_STATS, N)``, fp32 / fp64):
 ``M_z``, ``log S_z``, ``M_u``, ``log S_u`` and ``c``: ``KL(p || q)`` (reverse KL) or
 ``sum_w p_w L_w`` (JSD; unused for forward KL). The token's weight is the partial column
@@ -429,11 +438,20 @@ def _distill_bwd_kernel(
     MODE: tl.constexpr,
     BLOCK_V: tl.constexpr,
     ACC: tl.constexpr,
+    FREE: tl.constexpr = False,
 ):
     """One program per token: the student's gradient row, ``grad`` contiguous
     ``(n_rows, V)`` in the student's dtype: ``m_t * seq_scale[b] * scale / T`` times
     ``dD/dz`` (module docstring), from the saved statistics. A row of weight 0 (or whose
-    coefficient is 0) reads nothing and writes exact zeros."""
+    coefficient is 0) reads nothing and writes exact zeros. ``grad`` may be the student's
+    own buffer (``s_ptr``, contiguous): each block is read before it is written.
+
+    ``FREE``: the student row is a log-probability vector ``x = log p`` taken as free
+    coordinates (Liger's JSD: its ``dX`` is the partial derivative of the divergence written
+    on ``log p``, not the gradient through the softmax): forward KL ``-q_v``, reverse KL
+    ``p_v ((log p_v - log q_v) + 1)``, JSD ``(1 - beta) p_v log(p_v / m_v)``, i.e. the
+    softmax gradient plus ``p_v`` times a per-row constant (``c`` taken as ``-1`` / ``0``).
+    Through a ``log_softmax`` the two forms give the same gradient."""
     row = tl.program_id(0).to(tl.int64)
     n_rows = n_rows.to(tl.int64)  # the column offsets k * n_rows may pass 2^31
     inv_temperature = pair(inv_t_hi, inv_t_lo, ACC)
@@ -458,6 +476,11 @@ def _distill_bwd_kernel(
         log_beta = pair(log_beta_hi, log_beta_lo, ACC)
         log_1m_beta = pair(log_1m_beta_hi, log_1m_beta_lo, ACC)
         coef = coef * (beta - 1.0)  # dD/dz = -(1 - beta) p (L - sum p L)
+    if FREE:  # the partial derivatives on log p (docstring): no softmax projection
+        if MODE == MODE_REVERSE_KL:
+            c = tl.full((), -1.0, ACC)
+        else:
+            c = tl.zeros((), ACC)
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         log_p = (
@@ -468,7 +491,10 @@ def _distill_bwd_kernel(
         ) - log_s_u
         p = tl.exp(log_p)
         if MODE == MODE_FORWARD_KL:
-            g = p - tl.exp(log_q)
+            if FREE:
+                g = -tl.exp(log_q)
+            else:
+                g = p - tl.exp(log_q)
         elif MODE == MODE_REVERSE_KL:
             g = tl.where(p == 0, 0.0, p * ((log_p - log_q) - c))
         else:

@@ -1,0 +1,435 @@
+"""On-policy distillation straight from hidden states: ``linear_distill_loss``.
+
+``linear_distill_loss(hidden, weight, teacher_hidden, teacher_weight)`` returns what
+``distill_loss(F.linear(hidden, weight, bias), F.linear(teacher_hidden, teacher_weight,
+teacher_bias))`` returns, with neither model's ``(N, V)`` logits ever held whole: the tokens
+go through in chunks of ``chunk_tokens`` rows, as in :mod:`fused_rl.linear`.
+
+Per chunk (``h_c`` the student's hidden rows, ``t_c`` the teacher's):
+
+* ``z_s = h_c W^T (+ b)`` and ``z_t = t_c W_t^T (+ b_t)`` through ``F.linear`` (cuBLAS on a
+  GPU; the teacher's under no autograd: it gets no gradient), each a GEMM of exactly
+  ``chunk`` rows (``fused_rl.linear._gemm_rows``: batch invariance);
+* the distillation forward kernel (``kernels/vocab/distill.py``) on the chunk's rows writes
+  its six partial columns (the divergence, both KLs, both entropies, the token weight) and
+  five per-row statistics;
+* with gradients on, at once: the distillation backward kernel writes ``dz`` OVER ``z_s``
+  in place (eager Triton; a fresh buffer under ``torch.compile``), scaled by the
+  aggregation's per-row factor, which depends on the mask and targets only
+  (``fused_rl._agg.sequence_scale``) and so is known before any logit is read; then
+  ``dH_c = dz W`` (a GEMM of ``chunk`` rows), ``dW += dz^T h_c`` and ``db += sum dz``, both
+  accumulated in fp32 (fp64 for fp64 inputs; ``fused_rl.linear._addmm_wide``);
+* ``z_s``, ``z_t`` are dropped.
+
+One reduction over every chunk's partial columns then gives the loss and the metrics. The
+loss is a scalar, so its gradients are formed in the forward (as ``linear_policy_loss`` and
+Liger's ``LigerFusedLinearJSD`` do) and the backward only multiplies ``dH``, ``dW``, ``db``
+by the upstream gradient: four GEMMs per chunk (the two logits, ``dz W``, ``dz^T h``), none
+recomputed; without gradients (``torch.no_grad``, nothing requiring grad) two, and no
+gradient kernel. The ``reference`` backend runs the same chunks and GEMMs with the plain
+PyTorch math of :mod:`fused_rl.reference.distill` (``student_grad`` for ``dz``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import _validation as V
+from ._agg import masked_mean_all, poison_empty, sequence_scale
+from ._backend import resolve_backend
+from ._ops import _serialised_when_interpreting, _tracing
+from ._policy_inputs import num_items_args, weights_of
+from .distill import (
+    METRICS,
+    check_options,
+    check_teacher_frozen,
+    distill_finalize_op,
+    distill_rows_fwd_op,
+    distill_rows_grad_fwd_op,
+    distill_rows_grad_into,
+)
+from .kernels.modes import LOSS_AGG_MODES
+from .linear import (
+    CHUNK_BYTES,
+    MAX_DEFAULT_CHUNK,
+    _addmm_wide,
+    _autocast_inputs,
+    _check_linear,
+    _chunk_logits,
+    _grad_wanted,
+    _hidden_grad,
+    _promote_hidden,
+)
+from .reference import distill as ref
+from .reference.logprobs import differentiable_once
+from .reference.reductions import acc_dtype
+
+# the backward kernel writing over the chunk's logits: a raw launcher (it mutates), serialised
+# under the interpreter as every FusedOp is
+_rows_grad_into = _serialised_when_interpreting(distill_rows_grad_into)
+
+
+def default_chunk_tokens(vocab: int, student_dtype: torch.dtype, teacher_dtype: torch.dtype) -> int:
+    """Rows per chunk so that one chunk's student AND teacher logits together take at most
+    ``fused_rl.linear.CHUNK_BYTES`` (256 MiB), and at most ``MAX_DEFAULT_CHUNK`` rows: at
+    V = 151936 with bf16 logits, 441 rows."""
+    size = lambda d: torch.empty((), dtype=d).element_size()  # noqa: E731
+    per_row = max(1, vocab * (size(student_dtype) + size(teacher_dtype)))
+    return max(1, min(MAX_DEFAULT_CHUNK, CHUNK_BYTES // per_row))
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """The non-tensor arguments of a call: the divergence, the aggregation, the chunking."""
+
+    beta: float
+    temperature: float
+    ignore_index: int
+    chunk: int
+    outer: int
+    inner: int
+    agg: int  # index in LOSS_AGG_MODES
+    max_length: float
+    num_items: float  # -1: not a number (None or a tensor)
+    which: str  # "triton" | "reference"
+
+
+def _run(rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_scale,
+         num_items_t, launch, need_h, need_w, need_b):  # fmt: skip
+    """The chunk loop: ``(loss, metrics, d_hidden, d_weight, d_bias)`` with ``metrics`` the
+    ``(len(METRICS),)`` fp32 means and the gradients (None where not needed; ``d_weight``,
+    ``d_bias`` in the fp32 / fp64 accumulator) of the loss with upstream gradient 1.
+
+    ``targets`` / ``mask``: ``(N,)`` or None (the Triton kernel reads them); ``m``: the
+    ``(N,)`` token weights and ``row_scale`` the aggregation's ``(N,)`` factor (None on the
+    Triton path without gradients)."""
+    n_rows, chunk = rows.shape[0], launch.chunk
+    grad = need_h or need_w or need_b
+    acc = acc_dtype(rows, t_rows)
+    d_hidden = rows.new_empty(rows.shape) if need_h else None
+    d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+    d_bias = torch.zeros(weight.shape[:1], dtype=acc, device=weight.device) if need_b else None
+    triton = launch.which == "triton"
+    if triton:
+        part = rows.new_empty((len(METRICS) + 1, n_rows), dtype=acc)
+        one = torch.ones((), dtype=acc, device=rows.device) if grad else None
+    else:
+        terms = rows.new_empty((len(METRICS), n_rows), dtype=acc)
+    pick = lambda t, r: None if t is None else t[r]  # noqa: E731
+    for start in range(0, n_rows, chunk):
+        r = slice(start, min(start + chunk, n_rows))
+        h_c = rows[r]
+        z, z_full = _chunk_logits(h_c, weight, bias, chunk)
+        zt, _ = _chunk_logits(t_rows[r], t_weight, t_bias, chunk)
+        dz = dz_full = None
+        if triton:
+            part_c, stats_c = distill_rows_fwd_op(
+                z, zt, pick(targets, r), pick(mask, r), launch.beta, launch.temperature,
+                launch.ignore_index,
+            )  # fmt: skip
+            part[:, r] = part_c
+            if grad and (torch.compiler.is_compiling() or _tracing()):  # may not mutate
+                dz = distill_rows_grad_fwd_op(z, zt, stats_c, part_c, row_scale[r], one,
+                                              launch.beta, launch.temperature)  # fmt: skip
+            elif grad:  # the chunk's logits become their gradient in place
+                dz = _rows_grad_into(z, z, zt, stats_c, part_c, row_scale[r], one,
+                                     launch.beta, launch.temperature)  # fmt: skip
+                dz_full = z_full
+        else:
+            counted = m[r] != 0
+            out = ref.token_divergences(z, zt, beta=launch.beta, temperature=launch.temperature,
+                                        counted=counted)  # fmt: skip
+            terms[:, r] = torch.stack([out["d"].detach()] + [out[k] for k in METRICS[1:]])
+            if grad:
+                g = ref.student_grad(z, zt, beta=launch.beta, temperature=launch.temperature,
+                                     counted=counted)  # fmt: skip
+                w = (m[r] * row_scale[r])[:, None]
+                dz = torch.where(w != 0, g * w, torch.zeros_like(g)).to(z.dtype)
+        if need_h:  # with dz written over z, its GEMM buffer is z's
+            d_hidden[r] = _hidden_grad(dz, weight, chunk, dz_full)
+        if need_w:
+            _addmm_wide(d_weight, dz.t(), h_c)
+        if need_b:
+            d_bias.add_(dz.sum(0, dtype=acc))
+        del z, z_full, zt, dz, dz_full, h_c
+    if triton:
+        loss, metrics, _ = distill_finalize_op(
+            part, launch.outer, launch.inner, launch.agg, launch.max_length, launch.num_items,
+            num_items_t,
+        )  # fmt: skip
+        metrics = metrics[: len(METRICS)]
+    else:
+        w = m * row_scale
+        d = terms[0]
+        loss = torch.where(w != 0, d * w, torch.zeros_like(d)).sum()
+        metrics = torch.stack([masked_mean_all(x, m) for x in terms.unbind()])
+    return loss, metrics, d_hidden, d_weight, d_bias
+
+
+class _LinearDistill(torch.autograd.Function):
+    """The distillation loss of ``F.linear(rows, weight, bias)`` against the teacher's
+    ``F.linear(t_rows, t_weight, t_bias)``, its gradients (``rows``, ``weight``, ``bias``)
+    formed in the forward chunk by chunk and scaled by the upstream scalar in the backward
+    (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_scale,
+                num_items_t, launch):  # fmt: skip
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        loss, metrics, d_hidden, d_weight, d_bias = _run(
+            rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_scale,
+            num_items_t, launch, need_h, need_w, need_b,
+        )  # fmt: skip
+        ctx.save_for_backward(
+            rows, weight, bias, d_hidden,  # the inputs only to mark a double backward
+            d_weight.to(weight.dtype) if need_w else None,
+            d_bias.to(bias.dtype) if need_b else None,
+        )  # fmt: skip
+        ctx.mark_non_differentiable(metrics)
+        ctx.set_materialize_grads(False)
+        return loss, metrics
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_metrics):
+        # the gradients were formed in the forward from statistics taken as constants: a
+        # double backward raises (as every fused op here)
+        create_graph = torch.is_grad_enabled()
+        n_inputs = len(ctx.needs_input_grad)
+        if grad_loss is None:
+            return (None,) * n_inputs
+        saved = ctx.saved_tensors
+        with torch.no_grad():  # 16-bit times a 0-dim fp32 tensor stays 16-bit
+            grads = tuple(None if d is None else d * grad_loss for d in saved[3:])
+        if create_graph:
+            with torch.enable_grad():
+                sources = (*saved[:3], grad_loss)
+                grads = tuple(differentiable_once(g, *sources) for g in grads)
+        return grads + (None,) * (n_inputs - 3)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _check_teacher(teacher_hidden, teacher_weight, teacher_bias, hidden, weight) -> None:
+    V.check_float(teacher_hidden, "teacher_hidden")
+    V.check_float(teacher_weight, "teacher_weight")
+    lead = tuple(hidden.shape[:-1])
+    if teacher_hidden.dim() != hidden.dim() or tuple(teacher_hidden.shape[:-1]) != lead:
+        raise ValueError(
+            f"teacher_hidden must have hidden's leading shape {lead} (the same tokens), got "
+            f"shape {tuple(teacher_hidden.shape)}"
+        )
+    if teacher_weight.dim() != 2 or teacher_weight.shape[1] != teacher_hidden.shape[-1]:
+        raise ValueError(
+            f"teacher_weight must be the teacher's lm_head (V, H_t) with H_t = "
+            f"teacher_hidden.shape[-1] = {teacher_hidden.shape[-1]}, got shape "
+            f"{tuple(teacher_weight.shape)}"
+        )
+    if teacher_weight.shape[0] != weight.shape[0]:
+        raise ValueError(
+            f"teacher_weight must have the student's vocabulary size: weight has V = "
+            f"{weight.shape[0]}, teacher_weight V = {teacher_weight.shape[0]}"
+        )
+    if teacher_weight.dtype != teacher_hidden.dtype:
+        raise TypeError(
+            f"teacher_weight ({teacher_weight.dtype}) and teacher_hidden "
+            f"({teacher_hidden.dtype}) must share a dtype, as torch.nn.functional.linear needs "
+            "(a wider teacher_weight is fine: the teacher's hidden states are cast up to it)"
+        )
+    if teacher_bias is not None:
+        V.check_float(teacher_bias, "teacher_bias")
+        if (
+            tuple(teacher_bias.shape) != (teacher_weight.shape[0],)
+            or teacher_bias.dtype != teacher_weight.dtype
+        ):
+            raise ValueError(
+                f"teacher_bias must be ({teacher_weight.shape[0]},) in {teacher_weight.dtype}, "
+                f"got shape {tuple(teacher_bias.shape)} in {teacher_bias.dtype}"
+            )
+
+
+def _check_targets(targets, lead) -> None:
+    if targets is None:
+        return
+    V.check_tensor(targets, "targets")
+    if targets.dtype not in V.INDEX_DTYPES:
+        raise TypeError(f"targets must be an int64 or int32 tensor, got {targets.dtype}")
+    if tuple(targets.shape) != lead:
+        raise ValueError(
+            f"targets must have shape hidden.shape[:-1] = {lead}, got {tuple(targets.shape)}"
+        )
+
+
+def _prepare(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, beta,
+             temperature, mask, targets, ignore_index, loss_agg, max_length, num_items,
+             chunk_tokens):  # fmt: skip
+    """Checked (autocast-cast, promoted) inputs, before any GEMM."""
+    for name, t in (("hidden", hidden), ("weight", weight), ("teacher_hidden", teacher_hidden),
+                    ("teacher_weight", teacher_weight)):  # fmt: skip
+        V.check_tensor(t, name)
+    hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
+    teacher_hidden, teacher_weight, teacher_bias = _autocast_inputs(
+        teacher_hidden, teacher_weight, teacher_bias
+    )
+    hidden = _promote_hidden(hidden, weight)
+    teacher_hidden = _promote_hidden(teacher_hidden, teacher_weight)
+    _check_linear(hidden, weight, bias)
+    _check_teacher(teacher_hidden, teacher_weight, teacher_bias, hidden, weight)
+    check_teacher_frozen(teacher_hidden=teacher_hidden, teacher_weight=teacher_weight,
+                         teacher_bias=teacher_bias)  # fmt: skip
+    lead = tuple(hidden.shape[:-1])
+    _check_targets(targets, lead)
+    check_options(lead, "hidden.shape[:-1]", beta, temperature, mask, ignore_index, loss_agg,
+                  max_length, num_items)  # fmt: skip
+    if chunk_tokens is not None:
+        V.check_number(chunk_tokens, "chunk_tokens")
+        if int(chunk_tokens) != chunk_tokens or chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be a positive integer, got {chunk_tokens}")
+    V.check_same_device(hidden=hidden, weight=weight, bias=bias, teacher_hidden=teacher_hidden,
+                        teacher_weight=teacher_weight, teacher_bias=teacher_bias, mask=mask,
+                        targets=targets)  # fmt: skip
+    return hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def linear_distill_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    teacher_hidden: Tensor,
+    teacher_weight: Tensor,
+    *,
+    bias: Tensor | None = None,
+    teacher_bias: Tensor | None = None,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    mask: Tensor | None = None,
+    targets: Tensor | None = None,
+    ignore_index: int = -100,
+    loss_agg: str = "token-mean",
+    num_items: int | float | Tensor | None = None,
+    max_length: int | None = None,
+    chunk_tokens: int | None = None,
+    backend: str = "auto",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """:func:`fused_rl.distill_loss` straight from both models' final hidden states and
+    lm_heads: the same loss, gradients (for ``hidden``, ``weight``, ``bias``) and metrics as
+    ``distill_loss(F.linear(hidden, weight, bias), F.linear(teacher_hidden, teacher_weight,
+    teacher_bias), ...)``, with neither model's ``(N, V)`` logits ever held whole.
+
+    No causal shift: row ``t`` of ``hidden`` and of ``teacher_hidden`` give the two
+    distributions at position ``t`` (the distillation compares the models at the same
+    positions), unlike :func:`linear_token_logprobs`, whose ``(B, S, H)`` rows predict
+    ``(B, T)`` targets. Slice the positions to distil yourself (``hidden[:, :-1]``: a view,
+    read as it is), or leave them in and mask them out.
+
+    Args:
+        hidden: the student's ``(B, T, H)`` (or packed ``(N, H)``: one sequence) final hidden
+            states, fp32 / bf16 / fp16 (fp64 for gradcheck), any strides.
+        weight: the student's lm_head ``(V, H)``, ``hidden``'s dtype or a wider one (an fp32
+            head with bf16 hidden states: ``hidden`` is cast up, its gradient returned in its
+            own dtype).
+        teacher_hidden: the teacher's hidden states, ``hidden``'s leading shape and its own
+            width ``H_t``; any float dtype.
+        teacher_weight: the teacher's lm_head ``(V, H_t)``: the same vocabulary ``V``
+            (``ValueError`` otherwise). The teacher gets no gradient: a teacher tensor that
+            requires grad raises ``ValueError`` naming it (pass ``.detach()``, or freeze the
+            teacher's parameters with ``requires_grad_(False)``).
+        bias, teacher_bias: optional ``(V,)`` biases of the two heads.
+        beta, temperature, mask, targets, ignore_index, loss_agg, num_items, max_length:
+            as :func:`distill_loss`, over ``hidden.shape[:-1]`` (``targets`` only mark
+            ignored positions, never read as an index).
+        chunk_tokens: rows per chunk; None keeps one chunk's student and teacher logits
+            together under 256 MiB (``fused_rl.linear.CHUNK_BYTES``; at most 4096 rows).
+        backend: ``"auto"`` | ``"triton"`` | ``"reference"``.
+
+    Returns:
+        ``(loss, metrics)`` as :func:`distill_loss`: ``loss`` a 0-dim fp32 tensor (fp64 when
+        an input is fp64); ``metrics`` ``jsd``, ``forward_kl``, ``reverse_kl``,
+        ``student_entropy``, ``teacher_entropy`` (detached fp32 0-dim).
+
+    Memory above the inputs (``c`` rows a chunk, ``b_s`` / ``b_t`` bytes per student /
+    teacher logit, ``b_h`` per student hidden element): one chunk of student logits
+    ``c V b_s`` and one of teacher logits ``c V b_t`` (``dz`` is written over the student's),
+    ``dW`` in fp32 ``4 V H`` (plus, off CUDA with 16-bit inputs, fp32 copies of the chunk's
+    ``dz`` and rows for the accumulation), ``dH`` ``N H b_h`` and ``db``, and ``4 (6 + 2) N``
+    bytes of per-token floats (the six partial columns, the token weight and the
+    aggregation's factor). Nothing of size ``N V``. Between the forward and the backward it
+    keeps ``dH`` and ``dW``, ``db`` in the heads' dtype.
+
+    Cost per chunk with gradients: four GEMMs (student and teacher logits, ``dz W``,
+    ``dz^T h``) and two vocab kernels (the forward kernel reads both logits rows once, twice
+    for ``0 < beta < 1``; the backward kernel reads both and writes ``dz``): in bf16, per
+    vocabulary entry and row, the GEMMs write ``z_s`` and ``z_t`` (2 + 2 bytes), the kernels
+    read 4 (8 for the JSD) + 4 and write 2, the gradient GEMMs read ``dz`` (2 + 2). Then one
+    finalize reduction for the loss and the metrics; the backward is three multiplies by the
+    upstream scalar.
+
+    Example:
+        >>> import torch, torch.nn.functional as F, fused_rl
+        >>> h = torch.randn(2, 5, 8, requires_grad=True)
+        >>> w = torch.randn(11, 8, requires_grad=True)
+        >>> th, tw = torch.randn(2, 5, 12), torch.randn(11, 12)  # a wider teacher
+        >>> loss, metrics = fused_rl.linear_distill_loss(h, w, th, tw, beta=0.5, chunk_tokens=4)
+        >>> want, _ = fused_rl.distill_loss(F.linear(h, w), F.linear(th, tw), beta=0.5)
+        >>> bool(torch.allclose(loss, want, atol=1e-6))
+        True
+        >>> loss.backward()
+        >>> h.grad.shape, w.grad.shape
+        (torch.Size([2, 5, 8]), torch.Size([11, 8]))
+    """
+    hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias = _prepare(
+        hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, beta, temperature,
+        mask, targets, ignore_index, loss_agg, max_length, num_items, chunk_tokens,
+    )  # fmt: skip
+    which = resolve_backend(backend, hidden, weight, bias, teacher_hidden, teacher_weight,
+                            teacher_bias, mask, targets)  # fmt: skip
+    lead = tuple(hidden.shape[:-1])
+    outer, inner = lead if len(lead) == 2 else (1, lead[0])
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    t_rows = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
+    vocab = weight.shape[0]
+    chunk = (
+        int(chunk_tokens) if chunk_tokens else default_chunk_tokens(vocab, rows.dtype, t_rows.dtype)
+    )
+    grad = _grad_wanted(rows, weight, bias)
+    acc = acc_dtype(rows, t_rows)
+    m = row_scale = None
+    if which == "reference" or grad:  # the aggregation's factor: from the mask alone
+        as2d = lambda t: None if t is None else t.reshape(outer, inner)  # noqa: E731
+        m2 = weights_of(as2d(mask), rows.new_empty((outer, inner)), acc, as2d(targets),
+                        int(ignore_index))  # fmt: skip
+        scale = sequence_scale(m2, loss_agg, max_length=max_length, num_items=num_items)
+        row_scale = scale.expand(outer, inner).reshape(-1).contiguous()
+        m = m2.reshape(-1)
+    flat_mask = None if mask is None else mask.detach().reshape(-1)
+    if flat_mask is not None and flat_mask.dtype == torch.bool:
+        flat_mask = flat_mask.view(torch.uint8)  # read as bytes, no copy
+    flat_targets = None if targets is None else targets.reshape(-1)
+    n_items, n_items_t = num_items_args(num_items)
+    launch = _Launch(
+        float(beta), float(temperature), int(ignore_index), chunk, outer, inner,
+        LOSS_AGG_MODES.index(loss_agg), float(max_length or inner), n_items, which,
+    )  # fmt: skip
+    args = (rows, weight, bias, t_rows.detach(), teacher_weight.detach(),
+            None if teacher_bias is None else teacher_bias.detach(), flat_targets, flat_mask,
+            m, row_scale, n_items_t, launch)  # fmt: skip
+    with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
+        if grad:
+            loss, metrics = _LinearDistill.apply(*args)
+        else:
+            with torch.no_grad():
+                loss, metrics, *_ = _run(*args, False, False, False)
+    loss = poison_empty(loss, num_items if loss_agg == "token-mean" else None, rows.shape[0])
+    values = metrics.unbind()
+    out = {}
+    for k, name in enumerate(METRICS):
+        out[name] = values[k]
+    return loss, out
+
+
+__all__ = ["default_chunk_tokens", "linear_distill_loss"]
