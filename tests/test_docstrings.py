@@ -13,6 +13,7 @@ MODULES = [
     "fused_rl.losses",
     "fused_rl.linear",
     "fused_rl.distill",
+    "fused_rl.linear_distill",
     "fused_rl.truncated",
     "fused_rl.nn",
     "fused_rl.values",
