@@ -240,7 +240,22 @@ def peer_cases() -> list[Case]:
     return cases
 
 
-SUITES = {"quick": quick_cases, "full": full_cases, "peers": peer_cases}
+INPLACE_PROVIDERS = ("fused_rl", "fused_rl_inplace", "fused_rl_2pass", "fused_rl_2pass_inplace",
+                     "liger", "liger_inplace")  # fmt: skip
+
+
+def inplace_cases() -> list[Case]:
+    """The ``inplace`` suite: ``policy_loss`` forward + backward in bf16 at
+    ``PEER_POLICY_SHAPES``, GRPO and GRPO with an entropy bonus (which Liger lacks), for the
+    providers that write the gradient into the logits buffer or form it in the forward
+    against fused_rl's default and Liger's ``inplace=False`` / ``True``:
+    ``python bench/run.py --suite inplace --providers <INPLACE_PROVIDERS, comma-separated>``
+    (time, peak memory: the two without a gradient buffer show it)."""
+    return [Case("policy_loss", variant, "fwd_bwd", b, t, v, "bf16", compile_ok=False)
+            for b, t, v in PEER_POLICY_SHAPES for variant in ("grpo", "grpo+entropy")]  # fmt: skip
+
+
+SUITES = {"quick": quick_cases, "full": full_cases, "peers": peer_cases, "inplace": inplace_cases}
 
 
 def select_cases(

@@ -25,6 +25,14 @@
   the logits buffer: here a copy of its own, made outside the measured call). policy_loss only.
 * ``fused_rl_inplace``: ``fused_rl`` with ``inplace=True`` (the backward writes the gradient
   into the logits buffer: a copy of its own, as ``liger_inplace``). policy_loss only.
+* ``fused_rl_2pass``: ``fused_rl`` with ``grad_in_forward=True`` (the forward writes the
+  gradient into a buffer of its own, the backward with an upstream gradient of 1 touches
+  none of it: two passes over the logits where ``fused_rl`` makes three), and
+  ``fused_rl_2pass_inplace`` with ``inplace=True`` too (the gradient written over the logits
+  in the forward: a copy of its own). policy_loss with token-level importance sampling only
+  (GSPO / GMPO need every sequence's total first). A case's ``bytes`` (the ``GB/s`` column)
+  are the default's three passes for every provider: the two-pass rows' figure is then an
+  effective rate, the time to do the same job.
 * ``liger``: Liger-Kernel's Triton GRPO loss (``triton_grpo_loss``) and
   ``fused_selective_log_softmax``, where ``liger_kernel`` is importable; for
   ``linear_policy_loss`` its chunked ``LigerFusedLinearGRPOLoss`` (``loss_type="bnpo"``: the
@@ -77,14 +85,21 @@ PROVIDERS = (
     "liger",
     "liger_inplace",
     "fused_rl_inplace",
+    "fused_rl_2pass",
+    "fused_rl_2pass_inplace",
     "verl",
 )
-# the fused_rl providers that write into a copy of the logits buffer of their own: the key
-# of that copy in the inputs (made at build time, outside the measured call) and the
-# keywords they add to fused_rl.policy_loss
+# fused_rl's policy_loss with call options: the keywords each adds, and the key of the copy
+# of the logits buffer it writes into (made at build time, outside the measured call; None:
+# it leaves the logits as they are and differentiates the shared buffer, as fused_rl). The
+# copies share liger_inplace's key: building the next provider drops the last one's copy,
+# so a large case holds one of them, not one per provider
 FUSED_VARIANTS = {
-    "fused_rl_inplace": ("buf_fused_inplace", dict(inplace=True)),
+    "fused_rl_inplace": ("buf_inplace", dict(inplace=True)),
+    "fused_rl_2pass": (None, dict(grad_in_forward=True)),
+    "fused_rl_2pass_inplace": ("buf_inplace", dict(grad_in_forward=True, inplace=True)),
 }
+TWO_PASS_VARIANTS = ("grpo", "grpo+entropy", "cispo", "grpo+is")  # token-level IS
 BASELINE = "fused_rl"  # the provider the others' time and memory are compared with
 # the package itself: no "less accurate" excuse
 MUST_MEET_TOL = ("fused_rl", "fused_rl_ref", *FUSED_VARIANTS)
@@ -431,16 +446,23 @@ def _fused_materialised_forward(case: Case, inp: dict):
 
 def _fused_variant_forward(case: Case, inp: dict, provider: str):
     """A :data:`FUSED_VARIANTS` provider: fused_rl's Triton ``policy_loss`` with its
-    keywords, on its own copy of the ``(B, T + 1, V)`` buffer. Every measured run after the
-    first reads the previous run's gradient as logits (as ``liger_inplace``): the same
-    bytes and launches; the first run, checked against the oracle, reads the logits."""
-    if case.op != "policy_loss":
-        options = FUSED_VARIANTS[provider][1]
-        raise Unavailable(f"{provider} is fused_rl's policy_loss with {options}")
+    keywords, on the ``(B, T + 1, V)`` buffer (a copy of its own for those that write into
+    it: every measured run after the first reads the previous run's gradient as logits, as
+    ``liger_inplace``, the same bytes and launches; the first run, checked against the
+    oracle, reads the logits)."""
     key, options = FUSED_VARIANTS[provider]
+    if case.op != "policy_loss":
+        raise Unavailable(f"{provider} is fused_rl's policy_loss with {options}")
+    if options.get("grad_in_forward") and case.variant not in TWO_PASS_VARIANTS:
+        raise Unavailable(
+            f"grad_in_forward needs token-level importance sampling ({case.variant}: every "
+            "sequence's total before any token's gradient)"
+        )
     fn = _fused_fn(case.op, "triton")
     kwargs = _policy_kwargs(inp, case.variant) | options
-    logits = inp[key] = inp["buf_leaf"].detach().clone().requires_grad_()
+    logits = inp["buf_leaf"]
+    if key is not None:
+        logits = inp[key] = logits.detach().clone().requires_grad_()
     return lambda: (fn(logits, inp["targets"], inp["advantages"], **kwargs)[0],)
 
 
@@ -844,12 +866,13 @@ def _wrt_upstream(case: Case, inp: dict, provider: str):
         ups = [inp["g_logp"]] + ([inp["g_entropy"]] if case.variant == "logp+entropy" else [])
         return [inp["logits"]], ups, None
     if case.op == "policy_loss":
+        if provider in FUSED_VARIANTS:  # the shared buffer, or a copy of its own
+            key = FUSED_VARIANTS[provider][0] or "buf_leaf"
+            return [inp[key]], [None], lambda g: (g[0][:, :-1],)
         if provider in ("liger", "fused_rl"):  # they differentiate the whole (B, T+1, V) buffer
             return [inp["buf_leaf"]], [None], lambda g: (g[0][:, :-1],)
         if provider == "liger_inplace":  # its own copy of the buffer
             return [inp["buf_inplace"]], [None], lambda g: (g[0][:, :-1],)
-        if provider in FUSED_VARIANTS:  # its own copy of the buffer
-            return [inp[FUSED_VARIANTS[provider][0]]], [None], lambda g: (g[0][:, :-1],)
         return [inp["logits"]], [None], None
     if case.op == "linear_token_logprobs":
         ups = [inp["g_logp"]] + ([inp["g_entropy"]] if case.variant == "logp+entropy" else [])
@@ -869,10 +892,13 @@ def _wrt_upstream(case: Case, inp: dict, provider: str):
 def applies(provider: str, case: Case) -> bool:
     """Whether ``provider`` is one for ``case`` at all: ``fused_rl_mat`` (the materialised
     path of the linear ops) and ``verl`` (a fused head) have no meaning for the other ops,
-    nor ``liger_inplace`` and the :data:`FUSED_VARIANTS` beside policy_loss: skipped
-    without a 'not measured' note. Every other pairing is up to ``build``."""
+    nor ``liger_inplace`` and the :data:`FUSED_VARIANTS` beside policy_loss (the two-pass
+    ones beside its token-level variants): skipped without a 'not measured' note. Every
+    other pairing is up to ``build``."""
     if provider in ("fused_rl_mat", "verl"):
         return case.op in LINEAR_OPS
+    if provider in FUSED_VARIANTS and FUSED_VARIANTS[provider][1].get("grad_in_forward"):
+        return case.op == "policy_loss" and case.variant in TWO_PASS_VARIANTS
     if provider == "liger_inplace" or provider in FUSED_VARIANTS:
         return case.op == "policy_loss"
     return True

@@ -28,6 +28,7 @@ from ._vocab_ops import (
     hand_back,
     keep_for_inplace,
     position_shift,
+    scale_rows_unless_one,
     take_for_inplace,
     token_stats_bwd_into,
     token_stats_bwd_op,
@@ -40,6 +41,7 @@ from .kernels.modes import (
     SEQUENCE_METRICS,
     SURROGATES,
 )
+from .reference.logprobs import differentiable_once
 
 # the partial columns (kernels/modes.py POLICY_COLUMNS), by name: the metrics every call
 # reports, the optional ones, the IS weights' (written and reduced only with weights)
@@ -179,35 +181,55 @@ def _token_layer(logp, entropy, targets, adv, old, ref, mask, is_w, ignore_index
 # ----------------------------------------------------------------------------- from logits
 
 
+_NO_GRAD_ARGS = (0, 0, 0, 0, 1.0, 0.0)  # grad and row-scale strides, the grad_scale pair
+
+
+def _grad_args(grad, row_scale, inner, grad_scale) -> tuple:
+    """The fused kernel's ``WRITE_GRAD`` arguments: the gradient's row strides, the row
+    scale's strides as ``(outer, inner)`` (a 1-D one is per token, contiguous), and
+    ``grad_scale`` as an fp32 pair."""
+    if row_scale.dim() == 1:
+        rs = (inner * row_scale.stride(0), row_scale.stride(0))
+    else:
+        rs = row_scale.stride()
+    return (*grad.stride()[:2], *rs, *f32_pair(grad_scale))
+
+
 def _fused_rows(logits3d, targets, adv, old, ref, mask, is_w, temperature, softcap,
                 ignore_index, hyper, modes, with_entropy, row_max, log_sum, entropy, g, h, part,
-                grad=None, row_scale=None, ent_scale=None):  # fmt: skip
+                grad=None, row_scale=None, ent_scale=None, grad_scale=1.0,
+                read_layout=False):  # fmt: skip
     """Launch the fused vocab-stream kernel (layer 1 + the token layer as epilogue), one
     program per target token, writing the per-token outputs and partial columns (and, with
-    ``grad``/``row_scale``, each row's gradient: layer 3 in the same program)."""
+    ``grad``/``row_scale``, each row's gradient times ``grad_scale``: layer 3 in the same
+    program). ``read_layout``: the block size and warps of the forward without ``grad``
+    (the reductions in the same order: the same row statistics, bit for bit, on a GPU too),
+    else a writing kernel's."""
     from .kernels.vocab.policy_fused import _policy_loss_fwd_kernel
 
     outer, positions, vocab = logits3d.shape
     inner = targets.shape[1]
     if outer * inner == 0:
         return
+    write = grad is not None
+    wargs = _grad_args(grad, row_scale, inner, grad_scale) if write else _NO_GRAD_ARGS
     _policy_loss_fwd_kernel[(outer * inner,)](
         logits3d, targets, adv, old if old is not None else g, ref if ref is not None else g,
         mask if mask is not None else g, is_w if is_w is not None else g, row_max, log_sum,
         entropy, g, h, part,
-        grad if grad is not None else g, row_scale if row_scale is not None else g,
+        grad if write else g, row_scale if row_scale is not None else g,
         ent_scale if ent_scale is not None else g, inner, position_shift(positions, inner),
         vocab, *logits3d.stride(),
         *targets.stride(), *adv.stride(), *_strides(old), *_strides(ref), *_strides(mask),
         *_strides(is_w),
-        *f32_pair(1.0 / temperature if softcap is None else softcap / temperature),
-        *(NO_CAP if softcap is None else f32_pair(1.0 / softcap)), ignore_index,
+        *wargs[:4], *f32_pair(1.0 / temperature if softcap is None else softcap / temperature),
+        *(NO_CAP if softcap is None else f32_pair(1.0 / softcap)), *wargs[4:], ignore_index,
         _hyper(tuple(hyper)),
         HAS_OLD=old is not None, HAS_REF=ref is not None, HAS_MASK=mask is not None,
-        HAS_IS=is_w is not None, WITH_ENTROPY=with_entropy, WRITE_GRAD=grad is not None,
+        HAS_IS=is_w is not None, WITH_ENTROPY=with_entropy, WRITE_GRAD=write,
         HAS_ENT_SCALE=ent_scale is not None, HAS_SOFTCAP=softcap is not None,
         ACC=triton_acc(logits3d.dtype), **_policy_switches(hyper, modes, ref is not None),
-        **vocab_launch(vocab, writes=grad is not None),
+        **vocab_launch(vocab, writes=write and not read_layout),
     )  # fmt: skip
 
 
@@ -535,3 +557,153 @@ def _logprobs_backward(ctx, grad_loss, *_unused):
 policy_logprobs_fwd_op = FusedOp("policy_logprobs_fwd", policy_logprobs_fwd)
 policy_logprobs_fwd_op.register_fake(_logprobs_fake)
 policy_logprobs_fwd_op.register_autograd(_logprobs_backward, setup_context=_logprobs_setup)
+
+
+# ----------------------------------------------------------------------------- grad_in_forward
+#
+# policy_loss(grad_in_forward=True): the loss is one scalar, so its gradient w.r.t. the
+# logits is known in the forward up to the upstream factor. The fused kernel (WRITE_GRAD)
+# reads each row, runs the token layer, and at once writes the row's gradient, already
+# times the aggregation's normaliser (known from the mask alone) and the loss's constant
+# factor; the backward only multiplies by the upstream gradient, deciding on the device
+# whether there is anything to multiply (scale_rows_unless_one).
+
+
+def aggregation_scale(
+    mask: Tensor | None, targets: Tensor, ignore_index: int, dtype: torch.dtype, agg: int,
+    max_length: float, num_items: float, num_items_t: Tensor | None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``(seq_scale, m)``: the loss aggregation's normaliser (``(B,)`` for
+    ``seq-mean-token-mean``, else ``(1,)``) from the mask alone, BEFORE the vocabulary pass,
+    and the ``(B, T)`` token weights ``m`` (``mask``'s, 0 where the target is
+    ``ignore_index``: the fused kernel's, as ``_policy_inputs.weights_of``) it comes from.
+
+    The normaliser is the finalize kernel's, which produces it for the default backward:
+    that kernel run on ``m`` alone (its ``count`` column; its ``loss`` column is left
+    unwritten and its loss dropped). The same device code on the same weights as the
+    default call's finalize, so the same bits on any device (``_agg.sequence_scale``, the
+    fused-linear loss's, rounds ``(1 / s) / B`` where the kernel rounds ``1 / (B s)``).
+    Three small launches and the finalize, no host sync."""
+    from .kernels.policy.finalize import _policy_finalize_kernel
+
+    outer, inner = targets.shape
+    dev = targets.device
+    part = torch.empty((2, outer * inner), dtype=dtype, device=dev)  # columns count, loss
+    m = part[0].view(outer, inner)  # mask_weights(mask), 0 where ignored: weights_of's
+    if mask is None:
+        m.copy_(targets != ignore_index)
+    else:
+        m.copy_(mask.detach())
+        if mask.dtype != torch.bool:  # a negative weight is NaN (kernels/common.py as_weight)
+            m.masked_fill_(m < 0, float("nan"))
+        m.masked_fill_(targets == ignore_index, 0.0)
+    loss = torch.empty((), dtype=dtype, device=dev)
+    metrics = torch.empty(N_OUTPUTS, dtype=torch.float32, device=dev)
+    seq_scale = torch.empty(max(outer, 1) if agg == 1 else 1, dtype=dtype, device=dev)
+    _policy_finalize_kernel[(2,)](
+        part, loss, metrics, seq_scale, num_items_t if num_items_t is not None else part,
+        outer, inner, float(num_items), float(max(outer, 1)), float(max_length), AGG=agg,
+        NUM_ITEMS_TENSOR=num_items_t is not None, BLOCK_B=FINALIZE_BLOCK_B,
+        BLOCK_T=FINALIZE_BLOCK_T, ACC=triton_acc(dtype),
+    )  # fmt: skip
+    return seq_scale, m
+
+
+aggregation_scale_launch = _serialised_when_interpreting(aggregation_scale)
+
+
+def policy_loss_grad_fwd(
+    grad: Tensor,
+    logits3d: Tensor,
+    targets: Tensor,
+    adv: Tensor,
+    old: Tensor | None,
+    ref: Tensor | None,
+    mask: Tensor | None,
+    is_w: Tensor | None,
+    num_items_t: Tensor | None,
+    ent_scale: Tensor | None,
+    seq_scale: Tensor,
+    temperature: float,
+    softcap: float | None,
+    ignore_index: int,
+    with_entropy: bool,
+    hyper: list[float],
+    modes: list[int],
+    max_length: float,
+    num_items: float,
+    loss_scale: float | None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`policy_loss_fwd` (token-level importance sampling) that also writes
+    ``dL/dlogits`` into ``grad`` (the logits' shape and dtype, contiguous rows; may BE
+    ``logits3d``) in the same program as each row's forward, times ``seq_scale`` (from
+    :func:`aggregation_scale`) and ``loss_scale``; positions that predict no target get
+    zeros. Returns ``(loss, metrics)``, the loss times ``loss_scale``. The block layout is
+    the default forward's, so the loss, the metrics and (upstream gradient 1) the gradient
+    are the default call's bit for bit."""
+    outer, inner = targets.shape
+    positions = logits3d.shape[1]
+    dtype = stats_dtype(logits3d.dtype)
+    bonus = hyper[_ENTROPY_COEF] != 0.0
+    new = lambda on=True: logits3d.new_empty((outer, inner) if on else (0,), dtype=dtype)
+    part = logits3d.new_empty((N_COLS, outer * inner), dtype=dtype)
+    row_scale = seq_scale.view(-1, 1).expand(outer, inner)  # strides (1, 0) or (0, 0)
+    _fused_rows(
+        logits3d, targets, adv, old, ref, _mask_arg(mask), is_w, temperature, softcap,
+        ignore_index, hyper, modes, with_entropy or bonus, new(), new(), new(bonus), new(),
+        new(bonus), part, grad, row_scale, ent_scale, 1.0 if loss_scale is None else loss_scale,
+        read_layout=True,
+    )  # fmt: skip
+    shift = position_shift(positions, inner)
+    if positions > inner:  # the positions that predict no target: zero, as layer 3 writes them
+        if shift > 0:
+            grad[:, :shift].zero_()
+        grad[:, shift + inner :].zero_()
+    loss, metrics, _ = _finalize(
+        part, outer, inner, dtype, modes[4], max_length, num_items, num_items_t,
+        is_w is not None,
+    )  # fmt: skip
+    return (loss if loss_scale is None else loss * loss_scale), metrics
+
+
+policy_loss_grad_fwd_launch = _serialised_when_interpreting(policy_loss_grad_fwd)
+scale_rows_unless_one_launch = _serialised_when_interpreting(scale_rows_unless_one)
+
+SECOND_BACKWARD = (
+    "grad_in_forward=True: the gradient was formed by the forward and handed over by the "
+    "first backward; a second backward (retain_graph=True) has none left. Call policy_loss "
+    "again, or without grad_in_forward=True"
+)
+
+
+class GradInForward(torch.autograd.Function):
+    """A loss whose gradient w.r.t. ``logits`` the forward has formed already
+    (``policy_loss(grad_in_forward=True)``): ``run()`` returns ``(loss, grad)`` (``grad``:
+    the logits themselves with ``inplace``); the backward returns ``grad`` times the
+    upstream gradient, multiplied in place by ``scale(grad, grad_loss)`` (Triton:
+    :func:`scale_rows_unless_one`, which does nothing when the upstream gradient is 1).
+    Eager only; once per forward."""
+
+    @staticmethod
+    def forward(ctx, logits, run, inplace, scale):
+        loss, grad = run()
+        ctx.formed_grad, ctx.scale, ctx.inplace = grad, scale, inplace
+        if inplace:  # the forward wrote into the logits: their version moves on
+            torch.autograd.graph.increment_version(logits)
+            keep_for_inplace(ctx, logits)
+        ctx.set_materialize_grads(False)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad = ctx.__dict__.pop("formed_grad", None)  # handed over once
+        if grad is None:
+            raise RuntimeError(SECOND_BACKWARD)
+        if grad_loss is None:
+            return None, None, None, None
+        if ctx.inplace:
+            take_for_inplace(ctx)  # raises if anything wrote into the logits since
+        ctx.scale(grad, grad_loss)
+        if ctx.inplace:
+            return hand_back(grad, grad_loss), None, None, None
+        return differentiable_once(grad, grad_loss), None, None, None

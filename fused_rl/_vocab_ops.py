@@ -211,6 +211,28 @@ def token_stats_bwd_into(
     return grad
 
 
+SCALE_PROGRAMS = 1024  # programs of the grid-stride scaling launch (a few per SM)
+
+
+def scale_rows_unless_one(grad3d: Tensor, scale: Tensor) -> Tensor:
+    """``grad3d *= scale`` in place, ``scale`` a 0-dim tensor read on the device: ONE launch
+    whose programs return at once when it is exactly 1 (no byte of ``grad3d`` read or
+    written, no host sync), else scale ``grad3d``'s rows (``(outer, S, V)``, each row
+    contiguous, any row strides). The backward of a loss whose gradient was formed in the
+    forward (``policy_loss(grad_in_forward=True)``)."""
+    from .kernels.vocab.layer3 import _scale_rows_unless_one_kernel
+
+    outer, positions, vocab = grad3d.shape
+    n_rows = outer * positions
+    if n_rows * vocab == 0:
+        return grad3d
+    _scale_rows_unless_one_kernel[(min(n_rows, SCALE_PROGRAMS),)](
+        grad3d, scale, n_rows, positions, vocab, *grad3d.stride()[:2],
+        ACC=triton_acc(grad3d.dtype), **vocab_launch(vocab, writes=True),
+    )  # fmt: skip
+    return grad3d
+
+
 def _bwd_fake(logits3d, *_args):
     return logits3d.new_empty(logits3d.shape)
 

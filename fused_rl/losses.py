@@ -11,6 +11,8 @@ vocab-stream kernel. The ``reference`` backend is the same math in plain PyTorch
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -18,6 +20,7 @@ from . import _validation as V
 from ._agg import masked_mean_all, poison_empty, token_weights
 from ._backend import resolve_backend
 from ._launch import stats_dtype
+from ._ops import _tracing
 from ._policy_inputs import (
     advantages_2d,
     check_call,
@@ -33,10 +36,14 @@ from ._policy_inputs import (
 from ._policy_ops import (
     AUX_METRIC,
     AUX_SEQ_METRIC,
+    GradInForward,
     PolicyLossInplace,
+    aggregation_scale_launch,
     metrics_dict,
     policy_logprobs_fwd_op,
     policy_loss_fwd_op,
+    policy_loss_grad_fwd_launch,
+    scale_rows_unless_one_launch,
 )
 from ._vocab_ops import check_inplace, check_targets_window, token_stats_nocheck, window
 from .distributed import is_dtensor
@@ -207,6 +214,8 @@ def policy_loss(
     ignore_index: int = -100,
     process_group=None,
     inplace: bool = False,
+    grad_in_forward: bool = False,
+    loss_scale: float | None = None,
     policy: PolicyConfig,
     backend: str = "auto",
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -277,6 +286,40 @@ def policy_loss(
             ``torch.compile`` (eager only; without ``fullgraph`` the call graph-breaks and
             runs eagerly); ``NotImplementedError`` with ``process_group`` or DTensor
             logits.
+        grad_in_forward: two passes over the logits instead of three. The loss is one
+            scalar, so its gradient w.r.t. the logits is known in the forward up to the
+            upstream factor: the forward's one kernel reads each row, runs the token layer
+            and at once writes the row's gradient (already times its token's
+            ``loss_agg`` weight, computed from the mask before the pass, and
+            ``loss_scale``) into a new buffer, or into the logits with ``inplace=True``;
+            the backward only multiplies it by the upstream gradient, deciding ON THE
+            DEVICE (one small launch, no host sync) to do nothing when that is exactly 1.
+            HBM bytes of the logits stream, ``e`` bytes an element: ``2·N·V·e`` (one read,
+            its re-read served from L2 right after, one write) where the default moves
+            ``3·N·V·e`` (read forward; read and write backward). With an upstream gradient
+            of 1 the loss, metrics and gradient are the default call's bit for bit; with
+            another the gradient is rounded twice (to the logits' dtype, then times the
+            factor), where the default rounds once: about one unit in the last place
+            (RMS within 2 eps of the dtype, each element within 4 eps of its row's
+            largest). The logits are
+            not needed by the backward (without ``inplace`` the caller may drop them after
+            the forward), but the gradient is held from the forward on. Needs every token's
+            gradient from its own row (``PolicyConfig.token_level``): with
+            ``importance_sampling="sequence"`` / ``"sequence-token"``, ``surrogate="vespo"``
+            or ``top_entropy_quantile < 1`` it raises ``ValueError`` naming the option.
+            Without a gradient to form (``no_grad``, logits that do not require grad) it is
+            the ordinary forward. One backward per forward (a second one, with
+            ``retain_graph=True``, raises); eager only (raises under ``torch.compile``);
+            ``NotImplementedError`` with ``process_group`` or DTensor logits. (The name
+            says when the gradient is formed, as the fused-linear losses of Liger and
+            fused_rl form theirs; peers call the same trick "gradient in forward".)
+        loss_scale: a real constant multiplying the loss and its gradient (the loss is
+            ``loss_scale`` times the aggregated loss; the metrics are not scaled):
+            ``loss_scale=1 / k`` then ``loss.backward()`` is gradient accumulation over
+            ``k`` micro-batches, ``(loss / k).backward()``, while the upstream gradient
+            stays 1 so ``grad_in_forward`` keeps its two passes. Without
+            ``grad_in_forward`` it multiplies the returned loss (the backward then scales
+            as for any upstream factor).
         backend: ``"auto"`` | ``"triton"`` | ``"reference"``.
         eps_low, eps_high, dual_clip, delta, beta, kl_estimator, entropy_coef,
             importance_sampling, surrogate, sapo_tau_*, vespo_*, kl_bias_correction,
@@ -345,6 +388,14 @@ def policy_loss(
                 "(process_group= or DTensor logits): call without it"
             )
         check_inplace(logits, "policy_loss", inplace)
+    if grad_in_forward is not False or loss_scale is not None:
+        return _formed_in_forward(
+            logits, targets, advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+            mask=mask, temperature=temperature, softcap=softcap, with_entropy=with_entropy,
+            is_weights=is_weights, num_items=num_items, ignore_index=ignore_index,
+            process_group=process_group, inplace=inplace, grad_in_forward=grad_in_forward,
+            loss_scale=loss_scale, need_entropy=need_entropy, policy=policy, backend=backend,
+        )  # fmt: skip
     # by composition (log-probs and entropy first, then the token layer): vocabulary-sharded
     # logits, and the top-entropy selection, whose threshold needs every token's entropy
     if process_group is not None or is_dtensor(logits) or policy.top_entropy_quantile < 1.0:
@@ -392,6 +443,127 @@ def policy_loss(
         logp, entropy, adv2d, mask_f, weights, num_items, is_w, policy, old_logp=old_logprobs,
         ref_logp=ref_logprobs, is_weights=None if is_w is None else is_w.detach().to(acc),
     )  # fmt: skip
+
+
+def _not_token_level(policy: PolicyConfig) -> str | None:
+    """The option that keeps a token's gradient from being known from its own row."""
+    if policy.importance_sampling != "token":
+        return f"importance_sampling={policy.importance_sampling!r} (the sequence's ratio)"
+    if policy.surrogate == "vespo":
+        return "surrogate='vespo' (the sequence's weight phi)"
+    if policy.top_entropy_quantile < 1.0:
+        return f"top_entropy_quantile={policy.top_entropy_quantile} (every token's entropy)"
+    return None
+
+
+def _formed_in_forward(
+    logits, targets, advantages, *, old_logprobs, ref_logprobs, mask, temperature, softcap,
+    with_entropy, is_weights, num_items, ignore_index, process_group, inplace, grad_in_forward,
+    loss_scale, need_entropy, policy: PolicyConfig, backend,
+) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
+    """:func:`policy_loss` with ``grad_in_forward`` and / or ``loss_scale`` (checked here):
+    the two-pass path (:class:`fused_rl._policy_ops.GradInForward`), or the ordinary call
+    times ``loss_scale``."""
+    if not isinstance(grad_in_forward, bool):
+        raise TypeError(f"grad_in_forward must be a bool, got {grad_in_forward!r}")
+    if loss_scale is not None:
+        if isinstance(loss_scale, Tensor):
+            raise TypeError(
+                "loss_scale must be a Python number (a tensor would be read on the host); "
+                "for a tensor factor multiply the loss: (loss * factor).backward()"
+            )
+        V.check_number(loss_scale, "loss_scale")
+        if not math.isfinite(loss_scale):
+            raise ValueError(f"loss_scale must be finite, got {loss_scale}")
+        loss_scale = float(loss_scale)
+    if grad_in_forward:
+        if process_group is not None or is_dtensor(logits):
+            raise NotImplementedError(
+                "grad_in_forward=True is not implemented for vocabulary-parallel logits "
+                "(process_group= or DTensor logits): call without it"
+            )
+        option = _not_token_level(policy)
+        if option is not None:
+            raise ValueError(
+                f"grad_in_forward=True forms each token's gradient from its own logits row "
+                f"in the forward, but {option} is needed before any token's gradient is "
+                "known: call without grad_in_forward=True (the default path runs it)"
+            )
+        if torch.compiler.is_compiling() or _tracing():
+            raise RuntimeError(
+                "policy_loss(grad_in_forward=True) is eager-only: its backward decides on the "
+                "device whether to scale the gradient formed in the forward, a mutation a "
+                "traced graph cannot hold. Call without grad_in_forward=True inside a "
+                "compiled region"
+            )
+    tensors = dict(old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask,
+                   temperature=temperature, softcap=softcap, with_entropy=with_entropy,
+                   is_weights=is_weights, num_items=num_items, ignore_index=ignore_index,
+                   policy_config=policy)  # fmt: skip
+    if not (grad_in_forward and torch.is_grad_enabled() and logits.requires_grad):
+        loss, metrics = policy_loss(
+            logits, targets, advantages, process_group=process_group, inplace=inplace,
+            backend=backend, **tensors,
+        )  # fmt: skip
+        return (loss if loss_scale is None else loss * loss_scale), metrics
+    V.check_target_range(targets, logits.shape[-1], ignore_index, "targets")
+    V.check_mask_weights(mask, "mask")
+    which = resolve_backend(backend, logits, targets)
+    found: dict[str, object] = {}
+
+    if which == "reference":  # autograd's gradient, formed in the forward
+
+        def run():
+            x = logits.detach().requires_grad_()
+            with torch.enable_grad():
+                loss, found["metrics"] = policy_loss(
+                    x, targets, advantages, backend="reference", **tensors
+                )
+                up = None if loss_scale is None else torch.full_like(loss, loss_scale)
+                (grad,) = torch.autograd.grad(loss, x, up)
+            if inplace:
+                logits.detach().copy_(grad)
+                grad = logits
+            loss = loss.detach()
+            return (loss if loss_scale is None else loss * loss_scale), grad
+
+        loss = GradInForward.apply(logits, run, bool(inplace), _scale_in_place)
+        return loss, found["metrics"]
+
+    batch, length = targets.shape
+    adv2d = advantages_2d(advantages, batch, length)
+    is_w = is_weights_2d(is_weights, batch, length)
+    n_items, n_items_t = num_items_args(num_items)
+    max_length = float(policy.max_length or length)
+    seq_scale, m = aggregation_scale_launch(
+        mask, targets, int(ignore_index), stats_dtype(logits.dtype), policy.kernel_modes[4],
+        max_length, n_items, n_items_t,
+    )  # fmt: skip
+    ent = None
+    if policy.entropy_agg is not None and policy.entropy_coef != 0.0:
+        ent = per_row(entropy_scale(m, policy, num_items), (batch, length))
+
+    def run():
+        grad = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype,
+                                                  device=logits.device)  # fmt: skip
+        loss, found["metrics"] = policy_loss_grad_fwd_launch(
+            grad, logits, targets, adv2d, old_logprobs, ref_logprobs, mask, is_w, n_items_t,
+            ent, seq_scale, float(temperature), softcap, int(ignore_index), bool(need_entropy),
+            policy.kernel_params, policy.kernel_modes, max_length, n_items, loss_scale,
+        )  # fmt: skip
+        return loss, grad
+
+    loss = GradInForward.apply(logits, run, bool(inplace), scale_rows_unless_one_launch)
+    out = metrics_dict(found["metrics"], has_kl=ref_logprobs is not None,
+                       has_entropy=need_entropy, surrogate=SURROGATES.index(policy.surrogate),
+                       has_is=is_w is not None, bias_kl=policy.kl_bias_correction)  # fmt: skip
+    return loss, out
+
+
+def _scale_in_place(grad: Tensor, factor: Tensor) -> None:
+    """The reference backward of ``grad_in_forward``: ``grad *= factor`` (exact for 1)."""
+    with torch.no_grad():
+        grad.detach().mul_(factor)
 
 
 @V.deprecated_keyword("kl", "kl_estimator")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -16,7 +18,7 @@ _CALL_OPTIONS = (
     "temperature", "softcap", "with_entropy", "ignore_index", "process_group", "backend",
 )  # fmt: skip
 # what only a call on materialised logits takes (fused_rl.policy_loss)
-_LOGITS_OPTIONS = ("inplace",)
+_LOGITS_OPTIONS = ("inplace", "grad_in_forward", "loss_scale")
 
 
 def _check_call_options(options: dict) -> None:
@@ -24,9 +26,14 @@ def _check_call_options(options: dict) -> None:
     a config fails when the module is built, not at the first training step."""
     if "temperature" in options:
         V.check_positive(options["temperature"], "temperature")
-    for name in _LOGITS_OPTIONS:
+    for name in ("inplace", "grad_in_forward"):
         if not isinstance(options.get(name, False), bool):
             raise TypeError(f"{name} must be a bool, got {options[name]!r}")
+    loss_scale = options.get("loss_scale")
+    if loss_scale is not None:
+        V.check_number(loss_scale, "loss_scale")
+        if not math.isfinite(loss_scale):
+            raise ValueError(f"loss_scale must be finite, got {loss_scale}")
     V.check_positive(options.get("softcap"), "softcap", allow_none=True)
     V.check_choice(options.get("backend", "auto"), BACKENDS, "backend")
     ignore_index = options.get("ignore_index", -100)
@@ -46,7 +53,8 @@ class PolicyLoss(torch.nn.Module):
     or a whole ``policy_config``; held as ``self.policy_config``) and the call options
     ``temperature``, ``softcap`` (Gemma-style logit soft-capping, see
     :func:`fused_rl.policy_loss`), ``with_entropy``, ``ignore_index``, ``process_group``,
-    ``backend`` and ``inplace`` (the backward writes the gradient into the logits: see
+    ``backend``, and ``inplace``, ``grad_in_forward``, ``loss_scale`` (the gradient
+    written into the logits, formed in the forward, the loss's constant factor: see
     :func:`fused_rl.policy_loss`) (``self.call_options``), all checked at construction;
     ``kl=`` is a deprecated alias of ``kl_estimator=``, with one ``FutureWarning`` at
     construction.
@@ -145,8 +153,9 @@ class LinearPolicyLoss(PolicyLoss):
         >>> loss.backward()
     """
 
-    # process_group: a vocabulary-sharded lm_head (each rank's weight its slice); no
-    # inplace: the chunks' logits are the op's own, already turned into their gradient
+    # process_group: a vocabulary-sharded lm_head (each rank's weight its slice); none of
+    # the logits options: the chunks' logits are the op's own, turned into their gradient
+    # in the forward already
     OPTIONS = (*OPTION_NAMES, *_CALL_OPTIONS, "chunk_tokens", "vocab_start", "vocab_size",
                "reduce_hidden_grad")  # fmt: skip
 

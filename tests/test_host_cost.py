@@ -71,3 +71,26 @@ def test_eager_yardstick_is_the_same_loss(device):
         entropy_coef=host.ENTROPY_COEF, loss_agg="token-mean", backend="reference",
     )  # fmt: skip
     assert_rel(got, want, FP32_TOL, "policy_loss vs eager_grpo_loss")
+
+
+# the opt-in call options of policy_loss (same call as "policy_loss" above): the budgets of
+# the calls without them are unchanged; inplace=True adds its checks, grad_in_forward=True
+# the token weights and the normaliser formed before the pass (tests/test_grad_in_forward.py)
+OPTION_BUDGET = {
+    "inplace": (dict(inplace=True), (115, 17)),
+    "grad_in_forward": (dict(grad_in_forward=True), (114, 31)),
+    "grad_in_forward_inplace": (dict(grad_in_forward=True, inplace=True), (125, 31)),
+}
+
+
+@pytest.mark.no_poison
+@pytest.mark.parametrize("name", list(OPTION_BUDGET))
+def test_host_work_of_the_call_options(name, device):
+    options, (frames, ops) = OPTION_BUDGET[name]
+    inp = host.make_inputs(*host.SHAPE, device=device)
+    with host.host_timing(stub=True):
+        call = host._policy_loss(inp, **options)
+        call()
+        work = host.count_host_work(call)
+    assert work["py_frames"] <= frames, (name, work)
+    assert work["dispatch_ops"] <= ops, (name, work)

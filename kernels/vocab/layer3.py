@@ -13,12 +13,16 @@ With the soft cap ``z = c tanh(x / c) / T`` the bracket is multiplied by
 
 Bytes per call: reads the logits once and writes their gradient once (2 + 2 per element in
 bf16), plus O(1) floats per row.
+
+``_scale_rows_unless_one_kernel`` is the backward of a loss whose gradient was formed in the
+forward (``policy_loss(grad_in_forward=True)``): it multiplies that gradient by the upstream
+scalar in place, deciding on the device whether there is anything to do.
 """
 
 import triton
 import triton.language as tl
 
-from ..common import pair, tanh_and_sech2, token_offset
+from ..common import cast_for, pair, tanh_and_sech2, token_offset
 
 
 @triton.jit(
@@ -172,3 +176,34 @@ def write_grad_row(
             grad = grad * sech2
         grad = tl.where(active, grad, 0.0)
         tl.store(grad_row + cols, grad.to(grad_row.dtype.element_ty), mask=in_row)
+
+
+@triton.jit(do_not_specialize=["n_rows", "positions"])
+def _scale_rows_unless_one_kernel(
+    grad_ptr,
+    scale_ptr,
+    n_rows,
+    positions,
+    V,
+    stride_outer,
+    stride_inner,
+    BLOCK_V: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """``grad *= scale`` over the ``n_rows = outer * positions`` rows of a ``(outer,
+    positions, V)`` buffer with contiguous rows (``stride_outer`` / ``stride_inner`` apart),
+    ``scale`` a 0-dim tensor read on the device (no host sync): when it is exactly 1 every
+    program returns after reading those 4 bytes, so the launch touches none of the
+    buffer; otherwise program ``p`` scales rows ``p, p + n_programs, ...`` (any NaN or other
+    value scales, computed in ``ACC`` and rounded once to the buffer's dtype, as
+    ``grad * scale`` does in torch)."""
+    scale = tl.load(scale_ptr).to(ACC)
+    if scale != 1.0:
+        for prow in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+            p = prow + tl.zeros((), tl.int64)  # int64 offsets (an int in the interpreter)
+            outer = p // positions
+            row = grad_ptr + outer * stride_outer + (p - outer * positions) * stride_inner
+            for start in range(0, V, BLOCK_V):
+                cols = start + tl.arange(0, BLOCK_V)
+                x = tl.load(row + cols, mask=cols < V, other=0.0)
+                tl.store(row + cols, cast_for(x.to(ACC) * scale, row), mask=cols < V)

@@ -47,6 +47,8 @@ from .layer3 import write_grad_row
         "mask_stride_inner",
         "is_stride_outer",
         "is_stride_inner",
+        "rs_stride_outer",
+        "rs_stride_inner",
     ]
 )
 def _policy_loss_fwd_kernel(
@@ -84,10 +86,16 @@ def _policy_loss_fwd_kernel(
     mask_stride_inner,
     is_stride_outer,
     is_stride_inner,
+    grad_stride_outer,
+    grad_stride_inner,
+    rs_stride_outer,
+    rs_stride_inner,
     inv_t_hi,
     inv_t_lo,
     inv_cap_hi,
     inv_cap_lo,
+    grad_scale_hi,
+    grad_scale_lo,
     ignore_index,
     hyper,
     SURROGATE: tl.constexpr,
@@ -113,12 +121,16 @@ def _policy_loss_fwd_kernel(
     strided ``(outer, rows_inner)`` (``(B,)`` advantages: a zero inner stride); outputs are
     contiguous ``(outer * rows_inner,)``, partials ``(N_COLS, outer * rows_inner)``.
 
-    ``WRITE_GRAD`` (the fused-linear loss, ``shift == 0``): also write the row's gradient
-    ``dL/dlogits`` to ``grad_ptr`` (contiguous ``(outer * rows_inner, V)``, may BE the
-    logits: written in place), with ``g``/``h`` times ``row_scale[row]`` (the loss
-    aggregation's normaliser, known from the mask alone). Bytes: one more read of the row
-    (from L2 right after the first) and one write. ``inv_t``: ``1 / T`` (``c / T`` with
-    ``HAS_SOFTCAP``, the soft cap ``c``), ``inv_cap``: ``1 / c``."""
+    ``WRITE_GRAD`` (the fused-linear loss, ``policy_loss(grad_in_forward=True)``): also
+    write the row's gradient ``dL/dlogits`` to ``grad_ptr``, a buffer shaped as the logits
+    with contiguous rows (``grad_stride_outer`` / ``grad_stride_inner`` apart, the same
+    position as the row read; may BE the logits: written in place), with ``g``/``h`` times
+    ``grad_scale * row_scale[row]`` (``row_scale`` strided ``(outer, rows_inner)``: the loss
+    aggregation's normaliser, known from the mask alone; ``grad_scale``: a constant factor
+    of the loss, ``loss_scale``), multiplied in the order layer 3 multiplies the upstream
+    gradient and the normaliser. Bytes: one more read of the row (from L2 right after the
+    first) and one write. ``inv_t``: ``1 / T`` (``c / T`` with ``HAS_SOFTCAP``, the soft
+    cap ``c``), ``inv_cap``: ``1 / c``."""
     row = tl.program_id(0).to(tl.int64)
     n_rows = tl.num_programs(0).to(tl.int64)
     inv_temperature = pair(inv_t_hi, inv_t_lo, ACC)  # 1 / T, fp64-exact for fp64 logits
@@ -187,13 +199,17 @@ def _policy_loss_fwd_kernel(
         is_weight, HAS_IS,
     )  # fmt: skip
     if WRITE_GRAD:  # layer 3 on the row just reduced (its second read comes from L2)
-        scale = tl.load(row_scale_ptr + row).to(ACC) * inv_temperature
+        rs_off = token_offset(row, rows_inner, rs_stride_outer, rs_stride_inner)
+        scale = inv_temperature * pair(grad_scale_hi, grad_scale_lo, ACC)
+        scale = scale * tl.load(row_scale_ptr + rs_off).to(ACC)
         g = tl.where(active, m * dloss_dlogp, 0.0) * scale
         h = 0.0
         if ENTROPY_BONUS:
             h = tl.where(active, -bonus * m, 0.0) * scale
+        grad_row = row_pointer(grad_ptr, row, rows_inner, shift, grad_stride_outer,
+                               grad_stride_inner)  # fmt: skip
         write_grad_row(
-            row_ptr, grad_ptr + row * V, V, stride_v, inv_temperature, inv_cap, row_max, log_s,
+            row_ptr, grad_row, V, stride_v, inv_temperature, inv_cap, row_max, log_s,
             log_s - entropy, g, h, target, active & ((g != 0) | (h != 0)), True,
             ENTROPY_BONUS, HAS_SOFTCAP, BLOCK_V, ACC,
         )  # fmt: skip
