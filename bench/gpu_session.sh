@@ -15,6 +15,9 @@
 #                  TRL's and verl's fused heads, Liger with inplace=True and False, eager,
 #                  torch.compile), then the host cost with real launches at 1 x 16 x 1024
 #   host           the host cost alone ($OUT/host.log)
+#   inplace        fused_rl inplace=True and grad_in_forward=True (two passes) beside Liger's
+#                  inplace=True and the defaults (`bench/run.py --suite inplace`: 8x2048x151936
+#                  and 4x4096x262144, bf16)
 #   e2e            one GRPO step of TRL's GRPOTrainer, TRL's head against fused_rl's
 #                  integration (bench/e2e_trl.py: a random Qwen2.5-1.5B-shaped model,
 #                  vocabulary 151936, 2 x (256 + 4096) tokens): $OUT/e2e.log and
@@ -95,7 +98,8 @@ if [ "$PART" = all ] || [ "$PART" = tests ]; then
     echo "pytest exit status $status (124 = stopped by TEST_TIMEOUT)"
 fi
 
-if [ "$PART" = all ] || [ "$PART" = bench ] || [ "$PART" = linear ] || [ "$PART" = peers ]; then
+if [ "$PART" = all ] || [ "$PART" = bench ] || [ "$PART" = linear ] || [ "$PART" = peers ] \
+    || [ "$PART" = inplace ]; then
     SLUG=$("$PY" -c "import sys, torch; sys.path.insert(0, '.'); from bench.measure import \
 slug, device_name; print(slug(device_name('cuda' if torch.cuda.is_available() else 'cpu')))")
     # resume from what this working tree already holds for this GPU
@@ -132,12 +136,18 @@ fi
 
 SUITE=""
 [ "$PART" = peers ] && SUITE=peers
+SUITE_ARGS=()
+if [ "$PART" = inplace ]; then
+    SUITE=inplace
+    SUITE_ARGS=(--providers "$("$PY" -c "import sys; sys.path.insert(0, '.'); \
+from bench.cases import INPLACE_PROVIDERS; print(','.join(INPLACE_PROVIDERS))")")
+fi
 { [ "$PART" = all ] || [ "$PART" = bench ]; } && SUITE=full
 if [ -n "$SUITE" ]; then
     BUDGET=${BENCH_BUDGET:-$((500 - SECONDS))}
     echo "== $SUITE benchmark suite on $SLUG, budget ${BUDGET}s"
     "$PY" bench/run.py --suite "$SUITE" --resume --no-plots --time-budget "$BUDGET" \
-        --out "$OUT/results" "$@" 2>&1 | tee "$OUT/bench.log" | tail -80
+        --out "$OUT/results" "${SUITE_ARGS[@]}" "$@" 2>&1 | tee "$OUT/bench.log" | tail -80
     bench_status=${PIPESTATUS[0]}
     echo "bench exit status $bench_status; results for bench/results/$SLUG/ in $OUT/results/"
     [ "$status" -eq 0 ] && status=$bench_status
