@@ -29,6 +29,76 @@ def _xlogy_terms(p: Tensor, log_ratio: Tensor) -> Tensor:
     return p * torch.where(zero, torch.zeros_like(log_ratio), log_ratio)
 
 
+# Taylor coefficients (``d^2`` to ``d^13``) of ``g1(d) = d e^d - expm1(d)`` and
+# ``g2(x) = (1 + x) log1p(x) - x``, the two non-negative pieces of a near-equal column's JSD
+# term (``kernels/vocab/distill.py`` ``mixture_terms``)
+_G1 = tuple((k - 1) / math.factorial(k) for k in range(2, 14))
+_G2 = tuple((-1) ** k / (k * (k - 1)) for k in range(2, 14))
+
+
+def _series(coefs: tuple[float, ...], x: Tensor) -> Tensor:
+    acc = torch.full_like(x, coefs[-1])
+    for c in reversed(coefs[:-1]):
+        acc = c + x * acc
+    return x * x * acc
+
+
+def _small(x: Tensor, bound: float) -> Tensor:
+    return (x <= bound) & (x >= -bound)
+
+
+def _near_delta(z: Tensor, u: Tensor, temperature: float, free: bool = False):
+    """``(delta, near)``: ``delta = log q - log p`` per column, as the kernel forms it
+    (``logit_gap`` + ``log(S_z / S_u)`` from the gap's own sum ``S_u - S_z``; differentiable
+    in ``z``; ``free``: ``log(S_z / S_u)`` detached, as ``log S_z`` is), where ``|delta| <= 1``
+    (``near``; ``delta`` is 0 elsewhere, where ``log q - log p`` is used)."""
+    zs, us = z / temperature, u / temperature
+    m_z = zs.detach().amax(-1, keepdim=True)
+    m_u = us.amax(-1, keepdim=True)
+    m_z = torch.where(torch.isfinite(m_z), m_z, torch.zeros_like(m_z))
+    m_u = torch.where(torch.isfinite(m_u), m_u, torch.zeros_like(m_u))
+    a, b = zs - m_z, us - m_u
+    w, dm = (u - z) / temperature, m_u - m_z
+    big = torch.maximum(a.abs(), b.abs())
+    direct = (w.abs() <= big) & (dm.abs() <= big)
+    gap_ab = torch.where(direct, w - dm, b - a)
+    e_a, e_b = a.exp(), b.exp()
+    s_z = e_a.sum(-1, keepdim=True)
+    close = _small(gap_ab, 1.0) & (e_a != 0)
+    terms = torch.where(close, e_a * torch.expm1(torch.where(close, gap_ab, 0.0)), e_b - e_a)
+    r = terms.sum(-1, keepdim=True) / s_z
+    ok = _small(r, 0.5) & torch.isfinite(s_z) & (s_z > 0)
+    log_zu = torch.where(ok, -torch.log1p(torch.where(ok, r, 0.0)), torch.zeros_like(r))
+    if free:
+        log_zu = log_zu.detach()
+    delta = gap_ab + log_zu
+    near = _small(delta, 1.0) & ok
+    return torch.where(near, delta, torch.zeros_like(delta)), near
+
+
+def _mixture(delta, near, p, q, log_p, log_q, beta):
+    """``(L, f)`` per column as ``kernels/vocab/distill.py`` ``mixture_terms``: ``L = log(m /
+    p)``, ``f`` the column's JSD term; the near form where ``near`` (``delta`` is 0 off it),
+    the ``logaddexp`` form elsewhere (columns where both ``p`` and ``q`` are 0 take finite
+    stand-ins: their terms are 0 whatever ``m`` is there)."""
+    small = 0.0625 if delta.dtype == torch.float64 else 0.25
+    x = beta * torch.expm1(delta)
+    g1 = torch.where(
+        _small(delta, 0.25), _series(_G1, delta), delta * delta.exp() - torch.expm1(delta)
+    )
+    x_s = torch.where(_small(x, small), x, torch.zeros_like(x))
+    x_d = torch.where(_small(x, small), torch.ones_like(x), x)
+    g2 = torch.where(_small(x, small), _series(_G2, x_s), (1.0 + x_d) * torch.log1p(x_d) - x_d)
+    near_f = p * (beta * g1 - g2)
+    both_zero = ((p == 0) & (q == 0)) | near
+    safe_p = torch.where(both_zero, torch.zeros_like(log_p), log_p)
+    safe_q = torch.where(both_zero, torch.zeros_like(log_q), log_q)
+    log_m = torch.logaddexp(safe_p + math.log1p(-beta), safe_q + math.log(beta))
+    far_f = beta * _xlogy_terms(q, safe_q - log_m) + (1.0 - beta) * _xlogy_terms(p, safe_p - log_m)
+    far_l = log_m - safe_p
+    return torch.where(near, torch.log1p(x), far_l), torch.where(near, near_f, far_f)
+
+
 def token_divergences(
     logits: Tensor,
     teacher_logits: Tensor,
@@ -65,21 +135,18 @@ def token_divergences(
         log_p = F.log_softmax(z / temperature, dim=-1)
     log_q = F.log_softmax(u / temperature, dim=-1)
     p, q = log_p.exp(), log_q.exp()
-    forward_kl = _xlogy_terms(q, log_q - log_p).sum(-1)
-    reverse_kl = _xlogy_terms(p, log_p - log_q).sum(-1)
+    delta, near = _near_delta(z, u, temperature, free_logprobs)
+    log_ratio = torch.where(near, delta, log_q - log_p)  # log q - log p
+    forward_kl = _xlogy_terms(q, log_ratio).sum(-1)
+    reverse_kl = _xlogy_terms(p, -log_ratio).sum(-1)
     if beta == 0:
         d = forward_kl
     elif beta == 1:
         d = reverse_kl
     else:
-        # log m = logaddexp(log(1 - beta) + log p, log(beta) + log q); columns where both p
-        # and q are 0 take finite stand-ins (their terms are 0 whatever m is there)
-        both_zero = (p == 0) & (q == 0)
-        safe_p = torch.where(both_zero, torch.zeros_like(log_p), log_p)
-        safe_q = torch.where(both_zero, torch.zeros_like(log_q), log_q)
-        log_m = torch.logaddexp(safe_p + math.log1p(-beta), safe_q + math.log(beta))
-        d = beta * _xlogy_terms(q, log_q - log_m).sum(-1)
-        d = d + (1.0 - beta) * _xlogy_terms(p, log_p - log_m).sum(-1)
+        # per column f = beta q log(q / m) + (1 - beta) p log(p / m) >= 0, near-equal
+        # columns from delta = log q - log p without cancellation (``_mixture``)
+        d = _mixture(delta, near, p, q, log_p, log_q, beta)[1].sum(-1)
     with torch.no_grad():
         student_entropy = -_xlogy_terms(p, log_p).sum(-1)
         teacher_entropy = -_xlogy_terms(q, log_q).sum(-1)
@@ -113,6 +180,10 @@ def student_grad(
     * JSD: ``-(1 - beta) p (L - sum_w p_w L_w) / T`` with ``L = log(m / p) =
       logaddexp(log(1 - beta), log(beta) + log q - log p)``.
 
+    On near-equal columns (``|log q - log p| <= 1``) ``delta = log q - log p`` comes from the
+    logits' difference (``_near_delta``), ``p - q = -p expm1(delta)`` and ``L =
+    log1p(beta expm1(delta))``: each relative to itself, as the kernel forms them.
+
     Columns where ``p = 0`` get 0 (NaN stays NaN elsewhere); rows outside ``counted`` are
     zeroed before anything is computed. Returns ``logits``' shape in fp32 (fp64 for an fp64
     input).
@@ -128,16 +199,19 @@ def student_grad(
     log_q = F.log_softmax(u / temperature, dim=-1)
     p = log_p.exp()
     zero = p == 0
-    if beta == 0:
-        g = p - log_q.exp()
+    delta, near = _near_delta(z, u, temperature)
+    if beta == 0:  # p - q = -p expm1(delta), relative to itself on near columns
+        g = torch.where(near, -p * torch.expm1(delta), p - log_q.exp())
     elif beta == 1:
-        r = torch.where(zero, torch.zeros_like(log_p), log_p - log_q)
+        r = torch.where(near, -delta, log_p - log_q)
+        r = torch.where(zero, torch.zeros_like(r), r)
         g = p * (r - (p * r).sum(-1, keepdim=True))
     else:
-        delta = torch.where(zero, torch.zeros_like(log_p), log_q - log_p)
+        far = torch.where(zero, torch.zeros_like(log_p), log_q - log_p)
         big = torch.logaddexp(
-            torch.full_like(delta, math.log1p(-beta)), math.log(beta) + delta
+            torch.full_like(far, math.log1p(-beta)), math.log(beta) + far
         )  # L = log(m / p)
+        big = torch.where(near, torch.log1p(beta * torch.expm1(delta)), big)
         big = torch.where(zero, torch.zeros_like(big), big)
         g = -(1.0 - beta) * p * (big - (p * big).sum(-1, keepdim=True))
     g = g / temperature

@@ -8,8 +8,18 @@ cancels (as ``kernels/vocab/layer1.py`` keeps the entropy):
 
 * ``S_z = sum e^a``, ``S_u = sum e^b``, so ``log p = a - log S_z``, ``log q = b - log S_u``;
 * ``W_z = sum e^a a``, ``W_u = sum e^b b``: entropies ``H(p) = log S_z - W_z / S_z``, ``H(q)``;
-* ``F = sum e^b (b - a)``: forward KL ``KL(q || p) = F / S_u - log S_u + log S_z``;
-* ``R = sum e^a (a - b)``: reverse KL ``KL(p || q) = R / S_z - log S_z + log S_u``.
+* ``F = sum e^b (b - a)``: forward KL ``KL(q || p) = F / S_u + log(S_z / S_u)``;
+* ``R = sum e^a (a - b)``: reverse KL ``KL(p || q) = R / S_z - log(S_z / S_u)``.
+
+Near-cancellation (CONTRIBUTING.md): when the student is near the teacher every divergence is
+of order ``delta^2`` (``delta = log q - log p``) while ``a``, ``b``, ``log S`` are of order
+``log V``, so nothing of size ``log V`` may be rounded into them. ``b - a`` comes from the
+logits' own difference ``(y - x) / T - (M_u - M_z)`` (``logit_gap``; exact for near-equal
+logits); ``log(S_z / S_u) = -log1p(G / S_z)`` with ``G = S_u - S_z`` summed from its own
+per-column terms ``e^a expm1(b - a)`` (``_log_ratio``; two separately rounded sums of size
+``V`` would leave ``ulp`` each). Per column ``delta = (b - a) + log(S_z / S_u)``: a row
+constant's rounding moves every ``delta`` alike, a first-order change of 0 in every
+divergence.
 
 When a block raises a maximum by ``-d`` (``d = M_old - M_new <= 0``), the running sums are
 rescaled online: ``S <- e^d S``, ``W <- e^d (W + d S)``, and ``F`` / ``R`` also shift by the
@@ -23,17 +33,21 @@ The divergence ``d_t`` of a token (``MODE``, TRL's ``generalized_jsd_loss``):
 * ``MODE_REVERSE_KL`` (``beta = 1``): ``KL(p || q)``, ONE pass;
 * ``MODE_JSD`` (``0 < beta < 1``): with ``m = (1 - beta) p + beta q``,
   ``beta KL(q || m) + (1 - beta) KL(p || m)``. The mixture needs both normalisers, so a
-  second pass over both rows forms, per column, ``delta = log q - log p`` and
-  ``L = log(m / p) = logaddexp(log(1 - beta), log(beta) + delta)`` (a function of ``delta``
-  only: no log-probability is subtracted from another of the same size), and sums
-  ``beta q (delta - L) - (1 - beta) p L``; ``delta - L = log(q / m)`` is formed without
+  second pass over both rows forms, per column, ``delta`` (above), ``L = log(m / p)`` and
+  the column's term ``f = beta q log(q / m) + (1 - beta) p log(p / m) >= 0``
+  (``mixture_terms``): for ``|delta| <= 1`` ``L = log1p(beta expm1(delta))`` and
+  ``f = p (beta g1(delta) - g2(beta expm1(delta)))`` with the non-negative ``O(delta^2)``
+  ``g1(d) = d e^d - expm1(d)``, ``g2(x) = (1 + x) log1p(x) - x`` (Taylor series for small
+  arguments), so no ``O(p delta)`` terms cancel into the ``O(p delta^2)`` JSD; beyond (and
+  for infinities) ``L = logaddexp(log(1 - beta), log(beta) + delta)`` and
+  ``f = beta q (delta - L) - (1 - beta) p L``, ``delta - L = log(q / m)`` formed without
   cancelling at ``delta = +inf``. Pass 1 is the one-pass statistics above (the metrics).
 
 Gradients (student only; ``dL/dx = w_t c dD/dz / T`` with the token weight ``w_t``, the
 aggregation's scale and the upstream gradient ``c``):
 
-* forward KL: ``dD/dz_v = p_v - q_v``;
-* reverse KL: ``dD/dz_v = p_v ((log p_v - log q_v) - KL(p || q))``;
+* forward KL: ``dD/dz_v = p_v - q_v`` (``-p_v expm1(delta_v)`` for ``|delta_v| <= 1``);
+* reverse KL: ``dD/dz_v = p_v (-delta_v - KL(p || q))``;
 * JSD: ``dD/dp_v = (1 - beta) log(p_v / m_v) = -(1 - beta) L_v`` (the ``q / m`` and ``p / m``
   terms cancel), so through the softmax ``dD/dz_v = -(1 - beta) p_v (L_v - sum_w p_w L_w)``,
   i.e. ``p_v (g_v - (1 - beta) KL(p || m))`` with ``g_v = (1 - beta) log(p_v / m_v)``.
@@ -48,7 +62,8 @@ aggregation's per-row scale (known from the mask alone) writing ``dz`` over the 
 chunk in place.
 
 What the forward saves per row for the backward (``stats``, ``(N_STATS, N)``, fp32 / fp64):
-``M_z``, ``log S_z``, ``M_u``, ``log S_u`` and ``c``: ``KL(p || q)`` (reverse KL) or
+``M_z``, ``log S_z``, ``M_u``, ``log(S_z / S_u)`` (``log S_u`` is ``log S_z`` less it) and
+``c``: ``KL(p || q)`` (reverse KL) or
 ``sum_w p_w L_w`` (JSD; unused for forward KL). The token's weight is the partial column
 ``COL_COUNT``. O(N) floats in all; no ``(N, V)`` temporary.
 
@@ -95,7 +110,7 @@ N_COLS = 6
 STAT_MAX_Z = tl.constexpr(0)
 STAT_LOG_SUM_Z = tl.constexpr(1)
 STAT_MAX_U = tl.constexpr(2)
-STAT_LOG_SUM_U = tl.constexpr(3)
+STAT_LOG_RATIO = tl.constexpr(3)  # log(S_z / S_u) (``_log_ratio``); log S_u = log S_z - it
 STAT_C = tl.constexpr(4)
 N_STATS = 5
 
@@ -129,6 +144,113 @@ def mixture_log_ratios(delta, log_beta, log_1m_beta):
 
 
 @triton.jit
+def _log_ratio(s_z, s_u, gap):
+    """``log(S_z / S_u) = -log1p(gap / S_z)`` with ``gap = S_u - S_z`` summed from its own
+    per-column terms (two separately rounded sums near each other would leave their
+    rounding, relative to ``log V``, in a KL of order ``(log q - log p)^2``); the plain logs
+    where the ratio is far from 1 or a sum is 0 / inf / NaN."""
+    safe_z = tl.where(s_z > 0, s_z, 1.0)
+    r = gap / safe_z
+    near = (s_z > 0) & (s_z < float("inf")) & (r <= 0.5) & (r >= -0.5)
+    return tl.where(near, -_log1p(tl.where(near, r, 0.0)), tl.log(s_z) - tl.log(s_u))
+
+
+@triton.jit
+def _expm1(v):
+    """``e^v - 1``, accurate for small ``v`` (``(w - 1) * v / log w``, ``w = e^v``)."""
+    w = tl.exp(v)
+    lw = tl.log(w)
+    small = (w == 1.0) | (lw == 0)
+    big = (v > 0.5) | (v < -0.5)
+    return tl.where(big, w - 1.0, tl.where(small, v, (w - 1.0) * v / tl.where(small, 1.0, lw)))
+
+
+@triton.jit
+def _log1p(r):
+    """``log(1 + r)``, accurate for small ``r`` (``log(w) * r / (w - 1)``, ``w = 1 + r``)."""
+    w = 1.0 + r
+    return tl.where(w == 1.0, r, tl.log(w) * r / tl.where(w == 1.0, 1.0, w - 1.0))
+
+
+@triton.jit
+def _bregman_exp(d, ACC: tl.constexpr):
+    """``g1(d) = d e^d - expm1(d) >= 0`` (``KL(q || p) = sum_v p_v g1(delta_v)``): below
+    ``|d| = 1/4`` its Taylor series to ``d^13``, ``sum_k (k - 1) d^k / k!`` nested as
+    ``d^2 / 2 (1 + d / 3 (2 + d / 4 (3 + ...)))`` (small-integer constants, exact in any
+    ``ACC``); the direct form above (cancelling by at most ``2 / |d| <= 8``)."""
+    h = tl.full((), 12.0, ACC) + 0.0 * d  # (k - 1) at k = 13
+    h = 11.0 + d * h / 13.0
+    h = 10.0 + d * h / 12.0
+    h = 9.0 + d * h / 11.0
+    h = 8.0 + d * h / 10.0
+    h = 7.0 + d * h / 9.0
+    h = 6.0 + d * h / 8.0
+    h = 5.0 + d * h / 7.0
+    h = 4.0 + d * h / 6.0
+    h = 3.0 + d * h / 5.0
+    h = 2.0 + d * h / 4.0
+    h = 1.0 + d * h / 3.0
+    series = 0.5 * d * d * h
+    direct = d * tl.exp(d) - _expm1(d)
+    return tl.where((d <= 0.25) & (d >= -0.25), series, direct)
+
+
+@triton.jit
+def _bregman_log(x, SMALL: tl.constexpr, ACC: tl.constexpr):
+    """``g2(x) = (1 + x) log1p(x) - x >= 0``: for ``|x| <= SMALL`` its Taylor series to
+    ``x^13``, ``sum_k (-1)^k x^k / (k (k - 1))`` (coefficients divided out in ``ACC``); the
+    direct form above (cancelling by at most ``2 / SMALL``)."""
+    one = tl.full((), 1.0, ACC)
+    h = -one / 156 + 0.0 * x  # (-1)^k / (k (k - 1)) at k = 13
+    h = one / 132 + x * h
+    h = -one / 110 + x * h
+    h = one / 90 + x * h
+    h = -one / 72 + x * h
+    h = one / 56 + x * h
+    h = -one / 42 + x * h
+    h = one / 30 + x * h
+    h = -one / 20 + x * h
+    h = one / 12 + x * h
+    h = -one / 6 + x * h
+    h = one / 2 + x * h
+    series = x * x * h
+    direct = (1.0 + x) * _log1p(x) - x
+    return tl.where((x <= SMALL) & (x >= -SMALL), series, direct)
+
+
+@triton.jit
+def mixture_terms(delta, p, q, beta, log_beta, log_1m_beta, ACC: tl.constexpr):
+    """Per column: ``(L, f)`` with ``L = log(m / p)`` and ``f = beta q log(q / m) + (1 - beta)
+    p log(p / m) >= 0`` (the column's JSD term), for ``delta = log q - log p``.
+
+    For ``|delta| <= 1`` (the near-equal columns): ``L = log1p(beta expm1(delta))``, exact
+    to rounding relative to ``L`` itself, and ``f = p (beta g1(delta) - g2(x))`` with
+    ``x = beta expm1(delta)`` (``f / p = beta e^delta delta - (1 + x) L``, both ``g >= 0``
+    and of order ``delta^2``, cancelling only by ``1 / (1 - beta)``): no ``O(p delta)``
+    terms are summed into an ``O(p delta^2)`` result. Beyond, and for infinities, the
+    ``logaddexp`` form (``mixture_log_ratios``), whose terms no longer cancel badly."""
+    if ACC == tl.float64:
+        SMALL: tl.constexpr = 0.0625
+    else:
+        SMALL: tl.constexpr = 0.25
+    near = (delta <= 1.0) & (delta >= -1.0)
+    dn = tl.where(near, delta, 0.0)
+    x = beta * _expm1(dn)
+    far_l, log_q_over_m = mixture_log_ratios(delta, log_beta, log_1m_beta)
+    term_p = tl.where(p == 0, 0.0, p * far_l)
+    term_q = tl.where(q == 0, 0.0, q * log_q_over_m)
+    far_f = beta * term_q - (1.0 - beta) * term_p
+    near_f = p * (beta * _bregman_exp(dn, ACC) - _bregman_log(x, SMALL, ACC))
+    return tl.where(near, _log1p(x), far_l), tl.where(near, near_f, far_f)
+
+
+@triton.jit
+def _load_raw(row_ptr, cols, V, stride_v, ACC: tl.constexpr):
+    x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V, other=float("-inf"))
+    return x.to(ACC)
+
+
+@triton.jit
 def _load_scaled(row_ptr, cols, V, stride_v, inv_temperature, ACC: tl.constexpr):
     x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V, other=float("-inf"))
     return x.to(ACC) * inv_temperature
@@ -150,10 +272,13 @@ def pair_moments(
     w_u = tl.zeros((), ACC)
     fwd = tl.zeros((), ACC)  # sum e^b (b - a)
     rev = tl.zeros((), ACC)  # sum e^a (a - b)
+    gap = tl.zeros((), ACC)  # S_u - S_z, summed as its own terms e^b - e^a
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        z = _load_scaled(s_row, cols, V, s_stride_v, inv_temperature, ACC)
-        u = _load_scaled(t_row, cols, V, t_stride_v, inv_temperature, ACC)
+        x = _load_raw(s_row, cols, V, s_stride_v, ACC)
+        y = _load_raw(t_row, cols, V, t_stride_v, ACC)
+        z = x * inv_temperature
+        u = y * inv_temperature
         new_z = nan_max(m_z, tl.max(z, 0))
         new_u = nan_max(m_u, tl.max(u, 0))
         ref_z = tl.where(new_z == float("-inf"), 0.0, new_z)
@@ -168,17 +293,23 @@ def pair_moments(
         s_z = alpha_z * s_z
         w_u = alpha_u * (w_u + d_u * s_u)
         fwd = alpha_u * (fwd + (d_u - d_z) * s_u)
+        # alpha_u S_u - alpha_z S_z = alpha_z (gap + expm1(d_u - d_z) S_u)
+        gap = alpha_z * (gap + _expm1(d_u - d_z) * s_u)
         s_u = alpha_u * s_u
         a = z - ref_z
         b = u - ref_u
+        b_minus_a = logit_gap(x, y, a, b, inv_temperature, ref_z, ref_u)
         e_a = tl.exp(a)
         e_b = tl.exp(b)
         s_z += tl.sum(e_a, 0)
         s_u += tl.sum(e_b, 0)
         w_z += tl.sum(tl.where(e_a == 0, 0.0, e_a * a), 0)
         w_u += tl.sum(tl.where(e_b == 0, 0.0, e_b * b), 0)
-        rev += tl.sum(tl.where(e_a == 0, 0.0, e_a * (a - b)), 0)
-        fwd += tl.sum(tl.where(e_b == 0, 0.0, e_b * (b - a)), 0)
+        near = (b_minus_a <= 1.0) & (b_minus_a >= -1.0)
+        gap_v = tl.where(near, e_a * _expm1(b_minus_a), e_b - e_a)
+        gap += tl.sum(tl.where(e_a == 0, e_b, gap_v), 0)
+        rev -= tl.sum(tl.where(e_a == 0, 0.0, e_a * b_minus_a), 0)
+        fwd += tl.sum(tl.where(e_b == 0, 0.0, e_b * b_minus_a), 0)
         m_z = new_z
         m_u = new_u
     ref_z = tl.where(m_z == float("-inf"), 0.0, m_z)
@@ -187,34 +318,64 @@ def pair_moments(
     log_s_u = tl.log(s_u)
     h_z = log_s_z - w_z / s_z
     h_u = log_s_u - w_u / s_u
-    kl_fwd = fwd / s_u - log_s_u + log_s_z
-    kl_rev = rev / s_z - log_s_z + log_s_u
+    # log S_z - log S_u as one quantity, log1p of the (exact, Sterbenz) difference's ratio:
+    # near-equal rows give a ratio near 1, where two logs of size log V would cancel
+    log_zu = _log_ratio(s_z, s_u, gap)
+    kl_fwd = fwd / s_u + log_zu
+    kl_rev = rev / s_z - log_zu
     # H >= 0; rounding can leave -1e-8 on a point mass (a where() keeps NaN as NaN)
     h_z = tl.where(h_z < 0, 0.0, h_z)
     h_u = tl.where(h_u < 0, 0.0, h_u)
-    return ref_z, log_s_z, h_z, ref_u, log_s_u, h_u, kl_fwd, kl_rev
+    return ref_z, log_s_z, h_z, ref_u, log_s_u, h_u, kl_fwd, kl_rev, log_zu
 
 
 @triton.jit
 def mixture_pass(
     s_row, t_row, V, s_stride_v, t_stride_v, inv_temperature, n_cols, m_z, log_s_z, m_u,
-    log_s_u, beta, log_beta, log_1m_beta, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    log_s_u, log_zu, beta, log_beta, log_1m_beta, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    """Pass 2 of the general ``beta``: ``(JSD, sum_v p_v L_v)`` (module docstring)."""
+    """Pass 2 of the general ``beta``: ``(JSD, sum_v p_v L_v)`` (module docstring), with
+    ``delta = (y - x) / T + (M_z - M_u) + log(S_z / S_u)`` (``log_zu``) per column: the
+    logits' own difference plus one row constant, whose rounding only shifts every
+    ``delta`` alike (a first-order change of ``0`` in the JSD)."""
     jsd = tl.zeros((), ACC)
     p_excess = tl.zeros((), ACC)
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        log_p = (_load_scaled(s_row, cols, V, s_stride_v, inv_temperature, ACC) - m_z) - log_s_z
-        log_q = (_load_scaled(t_row, cols, V, t_stride_v, inv_temperature, ACC) - m_u) - log_s_u
+        x = _load_raw(s_row, cols, V, s_stride_v, ACC)
+        y = _load_raw(t_row, cols, V, t_stride_v, ACC)
+        log_p = (x * inv_temperature - m_z) - log_s_z
+        log_q = (y * inv_temperature - m_u) - log_s_u
         p = tl.exp(log_p)
         q = tl.exp(log_q)
-        excess, log_q_over_m = mixture_log_ratios(log_q - log_p, log_beta, log_1m_beta)
-        term_p = tl.where(p == 0, 0.0, p * excess)
-        term_q = tl.where(q == 0, 0.0, q * log_q_over_m)
-        p_excess += tl.sum(term_p, 0)
-        jsd += beta * tl.sum(term_q, 0) - (1.0 - beta) * tl.sum(term_p, 0)
+        delta = near_delta(x, y, inv_temperature, m_z, m_u, log_zu)
+        excess, f = mixture_terms(delta, p, q, beta, log_beta, log_1m_beta, ACC)
+        p_excess += tl.sum(tl.where(p == 0, 0.0, p * excess), 0)
+        jsd += tl.sum(f, 0)
     return jsd, p_excess
+
+
+@triton.jit
+def logit_gap(x, y, a, b, inv_temperature, ref_z, ref_u):
+    """``b - a`` (``a = x / T - M_z``, ``b = y / T - M_u``) from whichever operands are
+    smaller: ``(y - x) / T - (M_u - M_z)`` (the logits' own difference, exact for near-equal
+    logits, so no ``ulp(a)`` of size ``ulp(log V)`` enters a difference of order the
+    student-teacher gap) where both parts are below ``max(|a|, |b|)``, else ``b - a``
+    (large offsets between the rows, infinities, NaN)."""
+    w = (y - x) * inv_temperature
+    dm = ref_u - ref_z
+    big = tl.maximum(tl.abs(a), tl.abs(b))
+    direct = (tl.abs(w) <= big) & (tl.abs(dm) <= big)
+    return tl.where(direct, w - dm, b - a)
+
+
+@triton.jit
+def near_delta(x, y, inv_temperature, m_z, m_u, log_zu):
+    """``delta = log q - log p = (b - a) + log(S_z / S_u)`` (``logit_gap``; ``log_zu`` one
+    row constant, so its rounding moves every ``delta`` alike)."""
+    a = x * inv_temperature - m_z
+    b = y * inv_temperature - m_u
+    return logit_gap(x, y, a, b, inv_temperature, m_z, m_u) + log_zu
 
 
 @triton.jit
@@ -295,7 +456,7 @@ def _distill_fwd_kernel(
     n_cols = tl.where(active, V, 0)
     s_row = row_pointer(s_ptr, row, rows_inner, 0, s_stride_outer, s_stride_inner)
     t_row = row_pointer(t_ptr, row, rows_inner, 0, t_stride_outer, t_stride_inner)
-    m_z, log_s_z, h_z, m_u, log_s_u, h_u, kl_fwd, kl_rev = pair_moments(
+    m_z, log_s_z, h_z, m_u, log_s_u, h_u, kl_fwd, kl_rev, log_zu = pair_moments(
         s_row, t_row, V, s_stride_v, t_stride_v, inv_temperature, n_cols, BLOCK_V, ACC
     )
     if MODE == MODE_FORWARD_KL:
@@ -310,7 +471,7 @@ def _distill_fwd_kernel(
         log_1m_beta = pair(log_1m_beta_hi, log_1m_beta_lo, ACC)
         d, c = mixture_pass(
             s_row, t_row, V, s_stride_v, t_stride_v, inv_temperature, n_cols, m_z, log_s_z,
-            m_u, log_s_u, beta, log_beta, log_1m_beta, BLOCK_V, ACC,
+            m_u, log_s_u, log_zu, beta, log_beta, log_1m_beta, BLOCK_V, ACC,
         )  # fmt: skip
         # a row whose normaliser is NaN / inf (NaN logit, all -inf) is NaN, whatever p and q
         d += (log_s_z - log_s_z) + (log_s_u - log_s_u)
@@ -325,7 +486,7 @@ def _distill_fwd_kernel(
     tl.store(st + STAT_MAX_Z * n_rows, tl.where(active, m_z, 0.0))
     tl.store(st + STAT_LOG_SUM_Z * n_rows, tl.where(active, log_s_z, 0.0))
     tl.store(st + STAT_MAX_U * n_rows, tl.where(active, m_u, 0.0))
-    tl.store(st + STAT_LOG_SUM_U * n_rows, tl.where(active, log_s_u, 0.0))
+    tl.store(st + STAT_LOG_RATIO * n_rows, tl.where(active, log_zu, 0.0))
     tl.store(st + STAT_C * n_rows, tl.where(active, c, 0.0))
 
 
@@ -466,7 +627,8 @@ def _distill_bwd_kernel(
     m_z = tl.load(st + STAT_MAX_Z * n_rows).to(ACC)
     log_s_z = tl.load(st + STAT_LOG_SUM_Z * n_rows).to(ACC)
     m_u = tl.load(st + STAT_MAX_U * n_rows).to(ACC)
-    log_s_u = tl.load(st + STAT_LOG_SUM_U * n_rows).to(ACC)
+    log_zu = tl.load(st + STAT_LOG_RATIO * n_rows).to(ACC)
+    log_s_u = log_s_z - log_zu
     c = tl.load(st + STAT_C * n_rows).to(ACC)
     s_row = row_pointer(s_ptr, row, rows_inner, 0, s_stride_outer, s_stride_inner)
     t_row = row_pointer(t_ptr, row, rows_inner, 0, t_stride_outer, t_stride_inner)
@@ -483,22 +645,23 @@ def _distill_bwd_kernel(
             c = tl.zeros((), ACC)
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        log_p = (
-            _load_scaled(s_row, cols, n_read, s_stride_v, inv_temperature, ACC) - m_z
-        ) - log_s_z
-        log_q = (
-            _load_scaled(t_row, cols, n_read, t_stride_v, inv_temperature, ACC) - m_u
-        ) - log_s_u
+        x = _load_raw(s_row, cols, n_read, s_stride_v, ACC)
+        y = _load_raw(t_row, cols, n_read, t_stride_v, ACC)
+        log_p = (x * inv_temperature - m_z) - log_s_z
+        log_q = (y * inv_temperature - m_u) - log_s_u
         p = tl.exp(log_p)
+        delta = near_delta(x, y, inv_temperature, m_z, m_u, log_zu)
+        near = (delta <= 1.0) & (delta >= -1.0)
         if MODE == MODE_FORWARD_KL:
             if FREE:
                 g = -tl.exp(log_q)
-            else:
-                g = p - tl.exp(log_q)
+            else:  # p - q = -p expm1(delta), relative to itself where the two are near
+                g = tl.where(near, -p * _expm1(tl.where(near, delta, 0.0)), p - tl.exp(log_q))
         elif MODE == MODE_REVERSE_KL:
-            g = tl.where(p == 0, 0.0, p * ((log_p - log_q) - c))
+            g = tl.where(p == 0, 0.0, p * (-delta - c))
         else:
-            excess, _ = mixture_log_ratios(log_q - log_p, log_beta, log_1m_beta)
+            far_l, _ = mixture_log_ratios(delta, log_beta, log_1m_beta)
+            excess = tl.where(near, _log1p(beta * _expm1(tl.where(near, delta, 0.0))), far_l)
             g = tl.where(p == 0, 0.0, p * (excess - c))
         g = tl.where(active, coef * g, 0.0)
         tl.store(grad_row + cols, cast_for(g, grad_ptr), mask=cols < V)
