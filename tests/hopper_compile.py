@@ -40,6 +40,7 @@ FLOAT_ARGS = {
     "eps", "correction", "clip_hi", "clip_lo", "lo_hi", "lo_lo", "hi_hi", "hi_lo",
     "vclip_hi", "vclip_lo", "coeff_hi", "coeff_lo", "gamma_hi", "gamma_lo", "decay_hi",
     "decay_lo", "coef_hi", "coef_lo", "num_items", "n_seq", "max_length", "eps_hi", "eps_lo",
+    "grad_scale_hi", "grad_scale_lo",
 }  # fmt: skip
 # tuple arguments: the policy kernels' hyper-parameters, one fp32 (hi, lo) pair per entry of
 # kernels/modes.py POLICY_PARAMS
@@ -51,7 +52,8 @@ WIDE_OFFSET_MODULES = [
     "token_ops.gaussian",
     "token_ops.rollout",
 ]
-INT_NAMES = {"ignore_index", "rows_inner", "group_size", "shift", "positions", "n_outer"}
+INT_NAMES = {"ignore_index", "rows_inner", "group_size", "shift", "positions", "n_outer",
+             "n_rows"}  # fmt: skip
 
 
 def _is_int_arg(name: str) -> bool:
@@ -243,7 +245,10 @@ def vocab_stream_vectorised() -> list[str]:
         names = [p.name for p in kernel.params]
         signature = _signature(kernel, True)
         signature["stride_v"] = "constexpr"
-        aligned = [n for n in names if n.endswith("_ptr")] + ["V", "stride_outer", "stride_inner"]
+        # the row strides of the logits and of the gradient (a fresh buffer or, inplace=True,
+        # the logits themselves): multiples of 16 at a real vocabulary, as Triton sees them
+        rows = ["stride_outer", "stride_inner", "grad_stride_outer", "grad_stride_inner"]
+        aligned = [n for n in names if n.endswith("_ptr")] + ["V"] + [n for n in rows if n in names]
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
         launch = vocab_launch(151936, writes=writes)
         constexprs = dict(flags, BLOCK_V=launch["BLOCK_V"], ACC=tl.float32, stride_v=1)
