@@ -364,7 +364,7 @@ def logit_gap(x, y, a, b, inv_temperature, ref_z, ref_u):
     (large offsets between the rows, infinities, NaN)."""
     w = (y - x) * inv_temperature
     dm = ref_u - ref_z
-    big = tl.maximum(tl.abs(a), tl.abs(b))
+    big = nan_max(tl.abs(a), tl.abs(b))  # NaN: not direct, b - a (NaN) is taken
     direct = (tl.abs(w) <= big) & (tl.abs(dm) <= big)
     return tl.where(direct, w - dm, b - a)
 
