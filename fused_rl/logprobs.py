@@ -72,7 +72,8 @@ def token_logprobs(
             ``z = c tanh(logits / c) / T`` (the cap applies to the raw logits: a ``-inf``
             logit becomes ``-c``).
         ignore_index: targets equal to it give 0 for every output and exactly 0 gradient.
-        return_entropy: also return ``H = -sum p log p`` of ``softmax(logits / T)``,
+        return_entropy: also return ``H = -sum p log p`` of ``softmax(z)`` (``z`` the
+            scaled logits, ``logits / T`` or with ``softcap`` as above),
             differentiable (an entropy bonus), at no extra pass over the logits.
         process_group: vocabulary (tensor) parallelism: a ``torch.distributed`` group whose
             ranks each hold a slice of the vocabulary, ``logits`` ``(..., V_local)`` (rank
