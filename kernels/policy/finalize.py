@@ -33,6 +33,36 @@ AGG_SEQ_MEAN_TOKEN_SUM = tl.constexpr(LOSS_AGG_MODES.index("seq-mean-token-sum")
 AGG_SEQ_MEAN_TOKEN_SUM_NORM = tl.constexpr(LOSS_AGG_MODES.index("seq-mean-token-sum-norm"))
 
 
+@triton.jit
+def aggregated_loss(tot_x, tot_m, seq_sum, seq_scale_ptr, num_items_ptr, num_items, n_seq,
+                    max_length, AGG: tl.constexpr, NUM_ITEMS_TENSOR: tl.constexpr,
+                    ACC: tl.constexpr):  # fmt: skip
+    """The loss of a finalize kernel from its loss column's totals (``tot_x`` the weighted
+    sum, ``tot_m`` the weight total, ``seq_sum`` the sum of per-sequence means), aggregated
+    by ``AGG`` (``fused_rl._agg``); outside ``seq-mean-token-mean`` it also stores the
+    backward's one ``seq_scale``. ``num_items`` (> 0; <= 0: not given) or the tensor at
+    ``num_items_ptr`` replaces ``tot_m`` for ``token-mean`` (a tensor <= 0 gives NaN)."""
+    if AGG == AGG_SEQ_MEAN_TOKEN_MEAN:
+        loss = seq_sum / n_seq
+    else:
+        if AGG == AGG_TOKEN_MEAN:
+            if NUM_ITEMS_TENSOR:
+                den = tl.load(num_items_ptr).to(ACC)
+            else:
+                den = tot_m * 0.0 + num_items
+                den = tl.where(num_items > 0, den, tot_m)  # num_items <= 0: not given
+        elif AGG == AGG_SEQ_MEAN_TOKEN_SUM:  # (normalisers that never read a weight)
+            den = tl.zeros((), ACC) + n_seq
+        else:
+            den = (tl.zeros((), ACC) + n_seq) * max_length  # in ACC: B * L may pass 2^24
+        scale = tl.where(den != 0, 1.0 / tl.where(den != 0, den, 1.0), 0.0)
+        if AGG == AGG_TOKEN_MEAN and NUM_ITEMS_TENSOR:  # never read on the host: a count
+            scale = tl.where(den > 0, 1.0 / den, float("nan"))  # <= 0 gives NaN, loudly
+        loss = tot_x * scale
+        tl.store(seq_scale_ptr, scale)
+    return loss
+
+
 @triton.jit(do_not_specialize=["n_outer", "rows_inner"])
 def _policy_finalize_kernel(
     part_ptr,
@@ -116,24 +146,8 @@ def _policy_finalize_kernel(
                 scale_b = tl.where(nonempty, 1.0 / (n_seq * safe_m), 0.0)
                 tl.store(seq_scale_ptr + bs, scale_b, mask=in_b)
     if k == COL_LOSS:
-        if AGG == AGG_SEQ_MEAN_TOKEN_MEAN:
-            loss = seq_sum / n_seq
-        else:
-            if AGG == AGG_TOKEN_MEAN:
-                if NUM_ITEMS_TENSOR:
-                    den = tl.load(num_items_ptr).to(ACC)
-                else:
-                    den = tot_m * 0.0 + num_items
-                    den = tl.where(num_items > 0, den, tot_m)  # num_items <= 0: not given
-            elif AGG == AGG_SEQ_MEAN_TOKEN_SUM:  # (normalisers that never read a weight)
-                den = tl.zeros((), ACC) + n_seq
-            else:
-                den = (tl.zeros((), ACC) + n_seq) * max_length  # in ACC: B * L may pass 2^24
-            scale = tl.where(den != 0, 1.0 / tl.where(den != 0, den, 1.0), 0.0)
-            if AGG == AGG_TOKEN_MEAN and NUM_ITEMS_TENSOR:  # never read on the host: a count
-                scale = tl.where(den > 0, 1.0 / den, float("nan"))  # <= 0 gives NaN, loudly
-            loss = tot_x * scale
-            tl.store(seq_scale_ptr, scale)
+        loss = aggregated_loss(tot_x, tot_m, seq_sum, seq_scale_ptr, num_items_ptr, num_items,
+                               n_seq, max_length, AGG, NUM_ITEMS_TENSOR, ACC)  # fmt: skip
         tl.store(loss_ptr, loss)
         tl.store(metrics_ptr + k, loss.to(tl.float32))
     elif k == COL_RATIO_MAX or k == COL_IS_MAX:

@@ -89,7 +89,7 @@ import triton
 import triton.language as tl
 
 from ..common import as_weight, cast_for, nan_max, nan_min, pair, row_pointer, token_offset
-from ..modes import LOSS_AGG_MODES
+from ..policy.finalize import AGG_SEQ_MEAN_TOKEN_MEAN, aggregated_loss
 
 # the divergence (``fused_rl.distill.DIVERGENCES`` in this order)
 MODE_FORWARD_KL = tl.constexpr(0)
@@ -113,10 +113,6 @@ STAT_MAX_U = tl.constexpr(2)
 STAT_LOG_RATIO = tl.constexpr(3)  # log(S_z / S_u) (``_log_ratio``); log S_u = log S_z - it
 STAT_C = tl.constexpr(4)
 N_STATS = 5
-
-AGG_TOKEN_MEAN = tl.constexpr(LOSS_AGG_MODES.index("token-mean"))
-AGG_SEQ_MEAN_TOKEN_MEAN = tl.constexpr(LOSS_AGG_MODES.index("seq-mean-token-mean"))
-AGG_SEQ_MEAN_TOKEN_SUM = tl.constexpr(LOSS_AGG_MODES.index("seq-mean-token-sum"))
 
 
 @triton.jit
@@ -548,24 +544,8 @@ def _distill_finalize_kernel(
         mean = tot_m
     tl.store(metrics_ptr + k, mean.to(tl.float32))
     if k == COL_D:
-        if AGG == AGG_SEQ_MEAN_TOKEN_MEAN:
-            loss = seq_sum / n_seq
-        else:
-            if AGG == AGG_TOKEN_MEAN:
-                if NUM_ITEMS_TENSOR:
-                    den = tl.load(num_items_ptr).to(ACC)
-                else:
-                    den = tot_m * 0.0 + num_items
-                    den = tl.where(num_items > 0, den, tot_m)  # num_items <= 0: not given
-            elif AGG == AGG_SEQ_MEAN_TOKEN_SUM:
-                den = tl.zeros((), ACC) + n_seq
-            else:  # seq-mean-token-sum-norm; in ACC: B * L may pass 2^24
-                den = (tl.zeros((), ACC) + n_seq) * max_length
-            scale = tl.where(den != 0, 1.0 / tl.where(den != 0, den, 1.0), 0.0)
-            if AGG == AGG_TOKEN_MEAN and NUM_ITEMS_TENSOR:  # never read on the host
-                scale = tl.where(den > 0, 1.0 / den, float("nan"))  # <= 0 gives NaN, loudly
-            loss = tot_x * scale
-            tl.store(seq_scale_ptr, scale)
+        loss = aggregated_loss(tot_x, tot_m, seq_sum, seq_scale_ptr, num_items_ptr, num_items,
+                               n_seq, max_length, AGG, NUM_ITEMS_TENSOR, ACC)  # fmt: skip
         tl.store(loss_ptr, loss)
 
 
