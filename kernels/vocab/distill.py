@@ -2,30 +2,10 @@
 softmax, streamed over both logits rows at once (``fused_rl.distill_loss``).
 
 Notation, per row (token): ``z = x / T`` the student's scaled logits, ``u = y / T`` the
-teacher's, ``p = softmax(z)``, ``q = softmax(u)``. Every statistic is kept relative to the
-row's running maximum (``a = z - M_z``, ``b = u - M_u``), so no large logit offset ever
-cancels (as ``kernels/vocab/layer1.py`` keeps the entropy):
-
-* ``S_z = sum e^a``, ``S_u = sum e^b``, so ``log p = a - log S_z``, ``log q = b - log S_u``;
-* ``W_z = sum e^a a``, ``W_u = sum e^b b``: entropies ``H(p) = log S_z - W_z / S_z``, ``H(q)``;
-* ``F = sum e^b (b - a)``: forward KL ``KL(q || p) = F / S_u + log(S_z / S_u)``;
-* ``R = sum e^a (a - b)``: reverse KL ``KL(p || q) = R / S_z - log(S_z / S_u)``.
-
-Near-cancellation (CONTRIBUTING.md): when the student is near the teacher every divergence is
-of order ``delta^2`` (``delta = log q - log p``) while ``a``, ``b``, ``log S`` are of order
-``log V``, so nothing of size ``log V`` may be rounded into them. ``b - a`` comes from the
-logits' own difference ``(y - x) / T - (M_u - M_z)`` (``logit_gap``; exact for near-equal
-logits); ``log(S_z / S_u) = -log1p(G / S_z)`` with ``G = S_u - S_z`` summed from its own
-per-column terms ``e^a expm1(b - a)`` (``_log_ratio``; two separately rounded sums of size
-``V`` would leave ``ulp`` each). Per column ``delta = (b - a) + log(S_z / S_u)``: a row
-constant's rounding moves every ``delta`` alike, a first-order change of 0 in every
-divergence.
-
-When a block raises a maximum by ``-d`` (``d = M_old - M_new <= 0``), the running sums are
-rescaled online: ``S <- e^d S``, ``W <- e^d (W + d S)``, and ``F`` / ``R`` also shift by the
-other stream's ``d`` (``F <- e^{d_u} (F + (d_u - d_z) S_u)``, ``R`` likewise). A term whose
-weight ``e^a`` (``e^b``) is exactly 0 contributes 0 (``0 * -inf`` guarded with a ``where`` that
-keeps NaN as NaN), so ``-inf`` logits give the finite limit; a NaN logit makes the row NaN.
+teacher's, ``p = softmax(z)``, ``q = softmax(u)``. Pass 1 over both rows is
+``kernels/vocab/pair.py`` ``pair_moments`` (every statistic relative to the running maxima;
+the divergences formed without cancelling when the student is near the teacher: see there):
+the entropies, ``KL(q || p)`` and ``KL(p || q)``.
 
 The divergence ``d_t`` of a token (``MODE``, TRL's ``generalized_jsd_loss``):
 
@@ -90,6 +70,7 @@ import triton.language as tl
 
 from ..common import as_weight, cast_for, nan_max, nan_min, pair, row_pointer, token_offset
 from ..policy.finalize import AGG_SEQ_MEAN_TOKEN_MEAN, aggregated_loss
+from .pair import expm1, load_block, log1p, near_delta, pair_moments, reverse_kl_grad
 
 # the divergence (``fused_rl.distill.DIVERGENCES`` in this order)
 MODE_FORWARD_KL = tl.constexpr(0)
@@ -110,7 +91,7 @@ N_COLS = 6
 STAT_MAX_Z = tl.constexpr(0)
 STAT_LOG_SUM_Z = tl.constexpr(1)
 STAT_MAX_U = tl.constexpr(2)
-STAT_LOG_RATIO = tl.constexpr(3)  # log(S_z / S_u) (``_log_ratio``); log S_u = log S_z - it
+STAT_LOG_RATIO = tl.constexpr(3)  # log(S_z / S_u) (``log_ratio_of_sums``); log S_u = log S_z - it
 STAT_C = tl.constexpr(4)
 N_STATS = 5
 
@@ -140,35 +121,6 @@ def mixture_log_ratios(delta, log_beta, log_1m_beta):
 
 
 @triton.jit
-def _log_ratio(s_z, s_u, gap):
-    """``log(S_z / S_u) = -log1p(gap / S_z)`` with ``gap = S_u - S_z`` summed from its own
-    per-column terms (two separately rounded sums near each other would leave their
-    rounding, relative to ``log V``, in a KL of order ``(log q - log p)^2``); the plain logs
-    where the ratio is far from 1 or a sum is 0 / inf / NaN."""
-    safe_z = tl.where(s_z > 0, s_z, 1.0)
-    r = gap / safe_z
-    near = (s_z > 0) & (s_z < float("inf")) & (r <= 0.5) & (r >= -0.5)
-    return tl.where(near, -_log1p(tl.where(near, r, 0.0)), tl.log(s_z) - tl.log(s_u))
-
-
-@triton.jit
-def _expm1(v):
-    """``e^v - 1``, accurate for small ``v`` (``(w - 1) * v / log w``, ``w = e^v``)."""
-    w = tl.exp(v)
-    lw = tl.log(w)
-    small = (w == 1.0) | (lw == 0)
-    big = (v > 0.5) | (v < -0.5)
-    return tl.where(big, w - 1.0, tl.where(small, v, (w - 1.0) * v / tl.where(small, 1.0, lw)))
-
-
-@triton.jit
-def _log1p(r):
-    """``log(1 + r)``, accurate for small ``r`` (``log(w) * r / (w - 1)``, ``w = 1 + r``)."""
-    w = 1.0 + r
-    return tl.where(w == 1.0, r, tl.log(w) * r / tl.where(w == 1.0, 1.0, w - 1.0))
-
-
-@triton.jit
 def _bregman_exp(d, ACC: tl.constexpr):
     """``g1(d) = d e^d - expm1(d) >= 0`` (``KL(q || p) = sum_v p_v g1(delta_v)``): below
     ``|d| = 1/4`` its Taylor series to ``d^13``, ``sum_k (k - 1) d^k / k!`` nested as
@@ -187,7 +139,7 @@ def _bregman_exp(d, ACC: tl.constexpr):
     h = 2.0 + d * h / 4.0
     h = 1.0 + d * h / 3.0
     series = 0.5 * d * d * h
-    direct = d * tl.exp(d) - _expm1(d)
+    direct = d * tl.exp(d) - expm1(d)
     return tl.where((d <= 0.25) & (d >= -0.25), series, direct)
 
 
@@ -210,7 +162,7 @@ def _bregman_log(x, SMALL: tl.constexpr, ACC: tl.constexpr):
     h = -one / 6 + x * h
     h = one / 2 + x * h
     series = x * x * h
-    direct = (1.0 + x) * _log1p(x) - x
+    direct = (1.0 + x) * log1p(x) - x
     return tl.where((x <= SMALL) & (x >= -SMALL), series, direct)
 
 
@@ -231,98 +183,13 @@ def mixture_terms(delta, p, q, beta, log_beta, log_1m_beta, ACC: tl.constexpr):
         SMALL: tl.constexpr = 0.25
     near = (delta <= 1.0) & (delta >= -1.0)
     dn = tl.where(near, delta, 0.0)
-    x = beta * _expm1(dn)
+    x = beta * expm1(dn)
     far_l, log_q_over_m = mixture_log_ratios(delta, log_beta, log_1m_beta)
     term_p = tl.where(p == 0, 0.0, p * far_l)
     term_q = tl.where(q == 0, 0.0, q * log_q_over_m)
     far_f = beta * term_q - (1.0 - beta) * term_p
     near_f = p * (beta * _bregman_exp(dn, ACC) - _bregman_log(x, SMALL, ACC))
-    return tl.where(near, _log1p(x), far_l), tl.where(near, near_f, far_f)
-
-
-@triton.jit
-def _load_raw(row_ptr, cols, V, stride_v, ACC: tl.constexpr):
-    x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V, other=float("-inf"))
-    return x.to(ACC)
-
-
-@triton.jit
-def _load_scaled(row_ptr, cols, V, stride_v, inv_temperature, ACC: tl.constexpr):
-    x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V, other=float("-inf"))
-    return x.to(ACC) * inv_temperature
-
-
-@triton.jit
-def pair_moments(
-    s_row, t_row, V, s_stride_v, t_stride_v, inv_temperature, n_cols,
-    BLOCK_V: tl.constexpr, ACC: tl.constexpr,
-):  # fmt: skip
-    """Pass 1: stream both rows once (``n_cols`` = V, or 0 to read nothing). Returns
-    ``(M_z, log S_z, H(p), M_u, log S_u, H(q), KL(q || p), KL(p || q))`` (module docstring;
-    ``M`` is 0 for a row that is all ``-inf`` or empty)."""
-    m_z = tl.full((), float("-inf"), ACC)
-    m_u = tl.full((), float("-inf"), ACC)
-    s_z = tl.zeros((), ACC)
-    s_u = tl.zeros((), ACC)
-    w_z = tl.zeros((), ACC)
-    w_u = tl.zeros((), ACC)
-    fwd = tl.zeros((), ACC)  # sum e^b (b - a)
-    rev = tl.zeros((), ACC)  # sum e^a (a - b)
-    gap = tl.zeros((), ACC)  # S_u - S_z, summed as its own terms e^b - e^a
-    for start in range(0, n_cols, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        x = _load_raw(s_row, cols, V, s_stride_v, ACC)
-        y = _load_raw(t_row, cols, V, t_stride_v, ACC)
-        z = x * inv_temperature
-        u = y * inv_temperature
-        new_z = nan_max(m_z, tl.max(z, 0))
-        new_u = nan_max(m_u, tl.max(u, 0))
-        ref_z = tl.where(new_z == float("-inf"), 0.0, new_z)
-        ref_u = tl.where(new_u == float("-inf"), 0.0, new_u)
-        # the running sums move to the new maxima (nothing to move while a stream is empty)
-        d_z = tl.where(m_z == float("-inf"), 0.0, m_z - ref_z)
-        d_u = tl.where(m_u == float("-inf"), 0.0, m_u - ref_u)
-        alpha_z = tl.exp(d_z)
-        alpha_u = tl.exp(d_u)
-        w_z = alpha_z * (w_z + d_z * s_z)
-        rev = alpha_z * (rev + (d_z - d_u) * s_z)
-        s_z = alpha_z * s_z
-        w_u = alpha_u * (w_u + d_u * s_u)
-        fwd = alpha_u * (fwd + (d_u - d_z) * s_u)
-        # alpha_u S_u - alpha_z S_z = alpha_z (gap + expm1(d_u - d_z) S_u)
-        gap = alpha_z * (gap + _expm1(d_u - d_z) * s_u)
-        s_u = alpha_u * s_u
-        a = z - ref_z
-        b = u - ref_u
-        b_minus_a = logit_gap(x, y, a, b, inv_temperature, ref_z, ref_u)
-        e_a = tl.exp(a)
-        e_b = tl.exp(b)
-        s_z += tl.sum(e_a, 0)
-        s_u += tl.sum(e_b, 0)
-        w_z += tl.sum(tl.where(e_a == 0, 0.0, e_a * a), 0)
-        w_u += tl.sum(tl.where(e_b == 0, 0.0, e_b * b), 0)
-        near = (b_minus_a <= 1.0) & (b_minus_a >= -1.0)
-        gap_v = tl.where(near, e_a * _expm1(b_minus_a), e_b - e_a)
-        gap += tl.sum(tl.where(e_a == 0, e_b, gap_v), 0)
-        rev -= tl.sum(tl.where(e_a == 0, 0.0, e_a * b_minus_a), 0)
-        fwd += tl.sum(tl.where(e_b == 0, 0.0, e_b * b_minus_a), 0)
-        m_z = new_z
-        m_u = new_u
-    ref_z = tl.where(m_z == float("-inf"), 0.0, m_z)
-    ref_u = tl.where(m_u == float("-inf"), 0.0, m_u)
-    log_s_z = tl.log(s_z)
-    log_s_u = tl.log(s_u)
-    h_z = log_s_z - w_z / s_z
-    h_u = log_s_u - w_u / s_u
-    # log S_z - log S_u as one quantity, log1p of the (exact, Sterbenz) difference's ratio:
-    # near-equal rows give a ratio near 1, where two logs of size log V would cancel
-    log_zu = _log_ratio(s_z, s_u, gap)
-    kl_fwd = fwd / s_u + log_zu
-    kl_rev = rev / s_z - log_zu
-    # H >= 0; rounding can leave -1e-8 on a point mass (a where() keeps NaN as NaN)
-    h_z = tl.where(h_z < 0, 0.0, h_z)
-    h_u = tl.where(h_u < 0, 0.0, h_u)
-    return ref_z, log_s_z, h_z, ref_u, log_s_u, h_u, kl_fwd, kl_rev, log_zu
+    return tl.where(near, log1p(x), far_l), tl.where(near, near_f, far_f)
 
 
 @triton.jit
@@ -338,8 +205,8 @@ def mixture_pass(
     p_excess = tl.zeros((), ACC)
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        x = _load_raw(s_row, cols, V, s_stride_v, ACC)
-        y = _load_raw(t_row, cols, V, t_stride_v, ACC)
+        x = load_block(s_row, cols, V, s_stride_v, ACC)
+        y = load_block(t_row, cols, V, t_stride_v, ACC)
         log_p = (x * inv_temperature - m_z) - log_s_z
         log_q = (y * inv_temperature - m_u) - log_s_u
         p = tl.exp(log_p)
@@ -349,29 +216,6 @@ def mixture_pass(
         p_excess += tl.sum(tl.where(p == 0, 0.0, p * excess), 0)
         jsd += tl.sum(f, 0)
     return jsd, p_excess
-
-
-@triton.jit
-def logit_gap(x, y, a, b, inv_temperature, ref_z, ref_u):
-    """``b - a`` (``a = x / T - M_z``, ``b = y / T - M_u``) from whichever operands are
-    smaller: ``(y - x) / T - (M_u - M_z)`` (the logits' own difference, exact for near-equal
-    logits, so no ``ulp(a)`` of size ``ulp(log V)`` enters a difference of order the
-    student-teacher gap) where both parts are below ``max(|a|, |b|)``, else ``b - a``
-    (large offsets between the rows, infinities, NaN)."""
-    w = (y - x) * inv_temperature
-    dm = ref_u - ref_z
-    big = nan_max(tl.abs(a), tl.abs(b))  # NaN: not direct, b - a (NaN) is taken
-    direct = (tl.abs(w) <= big) & (tl.abs(dm) <= big)
-    return tl.where(direct, w - dm, b - a)
-
-
-@triton.jit
-def near_delta(x, y, inv_temperature, m_z, m_u, log_zu):
-    """``delta = log q - log p = (b - a) + log(S_z / S_u)`` (``logit_gap``; ``log_zu`` one
-    row constant, so its rounding moves every ``delta`` alike)."""
-    a = x * inv_temperature - m_z
-    b = y * inv_temperature - m_u
-    return logit_gap(x, y, a, b, inv_temperature, m_z, m_u) + log_zu
 
 
 @triton.jit
@@ -625,8 +469,8 @@ def _distill_bwd_kernel(
             c = tl.zeros((), ACC)
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        x = _load_raw(s_row, cols, n_read, s_stride_v, ACC)
-        y = _load_raw(t_row, cols, n_read, t_stride_v, ACC)
+        x = load_block(s_row, cols, n_read, s_stride_v, ACC)
+        y = load_block(t_row, cols, n_read, t_stride_v, ACC)
         log_p = (x * inv_temperature - m_z) - log_s_z
         log_q = (y * inv_temperature - m_u) - log_s_u
         p = tl.exp(log_p)
@@ -636,12 +480,12 @@ def _distill_bwd_kernel(
             if FREE:
                 g = -tl.exp(log_q)
             else:  # p - q = -p expm1(delta), relative to itself where the two are near
-                g = tl.where(near, -p * _expm1(tl.where(near, delta, 0.0)), p - tl.exp(log_q))
+                g = tl.where(near, -p * expm1(tl.where(near, delta, 0.0)), p - tl.exp(log_q))
         elif MODE == MODE_REVERSE_KL:
-            g = tl.where(p == 0, 0.0, p * (-delta - c))
+            g = reverse_kl_grad(p, delta, c)
         else:
             far_l, _ = mixture_log_ratios(delta, log_beta, log_1m_beta)
-            excess = tl.where(near, _log1p(beta * _expm1(tl.where(near, delta, 0.0))), far_l)
+            excess = tl.where(near, log1p(beta * expm1(tl.where(near, delta, 0.0))), far_l)
             g = tl.where(p == 0, 0.0, p * (excess - c))
         g = tl.where(active, coef * g, 0.0)
         tl.store(grad_row + cols, cast_for(g, grad_ptr), mask=cols < V)
