@@ -12,14 +12,57 @@ from .policy_config import PolicyConfig
 from .reference.reductions import mask_weights
 
 
-def check_call(policy: PolicyConfig, ref_logprobs, num_items) -> None:
-    """What a call adds to the config's own checks: ``beta != 0`` needs ``ref_logprobs``;
-    ``num_items`` (a per-call value: a number or a one-element tensor)."""
-    if policy.beta != 0.0 and ref_logprobs is None:
+def check_call(
+    policy: PolicyConfig, ref_logprobs, num_items, ref_logits=None, ref_name: str = "ref_logits"
+) -> None:
+    """What a call adds to the config's own checks: ``beta != 0`` needs ``ref_logprobs``
+    (``ref_logits``, named ``ref_name``, for ``kl_estimator="full"``, which reads nothing
+    else); ``num_items`` (a per-call value: a number or a one-element tensor)."""
+    full = policy.kl_estimator == "full"
+    if full and ref_logprobs is not None:
+        raise ValueError(
+            f"kl_estimator='full' computes the exact KL from the reference's logits: pass "
+            f"{ref_name}=, not ref_logprobs="
+        )
+    if not full and ref_logits is not None:
+        raise ValueError(
+            f"{ref_name} is read only by kl_estimator='full' (the exact KL over the "
+            f"vocabulary); kl_estimator={policy.kl_estimator!r} takes ref_logprobs="
+        )
+    if policy.beta != 0.0 and (ref_logits if full else ref_logprobs) is None:
+        if full:
+            raise ValueError(
+                f"beta = {policy.beta} with kl_estimator='full' needs {ref_name} (the "
+                "reference policy's logits or lm_head)"
+            )
         raise ValueError(
             f"beta = {policy.beta} needs ref_logprobs (the reference policy's log-probs)"
         )
     check_num_items(num_items)
+
+
+def check_ref_logits(ref_logits: Tensor, logits: Tensor, length: int, name: str) -> None:
+    """``ref_logits`` ``(B, S_r, V)`` beside ``logits`` ``(B, S, V)`` for ``T = length``
+    targets: a float tensor on the same device, the same batch and vocabulary, ``S_r >= T``
+    positions (``S_r > T``: positions ``S_r - T - 1 ...`` predict the targets, as for the
+    policy's buffer). ``name`` is the policy's argument (``logits``)."""
+    V.check_float(ref_logits, "ref_logits")
+    V.check_same_device(**{name: logits, "ref_logits": ref_logits})
+    if ref_logits.dim() != 3:
+        raise ValueError(
+            f"ref_logits must be (B, S, V) like {name}, got shape {tuple(ref_logits.shape)}"
+        )
+    batch, vocab = logits.shape[0], logits.shape[-1]
+    if ref_logits.shape[-1] != vocab:
+        raise ValueError(
+            f"ref_logits has a vocabulary of {ref_logits.shape[-1]} but {name} has {vocab}: "
+            "the exact KL needs both models over the same vocabulary"
+        )
+    if ref_logits.shape[0] != batch or ref_logits.shape[1] < length:
+        raise ValueError(
+            f"ref_logits must be ({batch}, S, {vocab}) with S >= T = {length} (the "
+            f"positions that predict the targets), got {tuple(ref_logits.shape)}"
+        )
 
 
 def check_token_tensors(batch: int, length: int, **tensors: Tensor | None) -> None:
@@ -122,3 +165,32 @@ def entropy_scale(m: Tensor, policy: PolicyConfig, num_items) -> Tensor | None:
 def per_row(scale: Tensor | None, shape) -> Tensor | None:
     """A ``(B, 1)`` / ``(1, 1)`` factor as the contiguous ``(B * T,)`` rows the kernels read."""
     return None if scale is None else scale.expand(shape).contiguous().view(-1)
+
+
+def check_full_kl_route(policy: PolicyConfig, softcap, sharded: bool) -> None:
+    """``kl_estimator="full"`` runs where each token's loss comes from its own row: the fused
+    token-level pass (and the reference backend's twin of it)."""
+    if softcap is not None:
+        raise NotImplementedError("kl_estimator='full' is not implemented with softcap=")
+    if sharded:
+        raise NotImplementedError(
+            "kl_estimator='full' is not implemented for vocabulary-parallel logits "
+            "(process_group= or DTensor logits)"
+        )
+    option = not_token_level(policy)
+    if option is not None:
+        raise NotImplementedError(
+            f"kl_estimator='full' is implemented for token-level importance sampling, not "
+            f"with {option}"
+        )
+
+
+def not_token_level(policy: PolicyConfig) -> str | None:
+    """The option that keeps a token's gradient from being known from its own row."""
+    if policy.importance_sampling != "token":
+        return f"importance_sampling={policy.importance_sampling!r} (the sequence's ratio)"
+    if policy.surrogate == "vespo":
+        return "surrogate='vespo' (the sequence's weight phi)"
+    if policy.top_entropy_quantile < 1.0:
+        return f"top_entropy_quantile={policy.top_entropy_quantile} (every token's entropy)"
+    return None

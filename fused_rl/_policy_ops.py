@@ -35,6 +35,7 @@ from ._vocab_ops import (
     token_stats_fwd,
 )
 from .kernels.modes import (
+    KL_KINDS,
     N_BASE_COLUMNS,
     POLICY_COLUMNS,
     POLICY_PARAMS,
@@ -111,6 +112,20 @@ def _hyper(hyper: tuple[float, ...]) -> tuple[float, ...]:
 
 _BETA, _ENTROPY_COEF = POLICY_PARAMS.index("beta"), POLICY_PARAMS.index("entropy_coef")
 _DUAL_CLIP, _DELTA = POLICY_PARAMS.index("dual_clip"), POLICY_PARAMS.index("delta")
+_KL_FULL = KL_KINDS.index("full")
+N_KL_STATS = 4  # kernels/vocab/layer3.py KLS_*: the exact KL's per-token statistics
+
+
+# With the exact KL (``kl_estimator="full"``: ``modes[1] == _KL_FULL``, ``ref`` the
+# reference's logits ``(outer, S_r, V)``, not ``(outer, T)`` log-probs) the forward's ``h``
+# output is packed ``(1 + N_KL_STATS, outer, T)``: ``h`` (written with an entropy bonus) and
+# the KL's statistics for layer 3, one allocation (the default call allocates what it did).
+
+
+def _h_buffer(bonus: bool, full: bool, outer: int, inner: int, like: Tensor, dtype) -> Tensor:
+    """``h`` ``(outer, T)`` (``(0,)`` without a bonus), or packed with the KL's statistics."""
+    shape = (1 + N_KL_STATS, outer, inner) if full else ((outer, inner) if bonus else (0,))
+    return like.new_empty(shape, dtype=dtype)
 
 
 def _policy_switches(hyper: list[float], modes: list[int], has_ref: bool) -> dict:
@@ -204,13 +219,19 @@ def _fused_rows(logits3d, targets, adv, old, ref, mask, is_w, temperature, softc
     ``grad``/``row_scale``, each row's gradient times ``grad_scale``: layer 3 in the same
     program). ``read_layout``: the block size and warps of the forward without ``grad``
     (the reductions in the same order: the same row statistics, bit for bit, on a GPU too),
-    else a writing kernel's."""
+    else a writing kernel's. With the exact KL ``ref`` is the reference's logits, streamed
+    beside the policy's, and ``h`` is packed (:func:`_h_buffer`)."""
     from .kernels.vocab.policy_fused import _policy_loss_fwd_kernel
 
     outer, positions, vocab = logits3d.shape
     inner = targets.shape[1]
     if outer * inner == 0:
         return
+    full = ref is not None and modes[1] == _KL_FULL
+    rl, ref = (ref, None) if full else (None, ref)
+    kls = g
+    if full:
+        h, kls = h[0], h[1:]
     write = grad is not None
     wargs = _grad_args(grad, row_scale, inner, grad_scale) if write else _NO_GRAD_ARGS
     _policy_loss_fwd_kernel[(outer * inner,)](
@@ -218,17 +239,19 @@ def _fused_rows(logits3d, targets, adv, old, ref, mask, is_w, temperature, softc
         mask if mask is not None else g, is_w if is_w is not None else g, row_max, log_sum,
         entropy, g, h, part,
         grad if write else g, row_scale if row_scale is not None else g,
-        ent_scale if ent_scale is not None else g, inner, position_shift(positions, inner),
-        vocab, *logits3d.stride(),
+        ent_scale if ent_scale is not None else g, rl if full else g, kls,
+        inner, position_shift(positions, inner),
+        position_shift(rl.shape[1], inner) if full else 0, vocab, *logits3d.stride(),
         *targets.stride(), *adv.stride(), *_strides(old), *_strides(ref), *_strides(mask),
-        *_strides(is_w),
-        *wargs[:4], *f32_pair(1.0 / temperature if softcap is None else softcap / temperature),
+        *_strides(is_w), *wargs[:4], *(rl.stride() if full else (0, 0, 0)),
+        *f32_pair(1.0 / temperature if softcap is None else softcap / temperature),
         *(NO_CAP if softcap is None else f32_pair(1.0 / softcap)), *wargs[4:], ignore_index,
         _hyper(tuple(hyper)),
-        HAS_OLD=old is not None, HAS_REF=ref is not None, HAS_MASK=mask is not None,
+        HAS_OLD=old is not None, HAS_REF=full or ref is not None, HAS_MASK=mask is not None,
         HAS_IS=is_w is not None, WITH_ENTROPY=with_entropy, WRITE_GRAD=write,
         HAS_ENT_SCALE=ent_scale is not None, HAS_SOFTCAP=softcap is not None,
-        ACC=triton_acc(logits3d.dtype), **_policy_switches(hyper, modes, ref is not None),
+        ACC=triton_acc(logits3d.dtype),
+        **_policy_switches(hyper, modes, full or ref is not None),
         **vocab_launch(vocab, writes=write and not read_layout),
     )  # fmt: skip
 
@@ -270,7 +293,8 @@ def policy_rows_grad_into(
     _fused_rows(
         logits3d, targets, adv, old, ref, _mask_arg(mask), is_w, temperature, softcap,
         ignore_index, hyper, modes, with_entropy or bonus, new(), new(), new(bonus), new(),
-        new(bonus), part, grad, row_scale, ent_scale,
+        _h_buffer(bonus, ref is not None and modes[1] == _KL_FULL, outer, inner, logits3d,
+                  dtype), part, grad, row_scale, ent_scale,
     )  # fmt: skip
     return part
 
@@ -365,9 +389,13 @@ def policy_loss_fwd(
     (any strides; ``adv`` may be an expanded ``(B,)``). ``hyper`` / ``modes``:
     ``PolicyConfig.kernel_params`` / ``kernel_modes``; ``num_items`` <= 0 means off.
 
-    Returns ``(loss, metrics, seq_scale, row_max, log_sum, entropy, g, h)``: ``loss`` 0-dim,
-    ``metrics`` ``(N_COLS,)`` fp32, ``seq_scale`` the aggregation normaliser, and ``(B, T)``
-    per-token tensors for the backward (``entropy``/``h`` empty when not needed).
+    ``ref``: ``(B, T)`` reference log-probs, or with ``kl_estimator="full"`` the reference's
+    logits ``(B, S_r, V)`` (token-level importance sampling only).
+
+    Returns ``(loss, metrics, seq_scale, row_max, log_sum, entropy, g, h)``: ``loss``
+    0-dim, ``metrics`` ``(N_COLS,)`` fp32, ``seq_scale`` the aggregation normaliser, and
+    ``(B, T)`` per-token tensors for the backward (``entropy``/``h`` empty when not needed;
+    with the exact KL ``h`` is packed with its statistics: :func:`_h_buffer`).
     """
     outer, inner = targets.shape
     n_rows = outer * inner
@@ -377,7 +405,11 @@ def policy_loss_fwd(
     with_entropy = with_entropy or bonus
     new = lambda on=True: torch.empty((outer, inner) if on else (0,), dtype=dtype, device=dev)
     part = torch.empty((N_COLS, n_rows), dtype=dtype, device=dev)
-    g, h = new(), new(bonus)
+    g = new()
+    if ref is not None and modes[1] == _KL_FULL:
+        h = _h_buffer(bonus, True, outer, inner, logits3d, dtype)
+    else:
+        h = new(bonus)
     mask = _mask_arg(mask)
     if modes[3]:  # GSPO(-token), VESPO: layer 1, then the token layer over whole sequences
         logp, entropy, row_max, log_sum = token_stats_fwd(
@@ -413,28 +445,42 @@ def _fwd_fake(logits3d, targets, adv, old, ref, mask, is_w, num_items_t, ent_sca
     n_scale = max(outer, 1) if modes[4] == 1 else 1
     return (
         logits3d.new_empty((), dtype=dtype), logits3d.new_empty(N_OUTPUTS, dtype=torch.float32),
-        logits3d.new_empty(n_scale, dtype=dtype), new(), new(), new(bonus), new(), new(bonus),
+        logits3d.new_empty(n_scale, dtype=dtype), new(), new(), new(bonus), new(),
+        _h_buffer(bonus, ref is not None and modes[1] == _KL_FULL, outer, inner, logits3d,
+                  dtype),
     )  # fmt: skip
+
+
+def _kl_ref(ref, h, hyper) -> Tensor | None:
+    """The reference's logits when the backward reads them: the exact KL (``h`` packed)
+    with ``beta != 0``."""
+    return ref if h.dim() == 3 and hyper[_BETA] != 0.0 else None
 
 
 def _fwd_setup(ctx, inputs, output):
     logits3d, targets = inputs[0], inputs[1]
     ctx.temperature, ctx.softcap, ctx.ignore_index = inputs[9], inputs[10], inputs[11]
+    ctx.bonus = inputs[13][_ENTROPY_COEF] != 0.0
     _, metrics, seq_scale, row_max, log_sum, entropy, g, h = output
-    ctx.save_for_backward(logits3d, targets, seq_scale, row_max, log_sum, entropy, g, h)
+    ref = _kl_ref(inputs[4], h, inputs[13]) if h.dim() == 3 else None
+    ctx.save_for_backward(logits3d, targets, seq_scale, row_max, log_sum, entropy, g, h, ref)
     ctx.mark_non_differentiable(metrics, seq_scale, row_max, log_sum, entropy, g, h)
     ctx.set_materialize_grads(False)
 
 
 def _fwd_backward(ctx, grad_loss, *_unused):
-    logits3d, targets, seq_scale, row_max, log_sum, entropy, g, h = ctx.saved_tensors
-    has_h = h.numel() > 0
+    logits3d, targets, seq_scale, row_max, log_sum, entropy, g, h, ref = ctx.saved_tensors
     grad = None
     if grad_loss is not None:
+        kls = None
+        if h.dim() == 3:  # packed with the exact KL's statistics (_h_buffer)
+            h, kls = (h[0] if ctx.bonus else None), h[1:]
+        elif h.numel() == 0:
+            h = None
         grad = token_stats_bwd_op(
-            logits3d, targets, row_max, log_sum, entropy if has_h else None, g,
-            h if has_h else None, grad_loss, seq_scale, ctx.temperature, ctx.softcap,
-            ctx.ignore_index,
+            logits3d, targets, row_max, log_sum, entropy if h is not None else None, g, h,
+            grad_loss, seq_scale, ctx.temperature, ctx.softcap, ctx.ignore_index, ref,
+            kls if ref is not None else None,
         )  # fmt: skip
     return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
 
@@ -449,14 +495,18 @@ _token_stats_bwd_into = _serialised_when_interpreting(token_stats_bwd_into)
 
 def _inplace_backward(ctx, grad_loss, *_unused):
     logits3d = take_for_inplace(ctx)
-    targets, seq_scale, row_max, log_sum, entropy, g, h = ctx.saved_tensors
+    targets, seq_scale, row_max, log_sum, entropy, g, h, ref = ctx.saved_tensors
     grad = None
     if grad_loss is not None:
-        has_h = h.numel() > 0
+        kls = None
+        if h.dim() == 3:  # packed with the exact KL's statistics (_h_buffer)
+            h, kls = (h[0] if ctx.bonus else None), h[1:]
+        elif h.numel() == 0:
+            h = None
         _token_stats_bwd_into(
-            logits3d, logits3d, targets, row_max, log_sum, entropy if has_h else None, g,
-            h if has_h else None, grad_loss, seq_scale, ctx.temperature, ctx.softcap,
-            ctx.ignore_index,
+            logits3d, logits3d, targets, row_max, log_sum, entropy if h is not None else None,
+            g, h, grad_loss, seq_scale, ctx.temperature, ctx.softcap, ctx.ignore_index, ref,
+            kls if ref is not None else None,
         )  # fmt: skip
         grad = hand_back(logits3d, grad_loss)
     return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
@@ -472,7 +522,9 @@ class PolicyLossInplace(torch.autograd.Function):
         output = _policy_loss_fwd(*args)
         ctx.temperature, ctx.softcap, ctx.ignore_index = args[9], args[10], args[11]
         _, metrics, seq_scale, row_max, log_sum, entropy, g, h = output
-        ctx.save_for_backward(args[1], seq_scale, row_max, log_sum, entropy, g, h)
+        ctx.bonus = args[13][_ENTROPY_COEF] != 0.0
+        ref = _kl_ref(args[4], h, args[13]) if h.dim() == 3 else None
+        ctx.save_for_backward(args[1], seq_scale, row_max, log_sum, entropy, g, h, ref)
         keep_for_inplace(ctx, args[0])
         ctx.mark_non_differentiable(metrics, seq_scale, row_max, log_sum, entropy, g, h)
         ctx.set_materialize_grads(False)
@@ -651,8 +703,9 @@ def policy_loss_grad_fwd(
     _fused_rows(
         logits3d, targets, adv, old, ref, _mask_arg(mask), is_w, temperature, softcap,
         ignore_index, hyper, modes, with_entropy or bonus, new(), new(), new(bonus), new(),
-        new(bonus), part, grad, row_scale, ent_scale, 1.0 if loss_scale is None else loss_scale,
-        read_layout=True,
+        _h_buffer(bonus, ref is not None and modes[1] == _KL_FULL, outer, inner, logits3d,
+                  dtype), part, grad, row_scale, ent_scale,
+        1.0 if loss_scale is None else loss_scale, read_layout=True,
     )  # fmt: skip
     shift = position_shift(positions, inner)
     if positions > inner:  # the positions that predict no target: zero, as layer 3 writes them

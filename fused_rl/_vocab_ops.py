@@ -129,6 +129,8 @@ def token_stats_bwd(
     temperature: float,
     softcap: float | None,
     ignore_index: int,
+    ref_logits: Tensor | None = None,
+    kl_stats: Tensor | None = None,
 ) -> Tensor:
     """Launch the layer-3 kernel: the gradient w.r.t. the whole ``(outer, S, V)`` buffer
     (contiguous, its dtype), zero at positions that predict no target.
@@ -137,12 +139,14 @@ def token_stats_bwd(
     ``H`` (needed with ``h``); ``g``, ``h``: per-token ``dL/dlogp`` and ``dL/dH``, any strides
     (None = zero); ``scale``: optional 0-dim tensor multiplying both (the upstream gradient of
     a fused scalar loss); ``seq_scale``: optional ``(outer,)`` or ``(1,)`` (one for all)
-    multiplying both (the loss aggregation's normaliser).
+    multiplying both (the loss aggregation's normaliser). ``ref_logits`` ``(outer, S_r, V)``
+    with ``kl_stats`` ``(4, outer * T)`` (the policy forward's, ``kl_estimator="full"``):
+    add the exact KL's term ``k p (-delta - KL)`` (``kernels/vocab/layer3.py``).
     """
     grad = torch.empty(logits3d.shape, dtype=logits3d.dtype, device=logits3d.device)
     return token_stats_bwd_into(
         grad, logits3d, targets, row_max, log_sum, entropy, g, h, scale, seq_scale,
-        temperature, softcap, ignore_index,
+        temperature, softcap, ignore_index, ref_logits, kl_stats,
     )  # fmt: skip
 
 
@@ -160,6 +164,8 @@ def token_stats_bwd_into(
     temperature: float,
     softcap: float | None,
     ignore_index: int,
+    ref_logits: Tensor | None = None,
+    kl_stats: Tensor | None = None,
 ) -> Tensor:
     """:func:`token_stats_bwd` writing into ``grad`` (``logits3d``'s shape and dtype, each
     row contiguous: any row strides), which may BE ``logits3d``: each program reads a block
@@ -175,6 +181,7 @@ def token_stats_bwd_into(
     dummy = row_max
     strides = lambda t: t.stride() if t is not None else (0, 0)
     seq_stride = 0 if seq_scale is None or seq_scale.numel() == 1 else seq_scale.stride(0)
+    has_kl = ref_logits is not None
     _token_stats_bwd_kernel[(outer * positions,)](
         logits3d,
         targets if targets is not None else dummy,
@@ -186,9 +193,12 @@ def token_stats_bwd_into(
         h if h is not None else dummy,
         scale if scale is not None else dummy,
         seq_scale if seq_scale is not None else dummy,
+        ref_logits if has_kl else dummy,
+        kl_stats if has_kl else dummy,
         inner,
         positions,
         position_shift(positions, inner),
+        position_shift(ref_logits.shape[1], inner) if has_kl else 0,
         vocab,
         *logits3d.stride(),
         *grad.stride()[:2],
@@ -196,6 +206,8 @@ def token_stats_bwd_into(
         *strides(g),
         *strides(h),
         seq_stride,
+        *(ref_logits.stride() if has_kl else (0, 0, 0)),
+        outer * inner,
         *f32_pair(1.0 / temperature if softcap is None else softcap / temperature),
         *(NO_CAP if softcap is None else f32_pair(1.0 / softcap)),
         ignore_index,
@@ -205,6 +217,7 @@ def token_stats_bwd_into(
         HAS_SCALE=scale is not None,
         HAS_SEQ_SCALE=seq_scale is not None,
         HAS_SOFTCAP=softcap is not None,
+        HAS_KL=has_kl,
         ACC=triton_acc(logits3d.dtype),
         **vocab_launch(vocab, writes=True),
     )

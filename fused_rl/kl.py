@@ -145,6 +145,7 @@ def kl_estimate(
     V.check_shape(ref_logprobs, logprobs.shape, "ref_logprobs", "logprobs.shape")
     V.check_same_device(logprobs=logprobs, ref_logprobs=ref_logprobs)
     V.check_choice(kl_estimator, KL_KINDS, "kl_estimator")
+    ref.refuse_full(kl_estimator)
     if resolve_backend(backend, logprobs, ref_logprobs) == "reference":
         dtype = acc_dtype(logprobs, ref_logprobs)
         return ref.kl_estimate(logprobs.to(dtype), ref_logprobs.to(dtype), kl_estimator)

@@ -56,6 +56,7 @@ from ._ops import _serialised_when_interpreting, _tracing
 from ._policy_inputs import (
     advantages_2d,
     check_call,
+    check_full_kl_route,
     check_token_tensors,
     entropy_scale,
     is_weights_2d,
@@ -73,7 +74,7 @@ from ._policy_ops import (
     uncounted_partials,
 )
 from ._vocab_ops import token_stats_bwd_into, token_stats_bwd_op, token_stats_fwd_op
-from .losses import loss_from_token_stats
+from .losses import loss_from_token_stats, policy_loss
 from .policy_config import PolicyConfig, takes_policy_options
 from .reference import logprobs as ref
 from .reference.logprobs import differentiable_once
@@ -370,11 +371,16 @@ class _LinearPolicyLoss(torch.autograd.Function):
     (``g``/``h`` times the aggregation's per-row scale, known from the mask alone);
     ``dH_c = dz W``, ``dW += dz^T h_c``, ``db += sum dz``. One reduction then finishes the
     loss and every metric from all chunks' partials.
+
+    ``ref_rows`` / ``ref_weight`` / ``ref_bias`` (``kl_estimator="full"``, detached): the
+    reference model's hidden rows and lm_head; per chunk one more GEMM (no gradient) gives
+    the reference's logits, which the same vocab kernel streams beside the policy's.
     """
 
     @staticmethod
     def forward(ctx, rows, weight, bias, targets, adv, old, ref, mask, is_w, row_scale,
-                ent_scale, num_items_t, kept, launch):  # fmt: skip
+                ent_scale, num_items_t, kept, launch, ref_rows=None, ref_weight=None,
+                ref_bias=None):  # fmt: skip
         temperature, ignore_index = launch.temperature, launch.ignore_index
         softcap, with_entropy = launch.softcap, launch.with_entropy
         n_rows = rows.shape[0]
@@ -394,8 +400,8 @@ class _LinearPolicyLoss(torch.autograd.Function):
         n_work = n_rows
         if kept is not None:  # the counted rows' per-token inputs, gathered once
             pick = lambda t: None if t is None else t[kept]  # noqa: E731
-            targets, adv, old, ref, mask, is_w, row_scale, ent_scale = map(
-                pick, (targets, adv, old, ref, mask, is_w, row_scale, ent_scale)
+            targets, adv, old, ref, mask, is_w, row_scale, ent_scale, ref_rows = map(
+                pick, (targets, adv, old, ref, mask, is_w, row_scale, ent_scale, ref_rows)
             )
             n_work = kept.numel()
         for start in range(0, n_work, launch.chunk):
@@ -403,7 +409,10 @@ class _LinearPolicyLoss(torch.autograd.Function):
             r = c if kept is None else kept[c]  # into rows, part and d_hidden
             h_c = rows[r]  # a view, or a gather of the counted rows
             z, z_full = _chunk_logits(h_c, weight, bias, launch.chunk)
-            args = (col(targets, c), col(adv, c), col(old, c), col(ref, c), col(mask, c),
+            ref_c = col(ref, c)
+            if ref_rows is not None:  # the exact KL: the reference's chunk of logits, read only
+                ref_c = _chunk_logits(ref_rows[c], ref_weight, ref_bias, launch.chunk)[0][:, None]
+            args = (col(targets, c), col(adv, c), col(old, c), ref_c, col(mask, c),
                     col(is_w, c), row_scale[c], None if ent_scale is None else ent_scale[c],
                     temperature, softcap, ignore_index, with_entropy, launch.hyper,
                     launch.modes)  # fmt: skip
@@ -419,7 +428,7 @@ class _LinearPolicyLoss(torch.autograd.Function):
                 _addmm_wide(d_weight, dz.t(), h_c)
             if need_b:
                 d_bias.add_(dz.sum(0, dtype=acc))
-            del z, z_full, dz, dz_full, h_c
+            del z, z_full, dz, dz_full, h_c, ref_c
         loss, metrics, _ = policy_finalize_op(
             part, *launch.shape, launch.modes[4], launch.max_length, launch.num_items,
             num_items_t, is_w is not None,
@@ -686,6 +695,9 @@ def linear_policy_loss(
     chunk_tokens: int | None = None,
     old_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
+    ref_hidden: Tensor | None = None,
+    ref_weight: Tensor | None = None,
+    ref_bias: Tensor | None = None,
     mask: Tensor | None = None,
     temperature: float = 1.0,
     softcap: float | None = None,
@@ -721,6 +733,14 @@ def linear_policy_loss(
     sequence totals must exist before any token's gradient): four GEMMs per chunk with
     gradients, one without.
 
+    The exact KL (``kl_estimator="full"``, as :func:`policy_loss`'s ``ref_logits``) from
+    the reference model's hidden states: ``ref_hidden`` (shaped as ``hidden``, its own width
+    ``H_ref``), ``ref_weight`` ``(V, H_ref)`` (the same vocabulary) and ``ref_bias``; per
+    chunk one more GEMM (no gradient, a second chunk-sized logits buffer) gives the
+    reference's logits, streamed beside the policy's in the same vocab kernel: no ``(N, V)``
+    tensor of either model. Token-level importance sampling, no ``softcap``, no
+    ``process_group``.
+
     Vocabulary parallelism (``process_group``, ``vocab_start``, ``vocab_size``,
     ``reduce_hidden_grad``: as :func:`linear_token_logprobs`, ``weight`` / ``bias`` this
     rank's lm_head shard, ``hidden`` replicated): always the composition, the vocab-parallel
@@ -737,9 +757,19 @@ def linear_policy_loss(
         >>> loss.backward()
     """
     _check_policy_tensors(
-        targets, advantages, old_logprobs, ref_logprobs, mask, is_weights, policy, num_items
-    )
+        targets, advantages, old_logprobs, ref_logprobs, mask, is_weights, policy, num_items,
+        ref_weight,
+    )  # fmt: skip
     need_entropy = with_entropy or policy.uses_entropy
+    if ref_weight is not None or ref_hidden is not None:
+        return _full_kl_policy_loss(
+            hidden, weight, targets, advantages, bias=bias, chunk_tokens=chunk_tokens,
+            old_logprobs=old_logprobs, ref_hidden=ref_hidden, ref_weight=ref_weight,
+            ref_bias=ref_bias, mask=mask, temperature=temperature, softcap=softcap,
+            with_entropy=need_entropy, is_weights=is_weights, num_items=num_items,
+            ignore_index=ignore_index, process_group=process_group, policy=policy,
+            backend=backend,
+        )  # fmt: skip
     # one pass when every token's gradient is known from its own row (VESPO's phi needs the
     # sequence's total first, GSPO its ratio, the entropy selection every entropy)
     if policy.token_level and process_group is None and _grad_wanted(hidden, weight, bias):
@@ -775,10 +805,10 @@ def _grad_wanted(*tensors: Tensor | None) -> bool:
 
 
 def _check_policy_tensors(targets, advantages, old_logprobs, ref_logprobs, mask, is_weights,
-                          policy, num_items) -> None:  # fmt: skip
+                          policy, num_items, ref_weight=None) -> None:  # fmt: skip
     """The per-token tensors and what the call adds to the config's checks, before any GEMM
     (a bad argument fails before any work)."""
-    check_call(policy, ref_logprobs, num_items)
+    check_call(policy, ref_logprobs, num_items, ref_weight, ref_name="ref_weight")
     V.check_tensor(targets, "targets")
     if targets.dim() != 2:
         raise ValueError(f"targets must be (B, T), got shape {tuple(targets.shape)}")
@@ -805,9 +835,81 @@ def _counted_rows(m: Tensor, rows: Tensor) -> Tensor | None:
     return None if kept.numel() == m.numel() else kept
 
 
+def _full_kl_policy_loss(hidden, weight, targets, advantages, *, bias, chunk_tokens,
+                         old_logprobs, ref_hidden, ref_weight, ref_bias, mask, temperature,
+                         softcap, with_entropy, is_weights, num_items, ignore_index,
+                         process_group, policy, backend):  # fmt: skip
+    """:func:`linear_policy_loss` with ``kl_estimator="full"``: the chunked one-pass op on the
+    Triton backend (with or without gradients); the reference backend materialises both
+    models' logits and runs :func:`fused_rl.policy_loss`'s reference (the oracle's twin)."""
+    if ref_hidden is None or ref_weight is None:
+        missing = "ref_hidden" if ref_hidden is None else "ref_weight"
+        raise ValueError(f"the exact KL from hidden states needs {missing} too")
+    check_full_kl_route(policy, softcap, process_group is not None)
+    rows, weight, bias, flat_targets, chunk, which = _prepare(
+        hidden, weight, bias, targets, temperature, softcap, ignore_index, chunk_tokens, backend
+    )
+    ref_rows, ref_weight, ref_bias = _prepare_ref(ref_hidden, ref_weight, ref_bias, hidden,
+                                                  weight, targets)  # fmt: skip
+    if which == "triton":
+        return _fused_policy_loss(
+            rows, weight, bias, flat_targets, targets.shape, advantages, old_logprobs, None,
+            mask, is_weights, num_items, chunk, temperature=temperature, softcap=None,
+            ignore_index=ignore_index, with_entropy=with_entropy, policy=policy,
+            ref_head=(ref_rows, ref_weight, ref_bias),
+        )  # fmt: skip
+    shape = (*targets.shape, weight.shape[0])
+    return policy_loss(
+        F.linear(rows, weight, bias).view(shape), targets, advantages,
+        old_logprobs=old_logprobs, ref_logits=F.linear(ref_rows, ref_weight, ref_bias).view(shape),
+        mask=mask, temperature=temperature, with_entropy=with_entropy, is_weights=is_weights,
+        num_items=num_items, ignore_index=ignore_index, policy_config=policy, backend=which,
+    )  # fmt: skip
+
+
+def _prepare_ref(ref_hidden, ref_weight, ref_bias, hidden, weight, targets):
+    """The reference's ``(N, H_ref)`` rows (windowed as ``hidden``'s), lm_head and bias,
+    checked against the policy's and detached (constants, as ``ref_logprobs``)."""
+    V.check_float(ref_hidden, "ref_hidden")
+    V.check_float(ref_weight, "ref_weight")
+    V.check_same_device(hidden=hidden, ref_hidden=ref_hidden, ref_weight=ref_weight,
+                        ref_bias=ref_bias)  # fmt: skip
+    if ref_hidden.dim() != hidden.dim() or ref_hidden.shape[:-1] != hidden.shape[:-1]:
+        raise ValueError(
+            f"ref_hidden must be shaped as hidden {tuple(hidden.shape[:-1])} + (H_ref,), got "
+            f"{tuple(ref_hidden.shape)}"
+        )
+    if ref_weight.dim() != 2 or ref_weight.shape[1] != ref_hidden.shape[-1]:
+        raise ValueError(
+            f"ref_weight must be the reference lm_head's (V, H_ref) with H_ref = "
+            f"ref_hidden.shape[-1] = {ref_hidden.shape[-1]}, got {tuple(ref_weight.shape)}"
+        )
+    if ref_weight.shape[0] != weight.shape[0]:
+        raise ValueError(
+            f"ref_weight has a vocabulary of {ref_weight.shape[0]} but weight has "
+            f"{weight.shape[0]}: the exact KL needs both models over the same vocabulary"
+        )
+    ref_hidden = _promote_hidden(ref_hidden, ref_weight)
+    if ref_weight.dtype != ref_hidden.dtype:
+        raise TypeError(
+            f"ref_weight ({ref_weight.dtype}) and ref_hidden ({ref_hidden.dtype}) must share a "
+            "dtype, as torch.nn.functional.linear needs"
+        )
+    if ref_bias is not None:
+        V.check_float(ref_bias, "ref_bias")
+        if tuple(ref_bias.shape) != (ref_weight.shape[0],) or ref_bias.dtype != ref_weight.dtype:
+            raise ValueError(
+                f"ref_bias must be ({ref_weight.shape[0]},) in {ref_weight.dtype}, got shape "
+                f"{tuple(ref_bias.shape)} in {ref_bias.dtype}"
+            )
+        ref_bias = ref_bias.detach()
+    ref_rows, _ = _window_rows(ref_hidden.detach(), targets)
+    return ref_rows, ref_weight.detach(), ref_bias
+
+
 def _fused_policy_loss(rows, weight, bias, flat_targets, shape, advantages, old, ref, mask,
                        is_weights, num_items, chunk, *, temperature, softcap, ignore_index,
-                       with_entropy, policy):  # fmt: skip
+                       with_entropy, policy, ref_head=None):  # fmt: skip
     """The Triton path of :func:`linear_policy_loss` for token-level importance sampling
     (:class:`_LinearPolicyLoss`): per-token inputs flattened to ``(N,)`` and the
     aggregation's per-row scale computed from the mask before the chunk loop."""
@@ -834,9 +936,10 @@ def _fused_policy_loss(rows, weight, bias, flat_targets, shape, advantages, old,
             flat(mask.detach()) if mask is not None else None,
             flat(rollout_constants(acc, is_w)[0]), row_scale,
             per_row(entropy_scale(m, policy, num_items), (batch, length)), n_items_t, kept,
-            launch,
+            launch, *(ref_head or ()),
         )  # fmt: skip
-    out = metrics_dict(metrics, has_kl=ref is not None, has_entropy=with_entropy,
+    has_kl = ref is not None or ref_head is not None
+    out = metrics_dict(metrics, has_kl=has_kl, has_entropy=with_entropy,
                        surrogate=launch.modes[0], has_is=is_w is not None,
                        bias_kl=policy.kl_bias_correction)  # fmt: skip
     per_count = num_items if policy.loss_agg == "token-mean" else None  # no other mode reads it

@@ -24,10 +24,13 @@ from ._ops import _tracing
 from ._policy_inputs import (
     advantages_2d,
     check_call,
+    check_full_kl_route,
+    check_ref_logits,
     check_token_tensors,
     counted_mask,
     entropy_scale,
     is_weights_2d,
+    not_token_level,
     num_items_args,
     per_row,
     rollout_constants,
@@ -50,6 +53,8 @@ from .distributed import is_dtensor
 from .kernels.modes import IMPORTANCE_SAMPLING, LOSS_AGG_MODES, SURROGATES  # noqa: F401
 from .logprobs import token_logprobs
 from .policy_config import PolicyConfig, takes_policy_options
+from .reference.distill import token_divergences
+from .reference.kl import refuse_full
 from .reference.policy import policy_token_terms
 
 # ----------------------------------------------------------------------------- helpers
@@ -181,7 +186,7 @@ def _logits_rank_message(logits: Tensor) -> str:
 def _loss_from_logprobs(logp, entropy, adv2d, mask_f, weights, num_items, rollout_is, policy,
                         **tensors):  # fmt: skip
     """The reference path's loss and metrics from per-token log-probs (``tensors``:
-    ``old_logp``, ``ref_logp``, ``is_weights`` for :func:`policy_token_terms`)."""
+    ``old_logp``, ``ref_logp``, ``is_weights``, ``full_kl`` for :func:`policy_token_terms`)."""
     ent = entropy_scale(mask_f, policy, num_items)
     terms = policy_token_terms(logp, adv2d, mask_f, entropy=entropy, config=policy,
                                entropy_scale=ent, **tensors)  # fmt: skip
@@ -205,6 +210,7 @@ def policy_loss(
     *,
     old_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
+    ref_logits: Tensor | None = None,
     mask: Tensor | None = None,
     temperature: float = 1.0,
     softcap: float | None = None,
@@ -239,6 +245,15 @@ def policy_loss(
         ref_logprobs: ``(B, T)`` reference-policy log-probs (KL penalty / metric).
             ``advantages``, ``old_logprobs``, ``ref_logprobs`` and ``mask`` are rollout
             constants: no gradient reaches them, on every backend.
+        ref_logits: the reference model's logits ``(B, S_r, V)`` (``S_r >= T``, the last
+            ``T + 1`` positions used as for ``logits``; the same vocabulary; any float
+            dtype and strides), for ``kl_estimator="full"``: the exact per-token
+            ``KL(pi || pi_ref) = sum_v p_v (log p_v - log q_v)`` over the whole vocabulary,
+            both softmaxes at ``temperature``, streamed in the same pass that reads
+            ``logits`` (one more read of the reference's row; never written, no
+            gradient), its gradient ``beta p_v (log p_v - log q_v - KL)`` in the same
+            backward (one more read of the row). Token-level importance sampling only
+            (not GSPO / VESPO / top-entropy), no ``softcap``, no vocabulary parallelism.
         mask: ``(B, T)`` bool, integer or float; None = every token counts. A bool mask
             selects tokens (True counts). A float (or integer) mask is a per-token weight
             ``m_t >= 0``: ``token-mean`` gives ``sum_t m_t L_t / sum_t m_t``, every other
@@ -379,7 +394,11 @@ def policy_loss(
         logits=logits, advantages=advantages, old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs, mask=mask, is_weights=is_weights,
     )  # fmt: skip
-    check_call(policy, ref_logprobs, num_items)
+    check_call(policy, ref_logprobs, num_items, ref_logits)
+    if ref_logits is not None:
+        check_ref_logits(ref_logits, logits, length, "logits")
+        check_full_kl_route(policy, softcap, process_group is not None or is_dtensor(logits))
+        ref_logits = ref_logits.detach()  # a constant, as ref_logprobs
     need_entropy = with_entropy or policy.uses_entropy
     if inplace is not False:
         if process_group is not None or is_dtensor(logits):
@@ -391,10 +410,11 @@ def policy_loss(
     if grad_in_forward is not False or loss_scale is not None:
         return _formed_in_forward(
             logits, targets, advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-            mask=mask, temperature=temperature, softcap=softcap, with_entropy=with_entropy,
-            is_weights=is_weights, num_items=num_items, ignore_index=ignore_index,
-            process_group=process_group, inplace=inplace, grad_in_forward=grad_in_forward,
-            loss_scale=loss_scale, need_entropy=need_entropy, policy=policy, backend=backend,
+            ref_logits=ref_logits, mask=mask, temperature=temperature, softcap=softcap,
+            with_entropy=with_entropy, is_weights=is_weights, num_items=num_items,
+            ignore_index=ignore_index, process_group=process_group, inplace=inplace,
+            grad_in_forward=grad_in_forward, loss_scale=loss_scale, need_entropy=need_entropy,
+            policy=policy, backend=backend,
         )  # fmt: skip
     # by composition (log-probs and entropy first, then the token layer): vocabulary-sharded
     # logits, and the top-entropy selection, whose threshold needs every token's entropy
@@ -418,12 +438,14 @@ def policy_loss(
             ent = per_row(entropy_scale(m, policy, num_items), (batch, length))
         op = PolicyLossInplace.apply if inplace else policy_loss_fwd_op
         loss, metrics, *_ = op(
-            logits, targets, adv2d, old_logprobs, ref_logprobs, mask, is_w, n_items_t, ent,
+            logits, targets, adv2d, old_logprobs,
+            ref_logprobs if ref_logits is None else ref_logits, mask, is_w, n_items_t, ent,
             float(temperature), softcap, int(ignore_index), bool(need_entropy),
             policy.kernel_params, policy.kernel_modes, float(policy.max_length or length),
             n_items,
         )  # fmt: skip
-        out = metrics_dict(metrics, has_kl=ref_logprobs is not None, has_entropy=need_entropy,
+        has_kl = ref_logprobs is not None or ref_logits is not None
+        out = metrics_dict(metrics, has_kl=has_kl, has_entropy=need_entropy,
                            surrogate=SURROGATES.index(policy.surrogate),
                            has_is=is_w is not None,
                            bias_kl=policy.kl_bias_correction)  # fmt: skip
@@ -436,28 +458,32 @@ def policy_loss(
                             num_items=num_items, dtype=acc)  # fmt: skip
     if length != logits.shape[1] and not inplace:  # inplace: windowed inside, after the copy
         logits = window(logits, length)
+    full_kl = None
+    if ref_logits is not None:
+        if inplace:
+            raise NotImplementedError(
+                "inplace=True with kl_estimator='full' runs on the Triton backend only"
+            )
+        full_kl = token_divergences(
+            logits if length == logits.shape[1] else window(logits, length),
+            window(ref_logits, length),
+            beta=1.0,
+            temperature=float(temperature),
+            counted=mask_f != 0,
+        )["d"]
     logp, entropy = token_stats_nocheck(
         logits, targets, temperature, ignore_index, need_entropy, which, softcap, inplace
     )
     return _loss_from_logprobs(
         logp, entropy, adv2d, mask_f, weights, num_items, is_w, policy, old_logp=old_logprobs,
         ref_logp=ref_logprobs, is_weights=None if is_w is None else is_w.detach().to(acc),
+        full_kl=full_kl,
     )  # fmt: skip
 
 
-def _not_token_level(policy: PolicyConfig) -> str | None:
-    """The option that keeps a token's gradient from being known from its own row."""
-    if policy.importance_sampling != "token":
-        return f"importance_sampling={policy.importance_sampling!r} (the sequence's ratio)"
-    if policy.surrogate == "vespo":
-        return "surrogate='vespo' (the sequence's weight phi)"
-    if policy.top_entropy_quantile < 1.0:
-        return f"top_entropy_quantile={policy.top_entropy_quantile} (every token's entropy)"
-    return None
-
-
 def _formed_in_forward(
-    logits, targets, advantages, *, old_logprobs, ref_logprobs, mask, temperature, softcap,
+    logits, targets, advantages, *, old_logprobs, ref_logprobs, ref_logits, mask, temperature,
+    softcap,
     with_entropy, is_weights, num_items, ignore_index, process_group, inplace, grad_in_forward,
     loss_scale, need_entropy, policy: PolicyConfig, backend,
 ) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
@@ -482,7 +508,7 @@ def _formed_in_forward(
                 "grad_in_forward=True is not implemented for vocabulary-parallel logits "
                 "(process_group= or DTensor logits): call without it"
             )
-        option = _not_token_level(policy)
+        option = not_token_level(policy)
         if option is not None:
             raise ValueError(
                 f"grad_in_forward=True forms each token's gradient from its own logits row "
@@ -496,7 +522,8 @@ def _formed_in_forward(
                 "traced graph cannot hold. Call without grad_in_forward=True inside a "
                 "compiled region"
             )
-    tensors = dict(old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask,
+    tensors = dict(old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, ref_logits=ref_logits,
+                   mask=mask,
                    temperature=temperature, softcap=softcap, with_entropy=with_entropy,
                    is_weights=is_weights, num_items=num_items, ignore_index=ignore_index,
                    policy_config=policy)  # fmt: skip
@@ -547,14 +574,16 @@ def _formed_in_forward(
         grad = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype,
                                                   device=logits.device)  # fmt: skip
         loss, found["metrics"] = policy_loss_grad_fwd_launch(
-            grad, logits, targets, adv2d, old_logprobs, ref_logprobs, mask, is_w, n_items_t,
+            grad, logits, targets, adv2d, old_logprobs,
+            ref_logprobs if ref_logits is None else ref_logits, mask, is_w, n_items_t,
             ent, seq_scale, float(temperature), softcap, int(ignore_index), bool(need_entropy),
             policy.kernel_params, policy.kernel_modes, max_length, n_items, loss_scale,
         )  # fmt: skip
         return loss, grad
 
     loss = GradInForward.apply(logits, run, bool(inplace), scale_rows_unless_one_launch)
-    out = metrics_dict(found["metrics"], has_kl=ref_logprobs is not None,
+    has_kl = ref_logprobs is not None or ref_logits is not None
+    out = metrics_dict(found["metrics"], has_kl=has_kl,
                        has_entropy=need_entropy, surrogate=SURROGATES.index(policy.surrogate),
                        has_is=is_w is not None, bias_kl=policy.kl_bias_correction)  # fmt: skip
     return loss, out
@@ -618,6 +647,7 @@ def policy_loss_from_logprobs(
         logprobs=logprobs, advantages=advantages, old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs, mask=mask, entropy=entropy, is_weights=is_weights,
     )  # fmt: skip
+    refuse_full(policy.kl_estimator, "computable from per-token log-probs")
     check_call(policy, ref_logprobs, num_items)
     if policy.entropy_coef != 0.0 and entropy is None:
         raise ValueError("entropy_coef != 0 needs the per-token entropy tensor")

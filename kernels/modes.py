@@ -12,7 +12,7 @@ SURROGATES = ("ppo", "cispo", "sapo", "gpg", "gmpo", "vespo")
 # with each token's own gradient (GSPO-token)
 IMPORTANCE_SAMPLING = ("token", "sequence", "sequence-token")
 # ``kl_estimator=`` (kernels/policy/layer2.py ``kl_and_grad``)
-KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs")
+KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs", "full")
 # ``loss_agg=`` (the finalize kernel's ``AGG``)
 LOSS_AGG_MODES = (
     "token-mean",

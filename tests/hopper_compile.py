@@ -53,7 +53,7 @@ WIDE_OFFSET_MODULES = [
     "token_ops.rollout",
 ]
 INT_NAMES = {"ignore_index", "rows_inner", "group_size", "shift", "positions", "n_outer",
-             "n_rows"}  # fmt: skip
+             "n_rows", "r_shift"}  # fmt: skip
 
 
 def _is_int_arg(name: str) -> bool:
@@ -64,11 +64,12 @@ def _is_int_arg(name: str) -> bool:
 INT_POINTERS = {"targets_ptr": "*i64", "index_ptr": "*i64", "code_ptr": "*i8"}
 MASK_POINTERS = {"m_ptr", "mask_ptr", "pm_ptr", "vm_ptr", "keep_ptr"}
 # pointers read in the input dtype (the rest are fp32 / fp64 statistics and outputs)
-INPUT_POINTERS = {"logits_ptr", "grad_ptr", "x_ptr", "gx_ptr", "v_ptr", "gv_ptr", "lp_ptr"}
+INPUT_POINTERS = {"logits_ptr", "grad_ptr", "x_ptr", "gx_ptr", "v_ptr", "gv_ptr", "lp_ptr",
+                  "rl_ptr"}  # fmt: skip
 # small values so the compile stays fast; the real launchers pick larger ones
 BLOCKS = {"BLOCK_V": 256, "BLOCK": 256, "BLOCK_P": 128, "BLOCK_T": 64, "BLOCK_N": 64, "BLOCK_R": 16,
           "BLOCK_B": 16}  # fmt: skip
-ENUMS = {"KL_KIND": 5, "KIND": 5, "MODE": 3, "AGG": 4, "SURROGATE": 6}
+ENUMS = {"KL_KIND": 6, "KIND": 6, "MODE": 3, "AGG": 4, "SURROGATE": 6}
 
 
 def _kernels(modules=MODULES):
@@ -226,7 +227,8 @@ def vocab_stream_vectorised() -> list[str]:
                   SURROGATE=0, HAS_IS=True, BIAS_KL=False, WITH_ENTROPY=True,
                   ENTROPY_BONUS=True, USE_DUAL=True, USE_DELTA=True, HAS_ENT_SCALE=False,
                   HAS_SOFTCAP=False)  # fmt: skip
-    bwd = dict(HAS_TARGETS=True, HAS_G=True, HAS_H=True, HAS_SCALE=True, HAS_SEQ_SCALE=True)
+    bwd = dict(HAS_TARGETS=True, HAS_G=True, HAS_H=True, HAS_SCALE=True, HAS_SEQ_SCALE=True,
+               HAS_KL=False)  # fmt: skip
     cases = [  # (kernel, flags, writes a gradient row)
         (_token_stats_fwd_kernel, dict(HAS_TARGETS=True, WITH_ENTROPY=True, HAS_SOFTCAP=False),
          False),
@@ -239,19 +241,28 @@ def vocab_stream_vectorised() -> list[str]:
          False),
         (_token_stats_bwd_kernel, dict(bwd, HAS_SOFTCAP=True), True),
         (_policy_loss_fwd_kernel, dict(policy, WRITE_GRAD=True, HAS_SOFTCAP=True), True),
+        # the exact KL (kl_estimator="full", KL_KINDS[5]): the reference's row streamed too
+        (_policy_loss_fwd_kernel, dict(policy, KL_KIND=5, WRITE_GRAD=False), False),
+        (_policy_loss_fwd_kernel, dict(policy, KL_KIND=5, WRITE_GRAD=True), True),
+        (_token_stats_bwd_kernel, dict(bwd, HAS_SOFTCAP=False, HAS_KL=True), True),
     ]  # fmt: skip
     problems = []
     for kernel, flags, writes in cases:
         names = [p.name for p in kernel.params]
         signature = _signature(kernel, True)
         signature["stride_v"] = "constexpr"
+        if "r_stride_v" in names:
+            signature["r_stride_v"] = "constexpr"
         # the row strides of the logits and of the gradient (a fresh buffer or, inplace=True,
         # the logits themselves): multiples of 16 at a real vocabulary, as Triton sees them
-        rows = ["stride_outer", "stride_inner", "grad_stride_outer", "grad_stride_inner"]
+        rows = ["stride_outer", "stride_inner", "grad_stride_outer", "grad_stride_inner",
+                "r_stride_outer", "r_stride_inner"]  # fmt: skip
         aligned = [n for n in names if n.endswith("_ptr")] + ["V"] + [n for n in rows if n in names]
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
         launch = vocab_launch(151936, writes=writes)
         constexprs = dict(flags, BLOCK_V=launch["BLOCK_V"], ACC=tl.float32, stride_v=1)
+        if "r_stride_v" in names:
+            constexprs["r_stride_v"] = 1
         source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
         options = {"num_warps": launch["num_warps"]}
         ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]

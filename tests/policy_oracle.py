@@ -70,8 +70,13 @@ def oracle_policy_loss(
     num_items=None,
     ignore_index=-100,
     log_ratio_clamp=None,
+    ref_logits=None,
+    kl_bias_correction=False,
 ):
-    """``(loss, metrics)`` in the dtype of ``logits`` (call it with ``logits.double()``)."""
+    """``(loss, metrics)`` in the dtype of ``logits`` (call it with ``logits.double()``).
+
+    ``ref_logits`` (``(B, T, V)``, for ``kl_estimator="full"``): the exact per-token
+    ``KL(p || q) = sum_v p_v (log p_v - log q_v)``, ``q = softmax(ref_logits / T)``."""
     n_seq, length, _ = logits.shape
     work = logits.dtype
     log_p = torch.log_softmax(logits / temperature, dim=-1)
@@ -111,7 +116,12 @@ def oracle_policy_loss(
     kl_tok = None
     if ref_logprobs is not None:
         kl_tok = _kl(logp, _promoted(ref_logprobs, work), kl_estimator)
-        per_token = per_token + beta * kl_tok
+    if ref_logits is not None:
+        log_q = torch.log_softmax(ref_logits.to(work) / temperature, dim=-1)
+        p = log_p.exp()
+        kl_tok = torch.where(p > 0, p * (log_p - log_q), torch.zeros_like(p)).sum(-1)
+    if kl_tok is not None:
+        per_token = per_token + beta * (kl_tok * ratio if kl_bias_correction else kl_tok)
     per_token = per_token - entropy_coef * entropy
     # never let a non-counted token's value reach the sum (0 * inf would be NaN)
     contrib = torch.where(m != 0, per_token * m, torch.zeros_like(per_token))
@@ -156,6 +166,8 @@ def oracle_policy_loss(
         }
         if kl_tok is not None:
             metrics["kl"] = _masked_mean(kl_tok.detach(), m)
+            if kl_bias_correction:
+                metrics["kl_bias_corrected"] = _masked_mean((kl_tok * ratio).detach(), m)
         if entropy_coef != 0 or with_entropy:
             metrics["entropy"] = _masked_mean(entropy.detach(), m)
     return loss, metrics

@@ -22,6 +22,16 @@ def k3(n: torch.Tensor) -> torch.Tensor:
     return torch.where(small, 0.5 * t * t * q, torch.exp(n) - n - 1.0)
 
 
+def refuse_full(kl_estimator: str, where: str = "an estimate from two log-probs") -> None:
+    """``kl_estimator="full"`` needs both models' logits: raise where only log-probs are."""
+    if kl_estimator == "full":
+        raise ValueError(
+            f"kl_estimator='full' is the exact KL over the vocabulary, not {where}: it needs "
+            "both models' logits (fused_rl.policy_loss(..., ref_logits=) or "
+            "fused_rl.linear_policy_loss(..., ref_hidden=, ref_weight=))"
+        )
+
+
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kl_estimator: str) -> torch.Tensor:
     """Elementwise KL estimate (``kl_estimator``), differentiable w.r.t. both arguments.
 
@@ -43,4 +53,5 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kl_estimator: str) -
         return torch.clamp(k3(neg), min=-10.0, max=10.0)
     if kl_estimator == "abs":
         return log_ratio.abs()
+    refuse_full(kl_estimator)
     raise ValueError(f"kl_estimator must be one of {KL_KINDS}, got {kl_estimator!r}")

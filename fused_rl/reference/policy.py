@@ -123,6 +123,7 @@ def policy_token_terms(
     config,
     is_weights: torch.Tensor | None = None,
     entropy_scale: torch.Tensor | None = None,
+    full_kl: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-token loss (differentiable w.r.t. ``logp`` and ``entropy``) and metric terms of
     the options in ``config`` (a :class:`fused_rl.PolicyConfig`).
@@ -130,6 +131,8 @@ def policy_token_terms(
     ``old_logp=None`` is on-policy: ``old = logp.detach()``, so the ratio is 1 and the
     gradient is the policy gradient. ``is_weights`` (constants) multiply the policy term
     only; ``kl_bias_correction`` multiplies the KL by the (not detached) ratio.
+    ``full_kl`` (``kl_estimator="full"``, in place of ``ref_logp``): each token's exact
+    ``KL(pi || pi_ref)``, differentiable w.r.t. the logits it came from.
     """
     # Inputs at tokens that do not count never matter, even NaN / inf ones (padding): give
     # them log-prob 0, ratio 1, KL 0 and advantage 0 so neither the loss, its gradient (a
@@ -143,6 +146,8 @@ def policy_token_terms(
     old = detached if old_logp is None else torch.where(counted, old_logp, detached)
     if ref_logp is not None:
         ref_logp = torch.where(counted, ref_logp, detached)
+    if full_kl is not None:
+        full_kl = torch.where(counted, full_kl, torch.zeros_like(full_kl))
     adv = torch.where(counted, adv, torch.zeros_like(adv))
     surrogate, importance_sampling = config.surrogate, config.importance_sampling
     log_ratio = logp - old
@@ -174,8 +179,11 @@ def policy_token_terms(
         "aux": aux,
         "neg_log_ratio": old - logp,
     }
-    if ref_logp is not None:
-        kl_tok = kl_estimate(logp, ref_logp, config.kl_estimator)
+    if ref_logp is not None or full_kl is not None:
+        if full_kl is not None:
+            kl_tok = full_kl
+        else:
+            kl_tok = kl_estimate(logp, ref_logp, config.kl_estimator)
         terms["kl"] = kl_tok
         if config.kl_bias_correction:  # TRL's kl metric under bias correction
             terms["kl_bias_corrected"] = kl_tok * ratio

@@ -15,6 +15,7 @@ KL_K1 = tl.constexpr(KL_KINDS.index("k1"))
 KL_K2 = tl.constexpr(KL_KINDS.index("k2"))
 KL_K3 = tl.constexpr(KL_KINDS.index("k3"))
 KL_LOW_VAR = tl.constexpr(KL_KINDS.index("low_var_kl"))
+KL_FULL = tl.constexpr(KL_KINDS.index("full"))
 
 
 @triton.jit
@@ -39,7 +40,8 @@ def kl_and_grad(logp, ref_logp, KIND: tl.constexpr):
     """``(kl, d kl / d logp)`` for ``log_ratio = logp - ref_logp``; clamps pass gradient
     inclusively at their bounds, as ``torch.clamp`` does.
 
-    ``KIND`` indexes ``kernels/modes.py`` ``KL_KINDS`` (the last, ``abs``, is the ``else``).
+    ``KIND`` indexes ``kernels/modes.py`` ``KL_KINDS`` (``abs`` is the ``else``; ``full`` is not
+    an estimate from two log-probs: ``policy_token_loss`` takes it as given).
     """
     d = logp - ref_logp
     if KIND == KL_K1:
@@ -326,6 +328,9 @@ def policy_token_loss(
     every token of the sequence; ``token_log_ratio`` is the token's own, for GMPO's flags),
     ``d_direct`` the one through this token's ``logp`` alone;
     at token level ``dL/dlogp = d_ratio + d_direct``. ``kl`` is 0 without ``HAS_REF``.
+    ``KL_KIND == KL_FULL``: ``ref_logp`` is the token's exact ``KL(p || q)`` over the
+    vocabulary (``kernels/vocab/pair.py``), whose gradient reaches the logits through
+    layer 3 with ``dL/dKL = beta [* r]``, not through ``logp``.
     ``ent_scale`` (``c``): 1, or the factor that makes the bonus a token mean whatever the
     loss aggregation (``entropy_agg="token-mean"``, ``fused_rl._policy_inputs``).
     """
@@ -338,7 +343,11 @@ def policy_token_loss(
         d_direct = d_direct * is_weight
     kl = tl.zeros_like(logp)
     if HAS_REF:
-        kl, dkl = kl_and_grad(logp, ref_logp, KL_KIND)
+        if KL_KIND == KL_FULL:  # the exact KL, from the vocab stream: no gradient via logp
+            kl = ref_logp
+            dkl = tl.zeros_like(logp)
+        else:
+            kl, dkl = kl_and_grad(logp, ref_logp, KL_KIND)
         if ADD_KL:
             beta = param(hyper, P_BETA, ACC)
             if BIAS_KL:

@@ -8,11 +8,16 @@ Any loss that sees the vocabulary only through ``logp_t`` and ``H_t`` has, with
 With the soft cap ``z = c tanh(x / c) / T`` the bracket is multiplied by
 ``dz/dx * T = 1 - tanh^2(x / c)``, recomputed from the same read of ``x`` (no extra bytes).
 
+With the exact KL to a reference ``q = softmax(u)`` in the loss (``kl_estimator="full"``,
+``k_t = dL/dKL_t``) each row gains ``k p_j (-delta_j - KL)``, ``delta = log q - log p``
+(``kernels/vocab/pair.py``), from one more read of the reference's row.
+
 ``p = exp((z - m) - log s)`` is recomputed from the forward's saved row max ``m`` and
 ``log s`` (never from a rounded ``lse = m + log s``), and ``z - E_p[z] = (z - m) - (log s - H)``.
 
 Bytes per call: reads the logits once and writes their gradient once (2 + 2 per element in
-bf16), plus O(1) floats per row.
+bf16), plus O(1) floats per row; with the exact KL also reads the reference's logits once
+(2 more in bf16) and 4 more floats per row.
 
 ``_scale_rows_unless_one_kernel`` is the backward of a loss whose gradient was formed in the
 forward (``policy_loss(grad_in_forward=True)``): it multiplies that gradient by the upstream
@@ -22,7 +27,16 @@ scalar in place, deciding on the device whether there is anything to do.
 import triton
 import triton.language as tl
 
-from ..common import cast_for, pair, tanh_and_sech2, token_offset
+from ..common import cast_for, pair, row_pointer, tanh_and_sech2, token_offset
+from .pair import load_block, near_delta, reverse_kl_grad
+
+# the exact KL's per-token statistics the policy forward saves (``(4, N)``; the fourth is
+# ``k = m_t dL/dKL_t`` before the aggregation's scale and the upstream gradient)
+KLS_MAX_U = tl.constexpr(0)
+KLS_LOG_RATIO = tl.constexpr(1)
+KLS_KL = tl.constexpr(2)
+KLS_COEF = tl.constexpr(3)
+N_KLS = 4
 
 
 @triton.jit(
@@ -38,6 +52,8 @@ from ..common import cast_for, pair, tanh_and_sech2, token_offset
         "h_stride_outer",
         "h_stride_inner",
         "seq_scale_stride",
+        "r_shift",
+        "kls_stride",
     ]
 )
 def _token_stats_bwd_kernel(
@@ -51,9 +67,12 @@ def _token_stats_bwd_kernel(
     h_ptr,
     scale_ptr,
     seq_scale_ptr,
+    rl_ptr,
+    kls_ptr,
     rows_inner,
     positions,
     shift,
+    r_shift,
     V,
     stride_outer,
     stride_inner,
@@ -67,6 +86,10 @@ def _token_stats_bwd_kernel(
     h_stride_outer,
     h_stride_inner,
     seq_scale_stride,
+    r_stride_outer,
+    r_stride_inner,
+    r_stride_v,
+    kls_stride,
     inv_t_hi,
     inv_t_lo,
     inv_cap_hi,
@@ -78,6 +101,7 @@ def _token_stats_bwd_kernel(
     HAS_SCALE: tl.constexpr,
     HAS_SEQ_SCALE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_KL: tl.constexpr,
     BLOCK_V: tl.constexpr,
     ACC: tl.constexpr,
 ):
@@ -133,18 +157,34 @@ def _token_stats_bwd_kernel(
         mean_d = log_s - tl.load(entropy_ptr + row, mask=active, other=0.0).to(ACC)  # E_p[z]-m
     g = tl.where(active, g, 0.0)
     h = tl.where(active, h, 0.0)
-    active = active & ((g != 0) | (h != 0))  # a NaN upstream gradient still reads
+    k = 0.0
+    r_max = 0.0
+    log_zu = 0.0
+    kl = 0.0
+    ref_row = row_ptr
+    if HAS_KL:
+        kls = kls_ptr + row
+        kls_stride = kls_stride.to(tl.int64)  # k * N may pass 2^31
+        r_max = tl.load(kls + KLS_MAX_U * kls_stride, mask=active, other=0.0).to(ACC)
+        log_zu = tl.load(kls + KLS_LOG_RATIO * kls_stride, mask=active, other=0.0).to(ACC)
+        kl = tl.load(kls + KLS_KL * kls_stride, mask=active, other=0.0).to(ACC)
+        k = tl.load(kls + KLS_COEF * kls_stride, mask=active, other=0.0).to(ACC) * scale
+        k = tl.where(active, k, 0.0)
+        ref_row = row_pointer(rl_ptr, row, rows_inner, r_shift, r_stride_outer, r_stride_inner)
+    active = active & ((g != 0) | (h != 0) | (k != 0))  # a NaN upstream gradient still reads
     grad_row = grad_ptr + outer * grad_stride_outer + pos * grad_stride_inner
     write_grad_row(
         row_ptr, grad_row, V, stride_v, inv_temperature, inv_cap, m, log_s, mean_d,
-        g, h, target, active, HAS_TARGETS, HAS_H, HAS_SOFTCAP, BLOCK_V, ACC,
+        g, h, target, active, ref_row, r_stride_v, r_max, log_zu, kl, k, HAS_TARGETS, HAS_H,
+        HAS_SOFTCAP, HAS_KL, BLOCK_V, ACC,
     )  # fmt: skip
 
 
 @triton.jit
 def write_grad_row(
     row_ptr, grad_row, V, stride_v, inv_temperature, inv_cap, m, log_s, mean_d, g, h, target,
-    active, HAS_TARGETS: tl.constexpr, HAS_H: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    active, ref_row, r_stride_v, r_max, log_zu, kl, k, HAS_TARGETS: tl.constexpr,
+    HAS_H: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_KL: tl.constexpr,
     BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """Stream one logits row and write its gradient ``(1/T)[g (1[j=y] - p) - h p (z - E_p z)]``
@@ -152,7 +192,12 @@ def write_grad_row(
     overwritten). ``g``/``h`` already carry ``inv_temperature`` and every scale; ``mean_d``
     is ``E_p[z] - m``. With ``HAS_SOFTCAP`` (``inv_temperature = c / T``, ``inv_cap = 1 / c``)
     each column's term is times ``dz/dx * T / c = (1 - tanh^2(x / c)) / c``. An inactive
-    row reads nothing and writes zeros."""
+    row reads nothing and writes zeros.
+
+    ``HAS_KL`` (no soft cap): also ``+ k p (-delta - KL)`` with ``delta = log q - log p``
+    formed from the reference row ``ref_row`` (``kernels/vocab/pair.py`` ``near_delta``;
+    ``r_max`` its max, ``log_zu = log(S_z / S_u)``, ``KL`` the row's); ``k`` carries the
+    same scales as ``g``."""
     if HAS_SOFTCAP:
         g = g * inv_cap
         h = h * inv_cap
@@ -172,6 +217,10 @@ def write_grad_row(
             grad += tl.where(cols == target, g, 0.0)
         if HAS_H:
             grad -= h * tl.where(p > 0, p * (d - mean_d), 0.0)  # 0 * -inf guarded
+        if HAS_KL:
+            y = load_block(ref_row, cols, n_read, r_stride_v, ACC)
+            delta = near_delta(x.to(ACC), y, inv_temperature, m, r_max, log_zu)
+            grad += k * reverse_kl_grad(p, delta, kl)
         if HAS_SOFTCAP:
             grad = grad * sech2
         grad = tl.where(active, grad, 0.0)

@@ -20,6 +20,8 @@ import triton.language as tl
 
 from ..common import as_weight, pair, row_pointer, token_offset
 from ..policy.layer2 import (
+    KL_FULL,
+    P_BETA,
     P_ENTROPY_COEF,
     param,
     policy_token_loss,
@@ -27,7 +29,8 @@ from ..policy.layer2 import (
     token_log_ratio,
 )
 from .layer1 import row_moments, target_logit
-from .layer3 import write_grad_row
+from .layer3 import KLS_COEF, KLS_KL, KLS_LOG_RATIO, KLS_MAX_U, write_grad_row
+from .pair import pair_moments
 
 
 @triton.jit(
@@ -49,6 +52,7 @@ from .layer3 import write_grad_row
         "is_stride_inner",
         "rs_stride_outer",
         "rs_stride_inner",
+        "r_shift",
     ]
 )
 def _policy_loss_fwd_kernel(
@@ -68,8 +72,11 @@ def _policy_loss_fwd_kernel(
     grad_ptr,
     row_scale_ptr,
     ent_scale_ptr,
+    rl_ptr,
+    kls_ptr,
     rows_inner,
     shift,
+    r_shift,
     V,
     stride_outer,
     stride_inner,
@@ -90,6 +97,9 @@ def _policy_loss_fwd_kernel(
     grad_stride_inner,
     rs_stride_outer,
     rs_stride_inner,
+    r_stride_outer,
+    r_stride_inner,
+    r_stride_v,
     inv_t_hi,
     inv_t_lo,
     inv_cap_hi,
@@ -130,7 +140,15 @@ def _policy_loss_fwd_kernel(
     of the loss, ``loss_scale``), multiplied in the order layer 3 multiplies the upstream
     gradient and the normaliser. Bytes: one more read of the row (from L2 right after the
     first) and one write. ``inv_t``: ``1 / T`` (``c / T`` with ``HAS_SOFTCAP``, the soft
-    cap ``c``), ``inv_cap``: ``1 / c``."""
+    cap ``c``), ``inv_cap``: ``1 / c``.
+
+    ``KL_KIND == KL_FULL`` (``kl_estimator="full"``, no soft cap): ``rl_ptr`` holds the
+    reference's logits ``(outer, S_r, V)`` (position ``inner + r_shift`` for token
+    ``inner``), streamed with the policy's row in the same pass (``pair.pair_moments``), and
+    the token's exact ``KL(p || q)`` is the KL term; ``kls_ptr`` receives the ``(4,
+    outer * rows_inner)`` statistics layer 3 needs (``layer3.KLS_*``). Bytes: one more
+    read of the reference row (and with ``WRITE_GRAD`` a second, from L2), 4 more floats
+    written per token."""
     row = tl.program_id(0).to(tl.int64)
     n_rows = tl.num_programs(0).to(tl.int64)
     inv_temperature = pair(inv_t_hi, inv_t_lo, ACC)  # 1 / T, fp64-exact for fp64 logits
@@ -149,10 +167,21 @@ def _policy_loss_fwd_kernel(
     active = m != 0
 
     # layer 1: the only pass over the logits
-    row_max, log_s, entropy = row_moments(
-        row_ptr, V, stride_v, inv_temperature, inv_cap, active, WITH_ENTROPY, HAS_SOFTCAP,
-        BLOCK_V, ACC,
-    )  # fmt: skip
+    r_row = row_ptr
+    r_max = 0.0
+    log_zu = 0.0
+    kl_full = 0.0
+    if KL_KIND == KL_FULL:  # the reference's row streamed beside the policy's
+        r_row = row_pointer(rl_ptr, row, rows_inner, r_shift, r_stride_outer, r_stride_inner)
+        row_max, log_s, entropy, r_max, _, _, _, kl_full, log_zu = pair_moments(
+            row_ptr, r_row, V, stride_v, r_stride_v, inv_temperature, tl.where(active, V, 0),
+            BLOCK_V, ACC,
+        )  # fmt: skip
+    else:
+        row_max, log_s, entropy = row_moments(
+            row_ptr, V, stride_v, inv_temperature, inv_cap, active, WITH_ENTROPY, HAS_SOFTCAP,
+            BLOCK_V, ACC,
+        )  # fmt: skip
     z_y = target_logit(
         row_ptr, target, V, stride_v, inv_temperature, inv_cap, active, HAS_SOFTCAP, ACC
     )
@@ -168,8 +197,11 @@ def _policy_loss_fwd_kernel(
         old = logp  # on-policy: ratio 1, d ratio / d logp = 1
     ref = logp
     if HAS_REF:
-        ref_off = token_offset(row, rows_inner, ref_stride_outer, ref_stride_inner)
-        ref = tl.where(active, tl.load(ref_ptr + ref_off).to(ACC), logp)
+        if KL_KIND == KL_FULL:  # the token's exact KL takes the reference log-prob's place
+            ref = tl.where(active, kl_full, 0.0)
+        else:
+            ref_off = token_offset(row, rows_inner, ref_stride_outer, ref_stride_inner)
+            ref = tl.where(active, tl.load(ref_ptr + ref_off).to(ACC), logp)
     adv = tl.where(active, adv.to(ACC), 0.0)
     is_weight = 1.0
     if HAS_IS:
@@ -198,6 +230,18 @@ def _policy_loss_fwd_kernel(
         part_ptr, n_rows, row, row >= 0, m, loss, code, aux, ratio, old - logp, kl, entropy,
         is_weight, HAS_IS,
     )  # fmt: skip
+    k = 0.0
+    if KL_KIND == KL_FULL:  # what layer 3 needs: k = m dL/dKL and the pair's statistics
+        if ADD_KL:
+            k = param(hyper, P_BETA, ACC)
+            if BIAS_KL:
+                k = k * ratio
+        k = tl.where(active, m * k, 0.0)
+        kls = kls_ptr + row
+        tl.store(kls + KLS_MAX_U * n_rows, tl.where(active, r_max, 0.0))
+        tl.store(kls + KLS_LOG_RATIO * n_rows, tl.where(active, log_zu, 0.0))
+        tl.store(kls + KLS_KL * n_rows, ref)
+        tl.store(kls + KLS_COEF * n_rows, k)
     if WRITE_GRAD:  # layer 3 on the row just reduced (its second read comes from L2)
         rs_off = token_offset(row, rows_inner, rs_stride_outer, rs_stride_inner)
         scale = inv_temperature * pair(grad_scale_hi, grad_scale_lo, ACC)
@@ -206,10 +250,12 @@ def _policy_loss_fwd_kernel(
         h = 0.0
         if ENTROPY_BONUS:
             h = tl.where(active, -bonus * m, 0.0) * scale
+        k = k * scale
         grad_row = row_pointer(grad_ptr, row, rows_inner, shift, grad_stride_outer,
                                grad_stride_inner)  # fmt: skip
         write_grad_row(
             row_ptr, grad_row, V, stride_v, inv_temperature, inv_cap, row_max, log_s,
-            log_s - entropy, g, h, target, active & ((g != 0) | (h != 0)), True,
-            ENTROPY_BONUS, HAS_SOFTCAP, BLOCK_V, ACC,
+            log_s - entropy, g, h, target, active & ((g != 0) | (h != 0) | (k != 0)), r_row,
+            r_stride_v, r_max, log_zu, ref, k, True, ENTROPY_BONUS, HAS_SOFTCAP,
+            KL_KIND == KL_FULL, BLOCK_V, ACC,
         )  # fmt: skip

@@ -1,0 +1,431 @@
+"""``policy_loss(..., ref_logits=, kl_estimator="full")``: the exact per-token
+``KL(pi || pi_ref)`` over the whole vocabulary inside the policy loss.
+
+Values, every metric and the logits' gradient under a random upstream gradient against the
+float64 oracle (``tests/policy_oracle.py``, ``ref_logits=``: both log-softmaxes written out);
+both backends; fp32 and bf16; awkward shapes and layouts (odd V, V below a block, T = 1, the
+model's whole buffer, a strided reference in another dtype, masked and ignored tokens,
+fully masked rows); near-equal and identical references (no cancellation: the KL of a model
+with itself is exactly 0); NaN in means NaN out; ``grad_in_forward`` and ``inplace``
+bitwise equal to the default; ``torch.compile(fullgraph=True)``; ``gradcheck``; the launch
+count of a k3 call; every bad input raising an error that names the argument.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import FP32_TOL, U32, assert_rel, bf16_tol
+from policy_oracle import oracle_policy_loss
+
+import fused_rl
+from fused_rl.profiling import LaunchCounter
+
+BACKENDS = ("triton", "reference")
+AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def _inputs(B=2, T=5, V=37, S=None, S_ref=None, spread=0.7, seed=0, dtype=torch.float32,
+            ref_dtype=None, mask=True, ignore=True):  # fmt: skip
+    """A rollout whose reference differs from the policy by ``spread`` per logit."""
+    g = torch.Generator().manual_seed(seed)
+    S = T if S is None else S
+    S_ref = S if S_ref is None else S_ref
+    logits = (2.0 * torch.randn(B, S, V, generator=g)).to(dtype)
+    ref = logits.float()[:, -S_ref:] if S_ref <= S else torch.randn(B, S_ref, V, generator=g)
+    if S_ref > S:
+        ref[:, -S:] = logits.float()
+    ref = (ref + spread * torch.randn(ref.shape, generator=g)).to(ref_dtype or dtype)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    if ignore:
+        targets[0, -1] = -100
+    kw = dict(
+        ref_logits=ref,
+        old_logprobs=torch.randn(B, T, generator=g) * 0.3 - 3.0,
+        mask=(torch.rand(B, T, generator=g) > 0.25) if mask else None,
+    )
+    return logits, targets, torch.randn(B, generator=g), kw
+
+
+def _windowed(ref, T):
+    """The reference positions that predict ``T`` targets (the oracle's view)."""
+    S = ref.shape[1]
+    return ref[:, S - T - 1 : S - 1] if S > T else ref
+
+
+def _run(fn, base, targets, adv, upstream, **kw):
+    leaf = base.detach().clone().requires_grad_(True)
+    loss, metrics = fn(leaf, targets, adv, **kw)
+    (grad,) = torch.autograd.grad(loss * upstream, leaf)
+    return loss.detach(), metrics, grad
+
+
+def _oracle(logits, targets, adv, upstream, **kw):
+    T = targets.shape[1]
+    kw = dict(kw, ref_logits=_windowed(kw["ref_logits"], T).double())
+    if "old_logprobs" in kw and kw["old_logprobs"] is not None:
+        kw["old_logprobs"] = kw["old_logprobs"].double()
+
+    def fn(x, targets, adv, **rest):
+        return oracle_policy_loss(_windowed(x, T), targets, adv, **rest)
+
+    return _run(fn, logits.double(), targets, adv, upstream, **kw)
+
+
+def _check(backend, logits, targets, adv, tol=FP32_TOL, **kw):
+    upstream = 1.37
+    kw = dict(kw, kl_estimator="full")
+    loss, metrics, grad = _run(fused_rl.policy_loss, logits, targets, adv, upstream,
+                               backend=backend, **kw)  # fmt: skip
+    o_loss, o_metrics, o_grad = _oracle(logits, targets, adv, upstream, **kw)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert grad.dtype == logits.dtype and grad.shape == logits.shape
+    assert_rel(loss, o_loss, tol, f"{backend} loss")
+    assert_rel(grad, o_grad, tol, f"{backend} grad")
+    assert "kl" in metrics
+    for name, value in o_metrics.items():
+        assert_rel(metrics[name], value, tol, f"{backend} metric {name}")
+    return loss, metrics, grad
+
+
+# ----------------------------------------------------------------------------- parity
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss_agg", AGGS)
+def test_parity_fp32(backend, loss_agg):
+    logits, targets, adv, kw = _inputs()
+    _check(backend, logits, targets, adv, beta=0.3, loss_agg=loss_agg, **kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "options",
+    (
+        dict(beta=0.0),  # the metric alone: no gradient from the KL
+        dict(beta=0.1, entropy_coef=0.01, eps_high=0.28, dual_clip=3.0),
+        dict(beta=0.2, kl_bias_correction=True),
+        dict(beta=0.2, temperature=0.7),
+        dict(beta=0.05, old_logprobs=None),
+    ),
+)
+def test_parity_options(backend, options):
+    logits, targets, adv, kw = _inputs(seed=1)
+    kw.update(options)
+    _check(backend, logits, targets, adv, **kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "shape",
+    (
+        dict(B=1, T=1, V=5),  # T = 1, V below any block
+        dict(B=3, T=4, V=1031),  # odd V over several blocks
+        dict(B=2, T=3, V=64, S=6),  # the model's whole buffer
+        dict(B=2, T=3, V=64, S=6, S_ref=4),  # a reference buffer of another length
+        dict(B=2, T=3, V=33, S_ref=7),
+    ),
+)
+def test_parity_shapes(backend, shape):
+    logits, targets, adv, kw = _inputs(**shape, seed=2)
+    _check(backend, logits, targets, adv, beta=0.25, **kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_reference_in_another_dtype(backend):
+    logits, targets, adv, kw = _inputs(seed=3)
+    wide = torch.randn(2, 5, 2 * 37, dtype=torch.float64)
+    wide[..., ::2] = kw["ref_logits"].double()
+    kw["ref_logits"] = wide[..., ::2]  # stride 2 along V, fp64 beside fp32 logits
+    _check(backend, logits, targets, adv, beta=0.3, **kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parity_bf16(backend):
+    logits, targets, adv, kw = _inputs(seed=4, dtype=torch.bfloat16, T=6, V=301)
+    kw = dict(kw, kl_estimator="full", beta=0.3, entropy_coef=0.01)
+    loss, metrics, grad = _run(fused_rl.policy_loss, logits, targets, adv, 1.0,
+                               backend=backend, **kw)  # fmt: skip
+    o_loss, o_metrics, o_grad = _oracle(logits, targets, adv, 1.0, **kw)
+    e_loss, e_metrics, e_grad = _run(oracle_policy_loss, logits, targets, adv, 1.0, **kw)
+    assert grad.dtype == torch.bfloat16
+    assert_rel(loss, o_loss, bf16_tol(e_loss.double(), o_loss), "loss")
+    assert_rel(grad.double(), o_grad, bf16_tol(e_grad.double(), o_grad), "grad")
+    kl_tol = bf16_tol(e_metrics["kl"].double(), o_metrics["kl"])
+    assert_rel(metrics["kl"].double(), o_metrics["kl"], kl_tol, "kl")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fully_masked_rows_and_ignored_tokens(backend):
+    logits, targets, adv, kw = _inputs(B=3, T=4, V=29, seed=5)
+    kw["mask"][1] = False  # a sequence with nothing counted
+    targets[2, :2] = -100
+    _check(backend, logits, targets, adv, beta=0.3, loss_agg="seq-mean-token-mean", **kw)
+
+
+# ----------------------------------------------------------------------------- numerics
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_identical_reference_gives_exact_zero(backend):
+    """A model against itself: KL exactly 0, and the gradient that of the loss without it
+    (the KL's term ``beta p (log p - log q - KL)`` vanishes column by column)."""
+    logits, targets, adv, kw = _inputs(seed=6)
+    kw["ref_logits"] = logits.clone()
+    loss, metrics, grad = _run(fused_rl.policy_loss, logits, targets, adv, 1.0,
+                               backend=backend, kl_estimator="full", beta=0.5, **kw)  # fmt: skip
+    assert metrics["kl"].item() == 0.0
+    no_kl = dict(kw, ref_logits=None)
+    loss0, _, grad0 = _run(fused_rl.policy_loss, logits, targets, adv, 1.0, backend=backend,
+                           **no_kl)  # fmt: skip
+    torch.testing.assert_close(loss, loss0, rtol=0, atol=1e-7)
+    torch.testing.assert_close(grad, grad0, rtol=0, atol=1e-8)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("spread", (1e-2, 1e-4))
+def test_near_equal_reference_keeps_relative_accuracy(backend, spread):
+    """A KL of order ``spread^2``, far below fp32's rounding of ``log V``: each column's
+    ``log q - log p`` comes from the logits' own difference, so the only cancellation left is
+    first order (``E_p[a - b]`` against ``log(S_z / S_u)``, both of order ``spread``): a
+    relative error of order ``eps / spread``, never ``eps log V / spread^2``."""
+    logits, targets, adv, kw = _inputs(seed=7, spread=spread, V=257)
+    kw = dict(kw, kl_estimator="full", beta=0.3)
+    _, metrics, _ = _run(fused_rl.policy_loss, logits, targets, adv, 1.0, backend=backend,
+                         **kw)  # fmt: skip
+    _, o_metrics, _ = _oracle(logits, targets, adv, 1.0, **kw)
+    assert 0 < o_metrics["kl"] < 10 * spread**2
+    tol = max(FP32_TOL, 20 * U32 / spread)
+    assert_rel(metrics["kl"].double(), o_metrics["kl"], tol, "kl")
+
+
+def test_kl_is_the_distill_reverse_kl():
+    """The same quantity as ``distill_loss(beta=1)`` (its own kernels and finalize)."""
+    logits, targets, adv, kw = _inputs(seed=8, mask=False, ignore=False)
+    _, metrics = fused_rl.policy_loss(logits, targets, adv, kl_estimator="full", beta=0.1,
+                                      ref_logits=kw["ref_logits"], backend="triton")  # fmt: skip
+    _, d_metrics = fused_rl.distill_loss(logits, kw["ref_logits"], beta=1.0, backend="triton")
+    assert_rel(metrics["kl"], d_metrics["reverse_kl"], 1e-6, "kl")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("where", ("counted", "not counted"))
+def test_nan_in_reference(backend, where):
+    logits, targets, adv, kw = _inputs(seed=9, mask=False, ignore=False)
+    kw["mask"] = torch.ones(2, 5, dtype=torch.bool)
+    kw["mask"][1, 2] = where == "counted"
+    kw["ref_logits"][1, 2, 3] = float("nan")
+    loss, metrics = fused_rl.policy_loss(logits, targets, adv, kl_estimator="full", beta=0.2,
+                                         backend=backend, **kw)  # fmt: skip
+    if where == "counted":
+        assert torch.isnan(loss) and torch.isnan(metrics["kl"])
+    else:
+        assert torch.isfinite(loss) and torch.isfinite(metrics["kl"])
+
+
+# ----------------------------------------------------------------------------- other paths
+
+
+def test_grad_in_forward_and_inplace_are_bitwise_the_default():
+    logits, targets, adv, kw = _inputs(seed=10, V=67)
+    kw = dict(kw, kl_estimator="full", beta=0.3, entropy_coef=0.01)
+    loss, metrics, grad = _run(fused_rl.policy_loss, logits, targets, adv, 1.0,
+                               backend="triton", **kw)  # fmt: skip
+    for extra in (dict(grad_in_forward=True), dict(inplace=True),
+                  dict(grad_in_forward=True, inplace=True)):  # fmt: skip
+        x = logits.detach().clone().requires_grad_()
+        buf = x * 1.0 if extra.get("inplace") else x  # inplace needs a non-leaf buffer
+        loss2, metrics2 = fused_rl.policy_loss(buf, targets, adv, backend="triton", **kw,
+                                               **extra)  # fmt: skip
+        loss2.backward()
+        assert torch.equal(loss2.detach(), loss), extra
+        assert torch.equal(x.grad, grad), extra
+        for name, value in metrics.items():
+            assert torch.equal(metrics2[name], value), (extra, name)
+
+
+def test_torch_compile_fullgraph():
+    logits, targets, adv, kw = _inputs(seed=11, V=19)
+
+    def fn(x, targets, adv, **kw):
+        return fused_rl.policy_loss(x, targets, adv, kl_estimator="full", beta=0.2,
+                                    backend="triton", **kw)  # fmt: skip
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    loss, metrics, grad = _run(fn, logits, targets, adv, 1.1, **kw)
+    c_loss, c_metrics, c_grad = _run(compiled, logits, targets, adv, 1.1, **kw)
+    assert_rel(c_loss, loss, 1e-6, "compiled loss")
+    assert_rel(c_grad, grad, 1e-6, "compiled grad")
+    assert set(c_metrics) == set(metrics)
+
+
+def test_gradcheck_fp64():
+    logits, targets, adv, kw = _inputs(B=2, T=3, V=7, seed=12, dtype=torch.float64)
+
+    def fn(x):
+        return fused_rl.policy_loss(x, targets, adv, kl_estimator="full", beta=0.7,
+                                    entropy_coef=0.1, backend="triton", **kw)[0]  # fmt: skip
+
+    assert torch.autograd.gradcheck(fn, (logits.clone().requires_grad_(),), eps=1e-6, atol=1e-8)
+
+
+@pytest.mark.no_poison  # the NaN fill of fresh buffers is the test's, not the call's
+def test_launches_are_those_of_k3(monkeypatch):
+    """The exact KL adds no launch: the reference's row is read inside the same kernels."""
+    monkeypatch.setattr(fused_rl.config, "check_values", False)
+    logits, targets, adv, kw = _inputs(seed=13)
+    ref = kw.pop("ref_logits")
+    counts = {}
+    for name, extra in (("k3", dict(ref_logprobs=torch.randn(2, 5) - 3)),
+                        ("full", dict(ref_logits=ref, kl_estimator="full"))):  # fmt: skip
+        x = logits.clone().requires_grad_()
+        with LaunchCounter() as c:
+            loss, _ = fused_rl.policy_loss(x, targets, adv, beta=0.1, backend="triton", **kw,
+                                           **extra)  # fmt: skip
+            loss.backward()
+        counts[name] = (c.total, sorted(c.kernels))
+    assert counts["full"] == counts["k3"], counts
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _bad_calls():
+    logits, targets, adv, kw = _inputs()
+    ref = kw["ref_logits"]
+    base = dict(kl_estimator="full", beta=0.1, ref_logits=ref)
+    return logits, targets, adv, [
+        (ValueError, r"ref_logits.*vocabulary of 36", dict(base, ref_logits=ref[..., :-1])),
+        (ValueError, r"ref_logits must be \(2, S, 37\)", dict(base, ref_logits=ref[:, :3])),
+        (ValueError, r"ref_logits must be \(B, S, V\)", dict(base, ref_logits=ref[0])),
+        (TypeError, r"ref_logits", dict(base, ref_logits=ref.long())),
+        (ValueError, r"needs ref_logits", dict(base, ref_logits=None)),
+        (ValueError, r"pass ref_logits=, not ref_logprobs=",
+         dict(base, ref_logprobs=torch.zeros(2, 5))),
+        (ValueError, r"ref_logits is read only by kl_estimator='full'",
+         dict(base, kl_estimator="k3")),
+        (NotImplementedError, r"softcap", dict(base, softcap=30.0)),
+        (NotImplementedError, r"importance_sampling='sequence'",
+         dict(base, importance_sampling="sequence")),
+        (NotImplementedError, r"top_entropy_quantile", dict(base, top_entropy_quantile=0.5)),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_bad_input_names_the_argument(case):
+    logits, targets, adv, calls = _bad_calls()
+    error, match, kw = calls[case]
+    with pytest.raises(error, match=match):
+        fused_rl.policy_loss(logits, targets, adv, **kw)
+
+
+def test_from_logprobs_and_estimate_refuse_full():
+    with pytest.raises(ValueError, match="ref_logits"):
+        fused_rl.policy_loss_from_logprobs(
+            torch.randn(2, 3), torch.randn(2), ref_logprobs=torch.randn(2, 3),
+            kl_estimator="full", beta=0.1,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="exact KL over the vocabulary"):
+        fused_rl.kl_estimate(torch.randn(3), torch.randn(3), kl_estimator="full")
+
+
+# ----------------------------------------------------------------------------- from hidden states
+
+
+def _linear_inputs(seed=20, B=2, S=6, T=5, H=8, H_ref=6, V=41):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, S, H, generator=g)
+    weight = 0.5 * torch.randn(V, H, generator=g)
+    bias = 0.1 * torch.randn(V, generator=g)
+    ref = dict(ref_hidden=torch.randn(B, S, H_ref, generator=g),
+               ref_weight=0.5 * torch.randn(V, H_ref, generator=g),
+               ref_bias=0.1 * torch.randn(V, generator=g))  # fmt: skip
+    targets = torch.randint(0, V, (B, T), generator=g)
+    targets[1, 0] = -100
+    kw = dict(mask=torch.rand(B, T, generator=g) > 0.3,
+              old_logprobs=torch.randn(B, T, generator=g) * 0.3 - 3.0)  # fmt: skip
+    return hidden, weight, bias, ref, targets, torch.randn(B, generator=g), kw
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("skip_padding", (True, False))
+def test_linear_matches_the_materialised_oracle(backend, skip_padding, monkeypatch):
+    """``linear_policy_loss(ref_hidden=, ref_weight=, ref_bias=)`` in chunks of 3 rows: the
+    loss, the metrics and the gradients of hidden, weight and bias against the float64
+    oracle on both models' materialised logits."""
+    monkeypatch.setattr(fused_rl.config, "skip_padding_rows", skip_padding)
+    hidden, weight, bias, ref, targets, adv, kw = _linear_inputs()
+    T, S = targets.shape[1], hidden.shape[1]
+    options = dict(kl_estimator="full", beta=0.3, entropy_coef=0.01, eps_high=0.28)
+    up = 1.3
+
+    def fused():
+        leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+        loss, metrics = fused_rl.linear_policy_loss(
+            leaves[0], leaves[1], targets, adv, bias=leaves[2], chunk_tokens=3,
+            backend=backend, **ref, **kw, **options,
+        )  # fmt: skip
+        return loss.detach(), metrics, torch.autograd.grad(loss * up, leaves)
+
+    def oracle():
+        leaves = [t.double().requires_grad_() for t in (hidden, weight, bias)]
+        z = torch.nn.functional.linear(*leaves)[:, S - T - 1 : S - 1]
+        zr = torch.nn.functional.linear(*(t.double() for t in ref.values()))[:, S - T - 1 : S - 1]
+        okw = dict(kw, old_logprobs=kw["old_logprobs"].double())
+        loss, metrics = oracle_policy_loss(z, targets, adv, ref_logits=zr, **okw, **options)
+        return loss.detach(), metrics, torch.autograd.grad(loss * up, leaves)
+
+    (loss, metrics, grads), (o_loss, o_metrics, o_grads) = fused(), oracle()
+    assert_rel(loss, o_loss, FP32_TOL, "loss")
+    for name, g, o in zip(("hidden", "weight", "bias"), grads, o_grads):
+        assert_rel(g, o, FP32_TOL, f"{name} grad")
+    for name, value in o_metrics.items():
+        assert_rel(metrics[name], value, FP32_TOL, f"metric {name}")
+    with torch.no_grad():  # without gradients: the same chunked pass, the same values
+        loss_ng, metrics_ng = fused_rl.linear_policy_loss(
+            hidden, weight, targets, adv, bias=bias, chunk_tokens=3, backend=backend, **ref,
+            **kw, **options,
+        )  # fmt: skip
+    assert_rel(loss_ng, o_loss, FP32_TOL, "no_grad loss")
+    assert_rel(metrics_ng["kl"], o_metrics["kl"], FP32_TOL, "no_grad kl")
+
+
+def test_linear_torch_compile_fullgraph():
+    hidden, weight, bias, ref, targets, adv, kw = _linear_inputs(seed=21)
+
+    def fn(h, w):
+        return fused_rl.linear_policy_loss(h, w, targets, adv, chunk_tokens=4, backend="triton",
+                                           kl_estimator="full", beta=0.2, **ref, **kw)  # fmt: skip
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    out = []
+    for f in (fn, compiled):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss, metrics = f(h, w)
+        out.append((loss.detach(), metrics["kl"], *torch.autograd.grad(loss, (h, w))))
+    for a, b in zip(*out):
+        assert_rel(b, a, 1e-6, "compiled")
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    (
+        (dict(ref_weight=torch.randn(40, 6)), ValueError, "ref_weight has a vocabulary of 40"),
+        (dict(ref_hidden=torch.randn(2, 5, 6)), ValueError, "ref_hidden must be shaped as hidden"),
+        (dict(ref_weight=torch.randn(41, 7)), ValueError, "ref_weight must be the reference"),
+        (dict(ref_hidden=None), ValueError, "needs ref_hidden too"),
+        (dict(ref_weight=None), ValueError, "needs ref_weight"),
+        (dict(ref_bias=torch.randn(40)), ValueError, "ref_bias must be"),
+        (dict(ref_weight=torch.randn(41, 6).half(), ref_bias=None), TypeError, "ref_weight"),
+        (dict(softcap=30.0), NotImplementedError, "softcap"),
+        (dict(importance_sampling="sequence"), NotImplementedError, "importance_sampling"),
+    ),
+)  # fmt: skip
+def test_linear_bad_input(change, error, match):
+    hidden, weight, bias, ref, targets, adv, kw = _linear_inputs()
+    args = dict(ref, kl_estimator="full", beta=0.2, **kw)
+    args.update(change)
+    with pytest.raises(error, match=match):
+        fused_rl.linear_policy_loss(hidden, weight, targets, adv, **args)
