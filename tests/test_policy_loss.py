@@ -186,8 +186,12 @@ CASES = [
     _case(dict(adv="token", seed=1), dual_clip=3.0, eps_high=0.28),
     _case(dict(adv="pos"), delta=2.0),
     _case(dict(adv="token", seed=2), delta=2.0, dual_clip=3.0, eps_low=0.1, eps_high=0.28),
-    *(_case(dict(ref="design"), kl_estimator=k, beta=b)
-      for k in KL_KINDS if k != "full" for b in (0.0, 0.04)),  # full: test_full_kl.py
+    *(
+        _case(dict(ref="design"), kl_estimator=k, beta=b)
+        for k in KL_KINDS
+        if k != "full"
+        for b in (0.0, 0.04)
+    ),  # full: test_full_kl.py
     _case(dict(old=None, ref="design"), beta=0.04, kl_estimator="low_var_kl", entropy_coef=0.01),
     _case(with_entropy=True),
     _case(dict(temperature=0.7, ref="design"), beta=0.04, entropy_coef=0.01),
