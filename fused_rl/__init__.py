@@ -23,6 +23,7 @@ from ._version import __version__  # noqa: E402
 from .advantages import gae, group_advantages, kl_penalized_rewards, rloo_advantages  # noqa: E402
 from .continuous import gaussian_entropy, gaussian_logprob  # noqa: E402
 from .distill import distill_loss  # noqa: E402
+from .exact_kl import token_kl  # noqa: E402
 from .kl import kl_estimate  # noqa: E402
 from .linear import linear_policy_loss, linear_token_logprobs  # noqa: E402
 from .linear_distill import linear_distill_loss  # noqa: E402
@@ -60,6 +61,7 @@ __all__ = [
     "policy_loss_from_logprobs",
     "ppo_loss",
     "token_entropy",
+    "token_kl",
     "token_logprobs",
     "truncated_logprobs",
     "value_loss",

@@ -167,21 +167,28 @@ def per_row(scale: Tensor | None, shape) -> Tensor | None:
     return None if scale is None else scale.expand(shape).contiguous().view(-1)
 
 
-def check_full_kl_route(policy: PolicyConfig, softcap, sharded: bool) -> None:
-    """``kl_estimator="full"`` runs where each token's loss comes from its own row: the fused
-    token-level pass (and the reference backend's twin of it)."""
+def check_full_kl_route(policy: PolicyConfig, softcap, sharded: bool, composable: bool) -> None:
+    """What ``kl_estimator="full"`` cannot do: a soft cap; and where the loss is composed
+    from per-token statistics (vocabulary parallelism, GSPO / VESPO, the top-entropy
+    selection: ``composable`` says the call can compose it, as ``policy_loss`` can) the
+    bias-corrected KL, whose ratio factor lives in the fused token layer."""
     if softcap is not None:
         raise NotImplementedError("kl_estimator='full' is not implemented with softcap=")
-    if sharded:
-        raise NotImplementedError(
-            "kl_estimator='full' is not implemented for vocabulary-parallel logits "
-            "(process_group= or DTensor logits)"
-        )
     option = not_token_level(policy)
-    if option is not None:
+    if sharded:
+        option = "vocabulary-parallel logits (process_group= or DTensor logits)"
+    if option is None:
+        return
+    if not composable:
         raise NotImplementedError(
-            f"kl_estimator='full' is implemented for token-level importance sampling, not "
-            f"with {option}"
+            f"kl_estimator='full' from hidden states is implemented for token-level importance "
+            f"sampling without process_group, not with {option}: compute the logits and call "
+            "fused_rl.policy_loss(ref_logits=)"
+        )
+    if policy.kl_bias_correction:
+        raise NotImplementedError(
+            f"kl_estimator='full' with kl_bias_correction=True is implemented for the fused "
+            f"token-level pass, not with {option}"
         )
 
 

@@ -11,6 +11,7 @@ vocab-stream kernel. The ``reference`` backend is the same math in plain PyTorch
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -50,6 +51,7 @@ from ._policy_ops import (
 )
 from ._vocab_ops import check_inplace, check_targets_window, token_stats_nocheck, window
 from .distributed import is_dtensor
+from .exact_kl import token_kl
 from .kernels.modes import IMPORTANCE_SAMPLING, LOSS_AGG_MODES, SURROGATES  # noqa: F401
 from .logprobs import token_logprobs
 from .policy_config import PolicyConfig, takes_policy_options
@@ -252,8 +254,11 @@ def policy_loss(
             both softmaxes at ``temperature``, streamed in the same pass that reads
             ``logits`` (one more read of the reference's row; never written, no
             gradient), its gradient ``beta p_v (log p_v - log q_v - KL)`` in the same
-            backward (one more read of the row). Token-level importance sampling only
-            (not GSPO / VESPO / top-entropy), no ``softcap``, no vocabulary parallelism.
+            backward (one more read of the row). Where the loss is composed (GSPO / VESPO,
+            the top-entropy selection, vocabulary parallelism with ``ref_logits`` sharded
+            as ``logits``) the KL is :func:`fused_rl.token_kl`'s, added with the
+            aggregation's token weights (there without ``kl_bias_correction`` or
+            ``inplace``). Not with ``softcap``.
         mask: ``(B, T)`` bool, integer or float; None = every token counts. A bool mask
             selects tokens (True counts). A float (or integer) mask is a per-token weight
             ``m_t >= 0``: ``token-mean`` gives ``sum_t m_t L_t / sum_t m_t``, every other
@@ -397,7 +402,9 @@ def policy_loss(
     check_call(policy, ref_logprobs, num_items, ref_logits)
     if ref_logits is not None:
         check_ref_logits(ref_logits, logits, length, "logits")
-        check_full_kl_route(policy, softcap, process_group is not None or is_dtensor(logits))
+        check_full_kl_route(
+            policy, softcap, process_group is not None or is_dtensor(logits), composable=True
+        )
         ref_logits = ref_logits.detach()  # a constant, as ref_logprobs
     need_entropy = with_entropy or policy.uses_entropy
     if inplace is not False:
@@ -417,13 +424,20 @@ def policy_loss(
             policy=policy, backend=backend,
         )  # fmt: skip
     # by composition (log-probs and entropy first, then the token layer): vocabulary-sharded
-    # logits, and the top-entropy selection, whose threshold needs every token's entropy
-    if process_group is not None or is_dtensor(logits) or policy.top_entropy_quantile < 1.0:
+    # logits, the top-entropy selection, whose threshold needs every token's entropy, and the
+    # exact KL beside a loss that is not token-level (GSPO, VESPO)
+    if (
+        process_group is not None
+        or is_dtensor(logits)
+        or policy.top_entropy_quantile < 1.0
+        or (ref_logits is not None and not policy.token_level)
+    ):
         return _composed_policy_loss(
             logits, targets, advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
             mask=mask, is_weights=is_weights, num_items=num_items, temperature=temperature,
             softcap=softcap, ignore_index=ignore_index, need_entropy=need_entropy,
             process_group=process_group, policy=policy, backend=backend, inplace=inplace,
+            ref_logits=ref_logits,
         )  # fmt: skip
     V.check_target_range(targets, logits.shape[-1], ignore_index, "targets")
     V.check_mask_weights(mask, "mask")
@@ -693,24 +707,65 @@ def policy_loss_from_logprobs(
 
 def _composed_policy_loss(
     logits: Tensor, targets: Tensor, advantages: Tensor, *, temperature, softcap, ignore_index,
-    need_entropy: bool, process_group, backend: str, inplace: bool = False, **loss_inputs,
+    need_entropy: bool, process_group, backend: str, inplace: bool = False, ref_logits=None,
+    **loss_inputs,
 ) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
     """:func:`fused_rl.policy_loss` by composition: :func:`fused_rl.token_logprobs` (with
     the entropy when the loss or the metrics need it; vocab-parallel with ``process_group``
     or a ``DTensor``), then :func:`loss_from_token_stats`. Runs for vocabulary-sharded
     logits (every rank computes the same loss and metrics; the logits' gradient is each
     rank's shard, no collective backward) and for the top-entropy selection (its threshold
-    needs every token's entropy)."""
+    needs every token's entropy). With ``ref_logits`` (``kl_estimator="full"``) the exact KL
+    comes from :func:`fused_rl.token_kl` (vocab-parallel alike) and is added to the loss
+    with the aggregation's token weights."""
+    kl = None
+    if ref_logits is not None:
+        if inplace:  # token_kl's backward reads the logits that inplace=True overwrites
+            raise NotImplementedError(
+                "inplace=True with kl_estimator='full' runs on the fused token-level pass "
+                "only (not GSPO / VESPO / the top-entropy selection)"
+            )
+        kl = _exact_kl(logits, ref_logits, targets, loss_inputs["mask"], temperature,
+                       ignore_index, process_group, backend)  # fmt: skip
     out = token_logprobs(
         logits, targets, temperature=temperature, softcap=softcap, ignore_index=ignore_index,
         return_entropy=need_entropy, process_group=process_group, inplace=inplace,
         backend=backend,
     )  # fmt: skip
     logp, entropy = out if need_entropy else (out, None)
-    return loss_from_token_stats(
+    if kl is None:
+        return loss_from_token_stats(
+            logp, entropy, targets, advantages, ignore_index=ignore_index, backend=backend,
+            **loss_inputs,
+        )  # fmt: skip
+    policy = loss_inputs.pop("policy")
+    loss, metrics = loss_from_token_stats(
         logp, entropy, targets, advantages, ignore_index=ignore_index, backend=backend,
-        **loss_inputs,
+        policy=dataclasses.replace(policy, beta=0.0, kl_estimator="k3"), **loss_inputs,
     )  # fmt: skip
+    if is_dtensor(targets):
+        targets = targets.to_local()
+    m = weights_of(loss_inputs["mask"], kl, kl.dtype, targets, ignore_index)
+    if policy.beta != 0.0:
+        w = token_weights(m, policy.loss_agg, max_length=policy.max_length,
+                          num_items=loss_inputs["num_items"], dtype=kl.dtype)  # fmt: skip
+        loss = loss + policy.beta * torch.where(w != 0, w * kl, 0.0).sum().to(loss.dtype)
+    metrics["kl"] = masked_mean_all(kl.detach(), m)
+    return loss, metrics
+
+
+def _exact_kl(logits, ref_logits, targets, mask, temperature, ignore_index, process_group,
+              backend) -> Tensor:  # fmt: skip
+    """``(B, T)`` exact KL of the positions that predict ``targets``, 0 where nothing counts."""
+    length = targets.shape[-1]
+    local_targets = targets.to_local() if is_dtensor(targets) else targets
+    counted = counted_mask(mask, local_targets, ignore_index)
+    if counted.dtype != torch.bool:
+        counted = counted != 0
+    x = logits if logits.shape[1] == length else window(logits, length)
+    r = ref_logits if ref_logits.shape[1] == length else window(ref_logits, length)
+    return token_kl(x, r, temperature=temperature, mask=counted, process_group=process_group,
+                    backend=backend)  # fmt: skip
 
 
 def loss_from_token_stats(

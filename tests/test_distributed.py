@@ -596,6 +596,60 @@ def policy_loss_vocab_parallel(ctx):
                 assert_rel(grad, whole.grad[..., ids], FP32_TOL, f"grad {what} {how}")
 
 
+@check
+def exact_kl_vocab_parallel(ctx):
+    """``token_kl(process_group=)`` and ``policy_loss(ref_logits=, kl_estimator="full",
+    process_group=)``: every rank the unsharded values (the float64 oracle on the whole
+    vocabulary; the unsharded fused call), and its shard of the gradient, under a random
+    upstream gradient; a reference near the policy and one far from it."""
+    w, B, T = 5, 2, 3
+    V = w * ctx.world
+    g = ctx.gen(31)
+    full = torch.randn(B, T + 1, V, generator=g) * 2  # the model's buffer: S = T + 1
+    start, stop = _shard_bounds([w] * ctx.world, ctx.rank)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    targets[1, 2] = -100
+    mask = torch.rand(B, T, generator=g) > 0.2
+    up = torch.randn(B, T, generator=g)
+    for spread in (1.0, 1e-2):
+        ref_full = full + spread * torch.randn(full.shape, generator=g)
+        # the oracle: float64 on the whole vocabulary, positions 0 .. T-1 predict the targets
+        x = full.double().requires_grad_()
+        lp = torch.log_softmax(x[:, :T], -1)
+        lq = torch.log_softmax(ref_full[:, :T].double(), -1)
+        kl_o = (lp.exp() * (lp - lq)).sum(-1)
+        (grad_o,) = torch.autograd.grad((kl_o * up).sum(), x)
+        for backend in BACKENDS:
+            what = f"spread {spread} {backend}"
+            local = _local(full[:, :T], start, stop)
+            kl = fused_rl.token_kl(local, ref_full[:, :T, start:stop], process_group=ctx.group,
+                                   backend=backend)  # fmt: skip
+            assert_rel(kl, kl_o, FP32_TOL if spread == 1.0 else 1e-4, f"token_kl {what}")
+            (kl * up).sum().backward()
+            assert_rel(local.grad, grad_o[:, :T, start:stop], FP32_TOL, f"token_kl grad {what}")
+            kw = dict(kl_estimator="full", beta=0.3, mask=mask, importance_sampling="sequence",
+                      entropy_coef=0.01)  # fmt: skip
+            whole = full.clone().requires_grad_()
+            ref_loss, ref_metrics = fused_rl.policy_loss(
+                whole, targets, torch.randn(B, generator=ctx.gen(7)), ref_logits=ref_full,
+                backend="triton", **kw,
+            )  # fmt: skip
+            ref_loss.backward()
+            mine = _local(full, start, stop)
+            loss, metrics = fused_rl.policy_loss(
+                mine, targets, torch.randn(B, generator=ctx.gen(7)),
+                ref_logits=ref_full[..., start:stop], process_group=ctx.group, backend=backend,
+                **kw,
+            )  # fmt: skip
+            loss.backward()
+            assert_rel(loss, ref_loss, FP32_TOL, f"policy_loss {what}")
+            assert sorted(metrics) == sorted(ref_metrics)
+            for key, value in metrics.items():
+                assert_rel(value, ref_metrics[key], 1e-4 if key == "kl" else FP32_TOL,
+                           f"{key} {what}")  # fmt: skip
+            assert_rel(mine.grad, whole.grad[..., start:stop], FP32_TOL, f"grad {what}")
+
+
 @pytest.mark.parametrize("name", list(CHECKS))
 @pytest.mark.parametrize("world", WORLD_SIZES)
 @needs_gloo

@@ -288,6 +288,107 @@ def test_launches_are_those_of_k3(monkeypatch):
     assert counts["full"] == counts["k3"], counts
 
 
+# ----------------------------------------------------------------------------- composed paths
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss_agg", ("token-mean", "seq-mean-token-mean"))
+def test_gspo_against_the_oracle(backend, loss_agg):
+    """GSPO's sequence ratio needs every token's log-prob first: the loss is composed from
+    per-token statistics and ``token_kl`` (the model's whole buffer, a masked batch)."""
+    logits, targets, adv, kw = _inputs(seed=14, S=7)
+    _check(backend, logits, targets, adv, beta=0.3, importance_sampling="sequence",
+           loss_agg=loss_agg, entropy_coef=0.01, **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "options",
+    (
+        dict(surrogate="vespo"),
+        dict(importance_sampling="sequence-token"),
+        dict(top_entropy_quantile=0.5, loss_agg="seq-mean-token-sum"),
+    ),
+)
+def test_other_composed_losses_add_the_oracle_kl(backend, options):
+    """Where the oracle has no twin of the surrogate (VESPO, GSPO-token, the top-entropy
+    selection), the exact KL must add exactly ``beta`` times the aggregated float64 KL to the
+    loss without it, and its gradient to the gradient; ``kl`` is its masked mean."""
+    logits, targets, adv, kw = _inputs(seed=15, S=6)
+    beta = 0.4
+    ref = kw.pop("ref_logits")
+    loss, metrics, grad = _run(fused_rl.policy_loss, logits, targets, adv, 1.0,
+                               backend=backend, kl_estimator="full", beta=beta, ref_logits=ref,
+                               **kw, **options)  # fmt: skip
+    loss0, _, grad0 = _run(fused_rl.policy_loss, logits, targets, adv, 1.0, backend=backend,
+                           **kw, **options)  # fmt: skip
+    T = targets.shape[1]
+    x = logits.double().requires_grad_()
+    lp = torch.log_softmax(_windowed(x, T), -1)
+    lq = torch.log_softmax(_windowed(ref, T).double(), -1)
+    kl = (lp.exp() * (lp - lq)).sum(-1)
+    m = (kw["mask"] & (targets != -100)).double()
+    if options.get("loss_agg") == "seq-mean-token-sum":
+        kl_loss = (m * kl).sum() / targets.shape[0]
+    else:
+        kl_loss = (m * kl).sum() / m.sum()
+    (kl_grad,) = torch.autograd.grad(beta * kl_loss, x)
+    assert_rel(loss - loss0, beta * kl_loss, FP32_TOL, "loss")
+    assert_rel(grad - grad0, kl_grad, 1e-4, "grad")  # a difference of two fp32 gradients
+    assert_rel(metrics["kl"], (m * kl).sum() / m.sum(), FP32_TOL, "kl")
+
+
+# ----------------------------------------------------------------------------- token_kl
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_token_kl_against_the_oracle(backend, dtype):
+    g = torch.Generator().manual_seed(16)
+    x = (2 * torch.randn(3, 4, 301, generator=g)).to(dtype)
+    r = (x.float() + 0.8 * torch.randn(x.shape, generator=g)).to(dtype)
+    mask = torch.rand(3, 4, generator=g) > 0.3
+    up = torch.randn(3, 4, generator=g)
+    leaf = x.clone().requires_grad_()
+    kl = fused_rl.token_kl(leaf, r, temperature=0.9, mask=mask, backend=backend)
+    (grad,) = torch.autograd.grad((kl * up).sum(), leaf)
+    xo = x.double().requires_grad_()
+    lp = torch.log_softmax(xo / 0.9, -1)
+    lq = torch.log_softmax(r.double() / 0.9, -1)
+    kl_o = torch.where(mask, (lp.exp() * (lp - lq)).sum(-1), 0.0)
+    (grad_o,) = torch.autograd.grad((kl_o * up).sum(), xo)
+    tol = FP32_TOL if dtype == torch.float32 else 1e-2
+    assert kl.shape == (3, 4) and grad.dtype == dtype
+    assert torch.equal(kl[~mask], torch.zeros_like(kl[~mask]))
+    assert torch.equal(grad[~mask], torch.zeros_like(grad[~mask]))
+    assert_rel(kl.double(), kl_o, tol, "kl")
+    assert_rel(grad.double(), grad_o, tol, "grad")
+
+
+def test_token_kl_compiles_and_refuses_bad_input():
+    x, r = torch.randn(2, 3, 17), torch.randn(2, 3, 17)
+
+    def fn(x):
+        return fused_rl.token_kl(x, r, backend="triton")
+
+    torch._dynamo.reset()
+    leaf = x.clone().requires_grad_()
+    eager = fn(leaf)
+    (g_eager,) = torch.autograd.grad(eager.sum(), leaf)
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")(leaf)
+    (g_compiled,) = torch.autograd.grad(compiled.sum(), leaf)
+    assert_rel(compiled, eager, 1e-6, "compiled kl")
+    assert_rel(g_compiled, g_eager, 1e-6, "compiled grad")
+    with pytest.raises(ValueError, match="ref_logits must have logits' shape"):
+        fused_rl.token_kl(x, r[..., :-1])
+    with pytest.raises(ValueError, match="mask must be a bool tensor"):
+        fused_rl.token_kl(x, r, mask=torch.ones(2, 3))
+    with pytest.raises(TypeError, match="ref_logits"):
+        fused_rl.token_kl(x, r.long())
+    with pytest.raises(ValueError, match="temperature"):
+        fused_rl.token_kl(x, r, temperature=0.0)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
@@ -306,9 +407,10 @@ def _bad_calls():
         (ValueError, r"ref_logits is read only by kl_estimator='full'",
          dict(base, kl_estimator="k3")),
         (NotImplementedError, r"softcap", dict(base, softcap=30.0)),
-        (NotImplementedError, r"importance_sampling='sequence'",
-         dict(base, importance_sampling="sequence")),
-        (NotImplementedError, r"top_entropy_quantile", dict(base, top_entropy_quantile=0.5)),
+        (NotImplementedError, r"kl_bias_correction=True .* importance_sampling='sequence'",
+         dict(base, importance_sampling="sequence", kl_bias_correction=True)),
+        (NotImplementedError, r"inplace=True", dict(base, top_entropy_quantile=0.5,
+                                                     inplace=True)),
     ]  # fmt: skip
 
 
@@ -317,7 +419,8 @@ def test_bad_input_names_the_argument(case):
     logits, targets, adv, calls = _bad_calls()
     error, match, kw = calls[case]
     with pytest.raises(error, match=match):
-        fused_rl.policy_loss(logits, targets, adv, **kw)
+        x = logits.clone().requires_grad_() * 1.0 if kw.get("inplace") else logits
+        fused_rl.policy_loss(x, targets, adv, **kw)
 
 
 def test_from_logprobs_and_estimate_refuse_full():

@@ -105,7 +105,7 @@ LAYERS = (
     ("vocab parallel", ("fused_rl.distributed",)),
     ("functions", ("fused_rl.logprobs", "fused_rl.kl", "fused_rl.reductions", "fused_rl.distill",
                    "fused_rl.rollout", "fused_rl.continuous", "fused_rl.advantages",
-                   "fused_rl.truncated",
+                   "fused_rl.truncated", "fused_rl.exact_kl",
                    "fused_rl.values", "fused_rl.losses", "fused_rl.linear",
                    "fused_rl.linear_distill")),
     ("adapters", ("fused_rl.nn", "fused_rl.compat", "fused_rl.integrations", "fused_rl.__main__")),
