@@ -27,12 +27,14 @@ from torch import Tensor
 from . import _validation as V
 from ._agg import check_loss_agg, masked_mean_all, poison_empty, token_weights
 from ._backend import resolve_backend
-from ._launch import f32_pair, triton_acc, vocab_launch
+from ._launch import f32_pair, stats_dtype, triton_acc, vocab_launch
 from ._ops import FusedOp
 from ._policy_inputs import num_items_args, weights_of
 from ._shapes import as_rows3d
+from .distributed import _dist, is_dtensor, resolve_shard
 from .kernels.modes import LOSS_AGG_MODES
 from .reference import distill as ref
+from .reference.logprobs import differentiable_once
 from .reference.reductions import acc_dtype
 
 # the kernels' MODE (kernels/vocab/distill.py MODE_*), by ``beta``: 0, 1, anything between
@@ -340,6 +342,195 @@ distill_rows_grad_fwd_op.register_fake(lambda student2d, *_args: student2d.new_e
     student2d.shape))  # fmt: skip
 
 
+# ----------------------------------------------------------------------------- per token
+# The per-token forward / reverse KL with their gradient (``fused_rl.token_kl``, the composed
+# policy loss's exact KL, and ``distill_loss`` under vocabulary parallelism): the kernels
+# above at ``beta`` in {0, 1}, their row statistics merged across vocabulary shards by two
+# all-reduces (``fused_rl.exact_kl``'s module docstring gives the sums and bytes).
+
+_COL_REVERSE = COLUMNS.index("reverse_kl")
+_COL_COUNT = COLUMNS.index("count")
+# the per-token values each forward reports: forward KL, reverse KL, H(p), H(q)
+_EXTRA_COLUMNS = [COLUMNS.index(c) for c in ("forward_kl", "reverse_kl", "student_entropy",
+                                             "teacher_entropy")]  # fmt: skip
+# kernels/vocab/distill.py STAT_*: max_z, log S_z, max_u, log(S_z / S_u), c (= KL)
+_MAX_Z, _LOG_S_Z, _MAX_U, _LOG_RATIO, _C = range(N_STATS)
+
+
+class _PairDivergence(torch.autograd.Function):
+    """``(d, extra)`` of ``(outer, inner, V)`` rows of the policy / student ``x3d`` and the
+    reference / teacher ``r3d``: ``d`` ``(outer, inner)`` the reverse KL ``KL(p || q)`` (or with
+    ``forward_kl`` the forward ``KL(q || p)``), differentiable w.r.t. ``x3d``; with
+    ``with_extra`` the detached ``(4, outer, inner)`` forward KL, reverse KL, ``H(p)``,
+    ``H(q)`` (else empty). ``shard`` None: the whole vocabulary here (Triton only), else this
+    rank's shard (either backend)."""
+
+    @staticmethod
+    def forward(ctx, x3d, r3d, mask, temperature, which, shard, forward_kl, with_extra):
+        stats, extra = _local_stats(x3d, r3d, mask, temperature, which, forward_kl)
+        if shard is not None:
+            stats, extra = _merge(stats, extra, shard, full=forward_kl or with_extra)
+        extra = extra.view(4, *x3d.shape[:2])
+        if mask is not None:
+            extra = torch.where(mask, extra, 0.0)
+        d = extra[0 if forward_kl else 1].clone()
+        ctx.save_for_backward(x3d, r3d, stats, mask)
+        ctx.temperature, ctx.which, ctx.forward_kl = temperature, which, forward_kl
+        ctx.mark_non_differentiable(extra)
+        ctx.set_materialize_grads(False)
+        return d, (extra if with_extra else extra.new_empty((0,)))
+
+    @staticmethod
+    def backward(ctx, grad_d, _grad_extra):
+        x3d, r3d, stats, mask = ctx.saved_tensors
+        if grad_d is None:
+            return (None,) * 8
+        with torch.no_grad():
+            g = grad_d if mask is None else torch.where(mask, grad_d, 0.0)  # rows not read
+            grad = _backward(x3d, r3d, stats, g, ctx.temperature, ctx.which, ctx.forward_kl)
+        return (differentiable_once(grad, x3d, grad_d),) + (None,) * 7
+
+
+def pair_divergence(x3d, r3d, mask, temperature, which, shard, forward_kl=False,
+                    with_extra=False):  # fmt: skip
+    """:class:`_PairDivergence` (checked inputs): ``(d, extra)``."""
+    return _PairDivergence.apply(x3d, r3d, mask, temperature, which, shard, forward_kl,
+                                 with_extra)  # fmt: skip
+
+
+def _local_stats(x3d, r3d, mask, temperature, which, forward_kl=False):
+    """``(stats, extra)``: the ``(N_STATS, outer * inner)`` row statistics of this shard's (or
+    the whole vocabulary's) columns in the distill kernels' layout (``c`` the reverse KL), and
+    ``(4, outer * inner)`` forward KL, reverse KL, ``H(p)``, ``H(q)`` over those columns."""
+    outer, inner, vocab = x3d.shape
+    n = outer * inner
+    if which == "triton":  # the distillation forward at beta = 1 (or 0; its loss unused)
+        m8 = None if mask is None else mask.view(torch.uint8)
+        _, _, _, stats, part = distill_fwd_op(
+            x3d, r3d, None, m8, None, 0.0 if forward_kl else 1.0, temperature, -100, 0,
+            float(inner), 0.0, False,
+        )  # fmt: skip
+        if forward_kl:  # the kernel's c is the reverse KL only at beta = 1
+            stats = torch.cat((stats[:_C], part[_COL_REVERSE][None]))
+        return stats, part[_EXTRA_COLUMNS]
+    # the reference: the same statistics in plain PyTorch (the shard may be empty: -inf max)
+    acc = stats_dtype(torch.promote_types(x3d.dtype, r3d.dtype))
+    z, u = x3d.detach().to(acc) / temperature, r3d.to(acc) / temperature
+    if mask is not None:
+        keep = mask[..., None]
+        z, u = torch.where(keep, z, 0.0), torch.where(keep, u, 0.0)
+    if vocab == 0:
+        empty = torch.full((outer, inner), -math.inf, dtype=acc, device=x3d.device)
+        zero = torch.zeros_like(empty)
+        stats = torch.stack((empty, empty, empty, zero, zero)).reshape(N_STATS, n)
+        return stats, torch.zeros((4, n), dtype=acc, device=x3d.device)
+    m_z, m_u = z.amax(-1), u.amax(-1)
+    m_z0 = torch.where(torch.isfinite(m_z), m_z, 0.0)
+    m_u0 = torch.where(torch.isfinite(m_u), m_u, 0.0)
+    a, b = z - m_z0[..., None], u - m_u0[..., None]
+    b_minus_a = (u - z) - (m_u0 - m_z0)[..., None]  # the logits' own difference (near-equal)
+    e_a, e_b = a.exp(), b.exp()
+    s_z, s_u = e_a.sum(-1), e_b.sum(-1)
+    log_s_z, log_s_u = s_z.log(), s_u.log()
+    r = -torch.where(e_a == 0, 0.0, e_a * b_minus_a).sum(-1) / s_z
+    f = torch.where(e_b == 0, 0.0, e_b * b_minus_a).sum(-1) / s_u
+    log_ratio = _log_ratio(s_z, torch.where(e_a == 0, e_b, e_a * torch.expm1(b_minus_a)).sum(-1))
+    h_z = log_s_z - torch.where(e_a == 0, 0.0, e_a * a).sum(-1) / s_z
+    h_u = log_s_u - torch.where(e_b == 0, 0.0, e_b * b).sum(-1) / s_u
+    kl = r - log_ratio
+    stats = torch.stack((m_z0, log_s_z, m_u0, log_ratio, kl)).reshape(N_STATS, n)
+    extra = torch.stack((f + log_ratio, kl, h_z.clamp_min(0.0), h_u.clamp_min(0.0)))
+    return stats, extra.reshape(4, n)
+
+
+def _log_ratio(s_z: Tensor, gap: Tensor) -> Tensor:
+    """``log(S_z / S_u)`` from ``S_z`` and ``gap = S_u - S_z`` summed as its own terms:
+    ``-log1p(gap / S_z)`` near 1 (two separately rounded logs would leave an error of
+    ``ulp(log V)`` in a KL of order ``delta^2``), the plain logs elsewhere."""
+    ratio = gap / s_z
+    near = ratio.abs() <= 0.5
+    return torch.where(near, -torch.log1p(torch.where(near, ratio, 0.0)),
+                       s_z.log() - (s_z + gap).log())  # fmt: skip
+
+
+def _merge(stats: Tensor, extra: Tensor, shard, full: bool) -> tuple[Tensor, Tensor]:
+    """The two all-reduces over ``shard.group``: every rank's per-token partials into the
+    whole vocabulary's statistics (same layout) and ``(4, n)`` extra values (module
+    docstring). ``full``: also the forward KL and both entropies (three more sums)."""
+    dist = _dist()
+    n = stats.shape[1]
+    m_z_l, log_s_z_l, m_u_l = stats[_MAX_Z], stats[_LOG_S_Z], stats[_MAX_U]
+    log_ratio_l = stats[_LOG_RATIO]
+    r_l = extra[1] + log_ratio_l  # E_p[(z - M_z) - (u - M_u)] over the shard
+    # an empty shard's partial: no mass (its max taken as -inf so it never wins)
+    empty = log_s_z_l == -math.inf
+    maxima = torch.cat((torch.where(empty, -math.inf, m_z_l), torch.where(empty, -math.inf, m_u_l)))
+    dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=shard.group)
+    m_z, m_u = maxima[:n], maxima[n:]
+    d_z = torch.where(empty, 0.0, m_z_l - m_z)
+    a = torch.where(empty, 0.0, (d_z + log_s_z_l).exp())  # S_z,r e^(M_z,r - M_z)
+    # d_z - d_u from the two differences of maxima, each small and exact for near-equal
+    # rows (not from d_z and d_u, each rounded at the size of the maxima)
+    dd = torch.where(empty, 0.0, (m_z_l - m_u_l) - (m_z - m_u))
+    # S_u,r e^(M_u,r - M_u) - a: the shard's part of S_u - S_z, as its own small number
+    gap = torch.where(a == 0, 0.0, a * torch.expm1(-dd - log_ratio_l))
+    parts = [a, gap, torch.where(a == 0, 0.0, a * (r_l + dd))]
+    if full:
+        b = a + gap  # S_u,r e^(M_u,r - M_u)
+        f_l = extra[0] - log_ratio_l  # E_q[(u - M_u) - (z - M_z)] over the shard
+        d_u = torch.where(empty, 0.0, m_u_l - m_u)
+        log_s_u_l = log_s_z_l - log_ratio_l
+        parts += [
+            torch.where(b == 0, 0.0, b * (f_l - dd)),
+            torch.where(a == 0, 0.0, a * ((log_s_z_l - extra[2]) + d_z)),  # W_z
+            torch.where(b == 0, 0.0, b * ((log_s_u_l - extra[3]) + d_u)),  # W_u
+        ]
+    sums = torch.cat(parts)
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=shard.group)
+    s_z, gap, big_r = sums[:n], sums[n : 2 * n], sums[2 * n : 3 * n]
+    log_ratio = _log_ratio(s_z, gap)
+    kl = big_r / s_z - log_ratio
+    merged = torch.stack((m_z, s_z.log(), m_u, log_ratio, kl))
+    if not full:
+        return merged, torch.stack((kl, kl, kl, kl))  # only the reverse KL is read
+    s_u = s_z + gap
+    big_f, w_z, w_u = sums[3 * n : 4 * n], sums[4 * n : 5 * n], sums[5 * n :]
+    h_z = (s_z.log() - w_z / s_z).clamp_min(0.0)
+    h_u = (s_u.log() - w_u / s_u).clamp_min(0.0)
+    return merged, torch.stack((big_f / s_u + log_ratio, kl, h_z, h_u))
+
+
+def _backward(x3d, r3d, stats, grad_kl, temperature, which, forward_kl=False) -> Tensor:
+    """``dL/dlogits`` of this rank's (or the whole) ``(outer, inner, V)`` logits from the
+    global statistics: ``g_t p_v (-delta_v - KL_t) / T`` (``forward_kl``: ``g_t (p_v - q_v)
+    / T``)."""
+    outer, inner, vocab = x3d.shape
+    if vocab == 0:
+        return torch.zeros(x3d.shape, dtype=x3d.dtype, device=x3d.device)
+    g = grad_kl.reshape(-1).to(stats.dtype)
+    if which == "triton":
+        part = torch.zeros((len(COLUMNS), outer * inner), dtype=stats.dtype, device=x3d.device)
+        part[_COL_COUNT] = g  # the kernel's per-row coefficient: the upstream gradient
+        one = torch.ones((1,), dtype=stats.dtype, device=x3d.device)
+        beta = 0.0 if forward_kl else 1.0
+        return distill_bwd_op(x3d, r3d, stats, part, one, one[0], beta, temperature, False)
+    z = x3d.to(stats.dtype) / temperature
+    u = r3d.to(stats.dtype) / temperature
+    st = stats.view(N_STATS, outer, inner, 1)
+    p = ((z - st[_MAX_Z]) - st[_LOG_S_Z]).exp()
+    # log q - log p from the logits' own difference (as the kernel's near_delta): exact for
+    # a reference near the policy, where two logs of size log V would cancel
+    delta = ((u - z) - (st[_MAX_U] - st[_MAX_Z])) + st[_LOG_RATIO]
+    if forward_kl:  # p - q = -p expm1(delta)
+        terms = torch.where(p == 0, -(u - st[_MAX_U] - (st[_LOG_S_Z] - st[_LOG_RATIO])).exp(),
+                            -p * torch.expm1(delta))  # fmt: skip
+    else:
+        terms = torch.where(p == 0, 0.0, p * (-delta - st[_C]))
+    keep = (g != 0).view(outer, inner, 1)  # rows that do not count: exact zeros
+    grad = torch.where(keep, g.view(outer, inner, 1) * terms, 0.0) / temperature
+    return grad.to(x3d.dtype)
+
+
 # ----------------------------------------------------------------------------- public API
 
 
@@ -406,6 +597,7 @@ def distill_loss(
     loss_agg: str = "token-mean",
     num_items: int | float | Tensor | None = None,
     max_length: int | None = None,
+    process_group=None,
     backend: str = "auto",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """On-policy distillation loss (GKD): a divergence between the student's and the
@@ -441,6 +633,13 @@ def distill_loss(
         num_items: replaces the token count of ``token-mean`` (a global count across
             micro-batches / ranks); a tensor's value is never read on the host (<= 0: NaN).
         max_length: the ``seq-mean-token-sum-norm`` length (default ``T``).
+        process_group: vocabulary (tensor) parallelism for ``beta`` in {0, 1}: each rank's
+            ``logits`` / ``teacher_logits`` are its equal-width shard of the vocabulary
+            (``DTensor`` inputs sharded on their last dim give their own group); every rank
+            returns the unsharded loss and metrics and its shard of the gradient. Two
+            all-reduces forward (32 bytes a token per rank in fp32: both row maxima, then the
+            rescaled sums of both softmaxes, both KLs and both entropies), none backward.
+            The generalized JSD (``0 < beta < 1``) raises ``NotImplementedError`` there.
         backend: ``"auto"`` | ``"triton"`` | ``"reference"``.
 
     Returns:
@@ -471,8 +670,55 @@ def distill_loss(
         >>> bool(student.grad[:, :2].eq(0).all())
         True
     """
+    if process_group is not None or is_dtensor(logits):
+        return _sharded_distill_loss(
+            logits, teacher_logits, beta, temperature, mask, targets, ignore_index, loss_agg,
+            num_items, max_length, process_group, backend,
+        )  # fmt: skip
     return _distill_loss(logits, teacher_logits, beta, temperature, mask, targets, ignore_index,
                          loss_agg, num_items, max_length, backend, False)  # fmt: skip
+
+
+def _sharded_distill_loss(logits, teacher_logits, beta, temperature, mask, targets,
+                          ignore_index, loss_agg, num_items, max_length, process_group,
+                          backend):  # fmt: skip
+    """:func:`distill_loss` over a vocabulary split across ranks: the per-token forward or
+    reverse KL (:func:`pair_divergence`, merged across shards), aggregated with
+    ``fused_rl._agg``'s token weights, the metrics masked means."""
+    if is_dtensor(teacher_logits):
+        teacher_logits = teacher_logits.to_local()
+    if is_dtensor(targets):
+        targets = targets.to_local()
+    if is_dtensor(mask):
+        mask = mask.to_local()
+    logits, _, shard = resolve_shard(logits, None, process_group, None, None)
+    _check(logits, teacher_logits, beta, temperature, mask, targets, ignore_index, loss_agg,
+           max_length, num_items)  # fmt: skip
+    if shard is None:  # a DTensor replicated over the vocabulary: an ordinary call
+        return _distill_loss(
+            logits, teacher_logits, beta, temperature, mask, targets, ignore_index, loss_agg,
+            num_items, max_length, backend, False,
+        )  # fmt: skip
+    if beta not in (0, 1):
+        raise NotImplementedError(
+            f"beta = {beta} (the generalized JSD) is not implemented with vocabulary "
+            "parallelism (process_group= or DTensor logits): beta = 0 (forward KL) and "
+            "beta = 1 (reverse KL) are"
+        )
+    which = resolve_backend(backend, logits, teacher_logits, mask, targets)
+    x3d, r3d = as_rows3d(logits), as_rows3d(teacher_logits)
+    rows = tuple(x3d.shape[:2])
+    acc = stats_dtype(torch.promote_types(x3d.dtype, r3d.dtype))
+    m = weights_of(mask, logits[..., 0], acc, targets, ignore_index).reshape(rows)
+    d, extra = pair_divergence(x3d, r3d, m != 0, float(temperature), which, shard,
+                               forward_kl=beta == 0, with_extra=True)  # fmt: skip
+    w = token_weights(m, loss_agg, max_length=max_length, num_items=num_items, dtype=acc)
+    loss = torch.where(w != 0, d * w, torch.zeros_like(d)).sum()
+    loss = poison_empty(loss, num_items if loss_agg == "token-mean" else None, w.numel())
+    metrics = {"jsd": masked_mean_all(d.detach(), m)}
+    for k, name in enumerate(METRICS[1:]):
+        metrics[name] = masked_mean_all(extra[k], m)
+    return loss, metrics
 
 
 def _distill_loss(logits, teacher_logits, beta, temperature, mask, targets, ignore_index,

@@ -650,6 +650,46 @@ def exact_kl_vocab_parallel(ctx):
             assert_rel(mine.grad, whole.grad[..., start:stop], FP32_TOL, f"grad {what}")
 
 
+@check
+def distill_vocab_parallel(ctx):
+    """``distill_loss(process_group=)`` at ``beta`` 0 and 1: every rank the unsharded call's
+    loss and every metric (the unsharded fused call, itself checked against the float64
+    oracle in tests/test_distill.py) and its shard of the gradient; the JSD raises on every
+    rank, before any collective."""
+    w, B, T = 4, 2, 5
+    V = w * ctx.world
+    g = ctx.gen(41)
+    full = torch.randn(B, T, V, generator=g) * 2
+    teacher = full + torch.randn(full.shape, generator=g)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    targets[0, :2] = -100
+    mask = torch.rand(B, T, generator=g) > 0.2
+    start, stop = _shard_bounds([w] * ctx.world, ctx.rank)
+    for beta in (0.0, 1.0):
+        for loss_agg in ("token-mean", "seq-mean-token-mean"):
+            kw = dict(beta=beta, targets=targets, mask=mask, loss_agg=loss_agg, temperature=0.8)
+            whole = full.clone().requires_grad_()
+            ref_loss, ref_metrics = fused_rl.distill_loss(whole, teacher, backend="triton", **kw)
+            (ref_loss * 1.7).backward()
+            for backend in BACKENDS:
+                what = f"beta {beta} {loss_agg} {backend}"
+                mine = _local(full, start, stop)
+                loss, metrics = fused_rl.distill_loss(
+                    mine, teacher[..., start:stop], process_group=ctx.group, backend=backend,
+                    **kw,
+                )  # fmt: skip
+                (loss * 1.7).backward()
+                assert_rel(loss, ref_loss, FP32_TOL, f"loss {what}")
+                assert sorted(metrics) == sorted(ref_metrics)
+                for key, value in metrics.items():
+                    assert_rel(value, ref_metrics[key], FP32_TOL, f"{key} {what}")
+                assert_rel(mine.grad, whole.grad[..., start:stop], FP32_TOL, f"grad {what}")
+    with pytest.raises(NotImplementedError, match="beta = 0.5"):
+        fused_rl.distill_loss(_local(full, start, stop), teacher[..., start:stop], beta=0.5,
+                              process_group=ctx.group)  # fmt: skip
+    _group_ok(ctx)
+
+
 @pytest.mark.parametrize("name", list(CHECKS))
 @pytest.mark.parametrize("world", WORLD_SIZES)
 @needs_gloo
