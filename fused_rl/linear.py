@@ -77,12 +77,21 @@ from ._vocab_ops import token_stats_bwd_into, token_stats_bwd_op, token_stats_fw
 from .losses import loss_from_token_stats, policy_loss
 from .policy_config import PolicyConfig, takes_policy_options
 from .reference import logprobs as ref
+from .reference import truncated as ref_truncated
 from .reference.logprobs import differentiable_once
+from .truncated import (
+    check_options,
+    cuts,
+    truncated_logprobs_bwd_into,
+    truncated_logprobs_bwd_op,
+    truncated_logprobs_fwd_op,
+)
 
 # layer 3 writing over its input: a raw launcher (no custom op, it mutates), serialised and
 # with NumPy's masked-lane warnings silenced under the interpreter as every FusedOp is
 _stats_bwd_into = _serialised_when_interpreting(token_stats_bwd_into)
 _policy_rows_grad_into = _serialised_when_interpreting(policy_rows_grad_into)
+_truncated_bwd_into = _serialised_when_interpreting(truncated_logprobs_bwd_into)
 
 CHUNK_BYTES = 256 * 2**20  # the logits of one chunk, the only (rows, V) buffer alive
 MAX_DEFAULT_CHUNK = 4096  # rows: a small vocabulary's chunk (and its padding) stays small
@@ -300,6 +309,113 @@ class _LinearTokenStats(torch.autograd.Function):
             d_hidden,
             dw_out.to(out_dtype) if need_w else None,
             db_out.to(out_dtype) if need_b else None,
+            None, None, None, None, None, None, None,
+        )  # fmt: skip
+
+
+def _truncated_chunk_grad(z, targets, stats, g, top_k, top_p, temperature, ignore_index,
+                          which):  # fmt: skip
+    """``(dz, in_place)``: ``dL/dz`` of one chunk's ``(n, V)`` logits under the truncation
+    from ``(n,)`` targets and upstream ``g`` and the forward's ``(3, n)`` ``stats``: the
+    truncated backward kernel written over ``z`` in eager mode (a fresh buffer when traced,
+    as :func:`_chunk_grad`); the reference backend differentiates its own chunk forward
+    (its kept set recomputed from the same logits)."""
+    if which == "reference":
+        chunk_logp = lambda x: ref_truncated.truncated_logprobs(  # noqa: E731
+            x, targets, top_k=top_k or None, top_p=top_p, temperature=temperature,
+            ignore_index=ignore_index,
+        )  # fmt: skip
+        logp, vjp = torch.func.vjp(chunk_logp, z)
+        return vjp(g.to(logp.dtype))[0], False
+    args = (targets[None], stats, g[None], temperature, ignore_index)
+    if torch.compiler.is_compiling() or _tracing():  # a traced op may not mutate its input
+        return truncated_logprobs_bwd_op(z[None], *args)[0], False
+    return _truncated_bwd_into(z[None], z[None], *args)[0], True
+
+
+class _LinearTruncated(torch.autograd.Function):
+    """``logp`` ``(N,)`` under the sampler's top-k / top-p truncation of ``F.linear(hidden,
+    weight, bias)`` for ``(N, H)`` hidden rows and ``(N,)`` targets, chunk by chunk as
+    :class:`_LinearTokenStats`: forward the chunk's GEMM and the truncated forward kernel
+    (``fused_rl.truncated``), keeping per token its threshold, row max and ``log F`` (the
+    kept set's normaliser); backward the logits recomputed, the truncated backward kernel
+    writing ``dz`` over them, then ``dH_c = dz W``, ``dW += dz^T h_c``, ``db``. ``top_k``
+    0 and ``top_p`` 1.0 turn a cut off (:func:`fused_rl.truncated.cuts`)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, top_k, top_p, temperature, ignore_index,
+                chunk, which):  # fmt: skip
+        ctx.set_materialize_grads(False)
+        n_rows = hidden.shape[0]
+        acc = stats_dtype(hidden.dtype)
+        logp = hidden.new_empty((n_rows,), dtype=acc)
+        # chunk by chunk the kernel's (3, n) layout: a chunk's statistics are one
+        # contiguous slice for its backward launch
+        stats = hidden.new_empty((3 * n_rows,), dtype=acc) if which == "triton" else None
+        for start in range(0, n_rows, chunk):
+            stop = min(start + chunk, n_rows)
+            z, _ = _chunk_logits(hidden[start:stop], weight, bias, chunk)
+            t = targets[start:stop]
+            if which == "triton":
+                lp, st, _ = truncated_logprobs_fwd_op(
+                    z[None], t[None], top_k, top_p, temperature, ignore_index
+                )
+                logp[start:stop] = lp[0]
+                stats[3 * start : 3 * stop] = st.reshape(-1)
+            else:
+                logp[start:stop] = ref_truncated.truncated_logprobs(
+                    z, t, top_k=top_k or None, top_p=top_p, temperature=temperature,
+                    ignore_index=ignore_index,
+                )  # fmt: skip
+            del z
+        ctx.save_for_backward(hidden, weight, bias, targets, stats)
+        ctx.config = (top_k, top_p, temperature, ignore_index, chunk, which)
+        return logp
+
+    @staticmethod
+    def backward(ctx, grad_logp):
+        # as _LinearTokenStats: saved statistics as constants, a double backward raises
+        create_graph = torch.is_grad_enabled()
+        with torch.no_grad():
+            grads = _LinearTruncated._grads(ctx, grad_logp)
+        if not create_graph:
+            return grads
+        with torch.enable_grad():
+            sources = (*ctx.saved_tensors, grad_logp)
+            return tuple(differentiable_once(g, *sources) for g in grads)
+
+    @staticmethod
+    def _grads(ctx, grad_logp):
+        hidden, weight, bias, targets, stats = ctx.saved_tensors
+        top_k, top_p, temperature, ignore_index, chunk, which = ctx.config
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if grad_logp is None:
+            return (None,) * 10
+        acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        d_hidden = hidden.new_empty(hidden.shape) if need_h else None
+        d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        d_bias = torch.zeros(weight.shape[:1], dtype=acc, device=weight.device) if need_b else None
+        n_rows = hidden.shape[0]
+        for start in range(0, n_rows, chunk):
+            stop = min(start + chunk, n_rows)
+            # recomputed: the forward kept no logits
+            z, z_full = _chunk_logits(hidden[start:stop], weight, bias, chunk)
+            st = None if stats is None else stats[3 * start : 3 * stop].view(3, stop - start)
+            dz, in_place = _truncated_chunk_grad(
+                z, targets[start:stop], st, grad_logp[start:stop], top_k, top_p, temperature,
+                ignore_index, which,
+            )  # fmt: skip
+            if need_h:  # dz written over z: its GEMM buffer is z's
+                d_hidden[start:stop] = _hidden_grad(dz, weight, chunk, z_full if in_place else None)
+            if need_w:
+                _addmm_wide(d_weight, dz.t(), hidden[start:stop])
+            if need_b:
+                d_bias.add_(dz.sum(0, dtype=acc))
+            del z, z_full, dz
+        return (
+            d_hidden,
+            d_weight.to(weight.dtype) if need_w else None,
+            d_bias.to(weight.dtype) if need_b else None,
             None, None, None, None, None, None, None,
         )  # fmt: skip
 
@@ -577,6 +693,8 @@ def linear_token_logprobs(
     softcap: float | None = None,
     ignore_index: int = -100,
     return_entropy: bool = False,
+    top_k: int | None = None,
+    top_p: float | None = None,
     chunk_tokens: int | None = None,
     process_group=None,
     vocab_start: int | None = None,
@@ -588,7 +706,8 @@ def linear_token_logprobs(
     entropy) without ever holding the whole ``(N, V)`` logits: exactly what
     ``token_logprobs(F.linear(hidden, weight, bias), targets, ...)`` returns, with gradients
     for ``hidden``, ``weight`` and ``bias`` (a ``weight`` tied to the input embedding
-    accumulates its gradient like any other use).
+    accumulates its gradient like any other use). With ``top_k`` / ``top_p``, the log-probs
+    under a sampler's truncation, as ``token_logprobs(..., top_k=, top_p=)`` returns them.
 
     Args:
         hidden: ``(B, S, H)`` or ``(N, H)`` final hidden states (any strides).
@@ -601,6 +720,14 @@ def linear_token_logprobs(
         temperature, ignore_index, return_entropy, backend: as :func:`token_logprobs`.
         softcap: Gemma-style soft cap ``c`` of the logits, as :func:`token_logprobs`: each
             chunk's ``z = hidden @ weight.T + bias`` becomes ``c tanh(z / c)``, then ``/ T``.
+        top_k, top_p: the log-prob under the distribution a sampler truncated to the top-k
+            tokens, then to the smallest top-p mass of those, renormalised (vLLM's order, ties
+            at either cut kept whole): :func:`token_logprobs` ``(top_k=, top_p=)``, i.e.
+            :func:`fused_rl.truncated_logprobs` (its docstring gives the rules), of
+            ``F.linear(hidden, weight, bias)``; a target outside the kept set gives ``-inf``
+            and zero gradient. ``top_k`` None or an int ``>= 1``, ``top_p`` None or a real
+            number in ``(0, 1]``; not with ``return_entropy``, ``softcap`` or vocabulary
+            parallelism (``ValueError``, as :func:`token_logprobs`).
         chunk_tokens: rows per chunk; None keeps a chunk's logits under 256 MiB
             (``fused_rl.linear.CHUNK_BYTES``).
         process_group: vocabulary (tensor) parallelism, the Megatron ``ColumnParallelLinear``
@@ -624,12 +751,18 @@ def linear_token_logprobs(
             without a process group.
 
     Returns:
-        ``logp`` ``targets.shape`` (fp32; fp64 for fp64 inputs), 0 at ignored tokens; with
-        ``return_entropy``, ``(logp, entropy)``.
+        ``logp`` ``targets.shape`` (fp32; fp64 for fp64 inputs), 0 at ignored tokens (and
+        ``-inf`` at targets cut by ``top_k`` / ``top_p``); with ``return_entropy``,
+        ``(logp, entropy)``.
 
     Cost: one GEMM per chunk forward, two more backward (the logits are recomputed, as in
     verl's ``FusedLinearForPPO``); the vocab kernels read each chunk's logits once
-    forward and once backward. Vocab-parallel: the same on each rank's shard.
+    forward and once backward. Vocab-parallel: the same on each rank's shard. With
+    ``top_k`` / ``top_p`` the same GEMMs, and the truncated kernels on each chunk's logits:
+    forward one read of a row for top-k ``<= 64`` (more for top-p alone or a larger k: the
+    threshold search of :func:`fused_rl.truncated_logprobs`), backward one read and one
+    write (over the chunk's logits); per token 3 floats kept for the backward (threshold,
+    row max, the kept set's log-normaliser), never an ``(N, V)`` tensor.
 
     Example:
         >>> import torch, fused_rl
@@ -639,14 +772,23 @@ def linear_token_logprobs(
         >>> ref = fused_rl.token_logprobs(h @ w.T, t)
         >>> torch.allclose(lp, ref, atol=1e-5)
         True
+        >>> lp = fused_rl.linear_token_logprobs(h, w, t, top_k=3, top_p=0.9, chunk_tokens=3)
+        >>> ref = fused_rl.token_logprobs((h @ w.T)[:, :-1], t, top_k=3, top_p=0.9)
+        >>> torch.allclose(lp, ref, atol=1e-5)  # -inf where a target is cut
+        True
     """
+    if not isinstance(reduce_hidden_grad, bool):
+        raise TypeError(f"reduce_hidden_grad must be a bool, got {type(reduce_hidden_grad)}")
+    if top_k is not None or top_p is not None:
+        return _linear_truncated(
+            hidden, weight, targets, bias, top_k, top_p, temperature, softcap, ignore_index,
+            return_entropy, chunk_tokens, process_group, vocab_start, vocab_size, backend,
+        )  # fmt: skip
     sharded = process_group is not None
     if not sharded and (vocab_start is not None or vocab_size is not None):
         raise ValueError(
             "vocab_start / vocab_size describe a vocabulary shard: they need process_group"
         )
-    if not isinstance(reduce_hidden_grad, bool):
-        raise TypeError(f"reduce_hidden_grad must be a bool, got {type(reduce_hidden_grad)}")
     rows, weight, bias, flat_targets, chunk, which = _prepare(
         hidden, weight, bias, targets, temperature, softcap, ignore_index, chunk_tokens,
         backend, sharded,
@@ -665,6 +807,33 @@ def linear_token_logprobs(
         )  # fmt: skip
     logp = logp.view(targets.shape)
     return (logp, entropy.view(targets.shape)) if return_entropy else logp
+
+
+def _linear_truncated(hidden, weight, targets, bias, top_k, top_p, temperature, softcap,
+                      ignore_index, return_entropy, chunk_tokens, process_group, vocab_start,
+                      vocab_size, backend) -> Tensor:  # fmt: skip
+    """``linear_token_logprobs`` with ``top_k`` / ``top_p``: the options it does not take
+    refused as ``token_logprobs`` refuses them, then :class:`_LinearTruncated`."""
+    refused = {"return_entropy": return_entropy, "softcap": softcap is not None,
+               "process_group / vocab_start / vocab_size": process_group is not None
+               or vocab_start is not None or vocab_size is not None}  # fmt: skip
+    named = [name for name, given in refused.items() if given]
+    if named:
+        raise ValueError(
+            f"linear_token_logprobs with top_k / top_p (truncated log-probs) does not take "
+            f"{', '.join(named)}: call it without them"
+        )
+    check_options(top_k, top_p, temperature, ignore_index)
+    rows, weight, bias, flat_targets, chunk, which = _prepare(
+        hidden, weight, bias, targets, temperature, None, ignore_index, chunk_tokens, backend
+    )
+    k, p = cuts(top_k, top_p, weight.shape[0])
+    with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
+        logp = _LinearTruncated.apply(
+            rows, weight, bias, flat_targets, k, p, float(temperature), int(ignore_index),
+            chunk, which,
+        )  # fmt: skip
+    return logp.view(targets.shape)
 
 
 def _tensor_parallel(group, weight, vocab_start, vocab_size, temperature, softcap,

@@ -112,10 +112,29 @@ def truncated_logprobs_bwd(
     """The gradient w.r.t. ``logits3d`` (a fresh contiguous buffer, its dtype) from the
     forward's ``stats`` and the upstream ``grad_logp`` ``(outer, inner)`` (any strides):
     ``(onehot - p_trunc) g / T`` on the kept set, 0 elsewhere. One launch."""
+    grad = torch.empty(logits3d.shape, dtype=logits3d.dtype, device=logits3d.device)
+    return truncated_logprobs_bwd_into(
+        grad, logits3d, targets, stats, grad_logp, temperature, ignore_index
+    )
+
+
+def truncated_logprobs_bwd_into(
+    grad: Tensor,
+    logits3d: Tensor,
+    targets: Tensor,
+    stats: Tensor,
+    grad_logp: Tensor,
+    temperature: float,
+    ignore_index: int,
+) -> Tensor:
+    """:func:`truncated_logprobs_bwd` writing into ``grad`` (``logits3d``'s shape and dtype,
+    each row contiguous), which may BE ``logits3d``: a program reads its row's target logit,
+    then each block of the row once before overwriting exactly that block, so the logits
+    are consumed in place (``fused_rl.linear`` turns a chunk's logits into their gradient
+    this way). ``stats``: the forward's ``(3, outer * inner)``, contiguous. One launch."""
     from .kernels.vocab.truncated import _truncated_logprobs_bwd_kernel
 
     outer, inner, vocab = logits3d.shape
-    grad = torch.empty(logits3d.shape, dtype=logits3d.dtype, device=logits3d.device)
     if grad.numel() == 0:
         return grad
     _truncated_logprobs_bwd_kernel[(outer * inner,)](
@@ -179,6 +198,23 @@ def _check_top_p(top_p) -> None:
                         f"{type(top_p).__name__}")  # fmt: skip
     if not 0.0 < top_p <= 1.0:  # NaN too
         raise ValueError(f"top_p must be None or a number in (0, 1], got {top_p!r}")
+
+
+def check_options(top_k, top_p, temperature, ignore_index) -> None:
+    """The checks of :func:`truncated_logprobs`'s non-tensor arguments (messages naming
+    them), shared with ``linear_token_logprobs(top_k=, top_p=)``."""
+    _check_top_k(top_k)
+    _check_top_p(top_p)
+    V.check_positive(temperature, "temperature")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+
+
+def cuts(top_k: int | None, top_p: float | None, vocab: int) -> tuple[int, float]:
+    """The launchers' ``(top_k, top_p)`` for checked options over ``vocab`` tokens: 0 for no
+    top-k (None or ``k >= V``), 1.0 for no top-p."""
+    k = 0 if top_k is None or top_k >= vocab else int(top_k)
+    return k, 1.0 if top_p is None else float(top_p)
 
 
 def truncated_logprobs(
@@ -249,16 +285,11 @@ def truncated_logprobs(
     """
     V.check_logits(logits)
     V.check_targets(targets, logits)
-    _check_top_k(top_k)
-    _check_top_p(top_p)
-    V.check_positive(temperature, "temperature")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    check_options(top_k, top_p, temperature, ignore_index)
     vocab = logits.shape[-1]
     V.check_target_range(targets, vocab, ignore_index, "targets")
     which = resolve_backend(backend, logits, targets)
-    k = 0 if top_k is None or top_k >= vocab else int(top_k)
-    p = 1.0 if top_p is None else float(top_p)
+    k, p = cuts(top_k, top_p, vocab)
     if which == "reference":
         return ref.truncated_logprobs(
             logits, targets, top_k=k or None, top_p=p, temperature=float(temperature),
