@@ -10,6 +10,10 @@ Two families of ops:
   states ``(B, T + 1, H)`` and the lm_head ``(V, H)`` in the case dtype, of which rows
   ``[:, :-1]`` predict the ``T`` targets; the ``(N, V)`` logits are the providers' business
   (fused_rl never holds them whole, eager materialises them).
+* distillation ops (``distill_loss``, ``linear_distill_loss``): the student's and the
+  teacher's ``(B, T, V)`` logits, or both models' ``(B, T, H)`` hidden states and ``(V, H)``
+  lm_heads, compared at the same positions (no causal shift), and a ``(B, T)`` mask; the
+  variant names the divergence (``DISTILL_BETAS``).
 
 Inputs are random normal (never zeros: they hide unwritten outputs and can time faster).
 """
@@ -25,8 +29,12 @@ import torch
 LOGITS_OPS = ("token_logprobs", "policy_loss")
 TOKEN_OPS = ("ppo_loss", "value_loss", "masked_whiten", "gae")
 LINEAR_OPS = ("linear_token_logprobs", "linear_policy_loss")
-OPS = LOGITS_OPS + TOKEN_OPS + LINEAR_OPS
-VOCAB_OPS = LOGITS_OPS + LINEAR_OPS  # the ops with a vocabulary (a case's ``vocab`` is set)
+DISTILL_OPS = ("distill_loss", "linear_distill_loss")
+OPS = LOGITS_OPS + TOKEN_OPS + LINEAR_OPS + DISTILL_OPS
+# the ops with a vocabulary (a case's ``vocab`` is set)
+VOCAB_OPS = LOGITS_OPS + LINEAR_OPS + DISTILL_OPS
+# the ops from hidden states (a case's ``hidden`` is set)
+HIDDEN_OPS = LINEAR_OPS + ("linear_distill_loss",)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 MODES = ("fwd", "fwd_nograd", "fwd_bwd")
@@ -51,6 +59,9 @@ OP_VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {
     # from hidden states: the policy_loss grpo case, and log-probs with and without grad
     "linear_token_logprobs": (("logp", "fwd_nograd"), ("logp", "fwd_bwd")),
     "linear_policy_loss": (("grpo", "fwd_bwd"),),
+    # on-policy distillation (TRL GKD's generalized_jsd_loss): a variant per beta
+    "distill_loss": tuple((v, "fwd_bwd") for v in ("fkl", "jsd", "rkl")),
+    "linear_distill_loss": tuple((v, "fwd_bwd") for v in ("fkl", "jsd", "rkl")),
 }
 
 # hidden size H of the linear ops' cases: a typical 7-8B model's on GPUs, tiny on CPU
@@ -88,6 +99,14 @@ IS_WEIGHTS_RANGE = (0.5, 1.5)
 PPO = {"epsilon": 0.1, "value_clip_range": 0.2, "value_coeff": 0.1}
 VALUE_CLIP = 0.2
 GAE = {"gamma": 0.99, "lam": 0.95}
+# the distillation variants' beta, TRL's convention: 0 the forward KL(teacher || student),
+# 1 the reverse KL(student || teacher), between them the generalized JSD of the mixture
+# (1 - beta) p_student + beta p_teacher
+DISTILL_BETAS = {"fkl": 0.0, "jsd": 0.5, "rkl": 1.0}
+# the teacher's logits (or hidden states and lm_head) are the student's plus noise of this
+# standard deviation relative to theirs: a teacher near the student, as in on-policy
+# distillation (either KL about 0.5 nat a token from the logits, 1.1 from hidden states)
+TEACHER_NOISE = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +181,15 @@ def quick_cases() -> list[Case]:
         cases += _token_cases(op, token_shapes)
     for op in LINEAR_OPS:  # the GEMMs are torch's: the same tiny grid, H = 16
         cases += _logits_cases(op, logits_shapes, hidden=HIDDEN["quick"])
+    # the distillation ops: the odd V in bf16 and fp32's tolerance (the interpreter's time)
+    cases += _distill_cases(logits_shapes[1:], HIDDEN["quick"])
     return cases
+
+
+def _distill_cases(shapes, hidden: int, compile_shapes=None) -> list[Case]:
+    """Both distillation ops at ``shapes``, every beta; from hidden states H = ``hidden``."""
+    cases = _logits_cases("distill_loss", shapes, compile_shapes)
+    return cases + _logits_cases("linear_distill_loss", shapes, compile_shapes, hidden=hidden)
 
 
 FULL_TOKENS = (4096, 16384, 32768)
@@ -255,7 +282,35 @@ def inplace_cases() -> list[Case]:
             for b, t, v in PEER_POLICY_SHAPES for variant in ("grpo", "grpo+entropy")]  # fmt: skip
 
 
-SUITES = {"quick": quick_cases, "full": full_cases, "peers": peer_cases, "inplace": inplace_cases}
+# the distill suite's shapes (B, T, V): the trainers' 8 x 2048 x 151936 first (Qwen's
+# vocabulary), then a small and a large vocabulary; from hidden states at H = 4096
+DISTILL_SHAPES = ((8, 2048, 151936), (4, 1024, 32000), (4, 4096, 262144))
+DISTILL_LINEAR_SHAPES = ((8, 2048, 151936), (4, 1024, 151936))
+DISTILL_PROVIDERS = ("fused_rl", "fused_rl_mat", "eager", "compile", "liger")
+
+
+def distill_cases() -> list[Case]:
+    """The ``distill`` suite (GPU): ``distill_loss`` forward + backward in bf16 at
+    ``DISTILL_SHAPES`` and ``linear_distill_loss`` at ``DISTILL_LINEAR_SHAPES`` (H = 4096),
+    each with beta 0 (forward KL), 0.5 (JSD) and 1 (reverse KL), for ``DISTILL_PROVIDERS``:
+    ``python bench/run.py --suite distill --providers <DISTILL_PROVIDERS, comma-separated>``.
+    torch.compile runs on the first shape of ``distill_loss`` only (a compile per beta).
+    The first shape of each op comes first, so a run cut short by a GPU lease measured it.
+    On CPU the same ops and providers run at the quick suite's shapes:
+    ``--suite quick --op distill_loss,linear_distill_loss``."""
+    first, *rest = DISTILL_SHAPES
+    compile_shapes = {(first[0] * first[1], first[2], "bf16")}
+    bf16 = lambda shapes: [(b, t, v, "bf16") for b, t, v in shapes]  # noqa: E731
+    lfirst, *lrest = DISTILL_LINEAR_SHAPES
+    cases = _logits_cases("distill_loss", bf16([first]), compile_shapes)
+    cases += _logits_cases("linear_distill_loss", bf16([lfirst]), set(), hidden=HIDDEN["full"])
+    cases += _logits_cases("distill_loss", bf16(rest), compile_shapes)
+    cases += _logits_cases("linear_distill_loss", bf16(lrest), set(), hidden=HIDDEN["full"])
+    return cases
+
+
+SUITES = {"quick": quick_cases, "full": full_cases, "peers": peer_cases, "inplace": inplace_cases,
+          "distill": distill_cases}  # fmt: skip
 
 
 def select_cases(
@@ -266,7 +321,8 @@ def select_cases(
     dtypes: list[str] | None = None,
     seqlen: int | None = None,
 ) -> list[Case]:
-    """The suite's cases, filtered. ``tokens`` / ``vocabs`` given: a new shape grid instead.
+    """The suite's cases, filtered. ``tokens`` / ``vocabs`` given: a new shape grid instead,
+    of the ops the suite holds.
 
     With ``tokens``, logits ops use ``T = min(seqlen or 1024, tokens)`` and token ops use
     ``T = min(seqlen or 1024, tokens)`` too (``B = tokens / T``).
@@ -280,6 +336,7 @@ def select_cases(
         if dt not in DTYPES:
             raise ValueError(f"--dtype {dt!r} is not one of {', '.join(DTYPES)}")
     base = SUITES[suite]()
+    suite_ops = {c.op for c in base}
     if tokens or vocabs or seqlen:
         default_t = seqlen or (4 if suite == "quick" else FULL_SEQLEN)
         grid_tokens = tokens or sorted({c.tokens for c in base if c.vocab})
@@ -298,12 +355,14 @@ def select_cases(
             base += _logits_cases(op, shapes)
         for op in TOKEN_OPS:
             base += _token_cases(op, tok_shapes)
+        hidden = HIDDEN["quick" if suite == "quick" else "full"]
         for op in LINEAR_OPS:
-            base += _logits_cases(
-                op, shapes, hidden=HIDDEN["quick" if suite == "quick" else "full"]
-            )
+            base += _logits_cases(op, shapes, hidden=hidden)
+        base += _distill_cases(shapes, hidden)
     out = []
     for c in base:
+        if c.op not in suite_ops:  # a new grid keeps to the suite's own ops
+            continue
         if ops and c.op not in ops:
             continue
         if dtypes and c.vocab is not None and c.dtype not in dtypes:
@@ -400,6 +459,35 @@ def _linear_inputs(case: Case, inp: dict, randn, gen, device) -> dict:
     return inp
 
 
+def _distill_inputs(case: Case, inp: dict, randn, gen, device) -> dict:
+    """``distill_loss``: the student's ``logits`` (B, T, V) leaf (standard deviation 2, as
+    the other logits ops' inputs) and ``teacher_logits``, the student's plus noise of
+    ``TEACHER_NOISE`` times their deviation, in the case dtype. ``linear_distill_loss``:
+    ``hidden`` (B, T, H) and ``weight`` (V, H) leaves (logits of deviation ~2) and the
+    teacher's ``teacher_hidden`` / ``teacher_weight``, each the student's plus noise of
+    ``TEACHER_NOISE`` times its deviation. Both: a ``mask`` (a random prefix of each row) and
+    ``labels``, -100 where the mask is False (Liger's ``shift_labels``)."""
+    b, t, v = case.batch, case.seqlen, case.vocab
+    dt, grad = case.torch_dtype, case.mode != "fwd_nograd"
+    if case.op == "distill_loss":
+        logits = randn(b, t, v, scale=2.0, dtype=dt)
+        # in place in the case dtype: no fp32 temporary of the (B, T, V) size on a GPU
+        teacher = randn(b, t, v, scale=2.0 * TEACHER_NOISE, dtype=dt).add_(logits)
+        inp.update(logits=logits.requires_grad_(grad), teacher_logits=teacher)
+    else:
+        h = case.hidden
+        hidden = randn(b, t, h, dtype=dt)
+        weight = randn(v, h, scale=2.0 / math.sqrt(h), dtype=dt)
+        t_hidden = randn(b, t, h, scale=TEACHER_NOISE, dtype=dt).add_(hidden)
+        t_weight = randn(v, h, scale=2.0 * TEACHER_NOISE / math.sqrt(h), dtype=dt).add_(weight)
+        inp.update(hidden=hidden.requires_grad_(grad), weight=weight.requires_grad_(grad),
+                   teacher_hidden=t_hidden, teacher_weight=t_weight)  # fmt: skip
+    mask = _lengths_mask(b, t, gen, device)
+    labels = torch.randint(0, v, (b, t), generator=gen, device=device)
+    inp.update(mask=mask, labels=labels.masked_fill_(~mask, -100))
+    return inp
+
+
 def make_inputs(case: Case, device: str | torch.device, seed: int = 0) -> dict:
     """The inputs of ``case`` on ``device``; tensors that get gradients have requires_grad.
 
@@ -416,6 +504,8 @@ def make_inputs(case: Case, device: str | torch.device, seed: int = 0) -> dict:
         return x.mul_(scale) if scale != 1.0 else x
 
     inp: dict = {"case": case}
+    if case.op in DISTILL_OPS:
+        return _distill_inputs(case, inp, randn, gen, device)
     if case.op in LINEAR_OPS:
         return _linear_inputs(case, inp, randn, gen, device)
     if case.op in LOGITS_OPS:

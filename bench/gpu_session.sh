@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: the CUDA test-suite, then the full benchmark suite.
 #
-#   bash bench/gpu_session.sh [all|tests|bench|linear|peers|host] [extra bench/run.py arguments]
+#   bash bench/gpu_session.sh [all|tests|bench|linear|peers|host|inplace|distill|e2e]
+#       [extra bench/run.py arguments]
 #
 #   all (default)  tests (at most TEST_TIMEOUT s), then `bench/run.py --suite full` until
 #                  the time budget is spent
@@ -18,6 +19,13 @@
 #   inplace        fused_rl inplace=True and grad_in_forward=True (two passes) beside Liger's
 #                  inplace=True and the defaults (`bench/run.py --suite inplace`: 8x2048x151936
 #                  and 4x4096x262144, bf16)
+#   distill        the on-policy distillation losses (`bench/run.py --suite distill`:
+#                  distill_loss at 8x2048x151936 first, then 4x1024x32000 and 4x4096x262144;
+#                  linear_distill_loss at H = 4096, 8x2048 and 4x1024 tokens x 151936; bf16,
+#                  beta 0 / 0.5 / 1) for fused_rl, the materialised path, eager (TRL's GKD
+#                  computation), torch.compile of it and Liger's LigerJSD / LigerFusedLinearJSD
+#                  (needs the liger-kernel wheel in .whl/); time, measured peak memory and the
+#                  float64 check of every row
 #   e2e            one GRPO step of TRL's GRPOTrainer, TRL's head against fused_rl's
 #                  integration (bench/e2e_trl.py: a random Qwen2.5-1.5B-shaped model,
 #                  vocabulary 151936, 2 x (256 + 4096) tokens): $OUT/e2e.log and
@@ -99,7 +107,7 @@ if [ "$PART" = all ] || [ "$PART" = tests ]; then
 fi
 
 if [ "$PART" = all ] || [ "$PART" = bench ] || [ "$PART" = linear ] || [ "$PART" = peers ] \
-    || [ "$PART" = inplace ]; then
+    || [ "$PART" = inplace ] || [ "$PART" = distill ]; then
     SLUG=$("$PY" -c "import sys, torch; sys.path.insert(0, '.'); from bench.measure import \
 slug, device_name; print(slug(device_name('cuda' if torch.cuda.is_available() else 'cpu')))")
     # resume from what this working tree already holds for this GPU
@@ -141,6 +149,11 @@ if [ "$PART" = inplace ]; then
     SUITE=inplace
     SUITE_ARGS=(--providers "$("$PY" -c "import sys; sys.path.insert(0, '.'); \
 from bench.cases import INPLACE_PROVIDERS; print(','.join(INPLACE_PROVIDERS))")")
+fi
+if [ "$PART" = distill ]; then
+    SUITE=distill
+    SUITE_ARGS=(--providers "$("$PY" -c "import sys; sys.path.insert(0, '.'); \
+from bench.cases import DISTILL_PROVIDERS; print(','.join(DISTILL_PROVIDERS))")")
 fi
 { [ "$PART" = all ] || [ "$PART" = bench ]; } && SUITE=full
 if [ -n "$SUITE" ]; then

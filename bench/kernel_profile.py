@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import measure as M  # noqa: E402
 from bench import providers as P  # noqa: E402
-from bench.cases import HIDDEN, LINEAR_OPS, Case, make_inputs  # noqa: E402
+from bench.cases import HIDDEN, HIDDEN_OPS, Case, make_inputs  # noqa: E402
 
 
 def parse_case(text: str, dtype: str = "bf16") -> Case:
@@ -32,7 +32,7 @@ def parse_case(text: str, dtype: str = "bf16") -> Case:
     op, variant, shape, *rest = text.split(":")
     mode = rest[0] if rest else "fwd_bwd"
     b, t, v = (int(x) for x in shape.split("x"))
-    hidden = HIDDEN["full"] if op in LINEAR_OPS else None
+    hidden = HIDDEN["full"] if op in HIDDEN_OPS else None
     return Case(op, variant, mode, b, t, v, dtype, compile_ok=False, hidden=hidden)
 
 

@@ -59,8 +59,21 @@ def bytes_moved(case: Case) -> int:
     reads both once (``(N + V)*H*e``); forward + backward reads them again and writes their
     gradients (``3*(N + V)*H*e``). These ops are GEMM-bound (``2*N*V*H`` flops a pass):
     their GB/s is no measure of how well they run.
+
+    ``distill_loss``, student and teacher logits of ``E`` elements each: forward reads both
+    once (``2*E*e``; fused_rl's JSD, 0 < beta < 1, reads them twice: its GB/s is then an
+    effective rate); forward + backward reads both again and writes the student's gradient
+    (``5*E*e``). ``linear_distill_loss`` (teacher of width H too): forward reads both
+    models' rows and heads (``2*(N + V)*H*e``); with gradients the student's again and its
+    two gradients written (``4*(N + V)*H*e``); GEMM-bound, as the linear ops.
     """
     n = case.tokens
+    if case.op == "distill_loss":
+        elements = n * case.vocab * case.torch_dtype.itemsize
+        return elements * (5 if case.mode == "fwd_bwd" else 2)
+    if case.op == "linear_distill_loss":
+        elements = (n + case.vocab) * case.hidden * case.torch_dtype.itemsize
+        return elements * (4 if case.mode == "fwd_bwd" else 2)
     if case.op in LINEAR_OPS:
         elements = (n + case.vocab) * case.hidden * case.torch_dtype.itemsize
         return elements * (3 if case.mode == "fwd_bwd" else 1)
@@ -76,10 +89,14 @@ def bytes_moved(case: Case) -> int:
 def gemm_flops(case: Case) -> int | None:
     """The GEMM work of a linear case, ``2*N*V*H`` flops a GEMM: the logits, and with
     gradients ``dH`` and ``dW`` (three GEMMs, the materialised path's count; a backward that
-    recomputes the logits runs a fourth, not counted: it is overhead). None for other ops."""
+    recomputes the logits runs a fourth, not counted: it is overhead). ``linear_distill_loss``:
+    the teacher's logits too (four GEMMs with gradients, two without). None for other ops."""
+    gemm = 2 * case.tokens * case.vocab * (case.hidden or 0)
+    if case.op == "linear_distill_loss":
+        return gemm * (4 if case.mode == "fwd_bwd" else 2)
     if case.op not in LINEAR_OPS:
         return None
-    return 2 * case.tokens * case.vocab * case.hidden * (3 if case.mode == "fwd_bwd" else 1)
+    return gemm * (3 if case.mode == "fwd_bwd" else 1)
 
 
 def matmul_tflops(device, dtype=torch.bfloat16, size: int = 8192) -> float | None:

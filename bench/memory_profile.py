@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from . import providers as P
-from .cases import FULL_SEQLEN, HIDDEN, LINEAR_OPS, OP_VARIANTS, Case, make_inputs
+from .cases import FULL_SEQLEN, HIDDEN, HIDDEN_OPS, LINEAR_OPS, OP_VARIANTS, Case, make_inputs
 
 # the memory-vs-tokens plot of the fused-linear ops (``memory_vs_tokens``): its token counts,
 # cases and providers (chunked fused_rl, materialised fused, materialised eager, Liger)
@@ -359,7 +359,7 @@ def memory_table(
         for variant, mode in OP_VARIANTS[op]:
             if groups is not None and (op, variant, mode) not in groups:
                 continue
-            hidden = HIDDEN["full"] if op in LINEAR_OPS else None
+            hidden = HIDDEN["full"] if op in HIDDEN_OPS else None
             case = Case(op, variant, mode, batch, seqlen, vocab, dtype, hidden=hidden)
             inp = make_inputs(case, device) if measure else None
             for provider in providers or P.PROVIDERS:

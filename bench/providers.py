@@ -13,7 +13,7 @@
   ``(B, T + 1, V)`` logits, then fused_rl's logits op (``policy_loss`` / ``token_logprobs``,
   Triton) on that buffer as it comes; autograd's linear backward forms ``dH`` and ``dW`` from
   the ``(B, T + 1, V)`` logits gradient. What issue 14's time and memory targets compare the
-  chunked ``fused_rl`` with. Linear ops only.
+  chunked ``fused_rl`` with. Linear ops (and ``linear_distill_loss``, below) only.
 * ``trl`` on the linear ops: TRL's own chunked fused LM head (``trl.kernels.chunked_logprob.
   ChunkedLogProbFunction``, what GRPOTrainer runs since TRL 1.15: cuBLAS tiles of 4096 tokens x
   32768 vocabulary columns folded by a Triton kernel, the logits recomputed in the backward)
@@ -42,6 +42,24 @@ Linear ops (``linear_token_logprobs``, ``linear_policy_loss``): fused_rl's ops f
 states and the lm_head; eager / compile run ``F.linear`` on ``hidden[:, :-1]`` and then the
 eager log-prob / GRPO loss above (logits upcast to fp32).
 
+Distillation ops (``distill_loss`` from both models' logits, ``linear_distill_loss`` from
+their hidden states and lm_heads; the variant is the beta of ``cases.DISTILL_BETAS``):
+
+* ``fused_rl`` / ``fused_rl_ref``: ``fused_rl.distill_loss`` / ``fused_rl.linear_distill_loss``
+  with the case's mask (token-mean over it).
+* ``eager``: :func:`eager_distill_loss`, the loss as TRL's ``GKDTrainer.generalized_jsd_loss``
+  computes it (both logits cast to fp32, a ``log_softmax`` of each, the mixture by
+  ``logsumexp``, elementwise ``kl_div`` terms), then the mean over the mask's tokens; from
+  hidden states ``F.linear`` for each model first (the teacher's under ``no_grad``).
+* ``compile``: ``torch.compile`` of those.
+* ``fused_rl_mat`` (``linear_distill_loss``): ``F.linear`` to both models' whole logits, then
+  fused_rl's Triton ``distill_loss`` on them.
+* ``liger``: ``LigerJSD`` on the fp32 ``log_softmax`` of both logits (Liger's JSD takes
+  log-probabilities; the student's gradient goes back through that ``log_softmax``), and
+  ``LigerFusedLinearJSD`` from hidden states; rows with label -100 (the mask's False) do
+  not count, Liger's token mean. Where ``liger_kernel`` is importable.
+* ``trl``: none (the eager provider is TRL's computation).
+
 ``build(provider, case, inp)`` returns a zero-argument callable that runs the measured work
 once (forward; or forward + ``torch.autograd.grad`` under the case's random upstream
 gradient) and returns the outputs compared with the float64 oracle (``bench/oracle.py``),
@@ -58,6 +76,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import math
 from collections.abc import Callable
 
 import torch
@@ -65,7 +84,10 @@ import torch.nn.functional as F
 
 from .cases import (
     CISPO,
+    DISTILL_BETAS,
+    DISTILL_OPS,
     GAE,
+    HIDDEN_OPS,
     LINEAR_OPS,
     LOSS_AGG,
     POLICY,
@@ -152,6 +174,10 @@ def output_names(case: Case) -> list[str]:
         return names + (["grad_logits"] if case.mode == "fwd_bwd" else [])
     if case.op == "policy_loss":
         return ["loss", "grad_logits"]
+    if case.op == "distill_loss":
+        return ["loss"] + (["grad_logits"] if case.mode == "fwd_bwd" else [])
+    if case.op == "linear_distill_loss":
+        return ["loss"] + (["grad_hidden", "grad_weight"] if case.mode == "fwd_bwd" else [])
     if case.op in ("linear_token_logprobs", "linear_policy_loss"):
         first = ["logp"] if case.op == "linear_token_logprobs" else ["loss"]
         return first + (["grad_hidden", "grad_weight"] if case.mode == "fwd_bwd" else [])
@@ -274,6 +300,42 @@ def eager_linear_policy_loss(hidden, weight, targets, advantages, old, ref, mask
     """``F.linear`` on the positions that predict the targets, then the eager GRPO loss."""
     logits = F.linear(hidden[:, :-1], weight)
     return eager_policy_loss(logits, targets, advantages, old, ref, mask, variant)
+
+
+def eager_distill_loss(logits, teacher_logits, mask, variant: str):
+    """TRL GKD's generalized JSD loss the way ``GKDTrainer.generalized_jsd_loss`` computes it,
+    written from its formula: both logits cast to fp32 and divided by the temperature, a
+    ``log_softmax`` of each, then per vocabulary entry ``beta == 0``: the forward KL
+    ``q (log q - log p)``; ``beta == 1``: the reverse KL ``p (log p - log q)``; otherwise
+    ``beta q (log q - log m) + (1 - beta) p (log p - log m)`` with the mixture
+    ``log m = logsumexp(log p + log(1 - beta), log q + log beta)`` (``p`` the student's,
+    ``q`` the teacher's distribution), summed over the vocabulary and averaged over the
+    mask's tokens. TRL keeps the counted rows by boolean indexing (a host sync and one more
+    ``(n_counted, V)`` copy); a ``where`` on the per-token sums is the same mean."""
+    beta = DISTILL_BETAS[variant]
+    log_p = torch.log_softmax(logits.float() / TEMPERATURE, dim=-1)
+    log_q = torch.log_softmax(teacher_logits.float() / TEMPERATURE, dim=-1)
+    if beta == 0.0:
+        terms = F.kl_div(log_p, log_q, reduction="none", log_target=True)
+    elif beta == 1.0:
+        terms = F.kl_div(log_q, log_p, reduction="none", log_target=True)
+    else:
+        both = torch.stack([log_p + math.log1p(-beta), log_q + math.log(beta)])
+        log_m = torch.logsumexp(both, dim=0)
+        kl_teacher = F.kl_div(log_m, log_q, reduction="none", log_target=True)
+        kl_student = F.kl_div(log_m, log_p, reduction="none", log_target=True)
+        terms = beta * kl_teacher + (1.0 - beta) * kl_student
+    per_token = torch.where(mask, terms.sum(-1), 0.0)
+    return (per_token.sum() / mask.sum(),)
+
+
+def eager_linear_distill_loss(hidden, weight, teacher_hidden, teacher_weight, mask, variant: str):
+    """``F.linear`` of each model (the teacher's under ``no_grad``, as GKDTrainer runs its
+    teacher), then :func:`eager_distill_loss`."""
+    logits = F.linear(hidden, weight)
+    with torch.no_grad():
+        teacher_logits = F.linear(teacher_hidden, teacher_weight)
+    return eager_distill_loss(logits, teacher_logits, mask, variant)
 
 
 def _masked_mean_tt(x, mask):
@@ -415,6 +477,12 @@ def _policy_kwargs(inp: dict, variant: str) -> dict:
     return kwargs
 
 
+def _distill_kwargs(inp: dict, variant: str) -> dict:
+    """fused_rl's distillation keywords for ``variant``: its beta, the temperature, the
+    case's mask (token-mean over it, as every distillation provider)."""
+    return dict(beta=DISTILL_BETAS[variant], temperature=TEMPERATURE, mask=inp["mask"])
+
+
 def _fused_materialised_forward(case: Case, inp: dict):
     """``fused_rl_mat``: ``F.linear`` over all ``T + 1`` hidden positions (the model's
     ``(B, T + 1, V)`` logits), then fused_rl's Triton logits op on that buffer as it comes
@@ -436,6 +504,17 @@ def _fused_materialised_forward(case: Case, inp: dict):
         def forward():
             logits = F.linear(inp["hidden"], inp["weight"])
             return (fn(logits, inp["targets"], inp["advantages"], **kwargs)[0],)
+
+        return forward
+    if case.op == "linear_distill_loss":
+        fn = _fused_fn("distill_loss", "triton")
+        kwargs = _distill_kwargs(inp, case.variant)
+
+        def forward():
+            logits = F.linear(inp["hidden"], inp["weight"])
+            with torch.no_grad():
+                teacher_logits = F.linear(inp["teacher_hidden"], inp["teacher_weight"])
+            return (fn(logits, teacher_logits, **kwargs)[0],)
 
         return forward
     raise Unavailable(
@@ -468,6 +547,13 @@ def _fused_variant_forward(case: Case, inp: dict, provider: str):
 
 def _fused_forward(case: Case, inp: dict, backend: str):
     fn = _fused_fn(case.op, backend)
+    if case.op == "distill_loss":
+        kwargs = _distill_kwargs(inp, case.variant)
+        return lambda: (fn(inp["logits"], inp["teacher_logits"], **kwargs)[0],)
+    if case.op == "linear_distill_loss":
+        kwargs = _distill_kwargs(inp, case.variant)
+        args = [inp[k] for k in ("hidden", "weight", "teacher_hidden", "teacher_weight")]
+        return lambda: (fn(*args, **kwargs)[0],)
     if case.op == "token_logprobs":
         with_entropy = case.variant == "logp+entropy"
 
@@ -588,6 +674,15 @@ def _eager_forward(case: Case, inp: dict, compiled: bool, flavour: str = "eager"
         args = [inp[k] for k in ("hidden", "weight", "targets", "advantages")]
         args += [inp[k] for k in ("old_logprobs", "ref_logprobs", "mask")]
         return lambda: fn(*args, variant)
+    if op in DISTILL_OPS and flavour == "eager":
+        if op == "distill_loss":
+            base, keys = eager_distill_loss, ("logits", "teacher_logits", "mask")
+        else:
+            base = eager_linear_distill_loss
+            keys = ("hidden", "weight", "teacher_hidden", "teacher_weight", "mask")
+        fn = _compiled((flavour, op, variant), base) if compiled else base
+        args = [inp[k] for k in keys]
+        return lambda: fn(*args, variant)
     if flavour == "trl":
         raise Unavailable("TRL-style provider covers the logits ops only")
     table = {
@@ -699,9 +794,40 @@ def _liger_linear_forward(case: Case, inp: dict):
     return forward
 
 
+def _liger_distill_forward(case: Case, inp: dict):
+    """Liger's JSD losses with the case's beta (Liger's ``beta`` is TRL's: 0 the forward KL,
+    1 the reverse KL) and temperature; ``labels`` (-100 off the mask) as ``shift_labels``,
+    so Liger's mean over the counted rows is the benchmark's token mean. ``distill_loss``:
+    ``LigerJSD`` on fp32 log-probabilities, ``log_softmax(logits.float() / T)`` of each model
+    (the student's gradient goes back through its ``log_softmax``); ``linear_distill_loss``:
+    ``LigerFusedLinearJSD`` on the ``(B*T, H)`` rows (views of the hidden-state leaves)."""
+    beta = DISTILL_BETAS[case.variant]
+    labels = inp["labels"].reshape(-1)
+    if case.op == "distill_loss":
+        loss_fn = _liger_import("liger_kernel.transformers.jsd", "LigerJSD")(beta=beta)
+        logits, teacher = inp["logits"], inp["teacher_logits"]
+        vocab = logits.shape[-1]
+
+        def forward():
+            log_q = torch.log_softmax(logits.float() / TEMPERATURE, dim=-1).view(-1, vocab)
+            with torch.no_grad():
+                log_p = torch.log_softmax(teacher.float() / TEMPERATURE, dim=-1).view(-1, vocab)
+            return (loss_fn(log_q, log_p, labels),)
+
+        return forward
+    loss_cls = _liger_import("liger_kernel.transformers.fused_linear_jsd", "LigerFusedLinearJSD")
+    loss_fn = loss_cls(jsd_beta=beta, temperature=TEMPERATURE)
+    rows = lambda x: x.view(-1, x.shape[-1])  # noqa: E731
+    student, teacher = rows(inp["hidden"]), rows(inp["teacher_hidden"])
+    weight, t_weight = inp["weight"], inp["teacher_weight"]
+    return lambda: (loss_fn(student, weight, teacher, t_weight, labels),)
+
+
 def _liger_forward(case: Case, inp: dict, inplace: bool = False):
     if liger_version() is None:
         raise Unavailable("liger_kernel is not importable", transient=True)
+    if case.op in DISTILL_OPS:
+        return _liger_distill_forward(case, inp)
     if case.op in ("linear_token_logprobs", "linear_policy_loss"):
         return _liger_linear_forward(case, inp)
     if case.op == "token_logprobs":
@@ -862,6 +988,10 @@ def _verl_linear_forward(case: Case, inp: dict):
 
 
 def _wrt_upstream(case: Case, inp: dict, provider: str):
+    if case.op == "distill_loss":
+        return [inp["logits"]], [None], None
+    if case.op == "linear_distill_loss":
+        return [inp["hidden"], inp["weight"]], [None], None
     if case.op == "token_logprobs":
         ups = [inp["g_logp"]] + ([inp["g_entropy"]] if case.variant == "logp+entropy" else [])
         return [inp["logits"]], ups, None
@@ -893,10 +1023,15 @@ def applies(provider: str, case: Case) -> bool:
     """Whether ``provider`` is one for ``case`` at all: ``fused_rl_mat`` (the materialised
     path of the linear ops) and ``verl`` (a fused head) have no meaning for the other ops,
     nor ``liger_inplace`` and the :data:`FUSED_VARIANTS` beside policy_loss (the two-pass
-    ones beside its token-level variants): skipped without a 'not measured' note. Every
+    ones beside its token-level variants), nor ``trl`` beside the distillation ops (the
+    eager provider is TRL's computation): skipped without a 'not measured' note. Every
     other pairing is up to ``build``."""
-    if provider in ("fused_rl_mat", "verl"):
+    if provider == "fused_rl_mat":
+        return case.op in HIDDEN_OPS
+    if provider == "verl":
         return case.op in LINEAR_OPS
+    if provider == "trl" and case.op in DISTILL_OPS:
+        return False
     if provider in FUSED_VARIANTS and FUSED_VARIANTS[provider][1].get("grad_in_forward"):
         return case.op == "policy_loss" and case.variant in TWO_PASS_VARIANTS
     if provider == "liger_inplace" or provider in FUSED_VARIANTS:

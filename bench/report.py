@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 
+from .cases import DISTILL_OPS
 from .measure import CPU_TIME_LABEL
 from .providers import BASELINE
 
@@ -208,6 +209,16 @@ def _accuracy_notes(records: list[dict]) -> list[str]:
         + policy_text(),
         "",
     ]
+    if any(r["op"] in DISTILL_OPS for r in records):
+        lines += [
+            "Distillation ops: the oracle computes both models' log-softmaxes in float64 per "
+            "block of rows, the divergence of the case's beta and its gradient in closed form. "
+            "From 16-bit hidden states a provider is checked against the loss of the exact "
+            "logits or of the logits rounded to the heads' dtype (what `F.linear` returns), "
+            "whichever it matches: the two differ by 1-2% in the gradients "
+            "(`bench/oracle.py` `LOGITS_DEFINITIONS`; results.json's `note` names the match).",
+            "",
+        ]
     declared = {r["provider"] for r in records if r.get("status") == "less_accurate"}
     for provider in sorted(declared):
         d = LESS_ACCURATE[provider]

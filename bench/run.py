@@ -9,6 +9,9 @@ Usage::
     python bench/run.py report --out bench/results/<gpu>         # results.md + plots again
     python bench/run.py memory --vocab 151936 --tokens 16384 --dtype bf16
     python bench/run.py memory --op linear_policy_loss    # its table, memory vs tokens plot
+    python bench/run.py --suite distill --providers fused_rl,fused_rl_mat,eager,compile,liger
+    python bench/run.py --suite quick --op distill_loss,linear_distill_loss   # the same, CPU
+    python bench/run.py memory --op distill_loss --tokens 16384 --seqlen 2048   # its peaks
     python bench/run.py host                          # host cost per call, tiny shape
 
 Every case runs each provider (``bench/providers.py``) on the same inputs in this process.
@@ -67,7 +70,7 @@ from bench import providers as P  # noqa: E402
 from bench import report as R  # noqa: E402
 from bench.cases import (  # noqa: E402
     DTYPES,
-    LINEAR_OPS,
+    HIDDEN_OPS,
     OPS,
     SUITES,
     Case,
@@ -117,8 +120,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--suite",
         default="quick",
         choices=tuple(SUITES),
-        help="quick (CPU), full (the GPU grid) or peers (the side-by-side with the peers' "
-        "own paths: TRL's and verl's fused heads, Liger inplace=True, at trainers' shapes)",
+        help="quick (CPU), full (the GPU grid), peers (the side-by-side with the peers' "
+        "own paths: TRL's and verl's fused heads, Liger inplace=True, at trainers' shapes), "
+        "inplace (the gradient written into the logits) or distill (the on-policy "
+        "distillation losses at trainers' shapes; on CPU: --suite quick --op "
+        "distill_loss,linear_distill_loss)",
     )
     p.add_argument("--op", type=_csv(str), default=None, help=f"comma list of: {', '.join(OPS)}")
     p.add_argument("--tokens", type=_csv(int), default=None, help="comma list of B*T values")
@@ -270,6 +276,8 @@ def run_case(
             M.sync(device)
             if oracle is not None:
                 rec.update(A.judge(provider, case.dtype, oracle.compare_all(names, out)))
+                if oracle.matched:  # which exact definition (bench/oracle.py)
+                    rec["note"] = f"oracle: the loss of {oracle.matched}"
             else:
                 rec.update(verdict="ok (not checked)", note=oracle_note)
             del out
@@ -455,7 +463,7 @@ def run_suite(args) -> dict:
         if "compile" in args.providers and not args.compile_cpu:
             print("note: torch.compile skipped on CPU (compile time); --compile-cpu runs it")
     copy = M.copy_gbps(device)
-    linear = any(c.op in LINEAR_OPS for c in cases)
+    linear = any(c.op in HIDDEN_OPS for c in cases)
     matmul = M.matmul_tflops(device) if linear else None
     meta = {
         "device": {"name": M.device_name(device), "copy_gbps": copy, "matmul_tflops": matmul},

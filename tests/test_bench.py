@@ -767,3 +767,224 @@ def test_linear_targets_render(tmp_path):
     pct = records[0]["pct_matmul"]
     verdict = "met" if pct >= 70 else "MISSED"
     assert f"GEMM work at {pct:.0f}% of torch.matmul's bf16 rate" in text and verdict in text
+
+
+# ----------------------------------------------------------------------------- distillation
+
+BETAS = ("fkl", "jsd", "rkl")
+# the trainers' shape of the distill suite: 8 x 2048 tokens x 151936 (Qwen's vocabulary)
+DISTILL_BIG = dict(batch=8, seqlen=2048, vocab=151936, dtype="bf16")
+
+
+def test_distill_suite_and_cases():
+    """``--suite distill``: both ops, every beta, bf16 forward + backward, 8 x 2048 x 151936
+    first (H = 4096 from hidden states), torch.compile on that shape of distill_loss only;
+    the quick suite holds both ops on CPU shapes; a new grid keeps to the suite's ops; the
+    byte and GEMM counts of bench/measure.py."""
+    from bench.cases import DISTILL_OPS, DISTILL_PROVIDERS
+
+    cases = select_cases("distill")
+    assert {(c.op, c.variant) for c in cases} == {(op, v) for op in DISTILL_OPS for v in BETAS}
+    assert {(c.mode, c.dtype) for c in cases} == {("fwd_bwd", "bf16")}
+    big = {(c.op, c.batch, c.seqlen, c.vocab) for c in cases}
+    assert {(op, 8, 2048, 151936) for op in DISTILL_OPS} <= big
+    assert (cases[0].batch, cases[0].seqlen, cases[0].vocab) == (8, 2048, 151936)
+    assert {c.hidden for c in cases if c.op == "linear_distill_loss"} == {4096}
+    assert {(c.op, c.tokens, c.vocab) for c in cases if c.compile_ok} == {
+        ("distill_loss", 16384, 151936)
+    }
+    quick = select_cases("quick", list(DISTILL_OPS))
+    assert {(c.op, c.variant) for c in quick} == {(op, v) for op in DISTILL_OPS for v in BETAS}
+    assert {c.dtype for c in quick} == {"bf16", "fp32"} and max(c.tokens for c in quick) <= 8
+    grid = select_cases("distill", tokens=[4096], vocabs=[32000])
+    assert {c.op for c in grid} == set(DISTILL_OPS) and {c.tokens for c in grid} == {4096}
+    assert set(DISTILL_PROVIDERS) <= set(P.PROVIDERS)
+    assert not P.applies("trl", cases[0]) and not P.applies("verl", cases[0])
+    linear = next(c for c in cases if c.op == "linear_distill_loss")
+    assert P.applies("fused_rl_mat", linear) and not P.applies("fused_rl_mat", cases[0])
+    n, v, h = linear.tokens, linear.vocab, linear.hidden
+    assert M.bytes_moved(cases[0]) == 5 * cases[0].tokens * cases[0].vocab * 2
+    assert M.bytes_moved(linear) == 4 * (n + v) * h * 2
+    assert M.gemm_flops(linear) == 4 * 2 * n * v * h and M.gemm_flops(cases[0]) is None
+
+
+def _liger_stand_in(monkeypatch):
+    """Liger's JSD modules, or where ``liger_kernel`` is not importable fused_rl.compat.liger's
+    (Liger 0.8.5's signatures and math, tested against Liger in tests/test_compat_liger.py)."""
+    if P.liger_version() is not None:
+        return
+    from fused_rl.compat import liger
+
+    monkeypatch.setattr(P, "liger_version", lambda: "0.8.5 (fused_rl.compat.liger stand-in)")
+    monkeypatch.setattr(P, "_liger_import", lambda module, name: getattr(liger, name))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("op", ["distill_loss", "linear_distill_loss"])
+def test_distill_providers_meet_the_oracle(op, dtype, device, monkeypatch):
+    """Every beta through fused_rl's Triton path (CUDA, or the interpreter on a CPU-only
+    machine), its reference, eager (TRL's computation), the materialised path (from hidden
+    states) and Liger's JSD modules, against the float64 oracle, on the suite's device."""
+    _liger_stand_in(monkeypatch)
+    providers = ["fused_rl", "fused_rl_ref", "eager", "liger"]
+    providers += ["fused_rl_mat"] if op == "linear_distill_loss" else []
+    hidden = 16 if op == "linear_distill_loss" else None
+    for variant in BETAS:
+        case = Case(op, variant, "fwd_bwd", 2, 8, 1000, dtype, hidden=hidden)
+        verdicts = _verdicts(case, make_inputs(case, device), providers)
+        assert set(verdicts.values()) == {"ok"}, (variant, verdicts)
+
+
+def test_distill_beta_is_its_own_math(monkeypatch):
+    """The variant's beta matters: fused_rl run with the JSD's beta fails the oracle of the
+    forward and of the reverse KL, so neither side can fall back to one divergence."""
+    original = P._distill_kwargs
+    monkeypatch.setattr(P, "_distill_kwargs", lambda inp, variant: original(inp, "jsd"))
+    for op, hidden in (("distill_loss", None), ("linear_distill_loss", 16)):
+        for variant in ("fkl", "rkl"):
+            case = Case(op, variant, "fwd_bwd", 2, 8, 1000, "fp32", hidden=hidden)
+            verdict = _verdicts(case, make_inputs(case, "cpu"), ("fused_rl_ref",))["fused_rl_ref"]
+            assert verdict.startswith("FAIL"), (op, variant, verdict)
+
+
+def test_linear_distill_oracle_definitions():
+    """From bf16 hidden states the oracle holds the loss of the exact logits and of the logits
+    rounded to bf16 (``bench/oracle.py`` ``LOGITS_DEFINITIONS``). fused_rl's reference (bf16
+    logits from ``F.linear``, by the op's definition) matches the second; the same loss on
+    fp32 logits (what Liger's fused JSD forms on a GPU) matches the first; each fails the
+    other's, so neither definition alone could judge both. fp32 heads: one definition."""
+    from bench import accuracy as A
+    from bench.oracle import Oracle
+
+    case = Case("linear_distill_loss", "jsd", "fwd_bwd", 2, 8, 1000, "bf16", hidden=16)
+    inp = make_inputs(case, "cpu")
+    oracle = Oracle(case, inp)
+    names = P.output_names(case)
+    (exact_label, exact), (rounded_label, rounded) = oracle.definitions
+    rounded_out = P.build("fused_rl_ref", case, inp)()
+
+    def fp32_logits():
+        hidden, weight = inp["hidden"], inp["weight"]
+        logits = torch.nn.functional.linear(hidden.float(), weight.float())
+        teacher = torch.nn.functional.linear(inp["teacher_hidden"].float(),
+                                             inp["teacher_weight"].float())  # fmt: skip
+        loss = P.eager_distill_loss(logits, teacher, inp["mask"], "jsd")[0]
+        return (loss.detach(), *torch.autograd.grad(loss, [hidden, weight]))
+
+    exact_out = fp32_logits()
+    for out, label in ((rounded_out, rounded_label), (exact_out, exact_label)):
+        judged = A.judge("x", "bf16", oracle.compare_all(names, out))
+        assert judged["verdict"] == "ok" and oracle.matched == label, (label, judged)
+    for out, values in ((rounded_out, exact), (exact_out, rounded)):
+        oracle.values = values
+        comps = {name: oracle.compare(name, o) for name, o in zip(names, out)}
+        assert A.judge("x", "bf16", comps)["status"] == "wrong"
+    fp32 = Case("linear_distill_loss", "jsd", "fwd_bwd", 2, 8, 1000, "fp32", hidden=16)
+    single = Oracle(fp32, make_inputs(fp32, "cpu"))
+    assert [label for label, _ in single.definitions] == [exact_label]
+
+
+def test_distill_quick_cli(tmp_path, device):
+    """``bench/run.py --suite quick --op distill_loss,linear_distill_loss`` on a new grid
+    (4 tokens x V 64, bf16): every beta and provider within the tolerance, the 16-bit
+    linear rows naming the definition they matched."""
+    out = tmp_path / "res"
+    providers = "fused_rl,fused_rl_ref,eager,fused_rl_mat"
+    argv = ["--suite=quick", f"--device={device}", "--op=distill_loss,linear_distill_loss",
+            "--tokens=4", "--vocab=64", f"--providers={providers}", "--reps=1", "--no-plots",
+            "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    records = json.loads((out / "results.json").read_text())["records"]
+    got = {(r["op"], r["variant"], r["provider"]) for r in records}
+    want = {(op, v, p) for op in ("distill_loss", "linear_distill_loss") for v in BETAS
+            for p in ("fused_rl", "fused_rl_ref", "eager")}  # fmt: skip
+    want |= {("linear_distill_loss", v, "fused_rl_mat") for v in BETAS}
+    assert got == want
+    for r in records:
+        assert r["verdict"] == "ok" and set(r["err"]) == set(P.output_names(Case(
+            **{k: r[k] for k in CASE_FIELDS}, hidden=r["hidden"]))), r  # fmt: skip
+        linear = r["op"] == "linear_distill_loss"
+        assert ("bf16" in r["note"]) == linear, r
+
+
+@pytest.mark.parametrize("variant", BETAS)
+def test_distill_memory_model(variant):
+    """distill_loss at 8 x 2048 x 151936 bf16, forward + backward, modelled (fake tensors):
+    fused_rl holds the student's bf16 gradient (N V 2 bytes) and, per token, 4 bytes for
+    each of its forward's partial columns and row statistics (``fused_rl.distill.COLUMNS``,
+    ``N_STATS``), nothing else of size N V. The eager TRL-style loss holds fp32 (N, V)
+    tensors: for a KL (beta 0, 1) five when the product ``exp(target) * (target - input)``
+    is formed: both log-softmaxes, the exp of the target and the difference (what the
+    product's backward keeps, or the operand being consumed) and the product; for the JSD
+    thirteen: both log-softmaxes, the stacked (2, N, V) input of the mixture's logsumexp
+    (kept for its backward) and the mixture, per KL term the exp of its target and the
+    product (the student's term its difference too: both of its factors need grad), the two
+    scaled terms and their sum. Per-token floats aside (at most 16 bytes a token)."""
+    from fused_rl.distill import COLUMNS, N_STATS
+
+    case = Case("distill_loss", variant, "fwd_bwd", **DISTILL_BIG)
+    n, nv = case.tokens, case.tokens * case.vocab
+    fused, how = model_peak("fused_rl", case)
+    assert how == "modelled"
+    assert 0 <= fused - (2 * nv + 4 * (len(COLUMNS) + N_STATS) * n) < 4096, fused
+    eager, how = model_peak("eager", case)
+    fp32_tensors = 13 if variant == "jsd" else 5
+    assert how == "modelled" and 0 <= eager - fp32_tensors * 4 * nv < 16 * n, eager
+    assert model_peak("compile", case)[0] is None  # measured on GPUs only
+
+
+def test_linear_distill_memory_model():
+    """linear_distill_loss at H = 4096 x 151936, bf16, beta 0, forward + backward, modelled:
+    fused_rl's peak is ``6 V H`` (dW in fp32 and, for a moment, its bf16 cast) plus per token
+    dH (``2 H`` bytes) and a few fp32 (at most the docstring's ``4 (6 + 2)`` bytes), the same
+    at 2 x 2048 and 8 x 2048 tokens: no logits chunk grows with them. The materialised path
+    holds both models' bf16 logits and the student's gradient (``3 N V 2``), eager both bf16
+    logits (one fp32 (N, V) unit) and the five fp32 tensors of the logits loss."""
+    vocab, hidden = DISTILL_BIG["vocab"], 4096
+    peaks = {}
+    for batch in (2, 8):
+        case = Case("linear_distill_loss", "fkl", "fwd_bwd", batch, 2048, vocab, "bf16",
+                    hidden=hidden)  # fmt: skip
+        peaks[case.tokens], how = model_peak("fused_rl", case)
+        assert how == "modelled"
+    (n1, p1), (n2, p2) = sorted(peaks.items())
+    per_token = (p2 - p1) / (n2 - n1) - 2 * hidden
+    assert 0 <= per_token <= 32, per_token
+    assert 0 <= p2 - n2 * (2 * hidden + per_token) - 6 * vocab * hidden < 4096
+    n, nv = case.tokens, case.tokens * vocab
+    mat, how = model_peak("fused_rl_mat", case)
+    assert how == "modelled" and 0 <= mat - 3 * nv * 2 < 64 * n, mat
+    eager, how = model_peak("eager", case)
+    assert how == "modelled" and 0 <= eager - 6 * nv * 4 < 16 * n, eager
+    assert p2 < mat / 3
+
+
+def _distill_doc_section() -> str:
+    text = open(os.path.join(ROOT, "docs", "benchmarks.md")).read()
+    start = text.index("## Distillation")
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end < 0 else text[start:end]
+
+
+def test_distill_memory_figures_in_docs():
+    """docs/benchmarks.md's Distillation table states the model's peaks at 8 x 2048 x 151936
+    bf16 (H = 4096 from hidden states), each cell the model's bytes in GB to two decimals,
+    and the exact bytes of what they consist of; it says they are modelled, not measured."""
+    section = _distill_doc_section()
+    assert "modelled on CPU, not measured on a GPU" in " ".join(section.split())
+    labels = {"fused_rl": "fused_rl", "fused_rl_mat": "materialised", "eager": "eager"}
+    for op, providers, hidden in (("distill_loss", ("fused_rl", "eager"), None),
+                                  ("linear_distill_loss", ("fused_rl", "fused_rl_mat", "eager"),
+                                   4096)):  # fmt: skip
+        for provider in providers:
+            row = next(line for line in section.splitlines()
+                       if line.startswith(f"| `{op}` | {labels[provider]} |"))  # fmt: skip
+            cells = [c.strip() for c in row.strip("|").split("|")][2:]
+            for variant, cell in zip(BETAS, cells, strict=True):
+                case = Case(op, variant, "fwd_bwd", **DISTILL_BIG, hidden=hidden)
+                peak = model_peak(provider, case)[0]
+                assert cell == f"{peak / 1e9:.2f} GB", (op, provider, variant, peak, cell)
+    n, v, h = 8 * 2048, DISTILL_BIG["vocab"], 4096
+    for term in (2 * n * v, 5 * 4 * n * v, 13 * 4 * n * v, 4 * n * v, 6 * v * h, 2 * n * h,
+                 3 * n * v * 2):  # fmt: skip
+        assert f"{term:,}" in section, term
