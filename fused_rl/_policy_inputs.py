@@ -15,9 +15,9 @@ from .reference.reductions import mask_weights
 def check_call(
     policy: PolicyConfig, ref_logprobs, num_items, ref_logits=None, ref_name: str = "ref_logits"
 ) -> None:
-    """What a call adds to the config's own checks: ``beta != 0`` needs ``ref_logprobs``
-    (``ref_logits``, named ``ref_name``, for ``kl_estimator="full"``, which reads nothing
-    else); ``num_items`` (a per-call value: a number or a one-element tensor)."""
+    """What a call adds to the config's own checks: ``beta != 0`` needs ``ref_logprobs``;
+    ``kl_estimator="full"`` needs ``ref_logits`` (named ``ref_name``) whatever ``beta`` and
+    reads nothing else; ``num_items`` (a per-call value: a number or a one-element tensor)."""
     full = policy.kl_estimator == "full"
     if full and ref_logprobs is not None:
         raise ValueError(
@@ -29,12 +29,11 @@ def check_call(
             f"{ref_name} is read only by kl_estimator='full' (the exact KL over the "
             f"vocabulary); kl_estimator={policy.kl_estimator!r} takes ref_logprobs="
         )
-    if policy.beta != 0.0 and (ref_logits if full else ref_logprobs) is None:
-        if full:
-            raise ValueError(
-                f"beta = {policy.beta} with kl_estimator='full' needs {ref_name} (the "
-                "reference policy's logits or lm_head)"
-            )
+    if full and ref_logits is None:  # even for the metric alone (beta = 0)
+        raise ValueError(
+            f"kl_estimator='full' needs {ref_name} (the reference policy's logits or lm_head)"
+        )
+    if policy.beta != 0.0 and not full and ref_logprobs is None:
         raise ValueError(
             f"beta = {policy.beta} needs ref_logprobs (the reference policy's log-probs)"
         )

@@ -122,6 +122,12 @@ N_KL_STATS = 4  # kernels/vocab/layer3.py KLS_*: the exact KL's per-token statis
 # the KL's statistics for layer 3, one allocation (the default call allocates what it did).
 
 
+def _without_full_kl(modes: list[int]) -> list[int]:
+    """``modes`` with the KL kind of the exact KL replaced (no reference logits given, so
+    no kernel branch may read them; the checked entry points never get here)."""
+    return [modes[0], 0, *modes[2:]]
+
+
 def _h_buffer(bonus: bool, full: bool, outer: int, inner: int, like: Tensor, dtype) -> Tensor:
     """``h`` ``(outer, T)`` (``(0,)`` without a bonus), or packed with the KL's statistics."""
     shape = (1 + N_KL_STATS, outer, inner) if full else ((outer, inner) if bonus else (0,))
@@ -228,6 +234,8 @@ def _fused_rows(logits3d, targets, adv, old, ref, mask, is_w, temperature, softc
     if outer * inner == 0:
         return
     full = ref is not None and modes[1] == _KL_FULL
+    if modes[1] == _KL_FULL and not full:  # no reference logits: no branch may read them
+        modes = _without_full_kl(modes)
     rl, ref = (ref, None) if full else (None, ref)
     kls = g
     if full:
@@ -462,7 +470,7 @@ def _fwd_setup(ctx, inputs, output):
     ctx.temperature, ctx.softcap, ctx.ignore_index = inputs[9], inputs[10], inputs[11]
     ctx.bonus = inputs[13][_ENTROPY_COEF] != 0.0
     _, metrics, seq_scale, row_max, log_sum, entropy, g, h = output
-    ref = _kl_ref(inputs[4], h, inputs[13]) if h.dim() == 3 else None
+    ref = _kl_ref(inputs[4], h, inputs[13]) if h.dim() == 3 else None  # no frame by default
     ctx.save_for_backward(logits3d, targets, seq_scale, row_max, log_sum, entropy, g, h, ref)
     ctx.mark_non_differentiable(metrics, seq_scale, row_max, log_sum, entropy, g, h)
     ctx.set_materialize_grads(False)

@@ -20,7 +20,7 @@ from ._backend import resolve_backend
 from ._launch import f32_pair, next_power_of_2, triton_acc
 from ._ops import FusedOp
 from .reference import advantages as ref
-from .reference.kl import KL_KINDS
+from .reference.kl import KL_KINDS, refuse_full
 
 MAX_BLOCK_T = 1024
 MAX_BLOCK_N = 1024
@@ -295,6 +295,7 @@ def kl_penalized_rewards(
     V.check_shape(scores, logprobs.shape[:1], "scores", "(B,)")
     V.check_mask(mask, "mask", logprobs.shape, "(B, T)", weights=False)
     V.check_choice(kl_estimator, KL_KINDS, "kl_estimator")
+    refuse_full(kl_estimator)
     V.check_nonnegative(kl_coef, "kl_coef")
     if score_index is not None:
         V.check_tensor(score_index, "score_index")

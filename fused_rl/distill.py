@@ -42,7 +42,7 @@ DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 # the partial columns (kernels/vocab/distill.py COL_*) and so the finalize kernel's outputs
 COLUMNS = ("jsd", "forward_kl", "reverse_kl", "student_entropy", "teacher_entropy", "count")
 METRICS = COLUMNS[:-1]
-N_STATS = 5  # per-row statistics saved for the backward (kernels/vocab/distill.py STAT_*)
+N_STATS = 6  # per-row statistics saved for the backward (kernels/vocab/distill.py STAT_*)
 FINALIZE_BLOCK_B, FINALIZE_BLOCK_T = 16, 128
 _SEQ_MEAN_TOKEN_MEAN = LOSS_AGG_MODES.index("seq-mean-token-mean")
 
@@ -354,7 +354,7 @@ _COL_COUNT = COLUMNS.index("count")
 _EXTRA_COLUMNS = [COLUMNS.index(c) for c in ("forward_kl", "reverse_kl", "student_entropy",
                                              "teacher_entropy")]  # fmt: skip
 # kernels/vocab/distill.py STAT_*: max_z, log S_z, max_u, log(S_z / S_u), c (= KL)
-_MAX_Z, _LOG_S_Z, _MAX_U, _LOG_RATIO, _C = range(N_STATS)
+_MAX_Z, _LOG_S_Z, _MAX_U, _LOG_RATIO, _C, _LOG_S_U = range(N_STATS)
 
 
 class _PairDivergence(torch.autograd.Function):
@@ -411,7 +411,7 @@ def _local_stats(x3d, r3d, mask, temperature, which, forward_kl=False):
             float(inner), 0.0, False,
         )  # fmt: skip
         if forward_kl:  # the kernel's c is the reverse KL only at beta = 1
-            stats = torch.cat((stats[:_C], part[_COL_REVERSE][None]))
+            stats = torch.cat((stats[:_C], part[_COL_REVERSE][None], stats[_LOG_S_U:]))
         return stats, part[_EXTRA_COLUMNS]
     # the reference: the same statistics in plain PyTorch (the shard may be empty: -inf max)
     acc = stats_dtype(torch.promote_types(x3d.dtype, r3d.dtype))
@@ -422,7 +422,7 @@ def _local_stats(x3d, r3d, mask, temperature, which, forward_kl=False):
     if vocab == 0:
         empty = torch.full((outer, inner), -math.inf, dtype=acc, device=x3d.device)
         zero = torch.zeros_like(empty)
-        stats = torch.stack((empty, empty, empty, zero, zero)).reshape(N_STATS, n)
+        stats = torch.stack((empty, empty, empty, zero, zero, empty)).reshape(N_STATS, n)
         return stats, torch.zeros((4, n), dtype=acc, device=x3d.device)
     m_z, m_u = z.amax(-1), u.amax(-1)
     m_z0 = torch.where(torch.isfinite(m_z), m_z, 0.0)
@@ -434,11 +434,14 @@ def _local_stats(x3d, r3d, mask, temperature, which, forward_kl=False):
     log_s_z, log_s_u = s_z.log(), s_u.log()
     r = -torch.where(e_a == 0, 0.0, e_a * b_minus_a).sum(-1) / s_z
     f = torch.where(e_b == 0, 0.0, e_b * b_minus_a).sum(-1) / s_u
-    log_ratio = _log_ratio(s_z, torch.where(e_a == 0, e_b, e_a * torch.expm1(b_minus_a)).sum(-1))
+    # S_u - S_z as its own terms (the kernel's pair_moments): e^a expm1(b - a) where b is near a
+    close = (b_minus_a.abs() <= 1.0) & (e_a != 0)
+    gap_v = torch.where(close, e_a * torch.expm1(torch.where(close, b_minus_a, 0.0)), e_b - e_a)
+    log_ratio = _log_ratio(s_z, gap_v.sum(-1))
     h_z = log_s_z - torch.where(e_a == 0, 0.0, e_a * a).sum(-1) / s_z
     h_u = log_s_u - torch.where(e_b == 0, 0.0, e_b * b).sum(-1) / s_u
     kl = r - log_ratio
-    stats = torch.stack((m_z0, log_s_z, m_u0, log_ratio, kl)).reshape(N_STATS, n)
+    stats = torch.stack((m_z0, log_s_z, m_u0, log_ratio, kl, log_s_u)).reshape(N_STATS, n)
     extra = torch.stack((f + log_ratio, kl, h_z.clamp_min(0.0), h_u.clamp_min(0.0)))
     return stats, extra.reshape(4, n)
 
@@ -460,26 +463,30 @@ def _merge(stats: Tensor, extra: Tensor, shard, full: bool) -> tuple[Tensor, Ten
     dist = _dist()
     n = stats.shape[1]
     m_z_l, log_s_z_l, m_u_l = stats[_MAX_Z], stats[_LOG_S_Z], stats[_MAX_U]
-    log_ratio_l = stats[_LOG_RATIO]
-    r_l = extra[1] + log_ratio_l  # E_p[(z - M_z) - (u - M_u)] over the shard
-    # an empty shard's partial: no mass (its max taken as -inf so it never wins)
-    empty = log_s_z_l == -math.inf
-    maxima = torch.cat((torch.where(empty, -math.inf, m_z_l), torch.where(empty, -math.inf, m_u_l)))
+    log_ratio_l, log_s_u_l = stats[_LOG_RATIO], stats[_LOG_S_U]
+    # a stream without mass on this shard (an empty shard, a row all -inf there): its max
+    # taken as -inf so it never wins, its sums 0; each stream on its own
+    empty_z, empty_u = log_s_z_l == -math.inf, log_s_u_l == -math.inf
+    maxima = torch.cat((torch.where(empty_z, -math.inf, m_z_l),
+                        torch.where(empty_u, -math.inf, m_u_l)))  # fmt: skip
     dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=shard.group)
     m_z, m_u = maxima[:n], maxima[n:]
-    d_z = torch.where(empty, 0.0, m_z_l - m_z)
-    a = torch.where(empty, 0.0, (d_z + log_s_z_l).exp())  # S_z,r e^(M_z,r - M_z)
+    d_z = torch.where(empty_z, 0.0, m_z_l - m_z)
+    d_u = torch.where(empty_u, 0.0, m_u_l - m_u)
+    a = torch.where(empty_z, 0.0, (d_z + log_s_z_l).exp())  # S_z,r e^(M_z,r - M_z)
+    b = torch.where(empty_u, 0.0, (d_u + log_s_u_l).exp())  # S_u,r e^(M_u,r - M_u)
     # d_z - d_u from the two differences of maxima, each small and exact for near-equal
     # rows (not from d_z and d_u, each rounded at the size of the maxima)
-    dd = torch.where(empty, 0.0, (m_z_l - m_u_l) - (m_z - m_u))
-    # S_u,r e^(M_u,r - M_u) - a: the shard's part of S_u - S_z, as its own small number
-    gap = torch.where(a == 0, 0.0, a * torch.expm1(-dd - log_ratio_l))
+    dd = (m_z_l - m_u_l) - (m_z - m_u)
+    # b - a, the shard's part of S_u - S_z: as its own small number where the two are near
+    # (a expm1(...)), else directly (an underflowing a, a stream without mass here)
+    x = -dd - log_ratio_l
+    near = (x.abs() <= 1.0) & ~empty_z & ~empty_u
+    gap = torch.where(near, a * torch.expm1(torch.where(near, x, 0.0)), b - a)
+    r_l = extra[1] + log_ratio_l  # E_p[(z - M_z) - (u - M_u)] over the shard
     parts = [a, gap, torch.where(a == 0, 0.0, a * (r_l + dd))]
     if full:
-        b = a + gap  # S_u,r e^(M_u,r - M_u)
         f_l = extra[0] - log_ratio_l  # E_q[(u - M_u) - (z - M_z)] over the shard
-        d_u = torch.where(empty, 0.0, m_u_l - m_u)
-        log_s_u_l = log_s_z_l - log_ratio_l
         parts += [
             torch.where(b == 0, 0.0, b * (f_l - dd)),
             torch.where(a == 0, 0.0, a * ((log_s_z_l - extra[2]) + d_z)),  # W_z
@@ -488,12 +495,12 @@ def _merge(stats: Tensor, extra: Tensor, shard, full: bool) -> tuple[Tensor, Ten
     sums = torch.cat(parts)
     dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=shard.group)
     s_z, gap, big_r = sums[:n], sums[n : 2 * n], sums[2 * n : 3 * n]
+    s_u = s_z + gap
     log_ratio = _log_ratio(s_z, gap)
     kl = big_r / s_z - log_ratio
-    merged = torch.stack((m_z, s_z.log(), m_u, log_ratio, kl))
+    merged = torch.stack((m_z, s_z.log(), m_u, log_ratio, kl, s_u.log()))
     if not full:
         return merged, torch.stack((kl, kl, kl, kl))  # only the reverse KL is read
-    s_u = s_z + gap
     big_f, w_z, w_u = sums[3 * n : 4 * n], sums[4 * n : 5 * n], sums[5 * n :]
     h_z = (s_z.log() - w_z / s_z).clamp_min(0.0)
     h_u = (s_u.log() - w_u / s_u).clamp_min(0.0)

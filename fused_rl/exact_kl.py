@@ -57,8 +57,8 @@ def token_kl(
         ref_logits: the reference's, the same shape (any float dtype and strides); a
             constant (no gradient).
         temperature: both softmaxes at ``temperature``.
-        mask: optional bool ``logits.shape[:-1]``: rows outside it are not read and give 0
-            (and a zero gradient).
+        mask: optional ``logits.shape[:-1]`` indicator (bool, or integer / float: nonzero
+            counts): rows outside it are not read and give 0 (and a zero gradient).
         process_group: vocabulary parallelism: each rank's ``logits`` / ``ref_logits`` are its
             equal-width shard of the vocabulary (module docstring); ``DTensor`` inputs
             sharded on their last dim give their own group.
@@ -87,14 +87,10 @@ def token_kl(
             f"ref_logits must have logits' shape {tuple(logits.shape)} (the same vocabulary, "
             f"sharded alike), got {tuple(ref_logits.shape)}"
         )
+    V.check_mask(mask, "mask", tuple(logits.shape[:-1]), "logits.shape[:-1]", weights=False)
     V.check_same_device(logits=logits, ref_logits=ref_logits, mask=mask)
-    if mask is not None:
-        V.check_tensor(mask, "mask")
-        if mask.dtype != torch.bool or tuple(mask.shape) != tuple(logits.shape[:-1]):
-            raise ValueError(
-                f"mask must be a bool tensor of shape {tuple(logits.shape[:-1])}, got "
-                f"{mask.dtype} {tuple(mask.shape)}"
-            )
+    if mask is not None and mask.dtype != torch.bool:  # an indicator: nonzero counts
+        mask = mask != 0
     which = resolve_backend(backend, logits, ref_logits)
     x3d, r3d = as_rows3d(logits), as_rows3d(ref_logits.detach())
     m2d = None if mask is None else mask.reshape(x3d.shape[:2])

@@ -925,12 +925,17 @@ def linear_policy_loss(
         >>> loss, m = fused_rl.linear_policy_loss(h, w, t, torch.tensor([1.0, -1.0]))
         >>> loss.backward()
     """
+    ref_name, ref_given = next(
+        ((n, t) for n, t in (("ref_weight", ref_weight), ("ref_hidden", ref_hidden),
+                             ("ref_bias", ref_bias)) if t is not None),
+        ("ref_weight", None),
+    )  # fmt: skip
     _check_policy_tensors(
         targets, advantages, old_logprobs, ref_logprobs, mask, is_weights, policy, num_items,
-        ref_weight,
+        ref_given, ref_name,
     )  # fmt: skip
     need_entropy = with_entropy or policy.uses_entropy
-    if ref_weight is not None or ref_hidden is not None:
+    if ref_given is not None:
         return _full_kl_policy_loss(
             hidden, weight, targets, advantages, bias=bias, chunk_tokens=chunk_tokens,
             old_logprobs=old_logprobs, ref_hidden=ref_hidden, ref_weight=ref_weight,
@@ -974,10 +979,12 @@ def _grad_wanted(*tensors: Tensor | None) -> bool:
 
 
 def _check_policy_tensors(targets, advantages, old_logprobs, ref_logprobs, mask, is_weights,
-                          policy, num_items, ref_weight=None) -> None:  # fmt: skip
+                          policy, num_items, ref_given=None,
+                          ref_name="ref_weight") -> None:  # fmt: skip
     """The per-token tensors and what the call adds to the config's checks, before any GEMM
-    (a bad argument fails before any work)."""
-    check_call(policy, ref_logprobs, num_items, ref_weight, ref_name="ref_weight")
+    (a bad argument fails before any work); ``ref_given``: the first of the reference's
+    ``ref_weight`` / ``ref_hidden`` / ``ref_bias`` given (named ``ref_name``)."""
+    check_call(policy, ref_logprobs, num_items, ref_given, ref_name=ref_name)
     V.check_tensor(targets, "targets")
     if targets.dim() != 2:
         raise ValueError(f"targets must be (B, T), got shape {tuple(targets.shape)}")
@@ -1021,6 +1028,9 @@ def _full_kl_policy_loss(hidden, weight, targets, advantages, *, bias, chunk_tok
     ref_rows, ref_weight, ref_bias = _prepare_ref(ref_hidden, ref_weight, ref_bias, hidden,
                                                   weight, targets)  # fmt: skip
     if which == "triton":
+        if not _grad_wanted(hidden, weight, bias):  # the same pass, no gradient formed
+            rows, weight = rows.detach(), weight.detach()
+            bias = None if bias is None else bias.detach()
         return _fused_policy_loss(
             rows, weight, bias, flat_targets, targets.shape, advantages, old_logprobs, None,
             mask, is_weights, num_items, chunk, temperature=temperature, softcap=None,

@@ -54,8 +54,13 @@ class PolicyConfig:
         delta: TRL's two-sided clip: the unclipped ratio is capped at ``delta`` first.
         beta, kl_estimator: KL penalty ``beta * kl`` per token, ``kl`` estimated by
             ``kl_estimator`` in ``k1``, ``k2``, ``k3``, ``low_var_kl``, ``abs`` with
-            ``log_ratio = logp - ref`` (:func:`fused_rl.kl_estimate`). ``beta != 0`` needs
-            ``ref_logprobs``. ``kl=`` is a deprecated alias of ``kl_estimator=``.
+            ``log_ratio = logp - ref`` (:func:`fused_rl.kl_estimate`; ``beta != 0`` needs
+            ``ref_logprobs``), or ``full``: the exact ``KL(pi || pi_ref)`` over the whole
+            vocabulary from the reference's logits (``ref_logits=`` of
+            :func:`fused_rl.policy_loss`, ``ref_hidden=`` / ``ref_weight=`` of
+            :func:`fused_rl.linear_policy_loss`; always needed, the metric alone at
+            ``beta = 0``; not from log-probs). ``kl=`` is a deprecated alias of
+            ``kl_estimator=``.
         entropy_coef: entropy bonus ``-entropy_coef * H`` (H differentiable, same pass).
         importance_sampling: ``"token"``, ``"sequence"`` (GSPO: one ratio per sequence,
             ``exp(masked mean of logp - old)``, differentiable through every token; with

@@ -69,7 +69,8 @@ INPUT_POINTERS = {"logits_ptr", "grad_ptr", "x_ptr", "gx_ptr", "v_ptr", "gv_ptr"
 # small values so the compile stays fast; the real launchers pick larger ones
 BLOCKS = {"BLOCK_V": 256, "BLOCK": 256, "BLOCK_P": 128, "BLOCK_T": 64, "BLOCK_N": 64, "BLOCK_R": 16,
           "BLOCK_B": 16}  # fmt: skip
-ENUMS = {"KL_KIND": 6, "KIND": 6, "MODE": 3, "AGG": 4, "SURROGATE": 6}
+# KIND: the two-log-prob estimators only (kl_and_grad asserts it never sees "full")
+ENUMS = {"KL_KIND": 6, "KIND": 5, "MODE": 3, "AGG": 4, "SURROGATE": 6}
 
 
 def _kernels(modules=MODULES):

@@ -648,6 +648,26 @@ def exact_kl_vocab_parallel(ctx):
                 assert_rel(value, ref_metrics[key], 1e-4 if key == "kl" else FP32_TOL,
                            f"{key} {what}")  # fmt: skip
             assert_rel(mine.grad, whole.grad[..., start:stop], FP32_TOL, f"grad {what}")
+    # a shard where the policy holds no mass (all -inf there) or underflows (200 below the
+    # other shards' logits) while the reference has mass: its share of S_u still counts
+    last = _shard_bounds([w] * ctx.world, ctx.world - 1)
+    for fill in (-math.inf, -200.0):
+        x = full[:, :T].clone()
+        x[..., last[0] : last[1]] = fill + (0.0 if fill == -math.inf else x[..., last[0] : last[1]])
+        ref_full = full[:, :T] + torch.randn(full[:, :T].shape, generator=g)
+        xo = x.double().requires_grad_()
+        lp = torch.log_softmax(xo, -1)
+        lq = torch.log_softmax(ref_full.double(), -1)
+        safe = torch.where(lp == -math.inf, 0.0, lp)  # no 0 * inf in the oracle's backward
+        kl_o = torch.where(lp.exp() > 0, lp.exp() * (safe - lq), 0.0).sum(-1)
+        (grad_o,) = torch.autograd.grad((kl_o * up).sum(), xo)
+        for backend in BACKENDS:
+            local = _local(x, start, stop)
+            kl = fused_rl.token_kl(local, ref_full[..., start:stop], process_group=ctx.group,
+                                   backend=backend)  # fmt: skip
+            assert_rel(kl, kl_o, FP32_TOL, f"token_kl with a shard at {fill} {backend}")
+            (kl * up).sum().backward()
+            assert_rel(local.grad, grad_o[..., start:stop], FP32_TOL, f"grad at {fill} {backend}")
 
 
 @check

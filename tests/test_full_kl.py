@@ -19,6 +19,7 @@ from helpers import FP32_TOL, U32, assert_rel, bf16_tol
 from policy_oracle import oracle_policy_loss
 
 import fused_rl
+import fused_rl.nn
 from fused_rl.profiling import LaunchCounter
 
 BACKENDS = ("triton", "reference")
@@ -381,8 +382,8 @@ def test_token_kl_compiles_and_refuses_bad_input():
     assert_rel(g_compiled, g_eager, 1e-6, "compiled grad")
     with pytest.raises(ValueError, match="ref_logits must have logits' shape"):
         fused_rl.token_kl(x, r[..., :-1])
-    with pytest.raises(ValueError, match="mask must be a bool tensor"):
-        fused_rl.token_kl(x, r, mask=torch.ones(2, 3))
+    with pytest.raises(ValueError, match=r"mask must have shape logits.shape\[:-1\]"):
+        fused_rl.token_kl(x, r, mask=torch.ones(2, 4))
     with pytest.raises(TypeError, match="ref_logits"):
         fused_rl.token_kl(x, r.long())
     with pytest.raises(ValueError, match="temperature"):
@@ -532,3 +533,34 @@ def test_linear_bad_input(change, error, match):
     args.update(change)
     with pytest.raises(error, match=match):
         fused_rl.linear_policy_loss(hidden, weight, targets, adv, **args)
+
+
+def test_full_without_a_reference_raises_everywhere():
+    """``kl_estimator="full"`` reads nothing but the reference's logits: without them every
+    entry point raises (never a kernel branch reading a buffer that is not there), even at
+    ``beta = 0``; the log-prob entry points refuse it outright."""
+    logits, targets, adv, kw = _inputs()
+    kw.pop("ref_logits")
+    for backend in BACKENDS:
+        with pytest.raises(ValueError, match="kl_estimator='full' needs ref_logits"):
+            fused_rl.policy_loss(logits, targets, adv, kl_estimator="full", backend=backend, **kw)
+    with pytest.raises(ValueError, match="kl_estimator='full' needs ref_logits"):
+        fused_rl.nn.PolicyLoss(kl_estimator="full")(logits, targets, adv, **kw)
+    hidden, weight, bias, ref, targets, adv, kw = _linear_inputs()
+    with pytest.raises(ValueError, match="kl_estimator='full' needs ref_weight"):
+        fused_rl.linear_policy_loss(hidden, weight, targets, adv, kl_estimator="full", **kw)
+    with pytest.raises(ValueError, match="ref_bias is read only by kl_estimator='full'"):
+        fused_rl.linear_policy_loss(hidden, weight, targets, adv, ref_bias=ref["ref_bias"],
+                                    beta=0.0, **kw)  # fmt: skip
+    with pytest.raises(ValueError, match="exact KL over the vocabulary"):
+        fused_rl.kl_penalized_rewards(torch.zeros(2), torch.zeros(2, 3), torch.zeros(2, 3),
+                                      kl_coef=0.1, kl_estimator="full")  # fmt: skip
+
+
+def test_nn_policy_loss_takes_ref_logits():
+    logits, targets, adv, kw = _inputs(seed=22)
+    module = fused_rl.nn.PolicyLoss(kl_estimator="full", beta=0.2, backend="triton")
+    loss, metrics = module(logits, targets, adv, **kw)
+    loss0, metrics0 = fused_rl.policy_loss(logits, targets, adv, kl_estimator="full", beta=0.2,
+                                           backend="triton", **kw)  # fmt: skip
+    assert torch.equal(loss, loss0) and torch.equal(metrics["kl"], metrics0["kl"])

@@ -52,6 +52,7 @@ INPUTS = {
     "gaussian_entropy": lambda: ((_x(B, T).exp(),), {}),
     "token_logprobs": lambda: ((_x(B, T, V_SIZE), torch.zeros(B, T, dtype=torch.long)), {}),
     "token_entropy": lambda: ((_x(B, T, V_SIZE),), {}),
+    "token_kl": lambda: ((_x(B, T, V_SIZE), _x(B, T, V_SIZE) * 0.5), {}),
     "distill_loss": lambda: ((_x(B, T, V_SIZE), _x(B, T, V_SIZE) * 0.5), {}),
     "linear_distill_loss": lambda: ((_x(B, T, 3), _x(V_SIZE, 3), _x(B, T, 4), _x(V_SIZE, 4)), {}),
     "linear_token_logprobs": lambda: (
@@ -384,7 +385,7 @@ def test_keyword_only_arguments(call, name):
 # ----------------------------------------------------------------------------- mask weights
 
 MASKS = ("mask", "padding_masks", "value_padding_masks")
-INDICATOR_MASK_OPS = ("gae", "kl_penalized_rewards", "rollout_is_weights")  # nonzero counts
+INDICATOR_MASK_OPS = ("gae", "kl_penalized_rewards", "rollout_is_weights", "token_kl")
 
 
 def _mask_cases():

@@ -15,6 +15,7 @@ KL_K1 = tl.constexpr(KL_KINDS.index("k1"))
 KL_K2 = tl.constexpr(KL_KINDS.index("k2"))
 KL_K3 = tl.constexpr(KL_KINDS.index("k3"))
 KL_LOW_VAR = tl.constexpr(KL_KINDS.index("low_var_kl"))
+KL_ABS = tl.constexpr(KL_KINDS.index("abs"))
 KL_FULL = tl.constexpr(KL_KINDS.index("full"))
 
 
@@ -59,7 +60,8 @@ def kl_and_grad(logp, ref_logp, KIND: tl.constexpr):
         kl = clamp(raw, -10.0, 10.0)
         inside = (-d >= -20.0) & (-d <= 20.0) & (raw >= -10.0) & (raw <= 10.0)
         grad = tl.where(inside, -em1, 0.0)
-    else:
+    else:  # every other kind is refused in Python (``full`` is not an estimate)
+        tl.static_assert(KIND == KL_ABS, "kl_and_grad: not an estimate from two log-probs")
         kl = tl.abs(d)
         grad = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
     return kl, grad

@@ -12,6 +12,7 @@ import triton.language as tl
 
 from ..common import as_weight, clamp, token_offset
 from .layer2 import (
+    KL_FULL,
     LN_1E_8,
     P_BETA,
     P_ENTROPY_COEF,
@@ -255,8 +256,9 @@ def _policy_token_fwd_kernel(
                 _, d_token = gmpo_log_ratio(token_lr, adv, eps_low, eps_high)
                 g = g * d_token
             if ADD_KL:  # the direct part: the KL's (the surrogates here act through the ratio)
-                _, dkl = kl_and_grad(logp, ref, KL_KIND)
-                if BIAS_KL:
-                    dkl = dkl * tl.exp(seq_lr)
-                g += beta * dkl
+                if KL_KIND != KL_FULL:  # the exact KL reaches the logits, not logp
+                    _, dkl = kl_and_grad(logp, ref, KL_KIND)
+                    if BIAS_KL:
+                        dkl = dkl * tl.exp(seq_lr)
+                    g += beta * dkl
             tl.store(g_ptr + b * rows_inner + ts, tl.where(m != 0, m * g, 0.0), mask=in_seq)

@@ -43,15 +43,15 @@ chunk in place.
 
 What the forward saves per row for the backward (``stats``, ``(N_STATS, N)``, fp32 / fp64):
 ``M_z``, ``log S_z``, ``M_u``, ``log(S_z / S_u)`` (``log S_u`` is ``log S_z`` less it) and
-``c``: ``KL(p || q)`` (reverse KL) or
-``sum_w p_w L_w`` (JSD; unused for forward KL). The token's weight is the partial column
-``COL_COUNT``. O(N) floats in all; no ``(N, V)`` temporary.
+``c``: ``KL(p || q)`` (reverse KL) or ``sum_w p_w L_w`` (JSD; unused for forward KL), and
+``log S_u`` (read only by the vocabulary-parallel merge, ``fused_rl.distill.pair_divergence``).
+The token's weight is the partial column ``COL_COUNT``. O(N) floats in all; no ``(N, V)`` temporary.
 
 Bytes per row (``V`` columns; ``b_z``, ``b_u`` bytes per student / teacher element):
 
-* forward, ``beta`` in {0, 1}: reads ``V (b_z + b_u)`` once, writes 11 floats
-  (6 partial columns + 5 statistics); general ``beta``: reads ``2 V (b_z + b_u)`` (the second
-  pass re-reads both rows, from L2 where they still fit), writes the same 11 floats;
+* forward, ``beta`` in {0, 1}: reads ``V (b_z + b_u)`` once, writes 12 floats
+  (6 partial columns + 6 statistics); general ``beta``: reads ``2 V (b_z + b_u)`` (the second
+  pass re-reads both rows, from L2 where they still fit), writes the same 12 floats;
 * finalize: one launch, 6 programs, each reading its partial column and the weight column
   (``12 N`` floats, a fixed-order sum);
 * backward: reads ``V (b_z + b_u)`` and writes ``V b_z`` (the student's gradient), plus 8
@@ -93,7 +93,10 @@ STAT_LOG_SUM_Z = tl.constexpr(1)
 STAT_MAX_U = tl.constexpr(2)
 STAT_LOG_RATIO = tl.constexpr(3)  # log(S_z / S_u) (``log_ratio_of_sums``); log S_u = log S_z - it
 STAT_C = tl.constexpr(4)
-N_STATS = 5
+# log S_u itself: not read by the backward; what a vocabulary shard whose student row holds
+# no mass (S_z = 0, where log(S_z / S_u) says nothing of S_u) contributes to the merge
+STAT_LOG_SUM_U = tl.constexpr(5)
+N_STATS = 6
 
 
 @triton.jit
@@ -328,6 +331,7 @@ def _distill_fwd_kernel(
     tl.store(st + STAT_MAX_U * n_rows, tl.where(active, m_u, 0.0))
     tl.store(st + STAT_LOG_RATIO * n_rows, tl.where(active, log_zu, 0.0))
     tl.store(st + STAT_C * n_rows, tl.where(active, c, 0.0))
+    tl.store(st + STAT_LOG_SUM_U * n_rows, tl.where(active, log_s_u, 0.0))
 
 
 @triton.jit(do_not_specialize=["n_outer", "rows_inner"])
