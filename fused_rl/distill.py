@@ -28,7 +28,7 @@ from . import _validation as V
 from ._agg import check_loss_agg, masked_mean_all, poison_empty, token_weights
 from ._backend import resolve_backend
 from ._launch import f32_pair, stats_dtype, triton_acc, vocab_launch
-from ._ops import FusedOp
+from ._ops import FusedOp, _serialised_when_interpreting
 from ._policy_inputs import num_items_args, weights_of
 from ._shapes import as_rows3d
 from .distributed import _dist, is_dtensor, resolve_shard
@@ -359,23 +359,33 @@ _MAX_Z, _LOG_S_Z, _MAX_U, _LOG_RATIO, _C, _LOG_S_U = range(N_STATS)
 
 class _PairDivergence(torch.autograd.Function):
     """``(d, extra)`` of ``(outer, inner, V)`` rows of the policy / student ``x3d`` and the
-    reference / teacher ``r3d``: ``d`` ``(outer, inner)`` the reverse KL ``KL(p || q)`` (or with
-    ``forward_kl`` the forward ``KL(q || p)``), differentiable w.r.t. ``x3d``; with
-    ``with_extra`` the detached ``(4, outer, inner)`` forward KL, reverse KL, ``H(p)``,
-    ``H(q)`` (else empty). ``shard`` None: the whole vocabulary here (Triton only), else this
-    rank's shard (either backend)."""
+    reference / teacher ``r3d``: ``d`` ``(outer, inner)`` TRL's divergence at ``beta`` (the
+    forward KL ``KL(q || p)`` at 0, the reverse ``KL(p || q)`` at 1, the generalized JSD
+    between: a second pass over each shard from the merged normalisers), differentiable
+    w.r.t. ``x3d``; with ``with_extra`` the detached ``(4, outer, inner)`` forward KL,
+    reverse KL, ``H(p)``, ``H(q)`` (else empty). ``shard`` None: the whole vocabulary here
+    (Triton, ``beta`` 0 or 1), else this rank's shard (either backend)."""
 
     @staticmethod
-    def forward(ctx, x3d, r3d, mask, temperature, which, shard, forward_kl, with_extra):
-        stats, extra = _local_stats(x3d, r3d, mask, temperature, which, forward_kl)
+    def forward(ctx, x3d, r3d, mask, temperature, which, shard, beta, with_extra):
+        mode = divergence_mode(beta)
+        stats, extra = _local_stats(x3d, r3d, mask, temperature, which, mode == 0)
         if shard is not None:
-            stats, extra = _merge(stats, extra, shard, full=forward_kl or with_extra)
+            stats, extra = _merge(stats, extra, shard, full=mode != 1 or with_extra)
         extra = extra.view(4, *x3d.shape[:2])
         if mask is not None:
             extra = torch.where(mask, extra, 0.0)
-        d = extra[0 if forward_kl else 1].clone()
+        if mode == 2:  # the mixture needs both global normalisers: a second pass, one SUM
+            jsd_parts = _mixture_parts(x3d, r3d, stats, mask, temperature, beta, which)
+            _dist().all_reduce(jsd_parts, op=_dist().ReduceOp.SUM, group=shard.group)
+            stats = torch.cat((stats[:_C], jsd_parts[1:], stats[_LOG_S_U:]))  # c: sum p L
+            d = jsd_parts[0].view(x3d.shape[:2])
+            if mask is not None:
+                d = torch.where(mask, d, 0.0)
+        else:
+            d = extra[mode].clone()  # forward KL first, reverse second
         ctx.save_for_backward(x3d, r3d, stats, mask)
-        ctx.temperature, ctx.which, ctx.forward_kl = temperature, which, forward_kl
+        ctx.temperature, ctx.which, ctx.beta = temperature, which, beta
         ctx.mark_non_differentiable(extra)
         ctx.set_materialize_grads(False)
         return d, (extra if with_extra else extra.new_empty((0,)))
@@ -387,15 +397,54 @@ class _PairDivergence(torch.autograd.Function):
             return (None,) * 8
         with torch.no_grad():
             g = grad_d if mask is None else torch.where(mask, grad_d, 0.0)  # rows not read
-            grad = _backward(x3d, r3d, stats, g, ctx.temperature, ctx.which, ctx.forward_kl)
+            grad = _backward(x3d, r3d, stats, g, ctx.temperature, ctx.which, ctx.beta)
         return (differentiable_once(grad, x3d, grad_d),) + (None,) * 7
 
 
-def pair_divergence(x3d, r3d, mask, temperature, which, shard, forward_kl=False,
-                    with_extra=False):  # fmt: skip
+def pair_divergence(x3d, r3d, mask, temperature, which, shard, beta=1.0, with_extra=False):
     """:class:`_PairDivergence` (checked inputs): ``(d, extra)``."""
-    return _PairDivergence.apply(x3d, r3d, mask, temperature, which, shard, forward_kl,
-                                 with_extra)  # fmt: skip
+    return _PairDivergence.apply(x3d, r3d, mask, temperature, which, shard, beta, with_extra)
+
+
+@_serialised_when_interpreting
+def _launch_mixture(x3d, r3d, stats, mask, out, temperature, beta) -> None:
+    """``_distill_mixture_kernel`` over every row of ``(outer, inner, V)`` shards."""
+    from .kernels.vocab.distill import _distill_mixture_kernel
+
+    outer, inner, vocab = x3d.shape
+    _distill_mixture_kernel[(outer * inner,)](
+        x3d, r3d, stats, mask.view(torch.uint8) if mask is not None else stats, out, inner,
+        outer * inner, vocab, *x3d.stride(), *r3d.stride(), *f32_pair(1.0 / temperature),
+        *_beta_args(beta), HAS_MASK=mask is not None, ACC=triton_acc(stats.dtype),
+        **vocab_launch(vocab, writes=True),
+    )  # fmt: skip
+
+
+def _mixture_parts(x3d, r3d, stats, mask, temperature, beta, which) -> Tensor:
+    """``(2, n)``: this shard's part of each row's generalized JSD and of ``sum_v p_v L_v``,
+    from the whole vocabulary's ``stats`` (the JSD's second pass; Triton:
+    ``_distill_mixture_kernel``, reads the shard's rows once more)."""
+    outer, inner, vocab = x3d.shape
+    n = outer * inner
+    out = torch.zeros((2, n), dtype=stats.dtype, device=x3d.device)
+    if vocab == 0 or n == 0:
+        return out
+    if which == "triton":
+        _launch_mixture(x3d, r3d, stats, mask, out, temperature, beta)
+        return out
+    st = stats.view(N_STATS, outer, inner, 1)
+    z = x3d.to(stats.dtype) / temperature
+    u = r3d.to(stats.dtype) / temperature
+    log_p = (z - st[_MAX_Z]) - st[_LOG_S_Z]
+    log_q = (u - st[_MAX_U]) - st[_LOG_S_U]
+    delta = ((u - z) - (st[_MAX_U] - st[_MAX_Z])) + st[_LOG_RATIO]  # log q - log p
+    near = delta.abs() <= 1.0
+    p, q = log_p.exp(), log_q.exp()
+    excess, f = ref.mixture_terms(torch.where(near, delta, 0.0), near, p, q, log_p, log_q, beta)
+    parts = torch.stack((f.sum(-1), torch.where(p == 0, 0.0, p * excess).sum(-1)))
+    if mask is not None:
+        parts = torch.where(mask, parts, 0.0)
+    return parts.reshape(2, n)
 
 
 def _local_stats(x3d, r3d, mask, temperature, which, forward_kl=False):
@@ -507,10 +556,11 @@ def _merge(stats: Tensor, extra: Tensor, shard, full: bool) -> tuple[Tensor, Ten
     return merged, torch.stack((big_f / s_u + log_ratio, kl, h_z, h_u))
 
 
-def _backward(x3d, r3d, stats, grad_kl, temperature, which, forward_kl=False) -> Tensor:
+def _backward(x3d, r3d, stats, grad_kl, temperature, which, beta=1.0) -> Tensor:
     """``dL/dlogits`` of this rank's (or the whole) ``(outer, inner, V)`` logits from the
-    global statistics: ``g_t p_v (-delta_v - KL_t) / T`` (``forward_kl``: ``g_t (p_v - q_v)
-    / T``)."""
+    global statistics, ``g_t / T`` times (``kernels/vocab/distill.py``): ``p_v (-delta_v -
+    KL_t)`` at ``beta = 1``, ``p_v - q_v`` at 0, ``-(1 - beta) p_v (L_v - c_t)`` between
+    (``c_t = sum_w p_w L_w``, the statistic ``C``)."""
     outer, inner, vocab = x3d.shape
     if vocab == 0:
         return torch.zeros(x3d.shape, dtype=x3d.dtype, device=x3d.device)
@@ -519,20 +569,26 @@ def _backward(x3d, r3d, stats, grad_kl, temperature, which, forward_kl=False) ->
         part = torch.zeros((len(COLUMNS), outer * inner), dtype=stats.dtype, device=x3d.device)
         part[_COL_COUNT] = g  # the kernel's per-row coefficient: the upstream gradient
         one = torch.ones((1,), dtype=stats.dtype, device=x3d.device)
-        beta = 0.0 if forward_kl else 1.0
         return distill_bwd_op(x3d, r3d, stats, part, one, one[0], beta, temperature, False)
     z = x3d.to(stats.dtype) / temperature
     u = r3d.to(stats.dtype) / temperature
     st = stats.view(N_STATS, outer, inner, 1)
-    p = ((z - st[_MAX_Z]) - st[_LOG_S_Z]).exp()
+    log_p = (z - st[_MAX_Z]) - st[_LOG_S_Z]
+    log_q = (u - st[_MAX_U]) - st[_LOG_S_U]
+    p = log_p.exp()
     # log q - log p from the logits' own difference (as the kernel's near_delta): exact for
     # a reference near the policy, where two logs of size log V would cancel
     delta = ((u - z) - (st[_MAX_U] - st[_MAX_Z])) + st[_LOG_RATIO]
-    if forward_kl:  # p - q = -p expm1(delta)
-        terms = torch.where(p == 0, -(u - st[_MAX_U] - (st[_LOG_S_Z] - st[_LOG_RATIO])).exp(),
-                            -p * torch.expm1(delta))  # fmt: skip
-    else:
+    mode = divergence_mode(beta)
+    if mode == 0:  # p - q = -p expm1(delta)
+        terms = torch.where(p == 0, -log_q.exp(), -p * torch.expm1(delta))
+    elif mode == 1:
         terms = torch.where(p == 0, 0.0, p * (-delta - st[_C]))
+    else:
+        near = delta.abs() <= 1.0
+        excess, _ = ref.mixture_terms(torch.where(near, delta, 0.0), near, p, log_q.exp(),
+                                      log_p, log_q, beta)  # fmt: skip
+        terms = torch.where(p == 0, 0.0, (beta - 1.0) * p * (excess - st[_C]))
     keep = (g != 0).view(outer, inner, 1)  # rows that do not count: exact zeros
     grad = torch.where(keep, g.view(outer, inner, 1) * terms, 0.0) / temperature
     return grad.to(x3d.dtype)
@@ -640,13 +696,14 @@ def distill_loss(
         num_items: replaces the token count of ``token-mean`` (a global count across
             micro-batches / ranks); a tensor's value is never read on the host (<= 0: NaN).
         max_length: the ``seq-mean-token-sum-norm`` length (default ``T``).
-        process_group: vocabulary (tensor) parallelism for ``beta`` in {0, 1}: each rank's
-            ``logits`` / ``teacher_logits`` are its equal-width shard of the vocabulary
-            (``DTensor`` inputs sharded on their last dim give their own group); every rank
-            returns the unsharded loss and metrics and its shard of the gradient. Two
-            all-reduces forward (32 bytes a token per rank in fp32: both row maxima, then the
-            rescaled sums of both softmaxes, both KLs and both entropies), none backward.
-            The generalized JSD (``0 < beta < 1``) raises ``NotImplementedError`` there.
+        process_group: vocabulary (tensor) parallelism: each rank's ``logits`` /
+            ``teacher_logits`` are its equal-width shard of the vocabulary (``DTensor``
+            inputs sharded on their last dim give their own group); every rank returns the
+            unsharded loss and metrics and its shard of the gradient. Two all-reduces
+            forward (32 bytes a token per rank in fp32: both row maxima, then the rescaled
+            sums of both softmaxes, both KLs and both entropies); the generalized JSD
+            (``0 < beta < 1``) then reads each shard's rows once more with the merged
+            normalisers and adds a third (8 bytes a token). None backward.
         backend: ``"auto"`` | ``"triton"`` | ``"reference"``.
 
     Returns:
@@ -706,19 +763,13 @@ def _sharded_distill_loss(logits, teacher_logits, beta, temperature, mask, targe
             logits, teacher_logits, beta, temperature, mask, targets, ignore_index, loss_agg,
             num_items, max_length, backend, False,
         )  # fmt: skip
-    if beta not in (0, 1):
-        raise NotImplementedError(
-            f"beta = {beta} (the generalized JSD) is not implemented with vocabulary "
-            "parallelism (process_group= or DTensor logits): beta = 0 (forward KL) and "
-            "beta = 1 (reverse KL) are"
-        )
     which = resolve_backend(backend, logits, teacher_logits, mask, targets)
     x3d, r3d = as_rows3d(logits), as_rows3d(teacher_logits)
     rows = tuple(x3d.shape[:2])
     acc = stats_dtype(torch.promote_types(x3d.dtype, r3d.dtype))
     m = weights_of(mask, logits[..., 0], acc, targets, ignore_index).reshape(rows)
     d, extra = pair_divergence(x3d, r3d, m != 0, float(temperature), which, shard,
-                               forward_kl=beta == 0, with_extra=True)  # fmt: skip
+                               beta=float(beta), with_extra=True)  # fmt: skip
     w = token_weights(m, loss_agg, max_length=max_length, num_items=num_items, dtype=acc)
     loss = torch.where(w != 0, d * w, torch.zeros_like(d)).sum()
     loss = poison_empty(loss, num_items if loss_agg == "token-mean" else None, w.numel())

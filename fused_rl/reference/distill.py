@@ -76,7 +76,7 @@ def _near_delta(z: Tensor, u: Tensor, temperature: float, free: bool = False):
     return torch.where(near, delta, torch.zeros_like(delta)), near
 
 
-def _mixture(delta, near, p, q, log_p, log_q, beta):
+def mixture_terms(delta, near, p, q, log_p, log_q, beta):
     """``(L, f)`` per column as ``kernels/vocab/distill.py`` ``mixture_terms``: ``L = log(m /
     p)``, ``f`` the column's JSD term; the near form where ``near`` (``delta`` is 0 off it),
     the ``logaddexp`` form elsewhere (columns where both ``p`` and ``q`` are 0 take finite
@@ -145,8 +145,8 @@ def token_divergences(
         d = reverse_kl
     else:
         # per column f = beta q log(q / m) + (1 - beta) p log(p / m) >= 0, near-equal
-        # columns from delta = log q - log p without cancellation (``_mixture``)
-        d = _mixture(delta, near, p, q, log_p, log_q, beta)[1].sum(-1)
+        # columns from delta = log q - log p without cancellation (``mixture_terms``)
+        d = mixture_terms(delta, near, p, q, log_p, log_q, beta)[1].sum(-1)
     with torch.no_grad():
         student_entropy = -_xlogy_terms(p, log_p).sum(-1)
         teacher_entropy = -_xlogy_terms(q, log_q).sum(-1)

@@ -493,3 +493,62 @@ def _distill_bwd_kernel(
             g = tl.where(p == 0, 0.0, p * (excess - c))
         g = tl.where(active, coef * g, 0.0)
         tl.store(grad_row + cols, cast_for(g, grad_ptr), mask=cols < V)
+
+
+@triton.jit(do_not_specialize=["rows_inner", "n_rows"])
+def _distill_mixture_kernel(
+    s_ptr,
+    t_ptr,
+    stats_ptr,
+    mask_ptr,
+    out_ptr,
+    rows_inner,
+    n_rows,
+    V,
+    s_stride_outer,
+    s_stride_inner,
+    s_stride_v,
+    t_stride_outer,
+    t_stride_inner,
+    t_stride_v,
+    inv_t_hi,
+    inv_t_lo,
+    beta_hi,
+    beta_lo,
+    log_beta_hi,
+    log_beta_lo,
+    log_1m_beta_hi,
+    log_1m_beta_lo,
+    HAS_MASK: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """Pass 2 of the generalized JSD on one vocabulary shard, from the WHOLE vocabulary's row
+    statistics ``stats`` (``(N_STATS, n_rows)``, merged across shards: ``fused_rl.distill``
+    ``pair_divergence``): per row this shard's part of ``JSD`` and of ``sum_v p_v L_v``
+    (``mixture_pass``), written to ``out`` ``(2, n_rows)``; a row outside ``mask`` (bool as
+    bytes) reads nothing and writes zeros. Bytes: reads ``V (b_z + b_u)`` per row of the
+    shard, 5 statistics; writes 2 floats."""
+    row = tl.program_id(0).to(tl.int64)
+    n_rows = n_rows.to(tl.int64)
+    inv_temperature = pair(inv_t_hi, inv_t_lo, ACC)
+    active = row >= 0
+    if HAS_MASK:
+        active = tl.load(mask_ptr + row) != 0
+    st = stats_ptr + row
+    m_z = tl.load(st + STAT_MAX_Z * n_rows).to(ACC)
+    log_s_z = tl.load(st + STAT_LOG_SUM_Z * n_rows).to(ACC)
+    m_u = tl.load(st + STAT_MAX_U * n_rows).to(ACC)
+    log_zu = tl.load(st + STAT_LOG_RATIO * n_rows).to(ACC)
+    log_s_u = tl.load(st + STAT_LOG_SUM_U * n_rows).to(ACC)
+    beta = pair(beta_hi, beta_lo, ACC)
+    log_beta = pair(log_beta_hi, log_beta_lo, ACC)
+    log_1m_beta = pair(log_1m_beta_hi, log_1m_beta_lo, ACC)
+    s_row = row_pointer(s_ptr, row, rows_inner, 0, s_stride_outer, s_stride_inner)
+    t_row = row_pointer(t_ptr, row, rows_inner, 0, t_stride_outer, t_stride_inner)
+    jsd, p_excess = mixture_pass(
+        s_row, t_row, V, s_stride_v, t_stride_v, inv_temperature, tl.where(active, V, 0), m_z,
+        log_s_z, m_u, log_s_u, log_zu, beta, log_beta, log_1m_beta, BLOCK_V, ACC,
+    )  # fmt: skip
+    tl.store(out_ptr + row, tl.where(active, jsd, 0.0))
+    tl.store(out_ptr + n_rows + row, tl.where(active, p_excess, 0.0))
