@@ -368,22 +368,8 @@ class _PairDivergence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x3d, r3d, mask, temperature, which, shard, beta, with_extra):
-        mode = divergence_mode(beta)
-        stats, extra = _local_stats(x3d, r3d, mask, temperature, which, mode == 0)
-        if shard is not None:
-            stats, extra = _merge(stats, extra, shard, full=mode != 1 or with_extra)
-        extra = extra.view(4, *x3d.shape[:2])
-        if mask is not None:
-            extra = torch.where(mask, extra, 0.0)
-        if mode == 2:  # the mixture needs both global normalisers: a second pass, one SUM
-            jsd_parts = _mixture_parts(x3d, r3d, stats, mask, temperature, beta, which)
-            _dist().all_reduce(jsd_parts, op=_dist().ReduceOp.SUM, group=shard.group)
-            stats = torch.cat((stats[:_C], jsd_parts[1:], stats[_LOG_S_U:]))  # c: sum p L
-            d = jsd_parts[0].view(x3d.shape[:2])
-            if mask is not None:
-                d = torch.where(mask, d, 0.0)
-        else:
-            d = extra[mode].clone()  # forward KL first, reverse second
+        d, extra, stats = divergence_stats(x3d, r3d, mask, temperature, which, shard, beta,
+                                           with_extra)  # fmt: skip
         ctx.save_for_backward(x3d, r3d, stats, mask)
         ctx.temperature, ctx.which, ctx.beta = temperature, which, beta
         ctx.mark_non_differentiable(extra)
@@ -397,8 +383,31 @@ class _PairDivergence(torch.autograd.Function):
             return (None,) * 8
         with torch.no_grad():
             g = grad_d if mask is None else torch.where(mask, grad_d, 0.0)  # rows not read
-            grad = _backward(x3d, r3d, stats, g, ctx.temperature, ctx.which, ctx.beta)
+            grad = divergence_grad(x3d, r3d, stats, g, ctx.temperature, ctx.which, ctx.beta)
         return (differentiable_once(grad, x3d, grad_d),) + (None,) * 7
+
+
+def divergence_stats(x3d, r3d, mask, temperature, which, shard, beta, with_extra):
+    """:class:`_PairDivergence`'s forward without autograd: ``(d, extra, stats)``, ``stats``
+    the whole vocabulary's ``(N_STATS, n)`` statistics the backward (:func:`divergence_grad`)
+    reads."""
+    mode = divergence_mode(beta)
+    stats, extra = _local_stats(x3d, r3d, mask, temperature, which, mode == 0)
+    if shard is not None:
+        stats, extra = _merge(stats, extra, shard, full=mode != 1 or with_extra)
+    extra = extra.view(4, *x3d.shape[:2])
+    if mask is not None:
+        extra = torch.where(mask, extra, 0.0)
+    if mode == 2:  # the mixture needs both global normalisers: a second pass, one SUM
+        jsd_parts = _mixture_parts(x3d, r3d, stats, mask, temperature, beta, which)
+        _dist().all_reduce(jsd_parts, op=_dist().ReduceOp.SUM, group=shard.group)
+        stats = torch.cat((stats[:_C], jsd_parts[1:], stats[_LOG_S_U:]))  # c: sum p L
+        d = jsd_parts[0].view(x3d.shape[:2])
+        if mask is not None:
+            d = torch.where(mask, d, 0.0)
+    else:
+        d = extra[mode].clone()  # forward KL first, reverse second
+    return d, extra, stats
 
 
 def pair_divergence(x3d, r3d, mask, temperature, which, shard, beta=1.0, with_extra=False):
@@ -556,7 +565,7 @@ def _merge(stats: Tensor, extra: Tensor, shard, full: bool) -> tuple[Tensor, Ten
     return merged, torch.stack((big_f / s_u + log_ratio, kl, h_z, h_u))
 
 
-def _backward(x3d, r3d, stats, grad_kl, temperature, which, beta=1.0) -> Tensor:
+def divergence_grad(x3d, r3d, stats, grad_kl, temperature, which, beta=1.0) -> Tensor:
     """``dL/dlogits`` of this rank's (or the whole) ``(outer, inner, V)`` logits from the
     global statistics, ``g_t / T`` times (``kernels/vocab/distill.py``): ``p_v (-delta_v -
     KL_t)`` at ``beta = 1``, ``p_v - q_v`` at 0, ``-(1 - beta) p_v (L_v - c_t)`` between

@@ -50,7 +50,10 @@ from .distill import (
     distill_rows_fwd_op,
     distill_rows_grad_fwd_op,
     distill_rows_grad_into,
+    divergence_grad,
+    divergence_stats,
 )
+from .distributed import _dist, group_shard
 from .kernels.modes import LOSS_AGG_MODES
 from .linear import (
     CHUNK_BYTES,
@@ -95,6 +98,7 @@ class _Launch:
     max_length: float
     num_items: float  # -1: not a number (None or a tensor)
     which: str  # "triton" | "reference"
+    shard: object = None  # fused_rl.distributed.VocabShard of the lm_heads, or None
 
 
 def _run(rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_scale,
@@ -112,7 +116,8 @@ def _run(rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_sca
     d_hidden = rows.new_empty(rows.shape) if need_h else None
     d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
     d_bias = torch.zeros(weight.shape[:1], dtype=acc, device=weight.device) if need_b else None
-    triton = launch.which == "triton"
+    shard = launch.shard
+    triton = launch.which == "triton" and shard is None
     if triton:
         part = rows.new_empty((len(METRICS) + 1, n_rows), dtype=acc)
         one = torch.ones((), dtype=acc, device=rows.device) if grad else None
@@ -138,6 +143,15 @@ def _run(rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_sca
                 dz = _rows_grad_into(z, z, zt, stats_c, part_c, row_scale[r], one,
                                      launch.beta, launch.temperature)  # fmt: skip
                 dz_full = z_full
+        elif shard is not None:  # this rank's vocabulary shard, merged across ranks per chunk
+            counted = (m[r] != 0)[None]
+            d, extra, stats = divergence_stats(z[None], zt[None], counted, launch.temperature,
+                                               launch.which, shard, launch.beta, True)  # fmt: skip
+            terms[:, r] = torch.cat((d, extra[:, 0]))
+            if grad:
+                w = (m[r] * row_scale[r])[None]
+                dz = divergence_grad(z[None], zt[None], stats, w, launch.temperature,
+                                     launch.which, launch.beta)[0]  # fmt: skip
         else:
             counted = m[r] != 0
             out = ref.token_divergences(z, zt, beta=launch.beta, temperature=launch.temperature,
@@ -155,6 +169,8 @@ def _run(rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_sca
         if need_b:
             d_bias.add_(dz.sum(0, dtype=acc))
         del z, z_full, zt, dz, dz_full, h_c
+    if need_h and shard is not None:  # each rank's dz W_local is its part of dH
+        _dist().all_reduce(d_hidden, group=shard.group)
     if triton:
         loss, metrics, _ = distill_finalize_op(
             part, launch.outer, launch.inner, launch.agg, launch.max_length, launch.num_items,
@@ -314,6 +330,7 @@ def linear_distill_loss(
     num_items: int | float | Tensor | None = None,
     max_length: int | None = None,
     chunk_tokens: int | None = None,
+    process_group=None,
     backend: str = "auto",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """:func:`fused_rl.distill_loss` straight from both models' final hidden states and
@@ -345,6 +362,14 @@ def linear_distill_loss(
             ignored positions, never read as an index).
         chunk_tokens: rows per chunk; None keeps one chunk's student and teacher logits
             together under 256 MiB (``fused_rl.linear.CHUNK_BYTES``; at most 4096 rows).
+        process_group: vocabulary (tensor) parallelism, the Megatron ``ColumnParallelLinear``
+            lm_head: ``weight`` / ``bias`` and ``teacher_weight`` / ``teacher_bias`` are this
+            rank's equal-width ``(V_local, H)`` shards of the two heads, the hidden states
+            the same on every rank. Every rank returns the unsharded loss and metrics,
+            its shard of the heads' gradients and the WHOLE hidden gradient (all-reduced:
+            one ``N H`` collective after the chunks). Per chunk the two all-reduces of
+            :func:`distill_loss`'s ``process_group`` (a third for the JSD), then each rank
+            writes its shard's ``dz`` from the merged statistics.
         backend: ``"auto"`` | ``"triton"`` | ``"reference"``.
 
     Returns:
@@ -386,6 +411,9 @@ def linear_distill_loss(
         hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, beta, temperature,
         mask, targets, ignore_index, loss_agg, max_length, num_items, chunk_tokens,
     )  # fmt: skip
+    shard = None
+    if process_group is not None:
+        shard = group_shard(process_group, weight.shape[0], None, None, name="weight")
     which = resolve_backend(backend, hidden, weight, bias, teacher_hidden, teacher_weight,
                             teacher_bias, mask, targets)  # fmt: skip
     lead = tuple(hidden.shape[:-1])
@@ -399,7 +427,7 @@ def linear_distill_loss(
     grad = _grad_wanted(rows, weight, bias)
     acc = acc_dtype(rows, t_rows)
     m = row_scale = None
-    if which == "reference" or grad:  # the aggregation's factor: from the mask alone
+    if which == "reference" or grad or shard is not None:  # the factor: from the mask alone
         as2d = lambda t: None if t is None else t.reshape(outer, inner)  # noqa: E731
         m2 = weights_of(as2d(mask), rows.new_empty((outer, inner)), acc, as2d(targets),
                         int(ignore_index))  # fmt: skip
@@ -413,7 +441,7 @@ def linear_distill_loss(
     n_items, n_items_t = num_items_args(num_items)
     launch = _Launch(
         float(beta), float(temperature), int(ignore_index), chunk, outer, inner,
-        LOSS_AGG_MODES.index(loss_agg), float(max_length or inner), n_items, which,
+        LOSS_AGG_MODES.index(loss_agg), float(max_length or inner), n_items, which, shard,
     )  # fmt: skip
     args = (rows, weight, bias, t_rows.detach(), teacher_weight.detach(),
             None if teacher_bias is None else teacher_bias.detach(), flat_targets, flat_mask,

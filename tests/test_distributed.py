@@ -706,6 +706,45 @@ def distill_vocab_parallel(ctx):
     _group_ok(ctx)
 
 
+@check
+def linear_distill_vocab_parallel(ctx):
+    """``linear_distill_loss(process_group=)``: lm_head shards of both models, the hidden
+    states on every rank: the unsharded call's loss and metrics, the heads' gradient shards
+    and the whole hidden gradient, chunk by chunk (3 rows a chunk: several merges)."""
+    w, N, H, Ht = 3, 7, 5, 4
+    V = w * ctx.world
+    g = ctx.gen(51)
+    hidden = torch.randn(1, N, H, generator=g)
+    weight = torch.randn(V, H, generator=g)
+    bias = 0.1 * torch.randn(V, generator=g)
+    t_hidden = torch.randn(1, N, Ht, generator=g)
+    t_weight = torch.randn(V, Ht, generator=g)
+    mask = torch.rand(1, N, generator=g) > 0.2
+    start, stop = _shard_bounds([w] * ctx.world, ctx.rank)
+    for beta in (0.0, 1.0, 0.5):
+        kw = dict(beta=beta, mask=mask, chunk_tokens=3, temperature=0.9)
+        leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+        ref_loss, ref_metrics = fused_rl.linear_distill_loss(
+            leaves[0], leaves[1], t_hidden, t_weight, bias=leaves[2], backend="triton", **kw
+        )
+        (ref_loss * 1.3).backward()
+        for backend in BACKENDS:
+            what = f"beta {beta} {backend}"
+            mine = [hidden.clone().requires_grad_(), weight[start:stop].clone().requires_grad_()]
+            my_bias = bias[start:stop].clone().requires_grad_()
+            loss, metrics = fused_rl.linear_distill_loss(
+                mine[0], mine[1], t_hidden, t_weight[start:stop], bias=my_bias,
+                process_group=ctx.group, backend=backend, **kw,
+            )  # fmt: skip
+            (loss * 1.3).backward()
+            assert_rel(loss, ref_loss, FP32_TOL, f"loss {what}")
+            for key, value in metrics.items():
+                assert_rel(value, ref_metrics[key], FP32_TOL, f"{key} {what}")
+            assert_rel(mine[0].grad, leaves[0].grad, FP32_TOL, f"hidden grad {what}")
+            assert_rel(mine[1].grad, leaves[1].grad[start:stop], FP32_TOL, f"weight {what}")
+            assert_rel(my_bias.grad, leaves[2].grad[start:stop], FP32_TOL, f"bias {what}")
+
+
 @pytest.mark.parametrize("name", list(CHECKS))
 @pytest.mark.parametrize("world", WORLD_SIZES)
 @needs_gloo
