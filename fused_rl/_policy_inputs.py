@@ -167,12 +167,10 @@ def per_row(scale: Tensor | None, shape) -> Tensor | None:
 
 
 def check_full_kl_route(policy: PolicyConfig, softcap, sharded: bool, composable: bool) -> None:
-    """What ``kl_estimator="full"`` cannot do: a soft cap; and where the loss is composed
-    from per-token statistics (vocabulary parallelism, GSPO / VESPO, the top-entropy
-    selection: ``composable`` says the call can compose it, as ``policy_loss`` can) the
-    bias-corrected KL, whose ratio factor lives in the fused token layer."""
-    if softcap is not None:
-        raise NotImplementedError("kl_estimator='full' is not implemented with softcap=")
+    """What ``kl_estimator="full"`` cannot do where the loss is composed from per-token
+    statistics (vocabulary parallelism, GSPO / VESPO, the top-entropy selection:
+    ``composable`` says the call can compose it, as ``policy_loss`` can): the soft cap and
+    the bias-corrected KL, which live in the fused token-level pass."""
     option = not_token_level(policy)
     if sharded:
         option = "vocabulary-parallel logits (process_group= or DTensor logits)"
@@ -184,11 +182,13 @@ def check_full_kl_route(policy: PolicyConfig, softcap, sharded: bool, composable
             f"sampling without process_group, not with {option}: compute the logits and call "
             "fused_rl.policy_loss(ref_logits=)"
         )
-    if policy.kl_bias_correction:
-        raise NotImplementedError(
-            f"kl_estimator='full' with kl_bias_correction=True is implemented for the fused "
-            f"token-level pass, not with {option}"
-        )
+    for name, given in (("softcap=", softcap is not None),
+                        ("kl_bias_correction=True", policy.kl_bias_correction)):  # fmt: skip
+        if given:
+            raise NotImplementedError(
+                f"kl_estimator='full' with {name} is implemented for the fused token-level "
+                f"pass, not with {option}"
+            )
 
 
 def not_token_level(policy: PolicyConfig) -> str | None:

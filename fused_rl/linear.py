@@ -907,8 +907,8 @@ def linear_policy_loss(
     ``H_ref``), ``ref_weight`` ``(V, H_ref)`` (the same vocabulary) and ``ref_bias``; per
     chunk one more GEMM (no gradient, a second chunk-sized logits buffer) gives the
     reference's logits, streamed beside the policy's in the same vocab kernel: no ``(N, V)``
-    tensor of either model. Token-level importance sampling, no ``softcap``, no
-    ``process_group``.
+    tensor of either model (``softcap`` caps both models' logits alike). Token-level
+    importance sampling, no ``process_group``.
 
     Vocabulary parallelism (``process_group``, ``vocab_start``, ``vocab_size``,
     ``reduce_hidden_grad``: as :func:`linear_token_logprobs`, ``weight`` / ``bias`` this
@@ -1033,7 +1033,7 @@ def _full_kl_policy_loss(hidden, weight, targets, advantages, *, bias, chunk_tok
             bias = None if bias is None else bias.detach()
         return _fused_policy_loss(
             rows, weight, bias, flat_targets, targets.shape, advantages, old_logprobs, None,
-            mask, is_weights, num_items, chunk, temperature=temperature, softcap=None,
+            mask, is_weights, num_items, chunk, temperature=temperature, softcap=softcap,
             ignore_index=ignore_index, with_entropy=with_entropy, policy=policy,
             ref_head=(ref_rows, ref_weight, ref_bias),
         )  # fmt: skip
@@ -1041,8 +1041,9 @@ def _full_kl_policy_loss(hidden, weight, targets, advantages, *, bias, chunk_tok
     return policy_loss(
         F.linear(rows, weight, bias).view(shape), targets, advantages,
         old_logprobs=old_logprobs, ref_logits=F.linear(ref_rows, ref_weight, ref_bias).view(shape),
-        mask=mask, temperature=temperature, with_entropy=with_entropy, is_weights=is_weights,
-        num_items=num_items, ignore_index=ignore_index, policy_config=policy, backend=which,
+        mask=mask, temperature=temperature, softcap=softcap, with_entropy=with_entropy,
+        is_weights=is_weights, num_items=num_items, ignore_index=ignore_index,
+        policy_config=policy, backend=which,
     )  # fmt: skip
 
 

@@ -257,8 +257,8 @@ def policy_loss(
             backward (one more read of the row). Where the loss is composed (GSPO / VESPO,
             the top-entropy selection, vocabulary parallelism with ``ref_logits`` sharded
             as ``logits``) the KL is :func:`fused_rl.token_kl`'s, added with the
-            aggregation's token weights (there without ``kl_bias_correction`` or
-            ``inplace``). Not with ``softcap``.
+            aggregation's token weights (there without ``kl_bias_correction``, ``inplace``
+            or ``softcap``; the fused pass caps both models' logits alike).
         mask: ``(B, T)`` bool, integer or float; None = every token counts. A bool mask
             selects tokens (True counts). A float (or integer) mask is a per-token weight
             ``m_t >= 0``: ``token-mean`` gives ``sum_t m_t L_t / sum_t m_t``, every other
@@ -478,12 +478,11 @@ def policy_loss(
             raise NotImplementedError(
                 "inplace=True with kl_estimator='full' runs on the Triton backend only"
             )
+        x, r = window(logits, length), window(ref_logits, length)
+        if softcap is not None:  # both models' logits capped before the temperature
+            x, r = softcap * torch.tanh(x / softcap), softcap * torch.tanh(r / softcap)
         full_kl = token_divergences(
-            logits if length == logits.shape[1] else window(logits, length),
-            window(ref_logits, length),
-            beta=1.0,
-            temperature=float(temperature),
-            counted=mask_f != 0,
+            x, r, beta=1.0, temperature=float(temperature), counted=mask_f != 0
         )["d"]
     logp, entropy = token_stats_nocheck(
         logits, targets, temperature, ignore_index, need_entropy, which, softcap, inplace

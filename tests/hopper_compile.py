@@ -246,6 +246,9 @@ def vocab_stream_vectorised() -> list[str]:
         (_policy_loss_fwd_kernel, dict(policy, KL_KIND=5, WRITE_GRAD=False), False),
         (_policy_loss_fwd_kernel, dict(policy, KL_KIND=5, WRITE_GRAD=True), True),
         (_token_stats_bwd_kernel, dict(bwd, HAS_SOFTCAP=False, HAS_KL=True), True),
+        (_policy_loss_fwd_kernel, dict(policy, KL_KIND=5, WRITE_GRAD=True, HAS_SOFTCAP=True),
+         True),
+        (_token_stats_bwd_kernel, dict(bwd, HAS_SOFTCAP=True, HAS_KL=True), True),
     ]  # fmt: skip
     problems = []
     for kernel, flags, writes in cases:

@@ -289,6 +289,60 @@ def test_launches_are_those_of_k3(monkeypatch):
     assert counts["full"] == counts["k3"], counts
 
 
+# ----------------------------------------------------------------------------- soft cap
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cap", (2.0, 30.0))
+def test_softcap(backend, cap):
+    """Gemma's cap on both models' logits (``c tanh(x / c)``, then the temperature): the
+    oracle differentiates through the cap; a strong cap (2) and the usual one (30)."""
+    logits, targets, adv, kw = _inputs(seed=23, S=6)
+    logits = logits * 3  # past the cap's linear range
+    T = targets.shape[1]
+    options = dict(kl_estimator="full", beta=0.3, entropy_coef=0.01, temperature=0.8)
+    loss, metrics, grad = _run(fused_rl.policy_loss, logits, targets, adv, 1.3, softcap=cap,
+                               backend=backend, **kw, **options)  # fmt: skip
+
+    def oracle(x, targets, adv, **rest):
+        capped = cap * torch.tanh(_windowed(x, T) / cap)
+        ref = rest.pop("ref_logits")
+        return oracle_policy_loss(capped, targets, adv, ref_logits=cap * torch.tanh(ref / cap),
+                                  **rest)  # fmt: skip
+
+    okw = dict(kw, ref_logits=_windowed(kw["ref_logits"], T).double(),
+               old_logprobs=kw["old_logprobs"].double())  # fmt: skip
+    okw.pop("kl_estimator", None)
+    o_loss, o_metrics, o_grad = _run(oracle, logits.double(), targets, adv, 1.3, beta=0.3,
+                                     entropy_coef=0.01, temperature=0.8, **okw)  # fmt: skip
+    assert_rel(loss, o_loss, FP32_TOL, "loss")
+    assert_rel(grad, o_grad, FP32_TOL, "grad")
+    for name, value in o_metrics.items():
+        assert_rel(metrics[name], value, FP32_TOL, f"metric {name}")
+    if backend == "triton":  # the two-pass mode: the same bits
+        x = logits.clone().requires_grad_()
+        loss2, _ = fused_rl.policy_loss(x, targets, adv, softcap=cap, backend=backend,
+                                        grad_in_forward=True, **kw, **options)  # fmt: skip
+        (loss2 * 1.3).backward()
+        assert torch.equal(loss2.detach(), loss)
+        assert_rel(x.grad, grad, 1e-6, "grad_in_forward")
+
+
+def test_softcap_from_hidden_states():
+    hidden, weight, bias, ref, targets, adv, kw = _linear_inputs(seed=24)
+    options = dict(kl_estimator="full", beta=0.3, softcap=3.0)
+    out = []
+    for backend in BACKENDS:
+        h = hidden.clone().requires_grad_()
+        loss, metrics = fused_rl.linear_policy_loss(h, weight, targets, adv, bias=bias,
+                                                    chunk_tokens=3, backend=backend, **ref, **kw,
+                                                    **options)  # fmt: skip
+        loss.backward()
+        out.append((loss.detach(), metrics["kl"], h.grad))
+    for a, b in zip(*out):
+        assert_rel(a, b, FP32_TOL, "triton against the reference")
+
+
 # ----------------------------------------------------------------------------- composed paths
 
 
@@ -407,7 +461,8 @@ def _bad_calls():
          dict(base, ref_logprobs=torch.zeros(2, 5))),
         (ValueError, r"ref_logits is read only by kl_estimator='full'",
          dict(base, kl_estimator="k3")),
-        (NotImplementedError, r"softcap", dict(base, softcap=30.0)),
+        (NotImplementedError, r"softcap= .* importance_sampling='sequence'",
+         dict(base, softcap=30.0, importance_sampling="sequence")),
         (NotImplementedError, r"kl_bias_correction=True .* importance_sampling='sequence'",
          dict(base, importance_sampling="sequence", kl_bias_correction=True)),
         (NotImplementedError, r"inplace=True", dict(base, top_entropy_quantile=0.5,
@@ -523,7 +578,6 @@ def test_linear_torch_compile_fullgraph():
         (dict(ref_weight=None), ValueError, "needs ref_weight"),
         (dict(ref_bias=torch.randn(40)), ValueError, "ref_bias must be"),
         (dict(ref_weight=torch.randn(41, 6).half(), ref_bias=None), TypeError, "ref_weight"),
-        (dict(softcap=30.0), NotImplementedError, "softcap"),
         (dict(importance_sampling="sequence"), NotImplementedError, "importance_sampling"),
     ),
 )  # fmt: skip

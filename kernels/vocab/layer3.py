@@ -194,13 +194,15 @@ def write_grad_row(
     each column's term is times ``dz/dx * T / c = (1 - tanh^2(x / c)) / c``. An inactive
     row reads nothing and writes zeros.
 
-    ``HAS_KL`` (no soft cap): also ``+ k p (-delta - KL)`` with ``delta = log q - log p``
-    formed from the reference row ``ref_row`` (``kernels/vocab/pair.py`` ``near_delta``;
+    ``HAS_KL``: also ``+ k p (-delta - KL)`` with ``delta = log q - log p``
+    formed from the reference row ``ref_row`` (soft-capped like the policy's with
+    ``HAS_SOFTCAP``) (``kernels/vocab/pair.py`` ``near_delta``;
     ``r_max`` its max, ``log_zu = log(S_z / S_u)``, ``KL`` the row's); ``k`` carries the
     same scales as ``g``."""
     if HAS_SOFTCAP:
         g = g * inv_cap
         h = h * inv_cap
+        k = k * inv_cap
     n_read = tl.where(active, V, 0)
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
@@ -219,7 +221,11 @@ def write_grad_row(
             grad -= h * tl.where(p > 0, p * (d - mean_d), 0.0)  # 0 * -inf guarded
         if HAS_KL:
             y = load_block(ref_row, cols, n_read, r_stride_v, ACC)
-            delta = near_delta(x.to(ACC), y, inv_temperature, m, r_max, log_zu)
+            if HAS_SOFTCAP:  # the capped values' own difference (pair_moments' b - a)
+                u, _ = tanh_and_sech2(y * inv_cap)
+                delta = ((u * inv_temperature - r_max) - d) + log_zu
+            else:
+                delta = near_delta(x.to(ACC), y, inv_temperature, m, r_max, log_zu)
             grad += k * reverse_kl_grad(p, delta, kl)
         if HAS_SOFTCAP:
             grad = grad * sech2

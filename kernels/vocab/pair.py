@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ..common import nan_max
+from .layer1 import scaled_logits
 
 
 @triton.jit
@@ -96,11 +97,13 @@ def near_delta(x, y, inv_temperature, m_z, m_u, log_zu):
 @triton.jit
 def pair_moments(
     s_row, t_row, V, s_stride_v, t_stride_v, inv_temperature, n_cols,
-    BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_V: tl.constexpr, ACC: tl.constexpr, inv_cap=1.0, HAS_SOFTCAP: tl.constexpr = False,
 ):  # fmt: skip
     """Pass 1: stream both rows once (``n_cols`` = V, or 0 to read nothing). Returns
     ``(M_z, log S_z, H(p), M_u, log S_u, H(q), KL(q || p), KL(p || q))`` (module docstring;
-    ``M`` is 0 for a row that is all ``-inf`` or empty)."""
+    ``M`` is 0 for a row that is all ``-inf`` or empty). ``HAS_SOFTCAP``: both rows soft-capped,
+    ``z = c tanh(x / c) / T`` (``layer1.scaled_logits``: ``inv_temperature`` carries ``c / T``,
+    ``inv_cap`` ``1 / c``); ``b - a`` is then the capped values' own difference."""
     m_z = tl.full((), float("-inf"), ACC)
     m_u = tl.full((), float("-inf"), ACC)
     s_z = tl.zeros((), ACC)
@@ -114,8 +117,12 @@ def pair_moments(
         cols = start + tl.arange(0, BLOCK_V)
         x = load_block(s_row, cols, V, s_stride_v, ACC)
         y = load_block(t_row, cols, V, t_stride_v, ACC)
-        z = x * inv_temperature
-        u = y * inv_temperature
+        if HAS_SOFTCAP:  # the cap maps the padding lanes' -inf to -c / T: back to -inf
+            z = tl.where(cols < V, scaled_logits(x, inv_temperature, inv_cap, True), -float("inf"))
+            u = tl.where(cols < V, scaled_logits(y, inv_temperature, inv_cap, True), -float("inf"))
+        else:
+            z = x * inv_temperature
+            u = y * inv_temperature
         new_z = nan_max(m_z, tl.max(z, 0))
         new_u = nan_max(m_u, tl.max(u, 0))
         ref_z = tl.where(new_z == float("-inf"), 0.0, new_z)
@@ -135,7 +142,10 @@ def pair_moments(
         s_u = alpha_u * s_u
         a = z - ref_z
         b = u - ref_u
-        b_minus_a = logit_gap(x, y, a, b, inv_temperature, ref_z, ref_u)
+        if HAS_SOFTCAP:
+            b_minus_a = b - a
+        else:
+            b_minus_a = logit_gap(x, y, a, b, inv_temperature, ref_z, ref_u)
         e_a = tl.exp(a)
         e_b = tl.exp(b)
         s_z += tl.sum(e_a, 0)

@@ -142,7 +142,7 @@ def _policy_loss_fwd_kernel(
     first) and one write. ``inv_t``: ``1 / T`` (``c / T`` with ``HAS_SOFTCAP``, the soft
     cap ``c``), ``inv_cap``: ``1 / c``.
 
-    ``KL_KIND == KL_FULL`` (``kl_estimator="full"``, no soft cap): ``rl_ptr`` holds the
+    ``KL_KIND == KL_FULL`` (``kl_estimator="full"``; soft-capped alike): ``rl_ptr`` holds the
     reference's logits ``(outer, S_r, V)`` (position ``inner + r_shift`` for token
     ``inner``), streamed with the policy's row in the same pass (``pair.pair_moments``), and
     the token's exact ``KL(p || q)`` is the KL term; ``kls_ptr`` receives the ``(4,
@@ -175,7 +175,7 @@ def _policy_loss_fwd_kernel(
         r_row = row_pointer(rl_ptr, row, rows_inner, r_shift, r_stride_outer, r_stride_inner)
         row_max, log_s, entropy, r_max, _, _, _, kl_full, log_zu = pair_moments(
             row_ptr, r_row, V, stride_v, r_stride_v, inv_temperature, tl.where(active, V, 0),
-            BLOCK_V, ACC,
+            BLOCK_V, ACC, inv_cap, HAS_SOFTCAP,
         )  # fmt: skip
     else:
         row_max, log_s, entropy = row_moments(
