@@ -14,6 +14,9 @@ Two families of ops:
   teacher's ``(B, T, V)`` logits, or both models' ``(B, T, H)`` hidden states and ``(V, H)``
   lm_heads, compared at the same positions (no causal shift), and a ``(B, T)`` mask; the
   variant names the divergence (``DISTILL_BETAS``).
+* ``policy_loss[grpo+fullkl]`` (:data:`FULL_KL_VARIANTS`): the GRPO inputs plus the reference
+  model's ``(B, T + 1, V)`` logits buffer, the policy's plus noise (``REF_NOISE``), in the
+  case dtype: GRPO with the exact per-token KL to the reference over the vocabulary.
 
 Inputs are random normal (never zeros: they hide unwritten outputs and can time faster).
 """
@@ -49,6 +52,7 @@ OP_VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {
     # cispo: MiniMax-M1's detached capped ratio times log p (CISPO band below); gmpo: the
     # geometric mean of log-space-clipped token ratios per sequence, seq-mean-token-mean
     # (GMPO); grpo+is: grpo with rollout IS weights (``is_weights``) on the policy term
+    # (the exact-KL variants, FULL_KL_VARIANTS, are added by the suites that run them)
     "policy_loss": tuple(
         (v, "fwd_bwd") for v in ("grpo", "grpo+entropy", "gspo", "cispo", "gmpo", "grpo+is")
     ),
@@ -75,7 +79,13 @@ CLIP_MARGIN = 0.05
 # the policy variants whose inputs keep every token's log-ratio CLIP_MARGIN away from the
 # variant's clip boundaries (the older grpo / grpo+entropy / gspo inputs are kept as they
 # were, so earlier results stay comparable: the oracle leaves their boundary tokens out)
-NEW_POLICY_VARIANTS = ("cispo", "gmpo", "grpo+is")
+NEW_POLICY_VARIANTS = ("cispo", "gmpo", "grpo+is", "grpo+fullkl")
+# the policy variants whose KL is the exact KL(pi || pi_ref) over the vocabulary, from the
+# reference model's logits (``kl_estimator="full"``), not an estimate from two log-probs:
+# grpo+fullkl is grpo with it in place of k3. Not in OP_VARIANTS (a new --tokens / --vocab
+# grid of the other suites leaves them out): the quick suite runs them at its shapes, the
+# full and peers suites at one shape, the fullkl suite at FULL_KL_SHAPES (and its grids)
+FULL_KL_VARIANTS = ("grpo+fullkl",)
 
 # Hyper-parameters shared by every provider of an op (a benchmark compares like with like).
 TEMPERATURE = 1.0
@@ -107,6 +117,10 @@ DISTILL_BETAS = {"fkl": 0.0, "jsd": 0.5, "rkl": 1.0}
 # standard deviation relative to theirs: a teacher near the student, as in on-policy
 # distillation (either KL about 0.5 nat a token from the logits, 1.1 from hidden states)
 TEACHER_NOISE = 0.5
+# the reference's logits in the exact-KL variants: the policy's plus noise of this standard
+# deviation relative to theirs (0.5 absolute), a reference near the policy as in RLHF: the
+# exact KL is then about 0.12 nat a token
+REF_NOISE = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +191,7 @@ def quick_cases() -> list[Case]:
     cases = []
     for op in LOGITS_OPS:
         cases += _logits_cases(op, logits_shapes)
+    cases += _full_kl_cases(logits_shapes)
     for op in TOKEN_OPS:
         cases += _token_cases(op, token_shapes)
     for op in LINEAR_OPS:  # the GEMMs are torch's: the same tiny grid, H = 16
@@ -184,6 +199,14 @@ def quick_cases() -> list[Case]:
     # the distillation ops: the odd V in bf16 and fp32's tolerance (the interpreter's time)
     cases += _distill_cases(logits_shapes[1:], HIDDEN["quick"])
     return cases
+
+
+def _full_kl_cases(shapes, compile_shapes=None) -> list[Case]:
+    """``policy_loss`` forward + backward with the exact KL (every ``FULL_KL_VARIANTS``) at
+    ``shapes``, iterable of ``(B, T, V, dtype)``."""
+    return [Case("policy_loss", variant, "fwd_bwd", b, t, v, dt,
+                 compile_ok=compile_shapes is None or (b * t, v, dt) in compile_shapes)
+            for b, t, v, dt in shapes for variant in FULL_KL_VARIANTS]  # fmt: skip
 
 
 def _distill_cases(shapes, hidden: int, compile_shapes=None) -> list[Case]:
@@ -206,6 +229,7 @@ def full_cases() -> list[Case]:
     the issue's targets: policy_loss, no-grad token_logprobs, gae first. torch.compile runs on
     the 16384-token bf16 row (one compile per function plus at most one dynamic-shape
     recompile, so the suite fits a GPU lease). Token ops: B in {64, 512} x T in {1024, 8192}.
+    The exact-KL policy variants (``FULL_KL_VARIANTS``) run at 16 x 1024 x 151936 bf16 only.
     """
     shapes = [(n // FULL_SEQLEN, FULL_SEQLEN, v, "bf16") for n in FULL_TOKENS for v in FULL_VOCABS]
     shapes += [(n // FULL_SEQLEN, FULL_SEQLEN, v, "fp32") for n in (4096, 16384) for v in (32000,)]
@@ -223,6 +247,8 @@ def full_cases() -> list[Case]:
     linear_shapes += [(4096 // FULL_SEQLEN, FULL_SEQLEN, 32000, "fp32")]
     for op in LINEAR_OPS:
         cases += _logits_cases(op, linear_shapes, compile_shapes, hidden=HIDDEN["full"])
+    # the exact KL at one shape, beside k3 there (its own suite, fullkl, for more)
+    cases += _full_kl_cases([(16384 // FULL_SEQLEN, FULL_SEQLEN, 151936, "bf16")], compile_shapes)
     # the issue's targets first, so a run cut short by a GPU lease measured what matters
     priority = {
         ("policy_loss", "fwd_bwd"): 0,
@@ -239,11 +265,17 @@ def full_cases() -> list[Case]:
 PEER_POLICY_SHAPES = ((4, 1024, 32000), (8, 2048, 151936), (4, 4096, 262144))
 PEER_LINEAR_SHAPES = ((16, 1024, 151936), (4, 1024, 151936))
 PEER_LOGPROB_SHAPES = ((8, 2048, 151936),)
+# the fullkl suite's shapes (B, T, V): the trainers' 8 x 2048 x 151936 first, then a small
+# vocabulary; its providers: fused_rl's exact KL, the same call with k3 on the same inputs
+# (what the exact KL costs over the estimate), eager and torch.compile of it
+FULL_KL_SHAPES = ((8, 2048, 151936), (4, 1024, 32000))
+FULL_KL_PROVIDERS = ("fused_rl", "fused_rl_k3", "eager", "compile")
 
 
 def peer_cases() -> list[Case]:
     """The ``peers`` suite: bf16, ``policy_loss[grpo]`` forward + backward (torch.compile
-    included) at ``PEER_POLICY_SHAPES``; ``linear_policy_loss[grpo]`` and
+    included) at ``PEER_POLICY_SHAPES``, and ``policy_loss[grpo+fullkl]`` (the exact KL) at
+    8 x 2048 x 151936; ``linear_policy_loss[grpo]`` and
     ``linear_token_logprobs[logp]`` forward + backward at ``PEER_LINEAR_SHAPES`` (H = 4096);
     ``token_logprobs`` no-grad with and without entropy at ``PEER_LOGPROB_SHAPES``. Ordered
     so that a run cut short by a GPU lease has the fused heads at the largest token count,
@@ -259,6 +291,7 @@ def peer_cases() -> list[Case]:
     cases = linear(*first)
     cases += [Case("policy_loss", "grpo", "fwd_bwd", b, t, v, "bf16")
               for b, t, v in PEER_POLICY_SHAPES]  # fmt: skip
+    cases += _full_kl_cases([(*FULL_KL_SHAPES[0], "bf16")])
     for b, t, v in PEER_LOGPROB_SHAPES:
         cases += [Case("token_logprobs", variant, "fwd_nograd", b, t, v, "bf16", compile_ok=False)
                   for variant in ("logp", "logp+entropy")]  # fmt: skip
@@ -309,8 +342,18 @@ def distill_cases() -> list[Case]:
     return cases
 
 
+def full_kl_cases() -> list[Case]:
+    """The ``fullkl`` suite (GPU): ``policy_loss`` forward + backward in bf16 with the exact
+    KL to the reference (:data:`FULL_KL_VARIANTS`) at ``FULL_KL_SHAPES``, the first shape
+    first, torch.compile at both, for ``FULL_KL_PROVIDERS``: ``python bench/run.py --suite
+    fullkl --providers <FULL_KL_PROVIDERS, comma-separated>`` (a new ``--tokens`` /
+    ``--vocab`` grid: the same variants at its shapes). On CPU the same variant runs in the
+    quick suite's shapes: ``--suite quick --op policy_loss``."""
+    return _full_kl_cases([(b, t, v, "bf16") for b, t, v in FULL_KL_SHAPES])
+
+
 SUITES = {"quick": quick_cases, "full": full_cases, "peers": peer_cases, "inplace": inplace_cases,
-          "distill": distill_cases}  # fmt: skip
+          "distill": distill_cases, "fullkl": full_kl_cases}  # fmt: skip
 
 
 def select_cases(
@@ -322,7 +365,7 @@ def select_cases(
     seqlen: int | None = None,
 ) -> list[Case]:
     """The suite's cases, filtered. ``tokens`` / ``vocabs`` given: a new shape grid instead,
-    of the ops the suite holds.
+    of the ops the suite holds (the ``fullkl`` suite's: its variants, ``FULL_KL_VARIANTS``).
 
     With ``tokens``, logits ops use ``T = min(seqlen or 1024, tokens)`` and token ops use
     ``T = min(seqlen or 1024, tokens)`` too (``B = tokens / T``).
@@ -359,6 +402,8 @@ def select_cases(
         for op in LINEAR_OPS:
             base += _logits_cases(op, shapes, hidden=hidden)
         base += _distill_cases(shapes, hidden)
+        if suite == "fullkl":  # a suite of variants, not of ops
+            base = _full_kl_cases(shapes)
     out = []
     for c in base:
         if c.op not in suite_ops:  # a new grid keeps to the suite's own ops
@@ -488,6 +533,19 @@ def _distill_inputs(case: Case, inp: dict, randn, gen, device) -> dict:
     return inp
 
 
+def _reference_inputs(inp: dict, randn) -> None:
+    """The exact-KL variants' reference model: ``ref_buf`` ``(B, T + 1, V)``, the policy's
+    buffer plus noise of ``REF_NOISE`` times its deviation in the case dtype (made in place:
+    no fp32 temporary of the logits' size on a GPU), and ``ref_logits = ref_buf[:, :-1]``
+    (the positions that predict the targets, a view). ``ref_logprobs`` becomes the
+    reference's own fp32 log-prob of each target, what a k3 estimate of the same KL reads
+    (the ``fused_rl_k3`` provider)."""
+    buf = inp["buf"]
+    ref = randn(*buf.shape, scale=2.0 * REF_NOISE, dtype=buf.dtype).add_(buf)
+    inp.update(ref_buf=ref, ref_logits=ref[:, :-1])
+    inp["ref_logprobs"] = _true_logprobs(ref[:, :-1], inp["targets"])
+
+
 def make_inputs(case: Case, device: str | torch.device, seed: int = 0) -> dict:
     """The inputs of ``case`` on ``device``; tensors that get gradients have requires_grad.
 
@@ -534,6 +592,8 @@ def make_inputs(case: Case, device: str | torch.device, seed: int = 0) -> dict:
                 low, high = IS_WEIGHTS_RANGE
                 u = torch.rand(b, t, generator=gen, device=device)
                 inp["is_weights"] = u.mul_(high - low).add_(low)
+            if case.variant in FULL_KL_VARIANTS:  # drawn last too
+                _reference_inputs(inp, randn)
         return inp
 
     mask = _lengths_mask(b, t, gen, device)

@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: the CUDA test-suite, then the full benchmark suite.
 #
-#   bash bench/gpu_session.sh [all|tests|bench|linear|peers|host|inplace|distill|e2e]
+#   bash bench/gpu_session.sh [all|tests|bench|linear|peers|host|inplace|distill|fullkl|e2e]
 #       [extra bench/run.py arguments]
 #
 #   all (default)  tests (at most TEST_TIMEOUT s), then `bench/run.py --suite full` until
 #                  the time budget is spent
 #   tests          the CUDA test-suite only
-#   bench          the full suite only
+#   bench          the full suite only (with policy_loss[grpo+fullkl], the exact KL, at
+#                  16x1024x151936)
 #   linear         issue 14's fused-linear measurements: peak memory against tokens
 #                  (`bench/run.py memory`, measured), then the full suite's linear cases,
 #                  16384 tokens x 151936 first (the targets' shape); results.md's
 #                  "Targets (issue 14, fused linear)" gives the verdicts
 #   peers          the side-by-side with the peers' own paths (`bench/run.py --suite peers`:
 #                  TRL's and verl's fused heads, Liger with inplace=True and False, eager,
-#                  torch.compile), then the host cost with real launches at 1 x 16 x 1024
+#                  torch.compile; policy_loss[grpo+fullkl], the exact KL, at 8x2048x151936
+#                  with every provider that runs it), then the host cost with real launches
+#                  at 1 x 16 x 1024
 #   host           the host cost alone ($OUT/host.log)
 #   inplace        fused_rl inplace=True and grad_in_forward=True (two passes) beside Liger's
 #                  inplace=True and the defaults (`bench/run.py --suite inplace`: 8x2048x151936
@@ -26,6 +29,12 @@
 #                  computation), torch.compile of it and Liger's LigerJSD / LigerFusedLinearJSD
 #                  (needs the liger-kernel wheel in .whl/); time, measured peak memory and the
 #                  float64 check of every row
+#   fullkl         policy_loss with the exact KL to the reference (`bench/run.py --suite
+#                  fullkl`: GRPO + beta KL(pi || pi_ref) from the reference's logits, bf16,
+#                  8x2048x151936 then 4x1024x32000) for fused_rl, the same call with k3 on the
+#                  same inputs (fused_rl_k3: what the exact KL costs), eager (both fp32
+#                  log-softmaxes) and torch.compile of it; time, measured peak memory and the
+#                  float64 check of every row (resumable, as bench)
 #   e2e            one GRPO step of TRL's GRPOTrainer, TRL's head against fused_rl's
 #                  integration (bench/e2e_trl.py: a random Qwen2.5-1.5B-shaped model,
 #                  vocabulary 151936, 2 x (256 + 4096) tokens): $OUT/e2e.log and
@@ -107,7 +116,7 @@ if [ "$PART" = all ] || [ "$PART" = tests ]; then
 fi
 
 if [ "$PART" = all ] || [ "$PART" = bench ] || [ "$PART" = linear ] || [ "$PART" = peers ] \
-    || [ "$PART" = inplace ] || [ "$PART" = distill ]; then
+    || [ "$PART" = inplace ] || [ "$PART" = distill ] || [ "$PART" = fullkl ]; then
     SLUG=$("$PY" -c "import sys, torch; sys.path.insert(0, '.'); from bench.measure import \
 slug, device_name; print(slug(device_name('cuda' if torch.cuda.is_available() else 'cpu')))")
     # resume from what this working tree already holds for this GPU
@@ -154,6 +163,11 @@ if [ "$PART" = distill ]; then
     SUITE=distill
     SUITE_ARGS=(--providers "$("$PY" -c "import sys; sys.path.insert(0, '.'); \
 from bench.cases import DISTILL_PROVIDERS; print(','.join(DISTILL_PROVIDERS))")")
+fi
+if [ "$PART" = fullkl ]; then
+    SUITE=fullkl
+    SUITE_ARGS=(--providers "$("$PY" -c "import sys; sys.path.insert(0, '.'); \
+from bench.cases import FULL_KL_PROVIDERS; print(','.join(FULL_KL_PROVIDERS))")")
 fi
 { [ "$PART" = all ] || [ "$PART" = bench ]; } && SUITE=full
 if [ -n "$SUITE" ]; then

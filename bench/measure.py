@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from .cases import LINEAR_OPS, LOGITS_OPS, Case
+from .cases import FULL_KL_VARIANTS, LINEAR_OPS, LOGITS_OPS, Case
 
 CPU_TIME_LABEL = "CPU interpreter, not a performance figure"
 
@@ -60,6 +60,10 @@ def bytes_moved(case: Case) -> int:
     gradients (``3*(N + V)*H*e``). These ops are GEMM-bound (``2*N*V*H`` flops a pass):
     their GB/s is no measure of how well they run.
 
+    ``policy_loss`` with the exact KL (``cases.FULL_KL_VARIANTS``): the reference's logits
+    are read once in each pass too (``5*E*e``), for every provider of the case (the k3 call
+    beside it moves ``3*E*e``: its GB/s is then an effective rate).
+
     ``distill_loss``, student and teacher logits of ``E`` elements each: forward reads both
     once (``2*E*e``; fused_rl's JSD, 0 < beta < 1, reads them twice: its GB/s is then an
     effective rate); forward + backward reads both again and writes the student's gradient
@@ -79,6 +83,8 @@ def bytes_moved(case: Case) -> int:
         return elements * (3 if case.mode == "fwd_bwd" else 1)
     if case.op in LOGITS_OPS:
         elements = n * case.vocab * case.torch_dtype.itemsize
+        if case.variant in FULL_KL_VARIANTS:
+            return elements * (5 if case.mode == "fwd_bwd" else 2)
         return elements * (3 if case.mode == "fwd_bwd" else 1)
     per_token = {"ppo_loss": 60, "value_loss": 30, "masked_whiten": 9, "gae": 17}[case.op]
     if case.mode != "fwd_bwd" and case.op in ("ppo_loss", "value_loss"):

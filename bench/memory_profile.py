@@ -43,7 +43,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from . import providers as P
-from .cases import FULL_SEQLEN, HIDDEN, HIDDEN_OPS, LINEAR_OPS, OP_VARIANTS, Case, make_inputs
+from .cases import (
+    FULL_KL_VARIANTS,
+    FULL_SEQLEN,
+    HIDDEN,
+    HIDDEN_OPS,
+    LINEAR_OPS,
+    OP_VARIANTS,
+    Case,
+    make_inputs,
+)
 
 # the memory-vs-tokens plot of the fused-linear ops (``memory_vs_tokens``): its token counts,
 # cases and providers (chunked fused_rl, materialised fused, materialised eager, Liger)
@@ -129,6 +138,8 @@ def liger_model_bytes(case: Case) -> int | None:
     if case.op == "token_logprobs":
         return 4 * n if (case.mode, case.variant) == ("fwd_nograd", "logp") else None
     if case.op != "policy_loss" or case.variant == "grpo+entropy":
+        return None
+    if case.variant in FULL_KL_VARIANTS:  # no exact KL in Liger: nothing to model
         return None
     per_token = 4 * n * (10 if case.variant == "gspo" else 8)
     grad = case.batch * (case.seqlen + 1) * case.vocab * case.torch_dtype.itemsize
@@ -294,6 +305,8 @@ def model_peak(
             return peak, "modelled from Liger 0.8.5's source"
         if case.op == "linear_token_logprobs":
             return None, "n/a: Liger has no public fused-linear per-token log-prob op"
+        if case.variant in FULL_KL_VARIANTS:
+            return None, "n/a: Liger's GRPO loss has no exact KL"
         if not P.liger_version():
             return None, "liger_kernel is not importable"
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -356,7 +369,10 @@ def memory_table(
     seqlen = tokens // batch
     rows = []
     for op in ops or ("token_logprobs", "policy_loss"):
-        for variant, mode in OP_VARIANTS[op]:
+        variants = OP_VARIANTS[op]
+        if op == "policy_loss":  # the exact-KL variants too (not in OP_VARIANTS)
+            variants += tuple((v, "fwd_bwd") for v in FULL_KL_VARIANTS)
+        for variant, mode in variants:
             if groups is not None and (op, variant, mode) not in groups:
                 continue
             hidden = HIDDEN["full"] if op in HIDDEN_OPS else None

@@ -16,6 +16,15 @@ Vocabulary ops (``token_logprobs``, ``policy_loss``) never hold a float64 copy o
    ``dL/dz_j = (g (1[j = y] - p_j) - h p_j (log p_j + H)) / tau``, accumulating the RMS
    numerator / denominator and the worst row.
 
+The exact KL to the reference (``policy_loss[grpo+fullkl]``): step 1 also streams the
+reference's rows, giving per token ``KL_t = sum_j p_j (log p_j - log q_j)`` in float64
+(:func:`full_kl64`; ``q = softmax(u / tau)`` of the reference's logits ``u``) and the
+reference's ``lse``; the loss takes ``beta * KL_t`` as a leaf, so autograd gives
+``c = dL/dKL_t`` beside ``g``, and step 3 adds ``c p_j (log p_j - log q_j - KL_t) / tau`` to
+each row's gradient. A provider that computes another stated function of the same inputs
+(``fused_rl_k3``: GRPO with the k3 estimate) is checked against that function's oracle
+(``Oracle.by_provider``), never against the best match of several.
+
 Linear ops (``linear_token_logprobs``, ``linear_policy_loss``) never hold the ``(N, V)``
 logits in float64 either: the rows of ``z = h W^T`` are computed in float64 from float64
 copies of ``hidden`` and ``weight``, a block of rows at a time, for steps 1 and 2; then each
@@ -48,6 +57,7 @@ import torch
 from .cases import (
     CISPO,
     DISTILL_BETAS,
+    FULL_KL_VARIANTS,
     GAE,
     LOSS_AGG,
     POLICY,
@@ -197,10 +207,31 @@ def token_stats64(logits: torch.Tensor, targets: torch.Tensor, tau: float = TEMP
     return logp, entropy, lse
 
 
-def compare_vocab_grad(out, logits, targets, lse, entropy, g, h, kink=None, tau=TEMPERATURE):
+def full_kl64(logits: torch.Tensor, ref_logits: torch.Tensor, tau: float = TEMPERATURE):
+    """Per-token float64 ``(KL(p || q), lse of q)``, ``(B, T)`` each, of the policy's
+    ``p = softmax(logits / tau)`` and the reference's ``q = softmax(ref_logits / tau)``,
+    ``KL = sum_j p_j (log p_j - log q_j)``, streaming both in blocks of rows."""
+    batch, seqlen, _ = logits.shape
+    kl, ref_lse = (torch.empty(batch, seqlen, dtype=torch.float64, device=logits.device)
+                   for _ in range(2))  # fmt: skip
+    with torch.no_grad():
+        for b, t0, t1 in _row_blocks(logits):
+            log_p = torch.log_softmax(_copy64(logits[b, t0:t1]).div_(tau), dim=-1)
+            u = _copy64(ref_logits[b, t0:t1]).div_(tau)
+            lse_u = torch.logsumexp(u, dim=-1, keepdim=True)
+            ref_lse[b, t0:t1] = lse_u[:, 0]
+            log_ratio = u.sub_(lse_u).neg_().add_(log_p)  # log p - log q
+            kl[b, t0:t1] = log_p.exp_().mul_(log_ratio).sum(-1)
+    return kl, ref_lse
+
+
+def compare_vocab_grad(out, logits, targets, lse, entropy, g, h, kink=None, tau=TEMPERATURE,
+                       full_kl=None):  # fmt: skip
     """A provider's ``(B, T, V)`` gradient ``out`` against the float64 one,
     ``(g (onehot - p) - h p (log p + H)) / tau`` per row, block by block (never a float64
-    copy of the whole); rows where ``kink`` is True are left out."""
+    copy of the whole); rows where ``kink`` is True are left out. ``full_kl``: ``(ref_logits,
+    ref_lse, kl, c)`` of a loss with ``c_t KL_t`` (:func:`full_kl64`), whose row gradient
+    ``c p (log p - log q - KL) / tau`` is added."""
     if out.shape != logits.shape:
         return Comparison(float("inf"), float("inf"))
     num = den = worst = 0.0
@@ -212,9 +243,21 @@ def compare_vocab_grad(out, logits, targets, lse, entropy, g, h, kink=None, tau=
                 s /= tau
             logp_all = s.sub_(lse[b, t0:t1, None])
             p = logp_all.exp()
+            kl_term = None
+            if full_kl is not None:
+                ref_logits, ref_lse, kl, c = full_kl
+                log_q = _copy64(ref_logits[b, t0:t1])
+                if tau != 1.0:
+                    log_q /= tau
+                log_q.sub_(ref_lse[b, t0:t1, None])
+                kl_term = log_q.neg_().add_(logp_all).sub_(kl[b, t0:t1, None])
+                kl_term.mul_(p).mul_(c[b, t0:t1, None])
             gb, hb = g[b, t0:t1, None], h[b, t0:t1, None]
             ref = logp_all.add_(entropy[b, t0:t1, None]).mul_(-hb).sub_(gb).mul_(p)
             del p
+            if kl_term is not None:
+                ref.add_(kl_term)
+                del kl_term
             ref.scatter_add_(-1, targets[b, t0:t1, None], gb)
             if tau != 1.0:
                 ref /= tau
@@ -291,7 +334,9 @@ def linear_grads64(hidden, weight, targets, lse, entropy, g, h, tau: float = TEM
     return d_hidden, d_weight
 
 
-def policy_loss64(logp, entropy, advantages, old, ref, mask, variant: str, is_weights=None):
+def policy_loss64(
+    logp, entropy, advantages, old, ref, mask, variant: str, is_weights=None, kl=None
+):
     """The benchmark's policy objective in float64 from the math, per variant:
 
     * ``grpo`` / ``grpo+entropy`` / ``grpo+is``: ``max(-A r, -A clip(r, 1 - eps_low,
@@ -303,7 +348,8 @@ def policy_loss64(logp, entropy, advantages, old, ref, mask, variant: str, is_we
       where ``A > 0``, ``max(...)`` where ``A < 0``, 0 where ``A = 0``;
 
     times ``is_weights`` when given (the policy term only), plus ``beta`` times the k3
-    estimate of KL(pi || pi_ref), minus ``entropy_coef`` times the entropy
+    estimate of KL(pi || pi_ref) from ``ref`` or, given ``kl`` (``grpo+fullkl``), that exact
+    per-token KL, minus ``entropy_coef`` times the entropy
     (``grpo+entropy``); token-mean over the mask (``gmpo``: the mean over sequences of each
     one's token mean). Returns ``(loss, log_ratio)``: the log-ratio whose crossing of
     :func:`bench.cases.clip_bounds` is a kink (GSPO's: the sequence's)."""
@@ -332,8 +378,10 @@ def policy_loss64(logp, entropy, advantages, old, ref, mask, variant: str, is_we
         policy = torch.maximum(-adv * ratio, -adv * ratio.clamp(low, high))
     if is_weights is not None:
         policy = policy * is_weights
-    d = ref - logp
-    per_token = policy + POLICY["beta"] * (d.exp() - d - 1.0)
+    if kl is None:
+        d = ref - logp
+        kl = d.exp() - d - 1.0
+    per_token = policy + POLICY["beta"] * kl
     if variant == "grpo+entropy":
         per_token = per_token - POLICY["entropy_coef"] * entropy
     if LOSS_AGG.get(variant, "token-mean") == "seq-mean-token-mean":
@@ -389,6 +437,13 @@ LOGITS_DEFINITIONS = {
     None: "the exact logits",
     torch.bfloat16: "the logits rounded to bf16, as F.linear returns them",
     torch.float16: "the logits rounded to fp16, as F.linear returns them",
+}
+
+
+# what ``Oracle.by_provider``'s functions are, for the record's note ("the loss of ...")
+PROVIDER_DEFINITIONS = {
+    "fused_rl_k3": "GRPO with the k3 estimate of the KL from the reference's log-prob of "
+    "each target, on the same inputs",
 }
 
 
@@ -574,6 +629,10 @@ class Oracle:
         self.matched: str | None = None  # the definition compare_all last matched
         self.kinks: dict[str, torch.Tensor] = {}
         self._vocab = None  # (logits, targets, lse, entropy, g, h, kink) for grad_logits
+        self._full_kl = None  # (ref_logits, ref_lse, kl, c): the exact KL's gradient term
+        # providers that compute another stated function of the same inputs, each with the
+        # oracle of that function (the k3 call beside the exact KL)
+        self.by_provider: dict[str, Oracle] = {}
         fwd_bwd = case.mode == "fwd_bwd"
         if case.op == "token_logprobs":
             self._token_logprobs(inp, fwd_bwd)
@@ -616,10 +675,23 @@ class Oracle:
         args = [_f64(inp[k]) for k in ("advantages", "old_logprobs", "ref_logprobs")]
         is_weights = inp.get("is_weights")  # grpo+is only
         is_weights = None if is_weights is None else _f64(is_weights)
+        kl_leaf = None
+        if self.case.variant in FULL_KL_VARIANTS:
+            ref_logits = inp["ref_logits"]
+            kl, ref_lse = full_kl64(logits, ref_logits)
+            kl_leaf = kl.requires_grad_()
+            args[2] = None  # the exact KL reads the reference's logits, not its log-probs
+            # the same call with k3 on the same inputs (``fused_rl_k3``): GRPO's oracle
+            self.by_provider["fused_rl_k3"] = Oracle(
+                dataclasses.replace(self.case, variant="grpo"), inp
+            )
         loss, log_ratio = policy_loss64(logp_leaf, entropy_leaf, *args, inp["mask"],
-                                        self.case.variant, is_weights)  # fmt: skip
-        g, h = torch.autograd.grad(loss, [logp_leaf, entropy_leaf], allow_unused=True)
+                                        self.case.variant, is_weights, kl_leaf)  # fmt: skip
+        leaves = [logp_leaf, entropy_leaf] + ([kl_leaf] if kl_leaf is not None else [])
+        g, h, *c = torch.autograd.grad(loss, leaves, allow_unused=True)
         h = torch.zeros_like(g) if h is None else h
+        if kl_leaf is not None:
+            self._full_kl = (ref_logits, ref_lse, kl_leaf.detach(), c[0])
         bounds = clip_bounds(self.case.variant)
         kink = inp["mask"].bool() & _near(log_ratio.detach(), bounds)
         self.values["loss"] = loss
@@ -688,16 +760,23 @@ class Oracle:
             return compare_distill_grad(out, *self._distill_grad)
         if name == "grad_logits":
             logits, targets, lse, entropy, g, h, kink = self._vocab
-            return compare_vocab_grad(out, logits, targets, lse, entropy, g, h, kink)
+            return compare_vocab_grad(out, logits, targets, lse, entropy, g, h, kink,
+                                      full_kl=self._full_kl)  # fmt: skip
         own_rows = name == "grad_weight"  # vocabulary rows: see worst_own_row_err
         return compare(out, self.values[name], self.kinks.get(name), own_rows)
 
-    def compare_all(self, names, outs) -> dict[str, Comparison]:
-        """Every output against the oracle. With more than one definition (16-bit
-        ``linear_distill_loss``) the one the outputs match best, named in ``matched``."""
+    def compare_all(self, names, outs, provider: str | None = None) -> dict[str, Comparison]:
+        """Every output of ``provider`` against the oracle: that provider's own function's
+        when it computes another one (:attr:`by_provider`, named in ``matched``). With more
+        than one definition (16-bit ``linear_distill_loss``) the one the outputs match best,
+        named in ``matched``."""
         from .accuracy import ROW_TOL_FACTOR  # (accuracy imports this module)
 
         self.matched = None
+        if provider in self.by_provider:
+            comps = self.by_provider[provider].compare_all(names, outs)
+            self.matched = PROVIDER_DEFINITIONS[provider]
+            return comps
         if not self.definitions:
             return {name: self.compare(name, out) for name, out in zip(names, outs)}
         best = None

@@ -38,6 +38,24 @@
   ``linear_policy_loss`` its chunked ``LigerFusedLinearGRPOLoss`` (``loss_type="bnpo"``: the
   token mean over the batch's mask, the benchmark's aggregation).
 
+The exact KL to the reference (``policy_loss[grpo+fullkl]``, ``cases.FULL_KL_VARIANTS``):
+GRPO plus ``beta`` times the per-token ``KL(pi || pi_ref) = sum_v p_v (log p_v - log q_v)``
+from the reference model's ``(B, T + 1, V)`` logits.
+
+* ``fused_rl`` / ``fused_rl_ref``: ``policy_loss(ref_logits=, kl_estimator="full")`` on both
+  models' buffers as they come; the :data:`FUSED_VARIANTS` with the same keywords.
+* ``fused_rl_k3``: the same Triton call with ``kl_estimator="k3"`` on the same inputs, its
+  ``ref_logprobs`` the reference's own log-prob of each target: the call the exact KL
+  replaces, so the two rows show what the exact KL costs (one more read of the reference's
+  logits forward and one backward). Checked against its own float64 oracle (GRPO with k3).
+  The case's ``bytes`` are the exact KL's five passes for every provider: this row's
+  ``GB/s`` is then an effective rate, the time to do the exact KL's job.
+* ``eager``: :func:`eager_full_kl_policy_loss`, the loss as an RL engineer writes it without
+  fused_rl (both log-softmaxes materialised in fp32, ``(p * (logp - logq)).sum(-1)``, the
+  surrogate, the masked mean); ``compile``: ``torch.compile`` of it.
+* ``trl``, ``liger``, ``liger_inplace``: none (their GRPO losses estimate the KL from two
+  log-probs per token; a note says so).
+
 Linear ops (``linear_token_logprobs``, ``linear_policy_loss``): fused_rl's ops from the hidden
 states and the lm_head; eager / compile run ``F.linear`` on ``hidden[:, :-1]`` and then the
 eager log-prob / GRPO loss above (logits upcast to fp32).
@@ -86,6 +104,7 @@ from .cases import (
     CISPO,
     DISTILL_BETAS,
     DISTILL_OPS,
+    FULL_KL_VARIANTS,
     GAE,
     HIDDEN_OPS,
     LINEAR_OPS,
@@ -101,6 +120,7 @@ PROVIDERS = (
     "fused_rl",
     "fused_rl_ref",
     "fused_rl_mat",
+    "fused_rl_k3",
     "eager",
     "compile",
     "trl",
@@ -121,10 +141,10 @@ FUSED_VARIANTS = {
     "fused_rl_2pass": (None, dict(grad_in_forward=True)),
     "fused_rl_2pass_inplace": ("buf_inplace", dict(grad_in_forward=True, inplace=True)),
 }
-TWO_PASS_VARIANTS = ("grpo", "grpo+entropy", "cispo", "grpo+is")  # token-level IS
+TWO_PASS_VARIANTS = ("grpo", "grpo+entropy", "cispo", "grpo+is", "grpo+fullkl")  # token IS
 BASELINE = "fused_rl"  # the provider the others' time and memory are compared with
 # the package itself: no "less accurate" excuse
-MUST_MEET_TOL = ("fused_rl", "fused_rl_ref", *FUSED_VARIANTS)
+MUST_MEET_TOL = ("fused_rl", "fused_rl_ref", "fused_rl_k3", *FUSED_VARIANTS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,7 +258,9 @@ def eager_token_logprobs(logits, targets, with_entropy: bool):
     return logp, entropy
 
 
-def token_policy_loss(logp, entropy, advantages, old, ref, mask, variant: str, is_weights=None):
+def token_policy_loss(
+    logp, entropy, advantages, old, ref, mask, variant: str, is_weights=None, kl=None
+):
     """The benchmark's policy objective on per-token tensors (every variant of ``policy_loss``;
     ``bench/oracle.py::policy_loss64`` is its float64 twin):
 
@@ -249,8 +271,10 @@ def token_policy_loss(logp, entropy, advantages, old, ref, mask, variant: str, i
       ``min(d, clamp(d, -eps_low, eps_high))`` where ``A > 0``, ``max`` where ``A < 0``, 0
       where ``A = 0`` (a token the clip froze gets no gradient);
 
-    the policy term times ``is_weights`` (when given), plus ``beta`` k3 KL, minus the entropy
-    bonus (``grpo+entropy``), aggregated token-mean (``gmpo``: seq-mean-token-mean)."""
+    the policy term times ``is_weights`` (when given), plus ``beta`` times the KL: the k3
+    estimate from ``ref``, or the per-token ``kl`` when given (the exact KL), minus the
+    entropy bonus (``grpo+entropy``), aggregated token-mean (``gmpo``:
+    seq-mean-token-mean)."""
     m = mask.to(logp.dtype)
     adv = advantages[:, None]
     if variant == "gmpo":
@@ -275,8 +299,10 @@ def token_policy_loss(logp, entropy, advantages, old, ref, mask, variant: str, i
         policy = torch.maximum(unclipped, clipped)
     if is_weights is not None:
         policy = policy * is_weights
-    neg_log_ratio = ref - logp  # k3 estimator of KL(pi || pi_ref)
-    per_token = policy + POLICY["beta"] * (torch.exp(neg_log_ratio) - neg_log_ratio - 1.0)
+    if kl is None:
+        neg_log_ratio = ref - logp  # k3 estimator of KL(pi || pi_ref)
+        kl = torch.exp(neg_log_ratio) - neg_log_ratio - 1.0
+    per_token = policy + POLICY["beta"] * kl
     if entropy is not None:
         per_token = per_token - POLICY["entropy_coef"] * entropy
     if LOSS_AGG.get(variant, "token-mean") == "seq-mean-token-mean":
@@ -289,6 +315,21 @@ def eager_policy_loss(logits, targets, advantages, old, ref, mask, variant: str,
     stats = eager_token_logprobs(logits, targets, with_entropy)
     entropy = stats[1] if with_entropy else None
     return (token_policy_loss(stats[0], entropy, advantages, old, ref, mask, variant, is_weights),)
+
+
+def eager_full_kl_policy_loss(logits, ref_logits, targets, advantages, old, mask, variant: str):
+    """GRPO with the exact KL to the reference, written the way an RL engineer would without
+    fused_rl: both models' logits cast to fp32 and divided by the temperature, a
+    ``log_softmax`` of each materialised (the reference's under ``no_grad``, as its model
+    runs), per token ``KL(pi || pi_ref) = (p * (logp - logq)).sum(-1)`` with
+    ``p = logp.exp()``, the target's log-prob gathered from the policy's, then the PPO-clip
+    surrogate plus ``beta * KL`` and the masked token mean (:func:`token_policy_loss`)."""
+    logp_all = torch.log_softmax(logits.float() / TEMPERATURE, dim=-1)
+    with torch.no_grad():
+        ref_logp_all = torch.log_softmax(ref_logits.float() / TEMPERATURE, dim=-1)
+    kl = (logp_all.exp() * (logp_all - ref_logp_all)).sum(-1)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return (token_policy_loss(logp, None, advantages, old, None, mask, variant, kl=kl),)
 
 
 def eager_linear_token_logprobs(hidden, weight, targets, with_entropy: bool):
@@ -474,7 +515,20 @@ def _policy_kwargs(inp: dict, variant: str) -> dict:
         kwargs.update(eps_low=CISPO["eps_low"], eps_high=CISPO["eps_high"])
     if variant == "grpo+is":
         kwargs["is_weights"] = inp["is_weights"]
+    if variant in FULL_KL_VARIANTS:
+        # the reference model's (B, T + 1, V) buffer as it comes, as the policy's
+        kwargs.update(ref_logprobs=None, ref_logits=inp["ref_buf"], kl_estimator="full")
     return kwargs
+
+
+def _k3_kwargs(inp: dict, variant: str) -> dict:
+    """``fused_rl_k3``: the exact-KL variant's keywords with the k3 estimate in place of the
+    exact KL, from the reference's log-prob of each target (``inp["ref_logprobs"]``)."""
+    if variant not in FULL_KL_VARIANTS:
+        raise Unavailable(f"fused_rl_k3 is the k3 call beside the exact KL ({FULL_KL_VARIANTS})")
+    return _policy_kwargs(inp, variant) | dict(
+        ref_logits=None, ref_logprobs=inp["ref_logprobs"], kl_estimator="k3"
+    )
 
 
 def _distill_kwargs(inp: dict, variant: str) -> dict:
@@ -545,7 +599,11 @@ def _fused_variant_forward(case: Case, inp: dict, provider: str):
     return lambda: (fn(logits, inp["targets"], inp["advantages"], **kwargs)[0],)
 
 
-def _fused_forward(case: Case, inp: dict, backend: str):
+def _fused_forward(case: Case, inp: dict, backend: str, k3: bool = False):
+    """fused_rl's op of the case on ``backend``; ``k3``: the k3 call beside the exact KL
+    (``fused_rl_k3``, policy_loss only)."""
+    if k3 and case.op != "policy_loss":
+        raise Unavailable("fused_rl_k3 is policy_loss's k3 call beside its exact KL")
     fn = _fused_fn(case.op, backend)
     if case.op == "distill_loss":
         kwargs = _distill_kwargs(inp, case.variant)
@@ -565,7 +623,7 @@ def _fused_forward(case: Case, inp: dict, backend: str):
 
         return forward
     if case.op == "policy_loss":
-        kwargs = _policy_kwargs(inp, case.variant)
+        kwargs = (_k3_kwargs if k3 else _policy_kwargs)(inp, case.variant)
         # the model's (B, T+1, V) buffer as it comes (as Liger gets it): the backward writes
         # its whole gradient, zero in the last position, with no slice backward
         logits = inp["buf_leaf"] if backend == "triton" else inp["logits"]
@@ -656,6 +714,14 @@ def _eager_forward(case: Case, inp: dict, compiled: bool, flavour: str = "eager"
         base = trl_token_stats if flavour == "trl" else eager_token_logprobs
         fn = _compiled((flavour, op, with_entropy), base) if compiled else base
         return lambda: fn(inp["logits"], inp["targets"], with_entropy)
+    if op == "policy_loss" and variant in FULL_KL_VARIANTS:
+        if flavour == "trl":
+            raise Unavailable("TRL's GRPO loss has no exact KL (k3 from two log-probs a token)")
+        fn = eager_full_kl_policy_loss
+        fn = _compiled((flavour, op, variant), fn) if compiled else fn
+        args = [inp[k] for k in ("logits", "ref_logits", "targets", "advantages")]
+        args += [inp[k] for k in ("old_logprobs", "mask")]
+        return lambda: fn(*args, variant)
     if op == "policy_loss":
         base = trl_policy_loss if flavour == "trl" else eager_policy_loss
         fn = _compiled((flavour, op, variant), base) if compiled else base
@@ -840,6 +906,8 @@ def _liger_forward(case: Case, inp: dict, inplace: bool = False):
         return lambda: (fused_selective_log_softmax(buf, targets, TEMPERATURE),)
     if case.op != "policy_loss":
         raise Unavailable(f"Liger has no {case.op}")
+    if case.variant in FULL_KL_VARIANTS:
+        raise Unavailable("Liger's GRPO loss has no exact KL (k3 from two log-probs a token)")
     if case.variant == "grpo+entropy":
         raise Unavailable("Liger's GRPO loss has no entropy bonus")
     if case.variant == "gmpo":
@@ -999,7 +1067,7 @@ def _wrt_upstream(case: Case, inp: dict, provider: str):
         if provider in FUSED_VARIANTS:  # the shared buffer, or a copy of its own
             key = FUSED_VARIANTS[provider][0] or "buf_leaf"
             return [inp[key]], [None], lambda g: (g[0][:, :-1],)
-        if provider in ("liger", "fused_rl"):  # they differentiate the whole (B, T+1, V) buffer
+        if provider in ("liger", "fused_rl", "fused_rl_k3"):  # the whole (B, T+1, V) buffer
             return [inp["buf_leaf"]], [None], lambda g: (g[0][:, :-1],)
         if provider == "liger_inplace":  # its own copy of the buffer
             return [inp["buf_inplace"]], [None], lambda g: (g[0][:, :-1],)
@@ -1024,8 +1092,11 @@ def applies(provider: str, case: Case) -> bool:
     path of the linear ops) and ``verl`` (a fused head) have no meaning for the other ops,
     nor ``liger_inplace`` and the :data:`FUSED_VARIANTS` beside policy_loss (the two-pass
     ones beside its token-level variants), nor ``trl`` beside the distillation ops (the
-    eager provider is TRL's computation): skipped without a 'not measured' note. Every
-    other pairing is up to ``build``."""
+    eager provider is TRL's computation), nor ``fused_rl_k3`` beside anything but the
+    exact-KL variants: skipped without a 'not measured' note. Every other pairing is up to
+    ``build``."""
+    if provider == "fused_rl_k3":
+        return case.op == "policy_loss" and case.variant in FULL_KL_VARIANTS
     if provider == "fused_rl_mat":
         return case.op in HIDDEN_OPS
     if provider == "verl":
@@ -1045,6 +1116,8 @@ def build(provider: str, case: Case, inp: dict, *, compile_on_cpu: bool = False)
         forward = _fused_forward(case, inp, "triton")
     elif provider == "fused_rl_ref":
         forward = _fused_forward(case, inp, "reference")
+    elif provider == "fused_rl_k3":
+        forward = _fused_forward(case, inp, "triton", k3=True)
     elif provider == "fused_rl_mat":
         forward = _fused_materialised_forward(case, inp)
     elif provider == "eager":

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from .cases import DISTILL_OPS
+from .cases import DISTILL_OPS, FULL_KL_VARIANTS
 from .measure import CPU_TIME_LABEL
 from .providers import BASELINE
 
@@ -217,6 +217,16 @@ def _accuracy_notes(records: list[dict]) -> list[str]:
             "logits or of the logits rounded to the heads' dtype (what `F.linear` returns), "
             "whichever it matches: the two differ by 1-2% in the gradients "
             "(`bench/oracle.py` `LOGITS_DEFINITIONS`; results.json's `note` names the match).",
+            "",
+        ]
+    if any(r["variant"] in FULL_KL_VARIANTS for r in records):
+        lines += [
+            "Exact KL (`policy_loss[grpo+fullkl]`): the oracle adds, per block of rows, the "
+            "float64 KL(pi || pi_ref) over the vocabulary from both models' logits, and its "
+            "gradient `beta w_t p (log p - log q - KL) / tau` to the logits' gradient. "
+            "`fused_rl_k3` (the same call with k3 on the same inputs) is checked against "
+            "GRPO's oracle with k3 (results.json's `note` says so); the case's byte count is "
+            "the exact KL's five passes, so the k3 row's GB/s is an effective rate.",
             "",
         ]
     declared = {r["provider"] for r in records if r.get("status") == "less_accurate"}

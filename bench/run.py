@@ -12,6 +12,8 @@ Usage::
     python bench/run.py --suite distill --providers fused_rl,fused_rl_mat,eager,compile,liger
     python bench/run.py --suite quick --op distill_loss,linear_distill_loss   # the same, CPU
     python bench/run.py memory --op distill_loss --tokens 16384 --seqlen 2048   # its peaks
+    python bench/run.py --suite fullkl --providers fused_rl,fused_rl_k3,eager,compile
+    python bench/run.py memory --op policy_loss --tokens 16384 --seqlen 2048   # exact KL too
     python bench/run.py host                          # host cost per call, tiny shape
 
 Every case runs each provider (``bench/providers.py``) on the same inputs in this process.
@@ -122,9 +124,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=tuple(SUITES),
         help="quick (CPU), full (the GPU grid), peers (the side-by-side with the peers' "
         "own paths: TRL's and verl's fused heads, Liger inplace=True, at trainers' shapes), "
-        "inplace (the gradient written into the logits) or distill (the on-policy "
+        "inplace (the gradient written into the logits), distill (the on-policy "
         "distillation losses at trainers' shapes; on CPU: --suite quick --op "
-        "distill_loss,linear_distill_loss)",
+        "distill_loss,linear_distill_loss) or fullkl (policy_loss with the exact KL to the "
+        "reference beside the same call with k3; on CPU: --suite quick --op policy_loss)",
     )
     p.add_argument("--op", type=_csv(str), default=None, help=f"comma list of: {', '.join(OPS)}")
     p.add_argument("--tokens", type=_csv(int), default=None, help="comma list of B*T values")
@@ -275,7 +278,8 @@ def run_case(
             out = run()  # warm-up (Triton / torch.compile compile here), checked outputs
             M.sync(device)
             if oracle is not None:
-                rec.update(A.judge(provider, case.dtype, oracle.compare_all(names, out)))
+                comps = oracle.compare_all(names, out, provider)
+                rec.update(A.judge(provider, case.dtype, comps))
                 if oracle.matched:  # which exact definition (bench/oracle.py)
                     rec["note"] = f"oracle: the loss of {oracle.matched}"
             else:

@@ -125,7 +125,7 @@ def _verdicts(case: Case, inp: dict, providers) -> dict:
     oracle = Oracle(case, inp)
     out = {}
     for provider in providers:
-        cmp = oracle.compare_all(P.output_names(case), P.build(provider, case, inp)())
+        cmp = oracle.compare_all(P.output_names(case), P.build(provider, case, inp)(), provider)
         out[provider] = A.judge(provider, case.dtype, cmp)["verdict"]
     return out
 
@@ -988,3 +988,208 @@ def test_distill_memory_figures_in_docs():
     for term in (2 * n * v, 5 * 4 * n * v, 13 * 4 * n * v, 4 * n * v, 6 * v * h, 2 * n * h,
                  3 * n * v * 2):  # fmt: skip
         assert f"{term:,}" in section, term
+
+
+# ----------------------------------------------------------------------------- exact KL
+
+FULL_KL = "grpo+fullkl"
+
+
+def test_full_kl_suites_and_cases(monkeypatch):
+    """``policy_loss[grpo+fullkl]``: the ``fullkl`` suite (bf16 forward + backward,
+    8 x 2048 x 151936 first, torch.compile included), one case in ``peers`` (8 x 2048 x
+    151936) and one in ``full`` (16384 x 151936 bf16), the quick suite's tiny CPU shapes;
+    the inputs (the reference's buffer and its target log-probs); which providers apply and
+    the byte count (five passes over the logits for every provider)."""
+    from bench.cases import FULL_KL_PROVIDERS, REF_NOISE
+
+    cases = select_cases("fullkl")
+    assert {(c.op, c.variant, c.mode, c.dtype) for c in cases} == {
+        ("policy_loss", FULL_KL, "fwd_bwd", "bf16")
+    }
+    assert (cases[0].batch, cases[0].seqlen, cases[0].vocab) == (8, 2048, 151936)
+    assert len(cases) == 2 and all(c.compile_ok for c in cases)
+    peers = [(c.batch, c.seqlen, c.vocab) for c in select_cases("peers") if c.variant == FULL_KL]
+    assert peers == [(8, 2048, 151936)]
+    full = [(c.batch, c.seqlen, c.vocab, c.dtype) for c in full_cases() if c.variant == FULL_KL]
+    assert full == [(16, 1024, 151936, "bf16")]
+    quick = [c for c in select_cases("quick", ["policy_loss"]) if c.variant == FULL_KL]
+    assert {c.dtype for c in quick} == {"bf16", "fp32"} and max(c.tokens for c in quick) <= 8
+    grid = select_cases("fullkl", tokens=[4096], vocabs=[32000])
+    assert [(c.variant, c.tokens, c.vocab) for c in grid] == [(FULL_KL, 4096, 32000)]
+    assert FULL_KL not in {c.variant for c in select_cases("quick", tokens=[4], vocabs=[64])}
+    assert set(FULL_KL_PROVIDERS) <= set(P.PROVIDERS)
+
+    case = Case("policy_loss", FULL_KL, "fwd_bwd", 2, 8, 1000, "bf16")
+    inp = make_inputs(case, "cpu")
+    ref, buf = inp["ref_buf"], inp["buf"]
+    assert ref.shape == buf.shape and ref.dtype == torch.bfloat16
+    assert inp["ref_logits"].data_ptr() == ref.data_ptr() and inp["ref_logits"].shape[1] == 8
+    noise = (ref.float() - buf.float()).std().item()
+    assert noise == pytest.approx(2.0 * REF_NOISE, rel=0.05)
+    expected = torch.log_softmax(ref[:, :-1].float(), -1).gather(-1, inp["targets"][..., None])
+    torch.testing.assert_close(inp["ref_logprobs"], expected[..., 0])
+    grpo_inputs = make_inputs(Case("policy_loss", "grpo+is", "fwd_bwd", 2, 8, 1000, "bf16"), "cpu")
+    for key in ("buf", "targets", "advantages", "old_logprobs", "mask"):  # drawn first, alike
+        assert torch.equal(inp[key], grpo_inputs[key]), key
+
+    assert P.applies("fused_rl_k3", case)
+    assert not P.applies("fused_rl_k3", Case("policy_loss", "grpo", "fwd_bwd", 2, 8, 1000, "bf16"))
+    assert P.applies("fused_rl_2pass", case) and P.applies("fused_rl_inplace", case)
+    monkeypatch.setattr(P, "liger_version", lambda: "any")  # the reason, installed or not
+    for provider in ("trl", "liger", "liger_inplace"):
+        with pytest.raises(P.Unavailable, match="no exact KL"):
+            P.build(provider, case, inp)
+    big = cases[0]
+    assert M.bytes_moved(big) == 5 * big.tokens * big.vocab * 2
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_full_kl_providers_meet_the_oracle(dtype, device):
+    """The exact KL through fused_rl's Triton path (CUDA, or the interpreter on a CPU-only
+    machine), its in-place and two-pass calls, the reference path and eager against the
+    float64 oracle; ``fused_rl_k3`` against its own (GRPO with k3 on the same inputs), on the
+    suite's device."""
+    case = Case("policy_loss", FULL_KL, "fwd_bwd", 2, 8, 1000, dtype)
+    providers = ("fused_rl", "fused_rl_ref", "fused_rl_k3", "eager", "fused_rl_inplace",
+                 "fused_rl_2pass")  # fmt: skip
+    verdicts = _verdicts(case, make_inputs(case, device), providers)
+    assert set(verdicts.values()) == {"ok"}, verdicts
+
+
+def test_full_kl_cli(tmp_path, device):
+    """``bench/run.py --suite fullkl`` on a new grid (4 tokens x V 64, bf16): every provider
+    of the suite that runs here within the tolerance of its oracle (the k3 row's note names
+    its own), the byte count of five passes, a modelled peak per row on CPU."""
+    out = tmp_path / "res"
+    argv = ["--suite=fullkl", f"--device={device}", "--tokens=4", "--vocab=64",
+            "--providers=fused_rl,fused_rl_ref,fused_rl_k3,eager", "--reps=1", "--no-plots",
+            "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    records = json.loads((out / "results.json").read_text())["records"]
+    assert {(r["op"], r["variant"], r["provider"]) for r in records} == {
+        ("policy_loss", FULL_KL, p) for p in ("fused_rl", "fused_rl_ref", "fused_rl_k3", "eager")
+    }
+    for r in records:
+        assert r["verdict"] == "ok" and r["bytes"] == 5 * 4 * 64 * 2, r
+        assert ("k3" in r["note"]) == (r["provider"] == "fused_rl_k3"), r
+        assert (r["model_mb"] is not None) == (device == "cpu"), r
+    assert "Exact KL (`policy_loss[grpo+fullkl]`)" in (out / "results.md").read_text()
+
+
+def test_full_kl_is_its_own_math():
+    """The exact KL matters and each oracle judges its own function: the k3 call's outputs
+    fail the exact KL's oracle, the exact KL's fail k3's, and eager with the KL dropped
+    fails too (fp32: the KL term is ~8% of the loss here)."""
+    from bench import accuracy as A
+    from bench.oracle import Oracle
+
+    case = Case("policy_loss", FULL_KL, "fwd_bwd", 2, 8, 1000, "fp32")
+    inp = make_inputs(case, "cpu")
+    oracle = Oracle(case, inp)
+    names = P.output_names(case)
+    k3 = P.build("fused_rl_k3", case, inp)()
+    exact = P.build("fused_rl_ref", case, inp)()
+    for out, provider in ((k3, "fused_rl"), (exact, "fused_rl_k3")):
+        judged = A.judge("fused_rl", "fp32", oracle.compare_all(names, out, provider))
+        assert judged["status"] == "wrong", (provider, judged["verdict"])
+    assert oracle.compare_all(names, k3, "fused_rl_k3")["loss"].err < 1e-6
+    assert "k3" in oracle.matched
+    logits = inp["logits"]
+    no_kl = P.token_policy_loss(
+        torch.log_softmax(logits.float(), -1).gather(-1, inp["targets"][..., None])[..., 0],
+        None, inp["advantages"], inp["old_logprobs"], None, inp["mask"], FULL_KL,
+        kl=torch.zeros(logits.shape[:2]),
+    )  # fmt: skip
+    grads = torch.autograd.grad(no_kl, [logits])
+    judged = A.judge("eager", "fp32", oracle.compare_all(names, (no_kl.detach(), *grads)))
+    assert judged["status"] == "wrong", judged["verdict"]
+
+
+def test_full_kl_oracle_is_the_formula():
+    """The oracle's streamed KL and closed-form gradient term against the formula itself in
+    float64 with autograd over the whole (N, V): ``sum_v p (log p - log q)`` of the two
+    softmaxes, the PPO-clip surrogate and ``beta * KL``, the masked token mean."""
+    from bench.cases import POLICY
+    from bench.oracle import Oracle, full_kl64
+
+    case = Case("policy_loss", FULL_KL, "fwd_bwd", 2, 8, 1000, "bf16")
+    inp = make_inputs(case, "cpu")
+    z = inp["logits"].detach().double().requires_grad_()
+    log_p = torch.log_softmax(z, -1)
+    log_q = torch.log_softmax(inp["ref_logits"].double(), -1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    kl_streamed, _ = full_kl64(inp["logits"].detach(), inp["ref_logits"])
+    torch.testing.assert_close(kl_streamed, kl.detach(), rtol=1e-12, atol=1e-14)
+    logp = log_p.gather(-1, inp["targets"][..., None])[..., 0]
+    ratio = torch.exp(logp - inp["old_logprobs"].double())
+    adv = inp["advantages"].double()[:, None]
+    low, high = 1 - POLICY["eps_low"], 1 + POLICY["eps_high"]
+    policy = torch.maximum(-adv * ratio, -adv * ratio.clamp(low, high))
+    m = inp["mask"]
+    loss = torch.where(m, policy + POLICY["beta"] * kl, 0.0).sum() / m.sum()
+    grad = torch.autograd.grad(loss, [z])[0]
+    comps = Oracle(case, inp).compare_all(P.output_names(case), (loss.detach(), grad))
+    assert comps["loss"].err < 1e-12 and comps["grad_logits"].err < 1e-12, comps
+
+
+def test_full_kl_memory_model():
+    """policy_loss[grpo+fullkl] at 8 x 2048 x 151936 bf16, forward + backward, modelled (fake
+    tensors): fused_rl holds the bf16 gradient of the (B, T + 1, V) buffer and O(N) (at most
+    64 bytes a token), the k3 call on the same inputs the same gradient and O(N): the exact
+    KL adds nothing of size N V. Eager holds six fp32 (N, V) tensors at its peak, in the
+    backward: the policy's log-softmax, ``p = exp`` of it and ``logp - logq`` (kept by the
+    softmax's, exp's and the product's backward), the product's two gradients and the
+    gather's (N, V) scatter; the reference's log-softmax is freed when the forward returns.
+    Per-token floats aside (at most 16 bytes a token)."""
+    case = Case("policy_loss", FULL_KL, "fwd_bwd", 8, 2048, 151936, "bf16")
+    n, nv = case.tokens, case.tokens * case.vocab
+    grad = 2 * case.batch * (case.seqlen + 1) * case.vocab
+    fused, how = model_peak("fused_rl", case)
+    assert how == "modelled" and 0 <= fused - grad < 64 * n, fused
+    k3, how = model_peak("fused_rl_k3", case)
+    assert how == "modelled" and 0 <= k3 - grad < 64 * n, k3
+    assert 0 <= fused - k3 < 32 * n  # the exact KL's per-token statistics
+    eager, how = model_peak("eager", case)
+    assert how == "modelled" and 0 <= eager - 6 * 4 * nv < 16 * n, eager
+    grpo_eager, _ = model_peak("eager", Case("policy_loss", "grpo", "fwd_bwd", 8, 2048, 151936,
+                                             "bf16"))  # fmt: skip
+    assert 0 <= grpo_eager - 3 * 4 * nv < 16 * n, grpo_eager
+    assert model_peak("compile", case)[0] is None  # measured on GPUs only
+    peak, how = model_peak("liger", case)
+    assert peak is None and "no exact KL" in how, how
+
+
+def _full_kl_doc_section() -> str:
+    text = open(os.path.join(ROOT, "docs", "benchmarks.md")).read()
+    start = text.index("## Exact KL")
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end < 0 else text[start:end]
+
+
+def test_full_kl_memory_figures_in_docs():
+    """docs/benchmarks.md's Exact KL table states the model's peaks at 8 x 2048 x 151936 bf16,
+    each cell the model's bytes in GB to two decimals, and the exact bytes of what they
+    consist of; it says they are modelled, not measured."""
+    section = _full_kl_doc_section()
+    assert "modelled on CPU, not measured on a GPU" in " ".join(section.split())
+    rows = {
+        (FULL_KL, "fused_rl"): "fused_rl, exact KL",
+        (FULL_KL, "fused_rl_k3"): "fused_rl_k3, the same call with k3",
+        (FULL_KL, "eager"): "eager, exact KL",
+        ("grpo", "eager"): "eager, k3",
+    }
+    peaks = {}
+    for (variant, provider), label in rows.items():
+        row = next(line for line in section.splitlines()
+                   if line.startswith(f"| `policy_loss[{variant}]` | {label} |"))  # fmt: skip
+        cell = row.strip("|").split("|")[2].strip()
+        case = Case("policy_loss", variant, "fwd_bwd", 8, 2048, 151936, "bf16")
+        peak = peaks[variant, provider] = model_peak(provider, case)[0]
+        assert cell == f"{peak / 1e9:.2f} GB", (variant, provider, peak, cell)
+    n, v = 8 * 2048, 151936
+    grad = 2 * 8 * 2049 * v
+    fused, k3 = peaks[FULL_KL, "fused_rl"] - grad, peaks[FULL_KL, "fused_rl_k3"] - grad
+    for term in (4 * n * v, grad, fused, k3, 6 * 4 * n * v, peaks["grpo", "eager"]):
+        assert f"{term:,}" in section, term
+    assert f"{peaks[FULL_KL, 'eager'] / peaks[FULL_KL, 'fused_rl']:.1f}×" in section
