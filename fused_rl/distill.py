@@ -343,10 +343,12 @@ distill_rows_grad_fwd_op.register_fake(lambda student2d, *_args: student2d.new_e
 
 
 # ----------------------------------------------------------------------------- per token
-# The per-token forward / reverse KL with their gradient (``fused_rl.token_kl``, the composed
-# policy loss's exact KL, and ``distill_loss`` under vocabulary parallelism): the kernels
-# above at ``beta`` in {0, 1}, their row statistics merged across vocabulary shards by two
-# all-reduces (``fused_rl.exact_kl``'s module docstring gives the sums and bytes).
+# The per-token divergence with its gradient (``fused_rl.token_kl``, the composed policy
+# loss's exact KL, and ``distill_loss`` / ``linear_distill_loss`` under vocabulary
+# parallelism): the kernels above at ``beta`` 0 or 1 on each row (or shard), their row
+# statistics merged across vocabulary shards by two all-reduces (``fused_rl.exact_kl``'s
+# module docstring gives the sums and bytes), the generalized JSD then a second pass over
+# each shard with the merged normalisers (``_distill_mixture_kernel``) and one more.
 
 _COL_REVERSE = COLUMNS.index("reverse_kl")
 _COL_COUNT = COLUMNS.index("count")
@@ -399,6 +401,7 @@ def divergence_stats(x3d, r3d, mask, temperature, which, shard, beta, with_extra
     if mask is not None:
         extra = torch.where(mask, extra, 0.0)
     if mode == 2:  # the mixture needs both global normalisers: a second pass, one SUM
+        assert shard is not None, "the unsharded JSD runs distill_fwd_op"
         jsd_parts = _mixture_parts(x3d, r3d, stats, mask, temperature, beta, which)
         _dist().all_reduce(jsd_parts, op=_dist().ReduceOp.SUM, group=shard.group)
         stats = torch.cat((stats[:_C], jsd_parts[1:], stats[_LOG_S_U:]))  # c: sum p L
@@ -421,6 +424,7 @@ def _launch_mixture(x3d, r3d, stats, mask, out, temperature, beta) -> None:
     from .kernels.vocab.distill import _distill_mixture_kernel
 
     outer, inner, vocab = x3d.shape
+    assert mask is None or mask.is_contiguous(), "the kernel reads the mask by row index"
     _distill_mixture_kernel[(outer * inner,)](
         x3d, r3d, stats, mask.view(torch.uint8) if mask is not None else stats, out, inner,
         outer * inner, vocab, *x3d.stride(), *r3d.stride(), *f32_pair(1.0 / temperature),
@@ -542,11 +546,13 @@ def _merge(stats: Tensor, extra: Tensor, shard, full: bool) -> tuple[Tensor, Ten
     near = (x.abs() <= 1.0) & ~empty_z & ~empty_u
     gap = torch.where(near, a * torch.expm1(torch.where(near, x, 0.0)), b - a)
     r_l = extra[1] + log_ratio_l  # E_p[(z - M_z) - (u - M_u)] over the shard
-    parts = [a, gap, torch.where(a == 0, 0.0, a * (r_l + dd))]
+    # a shard where one model has mass and the other none: that KL is +inf there (the local
+    # value is inf - inf); NaN still propagates (empty_* is False for NaN)
+    parts = [a, gap, torch.where(a == 0, 0.0, torch.where(empty_u, math.inf, a * (r_l + dd)))]
     if full:
         f_l = extra[0] - log_ratio_l  # E_q[(u - M_u) - (z - M_z)] over the shard
         parts += [
-            torch.where(b == 0, 0.0, b * (f_l - dd)),
+            torch.where(b == 0, 0.0, torch.where(empty_z, math.inf, b * (f_l - dd))),
             torch.where(a == 0, 0.0, a * ((log_s_z_l - extra[2]) + d_z)),  # W_z
             torch.where(b == 0, 0.0, b * ((log_s_u_l - extra[3]) + d_u)),  # W_u
         ]
@@ -755,9 +761,9 @@ def distill_loss(
 def _sharded_distill_loss(logits, teacher_logits, beta, temperature, mask, targets,
                           ignore_index, loss_agg, num_items, max_length, process_group,
                           backend):  # fmt: skip
-    """:func:`distill_loss` over a vocabulary split across ranks: the per-token forward or
-    reverse KL (:func:`pair_divergence`, merged across shards), aggregated with
-    ``fused_rl._agg``'s token weights, the metrics masked means."""
+    """:func:`distill_loss` over a vocabulary split across ranks: the per-token divergence
+    (:func:`pair_divergence`, merged across shards), aggregated with ``fused_rl._agg``'s
+    token weights, the metrics masked means."""
     if is_dtensor(teacher_logits):
         teacher_logits = teacher_logits.to_local()
     if is_dtensor(targets):

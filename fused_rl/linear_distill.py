@@ -99,6 +99,7 @@ class _Launch:
     num_items: float  # -1: not a number (None or a tensor)
     which: str  # "triton" | "reference"
     shard: object = None  # fused_rl.distributed.VocabShard of the lm_heads, or None
+    reduce_hidden: bool = True  # with a shard: all-reduce the hidden gradient
 
 
 def _run(rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_scale,
@@ -169,7 +170,7 @@ def _run(rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_sca
         if need_b:
             d_bias.add_(dz.sum(0, dtype=acc))
         del z, z_full, zt, dz, dz_full, h_c
-    if need_h and shard is not None:  # each rank's dz W_local is its part of dH
+    if need_h and shard is not None and launch.reduce_hidden:  # dz W_local: a part of dH
         _dist().all_reduce(d_hidden, group=shard.group)
     if triton:
         loss, metrics, _ = distill_finalize_op(
@@ -331,6 +332,7 @@ def linear_distill_loss(
     max_length: int | None = None,
     chunk_tokens: int | None = None,
     process_group=None,
+    reduce_hidden_grad: bool = True,
     backend: str = "auto",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """:func:`fused_rl.distill_loss` straight from both models' final hidden states and
@@ -369,7 +371,14 @@ def linear_distill_loss(
             its shard of the heads' gradients and the WHOLE hidden gradient (all-reduced:
             one ``N H`` collective after the chunks). Per chunk the two all-reduces of
             :func:`distill_loss`'s ``process_group`` (a third for the JSD), then each rank
-            writes its shard's ``dz`` from the merged statistics.
+            writes its shard's ``dz`` (a fresh chunk-sized buffer, not over the logits) from
+            the merged statistics. The default chunk comes from the global vocabulary
+            (``world * V_local``), so every rank runs the same chunks (the shards must have
+            equal widths, as the merge assumes).
+        reduce_hidden_grad: with ``process_group``: True (default) all-reduces (SUM) the
+            hidden gradient over the group; False leaves each rank its partial ``dz W_local``
+            (they sum to the unsharded gradient) for a framework that reduces it itself
+            (Megatron's sequence parallelism), as :func:`fused_rl.linear_token_logprobs`.
         backend: ``"auto"`` | ``"triton"`` | ``"reference"``.
 
     Returns:
@@ -392,7 +401,9 @@ def linear_distill_loss(
     vocabulary entry and row, the GEMMs write ``z_s`` and ``z_t`` (2 + 2 bytes), the kernels
     read 4 (8 for the JSD) + 4 and write 2, the gradient GEMMs read ``dz`` (2 + 2). Then one
     finalize reduction for the loss and the metrics; the backward is three multiplies by the
-    upstream scalar.
+    upstream scalar. With ``process_group`` per chunk: the forward kernel (and its unused
+    finalize), the JSD's second pass, the backward kernel into a fresh buffer, and the
+    collectives above.
 
     Example:
         >>> import torch, torch.nn.functional as F, fused_rl
@@ -411,6 +422,8 @@ def linear_distill_loss(
         hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, beta, temperature,
         mask, targets, ignore_index, loss_agg, max_length, num_items, chunk_tokens,
     )  # fmt: skip
+    if not isinstance(reduce_hidden_grad, bool):
+        raise TypeError(f"reduce_hidden_grad must be a bool, got {type(reduce_hidden_grad)}")
     shard = None
     if process_group is not None:
         shard = group_shard(process_group, weight.shape[0], None, None, name="weight")
@@ -422,7 +435,11 @@ def linear_distill_loss(
     t_rows = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
     vocab = weight.shape[0]
     chunk = (
-        int(chunk_tokens) if chunk_tokens else default_chunk_tokens(vocab, rows.dtype, t_rows.dtype)
+        int(chunk_tokens)
+        if chunk_tokens
+        else default_chunk_tokens(
+            vocab if shard is None else shard.vocab_size, rows.dtype, t_rows.dtype
+        )
     )
     grad = _grad_wanted(rows, weight, bias)
     acc = acc_dtype(rows, t_rows)
@@ -442,6 +459,7 @@ def linear_distill_loss(
     launch = _Launch(
         float(beta), float(temperature), int(ignore_index), chunk, outer, inner,
         LOSS_AGG_MODES.index(loss_agg), float(max_length or inner), n_items, which, shard,
+        bool(reduce_hidden_grad),
     )  # fmt: skip
     args = (rows, weight, bias, t_rows.detach(), teacher_weight.detach(),
             None if teacher_bias is None else teacher_bias.detach(), flat_targets, flat_mask,

@@ -480,6 +480,8 @@ def policy_loss(
             )
         x, r = window(logits, length), window(ref_logits, length)
         if softcap is not None:  # both models' logits capped before the temperature
+            keep = (mask_f != 0)[..., None]  # rows that do not count: no NaN through the cap
+            x, r = torch.where(keep, x, 0.0), torch.where(keep, r, 0.0)
             x, r = softcap * torch.tanh(x / softcap), softcap * torch.tanh(r / softcap)
         full_kl = token_divergences(
             x, r, beta=1.0, temperature=float(temperature), counted=mask_f != 0

@@ -684,6 +684,26 @@ def distill_vocab_parallel(ctx):
     targets[0, :2] = -100
     mask = torch.rand(B, T, generator=g) > 0.2
     start, stop = _shard_bounds([w] * ctx.world, ctx.rank)
+    # one model without mass on the last rank's columns (a token): that KL is +inf, as
+    # unsharded; the other divergences finite
+    last = _shard_bounds([w] * ctx.world, ctx.world - 1)
+    for which in ("student", "teacher"):
+        x, t = full.clone(), teacher.clone()
+        (x if which == "student" else t)[0, 4, last[0] : last[1]] = -math.inf
+        for beta in (0.0, 1.0, 0.5):
+            ref_loss, ref_metrics = fused_rl.distill_loss(x, t, beta=beta, backend="triton")
+            for backend in BACKENDS:
+                loss, metrics = fused_rl.distill_loss(
+                    x[..., start:stop], t[..., start:stop], beta=beta, process_group=ctx.group,
+                    backend=backend,
+                )  # fmt: skip
+                what = f"{which} -inf, beta {beta} {backend}"
+                assert loss.isinf() == ref_loss.isinf(), (what, loss, ref_loss)
+                if not ref_loss.isinf():
+                    assert_rel(loss, ref_loss, FP32_TOL, what)
+                for key, value in metrics.items():
+                    assert value.isinf() == ref_metrics[key].isinf(), (what, key, value)
+                    assert not value.isnan(), (what, key)
     for beta in (0.0, 1.0, 0.5, 0.1):
         for loss_agg in ("token-mean", "seq-mean-token-mean"):
             kw = dict(beta=beta, targets=targets, mask=mask, loss_agg=loss_agg, temperature=0.8)
@@ -721,8 +741,11 @@ def linear_distill_vocab_parallel(ctx):
     t_weight = torch.randn(V, Ht, generator=g)
     mask = torch.rand(1, N, generator=g) > 0.2
     start, stop = _shard_bounds([w] * ctx.world, ctx.rank)
-    for beta in (0.0, 1.0, 0.5):
-        kw = dict(beta=beta, mask=mask, chunk_tokens=3, temperature=0.9)
+    targets = torch.randint(0, V, (1, N), generator=g)
+    targets[0, 1] = -100
+    for beta, loss_agg in ((0.0, "token-mean"), (1.0, "seq-mean-token-mean"), (0.5, "token-mean")):
+        kw = dict(beta=beta, mask=mask, chunk_tokens=3, temperature=0.9, targets=targets,
+                  loss_agg=loss_agg)  # fmt: skip
         leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
         ref_loss, ref_metrics = fused_rl.linear_distill_loss(
             leaves[0], leaves[1], t_hidden, t_weight, bias=leaves[2], backend="triton", **kw
@@ -743,6 +766,7 @@ def linear_distill_vocab_parallel(ctx):
             assert_rel(mine[0].grad, leaves[0].grad, FP32_TOL, f"hidden grad {what}")
             assert_rel(mine[1].grad, leaves[1].grad[start:stop], FP32_TOL, f"weight {what}")
             assert_rel(my_bias.grad, leaves[2].grad[start:stop], FP32_TOL, f"bias {what}")
+    _group_ok(ctx)
 
 
 @pytest.mark.parametrize("name", list(CHECKS))

@@ -328,6 +328,20 @@ def test_softcap(backend, cap):
         assert_rel(x.grad, grad, 1e-6, "grad_in_forward")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_softcap_nan_where_nothing_counts(backend):
+    """A NaN row of either model at a masked token never reaches the loss or the gradient,
+    through the cap too."""
+    logits, targets, adv, kw = _inputs(seed=25)
+    kw["mask"][0, 1] = False
+    logits[0, 1, 3] = float("nan")
+    kw["ref_logits"][0, 1, 5] = float("nan")
+    loss, metrics, grad = _run(fused_rl.policy_loss, logits, targets, adv, 1.0, softcap=30.0,
+                               backend=backend, kl_estimator="full", beta=0.3, **kw)  # fmt: skip
+    assert torch.isfinite(loss) and torch.isfinite(metrics["kl"])
+    assert torch.isfinite(grad).all() and torch.equal(grad[0, 1], torch.zeros_like(grad[0, 1]))
+
+
 def test_softcap_from_hidden_states():
     hidden, weight, bias, ref, targets, adv, kw = _linear_inputs(seed=24)
     options = dict(kl_estimator="full", beta=0.3, softcap=3.0)

@@ -196,7 +196,8 @@ def write_grad_row(
 
     ``HAS_KL``: also ``+ k p (-delta - KL)`` with ``delta = log q - log p``
     formed from the reference row ``ref_row`` (soft-capped like the policy's with
-    ``HAS_SOFTCAP``) (``kernels/vocab/pair.py`` ``near_delta``;
+    ``HAS_SOFTCAP``; then ``b - a`` from the capped values, else ``kernels/vocab/pair.py``
+    ``near_delta``;
     ``r_max`` its max, ``log_zu = log(S_z / S_u)``, ``KL`` the row's); ``k`` carries the
     same scales as ``g``."""
     if HAS_SOFTCAP:

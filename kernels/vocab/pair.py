@@ -100,7 +100,8 @@ def pair_moments(
     BLOCK_V: tl.constexpr, ACC: tl.constexpr, inv_cap=1.0, HAS_SOFTCAP: tl.constexpr = False,
 ):  # fmt: skip
     """Pass 1: stream both rows once (``n_cols`` = V, or 0 to read nothing). Returns
-    ``(M_z, log S_z, H(p), M_u, log S_u, H(q), KL(q || p), KL(p || q))`` (module docstring;
+    ``(M_z, log S_z, H(p), M_u, log S_u, H(q), KL(q || p), KL(p || q), log(S_z / S_u))``
+    (module docstring;
     ``M`` is 0 for a row that is all ``-inf`` or empty). ``HAS_SOFTCAP``: both rows soft-capped,
     ``z = c tanh(x / c) / T`` (``layer1.scaled_logits``: ``inv_temperature`` carries ``c / T``,
     ``inv_cap`` ``1 / c``); ``b - a`` is then the capped values' own difference."""
