@@ -166,11 +166,11 @@ def per_row(scale: Tensor | None, shape) -> Tensor | None:
     return None if scale is None else scale.expand(shape).contiguous().view(-1)
 
 
-def check_full_kl_route(policy: PolicyConfig, softcap, sharded: bool, composable: bool) -> None:
+def check_full_kl_route(policy: PolicyConfig, sharded: bool, composable: bool) -> None:
     """What ``kl_estimator="full"`` cannot do where the loss is composed from per-token
     statistics (vocabulary parallelism, GSPO / VESPO, the top-entropy selection:
-    ``composable`` says the call can compose it, as ``policy_loss`` can): the soft cap and
-    the bias-corrected KL, which live in the fused token-level pass."""
+    ``composable`` says the call can compose it, as ``policy_loss`` can): the
+    bias-corrected KL, whose ratio factor lives in the fused token-level pass."""
     option = not_token_level(policy)
     if sharded:
         option = "vocabulary-parallel logits (process_group= or DTensor logits)"
@@ -182,13 +182,11 @@ def check_full_kl_route(policy: PolicyConfig, softcap, sharded: bool, composable
             f"sampling without process_group, not with {option}: compute the logits and call "
             "fused_rl.policy_loss(ref_logits=)"
         )
-    for name, given in (("softcap=", softcap is not None),
-                        ("kl_bias_correction=True", policy.kl_bias_correction)):  # fmt: skip
-        if given:
-            raise NotImplementedError(
-                f"kl_estimator='full' with {name} is implemented for the fused token-level "
-                f"pass, not with {option}"
-            )
+    if policy.kl_bias_correction:
+        raise NotImplementedError(
+            f"kl_estimator='full' with kl_bias_correction=True is implemented for the fused "
+            f"token-level pass, not with {option}"
+        )
 
 
 def not_token_level(policy: PolicyConfig) -> str | None:

@@ -27,7 +27,7 @@ from torch import Tensor
 from . import _validation as V
 from ._agg import check_loss_agg, masked_mean_all, poison_empty, token_weights
 from ._backend import resolve_backend
-from ._launch import f32_pair, stats_dtype, triton_acc, vocab_launch
+from ._launch import NO_CAP, f32_pair, stats_dtype, triton_acc, vocab_launch
 from ._ops import FusedOp, _serialised_when_interpreting
 from ._policy_inputs import num_items_args, weights_of
 from ._shapes import as_rows3d
@@ -59,6 +59,14 @@ def _beta_args(beta: float) -> tuple[float, ...]:
     return (*f32_pair(beta), *f32_pair(logs[0]), *f32_pair(logs[1]))
 
 
+def _temperature_args(temperature: float, softcap: float | None) -> tuple[float, ...]:
+    """The kernels' ``inv_t`` and ``inv_cap`` fp32 pairs: ``1 / T`` and none, or with the soft
+    cap ``c``, ``c / T`` and ``1 / c`` (``kernels/vocab/layer1.py`` ``scaled_logits``)."""
+    if softcap is None:
+        return (*f32_pair(1.0 / temperature), *NO_CAP)
+    return (*f32_pair(softcap / temperature), *f32_pair(1.0 / softcap))
+
+
 def _acc(student: Tensor, teacher: Tensor) -> torch.dtype:
     return acc_dtype(student, teacher)
 
@@ -79,6 +87,7 @@ def distill_fwd(
     max_length: float,
     num_items: float,
     free: bool,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The distillation loss over ``(outer, inner, V)`` student / teacher logits (any
     strides, each its own) with ``(outer, inner)`` targets / mask (any strides; a bool mask
@@ -96,14 +105,14 @@ def distill_fwd(
     part = torch.empty((len(COLUMNS), outer * inner), dtype=acc, device=student3d.device)
     stats = torch.empty((N_STATS, outer * inner), dtype=acc, device=student3d.device)
     _launch_rows(student3d, teacher3d, targets, mask, part, stats, beta, temperature,
-                 ignore_index)  # fmt: skip
+                 ignore_index, softcap)  # fmt: skip
     loss, metrics, seq_scale = _launch_finalize(part, outer, inner, agg, max_length, num_items,
                                                 num_items_t)  # fmt: skip
     return loss, metrics, seq_scale, stats, part
 
 
 def _launch_rows(student3d, teacher3d, targets, mask, part, stats, beta, temperature,
-                 ignore_index) -> None:  # fmt: skip
+                 ignore_index, softcap=None) -> None:  # fmt: skip
     """The forward vocab kernel over every row of ``(outer, inner, V)`` logits: writes the
     ``(len(COLUMNS), N)`` partial columns ``part`` and the ``(N_STATS, N)`` statistics."""
     from .kernels.vocab.distill import _distill_fwd_kernel
@@ -116,9 +125,10 @@ def _launch_rows(student3d, teacher3d, targets, mask, part, stats, beta, tempera
             student3d, teacher3d, targets if targets is not None else part,
             mask if mask is not None else part, part, stats, inner, n_rows, vocab,
             *student3d.stride(), *teacher3d.stride(), *strides(targets), *strides(mask),
-            *f32_pair(1.0 / temperature), *_beta_args(beta), ignore_index,
+            *_temperature_args(temperature, softcap), *_beta_args(beta), ignore_index,
             MODE=divergence_mode(beta), HAS_TARGETS=targets is not None,
             HAS_MASK=mask is not None, ACC=triton_acc(part.dtype),
+            HAS_SOFTCAP=softcap is not None,
             **vocab_launch(vocab, writes=True),
         )  # fmt: skip
 
@@ -143,7 +153,7 @@ def _launch_finalize(part, outer, inner, agg, max_length, num_items, num_items_t
 
 
 def _fwd_fake(student3d, teacher3d, targets, mask, num_items_t, beta, temperature, ignore_index,
-              agg, max_length, num_items, free):  # fmt: skip
+              agg, max_length, num_items, free, softcap=None):  # fmt: skip
     outer, inner, _ = student3d.shape
     acc = _acc(student3d, teacher3d)
     n_scale = max(outer, 1) if agg == _SEQ_MEAN_TOKEN_MEAN else 1
@@ -169,6 +179,7 @@ def distill_bwd(
     beta: float,
     temperature: float,
     free: bool,
+    softcap: float | None = None,
 ) -> Tensor:
     """The student's gradient, a fresh contiguous ``(outer, inner, V)`` buffer in its
     dtype, from the forward's ``stats`` / ``part`` / ``seq_scale`` and the upstream
@@ -184,8 +195,9 @@ def distill_bwd(
     _distill_bwd_kernel[(n_rows,)](
         student3d, teacher3d, grad, stats, part, grad_loss, seq_scale, inner, n_rows, vocab,
         *student3d.stride(), *teacher3d.stride(), 0 if seq_scale.numel() == 1 else 1,
-        *f32_pair(1.0 / temperature), *_beta_args(beta), MODE=divergence_mode(beta),
-        ACC=triton_acc(stats.dtype), FREE=bool(free), **vocab_launch(vocab, writes=True),
+        *_temperature_args(temperature, softcap), *_beta_args(beta), MODE=divergence_mode(beta),
+        ACC=triton_acc(stats.dtype), FREE=bool(free), HAS_SOFTCAP=softcap is not None,
+        **vocab_launch(vocab, writes=True),
     )  # fmt: skip
     return grad
 
@@ -201,6 +213,7 @@ distill_bwd_op.register_fake(_bwd_fake)
 def _setup_context(ctx, inputs, output):
     student3d, teacher3d, *_ = inputs
     ctx.beta, ctx.temperature, ctx.free = inputs[5], inputs[6], inputs[11]
+    ctx.softcap = inputs[12] if len(inputs) > 12 else None
     _, metrics, seq_scale, stats, part = output
     ctx.save_for_backward(student3d, teacher3d, stats, part, seq_scale)
     ctx.mark_non_differentiable(metrics, seq_scale, stats, part)
@@ -213,7 +226,7 @@ def _backward(ctx, grad_loss, *_unused):
     if grad_loss is not None:
         grad = distill_bwd_op(
             student3d, teacher3d, stats, part, seq_scale, grad_loss, ctx.beta, ctx.temperature,
-            ctx.free,
+            ctx.free, ctx.softcap,
         )  # fmt: skip
     return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
 
@@ -238,6 +251,7 @@ def distill_rows_fwd(
     beta: float,
     temperature: float,
     ignore_index: int,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(part, stats)``, ``(len(COLUMNS), n)`` / ``(N_STATS, n)``, of ``n`` rows of student
     / teacher logits (``(n, V)`` each, any strides) with ``(n,)`` targets / mask (a bool
@@ -248,7 +262,7 @@ def distill_rows_fwd(
     stats = torch.empty((N_STATS, n), dtype=acc, device=student2d.device)
     row = lambda t: None if t is None else t[None]  # noqa: E731
     _launch_rows(student2d[None], teacher2d[None], row(targets), row(mask), part, stats, beta,
-                 temperature, ignore_index)  # fmt: skip
+                 temperature, ignore_index, softcap)  # fmt: skip
     return part, stats
 
 
@@ -296,6 +310,7 @@ def distill_rows_grad_into(
     scale: Tensor,
     beta: float,
     temperature: float,
+    softcap: float | None = None,
 ) -> Tensor:
     """The student's gradient of ``n`` rows into ``grad`` (contiguous ``(n, V)``, the
     student's dtype; it may be ``student2d`` itself: the kernel reads each block before it
@@ -313,9 +328,9 @@ def distill_rows_grad_into(
     _distill_bwd_kernel[(n,)](
         student2d, teacher2d, grad, stats, part, scale, row_scale, 1, stats.stride(0), vocab,
         student2d.stride(0), 0, student2d.stride(1), teacher2d.stride(0), 0,
-        teacher2d.stride(1), row_scale.stride(0), *f32_pair(1.0 / temperature),
+        teacher2d.stride(1), row_scale.stride(0), *_temperature_args(temperature, softcap),
         *_beta_args(beta), MODE=divergence_mode(beta), ACC=triton_acc(stats.dtype), FREE=False,
-        **vocab_launch(vocab, writes=True),
+        HAS_SOFTCAP=softcap is not None, **vocab_launch(vocab, writes=True),
     )  # fmt: skip
     return grad
 
@@ -329,12 +344,13 @@ def distill_rows_grad_fwd(
     scale: Tensor,
     beta: float,
     temperature: float,
+    softcap: float | None = None,
 ) -> Tensor:
     """:func:`distill_rows_grad_into` into a fresh buffer (the form ``torch.compile``
     traces: a custom op may not mutate its input)."""
     grad = torch.empty(student2d.shape, dtype=student2d.dtype, device=student2d.device)
     return distill_rows_grad_into(grad, student2d, teacher2d, stats, part, row_scale, scale,
-                                  beta, temperature)  # fmt: skip
+                                  beta, temperature, softcap)  # fmt: skip
 
 
 distill_rows_grad_fwd_op = FusedOp("distill_rows_grad_fwd", distill_rows_grad_fwd)
@@ -369,11 +385,11 @@ class _PairDivergence(torch.autograd.Function):
     (Triton, ``beta`` 0 or 1), else this rank's shard (either backend)."""
 
     @staticmethod
-    def forward(ctx, x3d, r3d, mask, temperature, which, shard, beta, with_extra):
+    def forward(ctx, x3d, r3d, mask, temperature, which, shard, beta, with_extra, softcap):
         d, extra, stats = divergence_stats(x3d, r3d, mask, temperature, which, shard, beta,
-                                           with_extra)  # fmt: skip
+                                           with_extra, softcap)  # fmt: skip
         ctx.save_for_backward(x3d, r3d, stats, mask)
-        ctx.temperature, ctx.which, ctx.beta = temperature, which, beta
+        ctx.temperature, ctx.which, ctx.beta, ctx.softcap = temperature, which, beta, softcap
         ctx.mark_non_differentiable(extra)
         ctx.set_materialize_grads(False)
         return d, (extra if with_extra else extra.new_empty((0,)))
@@ -382,19 +398,20 @@ class _PairDivergence(torch.autograd.Function):
     def backward(ctx, grad_d, _grad_extra):
         x3d, r3d, stats, mask = ctx.saved_tensors
         if grad_d is None:
-            return (None,) * 8
+            return (None,) * 9
         with torch.no_grad():
             g = grad_d if mask is None else torch.where(mask, grad_d, 0.0)  # rows not read
-            grad = divergence_grad(x3d, r3d, stats, g, ctx.temperature, ctx.which, ctx.beta)
-        return (differentiable_once(grad, x3d, grad_d),) + (None,) * 7
+            grad = divergence_grad(x3d, r3d, stats, g, ctx.temperature, ctx.which, ctx.beta,
+                                   ctx.softcap)  # fmt: skip
+        return (differentiable_once(grad, x3d, grad_d),) + (None,) * 8
 
 
-def divergence_stats(x3d, r3d, mask, temperature, which, shard, beta, with_extra):
+def divergence_stats(x3d, r3d, mask, temperature, which, shard, beta, with_extra, softcap=None):
     """:class:`_PairDivergence`'s forward without autograd: ``(d, extra, stats)``, ``stats``
     the whole vocabulary's ``(N_STATS, n)`` statistics the backward (:func:`divergence_grad`)
     reads."""
     mode = divergence_mode(beta)
-    stats, extra = _local_stats(x3d, r3d, mask, temperature, which, mode == 0)
+    stats, extra = _local_stats(x3d, r3d, mask, temperature, which, mode == 0, softcap)
     if shard is not None:
         stats, extra = _merge(stats, extra, shard, full=mode != 1 or with_extra)
     extra = extra.view(4, *x3d.shape[:2])
@@ -402,7 +419,7 @@ def divergence_stats(x3d, r3d, mask, temperature, which, shard, beta, with_extra
         extra = torch.where(mask, extra, 0.0)
     if mode == 2:  # the mixture needs both global normalisers: a second pass, one SUM
         assert shard is not None, "the unsharded JSD runs distill_fwd_op"
-        jsd_parts = _mixture_parts(x3d, r3d, stats, mask, temperature, beta, which)
+        jsd_parts = _mixture_parts(x3d, r3d, stats, mask, temperature, beta, which, softcap)
         _dist().all_reduce(jsd_parts, op=_dist().ReduceOp.SUM, group=shard.group)
         stats = torch.cat((stats[:_C], jsd_parts[1:], stats[_LOG_S_U:]))  # c: sum p L
         d = jsd_parts[0].view(x3d.shape[:2])
@@ -413,13 +430,21 @@ def divergence_stats(x3d, r3d, mask, temperature, which, shard, beta, with_extra
     return d, extra, stats
 
 
-def pair_divergence(x3d, r3d, mask, temperature, which, shard, beta=1.0, with_extra=False):
-    """:class:`_PairDivergence` (checked inputs): ``(d, extra)``."""
-    return _PairDivergence.apply(x3d, r3d, mask, temperature, which, shard, beta, with_extra)
+def pair_divergence(x3d, r3d, mask, temperature, which, shard, beta=1.0, with_extra=False,
+                    softcap=None):  # fmt: skip
+    """:class:`_PairDivergence` (checked inputs): ``(d, extra)``; ``softcap``: both models'
+    logits capped, ``c tanh(x / c)``, before the temperature."""
+    return _PairDivergence.apply(x3d, r3d, mask, temperature, which, shard, beta, with_extra,
+                                 softcap)  # fmt: skip
+
+
+def _capped(x: Tensor, softcap: float | None) -> Tensor:
+    """``c tanh(x / c)`` (the reference's soft cap), or ``x``."""
+    return x if softcap is None else softcap * torch.tanh(x / softcap)
 
 
 @_serialised_when_interpreting
-def _launch_mixture(x3d, r3d, stats, mask, out, temperature, beta) -> None:
+def _launch_mixture(x3d, r3d, stats, mask, out, temperature, beta, softcap) -> None:
     """``_distill_mixture_kernel`` over every row of ``(outer, inner, V)`` shards."""
     from .kernels.vocab.distill import _distill_mixture_kernel
 
@@ -427,13 +452,14 @@ def _launch_mixture(x3d, r3d, stats, mask, out, temperature, beta) -> None:
     assert mask is None or mask.is_contiguous(), "the kernel reads the mask by row index"
     _distill_mixture_kernel[(outer * inner,)](
         x3d, r3d, stats, mask.view(torch.uint8) if mask is not None else stats, out, inner,
-        outer * inner, vocab, *x3d.stride(), *r3d.stride(), *f32_pair(1.0 / temperature),
-        *_beta_args(beta), HAS_MASK=mask is not None, ACC=triton_acc(stats.dtype),
+        outer * inner, vocab, *x3d.stride(), *r3d.stride(),
+        *_temperature_args(temperature, softcap), *_beta_args(beta),
+        HAS_MASK=mask is not None, ACC=triton_acc(stats.dtype), HAS_SOFTCAP=softcap is not None,
         **vocab_launch(vocab, writes=True),
     )  # fmt: skip
 
 
-def _mixture_parts(x3d, r3d, stats, mask, temperature, beta, which) -> Tensor:
+def _mixture_parts(x3d, r3d, stats, mask, temperature, beta, which, softcap=None) -> Tensor:
     """``(2, n)``: this shard's part of each row's generalized JSD and of ``sum_v p_v L_v``,
     from the whole vocabulary's ``stats`` (the JSD's second pass; Triton:
     ``_distill_mixture_kernel``, reads the shard's rows once more)."""
@@ -443,11 +469,11 @@ def _mixture_parts(x3d, r3d, stats, mask, temperature, beta, which) -> Tensor:
     if vocab == 0 or n == 0:
         return out
     if which == "triton":
-        _launch_mixture(x3d, r3d, stats, mask, out, temperature, beta)
+        _launch_mixture(x3d, r3d, stats, mask, out, temperature, beta, softcap)
         return out
     st = stats.view(N_STATS, outer, inner, 1)
-    z = x3d.to(stats.dtype) / temperature
-    u = r3d.to(stats.dtype) / temperature
+    z = _capped(x3d.to(stats.dtype), softcap) / temperature
+    u = _capped(r3d.to(stats.dtype), softcap) / temperature
     log_p = (z - st[_MAX_Z]) - st[_LOG_S_Z]
     log_q = (u - st[_MAX_U]) - st[_LOG_S_U]
     delta = ((u - z) - (st[_MAX_U] - st[_MAX_Z])) + st[_LOG_RATIO]  # log q - log p
@@ -460,7 +486,7 @@ def _mixture_parts(x3d, r3d, stats, mask, temperature, beta, which) -> Tensor:
     return parts.reshape(2, n)
 
 
-def _local_stats(x3d, r3d, mask, temperature, which, forward_kl=False):
+def _local_stats(x3d, r3d, mask, temperature, which, forward_kl=False, softcap=None):
     """``(stats, extra)``: the ``(N_STATS, outer * inner)`` row statistics of this shard's (or
     the whole vocabulary's) columns in the distill kernels' layout (``c`` the reverse KL), and
     ``(4, outer * inner)`` forward KL, reverse KL, ``H(p)``, ``H(q)`` over those columns."""
@@ -470,17 +496,18 @@ def _local_stats(x3d, r3d, mask, temperature, which, forward_kl=False):
         m8 = None if mask is None else mask.view(torch.uint8)
         _, _, _, stats, part = distill_fwd_op(
             x3d, r3d, None, m8, None, 0.0 if forward_kl else 1.0, temperature, -100, 0,
-            float(inner), 0.0, False,
+            float(inner), 0.0, False, softcap,
         )  # fmt: skip
         if forward_kl:  # the kernel's c is the reverse KL only at beta = 1
             stats = torch.cat((stats[:_C], part[_COL_REVERSE][None], stats[_LOG_S_U:]))
         return stats, part[_EXTRA_COLUMNS]
     # the reference: the same statistics in plain PyTorch (the shard may be empty: -inf max)
     acc = stats_dtype(torch.promote_types(x3d.dtype, r3d.dtype))
-    z, u = x3d.detach().to(acc) / temperature, r3d.to(acc) / temperature
+    z, u = x3d.detach().to(acc), r3d.to(acc)
     if mask is not None:
         keep = mask[..., None]
         z, u = torch.where(keep, z, 0.0), torch.where(keep, u, 0.0)
+    z, u = _capped(z, softcap) / temperature, _capped(u, softcap) / temperature
     if vocab == 0:
         empty = torch.full((outer, inner), -math.inf, dtype=acc, device=x3d.device)
         zero = torch.zeros_like(empty)
@@ -571,7 +598,8 @@ def _merge(stats: Tensor, extra: Tensor, shard, full: bool) -> tuple[Tensor, Ten
     return merged, torch.stack((big_f / s_u + log_ratio, kl, h_z, h_u))
 
 
-def divergence_grad(x3d, r3d, stats, grad_kl, temperature, which, beta=1.0) -> Tensor:
+def divergence_grad(x3d, r3d, stats, grad_kl, temperature, which, beta=1.0,
+                    softcap=None) -> Tensor:  # fmt: skip
     """``dL/dlogits`` of this rank's (or the whole) ``(outer, inner, V)`` logits from the
     global statistics, ``g_t / T`` times (``kernels/vocab/distill.py``): ``p_v (-delta_v -
     KL_t)`` at ``beta = 1``, ``p_v - q_v`` at 0, ``-(1 - beta) p_v (L_v - c_t)`` between
@@ -584,9 +612,12 @@ def divergence_grad(x3d, r3d, stats, grad_kl, temperature, which, beta=1.0) -> T
         part = torch.zeros((len(COLUMNS), outer * inner), dtype=stats.dtype, device=x3d.device)
         part[_COL_COUNT] = g  # the kernel's per-row coefficient: the upstream gradient
         one = torch.ones((1,), dtype=stats.dtype, device=x3d.device)
-        return distill_bwd_op(x3d, r3d, stats, part, one, one[0], beta, temperature, False)
-    z = x3d.to(stats.dtype) / temperature
-    u = r3d.to(stats.dtype) / temperature
+        return distill_bwd_op(x3d, r3d, stats, part, one, one[0], beta, temperature, False,
+                              softcap)  # fmt: skip
+    keep = (g != 0).view(outer, inner, 1)  # rows that do not count: exact zeros, never read
+    x = torch.where(keep, x3d.to(stats.dtype), 0.0)
+    z = _capped(x, softcap) / temperature
+    u = _capped(torch.where(keep, r3d.to(stats.dtype), 0.0), softcap) / temperature
     st = stats.view(N_STATS, outer, inner, 1)
     log_p = (z - st[_MAX_Z]) - st[_LOG_S_Z]
     log_q = (u - st[_MAX_U]) - st[_LOG_S_U]
@@ -604,7 +635,8 @@ def divergence_grad(x3d, r3d, stats, grad_kl, temperature, which, beta=1.0) -> T
         excess, _ = ref.mixture_terms(torch.where(near, delta, 0.0), near, p, log_q.exp(),
                                       log_p, log_q, beta)  # fmt: skip
         terms = torch.where(p == 0, 0.0, (beta - 1.0) * p * (excess - st[_C]))
-    keep = (g != 0).view(outer, inner, 1)  # rows that do not count: exact zeros
+    if softcap is not None:  # dz/dx of the cap
+        terms = terms * (1.0 - torch.tanh(x / softcap) ** 2)
     grad = torch.where(keep, g.view(outer, inner, 1) * terms, 0.0) / temperature
     return grad.to(x3d.dtype)
 
@@ -669,6 +701,7 @@ def distill_loss(
     *,
     beta: float = 0.5,
     temperature: float = 1.0,
+    softcap: float | None = None,
     mask: Tensor | None = None,
     targets: Tensor | None = None,
     ignore_index: int = -100,
@@ -696,6 +729,9 @@ def distill_loss(
             requires grad raises ``ValueError`` (pass ``.detach()``).
         beta: in ``[0, 1]`` (see above; 0 and 1 are exact tests, as TRL's).
         temperature: both logits are divided by it (``> 0``); the loss is not rescaled.
+        softcap: Gemma-style soft cap ``c`` of both models' logits (a finite ``c > 0``;
+            None = none): ``c tanh(x / c)``, then the temperature, its gradient included (as
+            :func:`fused_rl.token_logprobs`).
         mask: ``logits.shape[:-1]``, bool / integer / float: a token counts where it is
             nonzero; a float (or integer) mask is a per-token weight ``m_t >= 0``, as for
             :func:`fused_rl.policy_loss` (a negative one raises in eager mode with
@@ -749,18 +785,21 @@ def distill_loss(
         >>> bool(student.grad[:, :2].eq(0).all())
         True
     """
+    if softcap is not None:
+        V.check_positive(softcap, "softcap")
+        softcap = float(softcap)
     if process_group is not None or is_dtensor(logits):
         return _sharded_distill_loss(
             logits, teacher_logits, beta, temperature, mask, targets, ignore_index, loss_agg,
-            num_items, max_length, process_group, backend,
+            num_items, max_length, process_group, backend, softcap,
         )  # fmt: skip
     return _distill_loss(logits, teacher_logits, beta, temperature, mask, targets, ignore_index,
-                         loss_agg, num_items, max_length, backend, False)  # fmt: skip
+                         loss_agg, num_items, max_length, backend, False, softcap)  # fmt: skip
 
 
 def _sharded_distill_loss(logits, teacher_logits, beta, temperature, mask, targets,
                           ignore_index, loss_agg, num_items, max_length, process_group,
-                          backend):  # fmt: skip
+                          backend, softcap=None):  # fmt: skip
     """:func:`distill_loss` over a vocabulary split across ranks: the per-token divergence
     (:func:`pair_divergence`, merged across shards), aggregated with ``fused_rl._agg``'s
     token weights, the metrics masked means."""
@@ -776,7 +815,7 @@ def _sharded_distill_loss(logits, teacher_logits, beta, temperature, mask, targe
     if shard is None:  # a DTensor replicated over the vocabulary: an ordinary call
         return _distill_loss(
             logits, teacher_logits, beta, temperature, mask, targets, ignore_index, loss_agg,
-            num_items, max_length, backend, False,
+            num_items, max_length, backend, False, softcap,
         )  # fmt: skip
     which = resolve_backend(backend, logits, teacher_logits, mask, targets)
     x3d, r3d = as_rows3d(logits), as_rows3d(teacher_logits)
@@ -784,7 +823,7 @@ def _sharded_distill_loss(logits, teacher_logits, beta, temperature, mask, targe
     acc = stats_dtype(torch.promote_types(x3d.dtype, r3d.dtype))
     m = weights_of(mask, logits[..., 0], acc, targets, ignore_index).reshape(rows)
     d, extra = pair_divergence(x3d, r3d, m != 0, float(temperature), which, shard,
-                               beta=float(beta), with_extra=True)  # fmt: skip
+                               beta=float(beta), with_extra=True, softcap=softcap)  # fmt: skip
     w = token_weights(m, loss_agg, max_length=max_length, num_items=num_items, dtype=acc)
     loss = torch.where(w != 0, d * w, torch.zeros_like(d)).sum()
     loss = poison_empty(loss, num_items if loss_agg == "token-mean" else None, w.numel())
@@ -795,7 +834,7 @@ def _sharded_distill_loss(logits, teacher_logits, beta, temperature, mask, targe
 
 
 def _distill_loss(logits, teacher_logits, beta, temperature, mask, targets, ignore_index,
-                  loss_agg, num_items, max_length, backend, free):  # fmt: skip
+                  loss_agg, num_items, max_length, backend, free, softcap=None):  # fmt: skip
     """:func:`distill_loss`; ``free``: the gradient w.r.t. ``logits`` taken as free
     log-probability coordinates (the kernel's ``FREE``: ``fused_rl.compat.liger``), not
     through the softmax. The value is the same."""
@@ -805,7 +844,7 @@ def _distill_loss(logits, teacher_logits, beta, temperature, mask, targets, igno
     beta, temperature = float(beta), float(temperature)
     if which == "reference":
         return _reference(logits, teacher_logits, beta, temperature, mask, targets,
-                          ignore_index, loss_agg, num_items, max_length, free)  # fmt: skip
+                          ignore_index, loss_agg, num_items, max_length, free, softcap)  # fmt: skip
     student3d, teacher3d = as_rows3d(logits), as_rows3d(teacher_logits)
     outer, inner = student3d.shape[:2]
     rows = lambda t: None if t is None else t.reshape(outer, inner)  # a view, strides kept
@@ -815,7 +854,7 @@ def _distill_loss(logits, teacher_logits, beta, temperature, mask, targets, igno
     loss, metrics, *_ = distill_fwd_op(
         student3d, teacher3d, rows(targets), rows(mask), n_items_t, beta, temperature,
         int(ignore_index), LOSS_AGG_MODES.index(loss_agg), float(max_length or inner), n_items,
-        bool(free),
+        bool(free), softcap,
     )  # fmt: skip
     values = metrics.unbind()
     out = {}
@@ -825,16 +864,21 @@ def _distill_loss(logits, teacher_logits, beta, temperature, mask, targets, igno
 
 
 def _reference(logits, teacher_logits, beta, temperature, mask, targets, ignore_index, loss_agg,
-               num_items, max_length, free=False):  # fmt: skip
+               num_items, max_length, free=False, softcap=None):  # fmt: skip
     """The reference backend: per-token divergences (``fused_rl.reference.distill``), the
     weights of ``fused_rl._agg``, masked means for the metrics."""
     acc = acc_dtype(logits, teacher_logits)
     lead = logits.shape[:-1]
     rows = (1, lead[0]) if logits.dim() == 2 else tuple(lead)
     m = weights_of(mask, logits[..., 0], acc, targets, ignore_index).reshape(rows)
+    counted = (m != 0).reshape(lead)
+    if softcap is not None:  # rows that do not count zeroed first: no NaN through the cap
+        keep = counted[..., None]
+        logits = _capped(torch.where(keep, logits, 0.0), softcap)
+        teacher_logits = _capped(torch.where(keep, teacher_logits.detach(), 0.0), softcap)
     terms = ref.token_divergences(
-        logits, teacher_logits, beta=beta, temperature=temperature,
-        counted=(m != 0).reshape(lead), free_logprobs=free,
+        logits, teacher_logits, beta=beta, temperature=temperature, counted=counted,
+        free_logprobs=free,
     )  # fmt: skip
     d = terms["d"].reshape(rows)
     w = token_weights(m, loss_agg, max_length=max_length, num_items=num_items, dtype=acc)

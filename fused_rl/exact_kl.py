@@ -45,6 +45,7 @@ def token_kl(
     ref_logits: Tensor,
     *,
     temperature: float = 1.0,
+    softcap: float | None = None,
     mask: Tensor | None = None,
     process_group=None,
     backend: str = "auto",
@@ -57,6 +58,8 @@ def token_kl(
         ref_logits: the reference's, the same shape (any float dtype and strides); a
             constant (no gradient).
         temperature: both softmaxes at ``temperature``.
+        softcap: Gemma-style soft cap ``c`` of both models' logits (``c tanh(x / c)`` before
+            the temperature; None = none).
         mask: optional ``logits.shape[:-1]`` indicator (bool, or integer / float: nonzero
             counts): rows outside it are not read and give 0 (and a zero gradient).
         process_group: vocabulary parallelism: each rank's ``logits`` / ``ref_logits`` are its
@@ -79,6 +82,9 @@ def token_kl(
     V.check_float(logits, "logits")
     V.check_float(ref_logits, "ref_logits")
     V.check_positive(temperature, "temperature")
+    if softcap is not None:
+        V.check_positive(softcap, "softcap")
+        softcap = float(softcap)
     if is_dtensor(ref_logits):
         ref_logits = ref_logits.to_local()
     logits, _, shard = resolve_shard(logits, None, process_group, None, None)
@@ -95,8 +101,13 @@ def token_kl(
     x3d, r3d = as_rows3d(logits), as_rows3d(ref_logits.detach())
     m2d = None if mask is None else mask.reshape(x3d.shape[:2])
     if shard is None and which == "reference":
+        if softcap is not None:  # rows outside the mask zeroed first: no NaN through the cap
+            keep = m2d[..., None] if m2d is not None else True
+            x3d = softcap * torch.tanh(torch.where(keep, x3d, 0.0) / softcap)
+            r3d = softcap * torch.tanh(torch.where(keep, r3d, 0.0) / softcap)
         kl = ref.token_divergences(x3d, r3d, beta=1.0, temperature=float(temperature),
                                    counted=m2d)["d"]  # fmt: skip
     else:
-        kl, _ = pair_divergence(x3d, r3d, m2d, float(temperature), which, shard)
+        kl, _ = pair_divergence(x3d, r3d, m2d, float(temperature), which, shard,
+                                softcap=softcap)  # fmt: skip
     return kl.reshape(logits.shape[:-1])

@@ -1021,7 +1021,7 @@ def _full_kl_policy_loss(hidden, weight, targets, advantages, *, bias, chunk_tok
     if ref_hidden is None or ref_weight is None:
         missing = "ref_hidden" if ref_hidden is None else "ref_weight"
         raise ValueError(f"the exact KL from hidden states needs {missing} too")
-    check_full_kl_route(policy, softcap, process_group is not None, composable=False)
+    check_full_kl_route(policy, process_group is not None, composable=False)
     rows, weight, bias, flat_targets, chunk, which = _prepare(
         hidden, weight, bias, targets, temperature, softcap, ignore_index, chunk_tokens, backend
     )

@@ -100,6 +100,7 @@ class _Launch:
     which: str  # "triton" | "reference"
     shard: object = None  # fused_rl.distributed.VocabShard of the lm_heads, or None
     reduce_hidden: bool = True  # with a shard: all-reduce the hidden gradient
+    softcap: float | None = None  # both models' logits capped, c tanh(z / c)
 
 
 def _run(rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_scale,
@@ -134,33 +135,43 @@ def _run(rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_sca
         if triton:
             part_c, stats_c = distill_rows_fwd_op(
                 z, zt, pick(targets, r), pick(mask, r), launch.beta, launch.temperature,
-                launch.ignore_index,
+                launch.ignore_index, launch.softcap,
             )  # fmt: skip
             part[:, r] = part_c
             if grad and (torch.compiler.is_compiling() or _tracing()):  # may not mutate
                 dz = distill_rows_grad_fwd_op(z, zt, stats_c, part_c, row_scale[r], one,
-                                              launch.beta, launch.temperature)  # fmt: skip
+                                              launch.beta, launch.temperature,
+                                              launch.softcap)  # fmt: skip
             elif grad:  # the chunk's logits become their gradient in place
                 dz = _rows_grad_into(z, z, zt, stats_c, part_c, row_scale[r], one,
-                                     launch.beta, launch.temperature)  # fmt: skip
+                                     launch.beta, launch.temperature, launch.softcap)  # fmt: skip
                 dz_full = z_full
         elif shard is not None:  # this rank's vocabulary shard, merged across ranks per chunk
             counted = (m[r] != 0)[None]
             d, extra, stats = divergence_stats(z[None], zt[None], counted, launch.temperature,
-                                               launch.which, shard, launch.beta, True)  # fmt: skip
+                                               launch.which, shard, launch.beta, True,
+                                               launch.softcap)  # fmt: skip
             terms[:, r] = torch.cat((d, extra[:, 0]))
             if grad:
                 w = (m[r] * row_scale[r])[None]
                 dz = divergence_grad(z[None], zt[None], stats, w, launch.temperature,
-                                     launch.which, launch.beta)[0]  # fmt: skip
+                                     launch.which, launch.beta, launch.softcap)[0]  # fmt: skip
         else:
             counted = m[r] != 0
-            out = ref.token_divergences(z, zt, beta=launch.beta, temperature=launch.temperature,
+            zc, ztc, sech2 = z, zt, None
+            if launch.softcap is not None:  # the cap on rows that count (no NaN through it)
+                c, keep = launch.softcap, counted[:, None]
+                t = torch.tanh(torch.where(keep, z.to(acc), 0.0) / c)
+                ztc = c * torch.tanh(torch.where(keep, zt.to(acc), 0.0) / c)
+                zc, sech2 = c * t, 1 - t * t
+            out = ref.token_divergences(zc, ztc, beta=launch.beta, temperature=launch.temperature,
                                         counted=counted)  # fmt: skip
             terms[:, r] = torch.stack([out["d"].detach()] + [out[k] for k in METRICS[1:]])
             if grad:
-                g = ref.student_grad(z, zt, beta=launch.beta, temperature=launch.temperature,
+                g = ref.student_grad(zc, ztc, beta=launch.beta, temperature=launch.temperature,
                                      counted=counted)  # fmt: skip
+                if sech2 is not None:
+                    g = g * sech2
                 w = (m[r] * row_scale[r])[:, None]
                 dz = torch.where(w != 0, g * w, torch.zeros_like(g)).to(z.dtype)
         if need_h:  # with dz written over z, its GEMM buffer is z's
@@ -324,6 +335,7 @@ def linear_distill_loss(
     teacher_bias: Tensor | None = None,
     beta: float = 0.5,
     temperature: float = 1.0,
+    softcap: float | None = None,
     mask: Tensor | None = None,
     targets: Tensor | None = None,
     ignore_index: int = -100,
@@ -359,9 +371,10 @@ def linear_distill_loss(
             requires grad raises ``ValueError`` naming it (pass ``.detach()``, or freeze the
             teacher's parameters with ``requires_grad_(False)``).
         bias, teacher_bias: optional ``(V,)`` biases of the two heads.
-        beta, temperature, mask, targets, ignore_index, loss_agg, num_items, max_length:
-            as :func:`distill_loss`, over ``hidden.shape[:-1]`` (``targets`` only mark
-            ignored positions, never read as an index).
+        beta, temperature, softcap, mask, targets, ignore_index, loss_agg, num_items,
+            max_length: as :func:`distill_loss`, over ``hidden.shape[:-1]`` (``targets`` only
+            mark ignored positions, never read as an index; ``softcap`` caps each chunk's
+            logits of both models).
         chunk_tokens: rows per chunk; None keeps one chunk's student and teacher logits
             together under 256 MiB (``fused_rl.linear.CHUNK_BYTES``; at most 4096 rows).
         process_group: vocabulary (tensor) parallelism, the Megatron ``ColumnParallelLinear``
@@ -422,6 +435,9 @@ def linear_distill_loss(
         hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, beta, temperature,
         mask, targets, ignore_index, loss_agg, max_length, num_items, chunk_tokens,
     )  # fmt: skip
+    if softcap is not None:
+        V.check_positive(softcap, "softcap")
+        softcap = float(softcap)
     if not isinstance(reduce_hidden_grad, bool):
         raise TypeError(f"reduce_hidden_grad must be a bool, got {type(reduce_hidden_grad)}")
     shard = None
@@ -459,7 +475,7 @@ def linear_distill_loss(
     launch = _Launch(
         float(beta), float(temperature), int(ignore_index), chunk, outer, inner,
         LOSS_AGG_MODES.index(loss_agg), float(max_length or inner), n_items, which, shard,
-        bool(reduce_hidden_grad),
+        bool(reduce_hidden_grad), softcap,
     )  # fmt: skip
     args = (rows, weight, bias, t_rows.detach(), teacher_weight.detach(),
             None if teacher_bias is None else teacher_bias.detach(), flat_targets, flat_mask,

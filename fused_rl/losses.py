@@ -257,8 +257,8 @@ def policy_loss(
             backward (one more read of the row). Where the loss is composed (GSPO / VESPO,
             the top-entropy selection, vocabulary parallelism with ``ref_logits`` sharded
             as ``logits``) the KL is :func:`fused_rl.token_kl`'s, added with the
-            aggregation's token weights (there without ``kl_bias_correction``, ``inplace``
-            or ``softcap``; the fused pass caps both models' logits alike).
+            aggregation's token weights (there without ``kl_bias_correction`` or
+            ``inplace``). ``softcap`` caps both models' logits alike.
         mask: ``(B, T)`` bool, integer or float; None = every token counts. A bool mask
             selects tokens (True counts). A float (or integer) mask is a per-token weight
             ``m_t >= 0``: ``token-mean`` gives ``sum_t m_t L_t / sum_t m_t``, every other
@@ -403,7 +403,7 @@ def policy_loss(
     if ref_logits is not None:
         check_ref_logits(ref_logits, logits, length, "logits")
         check_full_kl_route(
-            policy, softcap, process_group is not None or is_dtensor(logits), composable=True
+            policy, process_group is not None or is_dtensor(logits), composable=True
         )
         ref_logits = ref_logits.detach()  # a constant, as ref_logprobs
     need_entropy = with_entropy or policy.uses_entropy
@@ -726,7 +726,7 @@ def _composed_policy_loss(
                 "inplace=True with kl_estimator='full' runs on the fused token-level pass "
                 "only (not GSPO / VESPO / the top-entropy selection)"
             )
-        kl = _exact_kl(logits, ref_logits, targets, loss_inputs["mask"], temperature,
+        kl = _exact_kl(logits, ref_logits, targets, loss_inputs["mask"], temperature, softcap,
                        ignore_index, process_group, backend)  # fmt: skip
     out = token_logprobs(
         logits, targets, temperature=temperature, softcap=softcap, ignore_index=ignore_index,
@@ -755,8 +755,8 @@ def _composed_policy_loss(
     return loss, metrics
 
 
-def _exact_kl(logits, ref_logits, targets, mask, temperature, ignore_index, process_group,
-              backend) -> Tensor:  # fmt: skip
+def _exact_kl(logits, ref_logits, targets, mask, temperature, softcap, ignore_index,
+              process_group, backend) -> Tensor:  # fmt: skip
     """``(B, T)`` exact KL of the positions that predict ``targets``, 0 where nothing counts."""
     length = targets.shape[-1]
     local_targets = targets.to_local() if is_dtensor(targets) else targets
@@ -765,8 +765,8 @@ def _exact_kl(logits, ref_logits, targets, mask, temperature, ignore_index, proc
         counted = counted != 0
     x = logits if logits.shape[1] == length else window(logits, length)
     r = ref_logits if ref_logits.shape[1] == length else window(ref_logits, length)
-    return token_kl(x, r, temperature=temperature, mask=counted, process_group=process_group,
-                    backend=backend)  # fmt: skip
+    return token_kl(x, r, temperature=temperature, softcap=softcap, mask=counted,
+                    process_group=process_group, backend=backend)  # fmt: skip
 
 
 def loss_from_token_stats(

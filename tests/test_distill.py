@@ -160,6 +160,33 @@ def test_matches_oracle(beta, temperature, dtype, backend, device):
                          temperature=temperature, mask=mask, targets=targets)  # fmt: skip
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("beta", (0.0, 0.5, 1.0))
+@pytest.mark.parametrize("cap", (2.0, 30.0))
+def test_softcap(backend, beta, cap):
+    """Gemma's cap on both models' logits, ``c tanh(x / c)`` before the temperature: the
+    float64 oracle on the capped logits, differentiated through the cap; a masked NaN row
+    never matters (the reference zeroes it before the cap)."""
+    s, t, _ = make((2, 5, 37), seed=3, scale=4.0)
+    mask = torch.rand(2, 5, generator=torch.Generator().manual_seed(4)) > 0.3
+    s[0, 0], t[1, 1] = float("nan"), float("nan")
+    mask[0, 0] = mask[1, 1] = False
+    up = torch.tensor(1.3, dtype=torch.float64)
+    loss, metrics, grad = run(s, t, up, beta=beta, temperature=0.8, mask=mask, softcap=cap,
+                              backend=backend)  # fmt: skip
+    s64 = torch.where(mask[..., None], s.double(), 0.0).requires_grad_()
+    t64 = torch.where(mask[..., None], t.double(), 0.0)
+    want, want_metrics = oracle_call(cap * torch.tanh(s64 / cap), cap * torch.tanh(t64 / cap),
+                                     beta=beta, temperature=0.8, mask=mask)  # fmt: skip
+    (want_grad,) = torch.autograd.grad(want, s64, up)
+    assert rel_err(loss, want) <= FP32_TOL
+    assert rel_err(grad, want_grad) <= FP32_TOL and torch.isfinite(grad).all()
+    for name, value in want_metrics.items():
+        assert rel_err(metrics[name], value) <= 1e-5, name
+    with pytest.raises(ValueError, match="softcap"):
+        fused_rl.distill_loss(s, t, softcap=0.0)
+
+
 def eager_fp32_loss(s, t, beta):
     """TRL's ``generalized_jsd_loss`` math in fp32 (``F.kl_div`` with log targets, the
     mixture from ``logsumexp``), mean over rows: the eager baseline of the near-equal test."""
@@ -574,8 +601,9 @@ from triton.compiler import ASTSource
 from hopper_compile import narrow_offset_products
 import fused_rl.kernels.vocab.distill as k
 
-FLOATS = {"inv_t_hi", "inv_t_lo", "beta_hi", "beta_lo", "log_beta_hi", "log_beta_lo",
-          "log_1m_beta_hi", "log_1m_beta_lo", "num_items", "n_seq", "max_length"}
+FLOATS = {"inv_t_hi", "inv_t_lo", "inv_cap_hi", "inv_cap_lo", "beta_hi", "beta_lo",
+          "log_beta_hi", "log_beta_lo", "log_1m_beta_hi", "log_1m_beta_lo", "num_items", "n_seq",
+          "max_length"}
 
 def signature(fn, logits, acc, unit=()):
     out = {}
@@ -604,16 +632,19 @@ count = 0
 for logits, acc, ACC in (("*bf16", "*fp32", tl.float32), ("*fp64", "*fp64", tl.float64)):
     for mode in range(3):
         variants = [(k._distill_bwd_kernel, dict(FREE=free)) for free in (False, True)]
+        variants += [(k._distill_bwd_kernel, dict(FREE=False, HAS_SOFTCAP=True))]
         variants += [(k._distill_fwd_kernel, dict(HAS_TARGETS=a, HAS_MASK=b))
                      for a in (False, True) for b in (False, True)]
+        variants += [(k._distill_fwd_kernel, dict(HAS_TARGETS=True, HAS_MASK=True,
+                                                  HAS_SOFTCAP=True))]
         for fn, flags in variants:
             c = build(fn, dict(MODE=mode, BLOCK_V=256, ACC=ACC, **flags), logits, acc)
             narrow = narrow_offset_products(c.asm["ttir"])
             assert not narrow, (fn.__name__, narrow)
             count += 1
-    for has_mask in (False, True):  # the JSD's second pass on a vocabulary shard
-        c = build(k._distill_mixture_kernel, dict(HAS_MASK=has_mask, BLOCK_V=256, ACC=ACC),
-                  logits, acc)
+    for has_mask, cap in ((False, False), (True, False), (True, True)):  # the JSD's second pass
+        c = build(k._distill_mixture_kernel, dict(HAS_MASK=has_mask, HAS_SOFTCAP=cap,
+                                                  BLOCK_V=256, ACC=ACC), logits, acc)
         assert not narrow_offset_products(c.asm["ttir"]), "mixture"
         count += 1
     for agg in range(4):
@@ -648,4 +679,4 @@ def test_kernels_compile_for_sm90():
         text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert result.stdout.strip().endswith("compiled 56")
+    assert result.stdout.strip().endswith("compiled 70")

@@ -704,14 +704,16 @@ def distill_vocab_parallel(ctx):
                 for key, value in metrics.items():
                     assert value.isinf() == ref_metrics[key].isinf(), (what, key, value)
                     assert not value.isnan(), (what, key)
-    for beta in (0.0, 1.0, 0.5, 0.1):
+    for beta, softcap in ((0.0, None), (1.0, None), (0.5, None), (0.1, None), (1.0, 3.0),
+                          (0.5, 3.0)):  # fmt: skip
         for loss_agg in ("token-mean", "seq-mean-token-mean"):
-            kw = dict(beta=beta, targets=targets, mask=mask, loss_agg=loss_agg, temperature=0.8)
+            kw = dict(beta=beta, targets=targets, mask=mask, loss_agg=loss_agg, temperature=0.8,
+                      softcap=softcap)  # fmt: skip
             whole = full.clone().requires_grad_()
             ref_loss, ref_metrics = fused_rl.distill_loss(whole, teacher, backend="triton", **kw)
             (ref_loss * 1.7).backward()
             for backend in BACKENDS:
-                what = f"beta {beta} {loss_agg} {backend}"
+                what = f"beta {beta} cap {softcap} {loss_agg} {backend}"
                 mine = _local(full, start, stop)
                 loss, metrics = fused_rl.distill_loss(
                     mine, teacher[..., start:stop], process_group=ctx.group, backend=backend,

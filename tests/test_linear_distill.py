@@ -127,6 +127,30 @@ def test_matches_oracle(beta, dtype, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_softcap(beta, backend):
+    """``softcap``: each chunk's logits of both models capped, ``c tanh(z / c)``; the float64
+    oracle differentiates through the cap on the materialised logits (chunks of 4 over 14)."""
+    student, teacher, g = make(seed=5)
+    cap = 1.5
+    mask = (torch.rand(B, T, generator=g) > 0.2).to(DEVICE)
+    up = torch.tensor(0.7, dtype=torch.float64)
+    got = ours(student, teacher, up, beta=beta, softcap=cap, mask=mask, chunk_tokens=4,
+               backend=backend)  # fmt: skip
+    leaves = [x.detach().double().requires_grad_() for x in student_params(student)]
+    h, w, b = leaves
+    zt = F.linear(*(x.detach().double() for x in teacher))
+    want, want_metrics = oracle_call(cap * torch.tanh(F.linear(h, w, b) / cap),
+                                     cap * torch.tanh(zt / cap), beta=beta, mask=mask)  # fmt: skip
+    want_grads = torch.autograd.grad(want, leaves, up)
+    assert rel_err(got[0], want) <= FP32_TOL
+    for name, value in want_metrics.items():
+        assert rel_err(got[1][name], value) <= 1e-5, name
+    for a, e in zip(got[2], want_grads, strict=True):
+        assert rel_err(a, e) <= FP32_TOL
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_chunkings_and_packed_rows(backend):
     """Packed (N, H) rows (one sequence), no bias, chunks of 1, 5 (not dividing 13), N and
     more than N rows, and the default; a bool mask."""

@@ -70,7 +70,7 @@ import triton.language as tl
 
 from ..common import as_weight, cast_for, nan_max, nan_min, pair, row_pointer, token_offset
 from ..policy.finalize import AGG_SEQ_MEAN_TOKEN_MEAN, aggregated_loss
-from .pair import expm1, load_block, log1p, near_delta, pair_moments, reverse_kl_grad
+from .pair import expm1, log1p, pair_columns, pair_moments, reverse_kl_grad
 
 # the divergence (``fused_rl.distill.DIVERGENCES`` in this order)
 MODE_FORWARD_KL = tl.constexpr(0)
@@ -199,6 +199,7 @@ def mixture_terms(delta, p, q, beta, log_beta, log_1m_beta, ACC: tl.constexpr):
 def mixture_pass(
     s_row, t_row, V, s_stride_v, t_stride_v, inv_temperature, n_cols, m_z, log_s_z, m_u,
     log_s_u, log_zu, beta, log_beta, log_1m_beta, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    inv_cap=1.0, HAS_SOFTCAP: tl.constexpr = False,
 ):  # fmt: skip
     """Pass 2 of the general ``beta``: ``(JSD, sum_v p_v L_v)`` (module docstring), with
     ``delta = (y - x) / T + (M_z - M_u) + log(S_z / S_u)`` (``log_zu``) per column: the
@@ -208,13 +209,12 @@ def mixture_pass(
     p_excess = tl.zeros((), ACC)
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        x = load_block(s_row, cols, V, s_stride_v, ACC)
-        y = load_block(t_row, cols, V, t_stride_v, ACC)
-        log_p = (x * inv_temperature - m_z) - log_s_z
-        log_q = (y * inv_temperature - m_u) - log_s_u
+        log_p, log_q, delta, _ = pair_columns(
+            s_row, t_row, cols, V, s_stride_v, t_stride_v, inv_temperature, inv_cap, m_z, m_u,
+            log_s_z, log_s_u, log_zu, HAS_SOFTCAP, ACC,
+        )  # fmt: skip
         p = tl.exp(log_p)
         q = tl.exp(log_q)
-        delta = near_delta(x, y, inv_temperature, m_z, m_u, log_zu)
         excess, f = mixture_terms(delta, p, q, beta, log_beta, log_1m_beta, ACC)
         p_excess += tl.sum(tl.where(p == 0, 0.0, p * excess), 0)
         jsd += tl.sum(f, 0)
@@ -271,6 +271,8 @@ def _distill_fwd_kernel(
     m_stride_inner,
     inv_t_hi,
     inv_t_lo,
+    inv_cap_hi,
+    inv_cap_lo,
     beta_hi,
     beta_lo,
     log_beta_hi,
@@ -283,6 +285,7 @@ def _distill_fwd_kernel(
     HAS_MASK: tl.constexpr,
     BLOCK_V: tl.constexpr,
     ACC: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr = False,
 ):
     """One program per token of ``(outer, rows_inner)`` rows (``n_rows`` in all); student
     and teacher rows strided independently. Writes the ``(N_COLS, n_rows)`` partial columns
@@ -290,7 +293,8 @@ def _distill_fwd_kernel(
     zeros. ``inv_t``: ``1 / T``; ``beta``, ``log beta``, ``log(1 - beta)``: fp32 pairs."""
     row = tl.program_id(0).to(tl.int64)
     n_rows = n_rows.to(tl.int64)  # the column offsets k * n_rows may pass 2^31
-    inv_temperature = pair(inv_t_hi, inv_t_lo, ACC)
+    inv_temperature = pair(inv_t_hi, inv_t_lo, ACC)  # 1 / T (c / T with the soft cap c)
+    inv_cap = pair(inv_cap_hi, inv_cap_lo, ACC)  # HAS_SOFTCAP: 1 / c
     m = token_weight(
         row, rows_inner, targets_ptr, mask_ptr, y_stride_outer, y_stride_inner, m_stride_outer,
         m_stride_inner, ignore_index, HAS_TARGETS, HAS_MASK, ACC,
@@ -300,8 +304,9 @@ def _distill_fwd_kernel(
     s_row = row_pointer(s_ptr, row, rows_inner, 0, s_stride_outer, s_stride_inner)
     t_row = row_pointer(t_ptr, row, rows_inner, 0, t_stride_outer, t_stride_inner)
     m_z, log_s_z, h_z, m_u, log_s_u, h_u, kl_fwd, kl_rev, log_zu = pair_moments(
-        s_row, t_row, V, s_stride_v, t_stride_v, inv_temperature, n_cols, BLOCK_V, ACC
-    )
+        s_row, t_row, V, s_stride_v, t_stride_v, inv_temperature, n_cols, BLOCK_V, ACC,
+        inv_cap, HAS_SOFTCAP,
+    )  # fmt: skip
     if MODE == MODE_FORWARD_KL:
         d = kl_fwd
         c = tl.zeros((), ACC)
@@ -314,7 +319,7 @@ def _distill_fwd_kernel(
         log_1m_beta = pair(log_1m_beta_hi, log_1m_beta_lo, ACC)
         d, c = mixture_pass(
             s_row, t_row, V, s_stride_v, t_stride_v, inv_temperature, n_cols, m_z, log_s_z,
-            m_u, log_s_u, log_zu, beta, log_beta, log_1m_beta, BLOCK_V, ACC,
+            m_u, log_s_u, log_zu, beta, log_beta, log_1m_beta, BLOCK_V, ACC, inv_cap, HAS_SOFTCAP,
         )  # fmt: skip
         # a row whose normaliser is NaN / inf (NaN logit, all -inf) is NaN, whatever p and q
         d += (log_s_z - log_s_z) + (log_s_u - log_s_u)
@@ -418,6 +423,8 @@ def _distill_bwd_kernel(
     seq_scale_stride,
     inv_t_hi,
     inv_t_lo,
+    inv_cap_hi,
+    inv_cap_lo,
     beta_hi,
     beta_lo,
     log_beta_hi,
@@ -428,6 +435,7 @@ def _distill_bwd_kernel(
     BLOCK_V: tl.constexpr,
     ACC: tl.constexpr,
     FREE: tl.constexpr = False,
+    HAS_SOFTCAP: tl.constexpr = False,
 ):
     """One program per token: the student's gradient row, ``grad`` contiguous
     ``(n_rows, V)`` in the student's dtype: ``m_t * seq_scale[b] * scale / T`` times
@@ -443,7 +451,8 @@ def _distill_bwd_kernel(
     Through a ``log_softmax`` the two forms give the same gradient."""
     row = tl.program_id(0).to(tl.int64)
     n_rows = n_rows.to(tl.int64)  # the column offsets k * n_rows may pass 2^31
-    inv_temperature = pair(inv_t_hi, inv_t_lo, ACC)
+    inv_temperature = pair(inv_t_hi, inv_t_lo, ACC)  # 1 / T (c / T with the soft cap c)
+    inv_cap = pair(inv_cap_hi, inv_cap_lo, ACC)  # HAS_SOFTCAP: 1 / c
     outer = row // rows_inner
     m = tl.load(part_ptr + COL_COUNT * n_rows + row).to(ACC)
     coef = m * tl.load(scale_ptr).to(ACC) * inv_temperature
@@ -473,12 +482,11 @@ def _distill_bwd_kernel(
             c = tl.zeros((), ACC)
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        x = load_block(s_row, cols, n_read, s_stride_v, ACC)
-        y = load_block(t_row, cols, n_read, t_stride_v, ACC)
-        log_p = (x * inv_temperature - m_z) - log_s_z
-        log_q = (y * inv_temperature - m_u) - log_s_u
+        log_p, log_q, delta, dx = pair_columns(
+            s_row, t_row, cols, n_read, s_stride_v, t_stride_v, inv_temperature, inv_cap, m_z,
+            m_u, log_s_z, log_s_u, log_zu, HAS_SOFTCAP, ACC,
+        )  # fmt: skip
         p = tl.exp(log_p)
-        delta = near_delta(x, y, inv_temperature, m_z, m_u, log_zu)
         near = (delta <= 1.0) & (delta >= -1.0)
         if MODE == MODE_FORWARD_KL:
             if FREE:
@@ -491,7 +499,7 @@ def _distill_bwd_kernel(
             far_l, _ = mixture_log_ratios(delta, log_beta, log_1m_beta)
             excess = tl.where(near, log1p(beta * expm1(tl.where(near, delta, 0.0))), far_l)
             g = tl.where(p == 0, 0.0, p * (excess - c))
-        g = tl.where(active, coef * g, 0.0)
+        g = tl.where(active, coef * g * dx, 0.0)
         tl.store(grad_row + cols, cast_for(g, grad_ptr), mask=cols < V)
 
 
@@ -513,6 +521,8 @@ def _distill_mixture_kernel(
     t_stride_v,
     inv_t_hi,
     inv_t_lo,
+    inv_cap_hi,
+    inv_cap_lo,
     beta_hi,
     beta_lo,
     log_beta_hi,
@@ -522,6 +532,7 @@ def _distill_mixture_kernel(
     HAS_MASK: tl.constexpr,
     BLOCK_V: tl.constexpr,
     ACC: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr = False,
 ):
     """Pass 2 of the generalized JSD on one vocabulary shard, from the WHOLE vocabulary's row
     statistics ``stats`` (``(N_STATS, n_rows)``, merged across shards: ``fused_rl.distill``
@@ -531,7 +542,8 @@ def _distill_mixture_kernel(
     shard, 5 statistics; writes 2 floats."""
     row = tl.program_id(0).to(tl.int64)
     n_rows = n_rows.to(tl.int64)
-    inv_temperature = pair(inv_t_hi, inv_t_lo, ACC)
+    inv_temperature = pair(inv_t_hi, inv_t_lo, ACC)  # 1 / T (c / T with the soft cap c)
+    inv_cap = pair(inv_cap_hi, inv_cap_lo, ACC)  # HAS_SOFTCAP: 1 / c
     active = row >= 0
     if HAS_MASK:
         active = tl.load(mask_ptr + row) != 0
@@ -548,7 +560,8 @@ def _distill_mixture_kernel(
     t_row = row_pointer(t_ptr, row, rows_inner, 0, t_stride_outer, t_stride_inner)
     jsd, p_excess = mixture_pass(
         s_row, t_row, V, s_stride_v, t_stride_v, inv_temperature, tl.where(active, V, 0), m_z,
-        log_s_z, m_u, log_s_u, log_zu, beta, log_beta, log_1m_beta, BLOCK_V, ACC,
+        log_s_z, m_u, log_s_u, log_zu, beta, log_beta, log_1m_beta, BLOCK_V, ACC, inv_cap,
+        HAS_SOFTCAP,
     )  # fmt: skip
     tl.store(out_ptr + row, tl.where(active, jsd, 0.0))
     tl.store(out_ptr + n_rows + row, tl.where(active, p_excess, 0.0))

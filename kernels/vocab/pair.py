@@ -32,7 +32,7 @@ Gradient of the reverse KL through the softmax (``reverse_kl_grad``):
 import triton
 import triton.language as tl
 
-from ..common import nan_max
+from ..common import nan_max, tanh_and_sech2
 from .layer1 import scaled_logits
 
 
@@ -92,6 +92,33 @@ def near_delta(x, y, inv_temperature, m_z, m_u, log_zu):
     a = x * inv_temperature - m_z
     b = y * inv_temperature - m_u
     return logit_gap(x, y, a, b, inv_temperature, m_z, m_u) + log_zu
+
+
+@triton.jit
+def pair_columns(
+    s_row, t_row, cols, n_valid, s_stride_v, t_stride_v, inv_temperature, inv_cap, m_z, m_u,
+    log_s_z, log_s_u, log_zu, HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """One block of both rows against the row's statistics: ``(log p, log q, delta, dx)``
+    with ``delta = log q - log p`` (``near_delta``; with ``HAS_SOFTCAP`` the capped values'
+    own difference) and ``dx`` what turns ``dD/dz`` times ``inv_temperature`` into the
+    derivative on the raw logit (1; with the cap ``(1 - tanh^2(x / c)) / c``, as
+    ``inv_temperature`` then carries ``c / T``). Columns at or past ``n_valid``: ``-inf``."""
+    x = load_block(s_row, cols, n_valid, s_stride_v, ACC)
+    y = load_block(t_row, cols, n_valid, t_stride_v, ACC)
+    if HAS_SOFTCAP:
+        tx, sech2 = tanh_and_sech2(x * inv_cap)
+        ty, _ = tanh_and_sech2(y * inv_cap)
+        a = tl.where(cols < n_valid, tx * inv_temperature, -float("inf")) - m_z
+        b = tl.where(cols < n_valid, ty * inv_temperature, -float("inf")) - m_u
+        delta = (b - a) + log_zu
+        dx = sech2 * inv_cap
+    else:
+        a = x * inv_temperature - m_z
+        b = y * inv_temperature - m_u
+        delta = logit_gap(x, y, a, b, inv_temperature, m_z, m_u) + log_zu
+        dx = 1.0
+    return a - log_s_z, b - log_s_u, delta, dx
 
 
 @triton.jit
