@@ -873,9 +873,8 @@ def _reference(logits, teacher_logits, beta, temperature, mask, targets, ignore_
     m = weights_of(mask, logits[..., 0], acc, targets, ignore_index).reshape(rows)
     counted = (m != 0).reshape(lead)
     if softcap is not None:  # rows that do not count zeroed first: no NaN through the cap
-        keep = counted[..., None]
-        logits = _capped(torch.where(keep, logits, 0.0), softcap)
-        teacher_logits = _capped(torch.where(keep, teacher_logits.detach(), 0.0), softcap)
+        logits = ref.capped_rows(logits, counted, softcap)
+        teacher_logits = ref.capped_rows(teacher_logits.detach(), counted, softcap)
     terms = ref.token_divergences(
         logits, teacher_logits, beta=beta, temperature=temperature, counted=counted,
         free_logprobs=free,

@@ -101,10 +101,7 @@ def token_kl(
     x3d, r3d = as_rows3d(logits), as_rows3d(ref_logits.detach())
     m2d = None if mask is None else mask.reshape(x3d.shape[:2])
     if shard is None and which == "reference":
-        if softcap is not None:  # rows outside the mask zeroed first: no NaN through the cap
-            keep = m2d[..., None] if m2d is not None else True
-            x3d = softcap * torch.tanh(torch.where(keep, x3d, 0.0) / softcap)
-            r3d = softcap * torch.tanh(torch.where(keep, r3d, 0.0) / softcap)
+        x3d, r3d = ref.capped_rows(x3d, m2d, softcap), ref.capped_rows(r3d, m2d, softcap)
         kl = ref.token_divergences(x3d, r3d, beta=1.0, temperature=float(temperature),
                                    counted=m2d)["d"]  # fmt: skip
     else:

@@ -55,7 +55,7 @@ from .exact_kl import token_kl
 from .kernels.modes import IMPORTANCE_SAMPLING, LOSS_AGG_MODES, SURROGATES  # noqa: F401
 from .logprobs import token_logprobs
 from .policy_config import PolicyConfig, takes_policy_options
-from .reference.distill import token_divergences
+from .reference.distill import capped_rows, token_divergences
 from .reference.kl import refuse_full
 from .reference.policy import policy_token_terms
 
@@ -479,10 +479,8 @@ def policy_loss(
                 "inplace=True with kl_estimator='full' runs on the Triton backend only"
             )
         x, r = window(logits, length), window(ref_logits, length)
-        if softcap is not None:  # both models' logits capped before the temperature
-            keep = (mask_f != 0)[..., None]  # rows that do not count: no NaN through the cap
-            x, r = torch.where(keep, x, 0.0), torch.where(keep, r, 0.0)
-            x, r = softcap * torch.tanh(x / softcap), softcap * torch.tanh(r / softcap)
+        counted = mask_f != 0  # both models' logits capped before the temperature
+        x, r = capped_rows(x, counted, softcap), capped_rows(r, counted, softcap)
         full_kl = token_divergences(
             x, r, beta=1.0, temperature=float(temperature), counted=mask_f != 0
         )["d"]

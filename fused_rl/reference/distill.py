@@ -22,6 +22,18 @@ from torch import Tensor
 from .reductions import acc_dtype
 
 
+def capped_rows(x: Tensor, counted: Tensor | None, softcap: float | None) -> Tensor:
+    """``c tanh(x / c)`` (Gemma's soft cap, before the temperature) of the rows that count,
+    zeros elsewhere (``counted``: ``x.shape[:-1]`` bool, None: all), so a NaN row that does
+    not count never meets the cap's gradient (``0 * sech^2(NaN)`` would be NaN); ``x`` as it
+    is without a cap."""
+    if softcap is None:
+        return x
+    if counted is not None:
+        x = torch.where(counted[..., None], x, 0.0)
+    return softcap * torch.tanh(x / softcap)
+
+
 def _xlogy_terms(p: Tensor, log_ratio: Tensor) -> Tensor:
     """``p * log_ratio`` with ``0`` where ``p == 0`` (also when ``log_ratio`` is infinite or
     NaN there), differentiable with a zero gradient through the untaken branch."""
