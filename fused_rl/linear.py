@@ -313,8 +313,8 @@ class _LinearTokenStats(torch.autograd.Function):
         )  # fmt: skip
 
 
-def _truncated_chunk_grad(z, targets, stats, g, top_k, top_p, temperature, ignore_index,
-                          which):  # fmt: skip
+def _truncated_chunk_grad(z, targets, stats, g, top_k, top_p, temperature, softcap,
+                          ignore_index, which):  # fmt: skip
     """``(dz, in_place)``: ``dL/dz`` of one chunk's ``(n, V)`` logits under the truncation
     from ``(n,)`` targets and upstream ``g`` and the forward's ``(3, n)`` ``stats``: the
     truncated backward kernel written over ``z`` in eager mode (a fresh buffer when traced,
@@ -323,11 +323,11 @@ def _truncated_chunk_grad(z, targets, stats, g, top_k, top_p, temperature, ignor
     if which == "reference":
         chunk_logp = lambda x: ref_truncated.truncated_logprobs(  # noqa: E731
             x, targets, top_k=top_k or None, top_p=top_p, temperature=temperature,
-            ignore_index=ignore_index,
+            ignore_index=ignore_index, softcap=softcap,
         )  # fmt: skip
         logp, vjp = torch.func.vjp(chunk_logp, z)
         return vjp(g.to(logp.dtype))[0], False
-    args = (targets[None], stats, g[None], temperature, ignore_index)
+    args = (targets[None], stats, g[None], temperature, softcap, ignore_index)
     if torch.compiler.is_compiling() or _tracing():  # a traced op may not mutate its input
         return truncated_logprobs_bwd_op(z[None], *args)[0], False
     return _truncated_bwd_into(z[None], z[None], *args)[0], True
@@ -343,8 +343,8 @@ class _LinearTruncated(torch.autograd.Function):
     0 and ``top_p`` 1.0 turn a cut off (:func:`fused_rl.truncated.cuts`)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, top_k, top_p, temperature, ignore_index,
-                chunk, which):  # fmt: skip
+    def forward(ctx, hidden, weight, bias, targets, top_k, top_p, temperature, softcap,
+                ignore_index, chunk, which):  # fmt: skip
         ctx.set_materialize_grads(False)
         n_rows = hidden.shape[0]
         acc = stats_dtype(hidden.dtype)
@@ -358,18 +358,18 @@ class _LinearTruncated(torch.autograd.Function):
             t = targets[start:stop]
             if which == "triton":
                 lp, st, _ = truncated_logprobs_fwd_op(
-                    z[None], t[None], top_k, top_p, temperature, ignore_index
+                    z[None], t[None], top_k, top_p, temperature, softcap, ignore_index
                 )
                 logp[start:stop] = lp[0]
                 stats[3 * start : 3 * stop] = st.reshape(-1)
             else:
                 logp[start:stop] = ref_truncated.truncated_logprobs(
                     z, t, top_k=top_k or None, top_p=top_p, temperature=temperature,
-                    ignore_index=ignore_index,
+                    ignore_index=ignore_index, softcap=softcap,
                 )  # fmt: skip
             del z
         ctx.save_for_backward(hidden, weight, bias, targets, stats)
-        ctx.config = (top_k, top_p, temperature, ignore_index, chunk, which)
+        ctx.config = (top_k, top_p, temperature, softcap, ignore_index, chunk, which)
         return logp
 
     @staticmethod
@@ -387,10 +387,10 @@ class _LinearTruncated(torch.autograd.Function):
     @staticmethod
     def _grads(ctx, grad_logp):
         hidden, weight, bias, targets, stats = ctx.saved_tensors
-        top_k, top_p, temperature, ignore_index, chunk, which = ctx.config
+        top_k, top_p, temperature, softcap, ignore_index, chunk, which = ctx.config
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if grad_logp is None:
-            return (None,) * 10
+            return (None,) * 11
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         d_hidden = hidden.new_empty(hidden.shape) if need_h else None
         d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
@@ -403,7 +403,7 @@ class _LinearTruncated(torch.autograd.Function):
             st = None if stats is None else stats[3 * start : 3 * stop].view(3, stop - start)
             dz, in_place = _truncated_chunk_grad(
                 z, targets[start:stop], st, grad_logp[start:stop], top_k, top_p, temperature,
-                ignore_index, which,
+                softcap, ignore_index, which,
             )  # fmt: skip
             if need_h:  # dz written over z: its GEMM buffer is z's
                 d_hidden[start:stop] = _hidden_grad(dz, weight, chunk, z_full if in_place else None)
@@ -416,7 +416,7 @@ class _LinearTruncated(torch.autograd.Function):
             d_hidden,
             d_weight.to(weight.dtype) if need_w else None,
             d_bias.to(weight.dtype) if need_b else None,
-            None, None, None, None, None, None, None,
+            None, None, None, None, None, None, None, None,
         )  # fmt: skip
 
 
@@ -726,8 +726,9 @@ def linear_token_logprobs(
             :func:`fused_rl.truncated_logprobs` (its docstring gives the rules), of
             ``F.linear(hidden, weight, bias)``; a target outside the kept set gives ``-inf``
             and zero gradient. ``top_k`` None or an int ``>= 1``, ``top_p`` None or a real
-            number in ``(0, 1]``; not with ``return_entropy``, ``softcap`` or vocabulary
-            parallelism (``ValueError``, as :func:`token_logprobs`).
+            number in ``(0, 1]``; with ``softcap`` the cuts are on the capped logits; not
+            with ``return_entropy`` or vocabulary parallelism (``ValueError``, as
+            :func:`token_logprobs`).
         chunk_tokens: rows per chunk; None keeps a chunk's logits under 256 MiB
             (``fused_rl.linear.CHUNK_BYTES``).
         process_group: vocabulary (tensor) parallelism, the Megatron ``ColumnParallelLinear``
@@ -814,7 +815,7 @@ def _linear_truncated(hidden, weight, targets, bias, top_k, top_p, temperature, 
                       vocab_size, backend) -> Tensor:  # fmt: skip
     """``linear_token_logprobs`` with ``top_k`` / ``top_p``: the options it does not take
     refused as ``token_logprobs`` refuses them, then :class:`_LinearTruncated`."""
-    refused = {"return_entropy": return_entropy, "softcap": softcap is not None,
+    refused = {"return_entropy": return_entropy,
                "process_group / vocab_start / vocab_size": process_group is not None
                or vocab_start is not None or vocab_size is not None}  # fmt: skip
     named = [name for name, given in refused.items() if given]
@@ -823,14 +824,15 @@ def _linear_truncated(hidden, weight, targets, bias, top_k, top_p, temperature, 
             f"linear_token_logprobs with top_k / top_p (truncated log-probs) does not take "
             f"{', '.join(named)}: call it without them"
         )
-    check_options(top_k, top_p, temperature, ignore_index)
+    check_options(top_k, top_p, temperature, softcap, ignore_index)
     rows, weight, bias, flat_targets, chunk, which = _prepare(
-        hidden, weight, bias, targets, temperature, None, ignore_index, chunk_tokens, backend
+        hidden, weight, bias, targets, temperature, softcap, ignore_index, chunk_tokens, backend
     )
     k, p = cuts(top_k, top_p, weight.shape[0])
+    cap = None if softcap is None else float(softcap)
     with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
         logp = _LinearTruncated.apply(
-            rows, weight, bias, flat_targets, k, p, float(temperature), int(ignore_index),
+            rows, weight, bias, flat_targets, k, p, float(temperature), cap, int(ignore_index),
             chunk, which,
         )  # fmt: skip
     return logp.view(targets.shape)

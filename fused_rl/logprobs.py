@@ -103,9 +103,9 @@ def token_logprobs(
             tokens, then to the smallest top-p mass of those, renormalised (vLLM's order;
             ties at either cut kept whole): :func:`fused_rl.truncated_logprobs`, whose
             docstring gives the rules and the passes; a target outside the kept set gives
-            ``-inf`` and zero gradient. ``targets`` then have ``logits.shape[:-1]``; not
-            with ``return_entropy``, ``softcap``, ``inplace`` or vocabulary parallelism
-            (``ValueError``).
+            ``-inf`` and zero gradient. ``targets`` then have ``logits.shape[:-1]``; with
+            ``softcap`` the cuts are on the capped logits; not with ``return_entropy``,
+            ``inplace`` or vocabulary parallelism (``ValueError``).
         backend: ``"auto"`` | ``"triton"`` | ``"reference"`` (see ``fused_rl._backend``).
 
     Returns:
@@ -158,8 +158,7 @@ def _truncated(logits, targets, top_k, top_p, temperature, softcap, ignore_index
     after refusing the options it does not take."""
     from .truncated import truncated_logprobs
 
-    refused = {"return_entropy": return_entropy, "softcap": softcap is not None,
-               "inplace": inplace is not False,
+    refused = {"return_entropy": return_entropy, "inplace": inplace is not False,
                "process_group / vocab_start / vocab_size": process_group is not None
                or vocab_start is not None or vocab_size is not None}  # fmt: skip
     named = [name for name, given in refused.items() if given]
@@ -169,7 +168,7 @@ def _truncated(logits, targets, top_k, top_p, temperature, softcap, ignore_index
             f"{', '.join(named)}: call it without them"
         )
     return truncated_logprobs(
-        logits, targets, top_k=top_k, top_p=top_p, temperature=temperature,
+        logits, targets, top_k=top_k, top_p=top_p, temperature=temperature, softcap=softcap,
         ignore_index=ignore_index, backend=backend,
     )  # fmt: skip
 

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from . import _validation as V
 from ._backend import resolve_backend
-from ._launch import f32_pair, stats_dtype, triton_acc, vocab_launch
+from ._launch import NO_CAP, f32_pair, stats_dtype, triton_acc, vocab_launch
 from ._ops import FusedOp
 from ._shapes import as_rows3d
 from .reference import truncated as ref
@@ -53,11 +53,12 @@ def truncated_logprobs_fwd(
     top_k: int,
     top_p: float,
     temperature: float,
+    softcap: float | None,
     ignore_index: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Launch the forward on ``(outer, inner, V)`` logits (any strides) and ``(outer,
     inner)`` targets (any strides). ``top_k``: 0 = none (else ``1 <= k < V``); ``top_p``:
-    1.0 = none.
+    1.0 = none; ``softcap``: None = none, else ``z = c tanh(x / c) / T``.
 
     Returns ``(logp, stats, passes)``: ``logp`` ``(outer, inner)`` fp32 (fp64 for fp64
     logits); ``stats`` ``(3, outer * inner)``: per row the threshold ``tau`` on ``z = x /
@@ -78,9 +79,12 @@ def truncated_logprobs_fwd(
     block = _block(vocab)
     _truncated_logprobs_fwd_kernel[(n_rows,)](
         logits3d, targets, logp, stats, passes, inner, n_rows, vocab, *logits3d.stride(),
-        *targets.stride(), *f32_pair(1.0 / temperature), *f32_pair(top_p),
+        *targets.stride(),
+        *f32_pair(1.0 / temperature if softcap is None else softcap / temperature),
+        *(NO_CAP if softcap is None else f32_pair(1.0 / softcap)), *f32_pair(top_p),
         *f32_pair(math.log1p(-top_p) if has_p else 0.0), top_k, ignore_index,
         TOPK_REG=0 < top_k <= MAX_STREAMED_K, SEARCH_K=top_k > MAX_STREAMED_K, TOP_P=has_p,
+        HAS_SOFTCAP=softcap is not None,
         BLOCK_V=block, SEARCH_BLOCK=min(SEARCH_BLOCK, block), N_CAND=N_CAND,
         MAX_SEARCH_PASSES=MAX_SEARCH_PASSES[dtype], ACC=triton_acc(logits3d.dtype),
         num_warps=NUM_WARPS,
@@ -88,7 +92,7 @@ def truncated_logprobs_fwd(
     return logp, stats, passes
 
 
-def _fwd_fake(logits3d, targets, top_k, top_p, temperature, ignore_index):
+def _fwd_fake(logits3d, targets, top_k, top_p, temperature, softcap, ignore_index):
     outer, inner, _ = logits3d.shape
     dtype = stats_dtype(logits3d.dtype)
     return (
@@ -107,14 +111,15 @@ def truncated_logprobs_bwd(
     stats: Tensor,
     grad_logp: Tensor,
     temperature: float,
+    softcap: float | None,
     ignore_index: int,
 ) -> Tensor:
     """The gradient w.r.t. ``logits3d`` (a fresh contiguous buffer, its dtype) from the
     forward's ``stats`` and the upstream ``grad_logp`` ``(outer, inner)`` (any strides):
-    ``(onehot - p_trunc) g / T`` on the kept set, 0 elsewhere. One launch."""
+    ``(onehot - p_trunc) g dz/dx`` on the kept set, 0 elsewhere. One launch."""
     grad = torch.empty(logits3d.shape, dtype=logits3d.dtype, device=logits3d.device)
     return truncated_logprobs_bwd_into(
-        grad, logits3d, targets, stats, grad_logp, temperature, ignore_index
+        grad, logits3d, targets, stats, grad_logp, temperature, softcap, ignore_index
     )
 
 
@@ -125,6 +130,7 @@ def truncated_logprobs_bwd_into(
     stats: Tensor,
     grad_logp: Tensor,
     temperature: float,
+    softcap: float | None,
     ignore_index: int,
 ) -> Tensor:
     """:func:`truncated_logprobs_bwd` writing into ``grad`` (``logits3d``'s shape and dtype,
@@ -140,7 +146,9 @@ def truncated_logprobs_bwd_into(
     _truncated_logprobs_bwd_kernel[(outer * inner,)](
         logits3d, targets, stats, grad_logp, grad, inner, outer * inner, vocab,
         *logits3d.stride(), *grad.stride()[:2], *targets.stride(), *grad_logp.stride(),
-        *f32_pair(1.0 / temperature), ignore_index, ACC=triton_acc(logits3d.dtype),
+        *f32_pair(1.0 / temperature if softcap is None else softcap / temperature),
+        *(NO_CAP if softcap is None else f32_pair(1.0 / softcap)), ignore_index,
+        HAS_SOFTCAP=softcap is not None, ACC=triton_acc(logits3d.dtype),
         **vocab_launch(vocab, writes=True),
     )  # fmt: skip
     return grad
@@ -155,10 +163,10 @@ truncated_logprobs_bwd_op.register_fake(_bwd_fake)
 
 
 def _setup_context(ctx, inputs, output):
-    logits3d, targets, _top_k, _top_p, temperature, ignore_index = inputs
+    logits3d, targets, _top_k, _top_p, temperature, softcap, ignore_index = inputs
     _, stats, passes = output
     ctx.save_for_backward(logits3d, targets, stats)
-    ctx.temperature, ctx.ignore_index = temperature, ignore_index
+    ctx.temperature, ctx.softcap, ctx.ignore_index = temperature, softcap, ignore_index
     ctx.mark_non_differentiable(stats, passes)
     ctx.set_materialize_grads(False)
 
@@ -168,7 +176,7 @@ def _backward(ctx, grad_logp, _grad_stats, _grad_passes):
     grad = None
     if grad_logp is not None:
         grad = truncated_logprobs_bwd_op(
-            logits3d, targets, stats, grad_logp, ctx.temperature, ctx.ignore_index
+            logits3d, targets, stats, grad_logp, ctx.temperature, ctx.softcap, ctx.ignore_index
         )
     return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
 
@@ -200,12 +208,14 @@ def _check_top_p(top_p) -> None:
         raise ValueError(f"top_p must be None or a number in (0, 1], got {top_p!r}")
 
 
-def check_options(top_k, top_p, temperature, ignore_index) -> None:
+def check_options(top_k, top_p, temperature, softcap, ignore_index) -> None:
     """The checks of :func:`truncated_logprobs`'s non-tensor arguments (messages naming
     them), shared with ``linear_token_logprobs(top_k=, top_p=)``."""
     _check_top_k(top_k)
     _check_top_p(top_p)
     V.check_positive(temperature, "temperature")
+    if softcap is not None:
+        V.check_positive(softcap, "softcap")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
 
@@ -224,13 +234,15 @@ def truncated_logprobs(
     top_k: int | None = None,
     top_p: float | None = None,
     temperature: float = 1.0,
+    softcap: float | None = None,
     ignore_index: int = -100,
     backend: str = "auto",
 ) -> Tensor:
     """Log-prob of each target under the sampler's truncated distribution (vLLM's order:
     temperature, then top-k, then top-p over the renormalised top-k set), fused, streamed.
 
-    With ``z = logits / temperature`` per row:
+    With ``z = logits / temperature`` per row (``z = c tanh(logits / c) / temperature`` with
+    ``softcap=c``, the sampler's view of a soft-capped model):
 
     * **top-k** keeps ``{z >= tau_k}``, ``tau_k`` the k-th largest ``z`` (counted with
       multiplicity). Every token tied AT ``tau_k`` is kept, so more than ``k`` tokens may be
@@ -250,7 +262,7 @@ def truncated_logprobs(
 
     The result is ``z_y - logsumexp(z over the kept set)`` for a kept target and ``-inf``
     (with zero gradient) for a target outside it; the gradient w.r.t. ``logits`` is
-    ``(onehot_y - p_trunc) / T`` on the kept set and 0 elsewhere (the kept set is piecewise
+    ``(onehot_y - p_trunc) dz/dx`` on the kept set and 0 elsewhere (the kept set is piecewise
     constant in the logits, as autograd of the masked log-softmax gives).
 
     Args:
@@ -259,6 +271,8 @@ def truncated_logprobs(
         top_k: None or an int ``>= 1``.
         top_p: None or a real number in ``(0, 1]``.
         temperature: logits are divided by it (``> 0``) before both cuts.
+        softcap: Gemma-style soft cap ``c`` (a finite ``c > 0``; None = none), applied
+            before the temperature, as in :func:`fused_rl.token_logprobs`.
         ignore_index: targets equal to it give 0 and exactly 0 gradient.
         backend: ``"auto"`` | ``"triton"`` | ``"reference"`` (see ``fused_rl._backend``).
 
@@ -285,20 +299,21 @@ def truncated_logprobs(
     """
     V.check_logits(logits)
     V.check_targets(targets, logits)
-    check_options(top_k, top_p, temperature, ignore_index)
+    check_options(top_k, top_p, temperature, softcap, ignore_index)
     vocab = logits.shape[-1]
     V.check_target_range(targets, vocab, ignore_index, "targets")
     which = resolve_backend(backend, logits, targets)
     k, p = cuts(top_k, top_p, vocab)
+    cap = None if softcap is None else float(softcap)
     if which == "reference":
         return ref.truncated_logprobs(
             logits, targets, top_k=k or None, top_p=p, temperature=float(temperature),
-            ignore_index=int(ignore_index),
+            softcap=cap, ignore_index=int(ignore_index),
         )  # fmt: skip
     logits3d = as_rows3d(logits)
     t2d = targets.reshape(logits3d.shape[:2])
     logp, _, _ = truncated_logprobs_fwd_op(
-        logits3d, t2d, k, p, float(temperature), int(ignore_index)
+        logits3d, t2d, k, p, float(temperature), cap, int(ignore_index)
     )
     return logp.reshape(targets.shape)
 

@@ -349,12 +349,16 @@ def test_ties_at_the_top_p_boundary_kept_whole(top_k, backend):
 # ----------------------------------------------------------------------------- cost
 
 
-def test_matches_materialised_truncated_logprobs():
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("softcap", (None, 2.0))
+def test_matches_materialised_truncated_logprobs(softcap, backend):
     """The same values and gradients as ``token_logprobs(F.linear(...), top_k=, top_p=)``
-    on the materialised logits, within fp32 rounding (the GEMMs differ in shape)."""
+    on the materialised logits, within fp32 rounding (the GEMMs differ in shape); with the
+    soft cap too (the cuts on the capped logits; that op's cap is checked against a float64
+    oracle in test_truncated.py)."""
     h, w, b, t = _inputs(seed=11)
     up = torch.randn(t.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    kw = dict(top_k=10, top_p=0.8, temperature=0.9)
+    kw = dict(top_k=10, top_p=0.8, temperature=0.9, softcap=softcap, backend=backend)
     got, g_got = value_and_grads(
         lambda hh, ww, bb: fused_rl.linear_token_logprobs(hh, ww, t, bias=bb, chunk_tokens=4, **kw),
         (h, w, b), up)  # fmt: skip
@@ -515,7 +519,8 @@ def test_double_backward_raises(backend):
         (dict(top_k=3, chunk_tokens=0), ValueError, "chunk_tokens"),
         (dict(top_k=3, backend="bogus"), ValueError, "backend"),
         (dict(top_k=3, return_entropy=True), ValueError, "return_entropy"),
-        (dict(top_p=0.5, softcap=30.0), ValueError, "softcap"),
+        (dict(top_p=0.5, softcap=0.0), ValueError, "softcap"),
+        (dict(top_k=3, softcap=float("nan")), ValueError, "softcap"),
         (dict(top_k=3, process_group=object()), ValueError, "process_group"),
         (dict(top_k=3, vocab_size=53), ValueError, "vocab_size"),
         (dict(top_p=0.5, vocab_start=0), ValueError, "vocab_start"),
@@ -531,7 +536,7 @@ def test_refusals_match_token_logprobs():
     """The options refused with truncation are the ones ``token_logprobs`` refuses."""
     h, w, b, t = _inputs()
     logits = F.linear(h, w, b)
-    for bad in (dict(return_entropy=True), dict(softcap=3.0), dict(vocab_size=53)):
+    for bad in (dict(return_entropy=True), dict(vocab_size=53)):
         zeros = torch.zeros(logits.shape[:-1], dtype=torch.long, device=DEVICE)
         for op, args in ((fused_rl.token_logprobs, (logits, zeros)),
                          (fused_rl.linear_token_logprobs, (h, w, t))):  # fmt: skip

@@ -13,6 +13,10 @@ boundary (in registers and through the search passes), NaN in -> NaN out, gradch
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,13 +74,18 @@ def vllm_keep(z_row: torch.Tensor, top_k, top_p) -> torch.Tensor:
     return keep
 
 
+def tempered(x, temperature, softcap):
+    """``z = x / T``, or ``c tanh(x / c) / T`` with the soft cap ``c``."""
+    return x / temperature if softcap is None else softcap * torch.tanh(x / softcap) / temperature
+
+
 def oracle(x, targets, top_k=None, top_p=None, temperature=1.0, ignore_index=-100,
-           rule="threshold", dtype=torch.float64):  # fmt: skip
+           rule="threshold", dtype=torch.float64, softcap=None):  # fmt: skip
     """float64 log-probs (differentiable in ``x``); ``rule="vllm"`` keeps vLLM's set.
     ``dtype``: the arithmetic's (``x.dtype``: eager PyTorch in that dtype), the kept set
     always the float64 one."""
-    rows = (x.detach().double() / temperature).reshape(-1, x.shape[-1])
-    z = x.to(dtype) / temperature
+    rows = tempered(x.detach().double(), temperature, softcap).reshape(-1, x.shape[-1])
+    z = tempered(x.to(dtype), temperature, softcap)
     if rule == "threshold":
         thr = torch.tensor([oracle_threshold(r, top_k, top_p) for r in rows], dtype=rows.dtype)
         keep = (rows >= thr[:, None]).reshape(z.shape)
@@ -289,7 +298,7 @@ def test_ties_at_the_top_p_boundary_searched(top_k, backend, small_blocks, devic
     assert torch.isfinite(out[0]) and out[1] == NEG_INF
     if backend == "triton":
         launch = T.truncated_logprobs_fwd_op.launcher
-        _, _, passes = launch(x[None], targets[None], top_k or 0, 0.5, 1.0, -100)
+        _, _, passes = launch(x[None], targets[None], top_k or 0, 0.5, 1.0, None, -100)
         assert (passes > 1).all(), passes
 
 
@@ -316,6 +325,35 @@ def test_matches_vllm_without_boundary_ties(top_k, top_p, temperature, backend, 
 
 
 # ----------------------------------------------------------------------------- failures
+
+
+# ----------------------------------------------------------------------------- soft cap
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("softcap", (2.0, 30.0))
+@pytest.mark.parametrize(("top_k", "top_p"), [(7, None), (64, 0.9), (None, 0.9), (100, 0.7)])
+def test_softcap(top_k, top_p, softcap, backend, small_blocks, device):
+    """``softcap=c``: both cuts and the log-prob on ``c tanh(x / c) / T``, the gradient
+    through the cap; a cap of 2 squeezes the row's top together (the search passes run on
+    the capped values), 30 barely touches it. Temperature 0.7."""
+    x, targets = _rows((2, 3, 150), seed=9, device=device)
+    check_against_oracle(backend, x * 2, targets, tol=FP32_TOL, top_k=top_k, top_p=top_p,
+                         temperature=0.7, softcap=softcap)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_softcap_bf16_and_infinite_logits(backend, device):
+    """bf16 with the cap; a ``-inf`` logit is capped to ``-c`` (finite: kept when top-k
+    reaches it, as the capped model samples it), a ``+inf`` one to ``+c`` -- with the cap
+    an infinite logit is not a NaN row."""
+    x, targets = _rows((2, 3, 97), seed=4, device=device)
+    check_against_oracle(backend, x.bfloat16(), targets, top_k=9, top_p=0.9, softcap=3.0)
+    x = torch.tensor([[NEG_INF, 0.5, 1.0, float("inf")], [NEG_INF, NEG_INF, 0.0, 2.0]])
+    targets = torch.tensor([0, 1], device=device)
+    out = check_against_oracle(backend, x.to(device), targets, tol=FP32_TOL, top_k=4,
+                               softcap=3.0)  # fmt: skip
+    assert torch.isfinite(out).all()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -383,6 +421,9 @@ def test_torch_compile_fullgraph(device):
         (dict(top_p=True), TypeError, "top_p"),
         (dict(top_p=torch.tensor(0.5)), TypeError, "top_p"),
         (dict(temperature=0.0), ValueError, "temperature"),
+        (dict(softcap=0.0), ValueError, "softcap"),
+        (dict(softcap=float("inf")), ValueError, "softcap"),
+        (dict(softcap="3"), TypeError, "softcap"),
         (dict(ignore_index=1.5), TypeError, "ignore_index"),
         (dict(backend="bogus"), ValueError, "backend"),
     ],
@@ -448,7 +489,7 @@ def test_passes_over_a_row(device):
         torch.rand(1, 4, 400, generator=g) * 40 - 39)  # fmt: skip
     targets = torch.zeros(1, 4, dtype=torch.long)
     targets[0, 3] = -100
-    runs = lambda x, k, p: T.truncated_logprobs_fwd_op.launcher(x, targets, k, p, 1.0, -100)  # noqa: E731
+    runs = lambda x, k, p: T.truncated_logprobs_fwd_op.launcher(x, targets, k, p, 1.0, None, -100)  # noqa: E731
     for k, p in [(1, 1.0), (64, 1.0), (64, 0.9), (7, 0.5), (0, 1.0)]:
         assert runs(flat, k, p)[2].tolist() == [1, 1, 1, 0]
     assert runs(peaked, 0, 0.9)[2].tolist() == [1, 1, 1, 0]
@@ -466,7 +507,8 @@ def test_token_logprobs_takes_top_k_and_top_p(device):
     g = torch.Generator().manual_seed(21)
     logits = torch.randn(2, 3, 37, generator=g).to(device)
     targets = torch.randint(0, 37, (2, 3), generator=g).to(device)
-    for kw in (dict(top_k=5), dict(top_p=0.7), dict(top_k=9, top_p=0.5, temperature=0.8)):
+    for kw in (dict(top_k=5), dict(top_p=0.7), dict(top_k=9, top_p=0.5, temperature=0.8),
+               dict(top_k=9, top_p=0.9, softcap=2.5)):  # fmt: skip
         a = logits.clone().requires_grad_(True)
         b = logits.clone().requires_grad_(True)
         got = fused_rl.token_logprobs(a, targets, **kw)
@@ -478,6 +520,100 @@ def test_token_logprobs_takes_top_k_and_top_p(device):
         want.backward(up)
         assert torch.equal(a.grad, b.grad)
     for bad, name in ((dict(return_entropy=True), "return_entropy"),
-                      (dict(softcap=3.0), "softcap")):  # fmt: skip
+                      (dict(inplace=True), "inplace")):  # fmt: skip
         with pytest.raises(ValueError, match=name):
             fused_rl.token_logprobs(logits, targets, top_k=5, **bad)
+
+
+# ----------------------------------------------------------------------------- sm_90 compile
+
+# Run in a subprocess without TRITON_INTERPRET (this process interprets): every variant of
+# both truncated kernels (the three cuts' on / off combinations, the soft cap, fp32 and fp64
+# accumulation) through Triton's front end, LLVM and ptxas for cuda:90, no GPU needed; the
+# pointer offsets 64-bit (``hopper_compile.narrow_offset_products``); a bf16 row's loads (and
+# the backward's stores) 128-bit vectors.
+_COMPILE_SCRIPT = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hopper_compile import narrow_offset_products
+import fused_rl.kernels.vocab.truncated as k
+
+FLOATS = {"inv_t_hi", "inv_t_lo", "inv_cap_hi", "inv_cap_lo", "p_hi", "p_lo", "log1mp_hi",
+          "log1mp_lo"}
+
+def signature(fn, logits, acc):
+    out = {}
+    for p in fn.params:
+        n = p.name
+        if p.is_constexpr:
+            out[n] = "constexpr"
+        elif n == "targets_ptr":
+            out[n] = "*i64"
+        elif n == "passes_ptr":
+            out[n] = "*i32"
+        elif n in ("logits_ptr", "grad_ptr"):
+            out[n] = logits
+        elif n.endswith("_ptr"):
+            out[n] = acc
+        else:
+            out[n] = "fp32" if n in FLOATS else "i32"
+    return out
+
+count = 0
+for logits, acc, ACC, passes in (("*bf16", "*fp32", tl.float32, 11),
+                                 ("*fp64", "*fp64", tl.float64, 22)):
+    cuts = [(False, False, False), (True, False, False), (True, False, True),
+            (False, False, True), (False, True, False), (False, True, True)]
+    for (reg, search, top_p) in cuts:
+        for cap in (False, True):
+            flags = dict(TOPK_REG=reg, SEARCH_K=search, TOP_P=top_p, HAS_SOFTCAP=cap,
+                         BLOCK_V=1024, SEARCH_BLOCK=128, N_CAND=16,
+                         MAX_SEARCH_PASSES=passes, ACC=ACC)
+            fn = k._truncated_logprobs_fwd_kernel
+            src = ASTSource(fn=fn, signature=signature(fn, logits, acc), constexprs=flags)
+            c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+            assert not narrow_offset_products(c.asm["ttir"]), (flags, "narrow offsets")
+            count += 1
+    for cap in (False, True):
+        fn = k._truncated_logprobs_bwd_kernel
+        src = ASTSource(fn=fn, signature=signature(fn, logits, acc),
+                        constexprs=dict(HAS_SOFTCAP=cap, BLOCK_V=4096, ACC=ACC))
+        c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        assert not narrow_offset_products(c.asm["ttir"]), ("bwd", cap)
+        count += 1
+# a bf16 row with unit stride and 16-aligned lengths: 128-bit loads (and stores backward)
+for fn, flags, warps in ((k._truncated_logprobs_fwd_kernel,
+                          dict(TOPK_REG=True, SEARCH_K=False, TOP_P=True, BLOCK_V=1024,
+                               SEARCH_BLOCK=128, N_CAND=16, MAX_SEARCH_PASSES=11), 1),
+                         (k._truncated_logprobs_bwd_kernel, dict(BLOCK_V=4096), 8)):
+    names = [p.name for p in fn.params if not p.is_constexpr]
+    aligned = ("V", "stride_outer", "stride_inner", "grad_stride_outer", "grad_stride_inner")
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n.endswith("_ptr") or n in aligned}
+    sig = dict(signature(fn, "*bf16", "*fp32"), stride_v="constexpr")
+    src = ASTSource(fn=fn, signature=sig, attrs=attrs, constexprs=dict(
+        stride_v=1, HAS_SOFTCAP=False, ACC=tl.float32, **flags))
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": warps}).asm["ptx"]
+    assert "ld.global.v4" in ptx or "ld.global.nc.v4" in ptx, fn.__name__
+    assert fn is k._truncated_logprobs_fwd_kernel or "st.global.v4" in ptx, fn.__name__
+    count += 1
+print("compiled", count)
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.no_poison
+def test_kernels_compile_for_sm90():
+    pytest.importorskip("triton.backends.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    tests = str(Path(__file__).parent)
+    result = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT, tests], env=env, capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert result.stdout.strip().endswith("compiled 30")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from .logprobs import scaled
 from .reductions import acc_dtype
 
 
@@ -48,16 +49,18 @@ def truncated_logprobs(
     top_p: float | None,
     temperature: float,
     ignore_index: int,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``log p_trunc(target)`` of ``targets.shape``, fp32 (fp64 for fp64 logits),
-    differentiable w.r.t. ``logits``. Ignored targets: 0 with exactly 0 gradient (their
+    differentiable w.r.t. ``logits``; ``softcap``: the soft cap ``c`` (``z = c tanh(x / c) /
+    T``), None for none. Ignored targets: 0 with exactly 0 gradient (their
     row never enters the arithmetic); a row with a NaN / ``+inf`` logit or only ``-inf``
     ones: NaN with a NaN gradient row; a target outside ``[0, V)``: NaN."""
     dtype = acc_dtype(logits)
     vocab = logits.shape[-1]
     ignored = (targets == ignore_index)[..., None]
     x = torch.where(ignored, torch.zeros((), dtype=dtype, device=logits.device), logits.to(dtype))
-    z = x / temperature
+    z = scaled(x, temperature, softcap)
     row_max = z.detach().amax(-1, keepdim=True)
     bad = ~torch.isfinite(row_max)  # NaN (amax keeps it), +inf, or only -inf
     keep = keep_mask(torch.where(bad, 0.0, z.detach()), top_k, top_p) | bad

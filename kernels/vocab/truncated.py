@@ -1,6 +1,7 @@
 """Log-probs under a sampler's top-k / top-p truncation, streamed (``fused_rl.truncated``).
 
-The distribution is vLLM's sampler's: ``z = x / T``; top-k keeps ``{z >= tau_k}``, ``tau_k``
+The distribution is vLLM's sampler's: ``z = x / T`` (``c tanh(x / c) / T`` with the soft cap
+``HAS_SOFTCAP``, ``kernels/vocab/layer1.py`` ``scaled_logits``); top-k keeps ``{z >= tau_k}``, ``tau_k``
 the k-th largest ``z`` of the row (every token tied AT ``tau_k`` is kept, so more than k may
 be); top-p then keeps, of those, ``{z >= v*}``: ``v*`` the largest kept value whose kept mass
 ``F(v) = sum_{kept z >= v} exp(z - m)`` reaches ``p`` times the kept total (the token that
@@ -70,7 +71,8 @@ row.
 import triton
 import triton.language as tl
 
-from ..common import cast_for, nan_max, nan_min, pair, row_pointer, token_offset
+from ..common import cast_for, nan_max, nan_min, pair, row_pointer, tanh_and_sech2, token_offset
+from .layer1 import scaled_logits
 
 KS = tl.constexpr(64)  # register slots: fused_rl.truncated.MAX_STREAMED_K
 
@@ -160,9 +162,10 @@ def _cut_in_registers(top, e, thr, tie_mass, kk, goal):
 
 @triton.jit
 def _search(
-    row_ptr, V, stride_v, inv_t, m, lo, hi, c_hi, f_hi, goal, enabled,
+    row_ptr, V, stride_v, inv_t, inv_cap, m, lo, hi, c_hi, f_hi, goal, enabled,
     BY_COUNT: tl.constexpr, N_CAND: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
-    BLOCK_V: tl.constexpr, MAX_SEARCH_PASSES: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_V: tl.constexpr, MAX_SEARCH_PASSES: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    ACC: tl.constexpr,
     VALUE_PASSES: tl.constexpr = 3,
 ):  # fmt: skip
     """The largest row value ``v`` in ``[lo, hi)`` with ``G(v) >= goal``, ``G`` the count
@@ -200,7 +203,7 @@ def _search(
         for start in range(0, V, SEARCH_BLOCK):
             cols = start + tl.arange(0, SEARCH_BLOCK)
             x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V, other=0.0)
-            z = x.to(ACC) * inv_t
+            z = scaled_logits(x.to(ACC), inv_t, inv_cap, HAS_SOFTCAP)
             inside = (cols < V) & (z >= lo) & (z < hi)
             ge = inside[:, None] & (z[:, None] >= cand[None, :])
             e = tl.exp(z - m)
@@ -231,7 +234,7 @@ def _search(
     for start in range(0, tl.where(collect, V, 0), BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V, other=0.0)
-        z = x.to(ACC) * inv_t
+        z = scaled_logits(x.to(ACC), inv_t, inv_cap, HAS_SOFTCAP)
         inside = (cols < V) & (z >= lo) & (z < hi)
         top, thr, eqcnt = _absorb(tl.where(inside, z, float("-inf")), top, thr, eqcnt, KS, BLOCK_V)
     passes += collect.to(tl.int32)
@@ -271,6 +274,8 @@ def _truncated_logprobs_fwd_kernel(
     t_stride_inner,
     inv_t_hi,
     inv_t_lo,
+    inv_cap_hi,
+    inv_cap_lo,
     p_hi,
     p_lo,
     log1mp_hi,
@@ -280,6 +285,7 @@ def _truncated_logprobs_fwd_kernel(
     TOPK_REG: tl.constexpr,
     SEARCH_K: tl.constexpr,
     TOP_P: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr,
     N_CAND: tl.constexpr,
@@ -289,9 +295,12 @@ def _truncated_logprobs_fwd_kernel(
     """One program per row of ``(outer, rows_inner, V)`` logits: ``logp`` (contiguous), the
     row's ``(tau, m, log F)`` in ``stats`` ``(3, n_rows)`` and its passes over the row.
     ``TOPK_REG``: top-k with ``k <= 64`` (``k < V``); ``SEARCH_K``: top-k with ``64 < k < V``;
-    ``TOP_P``: top-p with ``p < 1`` (``p``, ``log(1 - p)`` as fp32 pairs)."""
+    ``TOP_P``: top-p with ``p < 1`` (``p``, ``log(1 - p)`` as fp32 pairs). ``HAS_SOFTCAP``:
+    ``z = c tanh(x / c) / T`` (``inv_t`` carries ``c / T``, ``inv_cap`` ``1 / c``;
+    ``kernels/vocab/layer1.py`` ``scaled_logits``)."""
     row = tl.program_id(0).to(tl.int64)
     inv_t = pair(inv_t_hi, inv_t_lo, ACC)
+    inv_cap = pair(inv_cap_hi, inv_cap_lo, ACC)
     row_ptr = row_pointer(logits_ptr, row, rows_inner, 0, stride_outer, stride_inner)
     target = tl.load(targets_ptr + token_offset(row, rows_inner, t_stride_outer, t_stride_inner))
     target = target.to(tl.int64)
@@ -313,8 +322,9 @@ def _truncated_logprobs_fwd_kernel(
     eqcnt = tl.zeros((), tl.int32)
     for start in range(0, tl.where(active, V, 0), BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V, other=float("-inf"))
-        z = x.to(ACC) * inv_t
+        x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V, other=0.0)
+        z = scaled_logits(x.to(ACC), inv_t, inv_cap, HAS_SOFTCAP)
+        z = tl.where(cols < V, z, float("-inf"))
         n_nan += tl.sum((z != z).to(tl.int32), 0)
         zs = tl.where(z == z, z, float("-inf"))
         if NEED_SUM:
@@ -350,9 +360,9 @@ def _truncated_logprobs_fwd_kernel(
             resolved = (thr == float("-inf")) | (extra + KS >= top_k)
             lo = tl.where(resolved, thr, z_min)
             tau_k, f_k, n_pass = _search(
-                row_ptr, V, stride_v, inv_t, m_safe, lo, thr, (extra + KS).to(tl.int64), f_held,
-                top_k.to(tl.int64), ok & (resolved == 0), True, N_CAND, SEARCH_BLOCK, BLOCK_V,
-                MAX_SEARCH_PASSES, ACC,
+                row_ptr, V, stride_v, inv_t, inv_cap, m_safe, lo, thr, (extra + KS).to(tl.int64),
+                f_held, top_k.to(tl.int64), ok & (resolved == 0), True, N_CAND, SEARCH_BLOCK,
+                BLOCK_V, MAX_SEARCH_PASSES, HAS_SOFTCAP, ACC,
             )  # fmt: skip
             tau = tl.where(resolved, thr, tau_k)
             f = tl.where(resolved, f_held, f_k)
@@ -369,9 +379,9 @@ def _truncated_logprobs_fwd_kernel(
                 bound = m_safe + log1mp + tl.log(f) - tl.log(tl.zeros((), ACC) + V) - 1.0
                 lo = nan_max(tau, tl.where(bound < thr, bound, tau))
                 v_s, f_s, n_pass = _search(
-                    row_ptr, V, stride_v, inv_t, m_safe, lo, thr, (extra + KS).to(tl.int64),
-                    f_held, goal, ok & (found == 0), False, N_CAND, SEARCH_BLOCK, BLOCK_V,
-                    MAX_SEARCH_PASSES, ACC,
+                    row_ptr, V, stride_v, inv_t, inv_cap, m_safe, lo, thr,
+                    (extra + KS).to(tl.int64), f_held, goal, ok & (found == 0), False, N_CAND,
+                    SEARCH_BLOCK, BLOCK_V, MAX_SEARCH_PASSES, HAS_SOFTCAP, ACC,
                 )  # fmt: skip
                 tau = tl.where(found, v, v_s)
                 f = tl.where(found, f_v, f_s)
@@ -385,14 +395,14 @@ def _truncated_logprobs_fwd_kernel(
     in_range = (target >= 0) & (target < V)
     safe = tl.where(in_range, target, 0)
     x_y = tl.load(row_ptr + safe * stride_v, mask=active & in_range, other=0.0)
-    z_y = x_y.to(ACC) * inv_t
+    z_y = scaled_logits(x_y.to(ACC), inv_t, inv_cap, HAS_SOFTCAP)
     logp = tl.where(z_y >= tau, (z_y - m) - log_f, float("-inf"))
     logp = tl.where(ok, logp, float("nan"))
     logp = tl.where(in_range, logp, float("nan"))
     tl.store(logp_ptr + row, tl.where(active, logp, 0.0))
     tl.store(stats_ptr + row, tl.where(active, tau, 0.0))
-    tl.store(stats_ptr + n_rows + row, tl.where(active, m, 0.0))
-    tl.store(stats_ptr + 2 * n_rows + row, tl.where(active, log_f, 0.0))
+    tl.store(stats_ptr + (row + n_rows), tl.where(active, m, 0.0))
+    tl.store(stats_ptr + (row + n_rows + n_rows), tl.where(active, log_f, 0.0))  # no i32 product
     tl.store(passes_ptr + row, passes)
 
 
@@ -422,39 +432,54 @@ def _truncated_logprobs_bwd_kernel(
     g_stride_inner,
     inv_t_hi,
     inv_t_lo,
+    inv_cap_hi,
+    inv_cap_lo,
     ignore_index,
+    HAS_SOFTCAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
     ACC: tl.constexpr,
 ):
     """One program per row: ``grad = (onehot_y - p) g / T`` on ``{z >= tau}``, 0 elsewhere,
     ``p = exp((z - m) - log F)`` from the forward's ``stats``; a NaN row (NaN ``log F``)
     gets NaN; a zero coefficient (ignored, target cut or out of range, ``g == 0``) writes
-    zeros and reads nothing."""
+    zeros and reads nothing. ``HAS_SOFTCAP`` (``inv_t = c / T``, ``inv_cap = 1 / c``): each
+    column's term is times ``dz/dx = (1 - tanh^2(x / c)) / T``."""
     row = tl.program_id(0).to(tl.int64)
     inv_t = pair(inv_t_hi, inv_t_lo, ACC)
+    inv_cap = pair(inv_cap_hi, inv_cap_lo, ACC)
     row_ptr = row_pointer(logits_ptr, row, rows_inner, 0, stride_outer, stride_inner)
     grad_row = row_pointer(grad_ptr, row, rows_inner, 0, grad_stride_outer, grad_stride_inner)
     target = tl.load(targets_ptr + token_offset(row, rows_inner, t_stride_outer, t_stride_inner))
     target = target.to(tl.int64)
     g = tl.load(g_ptr + token_offset(row, rows_inner, g_stride_outer, g_stride_inner)).to(ACC)
     tau = tl.load(stats_ptr + row).to(ACC)
-    m = tl.load(stats_ptr + n_rows + row).to(ACC)
-    log_f = tl.load(stats_ptr + 2 * n_rows + row).to(ACC)
+    m = tl.load(stats_ptr + (row + n_rows)).to(ACC)
+    log_f = tl.load(stats_ptr + (row + n_rows + n_rows)).to(ACC)  # int64: no i32 product
     active = target != ignore_index
     in_range = (target >= 0) & (target < V)
     bad = active & (log_f != log_f)
     safe = tl.where(in_range, target, 0)
     x_y = tl.load(row_ptr + safe * stride_v, mask=active & in_range & (bad == 0), other=0.0)
-    kept_y = (x_y.to(ACC) * inv_t) >= tau
+    kept_y = scaled_logits(x_y.to(ACC), inv_t, inv_cap, HAS_SOFTCAP) >= tau
     coef = tl.where(active & in_range & kept_y & (bad == 0), g * inv_t, 0.0)
+    if HAS_SOFTCAP:
+        coef = coef * inv_cap  # g / T; each column then times sech^2(x / c)
+    n_read = tl.where(coef != 0.0, V, 0)  # a NaN g reads too; a bound, so loads vectorise
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         valid = cols < V
-        live = tl.where(valid, coef, 0.0) != 0.0  # per lane (a NaN g is live)
+        live = cols < n_read
         x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=live, other=0.0)
-        z = x.to(ACC) * inv_t
+        if HAS_SOFTCAP:
+            t, sech2 = tanh_and_sech2(x.to(ACC) * inv_cap)
+            z = t * inv_t
+        else:
+            z = x.to(ACC) * inv_t
         p = tl.exp((z - m) - log_f)
         onehot = tl.where(cols == target, 1.0, 0.0)
-        grad = tl.where(live & (z >= tau), (onehot - p) * coef, 0.0)
+        grad = (onehot - p) * coef
+        if HAS_SOFTCAP:
+            grad = grad * sech2
+        grad = tl.where(live & (z >= tau), grad, 0.0)
         grad = tl.where(bad, float("nan"), grad)
         tl.store(grad_row + cols, cast_for(grad, grad_ptr), mask=valid)
