@@ -1,10 +1,10 @@
 """Log-probs under a sampler's top-k / top-p truncation, streamed (``fused_rl.truncated``).
 
 The distribution is vLLM's sampler's: ``z = x / T`` (``c tanh(x / c) / T`` with the soft cap
-``HAS_SOFTCAP``, ``kernels/vocab/layer1.py`` ``scaled_logits``); top-k keeps ``{z >= tau_k}``, ``tau_k``
-the k-th largest ``z`` of the row (every token tied AT ``tau_k`` is kept, so more than k may
-be); top-p then keeps, of those, ``{z >= v*}``: ``v*`` the largest kept value whose kept mass
-``F(v) = sum_{kept z >= v} exp(z - m)`` reaches ``p`` times the kept total (the token that
+``HAS_SOFTCAP``, ``kernels/vocab/layer1.py`` ``scaled_logits``); top-k keeps ``{z >= tau_k}``,
+``tau_k`` the k-th largest ``z`` of the row (every token tied AT ``tau_k`` is kept, so more
+than k may be); top-p then keeps, of those, ``{z >= v*}``: ``v*`` the largest kept value whose
+kept mass ``F(v) = sum_{kept z >= v} exp(z - m)`` reaches ``p`` times the kept total (the token that
 crosses ``p`` is kept, with every token tied with it: a threshold, independent of any sort's
 order among ties). The target's log-prob is ``z_y - lse_kept`` for ``z_y >= tau`` (``tau``
 the final threshold), ``-inf`` otherwise. No row is ever sorted in memory; nothing of size
@@ -161,12 +161,99 @@ def _cut_in_registers(top, e, thr, tie_mass, kk, goal):
 
 
 @triton.jit
+def _candidates(
+    lo, hi, passes, N_CAND: tl.constexpr, ACC: tl.constexpr, VALUE_PASSES: tl.constexpr = 3
+):
+    """``N_CAND`` thresholds in ``[lo, hi)`` for search pass ``passes`` (0-based), ascending,
+    the first ``lo``: evenly spaced over the floats' keys (the key range shrinks 16-fold a
+    pass), or over the values while the bracket spans more than an octave or crosses 0 (the
+    first ``VALUE_PASSES`` passes at most), where even keys would sit on tiny magnitudes."""
+    j = tl.arange(0, N_CAND)
+    k_lo = _key(lo, ACC)
+    k_hi = _key(hi, ACC)
+    if ACC == tl.float64:  # halves: no int64 overflow; the range shrinks to R / 16 + 2
+        half_range = (k_hi >> 1) - (k_lo >> 1)
+        step = (half_range + N_CAND // 2 - 1) // (N_CAND // 2)
+    else:  # fp32 keys in int64: exact, the range shrinks to ceil(R / 16)
+        step = (k_hi - k_lo + N_CAND - 1) // N_CAND
+    step = tl.where(step < 1, 1, step)
+    ck = k_lo + step * j.to(tl.int64)
+    narrow = (lo > 0.0) & (hi <= 2.0 * lo) | (hi <= 0.0) & (lo >= 2.0 * hi)
+    wide = (narrow == 0) & (passes < VALUE_PASSES) & (hi - lo < float("inf"))
+    vk = _key(lo + (hi - lo) * (j.to(ACC) * (1.0 / N_CAND)), ACC)
+    ck = tl.where(wide, vk, ck)
+    ck = tl.where(ck < k_hi, ck, k_hi - 1)  # cand[0] = lo; all < hi; non-decreasing
+    return _unkey(ck, ACC)
+
+
+@triton.jit
+def _bracket_sums(
+    row_ptr, n_read, stride_v, inv_t, inv_cap, m, lo, hi, cand, N_CAND: tl.constexpr,
+    SEARCH_BLOCK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """One search pass over the row's first ``n_read`` logits: per candidate, the count and
+    the mass ``exp(z - m)`` of the values in ``[lo, hi)`` at or above it (a 16-wide
+    comparison per logit)."""
+    cnt = tl.zeros((N_CAND,), tl.int64)
+    mass = tl.zeros((N_CAND,), ACC)
+    for start in range(0, n_read, SEARCH_BLOCK):
+        cols = start + tl.arange(0, SEARCH_BLOCK)
+        x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < n_read, other=0.0)
+        z = scaled_logits(x.to(ACC), inv_t, inv_cap, HAS_SOFTCAP)
+        inside = (cols < n_read) & (z >= lo) & (z < hi)
+        ge = inside[:, None] & (z[:, None] >= cand[None, :])
+        e = tl.exp(z - m)
+        cnt += tl.sum(ge.to(tl.int64), 0)
+        mass += tl.sum(tl.where(ge, e[:, None], 0.0), 0)
+    return cnt, mass
+
+
+@triton.jit
+def _narrow(cand, cnt, mass, hi, c_hi, f_hi, goal, BY_COUNT: tl.constexpr, N_CAND: tl.constexpr):
+    """The bracket after a search pass: ``[lo, hi)`` becomes the candidate interval that
+    holds the answer (the largest candidate meeting ``goal``, up to the next candidate).
+    Returns ``(lo, hi, c_hi, f_hi, f_lo, n_in)``: the new bounds, the count / mass at or
+    above each (``f_lo`` the mass at or above ``lo``) and the count of values inside."""
+    j = tl.arange(0, N_CAND)
+    if BY_COUNT:
+        meets = (c_hi + cnt) >= goal
+    else:
+        meets = (f_hi + mass) >= goal
+    best = tl.max(tl.where(meets | (j == 0), j, 0), 0)
+    new_lo = tl.max(tl.where(j == best, cand, float("-inf")), 0)
+    new_hi = tl.min(tl.where(cand > new_lo, cand, hi), 0)
+    f_lo = f_hi + tl.max(tl.where(j == best, mass, 0.0), 0)
+    c_lo = c_hi + tl.max(tl.where(j == best, cnt, 0), 0)
+    c_hi += tl.max(tl.where(cand == new_hi, cnt, 0), 0)  # 0 when new_hi == hi
+    f_hi += tl.max(tl.where(cand == new_hi, mass, 0.0), 0)
+    return new_lo, new_hi, c_hi, f_hi, f_lo, c_lo - c_hi
+
+
+@triton.jit
+def _collect(
+    row_ptr, n_read, stride_v, inv_t, inv_cap, lo, hi, BLOCK_V: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """The collect pass: the (at most ``KS``) values of the row's first ``n_read`` logits in
+    ``[lo, hi)``, in ``KS`` register slots (``-inf`` in the others)."""
+    top = tl.full((KS,), float("-inf"), ACC)
+    thr = tl.full((), float("-inf"), ACC)
+    eqcnt = tl.zeros((), tl.int32)
+    for start in range(0, n_read, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < n_read, other=0.0)
+        z = scaled_logits(x.to(ACC), inv_t, inv_cap, HAS_SOFTCAP)
+        inside = (cols < n_read) & (z >= lo) & (z < hi)
+        top, thr, eqcnt = _absorb(tl.where(inside, z, float("-inf")), top, thr, eqcnt, KS, BLOCK_V)
+    return top
+
+
+@triton.jit
 def _search(
     row_ptr, V, stride_v, inv_t, inv_cap, m, lo, hi, c_hi, f_hi, goal, enabled,
     BY_COUNT: tl.constexpr, N_CAND: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
     BLOCK_V: tl.constexpr, MAX_SEARCH_PASSES: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     ACC: tl.constexpr,
-    VALUE_PASSES: tl.constexpr = 3,
 ):  # fmt: skip
     """The largest row value ``v`` in ``[lo, hi)`` with ``G(v) >= goal``, ``G`` the count
     (``BY_COUNT``) or the mass ``exp(z - m)`` of the row values ``>= v``, given ``c_hi`` /
@@ -174,69 +261,26 @@ def _search(
 
     Returns ``(v, F(v), passes)``: search passes narrow the bracket on the values' keys,
     then one collect pass (<= 64 values left) or none (one value left)."""
-    j = tl.arange(0, N_CAND)
     f_lo = f_hi
     n_in = c_hi * 0
     passes = n_in.to(tl.int32)
     done = enabled == 0
     single = done
     while done == 0:
-        k_lo = _key(lo, ACC)
-        k_hi = _key(hi, ACC)
-        if ACC == tl.float64:  # halves: no int64 overflow; the range shrinks to R / 16 + 2
-            half_range = (k_hi >> 1) - (k_lo >> 1)
-            step = (half_range + N_CAND // 2 - 1) // (N_CAND // 2)
-        else:  # fp32 keys in int64: exact, the range shrinks to ceil(R / 16)
-            step = (k_hi - k_lo + N_CAND - 1) // N_CAND
-        step = tl.where(step < 1, 1, step)
-        ck = k_lo + step * j.to(tl.int64)
-        # a bracket over more than an octave, or across 0, puts evenly spaced keys on tiny
-        # magnitudes: there (for VALUE_PASSES passes at most) space the values evenly
-        narrow = (lo > 0.0) & (hi <= 2.0 * lo) | (hi <= 0.0) & (lo >= 2.0 * hi)
-        wide = (narrow == 0) & (passes < VALUE_PASSES) & (hi - lo < float("inf"))
-        vk = _key(lo + (hi - lo) * (j.to(ACC) * (1.0 / N_CAND)), ACC)
-        ck = tl.where(wide, vk, ck)
-        ck = tl.where(ck < k_hi, ck, k_hi - 1)  # cand[0] = lo; all < hi; non-decreasing
-        cand = _unkey(ck, ACC)
-        cnt = tl.zeros((N_CAND,), tl.int64)
-        mass = tl.zeros((N_CAND,), ACC)
-        for start in range(0, V, SEARCH_BLOCK):
-            cols = start + tl.arange(0, SEARCH_BLOCK)
-            x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V, other=0.0)
-            z = scaled_logits(x.to(ACC), inv_t, inv_cap, HAS_SOFTCAP)
-            inside = (cols < V) & (z >= lo) & (z < hi)
-            ge = inside[:, None] & (z[:, None] >= cand[None, :])
-            e = tl.exp(z - m)
-            cnt += tl.sum(ge.to(tl.int64), 0)
-            mass += tl.sum(tl.where(ge, e[:, None], 0.0), 0)
+        cand = _candidates(lo, hi, passes, N_CAND, ACC)
+        cnt, mass = _bracket_sums(
+            row_ptr, V, stride_v, inv_t, inv_cap, m, lo, hi, cand, N_CAND, SEARCH_BLOCK,
+            HAS_SOFTCAP, ACC,
+        )  # fmt: skip
         passes += 1
-        if BY_COUNT:
-            meets = (c_hi + cnt) >= goal
-        else:
-            meets = (f_hi + mass) >= goal
-        best = tl.max(tl.where(meets | (j == 0), j, 0), 0)
-        new_lo = tl.max(tl.where(j == best, cand, float("-inf")), 0)
-        new_hi = tl.min(tl.where(cand > new_lo, cand, hi), 0)
-        f_lo = f_hi + tl.max(tl.where(j == best, mass, 0.0), 0)
-        c_lo = c_hi + tl.max(tl.where(j == best, cnt, 0), 0)
-        c_hi += tl.max(tl.where(cand == new_hi, cnt, 0), 0)  # 0 when new_hi == hi
-        f_hi += tl.max(tl.where(cand == new_hi, mass, 0.0), 0)
-        n_in = c_lo - c_hi
-        lo = new_lo
-        hi = new_hi
+        lo, hi, c_hi, f_hi, f_lo, n_in = _narrow(cand, cnt, mass, hi, c_hi, f_hi, goal, BY_COUNT,
+                                                 N_CAND)  # fmt: skip
         single = (_key(hi, ACC) - _key(lo, ACC)) <= 1
         done = single | (n_in <= KS) | (passes >= MAX_SEARCH_PASSES)
-    # <= 64 values left in [lo, hi): gather them (sorted) and read the answer off
+    # <= 64 values left in [lo, hi): gather them and read the answer off
     collect = (enabled != 0) & (single == 0)
-    top = tl.full((KS,), float("-inf"), ACC)
-    thr = tl.full((), float("-inf"), ACC)
-    eqcnt = tl.zeros((), tl.int32)
-    for start in range(0, tl.where(collect, V, 0), BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V, other=0.0)
-        z = scaled_logits(x.to(ACC), inv_t, inv_cap, HAS_SOFTCAP)
-        inside = (cols < V) & (z >= lo) & (z < hi)
-        top, thr, eqcnt = _absorb(tl.where(inside, z, float("-inf")), top, thr, eqcnt, KS, BLOCK_V)
+    top = _collect(row_ptr, tl.where(collect, V, 0), stride_v, inv_t, inv_cap, lo, hi, BLOCK_V,
+                   HAS_SOFTCAP, ACC)  # fmt: skip
     passes += collect.to(tl.int32)
     held = top > float("-inf")
     e = tl.exp(top - m)
