@@ -144,6 +144,51 @@ def _absorb(zs, top, thr, eqcnt, kk, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _pass_a(
+    row_ptr, n_read, stride_v, inv_t, inv_cap, kk, NEED_SUM: tl.constexpr,
+    NEED_MIN: tl.constexpr, COLLECT: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """Pass A over the row's first ``n_read`` logits: ``(m, s, z_min, n_nan, top, thr,
+    eqcnt)``: the online max and ``sum exp(z - m)`` (``NEED_SUM``), the minimum
+    (``NEED_MIN``), the NaN count, and (``COLLECT``) the ``kk`` largest values held as
+    :func:`_absorb` holds them. NaN counts as ``-inf`` in all but ``n_nan``."""
+    m = tl.full((), float("-inf"), ACC)
+    s = tl.zeros((), ACC)
+    z_min = tl.full((), float("inf"), ACC)
+    n_nan = tl.zeros((), tl.int32)
+    top = tl.full((KS,), float("-inf"), ACC)
+    thr = tl.full((), float("-inf"), ACC)
+    eqcnt = tl.zeros((), tl.int32)
+    for start in range(0, n_read, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < n_read, other=0.0)
+        z = scaled_logits(x.to(ACC), inv_t, inv_cap, HAS_SOFTCAP)
+        z = tl.where(cols < n_read, z, float("-inf"))
+        n_nan += tl.sum((z != z).to(tl.int32), 0)
+        zs = tl.where(z == z, z, float("-inf"))
+        if NEED_SUM:
+            m_new = nan_max(m, tl.max(zs, 0))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(zs - m_ref), 0)
+            m = m_new
+        if NEED_MIN:
+            z_min = nan_min(z_min, tl.min(tl.where(cols < n_read, zs, float("inf")), 0))
+        if COLLECT:
+            top, thr, eqcnt = _absorb(zs, top, thr, eqcnt, kk, BLOCK_V)
+    return m, s, z_min, n_nan, top, thr, eqcnt
+
+
+@triton.jit
+def _ties_not_held(top, thr, eqcnt, kk):
+    """How many values equal to ``thr`` (the ``kk``-th largest) pass A saw but holds no slot
+    for: they are kept with ``thr`` and counted."""
+    slot = tl.arange(0, KS)
+    ties = tl.sum(((top == thr) & (slot < kk)).to(tl.int32), 0)
+    return tl.where(eqcnt > ties, eqcnt - ties, 0)
+
+
+@triton.jit
 def _cut_in_registers(top, e, thr, tie_mass, kk, goal):
     """Top-p on held values: the largest held ``v`` with ``F(v) >= goal``, ``F(v)`` = mass
     of the held values ``>= v`` (``e = exp(top - m)``) plus ``tie_mass`` (values equal to
@@ -356,30 +401,10 @@ def _truncated_logprobs_fwd_kernel(
     else:
         kk = top_k * 0 + KS
 
-    # ---- pass A
-    m = tl.full((), float("-inf"), ACC)
-    s = tl.zeros((), ACC)
-    z_min = tl.full((), float("inf"), ACC)
-    n_nan = tl.zeros((), tl.int32)
-    top = tl.full((KS,), float("-inf"), ACC)
-    thr = tl.full((), float("-inf"), ACC)
-    eqcnt = tl.zeros((), tl.int32)
-    for start in range(0, tl.where(active, V, 0), BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V, other=0.0)
-        z = scaled_logits(x.to(ACC), inv_t, inv_cap, HAS_SOFTCAP)
-        z = tl.where(cols < V, z, float("-inf"))
-        n_nan += tl.sum((z != z).to(tl.int32), 0)
-        zs = tl.where(z == z, z, float("-inf"))
-        if NEED_SUM:
-            m_new = nan_max(m, tl.max(zs, 0))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(zs - m_ref), 0)
-            m = m_new
-        if SEARCH_K:
-            z_min = nan_min(z_min, tl.min(tl.where(cols < V, zs, float("inf")), 0))
-        if COLLECT:
-            top, thr, eqcnt = _absorb(zs, top, thr, eqcnt, kk, BLOCK_V)
+    m, s, z_min, n_nan, top, thr, eqcnt = _pass_a(
+        row_ptr, tl.where(active, V, 0), stride_v, inv_t, inv_cap, kk, NEED_SUM, SEARCH_K,
+        COLLECT, BLOCK_V, HAS_SOFTCAP, ACC,
+    )  # fmt: skip
     passes = active.to(tl.int32)
     if not NEED_SUM:
         m = tl.max(top, 0)
@@ -392,8 +417,7 @@ def _truncated_logprobs_fwd_kernel(
     if COLLECT:
         slot = tl.arange(0, KS)
         e = tl.exp(top - m_safe)
-        ties = tl.sum(((top == thr) & (slot < kk)).to(tl.int32), 0)
-        extra = tl.where(eqcnt > ties, eqcnt - ties, 0)
+        extra = _ties_not_held(top, thr, eqcnt, kk)
         tie_mass = extra.to(ACC) * tl.exp(thr - m_safe)
         f_held = tl.sum(tl.where(slot < kk, e, 0.0), 0) + tie_mass  # mass of {z >= thr}
         if TOPK_REG:
