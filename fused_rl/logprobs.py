@@ -104,8 +104,8 @@ def token_logprobs(
             ties at either cut kept whole): :func:`fused_rl.truncated_logprobs`, whose
             docstring gives the rules and the passes; a target outside the kept set gives
             ``-inf`` and zero gradient. ``targets`` then have ``logits.shape[:-1]``; with
-            ``softcap`` the cuts are on the capped logits; not with ``return_entropy``,
-            ``inplace`` or vocabulary parallelism (``ValueError``).
+            ``softcap`` the cuts are on the capped logits; vocabulary-parallel too; not with
+            ``return_entropy`` or ``inplace`` (``ValueError``).
         backend: ``"auto"`` | ``"triton"`` | ``"reference"`` (see ``fused_rl._backend``).
 
     Returns:
@@ -158,9 +158,7 @@ def _truncated(logits, targets, top_k, top_p, temperature, softcap, ignore_index
     after refusing the options it does not take."""
     from .truncated import truncated_logprobs
 
-    refused = {"return_entropy": return_entropy, "inplace": inplace is not False,
-               "process_group / vocab_start / vocab_size": process_group is not None
-               or vocab_start is not None or vocab_size is not None}  # fmt: skip
+    refused = {"return_entropy": return_entropy, "inplace": inplace is not False}
     named = [name for name, given in refused.items() if given]
     if named:
         raise ValueError(
@@ -169,7 +167,8 @@ def _truncated(logits, targets, top_k, top_p, temperature, softcap, ignore_index
         )
     return truncated_logprobs(
         logits, targets, top_k=top_k, top_p=top_p, temperature=temperature, softcap=softcap,
-        ignore_index=ignore_index, backend=backend,
+        ignore_index=ignore_index, process_group=process_group, vocab_start=vocab_start,
+        vocab_size=vocab_size, backend=backend,
     )  # fmt: skip
 
 

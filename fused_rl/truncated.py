@@ -23,6 +23,7 @@ from ._backend import resolve_backend
 from ._launch import NO_CAP, f32_pair, stats_dtype, triton_acc, vocab_launch
 from ._ops import FusedOp
 from ._shapes import as_rows3d
+from .distributed import is_dtensor
 from .reference import truncated as ref
 
 # top-k with k up to this is kept in registers in one pass (kernels/vocab/truncated.py KS)
@@ -132,12 +133,16 @@ def truncated_logprobs_bwd_into(
     temperature: float,
     softcap: float | None,
     ignore_index: int,
+    target_kept: bool = False,
 ) -> Tensor:
     """:func:`truncated_logprobs_bwd` writing into ``grad`` (``logits3d``'s shape and dtype,
     each row contiguous), which may BE ``logits3d``: a program reads its row's target logit,
     then each block of the row once before overwriting exactly that block, so the logits
     are consumed in place (``fused_rl.linear`` turns a chunk's logits into their gradient
-    this way). ``stats``: the forward's ``(3, outer * inner)``, contiguous. One launch."""
+    this way). ``stats``: the forward's ``(3, outer * inner)``, contiguous. One launch.
+    ``target_kept``: ``grad_logp`` is already 0 where the target is cut (the vocabulary-
+    parallel caller, whose target may sit on another rank: ``targets`` are local ids, one
+    outside ``[0, V)`` matching no column), so no target logit is read."""
     from .kernels.vocab.truncated import _truncated_logprobs_bwd_kernel
 
     outer, inner, vocab = logits3d.shape
@@ -148,7 +153,7 @@ def truncated_logprobs_bwd_into(
         *logits3d.stride(), *grad.stride()[:2], *targets.stride(), *grad_logp.stride(),
         *f32_pair(1.0 / temperature if softcap is None else softcap / temperature),
         *(NO_CAP if softcap is None else f32_pair(1.0 / softcap)), ignore_index,
-        HAS_SOFTCAP=softcap is not None, ACC=triton_acc(logits3d.dtype),
+        HAS_SOFTCAP=softcap is not None, TARGET_KEPT=target_kept, ACC=triton_acc(logits3d.dtype),
         **vocab_launch(vocab, writes=True),
     )  # fmt: skip
     return grad
@@ -236,6 +241,9 @@ def truncated_logprobs(
     temperature: float = 1.0,
     softcap: float | None = None,
     ignore_index: int = -100,
+    process_group=None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
     backend: str = "auto",
 ) -> Tensor:
     """Log-prob of each target under the sampler's truncated distribution (vLLM's order:
@@ -274,6 +282,14 @@ def truncated_logprobs(
         softcap: Gemma-style soft cap ``c`` (a finite ``c > 0``; None = none), applied
             before the temperature, as in :func:`fused_rl.token_logprobs`.
         ignore_index: targets equal to it give 0 and exactly 0 gradient.
+        process_group, vocab_start, vocab_size: vocabulary parallelism, as
+            :func:`fused_rl.token_logprobs` takes it (``logits`` this rank's shard, or a
+            ``DTensor`` placed ``Shard(-1)``; ``targets`` global ids, the same on every
+            rank): every rank returns the unsharded call's values and gets its columns of
+            the gradient (``fused_rl.truncated_parallel`` gives the collectives: one
+            all-gather of ``kk + 8`` floats a token per rank, ``kk = min(k, 64)`` or 64 for
+            top-p alone; a search pass, where one is needed, one all-reduce of 32 floats a
+            token).
         backend: ``"auto"`` | ``"triton"`` | ``"reference"`` (see ``fused_rl._backend``).
 
     Returns:
@@ -297,6 +313,14 @@ def truncated_logprobs(
         >>> fused_rl.truncated_logprobs(logits, torch.tensor([3]), top_k=2).item()
         -inf
     """
+    if (
+        process_group is not None
+        or vocab_start is not None
+        or vocab_size is not None
+        or (is_dtensor(logits))
+    ):
+        return _sharded(logits, targets, top_k, top_p, temperature, softcap, ignore_index,
+                        process_group, vocab_start, vocab_size, backend)  # fmt: skip
     V.check_logits(logits)
     V.check_targets(targets, logits)
     check_options(top_k, top_p, temperature, softcap, ignore_index)
@@ -316,6 +340,29 @@ def truncated_logprobs(
         logits3d, t2d, k, p, float(temperature), cap, int(ignore_index)
     )
     return logp.reshape(targets.shape)
+
+
+def _sharded(logits, targets, top_k, top_p, temperature, softcap, ignore_index, process_group,
+             vocab_start, vocab_size, backend) -> Tensor:  # fmt: skip
+    """:func:`truncated_logprobs` of a vocabulary shard (``fused_rl.truncated_parallel``)."""
+    from .distributed import resolve_shard
+    from .truncated_parallel import sharded_truncated_logprobs
+
+    logits, targets, shard = resolve_shard(logits, targets, process_group, vocab_start, vocab_size)
+    if shard is None:  # a DTensor replicated over the vocabulary: an ordinary call
+        return truncated_logprobs(
+            logits, targets, top_k=top_k, top_p=top_p, temperature=temperature,
+            softcap=softcap, ignore_index=ignore_index, backend=backend,
+        )  # fmt: skip
+    V.check_logits(logits)
+    V.check_targets(targets, logits)
+    check_options(top_k, top_p, temperature, softcap, ignore_index)
+    k, p = cuts(top_k, top_p, shard.vocab_size)
+    return sharded_truncated_logprobs(
+        logits, targets, shard, top_k=k, top_p=p, temperature=float(temperature),
+        softcap=softcap, ignore_index=int(ignore_index),
+        which=resolve_backend(backend, logits, targets),
+    )  # fmt: skip
 
 
 __all__ = ["MAX_STREAMED_K", "truncated_logprobs"]

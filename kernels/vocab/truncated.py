@@ -504,6 +504,7 @@ def _truncated_logprobs_bwd_kernel(
     inv_cap_lo,
     ignore_index,
     HAS_SOFTCAP: tl.constexpr,
+    TARGET_KEPT: tl.constexpr,
     BLOCK_V: tl.constexpr,
     ACC: tl.constexpr,
 ):
@@ -511,7 +512,9 @@ def _truncated_logprobs_bwd_kernel(
     ``p = exp((z - m) - log F)`` from the forward's ``stats``; a NaN row (NaN ``log F``)
     gets NaN; a zero coefficient (ignored, target cut or out of range, ``g == 0``) writes
     zeros and reads nothing. ``HAS_SOFTCAP`` (``inv_t = c / T``, ``inv_cap = 1 / c``): each
-    column's term is times ``dz/dx = (1 - tanh^2(x / c)) / T``."""
+    column's term is times ``dz/dx = (1 - tanh^2(x / c)) / T``. ``TARGET_KEPT``: ``g`` is 0
+    where the target is cut, and a target outside ``[0, V)`` lives on another rank (the
+    vocabulary-parallel backward): the row is live wherever ``g`` is not 0."""
     row = tl.program_id(0).to(tl.int64)
     inv_t = pair(inv_t_hi, inv_t_lo, ACC)
     inv_cap = pair(inv_cap_hi, inv_cap_lo, ACC)
@@ -526,10 +529,13 @@ def _truncated_logprobs_bwd_kernel(
     active = target != ignore_index
     in_range = (target >= 0) & (target < V)
     bad = active & (log_f != log_f)
-    safe = tl.where(in_range, target, 0)
-    x_y = tl.load(row_ptr + safe * stride_v, mask=active & in_range & (bad == 0), other=0.0)
-    kept_y = scaled_logits(x_y.to(ACC), inv_t, inv_cap, HAS_SOFTCAP) >= tau
-    coef = tl.where(active & in_range & kept_y & (bad == 0), g * inv_t, 0.0)
+    if TARGET_KEPT:
+        coef = tl.where(active & (bad == 0), g * inv_t, 0.0)
+    else:
+        safe = tl.where(in_range, target, 0)
+        x_y = tl.load(row_ptr + safe * stride_v, mask=active & in_range & (bad == 0), other=0.0)
+        kept_y = scaled_logits(x_y.to(ACC), inv_t, inv_cap, HAS_SOFTCAP) >= tau
+        coef = tl.where(active & in_range & kept_y & (bad == 0), g * inv_t, 0.0)
     if HAS_SOFTCAP:
         coef = coef * inv_cap  # g / T; each column then times sech^2(x / c)
     n_read = tl.where(coef != 0.0, V, 0)  # a NaN g reads too; a bound, so loads vectorise

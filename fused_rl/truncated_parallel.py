@@ -1,0 +1,373 @@
+"""Vocabulary-parallel truncated log-probs: ``truncated_logprobs(..., process_group=)``.
+
+Each rank holds a slice of the vocabulary (the layouts of ``fused_rl.distributed``); the
+kept set of top-k / top-p is a property of the whole row, so the ranks agree on its
+threshold ``tau`` and normaliser ``F`` first, then each computes its own columns.
+
+Forward (``kernels/vocab/truncated_shard.py``):
+
+1. one ``MAX`` all-reduce of the layout header (``fused_rl.distributed``'s checks: shards
+   that do not tile ``[0, V)``, a target outside it, raise on every rank before any other
+   collective);
+2. the partials kernel reads each shard row once: its ``kk`` largest values (``kk = k`` for
+   top-k ``<= 64``, else 64) with the count of ties at the ``kk``-th, and its max, sum,
+   NaN count, minimum and the owned target's logit; one **all-gather** of ``kk + 8`` floats
+   a token per rank (fp64 logits: 8 bytes a float);
+3. every rank merges the gathered rows alike (:func:`_union_cut`, float64): the union of
+   the ranks' slots holds every value at or above ``L``, the largest of the ranks' ``kk``-th
+   values, so top-k ``<= 64`` (with or without top-p) and any cut at or above ``L`` is read
+   off it -- one read of each shard row in all;
+4. otherwise (top-p on a flat row, top-k > 64) the threshold search of the single-device
+   kernel runs one pass per launch on a bracket ``[lo, L)`` every rank holds alike: each
+   pass streams the shard for 16 candidates' counts and masses and **all-reduces** them
+   (``2 x 16`` floats a token; ``fused_rl.truncated.MAX_SEARCH_PASSES`` passes at most;
+   eager mode stops once every row's search is over, one host read a pass), then one
+   collect pass gathers the at most 64 values left in the bracket (**all-gather**, 64
+   floats a token per rank).
+
+The backward needs no collective: each rank's gradient is ``(onehot - p) g dz/dx`` on its
+kept columns from the merged ``(tau, m, log F)`` (``kernels/vocab/truncated.py``'s backward
+kernel, the target's kept flag given). The ``reference`` backend gathers the whole rows
+and runs ``fused_rl.reference.truncated`` (an oracle, not a memory saving).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from . import _validation as V
+from . import distributed as D
+from ._launch import NO_CAP, f32_pair, stats_dtype, triton_acc
+from ._shapes import as_rows3d
+from .reference import logprobs as ref_logprobs
+from .reference import truncated as ref
+from .truncated import (
+    MAX_SEARCH_PASSES,
+    MAX_STREAMED_K,
+    N_CAND,
+    NUM_WARPS,
+    SEARCH_BLOCK,
+    _block,
+    truncated_logprobs_bwd_into,
+)
+
+KS = MAX_STREAMED_K
+
+
+def _fields():
+    from .kernels.vocab import truncated_shard as k
+
+    return k
+
+
+# ----------------------------------------------------------------------------- the merge
+
+
+def _union_cut(vals, weights, m, goal, by_count: bool, base_c=0.0, base_f=0.0):
+    """On rows of values ``vals`` ``(N, M)`` (``-inf``: no entry) with multiplicities
+    ``weights``: the largest value ``v`` whose ``G(v)`` -- ``base_c`` plus the count, or
+    ``base_f`` plus the mass ``sum w exp(u - m)``, of the entries ``>= v`` -- reaches
+    ``goal`` (float64). Returns ``(found, v, mass)``: ``mass = G`` by mass at ``v`` (where
+    none is found: ``v = -inf`` and the mass of every entry)."""
+    a, order = vals.sort(dim=-1)
+    w = torch.where(a > -math.inf, weights.gather(-1, order), 0.0)
+    e = torch.where(w > 0, w * torch.exp(a - m[:, None]), 0.0)
+    at_c = base_c + w.flip(-1).cumsum(-1).flip(-1)  # the entries at or after each position
+    at_f = base_f + e.flip(-1).cumsum(-1).flip(-1)
+    first = torch.searchsorted(a, a)  # where each value's tie group starts
+    ok = (w > 0) & ((at_c if by_count else at_f).gather(-1, first) >= goal[:, None])
+    found = ok.any(-1)
+    v = torch.where(ok, a, -math.inf).amax(-1)
+    at = torch.searchsorted(a, v[:, None]).clamp(max=a.shape[-1] - 1)
+    return found, v, torch.where(found, at_f.gather(-1, at)[:, 0], at_f[:, 0])
+
+
+def _at_or_above(vals, weights, m, bound):
+    """``(count, mass)`` of the entries ``>= bound`` per row, float64."""
+    w = torch.where((vals >= bound[:, None]) & (vals > -math.inf), weights, 0.0)
+    return w.sum(-1), torch.where(w > 0, w * torch.exp(vals - m[:, None]), 0.0).sum(-1)
+
+
+def _all_gather(t: Tensor, shard) -> Tensor:
+    """``(P, *t.shape)``: every rank's ``t`` (same shape on every rank), in rank order."""
+    dist = D._dist()
+    parts = [torch.empty_like(t) for _ in range(shard.world)]
+    dist.all_gather(parts, t.contiguous(), group=shard.group)
+    return torch.stack(parts)
+
+
+def _scales(spec):
+    """The kernels' ``(inv_t pair, inv_cap pair)`` (``fused_rl._launch.NO_CAP``: no cap)."""
+    cap = spec.softcap
+    inv_t = f32_pair(1.0 / spec.temperature if cap is None else cap / spec.temperature)
+    return (*inv_t, *(NO_CAP if cap is None else f32_pair(1.0 / cap)))
+
+
+class _Search:
+    """The vocabulary-parallel threshold search on ``x3d`` (this rank's valid columns): one
+    kernel launch and one all-reduce a pass, then a collect pass and its all-gather."""
+
+    def __init__(self, x3d: Tensor, spec):
+        self.x3d, self.spec = x3d, spec
+        self.acc = stats_dtype(x3d.dtype)
+
+    def run(self, on, lo, hi, c_hi, f_hi, goal, m, by_count: bool):
+        """``(v, F(v))`` float64 per row: for the rows ``on``, the largest row value in
+        ``[lo, hi)`` whose count (``by_count``) or mass ``exp(z - m)`` at or above it
+        reaches ``goal``, given ``c_hi`` / ``f_hi``, those of the values ``>= hi``."""
+        if not torch.compiler.is_compiling() and not bool(on.any()):
+            return lo, f_hi  # no row to search (every rank alike): no collective
+        k = _fields()
+        n = on.numel()
+        state = torch.zeros((n, k.STATE.value), dtype=self.acc, device=on.device)
+        for field, value in ((k.S_LO, lo), (k.S_HI, hi), (k.S_CHI, c_hi), (k.S_FHI, f_hi),
+                             (k.S_FLO, f_hi), (k.S_GOAL, goal), (k.S_M, m),
+                             (k.S_DONE, ~on), (k.S_ON, on)):  # fmt: skip
+            state[:, field.value] = value.to(self.acc)
+        sums = torch.zeros((n, 2 * N_CAND), dtype=self.acc, device=on.device)
+        top = torch.empty((n, KS), dtype=self.acc, device=on.device)
+        dist = D._dist()
+        group = self.spec.shard.group
+        self._launch(state, sums, top, by_count, narrow=False, stream=True)
+        eager = not torch.compiler.is_compiling()
+        for _ in range(MAX_SEARCH_PASSES[self.acc]):
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+            self._launch(state, sums, top, by_count, narrow=True, stream=True)
+            if eager and bool((state[:, k.S_DONE.value] != 0).all()):
+                break  # every rank alike: each holds the same state
+        self._launch(state, sums, top, by_count, collect=True)
+        vals = _all_gather(top, self.spec.shard).permute(1, 0, 2).reshape(n, -1).double()
+        s = state.double()
+        field = lambda f: s[:, f.value]  # noqa: E731
+        found, v, f_v = _union_cut(
+            vals, torch.ones_like(vals), field(k.S_M), field(k.S_GOAL), by_count,
+            field(k.S_CHI)[:, None], field(k.S_FHI)[:, None],
+        )  # fmt: skip
+        found = found & on & (field(k.S_SINGLE) == 0)
+        # not found: one value left (or rounding): lo, whose mass f_lo was summed
+        return torch.where(found, v, field(k.S_LO)), torch.where(found, f_v, field(k.S_FLO))
+
+    def _launch(self, state, sums, top, by_count, *, narrow=False, stream=False, collect=False):
+        k = _fields()
+        x = self.x3d
+        outer, inner, vocab = x.shape
+        if outer * inner == 0:
+            return
+        k._shard_search_kernel[(outer * inner,)](
+            x, state, sums, top, inner, vocab, *x.stride(), *_scales(self.spec),
+            NARROW=narrow, STREAM=stream, COLLECT=collect, BY_COUNT=by_count, N_CAND=N_CAND,
+            SEARCH_BLOCK=min(SEARCH_BLOCK, _block(vocab)), BLOCK_V=_block(vocab),
+            MAX_SEARCH_PASSES=MAX_SEARCH_PASSES[self.acc], HAS_SOFTCAP=self.spec.softcap
+            is not None, ACC=triton_acc(x.dtype), num_warps=NUM_WARPS,
+        )  # fmt: skip
+
+
+def _partials(x3d: Tensor, t_local: Tensor, spec, kk: int, need_sum: bool, need_min: bool):
+    """The partials kernel: ``(n_rows, KS + 8)`` rows (``kernels/vocab/truncated_shard.py``)."""
+    k = _fields()
+    outer, inner, vocab = x3d.shape
+    part = torch.empty((outer * inner, KS + k.PART_EXTRA.value), dtype=stats_dtype(x3d.dtype),
+                       device=x3d.device)  # fmt: skip
+    if outer * inner:
+        k._shard_partials_kernel[(outer * inner,)](
+            x3d, t_local, part, inner, vocab, *x3d.stride(), *t_local.stride(),
+            *_scales(spec), kk, D.LOCAL_IGNORE, NEED_SUM=need_sum, NEED_MIN=need_min,
+            HAS_SOFTCAP=spec.softcap is not None, BLOCK_V=_block(vocab),
+            ACC=triton_acc(x3d.dtype), num_warps=NUM_WARPS,
+        )  # fmt: skip
+    return part
+
+
+def _threshold(x3d, t_local, ignored, spec, top_k: int, top_p: float):
+    """The merged ``(tau, m, F, z_y, owners, bad)`` per row, float64, on every rank alike:
+    the partials, their all-gather, the union cuts and (where they do not decide) the
+    search. ``top_k``: 0 none; ``top_p``: 1.0 none."""
+    k = _fields()
+    shard = spec.shard
+    kk = top_k if 0 < top_k <= KS else KS
+    part = _partials(x3d, t_local, spec, kk, need_sum=top_k == 0, need_min=top_k > KS)
+    send = torch.cat((part[:, :kk], part[:, KS:]), 1)
+    g = _all_gather(send, shard).double()  # (P, n, kk + 8)
+    n = g.shape[1]
+    field = lambda f: g[..., kk + f.value]  # noqa: E731  (P, n)
+    thr, m_r = field(k.P_THR), field(k.P_MAX)
+    m = m_r.amax(0)
+    bad = (field(k.P_NAN).sum(0) > 0) | ~torch.isfinite(m)
+    m = torch.where(bad, 0.0, m)
+    # the union: every rank's slots, and its ties at the kk-th value that hold none
+    vals = torch.cat((g[..., :kk].permute(1, 0, 2).reshape(n, -1), thr.t()), 1)
+    weights = torch.cat((torch.ones((n, shard.world * kk), dtype=g.dtype, device=g.device),
+                         field(k.P_EXTRA).t()), 1)  # fmt: skip
+    low = thr.amax(0)  # L: every value >= L is in the union
+    search = _Search(x3d, spec)
+    on = ~bad & ~ignored.reshape(-1)
+    tau = torch.full_like(m, -math.inf)
+    if top_k == 0:
+        f = (field(k.P_SUM) * torch.exp(m_r - m)).sum(0)  # an empty shard's m_r = -inf: 0
+    elif top_k <= KS:  # the union holds every value >= the k-th
+        found, v, f = _union_cut(vals, weights, m, torch.full_like(m, top_k), True)
+        tau = torch.where(found, v, tau)
+    else:
+        found, v, f = _union_cut(vals, weights, m, torch.full_like(m, top_k), True)
+        decided = found & (v >= low)
+        c_l, f_l = _at_or_above(vals, weights, m, low)
+        v_s, f_s = search.run(on & ~decided, field(k.P_MIN).amin(0), low, c_l, f_l,
+                              torch.full_like(m, top_k), m, by_count=True)  # fmt: skip
+        tau, f = torch.where(decided, v, v_s), torch.where(decided, f, f_s)
+    if top_p < 1.0:
+        goal = top_p * f
+        kept = vals >= tau[:, None]
+        found, v, f_v = _union_cut(torch.where(kept, vals, -math.inf), weights, m, goal, False)
+        decided = (found & (v >= low)) | (tau >= low)  # tau >= L: the kept set is all held
+        # below lo lies less than 1 - p of the mass: V exp(lo - m) <= (1 - p) f
+        bound = m + math.log1p(-top_p) + f.log() - math.log(shard.vocab_size) - 1.0
+        lo = torch.maximum(tau, torch.where(bound < low, bound, tau))
+        c_l, f_l = _at_or_above(torch.where(kept, vals, -math.inf), weights, m, low)
+        searched = on & ~decided
+        v_s, f_s = search.run(searched, lo, low, c_l, f_l, goal, m, by_count=False)
+        tau = torch.where(searched, v_s, torch.where(found, v, tau))
+        f = torch.where(searched, f_s, torch.where(found, f_v, f))
+    return tau, m, f, field(k.P_Y).sum(0), field(k.P_OWN).sum(0), bad
+
+
+# ----------------------------------------------------------------------------- autograd
+
+
+class _ShardedTruncated(torch.autograd.Function):
+    """``logp`` of each target under the truncation of the whole row, from this rank's
+    valid columns ``x3d``; the backward writes this rank's gradient, no collective."""
+
+    @staticmethod
+    def forward(ctx, x3d, t_local, ignored, spec, top_k, top_p, ok):
+        tau, m, f, z_y, owners, bad = _threshold(x3d, t_local, ignored, spec, top_k, top_p)
+        ign = ignored.reshape(-1)
+        log_f = f.log()
+        kept = (z_y >= tau) & (owners == 1) & ~bad & ~ign
+        logp = torch.where(z_y >= tau, (z_y - m) - log_f, -math.inf)
+        logp = torch.where(bad | (owners != 1), math.nan, logp)
+        stats = torch.stack((tau, m, log_f))
+        stats = torch.where(bad, math.nan, stats)
+        if ok is not None:  # unchecked layout (no host read): NaN, as fused_rl.distributed
+            logp = torch.where(ok, logp, math.nan)
+            stats = torch.where(ok, stats, math.nan)
+        acc = stats_dtype(x3d.dtype)
+        logp = torch.where(ign, 0.0, logp).to(acc)
+        stats = torch.where(ign, 0.0, stats).to(acc)
+        ctx.save_for_backward(x3d, t_local, stats, kept)
+        ctx.spec = spec
+        ctx.set_materialize_grads(False)
+        return logp.view(t_local.shape)
+
+    @staticmethod
+    def backward(ctx, grad_logp):
+        x3d, t_local, stats, kept = ctx.saved_tensors
+        if grad_logp is None:
+            return (None,) * 7
+        spec = ctx.spec
+        with torch.no_grad():
+            g = torch.where(kept.view(t_local.shape), grad_logp, 0.0)
+            grad = torch.empty(x3d.shape, dtype=x3d.dtype, device=x3d.device)
+            truncated_logprobs_bwd_into(
+                grad, x3d, t_local, stats, g, spec.temperature, spec.softcap, D.LOCAL_IGNORE,
+                target_kept=True,
+            )  # fmt: skip
+        return (ref_logprobs.differentiable_once(grad, x3d, grad_logp),) + (None,) * 6
+
+
+class _GatherVocab(torch.autograd.Function):
+    """The whole rows from every rank's valid columns (the ``reference`` backend's oracle
+    path); the backward hands each rank its columns of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x3d, shard, starts, valids):
+        width = max(valids)
+        mine = x3d.narrow(-1, 0, valids[shard.rank])
+        padded = torch.nn.functional.pad(mine, (0, width - mine.shape[-1]))
+        parts = _all_gather(padded, shard)
+        ctx.shard, ctx.columns = shard, x3d.shape[-1]
+        ctx.start, ctx.valid = starts[shard.rank], valids[shard.rank]
+        return torch.cat([parts[r, ..., : valids[r]] for r in range(shard.world)], -1)
+
+    @staticmethod
+    def backward(ctx, grad_full):
+        mine = grad_full.narrow(-1, ctx.start, ctx.valid)
+        return torch.nn.functional.pad(mine, (0, ctx.columns - ctx.valid)), None, None, None
+
+
+# ----------------------------------------------------------------------------- entry
+
+
+def _checked_header(t2d: Tensor, spec, dtype) -> tuple[list[float] | None, Tensor | None]:
+    """The layout header's ``MAX`` all-reduce (``fused_rl.distributed``): ``(values, None)``
+    after raising on a bad layout or target (eager, checks on), else ``(None, ok)`` with
+    ``ok`` a 0-dim bool on device."""
+    dist = D._dist()
+    shard = spec.shard
+    dev = t2d.device
+    if spec.check:
+        tpart = D._target_part(t2d, spec.ignore_index, dtype)
+    else:
+        tpart = torch.full((2,), -math.inf, dtype=dtype, device=dev)
+    buf = torch.cat((D._header(shard, dtype, dev), tpart))
+    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=shard.group)
+    if not spec.check:
+        return None, D._layout_ok(buf, shard)
+    values = buf.tolist()  # the call's one host read, as the unsharded target check
+    message = D._layout_error(values, shard) or D._target_error(values, shard, spec.ignore_index)
+    if message is not None:
+        raise ValueError(message)
+    return values, None
+
+
+def sharded_truncated_logprobs(
+    logits: Tensor,
+    targets: Tensor,
+    shard,
+    *,
+    top_k: int,
+    top_p: float,
+    temperature: float,
+    softcap: float | None,
+    ignore_index: int,
+    which: str,
+) -> Tensor:
+    """:func:`fused_rl.truncated_logprobs` of this rank's vocabulary shard ``logits`` and
+    global ``targets`` (checked locally), ``top_k`` / ``top_p`` as the launchers take them
+    (0 / 1.0: none; ``fused_rl.truncated.cuts``): the unsharded call's values on every rank,
+    this rank's columns of its gradient."""
+    D.check_vocab_limit(shard)
+    x3d = as_rows3d(logits)
+    t2d = targets.reshape(x3d.shape[:2])
+    spec = D._Spec(
+        shard, float(temperature), int(ignore_index), True, False, which,
+        V.value_checks_enabled(logits), None if softcap is None else float(softcap),
+    )  # fmt: skip
+    values, ok = _checked_header(t2d, spec, stats_dtype(x3d.dtype))
+    if which == "reference":
+        if values is None:  # the oracle path reads the layout even unchecked
+            values = _header_values(shard, x3d)
+        world = shard.world
+        starts = [int(values[2 * r]) for r in range(world)]
+        widths = [int(values[2 * r + 1]) for r in range(world)]
+        vocab = int(values[2 * world])
+        valids = [max(0, min(w, vocab - s)) for s, w in zip(starts, widths)]
+        full = _GatherVocab.apply(x3d, shard, starts, valids)
+        return ref.truncated_logprobs(
+            full, t2d, top_k=top_k or None, top_p=top_p, temperature=spec.temperature,
+            ignore_index=spec.ignore_index, softcap=spec.softcap,
+        ).reshape(targets.shape)  # fmt: skip
+    t_local, ignored = D._local_targets(t2d, shard, spec.ignore_index)
+    valid = shard.valid
+    x = x3d if valid == x3d.shape[-1] else x3d.narrow(-1, 0, valid)
+    logp = _ShardedTruncated.apply(x, t_local, ignored, spec, top_k, top_p, ok)
+    return logp.reshape(targets.shape)
+
+
+def _header_values(shard, x3d) -> list[float]:
+    dist = D._dist()
+    buf = D._header(shard, stats_dtype(x3d.dtype), x3d.device)
+    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=shard.group)
+    return buf.tolist()
