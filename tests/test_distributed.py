@@ -771,6 +771,153 @@ def linear_distill_vocab_parallel(ctx):
     _group_ok(ctx)
 
 
+def _value_grad(fn, x, up):
+    """``fn(leaf)`` and the gradient of ``sum(out * up)`` over its finite entries."""
+    leaf = x.detach().clone().requires_grad_()
+    out = fn(leaf)
+    torch.where(torch.isfinite(out), out * up.to(out.dtype), 0.0).sum().backward()
+    return out.detach(), leaf.grad
+
+
+def _same_cut(got, want, what):
+    assert torch.equal(torch.isinf(got), torch.isinf(want)), f"kept sets differ {what}"
+    assert torch.equal(torch.isnan(got), torch.isnan(want)), f"NaN differ {what}"
+
+
+@check
+def truncated_vocab_parallel(ctx):
+    """``truncated_logprobs(process_group=)``: every rank the unsharded call's values (and
+    the float64 oracle's) and its columns of the gradient, both backends: top-k read off the
+    gathered slots (k <= 64) and searched (k > 64), top-p decided by the slots (peaked rows)
+    and searched (flat rows, 200 columns a shard), with top-k, temperature, the soft cap, 90
+    values tied at the row top spread over the shards (more per shard than k), ignored and
+    cut targets; the collectives: a header all-reduce and one all-gather forward for k <=
+    64, one all-reduce more per search pass, none backward."""
+    from test_truncated import oracle as truncated_oracle
+
+    w = 200
+    V = w * ctx.world
+    g = ctx.gen(30)
+    full = torch.randn(6, V, generator=g) * torch.tensor([8.0, 0.5, 2.0, 1.0, 4.0, 0.3])[:, None]
+    full[5, torch.randperm(V, generator=g)[:90]] = 1.5  # 90 tied at the top of a flat row
+    full = full.view(2, 3, V)
+    targets = torch.randint(0, V, (2, 3), generator=g)
+    targets[0, 0] = -100
+    targets[0, 1] = int(full[0, 1].argmax())
+    targets[1, 2] = int((full[1, 2] == 1.5).nonzero()[-1])
+    up = torch.randn(2, 3, generator=g)
+    start, stop = _shard_bounds([w] * ctx.world, ctx.rank)
+    cases = [dict(top_k=1), dict(top_k=7, temperature=0.7), dict(top_k=64, top_p=0.9),
+             dict(top_p=0.5), dict(top_p=0.9), dict(top_p=0.99, temperature=0.7),
+             dict(top_k=100), dict(top_k=80, top_p=0.7), dict(top_k=9, top_p=0.9, softcap=2.0),
+             dict(top_p=0.9, softcap=3.0)]  # fmt: skip
+    for kw in cases:
+        unsharded = partial(fused_rl.truncated_logprobs, targets=targets, **kw)
+        want, w_grad = _value_grad(unsharded, full, up)
+        o_lp = truncated_oracle(full, targets, **kw)
+        for backend in BACKENDS:
+            what = f"{kw} {backend}"
+            sharded = partial(unsharded, process_group=ctx.group, backend=backend)
+            with _CountCollectives() as fwd:
+                got, grad = _value_grad(sharded, full[..., start:stop], up)
+            _same_cut(got, want, what)
+            fin = torch.isfinite(want)
+            assert_rel(got[fin], want[fin], 1e-5, f"logp vs unsharded {what}")
+            assert_rel(got[fin], o_lp[fin], FP32_TOL, f"logp vs oracle {what}")
+            assert_rel(grad, w_grad[..., start:stop], 1e-5, f"grad {what}")
+            assert got[0, 0] == 0 and (grad[0, 0] == 0).all(), f"ignored token {what}"
+            assert torch.isfinite(got[1, 2]), f"a tied target cut {what}"
+            names = [c[0] for c in fwd.calls]
+            if backend == "triton" and kw.get("top_k", 65) <= 64:
+                assert names == ["all_reduce", "all_gather"], f"{what}: {names}"
+            if backend == "triton" and kw == dict(top_p=0.9):  # a flat row: searched
+                assert names.count("all_reduce") > 1 and names.count("all_gather") == 2, names
+    # the backward communicates nothing; token_logprobs takes the same route
+    local = full[..., start:stop].detach().requires_grad_()
+    lp = fused_rl.token_logprobs(local, targets, top_p=0.9, process_group=ctx.group)
+    with _CountCollectives() as bwd:
+        torch.where(torch.isfinite(lp), lp, 0.0).sum().backward()
+    assert bwd.calls == [], bwd.calls
+    assert torch.equal(lp, fused_rl.truncated_logprobs(local, targets, top_p=0.9,
+                                                       process_group=ctx.group))  # fmt: skip
+
+
+@check
+def truncated_vocab_parallel_layouts(ctx):
+    """Truncated log-probs on ragged shards with an empty one, a Megatron-padded vocabulary
+    (NaN padding changes nothing and gets no gradient), fp64 through the search passes, a
+    NaN logit on one rank (a NaN row and NaN gradient row everywhere), a shard whose row is
+    all ``-inf``; a target outside ``[0, V)`` raises on every rank (NaN unchecked)."""
+    g = ctx.gen(31)
+    widths = [60, 30] if ctx.world == 2 else [40, 0, 50]
+    V = sum(widths)
+    full = torch.randn(2, 4, V, generator=g) * 0.7
+    full[0, 1, 3] = float("nan")
+    full[1, 0, : widths[0]] = float("-inf")  # rank 0's whole shard
+    targets = torch.randint(widths[0], V, (2, 4), generator=g)
+    up = torch.randn(2, 4, generator=g)
+    start, stop = _shard_bounds(widths, ctx.rank)
+    for kw in (dict(top_k=5), dict(top_p=0.9), dict(top_k=70, top_p=0.8)):
+        unsharded = partial(fused_rl.truncated_logprobs, targets=targets, **kw)
+        want, w_grad = _value_grad(unsharded, full, up)
+        assert torch.isnan(want[0, 1]) and not torch.isnan(want[1, 0])
+        for backend in BACKENDS:
+            sharded = partial(unsharded, process_group=ctx.group, vocab_start=start,
+                              vocab_size=V, backend=backend)  # fmt: skip
+            got, grad = _value_grad(sharded, full[..., start:stop], up)
+            _same_cut(got, want, f"ragged {kw} {backend}")
+            fin = torch.isfinite(want)
+            assert_rel(got[fin], want[fin], 1e-5, f"ragged logp {kw} {backend}")
+            assert grad[0, 1].isnan().all() or grad.shape[-1] == 0, "NaN row: NaN gradient"
+            keep = torch.ones(2, 4, dtype=torch.bool)
+            keep[0, 1] = False
+            assert_rel(grad[keep], w_grad[..., start:stop][keep], 1e-5, f"ragged grad {kw}")
+    # padded: equal shards of ceil(V / P) columns, the padding NaN
+    w = -(-37 // ctx.world)
+    padded = torch.full((3, w * ctx.world), float("nan"))
+    padded[:, :37] = torch.randn(3, 37, generator=g, dtype=torch.float64).float()
+    t = torch.tensor([0, 36, 5])
+    start, stop = _shard_bounds([w] * ctx.world, ctx.rank)
+    unsharded = partial(fused_rl.truncated_logprobs, targets=t, top_p=0.8)
+    want, w_grad = _value_grad(unsharded, padded[:, :37], torch.ones(3))
+    for backend in BACKENDS:
+        sharded = partial(unsharded, process_group=ctx.group, vocab_size=37, backend=backend)
+        got, grad = _value_grad(sharded, padded[:, start:stop], torch.ones(3))
+        _same_cut(got, want, f"padded {backend}")
+        assert_rel(got[torch.isfinite(want)], want[torch.isfinite(want)], 1e-5, "padded logp")
+        valid = max(0, min(stop, 37) - start)
+        assert_rel(grad[:, :valid], w_grad[:, start : start + valid], 1e-5, "padded grad")
+        assert (grad[:, valid:] == 0).all(), "padding columns got a gradient"
+    # fp64 (int64 keys) through the search
+    x64 = torch.randn(2, 40 * ctx.world, generator=g, dtype=torch.float64)
+    t64 = torch.tensor([1, 2])
+    start, stop = _shard_bounds([40] * ctx.world, ctx.rank)
+    unsharded = partial(fused_rl.truncated_logprobs, targets=t64, top_p=0.95)
+    want, w_grad = _value_grad(unsharded, x64, torch.ones(2))
+    for backend in BACKENDS:
+        sharded = partial(unsharded, process_group=ctx.group, backend=backend)
+        got, grad = _value_grad(sharded, x64[:, start:stop], torch.ones(2, dtype=torch.float64))
+        assert got.dtype == torch.float64
+        _same_cut(got, want, f"fp64 {backend}")
+        assert_rel(got[torch.isfinite(want)], want[torch.isfinite(want)], F64_TOL, "fp64")
+        assert_rel(grad, w_grad[:, start:stop], F64_TOL, "fp64 grad")
+    # a target outside [0, V): every rank raises; unchecked, NaN at its token
+    x = torch.randn(2, 3, 5, generator=g)
+    bad = torch.zeros(2, 3, dtype=torch.long)
+    bad[1, 1] = 5 * ctx.world
+    for backend in BACKENDS:
+        with pytest.raises(ValueError, match=rf"^targets holds {5 * ctx.world}, outside"):
+            fused_rl.truncated_logprobs(x, bad, top_k=3, process_group=ctx.group,
+                                        backend=backend)  # fmt: skip
+        _group_ok(ctx)
+    config.check_values = False
+    try:
+        lp = fused_rl.truncated_logprobs(x, bad, top_k=3, process_group=ctx.group)
+        assert torch.isnan(lp[1, 1]) and torch.isnan(lp).sum() == 1, lp
+    finally:
+        config.check_values = True
+
+
 @pytest.mark.parametrize("name", list(CHECKS))
 @pytest.mark.parametrize("world", WORLD_SIZES)
 @needs_gloo
