@@ -72,6 +72,12 @@ def f32_pair(x: float) -> tuple[float, float]:
 # ``scaled_logits``), written out at each launch so a call without a cap runs no more Python.
 NO_CAP = (0.0, 0.0)
 
+# the finalize kernels' ``num_items`` pair when no number is given (``-1``: off, the total
+# weight divides; None or a tensor); a number ``n > 0`` goes as ``f32_pair(n)``, so an fp64
+# loss divides by ``n`` in fp64 (a bare float would be rounded to fp32). Written out at
+# each launch, as ``NO_CAP``: a call without ``num_items`` runs no more Python.
+NO_NUM_ITEMS = (-1.0, 0.0)
+
 
 def _to_f32(x: float) -> float:
     """``x`` rounded to the nearest fp32 (inf beyond its range), on the host, no tensor."""

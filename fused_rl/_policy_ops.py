@@ -22,7 +22,7 @@ import functools
 import torch
 from torch import Tensor
 
-from ._launch import NO_CAP, f32_pair, stats_dtype, triton_acc, vocab_launch
+from ._launch import NO_CAP, NO_NUM_ITEMS, f32_pair, stats_dtype, triton_acc, vocab_launch
 from ._ops import FusedOp, _differentiable_once, _serialised_when_interpreting
 from ._vocab_ops import (
     hand_back,
@@ -165,7 +165,8 @@ def _finalize(part, n_outer, inner, dtype, agg, max_length, num_items, num_items
     seq_scale = torch.empty(max(n_outer, 1) if per_seq else 1, dtype=dtype, device=dev)
     _policy_finalize_kernel[(N_COLS if has_is else N_BASE_COLS,)](
         part, loss, metrics, seq_scale, num_items_t if num_items_t is not None else part,
-        n_outer, inner, float(num_items), float(max(n_outer, 1)), float(max_length),
+        n_outer, inner, *(f32_pair(num_items) if num_items > 0 else NO_NUM_ITEMS),
+        float(max(n_outer, 1)), float(max_length),
         AGG=agg, NUM_ITEMS_TENSOR=num_items_t is not None, BLOCK_B=FINALIZE_BLOCK_B,
         BLOCK_T=FINALIZE_BLOCK_T, ACC=triton_acc(dtype),
     )  # fmt: skip
@@ -662,7 +663,8 @@ def aggregation_scale(
     seq_scale = torch.empty(max(outer, 1) if agg == 1 else 1, dtype=dtype, device=dev)
     _policy_finalize_kernel[(2,)](
         part, loss, metrics, seq_scale, num_items_t if num_items_t is not None else part,
-        outer, inner, float(num_items), float(max(outer, 1)), float(max_length), AGG=agg,
+        outer, inner, *(f32_pair(num_items) if num_items > 0 else NO_NUM_ITEMS),
+        float(max(outer, 1)), float(max_length), AGG=agg,
         NUM_ITEMS_TENSOR=num_items_t is not None, BLOCK_B=FINALIZE_BLOCK_B,
         BLOCK_T=FINALIZE_BLOCK_T, ACC=triton_acc(dtype),
     )  # fmt: skip

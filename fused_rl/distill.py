@@ -27,7 +27,7 @@ from torch import Tensor
 from . import _validation as V
 from ._agg import check_loss_agg, masked_mean_all, poison_empty, token_weights
 from ._backend import resolve_backend
-from ._launch import NO_CAP, f32_pair, stats_dtype, triton_acc, vocab_launch
+from ._launch import NO_CAP, NO_NUM_ITEMS, f32_pair, stats_dtype, triton_acc, vocab_launch
 from ._ops import FusedOp, _serialised_when_interpreting
 from ._policy_inputs import num_items_args, weights_of
 from ._shapes import as_rows3d
@@ -145,7 +145,8 @@ def _launch_finalize(part, outer, inner, agg, max_length, num_items, num_items_t
                             device=dev)  # fmt: skip
     _distill_finalize_kernel[(len(COLUMNS),)](
         part, loss, metrics, seq_scale, num_items_t if num_items_t is not None else part,
-        outer, inner, float(num_items), float(max(outer, 1)), float(max_length),
+        outer, inner, *(f32_pair(num_items) if num_items > 0 else NO_NUM_ITEMS),
+        float(max(outer, 1)), float(max_length),
         AGG=agg, NUM_ITEMS_TENSOR=num_items_t is not None, BLOCK_B=FINALIZE_BLOCK_B,
         BLOCK_T=FINALIZE_BLOCK_T, ACC=triton_acc(acc),
     )  # fmt: skip
@@ -603,7 +604,8 @@ def divergence_grad(x3d, r3d, stats, grad_kl, temperature, which, beta=1.0,
     """``dL/dlogits`` of this rank's (or the whole) ``(outer, inner, V)`` logits from the
     global statistics, ``g_t / T`` times (``kernels/vocab/distill.py``): ``p_v (-delta_v -
     KL_t)`` at ``beta = 1``, ``p_v - q_v`` at 0, ``-(1 - beta) p_v (L_v - c_t)`` between
-    (``c_t = sum_w p_w L_w``, the statistic ``C``)."""
+    (``c_t = sum_w p_w L_w``, the statistic ``C``); where ``p_v == 0`` 0 (the forward KL:
+    ``-q_v``), NaN in a row whose ``KL_t`` / ``c_t`` is not finite, as the kernel."""
     outer, inner, vocab = x3d.shape
     if vocab == 0:
         return torch.zeros(x3d.shape, dtype=x3d.dtype, device=x3d.device)
@@ -629,12 +631,12 @@ def divergence_grad(x3d, r3d, stats, grad_kl, temperature, which, beta=1.0,
     if mode == 0:  # p - q = -p expm1(delta)
         terms = torch.where(p == 0, -log_q.exp(), -p * torch.expm1(delta))
     elif mode == 1:
-        terms = torch.where(p == 0, 0.0, p * (-delta - st[_C]))
+        terms = torch.where(p == 0, st[_C] - st[_C], p * (-delta - st[_C]))
     else:
         near = delta.abs() <= 1.0
         excess, _ = ref.mixture_terms(torch.where(near, delta, 0.0), near, p, log_q.exp(),
                                       log_p, log_q, beta)  # fmt: skip
-        terms = torch.where(p == 0, 0.0, (beta - 1.0) * p * (excess - st[_C]))
+        terms = torch.where(p == 0, st[_C] - st[_C], (beta - 1.0) * p * (excess - st[_C]))
     if softcap is not None:  # dz/dx of the cap
         terms = terms * (1.0 - torch.tanh(x / softcap) ** 2)
     grad = torch.where(keep, g.view(outer, inner, 1) * terms, 0.0) / temperature
@@ -767,7 +769,11 @@ def distill_loss(
 
     A NaN logit in a counted token makes the loss and metrics NaN; tokens that do not count
     never matter (NaN / inf there included) and get an exactly zero gradient. ``-inf``
-    logits give the finite limit (``0 log 0 = 0``), where TRL's ``F.kl_div`` gives NaN.
+    logits give the finite limit (``0 log 0 = 0``), where TRL's ``F.kl_div`` gives NaN. A
+    counted token whose divergence is not finite (NaN, or a reverse KL of ``+inf``: a
+    teacher ``-inf`` where the student has mass) has no finite gradient column: where
+    ``p == 0`` NaN, not the ``0 log 0`` zero, on both backends (CONTRIBUTING.md, "NaN,
+    threads and other failure modes"; the forward KL's ``p - q`` stays finite).
     Triton cost: forward one vocab kernel (one pass over both rows for ``beta`` in {0, 1},
     two for the general ``beta``) and one reduction; backward one kernel (``2`` reads and
     ``1`` write of a row); O(N) floats saved (``kernels/vocab/distill.py``).

@@ -71,6 +71,12 @@ def token_kl(
         ``logits.shape[:-1]`` fp32 (fp64 for an fp64 input), differentiable w.r.t.
         ``logits``.
 
+    ``-inf`` logits give the finite limit (``0 log 0 = 0``; a column where ``p == 0`` gets a
+    zero gradient). A NaN in a counted row makes its KL NaN; a reference ``-inf`` where the
+    policy has mass makes it ``+inf``; either way the row has no finite gradient column
+    (where ``p == 0`` NaN, on both backends: CONTRIBUTING.md, "NaN, threads and other
+    failure modes"). Rows outside ``mask`` never matter.
+
     Example:
         >>> import torch, fused_rl
         >>> x = torch.randn(2, 3, 11, requires_grad=True)
@@ -79,8 +85,8 @@ def token_kl(
         (torch.Size([2, 3]), True)
         >>> kl.sum().backward()
     """
-    V.check_float(logits, "logits")
-    V.check_float(ref_logits, "ref_logits")
+    V.check_logits(logits, "logits")  # (..., V) with V >= 1, as every logits op
+    V.check_logits(ref_logits, "ref_logits")
     V.check_positive(temperature, "temperature")
     if softcap is not None:
         V.check_positive(softcap, "softcap")

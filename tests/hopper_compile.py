@@ -39,8 +39,8 @@ FLOAT_ARGS = {
     "delta", "beta", "entropy_coef",
     "eps", "correction", "clip_hi", "clip_lo", "lo_hi", "lo_lo", "hi_hi", "hi_lo",
     "vclip_hi", "vclip_lo", "coeff_hi", "coeff_lo", "gamma_hi", "gamma_lo", "decay_hi",
-    "decay_lo", "coef_hi", "coef_lo", "num_items", "n_seq", "max_length", "eps_hi", "eps_lo",
-    "grad_scale_hi", "grad_scale_lo",
+    "decay_lo", "coef_hi", "coef_lo", "num_items_hi", "num_items_lo", "n_seq", "max_length",
+    "eps_hi", "eps_lo", "grad_scale_hi", "grad_scale_lo",
 }  # fmt: skip
 # tuple arguments: the policy kernels' hyper-parameters, one fp32 (hi, lo) pair per entry of
 # kernels/modes.py POLICY_PARAMS

@@ -602,8 +602,8 @@ from hopper_compile import narrow_offset_products
 import fused_rl.kernels.vocab.distill as k
 
 FLOATS = {"inv_t_hi", "inv_t_lo", "inv_cap_hi", "inv_cap_lo", "beta_hi", "beta_lo",
-          "log_beta_hi", "log_beta_lo", "log_1m_beta_hi", "log_1m_beta_lo", "num_items", "n_seq",
-          "max_length"}
+          "log_beta_hi", "log_beta_lo", "log_1m_beta_hi", "log_1m_beta_lo", "num_items_hi",
+          "num_items_lo", "n_seq", "max_length"}
 
 def signature(fn, logits, acc, unit=()):
     out = {}

@@ -224,6 +224,38 @@ def test_nan_in_reference(backend, where):
         assert torch.isfinite(loss) and torch.isfinite(metrics["kl"])
 
 
+@pytest.mark.parametrize(
+    "options",
+    (dict(), dict(grad_in_forward=True), dict(importance_sampling="sequence")),
+    ids=("default", "grad_in_forward", "composed"),
+)
+def test_nonfinite_kl_row_has_no_finite_gradient(options):
+    """A counted token whose KL is +inf (the reference -inf where the policy has mass) or
+    NaN (a NaN reference logit) has no finite gradient column: where the policy's ``p == 0``
+    (a -inf logit) NaN, not the ``0 log 0`` zero, on both backends (CONTRIBUTING.md, "NaN,
+    threads and other failure modes"); the other tokens keep finite gradients."""
+    logits, targets, adv, kw = _inputs(seed=12, mask=False, ignore=False)
+    logits[0, 1, 4] = logits[1, 3, 4] = float("-inf")  # p == 0 there
+    kw["ref_logits"][0, 1, 6] = float("-inf")  # KL = +inf
+    kw["ref_logits"][1, 3, 2] = float("nan")  # KL = NaN
+    upstream = torch.tensor(0.7)
+    grads = {}
+    for backend in BACKENDS:
+        opts = options if backend == "triton" else {
+            k: v for k, v in options.items() if k != "grad_in_forward"
+        }  # fmt: skip
+        grads[backend] = _run(fused_rl.policy_loss, logits, targets, adv, upstream,
+                              kl_estimator="full", beta=0.2, backend=backend, **kw,
+                              **opts)[2]  # fmt: skip
+    for backend, grad in grads.items():
+        bad = torch.zeros(grad.shape[:2], dtype=torch.bool)
+        bad[0, 1] = bad[1, 3] = True
+        assert not torch.isfinite(grad[bad]).any(), backend
+        assert torch.isnan(grad[0, 1, 4]) and torch.isnan(grad[1, 3, 4]), backend
+        assert torch.isfinite(grad[~bad]).all(), backend
+    assert torch.equal(grads["triton"].isnan(), grads["reference"].isnan())
+
+
 # ----------------------------------------------------------------------------- other paths
 
 

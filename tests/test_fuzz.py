@@ -339,63 +339,15 @@ def known_open(case: Case) -> str | None:
     negative mask weights, a ``num_items`` tensor <= 0) are documented behaviour, checked by
     :func:`check_invalid_weights` and :func:`assert_nan_or_clean` (an ignored token's weight
     no longer counts: the half of 9 that was a bug is fixed); 12 (DI-engine continuous, fp32
-    reference overflow) and 13 (a ``num_items`` tensor read by a mode that ignores it) are
-    fixed. Open: 14 (:func:`_nonfinite_divergence_row`), 16 (:func:`_num_items_rounded`).
+    reference overflow), 13 (a ``num_items`` tensor read by a mode that ignores it), 14 (the
+    student's gradient where ``p == 0`` in a row whose reverse KL / JSD is not finite: 0 on
+    Triton, NaN on the reference; now NaN on both, CONTRIBUTING.md "NaN, threads and other
+    failure modes"), 15 (``token_kl`` did not check V = 0 / 0-dim logits: ``BAD_FOUND``) and
+    16 (a ``num_items`` number reached the finalize kernels as a bare float, fp32 when
+    compiled; now an fp32 pair) are fixed. Open: none.
     """
-    if _nonfinite_divergence_row(case):
-        return (
-            "finding 14: a counted row whose reverse KL / JSD is NaN or +inf: the student's "
-            "gradient where p == 0 is 0 on Triton, NaN on the reference"
-        )
-    if _num_items_rounded(case):
-        return (
-            "finding 16: a num_items float fp32 cannot hold reaches the finalize kernels as a "
-            "bare float (fp32 when compiled): fp64 loss and gradient off by up to 2^-24"
-        )
+    del case
     return None
-
-
-def _num_items_rounded(case: Case) -> bool:
-    """Finding 16 (open): the policy losses' and ``distill_loss``'s finalize kernels take a
-    ``num_items`` number as a bare Python float (``float(num_items)``, no ``f32_pair``),
-    which a compiled launch (and the interpreter under ``helpers.compiled_scalar_abi``)
-    passes as fp32: with fp64 inputs the ``token-mean`` loss and gradient are off by the
-    fp32 rounding of ``num_items`` (4.7e-8 relative at 1e-3, 1.5e-8 at 0.1; ``value_loss``
-    is exact). Over-approximated: any fp64 float argument."""
-    n = case.hyper.get("num_items")
-    ops = ("policy_loss", "policy_loss_from_logprobs", "distill_loss")
-    if case.op not in ops or not isinstance(n, int | float) or isinstance(n, bool):
-        return False
-    if case.hyper.get("loss_agg", "token-mean") != "token-mean":
-        return False
-    held = torch.tensor(n, dtype=torch.float32).item() == n
-    return not held and any(a.dtype == torch.float64 for a in case.float_args().values())
-
-
-def _nonfinite_divergence_row(case: Case) -> bool:
-    """Finding 14 (open): ``token_kl`` and ``distill_loss`` with ``beta != 0``, at a counted
-    token whose divergence is not finite (the teacher's / reference's row poisoned, see
-    :func:`row_poisoned`, or a reverse KL of +inf: a teacher ``-inf`` where the student has
-    mass) and whose student row has a column with ``p == 0``: there the reference's gradient
-    (autograd: ``0 * inf``, ``0 * NaN``) is NaN, Triton's 0 (the kernel's ``where(p == 0, 0,
-    ...)``, meant for ``0 log 0``). Over-approximated: a student column more than 80 below
-    its row's maximum after ``/ T`` (where an fp32 ``p`` may underflow) or ``-inf``, and any
-    teacher ``-inf`` facing a student logit that is not."""
-    other = {"distill_loss": "teacher_logits", "token_kl": "ref_logits"}.get(case.op)
-    beta = case.hyper.get("beta", 1.0)
-    if other is None or beta == 0:
-        return False
-    z, u = case.args["logits"].value().double(), case.args[other].value().double()
-    if z.numel() == 0:
-        return False
-    gap = (z - z.amax(-1, keepdim=True)) / case.hyper.get("temperature", 1.0)
-    zero_p = (gap < -80).any(-1)
-    nonfinite = row_poisoned(u)
-    if beta == 1:
-        nonfinite = nonfinite | (torch.isneginf(u) & ~torch.isneginf(z)).any(-1)
-    counted = case.counted.get("logits")
-    counted = torch.ones_like(zero_p) if counted is None else counted[..., 0].expand_as(zero_p)
-    return bool((nonfinite & zero_p & counted).any())
 
 
 def _scaled_logit_rounding(case: Case) -> float:
@@ -2400,8 +2352,8 @@ def bad_inputs(draw):
     if op == "policy_loss_from_logprobs":
         options.append(("entropy", None, ValueError))
         kwargs["entropy_coef"] = 0.01
-    # too few dims (token_kl: finding 15, open, BAD_FOUND; its (..., V) takes a 1-D row)
-    if op.startswith(("policy", "token", "trl", "verl", "torchtune")) and op != "token_kl":
+    # too few dims (token ops: a (0,) row, V = 0; token_kl: was finding 15, BAD_FOUND)
+    if op.startswith(("policy", "token", "trl", "verl", "torchtune")):
         first = "logits" if "logits" in kwargs else "logprobs"
         too_few_dims = _randn(None, 3 if op.startswith("policy") else 0).to(DEVICE)
         options.append((first, too_few_dims, ValueError))
@@ -2707,16 +2659,33 @@ FOUND = {
         mu=torch.zeros(2, 1), sigma=torch.tensor([0.5]),
         a=torch.tensor([[1e30]], dtype=_F64), grad=("mu", "sigma"),
     ),
-    # finding 14 (open, known_open): a counted row whose divergence is not finite gives the
-    # student's gradient 0 on Triton and NaN on the reference where p == 0: here a reverse KL
-    # of +inf (q_1 = 0 where the policy has mass) and p_0 = 0 ...
+    # was (finding 14): a counted row whose divergence is not finite gave the student's
+    # gradient 0 on Triton and NaN on the reference where p == 0 (now NaN on both: such a row
+    # has no finite gradient column): here a reverse KL of +inf (q_1 = 0 where the policy has
+    # mass) and p_0 = 0 ...
     "token_kl +inf KL, a -inf logit": lambda: fixed_case(
         "token_kl", lambda x, b: fused_rl.token_kl(x["logits"], x["ref_logits"], backend=b),
         logits=torch.tensor([[-INF, 0.3, 1.0]]), ref_logits=torch.tensor([[0.2, -INF, 0.5]]),
         grad=("logits",), hyper={"temperature": 1.0},
     ),
-    # finding 16 (open, known_open): num_items=1e-3 reaches the finalize kernel as fp32, so
-    # the fp64 loss and gradient are 4.7e-8 off on Triton (policy_loss alike)
+    # ... and a NaN teacher logit (the JSD; the reverse KL alike, not the forward KL) with a
+    # student column 200 below its row's maximum (p underflows to 0 in fp32)
+    "distill_loss beta=0.5 NaN teacher, p underflows": lambda: fixed_case(
+        "distill_loss",
+        lambda x, b: _policy_outputs(
+            *fused_rl.distill_loss(x["logits"], x["teacher_logits"], beta=0.5, backend=b)
+        ),
+        logits=torch.tensor([[0.0, -200.0, 1.0]]),
+        teacher_logits=torch.tensor([[0.2, NAN, 0.5]]),
+        grad=("logits",), hyper={"beta": 0.5, "temperature": 1.0},
+        nan_rule=lambda x: {
+            "loss": True, **{f"metrics.{k}": True for k in DISTILL_METRICS[:3]},
+            "metrics.teacher_entropy": True,
+        },
+    ),
+    # was (finding 16): num_items=1e-3 reached the finalize kernel as a bare float, fp32 when
+    # compiled (and under helpers.compiled_scalar_abi), so the fp64 loss and gradient were
+    # 4.7e-8 off on Triton (policy_loss alike); now an fp32 (hi, lo) pair
     "distill_loss fp64 num_items=1e-3": lambda: fixed_case(
         "distill_loss",
         lambda x, b: _policy_outputs(
@@ -2734,20 +2703,26 @@ FOUND = {
         lp=torch.tensor([[-0.3, -1.2]], dtype=_F64), adv=torch.tensor([1.0], dtype=_F64),
         grad=("lp",), hyper={"num_items": 1e-3, "loss_agg": "token-mean"},
     ),
-    # ... and a NaN teacher logit (the JSD; the reverse KL alike, not the forward KL) with a
-    # student column 200 below its row's maximum (p underflows to 0 in fp32)
-    "distill_loss beta=0.5 NaN teacher, p underflows": lambda: fixed_case(
-        "distill_loss",
+    "policy_loss fp64 num_items=1e-3": lambda: fixed_case(
+        "policy_loss",
         lambda x, b: _policy_outputs(
-            *fused_rl.distill_loss(x["logits"], x["teacher_logits"], beta=0.5, backend=b)
+            *fused_rl.policy_loss(x["logits"], x["t"], x["adv"], num_items=1e-3, backend=b)
         ),
-        logits=torch.tensor([[0.0, -200.0, 1.0]]),
-        teacher_logits=torch.tensor([[0.2, NAN, 0.5]]),
-        grad=("logits",), hyper={"beta": 0.5, "temperature": 1.0},
-        nan_rule=lambda x: {
-            "loss": True, **{f"metrics.{k}": True for k in DISTILL_METRICS[:3]},
-            "metrics.teacher_entropy": True,
-        },
+        logits=torch.linspace(-2, 2, 30, dtype=_F64).reshape(2, 3, 5),
+        t=torch.tensor([[0, 3, 4], [1, 2, -100]]), adv=torch.tensor([1.0, -1.0], dtype=_F64),
+        grad=("logits",), hyper={"num_items": 1e-3, "loss_agg": "token-mean"},
+    ),
+    "policy_loss grad_in_forward fp64 num_items=1e-3": lambda: fixed_case(
+        "policy_loss",
+        lambda x, b: _policy_outputs(
+            *fused_rl.policy_loss(
+                x["logits"], x["t"], x["adv"], num_items=1e-3,
+                grad_in_forward=b == "triton", backend=b,
+            )
+        ),
+        logits=torch.linspace(-2, 2, 30, dtype=_F64).reshape(2, 3, 5),
+        t=torch.tensor([[0, 3, 4], [1, 2, -100]]), adv=torch.tensor([1.0, -1.0], dtype=_F64),
+        grad=("logits",), hyper={"num_items": 1e-3, "loss_agg": "token-mean"},
     ),
 }  # fmt: skip
 
@@ -2776,13 +2751,14 @@ def _token_kl_logits(shape):
     return bad
 
 
-# bad arguments that no check names, by backend: {name: (BadCall factory, open finding)}.
-# Finding 15 (open): token_kl checks only its logits' dtype (V.check_float, where every other
-# logits op runs V.check_logits): V = 0 raises IndexError in the reference's amax and gives
-# NaN on Triton, 0-dim logits raise IndexError on both; neither names logits
+# bad arguments that no check named, by backend: {name: (BadCall factory, open finding or
+# None once fixed)}. Was (finding 15, fixed): token_kl checked only its logits' dtype
+# (V.check_float, where every other logits op runs V.check_logits): V = 0 raised IndexError in
+# the reference's amax and gave NaN on Triton, 0-dim logits raised IndexError on both;
+# neither named logits
 BAD_FOUND = {
-    "token_kl logits V=0": (_token_kl_logits((2, 3, 0)), "finding 15: V = 0 not checked"),
-    "token_kl 0-dim logits": (_token_kl_logits(()), "finding 15: 0-dim logits not checked"),
+    "token_kl logits V=0": (_token_kl_logits((2, 3, 0)), None),
+    "token_kl 0-dim logits": (_token_kl_logits(()), None),
 }
 
 

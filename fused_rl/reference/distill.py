@@ -7,7 +7,10 @@ CPU fallback and the readable twin, not the fast path.
 
 ``0 * log 0`` terms are 0 (a ``where`` whose untaken branch is also made finite, so its
 zero gradient never meets an infinite factor); a NaN logit in a counted row makes that row's
-values NaN. Rows that do not count are replaced by zeros before anything is computed, so
+values NaN. A row whose divergence is not finite (NaN, or a reverse KL of ``+inf``) has no
+finite gradient column: autograd through the softmax gives ``p_v (g_v - sum_w p_w g_w)``,
+``0 * inf`` = NaN where ``p_v == 0``, as the kernels (``kernels/vocab/pair.py``
+``reverse_kl_grad``). Rows that do not count are replaced by zeros before anything is computed, so
 NaN / inf logits there never reach a value or a gradient.
 """
 
@@ -196,9 +199,10 @@ def student_grad(
     logits' difference (``_near_delta``), ``p - q = -p expm1(delta)`` and ``L =
     log1p(beta expm1(delta))``: each relative to itself, as the kernel forms them.
 
-    Columns where ``p = 0`` get 0 (NaN stays NaN elsewhere); rows outside ``counted`` are
-    zeroed before anything is computed. Returns ``logits``' shape in fp32 (fp64 for an fp64
-    input).
+    Columns where ``p = 0`` get 0 (NaN stays NaN elsewhere), NaN in a row whose reverse KL /
+    ``sum_w p_w L_w`` is not finite (``0 * inf``, as autograd and the kernel); rows outside
+    ``counted`` are zeroed before anything is computed. Returns ``logits``' shape in fp32
+    (fp64 for an fp64 input).
     """
     acc = acc_dtype(logits, teacher_logits)
     z = logits.detach().to(acc)

@@ -9,7 +9,7 @@ per-sequence backward scale (``AGG``: the ``loss_agg`` mode).
 import triton
 import triton.language as tl
 
-from ..common import nan_max, nan_min
+from ..common import nan_max, nan_min, pair
 from ..modes import LOSS_AGG_MODES
 from .layer2 import (
     COL_AUX,
@@ -34,14 +34,16 @@ AGG_SEQ_MEAN_TOKEN_SUM_NORM = tl.constexpr(LOSS_AGG_MODES.index("seq-mean-token-
 
 
 @triton.jit
-def aggregated_loss(tot_x, tot_m, seq_sum, seq_scale_ptr, num_items_ptr, num_items, n_seq,
-                    max_length, AGG: tl.constexpr, NUM_ITEMS_TENSOR: tl.constexpr,
-                    ACC: tl.constexpr):  # fmt: skip
+def aggregated_loss(tot_x, tot_m, seq_sum, seq_scale_ptr, num_items_ptr, num_items_hi,
+                    num_items_lo, n_seq, max_length, AGG: tl.constexpr,
+                    NUM_ITEMS_TENSOR: tl.constexpr, ACC: tl.constexpr):  # fmt: skip
     """The loss of a finalize kernel from its loss column's totals (``tot_x`` the weighted
     sum, ``tot_m`` the weight total, ``seq_sum`` the sum of per-sequence means), aggregated
     by ``AGG`` (``fused_rl._agg``); outside ``seq-mean-token-mean`` it also stores the
-    backward's one ``seq_scale``. ``num_items`` (> 0; <= 0: not given) or the tensor at
-    ``num_items_ptr`` replaces ``tot_m`` for ``token-mean`` (a tensor <= 0 gives NaN)."""
+    backward's one ``seq_scale``. ``num_items`` (> 0; <= 0: not given; an fp32 ``(hi, lo)``
+    pair, ``fused_rl._launch.f32_pair``, so an fp64 loss divides by the fp64 count) or the
+    tensor at ``num_items_ptr`` replaces ``tot_m`` for ``token-mean`` (a tensor <= 0 gives
+    NaN)."""
     if AGG == AGG_SEQ_MEAN_TOKEN_MEAN:
         loss = seq_sum / n_seq
     else:
@@ -49,6 +51,7 @@ def aggregated_loss(tot_x, tot_m, seq_sum, seq_scale_ptr, num_items_ptr, num_ite
             if NUM_ITEMS_TENSOR:
                 den = tl.load(num_items_ptr).to(ACC)
             else:
+                num_items = pair(num_items_hi, num_items_lo, ACC)
                 den = tot_m * 0.0 + num_items
                 den = tl.where(num_items > 0, den, tot_m)  # num_items <= 0: not given
         elif AGG == AGG_SEQ_MEAN_TOKEN_SUM:  # (normalisers that never read a weight)
@@ -72,7 +75,8 @@ def _policy_finalize_kernel(
     num_items_ptr,
     n_outer,
     rows_inner,
-    num_items,
+    num_items_hi,
+    num_items_lo,
     n_seq,
     max_length,
     AGG: tl.constexpr,
@@ -146,8 +150,9 @@ def _policy_finalize_kernel(
                 scale_b = tl.where(nonempty, 1.0 / (n_seq * safe_m), 0.0)
                 tl.store(seq_scale_ptr + bs, scale_b, mask=in_b)
     if k == COL_LOSS:
-        loss = aggregated_loss(tot_x, tot_m, seq_sum, seq_scale_ptr, num_items_ptr, num_items,
-                               n_seq, max_length, AGG, NUM_ITEMS_TENSOR, ACC)  # fmt: skip
+        loss = aggregated_loss(tot_x, tot_m, seq_sum, seq_scale_ptr, num_items_ptr,
+                               num_items_hi, num_items_lo, n_seq, max_length, AGG,
+                               NUM_ITEMS_TENSOR, ACC)  # fmt: skip
         tl.store(loss_ptr, loss)
         tl.store(metrics_ptr + k, loss.to(tl.float32))
     elif k == COL_RATIO_MAX or k == COL_IS_MAX:

@@ -32,6 +32,11 @@ aggregation's scale and the upstream gradient ``c``):
   terms cancel), so through the softmax ``dD/dz_v = -(1 - beta) p_v (L_v - sum_w p_w L_w)``,
   i.e. ``p_v (g_v - (1 - beta) KL(p || m))`` with ``g_v = (1 - beta) log(p_v / m_v)``.
 
+Columns where ``p_v == 0`` get 0 (``0 log 0``; whatever ``delta_v``) in a row whose per-row
+constant (``KL(p || q)``, ``sum_w p_w L_w``) is finite, NaN where it is not (a NaN teacher
+row, a reverse KL of ``+inf``: ``q = 0`` where ``p > 0``): a row whose divergence is not
+finite has no finite gradient column, as autograd through the reference's softmax gives.
+
 With ``FREE`` (``fused_rl.compat.liger.liger_jsd``: log-probability inputs taken as free
 coordinates, Liger's ``dX``) the per-row constant is dropped: ``-q_v``,
 ``p_v ((log p_v - log q_v) + 1)``, ``(1 - beta) p_v log(p_v / m_v)``.
@@ -348,7 +353,8 @@ def _distill_finalize_kernel(
     num_items_ptr,
     n_outer,
     rows_inner,
-    num_items,
+    num_items_hi,
+    num_items_lo,
     n_seq,
     max_length,
     AGG: tl.constexpr,
@@ -362,8 +368,9 @@ def _distill_finalize_kernel(
     nothing counts; ``metrics[COL_COUNT]`` the weight total). Program ``COL_D`` also writes
     the loss aggregated by ``AGG`` (``fused_rl._agg``: ``loss = sum_t m_t s_b d_t``) and the
     backward's ``seq_scale`` ``s_b`` (one per sequence for ``seq-mean-token-mean``, else one).
-    ``num_items`` (> 0; <= 0: not given) or the tensor at ``num_items_ptr`` replaces the
-    weight total of ``token-mean`` (a tensor <= 0 gives NaN); ``n_seq = max(B, 1)``."""
+    ``num_items`` (> 0; <= 0: not given; the fp32 pair ``num_items_hi + num_items_lo``) or
+    the tensor at ``num_items_ptr`` replaces the weight total of ``token-mean`` (a tensor
+    <= 0 gives NaN); ``n_seq = max(B, 1)``."""
     k = tl.program_id(0)
     n_rows = n_outer.to(tl.int64) * rows_inner
     col = part_ptr + k.to(tl.int64) * n_rows
@@ -397,8 +404,9 @@ def _distill_finalize_kernel(
         mean = tot_m
     tl.store(metrics_ptr + k, mean.to(tl.float32))
     if k == COL_D:
-        loss = aggregated_loss(tot_x, tot_m, seq_sum, seq_scale_ptr, num_items_ptr, num_items,
-                               n_seq, max_length, AGG, NUM_ITEMS_TENSOR, ACC)  # fmt: skip
+        loss = aggregated_loss(tot_x, tot_m, seq_sum, seq_scale_ptr, num_items_ptr,
+                               num_items_hi, num_items_lo, n_seq, max_length, AGG,
+                               NUM_ITEMS_TENSOR, ACC)  # fmt: skip
         tl.store(loss_ptr, loss)
 
 
@@ -498,7 +506,7 @@ def _distill_bwd_kernel(
         else:
             far_l, _ = mixture_log_ratios(delta, log_beta, log_1m_beta)
             excess = tl.where(near, log1p(beta * expm1(tl.where(near, delta, 0.0))), far_l)
-            g = tl.where(p == 0, 0.0, p * (excess - c))
+            g = tl.where(p == 0, c - c, p * (excess - c))  # 0, NaN if c is not finite
         g = tl.where(active, coef * g * dx, 0.0)
         tl.store(grad_row + cols, cast_for(g, grad_ptr), mask=cols < V)
 

@@ -26,7 +26,9 @@ other stream's ``d``. A term whose weight ``e^a`` (``e^b``) is exactly 0 contrib
 finite limit; a NaN logit makes the row NaN.
 
 Gradient of the reverse KL through the softmax (``reverse_kl_grad``):
-``dKL(p || q)/dz_v = p_v (log p_v - log q_v - KL(p || q)) = p_v (-delta_v - KL)``.
+``dKL(p || q)/dz_v = p_v (log p_v - log q_v - KL(p || q)) = p_v (-delta_v - KL)``; 0 where
+``p_v == 0`` unless the row's KL is not finite (NaN, or ``+inf``: ``q = 0`` where ``p > 0``),
+which makes every column's gradient non-finite, those columns NaN.
 """
 
 import triton
@@ -206,6 +208,8 @@ def pair_moments(
 
 @triton.jit
 def reverse_kl_grad(p, delta, kl):
-    """``dKL(p || q) / dz`` of one block of columns: ``p (-delta - KL)``, exactly 0 where
-    ``p == 0`` (whatever ``delta``: a column the student gives no mass moves nothing)."""
-    return tl.where(p == 0, 0.0, p * (-delta - kl))
+    """``dKL(p || q) / dz`` of one block of columns: ``p (-delta - KL)``; where ``p == 0``
+    exactly 0 (whatever ``delta``: a column the student gives no mass moves nothing) while
+    the row's ``KL`` is finite, NaN when it is not (``KL - KL``: a NaN or ``+inf`` divergence
+    leaves no column of its row's gradient finite, as autograd through a softmax does)."""
+    return tl.where(p == 0, kl - kl, p * (-delta - kl))
