@@ -178,6 +178,11 @@ def group_shard(
             "vocab_start needs vocab_size (the global vocabulary size) for ragged shards"
         )
     dist = _dist()
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            f"process_group must be a torch.distributed ProcessGroup (dist.group.WORLD, "
+            f"dist.new_group(...)), got {type(process_group).__name__}"
+        )
     world = dist.get_world_size(process_group)
     rank = dist.get_rank(process_group)
     start = rank * columns if vocab_start is None else vocab_start

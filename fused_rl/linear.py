@@ -41,6 +41,7 @@ all-reduce of ``dH`` (``reduce_hidden_grad=True``, the default), so that every r
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -73,19 +74,18 @@ from ._policy_ops import (
     policy_rows_grad_into,
     uncounted_partials,
 )
+from ._truncated_ops import (
+    truncated_logprobs_bwd_into,
+    truncated_logprobs_bwd_op,
+    truncated_logprobs_fwd_op,
+)
 from ._vocab_ops import token_stats_bwd_into, token_stats_bwd_op, token_stats_fwd_op
 from .losses import loss_from_token_stats, policy_loss
 from .policy_config import PolicyConfig, takes_policy_options
 from .reference import logprobs as ref
 from .reference import truncated as ref_truncated
 from .reference.logprobs import differentiable_once
-from .truncated import (
-    check_options,
-    cuts,
-    truncated_logprobs_bwd_into,
-    truncated_logprobs_bwd_op,
-    truncated_logprobs_fwd_op,
-)
+from .truncated import check_options, cuts
 
 # layer 3 writing over its input: a raw launcher (no custom op, it mutates), serialised and
 # with NumPy's masked-lane warnings silenced under the interpreter as every FusedOp is
@@ -340,12 +340,23 @@ class _LinearTruncated(torch.autograd.Function):
     (``fused_rl.truncated``), keeping per token its threshold, row max and ``log F`` (the
     kept set's normaliser); backward the logits recomputed, the truncated backward kernel
     writing ``dz`` over them, then ``dH_c = dz W``, ``dW += dz^T h_c``, ``db``. ``top_k``
-    0 and ``top_p`` 1.0 turn a cut off (:func:`fused_rl.truncated.cuts`)."""
+    0 and ``top_p`` 1.0 turn a cut off (:func:`fused_rl.truncated.cuts`).
+
+    ``tp`` (:class:`_TensorParallel`, None when unsharded): ``weight`` / ``bias`` are this
+    rank's vocabulary shard; each chunk's local logits go through
+    ``fused_rl.truncated_parallel`` (the ranks agree on the chunk's cut with its collectives,
+    so every rank runs the same chunks: ``chunk`` from the global vocabulary), the backward
+    as the unsharded one with the target's kept flag, then one SUM all-reduce of ``dH``
+    (``tp.reduce_hidden``)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, top_k, top_p, temperature, softcap,
-                ignore_index, chunk, which):  # fmt: skip
+                ignore_index, chunk, which, tp=None):  # fmt: skip
         ctx.set_materialize_grads(False)
+        ctx.tp = tp
+        if tp is not None:
+            return _LinearTruncated._sharded_forward(ctx, hidden, weight, bias, targets, top_k,
+                                                     top_p, chunk)  # fmt: skip
         n_rows = hidden.shape[0]
         acc = stats_dtype(hidden.dtype)
         logp = hidden.new_empty((n_rows,), dtype=acc)
@@ -373,6 +384,36 @@ class _LinearTruncated(torch.autograd.Function):
         return logp
 
     @staticmethod
+    def _sharded_forward(ctx, hidden, weight, bias, targets, top_k, top_p, chunk):
+        from . import truncated_parallel as TP
+        from .distributed import _local_targets
+
+        spec = ctx.tp.spec
+        n_rows = hidden.shape[0]
+        acc = stats_dtype(hidden.dtype)
+        values, ok = TP.checked_header(targets[None], spec, acc, read=spec.which == "reference")
+        t_local, ignored = _local_targets(targets, spec.shard, spec.ignore_index)
+        w_valid, b_valid = _valid_rows(weight, bias, spec.shard.valid)  # padding: unread
+        logp = hidden.new_empty((n_rows,), dtype=acc)
+        stats = hidden.new_empty((3 * n_rows,), dtype=acc)
+        kept = torch.zeros((n_rows,), dtype=torch.bool, device=hidden.device)
+        for start in range(0, n_rows, chunk):
+            rows = slice(start, min(start + chunk, n_rows))
+            z, _ = _chunk_logits(hidden[rows], w_valid, b_valid, chunk)
+            if spec.which == "triton":
+                lp, st, kp = TP.shard_rows(z[None], t_local[None, rows], ignored[None, rows],
+                                           spec, top_k, top_p, ok)  # fmt: skip
+                stats[3 * start : 3 * rows.stop] = st.reshape(-1)
+                kept[rows] = kp
+            else:
+                lp = _reference_shard_chunk(z, targets[rows], spec, values, top_k, top_p, ok)
+            logp[rows] = lp.reshape(-1)
+            del z
+        ctx.save_for_backward(hidden, weight, bias, t_local, stats, kept, targets)
+        ctx.config = (top_k, top_p, values, chunk)
+        return logp
+
+    @staticmethod
     def backward(ctx, grad_logp):
         # as _LinearTokenStats: saved statistics as constants, a double backward raises
         create_graph = torch.is_grad_enabled()
@@ -386,25 +427,42 @@ class _LinearTruncated(torch.autograd.Function):
 
     @staticmethod
     def _grads(ctx, grad_logp):
-        hidden, weight, bias, targets, stats = ctx.saved_tensors
-        top_k, top_p, temperature, softcap, ignore_index, chunk, which = ctx.config
+        tp = ctx.tp
+        if tp is None:
+            hidden, weight, bias, targets, stats = ctx.saved_tensors
+            top_k, top_p, temperature, softcap, ignore_index, chunk, which = ctx.config
+        else:
+            hidden, weight, bias, targets, stats, kept, global_targets = ctx.saved_tensors
+            top_k, top_p, values, chunk = ctx.config
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if grad_logp is None:
-            return (None,) * 11
+            return (None,) * 12
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         d_hidden = hidden.new_empty(hidden.shape) if need_h else None
         d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         d_bias = torch.zeros(weight.shape[:1], dtype=acc, device=weight.device) if need_b else None
+        dw_out, db_out, out_dtype = d_weight, d_bias, weight.dtype
+        if tp is not None:  # padding rows of the shard: unread, their gradient stays zero
+            valid = tp.spec.shard.valid
+            weight, bias = _valid_rows(weight, bias, valid)
+            d_weight = d_weight[:valid] if need_w else None
+            d_bias = d_bias[:valid] if need_b else None
         n_rows = hidden.shape[0]
         for start in range(0, n_rows, chunk):
             stop = min(start + chunk, n_rows)
             # recomputed: the forward kept no logits
             z, z_full = _chunk_logits(hidden[start:stop], weight, bias, chunk)
             st = None if stats is None else stats[3 * start : 3 * stop].view(3, stop - start)
-            dz, in_place = _truncated_chunk_grad(
-                z, targets[start:stop], st, grad_logp[start:stop], top_k, top_p, temperature,
-                softcap, ignore_index, which,
-            )  # fmt: skip
+            if tp is None:
+                dz, in_place = _truncated_chunk_grad(
+                    z, targets[start:stop], st, grad_logp[start:stop], top_k, top_p,
+                    temperature, softcap, ignore_index, which,
+                )  # fmt: skip
+            else:
+                dz, in_place = _truncated_shard_chunk_grad(
+                    z, targets[start:stop], global_targets[start:stop], st, kept[start:stop],
+                    grad_logp[start:stop], tp.spec, values, top_k, top_p,
+                )  # fmt: skip
             if need_h:  # dz written over z: its GEMM buffer is z's
                 d_hidden[start:stop] = _hidden_grad(dz, weight, chunk, z_full if in_place else None)
             if need_w:
@@ -412,12 +470,60 @@ class _LinearTruncated(torch.autograd.Function):
             if need_b:
                 d_bias.add_(dz.sum(0, dtype=acc))
             del z, z_full, dz
+        if need_h and tp is not None and tp.reduce_hidden:
+            _all_reduce_sum(d_hidden, tp.spec.shard.group)
         return (
             d_hidden,
-            d_weight.to(weight.dtype) if need_w else None,
-            d_bias.to(weight.dtype) if need_b else None,
-            None, None, None, None, None, None, None, None,
+            dw_out.to(out_dtype) if need_w else None,
+            db_out.to(out_dtype) if need_b else None,
+            None, None, None, None, None, None, None, None, None,
         )  # fmt: skip
+
+
+def _reference_shard_chunk(z, targets, spec, values, top_k, top_p, ok=None, g=None):
+    """The ``reference`` backend on one chunk's local logits ``z`` ``(n, V_r)``: the whole
+    rows gathered from every rank (``fused_rl.truncated_parallel.gather_rows``) through
+    ``fused_rl.reference.truncated``. Without ``g``: the ``(n,)`` log-probs (NaN for an
+    unchecked bad layout, ``ok`` False); with it: ``dL/dz`` of ``sum(logp * g)``."""
+    from . import truncated_parallel as TP
+
+    starts, valids = TP.layout(values, spec.shard)
+    full = TP.gather_rows(z[None], spec.shard, starts, valids)[0]
+    with torch.enable_grad():
+        leaf = full.detach().requires_grad_(g is not None)
+        logp = ref_truncated.truncated_logprobs(
+            leaf, targets, top_k=top_k or None, top_p=top_p, temperature=spec.temperature,
+            ignore_index=spec.ignore_index, softcap=spec.softcap,
+        )  # fmt: skip
+        if g is None:
+            return logp.detach() if ok is None else torch.where(ok, logp.detach(), math.nan)
+        fin = torch.isfinite(logp) | (g.to(logp.dtype) != 0)
+        (grad,) = torch.autograd.grad(logp, leaf, torch.where(fin, g.to(logp.dtype), 0.0))
+    return grad.narrow(-1, starts[spec.shard.rank], valids[spec.shard.rank])
+
+
+def _truncated_shard_chunk_grad(z, t_local, targets, stats, kept, g, spec, values, top_k, top_p):
+    """``(dz, in_place)``: ``dL/dz`` of one chunk's ``(n, V_r)`` local logits under the
+    truncation of the whole rows: the truncated backward kernel with the target's kept flag,
+    written over ``z`` in eager mode; the reference backend gathers the rows again."""
+    from . import truncated_parallel as TP
+
+    if spec.which == "reference":
+        return _reference_shard_chunk(z, targets, spec, values, top_k, top_p, g=g), False
+    if torch.compiler.is_compiling() or _tracing():  # a traced op may not mutate its input
+        grad = torch.empty(z[None].shape, dtype=z.dtype, device=z.device)
+        return TP.shard_rows_grad_into(grad, z[None], t_local[None], stats, kept, g[None],
+                                       spec)[0], False  # fmt: skip
+    TP.shard_rows_grad_into(z[None], z[None], t_local[None], stats, kept, g[None], spec)
+    return z, True
+
+
+def _all_reduce_sum(t: Tensor, group) -> None:
+    """``t`` summed over ``group`` in place (the replicated hidden's gradient)."""
+    from .distributed import _dist
+
+    dist = _dist()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
 
 
 def _rows_of(t: Tensor | None, rows: slice) -> Tensor | None:
@@ -726,8 +832,9 @@ def linear_token_logprobs(
             :func:`fused_rl.truncated_logprobs` (its docstring gives the rules), of
             ``F.linear(hidden, weight, bias)``; a target outside the kept set gives ``-inf``
             and zero gradient. ``top_k`` None or an int ``>= 1``, ``top_p`` None or a real
-            number in ``(0, 1]``; with ``softcap`` the cuts are on the capped logits; not
-            with ``return_entropy`` or vocabulary parallelism (``ValueError``, as
+            number in ``(0, 1]``; with ``softcap`` the cuts are on the capped logits;
+            vocabulary-parallel too (each chunk's cut agreed by the ranks:
+            ``fused_rl.truncated_parallel``); not with ``return_entropy`` (``ValueError``, as
             :func:`token_logprobs`).
         chunk_tokens: rows per chunk; None keeps a chunk's logits under 256 MiB
             (``fused_rl.linear.CHUNK_BYTES``).
@@ -783,7 +890,8 @@ def linear_token_logprobs(
     if top_k is not None or top_p is not None:
         return _linear_truncated(
             hidden, weight, targets, bias, top_k, top_p, temperature, softcap, ignore_index,
-            return_entropy, chunk_tokens, process_group, vocab_start, vocab_size, backend,
+            return_entropy, chunk_tokens, process_group, vocab_start, vocab_size,
+            reduce_hidden_grad, backend,
         )  # fmt: skip
     sharded = process_group is not None
     if not sharded and (vocab_start is not None or vocab_size is not None):
@@ -812,28 +920,42 @@ def linear_token_logprobs(
 
 def _linear_truncated(hidden, weight, targets, bias, top_k, top_p, temperature, softcap,
                       ignore_index, return_entropy, chunk_tokens, process_group, vocab_start,
-                      vocab_size, backend) -> Tensor:  # fmt: skip
-    """``linear_token_logprobs`` with ``top_k`` / ``top_p``: the options it does not take
-    refused as ``token_logprobs`` refuses them, then :class:`_LinearTruncated`."""
-    refused = {"return_entropy": return_entropy,
-               "process_group / vocab_start / vocab_size": process_group is not None
-               or vocab_start is not None or vocab_size is not None}  # fmt: skip
-    named = [name for name, given in refused.items() if given]
-    if named:
+                      vocab_size, reduce_hidden_grad, backend) -> Tensor:  # fmt: skip
+    """``linear_token_logprobs`` with ``top_k`` / ``top_p``: ``return_entropy`` refused as
+    ``token_logprobs`` refuses it, then :class:`_LinearTruncated` (vocabulary-parallel with
+    ``process_group``)."""
+    if return_entropy:
         raise ValueError(
-            f"linear_token_logprobs with top_k / top_p (truncated log-probs) does not take "
-            f"{', '.join(named)}: call it without them"
+            "linear_token_logprobs with top_k / top_p (truncated log-probs) does not take "
+            "return_entropy: call it without it"
+        )
+    sharded = process_group is not None
+    if not sharded and (vocab_start is not None or vocab_size is not None):
+        raise ValueError(
+            "vocab_start / vocab_size describe a vocabulary shard: they need process_group"
         )
     check_options(top_k, top_p, temperature, softcap, ignore_index)
     rows, weight, bias, flat_targets, chunk, which = _prepare(
-        hidden, weight, bias, targets, temperature, softcap, ignore_index, chunk_tokens, backend
-    )
-    k, p = cuts(top_k, top_p, weight.shape[0])
+        hidden, weight, bias, targets, temperature, softcap, ignore_index, chunk_tokens,
+        backend, sharded,
+    )  # fmt: skip
     cap = None if softcap is None else float(softcap)
+    tp = None
+    vocab = weight.shape[0]
+    if sharded:
+        tp = _tensor_parallel(
+            process_group, weight, vocab_start, vocab_size, temperature, cap, ignore_index,
+            False, which, reduce_hidden_grad, rows,
+        )  # fmt: skip
+        shard = tp.spec.shard
+        vocab = shard.vocab_size
+        if not chunk_tokens:  # the same chunks on every rank: each chunk's cut is collective
+            chunk = default_chunk_tokens(-(-vocab // shard.world), rows.dtype)
+    k, p = cuts(top_k, top_p, vocab)
     with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
         logp = _LinearTruncated.apply(
             rows, weight, bias, flat_targets, k, p, float(temperature), cap, int(ignore_index),
-            chunk, which,
+            chunk, which, tp,
         )  # fmt: skip
     return logp.view(targets.shape)
 

@@ -7,12 +7,13 @@ with ``k <= MAX_STREAMED_K``, more for top-p alone, stated there) and a backward
 kernel that reads each row once and writes its gradient. No row is sorted in memory and
 nothing of size ``(N, V)`` is allocated but the gradient. Both are
 :class:`fused_rl._ops.FusedOp` (``torch.library`` custom ops for ``torch.compile``, a
-direct call in eager mode). The ``reference`` backend sorts (``fused_rl.reference.truncated``).
+direct call in eager mode; their launchers are ``fused_rl._truncated_ops``). The
+``reference`` backend sorts (``fused_rl.reference.truncated``). Vocabulary-parallel logits go
+through ``fused_rl.truncated_parallel``.
 """
 
 from __future__ import annotations
 
-import math
 import numbers
 
 import torch
@@ -20,176 +21,11 @@ from torch import Tensor
 
 from . import _validation as V
 from ._backend import resolve_backend
-from ._launch import NO_CAP, f32_pair, stats_dtype, triton_acc, vocab_launch
-from ._ops import FusedOp
 from ._shapes import as_rows3d
-from .distributed import is_dtensor
+from ._truncated_ops import MAX_STREAMED_K, truncated_logprobs_fwd_op
+from .distributed import is_dtensor, resolve_shard
 from .reference import truncated as ref
-
-# top-k with k up to this is kept in registers in one pass (kernels/vocab/truncated.py KS)
-MAX_STREAMED_K = 64
-N_CAND = 16  # candidate thresholds per search pass: the key range shrinks 16-fold a pass
-SEARCH_BLOCK = 128  # logits per step of a search pass (a (128, 16) comparison tile)
-# search passes at most (kernels/vocab/truncated.py ``_search``): up to 3 on evenly spaced
-# values, then 4 bits of the key a pass: fp32 keys 32 bits (8), fp64 keys 64 bits (16, plus
-# ~3 for the halving that keeps int64 from overflowing)
-MAX_SEARCH_PASSES = {torch.float32: 11, torch.float64: 22}
-# one warp per row, as the read-only vocab streams (fused_rl._launch.READ_BLOCK_V): the
-# per-insertion reductions over the 64 held values are warp shuffles, no shared memory and
-# barrier (untuned: no GPU has run this kernel yet)
-NUM_WARPS = 1
-
-
-def _block(vocab: int) -> int:
-    """Pass A's block: the read-stream block, at least 64 (one value per group)."""
-    return max(MAX_STREAMED_K, vocab_launch(vocab, writes=False)["BLOCK_V"])
-
-
-# ----------------------------------------------------------------------------- forward
-
-
-def truncated_logprobs_fwd(
-    logits3d: Tensor,
-    targets: Tensor,
-    top_k: int,
-    top_p: float,
-    temperature: float,
-    softcap: float | None,
-    ignore_index: int,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Launch the forward on ``(outer, inner, V)`` logits (any strides) and ``(outer,
-    inner)`` targets (any strides). ``top_k``: 0 = none (else ``1 <= k < V``); ``top_p``:
-    1.0 = none; ``softcap``: None = none, else ``z = c tanh(x / c) / T``.
-
-    Returns ``(logp, stats, passes)``: ``logp`` ``(outer, inner)`` fp32 (fp64 for fp64
-    logits); ``stats`` ``(3, outer * inner)``: per row the threshold ``tau`` on ``z = x /
-    T`` (kept: ``z >= tau``), the row max ``m`` and ``log F``, ``F = sum_{z >= tau} exp(z -
-    m)``; ``passes`` ``(outer * inner,)`` int32, the times the row was read. One launch."""
-    from .kernels.vocab.truncated import _truncated_logprobs_fwd_kernel
-
-    outer, inner, vocab = logits3d.shape
-    n_rows = outer * inner
-    dtype = stats_dtype(logits3d.dtype)
-    dev = logits3d.device
-    logp = torch.empty((outer, inner), dtype=dtype, device=dev)
-    stats = torch.empty((3, n_rows), dtype=dtype, device=dev)
-    passes = torch.empty((n_rows,), dtype=torch.int32, device=dev)
-    if n_rows == 0:
-        return logp, stats, passes
-    has_p = top_p < 1.0
-    block = _block(vocab)
-    _truncated_logprobs_fwd_kernel[(n_rows,)](
-        logits3d, targets, logp, stats, passes, inner, n_rows, vocab, *logits3d.stride(),
-        *targets.stride(),
-        *f32_pair(1.0 / temperature if softcap is None else softcap / temperature),
-        *(NO_CAP if softcap is None else f32_pair(1.0 / softcap)), *f32_pair(top_p),
-        *f32_pair(math.log1p(-top_p) if has_p else 0.0), top_k, ignore_index,
-        TOPK_REG=0 < top_k <= MAX_STREAMED_K, SEARCH_K=top_k > MAX_STREAMED_K, TOP_P=has_p,
-        HAS_SOFTCAP=softcap is not None,
-        BLOCK_V=block, SEARCH_BLOCK=min(SEARCH_BLOCK, block), N_CAND=N_CAND,
-        MAX_SEARCH_PASSES=MAX_SEARCH_PASSES[dtype], ACC=triton_acc(logits3d.dtype),
-        num_warps=NUM_WARPS,
-    )  # fmt: skip
-    return logp, stats, passes
-
-
-def _fwd_fake(logits3d, targets, top_k, top_p, temperature, softcap, ignore_index):
-    outer, inner, _ = logits3d.shape
-    dtype = stats_dtype(logits3d.dtype)
-    return (
-        logits3d.new_empty((outer, inner), dtype=dtype),
-        logits3d.new_empty((3, outer * inner), dtype=dtype),
-        logits3d.new_empty((outer * inner,), dtype=torch.int32),
-    )
-
-
-# ----------------------------------------------------------------------------- backward
-
-
-def truncated_logprobs_bwd(
-    logits3d: Tensor,
-    targets: Tensor,
-    stats: Tensor,
-    grad_logp: Tensor,
-    temperature: float,
-    softcap: float | None,
-    ignore_index: int,
-) -> Tensor:
-    """The gradient w.r.t. ``logits3d`` (a fresh contiguous buffer, its dtype) from the
-    forward's ``stats`` and the upstream ``grad_logp`` ``(outer, inner)`` (any strides):
-    ``(onehot - p_trunc) g dz/dx`` on the kept set, 0 elsewhere. One launch."""
-    grad = torch.empty(logits3d.shape, dtype=logits3d.dtype, device=logits3d.device)
-    return truncated_logprobs_bwd_into(
-        grad, logits3d, targets, stats, grad_logp, temperature, softcap, ignore_index
-    )
-
-
-def truncated_logprobs_bwd_into(
-    grad: Tensor,
-    logits3d: Tensor,
-    targets: Tensor,
-    stats: Tensor,
-    grad_logp: Tensor,
-    temperature: float,
-    softcap: float | None,
-    ignore_index: int,
-    target_kept: bool = False,
-) -> Tensor:
-    """:func:`truncated_logprobs_bwd` writing into ``grad`` (``logits3d``'s shape and dtype,
-    each row contiguous), which may BE ``logits3d``: a program reads its row's target logit,
-    then each block of the row once before overwriting exactly that block, so the logits
-    are consumed in place (``fused_rl.linear`` turns a chunk's logits into their gradient
-    this way). ``stats``: the forward's ``(3, outer * inner)``, contiguous. One launch.
-    ``target_kept``: ``grad_logp`` is already 0 where the target is cut (the vocabulary-
-    parallel caller, whose target may sit on another rank: ``targets`` are local ids, one
-    outside ``[0, V)`` matching no column), so no target logit is read."""
-    from .kernels.vocab.truncated import _truncated_logprobs_bwd_kernel
-
-    outer, inner, vocab = logits3d.shape
-    if grad.numel() == 0:
-        return grad
-    _truncated_logprobs_bwd_kernel[(outer * inner,)](
-        logits3d, targets, stats, grad_logp, grad, inner, outer * inner, vocab,
-        *logits3d.stride(), *grad.stride()[:2], *targets.stride(), *grad_logp.stride(),
-        *f32_pair(1.0 / temperature if softcap is None else softcap / temperature),
-        *(NO_CAP if softcap is None else f32_pair(1.0 / softcap)), ignore_index,
-        HAS_SOFTCAP=softcap is not None, TARGET_KEPT=target_kept, ACC=triton_acc(logits3d.dtype),
-        **vocab_launch(vocab, writes=True),
-    )  # fmt: skip
-    return grad
-
-
-def _bwd_fake(logits3d, *_args):
-    return logits3d.new_empty(logits3d.shape)
-
-
-truncated_logprobs_bwd_op = FusedOp("truncated_logprobs_bwd", truncated_logprobs_bwd)
-truncated_logprobs_bwd_op.register_fake(_bwd_fake)
-
-
-def _setup_context(ctx, inputs, output):
-    logits3d, targets, _top_k, _top_p, temperature, softcap, ignore_index = inputs
-    _, stats, passes = output
-    ctx.save_for_backward(logits3d, targets, stats)
-    ctx.temperature, ctx.softcap, ctx.ignore_index = temperature, softcap, ignore_index
-    ctx.mark_non_differentiable(stats, passes)
-    ctx.set_materialize_grads(False)
-
-
-def _backward(ctx, grad_logp, _grad_stats, _grad_passes):
-    logits3d, targets, stats = ctx.saved_tensors
-    grad = None
-    if grad_logp is not None:
-        grad = truncated_logprobs_bwd_op(
-            logits3d, targets, stats, grad_logp, ctx.temperature, ctx.softcap, ctx.ignore_index
-        )
-    return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
-
-
-truncated_logprobs_fwd_op = FusedOp("truncated_logprobs_fwd", truncated_logprobs_fwd)
-truncated_logprobs_fwd_op.register_fake(_fwd_fake)
-truncated_logprobs_fwd_op.register_autograd(_backward, setup_context=_setup_context)
-
+from .truncated_parallel import sharded_truncated_logprobs
 
 # ----------------------------------------------------------------------------- public API
 
@@ -345,9 +181,6 @@ def truncated_logprobs(
 def _sharded(logits, targets, top_k, top_p, temperature, softcap, ignore_index, process_group,
              vocab_start, vocab_size, backend) -> Tensor:  # fmt: skip
     """:func:`truncated_logprobs` of a vocabulary shard (``fused_rl.truncated_parallel``)."""
-    from .distributed import resolve_shard
-    from .truncated_parallel import sharded_truncated_logprobs
-
     logits, targets, shard = resolve_shard(logits, targets, process_group, vocab_start, vocab_size)
     if shard is None:  # a DTensor replicated over the vocabulary: an ordinary call
         return truncated_logprobs(

@@ -41,10 +41,9 @@ from torch import Tensor
 from . import _validation as V
 from . import distributed as D
 from ._launch import NO_CAP, f32_pair, stats_dtype, triton_acc
+from ._ops import _serialised_when_interpreting
 from ._shapes import as_rows3d
-from .reference import logprobs as ref_logprobs
-from .reference import truncated as ref
-from .truncated import (
+from ._truncated_ops import (
     MAX_SEARCH_PASSES,
     MAX_STREAMED_K,
     N_CAND,
@@ -53,6 +52,10 @@ from .truncated import (
     _block,
     truncated_logprobs_bwd_into,
 )
+from .reference import logprobs as ref_logprobs
+from .reference import truncated as ref
+
+_bwd_into = _serialised_when_interpreting(truncated_logprobs_bwd_into)
 
 KS = MAX_STREAMED_K
 
@@ -151,20 +154,26 @@ class _Search:
         return torch.where(found, v, field(k.S_LO)), torch.where(found, f_v, field(k.S_FLO))
 
     def _launch(self, state, sums, top, by_count, *, narrow=False, stream=False, collect=False):
-        k = _fields()
-        x = self.x3d
-        outer, inner, vocab = x.shape
-        if outer * inner == 0:
-            return
-        k._shard_search_kernel[(outer * inner,)](
-            x, state, sums, top, inner, vocab, *x.stride(), *_scales(self.spec),
-            NARROW=narrow, STREAM=stream, COLLECT=collect, BY_COUNT=by_count, N_CAND=N_CAND,
-            SEARCH_BLOCK=min(SEARCH_BLOCK, _block(vocab)), BLOCK_V=_block(vocab),
-            MAX_SEARCH_PASSES=MAX_SEARCH_PASSES[self.acc], HAS_SOFTCAP=self.spec.softcap
-            is not None, ACC=triton_acc(x.dtype), num_warps=NUM_WARPS,
-        )  # fmt: skip
+        _search_step(self.x3d, state, sums, top, self.spec, by_count, narrow, stream, collect)
 
 
+@_serialised_when_interpreting
+def _search_step(x, state, sums, top, spec, by_count, narrow, stream, collect):
+    """One launch of the search kernel (``kernels/vocab/truncated_shard.py``)."""
+    k = _fields()
+    outer, inner, vocab = x.shape
+    if outer * inner == 0:
+        return
+    k._shard_search_kernel[(outer * inner,)](
+        x, state, sums, top, inner, vocab, *x.stride(), *_scales(spec), NARROW=narrow,
+        STREAM=stream, COLLECT=collect, BY_COUNT=by_count, N_CAND=N_CAND,
+        SEARCH_BLOCK=min(SEARCH_BLOCK, _block(vocab)), BLOCK_V=_block(vocab),
+        MAX_SEARCH_PASSES=MAX_SEARCH_PASSES[stats_dtype(x.dtype)],
+        HAS_SOFTCAP=spec.softcap is not None, ACC=triton_acc(x.dtype), num_warps=NUM_WARPS,
+    )  # fmt: skip
+
+
+@_serialised_when_interpreting
 def _partials(x3d: Tensor, t_local: Tensor, spec, kk: int, need_sum: bool, need_min: bool):
     """The partials kernel: ``(n_rows, KS + 8)`` rows (``kernels/vocab/truncated_shard.py``)."""
     k = _fields()
@@ -188,7 +197,7 @@ def _threshold(x3d, t_local, ignored, spec, top_k: int, top_p: float):
     k = _fields()
     shard = spec.shard
     kk = top_k if 0 < top_k <= KS else KS
-    part = _partials(x3d, t_local, spec, kk, need_sum=top_k == 0, need_min=top_k > KS)
+    part = _partials(x3d, t_local, spec, kk, top_k == 0, top_k > KS)  # need sum, min
     send = torch.cat((part[:, :kk], part[:, KS:]), 1)
     g = _all_gather(send, shard).double()  # (P, n, kk + 8)
     n = g.shape[1]
@@ -233,6 +242,57 @@ def _threshold(x3d, t_local, ignored, spec, top_k: int, top_p: float):
     return tau, m, f, field(k.P_Y).sum(0), field(k.P_OWN).sum(0), bad
 
 
+# ----------------------------------------------------------------------------- rows
+
+
+def shard_rows(x3d, t_local, ignored, spec, top_k: int, top_p: float, ok):
+    """The forward on this rank's valid columns ``x3d`` ``(outer, inner, V_r)`` with local
+    targets: ``(logp, stats, kept)``: ``logp`` ``(outer, inner)`` and ``stats`` ``(3, n)``
+    (``tau, m, log F``, the backward kernel's) in the statistics dtype, ``kept`` ``(n,)``
+    (the target counts and is kept: where the backward is live). ``ok``: None (layout
+    checked) or the unchecked layout's 0-dim bool."""
+    tau, m, f, z_y, owners, bad = _threshold(x3d, t_local, ignored, spec, top_k, top_p)
+    ign = ignored.reshape(-1)
+    log_f = f.log()
+    kept = (z_y >= tau) & (owners == 1) & ~bad & ~ign
+    logp = torch.where(z_y >= tau, (z_y - m) - log_f, -math.inf)
+    logp = torch.where(bad | (owners != 1), math.nan, logp)  # a target no rank holds: NaN
+    stats = torch.where(bad, math.nan, torch.stack((tau, m, log_f)))
+    if ok is not None:  # unchecked layout (no host read): NaN, as fused_rl.distributed
+        logp = torch.where(ok, logp, math.nan)
+        stats = torch.where(ok, stats, math.nan)
+    acc = stats_dtype(x3d.dtype)
+    logp = torch.where(ign, 0.0, logp).to(acc).view(t_local.shape)
+    return logp, torch.where(ign, 0.0, stats).to(acc), kept
+
+
+def shard_rows_grad_into(grad, x3d, t_local, stats, kept, grad_logp, spec):
+    """This rank's gradient of :func:`shard_rows` into ``grad`` (may be ``x3d``: the logits
+    consumed in place), no collective."""
+    g = torch.where(kept.view(t_local.shape), grad_logp, 0.0)
+    return _bwd_into(
+        grad, x3d, t_local, stats, g, spec.temperature, spec.softcap, D.LOCAL_IGNORE, True
+    )
+
+
+def gather_rows(x3d: Tensor, shard, starts, valids) -> Tensor:
+    """The whole rows, every rank's valid columns in rank order (the reference's oracle
+    path; ``starts`` / ``valids`` per rank from the checked header)."""
+    mine = x3d.narrow(-1, 0, valids[shard.rank])
+    padded = torch.nn.functional.pad(mine, (0, max(valids) - mine.shape[-1]))
+    parts = _all_gather(padded, shard)
+    return torch.cat([parts[r, ..., : valids[r]] for r in range(shard.world)], -1)
+
+
+def layout(values: list[float], shard) -> tuple[list[int], list[int]]:
+    """``(starts, valids)`` per rank from the header values."""
+    world = shard.world
+    starts = [int(values[2 * r]) for r in range(world)]
+    widths = [int(values[2 * r + 1]) for r in range(world)]
+    vocab = int(values[2 * world])
+    return starts, [max(0, min(w, vocab - s)) for s, w in zip(starts, widths)]
+
+
 # ----------------------------------------------------------------------------- autograd
 
 
@@ -242,54 +302,30 @@ class _ShardedTruncated(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x3d, t_local, ignored, spec, top_k, top_p, ok):
-        tau, m, f, z_y, owners, bad = _threshold(x3d, t_local, ignored, spec, top_k, top_p)
-        ign = ignored.reshape(-1)
-        log_f = f.log()
-        kept = (z_y >= tau) & (owners == 1) & ~bad & ~ign
-        logp = torch.where(z_y >= tau, (z_y - m) - log_f, -math.inf)
-        logp = torch.where(bad | (owners != 1), math.nan, logp)
-        stats = torch.stack((tau, m, log_f))
-        stats = torch.where(bad, math.nan, stats)
-        if ok is not None:  # unchecked layout (no host read): NaN, as fused_rl.distributed
-            logp = torch.where(ok, logp, math.nan)
-            stats = torch.where(ok, stats, math.nan)
-        acc = stats_dtype(x3d.dtype)
-        logp = torch.where(ign, 0.0, logp).to(acc)
-        stats = torch.where(ign, 0.0, stats).to(acc)
+        logp, stats, kept = shard_rows(x3d, t_local, ignored, spec, top_k, top_p, ok)
         ctx.save_for_backward(x3d, t_local, stats, kept)
         ctx.spec = spec
         ctx.set_materialize_grads(False)
-        return logp.view(t_local.shape)
+        return logp
 
     @staticmethod
     def backward(ctx, grad_logp):
         x3d, t_local, stats, kept = ctx.saved_tensors
         if grad_logp is None:
             return (None,) * 7
-        spec = ctx.spec
         with torch.no_grad():
-            g = torch.where(kept.view(t_local.shape), grad_logp, 0.0)
             grad = torch.empty(x3d.shape, dtype=x3d.dtype, device=x3d.device)
-            truncated_logprobs_bwd_into(
-                grad, x3d, t_local, stats, g, spec.temperature, spec.softcap, D.LOCAL_IGNORE,
-                target_kept=True,
-            )  # fmt: skip
+            shard_rows_grad_into(grad, x3d, t_local, stats, kept, grad_logp, ctx.spec)
         return (ref_logprobs.differentiable_once(grad, x3d, grad_logp),) + (None,) * 6
 
 
 class _GatherVocab(torch.autograd.Function):
-    """The whole rows from every rank's valid columns (the ``reference`` backend's oracle
-    path); the backward hands each rank its columns of the gradient."""
+    """:func:`gather_rows`, differentiable: the backward hands each rank its columns."""
 
     @staticmethod
     def forward(ctx, x3d, shard, starts, valids):
-        width = max(valids)
-        mine = x3d.narrow(-1, 0, valids[shard.rank])
-        padded = torch.nn.functional.pad(mine, (0, width - mine.shape[-1]))
-        parts = _all_gather(padded, shard)
-        ctx.shard, ctx.columns = shard, x3d.shape[-1]
-        ctx.start, ctx.valid = starts[shard.rank], valids[shard.rank]
-        return torch.cat([parts[r, ..., : valids[r]] for r in range(shard.world)], -1)
+        ctx.columns, ctx.start, ctx.valid = x3d.shape[-1], starts[shard.rank], valids[shard.rank]
+        return gather_rows(x3d, shard, starts, valids)
 
     @staticmethod
     def backward(ctx, grad_full):
@@ -300,10 +336,11 @@ class _GatherVocab(torch.autograd.Function):
 # ----------------------------------------------------------------------------- entry
 
 
-def _checked_header(t2d: Tensor, spec, dtype) -> tuple[list[float] | None, Tensor | None]:
-    """The layout header's ``MAX`` all-reduce (``fused_rl.distributed``): ``(values, None)``
-    after raising on a bad layout or target (eager, checks on), else ``(None, ok)`` with
-    ``ok`` a 0-dim bool on device."""
+def checked_header(t2d: Tensor, spec, dtype, *, read: bool = False):
+    """The layout header's ``MAX`` all-reduce (``fused_rl.distributed``): ``(values, ok)``.
+    Checks on (eager): raises on a bad layout or target on every rank, ``ok`` None. Off:
+    ``ok`` a 0-dim bool on device, ``values`` read only if ``read`` (the reference's
+    layout), else None."""
     dist = D._dist()
     shard = spec.shard
     dev = t2d.device
@@ -314,7 +351,7 @@ def _checked_header(t2d: Tensor, spec, dtype) -> tuple[list[float] | None, Tenso
     buf = torch.cat((D._header(shard, dtype, dev), tpart))
     dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=shard.group)
     if not spec.check:
-        return None, D._layout_ok(buf, shard)
+        return (buf.tolist() if read else None), D._layout_ok(buf, shard)
     values = buf.tolist()  # the call's one host read, as the unsharded target check
     message = D._layout_error(values, shard) or D._target_error(values, shard, spec.ignore_index)
     if message is not None:
@@ -345,29 +382,16 @@ def sharded_truncated_logprobs(
         shard, float(temperature), int(ignore_index), True, False, which,
         V.value_checks_enabled(logits), None if softcap is None else float(softcap),
     )  # fmt: skip
-    values, ok = _checked_header(t2d, spec, stats_dtype(x3d.dtype))
+    values, ok = checked_header(t2d, spec, stats_dtype(x3d.dtype), read=which == "reference")
     if which == "reference":
-        if values is None:  # the oracle path reads the layout even unchecked
-            values = _header_values(shard, x3d)
-        world = shard.world
-        starts = [int(values[2 * r]) for r in range(world)]
-        widths = [int(values[2 * r + 1]) for r in range(world)]
-        vocab = int(values[2 * world])
-        valids = [max(0, min(w, vocab - s)) for s, w in zip(starts, widths)]
-        full = _GatherVocab.apply(x3d, shard, starts, valids)
-        return ref.truncated_logprobs(
+        full = _GatherVocab.apply(x3d, shard, *layout(values, shard))
+        logp = ref.truncated_logprobs(
             full, t2d, top_k=top_k or None, top_p=top_p, temperature=spec.temperature,
             ignore_index=spec.ignore_index, softcap=spec.softcap,
-        ).reshape(targets.shape)  # fmt: skip
+        )  # fmt: skip
+        return (logp if ok is None else torch.where(ok, logp, math.nan)).reshape(targets.shape)
     t_local, ignored = D._local_targets(t2d, shard, spec.ignore_index)
     valid = shard.valid
     x = x3d if valid == x3d.shape[-1] else x3d.narrow(-1, 0, valid)
     logp = _ShardedTruncated.apply(x, t_local, ignored, spec, top_k, top_p, ok)
     return logp.reshape(targets.shape)
-
-
-def _header_values(shard, x3d) -> list[float]:
-    dist = D._dist()
-    buf = D._header(shard, stats_dtype(x3d.dtype), x3d.device)
-    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=shard.group)
-    return buf.tolist()

@@ -918,6 +918,58 @@ def truncated_vocab_parallel_layouts(ctx):
         config.check_values = True
 
 
+@check
+def linear_truncated_vocab_parallel(ctx):
+    """``linear_token_logprobs(top_k=, top_p=, process_group=)``: lm_head shards (ragged,
+    one empty at world 3), replicated hidden, three chunks: every rank the unsharded call's
+    log-probs, the hidden gradient summed over the ranks (and this rank's part without
+    ``reduce_hidden_grad``), its rows of the weight and bias gradients; both backends, cuts
+    in registers and searched, the soft cap."""
+    g = ctx.gen(32)
+    widths = [150, 90] if ctx.world == 2 else [100, 0, 140]
+    V, H = sum(widths), 8
+    hidden = torch.randn(7, H, generator=g)
+    weight = torch.randn(V, H, generator=g) * 0.4
+    bias = torch.randn(V, generator=g) * 0.3
+    targets = torch.randint(0, V, (7,), generator=g)
+    targets[2] = -100
+    targets[0] = int((hidden[0] @ weight.t() + bias).argmax())
+    up = torch.randn(7, generator=g)
+    start, stop = _shard_bounds(widths, ctx.rank)
+
+    def run(fn, h, w, b):
+        leaves = [t.detach().clone().requires_grad_() for t in (h, w, b)]
+        out = fn(leaves[0], leaves[1], bias=leaves[2])
+        torch.where(torch.isfinite(out), out * up, 0.0).sum().backward()
+        return out.detach(), [leaf.grad for leaf in leaves]
+
+    for kw in (dict(top_k=5), dict(top_p=0.9), dict(top_k=70, top_p=0.8),
+               dict(top_k=9, top_p=0.9, softcap=2.0)):  # fmt: skip
+        unsharded = partial(fused_rl.linear_token_logprobs, targets=targets, chunk_tokens=3, **kw)
+        want, (w_h, w_w, w_b) = run(unsharded, hidden, weight, bias)
+        for backend in BACKENDS:
+            what = f"{kw} {backend}"
+            for reduce in (True, False):
+                sharded = partial(
+                    unsharded,
+                    process_group=ctx.group,
+                    vocab_start=start,
+                    vocab_size=V,
+                    backend=backend,
+                    reduce_hidden_grad=reduce,
+                )
+                got, (d_h, d_w, d_b) = run(sharded, hidden, weight[start:stop], bias[start:stop])
+                _same_cut(got, want, what)
+                fin = torch.isfinite(want)
+                assert_rel(got[fin], want[fin], 1e-5, f"logp {what}")
+                assert_rel(d_w, w_w[start:stop], 1e-5, f"weight grad {what}")
+                assert_rel(d_b, w_b[start:stop], 1e-5, f"bias grad {what}")
+                if not reduce:  # this rank's part of dH: summed here to check it
+                    dist.all_reduce(d_h, group=ctx.group)
+                assert_rel(d_h, w_h, 1e-5, f"hidden grad {what} reduce={reduce}")
+    _group_ok(ctx)
+
+
 @pytest.mark.parametrize("name", list(CHECKS))
 @pytest.mark.parametrize("world", WORLD_SIZES)
 @needs_gloo

@@ -23,7 +23,7 @@ import torch
 from helpers import F64_TOL, FP32_TOL, assert_rel, bf16_tol
 
 import fused_rl
-import fused_rl.truncated as T
+import fused_rl._truncated_ops as T
 from fused_rl.profiling import AllocationTracker, LaunchCounter
 
 BACKENDS = ("triton", "reference")
@@ -529,9 +529,10 @@ def test_token_logprobs_takes_top_k_and_top_p(device):
 
 # Run in a subprocess without TRITON_INTERPRET (this process interprets): every variant of
 # both truncated kernels (the three cuts' on / off combinations, the soft cap, fp32 and fp64
-# accumulation) through Triton's front end, LLVM and ptxas for cuda:90, no GPU needed; the
-# pointer offsets 64-bit (``hopper_compile.narrow_offset_products``); a bf16 row's loads (and
-# the backward's stores) 128-bit vectors.
+# accumulation) and of the vocabulary-parallel partials and search kernels through Triton's
+# front end, LLVM and ptxas for cuda:90, no GPU needed; the pointer offsets 64-bit
+# (``hopper_compile.narrow_offset_products``); a bf16 row's loads (and the backward's stores)
+# 128-bit vectors.
 _COMPILE_SCRIPT = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
@@ -540,6 +541,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from hopper_compile import narrow_offset_products
 import fused_rl.kernels.vocab.truncated as k
+import fused_rl.kernels.vocab.truncated_shard as s
 
 FLOATS = {"inv_t_hi", "inv_t_lo", "inv_cap_hi", "inv_cap_lo", "p_hi", "p_lo", "log1mp_hi",
           "log1mp_lo"}
@@ -554,7 +556,7 @@ def signature(fn, logits, acc):
             out[n] = "*i64"
         elif n == "passes_ptr":
             out[n] = "*i32"
-        elif n in ("logits_ptr", "grad_ptr"):
+        elif n in ("logits_ptr", "grad_ptr", "x_ptr"):
             out[n] = logits
         elif n.endswith("_ptr"):
             out[n] = acc
@@ -577,18 +579,39 @@ for logits, acc, ACC, passes in (("*bf16", "*fp32", tl.float32, 11),
             c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
             assert not narrow_offset_products(c.asm["ttir"]), (flags, "narrow offsets")
             count += 1
-    for cap in (False, True):
+    for cap, kept in ((False, False), (True, False), (False, True)):
         fn = k._truncated_logprobs_bwd_kernel
         src = ASTSource(fn=fn, signature=signature(fn, logits, acc),
-                        constexprs=dict(HAS_SOFTCAP=cap, BLOCK_V=4096, ACC=ACC))
+                        constexprs=dict(HAS_SOFTCAP=cap, TARGET_KEPT=kept, BLOCK_V=4096, ACC=ACC))
         c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
         assert not narrow_offset_products(c.asm["ttir"]), ("bwd", cap)
+        count += 1
+    # the vocabulary-parallel kernels (kernels/vocab/truncated_shard.py)
+    for need_sum, need_min, cap in ((True, False, False), (False, True, True)):
+        fn = s._shard_partials_kernel
+        src = ASTSource(fn=fn, signature=signature(fn, logits, acc), constexprs=dict(
+            NEED_SUM=need_sum, NEED_MIN=need_min, HAS_SOFTCAP=cap, BLOCK_V=1024, ACC=ACC))
+        c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+        assert not narrow_offset_products(c.asm["ttir"]), ("partials", need_sum)
+        count += 1
+    for narrow, stream, collect, by_count in ((False, True, False, True),
+                                              (True, True, False, False),
+                                              (True, True, False, True),
+                                              (False, False, True, False)):
+        fn = s._shard_search_kernel
+        src = ASTSource(fn=fn, signature=signature(fn, logits, acc), constexprs=dict(
+            NARROW=narrow, STREAM=stream, COLLECT=collect, BY_COUNT=by_count, N_CAND=16,
+            SEARCH_BLOCK=128, BLOCK_V=1024, MAX_SEARCH_PASSES=passes, HAS_SOFTCAP=False,
+            ACC=ACC))
+        c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+        assert not narrow_offset_products(c.asm["ttir"]), ("search", narrow, stream)
         count += 1
 # a bf16 row with unit stride and 16-aligned lengths: 128-bit loads (and stores backward)
 for fn, flags, warps in ((k._truncated_logprobs_fwd_kernel,
                           dict(TOPK_REG=True, SEARCH_K=False, TOP_P=True, BLOCK_V=1024,
                                SEARCH_BLOCK=128, N_CAND=16, MAX_SEARCH_PASSES=11), 1),
-                         (k._truncated_logprobs_bwd_kernel, dict(BLOCK_V=4096), 8)):
+                         (k._truncated_logprobs_bwd_kernel, dict(BLOCK_V=4096, TARGET_KEPT=False),
+                          8)):
     names = [p.name for p in fn.params if not p.is_constexpr]
     aligned = ("V", "stride_outer", "stride_inner", "grad_stride_outer", "grad_stride_inner")
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
@@ -616,4 +639,4 @@ def test_kernels_compile_for_sm90():
         text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert result.stdout.strip().endswith("compiled 30")
+    assert result.stdout.strip().endswith("compiled 44")
