@@ -166,22 +166,15 @@ def per_row(scale: Tensor | None, shape) -> Tensor | None:
     return None if scale is None else scale.expand(shape).contiguous().view(-1)
 
 
-def check_full_kl_route(policy: PolicyConfig, sharded: bool, composable: bool) -> None:
+def check_full_kl_route(policy: PolicyConfig, sharded: bool) -> None:
     """What ``kl_estimator="full"`` cannot do where the loss is composed from per-token
-    statistics (vocabulary parallelism, GSPO / VESPO, the top-entropy selection:
-    ``composable`` says the call can compose it, as ``policy_loss`` can): the
+    statistics (vocabulary parallelism, GSPO / VESPO, the top-entropy selection): the
     bias-corrected KL, whose ratio factor lives in the fused token-level pass."""
     option = not_token_level(policy)
     if sharded:
         option = "vocabulary-parallel logits (process_group= or DTensor logits)"
     if option is None:
         return
-    if not composable:
-        raise NotImplementedError(
-            f"kl_estimator='full' from hidden states is implemented for token-level importance "
-            f"sampling without process_group, not with {option}: compute the logits and call "
-            "fused_rl.policy_loss(ref_logits=)"
-        )
     if policy.kl_bias_correction:
         raise NotImplementedError(
             f"kl_estimator='full' with kl_bias_correction=True is implemented for the fused "

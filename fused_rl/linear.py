@@ -59,6 +59,7 @@ from ._policy_inputs import (
     check_call,
     check_full_kl_route,
     check_token_tensors,
+    counted_mask,
     entropy_scale,
     is_weights_2d,
     num_items_args,
@@ -80,7 +81,8 @@ from ._truncated_ops import (
     truncated_logprobs_fwd_op,
 )
 from ._vocab_ops import token_stats_bwd_into, token_stats_bwd_op, token_stats_fwd_op
-from .losses import loss_from_token_stats, policy_loss
+from .exact_kl import token_kl
+from .losses import loss_from_token_stats, loss_with_exact_kl, policy_loss
 from .policy_config import PolicyConfig, takes_policy_options
 from .reference import logprobs as ref
 from .reference import truncated as ref_truncated
@@ -1031,8 +1033,11 @@ def linear_policy_loss(
     ``H_ref``), ``ref_weight`` ``(V, H_ref)`` (the same vocabulary) and ``ref_bias``; per
     chunk one more GEMM (no gradient, a second chunk-sized logits buffer) gives the
     reference's logits, streamed beside the policy's in the same vocab kernel: no ``(N, V)``
-    tensor of either model (``softcap`` caps both models' logits alike). Token-level
-    importance sampling, no ``process_group``.
+    tensor of either model (``softcap`` caps both models' logits alike). GSPO, VESPO, the
+    top-entropy selection and ``process_group`` (equal shards of both lm_heads, no
+    ``vocab_start`` / ``vocab_size``) compose it: the log-probs, then each chunk's exact KL
+    (:func:`fused_rl.token_kl` on the chunk's two logits, recomputed in the backward), added
+    with the aggregation's token weights; ``kl_bias_correction`` raises there.
 
     Vocabulary parallelism (``process_group``, ``vocab_start``, ``vocab_size``,
     ``reduce_hidden_grad``: as :func:`linear_token_logprobs`, ``weight`` / ``bias`` this
@@ -1065,7 +1070,8 @@ def linear_policy_loss(
             old_logprobs=old_logprobs, ref_hidden=ref_hidden, ref_weight=ref_weight,
             ref_bias=ref_bias, mask=mask, temperature=temperature, softcap=softcap,
             with_entropy=need_entropy, is_weights=is_weights, num_items=num_items,
-            ignore_index=ignore_index, process_group=process_group, policy=policy,
+            ignore_index=ignore_index, process_group=process_group, vocab_start=vocab_start,
+            vocab_size=vocab_size, reduce_hidden_grad=reduce_hidden_grad, policy=policy,
             backend=backend,
         )  # fmt: skip
     # one pass when every token's gradient is known from its own row (VESPO's phi needs the
@@ -1138,19 +1144,41 @@ def _counted_rows(m: Tensor, rows: Tensor) -> Tensor | None:
 def _full_kl_policy_loss(hidden, weight, targets, advantages, *, bias, chunk_tokens,
                          old_logprobs, ref_hidden, ref_weight, ref_bias, mask, temperature,
                          softcap, with_entropy, is_weights, num_items, ignore_index,
-                         process_group, policy, backend):  # fmt: skip
-    """:func:`linear_policy_loss` with ``kl_estimator="full"``: the chunked one-pass op on the
-    Triton backend (with or without gradients); the reference backend materialises both
-    models' logits and runs :func:`fused_rl.policy_loss`'s reference (the oracle's twin)."""
+                         process_group, vocab_start, vocab_size, reduce_hidden_grad, policy,
+                         backend):  # fmt: skip
+    """:func:`linear_policy_loss` with ``kl_estimator="full"``: token-level importance
+    sampling without ``process_group``: the chunked one-pass op on the Triton backend (with
+    or without gradients; the reference backend materialises both models' logits and runs
+    :func:`fused_rl.policy_loss`'s reference, the oracle's twin); otherwise (GSPO, VESPO, the
+    top-entropy selection, vocabulary parallelism) composed on either backend:
+    :func:`linear_token_logprobs` and the exact KL of each chunk's logits
+    (:class:`_LinearTokenKL`), then ``losses.loss_with_exact_kl``."""
     if ref_hidden is None or ref_weight is None:
         missing = "ref_hidden" if ref_hidden is None else "ref_weight"
         raise ValueError(f"the exact KL from hidden states needs {missing} too")
-    check_full_kl_route(policy, process_group is not None, composable=False)
+    sharded = process_group is not None
+    check_full_kl_route(policy, sharded)
+    if sharded and (vocab_start is not None or vocab_size is not None):
+        raise NotImplementedError(
+            "kl_estimator='full' with process_group takes equal lm_head shards without padding "
+            "(as fused_rl.token_kl): vocab_start / vocab_size are not supported with it"
+        )
     rows, weight, bias, flat_targets, chunk, which = _prepare(
-        hidden, weight, bias, targets, temperature, softcap, ignore_index, chunk_tokens, backend
-    )
+        hidden, weight, bias, targets, temperature, softcap, ignore_index, chunk_tokens,
+        backend, sharded,
+    )  # fmt: skip
     ref_rows, ref_weight, ref_bias = _prepare_ref(ref_hidden, ref_weight, ref_bias, hidden,
                                                   weight, targets)  # fmt: skip
+    if sharded or not policy.token_level:
+        return _composed_full_kl_loss(
+            hidden, weight, targets, advantages, bias=bias, rows=rows,
+            flat_targets=flat_targets, ref_head=(ref_rows, ref_weight, ref_bias), chunk=chunk,
+            chunk_tokens=chunk_tokens, old_logprobs=old_logprobs, mask=mask,
+            temperature=temperature, softcap=softcap, with_entropy=with_entropy,
+            is_weights=is_weights, num_items=num_items, ignore_index=ignore_index,
+            process_group=process_group, reduce_hidden_grad=reduce_hidden_grad,
+            policy=policy, which=which,
+        )  # fmt: skip
     if which == "triton":
         if not _grad_wanted(hidden, weight, bias):  # the same pass, no gradient formed
             rows, weight = rows.detach(), weight.detach()
@@ -1167,8 +1195,107 @@ def _full_kl_policy_loss(hidden, weight, targets, advantages, *, bias, chunk_tok
         old_logprobs=old_logprobs, ref_logits=F.linear(ref_rows, ref_weight, ref_bias).view(shape),
         mask=mask, temperature=temperature, softcap=softcap, with_entropy=with_entropy,
         is_weights=is_weights, num_items=num_items, ignore_index=ignore_index,
-        policy_config=policy, backend=which,
+        process_group=process_group, policy_config=policy, backend=which,
     )  # fmt: skip
+
+
+def _composed_full_kl_loss(hidden, weight, targets, advantages, *, bias, rows, flat_targets,
+                           ref_head, chunk, chunk_tokens, old_logprobs, mask, temperature,
+                           softcap, with_entropy, is_weights, num_items, ignore_index,
+                           process_group, reduce_hidden_grad, policy, which):  # fmt: skip
+    """The composed ``kl_estimator="full"`` from hidden states: the log-probs of
+    :func:`linear_token_logprobs`, the exact KL per chunk (:class:`_LinearTokenKL`), then
+    ``losses.loss_with_exact_kl``; ``which`` the backend of both."""
+    out = linear_token_logprobs(
+        hidden, weight, targets, bias=bias, temperature=temperature, softcap=softcap,
+        ignore_index=ignore_index, return_entropy=with_entropy, chunk_tokens=chunk_tokens,
+        process_group=process_group, reduce_hidden_grad=reduce_hidden_grad, backend=which,
+    )  # fmt: skip
+    logp, entropy = out if with_entropy else (out, None)
+    counted = counted_mask(mask, targets, ignore_index)
+    counted = (counted if counted.dtype == torch.bool else counted != 0).reshape(-1)
+    # with process_group the shards are equal (token_kl's layout), so is the default chunk
+    # on every rank: each rank runs the same chunks, and so the same collectives
+    cap = None if softcap is None else float(softcap)
+    with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
+        kl = _LinearTokenKL.apply(rows, weight, bias, *ref_head, counted, float(temperature),
+                                  cap, chunk, process_group, reduce_hidden_grad, which)  # fmt: skip
+    return loss_with_exact_kl(
+        logp, entropy, kl.view(targets.shape), targets, advantages, policy=policy,
+        ignore_index=ignore_index, backend=which, old_logprobs=old_logprobs,
+        ref_logprobs=None, mask=mask, is_weights=is_weights, num_items=num_items,
+    )  # fmt: skip
+
+
+class _LinearTokenKL(torch.autograd.Function):
+    """The exact per-token ``KL(pi || pi_ref)`` ``(N,)`` of ``F.linear(rows, weight, bias)``
+    against ``F.linear(ref_rows, ref_weight, ref_bias)`` (a constant), chunk by chunk:
+    forward :func:`fused_rl.token_kl` on each chunk's two logits (rows outside ``counted``
+    unread, 0); backward each chunk's logits recomputed and ``token_kl``'s own backward
+    giving ``dz``, then ``dH = dz W``, ``dW += dz^T h``, ``db`` (with ``group`` and
+    ``reduce_hidden`` one SUM all-reduce of ``dH``). With ``group`` each chunk's
+    ``token_kl`` merges over the ranks, so every rank runs the same chunks. Neither model's
+    ``(N, V)`` logits exist whole; the backward's recompute reads both chunks once more."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, bias, ref_rows, ref_weight, ref_bias, counted, temperature,
+                softcap, chunk, group, reduce_hidden, which):  # fmt: skip
+        ctx.set_materialize_grads(False)
+        n_rows = rows.shape[0]
+        kl = rows.new_empty((n_rows,), dtype=stats_dtype(rows.dtype))
+        for start in range(0, n_rows, chunk):
+            stop = min(start + chunk, n_rows)
+            kl[start:stop] = _chunk_kl(rows, weight, bias, ref_rows, ref_weight, ref_bias,
+                                       counted, start, stop, temperature, softcap, group,
+                                       which)  # fmt: skip
+        ctx.save_for_backward(rows, weight, bias, ref_rows, ref_weight, ref_bias, counted)
+        ctx.config = (temperature, softcap, chunk, group, reduce_hidden, which)
+        return kl
+
+    @staticmethod
+    def backward(ctx, grad_kl):
+        rows, weight, bias, ref_rows, ref_weight, ref_bias, counted = ctx.saved_tensors
+        temperature, softcap, chunk, group, reduce_hidden, which = ctx.config
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if grad_kl is None:
+            return (None,) * 13
+        acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
+        d_rows = rows.new_zeros(rows.shape) if need_h else None
+        d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        d_bias = torch.zeros(weight.shape[:1], dtype=acc, device=weight.device) if need_b else None
+        for start in range(0, rows.shape[0], chunk):
+            stop = min(start + chunk, rows.shape[0])
+            with torch.enable_grad():
+                z = F.linear(rows[start:stop], weight, bias).detach().requires_grad_()
+                kl = _chunk_kl(z, None, None, ref_rows, ref_weight, ref_bias, counted, start,
+                               stop, temperature, softcap, group, which)  # fmt: skip
+                (dz,) = torch.autograd.grad(kl, z, grad_kl[start:stop].to(kl.dtype))
+            dz = dz.to(weight.dtype)
+            if need_h:
+                d_rows[start:stop] = dz @ weight
+            if need_w:
+                _addmm_wide(d_weight, dz.t(), rows[start:stop])
+            if need_b:
+                d_bias.add_(dz.sum(0, dtype=acc))
+            del z, kl, dz
+        if need_h and group is not None and reduce_hidden:
+            _all_reduce_sum(d_rows, group)
+        return (
+            d_rows,
+            d_weight.to(weight.dtype) if need_w else None,
+            d_bias.to(weight.dtype) if need_b else None,
+            None, None, None, None, None, None, None, None, None, None,
+        )  # fmt: skip
+
+
+def _chunk_kl(rows, weight, bias, ref_rows, ref_weight, ref_bias, counted, start, stop,
+              temperature, softcap, group, which) -> Tensor:  # fmt: skip
+    """``token_kl`` of rows ``[start, stop)``: the policy's chunk logits from ``rows`` (or
+    ``rows`` itself when ``weight`` is None: the logits already made), the reference's."""
+    z = rows if weight is None else F.linear(rows[start:stop], weight, bias)
+    u = F.linear(ref_rows[start:stop], ref_weight, ref_bias)
+    return token_kl(z, u, temperature=temperature, softcap=softcap, mask=counted[start:stop],
+                    process_group=group, backend=which)  # fmt: skip
 
 
 def _prepare_ref(ref_hidden, ref_weight, ref_bias, hidden, weight, targets):

@@ -402,9 +402,7 @@ def policy_loss(
     check_call(policy, ref_logprobs, num_items, ref_logits)
     if ref_logits is not None:
         check_ref_logits(ref_logits, logits, length, "logits")
-        check_full_kl_route(
-            policy, process_group is not None or is_dtensor(logits), composable=True
-        )
+        check_full_kl_route(policy, process_group is not None or is_dtensor(logits))
         ref_logits = ref_logits.detach()  # a constant, as ref_logprobs
     need_entropy = with_entropy or policy.uses_entropy
     if inplace is not False:
@@ -737,7 +735,20 @@ def _composed_policy_loss(
             logp, entropy, targets, advantages, ignore_index=ignore_index, backend=backend,
             **loss_inputs,
         )  # fmt: skip
-    policy = loss_inputs.pop("policy")
+    return loss_with_exact_kl(
+        logp, entropy, kl, targets, advantages, ignore_index=ignore_index, backend=backend,
+        **loss_inputs,
+    )  # fmt: skip
+
+
+def loss_with_exact_kl(
+    logp: Tensor, entropy: Tensor | None, kl: Tensor, targets: Tensor, advantages: Tensor, *,
+    policy: PolicyConfig, ignore_index: int, backend: str, **loss_inputs,
+) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
+    """:func:`loss_from_token_stats` without the config's KL, plus ``beta * sum_t w_t KL_t``
+    with the aggregation's token weights ``w`` and the exact per-token ``kl`` ``(B, T)``
+    (the ``kl`` metric its masked mean): the composed ``kl_estimator="full"`` of
+    :func:`fused_rl.policy_loss` and :func:`fused_rl.linear_policy_loss`."""
     loss, metrics = loss_from_token_stats(
         logp, entropy, targets, advantages, ignore_index=ignore_index, backend=backend,
         policy=dataclasses.replace(policy, beta=0.0, kl_estimator="k3"), **loss_inputs,

@@ -970,6 +970,59 @@ def linear_truncated_vocab_parallel(ctx):
     _group_ok(ctx)
 
 
+@check
+def linear_exact_kl_vocab_parallel(ctx):
+    """``linear_policy_loss(ref_hidden=, ref_weight=, kl_estimator="full", process_group=)``:
+    both models' lm_head shards (equal widths), the composed route (the sharded log-probs,
+    each chunk's exact KL merged over the ranks): every rank the unsharded call's loss and
+    metrics, the hidden gradient summed over the ranks, its rows of the weight and bias
+    gradients; token-level and GSPO, both backends, three chunks."""
+    g = ctx.gen(33)
+    w, H, H_ref = 13, 6, 5
+    V = w * ctx.world
+    hidden = torch.randn(2, 5, H, generator=g)
+    weight = torch.randn(V, H, generator=g) * 0.5
+    bias = torch.randn(V, generator=g) * 0.1
+    ref = dict(ref_hidden=torch.randn(2, 5, H_ref, generator=g),
+               ref_weight=torch.randn(V, H_ref, generator=g) * 0.5,
+               ref_bias=torch.randn(V, generator=g) * 0.1)  # fmt: skip
+    targets = torch.randint(0, V, (2, 4), generator=g)
+    targets[1, 0] = -100
+    adv = torch.randn(2, generator=g)
+    old = torch.randn(2, 4, generator=g) * 0.3 - 3.0
+    start, stop = _shard_bounds([w] * ctx.world, ctx.rank)
+
+    def run(h, wt, b, ref_w, ref_b, **kw):
+        leaves = [t.detach().clone().requires_grad_() for t in (h, wt, b)]
+        loss, metrics = fused_rl.linear_policy_loss(
+            leaves[0], leaves[1], targets, adv, bias=leaves[2], old_logprobs=old,
+            ref_hidden=ref["ref_hidden"], ref_weight=ref_w, ref_bias=ref_b, chunk_tokens=3,
+            kl_estimator="full", beta=0.3, entropy_coef=0.01, **kw,
+        )  # fmt: skip
+        (loss * 1.7).backward()
+        return loss.detach(), metrics, [leaf.grad for leaf in leaves]
+
+    for options in (dict(), dict(importance_sampling="sequence")):
+        want, w_metrics, (w_h, w_w, w_b) = run(hidden, weight, bias, ref["ref_weight"],
+                                               ref["ref_bias"], **options)  # fmt: skip
+        for backend in BACKENDS:
+            what = f"{options} {backend}"
+            got, metrics, (d_h, d_w, d_b) = run(
+                hidden, weight[start:stop], bias[start:stop], ref["ref_weight"][start:stop],
+                ref["ref_bias"][start:stop], process_group=ctx.group, backend=backend, **options,
+            )  # fmt: skip
+            assert_rel(got, want, 1e-5, f"loss {what}")
+            for name, value in w_metrics.items():
+                assert_rel(metrics[name], value, 1e-5, f"{name} {what}")
+            assert_rel(d_h, w_h, 1e-5, f"hidden grad {what}")
+            assert_rel(d_w, w_w[start:stop], 1e-5, f"weight grad {what}")
+            assert_rel(d_b, w_b[start:stop], 1e-5, f"bias grad {what}")
+    with pytest.raises(NotImplementedError, match="vocab_start / vocab_size"):
+        run(hidden, weight[start:stop], bias[start:stop], ref["ref_weight"][start:stop],
+            ref["ref_bias"][start:stop], process_group=ctx.group, vocab_size=V)  # fmt: skip
+    _group_ok(ctx)
+
+
 @pytest.mark.parametrize("name", list(CHECKS))
 @pytest.mark.parametrize("world", WORLD_SIZES)
 @needs_gloo

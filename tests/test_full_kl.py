@@ -61,14 +61,16 @@ def _run(fn, base, targets, adv, upstream, **kw):
     return loss.detach(), metrics, grad
 
 
-def _oracle(logits, targets, adv, upstream, **kw):
+def _oracle(logits, targets, adv, upstream, softcap=None, **kw):
+    """The float64 oracle on both models' logits (soft-capped in float64 with ``softcap``)."""
     T = targets.shape[1]
-    kw = dict(kw, ref_logits=_windowed(kw["ref_logits"], T).double())
+    cap = (lambda x: x) if softcap is None else (lambda x: softcap * torch.tanh(x / softcap))
+    kw = dict(kw, ref_logits=cap(_windowed(kw["ref_logits"], T).double()))
     if "old_logprobs" in kw and kw["old_logprobs"] is not None:
         kw["old_logprobs"] = kw["old_logprobs"].double()
 
     def fn(x, targets, adv, **rest):
-        return oracle_policy_loss(_windowed(x, T), targets, adv, **rest)
+        return oracle_policy_loss(cap(_windowed(x, T)), targets, adv, **rest)
 
     return _run(fn, logits.double(), targets, adv, upstream, **kw)
 
@@ -184,14 +186,16 @@ def test_identical_reference_gives_exact_zero(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("softcap", (None, 2.0))
 @pytest.mark.parametrize("spread", (1e-2, 1e-4))
-def test_near_equal_reference_keeps_relative_accuracy(backend, spread):
+def test_near_equal_reference_keeps_relative_accuracy(backend, spread, softcap):
     """A KL of order ``spread^2``, far below fp32's rounding of ``log V``: each column's
-    ``log q - log p`` comes from the logits' own difference, so the only cancellation left is
+    ``log q - log p`` comes from the logits' own difference (with the soft cap, the two
+    tanh's difference as ``sinh(d) sech(v) sech(w)``), so the only cancellation left is
     first order (``E_p[a - b]`` against ``log(S_z / S_u)``, both of order ``spread``): a
     relative error of order ``eps / spread``, never ``eps log V / spread^2``."""
     logits, targets, adv, kw = _inputs(seed=7, spread=spread, V=257)
-    kw = dict(kw, kl_estimator="full", beta=0.3)
+    kw = dict(kw, kl_estimator="full", beta=0.3, softcap=softcap)
     _, metrics, _ = _run(fused_rl.policy_loss, logits, targets, adv, 1.0, backend=backend,
                          **kw)  # fmt: skip
     _, o_metrics, _ = _oracle(logits, targets, adv, 1.0, **kw)
@@ -618,6 +622,45 @@ def test_linear_matches_the_materialised_oracle(backend, skip_padding, monkeypat
     assert_rel(metrics_ng["kl"], o_metrics["kl"], FP32_TOL, "no_grad kl")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "options",
+    (dict(importance_sampling="sequence"), dict(importance_sampling="sequence-token"),
+     dict(surrogate="vespo"), dict(top_entropy_quantile=0.5)),
+    ids=("gspo", "gspo-token", "vespo", "top-entropy"),
+)  # fmt: skip
+def test_linear_composed_matches_materialised_logits(backend, options):
+    """The composed routes from hidden states (GSPO, GSPO-token, VESPO, the top-entropy
+    selection: the log-probs, then the exact KL of each chunk's two logits): the loss, the
+    metrics and the gradients of hidden, weight and bias as ``policy_loss(ref_logits=)`` on
+    both models' materialised logits (checked against the oracle above), in chunks of 3."""
+    hidden, weight, bias, ref, targets, adv, kw = _linear_inputs(seed=23)
+    T, S = targets.shape[1], hidden.shape[1]
+    options = dict(options, kl_estimator="full", beta=0.3, entropy_coef=0.01)
+    up = 1.3
+
+    def run(materialise):
+        leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+        if materialise:
+            z = torch.nn.functional.linear(*leaves)[:, S - T - 1 : S - 1]
+            zr = torch.nn.functional.linear(*ref.values())[:, S - T - 1 : S - 1]
+            loss, metrics = fused_rl.policy_loss(z, targets, adv, ref_logits=zr,
+                                                  backend=backend, **kw, **options)  # fmt: skip
+        else:
+            loss, metrics = fused_rl.linear_policy_loss(
+                leaves[0], leaves[1], targets, adv, bias=leaves[2], chunk_tokens=3,
+                backend=backend, **ref, **kw, **options,
+            )  # fmt: skip
+        return loss.detach(), metrics, torch.autograd.grad(loss * up, leaves)
+
+    (loss, metrics, grads), (m_loss, m_metrics, m_grads) = run(False), run(True)
+    assert_rel(loss, m_loss, 1e-5, "loss")
+    for name, g, o in zip(("hidden", "weight", "bias"), grads, m_grads):
+        assert_rel(g, o, 1e-5, f"{name} grad")
+    for name, value in m_metrics.items():
+        assert_rel(metrics[name], value, 1e-5, f"metric {name}")
+
+
 def test_linear_torch_compile_fullgraph():
     hidden, weight, bias, ref, targets, adv, kw = _linear_inputs(seed=21)
 
@@ -646,7 +689,8 @@ def test_linear_torch_compile_fullgraph():
         (dict(ref_weight=None), ValueError, "needs ref_weight"),
         (dict(ref_bias=torch.randn(40)), ValueError, "ref_bias must be"),
         (dict(ref_weight=torch.randn(41, 6).half(), ref_bias=None), TypeError, "ref_weight"),
-        (dict(importance_sampling="sequence"), NotImplementedError, "importance_sampling"),
+        (dict(importance_sampling="sequence", kl_bias_correction=True), NotImplementedError,
+         "kl_bias_correction=True .* importance_sampling='sequence'"),
     ),
 )  # fmt: skip
 def test_linear_bad_input(change, error, match):

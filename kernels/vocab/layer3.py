@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ..common import cast_for, pair, row_pointer, tanh_and_sech2, token_offset
-from .pair import load_block, near_delta, reverse_kl_grad
+from .pair import capped_gap, gap_from, load_block, near_delta, reverse_kl_grad
 
 # the exact KL's per-token statistics the policy forward saves (``(4, N)``; the fourth is
 # ``k = m_t dL/dKL_t`` before the aggregation's scale and the upstream gradient)
@@ -194,12 +194,11 @@ def write_grad_row(
     each column's term is times ``dz/dx * T / c = (1 - tanh^2(x / c)) / c``. An inactive
     row reads nothing and writes zeros.
 
-    ``HAS_KL``: also ``+ k p (-delta - KL)`` with ``delta = log q - log p``
-    formed from the reference row ``ref_row`` (soft-capped like the policy's with
-    ``HAS_SOFTCAP``; then ``b - a`` from the capped values, else ``kernels/vocab/pair.py``
-    ``near_delta``;
-    ``r_max`` its max, ``log_zu = log(S_z / S_u)``, ``KL`` the row's); ``k`` carries the
-    same scales as ``g``."""
+    ``HAS_KL``: also ``+ k p (-delta - KL)`` with ``delta = log q - log p`` formed from the
+    reference row ``ref_row`` (``kernels/vocab/pair.py``: ``near_delta``; soft-capped like
+    the policy's with ``HAS_SOFTCAP``, ``b - a`` then from ``capped_gap``; ``r_max`` its max,
+    ``log_zu = log(S_z / S_u)``, ``KL`` the row's); ``k`` carries the same scales as
+    ``g``."""
     if HAS_SOFTCAP:
         g = g * inv_cap
         h = h * inv_cap
@@ -222,9 +221,11 @@ def write_grad_row(
             grad -= h * tl.where(p > 0, p * (d - mean_d), 0.0)  # 0 * -inf guarded
         if HAS_KL:
             y = load_block(ref_row, cols, n_read, r_stride_v, ACC)
-            if HAS_SOFTCAP:  # the capped values' own difference (pair_moments' b - a)
+            if HAS_SOFTCAP:  # pair_moments' b - a
                 u, _ = tanh_and_sech2(y * inv_cap)
-                delta = ((u * inv_temperature - r_max) - d) + log_zu
+                b = u * inv_temperature - r_max
+                w = capped_gap(x.to(ACC), y, inv_temperature, inv_cap)
+                delta = gap_from(w, d, b, m, r_max) + log_zu
             else:
                 delta = near_delta(x.to(ACC), y, inv_temperature, m, r_max, log_zu)
             grad += k * reverse_kl_grad(p, delta, kl)

@@ -14,7 +14,8 @@ Notation, per row: ``a = z - M_z``, ``b = u - M_u`` (``M`` the running maxima),
 Near-cancellation: when ``p`` is near ``q`` every divergence is of order ``delta^2``
 (``delta = log q - log p``) while ``a``, ``b``, ``log S`` are of order ``log V``, so nothing of
 size ``log V`` may be rounded into them. ``b - a`` comes from the logits' own difference
-(``logit_gap``); ``log(S_z / S_u) = -log1p(G / S_z)`` with ``G = S_u - S_z`` summed from its
+(``logit_gap``; with the soft cap ``capped_gap``, the two tanh's difference as ``sinh(d)
+sech(v) sech(w)``); ``log(S_z / S_u) = -log1p(G / S_z)`` with ``G = S_u - S_z`` summed from its
 own per-column terms ``e^a expm1(b - a)`` (``log_ratio_of_sums``). Per column
 ``delta = (b - a) + log(S_z / S_u)`` (``near_delta``): a row constant's rounding moves every
 ``delta`` alike, a first-order change of 0 in every divergence.
@@ -75,16 +76,43 @@ def load_block(row_ptr, cols, V, stride_v, ACC: tl.constexpr):
 
 @triton.jit
 def logit_gap(x, y, a, b, inv_temperature, ref_z, ref_u):
-    """``b - a`` (``a = x / T - M_z``, ``b = y / T - M_u``) from whichever operands are
-    smaller: ``(y - x) / T - (M_u - M_z)`` (the logits' own difference, exact for near-equal
-    logits, so no ``ulp(a)`` of size ``ulp(log V)`` enters a difference of order the
-    student-teacher gap) where both parts are below ``max(|a|, |b|)``, else ``b - a``
+    """``b - a`` (``a = x / T - M_z``, ``b = y / T - M_u``): :func:`gap_from` with the
+    logits' own difference ``(y - x) / T``."""
+    return gap_from((y - x) * inv_temperature, a, b, ref_z, ref_u)
+
+
+@triton.jit
+def gap_from(w, a, b, ref_z, ref_u):
+    """``b - a`` (``a = z - M_z``, ``b = u - M_u``) from whichever operands are smaller:
+    ``w - (M_u - M_z)`` with ``w = u - z`` formed from the logits themselves (exact for
+    near-equal logits, so no ``ulp(a)`` of size ``ulp(log V)`` enters a difference of order
+    the student-teacher gap) where both parts are below ``max(|a|, |b|)``, else ``b - a``
     (large offsets between the rows, infinities, NaN)."""
-    w = (y - x) * inv_temperature
     dm = ref_u - ref_z
     big = nan_max(tl.abs(a), tl.abs(b))  # NaN: not direct, b - a (NaN) is taken
     direct = (tl.abs(w) <= big) & (tl.abs(dm) <= big)
     return tl.where(direct, w - dm, b - a)
+
+
+@triton.jit
+def capped_gap(x, y, inv_temperature, inv_cap):
+    """``u - z`` of the soft-capped values ``z = c tanh(x / c) / T``, ``u = c tanh(y / c) / T``
+    (``inv_temperature`` carries ``c / T``, ``inv_cap`` ``1 / c``) with no cancellation of
+    two tanh near each other: ``tanh v - tanh w = sinh(v - w) sech(v) sech(w)``, ``v - w =
+    (y - x) / c`` from the logits themselves, ``sech v = 2 e^-|v| / (1 + e^-2|v|)`` (no
+    overflow). Where ``|y - x| / c >= 40`` (sinh near overflow), or at infinities / NaN: the
+    plain difference of the two tanh."""
+    v = x * inv_cap
+    w = y * inv_cap
+    d = (y - x) * inv_cap
+    ev = tl.exp(-tl.abs(v))
+    ew = tl.exp(-tl.abs(w))
+    sech_v = 2.0 * ev / (1.0 + ev * ev)
+    sech_w = 2.0 * ew / (1.0 + ew * ew)
+    exact = 0.5 * (expm1(d) - expm1(-d)) * sech_v * sech_w * inv_temperature
+    tx, _ = tanh_and_sech2(v)
+    ty, _ = tanh_and_sech2(w)
+    return tl.where(tl.abs(d) < 40.0, exact, (ty - tx) * inv_temperature)
 
 
 @triton.jit
@@ -102,8 +130,8 @@ def pair_columns(
     log_s_z, log_s_u, log_zu, HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """One block of both rows against the row's statistics: ``(log p, log q, delta, dx)``
-    with ``delta = log q - log p`` (``near_delta``; with ``HAS_SOFTCAP`` the capped values'
-    own difference) and ``dx`` what turns ``dD/dz`` times ``inv_temperature`` into the
+    with ``delta = log q - log p`` (``near_delta``; with ``HAS_SOFTCAP`` from
+    :func:`capped_gap`) and ``dx`` what turns ``dD/dz`` times ``inv_temperature`` into the
     derivative on the raw logit (1; with the cap ``(1 - tanh^2(x / c)) / c``, as
     ``inv_temperature`` then carries ``c / T``). Columns at or past ``n_valid``: ``-inf``."""
     x = load_block(s_row, cols, n_valid, s_stride_v, ACC)
@@ -113,7 +141,7 @@ def pair_columns(
         ty, _ = tanh_and_sech2(y * inv_cap)
         a = tl.where(cols < n_valid, tx * inv_temperature, -float("inf")) - m_z
         b = tl.where(cols < n_valid, ty * inv_temperature, -float("inf")) - m_u
-        delta = (b - a) + log_zu
+        delta = gap_from(capped_gap(x, y, inv_temperature, inv_cap), a, b, m_z, m_u) + log_zu
         dx = sech2 * inv_cap
     else:
         a = x * inv_temperature - m_z
@@ -133,7 +161,7 @@ def pair_moments(
     (module docstring;
     ``M`` is 0 for a row that is all ``-inf`` or empty). ``HAS_SOFTCAP``: both rows soft-capped,
     ``z = c tanh(x / c) / T`` (``layer1.scaled_logits``: ``inv_temperature`` carries ``c / T``,
-    ``inv_cap`` ``1 / c``); ``b - a`` is then the capped values' own difference."""
+    ``inv_cap`` ``1 / c``); ``b - a`` then from :func:`capped_gap`."""
     m_z = tl.full((), float("-inf"), ACC)
     m_u = tl.full((), float("-inf"), ACC)
     s_z = tl.zeros((), ACC)
@@ -173,7 +201,8 @@ def pair_moments(
         a = z - ref_z
         b = u - ref_u
         if HAS_SOFTCAP:
-            b_minus_a = b - a
+            w = capped_gap(x, y, inv_temperature, inv_cap)
+            b_minus_a = gap_from(w, a, b, ref_z, ref_u)
         else:
             b_minus_a = logit_gap(x, y, a, b, inv_temperature, ref_z, ref_u)
         e_a = tl.exp(a)
