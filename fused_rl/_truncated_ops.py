@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ._launch import NO_CAP, f32_pair, stats_dtype, triton_acc, vocab_launch
-from ._ops import FusedOp
+from ._ops import FusedOp, _serialised_when_interpreting
 
 # top-k with k up to this is kept in registers in one pass (kernels/vocab/truncated.py KS)
 MAX_STREAMED_K = 64
@@ -27,6 +27,14 @@ MAX_SEARCH_PASSES = {torch.float32: 11, torch.float64: 22}
 # per-insertion reductions over the 64 held values are warp shuffles, no shared memory and
 # barrier (untuned: no GPU has run this kernel yet)
 NUM_WARPS = 1
+
+
+def scale_args(temperature: float, softcap: float | None) -> tuple[float, float, float, float]:
+    """The truncated kernels' ``(inv_t_hi, inv_t_lo, inv_cap_hi, inv_cap_lo)``: ``1 / T``, or
+    ``c / T`` and ``1 / c`` with the soft cap (``kernels/vocab/layer1.py`` ``scaled_logits``;
+    ``fused_rl._launch.NO_CAP`` without one)."""
+    inv_t = f32_pair(1.0 / temperature if softcap is None else softcap / temperature)
+    return (*inv_t, *(NO_CAP if softcap is None else f32_pair(1.0 / softcap)))
 
 
 def _block(vocab: int) -> int:
@@ -69,9 +77,7 @@ def truncated_logprobs_fwd(
     block = _block(vocab)
     _truncated_logprobs_fwd_kernel[(n_rows,)](
         logits3d, targets, logp, stats, passes, inner, n_rows, vocab, *logits3d.stride(),
-        *targets.stride(),
-        *f32_pair(1.0 / temperature if softcap is None else softcap / temperature),
-        *(NO_CAP if softcap is None else f32_pair(1.0 / softcap)), *f32_pair(top_p),
+        *targets.stride(), *scale_args(temperature, softcap), *f32_pair(top_p),
         *f32_pair(math.log1p(-top_p) if has_p else 0.0), top_k, ignore_index,
         TOPK_REG=0 < top_k <= MAX_STREAMED_K, SEARCH_K=top_k > MAX_STREAMED_K, TOP_P=has_p,
         HAS_SOFTCAP=softcap is not None,
@@ -140,8 +146,7 @@ def truncated_logprobs_bwd_into(
     _truncated_logprobs_bwd_kernel[(outer * inner,)](
         logits3d, targets, stats, grad_logp, grad, inner, outer * inner, vocab,
         *logits3d.stride(), *grad.stride()[:2], *targets.stride(), *grad_logp.stride(),
-        *f32_pair(1.0 / temperature if softcap is None else softcap / temperature),
-        *(NO_CAP if softcap is None else f32_pair(1.0 / softcap)), ignore_index,
+        *scale_args(temperature, softcap), ignore_index,
         HAS_SOFTCAP=softcap is not None, TARGET_KEPT=target_kept, ACC=triton_acc(logits3d.dtype),
         **vocab_launch(vocab, writes=True),
     )  # fmt: skip
@@ -178,3 +183,8 @@ def _backward(ctx, grad_logp, _grad_stats, _grad_passes):
 truncated_logprobs_fwd_op = FusedOp("truncated_logprobs_fwd", truncated_logprobs_fwd)
 truncated_logprobs_fwd_op.register_fake(_fwd_fake)
 truncated_logprobs_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# the backward writing over its input (a raw launcher, not a custom op: it mutates), its
+# interpreted launches serialised (fused_rl._ops)
+truncated_bwd_into = _serialised_when_interpreting(truncated_logprobs_bwd_into)

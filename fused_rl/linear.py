@@ -76,11 +76,12 @@ from ._policy_ops import (
     uncounted_partials,
 )
 from ._truncated_ops import (
-    truncated_logprobs_bwd_into,
+    truncated_bwd_into,
     truncated_logprobs_bwd_op,
     truncated_logprobs_fwd_op,
 )
 from ._vocab_ops import token_stats_bwd_into, token_stats_bwd_op, token_stats_fwd_op
+from .distributed import MAX_VOCAB
 from .exact_kl import token_kl
 from .losses import loss_from_token_stats, loss_with_exact_kl, policy_loss
 from .policy_config import PolicyConfig, takes_policy_options
@@ -93,7 +94,6 @@ from .truncated import check_options, cuts
 # with NumPy's masked-lane warnings silenced under the interpreter as every FusedOp is
 _stats_bwd_into = _serialised_when_interpreting(token_stats_bwd_into)
 _policy_rows_grad_into = _serialised_when_interpreting(policy_rows_grad_into)
-_truncated_bwd_into = _serialised_when_interpreting(truncated_logprobs_bwd_into)
 
 CHUNK_BYTES = 256 * 2**20  # the logits of one chunk, the only (rows, V) buffer alive
 MAX_DEFAULT_CHUNK = 4096  # rows: a small vocabulary's chunk (and its padding) stays small
@@ -274,10 +274,7 @@ class _LinearTokenStats(torch.autograd.Function):
             return (None,) * 10
         if grad_logp is None:
             grad_logp = torch.zeros_like(row_max)
-        acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-        d_hidden = hidden.new_empty(hidden.shape) if need_h else None
-        d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        d_bias = torch.zeros(weight.shape[:1], dtype=acc, device=weight.device) if need_b else None
+        acc, d_hidden, d_weight, d_bias = _grad_buffers(hidden, weight, need_h, need_w, need_b)
         dw_out, db_out, out_dtype = d_weight, d_bias, weight.dtype
         if tp is not None:  # padding rows of the shard: unread, their gradient stays zero
             valid = tp.spec.shard.valid
@@ -332,7 +329,7 @@ def _truncated_chunk_grad(z, targets, stats, g, top_k, top_p, temperature, softc
     args = (targets[None], stats, g[None], temperature, softcap, ignore_index)
     if torch.compiler.is_compiling() or _tracing():  # a traced op may not mutate its input
         return truncated_logprobs_bwd_op(z[None], *args)[0], False
-    return _truncated_bwd_into(z[None], z[None], *args)[0], True
+    return truncated_bwd_into(z[None], z[None], *args)[0], True
 
 
 class _LinearTruncated(torch.autograd.Function):
@@ -394,6 +391,7 @@ class _LinearTruncated(torch.autograd.Function):
         n_rows = hidden.shape[0]
         acc = stats_dtype(hidden.dtype)
         values, ok = TP.checked_header(targets[None], spec, acc, read=spec.which == "reference")
+        top_k, vocab = TP.agreed_cut(values if ok is None else None, spec.shard, top_k)
         t_local, ignored = _local_targets(targets, spec.shard, spec.ignore_index)
         w_valid, b_valid = _valid_rows(weight, bias, spec.shard.valid)  # padding: unread
         logp = hidden.new_empty((n_rows,), dtype=acc)
@@ -404,7 +402,7 @@ class _LinearTruncated(torch.autograd.Function):
             z, _ = _chunk_logits(hidden[rows], w_valid, b_valid, chunk)
             if spec.which == "triton":
                 lp, st, kp = TP.shard_rows(z[None], t_local[None, rows], ignored[None, rows],
-                                           spec, top_k, top_p, ok)  # fmt: skip
+                                           spec, top_k, top_p, vocab, ok)  # fmt: skip
                 stats[3 * start : 3 * rows.stop] = st.reshape(-1)
                 kept[rows] = kp
             else:
@@ -439,10 +437,7 @@ class _LinearTruncated(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if grad_logp is None:
             return (None,) * 12
-        acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-        d_hidden = hidden.new_empty(hidden.shape) if need_h else None
-        d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        d_bias = torch.zeros(weight.shape[:1], dtype=acc, device=weight.device) if need_b else None
+        acc, d_hidden, d_weight, d_bias = _grad_buffers(hidden, weight, need_h, need_w, need_b)
         dw_out, db_out, out_dtype = d_weight, d_bias, weight.dtype
         if tp is not None:  # padding rows of the shard: unread, their gradient stays zero
             valid = tp.spec.shard.valid
@@ -489,8 +484,8 @@ def _reference_shard_chunk(z, targets, spec, values, top_k, top_p, ok=None, g=No
     unchecked bad layout, ``ok`` False); with it: ``dL/dz`` of ``sum(logp * g)``."""
     from . import truncated_parallel as TP
 
-    starts, valids = TP.layout(values, spec.shard)
-    full = TP.gather_rows(z[None], spec.shard, starts, valids)[0]
+    valids = TP.layout(values, spec.shard)
+    full = TP.gather_rows(z[None], spec.shard, valids)[0]
     with torch.enable_grad():
         leaf = full.detach().requires_grad_(g is not None)
         logp = ref_truncated.truncated_logprobs(
@@ -499,23 +494,20 @@ def _reference_shard_chunk(z, targets, spec, values, top_k, top_p, ok=None, g=No
         )  # fmt: skip
         if g is None:
             return logp.detach() if ok is None else torch.where(ok, logp.detach(), math.nan)
-        fin = torch.isfinite(logp) | (g.to(logp.dtype) != 0)
-        (grad,) = torch.autograd.grad(logp, leaf, torch.where(fin, g.to(logp.dtype), 0.0))
-    return grad.narrow(-1, starts[spec.shard.rank], valids[spec.shard.rank])
+        (grad,) = torch.autograd.grad(logp, leaf, g.to(logp.dtype))
+    rank = spec.shard.rank
+    return grad.narrow(-1, sum(valids[:rank]), valids[rank])  # where gather_rows put them
 
 
 def _truncated_shard_chunk_grad(z, t_local, targets, stats, kept, g, spec, values, top_k, top_p):
     """``(dz, in_place)``: ``dL/dz`` of one chunk's ``(n, V_r)`` local logits under the
     truncation of the whole rows: the truncated backward kernel with the target's kept flag,
-    written over ``z`` in eager mode; the reference backend gathers the rows again."""
+    written over ``z`` (the route is eager only: :func:`_linear_truncated`); the reference
+    backend gathers the rows again."""
     from . import truncated_parallel as TP
 
     if spec.which == "reference":
         return _reference_shard_chunk(z, targets, spec, values, top_k, top_p, g=g), False
-    if torch.compiler.is_compiling() or _tracing():  # a traced op may not mutate its input
-        grad = torch.empty(z[None].shape, dtype=z.dtype, device=z.device)
-        return TP.shard_rows_grad_into(grad, z[None], t_local[None], stats, kept, g[None],
-                                       spec)[0], False  # fmt: skip
     TP.shard_rows_grad_into(z[None], z[None], t_local[None], stats, kept, g[None], spec)
     return z, True
 
@@ -526,6 +518,17 @@ def _all_reduce_sum(t: Tensor, group) -> None:
 
     dist = _dist()
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+
+
+def _grad_buffers(rows: Tensor, weight: Tensor, need_h: bool, need_w: bool, need_b: bool):
+    """``(acc, d_rows, d_weight, d_bias)`` of a chunked backward: the accumulation dtype,
+    ``rows``' gradient (filled chunk by chunk), zeroed fp32 (fp64) accumulators for the
+    lm_head's and bias's (None where not needed)."""
+    acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    d_rows = rows.new_empty(rows.shape) if need_h else None
+    d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+    d_bias = torch.zeros(weight.shape[:1], dtype=acc, device=weight.device) if need_b else None
+    return acc, d_rows, d_weight, d_bias
 
 
 def _rows_of(t: Tensor | None, rows: slice) -> Tensor | None:
@@ -942,24 +945,49 @@ def _linear_truncated(hidden, weight, targets, bias, top_k, top_p, temperature, 
         backend, sharded,
     )  # fmt: skip
     cap = None if softcap is None else float(softcap)
-    tp = None
-    vocab = weight.shape[0]
-    if sharded:
-        tp = _tensor_parallel(
-            process_group, weight, vocab_start, vocab_size, temperature, cap, ignore_index,
-            False, which, reduce_hidden_grad, rows,
-        )  # fmt: skip
-        shard = tp.spec.shard
-        vocab = shard.vocab_size
-        if not chunk_tokens:  # the same chunks on every rank: each chunk's cut is collective
-            chunk = default_chunk_tokens(-(-vocab // shard.world), rows.dtype)
-    k, p = cuts(top_k, top_p, vocab)
+    if not sharded:
+        k, p = cuts(top_k, top_p, weight.shape[0])
+        with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
+            logp = _LinearTruncated.apply(
+                rows, weight, bias, flat_targets, k, p, float(temperature), cap,
+                int(ignore_index), chunk, which,
+            )  # fmt: skip
+        return logp.view(targets.shape)
+    tp = _tensor_parallel(
+        process_group, weight, vocab_start, vocab_size, temperature, cap, ignore_index, False,
+        which, reduce_hidden_grad, rows,
+    )  # fmt: skip
+    shard = tp.spec.shard
+    if not chunk_tokens:  # the same chunks on every rank: each chunk's cut is collective
+        # (a checked layout agrees on vocab_size before any chunk; unchecked, the ranks
+        # must pass the same one)
+        chunk = default_chunk_tokens(-(-shard.vocab_size // shard.world), rows.dtype)
+    # top_k as given: the ranks agree on turning it off at V (truncated_parallel.agreed_cut)
+    k, p = cuts(top_k, top_p, MAX_VOCAB)
+    return _sharded_truncated(
+        rows,
+        weight,
+        bias,
+        flat_targets,
+        k,
+        p,
+        float(temperature),
+        cap,
+        int(ignore_index),
+        chunk,
+        which,
+        tp,
+    ).view(targets.shape)
+
+
+@torch.compiler.disable
+def _sharded_truncated(rows, weight, bias, flat_targets, k, p, temperature, cap, ignore_index,
+                       chunk, which, tp) -> Tensor:  # fmt: skip
+    """The vocabulary-parallel :class:`_LinearTruncated`: eager (a graph break under
+    ``torch.compile``: its search reads the host and its launches are not custom ops)."""
     with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
-        logp = _LinearTruncated.apply(
-            rows, weight, bias, flat_targets, k, p, float(temperature), cap, int(ignore_index),
-            chunk, which, tp,
-        )  # fmt: skip
-    return logp.view(targets.shape)
+        return _LinearTruncated.apply(rows, weight, bias, flat_targets, k, p, temperature, cap,
+                                      ignore_index, chunk, which, tp)  # fmt: skip
 
 
 def _tensor_parallel(group, weight, vocab_start, vocab_size, temperature, softcap,
@@ -1259,10 +1287,7 @@ class _LinearTokenKL(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if grad_kl is None:
             return (None,) * 13
-        acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
-        d_rows = rows.new_zeros(rows.shape) if need_h else None
-        d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        d_bias = torch.zeros(weight.shape[:1], dtype=acc, device=weight.device) if need_b else None
+        acc, d_rows, d_weight, d_bias = _grad_buffers(rows, weight, need_h, need_w, need_b)
         for start in range(0, rows.shape[0], chunk):
             stop = min(start + chunk, rows.shape[0])
             with torch.enable_grad():

@@ -23,7 +23,7 @@ from . import _validation as V
 from ._backend import resolve_backend
 from ._shapes import as_rows3d
 from ._truncated_ops import MAX_STREAMED_K, truncated_logprobs_fwd_op
-from .distributed import is_dtensor, resolve_shard
+from .distributed import MAX_VOCAB, is_dtensor, resolve_shard
 from .reference import truncated as ref
 from .truncated_parallel import sharded_truncated_logprobs
 
@@ -122,10 +122,13 @@ def truncated_logprobs(
             :func:`fused_rl.token_logprobs` takes it (``logits`` this rank's shard, or a
             ``DTensor`` placed ``Shard(-1)``; ``targets`` global ids, the same on every
             rank): every rank returns the unsharded call's values and gets its columns of
-            the gradient (``fused_rl.truncated_parallel`` gives the collectives: one
-            all-gather of ``kk + 8`` floats a token per rank, ``kk = min(k, 64)`` or 64 for
-            top-p alone; a search pass, where one is needed, one all-reduce of 32 floats a
-            token).
+            the gradient. Collectives (``fused_rl.truncated_parallel``): a MAX all-reduce of
+            the layout header, one all-gather of ``kk + 8`` floats a token per rank (``kk =
+            min(k, 64)``, or 64 for top-p alone and ``k > 64``); where those values do not
+            decide a row's cut, search passes of one all-reduce of 32 floats a token each
+            (at most 11 in fp32), then one all-gather of 64. Eager: under ``torch.compile``
+            a graph break (the search reads the host: once to skip it when no row needs it,
+            once a pass to stop early).
         backend: ``"auto"`` | ``"triton"`` | ``"reference"`` (see ``fused_rl._backend``).
 
     Returns:
@@ -149,12 +152,8 @@ def truncated_logprobs(
         >>> fused_rl.truncated_logprobs(logits, torch.tensor([3]), top_k=2).item()
         -inf
     """
-    if (
-        process_group is not None
-        or vocab_start is not None
-        or vocab_size is not None
-        or (is_dtensor(logits))
-    ):
+    sharded = process_group is not None or vocab_start is not None or vocab_size is not None
+    if sharded or is_dtensor(logits):
         return _sharded(logits, targets, top_k, top_p, temperature, softcap, ignore_index,
                         process_group, vocab_start, vocab_size, backend)  # fmt: skip
     V.check_logits(logits)
@@ -193,7 +192,9 @@ def _sharded(logits, targets, top_k, top_p, temperature, softcap, ignore_index, 
         V.check_logits(logits)
     V.check_targets(targets, logits)
     check_options(top_k, top_p, temperature, softcap, ignore_index)
-    k, p = cuts(top_k, top_p, shard.vocab_size)
+    # top_k as given (not against this rank's vocab_size): every rank must run the same
+    # collectives; they agree on V from the checked header (truncated_parallel.agreed_cut)
+    k, p = cuts(top_k, top_p, MAX_VOCAB)
     return sharded_truncated_logprobs(
         logits, targets, shard, top_k=k, top_p=p, temperature=float(temperature),
         softcap=softcap, ignore_index=int(ignore_index),

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from . import _validation as V
 from . import distributed as D
-from ._launch import NO_CAP, f32_pair, stats_dtype, triton_acc
+from ._launch import stats_dtype, triton_acc
 from ._ops import _serialised_when_interpreting
 from ._shapes import as_rows3d
 from ._truncated_ops import (
@@ -50,17 +50,16 @@ from ._truncated_ops import (
     NUM_WARPS,
     SEARCH_BLOCK,
     _block,
-    truncated_logprobs_bwd_into,
+    scale_args,
+    truncated_bwd_into,
 )
 from .reference import logprobs as ref_logprobs
 from .reference import truncated as ref
 
-_bwd_into = _serialised_when_interpreting(truncated_logprobs_bwd_into)
-
 KS = MAX_STREAMED_K
 
 
-def _fields():
+def _shard_kernels():
     from .kernels.vocab import truncated_shard as k
 
     return k
@@ -68,30 +67,55 @@ def _fields():
 
 # ----------------------------------------------------------------------------- the merge
 
+# rows of the union handled at once: its float64 temporaries stay near 16 MiB each
+UNION_ELEMENTS = 1 << 21
 
-def _union_cut(vals, weights, m, goal, by_count: bool, base_c=0.0, base_f=0.0):
+
+def _row_blocks(n: int, width: int):
+    step = max(1, UNION_ELEMENTS // max(1, width))
+    return (slice(i, min(i + step, n)) for i in range(0, n, step))
+
+
+def _union_cut(vals, weights, m, goal, by_count: bool, base_c=None, base_f=None):
     """On rows of values ``vals`` ``(N, M)`` (``-inf``: no entry) with multiplicities
     ``weights``: the largest value ``v`` whose ``G(v)`` -- ``base_c`` plus the count, or
     ``base_f`` plus the mass ``sum w exp(u - m)``, of the entries ``>= v`` -- reaches
-    ``goal`` (float64). Returns ``(found, v, mass)``: ``mass = G`` by mass at ``v`` (where
-    none is found: ``v = -inf`` and the mass of every entry)."""
-    a, order = vals.sort(dim=-1)
-    w = torch.where(a > -math.inf, weights.gather(-1, order), 0.0)
-    e = torch.where(w > 0, w * torch.exp(a - m[:, None]), 0.0)
-    at_c = base_c + w.flip(-1).cumsum(-1).flip(-1)  # the entries at or after each position
-    at_f = base_f + e.flip(-1).cumsum(-1).flip(-1)
-    first = torch.searchsorted(a, a)  # where each value's tie group starts
-    ok = (w > 0) & ((at_c if by_count else at_f).gather(-1, first) >= goal[:, None])
-    found = ok.any(-1)
-    v = torch.where(ok, a, -math.inf).amax(-1)
-    at = torch.searchsorted(a, v[:, None]).clamp(max=a.shape[-1] - 1)
-    return found, v, torch.where(found, at_f.gather(-1, at)[:, 0], at_f[:, 0])
+    ``goal`` (``(N,)`` each; float64, a block of rows at a time). Returns ``(found, v,
+    mass)``: ``mass = G`` by mass at ``v`` (where none is found: ``v = -inf`` and the mass
+    of every entry)."""
+    n = vals.shape[0]
+    found = torch.empty((n,), dtype=torch.bool, device=vals.device)
+    v_out = torch.empty((n,), dtype=torch.float64, device=vals.device)
+    f_out = torch.empty_like(v_out)
+    for rows in _row_blocks(n, vals.shape[1]):
+        a, order = vals[rows].double().sort(dim=-1)
+        w = torch.where(a > -math.inf, weights[rows].double().gather(-1, order), 0.0)
+        e = torch.where(w > 0, w * torch.exp(a - m[rows, None]), 0.0)
+        at_c = w.flip(-1).cumsum(-1).flip(-1)  # the entries at or after each position
+        at_f = e.flip(-1).cumsum(-1).flip(-1)
+        if base_c is not None:
+            at_c, at_f = at_c + base_c[rows, None], at_f + base_f[rows, None]
+        first = torch.searchsorted(a, a)  # where each value's tie group starts
+        ok = (w > 0) & ((at_c if by_count else at_f).gather(-1, first) >= goal[rows, None])
+        found[rows] = ok.any(-1)
+        v = torch.where(ok, a, -math.inf).amax(-1)
+        at = torch.searchsorted(a, v[:, None]).clamp(max=a.shape[-1] - 1)
+        v_out[rows] = v
+        f_out[rows] = torch.where(found[rows], at_f.gather(-1, at)[:, 0], at_f[:, 0])
+    return found, v_out, f_out
 
 
 def _at_or_above(vals, weights, m, bound):
     """``(count, mass)`` of the entries ``>= bound`` per row, float64."""
-    w = torch.where((vals >= bound[:, None]) & (vals > -math.inf), weights, 0.0)
-    return w.sum(-1), torch.where(w > 0, w * torch.exp(vals - m[:, None]), 0.0).sum(-1)
+    n = vals.shape[0]
+    count = torch.empty((n,), dtype=torch.float64, device=vals.device)
+    mass = torch.empty_like(count)
+    for rows in _row_blocks(n, vals.shape[1]):
+        x = vals[rows].double()
+        w = torch.where((x >= bound[rows, None]) & (x > -math.inf), weights[rows].double(), 0.0)
+        count[rows] = w.sum(-1)
+        mass[rows] = torch.where(w > 0, w * torch.exp(x - m[rows, None]), 0.0).sum(-1)
+    return count, mass
 
 
 def _all_gather(t: Tensor, shard) -> Tensor:
@@ -100,13 +124,6 @@ def _all_gather(t: Tensor, shard) -> Tensor:
     parts = [torch.empty_like(t) for _ in range(shard.world)]
     dist.all_gather(parts, t.contiguous(), group=shard.group)
     return torch.stack(parts)
-
-
-def _scales(spec):
-    """The kernels' ``(inv_t pair, inv_cap pair)`` (``fused_rl._launch.NO_CAP``: no cap)."""
-    cap = spec.softcap
-    inv_t = f32_pair(1.0 / spec.temperature if cap is None else cap / spec.temperature)
-    return (*inv_t, *(NO_CAP if cap is None else f32_pair(1.0 / cap)))
 
 
 class _Search:
@@ -121,9 +138,9 @@ class _Search:
         """``(v, F(v))`` float64 per row: for the rows ``on``, the largest row value in
         ``[lo, hi)`` whose count (``by_count``) or mass ``exp(z - m)`` at or above it
         reaches ``goal``, given ``c_hi`` / ``f_hi``, those of the values ``>= hi``."""
-        if not torch.compiler.is_compiling() and not bool(on.any()):
-            return lo, f_hi  # no row to search (every rank alike): no collective
-        k = _fields()
+        if V.host_sync_allowed(on) and not bool(on.any()):
+            return lo, f_hi  # no row to search (every rank alike: on is merged): no collective
+        k = _shard_kernels()
         n = on.numel()
         state = torch.zeros((n, k.STATE.value), dtype=self.acc, device=on.device)
         for field, value in ((k.S_LO, lo), (k.S_HI, hi), (k.S_CHI, c_hi), (k.S_FHI, f_hi),
@@ -135,19 +152,21 @@ class _Search:
         dist = D._dist()
         group = self.spec.shard.group
         self._launch(state, sums, top, by_count, narrow=False, stream=True)
-        eager = not torch.compiler.is_compiling()
+        # stop early once every row is done: a host read a pass, only where the layout is
+        # checked (an unchecked bad layout may leave the ranks' states apart: all passes)
+        early = self.spec.check and V.host_sync_allowed(on)
         for _ in range(MAX_SEARCH_PASSES[self.acc]):
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
             self._launch(state, sums, top, by_count, narrow=True, stream=True)
-            if eager and bool((state[:, k.S_DONE.value] != 0).all()):
+            if early and bool((state[:, k.S_DONE.value] != 0).all()):
                 break  # every rank alike: each holds the same state
         self._launch(state, sums, top, by_count, collect=True)
-        vals = _all_gather(top, self.spec.shard).permute(1, 0, 2).reshape(n, -1).double()
+        vals = _all_gather(top, self.spec.shard).permute(1, 0, 2).reshape(n, -1)
         s = state.double()
         field = lambda f: s[:, f.value]  # noqa: E731
         found, v, f_v = _union_cut(
             vals, torch.ones_like(vals), field(k.S_M), field(k.S_GOAL), by_count,
-            field(k.S_CHI)[:, None], field(k.S_FHI)[:, None],
+            field(k.S_CHI), field(k.S_FHI),
         )  # fmt: skip
         found = found & on & (field(k.S_SINGLE) == 0)
         # not found: one value left (or rounding): lo, whose mass f_lo was summed
@@ -160,12 +179,13 @@ class _Search:
 @_serialised_when_interpreting
 def _search_step(x, state, sums, top, spec, by_count, narrow, stream, collect):
     """One launch of the search kernel (``kernels/vocab/truncated_shard.py``)."""
-    k = _fields()
+    k = _shard_kernels()
     outer, inner, vocab = x.shape
     if outer * inner == 0:
         return
     k._shard_search_kernel[(outer * inner,)](
-        x, state, sums, top, inner, vocab, *x.stride(), *_scales(spec), NARROW=narrow,
+        x, state, sums, top, inner, vocab, *x.stride(),
+        *scale_args(spec.temperature, spec.softcap), NARROW=narrow,
         STREAM=stream, COLLECT=collect, BY_COUNT=by_count, N_CAND=N_CAND,
         SEARCH_BLOCK=min(SEARCH_BLOCK, _block(vocab)), BLOCK_V=_block(vocab),
         MAX_SEARCH_PASSES=MAX_SEARCH_PASSES[stats_dtype(x.dtype)],
@@ -176,52 +196,56 @@ def _search_step(x, state, sums, top, spec, by_count, narrow, stream, collect):
 @_serialised_when_interpreting
 def _partials(x3d: Tensor, t_local: Tensor, spec, kk: int, need_sum: bool, need_min: bool):
     """The partials kernel: ``(n_rows, KS + 8)`` rows (``kernels/vocab/truncated_shard.py``)."""
-    k = _fields()
+    k = _shard_kernels()
     outer, inner, vocab = x3d.shape
     part = torch.empty((outer * inner, KS + k.PART_EXTRA.value), dtype=stats_dtype(x3d.dtype),
                        device=x3d.device)  # fmt: skip
     if outer * inner:
         k._shard_partials_kernel[(outer * inner,)](
             x3d, t_local, part, inner, vocab, *x3d.stride(), *t_local.stride(),
-            *_scales(spec), kk, D.LOCAL_IGNORE, NEED_SUM=need_sum, NEED_MIN=need_min,
-            HAS_SOFTCAP=spec.softcap is not None, BLOCK_V=_block(vocab),
+            *scale_args(spec.temperature, spec.softcap), kk, D.LOCAL_IGNORE, NEED_SUM=need_sum,
+            NEED_MIN=need_min, HAS_SOFTCAP=spec.softcap is not None, BLOCK_V=_block(vocab),
             ACC=triton_acc(x3d.dtype), num_warps=NUM_WARPS,
         )  # fmt: skip
     return part
 
 
-def _threshold(x3d, t_local, ignored, spec, top_k: int, top_p: float):
+def _threshold(x3d, t_local, spec, top_k: int, top_p: float, vocab: int):
     """The merged ``(tau, m, F, z_y, owners, bad)`` per row, float64, on every rank alike:
     the partials, their all-gather, the union cuts and (where they do not decide) the
-    search. ``top_k``: 0 none; ``top_p``: 1.0 none."""
-    k = _fields()
+    search. ``top_k``: 0 none; ``top_p``: 1.0 none; ``vocab``: the global vocabulary (the
+    top-p bracket's bound). Every branch that decides a collective depends on the call's
+    options and the gathered values only, the same on every rank."""
+    k = _shard_kernels()
     shard = spec.shard
     kk = top_k if 0 < top_k <= KS else KS
     part = _partials(x3d, t_local, spec, kk, top_k == 0, top_k > KS)  # need sum, min
     send = torch.cat((part[:, :kk], part[:, KS:]), 1)
-    g = _all_gather(send, shard).double()  # (P, n, kk + 8)
+    g = _all_gather(send, shard)  # (P, n, kk + 8)
     n = g.shape[1]
-    field = lambda f: g[..., kk + f.value]  # noqa: E731  (P, n)
+    field = lambda f: g[..., kk + f.value].double()  # noqa: E731  (P, n)
     thr, m_r = field(k.P_THR), field(k.P_MAX)
     m = m_r.amax(0)
     bad = (field(k.P_NAN).sum(0) > 0) | ~torch.isfinite(m)
     m = torch.where(bad, 0.0, m)
     # the union: every rank's slots, and its ties at the kk-th value that hold none
-    vals = torch.cat((g[..., :kk].permute(1, 0, 2).reshape(n, -1), thr.t()), 1)
+    slots, thr_acc = g[..., :kk].permute(1, 0, 2).reshape(n, -1), g[..., kk + k.P_THR.value]
+    vals = torch.cat((slots, thr_acc.t()), 1)
     weights = torch.cat((torch.ones((n, shard.world * kk), dtype=g.dtype, device=g.device),
-                         field(k.P_EXTRA).t()), 1)  # fmt: skip
+                         g[..., kk + k.P_EXTRA.value].t()), 1)  # fmt: skip
     low = thr.amax(0)  # L: every value >= L is in the union
     search = _Search(x3d, spec)
-    on = ~bad & ~ignored.reshape(-1)
+    on = ~bad  # an ignored row read nothing: its max is -inf, bad
     tau = torch.full_like(m, -math.inf)
     if top_k == 0:
         f = (field(k.P_SUM) * torch.exp(m_r - m)).sum(0)  # an empty shard's m_r = -inf: 0
-    elif top_k <= KS:  # the union holds every value >= the k-th
-        found, v, f = _union_cut(vals, weights, m, torch.full_like(m, top_k), True)
-        tau = torch.where(found, v, tau)
     else:
         found, v, f = _union_cut(vals, weights, m, torch.full_like(m, top_k), True)
-        decided = found & (v >= low)
+    if 0 < top_k <= KS:  # the union holds every value >= the k-th
+        tau = torch.where(found, v, tau)
+    elif top_k > KS:
+        # L = -inf: every value is in the union (fewer than k: all kept, tau = -inf)
+        decided = (found & (v >= low)) | (low == -math.inf)
         c_l, f_l = _at_or_above(vals, weights, m, low)
         v_s, f_s = search.run(on & ~decided, field(k.P_MIN).amin(0), low, c_l, f_l,
                               torch.full_like(m, top_k), m, by_count=True)  # fmt: skip
@@ -231,8 +255,9 @@ def _threshold(x3d, t_local, ignored, spec, top_k: int, top_p: float):
         kept = vals >= tau[:, None]
         found, v, f_v = _union_cut(torch.where(kept, vals, -math.inf), weights, m, goal, False)
         decided = (found & (v >= low)) | (tau >= low)  # tau >= L: the kept set is all held
-        # below lo lies less than 1 - p of the mass: V exp(lo - m) <= (1 - p) f
-        bound = m + math.log1p(-top_p) + f.log() - math.log(shard.vocab_size) - 1.0
+        # the single-device kernel's bracket (kernels/vocab/truncated.py, TOP_P): below lo
+        # lies less than 1 - p of the mass, V exp(lo - m) <= (1 - p) f
+        bound = m + math.log1p(-top_p) + f.log() - math.log(vocab) - 1.0
         lo = torch.maximum(tau, torch.where(bound < low, bound, tau))
         c_l, f_l = _at_or_above(torch.where(kept, vals, -math.inf), weights, m, low)
         searched = on & ~decided
@@ -245,13 +270,14 @@ def _threshold(x3d, t_local, ignored, spec, top_k: int, top_p: float):
 # ----------------------------------------------------------------------------- rows
 
 
-def shard_rows(x3d, t_local, ignored, spec, top_k: int, top_p: float, ok):
+def shard_rows(x3d, t_local, ignored, spec, top_k: int, top_p: float, vocab: int, ok):
     """The forward on this rank's valid columns ``x3d`` ``(outer, inner, V_r)`` with local
     targets: ``(logp, stats, kept)``: ``logp`` ``(outer, inner)`` and ``stats`` ``(3, n)``
     (``tau, m, log F``, the backward kernel's) in the statistics dtype, ``kept`` ``(n,)``
-    (the target counts and is kept: where the backward is live). ``ok``: None (layout
-    checked) or the unchecked layout's 0-dim bool."""
-    tau, m, f, z_y, owners, bad = _threshold(x3d, t_local, ignored, spec, top_k, top_p)
+    (the target counts and is kept: where the backward is live). ``top_k`` / ``vocab``
+    from :func:`agreed_cut`; ``ok``: None (layout checked) or the unchecked layout's 0-dim
+    bool."""
+    tau, m, f, z_y, owners, bad = _threshold(x3d, t_local, spec, top_k, top_p, vocab)
     ign = ignored.reshape(-1)
     log_f = f.log()
     kept = (z_y >= tau) & (owners == 1) & ~bad & ~ign
@@ -270,27 +296,39 @@ def shard_rows_grad_into(grad, x3d, t_local, stats, kept, grad_logp, spec):
     """This rank's gradient of :func:`shard_rows` into ``grad`` (may be ``x3d``: the logits
     consumed in place), no collective."""
     g = torch.where(kept.view(t_local.shape), grad_logp, 0.0)
-    return _bwd_into(
+    return truncated_bwd_into(
         grad, x3d, t_local, stats, g, spec.temperature, spec.softcap, D.LOCAL_IGNORE, True
     )
 
 
-def gather_rows(x3d: Tensor, shard, starts, valids) -> Tensor:
+def gather_rows(x3d: Tensor, shard, valids) -> Tensor:
     """The whole rows, every rank's valid columns in rank order (the reference's oracle
-    path; ``starts`` / ``valids`` per rank from the checked header)."""
+    path; ``valids`` per rank from the header, :func:`layout`)."""
     mine = x3d.narrow(-1, 0, valids[shard.rank])
     padded = torch.nn.functional.pad(mine, (0, max(valids) - mine.shape[-1]))
     parts = _all_gather(padded, shard)
     return torch.cat([parts[r, ..., : valids[r]] for r in range(shard.world)], -1)
 
 
-def layout(values: list[float], shard) -> tuple[list[int], list[int]]:
-    """``(starts, valids)`` per rank from the header values."""
+def layout(values: list[float], shard) -> list[int]:
+    """Each rank's count of valid columns, from the header values."""
     world = shard.world
     starts = [int(values[2 * r]) for r in range(world)]
     widths = [int(values[2 * r + 1]) for r in range(world)]
     vocab = int(values[2 * world])
-    return starts, [max(0, min(w, vocab - s)) for s, w in zip(starts, widths)]
+    return [max(0, min(w, vocab - s)) for s, w in zip(starts, widths)]
+
+
+def agreed_cut(values: list[float] | None, shard, top_k: int) -> tuple[int, int]:
+    """``(top_k, vocab)`` every rank uses: ``top_k`` as the user gave it (0: none), turned
+    off when it reaches the checked header's vocabulary (``values``); unchecked (``values``
+    None) it stays as given, so an inconsistent ``vocab_size`` across ranks can never make
+    them run different collectives (its result is NaN), and ``vocab`` (the top-p bracket's
+    bound) is this rank's."""
+    if values is None:
+        return top_k, shard.vocab_size
+    vocab = int(values[2 * shard.world])
+    return (0 if top_k >= vocab else top_k), vocab
 
 
 # ----------------------------------------------------------------------------- autograd
@@ -301,8 +339,8 @@ class _ShardedTruncated(torch.autograd.Function):
     valid columns ``x3d``; the backward writes this rank's gradient, no collective."""
 
     @staticmethod
-    def forward(ctx, x3d, t_local, ignored, spec, top_k, top_p, ok):
-        logp, stats, kept = shard_rows(x3d, t_local, ignored, spec, top_k, top_p, ok)
+    def forward(ctx, x3d, t_local, ignored, spec, top_k, top_p, vocab, ok):
+        logp, stats, kept = shard_rows(x3d, t_local, ignored, spec, top_k, top_p, vocab, ok)
         ctx.save_for_backward(x3d, t_local, stats, kept)
         ctx.spec = spec
         ctx.set_materialize_grads(False)
@@ -312,25 +350,26 @@ class _ShardedTruncated(torch.autograd.Function):
     def backward(ctx, grad_logp):
         x3d, t_local, stats, kept = ctx.saved_tensors
         if grad_logp is None:
-            return (None,) * 7
+            return (None,) * 8
         with torch.no_grad():
             grad = torch.empty(x3d.shape, dtype=x3d.dtype, device=x3d.device)
             shard_rows_grad_into(grad, x3d, t_local, stats, kept, grad_logp, ctx.spec)
-        return (ref_logprobs.differentiable_once(grad, x3d, grad_logp),) + (None,) * 6
+        return (ref_logprobs.differentiable_once(grad, x3d, grad_logp),) + (None,) * 7
 
 
 class _GatherVocab(torch.autograd.Function):
     """:func:`gather_rows`, differentiable: the backward hands each rank its columns."""
 
     @staticmethod
-    def forward(ctx, x3d, shard, starts, valids):
-        ctx.columns, ctx.start, ctx.valid = x3d.shape[-1], starts[shard.rank], valids[shard.rank]
-        return gather_rows(x3d, shard, starts, valids)
+    def forward(ctx, x3d, shard, valids):
+        ctx.columns, ctx.valid = x3d.shape[-1], valids[shard.rank]
+        ctx.offset = sum(valids[: shard.rank])  # where gather_rows put this rank's columns
+        return gather_rows(x3d, shard, valids)
 
     @staticmethod
     def backward(ctx, grad_full):
-        mine = grad_full.narrow(-1, ctx.start, ctx.valid)
-        return torch.nn.functional.pad(mine, (0, ctx.columns - ctx.valid)), None, None, None
+        mine = grad_full.narrow(-1, ctx.offset, ctx.valid)
+        return torch.nn.functional.pad(mine, (0, ctx.columns - ctx.valid)), None, None
 
 
 # ----------------------------------------------------------------------------- entry
@@ -359,6 +398,7 @@ def checked_header(t2d: Tensor, spec, dtype, *, read: bool = False):
     return values, None
 
 
+@torch.compiler.disable
 def sharded_truncated_logprobs(
     logits: Tensor,
     targets: Tensor,
@@ -372,9 +412,10 @@ def sharded_truncated_logprobs(
     which: str,
 ) -> Tensor:
     """:func:`fused_rl.truncated_logprobs` of this rank's vocabulary shard ``logits`` and
-    global ``targets`` (checked locally), ``top_k`` / ``top_p`` as the launchers take them
-    (0 / 1.0: none; ``fused_rl.truncated.cuts``): the unsharded call's values on every rank,
-    this rank's columns of its gradient."""
+    global ``targets`` (checked locally), ``top_k`` / ``top_p`` as the user gave them (0 /
+    1.0: none; ``top_k >= V`` turned off here, :func:`agreed_cut`): the unsharded call's
+    values on every rank, this rank's columns of its gradient. Eager: a graph break under
+    ``torch.compile`` (its search reads the host and its launches are not custom ops)."""
     D.check_vocab_limit(shard)
     x3d = as_rows3d(logits)
     t2d = targets.reshape(x3d.shape[:2])
@@ -383,8 +424,9 @@ def sharded_truncated_logprobs(
         V.value_checks_enabled(logits), None if softcap is None else float(softcap),
     )  # fmt: skip
     values, ok = checked_header(t2d, spec, stats_dtype(x3d.dtype), read=which == "reference")
+    top_k, vocab = agreed_cut(values if ok is None else None, shard, top_k)
     if which == "reference":
-        full = _GatherVocab.apply(x3d, shard, *layout(values, shard))
+        full = _GatherVocab.apply(x3d, shard, layout(values, shard))
         logp = ref.truncated_logprobs(
             full, t2d, top_k=top_k or None, top_p=top_p, temperature=spec.temperature,
             ignore_index=spec.ignore_index, softcap=spec.softcap,
@@ -393,5 +435,5 @@ def sharded_truncated_logprobs(
     t_local, ignored = D._local_targets(t2d, shard, spec.ignore_index)
     valid = shard.valid
     x = x3d if valid == x3d.shape[-1] else x3d.narrow(-1, 0, valid)
-    logp = _ShardedTruncated.apply(x, t_local, ignored, spec, top_k, top_p, ok)
+    logp = _ShardedTruncated.apply(x, t_local, ignored, spec, top_k, top_p, vocab, ok)
     return logp.reshape(targets.shape)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -102,3 +106,17 @@ def compiled_scalar_abi():
         yield
     finally:
         interpreter._implicit_cvt = original
+
+
+def sm90_compile_output(script: str) -> str:
+    """The stdout of ``script`` -- a program that compiles kernels for sm_90 -- run in a
+    fresh interpreter WITHOUT ``TRITON_INTERPRET`` (the interpreter replaces kernels by
+    NumPy stand-ins that cannot be compiled), ``tests/`` passed as ``sys.argv[1]``; asserts
+    it exited 0."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(Path(__file__).parent)], env=env,
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result.stdout.strip()

@@ -810,7 +810,7 @@ def truncated_vocab_parallel(ctx):
     cases = [dict(top_k=1), dict(top_k=7, temperature=0.7), dict(top_k=64, top_p=0.9),
              dict(top_p=0.5), dict(top_p=0.9), dict(top_p=0.99, temperature=0.7),
              dict(top_k=100), dict(top_k=80, top_p=0.7), dict(top_k=9, top_p=0.9, softcap=2.0),
-             dict(top_p=0.9, softcap=3.0)]  # fmt: skip
+             dict(top_p=0.9, softcap=3.0), dict(top_k=500), dict(top_k=3 * V)]  # fmt: skip
     for kw in cases:
         unsharded = partial(fused_rl.truncated_logprobs, targets=targets, **kw)
         want, w_grad = _value_grad(unsharded, full, up)
@@ -832,6 +832,27 @@ def truncated_vocab_parallel(ctx):
                 assert names == ["all_reduce", "all_gather"], f"{what}: {names}"
             if backend == "triton" and kw == dict(top_p=0.9):  # a flat row: searched
                 assert names.count("all_reduce") > 1 and names.count("all_gather") == 2, names
+    # bf16 shards; a soft cap with infinite logits (capped to +-c: finite rows)
+    for x, kw in ((full.bfloat16(), dict(top_k=9, top_p=0.9)),
+                  (full.index_fill(-1, torch.tensor([0, V - 1]), float("-inf")),
+                   dict(top_p=0.9, softcap=2.0))):  # fmt: skip
+        unsharded = partial(fused_rl.truncated_logprobs, targets=targets, **kw)
+        want, w_grad = _value_grad(unsharded, x, up)
+        got, grad = _value_grad(partial(unsharded, process_group=ctx.group), x[..., start:stop],
+                                up)  # fmt: skip
+        _same_cut(got, want, f"{kw} {x.dtype}")
+        fin = torch.isfinite(want)
+        assert_rel(got[fin], want[fin], 1e-5, f"logp {kw} {x.dtype}")
+        assert_rel(grad.float(), w_grad[..., start:stop].float(), 1e-2, f"grad {kw}")
+    # torch.compile: the vocabulary-parallel route runs eagerly (a graph break)
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda x: fused_rl.truncated_logprobs(x, targets, top_p=0.9, process_group=ctx.group),
+        backend="aot_eager",
+    )  # fmt: skip
+    eager = fused_rl.truncated_logprobs(full[..., start:stop], targets, top_p=0.9,
+                                        process_group=ctx.group)  # fmt: skip
+    assert torch.equal(compiled(full[..., start:stop]), eager)
     # the backward communicates nothing; token_logprobs takes the same route
     local = full[..., start:stop].detach().requires_grad_()
     lp = fused_rl.token_logprobs(local, targets, top_p=0.9, process_group=ctx.group)
@@ -901,6 +922,28 @@ def truncated_vocab_parallel_layouts(ctx):
         _same_cut(got, want, f"fp64 {backend}")
         assert_rel(got[torch.isfinite(want)], want[torch.isfinite(want)], F64_TOL, "fp64")
         assert_rel(grad, w_grad[:, start:stop], F64_TOL, "fp64 grad")
+    # DTensor logits placed Shard(-1) (torch.chunk layout)
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    x = torch.randn(2, 3, 41, generator=g)
+    t = torch.randint(0, 41, (2, 3), generator=g)
+    want = fused_rl.truncated_logprobs(x, t, top_k=4, top_p=0.8)
+    dt = distribute_tensor(x, _mesh(ctx), [Shard(2)])
+    got = fused_rl.truncated_logprobs(dt, t, top_k=4, top_p=0.8)
+    assert type(got) is torch.Tensor
+    _same_cut(got, want, "DTensor")
+    assert_rel(got[torch.isfinite(want)], want[torch.isfinite(want)], 1e-6, "DTensor")
+    # unchecked, a layout the ranks disagree on (ragged widths, no vocab_start): NaN on
+    # every rank and the same collectives, never a hang (k > 64: the search on some rows)
+    config.check_values = False
+    try:
+        x = torch.randn(2, 3, 100 if ctx.rank == 0 else 50, generator=g)
+        lp = fused_rl.truncated_logprobs(x, torch.zeros(2, 3, dtype=torch.long), top_k=120,
+                                         top_p=0.9, process_group=ctx.group)  # fmt: skip
+        assert torch.isnan(lp).all(), lp
+    finally:
+        config.check_values = True
+    _group_ok(ctx)
     # a target outside [0, V): every rank raises; unchecked, NaN at its token
     x = torch.randn(2, 3, 5, generator=g)
     bad = torch.zeros(2, 3, dtype=torch.long)
@@ -943,9 +986,15 @@ def linear_truncated_vocab_parallel(ctx):
         torch.where(torch.isfinite(out), out * up, 0.0).sum().backward()
         return out.detach(), [leaf.grad for leaf in leaves]
 
-    for kw in (dict(top_k=5), dict(top_p=0.9), dict(top_k=70, top_p=0.8),
-               dict(top_k=9, top_p=0.9, softcap=2.0)):  # fmt: skip
-        unsharded = partial(fused_rl.linear_token_logprobs, targets=targets, chunk_tokens=3, **kw)
+    for kw in (
+        dict(top_k=5),
+        dict(top_p=0.9),
+        dict(top_k=70, top_p=0.8),
+        dict(top_k=9, top_p=0.9, softcap=2.0),
+        dict(top_p=0.9, chunk_tokens=None),
+    ):
+        kw = dict(dict(chunk_tokens=3), **kw)  # None: the default chunks, ragged shards
+        unsharded = partial(fused_rl.linear_token_logprobs, targets=targets, **kw)
         want, (w_h, w_w, w_b) = run(unsharded, hidden, weight, bias)
         for backend in BACKENDS:
             what = f"{kw} {backend}"

@@ -4,8 +4,9 @@
 ``_shard_partials_kernel`` (one read of each shard row, as pass A of
 ``kernels/vocab/truncated.py``): per row, the shard's ``kk`` largest tempered logits in
 ``KS = 64`` slots (unordered, ``-inf`` where empty), the count of values tied at the
-``kk``-th that hold no slot, and the shard's max, ``sum exp(z - max)``, NaN count, minimum
-and target logit (when it owns the target): one ``PART`` row of ``KS + 8`` floats. The union
+``kk``-th that hold no slot, and the shard's max, ``sum exp(z - max)`` (``NEED_SUM``), NaN
+count, minimum (``NEED_MIN``) and target logit (when it owns the target): one ``PART`` row of
+``KS + 8`` floats (the sum / minimum fields 0 / ``+inf`` without their flags). The union
 of every rank's slots holds, with multiplicity, every value of the row at or above the
 largest of the ranks' ``kk``-th values, so top-k with ``k <= 64`` and most top-p cuts are
 read off the gathered slots.
