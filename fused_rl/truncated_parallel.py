@@ -20,10 +20,15 @@ Forward (``kernels/vocab/truncated_shard.py``):
 4. otherwise (top-p on a flat row, top-k > 64) the threshold search of the single-device
    kernel runs one pass per launch on a bracket ``[lo, L)`` every rank holds alike: each
    pass streams the shard for 16 candidates' counts and masses and **all-reduces** them
-   (``2 x 16`` floats a token; ``fused_rl.truncated.MAX_SEARCH_PASSES`` passes at most;
-   eager mode stops once every row's search is over, one host read a pass), then one
-   collect pass gathers the at most 64 values left in the bracket (**all-gather**, 64
-   floats a token per rank).
+   (``2 x 16`` floats a token; ``fused_rl._truncated_ops.MAX_SEARCH_PASSES`` passes at
+   most; skipped when no row needs it and stopped once every row's search is over, a host
+   read each, with the layout checked), then one collect pass gathers the at most 64 values
+   left in the bracket (**all-gather**, 64 floats a token per rank).
+
+Every branch that decides a collective depends on the call's options and the gathered
+(merged) values only, so every rank runs the same collectives; ``top_k >= V`` is turned off
+from the checked header (:func:`agreed_cut`). The route is eager: under ``torch.compile`` a
+graph break (its host reads, and launches that are not custom ops).
 
 The backward needs no collective: each rank's gradient is ``(onehot - p) g dz/dx`` on its
 kept columns from the merged ``(tau, m, log F)`` (``kernels/vocab/truncated.py``'s backward
