@@ -1323,6 +1323,43 @@ def _chunk_kl(rows, weight, bias, ref_rows, ref_weight, ref_bias, counted, start
                     process_group=group, backend=which)  # fmt: skip
 
 
+def check_second_head(hidden2, weight2, bias2, hidden, weight, names, whose: str) -> None:
+    """A second model's hidden states, lm_head and bias (the reference's, the teacher's:
+    ``names`` their argument names, ``whose`` the model in messages) against the policy's
+    ``hidden`` / ``weight``: the same tokens, its own width, the same vocabulary, one dtype
+    for ``torch.nn.functional.linear``; each error names the argument."""
+    n_hidden, n_weight, n_bias = names
+    lead = tuple(hidden.shape[:-1])
+    if hidden2.dim() != hidden.dim() or tuple(hidden2.shape[:-1]) != lead:
+        raise ValueError(
+            f"{n_hidden} must be shaped as hidden {lead} + (H',) (the same tokens), got "
+            f"{tuple(hidden2.shape)}"
+        )
+    if weight2.dim() != 2 or weight2.shape[1] != hidden2.shape[-1]:
+        raise ValueError(
+            f"{n_weight} must be the {whose} lm_head (V, H') with H' = {n_hidden}.shape[-1] = "
+            f"{hidden2.shape[-1]}, got {tuple(weight2.shape)}"
+        )
+    if weight2.shape[0] != weight.shape[0]:
+        raise ValueError(
+            f"{n_weight} has a vocabulary of {weight2.shape[0]} but weight has "
+            f"{weight.shape[0]}: both models must share the vocabulary"
+        )
+    if weight2.dtype != hidden2.dtype:
+        raise TypeError(
+            f"{n_weight} ({weight2.dtype}) and {n_hidden} ({hidden2.dtype}) must share a dtype, "
+            f"as torch.nn.functional.linear needs (a wider {n_weight} is fine: {n_hidden} is "
+            "cast up to it)"
+        )
+    if bias2 is not None:
+        V.check_float(bias2, n_bias)
+        if tuple(bias2.shape) != (weight2.shape[0],) or bias2.dtype != weight2.dtype:
+            raise ValueError(
+                f"{n_bias} must be ({weight2.shape[0]},) in {weight2.dtype}, got shape "
+                f"{tuple(bias2.shape)} in {bias2.dtype}"
+            )
+
+
 def _prepare_ref(ref_hidden, ref_weight, ref_bias, hidden, weight, targets):
     """The reference's ``(N, H_ref)`` rows (windowed as ``hidden``'s), lm_head and bias,
     checked against the policy's and detached (constants, as ``ref_logprobs``)."""
@@ -1330,34 +1367,10 @@ def _prepare_ref(ref_hidden, ref_weight, ref_bias, hidden, weight, targets):
     V.check_float(ref_weight, "ref_weight")
     V.check_same_device(hidden=hidden, ref_hidden=ref_hidden, ref_weight=ref_weight,
                         ref_bias=ref_bias)  # fmt: skip
-    if ref_hidden.dim() != hidden.dim() or ref_hidden.shape[:-1] != hidden.shape[:-1]:
-        raise ValueError(
-            f"ref_hidden must be shaped as hidden {tuple(hidden.shape[:-1])} + (H_ref,), got "
-            f"{tuple(ref_hidden.shape)}"
-        )
-    if ref_weight.dim() != 2 or ref_weight.shape[1] != ref_hidden.shape[-1]:
-        raise ValueError(
-            f"ref_weight must be the reference lm_head's (V, H_ref) with H_ref = "
-            f"ref_hidden.shape[-1] = {ref_hidden.shape[-1]}, got {tuple(ref_weight.shape)}"
-        )
-    if ref_weight.shape[0] != weight.shape[0]:
-        raise ValueError(
-            f"ref_weight has a vocabulary of {ref_weight.shape[0]} but weight has "
-            f"{weight.shape[0]}: the exact KL needs both models over the same vocabulary"
-        )
     ref_hidden = _promote_hidden(ref_hidden, ref_weight)
-    if ref_weight.dtype != ref_hidden.dtype:
-        raise TypeError(
-            f"ref_weight ({ref_weight.dtype}) and ref_hidden ({ref_hidden.dtype}) must share a "
-            "dtype, as torch.nn.functional.linear needs"
-        )
+    check_second_head(ref_hidden, ref_weight, ref_bias, hidden, weight,
+                      ("ref_hidden", "ref_weight", "ref_bias"), "reference's")  # fmt: skip
     if ref_bias is not None:
-        V.check_float(ref_bias, "ref_bias")
-        if tuple(ref_bias.shape) != (ref_weight.shape[0],) or ref_bias.dtype != ref_weight.dtype:
-            raise ValueError(
-                f"ref_bias must be ({ref_weight.shape[0]},) in {ref_weight.dtype}, got shape "
-                f"{tuple(ref_bias.shape)} in {ref_bias.dtype}"
-            )
         ref_bias = ref_bias.detach()
     ref_rows, _ = _window_rows(ref_hidden.detach(), targets)
     return ref_rows, ref_weight.detach(), ref_bias

@@ -65,6 +65,7 @@ from .linear import (
     _grad_wanted,
     _hidden_grad,
     _promote_hidden,
+    check_second_head,
 )
 from .reference import distill as ref
 from .reference.logprobs import differentiable_once
@@ -241,44 +242,6 @@ class _LinearDistill(torch.autograd.Function):
 # ----------------------------------------------------------------------------- checks
 
 
-def _check_teacher(teacher_hidden, teacher_weight, teacher_bias, hidden, weight) -> None:
-    V.check_float(teacher_hidden, "teacher_hidden")
-    V.check_float(teacher_weight, "teacher_weight")
-    lead = tuple(hidden.shape[:-1])
-    if teacher_hidden.dim() != hidden.dim() or tuple(teacher_hidden.shape[:-1]) != lead:
-        raise ValueError(
-            f"teacher_hidden must have hidden's leading shape {lead} (the same tokens), got "
-            f"shape {tuple(teacher_hidden.shape)}"
-        )
-    if teacher_weight.dim() != 2 or teacher_weight.shape[1] != teacher_hidden.shape[-1]:
-        raise ValueError(
-            f"teacher_weight must be the teacher's lm_head (V, H_t) with H_t = "
-            f"teacher_hidden.shape[-1] = {teacher_hidden.shape[-1]}, got shape "
-            f"{tuple(teacher_weight.shape)}"
-        )
-    if teacher_weight.shape[0] != weight.shape[0]:
-        raise ValueError(
-            f"teacher_weight must have the student's vocabulary size: weight has V = "
-            f"{weight.shape[0]}, teacher_weight V = {teacher_weight.shape[0]}"
-        )
-    if teacher_weight.dtype != teacher_hidden.dtype:
-        raise TypeError(
-            f"teacher_weight ({teacher_weight.dtype}) and teacher_hidden "
-            f"({teacher_hidden.dtype}) must share a dtype, as torch.nn.functional.linear needs "
-            "(a wider teacher_weight is fine: the teacher's hidden states are cast up to it)"
-        )
-    if teacher_bias is not None:
-        V.check_float(teacher_bias, "teacher_bias")
-        if (
-            tuple(teacher_bias.shape) != (teacher_weight.shape[0],)
-            or teacher_bias.dtype != teacher_weight.dtype
-        ):
-            raise ValueError(
-                f"teacher_bias must be ({teacher_weight.shape[0]},) in {teacher_weight.dtype}, "
-                f"got shape {tuple(teacher_bias.shape)} in {teacher_bias.dtype}"
-            )
-
-
 def _check_targets(targets, lead) -> None:
     if targets is None:
         return
@@ -305,7 +268,17 @@ def _prepare(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias,
     hidden = _promote_hidden(hidden, weight)
     teacher_hidden = _promote_hidden(teacher_hidden, teacher_weight)
     _check_linear(hidden, weight, bias)
-    _check_teacher(teacher_hidden, teacher_weight, teacher_bias, hidden, weight)
+    V.check_float(teacher_hidden, "teacher_hidden")
+    V.check_float(teacher_weight, "teacher_weight")
+    check_second_head(
+        teacher_hidden,
+        teacher_weight,
+        teacher_bias,
+        hidden,
+        weight,
+        ("teacher_hidden", "teacher_weight", "teacher_bias"),
+        "teacher's",
+    )
     check_teacher_frozen(teacher_hidden=teacher_hidden, teacher_weight=teacher_weight,
                          teacher_bias=teacher_bias)  # fmt: skip
     lead = tuple(hidden.shape[:-1])
