@@ -253,63 +253,26 @@ class _LinearTokenStats(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        # the chunk gradients come from saved statistics taken as constants (and layer 3
-        # overwrites the recomputed logits): no graph here, and a double backward raises
-        create_graph = torch.is_grad_enabled()
-        with torch.no_grad():
-            grads = _LinearTokenStats._grads(ctx, grad_logp, grad_entropy)
-        if not create_graph:
-            return grads
-        with torch.enable_grad():
-            sources = (*ctx.saved_tensors, grad_logp, grad_entropy)
-            return tuple(differentiable_once(g, *sources) for g in grads)
+        return _once_differentiable_grads(ctx, _LinearTokenStats._grads, grad_logp, grad_entropy)
 
     @staticmethod
     def _grads(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, targets, row_max, log_sum, entropy = ctx.saved_tensors
         temperature, softcap, ignore_index, chunk, which = ctx.config
         tp = ctx.tp
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if grad_logp is None and grad_entropy is None:
             return (None,) * 10
         if grad_logp is None:
             grad_logp = torch.zeros_like(row_max)
-        acc, d_hidden, d_weight, d_bias = _grad_buffers(hidden, weight, need_h, need_w, need_b)
-        dw_out, db_out, out_dtype = d_weight, d_bias, weight.dtype
-        if tp is not None:  # padding rows of the shard: unread, their gradient stays zero
-            valid = tp.spec.shard.valid
-            weight, bias = _valid_rows(weight, bias, valid)
-            d_weight = d_weight[:valid] if need_w else None
-            d_bias = d_bias[:valid] if need_b else None
-        for start in range(0, hidden.shape[0], chunk):
-            rows = slice(start, min(start + chunk, hidden.shape[0]))
-            # recomputed: the forward kept no logits
-            z, z_full = _chunk_logits(hidden[rows], weight, bias, chunk)
+
+        def dz_of(rows, z):
             stats = (targets[rows], row_max[rows], log_sum[rows], _rows_of(entropy, rows),
                      grad_logp[rows], _rows_of(grad_entropy, rows))  # fmt: skip
             if tp is None:
-                dz, in_place = _chunk_grad(z, *stats, temperature, softcap, ignore_index, which)
-            else:  # this rank's columns, the global statistics (here targets: local ids)
-                dz, in_place = _shard_chunk_grad(z, *stats, tp.spec)
-            if need_h:  # dz written over z: its GEMM buffer is z's
-                d_hidden[rows] = _hidden_grad(dz, weight, chunk, z_full if in_place else None)
-            if need_w:
-                _addmm_wide(d_weight, dz.t(), hidden[rows])
-            if need_b:
-                d_bias.add_(dz.sum(0, dtype=acc))
-            del z, z_full, dz
-        if need_h and tp is not None and tp.reduce_hidden:
-            # hidden is replicated: its gradient is the sum of every shard's dz W_local
-            from .distributed import _dist
+                return _chunk_grad(z, *stats, temperature, softcap, ignore_index, which)
+            return _shard_chunk_grad(z, *stats, tp.spec)  # local target ids, global stats
 
-            dist = _dist()
-            dist.all_reduce(d_hidden, op=dist.ReduceOp.SUM, group=tp.spec.shard.group)
-        return (
-            d_hidden,
-            dw_out.to(out_dtype) if need_w else None,
-            db_out.to(out_dtype) if need_b else None,
-            None, None, None, None, None, None, None,
-        )  # fmt: skip
+        return _head_grads(ctx, hidden, weight, bias, chunk, dz_of, tp) + (None,) * 7
 
 
 def _truncated_chunk_grad(z, targets, stats, g, top_k, top_p, temperature, softcap,
@@ -339,23 +302,12 @@ class _LinearTruncated(torch.autograd.Function):
     (``fused_rl.truncated``), keeping per token its threshold, row max and ``log F`` (the
     kept set's normaliser); backward the logits recomputed, the truncated backward kernel
     writing ``dz`` over them, then ``dH_c = dz W``, ``dW += dz^T h_c``, ``db``. ``top_k``
-    0 and ``top_p`` 1.0 turn a cut off (:func:`fused_rl.truncated.cuts`).
-
-    ``tp`` (:class:`_TensorParallel`, None when unsharded): ``weight`` / ``bias`` are this
-    rank's vocabulary shard; each chunk's local logits go through
-    ``fused_rl.truncated_parallel`` (the ranks agree on the chunk's cut with its collectives,
-    so every rank runs the same chunks: ``chunk`` from the global vocabulary), the backward
-    as the unsharded one with the target's kept flag, then one SUM all-reduce of ``dH``
-    (``tp.reduce_hidden``)."""
+    0 and ``top_p`` 1.0 turn a cut off (:func:`fused_rl.truncated.cuts`)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, top_k, top_p, temperature, softcap,
-                ignore_index, chunk, which, tp=None):  # fmt: skip
+                ignore_index, chunk, which):  # fmt: skip
         ctx.set_materialize_grads(False)
-        ctx.tp = tp
-        if tp is not None:
-            return _LinearTruncated._sharded_forward(ctx, hidden, weight, bias, targets, top_k,
-                                                     top_p, chunk)  # fmt: skip
         n_rows = hidden.shape[0]
         acc = stats_dtype(hidden.dtype)
         logp = hidden.new_empty((n_rows,), dtype=acc)
@@ -383,11 +335,40 @@ class _LinearTruncated(torch.autograd.Function):
         return logp
 
     @staticmethod
-    def _sharded_forward(ctx, hidden, weight, bias, targets, top_k, top_p, chunk):
+    def backward(ctx, grad_logp):
+        return _once_differentiable_grads(ctx, _LinearTruncated._grads, grad_logp)
+
+    @staticmethod
+    def _grads(ctx, grad_logp):
+        hidden, weight, bias, targets, stats = ctx.saved_tensors
+        top_k, top_p, temperature, softcap, ignore_index, chunk, which = ctx.config
+        if grad_logp is None:
+            return (None,) * 11
+
+        def dz_of(rows, z):
+            st = None if stats is None else stats[3 * rows.start : 3 * rows.stop]
+            st = None if st is None else st.view(3, rows.stop - rows.start)
+            return _truncated_chunk_grad(z, targets[rows], st, grad_logp[rows], top_k, top_p,
+                                         temperature, softcap, ignore_index, which)  # fmt: skip
+
+        return _head_grads(ctx, hidden, weight, bias, chunk, dz_of) + (None,) * 8
+
+
+class _ShardedLinearTruncated(torch.autograd.Function):
+    """:class:`_LinearTruncated` with ``weight`` / ``bias`` this rank's vocabulary shard
+    (``tp``, :class:`_TensorParallel`): each chunk's local logits go through
+    ``fused_rl.truncated_parallel`` (the ranks agree on the chunk's cut with its collectives,
+    so every rank runs the same chunks: ``chunk`` from the global vocabulary); the backward
+    as the unsharded one with the target's kept flag, then (``tp.reduce_hidden``) one SUM
+    all-reduce of ``dH``. Eager only (:func:`_sharded_truncated`)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, top_k, top_p, chunk, tp):
         from . import truncated_parallel as TP
         from .distributed import _local_targets
 
-        spec = ctx.tp.spec
+        ctx.set_materialize_grads(False)
+        spec = tp.spec
         n_rows = hidden.shape[0]
         acc = stats_dtype(hidden.dtype)
         values, ok = TP.checked_header(targets[None], spec, acc, read=spec.which == "reference")
@@ -410,71 +391,80 @@ class _LinearTruncated(torch.autograd.Function):
             logp[rows] = lp.reshape(-1)
             del z
         ctx.save_for_backward(hidden, weight, bias, t_local, stats, kept, targets)
-        ctx.config = (top_k, top_p, values, chunk)
+        ctx.config = (top_k, top_p, values, chunk, tp)
         return logp
 
     @staticmethod
     def backward(ctx, grad_logp):
-        # as _LinearTokenStats: saved statistics as constants, a double backward raises
-        create_graph = torch.is_grad_enabled()
-        with torch.no_grad():
-            grads = _LinearTruncated._grads(ctx, grad_logp)
-        if not create_graph:
-            return grads
-        with torch.enable_grad():
-            sources = (*ctx.saved_tensors, grad_logp)
-            return tuple(differentiable_once(g, *sources) for g in grads)
+        return _once_differentiable_grads(ctx, _ShardedLinearTruncated._grads, grad_logp)
 
     @staticmethod
     def _grads(ctx, grad_logp):
-        tp = ctx.tp
-        if tp is None:
-            hidden, weight, bias, targets, stats = ctx.saved_tensors
-            top_k, top_p, temperature, softcap, ignore_index, chunk, which = ctx.config
-        else:
-            hidden, weight, bias, targets, stats, kept, global_targets = ctx.saved_tensors
-            top_k, top_p, values, chunk = ctx.config
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        hidden, weight, bias, t_local, stats, kept, targets = ctx.saved_tensors
+        top_k, top_p, values, chunk, tp = ctx.config
         if grad_logp is None:
-            return (None,) * 12
-        acc, d_hidden, d_weight, d_bias = _grad_buffers(hidden, weight, need_h, need_w, need_b)
-        dw_out, db_out, out_dtype = d_weight, d_bias, weight.dtype
-        if tp is not None:  # padding rows of the shard: unread, their gradient stays zero
-            valid = tp.spec.shard.valid
-            weight, bias = _valid_rows(weight, bias, valid)
-            d_weight = d_weight[:valid] if need_w else None
-            d_bias = d_bias[:valid] if need_b else None
-        n_rows = hidden.shape[0]
-        for start in range(0, n_rows, chunk):
-            stop = min(start + chunk, n_rows)
-            # recomputed: the forward kept no logits
-            z, z_full = _chunk_logits(hidden[start:stop], weight, bias, chunk)
-            st = None if stats is None else stats[3 * start : 3 * stop].view(3, stop - start)
-            if tp is None:
-                dz, in_place = _truncated_chunk_grad(
-                    z, targets[start:stop], st, grad_logp[start:stop], top_k, top_p,
-                    temperature, softcap, ignore_index, which,
-                )  # fmt: skip
-            else:
-                dz, in_place = _truncated_shard_chunk_grad(
-                    z, targets[start:stop], global_targets[start:stop], st, kept[start:stop],
-                    grad_logp[start:stop], tp.spec, values, top_k, top_p,
-                )  # fmt: skip
-            if need_h:  # dz written over z: its GEMM buffer is z's
-                d_hidden[start:stop] = _hidden_grad(dz, weight, chunk, z_full if in_place else None)
-            if need_w:
-                _addmm_wide(d_weight, dz.t(), hidden[start:stop])
-            if need_b:
-                d_bias.add_(dz.sum(0, dtype=acc))
-            del z, z_full, dz
-        if need_h and tp is not None and tp.reduce_hidden:
-            _all_reduce_sum(d_hidden, tp.spec.shard.group)
-        return (
-            d_hidden,
-            dw_out.to(out_dtype) if need_w else None,
-            db_out.to(out_dtype) if need_b else None,
-            None, None, None, None, None, None, None, None, None,
-        )  # fmt: skip
+            return (None,) * 8
+
+        def dz_of(rows, z):
+            st = stats[3 * rows.start : 3 * rows.stop].view(3, rows.stop - rows.start)
+            return _truncated_shard_chunk_grad(
+                z, t_local[rows], targets[rows], st, kept[rows], grad_logp[rows], tp.spec,
+                values, top_k, top_p,
+            )  # fmt: skip
+
+        return _head_grads(ctx, hidden, weight, bias, chunk, dz_of, tp) + (None,) * 5
+
+
+def _once_differentiable_grads(ctx, grads_fn, *grad_outputs):
+    """A chunked op's backward, as :class:`_LinearTokenStats`'s: ``grads_fn(ctx,
+    *grad_outputs)`` under ``no_grad`` (the saved statistics are constants, and the kernels
+    write over the recomputed logits), made differentiable once (a double backward raises)."""
+    create_graph = torch.is_grad_enabled()
+    with torch.no_grad():
+        grads = grads_fn(ctx, *grad_outputs)
+    if not create_graph:
+        return grads
+    with torch.enable_grad():
+        sources = (*ctx.saved_tensors, *grad_outputs)
+        return tuple(differentiable_once(g, *sources) for g in grads)
+
+
+def _head_grads(ctx, hidden, weight, bias, chunk, dz_of, tp=None, group=None):
+    """``(d_hidden, d_weight, d_bias)`` of a chunked lm_head op (None where not needed, by
+    ``ctx.needs_input_grad``): each chunk's logits recomputed (the forward kept none),
+    ``dz_of(rows, z)`` gives ``(dz, in_place)`` (``dz`` written over ``z`` when
+    ``in_place``), then ``dH = dz W``, ``dW += dz^T h``, ``db += sum dz`` (fp32 / fp64
+    accumulators). ``tp``: a vocabulary shard, its padding rows unread (zero gradient) and,
+    with ``tp.reduce_hidden``, ``dH`` summed over the ranks (one all-reduce); ``group``: that
+    all-reduce without a shard (:class:`_LinearTokenKL`)."""
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    acc, d_hidden, d_weight, d_bias = _grad_buffers(hidden, weight, need_h, need_w, need_b)
+    dw_out, db_out, out_dtype = d_weight, d_bias, weight.dtype
+    if tp is not None:  # padding rows of the shard: unread, their gradient stays zero
+        valid = tp.spec.shard.valid
+        weight, bias = _valid_rows(weight, bias, valid)
+        d_weight = d_weight[:valid] if need_w else None
+        d_bias = d_bias[:valid] if need_b else None
+        group = tp.spec.shard.group if tp.reduce_hidden else None
+    n_rows = hidden.shape[0]
+    for start in range(0, n_rows, chunk):
+        rows = slice(start, min(start + chunk, n_rows))
+        z, z_full = _chunk_logits(hidden[rows], weight, bias, chunk)
+        dz, in_place = dz_of(rows, z)
+        if need_h:  # dz written over z: its GEMM buffer is z's
+            d_hidden[rows] = _hidden_grad(dz, weight, chunk, z_full if in_place else None)
+        if need_w:
+            _addmm_wide(d_weight, dz.t(), hidden[rows])
+        if need_b:
+            d_bias.add_(dz.sum(0, dtype=acc))
+        del z, z_full, dz
+    if need_h and group is not None:  # hidden is replicated: its gradient sums the ranks'
+        _all_reduce_sum(d_hidden, group)
+    return (
+        d_hidden,
+        dw_out.to(out_dtype) if need_w else None,
+        db_out.to(out_dtype) if need_b else None,
+    )
 
 
 def _reference_shard_chunk(z, targets, spec, values, top_k, top_p, ok=None, g=None):
@@ -964,30 +954,17 @@ def _linear_truncated(hidden, weight, targets, bias, top_k, top_p, temperature, 
         chunk = default_chunk_tokens(-(-shard.vocab_size // shard.world), rows.dtype)
     # top_k as given: the ranks agree on turning it off at V (truncated_parallel.agreed_cut)
     k, p = cuts(top_k, top_p, MAX_VOCAB)
-    return _sharded_truncated(
-        rows,
-        weight,
-        bias,
-        flat_targets,
-        k,
-        p,
-        float(temperature),
-        cap,
-        int(ignore_index),
-        chunk,
-        which,
-        tp,
-    ).view(targets.shape)
+    logp = _sharded_truncated(rows, weight, bias, flat_targets, k, p, chunk, tp)
+    return logp.view(targets.shape)
 
 
 @torch.compiler.disable
-def _sharded_truncated(rows, weight, bias, flat_targets, k, p, temperature, cap, ignore_index,
-                       chunk, which, tp) -> Tensor:  # fmt: skip
-    """The vocabulary-parallel :class:`_LinearTruncated`: eager (a graph break under
-    ``torch.compile``: its search reads the host and its launches are not custom ops)."""
+def _sharded_truncated(rows, weight, bias, flat_targets, k, p, chunk, tp) -> Tensor:
+    """:class:`_ShardedLinearTruncated` (the options in ``tp.spec``): eager (a graph break
+    under ``torch.compile``: its search reads the host and its launches are not custom
+    ops)."""
     with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
-        return _LinearTruncated.apply(rows, weight, bias, flat_targets, k, p, temperature, cap,
-                                      ignore_index, chunk, which, tp)  # fmt: skip
+        return _ShardedLinearTruncated.apply(rows, weight, bias, flat_targets, k, p, chunk, tp)
 
 
 def _tensor_parallel(group, weight, vocab_start, vocab_size, temperature, softcap,
@@ -1284,33 +1261,20 @@ class _LinearTokenKL(torch.autograd.Function):
     def backward(ctx, grad_kl):
         rows, weight, bias, ref_rows, ref_weight, ref_bias, counted = ctx.saved_tensors
         temperature, softcap, chunk, group, reduce_hidden, which = ctx.config
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if grad_kl is None:
             return (None,) * 13
-        acc, d_rows, d_weight, d_bias = _grad_buffers(rows, weight, need_h, need_w, need_b)
-        for start in range(0, rows.shape[0], chunk):
-            stop = min(start + chunk, rows.shape[0])
+
+        def dz_of(chunk_rows, z):
+            start, stop = chunk_rows.start, chunk_rows.stop
             with torch.enable_grad():
-                z = F.linear(rows[start:stop], weight, bias).detach().requires_grad_()
-                kl = _chunk_kl(z, None, None, ref_rows, ref_weight, ref_bias, counted, start,
+                leaf = z.detach().requires_grad_()
+                kl = _chunk_kl(leaf, None, None, ref_rows, ref_weight, ref_bias, counted, start,
                                stop, temperature, softcap, group, which)  # fmt: skip
-                (dz,) = torch.autograd.grad(kl, z, grad_kl[start:stop].to(kl.dtype))
-            dz = dz.to(weight.dtype)
-            if need_h:
-                d_rows[start:stop] = dz @ weight
-            if need_w:
-                _addmm_wide(d_weight, dz.t(), rows[start:stop])
-            if need_b:
-                d_bias.add_(dz.sum(0, dtype=acc))
-            del z, kl, dz
-        if need_h and group is not None and reduce_hidden:
-            _all_reduce_sum(d_rows, group)
-        return (
-            d_rows,
-            d_weight.to(weight.dtype) if need_w else None,
-            d_bias.to(weight.dtype) if need_b else None,
-            None, None, None, None, None, None, None, None, None, None,
-        )  # fmt: skip
+                (dz,) = torch.autograd.grad(kl, leaf, grad_kl[chunk_rows].to(kl.dtype))
+            return dz, False
+
+        reduce = group if reduce_hidden else None
+        return _head_grads(ctx, rows, weight, bias, chunk, dz_of, group=reduce) + (None,) * 10
 
 
 def _chunk_kl(rows, weight, bias, ref_rows, ref_weight, ref_bias, counted, start, stop,
