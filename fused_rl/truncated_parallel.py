@@ -131,54 +131,50 @@ def _all_gather(t: Tensor, shard) -> Tensor:
     return torch.stack(parts)
 
 
-class _Search:
+def _search(x3d: Tensor, spec, on, lo, hi, c_hi, f_hi, goal, m, by_count: bool):
     """The vocabulary-parallel threshold search on ``x3d`` (this rank's valid columns): one
-    kernel launch and one all-reduce a pass, then a collect pass and its all-gather."""
+    kernel launch and one all-reduce a pass, then a collect pass and its all-gather.
+    Returns ``(v, F(v))`` float64 per row: for the rows ``on``, the largest row value in
+    ``[lo, hi)`` whose count (``by_count``) or mass ``exp(z - m)`` at or above it reaches
+    ``goal``, given ``c_hi`` / ``f_hi``, those of the values ``>= hi``."""
+    acc = stats_dtype(x3d.dtype)
+    if V.host_sync_allowed(on) and not bool(on.any()):
+        return lo, f_hi  # no row to search (every rank alike: on is merged): no collective
+    k = _shard_kernels()
+    n = on.numel()
+    state = torch.zeros((n, k.STATE.value), dtype=acc, device=on.device)
+    for field, value in ((k.S_LO, lo), (k.S_HI, hi), (k.S_CHI, c_hi), (k.S_FHI, f_hi),
+                         (k.S_FLO, f_hi), (k.S_GOAL, goal), (k.S_M, m),
+                         (k.S_DONE, ~on), (k.S_ON, on)):  # fmt: skip
+        state[:, field.value] = value.to(acc)
+    sums = torch.zeros((n, 2 * N_CAND), dtype=acc, device=on.device)
+    top = torch.empty((n, KS), dtype=acc, device=on.device)
 
-    def __init__(self, x3d: Tensor, spec):
-        self.x3d, self.spec = x3d, spec
-        self.acc = stats_dtype(x3d.dtype)
+    def launch(narrow: bool, stream: bool, collect: bool) -> None:
+        _search_step(x3d, state, sums, top, spec, by_count, narrow, stream, collect)
 
-    def run(self, on, lo, hi, c_hi, f_hi, goal, m, by_count: bool):
-        """``(v, F(v))`` float64 per row: for the rows ``on``, the largest row value in
-        ``[lo, hi)`` whose count (``by_count``) or mass ``exp(z - m)`` at or above it
-        reaches ``goal``, given ``c_hi`` / ``f_hi``, those of the values ``>= hi``."""
-        if V.host_sync_allowed(on) and not bool(on.any()):
-            return lo, f_hi  # no row to search (every rank alike: on is merged): no collective
-        k = _shard_kernels()
-        n = on.numel()
-        state = torch.zeros((n, k.STATE.value), dtype=self.acc, device=on.device)
-        for field, value in ((k.S_LO, lo), (k.S_HI, hi), (k.S_CHI, c_hi), (k.S_FHI, f_hi),
-                             (k.S_FLO, f_hi), (k.S_GOAL, goal), (k.S_M, m),
-                             (k.S_DONE, ~on), (k.S_ON, on)):  # fmt: skip
-            state[:, field.value] = value.to(self.acc)
-        sums = torch.zeros((n, 2 * N_CAND), dtype=self.acc, device=on.device)
-        top = torch.empty((n, KS), dtype=self.acc, device=on.device)
-        dist = D._dist()
-        group = self.spec.shard.group
-        self._launch(state, sums, top, by_count, narrow=False, stream=True)
-        # stop early once every row is done: a host read a pass, only where the layout is
-        # checked (an unchecked bad layout may leave the ranks' states apart: all passes)
-        early = self.spec.check and V.host_sync_allowed(on)
-        for _ in range(MAX_SEARCH_PASSES[self.acc]):
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-            self._launch(state, sums, top, by_count, narrow=True, stream=True)
-            if early and bool((state[:, k.S_DONE.value] != 0).all()):
-                break  # every rank alike: each holds the same state
-        self._launch(state, sums, top, by_count, collect=True)
-        vals = _all_gather(top, self.spec.shard).permute(1, 0, 2).reshape(n, -1)
-        s = state.double()
-        field = lambda f: s[:, f.value]  # noqa: E731
-        found, v, f_v = _union_cut(
-            vals, torch.ones_like(vals), field(k.S_M), field(k.S_GOAL), by_count,
-            field(k.S_CHI), field(k.S_FHI),
-        )  # fmt: skip
-        found = found & on & (field(k.S_SINGLE) == 0)
-        # not found: one value left (or rounding): lo, whose mass f_lo was summed
-        return torch.where(found, v, field(k.S_LO)), torch.where(found, f_v, field(k.S_FLO))
-
-    def _launch(self, state, sums, top, by_count, *, narrow=False, stream=False, collect=False):
-        _search_step(self.x3d, state, sums, top, self.spec, by_count, narrow, stream, collect)
+    dist = D._dist()
+    group = spec.shard.group
+    launch(narrow=False, stream=True, collect=False)
+    # stop early once every row is done: a host read a pass, only where the layout is
+    # checked (an unchecked bad layout may leave the ranks' states apart: all passes)
+    early = spec.check and V.host_sync_allowed(on)
+    for _ in range(MAX_SEARCH_PASSES[acc]):
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        launch(narrow=True, stream=True, collect=False)
+        if early and bool((state[:, k.S_DONE.value] != 0).all()):
+            break  # every rank alike: each holds the same state
+    launch(narrow=False, stream=False, collect=True)
+    vals = _all_gather(top, spec.shard).permute(1, 0, 2).reshape(n, -1)
+    s = state.double()
+    field = lambda f: s[:, f.value]  # noqa: E731
+    found, v, f_v = _union_cut(
+        vals, torch.ones_like(vals), field(k.S_M), field(k.S_GOAL), by_count,
+        field(k.S_CHI), field(k.S_FHI),
+    )  # fmt: skip
+    found = found & on & (field(k.S_SINGLE) == 0)
+    # not found: one value left (or rounding): lo, whose mass f_lo was summed
+    return torch.where(found, v, field(k.S_LO)), torch.where(found, f_v, field(k.S_FLO))
 
 
 @_serialised_when_interpreting
@@ -239,7 +235,6 @@ def _threshold(x3d, t_local, spec, top_k: int, top_p: float, vocab: int):
     weights = torch.cat((torch.ones((n, shard.world * kk), dtype=g.dtype, device=g.device),
                          g[..., kk + k.P_EXTRA.value].t()), 1)  # fmt: skip
     low = thr.amax(0)  # L: every value >= L is in the union
-    search = _Search(x3d, spec)
     on = ~bad  # an ignored row read nothing: its max is -inf, bad
     tau = torch.full_like(m, -math.inf)
     if top_k == 0:
@@ -252,7 +247,7 @@ def _threshold(x3d, t_local, spec, top_k: int, top_p: float, vocab: int):
         # L = -inf: every value is in the union (fewer than k: all kept, tau = -inf)
         decided = (found & (v >= low)) | (low == -math.inf)
         c_l, f_l = _at_or_above(vals, weights, m, low)
-        v_s, f_s = search.run(on & ~decided, field(k.P_MIN).amin(0), low, c_l, f_l,
+        v_s, f_s = _search(x3d, spec, on & ~decided, field(k.P_MIN).amin(0), low, c_l, f_l,
                               torch.full_like(m, top_k), m, by_count=True)  # fmt: skip
         tau, f = torch.where(decided, v, v_s), torch.where(decided, f, f_s)
     if top_p < 1.0:
@@ -266,7 +261,7 @@ def _threshold(x3d, t_local, spec, top_k: int, top_p: float, vocab: int):
         lo = torch.maximum(tau, torch.where(bound < low, bound, tau))
         c_l, f_l = _at_or_above(torch.where(kept, vals, -math.inf), weights, m, low)
         searched = on & ~decided
-        v_s, f_s = search.run(searched, lo, low, c_l, f_l, goal, m, by_count=False)
+        v_s, f_s = _search(x3d, spec, searched, lo, low, c_l, f_l, goal, m, by_count=False)
         tau = torch.where(searched, v_s, torch.where(found, v, tau))
         f = torch.where(searched, f_s, torch.where(found, f_v, f))
     return tau, m, f, field(k.P_Y).sum(0), field(k.P_OWN).sum(0), bad

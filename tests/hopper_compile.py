@@ -151,6 +151,25 @@ _TTIR_DEF = re.compile(r"^\s*(%[\w#]+)(?::\d+)? = ([\w.]+)(.*?)(?: loc\(.*)?$")
 _I32 = re.compile(r":\s*(?:i32|tensor<[\dx]*xi32>)\s*$")
 
 
+def kernel_signature(fn, floats, pointers: dict, other_ptr: str, unit=()) -> dict:
+    """A Triton signature for ``ASTSource``: constexprs (and ``unit``, compiled as the
+    constant 1), the pointer types in ``pointers`` (name -> type), ``other_ptr`` for every
+    other ``*_ptr``, ``fp32`` for the names in ``floats``, ``i32`` for the rest. For the
+    per-module compile scripts of tests/test_distill.py and tests/test_truncated.py."""
+    out = {}
+    for p in fn.params:
+        n = p.name
+        if p.is_constexpr or n in unit:
+            out[n] = "constexpr"
+        elif n in pointers:
+            out[n] = pointers[n]
+        elif n.endswith("_ptr"):
+            out[n] = other_ptr
+        else:
+            out[n] = "fp32" if n in floats else "i32"
+    return out
+
+
 def narrow_offset_products(ttir: str) -> list[str]:
     """The i32 integer products (``arith.muli`` / ``arith.shli`` of ``i32``) whose value reaches
     the offset operand of a ``tt.addptr``, one TTIR line each (empty when all is well).

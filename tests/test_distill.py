@@ -594,7 +594,7 @@ sys.path.insert(0, sys.argv[1])
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from hopper_compile import narrow_offset_products
+from hopper_compile import kernel_signature, narrow_offset_products
 import fused_rl.kernels.vocab.distill as k
 
 FLOATS = {"inv_t_hi", "inv_t_lo", "inv_cap_hi", "inv_cap_lo", "beta_hi", "beta_lo",
@@ -602,22 +602,9 @@ FLOATS = {"inv_t_hi", "inv_t_lo", "inv_cap_hi", "inv_cap_lo", "beta_hi", "beta_l
           "num_items_lo", "n_seq", "max_length"}
 
 def signature(fn, logits, acc, unit=()):
-    out = {}
-    for p in fn.params:
-        n = p.name
-        if p.is_constexpr or n in unit:
-            out[n] = "constexpr"
-        elif n == "targets_ptr":
-            out[n] = "*i64"
-        elif n == "mask_ptr":
-            out[n] = "*u8"
-        elif n in ("s_ptr", "t_ptr", "grad_ptr"):
-            out[n] = logits
-        elif n.endswith("_ptr"):
-            out[n] = acc
-        else:
-            out[n] = "fp32" if n in FLOATS else "i32"
-    return out
+    pointers = {"targets_ptr": "*i64", "mask_ptr": "*u8", "s_ptr": logits, "t_ptr": logits,
+                "grad_ptr": logits}
+    return kernel_signature(fn, FLOATS, pointers, acc, unit)
 
 def build(fn, consts, logits, acc, unit=(), attrs=None):
     src = ASTSource(fn=fn, signature=signature(fn, logits, acc, unit),

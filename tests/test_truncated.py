@@ -535,7 +535,7 @@ sys.path.insert(0, sys.argv[1])
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from hopper_compile import narrow_offset_products
+from hopper_compile import kernel_signature, narrow_offset_products
 import fused_rl.kernels.vocab.truncated as k
 import fused_rl.kernels.vocab.truncated_shard as s
 
@@ -543,22 +543,9 @@ FLOATS = {"inv_t_hi", "inv_t_lo", "inv_cap_hi", "inv_cap_lo", "p_hi", "p_lo", "l
           "log1mp_lo"}
 
 def signature(fn, logits, acc):
-    out = {}
-    for p in fn.params:
-        n = p.name
-        if p.is_constexpr:
-            out[n] = "constexpr"
-        elif n == "targets_ptr":
-            out[n] = "*i64"
-        elif n == "passes_ptr":
-            out[n] = "*i32"
-        elif n in ("logits_ptr", "grad_ptr", "x_ptr"):
-            out[n] = logits
-        elif n.endswith("_ptr"):
-            out[n] = acc
-        else:
-            out[n] = "fp32" if n in FLOATS else "i32"
-    return out
+    pointers = {"targets_ptr": "*i64", "passes_ptr": "*i32", "logits_ptr": logits,
+                "grad_ptr": logits}
+    return kernel_signature(fn, FLOATS, pointers, acc)
 
 count = 0
 for logits, acc, ACC, passes in (("*bf16", "*fp32", tl.float32, 11),
