@@ -170,8 +170,8 @@ def _shard_search_kernel(
         c_hi = tl.where(done, c_hi, n_chi.to(ACC))
         f_hi = tl.where(done, f_hi, n_fhi)
         single = (_key(hi, ACC) - _key(lo, ACC)) <= 1
-        tl.store(st + S_FLO, tl.where(done, tl.load(st + S_FLO), n_flo))
-        tl.store(st + S_SINGLE, tl.where(done, tl.load(st + S_SINGLE), single.to(ACC)))
+        tl.store(st + S_FLO, n_flo, mask=done == 0)  # a row done already keeps its own
+        tl.store(st + S_SINGLE, single.to(ACC), mask=done == 0)
         done = done | single | (n_in <= KS) | (passes >= MAX_SEARCH_PASSES)
         tl.store(st + S_LO, lo)
         tl.store(st + S_HI, hi)
