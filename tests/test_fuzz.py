@@ -344,7 +344,9 @@ def known_open(case: Case) -> str | None:
     Triton, NaN on the reference; now NaN on both, CONTRIBUTING.md "NaN, threads and other
     failure modes"), 15 (``token_kl`` did not check V = 0 / 0-dim logits: ``BAD_FOUND``) and
     16 (a ``num_items`` number reached the finalize kernels as a bare float, fp32 when
-    compiled; now an fp32 pair) are fixed. Open: none.
+    compiled; now an fp32 pair) and 17 (a NaN advantage where the PPO ratio is past both
+    clamps: NaN gradient on Triton, 0 on the reference; now 0 on both, the clamps' shares
+    through a ``where``) are fixed. Open: none.
     """
     del case
     return None
@@ -2723,6 +2725,34 @@ FOUND = {
         logits=torch.linspace(-2, 2, 30, dtype=_F64).reshape(2, 3, 5),
         t=torch.tensor([[0, 3, 4], [1, 2, -100]]), adv=torch.tensor([1.0, -1.0], dtype=_F64),
         grad=("logits",), hyper={"num_items": 1e-3, "loss_agg": "token-mean"},
+    ),
+    # was (finding 17, the long profile, seed 43571926786292736001728092075518388685): a NaN
+    # advantage where the ratio is past both clamps; the kernel multiplied each branch's share
+    # by its clamp's 0 / 1 derivative (0 * NaN) where autograd's clamp passes exactly 0
+    "policy_loss NaN advantage past both clamps": lambda: fixed_case(
+        "policy_loss",
+        lambda x, b: _policy_outputs(
+            *fused_rl.policy_loss(
+                x["logits"], x["t"], x["adv"], old_logprobs=x["old"], delta=3.2, backend=b
+            )
+        ),
+        logits=torch.linspace(-1, 1, 12).reshape(2, 2, 3), t=torch.tensor([[0, 2], [1, 1]]),
+        adv=torch.tensor([[float("nan"), 1.0], [0.5, -1.0]]),
+        old=torch.tensor([[-6.0, -1.0], [-0.5, -6.0]]), grad=("logits",),
+        nan_rule=lambda x: {"loss": True},
+    ),
+    "policy_loss sequence IS, NaN advantage past both clamps": lambda: fixed_case(
+        "policy_loss",
+        lambda x, b: _policy_outputs(
+            *fused_rl.policy_loss(
+                x["logits"], x["t"], x["adv"], old_logprobs=x["old"], delta=3.2,
+                importance_sampling="sequence", loss_agg="seq-mean-token-mean", backend=b,
+            )
+        ),
+        logits=torch.linspace(-1, 1, 12).reshape(2, 2, 3), t=torch.tensor([[0, 2], [1, 1]]),
+        adv=torch.tensor([[0.3, float("nan")], [0.5, -1.0]]),
+        old=torch.tensor([[-5.0, -4.0], [-0.5, -1.0]]), grad=("logits",),
+        nan_rule=lambda x: {"loss": True},
     ),
 }  # fmt: skip
 

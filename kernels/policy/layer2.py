@@ -93,19 +93,19 @@ def clipped_surrogate(
     """
     lo = 1.0 - eps_low
     hi = 1.0 + eps_high
-    if USE_DELTA:
-        r_unc = nan_min(ratio, delta)
-        d_unc = tl.where(ratio <= delta, 1.0, 0.0)
-    else:
-        r_unc = ratio
-        d_unc = 1.0
+    r_unc = nan_min(ratio, delta) if USE_DELTA else ratio
     r_clip = clamp(ratio, lo, hi)
-    d_clip = tl.where((ratio >= lo) & (ratio <= hi), 1.0, 0.0)
     s_unc = r_unc * adv
     s_clip = r_clip * adv
     w_unc = _min_weight(s_unc, s_clip)
     loss = -nan_min(s_unc, s_clip)
-    dloss = -(w_unc * d_unc + (1.0 - w_unc) * d_clip) * adv
+    # each branch's share through a where, not a product with its clamp's 0 / 1 derivative:
+    # a clamp at its bound passes exactly 0, even with a NaN advantage (as torch.clamp does)
+    d_unc = w_unc * adv
+    if USE_DELTA:
+        d_unc = tl.where(ratio <= delta, d_unc, 0.0)
+    d_clip = tl.where((ratio >= lo) & (ratio <= hi), (1.0 - w_unc) * adv, 0.0)
+    dloss = -(d_unc + d_clip)
     clipped = s_clip < s_unc
     code = tl.where(clipped, 1, 0)
     code += tl.where(clipped & (ratio < lo), 2, 0)
