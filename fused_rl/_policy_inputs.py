@@ -13,11 +13,23 @@ from .reference.reductions import mask_weights
 
 
 def check_call(
-    policy: PolicyConfig, ref_logprobs, num_items, ref_logits=None, ref_name: str = "ref_logits"
+    policy: PolicyConfig,
+    ref_logprobs,
+    num_items,
+    ref_logits=None,
+    ref_name: str = "ref_logits",
+    rollout_logprobs=None,
 ) -> None:
     """What a call adds to the config's own checks: ``beta != 0`` needs ``ref_logprobs``;
     ``kl_estimator="full"`` needs ``ref_logits`` (named ``ref_name``) whatever ``beta`` and
-    reads nothing else; ``num_items`` (a per-call value: a number or a one-element tensor)."""
+    reads nothing else; ``rollout_logprobs`` is read by the off-policy mask only;
+    ``num_items`` (a per-call value: a number or a one-element tensor)."""
+    if rollout_logprobs is not None and policy.off_policy_mask_threshold is None:
+        raise ValueError(
+            "rollout_logprobs is read only by the off-policy sequence mask: pass "
+            "off_policy_mask_threshold= with it (rollout IS weights go in is_weights=, see "
+            "fused_rl.rollout_is_weights)"
+        )
     full = policy.kl_estimator == "full"
     if full and ref_logprobs is not None:
         raise ValueError(
@@ -190,4 +202,9 @@ def not_token_level(policy: PolicyConfig) -> str | None:
         return "surrogate='vespo' (the sequence's weight phi)"
     if policy.top_entropy_quantile < 1.0:
         return f"top_entropy_quantile={policy.top_entropy_quantile} (every token's entropy)"
+    if policy.off_policy_mask_threshold is not None:
+        return (
+            f"off_policy_mask_threshold={policy.off_policy_mask_threshold} (the sequence's "
+            "log-probs)"
+        )
     return None

@@ -174,8 +174,9 @@ def _finalize(part, n_outer, inner, dtype, agg, max_length, num_items, num_items
 
 
 def _token_layer(logp, entropy, targets, adv, old, ref, mask, is_w, ignore_index, hyper, modes,
-                 g, h, part, ent_scale=None):  # fmt: skip
-    """Launch the token-layer kernel (one program per sequence) on ``(B, T)`` inputs."""
+                 g, h, part, ent_scale=None, keep=None):  # fmt: skip
+    """Launch the token-layer kernel (one program per sequence) on ``(B, T)`` inputs
+    (``keep``: a ``(B, T)`` bool mask on the policy term, read as bytes)."""
     from .kernels.policy.token_pass import _policy_token_fwd_kernel
 
     outer, inner = logp.shape
@@ -187,13 +188,14 @@ def _token_layer(logp, entropy, targets, adv, old, ref, mask, is_w, ignore_index
         logp, entropy if entropy is not None else dummy,
         targets if targets is not None else dummy, adv, old if old is not None else dummy,
         ref if ref is not None else dummy, mask if mask is not None else dummy,
-        is_w if is_w is not None else dummy, g, h, part,
+        is_w if is_w is not None else dummy, keep if keep is not None else dummy, g, h, part,
         ent_scale if ent_scale is not None else dummy, inner, *logp.stride(),
         *_strides(entropy), *_strides(targets), *adv.stride(),
-        *_strides(old), *_strides(ref), *_strides(mask), *_strides(is_w), ignore_index,
-        _hyper(tuple(hyper)), HAS_ENTROPY=entropy is not None, HAS_TARGETS=targets is not None,
-        HAS_OLD=old is not None, HAS_REF=ref is not None, HAS_MASK=mask is not None,
-        HAS_IS=is_w is not None, SEQUENCE=sequence != 0, SEQ_TOKEN=sequence == 2,
+        *_strides(old), *_strides(ref), *_strides(mask), *_strides(is_w), *_strides(keep),
+        ignore_index, _hyper(tuple(hyper)), HAS_ENTROPY=entropy is not None,
+        HAS_TARGETS=targets is not None, HAS_OLD=old is not None, HAS_REF=ref is not None,
+        HAS_MASK=mask is not None, HAS_IS=is_w is not None, HAS_KEEP=keep is not None,
+        SEQUENCE=sequence != 0, SEQ_TOKEN=sequence == 2,
         HAS_ENT_SCALE=ent_scale is not None,
         BLOCK_T=TOKEN_BLOCK_T, ACC=triton_acc(g.dtype),
         **_policy_switches(hyper, modes, ref is not None),
@@ -553,6 +555,7 @@ def policy_logprobs_fwd(
     ref: Tensor | None,
     mask: Tensor | None,
     is_w: Tensor | None,
+    keep: Tensor | None,
     num_items_t: Tensor | None,
     ent_scale: Tensor | None,
     hyper: list[float],
@@ -560,7 +563,8 @@ def policy_logprobs_fwd(
     max_length: float,
     num_items: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The policy loss from ``(B, T)`` log-probs (and entropy), any strides.
+    """The policy loss from ``(B, T)`` log-probs (and entropy), any strides; ``keep``: a
+    ``(B, T)`` bool mask on the policy term (top-entropy selection, off-policy mask).
 
     Returns ``(loss, metrics, seq_scale, g, h)``; ``g``/``h`` are the per-token gradients of
     the loss w.r.t. ``logp``/``entropy`` before ``seq_scale`` and the upstream gradient.
@@ -573,7 +577,7 @@ def policy_logprobs_fwd(
     g, h = new(), new(bonus)
     _token_layer(
         logp, entropy, None, adv, old, ref, _mask_arg(mask), is_w, 0, hyper, modes, g, h, part,
-        ent_scale,
+        ent_scale, _mask_arg(keep),
     )  # fmt: skip
     loss, metrics, seq_scale = _finalize(
         part, outer, inner, dtype, modes[4], max_length, num_items, num_items_t,
@@ -582,8 +586,8 @@ def policy_logprobs_fwd(
     return loss, metrics, seq_scale, g, h
 
 
-def _logprobs_fake(logp, entropy, adv, old, ref, mask, is_w, num_items_t, ent_scale, hyper,
-                   modes, max_length, num_items):  # fmt: skip
+def _logprobs_fake(logp, entropy, adv, old, ref, mask, is_w, keep, num_items_t, ent_scale,
+                   hyper, modes, max_length, num_items):  # fmt: skip
     outer, inner = logp.shape
     dtype = stats_dtype(logp.dtype)
     n_scale = max(outer, 1) if modes[4] == 1 else 1

@@ -994,6 +994,7 @@ def linear_policy_loss(
     bias: Tensor | None = None,
     chunk_tokens: int | None = None,
     old_logprobs: Tensor | None = None,
+    rollout_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
     ref_hidden: Tensor | None = None,
     ref_weight: Tensor | None = None,
@@ -1066,13 +1067,14 @@ def linear_policy_loss(
     )  # fmt: skip
     _check_policy_tensors(
         targets, advantages, old_logprobs, ref_logprobs, mask, is_weights, policy, num_items,
-        ref_given, ref_name,
+        ref_given, ref_name, rollout_logprobs,
     )  # fmt: skip
     need_entropy = with_entropy or policy.uses_entropy
     if ref_given is not None:
         return _full_kl_policy_loss(
             hidden, weight, targets, advantages, bias=bias, chunk_tokens=chunk_tokens,
-            old_logprobs=old_logprobs, ref_hidden=ref_hidden, ref_weight=ref_weight,
+            old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs, ref_hidden=ref_hidden,
+            ref_weight=ref_weight,
             ref_bias=ref_bias, mask=mask, temperature=temperature, softcap=softcap,
             with_entropy=need_entropy, is_weights=is_weights, num_items=num_items,
             ignore_index=ignore_index, process_group=process_group, vocab_start=vocab_start,
@@ -1102,8 +1104,9 @@ def linear_policy_loss(
     logp, entropy = out if need_entropy else (out, None)
     return loss_from_token_stats(
         logp, entropy, targets, advantages, old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs, mask=mask, is_weights=is_weights, num_items=num_items,
-        ignore_index=ignore_index, policy=policy, backend=backend,
+        rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, mask=mask,
+        is_weights=is_weights, num_items=num_items, ignore_index=ignore_index, policy=policy,
+        backend=backend,
     )  # fmt: skip
 
 
@@ -1114,12 +1117,13 @@ def _grad_wanted(*tensors: Tensor | None) -> bool:
 
 
 def _check_policy_tensors(targets, advantages, old_logprobs, ref_logprobs, mask, is_weights,
-                          policy, num_items, ref_given=None,
-                          ref_name="ref_weight") -> None:  # fmt: skip
+                          policy, num_items, ref_given=None, ref_name="ref_weight",
+                          rollout_logprobs=None) -> None:  # fmt: skip
     """The per-token tensors and what the call adds to the config's checks, before any GEMM
     (a bad argument fails before any work); ``ref_given``: the first of the reference's
     ``ref_weight`` / ``ref_hidden`` / ``ref_bias`` given (named ``ref_name``)."""
-    check_call(policy, ref_logprobs, num_items, ref_given, ref_name=ref_name)
+    check_call(policy, ref_logprobs, num_items, ref_given, ref_name=ref_name,
+               rollout_logprobs=rollout_logprobs)  # fmt: skip
     V.check_tensor(targets, "targets")
     if targets.dim() != 2:
         raise ValueError(f"targets must be (B, T), got shape {tuple(targets.shape)}")
@@ -1127,11 +1131,13 @@ def _check_policy_tensors(targets, advantages, old_logprobs, ref_logprobs, mask,
     advantages_2d(advantages, batch, length)
     is_weights_2d(is_weights, batch, length)
     check_token_tensors(
-        batch, length, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask
-    )
+        batch, length, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs,
+        ref_logprobs=ref_logprobs, mask=mask,
+    )  # fmt: skip
     V.check_same_device(
         targets=targets, advantages=advantages, old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs, mask=mask, is_weights=is_weights,
+        rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, mask=mask,
+        is_weights=is_weights,
     )  # fmt: skip
     V.check_mask_weights(mask, "mask")
 
@@ -1147,10 +1153,10 @@ def _counted_rows(m: Tensor, rows: Tensor) -> Tensor | None:
 
 
 def _full_kl_policy_loss(hidden, weight, targets, advantages, *, bias, chunk_tokens,
-                         old_logprobs, ref_hidden, ref_weight, ref_bias, mask, temperature,
-                         softcap, with_entropy, is_weights, num_items, ignore_index,
-                         process_group, vocab_start, vocab_size, reduce_hidden_grad, policy,
-                         backend):  # fmt: skip
+                         old_logprobs, rollout_logprobs, ref_hidden, ref_weight, ref_bias,
+                         mask, temperature, softcap, with_entropy, is_weights, num_items,
+                         ignore_index, process_group, vocab_start, vocab_size,
+                         reduce_hidden_grad, policy, backend):  # fmt: skip
     """:func:`linear_policy_loss` with ``kl_estimator="full"``: token-level importance
     sampling without ``process_group``: the chunked one-pass op on the Triton backend (with
     or without gradients; the reference backend materialises both models' logits and runs
@@ -1178,8 +1184,9 @@ def _full_kl_policy_loss(hidden, weight, targets, advantages, *, bias, chunk_tok
         return _composed_full_kl_loss(
             hidden, weight, targets, advantages, bias=bias, rows=rows,
             flat_targets=flat_targets, ref_head=(ref_rows, ref_weight, ref_bias), chunk=chunk,
-            chunk_tokens=chunk_tokens, old_logprobs=old_logprobs, mask=mask,
-            temperature=temperature, softcap=softcap, with_entropy=with_entropy,
+            chunk_tokens=chunk_tokens, old_logprobs=old_logprobs,
+            rollout_logprobs=rollout_logprobs, mask=mask, temperature=temperature,
+            softcap=softcap, with_entropy=with_entropy,
             is_weights=is_weights, num_items=num_items, ignore_index=ignore_index,
             process_group=process_group, reduce_hidden_grad=reduce_hidden_grad,
             policy=policy, which=which,
@@ -1205,7 +1212,8 @@ def _full_kl_policy_loss(hidden, weight, targets, advantages, *, bias, chunk_tok
 
 
 def _composed_full_kl_loss(hidden, weight, targets, advantages, *, bias, rows, flat_targets,
-                           ref_head, chunk, chunk_tokens, old_logprobs, mask, temperature,
+                           ref_head, chunk, chunk_tokens, old_logprobs, rollout_logprobs,
+                           mask, temperature,
                            softcap, with_entropy, is_weights, num_items, ignore_index,
                            process_group, reduce_hidden_grad, policy, which):  # fmt: skip
     """The composed ``kl_estimator="full"`` from hidden states: the log-probs of
@@ -1228,7 +1236,8 @@ def _composed_full_kl_loss(hidden, weight, targets, advantages, *, bias, rows, f
     return loss_with_exact_kl(
         logp, entropy, kl.view(targets.shape), targets, advantages, policy=policy,
         ignore_index=ignore_index, backend=which, old_logprobs=old_logprobs,
-        ref_logprobs=None, mask=mask, is_weights=is_weights, num_items=num_items,
+        rollout_logprobs=rollout_logprobs, ref_logprobs=None, mask=mask, is_weights=is_weights,
+        num_items=num_items,
     )  # fmt: skip
 
 

@@ -167,6 +167,49 @@ def top_entropy_tokens(entropy: Tensor, mask: Tensor | None, *, quantile: float)
         return counted & (h >= threshold) & (n > 0)
 
 
+def off_policy_sequence_mask(
+    logprobs: Tensor, rollout_logprobs: Tensor, advantages: Tensor, mask: Tensor | None, *,
+    threshold: float,
+) -> Tensor:  # fmt: skip
+    """``(B, T)`` bool: the tokens whose policy term DeepSeek-V3.2's off-policy sequence mask
+    keeps (TRL's ``off_policy_mask_threshold``): a token with advantage ``>= 0``, and every
+    token of a sequence whose mean ``rollout_logprobs - logprobs`` (``logprobs`` the current
+    policy's, detached; over the counted tokens, weighted by ``mask``; a NaN term counts 0,
+    as TRL's ``nan_to_num``) is at most ``threshold``. ``advantages`` ``(B, T)``. No host
+    sync."""
+    with torch.no_grad():
+        acc = stats_dtype(logprobs.dtype)
+        d = torch.nan_to_num(rollout_logprobs.detach().to(acc) - logprobs.detach().to(acc), nan=0.0)
+        m = weights_of(mask, d, acc)
+        n = m.sum(-1, keepdim=True)
+        mean = torch.where(m != 0, m * d, 0.0).sum(-1, keepdim=True) / torch.where(n > 0, n, 1.0)
+        return (advantages.detach() >= 0) | (mean <= threshold)
+
+
+def _policy_term_keep(
+    policy: PolicyConfig, logprobs: Tensor, entropy: Tensor | None, adv2d: Tensor,
+    old_logprobs: Tensor | None, rollout_logprobs: Tensor | None, mask: Tensor | None,
+) -> tuple[Tensor | None, dict[str, Tensor]]:  # fmt: skip
+    """The ``(B, T)`` bool mask of the tokens whose policy term stays (the top-entropy
+    selection and / or the off-policy sequence mask; None: every token) and the metric of
+    the latter (``off_policy_masked_frac``)."""
+    keep, metrics = None, {}
+    if policy.top_entropy_quantile < 1.0:
+        if entropy is None:
+            raise ValueError("top_entropy_quantile < 1 needs the per-token entropy tensor")
+        keep = top_entropy_tokens(entropy, mask, quantile=policy.top_entropy_quantile)
+    if policy.off_policy_mask_threshold is not None:
+        sampled = rollout_logprobs if rollout_logprobs is not None else old_logprobs
+        off = off_policy_sequence_mask(
+            logprobs, logprobs if sampled is None else sampled, adv2d, mask,
+            threshold=policy.off_policy_mask_threshold,
+        )  # fmt: skip
+        m = weights_of(mask, off, torch.float32)
+        metrics["off_policy_masked_frac"] = masked_mean_all((~off).float(), m)
+        keep = off if keep is None else keep & off
+    return keep, metrics
+
+
 def _logits_rank_message(logits: Tensor) -> str:
     """What ``policy_loss`` says about logits that are not 3-D (packed ``(N, V)`` ones get a
     way out)."""
@@ -188,7 +231,8 @@ def _logits_rank_message(logits: Tensor) -> str:
 def _loss_from_logprobs(logp, entropy, adv2d, mask_f, weights, num_items, rollout_is, policy,
                         **tensors):  # fmt: skip
     """The reference path's loss and metrics from per-token log-probs (``tensors``:
-    ``old_logp``, ``ref_logp``, ``is_weights``, ``full_kl`` for :func:`policy_token_terms`)."""
+    ``old_logp``, ``ref_logp``, ``is_weights``, ``full_kl``, ``keep`` for
+    :func:`policy_token_terms`)."""
     ent = entropy_scale(mask_f, policy, num_items)
     terms = policy_token_terms(logp, adv2d, mask_f, entropy=entropy, config=policy,
                                entropy_scale=ent, **tensors)  # fmt: skip
@@ -211,6 +255,7 @@ def policy_loss(
     advantages: Tensor,
     *,
     old_logprobs: Tensor | None = None,
+    rollout_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
     ref_logits: Tensor | None = None,
     mask: Tensor | None = None,
@@ -244,9 +289,12 @@ def policy_loss(
         advantages: ``(B,)`` one per sequence (GRPO) or ``(B, T)`` per token (PPO).
         old_logprobs: ``(B, T)`` log-probs of the sampling policy; None = on-policy
             (``old = logp.detach()``: ratio 1, gradient = the policy gradient).
+        rollout_logprobs: ``(B, T)`` log-probs of the rollout engine that sampled the
+            tokens (vLLM's; TRL's ``sampling_per_token_logps``), read only by the off-policy
+            sequence mask (``off_policy_mask_threshold``); None: ``old_logprobs``.
         ref_logprobs: ``(B, T)`` reference-policy log-probs (KL penalty / metric).
-            ``advantages``, ``old_logprobs``, ``ref_logprobs`` and ``mask`` are rollout
-            constants: no gradient reaches them, on every backend.
+            ``advantages``, ``old_logprobs``, ``rollout_logprobs``, ``ref_logprobs`` and
+            ``mask`` are rollout constants: no gradient reaches them, on every backend.
         ref_logits: the reference model's logits ``(B, S_r, V)`` (``S_r >= T``, the last
             ``T + 1`` positions used as for ``logits``; the same vocabulary; any float
             dtype and strides), for ``kl_estimator="full"``: the exact per-token
@@ -343,7 +391,8 @@ def policy_loss(
         backend: ``"auto"`` | ``"triton"`` | ``"reference"``.
         eps_low, eps_high, dual_clip, delta, beta, kl_estimator, entropy_coef,
             importance_sampling, surrogate, sapo_tau_*, vespo_*, kl_bias_correction,
-            top_entropy_quantile, loss_agg, max_length, log_ratio_clamp: the policy options,
+            top_entropy_quantile, off_policy_mask_threshold, loss_agg, max_length,
+            log_ratio_clamp, entropy_agg: the policy options,
             documented once on :class:`fused_rl.PolicyConfig` (checked before any work);
             or ``policy_config=`` a whole :class:`fused_rl.PolicyConfig`.
 
@@ -364,7 +413,9 @@ def policy_loss(
         ``clip_ratio``; ``clip_frac`` is then verl's two-sided ``r`` outside the band),
         ``sapo_gate_mean`` (sapo), ``vespo_phi_mean`` (vespo: token-weighted) and
         ``vespo_phi_seq_mean`` (each sequence with a counted token weighs 1, TRL's
-        ``vespo/phi_seq_mean``); ``is_weight_*`` with ``is_weights``. The
+        ``vespo/phi_seq_mean``); ``is_weight_*`` with ``is_weights``;
+        ``off_policy_masked_frac`` with ``off_policy_mask_threshold`` (the counted tokens
+        whose policy term the mask dropped). The
         computation never syncs with the host; in eager mode the check that targets lie in
         ``[0, V)`` syncs once, and the one that a float / integer ``mask`` holds no negative
         weight once more (switch both off with ``fused_rl.config.check_values = False``;
@@ -393,13 +444,15 @@ def policy_loss(
     batch, length = targets.shape
     adv2d = advantages_2d(advantages, batch, length)
     check_token_tensors(
-        batch, length, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask
-    )
+        batch, length, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs,
+        ref_logprobs=ref_logprobs, mask=mask,
+    )  # fmt: skip
     V.check_same_device(
         logits=logits, advantages=advantages, old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs, mask=mask, is_weights=is_weights,
+        rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, mask=mask,
+        is_weights=is_weights,
     )  # fmt: skip
-    check_call(policy, ref_logprobs, num_items, ref_logits)
+    check_call(policy, ref_logprobs, num_items, ref_logits, rollout_logprobs=rollout_logprobs)
     if ref_logits is not None:
         check_ref_logits(ref_logits, logits, length, "logits")
         check_full_kl_route(policy, process_group is not None or is_dtensor(logits))
@@ -414,24 +467,26 @@ def policy_loss(
         check_inplace(logits, "policy_loss", inplace)
     if grad_in_forward is not False or loss_scale is not None:
         return _formed_in_forward(
-            logits, targets, advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-            ref_logits=ref_logits, mask=mask, temperature=temperature, softcap=softcap,
-            with_entropy=with_entropy, is_weights=is_weights, num_items=num_items,
+            logits, targets, advantages, old_logprobs=old_logprobs,
+            rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, ref_logits=ref_logits,
+            mask=mask, temperature=temperature, softcap=softcap, with_entropy=with_entropy,
+            is_weights=is_weights, num_items=num_items,
             ignore_index=ignore_index, process_group=process_group, inplace=inplace,
             grad_in_forward=grad_in_forward, loss_scale=loss_scale, need_entropy=need_entropy,
             policy=policy, backend=backend,
         )  # fmt: skip
     # by composition (log-probs and entropy first, then the token layer): vocabulary-sharded
-    # logits, the top-entropy selection, whose threshold needs every token's entropy, and the
-    # exact KL beside a loss that is not token-level (GSPO, VESPO)
+    # logits, the top-entropy selection and the off-policy mask, which need every token's
+    # entropy / log-prob, and the exact KL beside a loss that is not token-level (GSPO, VESPO)
     if (
         process_group is not None
         or is_dtensor(logits)
-        or policy.top_entropy_quantile < 1.0
+        or policy.selects_tokens
         or (ref_logits is not None and not policy.token_level)
     ):
         return _composed_policy_loss(
-            logits, targets, advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+            logits, targets, advantages, old_logprobs=old_logprobs,
+            rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs,
             mask=mask, is_weights=is_weights, num_items=num_items, temperature=temperature,
             softcap=softcap, ignore_index=ignore_index, need_entropy=need_entropy,
             process_group=process_group, policy=policy, backend=backend, inplace=inplace,
@@ -493,8 +548,8 @@ def policy_loss(
 
 
 def _formed_in_forward(
-    logits, targets, advantages, *, old_logprobs, ref_logprobs, ref_logits, mask, temperature,
-    softcap,
+    logits, targets, advantages, *, old_logprobs, rollout_logprobs, ref_logprobs, ref_logits,
+    mask, temperature, softcap,
     with_entropy, is_weights, num_items, ignore_index, process_group, inplace, grad_in_forward,
     loss_scale, need_entropy, policy: PolicyConfig, backend,
 ) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
@@ -533,8 +588,8 @@ def _formed_in_forward(
                 "traced graph cannot hold. Call without grad_in_forward=True inside a "
                 "compiled region"
             )
-    tensors = dict(old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, ref_logits=ref_logits,
-                   mask=mask,
+    tensors = dict(old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs,
+                   ref_logprobs=ref_logprobs, ref_logits=ref_logits, mask=mask,
                    temperature=temperature, softcap=softcap, with_entropy=with_entropy,
                    is_weights=is_weights, num_items=num_items, ignore_index=ignore_index,
                    policy_config=policy)  # fmt: skip
@@ -613,6 +668,7 @@ def policy_loss_from_logprobs(
     advantages: Tensor,
     *,
     old_logprobs: Tensor | None = None,
+    rollout_logprobs: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
     mask: Tensor | None = None,
     entropy: Tensor | None = None,
@@ -651,25 +707,24 @@ def policy_loss_from_logprobs(
     batch, length = logprobs.shape
     adv2d = advantages_2d(advantages, batch, length)
     check_token_tensors(
-        batch, length, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask,
-        entropy=entropy,
+        batch, length, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs,
+        ref_logprobs=ref_logprobs, mask=mask, entropy=entropy,
     )  # fmt: skip
     V.check_same_device(
         logprobs=logprobs, advantages=advantages, old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs, mask=mask, entropy=entropy, is_weights=is_weights,
+        rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, mask=mask,
+        entropy=entropy, is_weights=is_weights,
     )  # fmt: skip
     refuse_full(policy.kl_estimator, "computable from per-token log-probs")
-    check_call(policy, ref_logprobs, num_items)
+    check_call(policy, ref_logprobs, num_items, rollout_logprobs=rollout_logprobs)
     if policy.entropy_coef != 0.0 and entropy is None:
         raise ValueError("entropy_coef != 0 needs the per-token entropy tensor")
     V.check_mask_weights(mask, "mask")
     which = resolve_backend(backend, logprobs)
-    is_w = rollout_is = is_weights_2d(is_weights, batch, length)  # metrics: the rollout's
-    if policy.top_entropy_quantile < 1.0:
-        if entropy is None:
-            raise ValueError("top_entropy_quantile < 1 needs the per-token entropy tensor")
-        keep = top_entropy_tokens(entropy, mask, quantile=policy.top_entropy_quantile)
-        is_w = keep.to(stats_dtype(logprobs.dtype)) if is_w is None else is_w * keep
+    is_w = is_weights_2d(is_weights, batch, length)
+    keep, keep_metrics = _policy_term_keep(
+        policy, logprobs, entropy, adv2d, old_logprobs, rollout_logprobs, mask
+    )
     if which == "triton":
         n_items, n_items_t = num_items_args(num_items)
         ent = None
@@ -677,29 +732,28 @@ def policy_loss_from_logprobs(
             m = weights_of(mask, logprobs, stats_dtype(logprobs.dtype))
             ent = per_row(entropy_scale(m, policy, num_items), (batch, length))
         loss, metrics, *_ = policy_logprobs_fwd_op(
-            logprobs, entropy, adv2d, old_logprobs, ref_logprobs, mask, is_w, n_items_t, ent,
-            policy.kernel_params, policy.kernel_modes, float(policy.max_length or length),
+            logprobs, entropy, adv2d, old_logprobs, ref_logprobs, mask, is_w, keep, n_items_t,
+            ent, policy.kernel_params, policy.kernel_modes, float(policy.max_length or length),
             n_items,
         )  # fmt: skip
         out = metrics_dict(metrics, has_kl=ref_logprobs is not None,
                            has_entropy=entropy is not None,
                            surrogate=SURROGATES.index(policy.surrogate),
-                           has_is=rollout_is is not None,
+                           has_is=is_w is not None,
                            bias_kl=policy.kl_bias_correction)  # fmt: skip
-        if rollout_is is not None and is_w is not rollout_is:  # the kernel saw them masked
-            out.update(_is_metrics(rollout_is, weights_of(mask, rollout_is, torch.float32)))
-        return loss, out
+        return loss, {**out, **keep_metrics}
     acc = stats_dtype(logprobs.dtype)
     adv2d, old_logprobs, ref_logprobs = rollout_constants(acc, adv2d, old_logprobs, ref_logprobs)
     entropy = None if entropy is None else entropy.to(acc)  # as the kernel reads it; keeps grad
     mask_f = weights_of(mask, logprobs, acc)
     weights = token_weights(mask_f, policy.loss_agg, max_length=policy.max_length,
                             num_items=num_items, dtype=acc)  # fmt: skip
-    return _loss_from_logprobs(
-        logprobs, entropy, adv2d, mask_f, weights, num_items, rollout_is, policy,
+    loss, out = _loss_from_logprobs(
+        logprobs, entropy, adv2d, mask_f, weights, num_items, is_w, policy,
         old_logp=old_logprobs, ref_logp=ref_logprobs,
-        is_weights=None if is_w is None else is_w.detach().to(acc),
+        is_weights=None if is_w is None else is_w.detach().to(acc), keep=keep,
     )  # fmt: skip
+    return loss, {**out, **keep_metrics}
 
 
 def _composed_policy_loss(
@@ -781,17 +835,18 @@ def _exact_kl(logits, ref_logits, targets, mask, temperature, softcap, ignore_in
 def loss_from_token_stats(
     logp: Tensor, entropy: Tensor | None, targets: Tensor, advantages: Tensor, *,
     old_logprobs, ref_logprobs, mask, is_weights, num_items, ignore_index, policy: PolicyConfig,
-    backend: str,
+    backend: str, rollout_logprobs=None,
 ) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
     """The second half of every composed policy loss (vocabulary-parallel or DTensor
-    logits, the top-entropy selection, and ``linear_policy_loss`` whenever it does not run
-    its one-pass chunks): :func:`policy_loss_from_logprobs` on the per-token ``logp`` (and
-    ``entropy``), counting a token only where its target is not ``ignore_index``, as the
-    fused path does."""
+    logits, the top-entropy selection, the off-policy mask, and ``linear_policy_loss``
+    whenever it does not run its one-pass chunks): :func:`policy_loss_from_logprobs` on the
+    per-token ``logp`` (and ``entropy``), counting a token only where its target is not
+    ``ignore_index``, as the fused path does."""
     if is_dtensor(targets):
         targets = targets.to_local()
     return policy_loss_from_logprobs(
-        logp, advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+        logp, advantages, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs,
+        ref_logprobs=ref_logprobs,
         mask=counted_mask(mask, targets, ignore_index), entropy=entropy,
         is_weights=is_weights, num_items=num_items, policy_config=policy, backend=backend,
     )  # fmt: skip

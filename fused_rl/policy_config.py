@@ -97,6 +97,15 @@ class PolicyConfig:
             Needs the entropy first: log-probs and entropy in one vocabulary pass, then the
             token layer (as GSPO). The quantile is per call (per rank): TRL gathers the
             entropies of every data-parallel rank first.
+        off_policy_mask_threshold: ``delta``: DeepSeek-V3.2's off-policy sequence mask (TRL's
+            ``off_policy_mask_threshold``). The policy term of a token is dropped where its
+            advantage is negative and its sequence's mean ``rollout_logprobs - logp`` (the
+            current log-probs, detached; over the counted tokens, a NaN term as 0) is above
+            ``delta``; ``rollout_logprobs`` defaults to ``old_logprobs`` (on-policy: the
+            current log-probs, so nothing is dropped for ``delta >= 0``). The KL, the
+            entropy bonus, the normaliser and the metrics still count every token;
+            ``off_policy_masked_frac`` is the masked mean of the dropped tokens. Needs the
+            log-probs first, as ``top_entropy_quantile``. None: no mask.
         loss_agg: ``"token-mean"`` | ``"seq-mean-token-mean"`` | ``"seq-mean-token-sum"`` |
             ``"seq-mean-token-sum-norm"`` (``fused_rl._agg.token_weights``); a sequence with no
             counted token contributes 0, never NaN.
@@ -129,6 +138,7 @@ class PolicyConfig:
     vespo_lambda_neg: float = 2.0
     kl_bias_correction: bool = False
     top_entropy_quantile: float = 1.0
+    off_policy_mask_threshold: float | None = None
     loss_agg: str = "token-mean"
     max_length: int | None = None
     log_ratio_clamp: float | None = None
@@ -136,6 +146,7 @@ class PolicyConfig:
 
     if TYPE_CHECKING:  # derived by __post_init__: attributes, not fields (no repr, no eq)
         uses_entropy: bool
+        selects_tokens: bool
         token_level: bool
         kernel_params: tuple[float, ...]
         kernel_modes: tuple[int, ...]
@@ -169,12 +180,14 @@ class PolicyConfig:
             raise ValueError(
                 f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}"
             )
+        V.check_number(self.off_policy_mask_threshold, "off_policy_mask_threshold", allow_none=True)
         check_loss_agg(self.loss_agg, max_length=self.max_length, num_items=None)
         V.check_positive(self.log_ratio_clamp, "log_ratio_clamp", allow_none=True)
         if self.entropy_agg is not None:
             V.check_choice(self.entropy_agg, ("token-mean",), "entropy_agg")
         # derived once, read per call as plain attributes (not fields: no repr, no eq)
-        for name in ("uses_entropy", "token_level", "kernel_params", "kernel_modes"):
+        for name in ("uses_entropy", "selects_tokens", "token_level", "kernel_params",
+                     "kernel_modes"):  # fmt: skip
             object.__setattr__(self, name, getattr(self, f"_{name}")())
 
     def _check_surrogate(self) -> None:
@@ -208,8 +221,8 @@ class PolicyConfig:
         V.check_positive(self.sapo_tau_neg, "sapo_tau_neg")
 
     # ------------------------------------------------------------------ derived values
-    # (attributes set by __post_init__ from these: ``uses_entropy``, ``token_level``,
-    # ``kernel_params``, ``kernel_modes``)
+    # (attributes set by __post_init__ from these: ``uses_entropy``, ``selects_tokens``,
+    # ``token_level``, ``kernel_params``, ``kernel_modes``)
 
     @property
     def clip_high(self) -> float:
@@ -222,13 +235,18 @@ class PolicyConfig:
 
     def _token_level(self) -> bool:
         """Every token's gradient is known from its own row: token-level importance sampling,
-        no top-entropy selection (which needs every entropy first), not VESPO (whose weight
-        needs the sequence's total)."""
+        no top-entropy selection or off-policy mask (which need every entropy / log-prob
+        first), not VESPO (whose weight needs the sequence's total)."""
         return (
             self.importance_sampling == "token"
-            and self.top_entropy_quantile == 1.0
+            and not self._selects_tokens()
             and self.surrogate != "vespo"
         )
+
+    def _selects_tokens(self) -> bool:
+        """A mask on the policy term built from this call's own log-probs or entropies (the
+        top-entropy selection, the off-policy sequence mask): the log-probs come first."""
+        return self.top_entropy_quantile < 1.0 or self.off_policy_mask_threshold is not None
 
     def surrogate_params(self) -> tuple[float, float, float, float]:
         """The surrogate's own parameters, the kernels' ``sp0 ... sp3``."""

@@ -67,13 +67,17 @@ def _oracle(r, logits, **kw):
 
 def _oracle_logp(r, logp, *, surrogate, eps_low=0.2, eps_high=0.28, tau_pos=1.0, tau_neg=1.05,
                  k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0, beta=0.0,
-                 is_weights=None, bias=False, sequence=False, loss_agg="token-mean"):  # fmt: skip
-    """float64 loss and metrics from per-token ``logp`` (float64, with grad)."""
+                 is_weights=None, bias=False, sequence=False, loss_agg="token-mean",
+                 keep=None):  # fmt: skip
+    """float64 loss and metrics from per-token ``logp`` (float64, with grad); ``keep``: a
+    ``(B, T)`` bool mask multiplying the policy term (TRL's ``per_token_loss * mask`` of the
+    top-entropy selection and the off-policy sequence mask)."""
     m = (r["mask"] & (r["targets"] != -100)).double()
     logp = torch.where(m > 0, logp, torch.zeros_like(logp))
     old = torch.where(m > 0, r["old"].double(), logp.detach())
     ref = torch.where(m > 0, r["ref"].double(), logp.detach())
-    adv = r["adv"].double()[:, None].expand(B, T)
+    adv = r["adv"].double()
+    adv = adv if adv.dim() == 2 else adv[:, None].expand(B, T)
     delta = token_delta = logp - old
     if surrogate == "gmpo":  # verl geo_mean: sign(A) * min(sign(A) d, sign(A) clamp(d))
         sign = torch.sign(adv)
@@ -124,6 +128,8 @@ def _oracle_logp(r, logp, *, surrogate, eps_low=0.2, eps_high=0.28, tau_pos=1.0,
     if is_weights is not None:
         is_weights = is_weights.double().reshape(B, -1).expand(B, T)
         pol = pol * is_weights
+    if keep is not None:
+        pol = pol * keep.double()
     k3 = torch.exp(ref - logp) - (ref - logp) - 1
     per_token = pol + beta * (k3 * ratio if bias else k3)
     if loss_agg == "token-mean":
@@ -424,6 +430,178 @@ def test_top_entropy_quantile_matches_oracle(backend):
         fused_rl.policy_loss_from_logprobs(
             torch.randn(B, T, device=DEVICE), r["adv"], top_entropy_quantile=0.2
         )
+
+
+# ----------------------------------------------------------------------------- off-policy mask
+
+
+def _trl_off_policy_mask(adv, logp, sampled, mask, threshold):
+    """TRL's ``GRPOTrainer.get_off_policy_mask`` (DeepSeek-V3.2's off-policy sequence mask):
+    keep where ``A >= 0`` or the sequence's mean ``sampled - logp`` is at most ``threshold``."""
+    kl = torch.nan_to_num(sampled - logp.detach(), nan=0.0)
+    avg = (kl * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)
+    return (adv >= 0) | (avg <= threshold)
+
+
+@pytest.mark.parametrize("threshold", (-0.5, 0.0, 0.3, 2.0))
+def test_off_policy_sequence_mask_matches_trl(threshold):
+    from fused_rl.losses import off_policy_sequence_mask
+
+    g = torch.Generator().manual_seed(7)
+    for shape in ((4, 6), (1, 1), (3, 2)):
+        logp = torch.randn(shape, generator=g) - 2
+        sampled = logp + torch.randn(shape, generator=g) * 0.6
+        mask = torch.rand(shape, generator=g) > 0.3
+        adv = torch.randn(shape[0], 1, generator=g)
+        if shape == (4, 6):
+            sampled[0, 1] = float("nan")  # a token the sampler could not score: counts 0
+            mask[0, 1] = True
+            sampled[1, 2], mask[1, 2] = float("inf"), False  # padding: never counts
+            mask[2] = False  # a fully masked row: mean 0
+            adv[3] = 0.0
+        want = _trl_off_policy_mask(adv, logp, sampled, mask.float(), threshold)
+        got = off_policy_sequence_mask(logp, sampled, adv.expand(shape), mask,
+                                       threshold=threshold)  # fmt: skip
+        assert torch.equal(got, want.expand(shape)), (shape, threshold)
+
+
+def _off_policy_inputs(r, seed=6):
+    """Rollout log-probs that differ from the old ones, and (B, T) advantages of both signs
+    in every sequence, so the mask drops some tokens and keeps others."""
+    g = torch.Generator().manual_seed(seed)
+    rollout = r["old"] + (torch.randn(B, T, generator=g) * 0.4 + 0.3).to(DEVICE)
+    adv = (torch.randn(B, T, generator=g) * 1.2).to(DEVICE)
+    return rollout, adv
+
+
+def _opsm_keep(r, leaf, rollout, adv, threshold):
+    with torch.no_grad():
+        logp = torch.log_softmax(leaf, -1).gather(-1, r["targets"].clamp(min=0)[..., None])[..., 0]
+    counted = (r["mask"] & (r["targets"] != -100)).double()
+    return _trl_off_policy_mask(adv.double(), logp, rollout.double(), counted, threshold)
+
+
+OFF_POLICY_CASES = {
+    "ppo+is+kl": (dict(beta=0.1, eps_high=0.28), dict(surrogate="ppo", beta=0.1)),
+    "gspo": (dict(importance_sampling="sequence", eps_high=0.28),
+             dict(surrogate="ppo", sequence=True)),
+    "cispo": (dict(surrogate="cispo", eps_high=0.28), dict(surrogate="cispo")),
+    "vespo+is": (dict(surrogate="vespo"), dict(surrogate="vespo")),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", OFF_POLICY_CASES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_off_policy_mask_matches_oracle(backend, case):
+    """The mask drops the policy term of the negative-advantage tokens of the sequences that
+    drifted (the mean of ``rollout_logprobs - logp``); the KL, the normaliser, the IS metrics
+    and VESPO's weight still see every token."""
+    ours_kw, oracle_kw = OFF_POLICY_CASES[case]
+    r = _rollout(seed=8)
+    rollout, adv = _off_policy_inputs(r)
+    r = {**r, "adv": adv}
+    leaf = r["logits"].double().requires_grad_()
+    with torch.no_grad():
+        logp = torch.log_softmax(leaf, -1).gather(-1, r["targets"].clamp(min=0)[..., None])
+    counted = r["mask"] & (r["targets"] != -100)
+    drift = torch.where(counted, rollout.double() - logp[..., 0], 0.0).sum(1) / counted.sum(1)
+    threshold = float(drift[:2].mean())  # between the two counted sequences' drifts
+    keep = _opsm_keep(r, leaf, rollout, adv, threshold)
+    assert 0 < (~keep & counted).sum() < counted.sum()
+    is_w = r["is_w"]
+    want, want_metrics = _oracle_logp_of(r, leaf, is_weights=is_w, keep=keep, **oracle_kw)
+    kw = dict(old_logprobs=r["old"], rollout_logprobs=rollout, mask=r["mask"], is_weights=is_w,
+              off_policy_mask_threshold=threshold, backend=backend, **ours_kw)  # fmt: skip
+    if ours_kw.get("beta"):
+        kw["ref_logprobs"] = r["ref"]
+    logits = r["logits"].clone().requires_grad_()
+    loss, metrics = fused_rl.policy_loss(logits, r["targets"], adv, **kw)
+    up = torch.rand(()) + 0.5
+    (grad,) = torch.autograd.grad(loss, logits, up.to(DEVICE))
+    (exact,) = torch.autograd.grad(want, leaf, up.double().to(DEVICE))
+    assert_rel(loss, want, FP32_TOL, "loss")
+    assert_rel(grad, exact, FP32_TOL, "gradient")
+    for name, value in want_metrics.items():
+        if name != "vespo_phi_seq_mean":  # the oracle's: one phi per sequence, (B,) advantages
+            assert_rel(metrics[name], value, FP32_TOL, name)
+    dropped = (~keep & counted).sum() / counted.sum()
+    assert_rel(metrics["off_policy_masked_frac"], dropped, FP32_TOL, "off_policy_masked_frac")
+    # from log-probs and from hidden states: the same mask
+    lp = logp[..., 0].float().requires_grad_()
+    from_lp, _ = fused_rl.policy_loss_from_logprobs(
+        lp, adv, **{k: v for k, v in kw.items() if k != "mask"},
+        mask=counted,
+    )  # fmt: skip
+    assert_rel(from_lp, want, FP32_TOL, "from log-probs")
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(B, T, H, generator=g).to(DEVICE).requires_grad_()
+    weight = torch.randn(V, H, generator=g).to(DEVICE)
+    lin, lin_metrics = fused_rl.linear_policy_loss(hidden, weight, r["targets"], adv, **kw)
+    mat, mat_metrics = fused_rl.policy_loss(F.linear(hidden, weight), r["targets"], adv, **kw)
+    assert_rel(lin, mat, FP32_TOL, "linear")
+    assert_rel(lin_metrics["off_policy_masked_frac"], mat_metrics["off_policy_masked_frac"], 0, "")
+
+
+def _oracle_logp_of(r, leaf, **kw):
+    logp = torch.log_softmax(leaf, -1).gather(-1, r["targets"].clamp(min=0)[..., None])[..., 0]
+    return _oracle_logp(r, logp, **kw)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_token_selection_leaves_vespo_weight_alone(backend):
+    """The top-entropy selection multiplies VESPO's policy term (TRL's ``per_token_loss *
+    entropy_mask``), never enters its sequence weight ``phi`` (which sees every token)."""
+    r = _rollout(seed=9)
+    leaf = r["logits"].double().requires_grad_()
+    with torch.no_grad():
+        logsm = torch.log_softmax(leaf, -1)
+        entropy = -(logsm.exp() * logsm).sum(-1)
+    counted = r["mask"] & (r["targets"] != -100)
+    keep = _trl_high_entropy_mask(entropy, counted, 0.4)
+    want, want_metrics = _oracle(r, leaf, surrogate="vespo", is_weights=r["is_w"], keep=keep)
+    logits = r["logits"].clone().requires_grad_()
+    loss, metrics = fused_rl.policy_loss(
+        logits, r["targets"], r["adv"], old_logprobs=r["old"], mask=r["mask"],
+        is_weights=r["is_w"], surrogate="vespo", top_entropy_quantile=0.4, backend=backend,
+    )  # fmt: skip
+    assert_rel(loss, want, FP32_TOL, "loss")
+    assert_rel(metrics["vespo_phi_seq_mean"], want_metrics["vespo_phi_seq_mean"], FP32_TOL, "")
+    (grad,) = torch.autograd.grad(loss, logits)
+    (exact,) = torch.autograd.grad(want, leaf)
+    assert_rel(grad, exact, FP32_TOL, "gradient")
+
+
+def test_off_policy_mask_errors():
+    r = _rollout()
+    logits, t, adv = r["logits"], r["targets"], r["adv"]
+    with pytest.raises(ValueError, match="rollout_logprobs is read only by the off-policy"):
+        fused_rl.policy_loss(logits, t, adv, rollout_logprobs=r["old"])
+    with pytest.raises(ValueError, match="rollout_logprobs must have shape"):
+        fused_rl.policy_loss(logits, t, adv, rollout_logprobs=r["old"][:, :2],
+                             off_policy_mask_threshold=0.1)  # fmt: skip
+    for bad, err in ((float("nan"), ValueError), ("0.1", TypeError), (True, TypeError)):
+        with pytest.raises(err, match="off_policy_mask_threshold"):
+            fused_rl.policy_loss(logits, t, adv, off_policy_mask_threshold=bad)
+    with pytest.raises(ValueError, match="off_policy_mask_threshold"):
+        fused_rl.policy_loss(logits.clone().requires_grad_(), t, adv, grad_in_forward=True,
+                             off_policy_mask_threshold=0.1)  # fmt: skip
+
+
+def test_off_policy_mask_on_policy_keeps_every_token():
+    """Without old / rollout log-probs the drift is 0: nothing is dropped for a threshold
+    >= 0, every negative-advantage token for one below 0."""
+    r = _rollout()
+    kw = dict(mask=r["mask"], backend="reference")
+    plain, _ = fused_rl.policy_loss(r["logits"], r["targets"], r["adv"], **kw)
+    kept, m = fused_rl.policy_loss(r["logits"], r["targets"], r["adv"],
+                                   off_policy_mask_threshold=0.0, **kw)  # fmt: skip
+    assert_rel(kept, plain, 0, "loss")
+    assert m["off_policy_masked_frac"] == 0
+    _, m = fused_rl.policy_loss(r["logits"], r["targets"], r["adv"],
+                                off_policy_mask_threshold=-1e-3, **kw)  # fmt: skip
+    counted = r["mask"] & (r["targets"] != -100)
+    negative = (r["adv"][:, None] < 0) & counted
+    assert_rel(m["off_policy_masked_frac"], negative.sum() / counted.sum(), FP32_TOL, "")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -35,11 +35,13 @@ The options map exactly (checked against TRL 1.16's ``GRPOTrainer._compute_loss`
   ``vllm_importance_sampling_correction``, any ``vllm_importance_sampling_mode``): TRL's
   ``importance_sampling_ratio`` -> ``is_weights`` (the policy term only; VESPO folds them
   into its weight, as TRL does).
+* ``off_policy_mask_threshold`` -> ``off_policy_mask_threshold`` (DeepSeek-V3.2's
+  off-policy sequence mask) with TRL's ``sampling_per_token_logps`` (vLLM's log-probs; else
+  the old ones, else the current ones) as ``rollout_logprobs``.
 * The MoE load-balancing loss (``output_router_logits`` with ``router_aux_loss_coef``):
   computed from the same backbone forward and added as TRL adds it.
 
-``off_policy_mask_threshold`` raises ``ValueError`` at construction (its mask needs the
-current log-probs before the loss), as does a ``_compute_loss`` overridden by a subclass
+A ``_compute_loss`` overridden by a subclass raises ``ValueError`` at construction
 (:func:`policy_options`).
 """
 
@@ -107,8 +109,6 @@ def _problems(trainer, kind: LossType | None) -> list[str]:
                 f"top_entropy_quantile={trainer.top_entropy_quantile} with an entropy bonus "
                 "(TRL's bonus then averages over the kept tokens only)"
             )
-    if trainer.off_policy_mask_threshold is not None:
-        problems.append(f"off_policy_mask_threshold={trainer.off_policy_mask_threshold}")
     if kind is not None and kind.surrogate == "vespo" and _uses_vllm_is(trainer):
         low = trainer.vllm_importance_sampling_clip_min
         high = trainer.vllm_importance_sampling_clip_max
@@ -159,6 +159,11 @@ def policy_options(trainer) -> dict:
         entropy_coef=float(trainer.entropy_coef),
         entropy_agg="token-mean",
         top_entropy_quantile=float(trainer.top_entropy_quantile),
+        off_policy_mask_threshold=(
+            None
+            if trainer.off_policy_mask_threshold is None
+            else float(trainer.off_policy_mask_threshold)
+        ),
         loss_agg=kind.loss_agg,
         max_length=trainer.max_completion_length if trainer.loss_type == "dr_grpo" else None,
     )
@@ -185,6 +190,7 @@ class LossRequest:
     advantages: torch.Tensor
     mask: torch.Tensor  # (B, C)
     old_logprobs: torch.Tensor | None
+    rollout_logprobs: torch.Tensor | None  # vLLM's, for the off-policy mask
     ref_logprobs: torch.Tensor | None
     is_weights: torch.Tensor | None  # vLLM's importance-sampling ratios
     num_items: torch.Tensor | None
@@ -214,7 +220,8 @@ def loss_forward(hidden, weight, bias, request: LossRequest, head, aux_loss=None
 
     loss, metrics = linear_policy_loss(
         hidden, weight, request.targets, request.advantages, bias=bias,
-        old_logprobs=request.old_logprobs, ref_logprobs=request.ref_logprobs,
+        old_logprobs=request.old_logprobs, rollout_logprobs=request.rollout_logprobs,
+        ref_logprobs=request.ref_logprobs,
         mask=request.mask, is_weights=request.is_weights, num_items=request.num_items,
         temperature=head.temperature, softcap=head.softcap, with_entropy=True,
         chunk_tokens=head.options.chunk_tokens,
@@ -254,6 +261,10 @@ def compute_loss(trainer, model, inputs):
     request = LossRequest(
         targets=completion_ids, advantages=inputs["advantages"], mask=mask,
         old_logprobs=inputs.get("old_per_token_logps"),
+        rollout_logprobs=(
+            inputs.get("sampling_per_token_logps")
+            if options["off_policy_mask_threshold"] is not None else None
+        ),
         ref_logprobs=inputs["ref_per_token_logps"] if options["beta"] != 0.0 else None,
         is_weights=inputs["importance_sampling_ratio"] if _uses_vllm_is(trainer) else None,
         num_items=num_items, options=options,

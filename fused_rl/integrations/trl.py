@@ -30,8 +30,8 @@ trainer's loss (``_compute_loss``) is TRL's own, fed with fused_rl's log-probs a
 metric TRL logs with it, with one :func:`fused_rl.linear_policy_loss` call from the policy's
 last hidden states (every ``loss_type`` of TRL 1.16, sequence-level importance sampling,
 the entropy bonus (static or adaptive), top-entropy tokens, vLLM's importance-sampling
-correction, the MoE load-balancing loss; ``off_policy_mask_threshold`` raises ``ValueError``
-at construction: :mod:`fused_rl.integrations._trl_loss`).
+correction, the off-policy sequence mask, the MoE load-balancing loss:
+:mod:`fused_rl.integrations._trl_loss`).
 
 What fused_rl cannot do raises at construction (``ValueError`` naming the option), never
 a silent fall-back to TRL's head: a logit scale ``<= 0``, a ``final_logit_softcapping``

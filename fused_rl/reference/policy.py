@@ -124,6 +124,7 @@ def policy_token_terms(
     is_weights: torch.Tensor | None = None,
     entropy_scale: torch.Tensor | None = None,
     full_kl: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-token loss (differentiable w.r.t. ``logp`` and ``entropy``) and metric terms of
     the options in ``config`` (a :class:`fused_rl.PolicyConfig`).
@@ -133,6 +134,9 @@ def policy_token_terms(
     only; ``kl_bias_correction`` multiplies the KL by the (not detached) ratio.
     ``full_kl`` (``kl_estimator="full"``, in place of ``ref_logp``): each token's exact
     ``KL(pi || pi_ref)``, differentiable w.r.t. the logits it came from.
+    ``keep`` (bool, or None): the tokens whose policy term stays (the top-entropy selection,
+    the off-policy sequence mask); the others' policy term is multiplied by 0, as TRL's
+    ``per_token_loss * mask``, after the IS weights and before the KL and entropy terms.
     """
     # Inputs at tokens that do not count never matter, even NaN / inf ones (padding): give
     # them log-prob 0, ratio 1, KL 0 and advantage 0 so neither the loss, its gradient (a
@@ -171,6 +175,8 @@ def policy_token_terms(
         ratio = torch.exp(token_log_ratio)
     if is_weights is not None and surrogate != "vespo":
         loss = loss * torch.where(counted, is_weights, torch.ones_like(is_weights))
+    if keep is not None:
+        loss = loss * torch.where(counted, keep.to(loss.dtype), torch.ones_like(loss))
     terms = {
         "ratio": ratio,
         "clipped": clipped,

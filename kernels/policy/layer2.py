@@ -308,6 +308,7 @@ def policy_token_loss(
     adv,
     ref_logp,
     is_weight,
+    keep,
     hyper,
     ent_scale,
     SURROGATE: tl.constexpr,
@@ -323,8 +324,11 @@ def policy_token_loss(
     """Per-token policy loss on scalars or blocks: ``(loss, d_ratio, d_direct, ratio, code,
     aux, kl)``.
 
-    ``loss = is_weight * surrogate + beta kl(logp, ref) [* r] - entropy_coef c H``: the
-    rollout IS weight multiplies the policy term only; ``BIAS_KL`` multiplies the KL by the
+    ``loss = keep * is_weight * surrogate + beta kl(logp, ref) [* r] - entropy_coef c H``:
+    the rollout IS weight multiplies the policy term only (VESPO folds it into ``phi``
+    instead), and so does ``keep``, 1 or 0 where a token-selection mask drops the policy
+    term (the top-entropy selection, the off-policy sequence mask; a product, as TRL's
+    ``per_token_loss * mask``); ``BIAS_KL`` multiplies the KL by the
     ratio ``r``, NOT detached (DeepSeek-V3.2, TRL's ``use_bias_correction_kl``).
     ``d_ratio`` is the derivative through ``log_ratio`` (a sequence ratio passes it on to
     every token of the sequence; ``token_log_ratio`` is the token's own, for GMPO's flags),
@@ -339,10 +343,12 @@ def policy_token_loss(
     loss, d_ratio, d_direct, ratio, code, aux = surrogate_loss(
         logp, log_ratio, token_log_ratio, adv, hyper, SURROGATE, USE_DUAL, USE_DELTA, ACC
     )
+    term_weight = keep
     if SURROGATE != SURROGATE_VESPO:  # VESPO folds the IS weights into phi
-        loss = loss * is_weight
-        d_ratio = d_ratio * is_weight
-        d_direct = d_direct * is_weight
+        term_weight = is_weight * keep
+    loss = loss * term_weight
+    d_ratio = d_ratio * term_weight
+    d_direct = d_direct * term_weight
     kl = tl.zeros_like(logp)
     if HAS_REF:
         if KL_KIND == KL_FULL:  # the exact KL, from the vocab stream: no gradient via logp

@@ -89,6 +89,8 @@ def _token_inputs(
         "mask_stride_inner",
         "is_stride_outer",
         "is_stride_inner",
+        "keep_stride_outer",
+        "keep_stride_inner",
     ]
 )
 def _policy_token_fwd_kernel(
@@ -100,6 +102,7 @@ def _policy_token_fwd_kernel(
     ref_ptr,
     mask_ptr,
     is_ptr,
+    keep_ptr,
     g_ptr,
     h_ptr,
     part_ptr,
@@ -121,6 +124,8 @@ def _policy_token_fwd_kernel(
     mask_stride_inner,
     is_stride_outer,
     is_stride_inner,
+    keep_stride_outer,
+    keep_stride_inner,
     ignore_index,
     hyper,
     SURROGATE: tl.constexpr,
@@ -130,6 +135,7 @@ def _policy_token_fwd_kernel(
     HAS_REF: tl.constexpr,
     HAS_MASK: tl.constexpr,
     HAS_IS: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
     ADD_KL: tl.constexpr,
     KL_KIND: tl.constexpr,
     BIAS_KL: tl.constexpr,
@@ -149,8 +155,9 @@ def _policy_token_fwd_kernel(
     surrogate's gradient then reaches every token through that mean (a third pass writes
     ``g`` once the sequence's total is known). ``SEQ_TOKEN`` (GSPO-token): the value of the
     sequence ratio, the gradient through each token's own log-prob (``sg(s) r_t / sg(r_t)``):
-    ``g`` is written per token, as at token level. Bytes: reads the inputs once (twice with
-    ``SEQUENCE``), writes ~14 floats per token.
+    ``g`` is written per token, as at token level. ``HAS_KEEP``: ``keep`` ``(B, T)`` bytes,
+    0 where a token-selection mask drops the token's policy term (``policy_token_loss``).
+    Bytes: reads the inputs once (twice with ``SEQUENCE``), writes ~14 floats per token.
     """
     b = tl.program_id(0).to(tl.int64)
     # hyper: the policy options' fp32 pairs (kernels/modes.py POLICY_PARAMS), read by ``param``
@@ -216,12 +223,17 @@ def _policy_token_fwd_kernel(
             is_raw = _load_tokens(is_ptr, b, ts, rows_inner, is_stride_outer, is_stride_inner,
                                   in_seq).to(ACC)  # fmt: skip
             is_weight = tl.where(m != 0, is_raw, 1.0)
+        keep = tl.zeros_like(logp) + 1.0
+        if HAS_KEEP:
+            keep_raw = _load_tokens(keep_ptr, b, ts, rows_inner, keep_stride_outer,
+                                    keep_stride_inner, in_seq).to(ACC)  # fmt: skip
+            keep = tl.where(m != 0, keep_raw, 1.0)
         ent_scale = tl.zeros_like(logp) + 1.0
         if HAS_ENT_SCALE:  # the bonus as a token mean whatever loss_agg (contiguous (B*T,))
             ent_scale = _load_tokens(ent_scale_ptr, b, ts, rows_inner, rows_inner, 1,
                                      in_seq).to(ACC)  # fmt: skip
         loss, d_ratio, d_direct, ratio, code, aux, kl = policy_token_loss(
-            logp, entropy, log_ratio, token_lr, adv, ref, is_weight, hyper, ent_scale,
+            logp, entropy, log_ratio, token_lr, adv, ref, is_weight, keep, hyper, ent_scale,
             SURROGATE, HAS_REF, ADD_KL, KL_KIND, BIAS_KL, ENTROPY_BONUS, USE_DUAL, USE_DELTA,
             ACC,
         )  # fmt: skip

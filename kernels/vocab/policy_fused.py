@@ -213,7 +213,7 @@ def _policy_loss_fwd_kernel(
     bonus = entropy_coef * ent_scale
     log_ratio, inside = token_log_ratio(logp, old, hyper, ACC)
     loss, d_ratio, d_direct, ratio, code, aux, kl = policy_token_loss(
-        logp, entropy, log_ratio, log_ratio, adv, ref, is_weight, hyper, ent_scale, SURROGATE,
+        logp, entropy, log_ratio, log_ratio, adv, ref, is_weight, 1.0, hyper, ent_scale, SURROGATE,
         HAS_REF, ADD_KL, KL_KIND, BIAS_KL, ENTROPY_BONUS, USE_DUAL, USE_DELTA, ACC,
     )  # fmt: skip
     # token level: the ratio moves with this logp only (where the log-ratio is not clamped)
