@@ -162,7 +162,8 @@ def top_entropy_tokens(entropy: Tensor, mask: Tensor | None, *, quantile: float)
         lo = pos.floor().long()
         hi = torch.minimum(lo + 1, (n - 1).clamp(min=0))
         frac = (pos - lo).float()
-        below, above = ordered[lo], ordered[hi]
+        # gathers, not ordered[lo]: a tensor index is data-dependent under torch.compile
+        below, above = ordered.gather(0, lo.reshape(1)), ordered.gather(0, hi.reshape(1))
         threshold = torch.lerp(below, above, frac)  # as torch.quantile interpolates
         return counted & (h >= threshold) & (n > 0)
 

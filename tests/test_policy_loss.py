@@ -577,17 +577,19 @@ def test_deterministic(importance_sampling, device):
 
 
 @pytest.mark.no_poison
-@pytest.mark.parametrize("importance_sampling", ["token", "sequence"])
-def test_torch_compile_fullgraph(importance_sampling, device):
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(importance_sampling="token"),
+        dict(importance_sampling="sequence"),
+        dict(off_policy_mask_threshold=0.0, top_entropy_quantile=0.5),  # masks from logp, H
+    ],
+    ids=["token", "sequence", "token-selection"],
+)
+def test_torch_compile_fullgraph(options, device):
     logits, targets, adv, kw = make_inputs(2, 4, 19, device=device, old="gspo", ref="design")
-    hyper = dict(
-        eps_high=0.28,
-        dual_clip=3.0,
-        beta=0.04,
-        entropy_coef=0.01,
-        importance_sampling=importance_sampling,
-        backend="triton",
-    )
+    hyper = dict(eps_high=0.28, dual_clip=3.0, beta=0.04, entropy_coef=0.01, backend="triton",
+                 **options)  # fmt: skip
 
     def fn(x, targets, adv, **kw):
         return policy_loss(x, targets, adv, **kw, **hyper)
@@ -609,8 +611,9 @@ def test_torch_compile_fullgraph(importance_sampling, device):
         dict(eps_high=0.28, dual_clip=3.0, beta=0.04, kl_estimator="k3", entropy_coef=0.01),
         dict(delta=2.0, beta=0.04, kl_estimator="low_var_kl", loss_agg="seq-mean-token-mean"),
         dict(importance_sampling="sequence", entropy_coef=0.01, loss_agg="seq-mean-token-sum"),
+        dict(off_policy_mask_threshold=0.0, beta=0.04, kl_estimator="k3"),
     ],
-    ids=["token-dual-k3", "token-delta-lowvar", "sequence"],
+    ids=["token-dual-k3", "token-delta-lowvar", "sequence", "off-policy-mask"],
 )
 def test_gradcheck_triton_fp64(hyper, device):
     logits, targets, adv, kw = make_inputs(
