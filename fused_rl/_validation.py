@@ -33,14 +33,18 @@ def check_float(x: torch.Tensor, name: str) -> None:
         raise TypeError(f"{name} must be a floating tensor (fp16/bf16/fp32/fp64), got {x.dtype}")
 
 
-def check_logits(logits: torch.Tensor, name: str = "logits", min_dim: int = 1) -> None:
+def check_logits(
+    logits: torch.Tensor, name: str = "logits", min_dim: int = 1, empty_ok: bool = False
+) -> None:
+    """A float ``(..., V)`` tensor with ``V >= 1`` (``empty_ok``: a ragged vocabulary shard,
+    which may hold no column)."""
     check_float(logits, name)
     if logits.dim() < min_dim:
         dims = "dim" if min_dim == 1 else "dims"
         raise ValueError(
             f"{name} must have at least {min_dim} {dims} (..., V), got shape {tuple(logits.shape)}"
         )
-    if logits.shape[-1] < 1:
+    if logits.shape[-1] < 1 and not empty_ok:
         raise ValueError(f"{name} has an empty vocabulary dimension (V = 0)")
 
 

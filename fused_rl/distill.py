@@ -31,7 +31,15 @@ from ._launch import NO_CAP, NO_NUM_ITEMS, f32_pair, stats_dtype, triton_acc, vo
 from ._ops import FusedOp, _serialised_when_interpreting
 from ._policy_inputs import num_items_args, weights_of
 from ._shapes import as_rows3d
-from .distributed import _dist, is_dtensor, resolve_shard
+from .distributed import (
+    _dist,
+    _header,
+    _layout_error,
+    _layout_ok,
+    check_vocab_limit,
+    is_dtensor,
+    resolve_shard,
+)
 from .kernels.modes import LOSS_AGG_MODES
 from .reference import distill as ref
 from .reference.logprobs import differentiable_once
@@ -386,11 +394,13 @@ class _PairDivergence(torch.autograd.Function):
     (Triton, ``beta`` 0 or 1), else this rank's shard (either backend)."""
 
     @staticmethod
-    def forward(ctx, x3d, r3d, mask, temperature, which, shard, beta, with_extra, softcap):
+    def forward(ctx, x3d, r3d, mask, temperature, which, shard, beta, with_extra, softcap,
+                check):  # fmt: skip
         d, extra, stats = divergence_stats(x3d, r3d, mask, temperature, which, shard, beta,
-                                           with_extra, softcap)  # fmt: skip
+                                           with_extra, softcap, check)  # fmt: skip
         ctx.save_for_backward(x3d, r3d, stats, mask)
         ctx.temperature, ctx.which, ctx.beta, ctx.softcap = temperature, which, beta, softcap
+        ctx.shard = shard
         ctx.mark_non_differentiable(extra)
         ctx.set_materialize_grads(False)
         return d, (extra if with_extra else extra.new_empty((0,)))
@@ -399,22 +409,28 @@ class _PairDivergence(torch.autograd.Function):
     def backward(ctx, grad_d, _grad_extra):
         x3d, r3d, stats, mask = ctx.saved_tensors
         if grad_d is None:
-            return (None,) * 9
+            return (None,) * 10
         with torch.no_grad():
             g = grad_d if mask is None else torch.where(mask, grad_d, 0.0)  # rows not read
             grad = divergence_grad(x3d, r3d, stats, g, ctx.temperature, ctx.which, ctx.beta,
-                                   ctx.softcap)  # fmt: skip
-        return (differentiable_once(grad, x3d, grad_d),) + (None,) * 8
+                                   ctx.softcap, ctx.shard)  # fmt: skip
+        return (differentiable_once(grad, x3d, grad_d),) + (None,) * 9
 
 
-def divergence_stats(x3d, r3d, mask, temperature, which, shard, beta, with_extra, softcap=None):
+def divergence_stats(x3d, r3d, mask, temperature, which, shard, beta, with_extra, softcap=None,
+                     check=False):  # fmt: skip
     """:class:`_PairDivergence`'s forward without autograd: ``(d, extra, stats)``, ``stats``
     the whole vocabulary's ``(N_STATS, n)`` statistics the backward (:func:`divergence_grad`)
-    reads."""
+    reads. With ``shard`` only its valid columns are read (a padded vocabulary's padding
+    never), and the layout is checked through the first collective: ``check`` raises
+    ``ValueError`` on every rank (one host sync), otherwise a bad layout makes every value
+    NaN."""
     mode = divergence_mode(beta)
+    if shard is not None:
+        x3d, r3d = _valid_columns(x3d, shard), _valid_columns(r3d, shard)
     stats, extra = _local_stats(x3d, r3d, mask, temperature, which, mode == 0, softcap)
     if shard is not None:
-        stats, extra = _merge(stats, extra, shard, full=mode != 1 or with_extra)
+        stats, extra = _merge(stats, extra, shard, full=mode != 1 or with_extra, check=check)
     extra = extra.view(4, *x3d.shape[:2])
     if mask is not None:
         extra = torch.where(mask, extra, 0.0)
@@ -432,11 +448,18 @@ def divergence_stats(x3d, r3d, mask, temperature, which, shard, beta, with_extra
 
 
 def pair_divergence(x3d, r3d, mask, temperature, which, shard, beta=1.0, with_extra=False,
-                    softcap=None):  # fmt: skip
+                    softcap=None, check=False):  # fmt: skip
     """:class:`_PairDivergence` (checked inputs): ``(d, extra)``; ``softcap``: both models'
-    logits capped, ``c tanh(x / c)``, before the temperature."""
+    logits capped, ``c tanh(x / c)``, before the temperature; ``check``: the layout check
+    of :func:`divergence_stats`."""
     return _PairDivergence.apply(x3d, r3d, mask, temperature, which, shard, beta, with_extra,
-                                 softcap)  # fmt: skip
+                                 softcap, check)  # fmt: skip
+
+
+def _valid_columns(x3d: Tensor, shard) -> Tensor:
+    """This rank's real vocabulary columns of ``x3d`` (a view): all but a padded
+    vocabulary's padding (``shard.valid`` of ``shard.columns``; possibly none)."""
+    return x3d if shard.valid == x3d.shape[-1] else x3d.narrow(-1, 0, shard.valid)
 
 
 def _capped(x: Tensor, softcap: float | None) -> Tensor:
@@ -493,6 +516,12 @@ def _local_stats(x3d, r3d, mask, temperature, which, forward_kl=False, softcap=N
     ``(4, outer * inner)`` forward KL, reverse KL, ``H(p)``, ``H(q)`` over those columns."""
     outer, inner, vocab = x3d.shape
     n = outer * inner
+    if vocab == 0:  # a shard of padding only: an empty partial (-inf maxima, no mass)
+        acc = stats_dtype(torch.promote_types(x3d.dtype, r3d.dtype))
+        empty = torch.full((outer, inner), -math.inf, dtype=acc, device=x3d.device)
+        zero = torch.zeros_like(empty)
+        stats = torch.stack((empty, empty, empty, zero, zero, empty)).reshape(N_STATS, n)
+        return stats, torch.zeros((4, n), dtype=acc, device=x3d.device)
     if which == "triton":  # the distillation forward at beta = 1 (or 0; its loss unused)
         m8 = None if mask is None else mask.view(torch.uint8)
         _, _, _, stats, part = distill_fwd_op(
@@ -509,11 +538,6 @@ def _local_stats(x3d, r3d, mask, temperature, which, forward_kl=False, softcap=N
         keep = mask[..., None]
         z, u = torch.where(keep, z, 0.0), torch.where(keep, u, 0.0)
     z, u = _capped(z, softcap) / temperature, _capped(u, softcap) / temperature
-    if vocab == 0:
-        empty = torch.full((outer, inner), -math.inf, dtype=acc, device=x3d.device)
-        zero = torch.zeros_like(empty)
-        stats = torch.stack((empty, empty, empty, zero, zero, empty)).reshape(N_STATS, n)
-        return stats, torch.zeros((4, n), dtype=acc, device=x3d.device)
     m_z, m_u = z.amax(-1), u.amax(-1)
     m_z0 = torch.where(torch.isfinite(m_z), m_z, 0.0)
     m_u0 = torch.where(torch.isfinite(m_u), m_u, 0.0)
@@ -546,10 +570,14 @@ def _log_ratio(s_z: Tensor, gap: Tensor) -> Tensor:
                        s_z.log() - (s_z + gap).log())  # fmt: skip
 
 
-def _merge(stats: Tensor, extra: Tensor, shard, full: bool) -> tuple[Tensor, Tensor]:
+def _merge(stats: Tensor, extra: Tensor, shard, full: bool, check: bool = False
+           ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The two all-reduces over ``shard.group``: every rank's per-token partials into the
     whole vocabulary's statistics (same layout) and ``(4, n)`` extra values (module
-    docstring). ``full``: also the forward KL and both entropies (three more sums)."""
+    docstring). ``full``: also the forward KL and both entropies (three more sums). The
+    layout header (``fused_rl.distributed``: each rank's start and width, the vocabulary
+    size; ``2 world + 2`` floats) rides on the MAX: ``check`` raises on a bad one, else it
+    makes every value NaN."""
     dist = _dist()
     n = stats.shape[1]
     m_z_l, log_s_z_l, m_u_l = stats[_MAX_Z], stats[_LOG_S_Z], stats[_MAX_U]
@@ -558,9 +586,17 @@ def _merge(stats: Tensor, extra: Tensor, shard, full: bool) -> tuple[Tensor, Ten
     # taken as -inf so it never wins, its sums 0; each stream on its own
     empty_z, empty_u = log_s_z_l == -math.inf, log_s_u_l == -math.inf
     maxima = torch.cat((torch.where(empty_z, -math.inf, m_z_l),
-                        torch.where(empty_u, -math.inf, m_u_l)))  # fmt: skip
+                        torch.where(empty_u, -math.inf, m_u_l),
+                        _header(shard, stats.dtype, stats.device)))  # fmt: skip
     dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=shard.group)
-    m_z, m_u = maxima[:n], maxima[n:]
+    m_z, m_u, hdr = maxima[:n], maxima[n : 2 * n], maxima[2 * n :]
+    ok = None
+    if check:
+        message = _layout_error(hdr.tolist(), shard)  # the call's one host sync
+        if message is not None:
+            raise ValueError(message)
+    else:
+        ok = _layout_ok(hdr, shard)
     d_z = torch.where(empty_z, 0.0, m_z_l - m_z)
     d_u = torch.where(empty_u, 0.0, m_u_l - m_u)
     a = torch.where(empty_z, 0.0, (d_z + log_s_z_l).exp())  # S_z,r e^(M_z,r - M_z)
@@ -591,21 +627,30 @@ def _merge(stats: Tensor, extra: Tensor, shard, full: bool) -> tuple[Tensor, Ten
     log_ratio = _log_ratio(s_z, gap)
     kl = big_r / s_z - log_ratio
     merged = torch.stack((m_z, s_z.log(), m_u, log_ratio, kl, s_u.log()))
+    if ok is not None:  # a bad layout, unchecked: every statistic NaN, so every value
+        merged = torch.where(ok, merged, math.nan)
+        kl = merged[_C]
     if not full:
         return merged, torch.stack((kl, kl, kl, kl))  # only the reverse KL is read
     big_f, w_z, w_u = sums[3 * n : 4 * n], sums[4 * n : 5 * n], sums[5 * n :]
     h_z = (s_z.log() - w_z / s_z).clamp_min(0.0)
     h_u = (s_u.log() - w_u / s_u).clamp_min(0.0)
-    return merged, torch.stack((big_f / s_u + log_ratio, kl, h_z, h_u))
+    extra = torch.stack((big_f / s_u + log_ratio, kl, h_z, h_u))
+    return merged, extra if ok is None else torch.where(ok, extra, math.nan)
 
 
 def divergence_grad(x3d, r3d, stats, grad_kl, temperature, which, beta=1.0,
-                    softcap=None) -> Tensor:  # fmt: skip
+                    softcap=None, shard=None) -> Tensor:  # fmt: skip
     """``dL/dlogits`` of this rank's (or the whole) ``(outer, inner, V)`` logits from the
     global statistics, ``g_t / T`` times (``kernels/vocab/distill.py``): ``p_v (-delta_v -
     KL_t)`` at ``beta = 1``, ``p_v - q_v`` at 0, ``-(1 - beta) p_v (L_v - c_t)`` between
     (``c_t = sum_w p_w L_w``, the statistic ``C``); where ``p_v == 0`` 0 (the forward KL:
-    ``-q_v``), NaN in a row whose ``KL_t`` / ``c_t`` is not finite, as the kernel."""
+    ``-q_v``), NaN in a row whose ``KL_t`` / ``c_t`` is not finite, as the kernel. With a
+    ``shard`` whose vocabulary is padded, 0 at the padding columns (never read)."""
+    if shard is not None and shard.valid != x3d.shape[-1]:
+        grad = divergence_grad(_valid_columns(x3d, shard), _valid_columns(r3d, shard), stats,
+                               grad_kl, temperature, which, beta, softcap)  # fmt: skip
+        return torch.nn.functional.pad(grad, (0, x3d.shape[-1] - shard.valid))
     outer, inner, vocab = x3d.shape
     if vocab == 0:
         return torch.zeros(x3d.shape, dtype=x3d.dtype, device=x3d.device)
@@ -647,11 +692,11 @@ def divergence_grad(x3d, r3d, stats, grad_kl, temperature, which, beta=1.0,
 
 
 def _check(logits, teacher_logits, beta, temperature, mask, targets, ignore_index, loss_agg,
-           max_length, num_items) -> None:  # fmt: skip
-    V.check_logits(logits, "logits")
+           max_length, num_items, empty_ok=False) -> None:  # fmt: skip
+    V.check_logits(logits, "logits", empty_ok=empty_ok)
     if logits.dim() not in (2, 3):
         raise ValueError(f"logits must be (B, T, V) or (N, V), got shape {tuple(logits.shape)}")
-    V.check_logits(teacher_logits, "teacher_logits")
+    V.check_logits(teacher_logits, "teacher_logits", empty_ok=empty_ok)
     if teacher_logits.shape[-1] != logits.shape[-1]:
         raise ValueError(
             f"teacher_logits must have the student's vocabulary size: logits has "
@@ -711,6 +756,8 @@ def distill_loss(
     num_items: int | float | Tensor | None = None,
     max_length: int | None = None,
     process_group=None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
     backend: str = "auto",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """On-policy distillation loss (GKD): a divergence between the student's and the
@@ -756,7 +803,14 @@ def distill_loss(
             forward (32 bytes a token per rank in fp32: both row maxima, then the rescaled
             sums of both softmaxes, both KLs and both entropies); the generalized JSD
             (``0 < beta < 1``) then reads each shard's rows once more with the merged
-            normalisers and adds a third (8 bytes a token). None backward.
+            normalisers and adds a third (8 bytes a token). None backward. The layout
+            (``2 world + 2`` floats on the first all-reduce) is checked: a bad one raises
+            ``ValueError`` on every rank (eager, ``fused_rl.config.check_values`` on: one
+            host sync), else makes every value NaN.
+        vocab_start, vocab_size: the layout, with ``process_group``, as for
+            :func:`fused_rl.token_logprobs`: ``vocab_size`` alone is a padded vocabulary
+            (Megatron's: equal shards, the columns at and past ``vocab_size`` never read,
+            their gradient 0); with ``vocab_start`` ragged shards, contiguous in rank order.
         backend: ``"auto"`` | ``"triton"`` | ``"reference"``.
 
     Returns:
@@ -794,10 +848,15 @@ def distill_loss(
     if softcap is not None:
         V.check_positive(softcap, "softcap")
         softcap = float(softcap)
-    if process_group is not None or is_dtensor(logits):
+    if (
+        process_group is not None
+        or is_dtensor(logits)
+        or vocab_start is not None
+        or (vocab_size is not None)
+    ):
         return _sharded_distill_loss(
             logits, teacher_logits, beta, temperature, mask, targets, ignore_index, loss_agg,
-            num_items, max_length, process_group, backend, softcap,
+            num_items, max_length, process_group, backend, softcap, vocab_start, vocab_size,
         )  # fmt: skip
     return _distill_loss(logits, teacher_logits, beta, temperature, mask, targets, ignore_index,
                          loss_agg, num_items, max_length, backend, False, softcap)  # fmt: skip
@@ -805,7 +864,7 @@ def distill_loss(
 
 def _sharded_distill_loss(logits, teacher_logits, beta, temperature, mask, targets,
                           ignore_index, loss_agg, num_items, max_length, process_group,
-                          backend, softcap=None):  # fmt: skip
+                          backend, softcap=None, vocab_start=None, vocab_size=None):  # fmt: skip
     """:func:`distill_loss` over a vocabulary split across ranks: the per-token divergence
     (:func:`pair_divergence`, merged across shards), aggregated with ``fused_rl._agg``'s
     token weights, the metrics masked means."""
@@ -815,9 +874,9 @@ def _sharded_distill_loss(logits, teacher_logits, beta, temperature, mask, targe
         targets = targets.to_local()
     if is_dtensor(mask):
         mask = mask.to_local()
-    logits, _, shard = resolve_shard(logits, None, process_group, None, None)
+    logits, _, shard = resolve_shard(logits, None, process_group, vocab_start, vocab_size)
     _check(logits, teacher_logits, beta, temperature, mask, targets, ignore_index, loss_agg,
-           max_length, num_items)  # fmt: skip
+           max_length, num_items, empty_ok=shard is not None and shard.explicit)  # fmt: skip
     if shard is None:  # a DTensor replicated over the vocabulary: an ordinary call
         return _distill_loss(
             logits, teacher_logits, beta, temperature, mask, targets, ignore_index, loss_agg,
@@ -827,9 +886,12 @@ def _sharded_distill_loss(logits, teacher_logits, beta, temperature, mask, targe
     x3d, r3d = as_rows3d(logits), as_rows3d(teacher_logits)
     rows = tuple(x3d.shape[:2])
     acc = stats_dtype(torch.promote_types(x3d.dtype, r3d.dtype))
-    m = weights_of(mask, logits[..., 0], acc, targets, ignore_index).reshape(rows)
+    like = logits.new_empty(logits.shape[:-1])  # the shard may hold no column
+    m = weights_of(mask, like, acc, targets, ignore_index).reshape(rows)
+    check_vocab_limit(shard)
     d, extra = pair_divergence(x3d, r3d, m != 0, float(temperature), which, shard,
-                               beta=float(beta), with_extra=True, softcap=softcap)  # fmt: skip
+                               beta=float(beta), with_extra=True, softcap=softcap,
+                               check=V.value_checks_enabled(logits))  # fmt: skip
     w = token_weights(m, loss_agg, max_length=max_length, num_items=num_items, dtype=acc)
     loss = torch.where(w != 0, d * w, torch.zeros_like(d)).sum()
     loss = poison_empty(loss, num_items if loss_agg == "token-mean" else None, w.numel())

@@ -22,9 +22,11 @@ small number (``A expm1((M_u,r - M_u) - (M_z,r - M_z) - log(S_z,r / S_u,r))``) a
 ``A (r + (M_z,r - M_z) - (M_u,r - M_u))`` (12 bytes a token): 20 bytes a token per rank,
 fp32 (twice that in fp64). ``KL = R / S_z - log(S_z / S_u)`` with the log-ratio from the
 summed difference (``-log1p``), so a reference near the policy keeps its accuracy. The backward
-needs no collective: each rank writes its shard's gradient from the global statistics. Shards
-as :func:`fused_rl.token_logprobs`'s default layout (equal widths, rank ``r`` holding
-``[r V_local, (r + 1) V_local)``); both models' shards must have the same width.
+needs no collective: each rank writes its shard's gradient from the global statistics. The
+layouts of :func:`fused_rl.token_logprobs`: equal widths (rank ``r`` holding
+``[r V_local, (r + 1) V_local)``), a padded vocabulary (``vocab_size``: the padding columns
+never read, their gradient 0) or ragged shards (``vocab_start`` and ``vocab_size``), checked
+on the first all-reduce (a header of ``2 world + 2`` floats); both models' shards alike.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from . import _validation as V
 from ._backend import resolve_backend
 from ._shapes import as_rows3d
 from .distill import pair_divergence
-from .distributed import is_dtensor, resolve_shard
+from .distributed import check_vocab_limit, is_dtensor, resolve_shard
 from .reference import distill as ref
 
 
@@ -48,6 +50,8 @@ def token_kl(
     softcap: float | None = None,
     mask: Tensor | None = None,
     process_group=None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
     backend: str = "auto",
 ) -> Tensor:
     """Per-token exact ``KL(softmax(logits / T) || softmax(ref_logits / T))``.
@@ -63,8 +67,12 @@ def token_kl(
         mask: optional ``logits.shape[:-1]`` indicator (bool, or integer / float: nonzero
             counts): rows outside it are not read and give 0 (and a zero gradient).
         process_group: vocabulary parallelism: each rank's ``logits`` / ``ref_logits`` are its
-            equal-width shard of the vocabulary (module docstring); ``DTensor`` inputs
-            sharded on their last dim give their own group.
+            shard of the vocabulary (module docstring); ``DTensor`` inputs sharded on their
+            last dim give their own group. A bad layout raises ``ValueError`` on every rank
+            (eager with ``fused_rl.config.check_values``: one host sync), else gives NaN.
+        vocab_start, vocab_size: the layout, with ``process_group``, as for
+            :func:`fused_rl.token_logprobs` (``vocab_size`` alone: Megatron's padded
+            vocabulary; both: ragged shards).
         backend: ``"auto"`` | ``"triton"`` | ``"reference"``.
 
     Returns:
@@ -85,15 +93,17 @@ def token_kl(
         (torch.Size([2, 3]), True)
         >>> kl.sum().backward()
     """
-    V.check_logits(logits, "logits")  # (..., V) with V >= 1, as every logits op
-    V.check_logits(ref_logits, "ref_logits")
+    if is_dtensor(ref_logits):
+        ref_logits = ref_logits.to_local()
+    V.check_float(logits, "logits")
+    logits, _, shard = resolve_shard(logits, None, process_group, vocab_start, vocab_size)
+    empty_ok = shard is not None and shard.explicit  # a ragged shard may hold no column
+    V.check_logits(logits, "logits", empty_ok=empty_ok)  # (..., V), V >= 1 unsharded
+    V.check_logits(ref_logits, "ref_logits", empty_ok=empty_ok)
     V.check_positive(temperature, "temperature")
     if softcap is not None:
         V.check_positive(softcap, "softcap")
         softcap = float(softcap)
-    if is_dtensor(ref_logits):
-        ref_logits = ref_logits.to_local()
-    logits, _, shard = resolve_shard(logits, None, process_group, None, None)
     if tuple(ref_logits.shape) != tuple(logits.shape):
         raise ValueError(
             f"ref_logits must have logits' shape {tuple(logits.shape)} (the same vocabulary, "
@@ -111,6 +121,8 @@ def token_kl(
         kl = ref.token_divergences(x3d, r3d, beta=1.0, temperature=float(temperature),
                                    counted=m2d)["d"]  # fmt: skip
     else:
+        if shard is not None:
+            check_vocab_limit(shard)
         kl, _ = pair_divergence(x3d, r3d, m2d, float(temperature), which, shard,
-                                softcap=softcap)  # fmt: skip
+                                softcap=softcap, check=V.value_checks_enabled(logits))  # fmt: skip
     return kl.reshape(logits.shape[:-1])

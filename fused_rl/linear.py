@@ -81,7 +81,8 @@ from ._truncated_ops import (
     truncated_logprobs_fwd_op,
 )
 from ._vocab_ops import token_stats_bwd_into, token_stats_bwd_op, token_stats_fwd_op
-from .distributed import MAX_VOCAB
+from .distill import pair_divergence
+from .distributed import MAX_VOCAB, check_vocab_limit, group_shard
 from .exact_kl import token_kl
 from .losses import loss_from_token_stats, loss_with_exact_kl, policy_loss
 from .policy_config import PolicyConfig, takes_policy_options
@@ -1040,10 +1041,12 @@ def linear_policy_loss(
     chunk one more GEMM (no gradient, a second chunk-sized logits buffer) gives the
     reference's logits, streamed beside the policy's in the same vocab kernel: no ``(N, V)``
     tensor of either model (``softcap`` caps both models' logits alike). GSPO, VESPO, the
-    top-entropy selection and ``process_group`` (equal shards of both lm_heads, no
+    top-entropy selection and ``process_group`` (both lm_heads sharded alike, any layout of
     ``vocab_start`` / ``vocab_size``) compose it: the log-probs, then each chunk's exact KL
-    (:func:`fused_rl.token_kl` on the chunk's two logits, recomputed in the backward), added
-    with the aggregation's token weights; ``kl_bias_correction`` raises there.
+    (:func:`fused_rl.token_kl`'s, on the chunk's two logits, recomputed in the backward;
+    sharded, merged over the ranks chunk by chunk, so without ``chunk_tokens`` the chunk is
+    sized from ``ceil(vocab_size / P)`` on every rank), added with the aggregation's token
+    weights; ``kl_bias_correction`` raises there.
 
     Vocabulary parallelism (``process_group``, ``vocab_start``, ``vocab_size``,
     ``reduce_hidden_grad``: as :func:`linear_token_logprobs`, ``weight`` / ``bias`` this
@@ -1169,15 +1172,21 @@ def _full_kl_policy_loss(hidden, weight, targets, advantages, *, bias, chunk_tok
         raise ValueError(f"the exact KL from hidden states needs {missing} too")
     sharded = process_group is not None
     check_full_kl_route(policy, sharded)
-    if sharded and (vocab_start is not None or vocab_size is not None):
-        raise NotImplementedError(
-            "kl_estimator='full' with process_group takes equal lm_head shards without padding "
-            "(as fused_rl.token_kl): vocab_start / vocab_size are not supported with it"
+    if not sharded and (vocab_start is not None or vocab_size is not None):
+        raise ValueError(
+            "vocab_start / vocab_size describe a vocabulary shard: they need process_group"
         )
     rows, weight, bias, flat_targets, chunk, which = _prepare(
         hidden, weight, bias, targets, temperature, softcap, ignore_index, chunk_tokens,
         backend, sharded,
     )  # fmt: skip
+    shard = None
+    if sharded:  # each chunk's KL merges over the ranks: the same chunks on every rank
+        shard = group_shard(process_group, weight.shape[0], vocab_start, vocab_size,
+                            name="weight")  # fmt: skip
+        check_vocab_limit(shard)
+        if not chunk_tokens:
+            chunk = default_chunk_tokens(-(-shard.vocab_size // shard.world), rows.dtype)
     ref_rows, ref_weight, ref_bias = _prepare_ref(ref_hidden, ref_weight, ref_bias, hidden,
                                                   weight, targets)  # fmt: skip
     if sharded or not policy.token_level:
@@ -1188,8 +1197,7 @@ def _full_kl_policy_loss(hidden, weight, targets, advantages, *, bias, chunk_tok
             rollout_logprobs=rollout_logprobs, mask=mask, temperature=temperature,
             softcap=softcap, with_entropy=with_entropy,
             is_weights=is_weights, num_items=num_items, ignore_index=ignore_index,
-            process_group=process_group, reduce_hidden_grad=reduce_hidden_grad,
-            policy=policy, which=which,
+            shard=shard, reduce_hidden_grad=reduce_hidden_grad, policy=policy, which=which,
         )  # fmt: skip
     if which == "triton":
         if not _grad_wanted(hidden, weight, bias):  # the same pass, no gradient formed
@@ -1215,24 +1223,32 @@ def _composed_full_kl_loss(hidden, weight, targets, advantages, *, bias, rows, f
                            ref_head, chunk, chunk_tokens, old_logprobs, rollout_logprobs,
                            mask, temperature,
                            softcap, with_entropy, is_weights, num_items, ignore_index,
-                           process_group, reduce_hidden_grad, policy, which):  # fmt: skip
+                           shard, reduce_hidden_grad, policy, which):  # fmt: skip
     """The composed ``kl_estimator="full"`` from hidden states: the log-probs of
     :func:`linear_token_logprobs`, the exact KL per chunk (:class:`_LinearTokenKL`), then
-    ``losses.loss_with_exact_kl``; ``which`` the backend of both."""
+    ``losses.loss_with_exact_kl``; ``which`` the backend of both, ``shard`` the lm_heads'
+    vocabulary shard (None: whole)."""
+    layout = {}
+    if shard is not None:
+        layout = dict(process_group=shard.group, vocab_start=shard.start if shard.explicit
+                      else None, vocab_size=shard.vocab_size)  # fmt: skip
     out = linear_token_logprobs(
         hidden, weight, targets, bias=bias, temperature=temperature, softcap=softcap,
         ignore_index=ignore_index, return_entropy=with_entropy, chunk_tokens=chunk_tokens,
-        process_group=process_group, reduce_hidden_grad=reduce_hidden_grad, backend=which,
+        reduce_hidden_grad=reduce_hidden_grad, backend=which, **layout,
     )  # fmt: skip
     logp, entropy = out if with_entropy else (out, None)
     counted = counted_mask(mask, targets, ignore_index)
     counted = (counted if counted.dtype == torch.bool else counted != 0).reshape(-1)
-    # with process_group the shards are equal (token_kl's layout), so is the default chunk
-    # on every rank: each rank runs the same chunks, and so the same collectives
     cap = None if softcap is None else float(softcap)
+    ref_rows, ref_weight, ref_bias = ref_head
+    if shard is not None:  # a padded vocabulary's padding rows: never read (0 gradient)
+        weight, bias = _valid_rows(weight, bias, shard.valid)
+        ref_weight, ref_bias = _valid_rows(ref_weight, ref_bias, shard.valid)
     with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
-        kl = _LinearTokenKL.apply(rows, weight, bias, *ref_head, counted, float(temperature),
-                                  cap, chunk, process_group, reduce_hidden_grad, which)  # fmt: skip
+        kl = _LinearTokenKL.apply(rows, weight, bias, ref_rows, ref_weight, ref_bias, counted,
+                                  float(temperature), cap, chunk, shard, reduce_hidden_grad,
+                                  which)  # fmt: skip
     return loss_with_exact_kl(
         logp, entropy, kl.view(targets.shape), targets, advantages, policy=policy,
         ignore_index=ignore_index, backend=which, old_logprobs=old_logprobs,
@@ -1247,29 +1263,32 @@ class _LinearTokenKL(torch.autograd.Function):
     forward :func:`fused_rl.token_kl` on each chunk's two logits (rows outside ``counted``
     unread, 0); backward each chunk's logits recomputed and ``token_kl``'s own backward
     giving ``dz``, then ``dH = dz W``, ``dW += dz^T h``, ``db`` (with ``group`` and
-    ``reduce_hidden`` one SUM all-reduce of ``dH``). With ``group`` each chunk's
-    ``token_kl`` merges over the ranks, so every rank runs the same chunks. Neither model's
-    ``(N, V)`` logits exist whole; the backward's recompute reads both chunks once more."""
+    ``reduce_hidden`` one SUM all-reduce of ``dH``). With a vocabulary ``shard`` each
+    chunk's KL merges over the ranks (:func:`fused_rl.distill.pair_divergence`, the layout
+    checked on the host on the first chunk only), so every rank runs the same chunks.
+    Neither model's ``(N, V)`` logits exist whole; the backward's recompute reads both
+    chunks once more."""
 
     @staticmethod
     def forward(ctx, rows, weight, bias, ref_rows, ref_weight, ref_bias, counted, temperature,
-                softcap, chunk, group, reduce_hidden, which):  # fmt: skip
+                softcap, chunk, shard, reduce_hidden, which):  # fmt: skip
         ctx.set_materialize_grads(False)
         n_rows = rows.shape[0]
         kl = rows.new_empty((n_rows,), dtype=stats_dtype(rows.dtype))
+        check = shard is not None and V.value_checks_enabled(rows)
         for start in range(0, n_rows, chunk):
             stop = min(start + chunk, n_rows)
             kl[start:stop] = _chunk_kl(rows, weight, bias, ref_rows, ref_weight, ref_bias,
-                                       counted, start, stop, temperature, softcap, group,
-                                       which)  # fmt: skip
+                                       counted, start, stop, temperature, softcap, shard,
+                                       which, check and start == 0)  # fmt: skip
         ctx.save_for_backward(rows, weight, bias, ref_rows, ref_weight, ref_bias, counted)
-        ctx.config = (temperature, softcap, chunk, group, reduce_hidden, which)
+        ctx.config = (temperature, softcap, chunk, shard, reduce_hidden, which)
         return kl
 
     @staticmethod
     def backward(ctx, grad_kl):
         rows, weight, bias, ref_rows, ref_weight, ref_bias, counted = ctx.saved_tensors
-        temperature, softcap, chunk, group, reduce_hidden, which = ctx.config
+        temperature, softcap, chunk, shard, reduce_hidden, which = ctx.config
         if grad_kl is None:
             return (None,) * 13
 
@@ -1278,22 +1297,27 @@ class _LinearTokenKL(torch.autograd.Function):
             with torch.enable_grad():
                 leaf = z.detach().requires_grad_()
                 kl = _chunk_kl(leaf, None, None, ref_rows, ref_weight, ref_bias, counted, start,
-                               stop, temperature, softcap, group, which)  # fmt: skip
+                               stop, temperature, softcap, shard, which)  # fmt: skip
                 (dz,) = torch.autograd.grad(kl, leaf, grad_kl[chunk_rows].to(kl.dtype))
             return dz, False
 
-        reduce = group if reduce_hidden else None
+        reduce = shard.group if shard is not None and reduce_hidden else None
         return _head_grads(ctx, rows, weight, bias, chunk, dz_of, group=reduce) + (None,) * 10
 
 
 def _chunk_kl(rows, weight, bias, ref_rows, ref_weight, ref_bias, counted, start, stop,
-              temperature, softcap, group, which) -> Tensor:  # fmt: skip
-    """``token_kl`` of rows ``[start, stop)``: the policy's chunk logits from ``rows`` (or
+              temperature, softcap, shard, which, check=False) -> Tensor:  # fmt: skip
+    """The exact KL of rows ``[start, stop)`` (``token_kl``'s; with ``shard`` merged over its
+    ranks, ``check`` the layout on the host): the policy's chunk logits from ``rows`` (or
     ``rows`` itself when ``weight`` is None: the logits already made), the reference's."""
     z = rows if weight is None else F.linear(rows[start:stop], weight, bias)
     u = F.linear(ref_rows[start:stop], ref_weight, ref_bias)
-    return token_kl(z, u, temperature=temperature, softcap=softcap, mask=counted[start:stop],
-                    process_group=group, backend=which)  # fmt: skip
+    if shard is None:
+        return token_kl(z, u, temperature=temperature, softcap=softcap,
+                        mask=counted[start:stop], backend=which)  # fmt: skip
+    kl, _ = pair_divergence(z[None], u[None], counted[start:stop][None], temperature, which,
+                            shard, softcap=softcap, check=check)  # fmt: skip
+    return kl[0]
 
 
 def check_second_head(hidden2, weight2, bias2, hidden, weight, names, whose: str) -> None:

@@ -53,7 +53,7 @@ from .distill import (
     divergence_grad,
     divergence_stats,
 )
-from .distributed import _dist, group_shard
+from .distributed import _dist, check_vocab_limit, group_shard
 from .kernels.modes import LOSS_AGG_MODES
 from .linear import (
     CHUNK_BYTES,
@@ -65,6 +65,7 @@ from .linear import (
     _grad_wanted,
     _hidden_grad,
     _promote_hidden,
+    _valid_rows,
     check_second_head,
 )
 from .reference import distill as ref
@@ -102,6 +103,7 @@ class _Launch:
     shard: object = None  # fused_rl.distributed.VocabShard of the lm_heads, or None
     reduce_hidden: bool = True  # with a shard: all-reduce the hidden gradient
     softcap: float | None = None  # both models' logits capped, c tanh(z / c)
+    check: bool = False  # with a shard: the layout checked on the host (first chunk)
 
 
 def _run(rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_scale,
@@ -149,14 +151,16 @@ def _run(rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_sca
                 dz_full = z_full
         elif shard is not None:  # this rank's vocabulary shard, merged across ranks per chunk
             counted = (m[r] != 0)[None]
-            d, extra, stats = divergence_stats(z[None], zt[None], counted, launch.temperature,
-                                               launch.which, shard, launch.beta, True,
-                                               launch.softcap)  # fmt: skip
+            d, extra, stats = divergence_stats(
+                z[None], zt[None], counted, launch.temperature, launch.which, shard,
+                launch.beta, True, launch.softcap, launch.check and start == 0,
+            )  # fmt: skip
             terms[:, r] = torch.cat((d, extra[:, 0]))
             if grad:
                 w = (m[r] * row_scale[r])[None]
                 dz = divergence_grad(z[None], zt[None], stats, w, launch.temperature,
-                                     launch.which, launch.beta, launch.softcap)[0]  # fmt: skip
+                                     launch.which, launch.beta, launch.softcap,
+                                     shard)[0]  # fmt: skip
         else:
             counted = m[r] != 0
             zc, ztc, sech2 = z, zt, None
@@ -256,8 +260,9 @@ def _check_targets(targets, lead) -> None:
 
 def _prepare(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, beta,
              temperature, mask, targets, ignore_index, loss_agg, max_length, num_items,
-             chunk_tokens):  # fmt: skip
-    """Checked (autocast-cast, promoted) inputs, before any GEMM."""
+             chunk_tokens, sharded=False):  # fmt: skip
+    """Checked (autocast-cast, promoted) inputs, before any GEMM (``sharded``: the heads are
+    vocabulary shards, which may hold no row)."""
     for name, t in (("hidden", hidden), ("weight", weight), ("teacher_hidden", teacher_hidden),
                     ("teacher_weight", teacher_weight)):  # fmt: skip
         V.check_tensor(t, name)
@@ -267,7 +272,7 @@ def _prepare(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias,
     )
     hidden = _promote_hidden(hidden, weight)
     teacher_hidden = _promote_hidden(teacher_hidden, teacher_weight)
-    _check_linear(hidden, weight, bias)
+    _check_linear(hidden, weight, bias, sharded)
     V.check_float(teacher_hidden, "teacher_hidden")
     V.check_float(teacher_weight, "teacher_weight")
     check_second_head(
@@ -317,6 +322,8 @@ def linear_distill_loss(
     max_length: int | None = None,
     chunk_tokens: int | None = None,
     process_group=None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
     reduce_hidden_grad: bool = True,
     backend: str = "auto",
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -359,8 +366,13 @@ def linear_distill_loss(
             :func:`distill_loss`'s ``process_group`` (a third for the JSD), then each rank
             writes its shard's ``dz`` (a fresh chunk-sized buffer, not over the logits) from
             the merged statistics. The default chunk comes from the global vocabulary
-            (``world * V_local``), so every rank runs the same chunks (the shards must have
-            equal widths, as the merge assumes).
+            (``vocab_size``, else ``world * V_local``), so every rank runs the same chunks;
+            the layout is checked on the first chunk's all-reduce (``ValueError`` on every
+            rank in eager mode, else NaN).
+        vocab_start, vocab_size: the layout of the lm_head shards, with ``process_group``,
+            as for :func:`fused_rl.linear_token_logprobs` (``vocab_size`` alone: Megatron's
+            padded vocabulary, its padding rows unread and given a zero gradient; both:
+            ragged shards).
         reduce_hidden_grad: with ``process_group``: True (default) all-reduces (SUM) the
             hidden gradient over the group; False leaves each rank its partial ``dz W_local``
             (they sum to the unsharded gradient) for a framework that reduces it itself
@@ -407,6 +419,7 @@ def linear_distill_loss(
     hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias = _prepare(
         hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, beta, temperature,
         mask, targets, ignore_index, loss_agg, max_length, num_items, chunk_tokens,
+        process_group is not None,
     )  # fmt: skip
     if softcap is not None:
         V.check_positive(softcap, "softcap")
@@ -415,7 +428,16 @@ def linear_distill_loss(
         raise TypeError(f"reduce_hidden_grad must be a bool, got {type(reduce_hidden_grad)}")
     shard = None
     if process_group is not None:
-        shard = group_shard(process_group, weight.shape[0], None, None, name="weight")
+        shard = group_shard(process_group, weight.shape[0], vocab_start, vocab_size,
+                            name="weight")  # fmt: skip
+        check_vocab_limit(shard)
+        # a padded vocabulary's padding rows: never read (autograd's slice gives them 0)
+        weight, bias = _valid_rows(weight, bias, shard.valid)
+        teacher_weight, teacher_bias = _valid_rows(teacher_weight, teacher_bias, shard.valid)
+    elif vocab_start is not None or vocab_size is not None:
+        raise ValueError(
+            "vocab_start / vocab_size describe a vocabulary shard: they need process_group"
+        )
     which = resolve_backend(backend, hidden, weight, bias, teacher_hidden, teacher_weight,
                             teacher_bias, mask, targets)  # fmt: skip
     lead = tuple(hidden.shape[:-1])
@@ -448,7 +470,7 @@ def linear_distill_loss(
     launch = _Launch(
         float(beta), float(temperature), int(ignore_index), chunk, outer, inner,
         LOSS_AGG_MODES.index(loss_agg), float(max_length or inner), n_items, which, shard,
-        bool(reduce_hidden_grad), softcap,
+        bool(reduce_hidden_grad), softcap, V.value_checks_enabled(rows),
     )  # fmt: skip
     args = (rows, weight, bias, t_rows.detach(), teacher_weight.detach(),
             None if teacher_bias is None else teacher_bias.detach(), flat_targets, flat_mask,

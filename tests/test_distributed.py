@@ -1022,7 +1022,8 @@ def linear_truncated_vocab_parallel(ctx):
 @check
 def linear_exact_kl_vocab_parallel(ctx):
     """``linear_policy_loss(ref_hidden=, ref_weight=, kl_estimator="full", process_group=)``:
-    both models' lm_head shards (equal widths), the composed route (the sharded log-probs,
+    both models' lm_head shards (equal widths; other layouts: ``divergence_layouts``), the
+    composed route (the sharded log-probs,
     each chunk's exact KL merged over the ranks): every rank the unsharded call's loss and
     metrics, the hidden gradient summed over the ranks, its rows of the weight and bias
     gradients; token-level and GSPO, both backends, three chunks."""
@@ -1066,9 +1067,133 @@ def linear_exact_kl_vocab_parallel(ctx):
             assert_rel(d_h, w_h, 1e-5, f"hidden grad {what}")
             assert_rel(d_w, w_w[start:stop], 1e-5, f"weight grad {what}")
             assert_rel(d_b, w_b[start:stop], 1e-5, f"bias grad {what}")
-    with pytest.raises(NotImplementedError, match="vocab_start / vocab_size"):
-        run(hidden, weight[start:stop], bias[start:stop], ref["ref_weight"][start:stop],
-            ref["ref_bias"][start:stop], process_group=ctx.group, vocab_size=V)  # fmt: skip
+    _group_ok(ctx)
+
+
+def _layouts(ctx, V):
+    """``(name, (start, stop), columns, layout keywords)`` of this rank in a Megatron-padded
+    vocabulary (equal shards past ``V``: ``vocab_size`` alone) and in ragged shards (one
+    empty at world 3: ``vocab_start`` and ``vocab_size``); ``columns`` the padded width."""
+    w = -(-V // ctx.world)
+    padded = _shard_bounds([w] * ctx.world, ctx.rank)
+    widths = _ragged_widths(ctx.world)
+    assert sum(widths) == V
+    return [("padded", padded, w * ctx.world, dict(vocab_size=V)),
+            ("ragged", _shard_bounds(widths, ctx.rank), V,
+             dict(vocab_start=_shard_bounds(widths, ctx.rank)[0], vocab_size=V))]  # fmt: skip
+
+
+def _padded(full, columns, fill):
+    """``full`` ``(..., V)`` padded to ``columns`` with ``fill`` (Megatron's padding)."""
+    pad = full.new_full((*full.shape[:-1], columns - full.shape[-1]), fill)
+    return torch.cat((full, pad), -1)
+
+
+@check
+def divergence_layouts(ctx):
+    """``token_kl``, ``distill_loss`` (forward KL, reverse KL, a JSD), ``linear_distill_loss``
+    and ``linear_policy_loss``'s exact KL on a Megatron-padded vocabulary (NaN / inf padding
+    columns or lm_head rows, never read, zero gradient) and on ragged shards with an empty
+    one: every rank the unsharded call's values, its shard of the gradient."""
+    V = sum(_ragged_widths(ctx.world))
+    g = ctx.gen(61)
+    B, T, H, Ht = 2, 3, 5, 4
+    full = torch.randn(B, T, V, generator=g) * 2
+    other = full + torch.randn(B, T, V, generator=g)
+    mask = torch.rand(B, T, generator=g) > 0.2
+    up = torch.randn(B, T, generator=g)
+    hidden, t_hidden = torch.randn(B, T + 1, H, generator=g), torch.randn(B, T + 1, Ht, generator=g)
+    weight, t_weight = torch.randn(V, H, generator=g), torch.randn(V, Ht, generator=g)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    x = full.clone().requires_grad_()
+    want_kl = fused_rl.token_kl(x, other, mask=mask, backend="triton")
+    (want_grad,) = torch.autograd.grad((want_kl * up).sum(), x)
+    distill = {}
+    for beta in (0.0, 1.0, 0.5):
+        x = full.clone().requires_grad_()
+        loss, metrics = fused_rl.distill_loss(x, other, beta=beta, mask=mask, temperature=0.9,
+                                              backend="triton")  # fmt: skip
+        distill[beta] = (loss, metrics, torch.autograd.grad(loss * 1.3, x)[0])
+    for name, (start, stop), columns, layout in _layouts(ctx, V):
+        for backend in BACKENDS:
+            what = f"{name} {backend}"
+            xp = _padded(full, columns, math.nan)
+            xp[0, 0, V:] = math.inf
+            local = _local(xp, start, stop) if name == "padded" else _local(full, start, stop)
+            ref_local = _padded(other, columns, -math.inf) if name == "padded" else other
+            kl = fused_rl.token_kl(local, ref_local[..., start:stop], mask=mask,
+                                   process_group=ctx.group, backend=backend, **layout)  # fmt: skip
+            assert_rel(kl, want_kl, FP32_TOL, f"token_kl {what}")
+            (kl * up).sum().backward()
+            valid = max(0, min(stop, V) - start)
+            assert_rel(local.grad[..., :valid], want_grad[..., start : start + valid], FP32_TOL,
+                       f"token_kl grad {what}")  # fmt: skip
+            assert (local.grad[..., valid:] == 0).all(), f"padding got a gradient {what}"
+            for beta, (want_loss, want_metrics, want_g) in distill.items():
+                local.grad = None
+                loss, metrics = fused_rl.distill_loss(
+                    local, ref_local[..., start:stop], beta=beta, mask=mask, temperature=0.9,
+                    process_group=ctx.group, backend=backend, **layout,
+                )  # fmt: skip
+                assert_rel(loss, want_loss, FP32_TOL, f"distill beta {beta} {what}")
+                for key, value in metrics.items():
+                    assert_rel(value, want_metrics[key], FP32_TOL, f"{key} beta {beta} {what}")
+                (g_x,) = torch.autograd.grad(loss * 1.3, local)
+                assert_rel(g_x[..., :valid], want_g[..., start : start + valid], FP32_TOL,
+                           f"distill grad beta {beta} {what}")  # fmt: skip
+                assert (g_x[..., valid:] == 0).all()
+            # from hidden states: padding rows of the lm_heads hold NaN
+            wp = _padded(weight.t(), columns, math.nan).t() if name == "padded" else weight
+            twp = _padded(t_weight.t(), columns, math.nan).t() if name == "padded" else t_weight
+            leaves = [hidden.clone().requires_grad_(), wp[start:stop].clone().requires_grad_()]
+            loss, _ = fused_rl.linear_distill_loss(
+                leaves[0][:, :T], leaves[1], t_hidden[:, :T], twp[start:stop], beta=0.5,
+                mask=mask, chunk_tokens=2, process_group=ctx.group, backend=backend, **layout,
+            )  # fmt: skip
+            wl = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
+            want, _ = fused_rl.linear_distill_loss(wl[0][:, :T], wl[1], t_hidden[:, :T],
+                                                   t_weight, beta=0.5, mask=mask, chunk_tokens=2,
+                                                   backend="triton")  # fmt: skip
+            assert_rel(loss, want, FP32_TOL, f"linear_distill {what}")
+            loss.backward()
+            want.backward()
+            assert_rel(leaves[0].grad, wl[0].grad, FP32_TOL, f"linear_distill dH {what}")
+            assert_rel(leaves[1].grad[:valid], wl[1].grad[start : start + valid], FP32_TOL,
+                       f"linear_distill dW {what}")  # fmt: skip
+            assert (leaves[1].grad[valid:] == 0).all()
+            kw = dict(ref_hidden=t_hidden, kl_estimator="full", beta=0.2, chunk_tokens=2,
+                      importance_sampling="sequence")  # fmt: skip
+            leaves = [hidden.clone().requires_grad_(), wp[start:stop].clone().requires_grad_()]
+            loss, metrics = fused_rl.linear_policy_loss(
+                leaves[0], leaves[1], targets, up[:, 0], ref_weight=twp[start:stop],
+                process_group=ctx.group, backend=backend, **layout, **kw,
+            )  # fmt: skip
+            wl = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
+            want, want_metrics = fused_rl.linear_policy_loss(
+                wl[0], wl[1], targets, up[:, 0], ref_weight=t_weight, backend="triton", **kw
+            )
+            assert_rel(loss, want, FP32_TOL, f"linear_policy_loss {what}")
+            assert_rel(metrics["kl"], want_metrics["kl"], FP32_TOL, f"kl {what}")
+            loss.backward()
+            want.backward()
+            assert_rel(leaves[0].grad, wl[0].grad, FP32_TOL, f"linear_policy_loss dH {what}")
+            assert_rel(leaves[1].grad[:valid], wl[1].grad[start : start + valid], FP32_TOL,
+                       f"linear_policy_loss dW {what}")  # fmt: skip
+    # a layout the ranks disagree on: ValueError on every rank, checked; NaN unchecked
+    start, stop = _shard_bounds([2] * ctx.world, ctx.rank)
+    x, r = full[..., start:stop], other[..., start:stop]
+    bad = dict(vocab_size=2 * ctx.world - (ctx.rank == 0))
+    with pytest.raises(ValueError, match="vocab_size differs"):
+        fused_rl.token_kl(x, r, process_group=ctx.group, **bad)
+    with pytest.raises(ValueError, match="vocab_size differs"):
+        fused_rl.distill_loss(x, r, process_group=ctx.group, **bad)
+    config.check_values = False
+    try:
+        assert fused_rl.token_kl(x, r, process_group=ctx.group, **bad).isnan().all()
+        loss, metrics = fused_rl.distill_loss(x, r, beta=0.5, process_group=ctx.group, **bad)
+        assert loss.isnan() and all(v.isnan() for v in metrics.values())
+    finally:
+        config.check_values = True
     _group_ok(ctx)
 
 
@@ -1086,7 +1211,9 @@ def test_signatures():
     comes last."""
     import inspect
 
-    for fn in (fused_rl.token_logprobs, fused_rl.token_entropy):
+    for fn in (fused_rl.token_logprobs, fused_rl.token_entropy, fused_rl.token_kl,
+               fused_rl.distill_loss, fused_rl.linear_distill_loss,
+               fused_rl.linear_token_logprobs, fused_rl.linear_policy_loss):  # fmt: skip
         names = list(inspect.signature(fn).parameters)
         at = names.index("process_group")
         assert names[at : at + 3] == ["process_group", "vocab_start", "vocab_size"]
