@@ -267,6 +267,8 @@ def policy_loss(
     num_items: int | float | Tensor | None = None,
     ignore_index: int = -100,
     process_group=None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
     inplace: bool = False,
     grad_in_forward: bool = False,
     loss_scale: float | None = None,
@@ -335,6 +337,10 @@ def policy_loss(
             unsharded loss and metrics, and its shard of the gradient: the vocab-parallel
             :func:`fused_rl.token_logprobs` (two all-reduces, 12 or 16 bytes per token)
             feeding :func:`policy_loss_from_logprobs` (``fused_rl.distributed``).
+        vocab_start, vocab_size: the layout, with ``process_group``, as for
+            :func:`fused_rl.token_logprobs`: ``vocab_size`` alone a padded vocabulary
+            (Megatron's; the padding columns never read, their gradient 0), both ragged
+            shards; ``ref_logits`` sharded alike.
         inplace: the backward writes the gradient w.r.t. ``logits`` INTO ``logits`` and
             hands that buffer on as the gradient (Liger's ``inplace=True``): the loss step
             allocates no ``(N, V)`` gradient (with the model's whole ``(B, S, V)`` buffer,
@@ -436,7 +442,8 @@ def policy_loss(
     V.check_float(logits, "logits")
     if logits.dim() != 3:
         raise ValueError(_logits_rank_message(logits))
-    V.check_logits(logits)
+    # a ragged vocabulary shard (vocab_start=) may hold no column
+    V.check_logits(logits, empty_ok=vocab_start is not None and process_group is not None)
     check_targets_window(targets, logits)
     V.check_positive(temperature, "temperature")
     if softcap is not None:  # no call without a cap: a frame costs host time on every step
@@ -454,6 +461,13 @@ def policy_loss(
         is_weights=is_weights,
     )  # fmt: skip
     check_call(policy, ref_logprobs, num_items, ref_logits, rollout_logprobs=rollout_logprobs)
+    layout = {}
+    if vocab_start is not None or vocab_size is not None:
+        if process_group is None:
+            raise ValueError(
+                "vocab_start / vocab_size describe a vocabulary shard: they need process_group"
+            )
+        layout = dict(vocab_start=vocab_start, vocab_size=vocab_size)
     if ref_logits is not None:
         check_ref_logits(ref_logits, logits, length, "logits")
         check_full_kl_route(policy, process_group is not None or is_dtensor(logits))
@@ -472,9 +486,9 @@ def policy_loss(
             rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, ref_logits=ref_logits,
             mask=mask, temperature=temperature, softcap=softcap, with_entropy=with_entropy,
             is_weights=is_weights, num_items=num_items,
-            ignore_index=ignore_index, process_group=process_group, inplace=inplace,
-            grad_in_forward=grad_in_forward, loss_scale=loss_scale, need_entropy=need_entropy,
-            policy=policy, backend=backend,
+            ignore_index=ignore_index, process_group=process_group, layout=layout,
+            inplace=inplace, grad_in_forward=grad_in_forward, loss_scale=loss_scale,
+            need_entropy=need_entropy, policy=policy, backend=backend,
         )  # fmt: skip
     # by composition (log-probs and entropy first, then the token layer): vocabulary-sharded
     # logits, the top-entropy selection and the off-policy mask, which need every token's
@@ -491,7 +505,7 @@ def policy_loss(
             mask=mask, is_weights=is_weights, num_items=num_items, temperature=temperature,
             softcap=softcap, ignore_index=ignore_index, need_entropy=need_entropy,
             process_group=process_group, policy=policy, backend=backend, inplace=inplace,
-            ref_logits=ref_logits,
+            ref_logits=ref_logits, layout=layout,
         )  # fmt: skip
     V.check_target_range(targets, logits.shape[-1], ignore_index, "targets")
     V.check_mask_weights(mask, "mask")
@@ -551,7 +565,8 @@ def policy_loss(
 def _formed_in_forward(
     logits, targets, advantages, *, old_logprobs, rollout_logprobs, ref_logprobs, ref_logits,
     mask, temperature, softcap,
-    with_entropy, is_weights, num_items, ignore_index, process_group, inplace, grad_in_forward,
+    with_entropy, is_weights, num_items, ignore_index, process_group, layout, inplace,
+    grad_in_forward,
     loss_scale, need_entropy, policy: PolicyConfig, backend,
 ) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
     """:func:`policy_loss` with ``grad_in_forward`` and / or ``loss_scale`` (checked here):
@@ -596,7 +611,7 @@ def _formed_in_forward(
                    policy_config=policy)  # fmt: skip
     if not (grad_in_forward and torch.is_grad_enabled() and logits.requires_grad):
         loss, metrics = policy_loss(
-            logits, targets, advantages, process_group=process_group, inplace=inplace,
+            logits, targets, advantages, process_group=process_group, inplace=inplace, **layout,
             backend=backend, **tensors,
         )  # fmt: skip
         return (loss if loss_scale is None else loss * loss_scale), metrics
@@ -759,15 +774,16 @@ def policy_loss_from_logprobs(
 
 def _composed_policy_loss(
     logits: Tensor, targets: Tensor, advantages: Tensor, *, temperature, softcap, ignore_index,
-    need_entropy: bool, process_group, backend: str, inplace: bool = False, ref_logits=None,
-    **loss_inputs,
+    need_entropy: bool, process_group, layout: dict, backend: str, inplace: bool = False,
+    ref_logits=None, **loss_inputs,
 ) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
     """:func:`fused_rl.policy_loss` by composition: :func:`fused_rl.token_logprobs` (with
     the entropy when the loss or the metrics need it; vocab-parallel with ``process_group``
-    or a ``DTensor``), then :func:`loss_from_token_stats`. Runs for vocabulary-sharded
-    logits (every rank computes the same loss and metrics; the logits' gradient is each
-    rank's shard, no collective backward) and for the top-entropy selection (its threshold
-    needs every token's entropy). With ``ref_logits`` (``kl_estimator="full"``) the exact KL
+    (``layout``: its ``vocab_start`` / ``vocab_size`` keywords) or a ``DTensor``), then
+    :func:`loss_from_token_stats`. Runs for vocabulary-sharded logits (every rank computes
+    the same loss and metrics; the logits' gradient is each rank's shard, no collective
+    backward) and for the top-entropy selection and the off-policy mask (they need every
+    token's entropy / log-prob). With ``ref_logits`` (``kl_estimator="full"``) the exact KL
     comes from :func:`fused_rl.token_kl` (vocab-parallel alike) and is added to the loss
     with the aggregation's token weights."""
     kl = None
@@ -778,11 +794,11 @@ def _composed_policy_loss(
                 "only (not GSPO / VESPO / the top-entropy selection)"
             )
         kl = _exact_kl(logits, ref_logits, targets, loss_inputs["mask"], temperature, softcap,
-                       ignore_index, process_group, backend)  # fmt: skip
+                       ignore_index, process_group, backend, layout)  # fmt: skip
     out = token_logprobs(
         logits, targets, temperature=temperature, softcap=softcap, ignore_index=ignore_index,
         return_entropy=need_entropy, process_group=process_group, inplace=inplace,
-        backend=backend,
+        backend=backend, **layout,
     )  # fmt: skip
     logp, entropy = out if need_entropy else (out, None)
     if kl is None:
@@ -820,7 +836,7 @@ def loss_with_exact_kl(
 
 
 def _exact_kl(logits, ref_logits, targets, mask, temperature, softcap, ignore_index,
-              process_group, backend) -> Tensor:  # fmt: skip
+              process_group, backend, layout) -> Tensor:  # fmt: skip
     """``(B, T)`` exact KL of the positions that predict ``targets``, 0 where nothing counts."""
     length = targets.shape[-1]
     local_targets = targets.to_local() if is_dtensor(targets) else targets
@@ -830,7 +846,7 @@ def _exact_kl(logits, ref_logits, targets, mask, temperature, softcap, ignore_in
     x = logits if logits.shape[1] == length else window(logits, length)
     r = ref_logits if ref_logits.shape[1] == length else window(ref_logits, length)
     return token_kl(x, r, temperature=temperature, softcap=softcap, mask=counted,
-                    process_group=process_group, backend=backend)  # fmt: skip
+                    process_group=process_group, backend=backend, **layout)  # fmt: skip
 
 
 def loss_from_token_stats(

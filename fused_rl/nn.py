@@ -15,7 +15,8 @@ from .policy_config import OPTION_NAMES, PolicyConfig
 
 # what a call needs besides the policy options and the per-batch tensors
 _CALL_OPTIONS = (
-    "temperature", "softcap", "with_entropy", "ignore_index", "process_group", "backend",
+    "temperature", "softcap", "with_entropy", "ignore_index", "process_group", "vocab_start",
+    "vocab_size", "backend",
 )  # fmt: skip
 # what only a call on materialised logits takes (fused_rl.policy_loss)
 _LOGITS_OPTIONS = ("inplace", "grad_in_forward", "loss_scale")
@@ -52,9 +53,10 @@ class PolicyLoss(torch.nn.Module):
     The constructor takes the policy options (every :class:`fused_rl.PolicyConfig` field,
     or a whole ``policy_config``; held as ``self.policy_config``) and the call options
     ``temperature``, ``softcap`` (Gemma-style logit soft-capping, see
-    :func:`fused_rl.policy_loss`), ``with_entropy``, ``ignore_index``, ``process_group``,
-    ``backend``, and ``inplace``, ``grad_in_forward``, ``loss_scale`` (the gradient
-    written into the logits, formed in the forward, the loss's constant factor: see
+    :func:`fused_rl.policy_loss`), ``with_entropy``, ``ignore_index``, ``process_group``
+    (with ``vocab_start`` / ``vocab_size`` for a padded or ragged vocabulary), ``backend``,
+    and ``inplace``, ``grad_in_forward``, ``loss_scale`` (the gradient written into the
+    logits, formed in the forward, the loss's constant factor: see
     :func:`fused_rl.policy_loss`) (``self.call_options``), all checked at construction;
     ``kl=`` is a deprecated alias of ``kl_estimator=``, with one ``FutureWarning`` at
     construction.
@@ -141,10 +143,10 @@ class LinearPolicyLoss(PolicyLoss):
     final hidden states and the lm_head, the ``(N, V)`` logits never held whole.
 
     The constructor takes :class:`PolicyLoss`'s options (``process_group`` included: then
-    ``weight`` is this rank's vocabulary slice) plus ``chunk_tokens``, ``vocab_start``,
-    ``vocab_size`` and ``reduce_hidden_grad`` (:func:`fused_rl.linear_policy_loss`); ``forward``
-    takes ``hidden`` ``(B, S, H)``, the lm_head ``weight`` ``(V, H)``, ``targets``
-    ``(B, T)`` and ``advantages``, and the per-batch keywords (``bias`` too).
+    ``weight`` is this rank's vocabulary slice, with ``vocab_start`` / ``vocab_size``) plus
+    ``chunk_tokens`` and ``reduce_hidden_grad`` (:func:`fused_rl.linear_policy_loss`);
+    ``forward`` takes ``hidden`` ``(B, S, H)``, the lm_head ``weight`` ``(V, H)``,
+    ``targets`` ``(B, T)`` and ``advantages``, and the per-batch keywords (``bias`` too).
 
     Example:
         >>> import torch
@@ -160,8 +162,7 @@ class LinearPolicyLoss(PolicyLoss):
     # process_group: a vocabulary-sharded lm_head (each rank's weight its slice); none of
     # the logits options: the chunks' logits are the op's own, turned into their gradient
     # in the forward already
-    OPTIONS = (*OPTION_NAMES, *_CALL_OPTIONS, "chunk_tokens", "vocab_start", "vocab_size",
-               "reduce_hidden_grad")  # fmt: skip
+    OPTIONS = (*OPTION_NAMES, *_CALL_OPTIONS, "chunk_tokens", "reduce_hidden_grad")
 
     def forward(
         self,

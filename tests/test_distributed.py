@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 import fused_rl
 from fused_rl import config
+from fused_rl.nn import PolicyLoss
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dist_harness import failures, needs_gloo, needs_interpreter  # noqa: E402
@@ -1091,8 +1092,9 @@ def _padded(full, columns, fill):
 
 @check
 def divergence_layouts(ctx):
-    """``token_kl``, ``distill_loss`` (forward KL, reverse KL, a JSD), ``linear_distill_loss``
-    and ``linear_policy_loss``'s exact KL on a Megatron-padded vocabulary (NaN / inf padding
+    """``token_kl``, ``distill_loss`` (forward KL, reverse KL, a JSD), ``linear_distill_loss``,
+    ``policy_loss`` / ``nn.PolicyLoss`` with the exact KL and ``linear_policy_loss``'s exact
+    KL on a Megatron-padded vocabulary (NaN / inf padding
     columns or lm_head rows, never read, zero gradient) and on ragged shards with an empty
     one: every rank the unsharded call's values, its shard of the gradient."""
     V = sum(_ragged_widths(ctx.world))
@@ -1161,6 +1163,35 @@ def divergence_layouts(ctx):
             assert_rel(leaves[1].grad[:valid], wl[1].grad[start : start + valid], FP32_TOL,
                        f"linear_distill dW {what}")  # fmt: skip
             assert (leaves[1].grad[valid:] == 0).all()
+            # policy_loss on the logits (and its module): the log-probs and the exact KL
+            pkw = dict(kl_estimator="full", beta=0.2, importance_sampling="sequence",
+                       entropy_coef=0.01, mask=mask)  # fmt: skip
+            x = full.clone().requires_grad_()
+            want, want_metrics = fused_rl.policy_loss(x, targets, up[:, 0], ref_logits=other,
+                                                      backend="triton", **pkw)  # fmt: skip
+            (want_g,) = torch.autograd.grad(want, x)
+            module = PolicyLoss(kl_estimator="full", beta=0.2,
+                                            importance_sampling="sequence", entropy_coef=0.01,
+                                            process_group=ctx.group, backend=backend,
+                                            **layout)  # fmt: skip
+            for call in ("function", "module"):
+                local.grad = None
+                if call == "function":
+                    loss, metrics = fused_rl.policy_loss(
+                        local, targets, up[:, 0], ref_logits=ref_local[..., start:stop],
+                        process_group=ctx.group, backend=backend, **layout, **pkw,
+                    )  # fmt: skip
+                else:
+                    loss, metrics = module(local, targets, up[:, 0], mask=mask,
+                                           ref_logits=ref_local[..., start:stop])  # fmt: skip
+                assert_rel(loss, want, FP32_TOL, f"policy_loss {call} {what}")
+                for key, value in want_metrics.items():
+                    assert_rel(metrics[key], value, 1e-4 if key == "kl" else FP32_TOL,
+                               f"policy_loss {key} {what}")  # fmt: skip
+                (g_x,) = torch.autograd.grad(loss, local)
+                assert_rel(g_x[..., :valid], want_g[..., start : start + valid], FP32_TOL,
+                           f"policy_loss grad {what}")  # fmt: skip
+                assert (g_x[..., valid:] == 0).all()
             kw = dict(ref_hidden=t_hidden, kl_estimator="full", beta=0.2, chunk_tokens=2,
                       importance_sampling="sequence")  # fmt: skip
             leaves = [hidden.clone().requires_grad_(), wp[start:stop].clone().requires_grad_()]
