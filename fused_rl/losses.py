@@ -463,7 +463,7 @@ def policy_loss(
     check_call(policy, ref_logprobs, num_items, ref_logits, rollout_logprobs=rollout_logprobs)
     layout = {}
     if vocab_start is not None or vocab_size is not None:
-        if process_group is None:
+        if process_group is None and not is_dtensor(logits):  # (a DTensor's: its own error)
             raise ValueError(
                 "vocab_start / vocab_size describe a vocabulary shard: they need process_group"
             )

@@ -677,6 +677,11 @@ def _bad(match, error=ValueError, **change):
         _bad("eps_low", TypeError, eps_low=torch.tensor(0.2)),
         _bad("beta", TypeError, beta="0.04"),
         _bad("targets", TypeError, targets=torch.zeros(2, 3)),
+        _bad("need process_group", vocab_size=9),
+        _bad("need process_group", vocab_start=0, vocab_size=5),
+        _bad("rollout_logprobs", rollout_logprobs=torch.zeros(2, 3)),
+        _bad("rollout_logprobs", rollout_logprobs=torch.zeros(2, 4), off_policy_mask_threshold=0.1),
+        _bad("off_policy_mask_threshold", off_policy_mask_threshold=float("nan")),
     ],
 )
 def test_policy_loss_rejects(error, match, change):
