@@ -876,7 +876,7 @@ def _sharded_distill_loss(logits, teacher_logits, beta, temperature, mask, targe
         mask = mask.to_local()
     logits, _, shard = resolve_shard(logits, None, process_group, vocab_start, vocab_size)
     _check(logits, teacher_logits, beta, temperature, mask, targets, ignore_index, loss_agg,
-           max_length, num_items, empty_ok=shard is not None and shard.explicit)  # fmt: skip
+           max_length, num_items, empty_ok=shard is not None)  # fmt: skip
     if shard is None:  # a DTensor replicated over the vocabulary: an ordinary call
         return _distill_loss(
             logits, teacher_logits, beta, temperature, mask, targets, ignore_index, loss_agg,

@@ -278,6 +278,18 @@ def _target_error(hdr: list[float], shard: VocabShard, ignore_index: int) -> str
     )
 
 
+def check_layout(shard: VocabShard, device) -> None:
+    """One MAX all-reduce of this rank's layout header, ``ValueError`` on every rank when the
+    shards do not tile ``[0, V)``: for a chunk loop whose chunk count follows the layout
+    (eager calls with value checks on; one host sync)."""
+    dist = _dist()
+    hdr = _header(shard, torch.float32, device)
+    dist.all_reduce(hdr, op=dist.ReduceOp.MAX, group=shard.group)
+    message = _layout_error(hdr.tolist(), shard)
+    if message is not None:
+        raise ValueError(message)
+
+
 def _layout_ok(hdr: Tensor, shard: VocabShard) -> Tensor:
     """:func:`_layout_error` on device, as a 0-dim bool (no host sync): the unchecked path
     poisons every output with NaN when it is False."""

@@ -1029,8 +1029,8 @@ def linear_policy_loss(
     Triton backend, one pass over the chunks computes the loss, the metrics and the
     gradients (GEMM, one vocab kernel writing ``dz`` over the logits, the two gradient
     GEMMs), and the backward multiplies ``dH``/``dW``/``db`` by the upstream scalar: three
-    GEMMs per chunk. Otherwise (GSPO, ``top_entropy_quantile < 1``, ``no_grad``, the
-    reference backend) it is :func:`linear_token_logprobs` feeding
+    GEMMs per chunk. Otherwise (GSPO, ``top_entropy_quantile < 1``, the off-policy mask,
+    ``no_grad``, the reference backend) it is :func:`linear_token_logprobs` feeding
     :func:`policy_loss_from_logprobs`, whose backward recomputes each chunk's logits (GSPO's
     sequence totals must exist before any token's gradient): four GEMMs per chunk with
     gradients, one without.

@@ -53,7 +53,7 @@ from .distill import (
     divergence_grad,
     divergence_stats,
 )
-from .distributed import _dist, check_vocab_limit, group_shard
+from .distributed import _dist, check_layout, check_vocab_limit, group_shard
 from .kernels.modes import LOSS_AGG_MODES
 from .linear import (
     CHUNK_BYTES,
@@ -103,7 +103,6 @@ class _Launch:
     shard: object = None  # fused_rl.distributed.VocabShard of the lm_heads, or None
     reduce_hidden: bool = True  # with a shard: all-reduce the hidden gradient
     softcap: float | None = None  # both models' logits capped, c tanh(z / c)
-    check: bool = False  # with a shard: the layout checked on the host (first chunk)
 
 
 def _run(rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_scale,
@@ -153,7 +152,7 @@ def _run(rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_sca
             counted = (m[r] != 0)[None]
             d, extra, stats = divergence_stats(
                 z[None], zt[None], counted, launch.temperature, launch.which, shard,
-                launch.beta, True, launch.softcap, launch.check and start == 0,
+                launch.beta, True, launch.softcap,
             )  # fmt: skip
             terms[:, r] = torch.cat((d, extra[:, 0]))
             if grad:
@@ -366,9 +365,10 @@ def linear_distill_loss(
             :func:`distill_loss`'s ``process_group`` (a third for the JSD), then each rank
             writes its shard's ``dz`` (a fresh chunk-sized buffer, not over the logits) from
             the merged statistics. The default chunk comes from the global vocabulary
-            (``vocab_size``, else ``world * V_local``), so every rank runs the same chunks;
-            the layout is checked on the first chunk's all-reduce (``ValueError`` on every
-            rank in eager mode, else NaN).
+            (``vocab_size``, else ``world * V_local``), so every rank runs the same chunks:
+            the layout is checked first (one small all-reduce, ``ValueError`` on every rank)
+            in eager mode with ``fused_rl.config.check_values``; unchecked the ranks must
+            pass the same ``vocab_size`` (a bad layout then gives NaN).
         vocab_start, vocab_size: the layout of the lm_head shards, with ``process_group``,
             as for :func:`fused_rl.linear_token_logprobs` (``vocab_size`` alone: Megatron's
             padded vocabulary, its padding rows unread and given a zero gradient; both:
@@ -431,6 +431,8 @@ def linear_distill_loss(
         shard = group_shard(process_group, weight.shape[0], vocab_start, vocab_size,
                             name="weight")  # fmt: skip
         check_vocab_limit(shard)
+        if V.value_checks_enabled(hidden):  # before the chunks, whose count follows vocab_size
+            check_layout(shard, hidden.device)
         # a padded vocabulary's padding rows: never read (autograd's slice gives them 0)
         weight, bias = _valid_rows(weight, bias, shard.valid)
         teacher_weight, teacher_bias = _valid_rows(teacher_weight, teacher_bias, shard.valid)
@@ -470,7 +472,7 @@ def linear_distill_loss(
     launch = _Launch(
         float(beta), float(temperature), int(ignore_index), chunk, outer, inner,
         LOSS_AGG_MODES.index(loss_agg), float(max_length or inner), n_items, which, shard,
-        bool(reduce_hidden_grad), softcap, V.value_checks_enabled(rows),
+        bool(reduce_hidden_grad), softcap,
     )  # fmt: skip
     args = (rows, weight, bias, t_rows.detach(), teacher_weight.detach(),
             None if teacher_bias is None else teacher_bias.detach(), flat_targets, flat_mask,

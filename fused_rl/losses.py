@@ -442,8 +442,8 @@ def policy_loss(
     V.check_float(logits, "logits")
     if logits.dim() != 3:
         raise ValueError(_logits_rank_message(logits))
-    # a ragged vocabulary shard (vocab_start=) may hold no column
-    V.check_logits(logits, empty_ok=vocab_start is not None and process_group is not None)
+    # a vocabulary shard may hold no column (a bad layout: the first collective's error)
+    V.check_logits(logits, empty_ok=process_group is not None)
     check_targets_window(targets, logits)
     V.check_positive(temperature, "temperature")
     if softcap is not None:  # no call without a cap: a frame costs host time on every step
@@ -791,7 +791,7 @@ def _composed_policy_loss(
         if inplace:  # token_kl's backward reads the logits that inplace=True overwrites
             raise NotImplementedError(
                 "inplace=True with kl_estimator='full' runs on the fused token-level pass "
-                "only (not GSPO / VESPO / the top-entropy selection)"
+                "only (not GSPO / VESPO / the top-entropy selection / the off-policy mask)"
             )
         kl = _exact_kl(logits, ref_logits, targets, loss_inputs["mask"], temperature, softcap,
                        ignore_index, process_group, backend, layout)  # fmt: skip

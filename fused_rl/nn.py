@@ -40,6 +40,14 @@ def _check_call_options(options: dict) -> None:
     ignore_index = options.get("ignore_index", -100)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    for name, minimum in (("vocab_start", 0), ("vocab_size", 1)):
+        V.check_positive_int(options.get(name), name, allow_none=True, minimum=minimum)
+    if options.get("process_group") is None and (
+        options.get("vocab_start") is not None or options.get("vocab_size") is not None
+    ):
+        raise ValueError(
+            "vocab_start / vocab_size describe a vocabulary shard: they need process_group"
+        )
     chunk = options.get("chunk_tokens")
     if chunk is not None:
         V.check_number(chunk, "chunk_tokens")

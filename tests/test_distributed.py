@@ -1218,6 +1218,16 @@ def divergence_layouts(ctx):
         fused_rl.token_kl(x, r, process_group=ctx.group, **bad)
     with pytest.raises(ValueError, match="vocab_size differs"):
         fused_rl.distill_loss(x, r, process_group=ctx.group, **bad)
+    # shards of different widths without vocab_start (one of them empty): the layout error
+    # on every rank, never a rank alone raising or a collective of mismatched sizes
+    for width in (3, 0):
+        xw = torch.randn(B, T, 2 if ctx.rank else width, generator=g)
+        with pytest.raises(ValueError, match="differ in width"):
+            fused_rl.token_kl(xw, xw, process_group=ctx.group)
+        hw = torch.randn(40, H, generator=g)
+        ww = torch.randn(2 if ctx.rank else width, H, generator=g)
+        with pytest.raises(ValueError, match="differ in width"):
+            fused_rl.linear_distill_loss(hw, ww, hw, ww, process_group=ctx.group)
     config.check_values = False
     try:
         assert fused_rl.token_kl(x, r, process_group=ctx.group, **bad).isnan().all()

@@ -32,3 +32,13 @@ def test_policy_loss_module_rejects_unknown_option():
         PolicyLoss(clip_eps=0.2)
     with pytest.raises(TypeError, match="old_logprobs"):
         PolicyLoss(old_logprobs=torch.zeros(1))
+
+
+def test_policy_loss_module_checks_the_layout_options():
+    """``vocab_start`` / ``vocab_size`` are checked at construction, as every call option."""
+    with pytest.raises(ValueError, match="vocab_size"):
+        PolicyLoss(vocab_size=0)
+    with pytest.raises(TypeError, match="vocab_start"):
+        PolicyLoss(vocab_start="a")
+    with pytest.raises(ValueError, match="need process_group"):
+        PolicyLoss(vocab_size=10)
