@@ -154,14 +154,20 @@ def resolve_shard(
             )
         return _from_dtensor(logits, targets)
     if process_group is None:
-        if vocab_start is not None or vocab_size is not None:
-            raise ValueError(
-                "vocab_start / vocab_size describe a vocabulary shard: they need process_group"
-            )
+        check_layout_keywords(None, vocab_start, vocab_size)
         return logits, targets, None
     V.check_float(logits, "logits")
     columns = logits.shape[-1] if logits.dim() >= 1 else 0
     return logits, targets, group_shard(process_group, columns, vocab_start, vocab_size)
+
+
+def check_layout_keywords(process_group, vocab_start, vocab_size) -> None:
+    """``vocab_start`` / ``vocab_size`` describe a vocabulary shard: given without
+    ``process_group`` they raise ``ValueError``."""
+    if process_group is None and (vocab_start is not None or vocab_size is not None):
+        raise ValueError(
+            "vocab_start / vocab_size describe a vocabulary shard: they need process_group"
+        )
 
 
 def group_shard(

@@ -82,7 +82,7 @@ from ._truncated_ops import (
 )
 from ._vocab_ops import token_stats_bwd_into, token_stats_bwd_op, token_stats_fwd_op
 from .distill import pair_divergence
-from .distributed import MAX_VOCAB, check_vocab_limit, group_shard
+from .distributed import MAX_VOCAB, check_layout_keywords, check_vocab_limit, group_shard
 from .exact_kl import token_kl
 from .losses import loss_from_token_stats, loss_with_exact_kl, policy_loss
 from .policy_config import PolicyConfig, takes_policy_options
@@ -890,10 +890,7 @@ def linear_token_logprobs(
             reduce_hidden_grad, backend,
         )  # fmt: skip
     sharded = process_group is not None
-    if not sharded and (vocab_start is not None or vocab_size is not None):
-        raise ValueError(
-            "vocab_start / vocab_size describe a vocabulary shard: they need process_group"
-        )
+    check_layout_keywords(process_group, vocab_start, vocab_size)
     rows, weight, bias, flat_targets, chunk, which = _prepare(
         hidden, weight, bias, targets, temperature, softcap, ignore_index, chunk_tokens,
         backend, sharded,
@@ -926,10 +923,7 @@ def _linear_truncated(hidden, weight, targets, bias, top_k, top_p, temperature, 
             "return_entropy: call it without it"
         )
     sharded = process_group is not None
-    if not sharded and (vocab_start is not None or vocab_size is not None):
-        raise ValueError(
-            "vocab_start / vocab_size describe a vocabulary shard: they need process_group"
-        )
+    check_layout_keywords(process_group, vocab_start, vocab_size)
     check_options(top_k, top_p, temperature, softcap, ignore_index)
     rows, weight, bias, flat_targets, chunk, which = _prepare(
         hidden, weight, bias, targets, temperature, softcap, ignore_index, chunk_tokens,
@@ -1172,10 +1166,7 @@ def _full_kl_policy_loss(hidden, weight, targets, advantages, *, bias, chunk_tok
         raise ValueError(f"the exact KL from hidden states needs {missing} too")
     sharded = process_group is not None
     check_full_kl_route(policy, sharded)
-    if not sharded and (vocab_start is not None or vocab_size is not None):
-        raise ValueError(
-            "vocab_start / vocab_size describe a vocabulary shard: they need process_group"
-        )
+    check_layout_keywords(process_group, vocab_start, vocab_size)
     rows, weight, bias, flat_targets, chunk, which = _prepare(
         hidden, weight, bias, targets, temperature, softcap, ignore_index, chunk_tokens,
         backend, sharded,
@@ -1264,8 +1255,9 @@ class _LinearTokenKL(torch.autograd.Function):
     unread, 0); backward each chunk's logits recomputed and ``token_kl``'s own backward
     giving ``dz``, then ``dH = dz W``, ``dW += dz^T h``, ``db`` (with ``group`` and
     ``reduce_hidden`` one SUM all-reduce of ``dH``). With a vocabulary ``shard`` each
-    chunk's KL merges over the ranks (:func:`fused_rl.distill.pair_divergence`, the layout
-    checked on the host on the first chunk only), so every rank runs the same chunks.
+    chunk's KL merges over the ranks (:func:`fused_rl.distill.pair_divergence`; the layout
+    was checked by the log-probs' merge before, here a bad one gives NaN), so every rank
+    runs the same chunks.
     Neither model's ``(N, V)`` logits exist whole; the backward's recompute reads both
     chunks once more."""
 
@@ -1275,12 +1267,11 @@ class _LinearTokenKL(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         n_rows = rows.shape[0]
         kl = rows.new_empty((n_rows,), dtype=stats_dtype(rows.dtype))
-        check = shard is not None and V.value_checks_enabled(rows)
         for start in range(0, n_rows, chunk):
             stop = min(start + chunk, n_rows)
             kl[start:stop] = _chunk_kl(rows, weight, bias, ref_rows, ref_weight, ref_bias,
                                        counted, start, stop, temperature, softcap, shard,
-                                       which, check and start == 0)  # fmt: skip
+                                       which)  # fmt: skip
         ctx.save_for_backward(rows, weight, bias, ref_rows, ref_weight, ref_bias, counted)
         ctx.config = (temperature, softcap, chunk, shard, reduce_hidden, which)
         return kl
@@ -1306,9 +1297,9 @@ class _LinearTokenKL(torch.autograd.Function):
 
 
 def _chunk_kl(rows, weight, bias, ref_rows, ref_weight, ref_bias, counted, start, stop,
-              temperature, softcap, shard, which, check=False) -> Tensor:  # fmt: skip
+              temperature, softcap, shard, which) -> Tensor:  # fmt: skip
     """The exact KL of rows ``[start, stop)`` (``token_kl``'s; with ``shard`` merged over its
-    ranks, ``check`` the layout on the host): the policy's chunk logits from ``rows`` (or
+    ranks): the policy's chunk logits from ``rows`` (or
     ``rows`` itself when ``weight`` is None: the logits already made), the reference's."""
     z = rows if weight is None else F.linear(rows[start:stop], weight, bias)
     u = F.linear(ref_rows[start:stop], ref_weight, ref_bias)
@@ -1316,7 +1307,7 @@ def _chunk_kl(rows, weight, bias, ref_rows, ref_weight, ref_bias, counted, start
         return token_kl(z, u, temperature=temperature, softcap=softcap,
                         mask=counted[start:stop], backend=which)  # fmt: skip
     kl, _ = pair_divergence(z[None], u[None], counted[start:stop][None], temperature, which,
-                            shard, softcap=softcap, check=check)  # fmt: skip
+                            shard, softcap=softcap)  # fmt: skip
     return kl[0]
 
 

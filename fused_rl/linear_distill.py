@@ -53,7 +53,13 @@ from .distill import (
     divergence_grad,
     divergence_stats,
 )
-from .distributed import _dist, check_layout, check_vocab_limit, group_shard
+from .distributed import (
+    _dist,
+    check_layout,
+    check_layout_keywords,
+    check_vocab_limit,
+    group_shard,
+)
 from .kernels.modes import LOSS_AGG_MODES
 from .linear import (
     CHUNK_BYTES,
@@ -426,6 +432,7 @@ def linear_distill_loss(
         softcap = float(softcap)
     if not isinstance(reduce_hidden_grad, bool):
         raise TypeError(f"reduce_hidden_grad must be a bool, got {type(reduce_hidden_grad)}")
+    check_layout_keywords(process_group, vocab_start, vocab_size)
     shard = None
     if process_group is not None:
         shard = group_shard(process_group, weight.shape[0], vocab_start, vocab_size,
@@ -436,10 +443,6 @@ def linear_distill_loss(
         # a padded vocabulary's padding rows: never read (autograd's slice gives them 0)
         weight, bias = _valid_rows(weight, bias, shard.valid)
         teacher_weight, teacher_bias = _valid_rows(teacher_weight, teacher_bias, shard.valid)
-    elif vocab_start is not None or vocab_size is not None:
-        raise ValueError(
-            "vocab_start / vocab_size describe a vocabulary shard: they need process_group"
-        )
     which = resolve_backend(backend, hidden, weight, bias, teacher_hidden, teacher_weight,
                             teacher_bias, mask, targets)  # fmt: skip
     lead = tuple(hidden.shape[:-1])

@@ -50,7 +50,7 @@ from ._policy_ops import (
     scale_rows_unless_one_launch,
 )
 from ._vocab_ops import check_inplace, check_targets_window, token_stats_nocheck, window
-from .distributed import is_dtensor
+from .distributed import check_layout_keywords, is_dtensor
 from .exact_kl import token_kl
 from .kernels.modes import IMPORTANCE_SAMPLING, LOSS_AGG_MODES, SURROGATES  # noqa: F401
 from .logprobs import token_logprobs
@@ -463,10 +463,8 @@ def policy_loss(
     check_call(policy, ref_logprobs, num_items, ref_logits, rollout_logprobs=rollout_logprobs)
     layout = {}
     if vocab_start is not None or vocab_size is not None:
-        if process_group is None and not is_dtensor(logits):  # (a DTensor's: its own error)
-            raise ValueError(
-                "vocab_start / vocab_size describe a vocabulary shard: they need process_group"
-            )
+        if not is_dtensor(logits):  # (a DTensor's layout: its own error)
+            check_layout_keywords(process_group, vocab_start, vocab_size)
         layout = dict(vocab_start=vocab_start, vocab_size=vocab_size)
     if ref_logits is not None:
         check_ref_logits(ref_logits, logits, length, "logits")

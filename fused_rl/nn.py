@@ -9,6 +9,7 @@ from torch import Tensor
 
 from . import _validation as V
 from ._backend import BACKENDS
+from .distributed import check_layout_keywords
 from .linear import linear_policy_loss
 from .losses import policy_loss
 from .policy_config import OPTION_NAMES, PolicyConfig
@@ -42,12 +43,9 @@ def _check_call_options(options: dict) -> None:
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
     for name, minimum in (("vocab_start", 0), ("vocab_size", 1)):
         V.check_positive_int(options.get(name), name, allow_none=True, minimum=minimum)
-    if options.get("process_group") is None and (
-        options.get("vocab_start") is not None or options.get("vocab_size") is not None
-    ):
-        raise ValueError(
-            "vocab_start / vocab_size describe a vocabulary shard: they need process_group"
-        )
+    check_layout_keywords(
+        options.get("process_group"), options.get("vocab_start"), options.get("vocab_size")
+    )
     chunk = options.get("chunk_tokens")
     if chunk is not None:
         V.check_number(chunk, "chunk_tokens")
