@@ -3,6 +3,8 @@ kernels read, shared by ``fused_rl.losses`` and ``fused_rl.linear``."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -10,6 +12,31 @@ from . import _validation as V
 from ._agg import check_num_items, sequence_scale
 from .policy_config import PolicyConfig
 from .reference.reductions import mask_weights
+
+
+class RolloutInputs(NamedTuple):
+    """A policy loss's per-token inputs beside the logits / log-probs, under the public
+    keywords' names: what the composed routes (vocabulary parallelism, the token selections,
+    the exact KL, hidden states) hand on as one bundle. ``advantages`` ``(B,)`` or
+    ``(B, T)``; ``old_logprobs``, ``rollout_logprobs``, ``ref_logprobs``, ``mask``
+    ``(B, T)``; ``is_weights`` ``(B, T)``, ``(B, 1)`` or ``(B,)``; ``num_items`` a number
+    or a one-element tensor. Built after the public op has checked them."""
+
+    advantages: Tensor
+    old_logprobs: Tensor | None = None
+    rollout_logprobs: Tensor | None = None
+    ref_logprobs: Tensor | None = None
+    mask: Tensor | None = None
+    is_weights: Tensor | None = None
+    num_items: int | float | Tensor | None = None
+
+    def keywords(self) -> dict:
+        """Every input but ``advantages``, as the keywords of the public policy losses."""
+        return dict(
+            old_logprobs=self.old_logprobs, rollout_logprobs=self.rollout_logprobs,
+            ref_logprobs=self.ref_logprobs, mask=self.mask, is_weights=self.is_weights,
+            num_items=self.num_items,
+        )  # fmt: skip
 
 
 def check_call(

@@ -55,6 +55,7 @@ from ._backend import resolve_backend
 from ._launch import stats_dtype
 from ._ops import _serialised_when_interpreting, _tracing
 from ._policy_inputs import (
+    RolloutInputs,
     advantages_2d,
     check_call,
     check_full_kl_route,
@@ -1062,18 +1063,15 @@ def linear_policy_loss(
                              ("ref_bias", ref_bias)) if t is not None),
         ("ref_weight", None),
     )  # fmt: skip
-    _check_policy_tensors(
-        targets, advantages, old_logprobs, ref_logprobs, mask, is_weights, policy, num_items,
-        ref_given, ref_name, rollout_logprobs,
-    )  # fmt: skip
+    inputs = RolloutInputs(advantages, old_logprobs, rollout_logprobs, ref_logprobs, mask,
+                           is_weights, num_items)  # fmt: skip
+    _check_policy_tensors(targets, inputs, policy, ref_given, ref_name)
     need_entropy = with_entropy or policy.uses_entropy
     if ref_given is not None:
         return _full_kl_policy_loss(
-            hidden, weight, targets, advantages, bias=bias, chunk_tokens=chunk_tokens,
-            old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs, ref_hidden=ref_hidden,
-            ref_weight=ref_weight,
-            ref_bias=ref_bias, mask=mask, temperature=temperature, softcap=softcap,
-            with_entropy=need_entropy, is_weights=is_weights, num_items=num_items,
+            hidden, weight, targets, inputs, bias=bias, chunk_tokens=chunk_tokens,
+            ref_hidden=ref_hidden, ref_weight=ref_weight, ref_bias=ref_bias,
+            temperature=temperature, softcap=softcap, with_entropy=need_entropy,
             ignore_index=ignore_index, process_group=process_group, vocab_start=vocab_start,
             vocab_size=vocab_size, reduce_hidden_grad=reduce_hidden_grad, policy=policy,
             backend=backend,
@@ -1087,10 +1085,9 @@ def linear_policy_loss(
         )  # fmt: skip
         if which == "triton":
             return _fused_policy_loss(
-                rows, weight_c, bias_c, flat_targets, targets.shape, advantages, old_logprobs,
-                ref_logprobs, mask, is_weights, num_items, chunk, temperature=temperature,
-                softcap=softcap, ignore_index=ignore_index, with_entropy=need_entropy,
-                policy=policy,
+                rows, weight_c, bias_c, flat_targets, targets.shape, inputs, chunk,
+                temperature=temperature, softcap=softcap, ignore_index=ignore_index,
+                with_entropy=need_entropy, policy=policy,
             )  # fmt: skip
     out = linear_token_logprobs(
         hidden, weight, targets, bias=bias, temperature=temperature, softcap=softcap,
@@ -1099,12 +1096,8 @@ def linear_policy_loss(
         reduce_hidden_grad=reduce_hidden_grad, backend=backend,
     )  # fmt: skip
     logp, entropy = out if need_entropy else (out, None)
-    return loss_from_token_stats(
-        logp, entropy, targets, advantages, old_logprobs=old_logprobs,
-        rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, mask=mask,
-        is_weights=is_weights, num_items=num_items, ignore_index=ignore_index, policy=policy,
-        backend=backend,
-    )  # fmt: skip
+    return loss_from_token_stats(logp, entropy, targets, inputs, ignore_index=ignore_index,
+                                 policy=policy, backend=backend)  # fmt: skip
 
 
 def _grad_wanted(*tensors: Tensor | None) -> bool:
@@ -1113,30 +1106,25 @@ def _grad_wanted(*tensors: Tensor | None) -> bool:
     return any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
 
 
-def _check_policy_tensors(targets, advantages, old_logprobs, ref_logprobs, mask, is_weights,
-                          policy, num_items, ref_given=None, ref_name="ref_weight",
-                          rollout_logprobs=None) -> None:  # fmt: skip
+def _check_policy_tensors(targets, inputs: RolloutInputs, policy, ref_given=None,
+                          ref_name="ref_weight") -> None:  # fmt: skip
     """The per-token tensors and what the call adds to the config's checks, before any GEMM
     (a bad argument fails before any work); ``ref_given``: the first of the reference's
     ``ref_weight`` / ``ref_hidden`` / ``ref_bias`` given (named ``ref_name``)."""
-    check_call(policy, ref_logprobs, num_items, ref_given, ref_name=ref_name,
-               rollout_logprobs=rollout_logprobs)  # fmt: skip
+    check_call(policy, inputs.ref_logprobs, inputs.num_items, ref_given, ref_name=ref_name,
+               rollout_logprobs=inputs.rollout_logprobs)  # fmt: skip
     V.check_tensor(targets, "targets")
     if targets.dim() != 2:
         raise ValueError(f"targets must be (B, T), got shape {tuple(targets.shape)}")
     batch, length = targets.shape
-    advantages_2d(advantages, batch, length)
-    is_weights_2d(is_weights, batch, length)
-    check_token_tensors(
-        batch, length, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs,
-        ref_logprobs=ref_logprobs, mask=mask,
-    )  # fmt: skip
-    V.check_same_device(
-        targets=targets, advantages=advantages, old_logprobs=old_logprobs,
-        rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, mask=mask,
-        is_weights=is_weights,
-    )  # fmt: skip
-    V.check_mask_weights(mask, "mask")
+    advantages_2d(inputs.advantages, batch, length)
+    is_weights_2d(inputs.is_weights, batch, length)
+    token_tensors = inputs.keywords()
+    del token_tensors["is_weights"], token_tensors["num_items"]
+    check_token_tensors(batch, length, **token_tensors)
+    V.check_same_device(targets=targets, advantages=inputs.advantages,
+                        is_weights=inputs.is_weights, **token_tensors)  # fmt: skip
+    V.check_mask_weights(inputs.mask, "mask")
 
 
 def _counted_rows(m: Tensor, rows: Tensor) -> Tensor | None:
@@ -1149,10 +1137,9 @@ def _counted_rows(m: Tensor, rows: Tensor) -> Tensor | None:
     return None if kept.numel() == m.numel() else kept
 
 
-def _full_kl_policy_loss(hidden, weight, targets, advantages, *, bias, chunk_tokens,
-                         old_logprobs, rollout_logprobs, ref_hidden, ref_weight, ref_bias,
-                         mask, temperature, softcap, with_entropy, is_weights, num_items,
-                         ignore_index, process_group, vocab_start, vocab_size,
+def _full_kl_policy_loss(hidden, weight, targets, inputs: RolloutInputs, *, bias,
+                         chunk_tokens, ref_hidden, ref_weight, ref_bias, temperature, softcap,
+                         with_entropy, ignore_index, process_group, vocab_start, vocab_size,
                          reduce_hidden_grad, policy, backend):  # fmt: skip
     """:func:`linear_policy_loss` with ``kl_estimator="full"``: token-level importance
     sampling without ``process_group``: the chunked one-pass op on the Triton backend (with
@@ -1182,39 +1169,35 @@ def _full_kl_policy_loss(hidden, weight, targets, advantages, *, bias, chunk_tok
                                                   weight, targets)  # fmt: skip
     if sharded or not policy.token_level:
         return _composed_full_kl_loss(
-            hidden, weight, targets, advantages, bias=bias, rows=rows,
-            flat_targets=flat_targets, ref_head=(ref_rows, ref_weight, ref_bias), chunk=chunk,
-            chunk_tokens=chunk_tokens, old_logprobs=old_logprobs,
-            rollout_logprobs=rollout_logprobs, mask=mask, temperature=temperature,
-            softcap=softcap, with_entropy=with_entropy,
-            is_weights=is_weights, num_items=num_items, ignore_index=ignore_index,
-            shard=shard, reduce_hidden_grad=reduce_hidden_grad, policy=policy, which=which,
+            hidden, weight, targets, inputs, bias=bias, rows=rows, flat_targets=flat_targets,
+            ref_head=(ref_rows, ref_weight, ref_bias), chunk=chunk, chunk_tokens=chunk_tokens,
+            temperature=temperature, softcap=softcap, with_entropy=with_entropy,
+            ignore_index=ignore_index, shard=shard, reduce_hidden_grad=reduce_hidden_grad,
+            policy=policy, which=which,
         )  # fmt: skip
     if which == "triton":
         if not _grad_wanted(hidden, weight, bias):  # the same pass, no gradient formed
             rows, weight = rows.detach(), weight.detach()
             bias = None if bias is None else bias.detach()
         return _fused_policy_loss(
-            rows, weight, bias, flat_targets, targets.shape, advantages, old_logprobs, None,
-            mask, is_weights, num_items, chunk, temperature=temperature, softcap=softcap,
-            ignore_index=ignore_index, with_entropy=with_entropy, policy=policy,
-            ref_head=(ref_rows, ref_weight, ref_bias),
+            rows, weight, bias, flat_targets, targets.shape, inputs, chunk,
+            temperature=temperature, softcap=softcap, ignore_index=ignore_index,
+            with_entropy=with_entropy, policy=policy, ref_head=(ref_rows, ref_weight, ref_bias),
         )  # fmt: skip
     shape = (*targets.shape, weight.shape[0])
     return policy_loss(
-        F.linear(rows, weight, bias).view(shape), targets, advantages,
-        old_logprobs=old_logprobs, ref_logits=F.linear(ref_rows, ref_weight, ref_bias).view(shape),
-        mask=mask, temperature=temperature, softcap=softcap, with_entropy=with_entropy,
-        is_weights=is_weights, num_items=num_items, ignore_index=ignore_index,
-        process_group=process_group, policy_config=policy, backend=which,
+        F.linear(rows, weight, bias).view(shape), targets, inputs.advantages,
+        ref_logits=F.linear(ref_rows, ref_weight, ref_bias).view(shape),
+        temperature=temperature, softcap=softcap, with_entropy=with_entropy,
+        ignore_index=ignore_index, process_group=process_group, policy_config=policy,
+        backend=which, **inputs.keywords(),
     )  # fmt: skip
 
 
-def _composed_full_kl_loss(hidden, weight, targets, advantages, *, bias, rows, flat_targets,
-                           ref_head, chunk, chunk_tokens, old_logprobs, rollout_logprobs,
-                           mask, temperature,
-                           softcap, with_entropy, is_weights, num_items, ignore_index,
-                           shard, reduce_hidden_grad, policy, which):  # fmt: skip
+def _composed_full_kl_loss(hidden, weight, targets, inputs: RolloutInputs, *, bias, rows,
+                           flat_targets, ref_head, chunk, chunk_tokens, temperature, softcap,
+                           with_entropy, ignore_index, shard, reduce_hidden_grad, policy,
+                           which):  # fmt: skip
     """The composed ``kl_estimator="full"`` from hidden states: the log-probs of
     :func:`linear_token_logprobs`, the exact KL per chunk (:class:`_LinearTokenKL`), then
     ``losses.loss_with_exact_kl``; ``which`` the backend of both, ``shard`` the lm_heads'
@@ -1229,7 +1212,7 @@ def _composed_full_kl_loss(hidden, weight, targets, advantages, *, bias, rows, f
         reduce_hidden_grad=reduce_hidden_grad, backend=which, **layout,
     )  # fmt: skip
     logp, entropy = out if with_entropy else (out, None)
-    counted = counted_mask(mask, targets, ignore_index)
+    counted = counted_mask(inputs.mask, targets, ignore_index)
     counted = (counted if counted.dtype == torch.bool else counted != 0).reshape(-1)
     cap = None if softcap is None else float(softcap)
     ref_rows, ref_weight, ref_bias = ref_head
@@ -1240,12 +1223,8 @@ def _composed_full_kl_loss(hidden, weight, targets, advantages, *, bias, rows, f
         kl = _LinearTokenKL.apply(rows, weight, bias, ref_rows, ref_weight, ref_bias, counted,
                                   float(temperature), cap, chunk, shard, reduce_hidden_grad,
                                   which)  # fmt: skip
-    return loss_with_exact_kl(
-        logp, entropy, kl.view(targets.shape), targets, advantages, policy=policy,
-        ignore_index=ignore_index, backend=which, old_logprobs=old_logprobs,
-        rollout_logprobs=rollout_logprobs, ref_logprobs=None, mask=mask, is_weights=is_weights,
-        num_items=num_items,
-    )  # fmt: skip
+    return loss_with_exact_kl(logp, entropy, kl.view(targets.shape), targets, inputs,
+                              policy=policy, ignore_index=ignore_index, backend=which)  # fmt: skip
 
 
 class _LinearTokenKL(torch.autograd.Function):
@@ -1364,17 +1343,19 @@ def _prepare_ref(ref_hidden, ref_weight, ref_bias, hidden, weight, targets):
     return ref_rows, ref_weight.detach(), ref_bias
 
 
-def _fused_policy_loss(rows, weight, bias, flat_targets, shape, advantages, old, ref, mask,
-                       is_weights, num_items, chunk, *, temperature, softcap, ignore_index,
-                       with_entropy, policy, ref_head=None):  # fmt: skip
+def _fused_policy_loss(rows, weight, bias, flat_targets, shape, inputs: RolloutInputs, chunk,
+                       *, temperature, softcap, ignore_index, with_entropy, policy,
+                       ref_head=None):  # fmt: skip
     """The Triton path of :func:`linear_policy_loss` for token-level importance sampling
     (:class:`_LinearPolicyLoss`): per-token inputs flattened to ``(N,)`` and the
     aggregation's per-row scale computed from the mask before the chunk loop."""
     batch, length = shape
     acc = stats_dtype(rows.dtype)
     flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
-    adv, old, ref = rollout_constants(acc, advantages_2d(advantages, batch, length), old, ref)
-    is_w = is_weights_2d(is_weights, batch, length)
+    adv2d = advantages_2d(inputs.advantages, batch, length)
+    adv, old, ref = rollout_constants(acc, adv2d, inputs.old_logprobs, inputs.ref_logprobs)
+    is_w = is_weights_2d(inputs.is_weights, batch, length)
+    mask, num_items = inputs.mask, inputs.num_items
     targets2d = flat_targets.view(batch, length)
     m = weights_of(mask, targets2d, acc, targets2d, ignore_index)
     scale = sequence_scale(m, policy.loss_agg, max_length=policy.max_length, num_items=num_items)

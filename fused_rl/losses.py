@@ -23,6 +23,7 @@ from ._backend import resolve_backend
 from ._launch import stats_dtype
 from ._ops import _tracing
 from ._policy_inputs import (
+    RolloutInputs,
     advantages_2d,
     check_call,
     check_full_kl_route,
@@ -479,14 +480,14 @@ def policy_loss(
             )
         check_inplace(logits, "policy_loss", inplace)
     if grad_in_forward is not False or loss_scale is not None:
+        inputs = RolloutInputs(advantages, old_logprobs, rollout_logprobs, ref_logprobs, mask,
+                               is_weights, num_items)  # fmt: skip
         return _formed_in_forward(
-            logits, targets, advantages, old_logprobs=old_logprobs,
-            rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, ref_logits=ref_logits,
-            mask=mask, temperature=temperature, softcap=softcap, with_entropy=with_entropy,
-            is_weights=is_weights, num_items=num_items,
-            ignore_index=ignore_index, process_group=process_group, layout=layout,
-            inplace=inplace, grad_in_forward=grad_in_forward, loss_scale=loss_scale,
-            need_entropy=need_entropy, policy=policy, backend=backend,
+            logits, targets, inputs, ref_logits=ref_logits, temperature=temperature,
+            softcap=softcap, with_entropy=with_entropy, ignore_index=ignore_index,
+            process_group=process_group, layout=layout, inplace=inplace,
+            grad_in_forward=grad_in_forward, loss_scale=loss_scale, need_entropy=need_entropy,
+            policy=policy, backend=backend,
         )  # fmt: skip
     # by composition (log-probs and entropy first, then the token layer): vocabulary-sharded
     # logits, the top-entropy selection and the off-policy mask, which need every token's
@@ -497,13 +498,13 @@ def policy_loss(
         or policy.selects_tokens
         or (ref_logits is not None and not policy.token_level)
     ):
+        inputs = RolloutInputs(advantages, old_logprobs, rollout_logprobs, ref_logprobs, mask,
+                               is_weights, num_items)  # fmt: skip
         return _composed_policy_loss(
-            logits, targets, advantages, old_logprobs=old_logprobs,
-            rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs,
-            mask=mask, is_weights=is_weights, num_items=num_items, temperature=temperature,
-            softcap=softcap, ignore_index=ignore_index, need_entropy=need_entropy,
-            process_group=process_group, policy=policy, backend=backend, inplace=inplace,
-            ref_logits=ref_logits, layout=layout,
+            logits, targets, inputs, temperature=temperature, softcap=softcap,
+            ignore_index=ignore_index, need_entropy=need_entropy, process_group=process_group,
+            policy=policy, backend=backend, inplace=inplace, ref_logits=ref_logits,
+            layout=layout,
         )  # fmt: skip
     V.check_target_range(targets, logits.shape[-1], ignore_index, "targets")
     V.check_mask_weights(mask, "mask")
@@ -561,11 +562,9 @@ def policy_loss(
 
 
 def _formed_in_forward(
-    logits, targets, advantages, *, old_logprobs, rollout_logprobs, ref_logprobs, ref_logits,
-    mask, temperature, softcap,
-    with_entropy, is_weights, num_items, ignore_index, process_group, layout, inplace,
-    grad_in_forward,
-    loss_scale, need_entropy, policy: PolicyConfig, backend,
+    logits, targets, inputs: RolloutInputs, *, ref_logits, temperature, softcap, with_entropy,
+    ignore_index, process_group, layout, inplace, grad_in_forward, loss_scale, need_entropy,
+    policy: PolicyConfig, backend,
 ) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
     """:func:`policy_loss` with ``grad_in_forward`` and / or ``loss_scale`` (checked here):
     the two-pass path (:class:`fused_rl._policy_ops.GradInForward`), or the ordinary call
@@ -602,15 +601,14 @@ def _formed_in_forward(
                 "traced graph cannot hold. Call without grad_in_forward=True inside a "
                 "compiled region"
             )
-    tensors = dict(old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs,
-                   ref_logprobs=ref_logprobs, ref_logits=ref_logits, mask=mask,
-                   temperature=temperature, softcap=softcap, with_entropy=with_entropy,
-                   is_weights=is_weights, num_items=num_items, ignore_index=ignore_index,
+    advantages, mask = inputs.advantages, inputs.mask
+    options = dict(ref_logits=ref_logits, temperature=temperature, softcap=softcap,
+                   with_entropy=with_entropy, ignore_index=ignore_index,
                    policy_config=policy)  # fmt: skip
     if not (grad_in_forward and torch.is_grad_enabled() and logits.requires_grad):
         loss, metrics = policy_loss(
             logits, targets, advantages, process_group=process_group, inplace=inplace, **layout,
-            backend=backend, **tensors,
+            backend=backend, **inputs.keywords(), **options,
         )  # fmt: skip
         return (loss if loss_scale is None else loss * loss_scale), metrics
     V.check_target_range(targets, logits.shape[-1], ignore_index, "targets")
@@ -624,7 +622,7 @@ def _formed_in_forward(
             x = logits.detach().requires_grad_()
             with torch.enable_grad():
                 loss, found["metrics"] = policy_loss(
-                    x, targets, advantages, backend="reference", **tensors
+                    x, targets, advantages, backend="reference", **inputs.keywords(), **options
                 )
                 up = None if loss_scale is None else torch.full_like(loss, loss_scale)
                 (grad,) = torch.autograd.grad(loss, x, up)
@@ -639,7 +637,8 @@ def _formed_in_forward(
 
     batch, length = targets.shape
     adv2d = advantages_2d(advantages, batch, length)
-    is_w = is_weights_2d(is_weights, batch, length)
+    is_w = is_weights_2d(inputs.is_weights, batch, length)
+    num_items = inputs.num_items
     n_items, n_items_t = num_items_args(num_items)
     max_length = float(policy.max_length or length)
     seq_scale, m = aggregation_scale_launch(
@@ -654,15 +653,15 @@ def _formed_in_forward(
         grad = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype,
                                                   device=logits.device)  # fmt: skip
         loss, found["metrics"] = policy_loss_grad_fwd_launch(
-            grad, logits, targets, adv2d, old_logprobs,
-            ref_logprobs if ref_logits is None else ref_logits, mask, is_w, n_items_t,
+            grad, logits, targets, adv2d, inputs.old_logprobs,
+            inputs.ref_logprobs if ref_logits is None else ref_logits, mask, is_w, n_items_t,
             ent, seq_scale, float(temperature), softcap, int(ignore_index), bool(need_entropy),
             policy.kernel_params, policy.kernel_modes, max_length, n_items, loss_scale,
         )  # fmt: skip
         return loss, grad
 
     loss = GradInForward.apply(logits, run, bool(inplace), scale_rows_unless_one_launch)
-    has_kl = ref_logprobs is not None or ref_logits is not None
+    has_kl = inputs.ref_logprobs is not None or ref_logits is not None
     out = metrics_dict(found["metrics"], has_kl=has_kl,
                        has_entropy=need_entropy, surrogate=SURROGATES.index(policy.surrogate),
                        has_is=is_w is not None, bias_kl=policy.kl_bias_correction)  # fmt: skip
@@ -771,9 +770,9 @@ def policy_loss_from_logprobs(
 
 
 def _composed_policy_loss(
-    logits: Tensor, targets: Tensor, advantages: Tensor, *, temperature, softcap, ignore_index,
-    need_entropy: bool, process_group, layout: dict, backend: str, inplace: bool = False,
-    ref_logits=None, **loss_inputs,
+    logits: Tensor, targets: Tensor, inputs: RolloutInputs, *, temperature, softcap,
+    ignore_index, need_entropy: bool, process_group, layout: dict, backend: str,
+    inplace: bool = False, ref_logits=None, policy: PolicyConfig,
 ) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
     """:func:`fused_rl.policy_loss` by composition: :func:`fused_rl.token_logprobs` (with
     the entropy when the loss or the metrics need it; vocab-parallel with ``process_group``
@@ -791,7 +790,7 @@ def _composed_policy_loss(
                 "inplace=True with kl_estimator='full' runs on the fused token-level pass "
                 "only (not GSPO / VESPO / the top-entropy selection / the off-policy mask)"
             )
-        kl = _exact_kl(logits, ref_logits, targets, loss_inputs["mask"], temperature, softcap,
+        kl = _exact_kl(logits, ref_logits, targets, inputs.mask, temperature, softcap,
                        ignore_index, process_group, backend, layout)  # fmt: skip
     out = token_logprobs(
         logits, targets, temperature=temperature, softcap=softcap, ignore_index=ignore_index,
@@ -800,34 +799,30 @@ def _composed_policy_loss(
     )  # fmt: skip
     logp, entropy = out if need_entropy else (out, None)
     if kl is None:
-        return loss_from_token_stats(
-            logp, entropy, targets, advantages, ignore_index=ignore_index, backend=backend,
-            **loss_inputs,
-        )  # fmt: skip
-    return loss_with_exact_kl(
-        logp, entropy, kl, targets, advantages, ignore_index=ignore_index, backend=backend,
-        **loss_inputs,
-    )  # fmt: skip
+        return loss_from_token_stats(logp, entropy, targets, inputs, ignore_index=ignore_index,
+                                     policy=policy, backend=backend)  # fmt: skip
+    return loss_with_exact_kl(logp, entropy, kl, targets, inputs, ignore_index=ignore_index,
+                              policy=policy, backend=backend)  # fmt: skip
 
 
 def loss_with_exact_kl(
-    logp: Tensor, entropy: Tensor | None, kl: Tensor, targets: Tensor, advantages: Tensor, *,
-    policy: PolicyConfig, ignore_index: int, backend: str, **loss_inputs,
+    logp: Tensor, entropy: Tensor | None, kl: Tensor, targets: Tensor, inputs: RolloutInputs,
+    *, policy: PolicyConfig, ignore_index: int, backend: str,
 ) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
     """:func:`loss_from_token_stats` without the config's KL, plus ``beta * sum_t w_t KL_t``
     with the aggregation's token weights ``w`` and the exact per-token ``kl`` ``(B, T)``
     (the ``kl`` metric its masked mean): the composed ``kl_estimator="full"`` of
     :func:`fused_rl.policy_loss` and :func:`fused_rl.linear_policy_loss`."""
     loss, metrics = loss_from_token_stats(
-        logp, entropy, targets, advantages, ignore_index=ignore_index, backend=backend,
-        policy=dataclasses.replace(policy, beta=0.0, kl_estimator="k3"), **loss_inputs,
+        logp, entropy, targets, inputs, ignore_index=ignore_index, backend=backend,
+        policy=dataclasses.replace(policy, beta=0.0, kl_estimator="k3"),
     )  # fmt: skip
     if is_dtensor(targets):
         targets = targets.to_local()
-    m = weights_of(loss_inputs["mask"], kl, kl.dtype, targets, ignore_index)
+    m = weights_of(inputs.mask, kl, kl.dtype, targets, ignore_index)
     if policy.beta != 0.0:
         w = token_weights(m, policy.loss_agg, max_length=policy.max_length,
-                          num_items=loss_inputs["num_items"], dtype=kl.dtype)  # fmt: skip
+                          num_items=inputs.num_items, dtype=kl.dtype)  # fmt: skip
         loss = loss + policy.beta * torch.where(w != 0, w * kl, 0.0).sum().to(loss.dtype)
     metrics["kl"] = masked_mean_all(kl.detach(), m)
     return loss, metrics
@@ -848,9 +843,8 @@ def _exact_kl(logits, ref_logits, targets, mask, temperature, softcap, ignore_in
 
 
 def loss_from_token_stats(
-    logp: Tensor, entropy: Tensor | None, targets: Tensor, advantages: Tensor, *,
-    old_logprobs, ref_logprobs, mask, is_weights, num_items, ignore_index, policy: PolicyConfig,
-    backend: str, rollout_logprobs=None,
+    logp: Tensor, entropy: Tensor | None, targets: Tensor, inputs: RolloutInputs, *,
+    ignore_index: int, policy: PolicyConfig, backend: str,
 ) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
     """The second half of every composed policy loss (vocabulary-parallel or DTensor
     logits, the top-entropy selection, the off-policy mask, and ``linear_policy_loss``
@@ -859,9 +853,8 @@ def loss_from_token_stats(
     ``ignore_index``, as the fused path does."""
     if is_dtensor(targets):
         targets = targets.to_local()
+    counted = inputs._replace(mask=counted_mask(inputs.mask, targets, ignore_index))
     return policy_loss_from_logprobs(
-        logp, advantages, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs,
-        ref_logprobs=ref_logprobs,
-        mask=counted_mask(mask, targets, ignore_index), entropy=entropy,
-        is_weights=is_weights, num_items=num_items, policy_config=policy, backend=backend,
+        logp, inputs.advantages, entropy=entropy, policy_config=policy, backend=backend,
+        **counted.keywords(),
     )  # fmt: skip
