@@ -652,32 +652,45 @@ class _LinearPolicyLoss(torch.autograd.Function):
             part, *launch.shape, launch.modes[4], launch.max_length, launch.num_items,
             num_items_t, is_w is not None,
         )  # fmt: skip
-        ctx.save_for_backward(
-            rows, weight, bias, d_hidden,  # the inputs only to mark a double backward
-            d_weight.to(weight.dtype) if need_w else None,
-            d_bias.to(bias.dtype) if need_b else None,
-        )  # fmt: skip
+        save_formed_grads(ctx, rows, weight, bias, d_hidden, d_weight, d_bias)
         ctx.mark_non_differentiable(metrics)
-        ctx.set_materialize_grads(False)
         return loss, metrics
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_metrics):
-        # the gradients were formed in the forward from saved statistics taken as constants:
-        # a double backward raises (as every fused op here)
-        create_graph = torch.is_grad_enabled()
-        n_inputs = len(ctx.needs_input_grad)
-        if grad_loss is None:
-            return (None,) * n_inputs
-        saved = ctx.saved_tensors
-        with torch.no_grad():  # a multiply over N*H + V*H elements (16-bit times a 0-dim
-            # fp32 tensor stays 16-bit, computed in fp32)
-            grads = tuple(None if d is None else d * grad_loss for d in saved[3:])
-        if create_graph:
-            with torch.enable_grad():
-                sources = (*saved[:3], grad_loss)
-                grads = tuple(differentiable_once(g, *sources) for g in grads)
-        return grads + (None,) * (n_inputs - 3)
+        return formed_grads_backward(ctx, grad_loss)
+
+
+def save_formed_grads(ctx, rows, weight, bias, d_hidden, d_weight, d_bias) -> None:
+    """Keep the gradients of a loss of ``F.linear(rows, weight, bias)`` formed in its
+    forward (None: not wanted; the fp32 ``d_weight`` / ``d_bias`` accumulators cast back to
+    the parameters' dtypes) for :func:`formed_grads_backward`; the inputs are saved only to
+    mark a double backward."""
+    ctx.save_for_backward(
+        rows, weight, bias, d_hidden,
+        None if d_weight is None else d_weight.to(weight.dtype),
+        None if d_bias is None else d_bias.to(bias.dtype),
+    )  # fmt: skip
+    ctx.set_materialize_grads(False)
+
+
+def formed_grads_backward(ctx, grad_loss: Tensor | None) -> tuple:
+    """The backward of a chunked loss whose gradients were formed in the forward
+    (:func:`save_formed_grads`): each times the upstream scalar, a multiply over
+    ``N H + V H`` elements (16-bit times a 0-dim fp32 tensor stays 16-bit, computed in
+    fp32). They came from statistics taken as constants: a double backward raises (as
+    every fused op here)."""
+    n_inputs = len(ctx.needs_input_grad)
+    if grad_loss is None:
+        return (None,) * n_inputs
+    saved = ctx.saved_tensors
+    with torch.no_grad():
+        grads = tuple(None if d is None else d * grad_loss for d in saved[3:])
+    if torch.is_grad_enabled():  # create_graph
+        with torch.enable_grad():
+            sources = (*saved[:3], grad_loss)
+            grads = tuple(differentiable_once(g, *sources) for g in grads)
+    return grads + (None,) * (n_inputs - 3)
 
 
 def _check_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None, sharded=False) -> None:

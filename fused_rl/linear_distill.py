@@ -73,9 +73,10 @@ from .linear import (
     _promote_hidden,
     _valid_rows,
     check_second_head,
+    formed_grads_backward,
+    save_formed_grads,
 )
 from .reference import distill as ref
-from .reference.logprobs import differentiable_once
 from .reference.reductions import acc_dtype
 
 # the backward kernel writing over the chunk's logits: a raw launcher (it mutates), serialised
@@ -221,31 +222,13 @@ class _LinearDistill(torch.autograd.Function):
             rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_scale,
             num_items_t, launch, need_h, need_w, need_b,
         )  # fmt: skip
-        ctx.save_for_backward(
-            rows, weight, bias, d_hidden,  # the inputs only to mark a double backward
-            d_weight.to(weight.dtype) if need_w else None,
-            d_bias.to(bias.dtype) if need_b else None,
-        )  # fmt: skip
+        save_formed_grads(ctx, rows, weight, bias, d_hidden, d_weight, d_bias)
         ctx.mark_non_differentiable(metrics)
-        ctx.set_materialize_grads(False)
         return loss, metrics
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_metrics):
-        # the gradients were formed in the forward from statistics taken as constants: a
-        # double backward raises (as every fused op here)
-        create_graph = torch.is_grad_enabled()
-        n_inputs = len(ctx.needs_input_grad)
-        if grad_loss is None:
-            return (None,) * n_inputs
-        saved = ctx.saved_tensors
-        with torch.no_grad():  # 16-bit times a 0-dim fp32 tensor stays 16-bit
-            grads = tuple(None if d is None else d * grad_loss for d in saved[3:])
-        if create_graph:
-            with torch.enable_grad():
-                sources = (*saved[:3], grad_loss)
-                grads = tuple(differentiable_once(g, *sources) for g in grads)
-        return grads + (None,) * (n_inputs - 3)
+        return formed_grads_backward(ctx, grad_loss)
 
 
 # ----------------------------------------------------------------------------- checks
