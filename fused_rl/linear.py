@@ -440,7 +440,7 @@ def _head_grads(ctx, hidden, weight, bias, chunk, dz_of, tp=None, group=None):
     with ``tp.reduce_hidden``, ``dH`` summed over the ranks (one all-reduce); ``group``: that
     all-reduce without a shard (:class:`_LinearTokenKL`)."""
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
-    acc, d_hidden, d_weight, d_bias = _grad_buffers(hidden, weight, need_h, need_w, need_b)
+    _, d_hidden, d_weight, d_bias = _grad_buffers(hidden, weight, need_h, need_w, need_b)
     dw_out, db_out, out_dtype = d_weight, d_bias, weight.dtype
     if tp is not None:  # padding rows of the shard: unread, their gradient stays zero
         valid = tp.spec.shard.valid
@@ -453,12 +453,9 @@ def _head_grads(ctx, hidden, weight, bias, chunk, dz_of, tp=None, group=None):
         rows = slice(start, min(start + chunk, n_rows))
         z, z_full = _chunk_logits(hidden[rows], weight, bias, chunk)
         dz, in_place = dz_of(rows, z)
-        if need_h:  # dz written over z: its GEMM buffer is z's
-            d_hidden[rows] = _hidden_grad(dz, weight, chunk, z_full if in_place else None)
-        if need_w:
-            _addmm_wide(d_weight, dz.t(), hidden[rows])
-        if need_b:
-            d_bias.add_(dz.sum(0, dtype=acc))
+        # dz written over z: its GEMM buffer is z's
+        _add_chunk_grads(d_hidden, d_weight, d_bias, rows, dz, z_full if in_place else None,
+                         hidden[rows], weight, chunk)  # fmt: skip
         del z, z_full, dz
     if need_h and group is not None:  # hidden is replicated: its gradient sums the ranks'
         _all_reduce_sum(d_hidden, group)
@@ -512,15 +509,34 @@ def _all_reduce_sum(t: Tensor, group) -> None:
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
 
 
-def _grad_buffers(rows: Tensor, weight: Tensor, need_h: bool, need_w: bool, need_b: bool):
-    """``(acc, d_rows, d_weight, d_bias)`` of a chunked backward: the accumulation dtype,
-    ``rows``' gradient (filled chunk by chunk), zeroed fp32 (fp64) accumulators for the
+def _grad_buffers(rows: Tensor, weight: Tensor, need_h: bool, need_w: bool, need_b: bool,
+                  acc: torch.dtype | None = None, zero_rows: bool = False):  # fmt: skip
+    """``(acc, d_rows, d_weight, d_bias)`` of a chunked backward: the accumulation dtype
+    (``rows``' fp32 / fp64 unless given), ``rows``' gradient (filled chunk by chunk; zeroed
+    with ``zero_rows``, for chunks that skip rows), zeroed ``acc`` accumulators for the
     lm_head's and bias's (None where not needed)."""
-    acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
-    d_rows = rows.new_empty(rows.shape) if need_h else None
+    if acc is None:
+        acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    d_rows = None
+    if need_h:
+        d_rows = rows.new_zeros(rows.shape) if zero_rows else rows.new_empty(rows.shape)
     d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
     d_bias = torch.zeros(weight.shape[:1], dtype=acc, device=weight.device) if need_b else None
     return acc, d_rows, d_weight, d_bias
+
+
+def _add_chunk_grads(d_rows, d_weight, d_bias, r, dz: Tensor, dz_full, h_c: Tensor,
+                     weight: Tensor, chunk: int) -> None:  # fmt: skip
+    """One chunk's share of the lm_head's gradients from its ``dz`` ``(n, V)`` (the rows
+    ``r`` of the chunk's hidden states ``h_c``; ``dz_full``: the GEMM buffer ``dz`` heads,
+    or None): ``d_rows[r] = dz W``, ``d_weight += dz^T h_c``, ``d_bias += sum dz`` (each
+    where wanted: None is not)."""
+    if d_rows is not None:
+        d_rows[r] = _hidden_grad(dz, weight, chunk, dz_full)
+    if d_weight is not None:
+        _addmm_wide(d_weight, dz.t(), h_c)
+    if d_bias is not None:
+        d_bias.add_(dz.sum(0, dtype=d_bias.dtype))
 
 
 def _rows_of(t: Tensor | None, rows: slice) -> Tensor | None:
@@ -603,18 +619,15 @@ class _LinearPolicyLoss(torch.autograd.Function):
         temperature, ignore_index = launch.temperature, launch.ignore_index
         softcap, with_entropy = launch.softcap, launch.with_entropy
         n_rows = rows.shape[0]
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        acc = stats_dtype(rows.dtype)
         # kept: the counted rows' indices (None: every row). A skipped row gets the partials
         # and the zero hidden gradient its kernel program would write.
+        acc, d_hidden, d_weight, d_bias = _grad_buffers(
+            rows, weight, *ctx.needs_input_grad[:3], stats_dtype(rows.dtype), kept is not None
+        )
         if kept is None:
             part = rows.new_empty((N_COLS, n_rows), dtype=acc)
-            d_hidden = rows.new_empty(rows.shape) if need_h else None
         else:
             part = uncounted_partials(n_rows, acc, rows.device)
-            d_hidden = rows.new_zeros(rows.shape) if need_h else None
-        d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        d_bias = torch.zeros(weight.shape[:1], dtype=acc, device=weight.device) if need_b else None
         col = lambda t, c: None if t is None else t[c, None]  # noqa: E731  (n, 1) per chunk
         n_work = n_rows
         if kept is not None:  # the counted rows' per-token inputs, gathered once
@@ -641,12 +654,8 @@ class _LinearPolicyLoss(torch.autograd.Function):
             else:  # the chunk's logits become their gradient in place
                 part[:, r] = _policy_rows_grad_into(z[:, None], z[:, None], *args)
                 dz, dz_full = z, z_full
-            if need_h:
-                d_hidden[r] = _hidden_grad(dz, weight, launch.chunk, dz_full)
-            if need_w:
-                _addmm_wide(d_weight, dz.t(), h_c)
-            if need_b:
-                d_bias.add_(dz.sum(0, dtype=acc))
+            _add_chunk_grads(d_hidden, d_weight, d_bias, r, dz, dz_full, h_c, weight,
+                             launch.chunk)  # fmt: skip
             del z, z_full, dz, dz_full, h_c, ref_c
         loss, metrics, _ = policy_finalize_op(
             part, *launch.shape, launch.modes[4], launch.max_length, launch.num_items,

@@ -64,12 +64,12 @@ from .kernels.modes import LOSS_AGG_MODES
 from .linear import (
     CHUNK_BYTES,
     MAX_DEFAULT_CHUNK,
-    _addmm_wide,
+    _add_chunk_grads,
     _autocast_inputs,
     _check_linear,
     _chunk_logits,
+    _grad_buffers,
     _grad_wanted,
-    _hidden_grad,
     _promote_hidden,
     _valid_rows,
     check_second_head,
@@ -123,10 +123,9 @@ def _run(rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_sca
     Triton path without gradients)."""
     n_rows, chunk = rows.shape[0], launch.chunk
     grad = need_h or need_w or need_b
-    acc = acc_dtype(rows, t_rows)
-    d_hidden = rows.new_empty(rows.shape) if need_h else None
-    d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-    d_bias = torch.zeros(weight.shape[:1], dtype=acc, device=weight.device) if need_b else None
+    acc, d_hidden, d_weight, d_bias = _grad_buffers(
+        rows, weight, need_h, need_w, need_b, acc_dtype(rows, t_rows)
+    )
     shard = launch.shard
     triton = launch.which == "triton" and shard is None
     if triton:
@@ -185,12 +184,8 @@ def _run(rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_sca
                     g = g * sech2
                 w = (m[r] * row_scale[r])[:, None]
                 dz = torch.where(w != 0, g * w, torch.zeros_like(g)).to(z.dtype)
-        if need_h:  # with dz written over z, its GEMM buffer is z's
-            d_hidden[r] = _hidden_grad(dz, weight, chunk, dz_full)
-        if need_w:
-            _addmm_wide(d_weight, dz.t(), h_c)
-        if need_b:
-            d_bias.add_(dz.sum(0, dtype=acc))
+        # with dz written over z, its GEMM buffer is z's
+        _add_chunk_grads(d_hidden, d_weight, d_bias, r, dz, dz_full, h_c, weight, chunk)
         del z, z_full, zt, dz, dz_full, h_c
     if need_h and shard is not None and launch.reduce_hidden:  # dz W_local: a part of dH
         _dist().all_reduce(d_hidden, group=shard.group)
