@@ -410,6 +410,60 @@ class TokenStatsInplace(torch.autograd.Function):
     backward = staticmethod(_differentiable_once(_inplace_backward))
 
 
+# ----------------------------------------------------------------------------- K targets a row
+
+
+class MultiTargetLogprobs(torch.autograd.Function):
+    """``(outer, T, K)`` log-probs of ``K`` ids a row of ``(outer, T, V)`` logits (no soft
+    cap, no window), fp32 (fp64 for fp64 logits), from ONE read of each row forward and one
+    read and write backward, whatever ``K`` (TRL's ``selective_log_softmax`` with a
+    ``(..., K)`` index).
+
+    Forward: layer 1 for the row's normaliser ``lse`` (``row_max + log_sum``), then a gather
+    of the ``K`` logits: ``logp_k = z_k / T - lse``. Backward, with ``G = sum_k g_k``: layer 3
+    for the first id and upstream ``G`` writes ``-p G / T`` over the row, then the ``K``
+    columns are overwritten with their exact values ``(sum_{j: id_j = id_k} g_j - p_k G) / T``
+    computed in fp32: every element of the gradient is rounded to the logits' dtype once
+    (a sum of ``K`` per-id gradients in bf16 would round ``K`` times).
+
+    ``safe``: ``(outer, T, K)`` int64 ids in ``[0, V)``; ``first``: ``(outer, T)``, ``safe``'s
+    first id, or ``ignore_index`` where none of the row's ids counts (the row is not read:
+    its outputs are meaningless, its gradient 0). The caller zeroes the outputs that do not
+    count, so their upstream gradient is 0."""
+
+    @staticmethod
+    def forward(ctx, logits3d, safe, first, temperature, ignore_index):
+        _, _, row_max, log_sum = token_stats_fwd_op(
+            logits3d, first, temperature, None, ignore_index, False
+        )
+        z = logits3d.gather(-1, safe).to(row_max.dtype)
+        logp = (z / temperature - row_max[..., None]) - log_sum[..., None]
+        ctx.save_for_backward(logits3d, safe, first, row_max, log_sum, logp)
+        ctx.temperature, ctx.ignore_index = temperature, ignore_index
+        ctx.set_materialize_grads(False)
+        return logp
+
+    @staticmethod
+    @_differentiable_once
+    def backward(ctx, grad_logp):
+        n_inputs = len(ctx.needs_input_grad)
+        if grad_logp is None:
+            return (None,) * n_inputs
+        logits3d, safe, first, row_max, log_sum, logp = ctx.saved_tensors
+        g = grad_logp.to(logp.dtype)
+        total = g.sum(-1)
+        grad = token_stats_bwd_op(
+            logits3d, first, row_max, log_sum, None, total, None, None, None,
+            ctx.temperature, None, ctx.ignore_index,
+        )  # fmt: skip
+        same = safe[..., :, None] == safe[..., None, :]  # ids a row names twice share a column
+        g_id = torch.where(same, g[..., None, :], 0.0).sum(-1)
+        exact = (g_id - logp.exp() * total[..., None]) / ctx.temperature
+        exact = torch.where((first != ctx.ignore_index)[..., None], exact, 0.0)
+        grad.scatter_(-1, safe, exact.to(grad.dtype))
+        return (grad,) + (None,) * (n_inputs - 1)
+
+
 # ----------------------------------------------------------------------------- callers
 
 

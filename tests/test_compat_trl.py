@@ -15,6 +15,7 @@ import fused_rl.compat as compat
 import fused_rl.compat._checks as compat_checks
 import fused_rl.compat.trl as trl_compat
 from fused_rl.compat.trl import entropy_from_logits, selective_log_softmax
+from fused_rl.profiling import LaunchCounter
 
 # ----------------------------------------------------------------------------- oracles
 
@@ -203,6 +204,50 @@ def test_temperature_and_row_mask(dtype, k, mask_kind, device, backend):
     assert rel_err(logits.grad, z64.grad) <= tol
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_k_ids_rounded_once(dtype, device, backend):
+    """A ``(..., K)`` index: values and every element of the gradient are computed in fp32
+    and rounded to the logits' dtype once (a sum of K per-id gradients in bf16 rounds K
+    times), ids repeated within a row and masked ones included: within the dtype's unit
+    roundoff of float64 (twice that for kernels the Triton interpreter runs, which truncate)."""
+    logits, gen = make_logits((4, 16, 33), dtype, device, seed=11)
+    index = torch.randint(0, 33, (4, 16, 8), generator=gen)
+    index[..., 4:] = index[..., :4].flip(-1)  # every id twice in its row
+    index = index.to(device)
+    mask = torch.rand(4, 16, 8, generator=gen) > 0.2
+    mask[..., 4:] = mask[..., :4].flip(-1)  # an id's two slots kept or masked alike
+    mask[1, 3] = False  # a row with no id kept: not read
+    mask = mask.to(device)
+    out = selective_log_softmax(logits, index, 0.7, mask)
+    z64 = logits.detach().double().requires_grad_()
+    want = selective_log_softmax_oracle(z64, index, 0.7, mask)
+    up = torch.randn(index.shape, generator=gen, dtype=torch.float64)
+    # upstream gradients of an id's two slots that nearly cancel (as a distillation loss's
+    # do): the gradient, sum_k g_k (onehot_k - p) / T, is far smaller than each id's share,
+    # which a sum of per-id gradients rounds (the error was 70 units of roundoff in bf16)
+    up[..., 4:] = 0.01 * up[..., 4:] - up[..., :4].flip(-1)
+    up = up.to(dtype).to(device)  # exact in the dtype: the oracle sees the same numbers
+    out.backward(up)
+    want.backward(up.double())
+    unit = torch.finfo(dtype).eps / 2  # the unit roundoff
+    interpreted = backend == "triton" and torch.device(device).type == "cpu"
+    assert rel_err(out, want) <= unit
+    assert rel_err(logits.grad, z64.grad) <= (2 * unit if interpreted else unit)
+    assert bool((logits.grad[1, 3] == 0).all())
+
+
+@pytest.mark.no_poison  # the NaN fill of fresh buffers is the test's, not the call's
+@pytest.mark.parametrize("k", [1, 4, 16])
+def test_k_ids_read_the_logits_once(k, device):
+    """K ids a position cost one layer-1 read of the logits forward and one layer-3 read and
+    write backward, whatever K."""
+    logits = torch.randn(2, 3, 50, device=device, requires_grad=True)
+    index = torch.randint(0, 50, (2, 3, k), device=device)
+    with LaunchCounter() as c:
+        selective_log_softmax(logits, index, 0.7).sum().backward()
+    assert c.kernels == ["_token_stats_fwd_kernel", "_token_stats_bwd_kernel"], c.kernels
+
+
 def test_masked_rows_are_skipped(device, backend):
     """Masked entries never reach values or gradients (NaN logits there included) and their
     labels are not range-checked, as in TRL's kernel."""
@@ -237,6 +282,11 @@ def test_unchecked_labels_give_nan_not_skip(device, monkeypatch, backend):
                 out = selective_log_softmax(z, index, row_mask=mask)
                 assert out[0, 0].isnan() and out[1, 2].isnan() and out[1, 1].item() == 0.0
                 assert torch.isfinite(out[0, 1:]).all() and torch.isfinite(out[1, 0])
+                # K ids a position: the same, id by id
+                out = selective_log_softmax(z, index[..., None].expand(2, 3, 2),
+                                            row_mask=mask[..., None])  # fmt: skip
+                assert out[0, 0].isnan().all() and out[1, 2].isnan().all()
+                assert (out[1, 1] == 0).all() and torch.isfinite(out[0, 1:]).all()
 
 
 # ----------------------------------------------------------------------------- dtype rules
@@ -464,6 +514,16 @@ def test_compiles_fullgraph(device):
     mask = torch.rand(2, 4, device=device) > 0.3
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     assert rel_err(compiled(logits, index, mask), f(logits, index, mask)) <= 1e-6
+    # K ids a position, with the gradient
+    index, mask = torch.randint(0, 10, (2, 4, 3), device=device), mask[..., None]
+    leaf = logits.clone().requires_grad_()
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    got = compiled(leaf, index, mask)
+    (grad,) = torch.autograd.grad(got, leaf)
+    want = f(logits.clone().requires_grad_(), index, mask)
+    assert rel_err(got, want) <= 1e-6
+    assert rel_err(grad, torch.autograd.grad(f(leaf, index, mask), leaf)[0]) <= 1e-6
 
 
 def test_against_installed_trl(device):

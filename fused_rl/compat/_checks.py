@@ -15,7 +15,9 @@ from torch import Tensor
 
 from .. import _validation as V
 from .._backend import resolve_backend
-from .._vocab_ops import token_stats_nocheck
+from .._shapes import as_rows3d
+from .._vocab_ops import MultiTargetLogprobs, token_stats_nocheck
+from ..reference.logprobs import multi_target_logprobs
 
 # Passed as ``ignore_index``: these helpers have no ignore index in the originals, and an
 # out-of-range label must not become a 0 log-prob. A label equal to this value is itself out
@@ -76,6 +78,35 @@ def checked_logprobs(
         if return_entropy:
             entropy = torch.where(sentinel, float("nan"), entropy)
     return (logp, entropy) if return_entropy else logp
+
+
+def checked_logprobs_k(
+    logits: Tensor, index: Tensor, *, temperature: float = 1.0, keep: Tensor | None = None
+) -> Tensor:
+    """:func:`checked_logprobs` for ``K`` ids a position: ``index`` ``(..., K)`` beside
+    ``(..., V)`` logits, one read of each row forward and one read and write backward
+    whatever ``K`` (``fused_rl._vocab_ops.MultiTargetLogprobs``). 0 where ``keep`` is False
+    (a row with no id kept is not read); an id outside ``[0, V)`` that counts (value checks
+    off) gives NaN. fp32 results (fp64 for fp64 logits)."""
+    V.check_positive(temperature, "temperature")
+    which = resolve_backend("auto", logits, index)
+    vocab = logits.shape[-1]
+    in_range = (index >= 0) & (index < vocab)
+    counted = in_range if keep is None else keep & in_range
+    safe = torch.where(counted, index, 0).long()
+    rows = counted.any(-1) if keep is None else keep.any(-1)
+    if which == "reference":
+        logp = multi_target_logprobs(logits, safe, rows, float(temperature))
+    else:
+        logits3d = as_rows3d(logits)
+        lead = logits3d.shape[:2]
+        first = torch.where(rows, safe[..., 0], NO_IGNORE)
+        logp = MultiTargetLogprobs.apply(
+            logits3d, safe.reshape(*lead, -1), first.reshape(lead), float(temperature),
+            NO_IGNORE,
+        ).reshape(index.shape)  # fmt: skip
+    logp = torch.where(in_range, logp, float("nan"))
+    return logp if keep is None else torch.where(keep, logp, 0.0)
 
 
 def gather_logprobs(

@@ -67,7 +67,7 @@ from .._agg import check_num_items
 from .._backend import resolve_backend, triton_installed
 from ..distill import distill_loss
 from ..logprobs import token_entropy
-from ._checks import check_index_range, checked_logprobs
+from ._checks import check_index_range, checked_logprobs, checked_logprobs_k
 from ._precision import original_half_precision
 
 _SELECTIVE = "TRL's selective_log_softmax"
@@ -200,7 +200,8 @@ def selective_log_softmax(
         logits: ``(..., V)`` float logits, any strides.
         index: ``(...)`` = ``logits.shape[:-1]`` (one id per position), or ``(..., K)`` with
             ``index.shape[:-1] == logits.shape[:-1]`` (``K`` ids per position, e.g. top-K;
-            one fused pass over the logits per ``k``). int64 or int32.
+            one read of the logits forward and one backward, whatever ``K``). int64 or
+            int32.
         temperature: the logits are divided by it; a finite number ``> 0``.
         row_mask: None, or ``index``'s shape (or broadcastable to it), any dtype: entries
             where ``row_mask == 0`` give 0 with 0 gradient, and their logits and labels are
@@ -236,18 +237,9 @@ def selective_log_softmax(
     if not multi:
         logp = checked_logprobs(logits, index, temperature=temperature, keep=keep)
         return logp.to(out_dtype)
-    columns = [
-        checked_logprobs(
-            logits,
-            index[..., k],
-            temperature=temperature,
-            keep=None if keep is None else keep[..., k],
-        ).to(out_dtype)
-        for k in range(index.shape[-1])
-    ]
-    if not columns:
+    if index.shape[-1] == 0:
         return logits.new_empty(index.shape, dtype=out_dtype)
-    return torch.stack(columns, dim=-1)
+    return checked_logprobs_k(logits, index, temperature=temperature, keep=keep).to(out_dtype)
 
 
 def entropy_from_logits(logits: Tensor, chunk_size: int = 128) -> Tensor:

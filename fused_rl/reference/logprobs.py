@@ -167,6 +167,17 @@ def differentiable_once(grad: torch.Tensor | None, *sources) -> torch.Tensor | N
     return _NotTwice.apply(grad, *sources) if sources else grad
 
 
+def multi_target_logprobs(
+    logits: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """``log_softmax(logits / T)`` at ``ids`` ``(..., K)`` (in ``[0, V)``) in fp32 (fp64
+    for fp64 logits), differentiable: the reference of ``fused_rl._vocab_ops``'s
+    ``MultiTargetLogprobs``. ``rows`` ``(...)`` bool: the rows read; the others give
+    meaningless values and a zero gradient (NaN logits there included)."""
+    z = torch.where(rows[..., None], logits.to(acc_dtype(logits)), 0.0)
+    return torch.log_softmax(z / temperature, dim=-1).gather(-1, ids)
+
+
 class TokenStats(torch.autograd.Function):
     """Differentiable ``(logp, entropy)`` of ``softmax(z)`` (``z`` the scaled logits:
     :func:`scaled`) for ``(outer, inner, V)``,

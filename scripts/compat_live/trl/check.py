@@ -49,6 +49,7 @@ import trl  # noqa: E402
 import trl.trainer.utils as U  # noqa: E402
 
 import fused_rl.compat as compat  # noqa: E402
+import fused_rl.compat._checks as ours_checks  # noqa: E402
 import fused_rl.compat.trl as ours  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -109,14 +110,18 @@ def tolerance(dtype: torch.dtype, trl_err: float, *, kernel_bf16: bool = False) 
 
 @contextlib.contextmanager
 def backend(name: str):
-    """Run the adapter on fused_rl's Triton kernels or on its plain-PyTorch reference."""
-    real = ours.resolve_backend
+    """Run the adapter on fused_rl's Triton kernels or on its plain-PyTorch reference: both
+    modules that resolve it (the entropy's and the shared gather's) are forced."""
+    modules = (ours, ours_checks)
+    real = [m.resolve_backend for m in modules]
     if name == "reference":
-        ours.resolve_backend = lambda _backend, *tensors: "reference"
+        for m in modules:
+            m.resolve_backend = lambda _backend, *tensors: "reference"
     try:
         yield
     finally:
-        ours.resolve_backend = real
+        for m, fn in zip(modules, real):
+            m.resolve_backend = fn
 
 
 def trl_took_kernel(logits, index=None, row_mask=None) -> bool:
