@@ -236,6 +236,22 @@ def test_k_ids_rounded_once(dtype, device, backend):
     assert bool((logits.grad[1, 3] == 0).all())
 
 
+def test_k_ids_gradcheck(device, backend):
+    """float64 ``gradcheck`` of a ``(..., K)`` index: ids repeated in a row, a masked id, a
+    row with none kept, strided 4-D logits, a temperature."""
+    gen = torch.Generator().manual_seed(7)
+    full = torch.randn(2, 2, 3, 9, generator=gen, dtype=torch.float64)
+    logits = full[..., :7].to(device).requires_grad_()  # strided rows of V = 7
+    index = torch.randint(0, 7, (2, 2, 3, 4), generator=gen)
+    index[..., 3] = index[..., 0]
+    mask = torch.ones(2, 2, 3, 4, dtype=torch.bool)
+    mask[0, 1, 2, 1] = False
+    mask[1, 0, 0] = False
+    index, mask = index.to(device), mask.to(device)
+    fn = lambda z: selective_log_softmax(z, index, 0.7, mask)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (logits,), eps=1e-6, atol=1e-7)
+
+
 @pytest.mark.no_poison  # the NaN fill of fresh buffers is the test's, not the call's
 @pytest.mark.parametrize("k", [1, 4, 16])
 def test_k_ids_read_the_logits_once(k, device):
