@@ -2755,6 +2755,14 @@ FOUND = {
         old=torch.tensor([[-5.0, -4.0], [-0.5, -1.0]]), grad=("logits",),
         nan_rule=lambda x: {"loss": True},
     ),
+    # was (caught by the default profile while K ids a position got their one-pass route): an
+    # empty leading dimension with a (..., K) index, reshape(0, 3, -1) raised
+    "trl.selective_log_softmax K ids, empty batch": lambda: fixed_case(
+        "trl.selective_log_softmax",
+        lambda x, b: trl.selective_log_softmax(x["logits"], x["index"]),
+        logits=torch.zeros(0, 3, 2, dtype=_F64), index=torch.zeros(0, 3, 1, dtype=torch.long),
+        grad=("logits",), hyper={"top_k": 1},
+    ),
 }  # fmt: skip
 
 

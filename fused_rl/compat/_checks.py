@@ -102,7 +102,7 @@ def checked_logprobs_k(
         lead = logits3d.shape[:2]
         first = torch.where(rows, safe[..., 0], NO_IGNORE)
         logp = MultiTargetLogprobs.apply(
-            logits3d, safe.reshape(*lead, -1), first.reshape(lead), float(temperature),
+            logits3d, safe.reshape(*lead, index.shape[-1]), first.reshape(lead), float(temperature),
             NO_IGNORE,
         ).reshape(index.shape)  # fmt: skip
     logp = torch.where(in_range, logp, float("nan"))
