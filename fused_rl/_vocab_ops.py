@@ -456,12 +456,30 @@ class MultiTargetLogprobs(torch.autograd.Function):
             logits3d, first, row_max, log_sum, None, total, None, None, None,
             ctx.temperature, None, ctx.ignore_index,
         )  # fmt: skip
-        same = safe[..., :, None] == safe[..., None, :]  # ids a row names twice share a column
-        g_id = torch.where(same, g[..., None, :], 0.0).sum(-1)
-        exact = (g_id - logp.exp() * total[..., None]) / ctx.temperature
+        ids, order = safe.sort(-1)  # an id the row names twice: adjacent slots, one column
+        g_id = _segment_sums(ids, g.gather(-1, order))
+        exact = (g_id - logp.gather(-1, order).exp() * total[..., None]) / ctx.temperature
         exact = torch.where((first != ctx.ignore_index)[..., None], exact, 0.0)
-        grad.scatter_(-1, safe, exact.to(grad.dtype))
+        grad.scatter_(-1, ids, exact.to(grad.dtype))  # equal values where ids repeat
         return (grad,) + (None,) * (n_inputs - 1)
+
+
+def _segment_sums(ids: Tensor, g: Tensor) -> Tensor:
+    """``(..., K)``: for each slot, the sum of ``g`` over the slots holding its id (``ids``
+    sorted along the last dim, so equal ids are adjacent). Deterministic (no atomics) and
+    ``O(K)`` a row: the slots of a run of equal ids take the difference of an fp64 running
+    sum at its two ends."""
+    k = ids.shape[-1]
+    pos = torch.arange(k, device=ids.device).expand(ids.shape)
+    starts = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
+    starts[..., 1:] = ids[..., 1:] != ids[..., :-1]
+    ends = torch.ones_like(starts)
+    ends[..., :-1] = starts[..., 1:]
+    first = torch.where(starts, pos, 0).cummax(-1).values
+    last = torch.where(ends, pos, k - 1).flip(-1).cummin(-1).values.flip(-1)
+    run = g.double().cumsum(-1)
+    before = run.gather(-1, first) - g.gather(-1, first).double()
+    return (run.gather(-1, last) - before).to(g.dtype)
 
 
 # ----------------------------------------------------------------------------- callers
