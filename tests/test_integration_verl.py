@@ -19,6 +19,7 @@ import sys
 
 import pytest
 import torch
+from helpers import FP32_TOL, rel_err
 
 import fused_rl.integrations.verl as fused_verl
 import fused_rl.linear as fused_linear
@@ -75,6 +76,52 @@ def test_patch_unpatch_restore_exactly():
     for (module, attribute), original in before.items():
         assert getattr(importlib.import_module(module), attribute) is original
     assert core_algos.POLICY_LOSS_REGISTRY == registry
+
+
+@needs_verl
+def test_topk_distillation_runs_fused_rl_inside_verl():
+    """verl's logits processor for ``loss_mode="forward_kl_topk"`` (``compute_topk_loss``,
+    FSDP strategy) looks ``compute_forward_kl_topk`` up in its module at each call: patched,
+    it runs fused_rl's, with verl's outputs and the student's gradient (nested teacher
+    tensors as verl's batch holds them)."""
+    from types import SimpleNamespace
+
+    distill = pytest.importorskip("verl.trainer.distillation.losses")
+    fsdp_losses = pytest.importorskip("verl.trainer.distillation.fsdp.losses")
+    from verl.workers.config import DistillationConfig, DistillationLossConfig
+
+    import fused_rl.compat.verl as compat
+
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(1, 9, VOCAB, generator=gen) * 2
+    teacher = torch.log_softmax(torch.randn(9, VOCAB, generator=gen) * 2, -1).topk(8, -1)
+    offsets = torch.tensor([0, 4, 9])
+    pairs = (("teacher_logprobs", teacher.values), ("teacher_ids", teacher.indices))
+    data = {name: torch.nested.nested_tensor_from_jagged(t, offsets=offsets)
+            for name, t in pairs}  # fmt: skip
+    config = DistillationConfig(distillation_loss=DistillationLossConfig(
+        loss_mode="forward_kl_topk", topk=8, log_prob_min_clamp=-10.0))  # fmt: skip
+    actor = SimpleNamespace(strategy="fsdp")
+    up = torch.randn(1, 9, generator=gen)
+
+    def run():
+        leaf = logits.clone().requires_grad_()
+        out = distill.compute_topk_loss(actor, config, data, leaf, "thd")
+        out["distillation_losses"].backward(up)
+        return out, leaf.grad
+
+    want, want_grad = run()
+    with fused_verl.patched():
+        assert fsdp_losses.compute_forward_kl_topk is compat.compute_forward_kl_topk
+        assert "verl.trainer.distillation.fsdp.losses.compute_forward_kl_topk" in (
+            fused_verl.routes()
+        )
+        got, grad = run()
+    assert fsdp_losses.compute_forward_kl_topk is not compat.compute_forward_kl_topk
+    for name in want:
+        assert got[name].dtype == want[name].dtype
+        assert rel_err(got[name].float(), want[name].float()) <= FP32_TOL, name
+    assert rel_err(grad, want_grad) <= FP32_TOL
 
 
 # ----------------------------------------------------------------------------- the actor step

@@ -24,7 +24,10 @@ What it replaces (:data:`ROUTES`; :func:`routes` lists what a call replaced):
   ``gspo``, ``sapo``, ``gpg``, ``cispo``, ``clip_cov``, ``kl_cov``, ``geo_mean``,
   ``dppo_tv``, ``dppo_kl``, ``dro``; verl's ``bypass_mode`` stays verl's), ``agg_loss``,
   ``kl_penalty``, ``compute_value_loss``, ``compute_entropy_loss``; and the names
-  ``verl.workers.utils.losses`` imported from it.
+  ``verl.workers.utils.losses`` imported from it;
+* ``verl.trainer.distillation.fsdp.losses.compute_forward_kl_topk`` (verl >= 0.9.1, the
+  FSDP / VeOmni top-k distillation, ``distillation_loss.loss_mode="forward_kl_topk"``):
+  the student's log-probs at the teacher's top-k ids without its ``(N, V)`` log-softmax.
 
 Semantics are verl's, with the departures :mod:`fused_rl.compat.verl` documents
 (``docs/compat.md``, "verl"). :func:`unpatch` restores every name exactly; patching again
@@ -47,7 +50,8 @@ MIN_VERL_VERSION = (0, 9)
 INSTALL_HINT = "pip install 'verl>=0.9'"
 
 # (verl module, attribute, fused_rl.compat.verl attribute); ``optional``: patched only
-# where the module is importable (the Megatron forwards need Megatron-Core)
+# where the module is importable (the Megatron forwards need Megatron-Core; the distillation
+# losses came with verl 0.9.1)
 _CORE = "verl.trainer.ppo.core_algos"
 _LOSSES = "verl.workers.utils.losses"
 ROUTES: tuple[tuple[str, str, str, bool], ...] = (
@@ -58,6 +62,8 @@ ROUTES: tuple[tuple[str, str, str, bool], ...] = (
      True),
     ("verl.models.mcore.model_forward_1f1b_overlap", "linear_cross_entropy",
      "linear_cross_entropy", True),
+    ("verl.trainer.distillation.fsdp.losses", "compute_forward_kl_topk",
+     "compute_forward_kl_topk", True),
     (_CORE, "agg_loss", "agg_loss", False),
     (_CORE, "kl_penalty", "kl_penalty", False),
     (_CORE, "compute_value_loss", "compute_value_loss", False),
