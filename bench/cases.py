@@ -13,7 +13,10 @@ Two families of ops:
 * distillation ops (``distill_loss``, ``linear_distill_loss``): the student's and the
   teacher's ``(B, T, V)`` logits, or both models' ``(B, T, H)`` hidden states and ``(V, H)``
   lm_heads, compared at the same positions (no causal shift), and a ``(B, T)`` mask; the
-  variant names the divergence (``DISTILL_BETAS``).
+  variant names the divergence (``DISTILL_BETAS``). ``topk_distill_loss`` (verl's
+  ``forward_kl_topk``): the student's ``(B, T, V)`` logits and the teacher's top-K
+  log-probs and ids ``(B, T, K)`` (the variant names K, :data:`TOPK`), as a teacher server
+  sends them, and the mask.
 * ``policy_loss[grpo+fullkl]`` (:data:`FULL_KL_VARIANTS`): the GRPO inputs plus the reference
   model's ``(B, T + 1, V)`` logits buffer, the policy's plus noise (``REF_NOISE``), in the
   case dtype: GRPO with the exact per-token KL to the reference over the vocabulary.
@@ -32,7 +35,7 @@ import torch
 LOGITS_OPS = ("token_logprobs", "policy_loss")
 TOKEN_OPS = ("ppo_loss", "value_loss", "masked_whiten", "gae")
 LINEAR_OPS = ("linear_token_logprobs", "linear_policy_loss")
-DISTILL_OPS = ("distill_loss", "linear_distill_loss")
+DISTILL_OPS = ("distill_loss", "linear_distill_loss", "topk_distill_loss")
 OPS = LOGITS_OPS + TOKEN_OPS + LINEAR_OPS + DISTILL_OPS
 # the ops with a vocabulary (a case's ``vocab`` is set)
 VOCAB_OPS = LOGITS_OPS + LINEAR_OPS + DISTILL_OPS
@@ -66,6 +69,8 @@ OP_VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {
     # on-policy distillation (TRL GKD's generalized_jsd_loss): a variant per beta
     "distill_loss": tuple((v, "fwd_bwd") for v in ("fkl", "jsd", "rkl")),
     "linear_distill_loss": tuple((v, "fwd_bwd") for v in ("fkl", "jsd", "rkl")),
+    # verl's top-k distillation (forward_kl_topk) at its default K
+    "topk_distill_loss": (("k128", "fwd_bwd"),),
 }
 
 # hidden size H of the linear ops' cases: a typical 7-8B model's on GPUs, tiny on CPU
@@ -113,6 +118,10 @@ GAE = {"gamma": 0.99, "lam": 0.95}
 # 1 the reverse KL(student || teacher), between them the generalized JSD of the mixture
 # (1 - beta) p_student + beta p_teacher
 DISTILL_BETAS = {"fkl": 0.0, "jsd": 0.5, "rkl": 1.0}
+# topk_distill_loss: K by variant, and verl's default log_prob_min_clamp (both models'
+# log-probs clamped below at it)
+TOPK = {"k128": 128}
+TOPK_CLAMP = -10.0
 # the teacher's logits (or hidden states and lm_head) are the student's plus noise of this
 # standard deviation relative to theirs: a teacher near the student, as in on-policy
 # distillation (either KL about 0.5 nat a token from the logits, 1.1 from hidden states)
@@ -210,9 +219,10 @@ def _full_kl_cases(shapes, compile_shapes=None) -> list[Case]:
 
 
 def _distill_cases(shapes, hidden: int, compile_shapes=None) -> list[Case]:
-    """Both distillation ops at ``shapes``, every beta; from hidden states H = ``hidden``."""
+    """The distillation ops at ``shapes``, every variant; from hidden states H = ``hidden``."""
     cases = _logits_cases("distill_loss", shapes, compile_shapes)
-    return cases + _logits_cases("linear_distill_loss", shapes, compile_shapes, hidden=hidden)
+    cases += _logits_cases("linear_distill_loss", shapes, compile_shapes, hidden=hidden)
+    return cases + _logits_cases("topk_distill_loss", shapes, compile_shapes)
 
 
 FULL_TOKENS = (4096, 16384, 32768)
@@ -319,23 +329,26 @@ def inplace_cases() -> list[Case]:
 # vocabulary), then a small and a large vocabulary; from hidden states at H = 4096
 DISTILL_SHAPES = ((8, 2048, 151936), (4, 1024, 32000), (4, 4096, 262144))
 DISTILL_LINEAR_SHAPES = ((8, 2048, 151936), (4, 1024, 151936))
-DISTILL_PROVIDERS = ("fused_rl", "fused_rl_mat", "eager", "compile", "liger")
+DISTILL_PROVIDERS = ("fused_rl", "fused_rl_mat", "eager", "compile", "liger", "verl")
 
 
 def distill_cases() -> list[Case]:
     """The ``distill`` suite (GPU): ``distill_loss`` forward + backward in bf16 at
     ``DISTILL_SHAPES`` and ``linear_distill_loss`` at ``DISTILL_LINEAR_SHAPES`` (H = 4096),
-    each with beta 0 (forward KL), 0.5 (JSD) and 1 (reverse KL), for ``DISTILL_PROVIDERS``:
+    each with beta 0 (forward KL), 0.5 (JSD) and 1 (reverse KL), and verl's top-k forward KL
+    (``topk_distill_loss``, K = 128) at ``DISTILL_SHAPES``' first shape, for
+    ``DISTILL_PROVIDERS``:
     ``python bench/run.py --suite distill --providers <DISTILL_PROVIDERS, comma-separated>``.
-    torch.compile runs on the first shape of ``distill_loss`` only (a compile per beta).
+    torch.compile runs on the first shape of the logits ops only (a compile per variant).
     The first shape of each op comes first, so a run cut short by a GPU lease measured it.
     On CPU the same ops and providers run at the quick suite's shapes:
-    ``--suite quick --op distill_loss,linear_distill_loss``."""
+    ``--suite quick --op distill_loss,linear_distill_loss,topk_distill_loss``."""
     first, *rest = DISTILL_SHAPES
     compile_shapes = {(first[0] * first[1], first[2], "bf16")}
     bf16 = lambda shapes: [(b, t, v, "bf16") for b, t, v in shapes]  # noqa: E731
     lfirst, *lrest = DISTILL_LINEAR_SHAPES
     cases = _logits_cases("distill_loss", bf16([first]), compile_shapes)
+    cases += _logits_cases("topk_distill_loss", bf16([first]), compile_shapes)
     cases += _logits_cases("linear_distill_loss", bf16([lfirst]), set(), hidden=HIDDEN["full"])
     cases += _logits_cases("distill_loss", bf16(rest), compile_shapes)
     cases += _logits_cases("linear_distill_loss", bf16(lrest), set(), hidden=HIDDEN["full"])
@@ -510,11 +523,21 @@ def _distill_inputs(case: Case, inp: dict, randn, gen, device) -> dict:
     ``TEACHER_NOISE`` times their deviation, in the case dtype. ``linear_distill_loss``:
     ``hidden`` (B, T, H) and ``weight`` (V, H) leaves (logits of deviation ~2) and the
     teacher's ``teacher_hidden`` / ``teacher_weight``, each the student's plus noise of
-    ``TEACHER_NOISE`` times its deviation. Both: a ``mask`` (a random prefix of each row) and
-    ``labels``, -100 where the mask is False (Liger's ``shift_labels``)."""
+    ``TEACHER_NOISE`` times its deviation. ``topk_distill_loss``: the student's ``logits`` as
+    ``distill_loss``'s, and the top-K fp32 log-probs ``teacher_topk_logprobs`` and ids
+    ``teacher_topk_ids`` of that teacher's logits (which are then dropped). All: a ``mask`` (a
+    random prefix of each row) and ``labels``, -100 where the mask is False (Liger's
+    ``shift_labels``)."""
     b, t, v = case.batch, case.seqlen, case.vocab
     dt, grad = case.torch_dtype, case.mode != "fwd_nograd"
-    if case.op == "distill_loss":
+    if case.op == "topk_distill_loss":
+        logits = randn(b, t, v, scale=2.0, dtype=dt)
+        teacher = randn(b, t, v, scale=2.0 * TEACHER_NOISE, dtype=dt).add_(logits)
+        lt, ids = _teacher_topk(teacher, TOPK[case.variant])
+        del teacher  # a teacher server sends its top K only
+        inp.update(logits=logits.requires_grad_(grad), teacher_topk_logprobs=lt,
+                   teacher_topk_ids=ids)  # fmt: skip
+    elif case.op == "distill_loss":
         logits = randn(b, t, v, scale=2.0, dtype=dt)
         # in place in the case dtype: no fp32 temporary of the (B, T, V) size on a GPU
         teacher = randn(b, t, v, scale=2.0 * TEACHER_NOISE, dtype=dt).add_(logits)
@@ -531,6 +554,19 @@ def _distill_inputs(case: Case, inp: dict, randn, gen, device) -> dict:
     labels = torch.randint(0, v, (b, t), generator=gen, device=device)
     inp.update(mask=mask, labels=labels.masked_fill_(~mask, -100))
     return inp
+
+
+def _teacher_topk(teacher: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's top-``k`` fp32 log-probs and ids of its ``(B, T, V)`` logits, a block
+    of rows at a time (no fp32 temporary of the logits' size on a GPU)."""
+    batch, seqlen, vocab = teacher.shape
+    rows = teacher.reshape(batch * seqlen, vocab)
+    values = torch.empty(rows.shape[0], k, dtype=torch.float32, device=rows.device)
+    ids = torch.empty(rows.shape[0], k, dtype=torch.long, device=rows.device)
+    step = max(1, (1 << 26) // vocab)
+    for r in range(0, rows.shape[0], step):
+        values[r : r + step], ids[r : r + step] = rows[r : r + step].float().log_softmax(-1).topk(k)
+    return values.view(batch, seqlen, k), ids.view(batch, seqlen, k)
 
 
 def _reference_inputs(inp: dict, randn) -> None:

@@ -25,9 +25,11 @@
 #   distill        the on-policy distillation losses (`bench/run.py --suite distill`:
 #                  distill_loss at 8x2048x151936 first, then 4x1024x32000 and 4x4096x262144;
 #                  linear_distill_loss at H = 4096, 8x2048 and 4x1024 tokens x 151936; bf16,
-#                  beta 0 / 0.5 / 1) for fused_rl, the materialised path, eager (TRL's GKD
-#                  computation), torch.compile of it and Liger's LigerJSD / LigerFusedLinearJSD
-#                  (needs the liger-kernel wheel in .whl/); time, measured peak memory and the
+#                  beta 0 / 0.5 / 1; verl's top-k forward KL, K = 128, at 8x2048x151936)
+#                  for fused_rl, the materialised path, eager (TRL's GKD computation; verl's
+#                  default top-k path), torch.compile of it, Liger's LigerJSD /
+#                  LigerFusedLinearJSD (needs the liger-kernel wheel in .whl/) and verl's own
+#                  top-k function where verl imports; time, measured peak memory and the
 #                  float64 check of every row
 #   fullkl         policy_loss with the exact KL to the reference (`bench/run.py --suite
 #                  fullkl`: GRPO + beta KL(pi || pi_ref) from the reference's logits, bf16,

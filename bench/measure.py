@@ -70,8 +70,15 @@ def bytes_moved(case: Case) -> int:
     (``5*E*e``). ``linear_distill_loss`` (teacher of width H too): forward reads both
     models' rows and heads (``2*(N + V)*H*e``); with gradients the student's again and its
     two gradients written (``4*(N + V)*H*e``); GEMM-bound, as the linear ops.
+    ``topk_distill_loss`` (verl's ``compute_forward_kl_topk``): forward reads the student's
+    logits twice, the normaliser and the K log-probs, and the top K of its overlap
+    diagnostic (``2*E*e``); forward + backward reads them again and writes the gradient
+    (``4*E*e``); the teacher's ``(B, T, K)`` tensors are not counted.
     """
     n = case.tokens
+    if case.op == "topk_distill_loss":  # the teacher's (B, T, K) inputs: negligible
+        elements = n * case.vocab * case.torch_dtype.itemsize
+        return elements * (4 if case.mode == "fwd_bwd" else 2)
     if case.op == "distill_loss":
         elements = n * case.vocab * case.torch_dtype.itemsize
         return elements * (5 if case.mode == "fwd_bwd" else 2)

@@ -63,6 +63,7 @@ from .cases import (
     POLICY,
     PPO,
     TEMPERATURE,
+    TOPK_CLAMP,
     VALUE_CLIP,
     Case,
     clip_bounds,
@@ -453,17 +454,34 @@ def _token_mean_weights(mask: torch.Tensor) -> torch.Tensor:
     return m / m.sum()
 
 
-def compare_distill_grad(out, logits, teacher, weights, beta: float, tau: float = TEMPERATURE):
-    """A provider's ``(B, T, V)`` gradient of the distillation loss ``out`` against the
-    float64 one, ``weights[t] * grad`` of :func:`distill_rows64` per row, block by block
+def topk_distill_rows64(s: torch.Tensor, lt: torch.Tensor, ids: torch.Tensor, clamp: float):
+    """``(d, grad)`` for float64 rows of student logits ``s`` ``(n, V)``, the teacher's top-K
+    log-probs ``lt`` and ids ``ids`` ``(n, K)``: verl's top-k forward KL
+    ``d = sum_k p_k (lt_k - ls_k)`` with ``ls = log_softmax(s)`` at ``ids``, both clamped
+    below at ``clamp``, ``p = exp(clamped lt)``; ``grad = dd/ds = q W - scatter(w)`` with
+    ``q = softmax(s)``, ``w_k = p_k`` where ``ls_k >= clamp`` (``clamp_min`` passes the
+    gradient there) else 0, ``W = sum_k w_k``."""
+    log_q = torch.log_softmax(s, dim=-1)
+    ls = log_q.gather(-1, ids)
+    lt = lt.clamp_min(clamp)
+    p = lt.exp()
+    d = (p * (lt - ls.clamp_min(clamp))).sum(-1)
+    w = torch.where(ls >= clamp, p, 0.0)
+    grad = log_q.exp_().mul_(w.sum(-1, keepdim=True)).scatter_add_(-1, ids, -w)
+    return d, grad
+
+
+def compare_distill_grad(out, logits, weights, rows64):
+    """A provider's ``(B, T, V)`` gradient of a distillation loss ``out`` against the float64
+    one, ``weights[t] * grad`` of ``rows64(b, t0, t1) -> (d, grad)`` (the rows ``t0:t1`` of
+    sequence ``b``: :func:`distill_rows64`, :func:`topk_distill_rows64`), block by block
     (never a float64 copy of the whole)."""
     if out.shape != logits.shape:
         return Comparison(float("inf"), float("inf"))
     num = den = worst = 0.0
     with torch.no_grad():
         for b, t0, t1 in _row_blocks(logits):
-            _, ref = distill_rows64(_copy64(logits[b, t0:t1]), _copy64(teacher[b, t0:t1]),
-                                    beta, tau)  # fmt: skip
+            _, ref = rows64(b, t0, t1)
             ref.mul_(weights[b, t0:t1, None])
             row_sq = _copy64(out[b, t0:t1]).sub_(ref).square_().sum(-1)
             num += row_sq.sum().item()
@@ -473,15 +491,14 @@ def compare_distill_grad(out, logits, teacher, weights, beta: float, tau: float 
     return Comparison(_ratio(num, den), _ratio(worst, den / max(rows, 1)))
 
 
-def distill_loss64(logits, teacher, weights, beta: float, tau: float = TEMPERATURE):
+def distill_loss64(logits, weights, rows64):
     """The float64 distillation loss ``sum_t weights[t] d_t`` over ``(B, T, V)`` logits,
-    streamed in blocks of rows."""
+    streamed in blocks of rows (``rows64`` as :func:`compare_distill_grad`'s)."""
     batch, seqlen, _ = logits.shape
     d = torch.empty(batch, seqlen, dtype=torch.float64, device=logits.device)
     with torch.no_grad():
         for b, t0, t1 in _row_blocks(logits):
-            d[b, t0:t1] = distill_rows64(_copy64(logits[b, t0:t1]), _copy64(teacher[b, t0:t1]),
-                                         beta, tau)[0]  # fmt: skip
+            d[b, t0:t1] = rows64(b, t0, t1)[0]
     return torch.where(weights != 0, d * weights, 0.0).sum()
 
 
@@ -640,7 +657,7 @@ class Oracle:
             self._policy_loss(inp)
         elif case.op in ("linear_token_logprobs", "linear_policy_loss"):
             self._linear(inp, fwd_bwd)
-        elif case.op == "distill_loss":
+        elif case.op in ("distill_loss", "topk_distill_loss"):
             self._distill(inp)
         elif case.op == "linear_distill_loss":
             self._linear_distill(inp, fwd_bwd)
@@ -749,14 +766,29 @@ class Oracle:
         self.values = self.definitions[0][1]
 
     def _distill(self, inp: dict) -> None:
-        logits, teacher = inp["logits"].detach(), inp["teacher_logits"]
+        """``distill_loss`` (the case's beta) or ``topk_distill_loss`` (verl's top-k forward
+        KL), row block by row block."""
+        logits = inp["logits"].detach()
         weights = _token_mean_weights(inp["mask"])
-        beta = DISTILL_BETAS[self.case.variant]
-        self.values["loss"] = distill_loss64(logits, teacher, weights, beta)
-        self._distill_grad = (logits, teacher, weights, beta)
+        if self.case.op == "topk_distill_loss":
+            lt, ids = inp["teacher_topk_logprobs"], inp["teacher_topk_ids"]
+
+            def rows64(b, t0, t1):
+                return topk_distill_rows64(_copy64(logits[b, t0:t1]), _copy64(lt[b, t0:t1]),
+                                           ids[b, t0:t1], TOPK_CLAMP)  # fmt: skip
+
+        else:
+            teacher, beta = inp["teacher_logits"], DISTILL_BETAS[self.case.variant]
+
+            def rows64(b, t0, t1):
+                return distill_rows64(_copy64(logits[b, t0:t1]), _copy64(teacher[b, t0:t1]),
+                                      beta)  # fmt: skip
+
+        self.values["loss"] = distill_loss64(logits, weights, rows64)
+        self._distill_grad = (logits, weights, rows64)
 
     def compare(self, name: str, out: torch.Tensor) -> Comparison:
-        if name == "grad_logits" and self.case.op == "distill_loss":
+        if name == "grad_logits" and self.case.op in ("distill_loss", "topk_distill_loss"):
             return compare_distill_grad(out, *self._distill_grad)
         if name == "grad_logits":
             logits, targets, lse, entropy, g, h, kink = self._vocab

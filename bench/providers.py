@@ -78,6 +78,22 @@ their hidden states and lm_heads; the variant is the beta of ``cases.DISTILL_BET
   not count, Liger's token mean. Where ``liger_kernel`` is importable.
 * ``trl``: none (the eager provider is TRL's computation).
 
+verl's top-k distillation (``topk_distill_loss``: the student's logits, the teacher's top-K
+log-probs and ids): every provider computes verl 0.9.1's ``compute_forward_kl_topk``
+(``verl/trainer/distillation/fsdp/losses.py``: the per-token loss, the top-K masses and the
+overlap diagnostics; ``log_prob_min_clamp`` ``cases.TOPK_CLAMP``), then the loss's mean over
+the mask's tokens.
+
+* ``fused_rl``: ``fused_rl.compat.verl.compute_forward_kl_topk`` (the student's K log-probs
+  from one read of the logits forward and one backward); no ``fused_rl_ref`` (the adapter,
+  as verl's function, takes no backend).
+* ``eager``: :func:`eager_topk_distill_loss`, verl's default path written from its formula
+  (the student's ``log_softmax`` in the logits' dtype, materialised); ``compile``: it under
+  ``torch.compile``.
+* ``verl``: verl's own function on the teacher's tensors nested as verl's batch holds them,
+  where ``verl.trainer.distillation`` is importable.
+* ``liger``, ``trl``: none (no top-k distillation loss).
+
 ``build(provider, case, inp)`` returns a zero-argument callable that runs the measured work
 once (forward; or forward + ``torch.autograd.grad`` under the case's random upstream
 gradient) and returns the outputs compared with the float64 oracle (``bench/oracle.py``),
@@ -112,6 +128,7 @@ from .cases import (
     POLICY,
     PPO,
     TEMPERATURE,
+    TOPK_CLAMP,
     VALUE_CLIP,
     Case,
 )
@@ -142,6 +159,8 @@ FUSED_VARIANTS = {
     "fused_rl_2pass_inplace": ("buf_inplace", dict(grad_in_forward=True, inplace=True)),
 }
 TWO_PASS_VARIANTS = ("grpo", "grpo+entropy", "cispo", "grpo+is", "grpo+fullkl")  # token IS
+# the ops whose fused_rl provider is a drop-in adapter, not a fused_rl.<op> function
+ADAPTER_OPS = {"topk_distill_loss": "fused_rl.compat.verl.compute_forward_kl_topk"}
 BASELINE = "fused_rl"  # the provider the others' time and memory are compared with
 # the package itself: no "less accurate" excuse
 MUST_MEET_TOL = ("fused_rl", "fused_rl_ref", "fused_rl_k3", *FUSED_VARIANTS)
@@ -194,7 +213,7 @@ def output_names(case: Case) -> list[str]:
         return names + (["grad_logits"] if case.mode == "fwd_bwd" else [])
     if case.op == "policy_loss":
         return ["loss", "grad_logits"]
-    if case.op == "distill_loss":
+    if case.op in ("distill_loss", "topk_distill_loss"):
         return ["loss"] + (["grad_logits"] if case.mode == "fwd_bwd" else [])
     if case.op == "linear_distill_loss":
         return ["loss"] + (["grad_hidden", "grad_weight"] if case.mode == "fwd_bwd" else [])
@@ -368,6 +387,68 @@ def eager_distill_loss(logits, teacher_logits, mask, variant: str):
         terms = beta * kl_teacher + (1.0 - beta) * kl_student
     per_token = torch.where(mask, terms.sum(-1), 0.0)
     return (per_token.sum() / mask.sum(),)
+
+
+def eager_topk_distill_loss(logits, teacher_logprobs, teacher_ids, mask):
+    """verl 0.9.1's ``compute_forward_kl_topk`` on its default path, written from its
+    formula: the student's ``log_softmax`` in the logits' dtype, its top-K ids (the overlap
+    diagnostic) and its log-probs at the teacher's ids, the two top-K masses, both log-probs
+    clamped below at ``TOPK_CLAMP``, ``sum_k p (lt - ls)`` in fp32 per token, the teacher's
+    ids among the student's top K and the mean of ``-p (lt - ls)`` over them; then the loss's
+    mean over the mask's tokens (the diagnostics are computed, as verl's function does, and
+    not returned)."""
+    log_q = torch.log_softmax(logits, dim=-1)
+    own = torch.topk(log_q, k=teacher_ids.shape[-1], dim=-1).indices
+    student = torch.gather(log_q, -1, teacher_ids)
+    _masses = student.exp().sum(-1), teacher_logprobs.exp().sum(-1)
+    student = student.clamp_min(TOPK_CLAMP).float()
+    teacher = teacher_logprobs.clamp_min(TOPK_CLAMP).float()
+    token_kl = teacher.exp() * (teacher - student)
+    overlap = (teacher_ids.unsqueeze(-1) == own.unsqueeze(-2)).any(-1)
+    count = overlap.sum(-1)
+    _advantage = (-token_kl * overlap).sum(-1) / count.clamp_min(1)
+    per_token = torch.where(mask, token_kl.sum(-1), 0.0)
+    return (per_token.sum() / mask.sum(),)
+
+
+def _topk_token_mean(out: dict, mask: torch.Tensor) -> tuple:
+    """The mean over the mask's tokens of ``compute_forward_kl_topk``'s per-token loss."""
+    per_token = torch.where(mask, out["distillation_losses"], 0.0)
+    return (per_token.sum() / mask.sum(),)
+
+
+def _topk_config():
+    """verl's ``DistillationConfig`` as its function reads it (``distillation_loss``'s
+    ``log_prob_min_clamp``, the default path)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(distillation_loss=SimpleNamespace(
+        log_prob_min_clamp=TOPK_CLAMP, use_chunked_topk=False))  # fmt: skip
+
+
+def _verl_topk_forward(inp: dict):
+    """verl's own ``compute_forward_kl_topk`` on the ``(1, B * T, V)`` view of the logits and
+    the teacher's tensors nested one sequence a row, as verl's batch holds them."""
+    try:
+        losses = importlib.import_module("verl.trainer.distillation.fsdp.losses")
+    except Exception as exc:  # noqa: BLE001  (absent, or a verl without distillation)
+        raise Unavailable(f"verl's distillation losses are not importable ({exc})",
+                          transient=True) from exc  # fmt: skip
+    logits, mask = inp["logits"], inp["mask"]
+    batch, seqlen, vocab = logits.shape
+    offsets = torch.arange(0, batch * seqlen + 1, seqlen, device=logits.device)
+    nested = [torch.nested.nested_tensor_from_jagged(inp[k].reshape(batch * seqlen, -1),
+                                                     offsets=offsets)
+              for k in ("teacher_topk_logprobs", "teacher_topk_ids")]  # fmt: skip
+    config = _topk_config()
+
+    def forward():
+        out = losses.compute_forward_kl_topk(logits.view(1, batch * seqlen, vocab), *nested,
+                                             config, "thd")  # fmt: skip
+        out["distillation_losses"] = out["distillation_losses"].view(batch, seqlen)
+        return _topk_token_mean(out, mask)
+
+    return forward
 
 
 def eager_linear_distill_loss(hidden, weight, teacher_hidden, teacher_weight, mask, variant: str):
@@ -604,6 +685,14 @@ def _fused_forward(case: Case, inp: dict, backend: str, k3: bool = False):
     (``fused_rl_k3``, policy_loss only)."""
     if k3 and case.op != "policy_loss":
         raise Unavailable("fused_rl_k3 is policy_loss's k3 call beside its exact KL")
+    if case.op == "topk_distill_loss":
+        if backend != "triton":
+            raise Unavailable("the verl adapter, as verl's function, takes no backend")
+        from fused_rl.compat.verl import compute_forward_kl_topk
+
+        args = [inp[k] for k in ("logits", "teacher_topk_logprobs", "teacher_topk_ids")]
+        config = _topk_config()
+        return lambda: _topk_token_mean(compute_forward_kl_topk(*args, config), inp["mask"])
     fn = _fused_fn(case.op, backend)
     if case.op == "distill_loss":
         kwargs = _distill_kwargs(inp, case.variant)
@@ -741,6 +830,12 @@ def _eager_forward(case: Case, inp: dict, compiled: bool, flavour: str = "eager"
         args += [inp[k] for k in ("old_logprobs", "ref_logprobs", "mask")]
         return lambda: fn(*args, variant)
     if op in DISTILL_OPS and flavour == "eager":
+        if op == "topk_distill_loss":
+            fn = _compiled((flavour, op), eager_topk_distill_loss) if compiled else (
+                eager_topk_distill_loss)  # fmt: skip
+            keys = ("logits", "teacher_topk_logprobs", "teacher_topk_ids", "mask")
+            args = [inp[k] for k in keys]
+            return lambda: fn(*args)
         if op == "distill_loss":
             base, keys = eager_distill_loss, ("logits", "teacher_logits", "mask")
         else:
@@ -890,6 +985,8 @@ def _liger_distill_forward(case: Case, inp: dict):
 
 
 def _liger_forward(case: Case, inp: dict, inplace: bool = False):
+    if case.op == "topk_distill_loss":
+        raise Unavailable("Liger has no top-k distillation loss")
     if liger_version() is None:
         raise Unavailable("liger_kernel is not importable", transient=True)
     if case.op in DISTILL_OPS:
@@ -1056,7 +1153,7 @@ def _verl_linear_forward(case: Case, inp: dict):
 
 
 def _wrt_upstream(case: Case, inp: dict, provider: str):
-    if case.op == "distill_loss":
+    if case.op in ("distill_loss", "topk_distill_loss"):
         return [inp["logits"]], [None], None
     if case.op == "linear_distill_loss":
         return [inp["hidden"], inp["weight"]], [None], None
@@ -1100,7 +1197,7 @@ def applies(provider: str, case: Case) -> bool:
     if provider == "fused_rl_mat":
         return case.op in HIDDEN_OPS
     if provider == "verl":
-        return case.op in LINEAR_OPS
+        return case.op in LINEAR_OPS or case.op == "topk_distill_loss"
     if provider == "trl" and case.op in DISTILL_OPS:
         return False
     if provider in FUSED_VARIANTS and FUSED_VARIANTS[provider][1].get("grad_in_forward"):
@@ -1138,7 +1235,10 @@ def build(provider: str, case: Case, inp: dict, *, compile_on_cpu: bool = False)
         else:
             forward = _eager_forward(case, inp, compiled=False, flavour="trl")
     elif provider == "verl":
-        forward = _verl_linear_forward(case, inp)
+        if case.op == "topk_distill_loss":
+            forward = _verl_topk_forward(inp)
+        else:
+            forward = _verl_linear_forward(case, inp)
     elif provider == "liger":
         forward = _liger_forward(case, inp)
     elif provider == "liger_inplace":

@@ -454,12 +454,13 @@ def run_suite(args) -> dict:
     json_path = os.path.join(out_dir, "results.json")
     cases = select_cases(args.suite, args.op, args.tokens, args.vocab, args.dtype, args.seqlen)
     skipped: list[dict] = []
+    available = lambda op: hasattr(fused_rl, op) or op in P.ADAPTER_OPS  # noqa: E731
     for op in dict.fromkeys(c.op for c in cases):
-        if not hasattr(fused_rl, op):
+        if not available(op):
             note = f"fused_rl.{op} is not available yet: op skipped"
             print(f"note: {note}")
             skipped.append({"op": op, "provider": "all", "reason": note})
-    cases = [c for c in cases if hasattr(fused_rl, c.op)]
+    cases = [c for c in cases if available(c.op)]
     if "liger" in args.providers and P.liger_version() is None:
         print("note: liger_kernel is not importable: Liger provider skipped")
     if not gpu:

@@ -28,7 +28,7 @@ import fused_rl  # noqa: E402
 from bench import measure as M  # noqa: E402
 from bench import providers as P  # noqa: E402
 from bench import run as bench_run  # noqa: E402
-from bench.cases import Case, full_cases, make_inputs, select_cases  # noqa: E402
+from bench.cases import TOPK_CLAMP, Case, full_cases, make_inputs, select_cases  # noqa: E402
 from bench.memory_profile import model_peak  # noqa: E402
 from bench.oracle import rel_err, worst_row_err  # noqa: E402
 from bench.run import main, run_case  # noqa: E402
@@ -777,29 +777,35 @@ DISTILL_BIG = dict(batch=8, seqlen=2048, vocab=151936, dtype="bf16")
 
 
 def test_distill_suite_and_cases():
-    """``--suite distill``: both ops, every beta, bf16 forward + backward, 8 x 2048 x 151936
-    first (H = 4096 from hidden states), torch.compile on that shape of distill_loss only;
-    the quick suite holds both ops on CPU shapes; a new grid keeps to the suite's ops; the
-    byte and GEMM counts of bench/measure.py."""
+    """``--suite distill``: both GKD ops, every beta, and verl's top-k forward KL (K = 128),
+    bf16 forward + backward, 8 x 2048 x 151936 first (H = 4096 from hidden states),
+    torch.compile on that shape of the logits ops only; the quick suite holds the ops on CPU
+    shapes; a new grid keeps to the suite's ops; the byte and GEMM counts of
+    bench/measure.py."""
     from bench.cases import DISTILL_OPS, DISTILL_PROVIDERS
 
     cases = select_cases("distill")
-    assert {(c.op, c.variant) for c in cases} == {(op, v) for op in DISTILL_OPS for v in BETAS}
+    want = {(op, v) for op in DISTILL_OPS[:2] for v in BETAS} | {("topk_distill_loss", "k128")}
+    assert {(c.op, c.variant) for c in cases} == want
     assert {(c.mode, c.dtype) for c in cases} == {("fwd_bwd", "bf16")}
     big = {(c.op, c.batch, c.seqlen, c.vocab) for c in cases}
     assert {(op, 8, 2048, 151936) for op in DISTILL_OPS} <= big
     assert (cases[0].batch, cases[0].seqlen, cases[0].vocab) == (8, 2048, 151936)
     assert {c.hidden for c in cases if c.op == "linear_distill_loss"} == {4096}
     assert {(c.op, c.tokens, c.vocab) for c in cases if c.compile_ok} == {
-        ("distill_loss", 16384, 151936)
+        ("distill_loss", 16384, 151936),
+        ("topk_distill_loss", 16384, 151936),
     }
     quick = select_cases("quick", list(DISTILL_OPS))
-    assert {(c.op, c.variant) for c in quick} == {(op, v) for op in DISTILL_OPS for v in BETAS}
+    assert {(c.op, c.variant) for c in quick} == want
     assert {c.dtype for c in quick} == {"bf16", "fp32"} and max(c.tokens for c in quick) <= 8
     grid = select_cases("distill", tokens=[4096], vocabs=[32000])
     assert {c.op for c in grid} == set(DISTILL_OPS) and {c.tokens for c in grid} == {4096}
     assert set(DISTILL_PROVIDERS) <= set(P.PROVIDERS)
     assert not P.applies("trl", cases[0]) and not P.applies("verl", cases[0])
+    topk = next(c for c in cases if c.op == "topk_distill_loss")
+    assert P.applies("verl", topk) and not P.applies("trl", topk)
+    assert M.bytes_moved(topk) == 4 * topk.tokens * topk.vocab * 2
     linear = next(c for c in cases if c.op == "linear_distill_loss")
     assert P.applies("fused_rl_mat", linear) and not P.applies("fused_rl_mat", cases[0])
     n, v, h = linear.tokens, linear.vocab, linear.hidden
@@ -931,6 +937,72 @@ def test_distill_memory_model(variant):
     fp32_tensors = 13 if variant == "jsd" else 5
     assert how == "modelled" and 0 <= eager - fp32_tensors * 4 * nv < 16 * n, eager
     assert model_peak("compile", case)[0] is None  # measured on GPUs only
+
+
+def _topk_inputs(dtype: str, device):
+    """A small ``topk_distill_loss`` case whose student log-probs at the teacher's ids lie on
+    both sides of the clamp (at V = 1000 none falls below -10 by chance): the student's logits
+    at the last 32 of each row's 128 ids pushed 12 lower."""
+    case = Case("topk_distill_loss", "k128", "fwd_bwd", 2, 8, 1000, dtype)
+    inp = make_inputs(case, device)
+    with torch.no_grad():
+        inp["logits"].scatter_add_(-1, inp["teacher_topk_ids"][..., 96:],
+                                   torch.full((2, 8, 32), -12.0, device=device,
+                                              dtype=inp["logits"].dtype))  # fmt: skip
+    student = torch.log_softmax(inp["logits"].detach().double(), -1)
+    ls = student.gather(-1, inp["teacher_topk_ids"])
+    assert bool((ls < TOPK_CLAMP).any()) and bool((ls > TOPK_CLAMP).any())
+    return case, inp
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_topk_distill_providers_meet_the_oracle(dtype, device):
+    """verl's top-k forward KL through fused_rl's adapter (Triton, or the interpreter on a
+    CPU-only machine), the eager transcription of verl's default path and, where verl is
+    installed, verl's own function, against the float64 oracle, with student log-probs on
+    both sides of the clamp."""
+    providers = ["fused_rl", "eager"]
+    try:
+        import verl.trainer.distillation.fsdp.losses  # noqa: F401
+
+        providers.append("verl")
+    except Exception:  # noqa: BLE001  (verl absent: its provider is the live check's)
+        pass
+    case, inp = _topk_inputs(dtype, device)
+    verdicts = _verdicts(case, inp, providers)
+    assert set(verdicts.values()) == {"ok"}, verdicts
+    with pytest.raises(P.Unavailable, match="takes no backend"):
+        P.build("fused_rl_ref", case, inp)
+    with pytest.raises(P.Unavailable, match="no top-k distillation"):
+        P.build("liger", case, inp)
+
+
+def test_topk_distill_clamp_is_its_own_math(monkeypatch):
+    """The oracle sees the clamp: fused_rl run with another ``log_prob_min_clamp`` (or none)
+    fails it."""
+    from types import SimpleNamespace
+
+    case, inp = _topk_inputs("fp32", "cpu")
+    for clamp in (-3.0, None):
+        config = SimpleNamespace(distillation_loss=SimpleNamespace(log_prob_min_clamp=clamp))
+        monkeypatch.setattr(P, "_topk_config", lambda c=config: c)
+        verdict = _verdicts(case, inp, ("fused_rl",))["fused_rl"]
+        assert verdict.startswith("FAIL"), (clamp, verdict)
+
+
+def test_topk_distill_memory_model():
+    """topk_distill_loss at 8 x 2048 x 151936 bf16, K = 128, forward + backward, modelled:
+    fused_rl holds the student's bf16 gradient (N V 2 bytes) and (N, K) per-id tensors (under
+    96 bytes an id: indices, fp32 and fp64 running sums of the repeated-id pass); verl's
+    default path (eager) its bf16 log-softmax, kept for the backward, the log-softmax's
+    gradient and the logits' (3 N V 2) and per-token floats."""
+    case = Case("topk_distill_loss", "k128", "fwd_bwd", **DISTILL_BIG)
+    n, nv, k = case.tokens, case.tokens * case.vocab, 128
+    fused, how = model_peak("fused_rl", case)
+    assert how == "modelled" and 0 <= fused - 2 * nv < 96 * n * k, fused
+    eager, how = model_peak("eager", case)
+    assert how == "modelled" and 0 <= eager - 3 * nv * 2 < 512 * n, eager
+    assert eager > 2.8 * fused
 
 
 def test_linear_distill_memory_model():
