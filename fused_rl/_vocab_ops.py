@@ -436,8 +436,8 @@ class MultiTargetLogprobs(torch.autograd.Function):
         _, _, row_max, log_sum = token_stats_fwd_op(
             logits3d, first, temperature, None, ignore_index, False
         )
-        z = logits3d.gather(-1, safe).to(row_max.dtype)
-        logp = (z / temperature - row_max[..., None]) - log_sum[..., None]
+        z = logits3d.gather(-1, safe).to(row_max.dtype)  # scaled as layer 1 scales them
+        logp = (z * (1.0 / temperature) - row_max[..., None]) - log_sum[..., None]
         ctx.save_for_backward(logits3d, safe, first, row_max, log_sum, logp)
         ctx.temperature, ctx.ignore_index = temperature, ignore_index
         ctx.set_materialize_grads(False)
@@ -458,7 +458,7 @@ class MultiTargetLogprobs(torch.autograd.Function):
         )  # fmt: skip
         ids, order = safe.sort(-1)  # an id the row names twice: adjacent slots, one column
         g_id = _segment_sums(ids, g.gather(-1, order))
-        exact = (g_id - logp.gather(-1, order).exp() * total[..., None]) / ctx.temperature
+        exact = (g_id - logp.gather(-1, order).exp() * total[..., None]) * (1.0 / ctx.temperature)
         exact = torch.where((first != ctx.ignore_index)[..., None], exact, 0.0)
         grad.scatter_(-1, ids, exact.to(grad.dtype))  # equal values where ids repeat
         return (grad,) + (None,) * (n_inputs - 1)
@@ -466,20 +466,24 @@ class MultiTargetLogprobs(torch.autograd.Function):
 
 def _segment_sums(ids: Tensor, g: Tensor) -> Tensor:
     """``(..., K)``: for each slot, the sum of ``g`` over the slots holding its id (``ids``
-    sorted along the last dim, so equal ids are adjacent). Deterministic (no atomics) and
-    ``O(K)`` a row: the slots of a run of equal ids take the difference of an fp64 running
-    sum at its two ends."""
+    sorted along the last dim, so equal ids are adjacent). A segmented scan in
+    ``ceil(log2 K)`` steps (each slot adds the partial sum ``s`` slots back when that slot
+    holds its id: sorted, so every slot between does too), then each run's total read at
+    its last slot: only a run's own values are ever added (no running sum over the other
+    ids to subtract), deterministic (no atomics)."""
     k = ids.shape[-1]
+    run = g
+    step = 1
+    while step < k:
+        same = ids[..., step:] == ids[..., :-step]
+        back = torch.where(same, run[..., :-step], 0.0)
+        run = torch.cat((run[..., :step], run[..., step:] + back), -1)
+        step *= 2
+    ends = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
+    ends[..., :-1] = ids[..., 1:] != ids[..., :-1]
     pos = torch.arange(k, device=ids.device).expand(ids.shape)
-    starts = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
-    starts[..., 1:] = ids[..., 1:] != ids[..., :-1]
-    ends = torch.ones_like(starts)
-    ends[..., :-1] = starts[..., 1:]
-    first = torch.where(starts, pos, 0).cummax(-1).values
     last = torch.where(ends, pos, k - 1).flip(-1).cummin(-1).values.flip(-1)
-    run = g.double().cumsum(-1)
-    before = run.gather(-1, first) - g.gather(-1, first).double()
-    return (run.gather(-1, last) - before).to(g.dtype)
+    return run.gather(-1, last)
 
 
 # ----------------------------------------------------------------------------- callers

@@ -1085,8 +1085,10 @@ def linear_policy_loss(
                              ("ref_bias", ref_bias)) if t is not None),
         ("ref_weight", None),
     )  # fmt: skip
-    inputs = RolloutInputs(advantages, old_logprobs, rollout_logprobs, ref_logprobs, mask,
-                           is_weights, num_items)  # fmt: skip
+    inputs = RolloutInputs(
+        advantages=advantages, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs,
+        ref_logprobs=ref_logprobs, mask=mask, is_weights=is_weights, num_items=num_items,
+    )  # fmt: skip
     _check_policy_tensors(targets, inputs, policy, ref_given, ref_name)
     need_entropy = with_entropy or policy.uses_entropy
     if ref_given is not None:

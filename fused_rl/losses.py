@@ -479,9 +479,11 @@ def policy_loss(
                 "(process_group= or DTensor logits): call without it"
             )
         check_inplace(logits, "policy_loss", inplace)
+    inputs = RolloutInputs(
+        advantages=advantages, old_logprobs=old_logprobs, rollout_logprobs=rollout_logprobs,
+        ref_logprobs=ref_logprobs, mask=mask, is_weights=is_weights, num_items=num_items,
+    )  # fmt: skip
     if grad_in_forward is not False or loss_scale is not None:
-        inputs = RolloutInputs(advantages, old_logprobs, rollout_logprobs, ref_logprobs, mask,
-                               is_weights, num_items)  # fmt: skip
         return _formed_in_forward(
             logits, targets, inputs, ref_logits=ref_logits, temperature=temperature,
             softcap=softcap, with_entropy=with_entropy, ignore_index=ignore_index,
@@ -498,8 +500,6 @@ def policy_loss(
         or policy.selects_tokens
         or (ref_logits is not None and not policy.token_level)
     ):
-        inputs = RolloutInputs(advantages, old_logprobs, rollout_logprobs, ref_logprobs, mask,
-                               is_weights, num_items)  # fmt: skip
         return _composed_policy_loss(
             logits, targets, inputs, temperature=temperature, softcap=softcap,
             ignore_index=ignore_index, need_entropy=need_entropy, process_group=process_group,

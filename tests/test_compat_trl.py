@@ -236,6 +236,25 @@ def test_k_ids_rounded_once(dtype, device, backend):
     assert bool((logits.grad[1, 3] == 0).all())
 
 
+def test_k_ids_of_one_equal_one_id(device, backend):
+    """An ``(..., 1)`` index gives the one-id route's log-probs and gradients: to the bit on
+    the Triton path (the logits scaled by ``1 / T`` as layer 1 scales them), to fp32
+    rounding on the reference, at any temperature."""
+    gen = torch.Generator().manual_seed(4)
+    z = (torch.randn(8, 64, 100, generator=gen) * 5).to(device)
+    index = torch.randint(0, 100, (8, 64), generator=gen).to(device)
+    up = torch.randn(8, 64, generator=gen).to(device)
+    for temperature in (1.0, 0.7, 0.3):
+        one, k = z.clone().requires_grad_(), z.clone().requires_grad_()
+        a = selective_log_softmax(one, index, temperature)
+        b = selective_log_softmax(k, index[..., None], temperature)[..., 0]
+        a.backward(up)
+        b.backward(up)
+        if backend == "triton":
+            assert torch.equal(a, b), temperature
+        assert rel_err(a, b) <= 1e-6 and rel_err(one.grad, k.grad) <= 1e-6, temperature
+
+
 def test_k_ids_gradcheck(device, backend):
     """float64 ``gradcheck`` of a ``(..., K)`` index: ids repeated in a row, a masked id, a
     row with none kept, strided 4-D logits, a temperature."""
