@@ -703,8 +703,9 @@ def test_grpo_dtypes_from_the_live_check():
 PUBLIC_NAMES = [
     "FusedLinearForPPO", "KL_PENALTIES", "LINEAR_CE_REDUCTIONS", "LOSS_AGG_MODES",
     "LOSS_AGG_MODES_V05", "POLICY_LOSS_REGISTRY", "VERL_POLICY_LOSSES", "agg_loss",
-    "clip_by_value", "compute_entropy_loss", "compute_gae_advantage_return",
-    "compute_grpo_outcome_advantage", "compute_policy_loss", "compute_policy_loss_cispo",
+    "clip_by_value", "compute_entropy_loss", "compute_forward_kl_topk",
+    "compute_gae_advantage_return", "compute_grpo_outcome_advantage", "compute_policy_loss",
+    "compute_policy_loss_cispo",
     "compute_policy_loss_clip_cov", "compute_policy_loss_dppo_kl", "compute_policy_loss_dppo_tv",
     "compute_policy_loss_dro", "compute_policy_loss_geo_mean", "compute_policy_loss_gpg",
     "compute_policy_loss_gspo", "compute_policy_loss_kl_cov", "compute_policy_loss_sapo",
@@ -731,6 +732,7 @@ IMPORT_PATHS = [
 # verl's modules (``verl.utils.<path>`` flattened where a function has the module's name)
 SUBMODULES = [
     "core_algos",
+    "distillation",
     "experimental_torch_functional",
     "kernel_linear_cross_entropy",
     "legacy_v05",

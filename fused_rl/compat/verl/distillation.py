@@ -21,6 +21,8 @@ from ... import _validation as V
 from .._checks import check_index_range, checked_logprobs_k
 from .core_algos import _config_value
 
+__all__ = ["compute_forward_kl_topk"]
+
 _ORIGINAL = "verl's compute_forward_kl_topk"
 
 
