@@ -140,6 +140,9 @@ def test_bad_arguments_name_the_argument(device):
         compute_forward_kl_topk(logits, teacher[:, :3], ids[:, :3], cfg(None))
     with pytest.raises(TypeError, match="teacher_topk_ids must be int64 or int32"):
         compute_forward_kl_topk(logits, teacher, ids.float(), cfg(None))
+    with pytest.raises(ValueError, match=r"teacher_topk_ids holds K = 54 ids a position, more"):
+        compute_forward_kl_topk(logits, teacher[..., :1].expand(1, 4, 54),
+                                ids[..., :1].expand(1, 4, 54), cfg(None))  # fmt: skip
     with pytest.raises(ValueError, match="data_format"):
         compute_forward_kl_topk(logits, teacher, ids, cfg(None), "sbhd")
     with pytest.raises(AttributeError, match="distillation_loss"):

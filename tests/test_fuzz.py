@@ -1661,6 +1661,30 @@ def verl_cases(draw, op):
             {"logits": logits, "mask": mask}, {"loss_agg_mode": mode}, grad=("logits",),
             nan_rule=entropy_rule, upstream_seed=seed,
         )  # fmt: skip
+    if op == "compute_forward_kl_topk":  # verl 0.9.1's top-k distillation
+        vocab, k = draw(st.sampled_from(VOCAB_SIZES)), draw(st.sampled_from((1, 3, 8)))
+        assume(k <= vocab)  # more ids than the vocabulary: ValueError (test_compat_verl_...)
+        logits = draw(logits_args((batch, length, vocab), dtype))
+        ids = draw(target_args((batch, length, k), vocab, None))
+        lt = draw(float_args((batch, length, k), draw(dtypes), kind="logprob",
+                             specials=(NAN, -1e30, 0.0)))  # fmt: skip
+        clamp = draw(st.sampled_from((-10.0, -2.0, None)))
+        config = {"distillation_loss": {"log_prob_min_clamp": clamp}}
+
+        def topk(x, b):  # the overlap diagnostics (a top-K ranking) left out: ties
+            out = verl.compute_forward_kl_topk(x["logits"], x["lt"], x["ids"], config)
+            return out["distillation_losses"], out["student_mass"], out["teacher_mass"]
+
+        def topk_rule(x):
+            poisoned, teacher_nan = row_poisoned(x["logits"]), torch.isnan(x["lt"]).any(-1)
+            rule = {"0": poisoned | teacher_nan, "1": poisoned, "2": teacher_nan}
+            return {name: bad for name, bad in rule.items() if bad.any()}
+
+        return Case(
+            "verl.compute_forward_kl_topk", topk, {"logits": logits, "lt": lt, "ids": ids},
+            {"log_prob_min_clamp": clamp}, grad=("logits",), nan_rule=topk_rule,
+            upstream_seed=seed,
+        )  # fmt: skip
     if op == "kl_penalty":
         name = draw(st.sampled_from(VERL_KL_NAMES))
         lp = draw(float_args(shape, dtype, kind="logprob"))
@@ -1731,10 +1755,11 @@ def verl_cases(draw, op):
 
 VERL_OPS = (
     "logprobs_from_logits", "entropy_from_logits", "compute_entropy_loss", "kl_penalty",
+    "compute_forward_kl_topk",
     "compute_gae_advantage_return", "compute_policy_loss", "compute_value_loss", "agg_loss",
     "masked_whiten", "compute_grpo_outcome_advantage",
 )  # fmt: skip
-FUSED_VERL_OPS = VERL_OPS[:5]  # those that call fused_rl; the rest are pure PyTorch
+FUSED_VERL_OPS = VERL_OPS[:6]  # those that call fused_rl; the rest are pure PyTorch
 
 
 @pytest.mark.parametrize("op", FUSED_VERL_OPS)

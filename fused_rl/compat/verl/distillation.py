@@ -116,6 +116,11 @@ def compute_forward_kl_topk(
         raise ValueError(f"data_format must be 'thd' or 'bshd', got {data_format!r}")
     clamp = _config_value(_config_value(config, "distillation_loss"), "log_prob_min_clamp", None)
     k = teacher_topk_ids.shape[-1]
+    if k > student_logits.shape[-1]:  # verl's torch.topk of the student raises there
+        raise ValueError(
+            f"teacher_topk_ids holds K = {k} ids a position, more than the student's vocabulary "
+            f"V = {student_logits.shape[-1]} (the overlap diagnostic ranks the student's top K)"
+        )
     check_index_range(teacher_topk_ids, student_logits.shape[-1], "teacher_topk_ids", _ORIGINAL)
 
     student = checked_logprobs_k(student_logits, teacher_topk_ids)  # fp32, (bsz, seqlen, K)
