@@ -160,7 +160,8 @@ FUSED_VARIANTS = {
 }
 TWO_PASS_VARIANTS = ("grpo", "grpo+entropy", "cispo", "grpo+is", "grpo+fullkl")  # token IS
 # the ops whose fused_rl provider is a drop-in adapter, not a fused_rl.<op> function
-ADAPTER_OPS = {"topk_distill_loss": "fused_rl.compat.verl.compute_forward_kl_topk"}
+# (topk_distill_loss: fused_rl.compat.verl.compute_forward_kl_topk)
+ADAPTER_OPS = ("topk_distill_loss",)
 BASELINE = "fused_rl"  # the provider the others' time and memory are compared with
 # the package itself: no "less accurate" excuse
 MUST_MEET_TOL = ("fused_rl", "fused_rl_ref", "fused_rl_k3", *FUSED_VARIANTS)

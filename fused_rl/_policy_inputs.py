@@ -208,8 +208,8 @@ def per_row(scale: Tensor | None, shape) -> Tensor | None:
 def check_full_kl_route(policy: PolicyConfig, sharded: bool) -> None:
     """What ``kl_estimator="full"`` cannot do where the loss is composed from per-token
     statistics (vocabulary parallelism, GSPO / VESPO, the top-entropy selection, the
-    off-policy mask): the
-    bias-corrected KL, whose ratio factor lives in the fused token-level pass."""
+    off-policy mask): the bias-corrected KL, whose ratio factor lives in the fused
+    token-level pass."""
     option = not_token_level(policy)
     if sharded:
         option = "vocabulary-parallel logits (process_group= or DTensor logits)"

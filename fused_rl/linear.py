@@ -1143,8 +1143,12 @@ def _check_policy_tensors(targets, inputs: RolloutInputs, policy, ref_given=None
     batch, length = targets.shape
     advantages_2d(inputs.advantages, batch, length)
     is_weights_2d(inputs.is_weights, batch, length)
-    token_tensors = inputs.keywords()
-    del token_tensors["is_weights"], token_tensors["num_items"]
+    token_tensors = dict(
+        old_logprobs=inputs.old_logprobs,
+        rollout_logprobs=inputs.rollout_logprobs,
+        ref_logprobs=inputs.ref_logprobs,
+        mask=inputs.mask,
+    )  # (B, T) ones
     check_token_tensors(batch, length, **token_tensors)
     V.check_same_device(targets=targets, advantages=inputs.advantages,
                         is_weights=inputs.is_weights, **token_tensors)  # fmt: skip
