@@ -66,7 +66,8 @@ from .._backend import BACKENDS
 from ..linear import linear_token_logprobs
 
 __all__ = [
-    "GRPOTrainer",  # noqa: F822  (built on first access: __getattr__ below)
+    "DistillationTrainer",  # noqa: F822  (built on first access: __getattr__ below)
+    "GRPOTrainer",  # noqa: F822
     "MIN_TRL_VERSION",
     "add_fused_lm_head",
     "is_patched",
@@ -169,6 +170,18 @@ def _check_head(model, text_config, outputs, temperature) -> tuple[float, float 
             f"{' and '.join(OUTPUTS)} only (use trl.GRPOTrainer for the others)"
         )
     V.check_positive(temperature, "temperature")
+    scale, softcap = model_transform(text_config)
+    check_not_zero3()
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "weight", None) is None:
+        raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head) weight")
+    return float(temperature) / scale, None if softcap is None else softcap / scale
+
+
+def model_transform(text_config) -> tuple[float, float | None]:
+    """The model's logit scale ``s`` and final soft cap ``c`` (None: none), as TRL reads
+    them, each checked (``ValueError`` naming the config field): ``s`` finite and > 0,
+    ``c`` finite and > 0."""
     softcap = getattr(text_config, "final_logit_softcapping", None)
     if softcap is not None and not (float(softcap) > 0 and float(softcap) < float("inf")):
         # TRL's kernel reads 0.0 as a cap of 1.0 (`softcap or 1.0`); a cap must be > 0 here
@@ -182,18 +195,20 @@ def _check_head(model, text_config, outputs, temperature) -> tuple[float, float 
             f"the model config's {field} gives a logit scale of {scale}: fused_rl runs a scale "
             "s > 0 as the temperature T / s and cannot apply this one"
         )
+    return scale, None if softcap is None else float(softcap)
+
+
+def check_not_zero3() -> None:
+    """``ValueError`` under DeepSpeed ZeRO-3: fused_rl's backward recomputes the logits from
+    the lm_head weight, which ZeRO-3 has released by then."""
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
     if is_deepspeed_zero3_enabled():
         raise ValueError(
             "DeepSpeed ZeRO-3 is enabled: fused_rl's LM head recomputes the logits from the "
             "lm_head weight in its backward, where ZeRO-3 has released it; use ZeRO-2 or "
-            "FSDP, or trl.GRPOTrainer"
+            "FSDP, or TRL's own trainer"
         )
-    head = model.get_output_embeddings()
-    if head is None or getattr(head, "weight", None) is None:
-        raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head) weight")
-    return float(temperature) / scale, None if softcap is None else float(softcap) / scale
 
 
 def _backbone_attribute(model, text_config) -> str:
@@ -356,7 +371,7 @@ def _load_balancing_loss(model, backbone_out, attention_mask):
 
 _LOCK = threading.RLock()  # TRL's module global is replaced while one __init__ runs
 _STATE = threading.local()  # .options: set while a fused __init__ runs on this thread
-_PATCH: dict = {}  # while patched: cls, init (TRL's __init__), options
+_PATCH: dict = {}  # while patched: inits ((class, TRL's __init__) pairs), options
 
 
 @contextlib.contextmanager
@@ -436,37 +451,104 @@ def _make_trainer_class():
     return GRPOTrainer
 
 
+def _check_distill_models(trainer) -> None:
+    """The checks of :func:`add_fused_lm_head` that apply to the student and the teacher
+    (their logit scale and soft cap, an lm_head weight, no ZeRO-3), at construction."""
+    from accelerate.utils import is_peft_model
+
+    check_not_zero3()
+    model = trainer.model
+    models = [model.get_base_model() if is_peft_model(model) else model]
+    if getattr(trainer, "teacher_model", None) is not None:
+        models.append(trainer.accelerator.unwrap_model(trainer.teacher_model))
+    for m in models:
+        model_transform(m.config.get_text_config())
+        head = m.get_output_embeddings()
+        if head is None or getattr(head, "weight", None) is None:
+            raise ValueError(f"{type(m).__name__} has no output embeddings (lm_head) weight")
+
+
+def _fused_distill_init(trainer, trl_init: Callable[[], None], options: Options) -> None:
+    """Run TRL's ``DistillationTrainer.__init__`` (``trl_init``), check both models, and
+    route the loss (:mod:`._trl_distill`)."""
+    from . import _trl_distill
+
+    trl_init()
+    _check_distill_models(trainer)
+    _trl_distill.route_compute_loss(trainer, options)
+    trainer.fused_rl_options = options
+
+
+def _make_distill_class():
+    from . import _trl_distill
+
+    class DistillationTrainer(_trl_distill._module().DistillationTrainer):
+        """``trl.DistillationTrainer`` (TRL >= 1.16) with its loss, the divergence between
+        the student's and the teacher's full next-token distributions, from one
+        ``fused_rl.linear_distill_loss`` call: same constructor and ``DistillationConfig``,
+        plus ``fused_rl_backend`` and ``fused_rl_chunk_tokens``. See
+        :mod:`fused_rl.integrations._trl_distill`."""
+
+        def __init__(self, *args, fused_rl_backend: str = "auto",
+                     fused_rl_chunk_tokens: int | None = None, **kwargs):  # fmt: skip
+            options = Options.checked(fused_rl_backend, fused_rl_chunk_tokens, "fused_rl_")
+            run = lambda: super(DistillationTrainer, self).__init__(*args, **kwargs)  # noqa: E731
+            _fused_distill_init(self, run, options)
+
+    DistillationTrainer.__module__ = __name__
+    return DistillationTrainer
+
+
+_BUILDERS = {"GRPOTrainer": _make_trainer_class, "DistillationTrainer": _make_distill_class}
+
+
 def __getattr__(name: str):
-    # GRPOTrainer subclasses TRL's: built on first use, so importing this module needs no TRL
-    if name == "GRPOTrainer":
-        cls = _make_trainer_class()
+    # the trainers subclass TRL's: built on first use, so importing this module needs no TRL
+    if name in _BUILDERS:
+        cls = _BUILDERS[name]()
         globals()[name] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def patch(*, backend: str = "auto", chunk_tokens: int | None = None, loss: bool = False) -> None:
-    """Make ``trl.GRPOTrainer`` itself (and every subclass, for scripts and TRL's CLI that
-    construct it) behave as :class:`GRPOTrainer` with these options: its ``__init__`` is
-    wrapped. Idempotent (patching again only updates the options); :func:`unpatch`
-    restores TRL's ``__init__`` exactly. Trainers constructed before keep their head.
-    ``loss=True``: the training loss through one ``fused_rl.linear_policy_loss`` call."""
+    """Make ``trl.GRPOTrainer`` and ``trl.DistillationTrainer`` themselves (and every
+    subclass, for scripts and TRL's CLI that construct them) behave as this module's
+    :class:`GRPOTrainer` / :class:`DistillationTrainer` with these options: their
+    ``__init__`` is wrapped (``DistillationTrainer`` where the installed TRL has it: >= 1.16).
+    Idempotent (patching again only updates the options); :func:`unpatch` restores TRL's
+    ``__init__`` exactly. Trainers constructed before keep their head and loss.
+    ``loss=True``: GRPO's training loss through one ``fused_rl.linear_policy_loss`` call."""
     options = Options.checked(backend, chunk_tokens, loss=loss)
     trl, _, _ = _trl()
     with _LOCK:
         if _PATCH:
             _PATCH["options"] = options
             return
-        cls = trl.GRPOTrainer
-        original = cls.__dict__["__init__"]
+        wraps = [(trl.GRPOTrainer, _fused_init)]
+        try:
+            from . import _trl_distill
 
-        @functools.wraps(original)
-        def __init__(self, *args, **kwargs):
-            run = lambda: original(self, *args, **kwargs)  # noqa: E731
-            _fused_init(self, run, _PATCH.get("options", options))
+            wraps.append((_trl_distill._module().DistillationTrainer, _fused_distill_init))
+        except ImportError:  # a TRL without the distillation trainer: GRPO only
+            pass
+        _PATCH.update(inits=[], options=options)
+        for cls, fused in wraps:
+            original = cls.__dict__["__init__"]
+            cls.__init__ = _patched_init(original, fused)
+            _PATCH["inits"].append((cls, original))
 
-        _PATCH.update(cls=cls, init=original, options=options)
-        cls.__init__ = __init__
+
+def _patched_init(original, fused):
+    """``original`` (a TRL trainer's ``__init__``) run through ``fused`` with the options
+    :func:`patch` holds at construction."""
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        run = lambda: original(self, *args, **kwargs)  # noqa: E731
+        fused(self, run, _PATCH.get("options", Options()))
+
+    return __init__
 
 
 def unpatch() -> None:
@@ -474,8 +556,12 @@ def unpatch() -> None:
     with _LOCK:
         if not _PATCH:
             return
-        _PATCH["cls"].__init__ = _PATCH["init"]
+        for cls, original in _PATCH["inits"]:
+            cls.__init__ = original
         _PATCH.clear()
+        from . import _trl_distill
+
+        _trl_distill.uninstall()  # a fused trainer's loss call installs it again
 
 
 def is_patched() -> bool:
