@@ -12,14 +12,15 @@ alone with TRL's (values, entropy sum, count, gradients) over the options TRL pa
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+from test_integration_trl import EOS, VOCAB, _dataset, _tokenizer, compare_logs, compare_params
 
 import fused_rl.integrations.trl as fused_trl
 import fused_rl.linear_distill as fused_linear_distill
 from fused_rl.integrations import _trl_distill
-
-from test_integration_trl import EOS, VOCAB, _dataset, _tokenizer, compare_logs, compare_params
 
 
 def _trl_distill_ok() -> bool:
@@ -84,12 +85,16 @@ def _run(fn, inputs, **kwargs):
 TRANSFORMS = {
     "plain": {},
     "temperature": dict(temperature=0.7),
-    "softcap": dict(student_final_logit_softcapping=3.0, teacher_final_logit_softcapping=3.0,
-                    temperature=1.3),  # fmt: skip
+    "softcap": dict(
+        student_final_logit_softcapping=3.0, teacher_final_logit_softcapping=3.0, temperature=1.3
+    ),  # fmt: skip
     "scale": dict(student_logit_scale=0.5, teacher_logit_scale=0.5),
     "split": dict(student_logit_scale=0.5, teacher_logit_scale=1.25, temperature=0.9),
-    "split-softcap": dict(student_logit_scale=1.5, student_final_logit_softcapping=2.0,
-                          teacher_final_logit_softcapping=4.0),  # fmt: skip
+    "split-softcap": dict(
+        student_logit_scale=1.5,
+        student_final_logit_softcapping=2.0,
+        teacher_final_logit_softcapping=4.0,
+    ),  # fmt: skip
 }
 
 
@@ -108,8 +113,8 @@ def test_loss_matches_trls(backend, transform, beta):
         inputs = _loss_inputs(seed, bias=seed == 0)
         kwargs = dict(beta=beta, num_items_in_batch=num_items, **TRANSFORMS[transform])
         want = _run(trl_loss, inputs, **kwargs)
-        options = OPTIONS(backend=backend, chunk_tokens=3)
-        got = _run(lambda **kw: _trl_distill.divergence_loss(options, **kw), inputs, **kwargs)
+        fused = functools.partial(_trl_distill.divergence_loss, OPTIONS(backend, chunk_tokens=3))
+        got = _run(fused, inputs, **kwargs)
         torch.testing.assert_close(got[0], want[0], atol=2e-6, rtol=2e-5)
         torch.testing.assert_close(got[1], want[1], atol=2e-5, rtol=2e-5)
         assert got[2].item() == want[2].item()
@@ -220,8 +225,11 @@ TRAIN_CASES = [
     pytest.param({"beta": 0.0}, {}, {}, "patch", "auto", id="forward-kl-patch"),
     pytest.param({"beta": 1.0}, {}, {}, "subclass", "reference", id="reverse-kl-reference"),
     pytest.param(
-        {}, dict(final_logit_softcapping=2.0, logit_scale=0.8),
-        dict(final_logit_softcapping=3.0, logit_scale=1.5), "subclass", "auto",
+        {},
+        dict(final_logit_softcapping=2.0, logit_scale=0.8),
+        dict(final_logit_softcapping=3.0, logit_scale=1.5),
+        "subclass",
+        "auto",
         id="per-model-scale-softcap",
     ),  # fmt: skip
 ]
