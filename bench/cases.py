@@ -329,7 +329,7 @@ def inplace_cases() -> list[Case]:
 # vocabulary), then a small and a large vocabulary; from hidden states at H = 4096
 DISTILL_SHAPES = ((8, 2048, 151936), (4, 1024, 32000), (4, 4096, 262144))
 DISTILL_LINEAR_SHAPES = ((8, 2048, 151936), (4, 1024, 151936))
-DISTILL_PROVIDERS = ("fused_rl", "fused_rl_mat", "eager", "compile", "liger", "verl")
+DISTILL_PROVIDERS = ("fused_rl", "fused_rl_mat", "eager", "compile", "liger", "trl", "verl")
 
 
 def distill_cases() -> list[Case]:

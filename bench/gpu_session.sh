@@ -28,8 +28,10 @@
 #                  beta 0 / 0.5 / 1; verl's top-k forward KL, K = 128, at 8x2048x151936)
 #                  for fused_rl, the materialised path, eager (TRL's GKD computation; verl's
 #                  default top-k path), torch.compile of it, Liger's LigerJSD /
-#                  LigerFusedLinearJSD (needs the liger-kernel wheel in .whl/) and verl's own
-#                  top-k function where verl imports; time, measured peak memory and the
+#                  LigerFusedLinearJSD (needs the liger-kernel wheel in .whl/), TRL's own
+#                  chunked divergence from hidden states (DistillationTrainer's, needs the
+#                  trl wheel) and verl's own top-k function where verl imports; time,
+#                  measured peak memory and the
 #                  float64 check of every row
 #   fullkl         policy_loss with the exact KL to the reference (`bench/run.py --suite
 #                  fullkl`: GRPO + beta KL(pi || pi_ref) from the reference's logits, bf16,

@@ -76,7 +76,11 @@ their hidden states and lm_heads; the variant is the beta of ``cases.DISTILL_BET
   log-probabilities; the student's gradient goes back through that ``log_softmax``), and
   ``LigerFusedLinearJSD`` from hidden states; rows with label -100 (the mask's False) do
   not count, Liger's token mean. Where ``liger_kernel`` is importable.
-* ``trl``: none (the eager provider is TRL's computation).
+* ``trl``: from logits none (the eager provider is TRL's computation); from hidden states
+  TRL's own chunked divergence (``trl.kernels.chunked_divergence.ChunkedDivergenceFunction``,
+  what ``DistillationTrainer`` runs since TRL 1.16: both models projected on tiles of 4096
+  tokens x 32768 vocabulary columns in fp32, folded by Triton kernels, the logits recomputed
+  in the backward) on the mask's positions, where ``trl`` is importable.
 
 verl's top-k distillation (``topk_distill_loss``: the student's logits, the teacher's top-K
 log-probs and ids): every provider computes verl 0.9.1's ``compute_forward_kl_topk``
@@ -1143,6 +1147,29 @@ def _trl_linear_forward(case: Case, inp: dict):
     return _linear_loss_forward(case, inp, logprobs)
 
 
+def _trl_linear_distill_forward(case: Case, inp: dict):
+    """TRL's chunked divergence from hidden states as ``DistillationTrainer`` (TRL >= 1.16)
+    runs it: the mask's positions only (``hidden[mask]``), both models projected tile by tile
+    in fp32, the divergence summed over the mask's tokens over their count."""
+    try:
+        module = importlib.import_module("trl.kernels.chunked_divergence")
+    except Exception as exc:
+        raise Unavailable(f"trl.kernels.chunked_divergence: {type(exc).__name__}: {exc}"[:200],
+                          transient=True) from exc  # fmt: skip
+    fn = module.ChunkedDivergenceFunction
+    beta = DISTILL_BETAS[case.variant]
+    hidden, weight, t_hidden, t_weight, mask = (
+        inp[k] for k in ("hidden", "weight", "teacher_hidden", "teacher_weight", "mask")
+    )
+
+    def forward():
+        divergence, _ = fn.apply(hidden[mask], weight, None, t_hidden[mask], t_weight, None,
+                                 beta, TEMPERATURE)  # fmt: skip
+        return (divergence.sum() / mask.sum().clamp(min=1),)
+
+    return forward
+
+
 def _verl_linear_forward(case: Case, inp: dict):
     """verl's torch ``FusedLinearForPPO`` on the positions that predict the targets."""
     head = _verl_fused_linear()(chunk_size=VERL_TOKEN_CHUNK, impl_backend="torch")
@@ -1200,7 +1227,7 @@ def applies(provider: str, case: Case) -> bool:
     if provider == "verl":
         return case.op in LINEAR_OPS or case.op == "topk_distill_loss"
     if provider == "trl" and case.op in DISTILL_OPS:
-        return False
+        return case.op == "linear_distill_loss"
     if provider in FUSED_VARIANTS and FUSED_VARIANTS[provider][1].get("grad_in_forward"):
         return case.op == "policy_loss" and case.variant in TWO_PASS_VARIANTS
     if provider == "liger_inplace" or provider in FUSED_VARIANTS:
@@ -1231,7 +1258,9 @@ def build(provider: str, case: Case, inp: dict, *, compile_on_cpu: bool = False)
             raise Unavailable("torch.compile measured on the suite's compile subset only")
         forward = _eager_forward(case, inp, compiled=True)
     elif provider == "trl":
-        if case.op in LINEAR_OPS:
+        if case.op == "linear_distill_loss":
+            forward = _trl_linear_distill_forward(case, inp)
+        elif case.op in LINEAR_OPS:
             forward = _trl_linear_forward(case, inp)
         else:
             forward = _eager_forward(case, inp, compiled=False, flavour="trl")

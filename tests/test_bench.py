@@ -841,6 +841,24 @@ def test_distill_providers_meet_the_oracle(op, dtype, device, monkeypatch):
         assert set(verdicts.values()) == {"ok"}, (variant, verdicts)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_trl_linear_distill_meets_the_oracle(dtype, device):
+    """TRL's chunked divergence from hidden states (``DistillationTrainer``'s, TRL >= 1.16)
+    as the ``trl`` provider of ``linear_distill_loss``: every beta against the float64
+    oracle where TRL imports, else ``Unavailable`` naming the module; never beside the
+    distillation ops from logits."""
+    for variant in BETAS:
+        case = Case("linear_distill_loss", variant, "fwd_bwd", 2, 8, 1000, dtype, hidden=16)
+        assert P.applies("trl", case)
+        inp = make_inputs(case, device)
+        if importlib.util.find_spec("trl") is None:
+            with pytest.raises(P.Unavailable, match="trl.kernels.chunked_divergence"):
+                P.build("trl", case, inp)
+            continue
+        assert _verdicts(case, inp, ("trl",)) == {"trl": "ok"}, variant
+    assert not P.applies("trl", Case("distill_loss", "jsd", "fwd_bwd", 2, 8, 1000, dtype))
+
+
 def test_distill_beta_is_its_own_math(monkeypatch):
     """The variant's beta matters: fused_rl run with the JSD's beta fails the oracle of the
     forward and of the reverse KL, so neither side can fall back to one divergence."""
