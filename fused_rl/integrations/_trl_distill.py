@@ -34,6 +34,8 @@ import threading
 
 import torch
 
+from ..linear_distill import linear_distill_loss
+
 _ROUTE = threading.local()  # .options while a fused trainer computes its loss on this thread
 _LOCK = threading.Lock()
 _INSTALLED: dict = {}  # module, original: while TRL's function is replaced by _dispatch
@@ -79,11 +81,8 @@ def divergence_loss(
     Shapes: ``(B, K, H_s)`` / ``(B, K, H_t)`` hidden states, ``(V, H_s)`` / ``(V, H_t)``
     heads, ``(B, K)`` completion mask. Returns the 0-dim loss, the student's entropy summed
     over the valid positions (detached) and their count (int64 0-dim)."""
-    from ..linear_distill import linear_distill_loss
-    from .trl import _full
-
-    weight, bias = _full(student_lm_head_weight), _full(student_lm_head_bias)
-    t_weight, t_bias = _full(teacher_lm_head_weight), _full(teacher_lm_head_bias)
+    weight, bias = gathered(student_lm_head_weight), gathered(student_lm_head_bias)
+    t_weight, t_bias = gathered(teacher_lm_head_weight), gathered(teacher_lm_head_bias)
     valid = completion_mask.reshape(-1) != 0
     n_valid = valid.sum()
     hidden = student_hidden_states.reshape(-1, student_hidden_states.shape[-1])[valid]
@@ -107,6 +106,13 @@ def divergence_loss(
     )  # fmt: skip
     entropy_sum = metrics["student_entropy"] * n_valid  # the metric: a mean over the valid
     return loss, entropy_sum, n_valid
+
+
+def gathered(param):
+    """A DTensor (FSDP2) parameter gathered whole; anything else as it is."""
+    if param is not None and hasattr(param, "full_tensor"):
+        return param.full_tensor()
+    return param
 
 
 def _in_compute_dtype(hidden, weight, bias):

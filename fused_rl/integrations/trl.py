@@ -45,6 +45,12 @@ runs as the temperature ``T / s``; with Gemma 2 / 3's ``final_logit_softcapping 
 ``cast_lm_head_to_fp32=True``: the hidden states (and the head, if it is not already) go
 to fp32 and the head runs outside autocast, as in TRL.
 
+TRL 1.16's ``DistillationTrainer`` likewise: ``from fused_rl.integrations.trl import
+DistillationTrainer`` (or ``patch()``, which wraps both trainers) computes its loss, the
+divergence of the student's and the teacher's full next-token distributions, with one
+:func:`fused_rl.linear_distill_loss` call in place of TRL's chunked divergence
+(:mod:`fused_rl.integrations._trl_distill`).
+
 The backend (``"auto"``, ``"triton"``, ``"reference"``: :mod:`fused_rl._backend`) and the
 rows per chunk are options: ``GRPOTrainer(..., fused_rl_backend=..., fused_rl_chunk_tokens=...)``
 or ``patch(backend=..., chunk_tokens=...)``.
@@ -64,6 +70,7 @@ import torch
 from .. import _validation as V
 from .._backend import BACKENDS
 from ..linear import linear_token_logprobs
+from ._trl_distill import gathered as _full
 
 __all__ = [
     "DistillationTrainer",  # noqa: F822  (built on first access: __getattr__ below)
@@ -272,13 +279,6 @@ def add_fused_lm_head(
 
     model.forward = types.MethodType(forward, model)
     setattr(model, _MARK, head)
-
-
-def _full(param):
-    """A DTensor (FSDP2) parameter gathered whole; anything else as it is."""
-    if param is not None and hasattr(param, "full_tensor"):
-        return param.full_tensor()
-    return param
 
 
 def _head_inputs(model, head: _Head, hidden):
