@@ -456,12 +456,33 @@ class MultiTargetLogprobs(torch.autograd.Function):
             logits3d, first, row_max, log_sum, None, total, None, None, None,
             ctx.temperature, None, ctx.ignore_index,
         )  # fmt: skip
-        ids, order = safe.sort(-1)  # an id the row names twice: adjacent slots, one column
-        g_id = _segment_sums(ids, g.gather(-1, order))
-        exact = (g_id - logp.gather(-1, order).exp() * total[..., None]) * (1.0 / ctx.temperature)
-        exact = torch.where((first != ctx.ignore_index)[..., None], exact, 0.0)
-        grad.scatter_(-1, ids, exact.to(grad.dtype))  # equal values where ids repeat
+        counted = first != ctx.ignore_index
+        scatter_exact_id_grads(grad, safe, None, g, logp, total, ctx.temperature, counted)
         return (grad,) + (None,) * (n_inputs - 1)
+
+
+def scatter_exact_id_grads(grad, ids, owned, g, logp, total, temperature, counted) -> None:
+    """Overwrite the ids' columns of ``grad`` (``(..., V)``, holding ``-p G / T``) with their
+    exact values ``(sum_{j: id_j = id_k} g_j - p_k G) / T``, computed in fp32 and rounded
+    once. ``ids``: ``(..., K)`` column ids; ``owned``: None (every id is a column of
+    ``grad``) or a bool ``(..., K)``, the ids that are (a vocabulary shard's): the others
+    are not written. ``counted``: ``(...)``, rows whose ids count (0 in the others)."""
+    if owned is not None:  # not-owned ids sort last, as one run of their own, never written
+        ids = torch.where(owned, ids, grad.shape[-1])
+    ids, order = ids.sort(-1)  # an id the row names twice: adjacent slots, one column
+    g_id = _segment_sums(ids, g.gather(-1, order))
+    exact = (g_id - logp.gather(-1, order).exp() * total[..., None]) * (1.0 / temperature)
+    exact = torch.where(counted[..., None], exact, 0.0).to(grad.dtype)
+    if owned is not None:
+        # a not-owned slot writes what its row's first slot writes: that slot's exact value
+        # at its column if it is owned (the smallest owned id), else column 0's own value
+        mine = owned.gather(-1, order)
+        lead = mine[..., :1]
+        col = torch.where(lead, ids[..., :1], 0)
+        val = torch.where(lead, exact[..., :1], grad[..., :1])
+        ids = torch.where(mine, ids, col)
+        exact = torch.where(mine, exact, val)
+    grad.scatter_(-1, ids, exact)  # equal values where columns repeat
 
 
 def _segment_sums(ids: Tensor, g: Tensor) -> Tensor:

@@ -71,7 +71,12 @@ from torch import Tensor
 from . import _validation as V
 from ._launch import stats_dtype
 from ._shapes import as_rows3d
-from ._vocab_ops import position_shift, token_stats_bwd_op, token_stats_fwd_op
+from ._vocab_ops import (
+    position_shift,
+    scatter_exact_id_grads,
+    token_stats_bwd_op,
+    token_stats_fwd_op,
+)
 from .reference import logprobs as ref
 
 __all__ = ["global_token_count", "VocabShard"]
@@ -515,6 +520,81 @@ class _ShardedTokenStats(torch.autograd.Function):
                 grad = _backward_local(x3d, t_local, m, log_s, entropy, g, h, spec, ctx.inner)
             grad = ref.differentiable_once(grad, x3d, grad_logp, grad_entropy)
         return grad, None, None, None, None
+
+
+class _ShardedLogprobsK(torch.autograd.Function):
+    """``(outer, T, K)`` log-probs of ``K`` global ids a row over a vocabulary split across
+    ``spec.shard.group`` (:class:`fused_rl._vocab_ops.MultiTargetLogprobs` sharded): layer 1
+    on this rank's columns for the row's partial normaliser, the two all-reduces of
+    :func:`merge_partials`, then a third (``SUM``, ``4 K`` bytes a token in fp32) of the
+    ids' logits, each read by the rank that owns it; every rank returns all ``K`` log-probs.
+    Backward local: layer 3 writes ``-p G / T`` (``G = sum_k g_k``) over this rank's
+    columns, then its owned ids' columns get their exact values. Differentiable once.
+
+    ``first``: ``(outer, T)`` ``NOT_OWNED`` where the row counts (read, no column of it
+    special), ``LOCAL_IGNORE`` where none of its ids counts (not read; outputs meaningless,
+    gradient 0). ``local``: ``(outer, T, K)`` ids into this rank's valid columns (0 where not
+    owned); ``owned``: which."""
+
+    @staticmethod
+    def forward(ctx, x3d, first, local, owned, bad, spec: _Spec):
+        inner = first.shape[1]
+        stats = _local_stats(x3d, first, spec, inner)
+        _, _, m, log_s = merge_partials(stats, None, None, None, spec)
+        if spec.shard.valid == 0:
+            z = torch.zeros(local.shape, dtype=m.dtype, device=m.device)
+        else:
+            z = torch.where(owned, x3d.gather(-1, local).to(m.dtype), 0.0)
+        if spec.shard.first:  # an id outside [0, V) (unchecked): NaN, never a finite value
+            z = torch.where(bad, math.nan, z)
+        _dist().all_reduce(z, op=_dist().ReduceOp.SUM, group=spec.shard.group)
+        logp = (z * (1.0 / spec.temperature) - m[..., None]) - log_s[..., None]
+        ctx.save_for_backward(x3d, first, local, owned, m, log_s, logp)
+        ctx.spec = spec
+        ctx.set_materialize_grads(False)
+        return logp, z
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_z):
+        if grad_logp is None:
+            return (None,) * 6
+        x3d, first, local, owned, m, log_s, logp = ctx.saved_tensors
+        spec = ctx.spec
+        g = grad_logp.to(logp.dtype)
+        total = g.sum(-1)
+        with torch.no_grad():
+            grad = _backward_local(x3d, first, m, log_s, None, total, None, spec, first.shape[1])
+            if spec.shard.valid:
+                counted = first != LOCAL_IGNORE
+                scatter_exact_id_grads(grad, local, owned, g, logp, total, spec.temperature,
+                                       counted)  # fmt: skip
+        grad = ref.differentiable_once(grad, x3d, grad_logp)
+        return grad, None, None, None, None, None
+
+
+def sharded_logprobs_k(
+    logits: Tensor, ids: Tensor, counted: Tensor, shard: VocabShard, *, which: str,
+    temperature: float = 1.0,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``(logp, z)``: the fp32 (fp64 for fp64 logits) log-probs ``(..., K)`` of the global ids
+    ``ids`` (``(..., K)``, the same on every rank, each in ``[0, V)``: checked by the caller)
+    under the full-vocabulary softmax of ``logits / T`` (this rank's ``(..., V_local)``
+    shard), and the ids' raw logits (no gradient), from :class:`_ShardedLogprobsK`. A row
+    where ``counted`` (``ids.shape[:-1]``, bool) is False is not read: its outputs are
+    meaningless (zero them), its gradient 0."""
+    check_vocab_limit(shard)
+    x3d = as_rows3d(logits)
+    k = ids.shape[-1]
+    ids3d = ids.reshape(x3d.shape[0], -1, k).long()
+    rel = ids3d - shard.start
+    owned = (rel >= 0) & (rel < shard.valid)
+    local = torch.where(owned, rel, 0)
+    bad = (ids3d < 0) | (ids3d >= shard.vocab_size)
+    first = torch.where(counted.reshape(ids3d.shape[:2]), NOT_OWNED, LOCAL_IGNORE)
+    spec = _Spec(shard, float(temperature), LOCAL_IGNORE, False, False, which,
+                 V.value_checks_enabled(logits))  # fmt: skip
+    logp, z = _ShardedLogprobsK.apply(x3d, first, local, owned, bad, spec)
+    return logp.reshape(ids.shape), z.reshape(ids.shape)
 
 
 def check_vocab_limit(shard: VocabShard) -> None:

@@ -704,6 +704,7 @@ PUBLIC_NAMES = [
     "FusedLinearForPPO", "KL_PENALTIES", "LINEAR_CE_REDUCTIONS", "LOSS_AGG_MODES",
     "LOSS_AGG_MODES_V05", "POLICY_LOSS_REGISTRY", "VERL_POLICY_LOSSES", "agg_loss",
     "clip_by_value", "compute_entropy_loss", "compute_forward_kl_topk",
+    "compute_forward_kl_topk_megatron",
     "compute_gae_advantage_return", "compute_grpo_outcome_advantage", "compute_policy_loss",
     "compute_policy_loss_cispo",
     "compute_policy_loss_clip_cov", "compute_policy_loss_dppo_kl", "compute_policy_loss_dppo_tv",

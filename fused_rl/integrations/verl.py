@@ -27,7 +27,10 @@ What it replaces (:data:`ROUTES`; :func:`routes` lists what a call replaced):
   ``verl.workers.utils.losses`` imported from it;
 * ``verl.trainer.distillation.fsdp.losses.compute_forward_kl_topk`` (verl >= 0.9.1, the
   FSDP / VeOmni top-k distillation, ``distillation_loss.loss_mode="forward_kl_topk"``):
-  the student's log-probs at the teacher's top-k ids without its ``(N, V)`` log-softmax.
+  the student's log-probs at the teacher's top-k ids without its ``(N, V)`` log-softmax;
+  and ``verl.trainer.distillation.megatron.losses.compute_forward_kl_topk`` (where
+  Megatron-Core imports: the student's logits split over the vocabulary across the
+  tensor-parallel ranks) by ``compute_forward_kl_topk_megatron``, each shard streamed.
 
 Semantics are verl's, with the departures :mod:`fused_rl.compat.verl` documents
 (``docs/compat.md``, "verl"). :func:`unpatch` restores every name exactly; patching again
@@ -64,6 +67,8 @@ ROUTES: tuple[tuple[str, str, str, bool], ...] = (
      "linear_cross_entropy", True),
     ("verl.trainer.distillation.fsdp.losses", "compute_forward_kl_topk",
      "compute_forward_kl_topk", True),
+    ("verl.trainer.distillation.megatron.losses", "compute_forward_kl_topk",
+     "compute_forward_kl_topk_megatron", True),
     (_CORE, "agg_loss", "agg_loss", False),
     (_CORE, "kl_penalty", "kl_penalty", False),
     (_CORE, "compute_value_loss", "compute_value_loss", False),

@@ -97,7 +97,7 @@ from .core_algos import (
     kl_penalty_forward,
 )
 from .core_algos import LOSS_AGG_MODES_V05 as LOSS_AGG_MODES_V05
-from .distillation import compute_forward_kl_topk
+from .distillation import compute_forward_kl_topk, compute_forward_kl_topk_megatron
 from .experimental_torch_functional import FusedLinearForPPO
 from .kernel_linear_cross_entropy import LINEAR_CE_REDUCTIONS, linear_cross_entropy
 from .policy_loss import (
@@ -135,6 +135,7 @@ __all__ = [
     "clip_by_value",
     "compute_entropy_loss",
     "compute_forward_kl_topk",
+    "compute_forward_kl_topk_megatron",
     "compute_gae_advantage_return",
     "compute_grpo_outcome_advantage",
     "compute_policy_loss",

@@ -10,6 +10,12 @@ an fp32 log-sum-exp chunk by chunk) and its backward writes the ``(N, V)`` softm
 Here the student's ``K`` log-probs come from one read of the logits forward and one read and
 write backward (:class:`fused_rl._vocab_ops.MultiTargetLogprobs`), in fp32, whatever ``K``;
 the overlap diagnostic's top K (no gradient) reads the logits once more, as verl's does.
+
+verl's Megatron path (``verl.trainer.distillation.megatron.losses``: the student's logits
+split over the vocabulary across the tensor-parallel ranks) materialises each shard's fp32
+log-softmax and softmax; :func:`compute_forward_kl_topk_megatron` streams each shard as
+above (``fused_rl.distributed.sharded_logprobs_k``: three all-reduces forward, none
+backward).
 """
 
 from __future__ import annotations
@@ -18,10 +24,12 @@ import torch
 from torch import Tensor
 
 from ... import _validation as V
+from ..._backend import resolve_backend
+from ...distributed import _dist, group_shard, sharded_logprobs_k
 from .._checks import check_index_range, checked_logprobs_k
 from .core_algos import _config_value
 
-__all__ = ["compute_forward_kl_topk"]
+__all__ = ["compute_forward_kl_topk", "compute_forward_kl_topk_megatron"]
 
 _ORIGINAL = "verl's compute_forward_kl_topk"
 
@@ -36,6 +44,47 @@ def _ulysses_slice(*tensors: Tensor) -> tuple[Tensor, ...]:
     if get_ulysses_sequence_parallel_world_size() <= 1:
         return tensors
     return tuple(slice_input_tensor(t, dim=1) for t in tensors)
+
+
+def _checked(student_logits, teacher_topk_log_probs, teacher_topk_ids, config, data_format,
+             vocab: int) -> tuple[float | None, int]:  # fmt: skip
+    """The argument checks of both functions (``vocab``: the global vocabulary size);
+    returns the clamp and ``K``."""
+    V.check_logits(student_logits, "student_logits")
+    V.check_float(teacher_topk_log_probs, "teacher_topk_log_probs")
+    V.check_tensor(teacher_topk_ids, "teacher_topk_ids")
+    if teacher_topk_ids.dtype not in V.INDEX_DTYPES:
+        raise TypeError(f"teacher_topk_ids must be int64 or int32, got {teacher_topk_ids.dtype}")
+    lead = tuple(student_logits.shape[:-1])
+    if student_logits.dim() != 3 or tuple(teacher_topk_ids.shape[:-1]) != lead:
+        raise ValueError(
+            f"student_logits must be (bsz, seqlen, V) and teacher_topk_ids (bsz, seqlen, K) with "
+            f"the same (bsz, seqlen), got {tuple(student_logits.shape)} and "
+            f"{tuple(teacher_topk_ids.shape)}"
+        )
+    V.check_shape(teacher_topk_log_probs, teacher_topk_ids.shape, "teacher_topk_log_probs",
+                  "teacher_topk_ids.shape")  # fmt: skip
+    V.check_same_device(student_logits=student_logits, teacher_topk_ids=teacher_topk_ids,
+                        teacher_topk_log_probs=teacher_topk_log_probs)  # fmt: skip
+    if data_format not in ("thd", "bshd"):
+        raise ValueError(f"data_format must be 'thd' or 'bshd', got {data_format!r}")
+    clamp = _config_value(_config_value(config, "distillation_loss"), "log_prob_min_clamp", None)
+    k = teacher_topk_ids.shape[-1]
+    if k > vocab:  # verl's torch.topk of the student raises there
+        raise ValueError(
+            f"teacher_topk_ids holds K = {k} ids a position, more than the student's vocabulary "
+            f"V = {vocab} (the overlap diagnostic ranks the student's top K)"
+        )
+    check_index_range(teacher_topk_ids, vocab, "teacher_topk_ids", _ORIGINAL)
+    return clamp, k
+
+
+def _overlap(token_kl: Tensor, overlap: Tensor) -> tuple[Tensor, Tensor]:
+    """verl's diagnostics: the count of the teacher's ids among the student's top K and the
+    mean of ``-token_kl`` over them (0 where none)."""
+    overlap_count = overlap.sum(-1)
+    advantage = (-token_kl.detach() * overlap).sum(-1) / overlap_count.clamp_min(1)
+    return overlap_count, torch.where(overlap_count > 0, advantage, torch.zeros_like(advantage))
 
 
 def compute_forward_kl_topk(
@@ -96,33 +145,8 @@ def compute_forward_kl_topk(
     teacher_topk_log_probs, teacher_topk_ids = _ulysses_slice(
         teacher_topk_log_probs, teacher_topk_ids
     )
-    V.check_logits(student_logits, "student_logits")
-    V.check_float(teacher_topk_log_probs, "teacher_topk_log_probs")
-    V.check_tensor(teacher_topk_ids, "teacher_topk_ids")
-    if teacher_topk_ids.dtype not in V.INDEX_DTYPES:
-        raise TypeError(f"teacher_topk_ids must be int64 or int32, got {teacher_topk_ids.dtype}")
-    lead = tuple(student_logits.shape[:-1])
-    if student_logits.dim() != 3 or tuple(teacher_topk_ids.shape[:-1]) != lead:
-        raise ValueError(
-            f"student_logits must be (bsz, seqlen, V) and teacher_topk_ids (bsz, seqlen, K) with "
-            f"the same (bsz, seqlen), got {tuple(student_logits.shape)} and "
-            f"{tuple(teacher_topk_ids.shape)}"
-        )
-    V.check_shape(teacher_topk_log_probs, teacher_topk_ids.shape, "teacher_topk_log_probs",
-                  "teacher_topk_ids.shape")  # fmt: skip
-    V.check_same_device(student_logits=student_logits, teacher_topk_ids=teacher_topk_ids,
-                        teacher_topk_log_probs=teacher_topk_log_probs)  # fmt: skip
-    if data_format not in ("thd", "bshd"):
-        raise ValueError(f"data_format must be 'thd' or 'bshd', got {data_format!r}")
-    clamp = _config_value(_config_value(config, "distillation_loss"), "log_prob_min_clamp", None)
-    k = teacher_topk_ids.shape[-1]
-    if k > student_logits.shape[-1]:  # verl's torch.topk of the student raises there
-        raise ValueError(
-            f"teacher_topk_ids holds K = {k} ids a position, more than the student's vocabulary "
-            f"V = {student_logits.shape[-1]} (the overlap diagnostic ranks the student's top K)"
-        )
-    check_index_range(teacher_topk_ids, student_logits.shape[-1], "teacher_topk_ids", _ORIGINAL)
-
+    clamp, k = _checked(student_logits, teacher_topk_log_probs, teacher_topk_ids, config,
+                        data_format, student_logits.shape[-1])  # fmt: skip
     student = checked_logprobs_k(student_logits, teacher_topk_ids)  # fp32, (bsz, seqlen, K)
     teacher = teacher_topk_log_probs.float()
     student_mass = student.exp().sum(-1).to(student_logits.dtype)
@@ -133,14 +157,115 @@ def compute_forward_kl_topk(
     with torch.no_grad():  # verl's diagnostics: the teacher's ids among the student's top K
         logits = student_logits.detach()
         kth = torch.topk(logits, k=k, dim=-1).values[..., -1:]  # no (N, K, K) comparison
-        overlap = logits.gather(-1, teacher_topk_ids.long()) >= kth
-        overlap_count = overlap.sum(-1)
-        advantage = (-token_kl.detach() * overlap).sum(-1) / overlap_count.clamp_min(1)
-        advantage = torch.where(overlap_count > 0, advantage, torch.zeros_like(advantage))
+        overlap_count, advantage = _overlap(
+            token_kl, logits.gather(-1, teacher_topk_ids.long()) >= kth
+        )
     return {
         "distillation_losses": token_kl.sum(-1),
         "student_mass": student_mass,
         "teacher_mass": teacher_mass,
+        "overlap_count": overlap_count,
+        "overlap_token_advantage": advantage,
+    }
+
+
+def _megatron_split(teacher_topk_log_probs: Tensor, teacher_topk_ids: Tensor, data_format: str):
+    """verl's Megatron context-parallel packing of the teacher's nested ``(bsz, seqlen, K)``
+    tensors (``preprocess_thd_engine`` / ``preprocess_bshd_engine``, verl's own, so the rows
+    line up with the student's); plain tensors are taken as they are."""
+    if not (teacher_topk_log_probs.is_nested or teacher_topk_ids.is_nested):
+        return teacher_topk_log_probs, teacher_topk_ids
+    try:
+        from verl.models.mcore.util import preprocess_bshd_engine, preprocess_thd_engine
+    except ImportError as exc:
+        raise ImportError(
+            "nested teacher tensors are packed by verl's Megatron preprocessing "
+            f"(verl.models.mcore.util, needs verl >= 0.9.1 and Megatron-Core): {exc}"
+        ) from exc
+    split = preprocess_thd_engine if data_format == "thd" else preprocess_bshd_engine
+    return split(teacher_topk_log_probs, pre_process=True)[0], split(
+        teacher_topk_ids, pre_process=True
+    )[0]
+
+
+def _tensor_parallel_group():
+    try:
+        from megatron.core import parallel_state
+    except ImportError as exc:
+        raise ImportError(
+            "compute_forward_kl_topk_megatron takes Megatron's tensor-parallel group "
+            f"(megatron.core.parallel_state) unless process_group= is given: {exc}"
+        ) from exc
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def compute_forward_kl_topk_megatron(
+    student_logits: Tensor,
+    teacher_topk_log_probs: Tensor,
+    teacher_topk_ids: Tensor,
+    config,
+    data_format: str = "thd",
+    *,
+    process_group=None,
+) -> dict[str, Tensor]:
+    """Mirrors ``verl.trainer.distillation.megatron.losses.compute_forward_kl_topk`` (verl
+    0.9.1): :func:`compute_forward_kl_topk` with the student's logits split over the
+    vocabulary across the tensor-parallel ranks.
+
+    Args:
+        student_logits: this rank's ``(bsz, seqlen, V / tp)`` shard (rank ``r`` holds the
+            global ids ``[r V / tp, (r + 1) V / tp)``, Megatron's layout; every column is a
+            token of the softmax, padding included, as in verl), any float dtype.
+        teacher_topk_log_probs, teacher_topk_ids: the same on every rank: verl's nested
+            ``(bsz, seqlen, K)`` tensors, packed by verl's own Megatron preprocessing
+            (context-parallel split included), or plain tensors already lined up with
+            ``student_logits``' ``(bsz, seqlen)``; global ids in ``[0, V)``.
+        config, data_format: as :func:`compute_forward_kl_topk`.
+        process_group: the vocabulary's group; None: Megatron's tensor-model-parallel group.
+
+    Returns:
+        verl's Megatron dict, each ``(bsz, seqlen)`` and the same on every rank:
+        ``distillation_losses`` (fp32, differentiable: each rank's gradient is its shard of
+        the whole), and, as verl's Megatron function (unlike its FSDP one), the two masses
+        of the CLAMPED log-probs in fp32, ``overlap_count`` and ``overlap_token_advantage``
+        (the student's global top K: each rank's own top K of its shard, gathered).
+
+    Cost: the student's log-probs at the teacher's ids by one read of each shard forward
+    (the two all-reduces of ``fused_rl.distributed``, 12 bytes a token in fp32, and one of
+    the ids' logits, ``4 K``) and one read and write backward (no collective), where verl
+    writes each shard's fp32 log-softmax and softmax (``8 V / tp`` bytes a token) and keeps
+    the softmax for its backward; the overlap diagnostic reads the shard once more and
+    gathers ``K`` values a token from every rank (verl gathers ``K`` values and ``K`` ids).
+    """
+    teacher_topk_log_probs, teacher_topk_ids = _megatron_split(
+        teacher_topk_log_probs, teacher_topk_ids, data_format
+    )
+    V.check_logits(student_logits, "student_logits")
+    group = _tensor_parallel_group() if process_group is None else process_group
+    shard = group_shard(group, student_logits.shape[-1], None, None, name="student_logits")
+    clamp, k = _checked(student_logits, teacher_topk_log_probs, teacher_topk_ids, config,
+                        data_format, shard.vocab_size)  # fmt: skip
+    which = resolve_backend("auto", student_logits, teacher_topk_ids)
+    counted = torch.ones(teacher_topk_ids.shape[:-1], dtype=torch.bool,
+                         device=student_logits.device)  # fmt: skip
+    student, id_logits = sharded_logprobs_k(student_logits, teacher_topk_ids, counted, shard,
+                                            which=which)  # fmt: skip
+    teacher = teacher_topk_log_probs.float()
+    if clamp is not None:
+        student, teacher = student.clamp_min(clamp), teacher.clamp_min(clamp)
+    token_kl = teacher.exp() * (teacher - student)
+    with torch.no_grad():  # the student's global top K: each shard's own, gathered
+        dist = _dist()
+        local = torch.topk(student_logits.detach(), k=min(k, student_logits.shape[-1]), dim=-1)
+        local = local.values.float()  # exact; gloo gathers no bf16
+        gathered = [torch.empty_like(local) for _ in range(shard.world)]
+        dist.all_gather(gathered, local, group=group)
+        kth = torch.topk(torch.cat(gathered, -1), k=k, dim=-1).values[..., -1:]
+        overlap_count, advantage = _overlap(token_kl, id_logits >= kth.to(id_logits.dtype))
+    return {
+        "distillation_losses": token_kl.sum(-1),
+        "student_mass": student.detach().exp().sum(-1),
+        "teacher_mass": teacher.exp().sum(-1),
         "overlap_count": overlap_count,
         "overlap_token_advantage": advantage,
     }

@@ -6,7 +6,7 @@
 # `verl.utils.torch_functional` and the actor's loss module `verl.workers.utils.losses` import
 # at module level (verl/__init__ pulls in ray, tensordict, transformers and omegaconf;
 # core_algos codetiming through verl.workers.config; the losses module datasets and pillow
-# through verl.utils.dataset), with verl 0.9.1's own version pins. A constraints file pins torch, triton and numpy to the versions the
+# through verl.utils.dataset), with verl 0.9.1's own version pins, and Megatron-Core (no deps). A constraints file pins torch, triton and numpy to the versions the
 # venv already sees, so pip can never replace them: it fails instead.
 #
 # verl's CPU unit tests are not in the wheel: they come from the sdist
@@ -40,6 +40,9 @@ pip_install \
     "pillow" \
     "packaging>=20.0" \
     "pytest"
+# Megatron-Core: verl's Megatron top-k distillation (verl.trainer.distillation.megatron)
+# and its context-parallel packing, compared with fused_rl's on gloo ranks
+pip_install --no-deps "megatron-core==0.16.1"
 
 tests="$venv/verl-$VERSION-tests"
 if [ ! -f "$tests/tests/trainer/ppo/test_core_algos_on_cpu.py" ]; then
