@@ -4,9 +4,10 @@
 # For each library, in its own virtual environment (which sees this machine's torch, triton
 # and fused_rl through --system-site-packages, so nothing multi-GB is downloaded):
 #   1. scripts/compat_live/<lib>/install.sh installs the pinned upstream release(s);
-#   2. the project's real-library tests, tests/test_compat_<lib>.py and, where there is one,
-#      the trainer integration's training runs, tests/test_integration_<lib>.py (they skip
-#      without the library; here they run against it);
+#   2. the project's real-library tests, tests/test_compat_<lib>*.py and, where there are
+#      some, the trainer integrations' training runs, tests/test_integration_<lib>*.py (they
+#      skip without the library; here they run against it); for verl also its Megatron top-k
+#      distillation on gloo ranks, tests/test_distributed_topk.py;
 #   3. scripts/compat_live/<lib>/check.py: a differential comparison of every adapter function
 #      with the original (values, gradients, dtypes over random shapes, masks, dtypes and edge
 #      cases) and, where the release ships them, the library's own unit tests run twice: as
@@ -29,14 +30,19 @@ for lib in "${LIBS[@]}"; do
     [ -x "$venv/bin/python" ] || "$PY" -m venv --system-site-packages "$venv"
     vpy="$venv/bin/python"
     bash "scripts/compat_live/$lib/install.sh" "$vpy"
-    tests=("tests/test_compat_$lib.py")
+    tests=(tests/test_compat_"$lib"*.py)
     # a trainer integration is proven by training: the tiny-model runs against the trainer
-    [ -f "tests/test_integration_$lib.py" ] && tests+=("tests/test_integration_$lib.py")
+    for t in tests/test_integration_"$lib"*.py; do [ -f "$t" ] && tests+=("$t"); done
     # --benchmark-disable only where pytest-benchmark is installed (pytest rejects it else)
     flags=()
     "$vpy" -c "import pytest_benchmark" 2>/dev/null && flags=(--benchmark-disable)
     "$vpy" -m pytest -q -p no:cacheprovider "${flags[@]}" \
         --junitxml "$OUT/$lib.project-tests.xml" "${tests[@]}" || status=1
+    if [ "$lib" = verl ]; then  # verl's Megatron top-k distillation on gloo ranks (the kernels
+        # through the Triton interpreter, as the vocab-parallel tests run on a CPU)
+        TRITON_INTERPRET=1 "$vpy" -m pytest -q -p no:cacheprovider "${flags[@]}" \
+            --junitxml "$OUT/$lib.distributed-tests.xml" tests/test_distributed_topk.py || status=1
+    fi
     "$vpy" "scripts/compat_live/$lib/check.py" --out "$OUT/$lib.json" || status=1
 done
 "$PY" scripts/compat_live/summary.py "$OUT" --write docs/compat.md
