@@ -1,9 +1,10 @@
 """The process-group harness of the vocab-parallel tests (``test_distributed*.py``).
 
-Each test module keeps a ``CHECKS`` dict (name -> ``check(ctx)``) and a ``Ctx(rank, world)``
-class; :func:`failures` runs every check of a module on ``world`` gloo ranks in ONE spawn
-(cached per module and world size) and returns each rank's traceback for a check, so a
-parametrised test per (world, check) reads its verdict without spawning again. Fresh
+Each test module keeps a ``CHECKS`` dict (name -> ``check(ctx)``, :func:`check_registry`),
+each check given a :class:`Ctx`; :func:`failures` runs every check of a module on ``world``
+gloo ranks in ONE spawn (cached per module and world size) and returns each rank's
+traceback for a check, so a parametrised test per (world, check) reads its verdict without
+spawning again. Fresh
 ``torch.empty`` buffers are NaN-filled on the ranks, as tests/conftest.py does in process.
 """
 
@@ -32,6 +33,28 @@ needs_interpreter = pytest.mark.skipif(
 )
 
 
+class Ctx:
+    """What a check gets: its rank, the world size, the group (WORLD), seeded generators."""
+
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world = rank, world
+        self.group = dist.group.WORLD
+
+    def gen(self, seed: int) -> torch.Generator:
+        return torch.Generator().manual_seed(seed)  # the same stream on every rank
+
+
+def check_registry():
+    """``(CHECKS, check)``: a test module's dict of checks and the decorator that fills it."""
+    checks: dict = {}
+
+    def check(fn):
+        checks[fn.__name__] = fn
+        return fn
+
+    return checks, check
+
+
 def poison_empty() -> None:
     """NaN-fill fresh floating ``torch.empty`` allocations (tests/conftest.py does this for
     in-process tests): an output the code never writes fails."""
@@ -53,7 +76,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, module: str) ->
     )  # fmt: skip
     poison_empty()
     tests = importlib.import_module(module)
-    ctx = tests.Ctx(rank, world)
+    ctx = Ctx(rank, world)
     verdicts = {}
     with compiled_scalar_abi():
         for name, fn in tests.CHECKS.items():

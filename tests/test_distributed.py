@@ -25,29 +25,15 @@ from fused_rl import config
 from fused_rl.nn import PolicyLoss
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dist_harness import failures, needs_gloo, needs_interpreter  # noqa: E402
+from dist_harness import check_registry, failures, needs_gloo, needs_interpreter  # noqa: E402
 from helpers import F64_TOL, FP32_TOL, assert_rel, oracle_token_stats  # noqa: E402
 
 WORLD_SIZES = (2, 3)
 BACKENDS = ("triton", "reference")
-CHECKS: dict = {}
-
-
-def check(fn):
-    CHECKS[fn.__name__] = fn
-    return fn
+CHECKS, check = check_registry()
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-class Ctx:
-    def __init__(self, rank: int, world: int):
-        self.rank, self.world = rank, world
-        self.group = dist.group.WORLD
-
-    def gen(self, seed: int) -> torch.Generator:
-        return torch.Generator().manual_seed(seed)  # the same stream on every rank
 
 
 def _shard_bounds(widths, rank):

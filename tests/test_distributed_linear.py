@@ -24,28 +24,14 @@ import torch.nn.functional as F
 import fused_rl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dist_harness import failures, needs_gloo, needs_interpreter  # noqa: E402
+from dist_harness import check_registry, failures, needs_gloo, needs_interpreter  # noqa: E402
 from helpers import FP32_TOL, assert_rel, oracle_token_stats, rel_err  # noqa: E402
 from test_distributed import _CountCollectives, _group_ok  # noqa: E402
 
 WORLD_SIZES = (2, 3)
 BACKENDS = ("triton", "reference")
-CHECKS: dict = {}
+CHECKS, check = check_registry()
 H = 4
-
-
-def check(fn):
-    CHECKS[fn.__name__] = fn
-    return fn
-
-
-class Ctx:
-    def __init__(self, rank: int, world: int):
-        self.rank, self.world = rank, world
-        self.group = dist.group.WORLD
-
-    def gen(self, seed: int) -> torch.Generator:
-        return torch.Generator().manual_seed(seed)  # the same stream on every rank
 
 
 def _bounds(widths, rank):

@@ -26,29 +26,15 @@ from fused_rl.compat.verl import compute_forward_kl_topk_megatron
 from fused_rl.distributed import group_shard, sharded_logprobs_k
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dist_harness import failures, needs_gloo, needs_interpreter  # noqa: E402
+from dist_harness import check_registry, failures, needs_gloo, needs_interpreter  # noqa: E402
 from helpers import FP32_TOL, assert_rel  # noqa: E402
 
 WORLD_SIZES = (2, 3)
 BACKENDS = ("triton", "reference")
-CHECKS: dict = {}
+CHECKS, check = check_registry()
 HAVE_VERL_MEGATRON = all(
     importlib.util.find_spec(m) is not None for m in ("verl", "megatron")
 )  # fmt: skip
-
-
-def check(fn):
-    CHECKS[fn.__name__] = fn
-    return fn
-
-
-class Ctx:
-    def __init__(self, rank: int, world: int):
-        self.rank, self.world = rank, world
-        self.group = dist.group.WORLD
-
-    def gen(self, seed: int) -> torch.Generator:
-        return torch.Generator().manual_seed(seed)  # the same stream on every rank
 
 
 def _local(full, start, stop):

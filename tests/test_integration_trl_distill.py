@@ -16,7 +16,16 @@ import functools
 
 import pytest
 import torch
-from test_integration_trl import EOS, VOCAB, _dataset, _tokenizer, compare_logs, compare_params
+from test_integration_trl import (
+    EOS,
+    VOCAB,
+    _dataset,
+    _report,
+    _tokenizer,
+    compare_logs,
+    compare_params,
+    fused_trl_auto_backend,
+)
 
 import fused_rl.integrations.trl as fused_trl
 import fused_rl.linear_distill as fused_linear_distill
@@ -257,14 +266,11 @@ def test_training_matches_trl(tmp_path_factory, monkeypatch, config, student, te
     got_log, got_params, calls, seconds = got
     assert calls.trl == 0, "TRL's chunked divergence ran in the integrated trainer"
     assert len(calls.fused) == want_calls.trl  # every loss TRL computed, fused_rl's
-    expected = "reference" if backend == "reference" else _auto_backend()
+    expected = "reference" if backend == "reference" else fused_trl_auto_backend()
     assert set(calls.fused) == {expected}
     worst = compare_logs(want_log, got_log)
     param_diff = compare_params(want_params, got_params)
-    parts = [f"{k} {a:.2g}/{r:.2g}" for k, (a, r) in sorted(worst.items()) if a]
-    print(f"\n[distill {how} {backend}] {len(calls.fused)} fused_rl calls; TRL {want_s:.1f}s, "
-          f"fused_rl {seconds:.1f}s; params "
-          f"max |diff| {param_diff:.2g}; metrics: {', '.join(parts) or 'none'}")  # fmt: skip
+    _report(f"distill {how} {backend}; TRL {want_s:.1f}s", worst, param_diff, calls, seconds)
 
 
 @needs_trl
@@ -288,12 +294,6 @@ def test_training_bf16(tmp_path_factory, monkeypatch):
     assert calls.trl == 0 and calls.fused
     compare_logs(want_log, got_log, atol=1e-3, rtol=3e-2)
     compare_params(want_params, got_params, atol=2e-3)
-
-
-def _auto_backend() -> str:
-    from fused_rl._backend import resolve_backend
-
-    return resolve_backend("auto", torch.empty(0))
 
 
 # ----------------------------------------------------------------------------- errors, patch
