@@ -28,6 +28,9 @@ from fused_rl.distributed import group_shard, sharded_logprobs_k
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dist_harness import check_registry, failures, needs_gloo, needs_interpreter  # noqa: E402
 from helpers import FP32_TOL, assert_rel  # noqa: E402
+from test_distributed import _CountCollectives  # noqa: E402
+
+from fused_rl.profiling import LaunchCounter  # noqa: E402
 
 WORLD_SIZES = (2, 3)
 BACKENDS = ("triton", "reference")
@@ -87,6 +90,29 @@ def logprobs_k_values_and_grads(ctx):
                 assert torch.equal(z, x.gather(-1, ids).float()), f"the ids' logits: {what}"
                 if padded and ctx.rank == ctx.world - 1:
                     assert (local.grad[..., w - 3 :] == 0).all(), f"padding columns: {what}"
+
+
+@check
+def logprobs_k_cost(ctx):
+    """Whatever K: forward one layer-1 kernel on the shard and three all-reduces (the row
+    max with the layout header, the rescaled sums, the ``(N, K)`` ids' logits in fp32);
+    backward one layer-3 kernel and no collective."""
+    w = 5
+    full = torch.randn(2, 3, w * ctx.world, generator=ctx.gen(5))
+    shard = group_shard(ctx.group, w, None, None)
+    for k in (1, 4, 9):
+        ids = torch.randint(0, w * ctx.world, (2, 3, k), generator=ctx.gen(k))
+        local = _local(full, ctx.rank * w, (ctx.rank + 1) * w)
+        counted = torch.ones(2, 3, dtype=torch.bool)
+        with LaunchCounter() as fwd_kernels, _CountCollectives() as fwd:
+            logp, _ = sharded_logprobs_k(local, ids, counted, shard, which="triton")
+        with LaunchCounter() as bwd_kernels, _CountCollectives() as bwd:
+            logp.backward(torch.randn(logp.shape, generator=ctx.gen(0)))
+        assert fwd_kernels.kernels == ["_token_stats_fwd_kernel"], fwd_kernels.kernels
+        assert bwd_kernels.kernels == ["_token_stats_bwd_kernel"], bwd_kernels.kernels
+        assert [name for name, _ in fwd.calls] == ["all_reduce"] * 3, fwd.calls
+        assert fwd.calls[2][1] == 2 * 3 * k * 4, fwd.calls  # the ids' logits, fp32
+        assert bwd.calls == [], bwd.calls
 
 
 @check
