@@ -336,6 +336,72 @@ def test_trl_loss_not_routed_raises(tmp_path_factory, monkeypatch):
 
 
 @needs_trl
+def test_subclass_under_patch_keeps_its_options(tmp_path_factory, monkeypatch):
+    """The fused subclass built while ``patch()`` wraps TRL's ``__init__``: routed once, with
+    the subclass's options (its backend runs), and it trains."""
+    paths = _models(tmp_path_factory, "nested")
+    with fused_trl.patched(backend="triton"):
+        _, _, calls, _ = _train(fused_trl.DistillationTrainer, paths,
+                                tmp_path_factory.mktemp("o"), monkeypatch,
+                                fused_rl_backend="reference")  # fmt: skip
+    assert calls.trl == 0 and calls.fused and set(calls.fused) == {"reference"}
+
+
+@needs_trl
+def test_own_loss_subclass_is_left_alone(tmp_path_factory):
+    """A subclass with its own ``compute_loss`` (TRL's server distillation) under ``patch()``:
+    not routed, with a warning; TRL's own trainer class is untouched."""
+    import trl
+
+    class OwnLoss(trl.DistillationTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    paths = _models(tmp_path_factory, "own")
+    with fused_trl.patched(), pytest.warns(UserWarning, match="does not route"):
+        trainer = OwnLoss(
+            model=paths[0], teacher_model=paths[1],
+            args=_config(str(tmp_path_factory.mktemp("o"))), train_dataset=_dataset(),
+            processing_class=_tokenizer(),
+        )  # fmt: skip
+    assert not hasattr(trainer, "fused_rl_options")
+    assert trainer._compute_loss.__func__ is trl.DistillationTrainer._compute_loss
+
+
+@needs_trl
+def test_dispatcher_beside_other_wrappers():
+    """A wrapper put over the dispatcher by someone else stays and reaches it (no
+    recursion when a fused trainer installs again); the dispatcher keeps TRL's function
+    after ``uninstall()``; ``uninstall()`` then leaves the other wrapper in place."""
+    from trl.trainer import distillation_trainer as module
+
+    _trl_distill.uninstall()
+    trl_loss = module._chunked_divergence_loss
+    inputs = _loss_inputs(4, bias=False)
+    want = trl_loss(**inputs, beta=0.5)
+    _trl_distill.install()
+    dispatch = module._chunked_divergence_loss
+    seen = []
+
+    def wrapper(*args, **kwargs):
+        seen.append(1)
+        return dispatch(*args, **kwargs)
+
+    module._chunked_divergence_loss = wrapper
+    try:
+        _trl_distill.install()
+        assert module._chunked_divergence_loss is wrapper
+        got = module._chunked_divergence_loss(**inputs, beta=0.5)
+        assert seen and all(torch.equal(a, b) for a, b in zip(want, got))
+        _trl_distill.uninstall()
+        assert module._chunked_divergence_loss is wrapper
+        got = dispatch(**inputs, beta=0.5)  # a reference kept to the dispatcher still works
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+    finally:
+        module._chunked_divergence_loss = trl_loss
+
+
+@needs_trl
 def test_patch_unpatch_restore_exactly():
     import trl
     from trl.trainer import distillation_trainer as module

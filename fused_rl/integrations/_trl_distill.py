@@ -38,7 +38,7 @@ from ..linear_distill import linear_distill_loss
 
 _ROUTE = threading.local()  # .options while a fused trainer computes its loss on this thread
 _LOCK = threading.Lock()
-_INSTALLED: dict = {}  # module, original: while TRL's function is replaced by _dispatch
+_ORIGINAL: list = []  # TRL's _chunked_divergence_loss, recorded once by install()
 
 
 def _module():
@@ -142,50 +142,57 @@ def _dispatch(*args, **kwargs):
     runs on this thread, TRL's own otherwise."""
     options = getattr(_ROUTE, "options", None)
     if options is None:
-        return _INSTALLED["original"](*args, **kwargs)
+        return _ORIGINAL[0](*args, **kwargs)
     _ROUTE.calls += 1
     return divergence_loss(options, *args, **kwargs)
 
 
 def install() -> None:
-    """Put :func:`_dispatch` in place of TRL's ``_chunked_divergence_loss`` (idempotent)."""
+    """Put :func:`_dispatch` in place of TRL's ``_chunked_divergence_loss``: where the module
+    holds TRL's own function (recorded once, on first use). Idempotent; a function someone
+    else put there is left alone (a fused trainer then raises at its first step if its loss
+    did not reach fused_rl)."""
     module = _module()
     with _LOCK:
-        current = module._chunked_divergence_loss
-        if current is not _dispatch:
-            _INSTALLED.update(module=module, original=current)
+        if not _ORIGINAL:
+            _ORIGINAL.append(module._chunked_divergence_loss)
+        if module._chunked_divergence_loss is _ORIGINAL[0]:
             module._chunked_divergence_loss = _dispatch
 
 
 def uninstall() -> None:
-    """Restore TRL's function (nothing to do if not installed)."""
+    """Restore TRL's function where :func:`_dispatch` is in its place (else nothing)."""
     with _LOCK:
-        if _INSTALLED and _INSTALLED["module"]._chunked_divergence_loss is _dispatch:
-            _INSTALLED["module"]._chunked_divergence_loss = _INSTALLED["original"]
-        _INSTALLED.clear()
+        if _ORIGINAL:
+            module = _module()
+            if module._chunked_divergence_loss is _dispatch:
+                module._chunked_divergence_loss = _ORIGINAL[0]
 
 
 def route_compute_loss(trainer, options) -> None:
-    """Bind the trainer's ``_compute_loss``: TRL's own, run with fused_rl's loss function."""
+    """Bind the trainer's ``_compute_loss``: TRL's own, run with fused_rl's loss function
+    (``options``)."""
     import types
 
-    trl_compute_loss = trainer._compute_loss
-
-    def _compute_loss(self, *args, **kwargs):
-        install()  # again: an unpatch() since construction may have restored TRL's
-        previous = getattr(_ROUTE, "options", None), getattr(_ROUTE, "calls", 0)
-        _ROUTE.options, _ROUTE.calls = options, 0
-        try:
-            out = trl_compute_loss(*args, **kwargs)
-            calls = _ROUTE.calls
-        finally:
-            _ROUTE.options, _ROUTE.calls = previous
-        if calls == 0:
-            raise RuntimeError(
-                "DistillationTrainer._compute_loss did not call "
-                "trl.trainer.distillation_trainer._chunked_divergence_loss, so fused_rl could "
-                "not compute the loss; fused_rl's DistillationTrainer follows TRL 1.16"
-            )
-        return out
-
+    trainer._fused_rl_trl_compute_loss = trainer._compute_loss
+    trainer._fused_rl_route_options = options
     trainer._compute_loss = types.MethodType(_compute_loss, trainer)
+
+
+def _compute_loss(self, *args, **kwargs):
+    """A routed trainer's ``_compute_loss`` (:func:`route_compute_loss`)."""
+    install()  # again: an unpatch() since construction may have restored TRL's
+    previous = getattr(_ROUTE, "options", None), getattr(_ROUTE, "calls", 0)
+    _ROUTE.options, _ROUTE.calls = self._fused_rl_route_options, 0
+    try:
+        out = self._fused_rl_trl_compute_loss(*args, **kwargs)
+        calls = _ROUTE.calls
+    finally:
+        _ROUTE.options, _ROUTE.calls = previous
+    if calls == 0:
+        raise RuntimeError(
+            "DistillationTrainer._compute_loss did not call "
+            "trl.trainer.distillation_trainer._chunked_divergence_loss, so fused_rl could "
+            "not compute the loss; fused_rl's DistillationTrainer follows TRL 1.16"
+        )
+    return out

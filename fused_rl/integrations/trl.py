@@ -179,28 +179,26 @@ def _check_head(model, text_config, outputs, temperature) -> tuple[float, float 
     V.check_positive(temperature, "temperature")
     scale, softcap = model_transform(text_config)
     check_not_zero3()
-    head = model.get_output_embeddings()
-    if head is None or getattr(head, "weight", None) is None:
-        raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head) weight")
+    _check_lm_head(model)
     return float(temperature) / scale, None if softcap is None else softcap / scale
 
 
-def model_transform(text_config) -> tuple[float, float | None]:
+def model_transform(text_config, whose: str = "the") -> tuple[float, float | None]:
     """The model's logit scale ``s`` and final soft cap ``c`` (None: none), as TRL reads
-    them, each checked (``ValueError`` naming the config field): ``s`` finite and > 0,
-    ``c`` finite and > 0."""
+    them, each checked (``ValueError`` naming the config field, in ``whose`` model config):
+    ``s`` finite and > 0, ``c`` finite and > 0."""
     softcap = getattr(text_config, "final_logit_softcapping", None)
     if softcap is not None and not (float(softcap) > 0 and float(softcap) < float("inf")):
         # TRL's kernel reads 0.0 as a cap of 1.0 (`softcap or 1.0`); a cap must be > 0 here
         raise ValueError(
-            f"the model config sets final_logit_softcapping={softcap}: fused_rl soft-caps "
+            f"{whose} model config sets final_logit_softcapping={softcap}: fused_rl soft-caps "
             "at a finite c > 0 (None: no cap)"
         )
     scale, field = logit_scale(text_config)
     if not (scale > 0 and scale < float("inf")):
         raise ValueError(
-            f"the model config's {field} gives a logit scale of {scale}: fused_rl runs a scale "
-            "s > 0 as the temperature T / s and cannot apply this one"
+            f"{whose} model config's {field} gives a logit scale of {scale}: fused_rl applies a "
+            "logit scale s > 0 only"
         )
     return scale, None if softcap is None else float(softcap)
 
@@ -458,22 +456,47 @@ def _check_distill_models(trainer) -> None:
 
     check_not_zero3()
     model = trainer.model
-    models = [model.get_base_model() if is_peft_model(model) else model]
+    models = {"student": model.get_base_model() if is_peft_model(model) else model}
     if getattr(trainer, "teacher_model", None) is not None:
-        models.append(trainer.accelerator.unwrap_model(trainer.teacher_model))
-    for m in models:
-        model_transform(m.config.get_text_config())
-        head = m.get_output_embeddings()
-        if head is None or getattr(head, "weight", None) is None:
-            raise ValueError(f"{type(m).__name__} has no output embeddings (lm_head) weight")
+        models["teacher"] = trainer.accelerator.unwrap_model(trainer.teacher_model)
+    for who, m in models.items():
+        model_transform(m.config.get_text_config(), f"the {who}'s")
+        _check_lm_head(m)
+
+
+def _check_lm_head(model) -> None:
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "weight", None) is None:
+        raise ValueError(f"{type(model).__name__} has no output embeddings (lm_head) weight")
 
 
 def _fused_distill_init(trainer, trl_init: Callable[[], None], options: Options) -> None:
     """Run TRL's ``DistillationTrainer.__init__`` (``trl_init``), check both models, and
-    route the loss (:mod:`._trl_distill`)."""
+    route the loss (:mod:`._trl_distill`). An inner fused ``__init__`` on the same thread
+    (the subclass over a patched ``trl.DistillationTrainer``) only runs TRL's: the outer one
+    routes, with its options. A subclass that computes its loss its own way (its own
+    ``compute_loss`` / ``_compute_loss``: TRL's server distillation) is left as it is, with a
+    warning."""
+    import warnings
+
     from . import _trl_distill
 
-    trl_init()
+    if getattr(_STATE, "distill_init", False):
+        trl_init()
+        return
+    _STATE.distill_init = True
+    try:
+        trl_init()
+    finally:
+        _STATE.distill_init = False
+    base, cls = _trl_distill._module().DistillationTrainer, type(trainer)
+    if cls.compute_loss is not base.compute_loss or cls._compute_loss is not base._compute_loss:
+        warnings.warn(
+            f"{cls.__name__} computes its loss with its own compute_loss / _compute_loss: "
+            "fused_rl does not route it (trl.DistillationTrainer's loss path only)",
+            stacklevel=3,
+        )
+        return
     _check_distill_models(trainer)
     _trl_distill.route_compute_loss(trainer, options)
     trainer.fused_rl_options = options
