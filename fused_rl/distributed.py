@@ -526,8 +526,8 @@ class _ShardedLogprobsK(torch.autograd.Function):
     """``(outer, T, K)`` log-probs of ``K`` global ids a row over a vocabulary split across
     ``spec.shard.group`` (:class:`fused_rl._vocab_ops.MultiTargetLogprobs` sharded): layer 1
     on this rank's columns for the row's partial normaliser, the two all-reduces of
-    :func:`merge_partials`, then a third (``SUM``, ``4 K`` bytes a token in fp32) of the
-    ids' logits, each read by the rank that owns it; every rank returns all ``K`` log-probs.
+    :func:`merge_partials` (without a target: the row max, then the rescaled sum, 4 + 4
+    bytes a token in fp32), then a third (``SUM``, ``4 K`` bytes a token) of the ids' logits, each read by the rank that owns it; every rank returns all ``K`` log-probs.
     Backward local: layer 3 writes ``-p G / T`` (``G = sum_k g_k``) over this rank's
     columns, then its owned ids' columns get their exact values. Differentiable once.
 
@@ -552,6 +552,7 @@ class _ShardedLogprobsK(torch.autograd.Function):
         ctx.save_for_backward(x3d, first, local, owned, m, log_s, logp)
         ctx.spec = spec
         ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(z)
         return logp, z
 
     @staticmethod
@@ -583,6 +584,11 @@ def sharded_logprobs_k(
     where ``counted`` (``ids.shape[:-1]``, bool) is False is not read: its outputs are
     meaningless (zero them), its gradient 0."""
     check_vocab_limit(shard)
+    if tuple(ids.shape[:-1]) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"ids must be logits.shape[:-1] + (K,) = {tuple(logits.shape[:-1])} + (K,), got "
+            f"{tuple(ids.shape)}"
+        )
     x3d = as_rows3d(logits)
     k = ids.shape[-1]
     ids3d = ids.reshape(x3d.shape[0], -1, k).long()

@@ -27,7 +27,7 @@ from fused_rl.distributed import group_shard, sharded_logprobs_k
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dist_harness import check_registry, failures, needs_gloo, needs_interpreter  # noqa: E402
-from helpers import FP32_TOL, assert_rel  # noqa: E402
+from helpers import F64_TOL, FP32_TOL, assert_rel  # noqa: E402
 from test_distributed import _CountCollectives  # noqa: E402
 
 from fused_rl.profiling import LaunchCounter  # noqa: E402
@@ -58,21 +58,23 @@ def _oracle_k(full, ids, counted, g, temperature, vocab):
 def logprobs_k_values_and_grads(ctx):
     """Repeated ids (one on every shard, one named thrice), a row not counted, ids on the
     first and last columns, a temperature, fp32 and bf16, both backends; and Megatron's
-    padded vocabulary (``vocab_size`` below the shards' total: its columns are not read)."""
+    padded vocabulary (``vocab_size`` below the shards' total: its columns are not read),
+    down to a last rank that holds padding only."""
     g = ctx.gen(1)
     w, k = 6, 5
-    for padded in (False, True):
-        vocab = w * ctx.world - (3 if padded else 0)
+    for pad in (0, 3, w):
+        padded = pad > 0
+        vocab = w * ctx.world - pad
         full = torch.randn(2, 4, w * ctx.world, generator=g) * 2
         ids = torch.randint(0, vocab, (2, 4, k), generator=g)
         ids[0, 0] = torch.tensor([0, vocab - 1, 3, 3, 3])
-        ids[1, 2, :2] = torch.tensor([w, w])  # the second rank's first column, twice
+        ids[1, 2, :2] = min(w, vocab - 1)  # the second rank's first column, twice
         counted = torch.ones(2, 4, dtype=torch.bool)
         counted[1, 3] = False
         up = torch.randn(2, 4, k, generator=g)
         start, stop = ctx.rank * w, (ctx.rank + 1) * w
         shard = group_shard(ctx.group, w, None, vocab if padded else None)
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (torch.float64, torch.float32, torch.bfloat16):
             x = full.to(dtype)
             o_logp, o_grad = _oracle_k(x, ids, counted, up, 0.7, vocab)
             for backend in BACKENDS:
@@ -81,15 +83,16 @@ def logprobs_k_values_and_grads(ctx):
                                              temperature=0.7)  # fmt: skip
                 logp = torch.where(counted[..., None], logp, 0.0)
                 (logp * up).sum().backward()
-                what = f"{backend} {dtype} padded={padded}"
-                assert logp.dtype == torch.float32, what
-                assert_rel(logp, o_logp, FP32_TOL, f"logp {what}")
-                tol = FP32_TOL if dtype == torch.float32 else 4e-3
+                what = f"{backend} {dtype} pad={pad}"
+                wide = dtype == torch.float64
+                assert logp.dtype == (torch.float64 if wide else torch.float32), what
+                assert_rel(logp, o_logp, F64_TOL if wide else FP32_TOL, f"logp {what}")
+                tol = {torch.float64: F64_TOL, torch.float32: FP32_TOL}.get(dtype, 4e-3)
                 assert_rel(local.grad.double(), o_grad[..., start:stop], tol, f"grad {what}")
                 assert (local.grad[1, 3] == 0).all(), f"a row not counted: {what}"
-                assert torch.equal(z, x.gather(-1, ids).float()), f"the ids' logits: {what}"
+                assert torch.equal(z, x.gather(-1, ids).to(z.dtype)), f"the ids' logits: {what}"
                 if padded and ctx.rank == ctx.world - 1:
-                    assert (local.grad[..., w - 3 :] == 0).all(), f"padding columns: {what}"
+                    assert (local.grad[..., w - pad :] == 0).all(), f"padding columns: {what}"
 
 
 @check
@@ -113,6 +116,27 @@ def logprobs_k_cost(ctx):
         assert [name for name, _ in fwd.calls] == ["all_reduce"] * 3, fwd.calls
         assert fwd.calls[2][1] == 2 * 3 * k * 4, fwd.calls  # the ids' logits, fp32
         assert bwd.calls == [], bwd.calls
+
+
+@check
+def logprobs_k_nan(ctx):
+    """A NaN logit on one shard makes its counted row NaN on every rank (values and that
+    row's gradient), a NaN in a row not counted changes nothing."""
+    w, k = 4, 3
+    g = ctx.gen(6)
+    full = torch.randn(1, 3, w * ctx.world, generator=g, dtype=torch.float64)
+    full[0, 0, w * ctx.world - 1] = math.nan  # the last rank's, a counted row
+    full[0, 2, 0] = math.nan  # the first rank's, a row not counted
+    ids = torch.randint(0, w * ctx.world, (1, 3, k), generator=g)
+    counted = torch.tensor([[True, True, False]])
+    shard = group_shard(ctx.group, w, None, None)
+    start, stop = ctx.rank * w, (ctx.rank + 1) * w
+    for backend in BACKENDS:
+        local = _local(full, start, stop)
+        logp, _ = sharded_logprobs_k(local, ids, counted, shard, which=backend)
+        assert logp[0, 0].isnan().all() and torch.isfinite(logp[0, 1]).all(), backend
+        torch.where(counted[..., None], logp, 0.0).sum().backward()
+        assert torch.isfinite(local.grad[0, 1]).all() and (local.grad[0, 2] == 0).all(), backend
 
 
 @check

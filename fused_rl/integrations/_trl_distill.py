@@ -85,8 +85,9 @@ def divergence_loss(
     t_weight, t_bias = gathered(teacher_lm_head_weight), gathered(teacher_lm_head_bias)
     valid = completion_mask.reshape(-1) != 0
     n_valid = valid.sum()
-    hidden = student_hidden_states.reshape(-1, student_hidden_states.shape[-1])[valid]
-    t_hidden = teacher_hidden_states.reshape(-1, teacher_hidden_states.shape[-1])[valid]
+    rows = valid.nonzero().squeeze(1)  # the one host sync (the count of valid positions)
+    hidden = student_hidden_states.reshape(-1, student_hidden_states.shape[-1])[rows]
+    t_hidden = teacher_hidden_states.reshape(-1, teacher_hidden_states.shape[-1])[rows]
     hidden, weight, bias = _in_compute_dtype(hidden, weight, bias)
     t_hidden, t_weight, t_bias = _in_compute_dtype(t_hidden, t_weight, t_bias)
     if num_items_in_batch is None:

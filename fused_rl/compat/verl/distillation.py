@@ -231,8 +231,8 @@ def compute_forward_kl_topk_megatron(
         (the student's global top K: each rank's own top K of its shard, gathered).
 
     Cost: the student's log-probs at the teacher's ids by one read of each shard forward
-    (the two all-reduces of ``fused_rl.distributed``, 12 bytes a token in fp32, and one of
-    the ids' logits, ``4 K``) and one read and write backward (no collective), where verl
+    (three all-reduces: the row max and the rescaled sum, 8 bytes a token in fp32, and the
+    ids' logits, ``4 K``) and one read and write backward (no collective), where verl
     writes each shard's fp32 log-softmax and softmax (``8 V / tp`` bytes a token) and keeps
     the softmax for its backward; the overlap diagnostic reads the shard once more and
     gathers ``K`` values a token from every rank (verl gathers ``K`` values and ``K`` ids).
@@ -257,7 +257,7 @@ def compute_forward_kl_topk_megatron(
     with torch.no_grad():  # the student's global top K: each shard's own, gathered
         dist = _dist()
         local = torch.topk(student_logits.detach(), k=min(k, student_logits.shape[-1]), dim=-1)
-        local = local.values.float()  # exact; gloo gathers no bf16
+        local = local.values.float()  # gloo gathers no bf16 (exact for 16-bit and fp32 logits)
         gathered = [torch.empty_like(local) for _ in range(shard.world)]
         dist.all_gather(gathered, local, group=group)
         kth = torch.topk(torch.cat(gathered, -1), k=k, dim=-1).values[..., -1:]
