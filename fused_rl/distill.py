@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -67,12 +68,84 @@ def _beta_args(beta: float) -> tuple[float, ...]:
     return (*f32_pair(beta), *f32_pair(logs[0]), *f32_pair(logs[1]))
 
 
-def _temperature_args(temperature: float, softcap: float | None) -> tuple[float, ...]:
-    """The kernels' ``inv_t`` and ``inv_cap`` fp32 pairs: ``1 / T`` and none, or with the soft
-    cap ``c``, ``c / T`` and ``1 / c`` (``kernels/vocab/layer1.py`` ``scaled_logits``)."""
+class _SameAsStudent:
+    """The type of :data:`SAME_AS_STUDENT` (its ``repr`` shows in the signatures)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "SAME_AS_STUDENT"
+
+
+# ``teacher_softcap``'s default: the teacher's logits capped by ``softcap``, as the student's
+# (``teacher_softcap=None`` is an uncapped teacher)
+SAME_AS_STUDENT = _SameAsStudent()
+
+
+class Transforms(NamedTuple):
+    """Each model's logits before the softmax: ``z = c tanh(s x / c) / T`` with the model's
+    logit scale ``s`` and soft cap ``c`` (``z = s x / T`` without a cap; the temperature
+    ``T`` shared, passed apart). The ops take the four fields, in this order, as their last
+    arguments; ``split``: the two transforms differ (the kernels' ``SPLIT``)."""
+
+    softcap: float | None = None
+    logit_scale: float = 1.0
+    teacher_softcap: float | None = None
+    teacher_logit_scale: float = 1.0
+
+    @classmethod
+    def shared(cls, softcap: float | None) -> Transforms:
+        """Both models capped by ``softcap`` (None: neither), unscaled."""
+        return cls(softcap, 1.0, softcap, 1.0)
+
+    @property
+    def split(self) -> bool:
+        return (self.softcap, self.logit_scale) != (self.teacher_softcap, self.teacher_logit_scale)
+
+
+# both models' logits as they are (no scale, no cap): the internal functions' default
+NO_TRANSFORMS = Transforms()
+
+
+def check_transforms(softcap, teacher_softcap, logit_scale, teacher_logit_scale) -> Transforms:
+    """The checked :class:`Transforms` of the public keywords (each a finite number ``> 0``,
+    a ``ValueError`` naming it otherwise; ``teacher_softcap`` :data:`SAME_AS_STUDENT`:
+    ``softcap``)."""
+    if softcap is not None:
+        V.check_positive(softcap, "softcap")
+        softcap = float(softcap)
+    if teacher_softcap is SAME_AS_STUDENT:
+        teacher_softcap = softcap
+    elif teacher_softcap is not None:
+        V.check_positive(teacher_softcap, "teacher_softcap")
+        teacher_softcap = float(teacher_softcap)
+    V.check_positive(logit_scale, "logit_scale")
+    V.check_positive(teacher_logit_scale, "teacher_logit_scale")
+    return Transforms(softcap, float(logit_scale), teacher_softcap, float(teacher_logit_scale))
+
+
+def _temperature_args(temperature: float, softcap: float | None, scale: float = 1.0
+                      ) -> tuple[float, ...]:  # fmt: skip
+    """The kernels' ``inv_t`` and ``inv_cap`` fp32 pairs of one model: ``s / T`` and none, or
+    with the soft cap ``c``, ``c / T`` and ``s / c`` (``kernels/vocab/layer1.py``
+    ``scaled_logits``; the logit scale ``s`` folded in)."""
     if softcap is None:
-        return (*f32_pair(1.0 / temperature), *NO_CAP)
-    return (*f32_pair(softcap / temperature), *f32_pair(1.0 / softcap))
+        return (*f32_pair(scale / temperature), *NO_CAP)
+    return (*f32_pair(softcap / temperature), *f32_pair(scale / softcap))
+
+
+def _transform_args(temperature: float, tf: Transforms) -> tuple[tuple[float, ...], dict]:
+    """The distill kernels' ``inv_t``, ``inv_cap``, ``t_inv_t``, ``t_inv_cap`` fp32 pairs and
+    their switches: ``HAS_SOFTCAP`` (the student's cap, and the teacher's unless ``SPLIT``),
+    with split transforms ``SPLIT`` and ``TEACHER_SOFTCAP`` too (the teacher's pairs are
+    unread without ``SPLIT``)."""
+    student = _temperature_args(temperature, tf.softcap, tf.logit_scale)
+    flags = {"HAS_SOFTCAP": tf.softcap is not None}
+    if not tf.split:
+        return (*student, *student), flags
+    teacher = _temperature_args(temperature, tf.teacher_softcap, tf.teacher_logit_scale)
+    flags.update(SPLIT=True, TEACHER_SOFTCAP=tf.teacher_softcap is not None)
+    return (*student, *teacher), flags
 
 
 def _acc(student: Tensor, teacher: Tensor) -> torch.dtype:
@@ -96,12 +169,16 @@ def distill_fwd(
     num_items: float,
     free: bool,
     softcap: float | None = None,
+    logit_scale: float = 1.0,
+    teacher_softcap: float | None = None,
+    teacher_logit_scale: float = 1.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The distillation loss over ``(outer, inner, V)`` student / teacher logits (any
     strides, each its own) with ``(outer, inner)`` targets / mask (any strides; a bool mask
     passed as uint8). ``agg``: index in ``LOSS_AGG_MODES``; ``num_items`` <= 0 means off;
     ``free``: the backward's gradient form (the kernel's ``FREE``: log-probability inputs
-    taken as free coordinates, ``fused_rl.compat.liger.liger_jsd``), unused here.
+    taken as free coordinates, ``fused_rl.compat.liger.liger_jsd``), unused here;
+    ``softcap`` ... ``teacher_logit_scale``: the two models' :class:`Transforms`.
 
     Returns ``(loss, metrics, seq_scale, stats, part)``: ``loss`` 0-dim (fp32, fp64 for an
     fp64 input), ``metrics`` ``(len(COLUMNS),)`` fp32 (token means of each column, the
@@ -112,15 +189,16 @@ def distill_fwd(
     acc = _acc(student3d, teacher3d)
     part = torch.empty((len(COLUMNS), outer * inner), dtype=acc, device=student3d.device)
     stats = torch.empty((N_STATS, outer * inner), dtype=acc, device=student3d.device)
+    tf = Transforms(softcap, logit_scale, teacher_softcap, teacher_logit_scale)
     _launch_rows(student3d, teacher3d, targets, mask, part, stats, beta, temperature,
-                 ignore_index, softcap)  # fmt: skip
+                 ignore_index, tf)  # fmt: skip
     loss, metrics, seq_scale = _launch_finalize(part, outer, inner, agg, max_length, num_items,
                                                 num_items_t)  # fmt: skip
     return loss, metrics, seq_scale, stats, part
 
 
 def _launch_rows(student3d, teacher3d, targets, mask, part, stats, beta, temperature,
-                 ignore_index, softcap=None) -> None:  # fmt: skip
+                 ignore_index, tf: Transforms) -> None:  # fmt: skip
     """The forward vocab kernel over every row of ``(outer, inner, V)`` logits: writes the
     ``(len(COLUMNS), N)`` partial columns ``part`` and the ``(N_STATS, N)`` statistics."""
     from .kernels.vocab.distill import _distill_fwd_kernel
@@ -129,14 +207,14 @@ def _launch_rows(student3d, teacher3d, targets, mask, part, stats, beta, tempera
     n_rows = outer * inner
     strides = lambda t: t.stride() if t is not None else (0, 0)  # noqa: E731
     if n_rows:
+        transform, flags = _transform_args(temperature, tf)
         _distill_fwd_kernel[(n_rows,)](
             student3d, teacher3d, targets if targets is not None else part,
             mask if mask is not None else part, part, stats, inner, n_rows, vocab,
             *student3d.stride(), *teacher3d.stride(), *strides(targets), *strides(mask),
-            *_temperature_args(temperature, softcap), *_beta_args(beta), ignore_index,
+            *transform, *_beta_args(beta), ignore_index,
             MODE=divergence_mode(beta), HAS_TARGETS=targets is not None,
-            HAS_MASK=mask is not None, ACC=triton_acc(part.dtype),
-            HAS_SOFTCAP=softcap is not None,
+            HAS_MASK=mask is not None, ACC=triton_acc(part.dtype), **flags,
             **vocab_launch(vocab, writes=True),
         )  # fmt: skip
 
@@ -162,7 +240,7 @@ def _launch_finalize(part, outer, inner, agg, max_length, num_items, num_items_t
 
 
 def _fwd_fake(student3d, teacher3d, targets, mask, num_items_t, beta, temperature, ignore_index,
-              agg, max_length, num_items, free, softcap=None):  # fmt: skip
+              agg, max_length, num_items, free, *_transforms):  # fmt: skip
     outer, inner, _ = student3d.shape
     acc = _acc(student3d, teacher3d)
     n_scale = max(outer, 1) if agg == _SEQ_MEAN_TOKEN_MEAN else 1
@@ -189,11 +267,14 @@ def distill_bwd(
     temperature: float,
     free: bool,
     softcap: float | None = None,
+    logit_scale: float = 1.0,
+    teacher_softcap: float | None = None,
+    teacher_logit_scale: float = 1.0,
 ) -> Tensor:
     """The student's gradient, a fresh contiguous ``(outer, inner, V)`` buffer in its
     dtype, from the forward's ``stats`` / ``part`` / ``seq_scale`` and the upstream
     gradient ``grad_loss`` (0-dim, read on device); ``free``: the kernel's ``FREE``
-    form. One launch."""
+    form; the last four: the forward's :class:`Transforms`. One launch."""
     from .kernels.vocab.distill import _distill_bwd_kernel
 
     outer, inner, vocab = student3d.shape
@@ -201,11 +282,14 @@ def distill_bwd(
     if grad.numel() == 0:
         return grad
     n_rows = outer * inner
+    transform, flags = _transform_args(
+        temperature, Transforms(softcap, logit_scale, teacher_softcap, teacher_logit_scale)
+    )
     _distill_bwd_kernel[(n_rows,)](
         student3d, teacher3d, grad, stats, part, grad_loss, seq_scale, inner, n_rows, vocab,
         *student3d.stride(), *teacher3d.stride(), 0 if seq_scale.numel() == 1 else 1,
-        *_temperature_args(temperature, softcap), *_beta_args(beta), MODE=divergence_mode(beta),
-        ACC=triton_acc(stats.dtype), FREE=bool(free), HAS_SOFTCAP=softcap is not None,
+        *transform, *_beta_args(beta), MODE=divergence_mode(beta),
+        ACC=triton_acc(stats.dtype), FREE=bool(free), **flags,
         **vocab_launch(vocab, writes=True),
     )  # fmt: skip
     return grad
@@ -222,7 +306,7 @@ distill_bwd_op.register_fake(_bwd_fake)
 def _setup_context(ctx, inputs, output):
     student3d, teacher3d, *_ = inputs
     ctx.beta, ctx.temperature, ctx.free = inputs[5], inputs[6], inputs[11]
-    ctx.softcap = inputs[12] if len(inputs) > 12 else None
+    ctx.tf = Transforms(*inputs[12:])
     _, metrics, seq_scale, stats, part = output
     ctx.save_for_backward(student3d, teacher3d, stats, part, seq_scale)
     ctx.mark_non_differentiable(metrics, seq_scale, stats, part)
@@ -235,7 +319,7 @@ def _backward(ctx, grad_loss, *_unused):
     if grad_loss is not None:
         grad = distill_bwd_op(
             student3d, teacher3d, stats, part, seq_scale, grad_loss, ctx.beta, ctx.temperature,
-            ctx.free, ctx.softcap,
+            ctx.free, *ctx.tf,
         )  # fmt: skip
     return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
 
@@ -261,17 +345,21 @@ def distill_rows_fwd(
     temperature: float,
     ignore_index: int,
     softcap: float | None = None,
+    logit_scale: float = 1.0,
+    teacher_softcap: float | None = None,
+    teacher_logit_scale: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
     """``(part, stats)``, ``(len(COLUMNS), n)`` / ``(N_STATS, n)``, of ``n`` rows of student
     / teacher logits (``(n, V)`` each, any strides) with ``(n,)`` targets / mask (a bool
-    mask as uint8). One launch."""
+    mask as uint8); the last four: the :class:`Transforms`. One launch."""
     n = student2d.shape[0]
     acc = _acc(student2d, teacher2d)
     part = torch.empty((len(COLUMNS), n), dtype=acc, device=student2d.device)
     stats = torch.empty((N_STATS, n), dtype=acc, device=student2d.device)
     row = lambda t: None if t is None else t[None]  # noqa: E731
+    tf = Transforms(softcap, logit_scale, teacher_softcap, teacher_logit_scale)
     _launch_rows(student2d[None], teacher2d[None], row(targets), row(mask), part, stats, beta,
-                 temperature, ignore_index, softcap)  # fmt: skip
+                 temperature, ignore_index, tf)  # fmt: skip
     return part, stats
 
 
@@ -320,12 +408,16 @@ def distill_rows_grad_into(
     beta: float,
     temperature: float,
     softcap: float | None = None,
+    logit_scale: float = 1.0,
+    teacher_softcap: float | None = None,
+    teacher_logit_scale: float = 1.0,
 ) -> Tensor:
     """The student's gradient of ``n`` rows into ``grad`` (contiguous ``(n, V)``, the
     student's dtype; it may be ``student2d`` itself: the kernel reads each block before it
     writes it), from :func:`distill_rows_fwd`'s ``stats`` / ``part`` (``(k, n)`` columns of
-    one stride), the ``(n,)`` per-row scale and the 0-dim ``scale``. One launch; returns
-    ``grad``. Mutates ``grad``: a raw launcher, not a custom op."""
+    one stride), the ``(n,)`` per-row scale and the 0-dim ``scale``; the last four: the
+    :class:`Transforms`. One launch; returns ``grad``. Mutates ``grad``: a raw launcher, not
+    a custom op."""
     from .kernels.vocab.distill import _distill_bwd_kernel
 
     n, vocab = student2d.shape
@@ -333,13 +425,16 @@ def distill_rows_grad_into(
         return grad
     if stats.stride(0) != part.stride(0) or stats.stride(1) != 1 or part.stride(1) != 1:
         raise ValueError("distill_rows_grad_into takes stats / part columns of one stride")
+    transform, flags = _transform_args(
+        temperature, Transforms(softcap, logit_scale, teacher_softcap, teacher_logit_scale)
+    )
     # one row per "sequence" (rows_inner = 1): row r's scale is row_scale[r]
     _distill_bwd_kernel[(n,)](
         student2d, teacher2d, grad, stats, part, scale, row_scale, 1, stats.stride(0), vocab,
         student2d.stride(0), 0, student2d.stride(1), teacher2d.stride(0), 0,
-        teacher2d.stride(1), row_scale.stride(0), *_temperature_args(temperature, softcap),
+        teacher2d.stride(1), row_scale.stride(0), *transform,
         *_beta_args(beta), MODE=divergence_mode(beta), ACC=triton_acc(stats.dtype), FREE=False,
-        HAS_SOFTCAP=softcap is not None, **vocab_launch(vocab, writes=True),
+        **flags, **vocab_launch(vocab, writes=True),
     )  # fmt: skip
     return grad
 
@@ -354,12 +449,16 @@ def distill_rows_grad_fwd(
     beta: float,
     temperature: float,
     softcap: float | None = None,
+    logit_scale: float = 1.0,
+    teacher_softcap: float | None = None,
+    teacher_logit_scale: float = 1.0,
 ) -> Tensor:
     """:func:`distill_rows_grad_into` into a fresh buffer (the form ``torch.compile``
     traces: a custom op may not mutate its input)."""
     grad = torch.empty(student2d.shape, dtype=student2d.dtype, device=student2d.device)
     return distill_rows_grad_into(grad, student2d, teacher2d, stats, part, row_scale, scale,
-                                  beta, temperature, softcap)  # fmt: skip
+                                  beta, temperature, softcap, logit_scale, teacher_softcap,
+                                  teacher_logit_scale)  # fmt: skip
 
 
 distill_rows_grad_fwd_op = FusedOp("distill_rows_grad_fwd", distill_rows_grad_fwd)
@@ -391,15 +490,15 @@ class _PairDivergence(torch.autograd.Function):
     between: a second pass over each shard from the merged normalisers), differentiable
     w.r.t. ``x3d``; with ``with_extra`` the detached ``(4, outer, inner)`` forward KL,
     reverse KL, ``H(p)``, ``H(q)`` (else empty). ``shard`` None: the whole vocabulary here
-    (Triton, ``beta`` 0 or 1), else this rank's shard (either backend)."""
+    (Triton, ``beta`` 0 or 1), else this rank's shard (either backend); ``tf`` the two
+    models' :class:`Transforms`."""
 
     @staticmethod
-    def forward(ctx, x3d, r3d, mask, temperature, which, shard, beta, with_extra, softcap,
-                check):  # fmt: skip
+    def forward(ctx, x3d, r3d, mask, temperature, which, shard, beta, with_extra, tf, check):
         d, extra, stats = divergence_stats(x3d, r3d, mask, temperature, which, shard, beta,
-                                           with_extra, softcap, check)  # fmt: skip
+                                           with_extra, tf, check)  # fmt: skip
         ctx.save_for_backward(x3d, r3d, stats, mask)
-        ctx.temperature, ctx.which, ctx.beta, ctx.softcap = temperature, which, beta, softcap
+        ctx.temperature, ctx.which, ctx.beta, ctx.tf = temperature, which, beta, tf
         ctx.shard = shard
         ctx.mark_non_differentiable(extra)
         ctx.set_materialize_grads(False)
@@ -413,22 +512,22 @@ class _PairDivergence(torch.autograd.Function):
         with torch.no_grad():
             g = grad_d if mask is None else torch.where(mask, grad_d, 0.0)  # rows not read
             grad = divergence_grad(x3d, r3d, stats, g, ctx.temperature, ctx.which, ctx.beta,
-                                   ctx.softcap, ctx.shard)  # fmt: skip
+                                   ctx.tf, ctx.shard)  # fmt: skip
         return (differentiable_once(grad, x3d, grad_d),) + (None,) * 9
 
 
-def divergence_stats(x3d, r3d, mask, temperature, which, shard, beta, with_extra, softcap=None,
-                     check=False):  # fmt: skip
+def divergence_stats(x3d, r3d, mask, temperature, which, shard, beta, with_extra,
+                     tf=NO_TRANSFORMS, check=False):  # fmt: skip
     """:class:`_PairDivergence`'s forward without autograd: ``(d, extra, stats)``, ``stats``
     the whole vocabulary's ``(N_STATS, n)`` statistics the backward (:func:`divergence_grad`)
     reads. With ``shard`` only its valid columns are read (a padded vocabulary's padding
     never), and the layout is checked through the first collective: ``check`` raises
     ``ValueError`` on every rank (one host sync), otherwise a bad layout makes every value
-    NaN."""
+    NaN. ``tf``: the two models' :class:`Transforms`."""
     mode = divergence_mode(beta)
     if shard is not None:
         x3d, r3d = _valid_columns(x3d, shard), _valid_columns(r3d, shard)
-    stats, extra = _local_stats(x3d, r3d, mask, temperature, which, mode == 0, softcap)
+    stats, extra = _local_stats(x3d, r3d, mask, temperature, which, mode == 0, tf)
     if shard is not None:
         stats, extra = _merge(stats, extra, shard, full=mode != 1 or with_extra, check=check)
     extra = extra.view(4, *x3d.shape[:2])
@@ -436,7 +535,7 @@ def divergence_stats(x3d, r3d, mask, temperature, which, shard, beta, with_extra
         extra = torch.where(mask, extra, 0.0)
     if mode == 2:  # the mixture needs both global normalisers: a second pass, one SUM
         assert shard is not None, "the unsharded JSD runs distill_fwd_op"
-        jsd_parts = _mixture_parts(x3d, r3d, stats, mask, temperature, beta, which, softcap)
+        jsd_parts = _mixture_parts(x3d, r3d, stats, mask, temperature, beta, which, tf)
         _dist().all_reduce(jsd_parts, op=_dist().ReduceOp.SUM, group=shard.group)
         stats = torch.cat((stats[:_C], jsd_parts[1:], stats[_LOG_S_U:]))  # c: sum p L
         d = jsd_parts[0].view(x3d.shape[:2])
@@ -448,12 +547,13 @@ def divergence_stats(x3d, r3d, mask, temperature, which, shard, beta, with_extra
 
 
 def pair_divergence(x3d, r3d, mask, temperature, which, shard, beta=1.0, with_extra=False,
-                    softcap=None, check=False):  # fmt: skip
+                    softcap=None, check=False, tf=None):  # fmt: skip
     """:class:`_PairDivergence` (checked inputs): ``(d, extra)``; ``softcap``: both models'
-    logits capped, ``c tanh(x / c)``, before the temperature; ``check``: the layout check
-    of :func:`divergence_stats`."""
+    logits capped, ``c tanh(x / c)``, before the temperature, or ``tf``: each model's own
+    :class:`Transforms`; ``check``: the layout check of :func:`divergence_stats`."""
+    tf = Transforms.shared(softcap) if tf is None else tf
     return _PairDivergence.apply(x3d, r3d, mask, temperature, which, shard, beta, with_extra,
-                                 softcap, check)  # fmt: skip
+                                 tf, check)  # fmt: skip
 
 
 def _valid_columns(x3d: Tensor, shard) -> Tensor:
@@ -462,28 +562,38 @@ def _valid_columns(x3d: Tensor, shard) -> Tensor:
     return x3d if shard.valid == x3d.shape[-1] else x3d.narrow(-1, 0, shard.valid)
 
 
-def _capped(x: Tensor, softcap: float | None) -> Tensor:
-    """``c tanh(x / c)`` (the reference's soft cap), or ``x``."""
+def _capped(x: Tensor, softcap: float | None, scale: float = 1.0) -> Tensor:
+    """``c tanh(s x / c)`` (the reference's soft cap of the scaled logits), or ``s x``."""
+    if scale != 1.0:
+        x = scale * x
     return x if softcap is None else softcap * torch.tanh(x / softcap)
 
 
+def _student(x: Tensor, tf: Transforms) -> Tensor:
+    return _capped(x, tf.softcap, tf.logit_scale)
+
+
+def _teacher(x: Tensor, tf: Transforms) -> Tensor:
+    return _capped(x, tf.teacher_softcap, tf.teacher_logit_scale)
+
+
 @_serialised_when_interpreting
-def _launch_mixture(x3d, r3d, stats, mask, out, temperature, beta, softcap) -> None:
+def _launch_mixture(x3d, r3d, stats, mask, out, temperature, beta, tf) -> None:
     """``_distill_mixture_kernel`` over every row of ``(outer, inner, V)`` shards."""
     from .kernels.vocab.distill import _distill_mixture_kernel
 
     outer, inner, vocab = x3d.shape
     assert mask is None or mask.is_contiguous(), "the kernel reads the mask by row index"
+    transform, flags = _transform_args(temperature, tf)
     _distill_mixture_kernel[(outer * inner,)](
         x3d, r3d, stats, mask.view(torch.uint8) if mask is not None else stats, out, inner,
-        outer * inner, vocab, *x3d.stride(), *r3d.stride(),
-        *_temperature_args(temperature, softcap), *_beta_args(beta),
-        HAS_MASK=mask is not None, ACC=triton_acc(stats.dtype), HAS_SOFTCAP=softcap is not None,
+        outer * inner, vocab, *x3d.stride(), *r3d.stride(), *transform, *_beta_args(beta),
+        HAS_MASK=mask is not None, ACC=triton_acc(stats.dtype), **flags,
         **vocab_launch(vocab, writes=True),
     )  # fmt: skip
 
 
-def _mixture_parts(x3d, r3d, stats, mask, temperature, beta, which, softcap=None) -> Tensor:
+def _mixture_parts(x3d, r3d, stats, mask, temperature, beta, which, tf) -> Tensor:
     """``(2, n)``: this shard's part of each row's generalized JSD and of ``sum_v p_v L_v``,
     from the whole vocabulary's ``stats`` (the JSD's second pass; Triton:
     ``_distill_mixture_kernel``, reads the shard's rows once more)."""
@@ -493,11 +603,11 @@ def _mixture_parts(x3d, r3d, stats, mask, temperature, beta, which, softcap=None
     if vocab == 0 or n == 0:
         return out
     if which == "triton":
-        _launch_mixture(x3d, r3d, stats, mask, out, temperature, beta, softcap)
+        _launch_mixture(x3d, r3d, stats, mask, out, temperature, beta, tf)
         return out
     st = stats.view(N_STATS, outer, inner, 1)
-    z = _capped(x3d.to(stats.dtype), softcap) / temperature
-    u = _capped(r3d.to(stats.dtype), softcap) / temperature
+    z = _student(x3d.to(stats.dtype), tf) / temperature
+    u = _teacher(r3d.to(stats.dtype), tf) / temperature
     log_p = (z - st[_MAX_Z]) - st[_LOG_S_Z]
     log_q = (u - st[_MAX_U]) - st[_LOG_S_U]
     delta = ((u - z) - (st[_MAX_U] - st[_MAX_Z])) + st[_LOG_RATIO]  # log q - log p
@@ -510,7 +620,7 @@ def _mixture_parts(x3d, r3d, stats, mask, temperature, beta, which, softcap=None
     return parts.reshape(2, n)
 
 
-def _local_stats(x3d, r3d, mask, temperature, which, forward_kl=False, softcap=None):
+def _local_stats(x3d, r3d, mask, temperature, which, forward_kl, tf):
     """``(stats, extra)``: the ``(N_STATS, outer * inner)`` row statistics of this shard's (or
     the whole vocabulary's) columns in the distill kernels' layout (``c`` the reverse KL), and
     ``(4, outer * inner)`` forward KL, reverse KL, ``H(p)``, ``H(q)`` over those columns."""
@@ -526,7 +636,7 @@ def _local_stats(x3d, r3d, mask, temperature, which, forward_kl=False, softcap=N
         m8 = None if mask is None else mask.view(torch.uint8)
         _, _, _, stats, part = distill_fwd_op(
             x3d, r3d, None, m8, None, 0.0 if forward_kl else 1.0, temperature, -100, 0,
-            float(inner), 0.0, False, softcap,
+            float(inner), 0.0, False, *tf,
         )  # fmt: skip
         if forward_kl:  # the kernel's c is the reverse KL only at beta = 1
             stats = torch.cat((stats[:_C], part[_COL_REVERSE][None], stats[_LOG_S_U:]))
@@ -537,7 +647,7 @@ def _local_stats(x3d, r3d, mask, temperature, which, forward_kl=False, softcap=N
     if mask is not None:
         keep = mask[..., None]
         z, u = torch.where(keep, z, 0.0), torch.where(keep, u, 0.0)
-    z, u = _capped(z, softcap) / temperature, _capped(u, softcap) / temperature
+    z, u = _student(z, tf) / temperature, _teacher(u, tf) / temperature
     m_z, m_u = z.amax(-1), u.amax(-1)
     m_z0 = torch.where(torch.isfinite(m_z), m_z, 0.0)
     m_u0 = torch.where(torch.isfinite(m_u), m_u, 0.0)
@@ -640,16 +750,18 @@ def _merge(stats: Tensor, extra: Tensor, shard, full: bool, check: bool = False
 
 
 def divergence_grad(x3d, r3d, stats, grad_kl, temperature, which, beta=1.0,
-                    softcap=None, shard=None) -> Tensor:  # fmt: skip
+                    tf=NO_TRANSFORMS, shard=None) -> Tensor:  # fmt: skip
     """``dL/dlogits`` of this rank's (or the whole) ``(outer, inner, V)`` logits from the
     global statistics, ``g_t / T`` times (``kernels/vocab/distill.py``): ``p_v (-delta_v -
     KL_t)`` at ``beta = 1``, ``p_v - q_v`` at 0, ``-(1 - beta) p_v (L_v - c_t)`` between
     (``c_t = sum_w p_w L_w``, the statistic ``C``); where ``p_v == 0`` 0 (the forward KL:
     ``-q_v``), NaN in a row whose ``KL_t`` / ``c_t`` is not finite, as the kernel. With a
-    ``shard`` whose vocabulary is padded, 0 at the padding columns (never read)."""
+    ``shard`` whose vocabulary is padded, 0 at the padding columns (never read). ``tf``: the
+    two models' :class:`Transforms` (``g_t`` then times the student's ``dz/dx``, not ``1 / T``).
+    """
     if shard is not None and shard.valid != x3d.shape[-1]:
         grad = divergence_grad(_valid_columns(x3d, shard), _valid_columns(r3d, shard), stats,
-                               grad_kl, temperature, which, beta, softcap)  # fmt: skip
+                               grad_kl, temperature, which, beta, tf)  # fmt: skip
         return torch.nn.functional.pad(grad, (0, x3d.shape[-1] - shard.valid))
     outer, inner, vocab = x3d.shape
     if vocab == 0:
@@ -660,11 +772,11 @@ def divergence_grad(x3d, r3d, stats, grad_kl, temperature, which, beta=1.0,
         part[_COL_COUNT] = g  # the kernel's per-row coefficient: the upstream gradient
         one = torch.ones((1,), dtype=stats.dtype, device=x3d.device)
         return distill_bwd_op(x3d, r3d, stats, part, one, one[0], beta, temperature, False,
-                              softcap)  # fmt: skip
+                              *tf)  # fmt: skip
     keep = (g != 0).view(outer, inner, 1)  # rows that do not count: exact zeros, never read
     x = torch.where(keep, x3d.to(stats.dtype), 0.0)
-    z = _capped(x, softcap) / temperature
-    u = _capped(torch.where(keep, r3d.to(stats.dtype), 0.0), softcap) / temperature
+    z = _student(x, tf) / temperature
+    u = _teacher(torch.where(keep, r3d.to(stats.dtype), 0.0), tf) / temperature
     st = stats.view(N_STATS, outer, inner, 1)
     log_p = (z - st[_MAX_Z]) - st[_LOG_S_Z]
     log_q = (u - st[_MAX_U]) - st[_LOG_S_U]
@@ -682,8 +794,10 @@ def divergence_grad(x3d, r3d, stats, grad_kl, temperature, which, beta=1.0,
         excess, _ = ref.mixture_terms(torch.where(near, delta, 0.0), near, p, log_q.exp(),
                                       log_p, log_q, beta)  # fmt: skip
         terms = torch.where(p == 0, st[_C] - st[_C], (beta - 1.0) * p * (excess - st[_C]))
-    if softcap is not None:  # dz/dx of the cap
-        terms = terms * (1.0 - torch.tanh(x / softcap) ** 2)
+    if tf.softcap is not None:  # dz/dx of the cap
+        terms = terms * (1.0 - torch.tanh(_capped(x, None, tf.logit_scale) / tf.softcap) ** 2)
+    if tf.logit_scale != 1.0:  # and of the scale
+        terms = terms * tf.logit_scale
     grad = torch.where(keep, g.view(outer, inner, 1) * terms, 0.0) / temperature
     return grad.to(x3d.dtype)
 
@@ -749,6 +863,9 @@ def distill_loss(
     beta: float = 0.5,
     temperature: float = 1.0,
     softcap: float | None = None,
+    teacher_softcap: float | None | _SameAsStudent = SAME_AS_STUDENT,
+    logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
     mask: Tensor | None = None,
     targets: Tensor | None = None,
     ignore_index: int = -100,
@@ -764,7 +881,9 @@ def distill_loss(
     teacher's next-token distributions, fused over the vocabulary.
 
     Per token, with ``p = softmax(logits / T)`` (student) and ``q = softmax(teacher_logits
-    / T)`` (teacher), the divergence of TRL's ``GKDTrainer.generalized_jsd_loss``:
+    / T)`` (teacher; each model's logits first scaled and soft-capped by its own
+    ``logit_scale`` / ``softcap`` where given), the divergence of TRL's
+    ``GKDTrainer.generalized_jsd_loss``:
     ``beta == 0``: forward KL ``KL(q || p) = sum_v q (log q - log p)``; ``beta == 1``:
     reverse KL ``KL(p || q)``; otherwise the generalized Jensen-Shannon divergence
     ``beta KL(q || m) + (1 - beta) KL(p || m)`` with ``m = (1 - beta) p + beta q``. The
@@ -778,9 +897,20 @@ def distill_loss(
             requires grad raises ``ValueError`` (pass ``.detach()``).
         beta: in ``[0, 1]`` (see above; 0 and 1 are exact tests, as TRL's).
         temperature: both logits are divided by it (``> 0``); the loss is not rescaled.
-        softcap: Gemma-style soft cap ``c`` of both models' logits (a finite ``c > 0``;
-            None = none): ``c tanh(x / c)``, then the temperature, its gradient included (as
+        softcap: Gemma-style soft cap ``c`` of the student's logits, and of the teacher's
+            unless ``teacher_softcap`` says otherwise (a finite ``c > 0``; None = none):
+            ``c tanh(x / c)``, then the temperature, its gradient included (as
             :func:`fused_rl.token_logprobs`).
+        teacher_softcap: the teacher's own soft cap (a finite ``c > 0``; None: the teacher
+            uncapped); by default (``fused_rl.distill.SAME_AS_STUDENT``) ``softcap``.
+        logit_scale, teacher_logit_scale: each model's logit scale ``s`` (a finite ``s > 0``,
+            default 1: Granite's ``logits_scaling`` is ``1 / s``, Cohere's ``logit_scale``
+            ``s``): with them each model's logits become ``z = c tanh(s x / c) / T`` (``s x / T``
+            uncapped), as TRL's ``DistillationTrainer`` transforms each model's logits with its
+            own config; the student's gradient includes ``dz/dx``. Models whose scale and cap
+            agree run the kernels' one-transform code (the keywords at their defaults:
+            bit-identical to a call without them); models that differ stream each row
+            through its own transform, at the same bytes a row.
         mask: ``logits.shape[:-1]``, bool / integer / float: a token counts where it is
             nonzero; a float (or integer) mask is a per-token weight ``m_t >= 0``, as for
             :func:`fused_rl.policy_loss` (a negative one raises in eager mode with
@@ -845,9 +975,7 @@ def distill_loss(
         >>> bool(student.grad[:, :2].eq(0).all())
         True
     """
-    if softcap is not None:
-        V.check_positive(softcap, "softcap")
-        softcap = float(softcap)
+    tf = check_transforms(softcap, teacher_softcap, logit_scale, teacher_logit_scale)
     if (
         process_group is not None
         or is_dtensor(logits)
@@ -856,15 +984,16 @@ def distill_loss(
     ):
         return _sharded_distill_loss(
             logits, teacher_logits, beta, temperature, mask, targets, ignore_index, loss_agg,
-            num_items, max_length, process_group, backend, softcap, vocab_start, vocab_size,
+            num_items, max_length, process_group, backend, tf, vocab_start, vocab_size,
         )  # fmt: skip
     return _distill_loss(logits, teacher_logits, beta, temperature, mask, targets, ignore_index,
-                         loss_agg, num_items, max_length, backend, False, softcap)  # fmt: skip
+                         loss_agg, num_items, max_length, backend, False, tf)  # fmt: skip
 
 
 def _sharded_distill_loss(logits, teacher_logits, beta, temperature, mask, targets,
                           ignore_index, loss_agg, num_items, max_length, process_group,
-                          backend, softcap=None, vocab_start=None, vocab_size=None):  # fmt: skip
+                          backend, tf=NO_TRANSFORMS, vocab_start=None,
+                          vocab_size=None):  # fmt: skip
     """:func:`distill_loss` over a vocabulary split across ranks: the per-token divergence
     (:func:`pair_divergence`, merged across shards), aggregated with ``fused_rl._agg``'s
     token weights, the metrics masked means."""
@@ -880,7 +1009,7 @@ def _sharded_distill_loss(logits, teacher_logits, beta, temperature, mask, targe
     if shard is None:  # a DTensor replicated over the vocabulary: an ordinary call
         return _distill_loss(
             logits, teacher_logits, beta, temperature, mask, targets, ignore_index, loss_agg,
-            num_items, max_length, backend, False, softcap,
+            num_items, max_length, backend, False, tf,
         )  # fmt: skip
     which = resolve_backend(backend, logits, teacher_logits, mask, targets)
     x3d, r3d = as_rows3d(logits), as_rows3d(teacher_logits)
@@ -890,7 +1019,7 @@ def _sharded_distill_loss(logits, teacher_logits, beta, temperature, mask, targe
     m = weights_of(mask, like, acc, targets, ignore_index).reshape(rows)
     check_vocab_limit(shard)
     d, extra = pair_divergence(x3d, r3d, m != 0, float(temperature), which, shard,
-                               beta=float(beta), with_extra=True, softcap=softcap,
+                               beta=float(beta), with_extra=True, tf=tf,
                                check=V.value_checks_enabled(logits))  # fmt: skip
     w = token_weights(m, loss_agg, max_length=max_length, num_items=num_items, dtype=acc)
     loss = torch.where(w != 0, d * w, torch.zeros_like(d)).sum()
@@ -902,17 +1031,18 @@ def _sharded_distill_loss(logits, teacher_logits, beta, temperature, mask, targe
 
 
 def _distill_loss(logits, teacher_logits, beta, temperature, mask, targets, ignore_index,
-                  loss_agg, num_items, max_length, backend, free, softcap=None):  # fmt: skip
+                  loss_agg, num_items, max_length, backend, free, tf=NO_TRANSFORMS):  # fmt: skip
     """:func:`distill_loss`; ``free``: the gradient w.r.t. ``logits`` taken as free
     log-probability coordinates (the kernel's ``FREE``: ``fused_rl.compat.liger``), not
-    through the softmax. The value is the same."""
+    through the softmax. The value is the same. ``tf``: the two models' checked
+    :class:`Transforms`."""
     _check(logits, teacher_logits, beta, temperature, mask, targets, ignore_index, loss_agg,
            max_length, num_items)  # fmt: skip
     which = resolve_backend(backend, logits, teacher_logits, mask, targets)
     beta, temperature = float(beta), float(temperature)
     if which == "reference":
         return _reference(logits, teacher_logits, beta, temperature, mask, targets,
-                          ignore_index, loss_agg, num_items, max_length, free, softcap)  # fmt: skip
+                          ignore_index, loss_agg, num_items, max_length, free, tf)  # fmt: skip
     student3d, teacher3d = as_rows3d(logits), as_rows3d(teacher_logits)
     outer, inner = student3d.shape[:2]
     rows = lambda t: None if t is None else t.reshape(outer, inner)  # a view, strides kept
@@ -922,7 +1052,7 @@ def _distill_loss(logits, teacher_logits, beta, temperature, mask, targets, igno
     loss, metrics, *_ = distill_fwd_op(
         student3d, teacher3d, rows(targets), rows(mask), n_items_t, beta, temperature,
         int(ignore_index), LOSS_AGG_MODES.index(loss_agg), float(max_length or inner), n_items,
-        bool(free), softcap,
+        bool(free), *tf,
     )  # fmt: skip
     values = metrics.unbind()
     out = {}
@@ -932,7 +1062,7 @@ def _distill_loss(logits, teacher_logits, beta, temperature, mask, targets, igno
 
 
 def _reference(logits, teacher_logits, beta, temperature, mask, targets, ignore_index, loss_agg,
-               num_items, max_length, free=False, softcap=None):  # fmt: skip
+               num_items, max_length, free=False, tf=NO_TRANSFORMS):  # fmt: skip
     """The reference backend: per-token divergences (``fused_rl.reference.distill``), the
     weights of ``fused_rl._agg``, masked means for the metrics."""
     acc = acc_dtype(logits, teacher_logits)
@@ -940,9 +1070,10 @@ def _reference(logits, teacher_logits, beta, temperature, mask, targets, ignore_
     rows = (1, lead[0]) if logits.dim() == 2 else tuple(lead)
     m = weights_of(mask, logits[..., 0], acc, targets, ignore_index).reshape(rows)
     counted = (m != 0).reshape(lead)
-    if softcap is not None:  # rows that do not count zeroed first: no NaN through the cap
-        logits = ref.capped_rows(logits, counted, softcap)
-        teacher_logits = ref.capped_rows(teacher_logits.detach(), counted, softcap)
+    # each model's scale and cap, on the rows that count (zeroed first: no NaN through the cap)
+    logits = ref.capped_rows(logits, counted, tf.softcap, tf.logit_scale)
+    teacher_logits = ref.capped_rows(teacher_logits.detach(), counted, tf.teacher_softcap,
+                                     tf.teacher_logit_scale)  # fmt: skip
     terms = ref.token_divergences(
         logits, teacher_logits, beta=beta, temperature=temperature, counted=counted,
         free_logprobs=free,

@@ -44,8 +44,13 @@ from ._ops import _serialised_when_interpreting, _tracing
 from ._policy_inputs import num_items_args, weights_of
 from .distill import (
     METRICS,
+    NO_TRANSFORMS,
+    SAME_AS_STUDENT,
+    Transforms,
+    _SameAsStudent,
     check_options,
     check_teacher_frozen,
+    check_transforms,
     distill_finalize_op,
     distill_rows_fwd_op,
     distill_rows_grad_fwd_op,
@@ -109,7 +114,7 @@ class _Launch:
     which: str  # "triton" | "reference"
     shard: object = None  # fused_rl.distributed.VocabShard of the lm_heads, or None
     reduce_hidden: bool = True  # with a shard: all-reduce the hidden gradient
-    softcap: float | None = None  # both models' logits capped, c tanh(z / c)
+    tf: Transforms = NO_TRANSFORMS  # each model's logit scale and soft cap
 
 
 def _run(rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_scale,
@@ -143,45 +148,42 @@ def _run(rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_sca
         if triton:
             part_c, stats_c = distill_rows_fwd_op(
                 z, zt, pick(targets, r), pick(mask, r), launch.beta, launch.temperature,
-                launch.ignore_index, launch.softcap,
+                launch.ignore_index, *launch.tf,
             )  # fmt: skip
             part[:, r] = part_c
             if grad and (torch.compiler.is_compiling() or _tracing()):  # may not mutate
                 dz = distill_rows_grad_fwd_op(z, zt, stats_c, part_c, row_scale[r], one,
                                               launch.beta, launch.temperature,
-                                              launch.softcap)  # fmt: skip
+                                              *launch.tf)  # fmt: skip
             elif grad:  # the chunk's logits become their gradient in place
                 dz = _rows_grad_into(z, z, zt, stats_c, part_c, row_scale[r], one,
-                                     launch.beta, launch.temperature, launch.softcap)  # fmt: skip
+                                     launch.beta, launch.temperature, *launch.tf)  # fmt: skip
                 dz_full = z_full
         elif shard is not None:  # this rank's vocabulary shard, merged across ranks per chunk
             counted = (m[r] != 0)[None]
             d, extra, stats = divergence_stats(
                 z[None], zt[None], counted, launch.temperature, launch.which, shard,
-                launch.beta, True, launch.softcap,
+                launch.beta, True, launch.tf,
             )  # fmt: skip
             terms[:, r] = torch.cat((d, extra[:, 0]))
             if grad:
                 w = (m[r] * row_scale[r])[None]
                 dz = divergence_grad(z[None], zt[None], stats, w, launch.temperature,
-                                     launch.which, launch.beta, launch.softcap,
+                                     launch.which, launch.beta, launch.tf,
                                      shard)[0]  # fmt: skip
         else:
-            counted = m[r] != 0
-            zc, ztc, sech2 = z, zt, None
-            if launch.softcap is not None:  # the cap on rows that count (no NaN through it)
-                c, keep = launch.softcap, counted[:, None]
-                t = torch.tanh(torch.where(keep, z.to(acc), 0.0) / c)
-                ztc = c * torch.tanh(torch.where(keep, zt.to(acc), 0.0) / c)
-                zc, sech2 = c * t, 1 - t * t
+            counted, tf = m[r] != 0, launch.tf
+            # each model's scale and cap on rows that count (no NaN through the cap)
+            zc, slope = ref.capped_rows_and_slope(z, counted, tf.softcap, tf.logit_scale)
+            ztc = ref.capped_rows(zt, counted, tf.teacher_softcap, tf.teacher_logit_scale)
             out = ref.token_divergences(zc, ztc, beta=launch.beta, temperature=launch.temperature,
                                         counted=counted)  # fmt: skip
             terms[:, r] = torch.stack([out["d"].detach()] + [out[k] for k in METRICS[1:]])
             if grad:
                 g = ref.student_grad(zc, ztc, beta=launch.beta, temperature=launch.temperature,
                                      counted=counted)  # fmt: skip
-                if sech2 is not None:
-                    g = g * sech2
+                if slope is not None:  # dz/dx of the scale and the cap
+                    g = g * slope
                 w = (m[r] * row_scale[r])[:, None]
                 dz = torch.where(w != 0, g * w, torch.zeros_like(g)).to(z.dtype)
         # with dz written over z, its GEMM buffer is z's
@@ -297,6 +299,9 @@ def linear_distill_loss(
     beta: float = 0.5,
     temperature: float = 1.0,
     softcap: float | None = None,
+    teacher_softcap: float | None | _SameAsStudent = SAME_AS_STUDENT,
+    logit_scale: float = 1.0,
+    teacher_logit_scale: float = 1.0,
     mask: Tensor | None = None,
     targets: Tensor | None = None,
     ignore_index: int = -100,
@@ -334,10 +339,14 @@ def linear_distill_loss(
             requires grad raises ``ValueError`` naming it (pass ``.detach()``, or freeze the
             teacher's parameters with ``requires_grad_(False)``).
         bias, teacher_bias: optional ``(V,)`` biases of the two heads.
-        beta, temperature, softcap, mask, targets, ignore_index, loss_agg, num_items,
-            max_length: as :func:`distill_loss`, over ``hidden.shape[:-1]`` (``targets`` only
-            mark ignored positions, never read as an index; ``softcap`` caps each chunk's
-            logits of both models).
+        beta, temperature, softcap, teacher_softcap, logit_scale, teacher_logit_scale, mask,
+            targets, ignore_index, loss_agg, num_items, max_length: as :func:`distill_loss`,
+            over ``hidden.shape[:-1]`` (``targets`` only mark ignored positions, never read
+            as an index; each model's chunk logits ``x`` become ``c tanh(s x / c) / T`` with
+            its own scale ``s`` and cap ``c``: ``softcap`` caps both unless
+            ``teacher_softcap`` is given, ``None`` an uncapped teacher; TRL's
+            ``DistillationTrainer`` with models of different ``logit_scale`` /
+            ``final_logit_softcapping``).
         chunk_tokens: rows per chunk; None keeps one chunk's student and teacher logits
             together under 256 MiB (``fused_rl.linear.CHUNK_BYTES``; at most 4096 rows).
         process_group: vocabulary (tensor) parallelism, the Megatron ``ColumnParallelLinear``
@@ -405,9 +414,7 @@ def linear_distill_loss(
         mask, targets, ignore_index, loss_agg, max_length, num_items, chunk_tokens,
         process_group is not None,
     )  # fmt: skip
-    if softcap is not None:
-        V.check_positive(softcap, "softcap")
-        softcap = float(softcap)
+    tf = check_transforms(softcap, teacher_softcap, logit_scale, teacher_logit_scale)
     if not isinstance(reduce_hidden_grad, bool):
         raise TypeError(f"reduce_hidden_grad must be a bool, got {type(reduce_hidden_grad)}")
     check_layout_keywords(process_group, vocab_start, vocab_size)
@@ -453,7 +460,7 @@ def linear_distill_loss(
     launch = _Launch(
         float(beta), float(temperature), int(ignore_index), chunk, outer, inner,
         LOSS_AGG_MODES.index(loss_agg), float(max_length or inner), n_items, which, shard,
-        bool(reduce_hidden_grad), softcap,
+        bool(reduce_hidden_grad), tf,
     )  # fmt: skip
     args = (rows, weight, bias, t_rows.detach(), teacher_weight.detach(),
             None if teacher_bias is None else teacher_bias.detach(), flat_targets, flat_mask,

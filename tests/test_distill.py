@@ -67,8 +67,24 @@ def oracle_aggregate(d, m, loss_agg="token-mean", num_items=None, max_length=Non
     return md.sum() / (max(n_seq, 1) * (max_length or length))
 
 
+def oracle_transform(x, scale, cap, dtype):
+    """A model's logits as TRL's ``DistillationTrainer`` transforms them with the model's own
+    config before the temperature: times its logit scale ``s``, then its soft cap ``c``:
+    ``c tanh(s x / c)`` (``s x`` uncapped), in ``dtype``."""
+    x = x.to(dtype) * scale
+    return x if cap is None else cap * torch.tanh(x / cap)
+
+
 def oracle_call(s, t, *, beta, temperature=1.0, mask=None, targets=None, loss_agg="token-mean",
-                num_items=None, max_length=None, dtype=torch.float64):  # fmt: skip
+                num_items=None, max_length=None, dtype=torch.float64, softcap=None,
+                teacher_softcap="same", logit_scale=1.0, teacher_logit_scale=1.0):  # fmt: skip
+    """The loss and metrics of ``distill_loss``'s keywords; each model's logits through its
+    own scale and cap first (``teacher_softcap="same"``: ``softcap``)."""
+    teacher_softcap = softcap if teacher_softcap == "same" else teacher_softcap
+    if (softcap, logit_scale) != (None, 1.0):
+        s = oracle_transform(s, logit_scale, softcap, dtype)
+    if (teacher_softcap, teacher_logit_scale) != (None, 1.0):
+        t = oracle_transform(t, teacher_logit_scale, teacher_softcap, dtype)
     terms = oracle_terms(s, t, beta, temperature, dtype)
     rows = terms[0].shape if s.dim() == 3 else (1, s.shape[0])
     m = oracle_weights(s.shape[:-1], mask, targets).reshape(rows)
@@ -181,6 +197,119 @@ def test_softcap(backend, beta, cap):
         assert rel_err(metrics[name], value) <= 1e-5, name
     with pytest.raises(ValueError, match="softcap"):
         fused_rl.distill_loss(s, t, softcap=0.0)
+
+
+# each model's own logit scale and soft cap (TRL's ``DistillationTrainer``: the student's and
+# the teacher's config), as distill_loss / linear_distill_loss keywords
+SPLIT_CASES = {
+    "student_scaled": dict(logit_scale=2.5),
+    "teacher_scaled": dict(teacher_logit_scale=0.4),
+    "scaled_alike": dict(logit_scale=1.7, teacher_logit_scale=1.7),  # one transform: not split
+    "student_capped": dict(softcap=3.0, teacher_softcap=None),
+    "teacher_capped": dict(teacher_softcap=2.0),
+    "caps_differ": dict(softcap=3.0, teacher_softcap=5.0),
+    "all_differ": dict(logit_scale=1.5, softcap=4.0, teacher_logit_scale=0.6,
+                       teacher_softcap=2.5),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("beta", (0.0, 0.3, 1.0))
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+def test_each_model_its_own_transform(case, beta, dtype, backend, device):
+    """``z = c tanh(s x / c) / T`` with each model's own ``s`` and ``c``: the float64 oracle
+    (each model's transform, then TRL's divergence) on a strided student, a transposed
+    teacher, a float mask and ignored targets: the loss, all five metrics and the gradient
+    through the student's scale and cap under a random upstream gradient."""
+    gen = torch.Generator().manual_seed(int(beta * 10) + 3 * list(SPLIT_CASES).index(case))
+    B, T, V = 2, 5, 37
+    buf = (torch.randn(B, T + 1, V, generator=gen) * 2).to(device, dtype)
+    t = (torch.randn(T, B, V, generator=gen) * 2).to(device, dtype).transpose(0, 1)
+    mask = torch.rand(B, T, generator=gen).to(device)
+    mask[0, 1] = 0.0
+    targets = torch.randint(0, V, (B, T), generator=gen).to(device)
+    targets[1, :2] = -100
+    check_against_oracle(buf[:, :-1], t, backend=backend, dtype=dtype, beta=beta,
+                         temperature=0.8, mask=mask, targets=targets,
+                         **SPLIT_CASES[case])  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "shape", [(3, 1, 11), (2, 3, 5), (1, 2, 1), (7, 13), (1, 3, 5000)], ids=str
+)  # T = 1, V below one block, V = 1, packed (N, V), V above one block
+def test_own_transforms_awkward_shapes(shape, backend, device):
+    """Split transforms on awkward shapes, a masked row holding NaN / inf (never read: an
+    exact zero gradient), the float64 oracle on the other rows."""
+    for k, (beta, case) in enumerate(((0.0, "all_differ"), (0.3, "teacher_capped"),
+                                      (1.0, "student_scaled"))):  # fmt: skip
+        s, t, gen = make(shape, seed=k + shape[-1], scale=1.0, device=device)
+        mask = torch.ones(shape[:-1], dtype=torch.bool, device=device)
+        mask.view(-1)[-1] = False
+        s.view(-1, shape[-1])[-1, 0] = float("nan")
+        t.view(-1, shape[-1])[-1, -1] = float("inf")
+        up = torch.tensor(0.9, dtype=torch.float64, device=device)
+        kw = dict(beta=beta, temperature=0.9, mask=mask, **SPLIT_CASES[case])
+        loss, metrics, grad = run(s, t, up, backend=backend, **kw)
+        keep = mask[..., None]
+        s64 = torch.where(keep, s.double(), 0.0).requires_grad_()
+        want, want_metrics = oracle_call(s64, torch.where(keep, t.double(), 0.0), **kw)
+        (want_grad,) = torch.autograd.grad(want, s64, up)
+        assert rel_err(loss, want) <= FP32_TOL, (case, rel_err(loss, want))
+        for name, value in want_metrics.items():
+            assert rel_err(metrics[name], value) <= 1e-5, (case, name)
+        assert rel_err(grad, want_grad) <= FP32_TOL, (case, rel_err(grad, want_grad))
+        assert bool((grad.view(-1, shape[-1])[-1] == 0).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("cap", (None, 3.0))
+def test_equal_transforms_are_the_call_without_them(cap, beta, backend, device):
+    """The new keywords at their defaults, spelled out (or the teacher's cap given as the
+    student's, a scale as the int 1) run exactly today's code: bit-identical values, metrics
+    and gradient."""
+    s, t, gen = make((2, 4, 29), device=device, seed=31)
+    mask = (torch.rand(2, 4, generator=gen) > 0.2).to(device)
+    up = torch.tensor(1.1, device=device)
+    want = run(s, t, up, beta=beta, temperature=0.7, softcap=cap, mask=mask, backend=backend)
+    for kw in (dict(teacher_softcap=cap), dict(logit_scale=1.0, teacher_logit_scale=1),
+               dict(logit_scale=1, teacher_logit_scale=1.0, teacher_softcap=cap)):  # fmt: skip
+        got = run(s, t, up, beta=beta, temperature=0.7, softcap=cap, mask=mask,
+                  backend=backend, **kw)  # fmt: skip
+        assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2]), kw
+        assert all(torch.equal(got[1][k], want[1][k]) for k in want[1]), kw
+    tf = distill_mod.check_transforms(cap, cap, 1, 1.0)
+    assert not tf.split and "SPLIT" not in distill_mod._transform_args(0.7, tf)[1]
+    assert distill_mod.check_transforms(cap, distill_mod.SAME_AS_STUDENT, 2.0, 2.0).split is False
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("beta", [0.0, 0.4, 1.0])
+@pytest.mark.parametrize("case", ["all_differ", "student_capped", "teacher_scaled"])
+def test_own_transforms_gradcheck_float64(case, beta, backend, device):
+    gen = torch.Generator().manual_seed(19)
+    s = (torch.randn(2, 2, 5, generator=gen, dtype=torch.float64) * 3).to(device)
+    t = (torch.randn(2, 2, 5, generator=gen, dtype=torch.float64) * 3).to(device)
+    mask = torch.tensor([[1.0, 0.5], [0.0, 2.0]], dtype=torch.float64, device=device)
+    fn = lambda x: fused_rl.distill_loss(
+        x, t, beta=beta, temperature=0.7, mask=mask, loss_agg="seq-mean-token-mean",
+        backend=backend, **SPLIT_CASES[case],
+    )[0]  # fmt: skip
+    assert torch.autograd.gradcheck(fn, (s.requires_grad_(),))
+
+
+@pytest.mark.parametrize("name", ["logit_scale", "teacher_logit_scale", "teacher_softcap"])
+def test_bad_transform_arguments_name_the_argument(name, device):
+    s, t, _ = make((2, 3, 7), device=device)
+    for bad in (0.0, -1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match=rf"\b{name}\b"):
+            fused_rl.distill_loss(s, t, **{name: bad})
+    for bad in ("2", True, torch.tensor(2.0)):
+        with pytest.raises(TypeError, match=rf"\b{name}\b"):
+            fused_rl.distill_loss(s, t, **{name: bad})
+    assert fused_rl.distill_loss(s, t, **{name: 2})[0].isfinite()  # an int is a real number
 
 
 def eager_fp32_loss(s, t, beta):
@@ -453,7 +582,8 @@ def test_double_backward_raises(device):
 
 
 @pytest.mark.no_poison
-def test_torch_compile_fullgraph(device):
+@pytest.mark.parametrize("case", [None, "all_differ"])  # each model its own transform
+def test_torch_compile_fullgraph(case, device):
     s, t, gen = make((2, 4, 23), device=device, seed=12)
     mask = (torch.rand(2, 4, generator=gen) > 0.2).to(device)
     targets = torch.randint(0, 23, (2, 4), generator=gen).to(device)
@@ -461,7 +591,8 @@ def test_torch_compile_fullgraph(device):
 
     def f(x, y, m, lab):
         loss, metrics = fused_rl.distill_loss(x[:, 1:], y[:, 1:], beta=0.3, temperature=0.7,
-                                              mask=m[:, 1:], targets=lab[:, 1:])  # fmt: skip
+                                              mask=m[:, 1:], targets=lab[:, 1:],
+                                              **SPLIT_CASES.get(case, {}))  # fmt: skip
         return loss, metrics["forward_kl"], metrics["teacher_entropy"]
 
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
@@ -584,10 +715,10 @@ def test_docstring_example():
 # ----------------------------------------------------------------------------- sm_90 compile
 
 # Run in a subprocess without TRITON_INTERPRET (this process interprets): every variant of
-# the three distill kernels (the backward's FREE form too) through Triton's front end, LLVM
-# and ptxas for cuda:90, no GPU needed; the pointer offsets 64-bit
-# (``hopper_compile.narrow_offset_products``); the row loads of both vocab kernels 128-bit
-# vectors when launched on a bf16 vocabulary.
+# the three distill kernels (the backward's FREE form, each model's own transform: SPLIT,
+# too) through Triton's front end, LLVM and ptxas for cuda:90, no GPU needed; the pointer
+# offsets 64-bit (``hopper_compile.narrow_offset_products``); the row loads of both vocab
+# kernels 128-bit vectors when launched on a bf16 vocabulary.
 _COMPILE_SCRIPT = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
@@ -597,7 +728,8 @@ from triton.compiler import ASTSource
 from hopper_compile import kernel_signature, narrow_offset_products
 import fused_rl.kernels.vocab.distill as k
 
-FLOATS = {"inv_t_hi", "inv_t_lo", "inv_cap_hi", "inv_cap_lo", "beta_hi", "beta_lo",
+FLOATS = {"inv_t_hi", "inv_t_lo", "inv_cap_hi", "inv_cap_lo", "t_inv_t_hi", "t_inv_t_lo",
+          "t_inv_cap_hi", "t_inv_cap_lo", "beta_hi", "beta_lo",
           "log_beta_hi", "log_beta_lo", "log_1m_beta_hi", "log_1m_beta_lo", "num_items_hi",
           "num_items_lo", "n_seq", "max_length"}
 
@@ -620,13 +752,21 @@ for logits, acc, ACC in (("*bf16", "*fp32", tl.float32), ("*fp64", "*fp64", tl.f
                      for a in (False, True) for b in (False, True)]
         variants += [(k._distill_fwd_kernel, dict(HAS_TARGETS=True, HAS_MASK=True,
                                                   HAS_SOFTCAP=True))]
+        # each model its own transform: the student's cap only, the teacher's only
+        for cap in (True, False):
+            split = dict(HAS_SOFTCAP=cap, SPLIT=True, TEACHER_SOFTCAP=not cap)
+            variants += [(k._distill_bwd_kernel, dict(FREE=False, **split)),
+                         (k._distill_fwd_kernel, dict(HAS_TARGETS=True, HAS_MASK=True, **split))]
         for fn, flags in variants:
             c = build(fn, dict(MODE=mode, BLOCK_V=256, ACC=ACC, **flags), logits, acc)
             narrow = narrow_offset_products(c.asm["ttir"])
             assert not narrow, (fn.__name__, narrow)
             count += 1
-    for has_mask, cap in ((False, False), (True, False), (True, True)):  # the JSD's second pass
+    for has_mask, cap, split in ((False, False, False), (True, False, False),
+                                 (True, True, False), (True, True, True),
+                                 (True, False, True)):  # the JSD's second pass
         c = build(k._distill_mixture_kernel, dict(HAS_MASK=has_mask, HAS_SOFTCAP=cap,
+                                                  SPLIT=split, TEACHER_SOFTCAP=split and not cap,
                                                   BLOCK_V=256, ACC=ACC), logits, acc)
         assert not narrow_offset_products(c.asm["ttir"]), "mixture"
         count += 1
@@ -655,4 +795,4 @@ print("compiled", count)
 @pytest.mark.no_poison
 def test_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.compiler")
-    assert sm90_compile_output(_COMPILE_SCRIPT).endswith("compiled 70")
+    assert sm90_compile_output(_COMPILE_SCRIPT).endswith("compiled 98")

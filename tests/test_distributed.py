@@ -31,6 +31,13 @@ from helpers import F64_TOL, FP32_TOL, assert_rel, oracle_token_stats  # noqa: E
 WORLD_SIZES = (2, 3)
 BACKENDS = ("triton", "reference")
 CHECKS, check = check_registry()
+# distillation between models of their own logit scale / soft cap (tests/test_distill.py
+# SPLIT_CASES: all four differing, the teacher's cap only, the student's scale only)
+OWN_TRANSFORMS = (
+    dict(logit_scale=1.5, softcap=4.0, teacher_logit_scale=0.6, teacher_softcap=2.5),
+    dict(teacher_softcap=2.0),
+    dict(logit_scale=2.5),
+)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -691,16 +698,26 @@ def distill_vocab_parallel(ctx):
                 for key, value in metrics.items():
                     assert value.isinf() == ref_metrics[key].isinf(), (what, key, value)
                     assert not value.isnan(), (what, key)
-    for beta, softcap in ((0.0, None), (1.0, None), (0.5, None), (0.1, None), (1.0, 3.0),
-                          (0.5, 3.0)):  # fmt: skip
+    cases = [
+        dict(beta=beta, softcap=softcap)
+        for beta, softcap in (
+            (0.0, None),
+            (1.0, None),
+            (0.5, None),
+            (0.1, None),
+            (1.0, 3.0),
+            (0.5, 3.0),
+        )
+    ]
+    cases += [dict(beta=beta, **own) for beta, own in zip((0.0, 1.0, 0.3), OWN_TRANSFORMS)]
+    for case in cases:
         for loss_agg in ("token-mean", "seq-mean-token-mean"):
-            kw = dict(beta=beta, targets=targets, mask=mask, loss_agg=loss_agg, temperature=0.8,
-                      softcap=softcap)  # fmt: skip
+            kw = dict(targets=targets, mask=mask, loss_agg=loss_agg, temperature=0.8, **case)
             whole = full.clone().requires_grad_()
             ref_loss, ref_metrics = fused_rl.distill_loss(whole, teacher, backend="triton", **kw)
             (ref_loss * 1.7).backward()
             for backend in BACKENDS:
-                what = f"beta {beta} cap {softcap} {loss_agg} {backend}"
+                what = f"{case} {loss_agg} {backend}"
                 mine = _local(full, start, stop)
                 loss, metrics = fused_rl.distill_loss(
                     mine, teacher[..., start:stop], process_group=ctx.group, backend=backend,
@@ -732,16 +749,20 @@ def linear_distill_vocab_parallel(ctx):
     start, stop = _shard_bounds([w] * ctx.world, ctx.rank)
     targets = torch.randint(0, V, (1, N), generator=g)
     targets[0, 1] = -100
-    for beta, loss_agg in ((0.0, "token-mean"), (1.0, "seq-mean-token-mean"), (0.5, "token-mean")):
-        kw = dict(beta=beta, mask=mask, chunk_tokens=3, temperature=0.9, targets=targets,
-                  loss_agg=loss_agg)  # fmt: skip
+    cases = [
+        dict(beta=beta, loss_agg=agg)
+        for beta, agg in ((0.0, "token-mean"), (1.0, "seq-mean-token-mean"), (0.5, "token-mean"))
+    ]
+    cases += [dict(beta=beta, **own) for beta, own in zip((0.3, 0.0, 1.0), OWN_TRANSFORMS)]
+    for case in cases:
+        kw = dict(mask=mask, chunk_tokens=3, temperature=0.9, targets=targets, **case)
         leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
         ref_loss, ref_metrics = fused_rl.linear_distill_loss(
             leaves[0], leaves[1], t_hidden, t_weight, bias=leaves[2], backend="triton", **kw
         )
         (ref_loss * 1.3).backward()
         for backend in BACKENDS:
-            what = f"beta {beta} {backend}"
+            what = f"{case} {backend}"
             mine = [hidden.clone().requires_grad_(), weight[start:stop].clone().requires_grad_()]
             my_bias = bias[start:stop].clone().requires_grad_()
             loss, metrics = fused_rl.linear_distill_loss(
@@ -1097,11 +1118,12 @@ def divergence_layouts(ctx):
     want_kl = fused_rl.token_kl(x, other, mask=mask, backend="triton")
     (want_grad,) = torch.autograd.grad((want_kl * up).sum(), x)
     distill = {}
-    for beta in (0.0, 1.0, 0.5):
+    for beta, own in ((0.0, 0), (1.0, 0), (0.5, 0), (0.3, 1)):  # own: each model's transform
         x = full.clone().requires_grad_()
+        own = OWN_TRANSFORMS[0] if own else {}
         loss, metrics = fused_rl.distill_loss(x, other, beta=beta, mask=mask, temperature=0.9,
-                                              backend="triton")  # fmt: skip
-        distill[beta] = (loss, metrics, torch.autograd.grad(loss * 1.3, x)[0])
+                                              backend="triton", **own)  # fmt: skip
+        distill[beta] = (own, loss, metrics, torch.autograd.grad(loss * 1.3, x)[0])
     for name, (start, stop), columns, layout in _layouts(ctx, V):
         for backend in BACKENDS:
             what = f"{name} {backend}"
@@ -1117,11 +1139,11 @@ def divergence_layouts(ctx):
             assert_rel(local.grad[..., :valid], want_grad[..., start : start + valid], FP32_TOL,
                        f"token_kl grad {what}")  # fmt: skip
             assert (local.grad[..., valid:] == 0).all(), f"padding got a gradient {what}"
-            for beta, (want_loss, want_metrics, want_g) in distill.items():
+            for beta, (own, want_loss, want_metrics, want_g) in distill.items():
                 local.grad = None
                 loss, metrics = fused_rl.distill_loss(
                     local, ref_local[..., start:stop], beta=beta, mask=mask, temperature=0.9,
-                    process_group=ctx.group, backend=backend, **layout,
+                    process_group=ctx.group, backend=backend, **layout, **own,
                 )  # fmt: skip
                 assert_rel(loss, want_loss, FP32_TOL, f"distill beta {beta} {what}")
                 for key, value in metrics.items():

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from conftest import DEVICE
 from helpers import F64_TOL, FP32_TOL, rel_err
-from test_distill import oracle_call
+from test_distill import SPLIT_CASES, oracle_call
 
 import fused_rl
 import fused_rl.linear_distill as mod
@@ -151,6 +151,44 @@ def test_softcap(beta, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("case", ["student_scaled", "teacher_capped", "caps_differ",
+                                  "all_differ", "scaled_alike"])  # fmt: skip
+def test_each_model_its_own_transform(case, beta, dtype, backend):
+    """Each model's chunk logits through its own ``c tanh(s x / c) / T``
+    (``tests/test_distill.py`` ``SPLIT_CASES``): the float64 oracle on the materialised
+    logits (each model's transform, then TRL's divergence), gradients of hidden, weight and
+    bias through the student's scale and cap; a float mask, ignored targets, chunks of 4
+    over 14; bf16 against twice the materialised ``distill_loss`` in bf16."""
+    student, teacher, g = make(dtype=dtype, seed=7 + int(beta * 10))
+    mask = torch.rand(B, T, generator=g).to(DEVICE)
+    mask[0, 2] = 0.0
+    targets = torch.randint(0, V, (B, T), generator=g).to(DEVICE)
+    targets[1, :2] = -100
+    check(student, teacher, dtype=dtype, beta=beta, temperature=0.8, mask=mask,
+          targets=targets, chunk_tokens=4, backend=backend, **SPLIT_CASES[case])  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cap", [None, 1.5])
+def test_equal_transforms_are_the_call_without_them(cap, backend):
+    """The transform keywords spelled out at their defaults give bit-identical values,
+    metrics and gradients (the one-transform kernels run)."""
+    student, teacher, g = make(seed=8)
+    mask = (torch.rand(B, T, generator=g) > 0.2).to(DEVICE)
+    up = torch.tensor(0.8, dtype=torch.float64)
+    for beta in (0.0, 0.5, 1.0):
+        kw = dict(beta=beta, softcap=cap, mask=mask, chunk_tokens=4, backend=backend)
+        want = ours(student, teacher, up, **kw)
+        got = ours(student, teacher, up, teacher_softcap=cap, logit_scale=1,
+                   teacher_logit_scale=1.0, **kw)  # fmt: skip
+        assert torch.equal(got[0], want[0])
+        assert all(torch.equal(got[1][k], want[1][k]) for k in want[1])
+        assert all(torch.equal(a, e) for a, e in zip(got[2], want[2], strict=True))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_chunkings_and_packed_rows(backend):
     """Packed (N, H) rows (one sequence), no bias, chunks of 1, 5 (not dividing 13), N and
     more than N rows, and the default; a bool mask."""
@@ -262,8 +300,9 @@ def test_no_grad_and_frozen_parts(device):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("beta", [0.4, 1.0])
-def test_gradcheck_float64(beta, backend):
+@pytest.mark.parametrize("beta", [0.0, 0.4, 1.0])
+@pytest.mark.parametrize("case", [None, "all_differ"])  # each model its own transform
+def test_gradcheck_float64(case, beta, backend):
     student, teacher, _ = make(lead=(5,), hdim=3, t_hdim=4, vocab=7, dtype=torch.float64,
                                seed=10)  # fmt: skip
     th, tw, tb = teacher
@@ -272,7 +311,7 @@ def test_gradcheck_float64(beta, backend):
     def fn(h, w, b):
         return fused_rl.linear_distill_loss(
             h, w, th, tw, bias=b, teacher_bias=tb, beta=beta, temperature=0.8, mask=mask,
-            chunk_tokens=2, backend=backend,
+            chunk_tokens=2, backend=backend, **SPLIT_CASES.get(case, {}),
         )[0]  # fmt: skip
 
     assert torch.autograd.gradcheck(fn, tuple(student))
@@ -289,7 +328,8 @@ def test_double_backward_raises():
 
 @pytest.mark.no_poison  # Dynamo cannot trace the NaN-filling torch.empty of the fixture
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_torch_compile_fullgraph(backend):
+@pytest.mark.parametrize("case", [None, "all_differ"])  # each model its own transform
+def test_torch_compile_fullgraph(case, backend):
     (h, w, b), (th, tw, tb), g = make(seed=12)
     mask = (torch.rand(B, T, generator=g) > 0.2).to(DEVICE)
     targets = torch.randint(0, V, (B, T), generator=g).to(DEVICE)
@@ -298,7 +338,7 @@ def test_torch_compile_fullgraph(backend):
     def f(h, w, b):
         loss, metrics = fused_rl.linear_distill_loss(
             h, w, th, tw, bias=b, teacher_bias=tb, beta=0.3, temperature=0.7, mask=mask,
-            targets=targets, chunk_tokens=4, backend=backend,
+            targets=targets, chunk_tokens=4, backend=backend, **SPLIT_CASES.get(case, {}),
         )  # fmt: skip
         return loss, metrics["forward_kl"]
 
@@ -470,6 +510,12 @@ def test_bad_arguments_name_the_argument():
         call(beta=1.5)
     with pytest.raises(ValueError, match=r"\btemperature\b"):
         call(temperature=0.0)
+    for name in ("softcap", "teacher_softcap", "logit_scale", "teacher_logit_scale"):
+        for bad in (0.0, -2.0, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match=rf"\b{name}\b"):
+                call(**{name: bad})
+        with pytest.raises(TypeError, match=rf"\b{name}\b"):
+            call(**{name: "2"})
     with pytest.raises(ValueError, match=r"\bchunk_tokens\b"):
         call(chunk_tokens=0)
     with pytest.raises(ValueError, match=r"\bloss_agg\b"):

@@ -25,16 +25,35 @@ from torch import Tensor
 from .reductions import acc_dtype
 
 
-def capped_rows(x: Tensor, counted: Tensor | None, softcap: float | None) -> Tensor:
+def capped_rows(
+    x: Tensor, counted: Tensor | None, softcap: float | None, scale: float = 1.0
+) -> Tensor:
     """``c tanh(x / c)`` (Gemma's soft cap, before the temperature) of the rows that count,
     zeros elsewhere (``counted``: ``x.shape[:-1]`` bool, None: all), so a NaN row that does
     not count never meets the cap's gradient (``0 * sech^2(NaN)`` would be NaN); ``x`` as it
-    is without a cap."""
-    if softcap is None:
-        return x
+    is without a cap. A logit ``scale`` ``s != 1`` (a model's own, as TRL's distillation
+    applies it) makes it ``c tanh(s x / c)`` (``s x`` uncapped). Computed in fp32 at least,
+    as the kernels (a 16-bit ``tanh`` would round every capped logit)."""
+    return capped_rows_and_slope(x, counted, softcap, scale)[0]
+
+
+def capped_rows_and_slope(
+    x: Tensor, counted: Tensor | None, softcap: float | None, scale: float = 1.0
+) -> tuple[Tensor, Tensor | float | None]:
+    """:func:`capped_rows` and its derivative ``dz/dx`` (``s sech^2(s x / c)``, the number
+    ``s`` uncapped, None without a scale or a cap: ``x`` itself)."""
+    if softcap is None and scale == 1.0:
+        return x, None
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
     if counted is not None:
         x = torch.where(counted[..., None], x, 0.0)
-    return softcap * torch.tanh(x / softcap)
+    if scale != 1.0:
+        x = scale * x
+    if softcap is None:
+        return x, scale
+    t = torch.tanh(x / softcap)
+    sech2 = 1 - t * t
+    return softcap * t, sech2 if scale == 1.0 else scale * sech2
 
 
 def _xlogy_terms(p: Tensor, log_ratio: Tensor) -> Tensor:

@@ -2,7 +2,13 @@
 softmax, streamed over both logits rows at once (``fused_rl.distill_loss``).
 
 Notation, per row (token): ``z = x / T`` the student's scaled logits, ``u = y / T`` the
-teacher's, ``p = softmax(z)``, ``q = softmax(u)``. Pass 1 over both rows is
+teacher's, ``p = softmax(z)``, ``q = softmax(u)``. Each model's logits may carry a scale and a
+soft cap, ``z = c tanh(s x / c) / T`` (``z = s x / T`` uncapped), folded into the launch
+constants ``inv_t`` (``c / T``, or ``s / T``) and ``inv_cap`` (``s / c``). While both models
+share one transform (one scale, one cap) both rows use them, the near-cancellation forms of
+``kernels/vocab/pair.py`` included; with ``SPLIT`` the teacher's row has its own
+(``t_inv_t``, ``t_inv_cap``, ``TEACHER_SOFTCAP``; ``HAS_SOFTCAP`` is then the student's cap
+alone) and ``u - z`` is formed from the two transformed values. Pass 1 over both rows is
 ``kernels/vocab/pair.py`` ``pair_moments`` (every statistic relative to the running maxima;
 the divergences formed without cancelling when the student is near the teacher: see there):
 the entropies, ``KL(q || p)`` and ``KL(p || q)``.
@@ -23,8 +29,9 @@ The divergence ``d_t`` of a token (``MODE``, TRL's ``generalized_jsd_loss``):
   ``f = beta q (delta - L) - (1 - beta) p L``, ``delta - L = log(q / m)`` formed without
   cancelling at ``delta = +inf``. Pass 1 is the one-pass statistics above (the metrics).
 
-Gradients (student only; ``dL/dx = w_t c dD/dz / T`` with the token weight ``w_t``, the
-aggregation's scale and the upstream gradient ``c``):
+Gradients (student only; ``dL/dx = w_t c dD/dz dz/dx`` with the token weight ``w_t``, the
+aggregation's scale and the upstream gradient ``c``; ``dz/dx = s / T``, capped
+``s sech^2(s x / c) / T``):
 
 * forward KL: ``dD/dz_v = p_v - q_v`` (``-p_v expm1(delta_v)`` for ``|delta_v| <= 1``);
 * reverse KL: ``dD/dz_v = p_v (-delta_v - KL(p || q))``;
@@ -204,19 +211,22 @@ def mixture_terms(delta, p, q, beta, log_beta, log_1m_beta, ACC: tl.constexpr):
 def mixture_pass(
     s_row, t_row, V, s_stride_v, t_stride_v, inv_temperature, n_cols, m_z, log_s_z, m_u,
     log_s_u, log_zu, beta, log_beta, log_1m_beta, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
-    inv_cap=1.0, HAS_SOFTCAP: tl.constexpr = False,
+    inv_cap=1.0, HAS_SOFTCAP: tl.constexpr = False, t_inv_temperature=1.0, t_inv_cap=1.0,
+    SPLIT: tl.constexpr = False, TEACHER_SOFTCAP: tl.constexpr = False,
 ):  # fmt: skip
     """Pass 2 of the general ``beta``: ``(JSD, sum_v p_v L_v)`` (module docstring), with
     ``delta = (y - x) / T + (M_z - M_u) + log(S_z / S_u)`` (``log_zu``) per column: the
     logits' own difference plus one row constant, whose rounding only shifts every
-    ``delta`` alike (a first-order change of ``0`` in the JSD)."""
+    ``delta`` alike (a first-order change of ``0`` in the JSD); ``SPLIT``: the teacher's row
+    through its own transform (``pair.pair_columns``)."""
     jsd = tl.zeros((), ACC)
     p_excess = tl.zeros((), ACC)
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         log_p, log_q, delta, _ = pair_columns(
             s_row, t_row, cols, V, s_stride_v, t_stride_v, inv_temperature, inv_cap, m_z, m_u,
-            log_s_z, log_s_u, log_zu, HAS_SOFTCAP, ACC,
+            log_s_z, log_s_u, log_zu, HAS_SOFTCAP, ACC, t_inv_temperature, t_inv_cap, SPLIT,
+            TEACHER_SOFTCAP,
         )  # fmt: skip
         p = tl.exp(log_p)
         q = tl.exp(log_q)
@@ -278,6 +288,10 @@ def _distill_fwd_kernel(
     inv_t_lo,
     inv_cap_hi,
     inv_cap_lo,
+    t_inv_t_hi,
+    t_inv_t_lo,
+    t_inv_cap_hi,
+    t_inv_cap_lo,
     beta_hi,
     beta_lo,
     log_beta_hi,
@@ -291,15 +305,21 @@ def _distill_fwd_kernel(
     BLOCK_V: tl.constexpr,
     ACC: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr = False,
+    SPLIT: tl.constexpr = False,
+    TEACHER_SOFTCAP: tl.constexpr = False,
 ):
     """One program per token of ``(outer, rows_inner)`` rows (``n_rows`` in all); student
     and teacher rows strided independently. Writes the ``(N_COLS, n_rows)`` partial columns
     and the ``(N_STATS, n_rows)`` statistics; a token of weight 0 reads no logit and writes
-    zeros. ``inv_t``: ``1 / T``; ``beta``, ``log beta``, ``log(1 - beta)``: fp32 pairs."""
+    zeros. ``inv_t``: ``s / T`` (``c / T`` with a cap; ``inv_cap`` ``s / c``), ``t_inv_t``,
+    ``t_inv_cap`` the teacher's (read under ``SPLIT``); ``beta``, ``log beta``,
+    ``log(1 - beta)``: fp32 pairs."""
     row = tl.program_id(0).to(tl.int64)
     n_rows = n_rows.to(tl.int64)  # the column offsets k * n_rows may pass 2^31
-    inv_temperature = pair(inv_t_hi, inv_t_lo, ACC)  # 1 / T (c / T with the soft cap c)
-    inv_cap = pair(inv_cap_hi, inv_cap_lo, ACC)  # HAS_SOFTCAP: 1 / c
+    inv_temperature = pair(inv_t_hi, inv_t_lo, ACC)  # s / T (c / T with the soft cap c)
+    inv_cap = pair(inv_cap_hi, inv_cap_lo, ACC)  # HAS_SOFTCAP: s / c
+    t_inv_temperature = pair(t_inv_t_hi, t_inv_t_lo, ACC)  # SPLIT: the teacher's own
+    t_inv_cap = pair(t_inv_cap_hi, t_inv_cap_lo, ACC)
     m = token_weight(
         row, rows_inner, targets_ptr, mask_ptr, y_stride_outer, y_stride_inner, m_stride_outer,
         m_stride_inner, ignore_index, HAS_TARGETS, HAS_MASK, ACC,
@@ -310,7 +330,7 @@ def _distill_fwd_kernel(
     t_row = row_pointer(t_ptr, row, rows_inner, 0, t_stride_outer, t_stride_inner)
     m_z, log_s_z, h_z, m_u, log_s_u, h_u, kl_fwd, kl_rev, log_zu = pair_moments(
         s_row, t_row, V, s_stride_v, t_stride_v, inv_temperature, n_cols, BLOCK_V, ACC,
-        inv_cap, HAS_SOFTCAP,
+        inv_cap, HAS_SOFTCAP, t_inv_temperature, t_inv_cap, SPLIT, TEACHER_SOFTCAP,
     )  # fmt: skip
     if MODE == MODE_FORWARD_KL:
         d = kl_fwd
@@ -325,6 +345,7 @@ def _distill_fwd_kernel(
         d, c = mixture_pass(
             s_row, t_row, V, s_stride_v, t_stride_v, inv_temperature, n_cols, m_z, log_s_z,
             m_u, log_s_u, log_zu, beta, log_beta, log_1m_beta, BLOCK_V, ACC, inv_cap, HAS_SOFTCAP,
+            t_inv_temperature, t_inv_cap, SPLIT, TEACHER_SOFTCAP,
         )  # fmt: skip
         # a row whose normaliser is NaN / inf (NaN logit, all -inf) is NaN, whatever p and q
         d += (log_s_z - log_s_z) + (log_s_u - log_s_u)
@@ -433,6 +454,10 @@ def _distill_bwd_kernel(
     inv_t_lo,
     inv_cap_hi,
     inv_cap_lo,
+    t_inv_t_hi,
+    t_inv_t_lo,
+    t_inv_cap_hi,
+    t_inv_cap_lo,
     beta_hi,
     beta_lo,
     log_beta_hi,
@@ -444,9 +469,11 @@ def _distill_bwd_kernel(
     ACC: tl.constexpr,
     FREE: tl.constexpr = False,
     HAS_SOFTCAP: tl.constexpr = False,
+    SPLIT: tl.constexpr = False,
+    TEACHER_SOFTCAP: tl.constexpr = False,
 ):
     """One program per token: the student's gradient row, ``grad`` contiguous
-    ``(n_rows, V)`` in the student's dtype: ``m_t * seq_scale[b] * scale / T`` times
+    ``(n_rows, V)`` in the student's dtype: ``m_t * seq_scale[b] * scale * dz/dx`` times
     ``dD/dz`` (module docstring), from the saved statistics. A row of weight 0 (or whose
     coefficient is 0) reads nothing and writes exact zeros. ``grad`` may be the student's
     own buffer (``s_ptr``, contiguous): each block is read before it is written.
@@ -459,8 +486,10 @@ def _distill_bwd_kernel(
     Through a ``log_softmax`` the two forms give the same gradient."""
     row = tl.program_id(0).to(tl.int64)
     n_rows = n_rows.to(tl.int64)  # the column offsets k * n_rows may pass 2^31
-    inv_temperature = pair(inv_t_hi, inv_t_lo, ACC)  # 1 / T (c / T with the soft cap c)
-    inv_cap = pair(inv_cap_hi, inv_cap_lo, ACC)  # HAS_SOFTCAP: 1 / c
+    inv_temperature = pair(inv_t_hi, inv_t_lo, ACC)  # s / T (c / T with the soft cap c)
+    inv_cap = pair(inv_cap_hi, inv_cap_lo, ACC)  # HAS_SOFTCAP: s / c
+    t_inv_temperature = pair(t_inv_t_hi, t_inv_t_lo, ACC)  # SPLIT: the teacher's own
+    t_inv_cap = pair(t_inv_cap_hi, t_inv_cap_lo, ACC)
     outer = row // rows_inner
     m = tl.load(part_ptr + COL_COUNT * n_rows + row).to(ACC)
     coef = m * tl.load(scale_ptr).to(ACC) * inv_temperature
@@ -492,7 +521,8 @@ def _distill_bwd_kernel(
         cols = start + tl.arange(0, BLOCK_V)
         log_p, log_q, delta, dx = pair_columns(
             s_row, t_row, cols, n_read, s_stride_v, t_stride_v, inv_temperature, inv_cap, m_z,
-            m_u, log_s_z, log_s_u, log_zu, HAS_SOFTCAP, ACC,
+            m_u, log_s_z, log_s_u, log_zu, HAS_SOFTCAP, ACC, t_inv_temperature, t_inv_cap, SPLIT,
+            TEACHER_SOFTCAP,
         )  # fmt: skip
         p = tl.exp(log_p)
         near = (delta <= 1.0) & (delta >= -1.0)
@@ -531,6 +561,10 @@ def _distill_mixture_kernel(
     inv_t_lo,
     inv_cap_hi,
     inv_cap_lo,
+    t_inv_t_hi,
+    t_inv_t_lo,
+    t_inv_cap_hi,
+    t_inv_cap_lo,
     beta_hi,
     beta_lo,
     log_beta_hi,
@@ -541,6 +575,8 @@ def _distill_mixture_kernel(
     BLOCK_V: tl.constexpr,
     ACC: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr = False,
+    SPLIT: tl.constexpr = False,
+    TEACHER_SOFTCAP: tl.constexpr = False,
 ):
     """Pass 2 of the generalized JSD on one vocabulary shard, from the WHOLE vocabulary's row
     statistics ``stats`` (``(N_STATS, n_rows)``, merged across shards: ``fused_rl.distill``
@@ -550,8 +586,10 @@ def _distill_mixture_kernel(
     shard, 5 statistics; writes 2 floats."""
     row = tl.program_id(0).to(tl.int64)
     n_rows = n_rows.to(tl.int64)
-    inv_temperature = pair(inv_t_hi, inv_t_lo, ACC)  # 1 / T (c / T with the soft cap c)
-    inv_cap = pair(inv_cap_hi, inv_cap_lo, ACC)  # HAS_SOFTCAP: 1 / c
+    inv_temperature = pair(inv_t_hi, inv_t_lo, ACC)  # s / T (c / T with the soft cap c)
+    inv_cap = pair(inv_cap_hi, inv_cap_lo, ACC)  # HAS_SOFTCAP: s / c
+    t_inv_temperature = pair(t_inv_t_hi, t_inv_t_lo, ACC)  # SPLIT: the teacher's own
+    t_inv_cap = pair(t_inv_cap_hi, t_inv_cap_lo, ACC)
     active = row >= 0
     if HAS_MASK:
         active = tl.load(mask_ptr + row) != 0
@@ -569,7 +607,7 @@ def _distill_mixture_kernel(
     jsd, p_excess = mixture_pass(
         s_row, t_row, V, s_stride_v, t_stride_v, inv_temperature, tl.where(active, V, 0), m_z,
         log_s_z, m_u, log_s_u, log_zu, beta, log_beta, log_1m_beta, BLOCK_V, ACC, inv_cap,
-        HAS_SOFTCAP,
+        HAS_SOFTCAP, t_inv_temperature, t_inv_cap, SPLIT, TEACHER_SOFTCAP,
     )  # fmt: skip
     tl.store(out_ptr + row, tl.where(active, jsd, 0.0))
     tl.store(out_ptr + n_rows + row, tl.where(active, p_excess, 0.0))

@@ -41,7 +41,9 @@ def merge_stats(m_a, s_a, w_a, m_b, s_b, w_b):
 def scaled_logits(x, inv_temperature, inv_cap, HAS_SOFTCAP: tl.constexpr):
     """``z = x / T``; with the soft cap ``c`` (Gemma's ``final_logit_softcapping``),
     ``z = c tanh(x / c) / T``, where ``inv_temperature`` carries ``c / T`` and ``inv_cap``
-    ``1 / c`` (the launchers pass them so, ``fused_rl._launch.NO_CAP`` without a cap)."""
+    ``1 / c`` (the launchers pass them so, ``fused_rl._launch.NO_CAP`` without a cap). A
+    model's logit scale ``s`` (the distillation kernels) folds in: ``s / T``, or ``c / T``
+    and ``s / c``, for ``z = c tanh(s x / c) / T``."""
     if HAS_SOFTCAP:
         t, _ = tanh_and_sech2(x * inv_cap)
         return t * inv_temperature

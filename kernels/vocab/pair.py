@@ -1,6 +1,9 @@
 """Two logits rows streamed together: the statistics of ``p = softmax(z)`` and
-``q = softmax(u)`` (``z = x / T``, ``u = y / T``) in one pass, kept relative to each row's
-running maximum, and the divergences between them without cancellation.
+``q = softmax(u)`` (``z = x / T``, ``u = y / T``; soft-capped ``z = c tanh(s x / c) / T``, a
+logit scale ``s`` folded into the constants) in one pass, kept relative to each row's
+running maximum, and the divergences between them without cancellation. Both rows share
+one transform, except under ``SPLIT`` (distillation between models with their own logit
+scale or soft cap): each row then has its own (``split_values``).
 
 Used by on-policy distillation (``kernels/vocab/distill.py``: student and teacher) and by
 the exact KL of the policy loss (``kernels/vocab/policy_fused.py``, ``kl_estimator="full"``:
@@ -125,18 +128,48 @@ def near_delta(x, y, inv_temperature, m_z, m_u, log_zu):
 
 
 @triton.jit
+def split_values(x, y, valid, inv_temperature, inv_cap, t_inv_temperature, t_inv_cap,
+                 HAS_SOFTCAP: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr):  # fmt: skip
+    """``(z, u, dx)`` of one block when the two rows have transforms of their own (``SPLIT``):
+    the student's ``z`` from ``inv_temperature`` / ``inv_cap`` / ``HAS_SOFTCAP``, the
+    teacher's ``u`` from ``t_inv_temperature`` / ``t_inv_cap`` / ``TEACHER_SOFTCAP``
+    (``layer1.scaled_logits`` each), ``-inf`` off ``valid``; ``dx`` as :func:`pair_columns`'
+    (the student's cap slope times its ``inv_cap``, or 1)."""
+    if HAS_SOFTCAP:
+        tx, sech2 = tanh_and_sech2(x * inv_cap)
+        z = tx * inv_temperature
+        dx = sech2 * inv_cap
+    else:
+        z = x * inv_temperature
+        dx = 1.0
+    u = scaled_logits(y, t_inv_temperature, t_inv_cap, TEACHER_SOFTCAP)
+    return tl.where(valid, z, -float("inf")), tl.where(valid, u, -float("inf")), dx
+
+
+@triton.jit
 def pair_columns(
     s_row, t_row, cols, n_valid, s_stride_v, t_stride_v, inv_temperature, inv_cap, m_z, m_u,
     log_s_z, log_s_u, log_zu, HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr,
+    t_inv_temperature=1.0, t_inv_cap=1.0, SPLIT: tl.constexpr = False,
+    TEACHER_SOFTCAP: tl.constexpr = False,
 ):  # fmt: skip
     """One block of both rows against the row's statistics: ``(log p, log q, delta, dx)``
     with ``delta = log q - log p`` (``near_delta``; with ``HAS_SOFTCAP`` from
     :func:`capped_gap`) and ``dx`` what turns ``dD/dz`` times ``inv_temperature`` into the
-    derivative on the raw logit (1; with the cap ``(1 - tanh^2(x / c)) / c``, as
-    ``inv_temperature`` then carries ``c / T``). Columns at or past ``n_valid``: ``-inf``."""
+    derivative on the raw logit (1; with the cap ``(1 - tanh^2(s x / c)) s / c``, as
+    ``inv_temperature`` then carries ``c / T`` and ``inv_cap`` ``s / c``). Columns at or past
+    ``n_valid``: ``-inf``. ``SPLIT``: the teacher's row has its own transform
+    (:func:`split_values`), and ``u - z`` is formed from the two transformed values."""
     x = load_block(s_row, cols, n_valid, s_stride_v, ACC)
     y = load_block(t_row, cols, n_valid, t_stride_v, ACC)
-    if HAS_SOFTCAP:
+    if SPLIT:
+        z, u, dx = split_values(x, y, cols < n_valid, inv_temperature, inv_cap,
+                                t_inv_temperature, t_inv_cap, HAS_SOFTCAP,
+                                TEACHER_SOFTCAP)  # fmt: skip
+        a = z - m_z
+        b = u - m_u
+        delta = gap_from(u - z, a, b, m_z, m_u) + log_zu
+    elif HAS_SOFTCAP:
         tx, sech2 = tanh_and_sech2(x * inv_cap)
         ty, _ = tanh_and_sech2(y * inv_cap)
         a = tl.where(cols < n_valid, tx * inv_temperature, -float("inf")) - m_z
@@ -155,13 +188,20 @@ def pair_columns(
 def pair_moments(
     s_row, t_row, V, s_stride_v, t_stride_v, inv_temperature, n_cols,
     BLOCK_V: tl.constexpr, ACC: tl.constexpr, inv_cap=1.0, HAS_SOFTCAP: tl.constexpr = False,
+    t_inv_temperature=1.0, t_inv_cap=1.0, SPLIT: tl.constexpr = False,
+    TEACHER_SOFTCAP: tl.constexpr = False,
 ):  # fmt: skip
     """Pass 1: stream both rows once (``n_cols`` = V, or 0 to read nothing). Returns
     ``(M_z, log S_z, H(p), M_u, log S_u, H(q), KL(q || p), KL(p || q), log(S_z / S_u))``
     (module docstring;
     ``M`` is 0 for a row that is all ``-inf`` or empty). ``HAS_SOFTCAP``: both rows soft-capped,
-    ``z = c tanh(x / c) / T`` (``layer1.scaled_logits``: ``inv_temperature`` carries ``c / T``,
-    ``inv_cap`` ``1 / c``); ``b - a`` then from :func:`capped_gap`."""
+    ``z = c tanh(s x / c) / T`` (``layer1.scaled_logits``: ``inv_temperature`` carries ``c / T``,
+    ``inv_cap`` ``s / c``, the logit scale ``s`` folded in); ``b - a`` then from
+    :func:`capped_gap`. ``SPLIT``: the teacher's row has a transform of its own
+    (``t_inv_temperature``, ``t_inv_cap``, ``TEACHER_SOFTCAP``; the student's keeps
+    ``HAS_SOFTCAP``): each row through its own ``scaled_logits`` (:func:`split_values`) and
+    ``b - a`` from the two transformed values' difference ``u - z`` (:func:`gap_from`); the
+    near-cancellation forms above need one transform for both rows."""
     m_z = tl.full((), float("-inf"), ACC)
     m_u = tl.full((), float("-inf"), ACC)
     s_z = tl.zeros((), ACC)
@@ -175,7 +215,10 @@ def pair_moments(
         cols = start + tl.arange(0, BLOCK_V)
         x = load_block(s_row, cols, V, s_stride_v, ACC)
         y = load_block(t_row, cols, V, t_stride_v, ACC)
-        if HAS_SOFTCAP:  # the cap maps the padding lanes' -inf to -c / T: back to -inf
+        if SPLIT:
+            z, u, _ = split_values(x, y, cols < V, inv_temperature, inv_cap, t_inv_temperature,
+                                   t_inv_cap, HAS_SOFTCAP, TEACHER_SOFTCAP)  # fmt: skip
+        elif HAS_SOFTCAP:  # the cap maps the padding lanes' -inf to -c / T: back to -inf
             z = tl.where(cols < V, scaled_logits(x, inv_temperature, inv_cap, True), -float("inf"))
             u = tl.where(cols < V, scaled_logits(y, inv_temperature, inv_cap, True), -float("inf"))
         else:
@@ -200,7 +243,9 @@ def pair_moments(
         s_u = alpha_u * s_u
         a = z - ref_z
         b = u - ref_u
-        if HAS_SOFTCAP:
+        if SPLIT:
+            b_minus_a = gap_from(u - z, a, b, ref_z, ref_u)
+        elif HAS_SOFTCAP:
             w = capped_gap(x, y, inv_temperature, inv_cap)
             b_minus_a = gap_from(w, a, b, ref_z, ref_u)
         else:
