@@ -527,7 +527,8 @@ class _ShardedLogprobsK(torch.autograd.Function):
     ``spec.shard.group`` (:class:`fused_rl._vocab_ops.MultiTargetLogprobs` sharded): layer 1
     on this rank's columns for the row's partial normaliser, the two all-reduces of
     :func:`merge_partials` (without a target: the row max, then the rescaled sum, 4 + 4
-    bytes a token in fp32), then a third (``SUM``, ``4 K`` bytes a token) of the ids' logits, each read by the rank that owns it; every rank returns all ``K`` log-probs.
+    bytes a token in fp32), then a third (``SUM``, ``4 K`` bytes a token) of the ids'
+    logits, each read by the rank that owns it; every rank returns all ``K`` log-probs.
     Backward local: layer 3 writes ``-p G / T`` (``G = sum_k g_k``) over this rank's
     columns, then its owned ids' columns get their exact values. Differentiable once.
 

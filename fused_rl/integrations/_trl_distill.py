@@ -126,15 +126,10 @@ def _in_compute_dtype(hidden, weight, bias):
 
 def _transforms(s_scale, t_scale, s_cap, t_cap, temperature) -> dict:
     """``linear_distill_loss``'s keywords for TRL's per-model ``c tanh(s x / c) / T``."""
-    s_cap = None if s_cap is None else float(s_cap)
-    t_cap = None if t_cap is None else float(t_cap)
-    if float(s_scale) == float(t_scale) and s_cap == t_cap:
-        scale = float(s_scale)
-        return dict(temperature=float(temperature) / scale,
-                    softcap=None if s_cap is None else s_cap / scale)  # fmt: skip
     return dict(
         temperature=float(temperature), logit_scale=float(s_scale),
-        teacher_logit_scale=float(t_scale), softcap=s_cap, teacher_softcap=t_cap,
+        teacher_logit_scale=float(t_scale), softcap=None if s_cap is None else float(s_cap),
+        teacher_softcap=None if t_cap is None else float(t_cap),
     )  # fmt: skip
 
 
