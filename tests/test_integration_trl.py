@@ -259,28 +259,40 @@ CASES = [
 @pytest.mark.parametrize("case, how, backend", CASES)
 def test_training_matches_trl(model_dir, tmp_path, tmp_path_factory, monkeypatch, case, how,
                               backend):  # fmt: skip
-    import trl
-
     want_log, want_params, want_calls, want_s = _baseline(
         model_dir, tmp_path_factory, monkeypatch, case
     )
+    train = lambda cls, **kw: _train(cls, model_dir, tmp_path, monkeypatch, case, **kw)  # noqa: E731
+    got = run_integrated(train, "GRPOTrainer", how, backend, want_calls)
+    check_against_trl(got, want_log, want_params, f"{case} {how} {backend}; TRL {want_s:.1f}s")
+
+
+def run_integrated(train, name: str, how: str, backend: str, want_calls):
+    """``train(trainer_class, **kwargs)`` with fused_rl's trainer ``name``: the subclass
+    (``how="subclass"``) or TRL's own under ``patched()``. Checks that TRL's kernel never
+    ran and fused_rl's op ran every time TRL's ran in its own run, with ``backend``."""
+    import trl
+
     assert want_calls.trl > 0 and want_calls.fused == []
     if how == "subclass":
-        got = _train(fused_trl.GRPOTrainer, model_dir, tmp_path, monkeypatch, case,
-                     fused_rl_backend=backend)  # fmt: skip
+        got = train(getattr(fused_trl, name), fused_rl_backend=backend)
     else:
         with fused_trl.patched(backend=backend):
-            got = _train(trl.GRPOTrainer, model_dir, tmp_path, monkeypatch, case)
+            got = train(getattr(trl, name))
         assert not fused_trl.is_patched()
-    got_log, got_params, calls, seconds = got
-    assert calls.trl == 0, "TRL's chunked head ran in the integrated trainer"
-    # every fused forward TRL made went to fused_rl, with the backend asked for
-    assert len(calls.fused) == want_calls.trl
+    calls = got[2]
+    assert calls.trl == 0, "TRL's kernel ran in the integrated trainer"
+    assert len(calls.fused) == want_calls.trl  # every call TRL made went to fused_rl
     expected = "reference" if backend == "reference" else fused_trl_auto_backend()
     assert set(calls.fused) == {expected}
+    return got
+
+
+def check_against_trl(got, want_log, want_params, name: str) -> None:
+    """Every logged metric and the final parameters against TRL's run; one report line."""
+    got_log, got_params, calls, seconds = got
     worst = compare_logs(want_log, got_log)
-    param_diff = compare_params(want_params, got_params)
-    _report(f"{case} {how} {backend}; TRL {want_s:.1f}s", worst, param_diff, calls, seconds)
+    _report(name, worst, compare_params(want_params, got_params), calls, seconds)
 
 
 def fused_trl_auto_backend() -> str:

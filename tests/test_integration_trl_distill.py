@@ -20,11 +20,11 @@ from test_integration_trl import (
     EOS,
     VOCAB,
     _dataset,
-    _report,
     _tokenizer,
+    check_against_trl,
     compare_logs,
     compare_params,
-    fused_trl_auto_backend,
+    run_integrated,
 )
 
 import fused_rl.integrations.trl as fused_trl
@@ -254,23 +254,10 @@ def test_training_matches_trl(tmp_path_factory, monkeypatch, config, student, te
     want_log, want_params, want_calls, want_s = _train(
         trl.DistillationTrainer, paths, tmp_path_factory.mktemp("trl"), monkeypatch, config
     )
-    assert want_calls.trl > 0 and want_calls.fused == []
     out = tmp_path_factory.mktemp("fused")
-    if how == "subclass":
-        got = _train(fused_trl.DistillationTrainer, paths, out, monkeypatch, config,
-                     fused_rl_backend=backend)  # fmt: skip
-    else:
-        with fused_trl.patched(backend=backend):
-            got = _train(trl.DistillationTrainer, paths, out, monkeypatch, config)
-        assert not fused_trl.is_patched()
-    got_log, got_params, calls, seconds = got
-    assert calls.trl == 0, "TRL's chunked divergence ran in the integrated trainer"
-    assert len(calls.fused) == want_calls.trl  # every loss TRL computed, fused_rl's
-    expected = "reference" if backend == "reference" else fused_trl_auto_backend()
-    assert set(calls.fused) == {expected}
-    worst = compare_logs(want_log, got_log)
-    param_diff = compare_params(want_params, got_params)
-    _report(f"distill {how} {backend}; TRL {want_s:.1f}s", worst, param_diff, calls, seconds)
+    train = lambda cls, **kw: _train(cls, paths, out, monkeypatch, config, **kw)  # noqa: E731
+    got = run_integrated(train, "DistillationTrainer", how, backend, want_calls)
+    check_against_trl(got, want_log, want_params, f"distill {how} {backend}; TRL {want_s:.1f}s")
 
 
 @needs_trl
