@@ -562,19 +562,13 @@ def _valid_columns(x3d: Tensor, shard) -> Tensor:
     return x3d if shard.valid == x3d.shape[-1] else x3d.narrow(-1, 0, shard.valid)
 
 
-def _capped(x: Tensor, softcap: float | None, scale: float = 1.0) -> Tensor:
-    """``c tanh(s x / c)`` (the reference's soft cap of the scaled logits), or ``s x``."""
-    if scale != 1.0:
-        x = scale * x
-    return x if softcap is None else softcap * torch.tanh(x / softcap)
-
-
 def _student(x: Tensor, tf: Transforms) -> Tensor:
-    return _capped(x, tf.softcap, tf.logit_scale)
+    """The student's ``c tanh(s x / c)`` (``s x`` uncapped), as the reference forms it."""
+    return ref.capped_rows(x, None, tf.softcap, tf.logit_scale)
 
 
 def _teacher(x: Tensor, tf: Transforms) -> Tensor:
-    return _capped(x, tf.teacher_softcap, tf.teacher_logit_scale)
+    return ref.capped_rows(x, None, tf.teacher_softcap, tf.teacher_logit_scale)
 
 
 @_serialised_when_interpreting
@@ -775,7 +769,8 @@ def divergence_grad(x3d, r3d, stats, grad_kl, temperature, which, beta=1.0,
                               *tf)  # fmt: skip
     keep = (g != 0).view(outer, inner, 1)  # rows that do not count: exact zeros, never read
     x = torch.where(keep, x3d.to(stats.dtype), 0.0)
-    z = _student(x, tf) / temperature
+    z, slope = ref.capped_rows_and_slope(x, None, tf.softcap, tf.logit_scale)  # slope: dz/dx
+    z = z / temperature
     u = _teacher(torch.where(keep, r3d.to(stats.dtype), 0.0), tf) / temperature
     st = stats.view(N_STATS, outer, inner, 1)
     log_p = (z - st[_MAX_Z]) - st[_LOG_S_Z]
@@ -794,10 +789,8 @@ def divergence_grad(x3d, r3d, stats, grad_kl, temperature, which, beta=1.0,
         excess, _ = ref.mixture_terms(torch.where(near, delta, 0.0), near, p, log_q.exp(),
                                       log_p, log_q, beta)  # fmt: skip
         terms = torch.where(p == 0, st[_C] - st[_C], (beta - 1.0) * p * (excess - st[_C]))
-    if tf.softcap is not None:  # dz/dx of the cap
-        terms = terms * (1.0 - torch.tanh(_capped(x, None, tf.logit_scale) / tf.softcap) ** 2)
-    if tf.logit_scale != 1.0:  # and of the scale
-        terms = terms * tf.logit_scale
+    if slope is not None:  # the cap's and the scale's dz/dx
+        terms = terms * slope
     grad = torch.where(keep, g.view(outer, inner, 1) * terms, 0.0) / temperature
     return grad.to(x3d.dtype)
 
