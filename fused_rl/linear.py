@@ -122,10 +122,18 @@ def _gemm_rows(rows: Tensor, chunk: int) -> Tensor:
     return padded
 
 
-def _chunk_logits(rows: Tensor, weight: Tensor, bias: Tensor | None, chunk: int):
+def _chunk_logits(rows: Tensor, weight: Tensor, bias: Tensor | None, chunk: int,
+                  dtype: torch.dtype | None = None):  # fmt: skip
     """``(z, z_full)``: the ``(n, V)`` logits of ``rows`` and the GEMM's whole output, of
-    which ``z`` is the first ``n`` rows (``_gemm_rows``)."""
-    z_full = F.linear(_gemm_rows(rows, chunk), weight, bias)
+    which ``z`` is the first ``n`` rows (``_gemm_rows``). ``dtype`` wider than the head's:
+    the GEMM's accumulator kept in it (``_mm_wide``), the bias added in it."""
+    full = _gemm_rows(rows, chunk)
+    if dtype is None or dtype == weight.dtype:
+        z_full = F.linear(full, weight, bias)
+    else:
+        z_full = _mm_wide(full, weight.t(), dtype)
+        if bias is not None:
+            z_full.add_(bias)
     return z_full[: rows.shape[0]], z_full
 
 
@@ -164,7 +172,33 @@ def _chunk_grad(z, targets, row_max, log_sum, entropy, g, h, temperature, softca
     return _stats_bwd_into(z3, z3, *args, *rest)[:, 0], True
 
 
-_MM_OUT_DTYPE: dict[str, bool] = {}  # device type -> torch.addmm(..., out_dtype=) works there
+_MM_OUT_DTYPE: dict[str, bool] = {}  # device type -> torch's GEMMs take out_dtype= there
+
+
+def _wide_gemm(kind: str, wide, upcast) -> Tensor | None:
+    """``wide()`` (a GEMM with ``out_dtype=``: 16-bit operands, the product kept in the fp32
+    accumulator, no upcast copy of either operand) where torch offers it on this device
+    type, else ``upcast()`` (the same product on fp32 copies of the operands)."""
+    if torch.compiler.is_compiling():  # no try/except while tracing: the portable form
+        return upcast()
+    if _MM_OUT_DTYPE.get(kind, True):
+        try:
+            out = wide()
+            _MM_OUT_DTYPE[kind] = True
+            return out
+        except (TypeError, NotImplementedError, RuntimeError) as exc:
+            # "not supported here" ("out_dtype" keyword, "aten::mm.dtype" backend), never
+            # another error (out of memory) that would switch the fast path off for good
+            if not isinstance(exc, NotImplementedError) and "dtype" not in str(exc):
+                raise
+            _MM_OUT_DTYPE[kind] = False
+    return upcast()
+
+
+def _mm_wide(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
+    """``a @ b`` in ``dtype`` (wider than the operands'), never rounded to their dtype."""
+    return _wide_gemm(a.device.type, lambda: torch.mm(a, b, out_dtype=dtype),
+                      lambda: a.to(dtype) @ b.to(dtype))  # fmt: skip
 
 
 def _addmm_wide(acc_out: Tensor, a: Tensor, b: Tensor) -> None:
@@ -175,22 +209,10 @@ def _addmm_wide(acc_out: Tensor, a: Tensor, b: Tensor) -> None:
     if a.dtype == acc_out.dtype:
         acc_out.addmm_(a, b)
         return
-    kind = a.device.type
-    if torch.compiler.is_compiling():  # no try/except while tracing: the portable form
-        acc_out.addmm_(a.to(acc_out.dtype), b.to(acc_out.dtype))
-        return
-    if _MM_OUT_DTYPE.get(kind, True):
-        try:
-            torch.addmm(acc_out, a, b, out_dtype=acc_out.dtype, out=acc_out)
-            _MM_OUT_DTYPE[kind] = True
-            return
-        except (TypeError, NotImplementedError, RuntimeError) as exc:
-            # "not supported here" ("out_dtype" keyword, "aten::addmm.dtype_out" backend),
-            # never another error (out of memory) that would switch the fast path off for good
-            if not isinstance(exc, NotImplementedError) and "dtype" not in str(exc):
-                raise
-            _MM_OUT_DTYPE[kind] = False
-    acc_out.addmm_(a.to(acc_out.dtype), b.to(acc_out.dtype))
+    dtype = acc_out.dtype
+    _wide_gemm(a.device.type,
+               lambda: torch.addmm(acc_out, a, b, out_dtype=dtype, out=acc_out),
+               lambda: acc_out.addmm_(a.to(dtype), b.to(dtype)))  # fmt: skip
 
 
 class _LinearTokenStats(torch.autograd.Function):
@@ -530,13 +552,17 @@ def _add_chunk_grads(d_rows, d_weight, d_bias, r, dz: Tensor, dz_full, h_c: Tens
     """One chunk's share of the lm_head's gradients from its ``dz`` ``(n, V)`` (the rows
     ``r`` of the chunk's hidden states ``h_c``; ``dz_full``: the GEMM buffer ``dz`` heads,
     or None): ``d_rows[r] = dz W``, ``d_weight += dz^T h_c``, ``d_bias += sum dz`` (each
-    where wanted: None is not)."""
+    where wanted: None is not). A ``dz`` wider than the head (fp32 chunk logits of a 16-bit
+    head) is summed for the bias as it is, then rounded to the head's dtype for the GEMMs."""
+    if d_bias is not None:
+        d_bias.add_(dz.sum(0, dtype=d_bias.dtype))
+    if dz is not None and dz.dtype != weight.dtype:
+        dz_full = None if dz_full is None else dz_full.to(weight.dtype)
+        dz = dz.to(weight.dtype) if dz_full is None else dz_full[: dz.shape[0]]
     if d_rows is not None:
         d_rows[r] = _hidden_grad(dz, weight, chunk, dz_full)
     if d_weight is not None:
         _addmm_wide(d_weight, dz.t(), h_c)
-    if d_bias is not None:
-        d_bias.add_(dz.sum(0, dtype=d_bias.dtype))
 
 
 def _rows_of(t: Tensor | None, rows: slice) -> Tensor | None:

@@ -115,6 +115,7 @@ class _Launch:
     shard: object = None  # fused_rl.distributed.VocabShard of the lm_heads, or None
     reduce_hidden: bool = True  # with a shard: all-reduce the hidden gradient
     tf: Transforms = NO_TRANSFORMS  # each model's logit scale and soft cap
+    logits_dtype: torch.dtype | None = None  # the chunk logits' dtype: None, the heads'
 
 
 def _run(rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_scale,
@@ -142,8 +143,8 @@ def _run(rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_sca
     for start in range(0, n_rows, chunk):
         r = slice(start, min(start + chunk, n_rows))
         h_c = rows[r]
-        z, z_full = _chunk_logits(h_c, weight, bias, chunk)
-        zt, _ = _chunk_logits(t_rows[r], t_weight, t_bias, chunk)
+        z, z_full = _chunk_logits(h_c, weight, bias, chunk, launch.logits_dtype)
+        zt, _ = _chunk_logits(t_rows[r], t_weight, t_bias, chunk, launch.logits_dtype)
         dz = dz_full = None
         if triton:
             part_c, stats_c = distill_rows_fwd_op(
@@ -209,15 +210,18 @@ class _LinearDistill(torch.autograd.Function):
     """The distillation loss of ``F.linear(rows, weight, bias)`` against the teacher's
     ``F.linear(t_rows, t_weight, t_bias)``, its gradients (``rows``, ``weight``, ``bias``)
     formed in the forward chunk by chunk and scaled by the upstream scalar in the backward
-    (module docstring)."""
+    (module docstring). ``head``: the ``(weight, bias)`` the GEMMs use, detached copies in
+    the autocast dtype under ``torch.autocast`` (the gradients of ``weight`` / ``bias``
+    themselves then come from the fp32 accumulators, not rounded to that dtype first), or
+    None: ``weight`` / ``bias``."""
 
     @staticmethod
     def forward(ctx, rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_scale,
-                num_items_t, launch):  # fmt: skip
+                num_items_t, launch, head):  # fmt: skip
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         loss, metrics, d_hidden, d_weight, d_bias = _run(
-            rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_scale,
-            num_items_t, launch, need_h, need_w, need_b,
+            rows, *(head or (weight, bias)), t_rows, t_weight, t_bias, targets, mask, m,
+            row_scale, num_items_t, launch, need_h, need_w, need_b,
         )  # fmt: skip
         save_formed_grads(ctx, rows, weight, bias, d_hidden, d_weight, d_bias)
         ctx.mark_non_differentiable(metrics)
@@ -285,6 +289,22 @@ def _prepare(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias,
     return hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias
 
 
+def _check_logits_dtype(logits_dtype, weight: Tensor, teacher_weight: Tensor):
+    """``logits_dtype`` checked: None or ``torch.float32``, never narrower than a head (fp64
+    heads); None where both heads already compute in fp32."""
+    if logits_dtype is None:
+        return None
+    if logits_dtype != torch.float32:
+        raise ValueError(f"logits_dtype must be None or torch.float32, got {logits_dtype}")
+    if torch.float64 in (weight.dtype, teacher_weight.dtype):
+        raise ValueError(
+            "logits_dtype=torch.float32 is narrower than the fp64 heads: pass None for fp64"
+        )
+    if weight.dtype == teacher_weight.dtype == torch.float32:
+        return None
+    return logits_dtype
+
+
 # ----------------------------------------------------------------------------- public API
 
 
@@ -309,6 +329,7 @@ def linear_distill_loss(
     num_items: int | float | Tensor | None = None,
     max_length: int | None = None,
     chunk_tokens: int | None = None,
+    logits_dtype: torch.dtype | None = None,
     process_group=None,
     vocab_start: int | None = None,
     vocab_size: int | None = None,
@@ -349,6 +370,15 @@ def linear_distill_loss(
             ``final_logit_softcapping``).
         chunk_tokens: rows per chunk; None keeps one chunk's student and teacher logits
             together under 256 MiB (``fused_rl.linear.CHUNK_BYTES``; at most 4096 rows).
+        logits_dtype: None (default): each chunk's logits in its head's dtype, what
+            ``F.linear`` gives (bf16 heads: logits rounded to bf16 before the divergence);
+            ``torch.float32``: the GEMMs' fp32 accumulators kept (``torch.mm(...,
+            out_dtype=torch.float32)`` where torch has it, CUDA; elsewhere the GEMM on fp32
+            copies of the rows and the head), the biases added in fp32, ``dz`` formed in
+            fp32 and rounded to the head's dtype for its two GEMMs (its bias sum in fp32):
+            the numerics of TRL's ``DistillationTrainer``, whose tiles are fp32, at twice the
+            chunk bytes (the default chunk holds half the rows). No effect on fp32 heads;
+            ``ValueError`` for another dtype or with an fp64 head.
         process_group: vocabulary (tensor) parallelism, the Megatron ``ColumnParallelLinear``
             lm_head: ``weight`` / ``bias`` and ``teacher_weight`` / ``teacher_bias`` are this
             rank's equal-width ``(V_local, H)`` shards of the two heads, the hidden states
@@ -377,9 +407,16 @@ def linear_distill_loss(
         an input is fp64); ``metrics`` ``jsd``, ``forward_kl``, ``reverse_kl``,
         ``student_entropy``, ``teacher_entropy`` (detached fp32 0-dim).
 
+    Under ``torch.autocast`` the hidden states and heads compute in the autocast dtype, as
+    ``F.linear`` would; the gradients of wider (fp32) heads are the fp32 accumulators cast
+    to the heads' dtype, where ``F.linear``'s would be rounded to the autocast dtype first
+    (TRL's ``DistillationTrainer`` returns them so too).
+
     Memory above the inputs (``c`` rows a chunk, ``b_s`` / ``b_t`` bytes per student /
     teacher logit, ``b_h`` per student hidden element): one chunk of student logits
-    ``c V b_s`` and one of teacher logits ``c V b_t`` (``dz`` is written over the student's),
+    ``c V b_s`` and one of teacher logits ``c V b_t`` (``dz`` is written over the student's;
+    ``b_s = b_t = 4`` with ``logits_dtype=torch.float32``, plus ``dz``'s ``c V`` copy in the
+    head's dtype),
     ``dW`` in fp32 ``4 V H`` (plus, off CUDA with 16-bit inputs, fp32 copies of the chunk's
     ``dz`` and rows for the accumulation), ``dH`` ``N H b_h`` and ``db``, and ``4 (6 + 2) N``
     bytes of per-token floats (the six partial columns, the token weight and the
@@ -409,11 +446,13 @@ def linear_distill_loss(
         >>> h.grad.shape, w.grad.shape
         (torch.Size([2, 5, 8]), torch.Size([11, 8]))
     """
+    head = weight, bias  # the caller's: what gets the gradients
     hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias = _prepare(
         hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, beta, temperature,
         mask, targets, ignore_index, loss_agg, max_length, num_items, chunk_tokens,
         process_group is not None,
     )  # fmt: skip
+    logits_dtype = _check_logits_dtype(logits_dtype, weight, teacher_weight)
     tf = check_transforms(softcap, teacher_softcap, logit_scale, teacher_logit_scale)
     if not isinstance(reduce_hidden_grad, bool):
         raise TypeError(f"reduce_hidden_grad must be a bool, got {type(reduce_hidden_grad)}")
@@ -427,6 +466,7 @@ def linear_distill_loss(
             check_layout(shard, hidden.device)
         # a padded vocabulary's padding rows: never read (autograd's slice gives them 0)
         weight, bias = _valid_rows(weight, bias, shard.valid)
+        head = _valid_rows(*head, shard.valid)
         teacher_weight, teacher_bias = _valid_rows(teacher_weight, teacher_bias, shard.valid)
     which = resolve_backend(backend, hidden, weight, bias, teacher_hidden, teacher_weight,
                             teacher_bias, mask, targets)  # fmt: skip
@@ -439,7 +479,9 @@ def linear_distill_loss(
         int(chunk_tokens)
         if chunk_tokens
         else default_chunk_tokens(
-            vocab if shard is None else shard.vocab_size, rows.dtype, t_rows.dtype
+            vocab if shard is None else shard.vocab_size,
+            logits_dtype or rows.dtype,
+            logits_dtype or t_rows.dtype,
         )
     )
     grad = _grad_wanted(rows, weight, bias)
@@ -460,17 +502,20 @@ def linear_distill_loss(
     launch = _Launch(
         float(beta), float(temperature), int(ignore_index), chunk, outer, inner,
         LOSS_AGG_MODES.index(loss_agg), float(max_length or inner), n_items, which, shard,
-        bool(reduce_hidden_grad), tf,
+        bool(reduce_hidden_grad), tf, logits_dtype,
     )  # fmt: skip
-    args = (rows, weight, bias, t_rows.detach(), teacher_weight.detach(),
-            None if teacher_bias is None else teacher_bias.detach(), flat_targets, flat_mask,
-            m, row_scale, n_items_t, launch)  # fmt: skip
+    t_args = (t_rows.detach(), teacher_weight.detach(),
+              None if teacher_bias is None else teacher_bias.detach(), flat_targets, flat_mask,
+              m, row_scale, n_items_t, launch)  # fmt: skip
     with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
-        if grad:
-            loss, metrics = _LinearDistill.apply(*args)
+        if grad and weight.dtype != head[0].dtype:  # autocast: the GEMMs on detached copies
+            copies = weight.detach(), None if bias is None else bias.detach()
+            loss, metrics = _LinearDistill.apply(rows, *head, *t_args, copies)
+        elif grad:
+            loss, metrics = _LinearDistill.apply(rows, weight, bias, *t_args, None)
         else:
             with torch.no_grad():
-                loss, metrics, *_ = _run(*args, False, False, False)
+                loss, metrics, *_ = _run(rows, weight, bias, *t_args, False, False, False)
     loss = poison_empty(loss, num_items if loss_agg == "token-mean" else None, rows.shape[0])
     values = metrics.unbind()
     out = {}

@@ -357,6 +357,26 @@ def test_torch_compile_fullgraph(case, backend):
         torch.testing.assert_close(a, e)
 
 
+@pytest.mark.no_poison
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_torch_compile_fullgraph_fp32_logits(backend):
+    """bf16 heads with fp32 chunk logits under ``torch.compile(fullgraph=True)`` (the GEMM
+    on fp32 copies while tracing): the eager call's loss and gradients."""
+    (h, w, b), (th, tw, tb), _ = make(seed=13, dtype=torch.bfloat16)
+
+    def f(h, w, b):
+        loss, _ = fused_rl.linear_distill_loss(h, w, th, tw, bias=b, teacher_bias=tb, beta=0.5,
+                                               chunk_tokens=4, logits_dtype=torch.float32,
+                                               backend=backend)  # fmt: skip
+        return loss
+
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(h, w, b)
+    want = f(h, w, b)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    for a, e in zip(torch.autograd.grad(got, (h, w, b)), torch.autograd.grad(want, (h, w, b))):
+        torch.testing.assert_close(a, e)
+
+
 def test_make_fx_records_the_ops(monkeypatch):
     """``make_fx`` with fake tensors (``torch.export``; the AOT trace of a compiled backward)
     records the chunk kernels as custom ops, never the in-place launcher on fake tensors."""
@@ -469,6 +489,80 @@ def test_default_chunk_keeps_both_chunks_under_the_budget():
     assert mod.default_chunk_tokens(10**9, torch.float32, torch.float32) == 1
 
 
+# ----------------------------------------------------------------------- fp32 logits, autocast
+
+
+def f64_oracle(student, teacher, up, **kw):
+    """:func:`oracle` with the teacher's logits formed in float64 too (not rounded to a
+    16-bit head's dtype): what fp32 chunk logits compute."""
+    leaves = [x.detach().double().requires_grad_() for x in student_params(student)]
+    h, w, *b = leaves
+    zt = F.linear(*(None if x is None else x.detach().double() for x in teacher))
+    loss, metrics = oracle_call(F.linear(h, w, b[0] if b else None), zt, **kw)
+    return loss, metrics, torch.autograd.grad(loss, leaves, up.double())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("case", [None, "caps_differ"])
+def test_fp32_logits_of_16bit_heads(case, beta, backend):
+    """bf16 heads with ``logits_dtype=torch.float32``: the logits are the GEMMs' fp32 sums
+    (bf16 products are exact in fp32), so the loss and metrics meet the float64 oracle of
+    the unrounded logits to fp32 rounding (bf16 logits: ~1e-3); the gradients, formed in
+    fp32 and rounded to bf16 for the GEMMs, to bf16 rounding. A bf16 student beside an
+    fp32 teacher too."""
+    for t_dtype in (torch.bfloat16, torch.float32):
+        student, teacher, g = make(dtype=torch.bfloat16, t_dtype=t_dtype, seed=int(beta * 10))
+        mask = (torch.rand(B, T, generator=g) > 0.2).to(DEVICE)
+        up = torch.tensor(0.7, dtype=torch.float64, device=DEVICE)
+        kw = dict(beta=beta, temperature=0.8, mask=mask, **SPLIT_CASES.get(case, {}))
+        got = ours(student, teacher, up, chunk_tokens=4, logits_dtype=torch.float32,
+                   backend=backend, **kw)  # fmt: skip
+        want = f64_oracle(student, teacher, up, **kw)
+        assert rel_err(got[0], want[0]) <= 1e-5, (float(got[0]), float(want[0]))
+        for name, value in want[1].items():
+            assert rel_err(got[1][name], value) <= 1e-5, name
+        for name, a, e in zip(("hidden", "weight", "bias"), got[2], want[2], strict=True):
+            assert a.dtype == torch.bfloat16 and rel_err(a, e) <= 1e-2, (name, rel_err(a, e))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp32_logits_are_a_no_op_on_fp32_heads(backend):
+    student, teacher, g = make(seed=3)
+    up = torch.tensor(0.9, device=DEVICE)
+    kw = dict(beta=0.5, chunk_tokens=4, backend=backend)
+    got = ours(student, teacher, up, logits_dtype=torch.float32, **kw)
+    want = ours(student, teacher, up, **kw)
+    assert torch.equal(got[0], want[0])
+    for a, e in zip(got[2], want[2], strict=True):
+        assert torch.equal(a, e)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU autocast")
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("logits_dtype", [None, torch.float32])
+def test_autocast_gives_fp32_heads_their_fp32_accumulators(logits_dtype, backend):
+    """fp32 student and teacher under bf16 autocast: the same loss and hidden gradient as
+    the call on bf16 copies of every input, and the head's gradients are that call's fp32
+    accumulators (the bf16 call's gradients are exactly them rounded), not bf16 values."""
+    student, teacher, _ = make(seed=5)
+    up = torch.tensor(2.0, device=DEVICE)  # exact: the bf16 call rounds before multiplying
+    kw = dict(beta=0.3, chunk_tokens=4, logits_dtype=logits_dtype, backend=backend)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = ours(student, teacher, up, **kw)
+    bf16 = lambda xs: tuple(  # noqa: E731
+        None if x is None else x.detach().bfloat16().requires_grad_(x.requires_grad) for x in xs
+    )
+    want = ours(bf16(student), bf16(teacher), up, **kw)
+    assert torch.equal(got[0], want[0])
+    (gh, gw, gb), (wh, ww, wb) = got[2], want[2]
+    assert gh.dtype == gw.dtype == gb.dtype == torch.float32
+    assert torch.equal(gh, wh.float())
+    for a, e in ((gw, ww), (gb, wb)):
+        assert torch.equal(a.bfloat16(), e)
+        assert (a != e.float()).float().mean() > 0.5  # most are not bf16 values
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
@@ -530,6 +624,12 @@ def test_bad_arguments_name_the_argument():
         call(tw=[1.0])
     with pytest.raises(ValueError, match=r"\bbackend\b"):
         call(backend="cuda")
+    for bad in (torch.bfloat16, torch.float64, "float32"):
+        with pytest.raises(ValueError, match=r"\blogits_dtype\b"):
+            call(logits_dtype=bad)
+    with pytest.raises(ValueError, match=r"\blogits_dtype\b.*fp64"):
+        call(h=h.double(), w=w.double(), th=th.double(), tw=tw.double(),
+             logits_dtype=torch.float32)  # fmt: skip
 
 
 @pytest.mark.no_poison

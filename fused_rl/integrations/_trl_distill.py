@@ -17,9 +17,10 @@ completion mask is nonzero are projected (one host sync for their count, as TRL'
 path); ``loss = sum / num_items_in_batch``, or over the valid count (at least 1: a rank
 with no completion token gives 0); the entropy of the student's tempered distribution,
 summed over the valid positions. The hidden states and heads run in the autocast dtype
-(else the hidden states'), as TRL projects them. One departure: the chunk logits are
-rounded to that dtype (they are what ``F.linear`` gives), where TRL keeps its projection in
-fp32: in fp32 the two agree to rounding, in bf16 they differ by the logits' bf16 rounding.
+(else each model's hidden states'), as TRL projects them, and the chunk logits stay in fp32
+(``logits_dtype=torch.float32``: the GEMMs' fp32 accumulators, as TRL's fp32 tiles); under
+autocast the student's head gradient is its fp32 accumulator (TRL's too), not rounded to
+the autocast dtype.
 
 The route: the trainer's ``_compute_loss`` runs TRL's own with this module's function in
 place of ``_chunked_divergence_loss`` for the call (a thread-local switch; another trainer
@@ -90,6 +91,8 @@ def divergence_loss(
     t_hidden = teacher_hidden_states.reshape(-1, teacher_hidden_states.shape[-1])[rows]
     hidden, weight, bias = _in_compute_dtype(hidden, weight, bias)
     t_hidden, t_weight, t_bias = _in_compute_dtype(t_hidden, t_weight, t_bias)
+    # autocast: linear_distill_loss casts the student's head itself (gradient: the fp32
+    # accumulator); the teacher's, which gets none, is cast here
     if num_items_in_batch is None:
         num_items = n_valid.clamp(min=1)  # a rank with no valid position: 0, not 0 / 0
     elif isinstance(num_items_in_batch, torch.Tensor):
@@ -103,7 +106,7 @@ def divergence_loss(
                       student_final_logit_softcapping, teacher_final_logit_softcapping,
                       temperature),
         loss_agg="token-mean", num_items=num_items, chunk_tokens=options.chunk_tokens,
-        backend=options.backend,
+        logits_dtype=torch.float32, backend=options.backend,
     )  # fmt: skip
     entropy_sum = metrics["student_entropy"] * n_valid  # the metric: a mean over the valid
     return loss, entropy_sum, n_valid
@@ -117,10 +120,16 @@ def gathered(param):
 
 
 def _in_compute_dtype(hidden, weight, bias):
-    """The rows and the head in the dtype TRL projects in: autocast's where it is on, else
-    the hidden states' (an fp32 master head under mixed precision is cast down)."""
+    """The rows and the head in the dtype TRL projects in: autocast's where it is on (the
+    head left to ``linear_distill_loss``'s autocast cast when it requires grad), else the
+    hidden states' (a wider head cast down: its gradient rounded to that dtype)."""
     device = hidden.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        if weight.requires_grad:
+            return hidden.to(dtype), weight, bias
+    else:
+        dtype = hidden.dtype
     return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
