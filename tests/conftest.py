@@ -69,6 +69,17 @@ def _poison_empty(request, monkeypatch):
     yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _helper_calls_patch_once():
+    """Interpreted kernels skip the interpreter's redundant re-patch of ``triton.language`` at
+    each helper call (``helpers.helper_calls_patch_once``): the suite's time, not its
+    results."""
+    from helpers import helper_calls_patch_once
+
+    with helper_calls_patch_once():
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _compiled_scalar_abi():
     """Python floats reach interpreted kernels as fp32, as a compiled launch passes them, so a

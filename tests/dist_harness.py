@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import compiled_scalar_abi
+from helpers import compiled_scalar_abi, helper_calls_patch_once
 
 needs_gloo = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
@@ -78,7 +78,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, module: str) ->
     tests = importlib.import_module(module)
     ctx = Ctx(rank, world)
     verdicts = {}
-    with compiled_scalar_abi():
+    with compiled_scalar_abi(), helper_calls_patch_once():
         for name, fn in tests.CHECKS.items():
             try:
                 t0 = time.perf_counter()

@@ -108,6 +108,37 @@ def compiled_scalar_abi():
         interpreter._implicit_cvt = original
 
 
+@contextlib.contextmanager
+def helper_calls_patch_once():
+    """Within the block the Triton interpreter skips re-patching ``triton.language`` at each
+    call of a ``@triton.jit`` helper inside a kernel: the launch has patched it already and
+    keeps it patched until the kernel returns, so the re-patch (an ``inspect.getmembers``
+    scan of four modules, about a millisecond) changes nothing but costs most of the time of
+    kernels that call helpers in loops (the truncated search). No-op without the
+    interpreter; nothing a kernel computes changes."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        yield
+        return
+    original = interpreter._patch_lang
+
+    def once(fn):
+        # the modules it would patch (fn's globals: triton.language and / or its core), each
+        # already patched (its builtins replaced) by the launch or an earlier helper call
+        langs = [v for v in fn.__globals__.values() if v is tl or v is tl.core]
+        if langs and not any(tl.core.is_builtin(lang.arange) for lang in langs):
+            return interpreter._LangPatchScope()
+        return original(fn)
+
+    interpreter._patch_lang = once
+    try:
+        yield
+    finally:
+        interpreter._patch_lang = original
+
+
 def sm90_compile_output(script: str) -> str:
     """The stdout of ``script`` -- a program that compiles kernels for sm_90 -- run in a
     fresh interpreter WITHOUT ``TRITON_INTERPRET`` (the interpreter replaces kernels by

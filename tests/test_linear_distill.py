@@ -318,7 +318,8 @@ def test_gradcheck_float64(case, beta, backend):
             chunk_tokens=2, backend=backend, **SPLIT_CASES.get(case, {}),
         )[0]  # fmt: skip
 
-    assert torch.autograd.gradcheck(fn, tuple(student))
+    # fast mode on Triton: a random projection of J, not one evaluation per input element
+    assert torch.autograd.gradcheck(fn, tuple(student), fast_mode=backend == "triton")
 
 
 def test_double_backward_raises():
