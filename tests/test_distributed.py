@@ -710,8 +710,8 @@ def distill_vocab_parallel(ctx):
         )
     ]
     cases += [dict(beta=beta, **own) for beta, own in zip((0.0, 1.0, 0.3), OWN_TRANSFORMS)]
-    for i, case in enumerate(cases):
-        for loss_agg in ("token-mean", "seq-mean-token-mean")[i % 2 :][:1]:  # alternately
+    for case in cases:
+        for loss_agg in ("token-mean", "seq-mean-token-mean"):
             kw = dict(targets=targets, mask=mask, loss_agg=loss_agg, temperature=0.8, **case)
             whole = full.clone().requires_grad_()
             ref_loss, ref_metrics = fused_rl.distill_loss(whole, teacher, backend="triton", **kw)
@@ -819,12 +819,11 @@ def truncated_vocab_parallel(ctx):
              dict(top_p=0.5), dict(top_p=0.9), dict(top_p=0.99, temperature=0.7),
              dict(top_k=100), dict(top_k=80, top_p=0.7), dict(top_k=9, top_p=0.9, softcap=2.0),
              dict(top_p=0.9, softcap=3.0), dict(top_k=500), dict(top_k=3 * V)]  # fmt: skip
-    for i, kw in enumerate(cases):
+    for kw in cases:
         unsharded = partial(fused_rl.truncated_logprobs, targets=targets, **kw)
         want, w_grad = _value_grad(unsharded, full, up)
         o_lp = truncated_oracle(full, targets, **kw)
-        for backend in BACKENDS[: 2 - i % 2]:  # the reference backend (whole rows gathered)
-            # on every other case
+        for backend in BACKENDS:
             what = f"{kw} {backend}"
             sharded = partial(unsharded, process_group=ctx.group, backend=backend)
             with _CountCollectives() as fwd:
