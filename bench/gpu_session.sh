@@ -42,7 +42,11 @@
 #   e2e            one GRPO step of TRL's GRPOTrainer, TRL's head against fused_rl's
 #                  integration (bench/e2e_trl.py: a random Qwen2.5-1.5B-shaped model,
 #                  vocabulary 151936, 2 x (256 + 4096) tokens): $OUT/e2e.log and
-#                  $OUT/results/e2e_trl.json (needs the trl and datasets wheels in .whl/)
+#                  $OUT/results/e2e_trl.json (needs the trl and datasets wheels in .whl/);
+#                  then one on-policy distillation step of TRL's DistillationTrainer, TRL's
+#                  chunked divergence against fused_rl's (bench/e2e_trl_distill.py: random
+#                  Qwen2.5-0.5B / 1.5B-shaped student / teacher, 2 x (256 + 2048) tokens):
+#                  $OUT/e2e_distill.log and $OUT/results/e2e_trl_distill.json
 #
 # The bench part RESUMES: cases already in bench/results/<gpu>/results.json of this working
 # tree are skipped, so repeated calls (each under the 10-minute command limit) complete the
@@ -195,6 +199,10 @@ if [ "$PART" = e2e ]; then
     "$PY" -m bench.e2e_trl --device cuda --out "$OUT/results/e2e_trl.json" "$@" 2>&1 \
         | grep -v "Loading weights" | tee "$OUT/e2e.log" | tail -20
     status=${PIPESTATUS[0]}
+    echo "== one distillation step of TRL's DistillationTrainer: TRL's loss against fused_rl's"
+    "$PY" -m bench.e2e_trl_distill --device cuda --out "$OUT/results/e2e_trl_distill.json" \
+        2>&1 | grep -v "Loading weights" | tee "$OUT/e2e_distill.log" | tail -20
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 
 exit "$status"

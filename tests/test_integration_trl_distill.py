@@ -17,7 +17,9 @@ import functools
 import pytest
 import torch
 from test_integration_trl import (
+    ATOL,
     EOS,
+    RTOL,
     VOCAB,
     _dataset,
     _tokenizer,
@@ -291,6 +293,23 @@ def test_training_bf16(tmp_path_factory, monkeypatch, config, param_rtol):
     assert calls.trl == 0 and calls.fused
     compare_logs(want_log, got_log)
     compare_params(want_params, got_params, rtol=param_rtol)
+
+
+@needs_trl
+def test_bench_e2e_parity(tmp_path):
+    """``bench/e2e_trl_distill.py`` at its tiny shape: TRL's trainer and fused_rl's step from
+    the same weights on the same micro-batch to the same loss, entropy and gradient norm."""
+    import json
+
+    from bench import e2e_trl_distill
+
+    out = tmp_path / "e2e.json"
+    assert e2e_trl_distill.main(["--device", "cpu", "--tiny", "--out", str(out)]) == 0
+    results = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
+    assert sorted(results) == sorted(e2e_trl_distill.VARIANTS)
+    want, got = results["trl"], results["fused_rl"]
+    for key in ("loss", "entropy", "grad_norm"):
+        assert abs(got[key] - want[key]) <= ATOL + RTOL * abs(want[key]), key
 
 
 # ----------------------------------------------------------------------------- errors, patch
