@@ -162,6 +162,16 @@ def run_variant(variant: str, path: str, args) -> dict:
     inputs = _inputs(trainer, args, device)
     out = {"variant": variant, "logprob_forward": _timed(
         lambda: _old_logprobs(trainer, inputs), device, args.repeats)}  # fmt: skip
+    out.update(timed_step(trainer, lambda model, _: trainer._compute_loss(model, dict(inputs)),
+                          args))  # fmt: skip
+    return out
+
+
+def timed_step(trainer, loss_of, args) -> dict:
+    """``{"step": timings, "loss", "grad_norm", ...}``: one optimizer step (``loss_of(model,
+    record)``, its backward, ``optimizer.step``) timed by :func:`_timed`, every repeat from
+    the same weights; the loss and gradient norm of the last (and what ``loss_of`` put in
+    ``record``)."""
     model, optimizer = trainer.model, trainer.optimizer
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     record = {}
@@ -169,21 +179,50 @@ def run_variant(variant: str, path: str, args) -> dict:
     def step():
         model.load_state_dict(state)  # every repeat steps from the same weights
         optimizer.zero_grad(set_to_none=False)
-        loss = trainer._compute_loss(model, dict(inputs))
+        loss = loss_of(model, record)
         loss.backward()
         record["loss"] = float(loss)
         record["grad_norm"] = float(torch.nn.utils.get_total_norm(
             [p.grad for p in model.parameters() if p.grad is not None]))  # fmt: skip
         optimizer.step()
 
-    out["step"] = _timed(step, device, args.repeats)
-    out.update(record)
-    return out
+    return {"step": _timed(step, args.device, args.repeats), **record}
+
+
+def add_common_arguments(parser, variants) -> None:
+    """The options every trainer bench takes: device, backend, repeats, variants, output."""
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--variants", default=",".join(variants))
+    parser.add_argument("--out", help="write the results as JSON here")
+
+
+def run_variants(run_variant, args) -> list[dict]:
+    """``run_variant(variant)`` for each of ``args.variants``, each trainer freed before the
+    next is built."""
+    results = []
+    for variant in args.variants.split(","):
+        results.append(run_variant(variant))
+        gc.collect()  # the variant's trainer, model(s) and optimizer state, before the next
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+def write_results(args, results, **extra) -> None:
+    """``args.out`` (if given): the arguments, versions, device and results as JSON."""
+    if not args.out:
+        return
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    with open(args.out, "w") as fh:
+        json.dump({"args": vars(args), **extra, "torch": torch.__version__,
+                   "device_name": device, "results": results}, fh, indent=1)  # fmt: skip
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_common_arguments(parser, VARIANTS)
     parser.add_argument("--tiny", action="store_true", help="a tiny model: parity on a CPU")
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--hidden", type=int, default=1536)  # Qwen2.5-1.5B
@@ -196,22 +235,13 @@ def main(argv=None) -> int:
     parser.add_argument("--completion", type=int, default=4096)
     parser.add_argument("--loss-type", default="dapo")
     parser.add_argument("--beta", type=float, default=0.04)
-    parser.add_argument("--backend", default="auto")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     if args.tiny:
         args.vocab, args.hidden, args.intermediate, args.layers = 509, 64, 128, 2
         args.heads, args.kv_heads, args.batch, args.prompt, args.completion = 4, 2, 3, 5, 9
         args.repeats = 1
     path = _model_dir(args)
-    results = []
-    for variant in args.variants.split(","):
-        results.append(run_variant(variant, path, args))
-        gc.collect()  # the variant's trainer, model and optimizer state, before the next
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
+    results = run_variants(lambda variant: run_variant(variant, path, args), args)
     base = results[0]
     print(f"device {args.device}; vocab {args.vocab}, hidden {args.hidden}, layers "
           f"{args.layers}, {args.batch} x ({args.prompt} + {args.completion}) tokens")  # fmt: skip
@@ -225,11 +255,7 @@ def main(argv=None) -> int:
             f"{r['loss'] - base['loss']:+.2g}), grad norm {r['grad_norm']:.6g} "
             f"({r['grad_norm'] - base['grad_norm']:+.2g})"
         )
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump({"args": vars(args), "torch": torch.__version__,
-                       "device_name": torch.cuda.get_device_name() if args.device == "cuda"
-                       else "cpu", "results": results}, fh, indent=1)  # fmt: skip
+    write_results(args, results)
     return 0
 
 

@@ -28,14 +28,19 @@ Needs TRL >= 1.16 and transformers (the GPU image has transformers; carry TRL's 
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import sys
 import tempfile
 
 import torch
 
-from bench.e2e_trl import _model_dir, _timed, _tokenizer
+from bench.e2e_trl import (
+    _model_dir,
+    _tokenizer,
+    add_common_arguments,
+    run_variants,
+    timed_step,
+    write_results,
+)
 
 VARIANTS = ("trl", "fused_rl")
 # the two models' shapes: Qwen2.5-0.5B (student) and Qwen2.5-1.5B (teacher), vocabulary 151936
@@ -94,29 +99,18 @@ def run_variant(variant: str, paths: tuple[str, str], args) -> dict:
     trainer = _trainer(variant, paths, args)
     inputs = _inputs(args, args.device)
     num_items = inputs["completion_mask"].sum().float()
-    model, optimizer = trainer.model, trainer.optimizer
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    record = {}
 
-    def step():
-        model.load_state_dict(state)  # every repeat steps from the same weights
-        optimizer.zero_grad(set_to_none=False)
+    def loss_of(model, record):
         loss, entropy_sum, n_valid = trainer._compute_loss(model, dict(inputs), num_items)
-        loss.backward()
-        record["loss"] = float(loss)
         record["entropy"] = float(entropy_sum / n_valid)
-        record["grad_norm"] = float(torch.nn.utils.get_total_norm(
-            [p.grad for p in model.parameters() if p.grad is not None]))  # fmt: skip
-        optimizer.step()
+        return loss
 
-    out = {"variant": variant, "step": _timed(step, args.device, args.repeats)}
-    out.update(record)
-    return out
+    return {"variant": variant, **timed_step(trainer, loss_of, args)}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_common_arguments(parser, VARIANTS)
     parser.add_argument("--tiny", action="store_true", help="tiny models: parity on a CPU")
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--batch", type=int, default=2)
@@ -124,10 +118,6 @@ def main(argv=None) -> int:
     parser.add_argument("--completion", type=int, default=2048)
     parser.add_argument("--beta", type=float, default=0.5)
     parser.add_argument("--temperature", type=float, default=0.9)
-    parser.add_argument("--backend", default="auto")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
     shapes = SHAPES
     if args.tiny:
@@ -136,12 +126,7 @@ def main(argv=None) -> int:
     # _model_dir reads one model's shape (and the sequence length) off an args namespace
     paths = tuple(_model_dir(argparse.Namespace(**{**vars(args), **shapes[who]}))
                   for who in ("student", "teacher"))  # fmt: skip
-    results = []
-    for variant in args.variants.split(","):
-        results.append(run_variant(variant, paths, args))
-        gc.collect()  # the variant's trainer, models and optimizer state, before the next
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
+    results = run_variants(lambda variant: run_variant(variant, paths, args), args)
     base = results[0]
     print(f"device {args.device}; vocab {args.vocab}, student {shapes['student']}, teacher "
           f"{shapes['teacher']}, {args.batch} x ({args.prompt} + {args.completion}) tokens, "
@@ -155,11 +140,7 @@ def main(argv=None) -> int:
             f"{r['loss'] - base['loss']:+.2g}), grad norm {r['grad_norm']:.6g} "
             f"({r['grad_norm'] - base['grad_norm']:+.2g}), entropy {r['entropy']:.6g}"
         )
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump({"args": vars(args), "shapes": shapes, "torch": torch.__version__,
-                       "device_name": torch.cuda.get_device_name() if args.device == "cuda"
-                       else "cpu", "results": results}, fh, indent=1)  # fmt: skip
+    write_results(args, results, shapes=shapes)
     return 0
 
 
