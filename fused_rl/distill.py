@@ -29,7 +29,7 @@ from . import _validation as V
 from ._agg import check_loss_agg, masked_mean_all, poison_empty, token_weights
 from ._backend import resolve_backend
 from ._launch import NO_CAP, NO_NUM_ITEMS, f32_pair, stats_dtype, triton_acc, vocab_launch
-from ._ops import FusedOp, _serialised_when_interpreting
+from ._ops import FusedOp
 from ._policy_inputs import num_items_args, weights_of
 from ._shapes import as_rows3d
 from .distributed import (
@@ -571,13 +571,29 @@ def _teacher(x: Tensor, tf: Transforms) -> Tensor:
     return ref.capped_rows(x, None, tf.teacher_softcap, tf.teacher_logit_scale)
 
 
-@_serialised_when_interpreting
-def _launch_mixture(x3d, r3d, stats, mask, out, temperature, beta, tf) -> None:
-    """``_distill_mixture_kernel`` over every row of ``(outer, inner, V)`` shards."""
+def distill_mixture_fwd(
+    x3d: Tensor,
+    r3d: Tensor,
+    stats: Tensor,
+    mask: Tensor | None,
+    temperature: float,
+    beta: float,
+    softcap: float | None = None,
+    logit_scale: float = 1.0,
+    teacher_softcap: float | None = None,
+    teacher_logit_scale: float = 1.0,
+) -> Tensor:
+    """``(2, outer * inner)`` in ``stats``' dtype: each row's part of the generalized JSD
+    and of ``sum_v p_v L_v`` over ``(outer, inner, V)`` shards (``_distill_mixture_kernel``:
+    one more read of both rows) from the whole vocabulary's ``stats``; ``mask``: a
+    contiguous ``(outer, inner)`` bool (rows left out read nothing); ``softcap`` ...
+    ``teacher_logit_scale``: the two models' :class:`Transforms`."""
     from .kernels.vocab.distill import _distill_mixture_kernel
 
     outer, inner, vocab = x3d.shape
     assert mask is None or mask.is_contiguous(), "the kernel reads the mask by row index"
+    out = torch.zeros((2, outer * inner), dtype=stats.dtype, device=x3d.device)
+    tf = Transforms(softcap, logit_scale, teacher_softcap, teacher_logit_scale)
     transform, flags = _transform_args(temperature, tf)
     _distill_mixture_kernel[(outer * inner,)](
         x3d, r3d, stats, mask.view(torch.uint8) if mask is not None else stats, out, inner,
@@ -585,6 +601,13 @@ def _launch_mixture(x3d, r3d, stats, mask, out, temperature, beta, tf) -> None:
         HAS_MASK=mask is not None, ACC=triton_acc(stats.dtype), **flags,
         **vocab_launch(vocab, writes=True),
     )  # fmt: skip
+    return out
+
+
+distill_mixture_fwd_op = FusedOp("distill_mixture_fwd", distill_mixture_fwd)
+distill_mixture_fwd_op.register_fake(
+    lambda x3d, _r3d, stats, *_args: stats.new_empty((2, x3d.shape[0] * x3d.shape[1]))
+)
 
 
 def _mixture_parts(x3d, r3d, stats, mask, temperature, beta, which, tf) -> Tensor:
@@ -593,12 +616,10 @@ def _mixture_parts(x3d, r3d, stats, mask, temperature, beta, which, tf) -> Tenso
     ``_distill_mixture_kernel``, reads the shard's rows once more)."""
     outer, inner, vocab = x3d.shape
     n = outer * inner
-    out = torch.zeros((2, n), dtype=stats.dtype, device=x3d.device)
     if vocab == 0 or n == 0:
-        return out
+        return torch.zeros((2, n), dtype=stats.dtype, device=x3d.device)
     if which == "triton":
-        _launch_mixture(x3d, r3d, stats, mask, out, temperature, beta, tf)
-        return out
+        return distill_mixture_fwd_op(x3d, r3d, stats, mask, temperature, beta, *tf)
     st = stats.view(N_STATS, outer, inner, 1)
     z = _student(x3d.to(stats.dtype), tf) / temperature
     u = _teacher(r3d.to(stats.dtype), tf) / temperature

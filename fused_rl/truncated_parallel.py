@@ -27,8 +27,9 @@ Forward (``kernels/vocab/truncated_shard.py``):
 
 Every branch that decides a collective depends on the call's options and the gathered
 (merged) values only, so every rank runs the same collectives; ``top_k >= V`` is turned off
-from the checked header (:func:`agreed_cut`). The route is eager: under ``torch.compile`` a
-graph break (its host reads, and launches that are not custom ops).
+from the checked header (:func:`agreed_cut`). The route is two custom ops
+(``fused_rl::sharded_truncated_fwd`` / ``_bwd``), opaque to ``torch.compile``: its host
+reads and collectives run inside them, so ``fullgraph=True`` holds.
 
 The backward needs no collective: each rank's gradient is ``(onehot - p) g dz/dx`` on its
 kept columns from the merged ``(tau, m, log F)`` (``kernels/vocab/truncated.py``'s backward
@@ -46,7 +47,7 @@ from torch import Tensor
 from . import _validation as V
 from . import distributed as D
 from ._launch import stats_dtype, triton_acc
-from ._ops import _serialised_when_interpreting
+from ._ops import FusedOp, _serialised_when_interpreting
 from ._shapes import as_rows3d
 from ._truncated_ops import (
     MAX_SEARCH_PASSES,
@@ -58,7 +59,6 @@ from ._truncated_ops import (
     scale_args,
     truncated_bwd_into,
 )
-from .reference import logprobs as ref_logprobs
 from .reference import truncated as ref
 
 KS = MAX_STREAMED_K
@@ -331,45 +331,138 @@ def agreed_cut(values: list[float] | None, shard, top_k: int) -> tuple[int, int]
     return (0 if top_k >= vocab else top_k), vocab
 
 
-# ----------------------------------------------------------------------------- autograd
+# ----------------------------------------------------------------------------- the ops
+# The route runs as two custom ops, opaque to ``torch.compile`` (``fullgraph=True`` works):
+# its host reads (the checked header, the search's early exit) and collectives run inside
+# them at run time. The process group travels by name, the layout as integers.
 
 
-class _ShardedTruncated(torch.autograd.Function):
-    """``logp`` of each target under the truncation of the whole row, from this rank's
-    valid columns ``x3d``; the backward writes this rank's gradient, no collective."""
+def _shard_of(group_name: str, start: int, columns: int, vocab_size: int, explicit: bool):
+    from torch.distributed import distributed_c10d
 
-    @staticmethod
-    def forward(ctx, x3d, t_local, ignored, spec, top_k, top_p, vocab, ok):
-        logp, stats, kept = shard_rows(x3d, t_local, ignored, spec, top_k, top_p, vocab, ok)
-        ctx.save_for_backward(x3d, t_local, stats, kept)
-        ctx.spec = spec
-        ctx.set_materialize_grads(False)
-        return logp
-
-    @staticmethod
-    def backward(ctx, grad_logp):
-        x3d, t_local, stats, kept = ctx.saved_tensors
-        if grad_logp is None:
-            return (None,) * 8
-        with torch.no_grad():
-            grad = torch.empty(x3d.shape, dtype=x3d.dtype, device=x3d.device)
-            shard_rows_grad_into(grad, x3d, t_local, stats, kept, grad_logp, ctx.spec)
-        return (ref_logprobs.differentiable_once(grad, x3d, grad_logp),) + (None,) * 7
+    group = distributed_c10d._resolve_process_group(group_name)
+    dist = D._dist()
+    return D.VocabShard(group, dist.get_rank(group), dist.get_world_size(group), start, columns,
+                        vocab_size, explicit)  # fmt: skip
 
 
-class _GatherVocab(torch.autograd.Function):
-    """:func:`gather_rows`, differentiable: the backward hands each rank its columns."""
+def _spec_of(shard, temperature, softcap, ignore_index, which, check):
+    return D._Spec(shard, temperature, ignore_index, True, False, which, check, softcap)
 
-    @staticmethod
-    def forward(ctx, x3d, shard, valids):
-        ctx.columns, ctx.valid = x3d.shape[-1], valids[shard.rank]
-        ctx.offset = sum(valids[: shard.rank])  # where gather_rows put this rank's columns
-        return gather_rows(x3d, shard, valids)
 
-    @staticmethod
-    def backward(ctx, grad_full):
-        mine = grad_full.narrow(-1, ctx.offset, ctx.valid)
-        return torch.nn.functional.pad(mine, (0, ctx.columns - ctx.valid)), None, None
+def sharded_truncated_fwd(
+    x3d: Tensor,
+    t2d: Tensor,
+    group_name: str,
+    start: int,
+    vocab_size: int,
+    explicit: bool,
+    top_k: int,
+    top_p: float,
+    temperature: float,
+    softcap: float | None,
+    ignore_index: int,
+    which: str,
+    check: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The forward of this rank's ``(outer, inner, V_local)`` shard ``x3d`` and global
+    ``(outer, inner)`` targets: ``(logp, stats, kept, t_local)``, ``logp`` in the statistics
+    dtype; ``stats`` ``(3, n)``, ``kept`` ``(n,)`` and the local targets for the Triton
+    backward (zeros on the reference backend, whose backward recomputes)."""
+    shard = _shard_of(group_name, start, x3d.shape[-1], vocab_size, explicit)
+    spec = _spec_of(shard, temperature, softcap, ignore_index, which, check)
+    acc = stats_dtype(x3d.dtype)
+    values, ok = checked_header(t2d, spec, acc, read=which == "reference")
+    top_k, vocab = agreed_cut(values if ok is None else None, shard, top_k)
+    n = t2d.numel()
+    if which == "reference":
+        logp = ref.truncated_logprobs(
+            gather_rows(x3d, shard, layout(values, shard)), t2d, top_k=top_k or None,
+            top_p=top_p, temperature=temperature, ignore_index=ignore_index, softcap=softcap,
+        ).to(acc)  # fmt: skip
+        logp = logp if ok is None else torch.where(ok, logp, math.nan)
+        zeros = torch.zeros((3, n), dtype=acc, device=x3d.device)
+        return logp, zeros, zeros[0] != 0, torch.zeros_like(t2d)
+    t_local, ignored = D._local_targets(t2d, shard, ignore_index)
+    x = x3d.narrow(-1, 0, shard.valid)
+    logp, stats, kept = shard_rows(x, t_local, ignored, spec, top_k, top_p, vocab, ok)
+    return logp, stats, kept, t_local
+
+
+def sharded_truncated_bwd(
+    x3d: Tensor,
+    t2d: Tensor,
+    t_local: Tensor,
+    stats: Tensor,
+    kept: Tensor,
+    grad_logp: Tensor,
+    group_name: str,
+    start: int,
+    vocab_size: int,
+    explicit: bool,
+    top_k: int,
+    top_p: float,
+    temperature: float,
+    softcap: float | None,
+    ignore_index: int,
+    which: str,
+    check: bool,
+) -> Tensor:
+    """This rank's ``(outer, inner, V_local)`` gradient (0 at padding columns): Triton, the
+    backward kernel on the shard's valid columns from the forward's ``stats`` / ``kept``, no
+    collective; the reference, the forward recomputed through autograd (the rows gathered
+    again: the oracle path)."""
+    shard = _shard_of(group_name, start, x3d.shape[-1], vocab_size, explicit)
+    spec = _spec_of(shard, temperature, softcap, ignore_index, which, check)
+    if which == "reference":
+        values, _ = checked_header(t2d, spec, stats.dtype, read=True)
+        top_k, _ = agreed_cut(values, shard, top_k)
+        valids = layout(values, shard)
+        _, vjp = torch.func.vjp(  # no autograd inside a custom op: a functorch transform
+            lambda full: ref.truncated_logprobs(
+                full, t2d, top_k=top_k or None, top_p=top_p, temperature=temperature,
+                ignore_index=ignore_index, softcap=softcap,
+            ),
+            gather_rows(x3d, shard, valids),
+        )  # fmt: skip
+        (grad_full,) = vjp(grad_logp.to(stats.dtype))
+        mine = grad_full.narrow(-1, sum(valids[: shard.rank]), valids[shard.rank])
+        return torch.nn.functional.pad(mine, (0, x3d.shape[-1] - mine.shape[-1]))
+    valid = shard.valid
+    x = x3d.narrow(-1, 0, valid)
+    grad = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    shard_rows_grad_into(grad, x, t_local, stats, kept, grad_logp, spec)
+    return torch.nn.functional.pad(grad, (0, x3d.shape[-1] - valid))
+
+
+def _fwd_fake(x3d, t2d, *_args):
+    acc = stats_dtype(x3d.dtype)
+    n = t2d.numel()
+    return (x3d.new_empty(t2d.shape, dtype=acc), x3d.new_empty((3, n), dtype=acc),
+            x3d.new_empty((n,), dtype=torch.bool), t2d.new_empty(t2d.shape))  # fmt: skip
+
+
+def _setup_context(ctx, inputs, output):
+    x3d, t2d, *options = inputs
+    _, stats, kept, t_local = output
+    ctx.save_for_backward(x3d, t2d, t_local, stats, kept)
+    ctx.options = options
+    ctx.mark_non_differentiable(stats, kept, t_local)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad_logp, *_unused):
+    if grad_logp is None:
+        return (None,) * (len(ctx.needs_input_grad))
+    grad = sharded_truncated_bwd_op(*ctx.saved_tensors, grad_logp, *ctx.options)
+    return (grad,) + (None,) * (len(ctx.needs_input_grad) - 1)
+
+
+sharded_truncated_bwd_op = FusedOp("sharded_truncated_bwd", sharded_truncated_bwd)
+sharded_truncated_bwd_op.register_fake(lambda x3d, *_args: x3d.new_empty(x3d.shape))
+sharded_truncated_fwd_op = FusedOp("sharded_truncated_fwd", sharded_truncated_fwd)
+sharded_truncated_fwd_op.register_fake(_fwd_fake)
+sharded_truncated_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ----------------------------------------------------------------------------- entry
@@ -398,7 +491,6 @@ def checked_header(t2d: Tensor, spec, dtype, *, read: bool = False):
     return values, None
 
 
-@torch.compiler.disable
 def sharded_truncated_logprobs(
     logits: Tensor,
     targets: Tensor,
@@ -413,27 +505,15 @@ def sharded_truncated_logprobs(
 ) -> Tensor:
     """:func:`fused_rl.truncated_logprobs` of this rank's vocabulary shard ``logits`` and
     global ``targets`` (checked locally), ``top_k`` / ``top_p`` as the user gave them (0 /
-    1.0: none; ``top_k >= V`` turned off here, :func:`agreed_cut`): the unsharded call's
-    values on every rank, this rank's columns of its gradient. Eager: a graph break under
-    ``torch.compile`` (its search reads the host and its launches are not custom ops)."""
+    1.0: none; ``top_k >= V`` turned off, :func:`agreed_cut`): the unsharded call's values
+    on every rank, this rank's columns of its gradient (``sharded_truncated_fwd_op``; under
+    ``torch.compile`` one opaque op, no graph break)."""
     D.check_vocab_limit(shard)
     x3d = as_rows3d(logits)
     t2d = targets.reshape(x3d.shape[:2])
-    spec = D._Spec(
-        shard, float(temperature), int(ignore_index), True, False, which,
-        V.value_checks_enabled(logits), None if softcap is None else float(softcap),
+    logp, *_ = sharded_truncated_fwd_op(
+        x3d, t2d, shard.group.group_name, shard.start, shard.vocab_size, shard.explicit,
+        int(top_k), float(top_p), float(temperature), None if softcap is None else float(softcap),
+        int(ignore_index), which, V.value_checks_enabled(logits),
     )  # fmt: skip
-    values, ok = checked_header(t2d, spec, stats_dtype(x3d.dtype), read=which == "reference")
-    top_k, vocab = agreed_cut(values if ok is None else None, shard, top_k)
-    if which == "reference":
-        full = _GatherVocab.apply(x3d, shard, layout(values, shard))
-        logp = ref.truncated_logprobs(
-            full, t2d, top_k=top_k or None, top_p=top_p, temperature=spec.temperature,
-            ignore_index=spec.ignore_index, softcap=spec.softcap,
-        )  # fmt: skip
-        return (logp if ok is None else torch.where(ok, logp, math.nan)).reshape(targets.shape)
-    t_local, ignored = D._local_targets(t2d, shard, spec.ignore_index)
-    valid = shard.valid
-    x = x3d if valid == x3d.shape[-1] else x3d.narrow(-1, 0, valid)
-    logp = _ShardedTruncated.apply(x, t_local, ignored, spec, top_k, top_p, vocab, ok)
     return logp.reshape(targets.shape)

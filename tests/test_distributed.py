@@ -852,15 +852,17 @@ def truncated_vocab_parallel(ctx):
         fin = torch.isfinite(want)
         assert_rel(got[fin], want[fin], 1e-5, f"logp {kw} {x.dtype}")
         assert_rel(grad.float(), w_grad[..., start:stop].float(), 1e-2, f"grad {kw}")
-    # torch.compile: the vocabulary-parallel route runs eagerly (a graph break)
-    torch._dynamo.reset()
-    compiled = torch.compile(
-        lambda x: fused_rl.truncated_logprobs(x, targets, top_p=0.9, process_group=ctx.group),
-        backend="aot_eager",
-    )  # fmt: skip
-    eager = fused_rl.truncated_logprobs(full[..., start:stop], targets, top_p=0.9,
-                                        process_group=ctx.group)  # fmt: skip
-    assert torch.equal(compiled(full[..., start:stop]), eager)
+    # torch.compile(fullgraph=True): the route is one opaque op each way; both backends,
+    # values and this rank's gradient
+    for backend in BACKENDS:
+        fn = partial(fused_rl.truncated_logprobs, targets=targets, top_k=80, top_p=0.9,
+                     process_group=ctx.group, backend=backend)  # fmt: skip
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+        got, grad = _value_grad(compiled, full[..., start:stop], up)
+        want, w_grad = _value_grad(fn, full[..., start:stop], up)
+        assert torch.equal(got, want), f"compiled {backend}"
+        assert torch.equal(grad, w_grad), f"compiled grad {backend}"
     # the backward communicates nothing; token_logprobs takes the same route
     local = full[..., start:stop].detach().requires_grad_()
     lp = fused_rl.token_logprobs(local, targets, top_p=0.9, process_group=ctx.group)
