@@ -53,7 +53,7 @@ from . import config
 from ._agg import poison_empty, sequence_scale
 from ._backend import resolve_backend
 from ._launch import stats_dtype
-from ._ops import _serialised_when_interpreting, _tracing
+from ._ops import FusedOp, _serialised_when_interpreting, _tracing
 from ._policy_inputs import (
     RolloutInputs,
     advantages_2d,
@@ -284,6 +284,9 @@ class _LinearTokenStats(torch.autograd.Function):
         hidden, weight, bias, targets, row_max, log_sum, entropy = ctx.saved_tensors
         temperature, softcap, ignore_index, chunk, which = ctx.config
         tp = ctx.tp
+        if entropy is None:  # not computed (sharded, no entropy): its output is empty, and
+            # a compiled backward's zero tangent for it must not reach the kernel as ``h``
+            grad_entropy = None
         if grad_logp is None and grad_entropy is None:
             return (None,) * 10
         if grad_logp is None:
@@ -296,7 +299,8 @@ class _LinearTokenStats(torch.autograd.Function):
                 return _chunk_grad(z, *stats, temperature, softcap, ignore_index, which)
             return _shard_chunk_grad(z, *stats, tp.spec)  # local target ids, global stats
 
-        return _head_grads(ctx, hidden, weight, bias, chunk, dz_of, tp) + (None,) * 7
+        return _head_grads(ctx.needs_input_grad[:3], hidden, weight, bias, chunk, dz_of,
+                           tp) + (None,) * 7  # fmt: skip
 
 
 def _truncated_chunk_grad(z, targets, stats, g, top_k, top_p, temperature, softcap,
@@ -375,68 +379,173 @@ class _LinearTruncated(torch.autograd.Function):
             return _truncated_chunk_grad(z, targets[rows], st, grad_logp[rows], top_k, top_p,
                                          temperature, softcap, ignore_index, which)  # fmt: skip
 
-        return _head_grads(ctx, hidden, weight, bias, chunk, dz_of) + (None,) * 8
+        needs = ctx.needs_input_grad[:3]
+        return _head_grads(needs, hidden, weight, bias, chunk, dz_of) + (None,) * 8
 
 
-class _ShardedLinearTruncated(torch.autograd.Function):
-    """:class:`_LinearTruncated` with ``weight`` / ``bias`` this rank's vocabulary shard
-    (``tp``, :class:`_TensorParallel`): each chunk's local logits go through
-    ``fused_rl.truncated_parallel`` (the ranks agree on the chunk's cut with its collectives,
-    so every rank runs the same chunks: ``chunk`` from the global vocabulary); the backward
-    as the unsharded one with the target's kept flag, then (``tp.reduce_hidden``) one SUM
-    all-reduce of ``dH``. Eager only (:func:`_sharded_truncated`)."""
+def _tp_of(group_name: str, start: int, columns: int, vocab_size: int, explicit: bool,
+           temperature: float, softcap: float | None, ignore_index: int, which: str,
+           check: bool, reduce_hidden: bool = True) -> _TensorParallel:  # fmt: skip
+    """The :class:`_TensorParallel` of a sharded op's primitive arguments (the group by
+    name: ``fused_rl.truncated_parallel.shard_of``)."""
+    from . import truncated_parallel as TP
+    from .distributed import _Spec
 
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, top_k, top_p, chunk, tp):
-        from . import truncated_parallel as TP
-        from .distributed import _local_targets
+    shard = TP.shard_of(group_name, start, columns, vocab_size, explicit, name="weight")
+    spec = _Spec(shard, temperature, ignore_index, True, False, which, check, softcap)
+    return _TensorParallel(spec, reduce_hidden)
 
-        ctx.set_materialize_grads(False)
-        spec = tp.spec
-        n_rows = hidden.shape[0]
-        acc = stats_dtype(hidden.dtype)
-        values, ok = TP.checked_header(targets[None], spec, acc, read=spec.which == "reference")
-        top_k, vocab = TP.agreed_cut(values if ok is None else None, spec.shard, top_k)
-        t_local, ignored = _local_targets(targets, spec.shard, spec.ignore_index)
-        w_valid, b_valid = _valid_rows(weight, bias, spec.shard.valid)  # padding: unread
-        logp = hidden.new_empty((n_rows,), dtype=acc)
-        stats = hidden.new_empty((3 * n_rows,), dtype=acc)
-        kept = torch.zeros((n_rows,), dtype=torch.bool, device=hidden.device)
-        for start in range(0, n_rows, chunk):
-            rows = slice(start, min(start + chunk, n_rows))
-            z, _ = _chunk_logits(hidden[rows], w_valid, b_valid, chunk)
-            if spec.which == "triton":
-                lp, st, kp = TP.shard_rows(z[None], t_local[None, rows], ignored[None, rows],
-                                           spec, top_k, top_p, vocab, ok)  # fmt: skip
-                stats[3 * start : 3 * rows.stop] = st.reshape(-1)
-                kept[rows] = kp
-            else:
-                lp = _reference_shard_chunk(z, targets[rows], spec, values, top_k, top_p, ok)
-            logp[rows] = lp.reshape(-1)
-            del z
-        ctx.save_for_backward(hidden, weight, bias, t_local, stats, kept, targets)
-        ctx.config = (top_k, top_p, values, chunk, tp)
-        return logp
 
-    @staticmethod
-    def backward(ctx, grad_logp):
-        return _once_differentiable_grads(ctx, _ShardedLinearTruncated._grads, grad_logp)
+def sharded_linear_truncated_fwd(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    top_k: int,
+    top_p: float,
+    chunk: int,
+    reduce_hidden: bool,
+    group_name: str,
+    start: int,
+    vocab_size: int,
+    explicit: bool,
+    temperature: float,
+    softcap: float | None,
+    ignore_index: int,
+    which: str,
+    check: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The truncated log-probs of ``F.linear(hidden, weight, bias)`` (``(N, H)`` rows,
+    ``weight`` / ``bias`` this rank's vocabulary shard) for global ``(N,)`` targets: each
+    chunk's local logits through ``fused_rl.truncated_parallel`` (the ranks agree on the
+    chunk's cut with its collectives, so every rank runs the same chunks: ``chunk`` from the
+    global vocabulary; ``reduce_hidden``: the backward's). ``(logp, t_local, stats,
+    kept)``: the backward's local targets, ``(3 N)`` statistics and kept flags (zeros on
+    the reference backend)."""
+    from . import truncated_parallel as TP
+    from .distributed import _local_targets
 
-    @staticmethod
-    def _grads(ctx, grad_logp):
-        hidden, weight, bias, t_local, stats, kept, targets = ctx.saved_tensors
-        top_k, top_p, values, chunk, tp = ctx.config
-        if grad_logp is None:
-            return (None,) * 8
+    spec = _tp_of(group_name, start, weight.shape[0], vocab_size, explicit, temperature,
+                  softcap, ignore_index, which, check).spec  # fmt: skip
+    n_rows = hidden.shape[0]
+    acc = stats_dtype(hidden.dtype)
+    values, ok = TP.checked_header(targets[None], spec, acc, read=spec.which == "reference")
+    top_k, vocab = TP.agreed_cut(values if ok is None else None, spec.shard, top_k)
+    t_local, ignored = _local_targets(targets, spec.shard, spec.ignore_index)
+    w_valid, b_valid = _valid_rows(weight, bias, spec.shard.valid)  # padding: unread
+    logp = hidden.new_empty((n_rows,), dtype=acc)
+    stats = hidden.new_zeros((3 * n_rows,), dtype=acc)
+    kept = torch.zeros((n_rows,), dtype=torch.bool, device=hidden.device)
+    for first in range(0, n_rows, chunk):
+        rows = slice(first, min(first + chunk, n_rows))
+        z, _ = _chunk_logits(hidden[rows], w_valid, b_valid, chunk)
+        if spec.which == "triton":
+            lp, st, kp = TP.shard_rows(z[None], t_local[None, rows], ignored[None, rows],
+                                       spec, top_k, top_p, vocab, ok)  # fmt: skip
+            stats[3 * first : 3 * rows.stop] = st.reshape(-1)
+            kept[rows] = kp
+        else:
+            lp = _reference_shard_chunk(z, targets[rows], spec, values, top_k, top_p, ok)
+        logp[rows] = lp.reshape(-1)
+        del z
+    return logp, t_local, stats, kept
 
-        def dz_of(rows, z):
-            st = stats[3 * rows.start : 3 * rows.stop].view(3, rows.stop - rows.start)
-            return _truncated_shard_chunk_grad(
-                z, t_local[rows], targets[rows], st, kept[rows], grad_logp[rows], tp.spec,
-                values, top_k, top_p,
-            )  # fmt: skip
 
-        return _head_grads(ctx, hidden, weight, bias, chunk, dz_of, tp) + (None,) * 5
+def sharded_linear_truncated_bwd(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    t_local: Tensor,
+    stats: Tensor,
+    kept: Tensor,
+    grad_logp: Tensor,
+    need_h: bool,
+    need_w: bool,
+    need_b: bool,
+    top_k: int,
+    top_p: float,
+    chunk: int,
+    reduce_hidden: bool,
+    group_name: str,
+    start: int,
+    vocab_size: int,
+    explicit: bool,
+    temperature: float,
+    softcap: float | None,
+    ignore_index: int,
+    which: str,
+    check: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(d_hidden, d_weight, d_bias)`` of :func:`sharded_linear_truncated_fwd` (empty where
+    not needed): each chunk's logits recomputed, the truncated backward kernel with the
+    target's kept flag written over them (the reference backend: the rows gathered and
+    differentiated again), the head's GEMMs; with ``reduce_hidden`` one SUM all-reduce of
+    ``dH``."""
+    from . import truncated_parallel as TP
+
+    tp = _tp_of(group_name, start, weight.shape[0], vocab_size, explicit, temperature, softcap,
+                ignore_index, which, check, reduce_hidden)  # fmt: skip
+    values = None
+    if which == "reference":  # the layout again (the forward's host read)
+        values, _ = TP.checked_header(targets[None], tp.spec, stats.dtype, read=True)
+        top_k, _ = TP.agreed_cut(values, tp.spec.shard, top_k)
+
+    def dz_of(rows, z):
+        st = stats[3 * rows.start : 3 * rows.stop].view(3, rows.stop - rows.start)
+        return _truncated_shard_chunk_grad(
+            z, t_local[rows], targets[rows], st, kept[rows], grad_logp[rows], tp.spec, values,
+            top_k, top_p,
+        )  # fmt: skip
+
+    grads = _head_grads((need_h, need_w, need_b), hidden, weight, bias, chunk, dz_of, tp)
+    return tuple(hidden.new_empty((0,)) if g is None else g for g in grads)
+
+
+def _linear_truncated_fwd_fake(hidden, _weight, _bias, targets, *_args):
+    acc = stats_dtype(hidden.dtype)
+    n = hidden.shape[0]
+    flags = hidden.new_empty((n,), dtype=torch.bool)
+    return (hidden.new_empty((n,), dtype=acc), targets.new_empty(targets.shape),
+            hidden.new_empty((3 * n,), dtype=acc), flags)  # fmt: skip
+
+
+def _linear_truncated_bwd_fake(hidden, weight, bias, _targets, _t_local, _stats, _kept, _g,
+                               need_h, need_w, need_b, *_args):  # fmt: skip
+    empty = hidden.new_empty((0,))
+    return (hidden.new_empty(hidden.shape) if need_h else empty,
+            weight.new_empty(weight.shape) if need_w else empty,
+            bias.new_empty(bias.shape) if need_b and bias is not None else empty)  # fmt: skip
+
+
+def _linear_truncated_setup(ctx, inputs, output):
+    hidden, weight, bias, targets, *options = inputs
+    _, t_local, stats, kept = output
+    ctx.save_for_backward(hidden, weight, bias, targets, t_local, stats, kept)
+    ctx.options = options
+    ctx.mark_non_differentiable(t_local, stats, kept)
+    ctx.set_materialize_grads(False)
+
+
+def _linear_truncated_backward(ctx, grad_logp, *_unused):
+    n_inputs = len(ctx.needs_input_grad)
+    if grad_logp is None:
+        return (None,) * n_inputs
+    needs = ctx.needs_input_grad[:3]
+    grads = sharded_linear_truncated_bwd_op(*ctx.saved_tensors, grad_logp, *needs, *ctx.options)
+    grads = tuple(g if need else None for g, need in zip(grads, needs, strict=True))
+    return grads + (None,) * (n_inputs - 3)
+
+
+sharded_linear_truncated_bwd_op = FusedOp("sharded_linear_truncated_bwd",
+                                          sharded_linear_truncated_bwd)  # fmt: skip
+sharded_linear_truncated_bwd_op.register_fake(_linear_truncated_bwd_fake)
+sharded_linear_truncated_fwd_op = FusedOp("sharded_linear_truncated_fwd",
+                                          sharded_linear_truncated_fwd)  # fmt: skip
+sharded_linear_truncated_fwd_op.register_fake(_linear_truncated_fwd_fake)
+sharded_linear_truncated_fwd_op.register_autograd(
+    _linear_truncated_backward, setup_context=_linear_truncated_setup
+)
 
 
 def _once_differentiable_grads(ctx, grads_fn, *grad_outputs):
@@ -453,15 +562,15 @@ def _once_differentiable_grads(ctx, grads_fn, *grad_outputs):
         return tuple(differentiable_once(g, *sources) for g in grads)
 
 
-def _head_grads(ctx, hidden, weight, bias, chunk, dz_of, tp=None, group=None):
-    """``(d_hidden, d_weight, d_bias)`` of a chunked lm_head op (None where not needed, by
-    ``ctx.needs_input_grad``): each chunk's logits recomputed (the forward kept none),
-    ``dz_of(rows, z)`` gives ``(dz, in_place)`` (``dz`` written over ``z`` when
-    ``in_place``), then ``dH = dz W``, ``dW += dz^T h``, ``db += sum dz`` (fp32 / fp64
-    accumulators). ``tp``: a vocabulary shard, its padding rows unread (zero gradient) and,
-    with ``tp.reduce_hidden``, ``dH`` summed over the ranks (one all-reduce); ``group``: that
-    all-reduce without a shard (:class:`_LinearTokenKL`)."""
-    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+def _head_grads(needs, hidden, weight, bias, chunk, dz_of, tp=None, group=None):
+    """``(d_hidden, d_weight, d_bias)`` of a chunked lm_head op (None where not needed:
+    ``needs``, three flags, as ``ctx.needs_input_grad[:3]``): each chunk's logits
+    recomputed (the forward kept none), ``dz_of(rows, z)`` gives ``(dz, in_place)`` (``dz``
+    written over ``z`` when ``in_place``), then ``dH = dz W``, ``dW += dz^T h``, ``db +=
+    sum dz`` (fp32 / fp64 accumulators). ``tp``: a vocabulary shard, its padding rows unread
+    (zero gradient) and, with ``tp.reduce_hidden``, ``dH`` summed over the ranks (one
+    all-reduce); ``group``: that all-reduce without a shard (:class:`_LinearTokenKL`)."""
+    need_h, need_w, need_b = needs
     _, d_hidden, d_weight, d_bias = _grad_buffers(hidden, weight, need_h, need_w, need_b)
     dw_out, db_out, out_dtype = d_weight, d_bias, weight.dtype
     if tp is not None:  # padding rows of the shard: unread, their gradient stays zero
@@ -497,15 +606,16 @@ def _reference_shard_chunk(z, targets, spec, values, top_k, top_p, ok=None, g=No
 
     valids = TP.layout(values, spec.shard)
     full = TP.gather_rows(z[None], spec.shard, valids)[0]
-    with torch.enable_grad():
-        leaf = full.detach().requires_grad_(g is not None)
-        logp = ref_truncated.truncated_logprobs(
-            leaf, targets, top_k=top_k or None, top_p=top_p, temperature=spec.temperature,
-            ignore_index=spec.ignore_index, softcap=spec.softcap,
-        )  # fmt: skip
-        if g is None:
-            return logp.detach() if ok is None else torch.where(ok, logp.detach(), math.nan)
-        (grad,) = torch.autograd.grad(logp, leaf, g.to(logp.dtype))
+    chunk_logp = lambda x: ref_truncated.truncated_logprobs(  # noqa: E731
+        x, targets, top_k=top_k or None, top_p=top_p, temperature=spec.temperature,
+        ignore_index=spec.ignore_index, softcap=spec.softcap,
+    )  # fmt: skip
+    if g is None:
+        logp = chunk_logp(full)
+        return logp if ok is None else torch.where(ok, logp, math.nan)
+    # no autograd inside a custom op (the route's): a functorch transform
+    logp, vjp = torch.func.vjp(chunk_logp, full)
+    (grad,) = vjp(g.to(logp.dtype))
     rank = spec.shard.rank
     return grad.narrow(-1, sum(valids[:rank]), valids[rank])  # where gather_rows put them
 
@@ -513,8 +623,8 @@ def _reference_shard_chunk(z, targets, spec, values, top_k, top_p, ok=None, g=No
 def _truncated_shard_chunk_grad(z, t_local, targets, stats, kept, g, spec, values, top_k, top_p):
     """``(dz, in_place)``: ``dL/dz`` of one chunk's ``(n, V_r)`` local logits under the
     truncation of the whole rows: the truncated backward kernel with the target's kept flag,
-    written over ``z`` (the route is eager only: :func:`_linear_truncated`); the reference
-    backend gathers the rows again."""
+    written over ``z`` (inside the route's custom op: eager); the reference backend gathers
+    the rows again."""
     from . import truncated_parallel as TP
 
     if spec.which == "reference":
@@ -1002,13 +1112,18 @@ def _linear_truncated(hidden, weight, targets, bias, top_k, top_p, temperature, 
     return logp.view(targets.shape)
 
 
-@torch.compiler.disable
 def _sharded_truncated(rows, weight, bias, flat_targets, k, p, chunk, tp) -> Tensor:
-    """:class:`_ShardedLinearTruncated` (the options in ``tp.spec``): eager (a graph break
-    under ``torch.compile``: its search reads the host and its launches are not custom
-    ops)."""
+    """``sharded_linear_truncated_fwd_op`` (the options in ``tp``): one custom op each way,
+    opaque to ``torch.compile`` (its host reads and collectives run inside)."""
+    spec, shard = tp.spec, tp.spec.shard
     with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
-        return _ShardedLinearTruncated.apply(rows, weight, bias, flat_targets, k, p, chunk, tp)
+        logp, *_ = sharded_linear_truncated_fwd_op(
+            rows, weight, bias, flat_targets, int(k), float(p), int(chunk),
+            bool(tp.reduce_hidden), shard.group.group_name, shard.start, shard.vocab_size,
+            shard.explicit, spec.temperature, spec.softcap, spec.ignore_index, spec.which,
+            spec.check,
+        )  # fmt: skip
+    return logp
 
 
 def _tensor_parallel(group, weight, vocab_start, vocab_size, temperature, softcap,
@@ -1326,7 +1441,8 @@ class _LinearTokenKL(torch.autograd.Function):
             return dz, False
 
         reduce = shard.group if shard is not None and reduce_hidden else None
-        return _head_grads(ctx, rows, weight, bias, chunk, dz_of, group=reduce) + (None,) * 10
+        needs = ctx.needs_input_grad[:3]
+        return _head_grads(needs, rows, weight, bias, chunk, dz_of, group=reduce) + (None,) * 10
 
 
 def _chunk_kl(rows, weight, bias, ref_rows, ref_weight, ref_bias, counted, start, stop,

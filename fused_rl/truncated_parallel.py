@@ -337,13 +337,17 @@ def agreed_cut(values: list[float] | None, shard, top_k: int) -> tuple[int, int]
 # them at run time. The process group travels by name, the layout as integers.
 
 
-def _shard_of(group_name: str, start: int, columns: int, vocab_size: int, explicit: bool):
+def shard_of(
+    group_name: str, start: int, columns: int, vocab_size: int, explicit: bool, name: str = "logits"
+) -> D.VocabShard:
+    """The :class:`fused_rl.distributed.VocabShard` of a custom op's arguments: the process
+    group resolved from its name, this rank's place in it."""
     from torch.distributed import distributed_c10d
 
     group = distributed_c10d._resolve_process_group(group_name)
     dist = D._dist()
     return D.VocabShard(group, dist.get_rank(group), dist.get_world_size(group), start, columns,
-                        vocab_size, explicit)  # fmt: skip
+                        vocab_size, explicit, name)  # fmt: skip
 
 
 def _spec_of(shard, temperature, softcap, ignore_index, which, check):
@@ -369,7 +373,7 @@ def sharded_truncated_fwd(
     ``(outer, inner)`` targets: ``(logp, stats, kept, t_local)``, ``logp`` in the statistics
     dtype; ``stats`` ``(3, n)``, ``kept`` ``(n,)`` and the local targets for the Triton
     backward (zeros on the reference backend, whose backward recomputes)."""
-    shard = _shard_of(group_name, start, x3d.shape[-1], vocab_size, explicit)
+    shard = shard_of(group_name, start, x3d.shape[-1], vocab_size, explicit)
     spec = _spec_of(shard, temperature, softcap, ignore_index, which, check)
     acc = stats_dtype(x3d.dtype)
     values, ok = checked_header(t2d, spec, acc, read=which == "reference")
@@ -412,7 +416,7 @@ def sharded_truncated_bwd(
     backward kernel on the shard's valid columns from the forward's ``stats`` / ``kept``, no
     collective; the reference, the forward recomputed through autograd (the rows gathered
     again: the oracle path)."""
-    shard = _shard_of(group_name, start, x3d.shape[-1], vocab_size, explicit)
+    shard = shard_of(group_name, start, x3d.shape[-1], vocab_size, explicit)
     spec = _spec_of(shard, temperature, softcap, ignore_index, which, check)
     if which == "reference":
         values, _ = checked_header(t2d, spec, stats.dtype, read=True)

@@ -1248,6 +1248,73 @@ def divergence_layouts(ctx):
     _group_ok(ctx)
 
 
+@check
+def compiled_fullgraph(ctx):
+    """Every vocabulary-parallel op under ``torch.compile(fullgraph=True)`` (no graph break:
+    collectives traced, or the routes with host reads opaque custom ops): the eager call's
+    values and this rank's gradients, both backends. At 2 ranks only (what compiles does
+    not depend on the world size; each op compiles twice, the check's cost)."""
+    if ctx.world != 2:
+        return
+    w, B, T, H = 5, 2, 3, 4
+    V = w * ctx.world
+    g = ctx.gen(71)
+    start, stop = _shard_bounds([w] * ctx.world, ctx.rank)
+    full, other = torch.randn(B, T, V, generator=g) * 2, torch.randn(B, T, V, generator=g)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    targets[0, 0] = -100
+    adv, old = torch.randn(B, generator=g), torch.randn(B, T, generator=g) - 2
+    hidden, t_hidden = torch.randn(B, T, H, generator=g), torch.randn(B, T, H, generator=g)
+    weight, t_weight = torch.randn(V, H, generator=g), torch.randn(V, H, generator=g)
+    grp = dict(process_group=ctx.group)
+    logits_ops = {
+        "token_logprobs": lambda x, **k: fused_rl.token_logprobs(x, targets, **grp, **k),
+        "token_entropy": lambda x, **k: fused_rl.token_entropy(x, **grp, **k),
+        "token_kl": lambda x, **k: fused_rl.token_kl(x, other[..., start:stop], **grp, **k),
+        "distill_jsd": lambda x, **k: fused_rl.distill_loss(
+            x, other[..., start:stop], beta=0.4, **grp, **k)[0],
+        "truncated": lambda x, **k: fused_rl.truncated_logprobs(
+            x, targets, top_k=3, top_p=0.8, **grp, **k),
+        "policy_full_kl": lambda x, **k: fused_rl.policy_loss(
+            x, targets, adv, old_logprobs=old, ref_logits=other[..., start:stop],
+            kl_estimator="full", beta=0.1, **grp, **k)[0],
+    }  # fmt: skip
+    head_ops = {
+        "linear_logprobs": lambda h, wt, **k: fused_rl.linear_token_logprobs(
+            h, wt, targets[:, 1:], **grp, **k),
+        "linear_truncated": lambda h, wt, **k: fused_rl.linear_token_logprobs(
+            h, wt, targets[:, 1:], top_p=0.8, chunk_tokens=2, **grp, **k),
+        "linear_distill": lambda h, wt, **k: fused_rl.linear_distill_loss(
+            h, wt, t_hidden, t_weight[start:stop], beta=0.4, chunk_tokens=2, **grp, **k)[0],
+        "linear_policy": lambda h, wt, **k: fused_rl.linear_policy_loss(
+            h, wt, targets[:, 1:], adv, **grp, **k)[0],
+    }  # fmt: skip
+
+    def value_grads(fn, leaves):
+        leaves = [x.detach().clone().requires_grad_() for x in leaves]
+        out = fn(*leaves)
+        up = torch.linspace(0.5, 1.5, out.numel()).view(out.shape)
+        torch.where(torch.isfinite(out), out * up, 0.0).sum().backward()
+        return out.detach(), [x.grad for x in leaves]
+
+    cases = [(name, fn, [full[..., start:stop]]) for name, fn in logits_ops.items()]
+    cases += [(name, fn, [hidden, weight[start:stop]]) for name, fn in head_ops.items()]
+    for name, fn, leaves in cases:
+        for backend in BACKENDS:
+            what = f"{name} {backend}"
+            eager = partial(fn, backend=backend)
+            torch._dynamo.reset()
+            compiled = torch.compile(eager, fullgraph=True, backend="aot_eager")
+            got, got_g = value_grads(compiled, leaves)
+            want, want_g = value_grads(eager, leaves)
+            fin = torch.isfinite(want)  # truncated: cut targets are -inf in both
+            assert torch.equal(fin, torch.isfinite(got)), what
+            assert_rel(got[fin], want[fin], 1e-6, what)
+            for a, e in zip(got_g, want_g, strict=True):
+                assert_rel(a, e, 1e-6, f"grad {what}")
+    _group_ok(ctx)
+
+
 @pytest.mark.parametrize("name", list(CHECKS))
 @pytest.mark.parametrize("world", WORLD_SIZES)
 @needs_gloo
