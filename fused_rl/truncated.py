@@ -126,9 +126,9 @@ def truncated_logprobs(
             the layout header, one all-gather of ``kk + 8`` floats a token per rank (``kk =
             min(k, 64)``, or 64 for top-p alone and ``k > 64``); where those values do not
             decide a row's cut, search passes of one all-reduce of 32 floats a token each
-            (at most 11 in fp32), then one all-gather of 64. Eager: under ``torch.compile``
-            a graph break (the search reads the host: once to skip it when no row needs it,
-            once a pass to stop early).
+            (at most 11 in fp32), then one all-gather of 64. Under ``torch.compile`` one
+            custom op each way (``fullgraph=True`` holds): the search's host reads (once
+            to skip it when no row needs it, once a pass to stop early) run inside it.
         backend: ``"auto"`` | ``"triton"`` | ``"reference"`` (see ``fused_rl._backend``).
 
     Returns:
