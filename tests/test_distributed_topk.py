@@ -297,6 +297,8 @@ def test_vocab_parallel_topk(world, name):
 def test_megatron_group_needs_megatron(monkeypatch):
     """Without ``process_group=`` the function takes Megatron's tensor-parallel group: an
     ImportError naming it where Megatron-Core is not installed."""
+    for name in [m for m in sys.modules if m.split(".")[0] == "megatron"]:  # imported by verl
+        monkeypatch.setitem(sys.modules, name, None)
     monkeypatch.setitem(sys.modules, "megatron", None)
     with pytest.raises(ImportError, match="process_group="):
         compute_forward_kl_topk_megatron(torch.randn(1, 2, 3), torch.zeros(1, 2, 1),
