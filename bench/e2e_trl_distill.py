@@ -12,8 +12,10 @@ tokenizer built in code, no download):
   tiles; the gradients formed in the forward, no GEMM recomputed).
 
 Each variant times one optimizer step on one micro-batch as the trainer holds it after
-generation (``_compute_loss``: both backbones, the teacher's under ``no_grad``, and the
-loss; then the backward and ``optimizer.step``): medians over ``--repeats`` after a warm-up,
+generation (``_compute_loss``, called directly as ``bench/e2e_trl.py`` does: both
+backbones, the teacher's under ``no_grad``, and the loss, with no accelerate autocast
+around it (the models are bf16 on CUDA, fp32 on CPU); then the backward and
+``optimizer.step``): medians over ``--repeats`` after a warm-up,
 and on CUDA the peak memory (``max_memory_allocated``) with the memory held before it
 (both models, the student's gradients and optimizer state). The losses and gradient norms
 of the two are compared (parity): on a CPU that is all this measures (its times are CPU

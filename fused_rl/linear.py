@@ -137,13 +137,17 @@ def _chunk_logits(rows: Tensor, weight: Tensor, bias: Tensor | None, chunk: int,
     return z_full[: rows.shape[0]], z_full
 
 
-def _hidden_grad(dz: Tensor, weight: Tensor, chunk: int, dz_full: Tensor | None = None) -> Tensor:
+def _hidden_grad(dz: Tensor, weight: Tensor, chunk: int, dz_full: Tensor | None = None,
+                 dtype: torch.dtype | None = None) -> Tensor:  # fmt: skip
     """``dz W`` for the chunk's ``n`` rows through a GEMM of ``chunk`` rows: ``dz_full``, the
     buffer ``dz`` is the head of (its other rows hold finite values no result row reads), or
-    ``dz`` padded (``_gemm_rows``)."""
+    ``dz`` padded (``_gemm_rows``); ``dtype`` wider than the head's: the GEMM's accumulator
+    kept in it (``_mm_wide``)."""
     n = dz.shape[0]
     full = dz_full if dz_full is not None and config.batch_invariant else _gemm_rows(dz, chunk)
-    return (full @ weight)[:n]
+    if dtype is None or dtype == weight.dtype:
+        return (full @ weight)[:n]
+    return _mm_wide(full, weight, dtype)[:n]
 
 
 def _chunk_stats(z: Tensor, targets: Tensor, temperature, softcap, ignore_index, which):
@@ -172,32 +176,35 @@ def _chunk_grad(z, targets, row_max, log_sum, entropy, g, h, temperature, softca
     return _stats_bwd_into(z3, z3, *args, *rest)[:, 0], True
 
 
-_MM_OUT_DTYPE: dict[str, bool] = {}  # device type -> torch's GEMMs take out_dtype= there
+# (device type, GEMM) -> torch offers that GEMM with out_dtype= on that device type
+_MM_OUT_DTYPE: dict[tuple[str, str], bool] = {}
 
 
-def _wide_gemm(kind: str, wide, upcast) -> Tensor | None:
+def _wide_gemm(key: tuple[str, str], wide, upcast) -> Tensor | None:
     """``wide()`` (a GEMM with ``out_dtype=``: 16-bit operands, the product kept in the fp32
-    accumulator, no upcast copy of either operand) where torch offers it on this device
-    type, else ``upcast()`` (the same product on fp32 copies of the operands)."""
+    accumulator, no upcast copy of either operand) where torch offers it (``key``: the
+    device type and the GEMM), else ``upcast()`` (the same product on fp32 copies of the
+    operands; always while ``torch.compile`` traces: a ``(V, H)`` fp32 copy of the head
+    per call of a wide logits GEMM)."""
     if torch.compiler.is_compiling():  # no try/except while tracing: the portable form
         return upcast()
-    if _MM_OUT_DTYPE.get(kind, True):
+    if _MM_OUT_DTYPE.get(key, True):
         try:
             out = wide()
-            _MM_OUT_DTYPE[kind] = True
+            _MM_OUT_DTYPE[key] = True
             return out
         except (TypeError, NotImplementedError, RuntimeError) as exc:
             # "not supported here" ("out_dtype" keyword, "aten::mm.dtype" backend), never
             # another error (out of memory) that would switch the fast path off for good
             if not isinstance(exc, NotImplementedError) and "dtype" not in str(exc):
                 raise
-            _MM_OUT_DTYPE[kind] = False
+            _MM_OUT_DTYPE[key] = False
     return upcast()
 
 
 def _mm_wide(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
     """``a @ b`` in ``dtype`` (wider than the operands'), never rounded to their dtype."""
-    return _wide_gemm(a.device.type, lambda: torch.mm(a, b, out_dtype=dtype),
+    return _wide_gemm((a.device.type, "mm"), lambda: torch.mm(a, b, out_dtype=dtype),
                       lambda: a.to(dtype) @ b.to(dtype))  # fmt: skip
 
 
@@ -210,7 +217,7 @@ def _addmm_wide(acc_out: Tensor, a: Tensor, b: Tensor) -> None:
         acc_out.addmm_(a, b)
         return
     dtype = acc_out.dtype
-    _wide_gemm(a.device.type,
+    _wide_gemm((a.device.type, "addmm"),
                lambda: torch.addmm(acc_out, a, b, out_dtype=dtype, out=acc_out),
                lambda: acc_out.addmm_(a.to(dtype), b.to(dtype)))  # fmt: skip
 
@@ -669,8 +676,8 @@ def _add_chunk_grads(d_rows, d_weight, d_bias, r, dz: Tensor, dz_full, h_c: Tens
     if dz is not None and dz.dtype != weight.dtype:
         dz_full = None if dz_full is None else dz_full.to(weight.dtype)
         dz = dz.to(weight.dtype) if dz_full is None else dz_full[: dz.shape[0]]
-    if d_rows is not None:
-        d_rows[r] = _hidden_grad(dz, weight, chunk, dz_full)
+    if d_rows is not None:  # in its own dtype: wider than the head's under autocast
+        d_rows[r] = _hidden_grad(dz, weight, chunk, dz_full, d_rows.dtype)
     if d_weight is not None:
         _addmm_wide(d_weight, dz.t(), h_c)
 

@@ -8,8 +8,10 @@ go through in chunks of ``chunk_tokens`` rows, as in :mod:`fused_rl.linear`.
 Per chunk (``h_c`` the student's hidden rows, ``t_c`` the teacher's):
 
 * ``z_s = h_c W^T (+ b)`` and ``z_t = t_c W_t^T (+ b_t)`` through ``F.linear`` (cuBLAS on a
-  GPU; the teacher's under no autograd: it gets no gradient), each a GEMM of exactly
-  ``chunk`` rows (``fused_rl.linear._gemm_rows``: batch invariance);
+  GPU; the teacher's under no autograd: it gets no gradient), or with
+  ``logits_dtype=torch.float32`` a GEMM keeping its fp32 accumulator
+  (``fused_rl.linear._mm_wide``), each of exactly ``chunk`` rows
+  (``fused_rl.linear._gemm_rows``: batch invariance);
 * the distillation forward kernel (``kernels/vocab/distill.py``) on the chunk's rows writes
   its six partial columns (the divergence, both KLs, both entropies, the token weight) and
   five per-row statistics;
@@ -119,10 +121,11 @@ class _Launch:
 
 
 def _run(rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_scale,
-         num_items_t, launch, need_h, need_w, need_b):  # fmt: skip
+         num_items_t, launch, need_h, need_w, need_b, hidden_dtype=None):  # fmt: skip
     """The chunk loop: ``(loss, metrics, d_hidden, d_weight, d_bias)`` with ``metrics`` the
-    ``(len(METRICS),)`` fp32 means and the gradients (None where not needed; ``d_weight``,
-    ``d_bias`` in the fp32 / fp64 accumulator) of the loss with upstream gradient 1.
+    ``(len(METRICS),)`` fp32 means and the gradients (None where not needed; ``d_hidden`` in
+    ``hidden_dtype``, default ``rows``'; ``d_weight``, ``d_bias`` in the fp32 / fp64
+    accumulator) of the loss with upstream gradient 1.
 
     ``targets`` / ``mask``: ``(N,)`` or None (the Triton kernel reads them); ``m``: the
     ``(N,)`` token weights and ``row_scale`` the aggregation's ``(N,)`` factor (None on the
@@ -132,6 +135,8 @@ def _run(rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_sca
     acc, d_hidden, d_weight, d_bias = _grad_buffers(
         rows, weight, need_h, need_w, need_b, acc_dtype(rows, t_rows)
     )
+    if d_hidden is not None and hidden_dtype not in (None, rows.dtype):
+        d_hidden = torch.empty(rows.shape, dtype=hidden_dtype, device=rows.device)
     shard = launch.shard
     triton = launch.which == "triton" and shard is None
     if triton:
@@ -210,18 +215,18 @@ class _LinearDistill(torch.autograd.Function):
     """The distillation loss of ``F.linear(rows, weight, bias)`` against the teacher's
     ``F.linear(t_rows, t_weight, t_bias)``, its gradients (``rows``, ``weight``, ``bias``)
     formed in the forward chunk by chunk and scaled by the upstream scalar in the backward
-    (module docstring). ``head``: the ``(weight, bias)`` the GEMMs use, detached copies in
-    the autocast dtype under ``torch.autocast`` (the gradients of ``weight`` / ``bias``
-    themselves then come from the fp32 accumulators, not rounded to that dtype first), or
-    None: ``weight`` / ``bias``."""
+    (module docstring). ``compute``: the ``(rows, weight, bias)`` the GEMMs use, detached
+    copies in the autocast dtype under ``torch.autocast`` (the gradients of the wider
+    ``rows``, ``weight``, ``bias`` themselves then come from fp32 accumulators, not rounded
+    to that dtype first), or None: the inputs."""
 
     @staticmethod
     def forward(ctx, rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_scale,
-                num_items_t, launch, head):  # fmt: skip
+                num_items_t, launch, compute):  # fmt: skip
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         loss, metrics, d_hidden, d_weight, d_bias = _run(
-            rows, *(head or (weight, bias)), t_rows, t_weight, t_bias, targets, mask, m,
-            row_scale, num_items_t, launch, need_h, need_w, need_b,
+            *(compute or (rows, weight, bias)), t_rows, t_weight, t_bias, targets, mask, m,
+            row_scale, num_items_t, launch, need_h, need_w, need_b, rows.dtype,
         )  # fmt: skip
         save_formed_grads(ctx, rows, weight, bias, d_hidden, d_weight, d_bias)
         ctx.mark_non_differentiable(metrics)
@@ -287,6 +292,14 @@ def _prepare(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias,
                         teacher_weight=teacher_weight, teacher_bias=teacher_bias, mask=mask,
                         targets=targets)  # fmt: skip
     return hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias
+
+
+def _bias_as_given(given: Tensor | None, cast: Tensor | None) -> Tensor | None:
+    """The bias fp32 chunk logits add: the caller's own (detached; its gradient is formed
+    apart) where autocast cast it to a narrower dtype, else ``cast``."""
+    if given is None or cast is None or given.dtype == cast.dtype:
+        return cast
+    return given.detach()
 
 
 def _check_logits_dtype(logits_dtype, weight: Tensor, teacher_weight: Tensor):
@@ -373,9 +386,11 @@ def linear_distill_loss(
         logits_dtype: None (default): each chunk's logits in its head's dtype, what
             ``F.linear`` gives (bf16 heads: logits rounded to bf16 before the divergence);
             ``torch.float32``: the GEMMs' fp32 accumulators kept (``torch.mm(...,
-            out_dtype=torch.float32)`` where torch has it, CUDA; elsewhere the GEMM on fp32
-            copies of the rows and the head), the biases added in fp32, ``dz`` formed in
-            fp32 and rounded to the head's dtype for its two GEMMs (its bias sum in fp32):
+            out_dtype=torch.float32)`` where torch has it, CUDA; elsewhere, and while
+            ``torch.compile`` traces, the GEMM on fp32 copies of the rows and the head: a
+            ``4 V H``-byte copy of each head per chunk), the biases added in fp32 (as given:
+            under autocast a wider bias unrounded), ``dz`` formed in fp32 and rounded to the
+            head's dtype for its two GEMMs (its bias sum in fp32):
             the numerics of TRL's ``DistillationTrainer``, whose tiles are fp32, at twice the
             chunk bytes (the default chunk holds half the rows). No effect on fp32 heads;
             ``ValueError`` for another dtype or with an fp64 head.
@@ -408,9 +423,10 @@ def linear_distill_loss(
         ``student_entropy``, ``teacher_entropy`` (detached fp32 0-dim).
 
     Under ``torch.autocast`` the hidden states and heads compute in the autocast dtype, as
-    ``F.linear`` would; the gradients of wider (fp32) heads are the fp32 accumulators cast
-    to the heads' dtype, where ``F.linear``'s would be rounded to the autocast dtype first
-    (TRL's ``DistillationTrainer`` returns them so too).
+    ``F.linear`` would; the gradients of wider (fp32) hidden states and heads are fp32
+    accumulators (``dz W`` with an fp32 output, ``dz^T h`` and ``sum dz`` accumulated in
+    fp32), where ``F.linear``'s would be rounded to the autocast dtype first (TRL's
+    ``DistillationTrainer`` returns them so too).
 
     Memory above the inputs (``c`` rows a chunk, ``b_s`` / ``b_t`` bytes per student /
     teacher logit, ``b_h`` per student hidden element): one chunk of student logits
@@ -446,13 +462,18 @@ def linear_distill_loss(
         >>> h.grad.shape, w.grad.shape
         (torch.Size([2, 5, 8]), torch.Size([11, 8]))
     """
-    head = weight, bias  # the caller's: what gets the gradients
+    given_hidden, head = hidden, (weight, bias)  # the caller's: what gets the gradients
+    given_t_bias = teacher_bias
     hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias = _prepare(
         hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, beta, temperature,
         mask, targets, ignore_index, loss_agg, max_length, num_items, chunk_tokens,
         process_group is not None,
     )  # fmt: skip
     logits_dtype = _check_logits_dtype(logits_dtype, weight, teacher_weight)
+    if logits_dtype is not None:  # fp32 logits: the biases added as given, not autocast's
+        # rounded copies (a bias wider than the head's compute dtype enters the fp32 sum)
+        bias = _bias_as_given(head[1], bias)
+        teacher_bias = _bias_as_given(given_t_bias, teacher_bias)
     tf = check_transforms(softcap, teacher_softcap, logit_scale, teacher_logit_scale)
     if not isinstance(reduce_hidden_grad, bool):
         raise TypeError(f"reduce_hidden_grad must be a bool, got {type(reduce_hidden_grad)}")
@@ -507,10 +528,13 @@ def linear_distill_loss(
     t_args = (t_rows.detach(), teacher_weight.detach(),
               None if teacher_bias is None else teacher_bias.detach(), flat_targets, flat_mask,
               m, row_scale, n_items_t, launch)  # fmt: skip
+    narrowed = lambda x, given: x.element_size() < given.element_size()  # noqa: E731
     with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
-        if grad and weight.dtype != head[0].dtype:  # autocast: the GEMMs on detached copies
-            copies = weight.detach(), None if bias is None else bias.detach()
-            loss, metrics = _LinearDistill.apply(rows, *head, *t_args, copies)
+        if grad and (narrowed(weight, head[0]) or narrowed(hidden, given_hidden)):
+            # autocast: the GEMMs on detached copies, the gradients to the caller's tensors
+            copies = rows.detach(), weight.detach(), None if bias is None else bias.detach()
+            given_rows = given_hidden.reshape(rows.shape)
+            loss, metrics = _LinearDistill.apply(given_rows, *head, *t_args, copies)
         elif grad:
             loss, metrics = _LinearDistill.apply(rows, weight, bias, *t_args, None)
         else:

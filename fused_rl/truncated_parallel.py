@@ -31,10 +31,11 @@ from the checked header (:func:`agreed_cut`). The route is two custom ops
 (``fused_rl::sharded_truncated_fwd`` / ``_bwd``), opaque to ``torch.compile``: its host
 reads and collectives run inside them, so ``fullgraph=True`` holds.
 
-The backward needs no collective: each rank's gradient is ``(onehot - p) g dz/dx`` on its
-kept columns from the merged ``(tau, m, log F)`` (``kernels/vocab/truncated.py``'s backward
-kernel, the target's kept flag given). The ``reference`` backend gathers the whole rows
-and runs ``fused_rl.reference.truncated`` (an oracle, not a memory saving).
+On the Triton backend the backward needs no collective: each rank's gradient is
+``(onehot - p) g dz/dx`` on its kept columns from the merged ``(tau, m, log F)``
+(``kernels/vocab/truncated.py``'s backward kernel, the target's kept flag given). The
+``reference`` backend gathers the whole rows and runs ``fused_rl.reference.truncated`` (an
+oracle, not a memory saving), its backward the header's all-reduce and the gather again.
 """
 
 from __future__ import annotations

@@ -162,8 +162,8 @@ def test_linear_gemm_shapes_do_not_depend_on_the_batch(monkeypatch, op):
         shapes.append(("logits", x.shape[0]))
         return real_linear(x, w, b)
 
-    def record_grad(dz, weight, chunk, dz_full=None):
-        out = real_grad(dz, weight, chunk, dz_full)
+    def record_grad(dz, weight, chunk, dz_full=None, dtype=None):
+        out = real_grad(dz, weight, chunk, dz_full, dtype)
         full = dz_full if dz_full is not None and fused_rl.config.batch_invariant else None
         rows = full.shape[0] if full is not None else linear._gemm_rows(dz, chunk).shape[0]
         shapes.append(("dH", rows))

@@ -212,8 +212,9 @@ def test_tensors_positional_everything_else_keyword_only(op):
 
 
 def _fused_ops():
-    modules = ["logprobs", "losses", "_vocab_ops", "_policy_ops", "kl", "reductions",
-               "values", "advantages", "continuous"]  # fmt: skip
+    modules = ["logprobs", "losses", "_vocab_ops", "_policy_ops", "_truncated_ops", "kl",
+               "reductions", "values", "advantages", "continuous", "distill", "linear",
+               "truncated_parallel"]  # fmt: skip
     ops = {}
     for name in modules:
         module = importlib.import_module(f"fused_rl.{name}")

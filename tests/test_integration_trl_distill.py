@@ -16,6 +16,7 @@ import functools
 
 import pytest
 import torch
+from helpers import rel_err
 from test_integration_trl import (
     ATOL,
     EOS,
@@ -131,6 +132,39 @@ def test_loss_matches_trls(backend, transform, beta):
         assert got[2].item() == want[2].item()
         for g, w in zip(got[3], want[3]):
             torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+
+
+@needs_trl
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("case", ["bf16", "fp32-under-bf16-autocast"])
+def test_loss_matches_trls_in_bf16(case, backend):
+    """bf16 inputs, and fp32 inputs under bf16 autocast (what TRL's trainer hands over with
+    ``bf16=True`` and fp32 models), with biases: the chunk logits in fp32 (TRL's tiles),
+    the biases added unrounded, the fp32 hidden states and heads given fp32-accumulated
+    gradients: TRL's loss, entropy and gradients to fp32 rounding (``dz`` rounded to bf16
+    for the gradient GEMMs on both sides)."""
+    import contextlib
+
+    from trl.trainer.distillation_trainer import _chunked_divergence_loss as trl_loss
+
+    dtype = torch.bfloat16 if case == "bf16" else torch.float32
+    inputs = _loss_inputs(4, bias=True, dtype=dtype)
+    kwargs = dict(beta=0.4, temperature=0.9)
+    ctx = contextlib.nullcontext
+    if case != "bf16":
+        ctx = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)
+    fused = functools.partial(_trl_distill.divergence_loss, OPTIONS(backend, chunk_tokens=3))
+    with ctx():
+        want = _run(trl_loss, inputs, **kwargs)
+    with ctx():
+        got = _run(fused, inputs, **kwargs)
+    torch.testing.assert_close(got[0], want[0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+    for g, w in zip(got[3], want[3], strict=True):
+        assert g.dtype == w.dtype == dtype
+        # dz's fp32 values differ by rounding, so its bf16 copies differ by an ulp here and
+        # there: the gradients agree to one bf16 rounding as a whole, not element by element
+        assert rel_err(g, w) <= 2**-8, rel_err(g, w)
 
 
 @needs_trl
@@ -274,12 +308,13 @@ def test_training_matches_trl(tmp_path_factory, monkeypatch, config, student, te
     ],
 )  # fmt: skip
 def test_training_bf16(tmp_path_factory, monkeypatch, config, param_rtol):
-    """bf16 models, and fp32 models under bf16 autocast (the head's gradient then the fp32
-    accumulator, as TRL's): fused_rl keeps the chunk logits in fp32 as TRL's tiles, so the
-    two trainers differ by the order of fp32 sums only: every logged metric within the fp32
-    tolerances (measured: loss 3e-7 relative); bf16 parameters within one bf16 rounding
-    (2^-7 relative: an update rounding the other way; measured 1.2e-4), fp32 ones within
-    1e-5 (measured 7.8e-7)."""
+    """bf16 models, and fp32 models under bf16 autocast (the hidden states' and head's
+    gradients then fp32 accumulators, as TRL's): fused_rl keeps the chunk logits in fp32
+    as TRL's tiles, so the two trainers differ by rounding (the order of fp32 sums, now and
+    then ``dz``'s bf16 copy an ulp apart): every logged metric within the fp32 tolerances
+    (measured: loss 3e-7 relative); bf16 parameters within one bf16 rounding (2^-7
+    relative: an update rounding the other way; measured 1.2e-4), fp32 ones within 1e-5
+    (measured 7.8e-7)."""
     import trl
 
     paths = _models(tmp_path_factory, "bf16")

@@ -541,26 +541,37 @@ def test_fp32_logits_are_a_no_op_on_fp32_heads(backend):
 @pytest.mark.skipif(DEVICE != "cpu", reason="CPU autocast")
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("logits_dtype", [None, torch.float32])
-def test_autocast_gives_fp32_heads_their_fp32_accumulators(logits_dtype, backend):
-    """fp32 student and teacher under bf16 autocast: the same loss and hidden gradient as
-    the call on bf16 copies of every input, and the head's gradients are that call's fp32
-    accumulators (the bf16 call's gradients are exactly them rounded), not bf16 values."""
+def test_autocast_gives_wider_inputs_fp32_accumulated_gradients(logits_dtype, backend):
+    """fp32 student and teacher under bf16 autocast: the GEMMs on bf16 copies, and the
+    gradients of the fp32 hidden states, head and bias their fp32 accumulators (not bf16
+    values). Default logits: the call on bf16 copies of every input (autocast's
+    ``F.linear``), whose head gradients are exactly ours rounded; fp32 logits: the float64
+    oracle of the bf16-rounded rows and heads with the biases as given (added unrounded)."""
     student, teacher, _ = make(seed=5)
     up = torch.tensor(2.0, device=DEVICE)  # exact: the bf16 call rounds before multiplying
     kw = dict(beta=0.3, chunk_tokens=4, logits_dtype=logits_dtype, backend=backend)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = ours(student, teacher, up, **kw)
-    bf16 = lambda xs: tuple(  # noqa: E731
-        None if x is None else x.detach().bfloat16().requires_grad_(x.requires_grad) for x in xs
+    for a in got[2]:
+        assert a.dtype == torch.float32
+        assert (a != a.bfloat16().float()).float().mean() > 0.5  # most are not bf16 values
+    rounded = lambda xs, cast: tuple(  # noqa: E731
+        None if x is None else cast(x).detach().requires_grad_(x.requires_grad) for x in xs
     )
-    want = ours(bf16(student), bf16(teacher), up, **kw)
-    assert torch.equal(got[0], want[0])
-    (gh, gw, gb), (wh, ww, wb) = got[2], want[2]
-    assert gh.dtype == gw.dtype == gb.dtype == torch.float32
-    assert torch.equal(gh, wh.float())
-    for a, e in ((gw, ww), (gb, wb)):
-        assert torch.equal(a.bfloat16(), e)
-        assert (a != e.float()).float().mean() > 0.5  # most are not bf16 values
+    if logits_dtype is None:
+        bf16 = lambda x: x.bfloat16()  # noqa: E731
+        want = ours(rounded(student, bf16), rounded(teacher, bf16), up, **kw)
+        assert torch.equal(got[0], want[0])
+        (gh, gw, gb), (wh, ww, wb) = got[2], want[2]
+        assert torch.equal(gw.bfloat16(), ww) and torch.equal(gb.bfloat16(), wb)
+        assert rel_err(gh, wh) <= 2**-8
+        return
+    # the rows and heads rounded to bf16 (the GEMMs' operands), the biases as given
+    r16 = lambda x: x if x.dim() == 1 else x.bfloat16().float()  # noqa: E731
+    want = f64_oracle(rounded(student, r16), rounded(teacher, r16), up.double(), beta=0.3)
+    assert rel_err(got[0], want[0]) <= 1e-5
+    for a, e in zip(got[2], want[2], strict=True):  # dz rounded to bf16 for the GEMMs
+        assert rel_err(a, e) <= 2**-8, rel_err(a, e)
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -19,8 +19,8 @@ with no completion token gives 0); the entropy of the student's tempered distrib
 summed over the valid positions. The hidden states and heads run in the autocast dtype
 (else each model's hidden states'), as TRL projects them, and the chunk logits stay in fp32
 (``logits_dtype=torch.float32``: the GEMMs' fp32 accumulators, as TRL's fp32 tiles); under
-autocast the student's head gradient is its fp32 accumulator (TRL's too), not rounded to
-the autocast dtype.
+autocast wider (fp32) hidden states and heads get fp32-accumulated gradients and the biases
+are added unrounded, as TRL's.
 
 The route: the trainer's ``_compute_loss`` runs TRL's own with this module's function in
 place of ``_chunked_divergence_loss`` for the call (a thread-local switch; another trainer
@@ -91,8 +91,6 @@ def divergence_loss(
     t_hidden = teacher_hidden_states.reshape(-1, teacher_hidden_states.shape[-1])[rows]
     hidden, weight, bias = _in_compute_dtype(hidden, weight, bias)
     t_hidden, t_weight, t_bias = _in_compute_dtype(t_hidden, t_weight, t_bias)
-    # autocast: linear_distill_loss casts the student's head itself (gradient: the fp32
-    # accumulator); the teacher's, which gets none, is cast here
     if num_items_in_batch is None:
         num_items = n_valid.clamp(min=1)  # a rank with no valid position: 0, not 0 / 0
     elif isinstance(num_items_in_batch, torch.Tensor):
@@ -120,16 +118,13 @@ def gathered(param):
 
 
 def _in_compute_dtype(hidden, weight, bias):
-    """The rows and the head in the dtype TRL projects in: autocast's where it is on (the
-    head left to ``linear_distill_loss``'s autocast cast when it requires grad), else the
-    hidden states' (a wider head cast down: its gradient rounded to that dtype)."""
-    device = hidden.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        if weight.requires_grad:
-            return hidden.to(dtype), weight, bias
-    else:
-        dtype = hidden.dtype
+    """The rows and the head in the dtype TRL projects in: autocast's where it is on (left
+    to ``linear_distill_loss``'s own autocast cast: wider hidden states and head get their
+    fp32-accumulated gradients and the bias is added unrounded, as TRL's), else the hidden
+    states' (a wider head cast down: its gradient rounded to that dtype)."""
+    if torch.is_autocast_enabled(hidden.device.type):
+        return hidden, weight, bias
+    dtype = hidden.dtype
     return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
