@@ -141,8 +141,8 @@ def test_loss_matches_trls_in_bf16(case, backend):
     """bf16 inputs, and fp32 inputs under bf16 autocast (what TRL's trainer hands over with
     ``bf16=True`` and fp32 models), with biases: the chunk logits in fp32 (TRL's tiles),
     the biases added unrounded, the fp32 hidden states and heads given fp32-accumulated
-    gradients: TRL's loss, entropy and gradients to fp32 rounding (``dz`` rounded to bf16
-    for the gradient GEMMs on both sides)."""
+    gradients: TRL's loss and entropy to fp32 rounding, its gradients to the rounding of
+    ``dz`` to bf16 for the gradient GEMMs (on both sides)."""
     import contextlib
 
     from trl.trainer.distillation_trainer import _chunked_divergence_loss as trl_loss
@@ -162,9 +162,10 @@ def test_loss_matches_trls_in_bf16(case, backend):
     torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
     for g, w in zip(got[3], want[3], strict=True):
         assert g.dtype == w.dtype == dtype
-        # dz's fp32 values differ by rounding, so its bf16 copies differ by an ulp here and
-        # there: the gradients agree to one bf16 rounding as a whole, not element by element
-        assert rel_err(g, w) <= 2**-8, rel_err(g, w)
+        # each side rounds its own dz to bf16 for the GEMMs (TRL after the upstream factor,
+        # fused_rl before it), so the gradients agree to two bf16 roundings as a whole
+        # (measured RMS 1.6e-3 to 3.8e-3), not element by element
+        assert rel_err(g, w) <= 2**-7, rel_err(g, w)
 
 
 @needs_trl
