@@ -390,19 +390,6 @@ class _LinearTruncated(torch.autograd.Function):
         return _head_grads(needs, hidden, weight, bias, chunk, dz_of) + (None,) * 8
 
 
-def _tp_of(group_name: str, start: int, columns: int, vocab_size: int, explicit: bool,
-           temperature: float, softcap: float | None, ignore_index: int, which: str,
-           check: bool, reduce_hidden: bool = True) -> _TensorParallel:  # fmt: skip
-    """The :class:`_TensorParallel` of a sharded op's primitive arguments (the group by
-    name: ``fused_rl.truncated_parallel.shard_of``)."""
-    from . import truncated_parallel as TP
-    from .distributed import _Spec
-
-    shard = TP.shard_of(group_name, start, columns, vocab_size, explicit, name="weight")
-    spec = _Spec(shard, temperature, ignore_index, True, False, which, check, softcap)
-    return _TensorParallel(spec, reduce_hidden)
-
-
 def sharded_linear_truncated_fwd(
     hidden: Tensor,
     weight: Tensor,
@@ -432,8 +419,8 @@ def sharded_linear_truncated_fwd(
     from . import truncated_parallel as TP
     from .distributed import _local_targets
 
-    spec = _tp_of(group_name, start, weight.shape[0], vocab_size, explicit, temperature,
-                  softcap, ignore_index, which, check).spec  # fmt: skip
+    spec = TP.spec_of(group_name, start, weight.shape[0], vocab_size, explicit, temperature,
+                      softcap, ignore_index, which, check, name="weight")  # fmt: skip
     n_rows = hidden.shape[0]
     acc = stats_dtype(hidden.dtype)
     values, ok = TP.checked_header(targets[None], spec, acc, read=spec.which == "reference")
@@ -491,8 +478,9 @@ def sharded_linear_truncated_bwd(
     ``dH``."""
     from . import truncated_parallel as TP
 
-    tp = _tp_of(group_name, start, weight.shape[0], vocab_size, explicit, temperature, softcap,
-                ignore_index, which, check, reduce_hidden)  # fmt: skip
+    spec = TP.spec_of(group_name, start, weight.shape[0], vocab_size, explicit, temperature,
+                      softcap, ignore_index, which, check, name="weight")  # fmt: skip
+    tp = _TensorParallel(spec, reduce_hidden)
     values = None
     if which == "reference":  # the layout again (the forward's host read)
         values, _ = TP.checked_header(targets[None], tp.spec, stats.dtype, read=True)

@@ -338,20 +338,18 @@ def agreed_cut(values: list[float] | None, shard, top_k: int) -> tuple[int, int]
 # them at run time. The process group travels by name, the layout as integers.
 
 
-def shard_of(
-    group_name: str, start: int, columns: int, vocab_size: int, explicit: bool, name: str = "logits"
-) -> D.VocabShard:
-    """The :class:`fused_rl.distributed.VocabShard` of a custom op's arguments: the process
-    group resolved from its name, this rank's place in it."""
+def spec_of(group_name: str, start: int, columns: int, vocab_size: int, explicit: bool,
+            temperature: float, softcap: float | None, ignore_index: int, which: str,
+            check: bool, name: str = "logits") -> D._Spec:  # fmt: skip
+    """The truncated route's :class:`fused_rl.distributed._Spec` from a custom op's
+    primitive arguments: the process group resolved from its name, this rank's place in it,
+    the shard's layout (``columns`` local columns from ``start``)."""
     from torch.distributed import distributed_c10d
 
     group = distributed_c10d._resolve_process_group(group_name)
     dist = D._dist()
-    return D.VocabShard(group, dist.get_rank(group), dist.get_world_size(group), start, columns,
-                        vocab_size, explicit, name)  # fmt: skip
-
-
-def _spec_of(shard, temperature, softcap, ignore_index, which, check):
+    shard = D.VocabShard(group, dist.get_rank(group), dist.get_world_size(group), start,
+                         columns, vocab_size, explicit, name)  # fmt: skip
     return D._Spec(shard, temperature, ignore_index, True, False, which, check, softcap)
 
 
@@ -374,8 +372,9 @@ def sharded_truncated_fwd(
     ``(outer, inner)`` targets: ``(logp, stats, kept, t_local)``, ``logp`` in the statistics
     dtype; ``stats`` ``(3, n)``, ``kept`` ``(n,)`` and the local targets for the Triton
     backward (zeros on the reference backend, whose backward recomputes)."""
-    shard = shard_of(group_name, start, x3d.shape[-1], vocab_size, explicit)
-    spec = _spec_of(shard, temperature, softcap, ignore_index, which, check)
+    spec = spec_of(group_name, start, x3d.shape[-1], vocab_size, explicit, temperature,
+                   softcap, ignore_index, which, check)  # fmt: skip
+    shard = spec.shard
     acc = stats_dtype(x3d.dtype)
     values, ok = checked_header(t2d, spec, acc, read=which == "reference")
     top_k, vocab = agreed_cut(values if ok is None else None, shard, top_k)
@@ -417,8 +416,9 @@ def sharded_truncated_bwd(
     backward kernel on the shard's valid columns from the forward's ``stats`` / ``kept``, no
     collective; the reference, the forward recomputed through autograd (the rows gathered
     again: the oracle path)."""
-    shard = shard_of(group_name, start, x3d.shape[-1], vocab_size, explicit)
-    spec = _spec_of(shard, temperature, softcap, ignore_index, which, check)
+    spec = spec_of(group_name, start, x3d.shape[-1], vocab_size, explicit, temperature,
+                   softcap, ignore_index, which, check)  # fmt: skip
+    shard = spec.shard
     if which == "reference":
         values, _ = checked_header(t2d, spec, stats.dtype, read=True)
         top_k, _ = agreed_cut(values, shard, top_k)
