@@ -154,14 +154,15 @@ class Calls:
         monkeypatch.setattr(fused_linear._LinearTokenStats, "apply", counted_fused)
 
 
-def _config(out_dir, *, loss_type, beta, accumulation, **extra):
-    from trl import GRPOConfig
+def _config(out_dir, *, beta, accumulation, config="GRPOConfig", **extra):
+    """``trl.GRPOConfig`` (or the ``config`` class named) for 3 optimizer steps on CPU."""
+    import trl
 
-    return GRPOConfig(
+    return getattr(trl, config)(
         output_dir=out_dir, max_steps=3, num_generations=2, per_device_train_batch_size=4,
         max_completion_length=8, num_iterations=2, gradient_accumulation_steps=accumulation,
-        loss_type=loss_type, beta=beta, learning_rate=1e-3, report_to=[], use_cpu=True,
-        seed=0, logging_steps=1, bf16=False, save_strategy="no", disable_tqdm=True, **extra,
+        beta=beta, learning_rate=1e-3, report_to=[], use_cpu=True, seed=0, logging_steps=1,
+        bf16=False, save_strategy="no", disable_tqdm=True, **extra,
     )  # fmt: skip
 
 
@@ -169,7 +170,8 @@ def _train(trainer_cls, model_dir, tmp_path, monkeypatch, case, **trainer_kwargs
     """Train one trainer; its log history, final parameters, call counts and seconds."""
     with monkeypatch.context() as patch_ctx:
         calls = Calls(patch_ctx)
-        args = _config(str(tmp_path / "out"), **case)
+        config = trainer_cls.__name__.replace("Trainer", "Config")  # GRPOConfig, RLOOConfig
+        args = _config(str(tmp_path / "out"), config=config, **case)
         trainer = trainer_cls(
             model=model_dir, reward_funcs=reward_w5, args=args, train_dataset=_dataset(),
             processing_class=_tokenizer(), **trainer_kwargs,
@@ -184,15 +186,15 @@ def _train(trainer_cls, model_dir, tmp_path, monkeypatch, case, **trainer_kwargs
 _BASELINES: dict = {}
 
 
-def _baseline(model_dir, tmp_path_factory, monkeypatch, case):
-    """``trl.GRPOTrainer``'s run of ``case`` (once per case in this module)."""
+def _baseline(model_dir, tmp_path_factory, monkeypatch, case, name="GRPOTrainer"):
+    """TRL's own trainer ``name``'s run of ``case`` (once per case in this module)."""
     import trl
 
-    key = tuple(sorted((k, str(v)) for k, v in case.items()))
+    key = (name, *sorted((k, str(v)) for k, v in case.items()))
     if key not in _BASELINES:
         assert not fused_trl.is_patched()
         path = tmp_path_factory.mktemp("baseline")
-        _BASELINES[key] = _train(trl.GRPOTrainer, model_dir, path, monkeypatch, case)
+        _BASELINES[key] = _train(getattr(trl, name), model_dir, path, monkeypatch, case)
     return _BASELINES[key]
 
 
@@ -317,6 +319,62 @@ def test_training_bf16_cast_lm_head_to_fp32(model_dir, tmp_path, tmp_path_factor
     worst = compare_logs(want_log, got_log)
     param_diff = compare_params(want_params, got_params, rtol=2.0**-8)
     _report("bf16 model, cast_lm_head_to_fp32", worst, param_diff, calls, seconds)
+
+
+# ----------------------------------------------------------------------------- RLOO
+
+RLOO_CASES = [
+    pytest.param(dict(beta=0.04, accumulation=2), "subclass", "auto", id="rloo"),
+    pytest.param(  # a narrow band, so the off-policy pass clips; advantages normalised
+        dict(beta=0.0, accumulation=1, epsilon=1e-3, normalize_advantages=True),
+        "patch",
+        "reference",
+        id="rloo-beta0-clip-patch-reference",
+    ),
+]
+
+
+@needs_trl
+@pytest.mark.parametrize("case, how, backend", RLOO_CASES)
+def test_rloo_training_matches_trl(model_dir, tmp_path, tmp_path_factory, monkeypatch, case,
+                                   how, backend):  # fmt: skip
+    """``trl.RLOOTrainer`` (TRL 1.16 computes its log-probs with the same fused head as
+    GRPO): every log-prob from fused_rl (the old policy's, the reference's for the KL in the
+    reward, the training step's), every logged metric and the final parameters as TRL's."""
+    want_log, want_params, want_calls, want_s = _baseline(
+        model_dir, tmp_path_factory, monkeypatch, case, name="RLOOTrainer"
+    )
+    if case["beta"]:
+        assert any(entry.get("kl", 0) != 0 for entry in want_log)
+    train = lambda cls, **kw: _train(cls, model_dir, tmp_path, monkeypatch, case, **kw)  # noqa: E731
+    got = run_integrated(train, "RLOOTrainer", how, backend, want_calls)
+    check_against_trl(got, want_log, want_params, f"RLOO {case} {how} {backend}; TRL {want_s:.1f}s")
+
+
+@needs_trl
+def test_rloo_trainer_options(model_dir, tmp_path):
+    """The RLOO trainer checks its options as GRPO's (named with the ``fused_rl_`` prefix),
+    takes no ``fused_rl_loss`` (its loss is TRL's), and refuses a model fused_rl cannot
+    serve at construction."""
+    import trl
+    from transformers import Qwen2ForCausalLM
+
+    assert issubclass(fused_trl.RLOOTrainer, trl.RLOOTrainer)
+    assert fused_trl.RLOOTrainer.__module__ == "fused_rl.integrations.trl"
+    args = _config(str(tmp_path), beta=0.0, accumulation=1, config="RLOOConfig")
+    common = dict(reward_funcs=reward_w5, args=args, train_dataset=_dataset(),
+                  processing_class=_tokenizer())  # fmt: skip
+    with pytest.raises(ValueError, match="^fused_rl_chunk_tokens must be"):
+        fused_trl.RLOOTrainer(model=model_dir, fused_rl_chunk_tokens=0, **common)
+    with pytest.raises(TypeError, match="fused_rl_loss"):
+        fused_trl.RLOOTrainer(model=model_dir, fused_rl_loss=True, **common)
+    model = Qwen2ForCausalLM.from_pretrained(model_dir)
+    model.config.final_logit_softcapping = 0.0
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        fused_trl.RLOOTrainer(model=model, **common)
+    trainer = fused_trl.RLOOTrainer(model=model_dir, fused_rl_chunk_tokens=5, **common)
+    assert trainer.fused_rl_options == fused_trl.Options("auto", 5, False)
+    assert fused_trl._MARK in vars(trainer.model)
 
 
 # ----------------------------------------------------------------------------- the head
@@ -485,7 +543,7 @@ def test_trainer_refuses_a_trl_head(model_dir, tmp_path, monkeypatch):
     RuntimeError, never TRL's head running silently."""
     import contextlib
 
-    monkeypatch.setattr(fused_trl, "_fused_heads", lambda options: contextlib.nullcontext())
+    monkeypatch.setattr(fused_trl, "_fused_heads", lambda *args: contextlib.nullcontext())
     args = _config(str(tmp_path), loss_type="grpo", beta=0.0, accumulation=1)
     with pytest.raises(RuntimeError, match="did not add its fused LM head"):
         fused_trl.GRPOTrainer(model=model_dir, reward_funcs=reward_w5, args=args,
@@ -498,10 +556,12 @@ def test_trainer_refuses_a_trl_head(model_dir, tmp_path, monkeypatch):
 @needs_trl
 def test_patch_unpatch_restore_exactly():
     import trl
-    from trl.trainer import grpo_trainer
+    from trl.trainer import grpo_trainer, rloo_trainer
 
     init = trl.GRPOTrainer.__dict__["__init__"]
+    rloo_init = trl.RLOOTrainer.__dict__["__init__"]
     head = grpo_trainer.add_fused_lm_head
+    rloo_head = rloo_trainer.add_fused_lm_head
     with pytest.raises(ValueError, match="^backend must be one of"):
         fused_trl.patch(backend="cuda")
     with pytest.raises(ValueError, match="^chunk_tokens must be"):
@@ -512,6 +572,7 @@ def test_patch_unpatch_restore_exactly():
         fused_trl.patch(backend="reference")  # again: only the options change
         assert fused_trl.is_patched()
         assert trl.GRPOTrainer.__init__ is not init
+        assert trl.RLOOTrainer.__init__ is not rloo_init
         with fused_trl.patched(backend="triton"):
             assert fused_trl._PATCH["options"].backend == "triton"
         assert fused_trl.is_patched() and fused_trl._PATCH["options"].backend == "reference"
@@ -520,7 +581,9 @@ def test_patch_unpatch_restore_exactly():
     fused_trl.unpatch()  # again: nothing to do
     assert not fused_trl.is_patched()
     assert trl.GRPOTrainer.__dict__["__init__"] is init
+    assert trl.RLOOTrainer.__dict__["__init__"] is rloo_init
     assert grpo_trainer.add_fused_lm_head is head
+    assert rloo_trainer.add_fused_lm_head is rloo_head
     with fused_trl.patched():
         assert fused_trl.is_patched()
     assert trl.GRPOTrainer.__dict__["__init__"] is init

@@ -1,4 +1,4 @@
-"""fused_rl inside TRL's ``GRPOTrainer`` (TRL >= 1.15; 1.16 current).
+"""fused_rl inside TRL's ``GRPOTrainer`` and ``RLOOTrainer`` (TRL >= 1.15; 1.16 current).
 
 Since TRL 1.15 ``trl.GRPOTrainer`` computes every per-token log-prob and entropy with its own
 chunked fused LM head: ``trl.trainer.utils.add_fused_lm_head`` patches the model's forward so
@@ -45,6 +45,11 @@ runs as the temperature ``T / s``; with Gemma 2 / 3's ``final_logit_softcapping 
 ``cast_lm_head_to_fp32=True``: the hidden states (and the head, if it is not already) go
 to fp32 and the head runs outside autocast, as in TRL.
 
+TRL 1.16's ``RLOOTrainer`` adds the same head (its policy, old policy and reference model,
+whose KL enters the reward): ``from fused_rl.integrations.trl import RLOOTrainer`` (or
+``patch()``) puts fused_rl's in its place, with the same checks; its loss (a ratio per
+sequence of summed log-probs) stays TRL's, fed with fused_rl's log-probs.
+
 TRL 1.16's ``DistillationTrainer`` likewise: ``from fused_rl.integrations.trl import
 DistillationTrainer`` (or ``patch()``, which wraps both trainers) computes its loss, the
 divergence of the student's and the teacher's full next-token distributions, with one
@@ -61,6 +66,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import sys
 import threading
 import types
 from collections.abc import Callable, Iterator
@@ -76,6 +82,7 @@ __all__ = [
     "DistillationTrainer",  # noqa: F822  (built on first access: __getattr__ below)
     "GRPOTrainer",  # noqa: F822
     "MIN_TRL_VERSION",
+    "RLOOTrainer",  # noqa: F822
     "add_fused_lm_head",
     "is_patched",
     "patch",
@@ -89,14 +96,14 @@ OUTPUTS = ("log_probs", "entropy")  # the fused-head outputs fused_rl computes
 # the config fields TRL reads as a multiplier of the logits, in its order of precedence
 _SCALE_FIELDS = ("logit_scale", "output_multiplier", "lm_head_multiplier")
 _MARK = "_fused_rl_lm_head"  # attribute of a model whose forward this module patched
+# the trainers whose log-probs come from TRL's fused head, and the trl.trainer module of each
+HEAD_TRAINERS = {"GRPOTrainer": "grpo_trainer", "RLOOTrainer": "rloo_trainer"}
 
 
 def _trl():
-    """``(trl, trl.trainer.grpo_trainer, trl.trainer.utils)``, or an ImportError that says
-    what to install."""
+    """``(trl, trl.trainer.utils)``, or an ImportError that says what to install."""
     try:
         import trl
-        from trl.trainer import grpo_trainer
         from trl.trainer import utils as trl_utils
     except ImportError as exc:
         raise ImportError(
@@ -111,7 +118,24 @@ def _trl():
             f"with a fused LM head; found TRL {trl.__version__} ({INSTALL_HINT}). With "
             "TRL <= 1.14, use fused_rl.compat.trl's selective_log_softmax / entropy_from_logits"
         )
-    return trl, grpo_trainer, trl_utils
+    return trl, trl_utils
+
+
+def _trainer_module(name: str):
+    """The TRL module that defines the head trainer ``name`` (:data:`HEAD_TRAINERS`) and
+    adds its fused heads through its own ``add_fused_lm_head`` global."""
+    import importlib
+
+    _trl()
+    module = importlib.import_module(f"trl.trainer.{HEAD_TRAINERS[name]}")
+    if not hasattr(module, "add_fused_lm_head") or not hasattr(module, name):
+        trl = sys.modules["trl"]
+        raise ImportError(
+            f"TRL {trl.__version__}'s {name} does not add a fused LM head through "
+            f"trl.trainer.{HEAD_TRAINERS[name]}.add_fused_lm_head; fused_rl.integrations.trl "
+            "follows TRL 1.15-1.16"
+        )
+    return module
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,7 +267,7 @@ def add_fused_lm_head(
     :func:`fused_rl.linear_token_logprobs`; without ``fused_lm_head`` the forward is the
     original one (generation is unchanged). Adding it again replaces the previous head.
     Raises ``ValueError`` for what fused_rl cannot do (module docstring)."""
-    _, _, trl_utils = _trl()
+    _, trl_utils = _trl()
     options = Options.checked(backend, chunk_tokens)
     text_config = model.config.get_text_config()
     head_temperature, head_softcap = _check_head(model, text_config, outputs, temperature)
@@ -373,17 +397,17 @@ _PATCH: dict = {}  # while patched: inits ((class, TRL's __init__) pairs), optio
 
 
 @contextlib.contextmanager
-def _fused_heads(options: Options) -> Iterator[None]:
-    """While TRL's ``GRPOTrainer.__init__`` runs: its ``add_fused_lm_head`` is this
-    module's, with ``options``. An inner fused ``__init__`` on the same thread (the subclass
-    calling a patched ``trl.GRPOTrainer.__init__``) keeps the outer options."""
+def _fused_heads(options: Options, name: str) -> Iterator[None]:
+    """While TRL's ``__init__`` of the head trainer ``name`` runs: the ``add_fused_lm_head``
+    its module calls is this module's, with ``options``. An inner fused ``__init__`` on the
+    same thread (the subclass calling a patched TRL ``__init__``) keeps the outer options."""
     if getattr(_STATE, "options", None) is not None:
         yield
         return
-    _, grpo_module, _ = _trl()
+    module = _trainer_module(name)
     with _LOCK:
-        previous = grpo_module.add_fused_lm_head
-        grpo_module.add_fused_lm_head = functools.partial(
+        previous = module.add_fused_lm_head
+        module.add_fused_lm_head = functools.partial(
             add_fused_lm_head, backend=options.backend, chunk_tokens=options.chunk_tokens
         )
         _STATE.options = options
@@ -391,10 +415,10 @@ def _fused_heads(options: Options) -> Iterator[None]:
             yield
         finally:
             _STATE.options = None
-            grpo_module.add_fused_lm_head = previous
+            module.add_fused_lm_head = previous
 
 
-def _check_installed(trainer) -> None:
+def _check_installed(trainer, name: str) -> None:
     """Every model TRL gave a fused head now has fused_rl's, or a RuntimeError: a TRL that
     adds its head by another route must never run its own head silently."""
     from accelerate.utils import is_peft_model
@@ -403,22 +427,24 @@ def _check_installed(trainer) -> None:
     models = {"policy": model.get_base_model() if is_peft_model(model) else model}
     if getattr(trainer, "ref_model", None) is not None:
         models["reference model"] = trainer.accelerator.unwrap_model(trainer.ref_model)
-    missing = [name for name, m in models.items() if _MARK not in vars(m)]
+    missing = [who for who, m in models.items() if _MARK not in vars(m)]
     if missing:
-        trl, _, _ = _trl()
+        trl, _ = _trl()
         raise RuntimeError(
             f"TRL {trl.__version__} did not add its fused LM head to the {' and '.join(missing)}"
-            " through trl.trainer.grpo_trainer.add_fused_lm_head, so fused_rl could not "
-            "replace it; fused_rl.integrations.trl follows TRL 1.15-1.16"
+            f" through trl.trainer.{HEAD_TRAINERS[name]}.add_fused_lm_head, so fused_rl could "
+            "not replace it; fused_rl.integrations.trl follows TRL 1.15-1.16"
         )
 
 
-def _fused_init(trainer, trl_init: Callable[[], None], options: Options) -> None:
-    """Run TRL's ``__init__`` (``trl_init``) with fused_rl's heads, then check them."""
-    with _fused_heads(options):
+def _fused_init(trainer, trl_init: Callable[[], None], options: Options, name: str) -> None:
+    """Run TRL's ``__init__`` (``trl_init``) of the head trainer ``name`` with fused_rl's
+    heads, then check them. ``options.loss`` routes ``GRPOTrainer``'s loss (no other
+    trainer's)."""
+    with _fused_heads(options, name):
         trl_init()
-    _check_installed(trainer)
-    if options.loss:
+    _check_installed(trainer, name)
+    if options.loss and name == "GRPOTrainer":
         from . import _trl_loss
 
         trainer.fused_rl_policy_options = _trl_loss.policy_options(trainer)
@@ -427,7 +453,7 @@ def _fused_init(trainer, trl_init: Callable[[], None], options: Options) -> None
 
 
 def _make_trainer_class():
-    trl, _, _ = _trl()
+    trl, _ = _trl()
 
     class GRPOTrainer(trl.GRPOTrainer):
         """``trl.GRPOTrainer`` with every log-prob and entropy from fused_rl (the policy in
@@ -443,10 +469,31 @@ def _make_trainer_class():
             options = Options.checked(
                 fused_rl_backend, fused_rl_chunk_tokens, "fused_rl_", loss=fused_rl_loss
             )
-            _fused_init(self, lambda: super(GRPOTrainer, self).__init__(*args, **kwargs), options)
+            run = lambda: super(GRPOTrainer, self).__init__(*args, **kwargs)  # noqa: E731
+            _fused_init(self, run, options, "GRPOTrainer")
 
     GRPOTrainer.__module__ = __name__
     return GRPOTrainer
+
+
+def _make_rloo_class():
+    module = _trainer_module("RLOOTrainer")
+
+    class RLOOTrainer(module.RLOOTrainer):
+        """``trl.RLOOTrainer`` with every log-prob and entropy from fused_rl (the policy in
+        the training step, the old policy, the reference model whose KL enters the reward):
+        same constructor and ``RLOOConfig``, plus ``fused_rl_backend`` and
+        ``fused_rl_chunk_tokens``. The loss is TRL's (a sequence-level ratio of summed
+        log-probs), fed with fused_rl's log-probs. See :mod:`fused_rl.integrations.trl`."""
+
+        def __init__(self, *args, fused_rl_backend: str = "auto",
+                     fused_rl_chunk_tokens: int | None = None, **kwargs):  # fmt: skip
+            options = Options.checked(fused_rl_backend, fused_rl_chunk_tokens, "fused_rl_")
+            run = lambda: super(RLOOTrainer, self).__init__(*args, **kwargs)  # noqa: E731
+            _fused_init(self, run, options, "RLOOTrainer")
+
+    RLOOTrainer.__module__ = __name__
+    return RLOOTrainer
 
 
 def _check_distill_models(trainer) -> None:
@@ -522,7 +569,11 @@ def _make_distill_class():
     return DistillationTrainer
 
 
-_BUILDERS = {"GRPOTrainer": _make_trainer_class, "DistillationTrainer": _make_distill_class}
+_BUILDERS = {
+    "GRPOTrainer": _make_trainer_class,
+    "RLOOTrainer": _make_rloo_class,
+    "DistillationTrainer": _make_distill_class,
+}
 
 
 def __getattr__(name: str):
@@ -535,25 +586,31 @@ def __getattr__(name: str):
 
 
 def patch(*, backend: str = "auto", chunk_tokens: int | None = None, loss: bool = False) -> None:
-    """Make ``trl.GRPOTrainer`` and ``trl.DistillationTrainer`` themselves (and every
-    subclass, for scripts and TRL's CLI that construct them) behave as this module's
-    :class:`GRPOTrainer` / :class:`DistillationTrainer` with these options: their
-    ``__init__`` is wrapped (``DistillationTrainer`` where the installed TRL has it: >= 1.16).
-    Idempotent (patching again only updates the options); :func:`unpatch` restores TRL's
-    ``__init__`` exactly. Trainers constructed before keep their head and loss.
-    ``loss=True``: GRPO's training loss through one ``fused_rl.linear_policy_loss`` call."""
+    """Make ``trl.GRPOTrainer``, ``trl.RLOOTrainer`` and ``trl.DistillationTrainer``
+    themselves (and every subclass, for scripts and TRL's CLI that construct them) behave as
+    this module's trainers of the same names with these options: their ``__init__`` is
+    wrapped (``RLOOTrainer`` where the installed TRL gives it a fused head,
+    ``DistillationTrainer`` where it has it: TRL >= 1.16). Idempotent (patching again only
+    updates the options); :func:`unpatch` restores TRL's ``__init__`` exactly. Trainers
+    constructed before keep their head and loss. ``loss=True``: GRPO's training loss through
+    one ``fused_rl.linear_policy_loss`` call (the other trainers keep their loss)."""
     options = Options.checked(backend, chunk_tokens, loss=loss)
-    trl, _, _ = _trl()
+    trl, _ = _trl()
     with _LOCK:
         if _PATCH:
             _PATCH["options"] = options
             return
-        wraps = [(trl.GRPOTrainer, _fused_init)]
+        wraps = [(trl.GRPOTrainer, functools.partial(_fused_init, name="GRPOTrainer"))]
+        try:
+            rloo = _trainer_module("RLOOTrainer").RLOOTrainer
+            wraps.append((rloo, functools.partial(_fused_init, name="RLOOTrainer")))
+        except ImportError:  # a TRL whose RLOO trainer has no fused head
+            pass
         try:
             from . import _trl_distill
 
             wraps.append((_trl_distill._module().DistillationTrainer, _fused_distill_init))
-        except ImportError:  # a TRL without the distillation trainer: GRPO only
+        except ImportError:  # a TRL without the distillation trainer
             pass
         _PATCH.update(inits=[], options=options)
         for cls, fused in wraps:
