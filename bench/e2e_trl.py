@@ -7,7 +7,12 @@ initialised Qwen2-shaped model from a config, a tokenizer built in code, no down
 - ``trl``: ``trl.GRPOTrainer`` (TRL >= 1.15 computes every log-prob with its chunked head);
 - ``fused_rl``: ``fused_rl.integrations.trl.GRPOTrainer``: fused_rl's head, TRL's loss;
 - ``fused_rl_loss``: the same with ``fused_rl_loss=True``: the training loss and its
-  metrics from one ``fused_rl.linear_policy_loss`` call.
+  metrics from one ``fused_rl.linear_policy_loss`` call;
+- ``fused_rl_full_kl``: the same with ``fused_rl_kl_estimator="full"``: the exact KL to the
+  reference model in place of k3. Its step also runs the reference model's backbone (TRL's
+  variants run the reference's log-prob forward at generation, once per sample, timed as
+  ``logprob_forward`` is), and its loss is another function (the exact KL, not k3): it is
+  left out of the parity comparison.
 
 Each variant times, on one micro-batch as TRL holds it after generation (off-policy old
 log-probs, ``beta > 0`` reference log-probs), the old-policy log-prob forward
@@ -36,7 +41,9 @@ import time
 
 import torch
 
-VARIANTS = ("trl", "fused_rl", "fused_rl_loss")
+VARIANTS = ("trl", "fused_rl", "fused_rl_loss", "fused_rl_full_kl")
+# the variants whose loss is TRL's (the parity comparison); fused_rl_full_kl's KL is exact
+SAME_LOSS = ("trl", "fused_rl", "fused_rl_loss")
 EOS = 1
 
 
@@ -87,8 +94,10 @@ def _trainer(variant: str, path: str, args):
     if variant == "trl":
         trainer = trl.GRPOTrainer(**kwargs)
     else:
-        trainer = fused_trl.GRPOTrainer(**kwargs, fused_rl_loss=variant == "fused_rl_loss",
-                                        fused_rl_backend=args.backend)  # fmt: skip
+        trainer = fused_trl.GRPOTrainer(
+            **kwargs, fused_rl_loss=variant != "fused_rl", fused_rl_backend=args.backend,
+            fused_rl_kl_estimator="full" if variant == "fused_rl_full_kl" else "k3",
+        )  # fmt: skip
     trainer.current_gradient_accumulation_steps = 1
     trainer.model.train()
     trainer.create_optimizer_and_scheduler(num_training_steps=1)
@@ -249,7 +258,7 @@ def main(argv=None) -> int:
     for r in results:
         s, f = r["step"], r["logprob_forward"]
         print(
-            f"{r['variant']:>14}: step {s['median_s'] * 1e3:9.1f} ms, peak {gib(s['peak_bytes'])}"
+            f"{r['variant']:>16}: step {s['median_s'] * 1e3:9.1f} ms, peak {gib(s['peak_bytes'])}"
             f" (held {gib(s['held_bytes'])}); log-prob forward {f['median_s'] * 1e3:8.1f} ms, "
             f"peak {gib(f['peak_bytes'])}; loss {r['loss']:.6g} (vs {base['variant']} "
             f"{r['loss'] - base['loss']:+.2g}), grad norm {r['grad_norm']:.6g} "

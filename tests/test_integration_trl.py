@@ -969,6 +969,156 @@ def test_loss_step_matches_trl(model_dir, tmp_path, name):
                 assert abs(x - y) <= ATOL + RTOL * abs(x), f"{key}: TRL {x}, fused_rl {y}"
 
 
+def _exact_kl_oracle(model, ref_model, inputs, *, beta, eps, accumulation):
+    """TRL 1.16's ``grpo`` loss with its k3 estimate replaced by the exact per-token KL,
+    from the two models' full logits in float64: the loss and the token-mean KL."""
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    start = inputs["prompt_ids"].shape[1] - 1
+    logits = model(input_ids=ids, attention_mask=attention).logits[:, start:-1].double()
+    with torch.no_grad():
+        ref = ref_model(input_ids=ids, attention_mask=attention).logits[:, start:-1].double()
+    logp_all, logq_all = logits.log_softmax(-1), ref.log_softmax(-1)
+    kl = (logp_all.exp() * (logp_all - logq_all)).sum(-1)
+    logp = logp_all.gather(-1, inputs["completion_ids"][..., None])[..., 0]
+    mask = inputs["completion_mask"].double()
+    adv = inputs["advantages"].double()[:, None]
+    ratio = (logp - inputs["old_per_token_logps"].double()).exp()
+    surrogate = -torch.min(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
+    per_token = surrogate + beta * kl
+    loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean() / accumulation
+    return loss, ((kl * mask).sum() / mask.sum()).item()
+
+
+@needs_trl
+def test_loss_step_exact_kl(model_dir, tmp_path):
+    """``fused_rl_kl_estimator="full"``: one ``_compute_loss`` call is TRL's ``grpo`` loss
+    with the exact KL to the reference model in place of k3 (a float64 oracle from both
+    models' full logits): the loss, every parameter gradient and the logged ``kl``; the
+    micro-batch needs no reference log-probs."""
+    args = _config(str(tmp_path), loss_type="grpo", beta=0.3, accumulation=2, epsilon=2e-3)
+    trainer = fused_trl.GRPOTrainer(
+        model=model_dir, reward_funcs=reward_w5, args=args, train_dataset=_dataset(),
+        processing_class=_tokenizer(), fused_rl_loss=True, fused_rl_kl_estimator="full",
+    )  # fmt: skip
+    assert trainer.fused_rl_policy_options["kl_estimator"] == "full"
+    trainer.current_gradient_accumulation_steps = 2
+    trainer.model.train()
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # a reference that differs from the policy
+        for p in trainer.ref_model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    inputs = _step_inputs(trainer.model, "token_truncate", None, 3.0)
+    del inputs["ref_per_token_logps"]
+    from transformers import Qwen2ForCausalLM
+
+    oracle_model = Qwen2ForCausalLM.from_pretrained(model_dir)  # the policy's weights
+    oracle_model.train()
+    trainer.model.zero_grad()
+    loss = trainer._compute_loss(trainer.model, dict(inputs))
+    loss.backward()
+    want, want_kl = _exact_kl_oracle(
+        oracle_model, trainer.ref_model, inputs, beta=0.3, eps=2e-3, accumulation=2
+    )
+    want.backward()
+    assert want_kl > 1e-3  # the two models differ
+    torch.testing.assert_close(loss.double(), want, atol=1e-6, rtol=1e-5)
+    ours = dict(trainer.model.named_parameters())
+    for name, p in oracle_model.named_parameters():
+        torch.testing.assert_close(ours[name].grad, p.grad, atol=1e-6, rtol=1e-4, msg=name)
+    (kl,) = trainer._metrics["train"]["kl"]
+    assert abs(kl - want_kl) <= 1e-6 + 1e-5 * want_kl
+
+
+@needs_trl
+def test_loss_step_exact_kl_peft(model_dir, tmp_path):
+    """The exact KL under PEFT (LoRA): TRL has no reference model there, the reference is
+    the policy with its adapter off; the loss and every LoRA gradient as the float64
+    oracle's (the same model, its adapter disabled for the reference logits)."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig
+
+    args = _config(str(tmp_path), loss_type="grpo", beta=0.3, accumulation=2, epsilon=2e-3)
+    trainer = fused_trl.GRPOTrainer(
+        model=model_dir, reward_funcs=reward_w5, args=args, train_dataset=_dataset(),
+        processing_class=_tokenizer(), fused_rl_loss=True, fused_rl_kl_estimator="full",
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )  # fmt: skip
+    assert trainer.ref_model is None
+    trainer.current_gradient_accumulation_steps = 2
+    model = trainer.model
+    model.train()
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():  # an adapter that moves the policy away from the base model
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(2.0 * torch.randn(p.shape, generator=gen))
+    inputs = _step_inputs(model, "token_truncate", None, 3.0)
+    del inputs["ref_per_token_logps"]
+    model.zero_grad()
+    loss = trainer._compute_loss(model, dict(inputs))
+    loss.backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    assert grads and all("lora_" in k for k in grads)
+    model.zero_grad()
+
+    class Base(torch.nn.Module):  # the reference: the same model, its adapter off
+        def forward(self, **kwargs):
+            with model.disable_adapter():
+                return model(**kwargs)
+
+    want, want_kl = _exact_kl_oracle(model, Base(), inputs, beta=0.3, eps=2e-3, accumulation=2)
+    want.backward()
+    assert want_kl > 1e-3
+    torch.testing.assert_close(loss.double(), want, atol=1e-6, rtol=1e-5)
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[name], p.grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+@needs_trl
+def test_training_exact_kl(model_dir, tmp_path, monkeypatch):
+    """Training with ``fused_rl_kl_estimator="full"`` (3 steps, ``num_iterations=2``): the
+    reference model's backbone runs once per loss call, never through TRL's (or fused_rl's)
+    log-prob head at generation; the logged ``kl`` is the exact KL (0 at the first step,
+    where the policy is the reference, then > 0)."""
+    from fused_rl.integrations import _trl_loss
+
+    hidden_calls = []
+    reference_hidden = _trl_loss.reference_hidden
+    monkeypatch.setattr(_trl_loss, "reference_hidden",
+                        lambda *a: hidden_calls.append(1) or reference_hidden(*a))  # fmt: skip
+    case = dict(loss_type="dapo", beta=0.04, accumulation=2)
+    log, _, calls, _ = _train(fused_trl.GRPOTrainer, model_dir, tmp_path, monkeypatch, case,
+                              fused_rl_loss=True, fused_rl_kl_estimator="full")  # fmt: skip
+    # 6 loss calls; the fused head ran for the old policy only (4 forwards), never the reference
+    assert len(hidden_calls) == 6 and len(calls.fused) == 4 and calls.trl == 0
+    kls = [entry["kl"] for entry in log if "kl" in entry]
+    assert len(kls) == 3 and abs(kls[0]) < 1e-7 and kls[-1] > 0
+
+
+@needs_trl
+def test_exact_kl_raises_for_what_does_not_map(model_dir, tmp_path):
+    args = _config(str(tmp_path), accumulation=1, loss_type="grpo", beta=0.0)
+    kwargs = dict(model=model_dir, reward_funcs=reward_w5, args=args, train_dataset=_dataset(),
+                  processing_class=_tokenizer())  # fmt: skip
+    with pytest.raises(ValueError, match="with beta=0.0"):
+        fused_trl.GRPOTrainer(**kwargs, fused_rl_loss=True, fused_rl_kl_estimator="full")
+    with pytest.raises(ValueError, match="fused_rl_kl_estimator='full' needs fused_rl_loss=True"):
+        fused_trl.GRPOTrainer(**kwargs, fused_rl_kl_estimator="full")
+    with pytest.raises(ValueError, match="^fused_rl_kl_estimator must be one of"):
+        fused_trl.GRPOTrainer(**kwargs, fused_rl_loss=True, fused_rl_kl_estimator="k2")
+    # a reference whose logits are scaled otherwise than the policy's (TRL builds the
+    # reference from the policy's path, so the check is run on two heads directly)
+    policy, ref = _tiny_model(), _tiny_model(logit_scale=2.0)
+    fused_trl.add_fused_lm_head(policy, temperature=0.7)
+    fused_trl.add_fused_lm_head(ref, temperature=0.7)
+    heads = {"policy": vars(policy)[fused_trl._MARK], "reference model": vars(ref)[fused_trl._MARK]}
+    fused_trl._check_same_transform({"policy": heads["policy"]})  # no reference model: fine
+    with pytest.raises(ValueError, match="logit scale and final_logit_softcapping"):
+        fused_trl._check_same_transform(heads)
+
+
 @needs_trl
 def test_training_loss_moe_aux_loss(tmp_path_factory, monkeypatch):
     """A MoE policy: the load-balancing loss comes from the same backbone forward as
@@ -995,9 +1145,9 @@ def test_training_loss_moe_aux_loss(tmp_path_factory, monkeypatch):
 
 @needs_trl
 def test_bench_e2e_parity(tmp_path):
-    """``bench/e2e_trl.py`` at its tiny shape: the three variants (TRL's head, fused_rl's
-    head, fused_rl's loss) step from the same weights on the same micro-batch to the same
-    loss and gradient norm."""
+    """``bench/e2e_trl.py`` at its tiny shape: the variants whose loss is TRL's (TRL's head,
+    fused_rl's head, fused_rl's loss) step from the same weights on the same micro-batch to
+    the same loss and gradient norm; the exact-KL variant (another loss) steps too."""
     import json
 
     from bench import e2e_trl
@@ -1007,9 +1157,12 @@ def test_bench_e2e_parity(tmp_path):
     results = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
     assert sorted(results) == sorted(e2e_trl.VARIANTS)
     base = results["trl"]
-    for r in results.values():
-        assert abs(r["loss"] - base["loss"]) <= ATOL + RTOL * abs(base["loss"]), r["variant"]
-        assert abs(r["grad_norm"] - base["grad_norm"]) <= RTOL * base["grad_norm"], r["variant"]
+    for name in e2e_trl.SAME_LOSS:
+        r = results[name]
+        assert abs(r["loss"] - base["loss"]) <= ATOL + RTOL * abs(base["loss"]), name
+        assert abs(r["grad_norm"] - base["grad_norm"]) <= RTOL * base["grad_norm"], name
+    full = results["fused_rl_full_kl"]
+    assert math.isfinite(full["loss"]) and full["grad_norm"] > 0
 
 
 @needs_trl

@@ -41,6 +41,21 @@ The options map exactly (checked against TRL 1.16's ``GRPOTrainer._compute_loss`
 * The MoE load-balancing loss (``output_router_logits`` with ``router_aux_loss_coef``):
   computed from the same backbone forward and added as TRL adds it.
 
+``fused_rl_kl_estimator="full"`` (``patch(kl_estimator="full")``) puts the exact per-token
+``KL(pi || pi_ref) = sum_v p_v (log p_v - log q_v)`` over the whole vocabulary in place of
+TRL's k3 estimate, at the same ``beta`` and aggregation (``kl_estimator="full"`` of
+``linear_policy_loss``, from both models' last hidden states, the reference's logits
+streamed beside the policy's and never whole). The reference model's backbone then runs
+(no gradient) in each loss call (:func:`reference_hidden`: the reference model, or under
+PEFT the policy with its adapter off, as TRL picks it) instead of TRL's reference
+log-prob forward at generation, which is skipped; the logged ``kl`` is the exact KL's
+token mean. ``use_bias_correction_kl`` (TRL's default) has nothing to correct there: it
+re-weights the k3 estimate of the one sampled token by the ratio ``pi / pi_old`` so that its
+gradient is the KL's, while the exact KL is already the sum over every token of the
+vocabulary at each position (the states are still the rollout's, as with the correction).
+It needs ``beta != 0`` and a reference model whose logit scale and soft cap are the
+policy's (checked at construction).
+
 A ``_compute_loss`` overridden by a subclass raises ``ValueError`` at construction
 (:func:`policy_options`).
 """
@@ -50,6 +65,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import types
 
 import torch
 
@@ -87,11 +103,13 @@ def _uses_vllm_is(trainer) -> bool:
     return bool(trainer.use_vllm and trainer.vllm_importance_sampling_correction)
 
 
-def _problems(trainer, kind: LossType | None) -> list[str]:
+def _problems(trainer, kind: LossType | None, kl_estimator: str) -> list[str]:
     """Every option of the trainer's loss fused_rl does not map exactly, as TRL names it."""
     from trl.trainer import grpo_trainer
 
     problems = []
+    if kl_estimator == "full":
+        problems += _full_kl_problems(trainer)
     if kind is None:
         problems.append(f"loss_type={trainer.loss_type!r} (mapped: {', '.join(LOSS_TYPES)})")
     level = trainer.importance_sampling_level
@@ -124,12 +142,49 @@ def _problems(trainer, kind: LossType | None) -> list[str]:
     return problems
 
 
-def policy_options(trainer) -> dict:
+def _full_kl_problems(trainer) -> list[str]:
+    """What the exact KL cannot serve: no KL term. (A reference model whose logits are
+    scaled or capped otherwise than the policy's: checked with the heads, by ``.trl``.)"""
+    if trainer.beta == 0.0:
+        return ["fused_rl_kl_estimator='full' with beta=0.0 (there is no KL term)"]
+    return []
+
+
+def route(trainer, kl_estimator: str = "k3") -> None:
+    """Make a constructed ``trl.GRPOTrainer`` compute its loss with :func:`compute_loss`
+    (its options checked now: :func:`policy_options`); with ``kl_estimator="full"`` its
+    generation no longer computes the reference log-probs (the loss computes the KL)."""
+    trainer.fused_rl_policy_options = policy_options(trainer, kl_estimator)
+    trainer._compute_loss = types.MethodType(compute_loss, trainer)
+    if kl_estimator == "full":
+        trainer._generate_and_score_completions = _without_reference_logprobs(
+            trainer._generate_and_score_completions
+        )
+
+
+def _without_reference_logprobs(generate):
+    """TRL's ``_generate_and_score_completions`` (bound) run with ``beta = 0``: the one
+    place it reads ``beta`` is the reference log-prob forward, which the exact KL does not
+    use (TRL 1.15-1.16)."""
+
+    @functools.wraps(generate)
+    def wrapped(*args, **kwargs):
+        trainer = generate.__self__
+        beta, trainer.beta = trainer.beta, 0.0
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            trainer.beta = beta
+
+    return wrapped
+
+
+def policy_options(trainer, kl_estimator: str = "k3") -> dict:
     """The ``linear_policy_loss`` options of a constructed ``trl.GRPOTrainer``, or a
     ``ValueError`` naming every option of its loss that fused_rl does not map exactly."""
     args = trainer.args
     kind = LOSS_TYPES.get(trainer.loss_type)
-    problems = _problems(trainer, kind)
+    problems = _problems(trainer, kind, kl_estimator)
     if problems:
         raise ValueError(
             "fused_rl_loss=True computes TRL's loss with one fused_rl.linear_policy_loss call "
@@ -154,8 +209,11 @@ def policy_options(trainer) -> dict:
         eps_high=eps_high,
         delta=None if args.delta is None or kind.surrogate != _PPO else float(args.delta),
         beta=beta,
-        kl_estimator="k3",
-        kl_bias_correction=bool(args.use_bias_correction_kl) and beta != 0.0,
+        kl_estimator=kl_estimator,
+        # the exact KL sums over the vocabulary: no sampled token's estimate to re-weight
+        kl_bias_correction=bool(args.use_bias_correction_kl)
+        and beta != 0.0
+        and kl_estimator != "full",
         entropy_coef=float(trainer.entropy_coef),
         entropy_agg="token-mean",
         top_entropy_quantile=float(trainer.top_entropy_quantile),
@@ -195,6 +253,8 @@ class LossRequest:
     is_weights: torch.Tensor | None  # vLLM's importance-sampling ratios
     num_items: torch.Tensor | None
     options: dict
+    # the exact KL: the reference's last hidden states (B, S, H_ref), lm_head weight, bias
+    ref_head: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
 
 
 @functools.cache
@@ -218,11 +278,13 @@ def loss_forward(hidden, weight, bias, request: LossRequest, head, aux_loss=None
     S - 2`` predict the ``C`` completion tokens (``linear_policy_loss``'s causal shift)."""
     from ..linear import linear_policy_loss
 
+    ref_hidden, ref_weight, ref_bias = request.ref_head or (None, None, None)
     loss, metrics = linear_policy_loss(
         hidden, weight, request.targets, request.advantages, bias=bias,
         old_logprobs=request.old_logprobs, rollout_logprobs=request.rollout_logprobs,
-        ref_logprobs=request.ref_logprobs,
-        mask=request.mask, is_weights=request.is_weights, num_items=request.num_items,
+        ref_logprobs=request.ref_logprobs, ref_hidden=ref_hidden, ref_weight=ref_weight,
+        ref_bias=ref_bias, mask=request.mask, is_weights=request.is_weights,
+        num_items=request.num_items,
         temperature=head.temperature, softcap=head.softcap, with_entropy=True,
         chunk_tokens=head.options.chunk_tokens,
         backend=head.options.backend, **request.options,
@@ -265,15 +327,20 @@ def compute_loss(trainer, model, inputs):
             inputs.get("sampling_per_token_logps")
             if options["off_policy_mask_threshold"] is not None else None
         ),
-        ref_logprobs=inputs["ref_per_token_logps"] if options["beta"] != 0.0 else None,
+        ref_logprobs=(
+            inputs["ref_per_token_logps"]
+            if options["beta"] != 0.0 and options["kl_estimator"] != "full" else None
+        ),
         is_weights=inputs["importance_sampling_ratio"] if _uses_vllm_is(trainer) else None,
         num_items=num_items, options=options,
     )  # fmt: skip
     model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
     model_inputs.update({k: inputs[k] for k in _MODEL_INPUTS if inputs.get(k) is not None})
-    if trainer.aux_loss_enabled:  # the MoE load-balancing loss, from the same forward
-        model_inputs["output_router_logits"] = True
     with trainer.accelerator.autocast():
+        if options["kl_estimator"] == "full":
+            request.ref_head = reference_hidden(trainer, model_inputs)
+        if trainer.aux_loss_enabled:  # the MoE load-balancing loss, from the same forward
+            model_inputs["output_router_logits"] = True
         out = model(**model_inputs, fused_rl_loss=request)
     loss, metrics = out.loss, out.metrics
     if kind.normaliser == _ACCUMULATION:
@@ -289,6 +356,21 @@ def compute_loss(trainer, model, inputs):
         log = trainer._metrics[mode]["aux_loss"]
         log.append(trainer.accelerator.gather_for_metrics(out.aux_loss).mean().item())
     return loss
+
+
+def reference_hidden(trainer, model_inputs):
+    """The reference model's last hidden states, lm_head weight and bias on
+    ``model_inputs`` (no gradient): ``trainer.ref_model``, or under PEFT the policy with
+    its adapter off (the ``"ref"`` adapter where one is loaded), as TRL picks it."""
+    with torch.no_grad():
+        if trainer.ref_model is not None:
+            return trainer.ref_model(**model_inputs, fused_rl_hidden=True)
+        from trl.trainer.utils import use_adapter
+
+        peft_model = trainer.accelerator.unwrap_model(trainer.model)
+        adapter = "ref" if "ref" in peft_model.peft_config else None
+        with use_adapter(peft_model, adapter_name=adapter):
+            return trainer.model(**model_inputs, fused_rl_hidden=True)
 
 
 def _adapt_entropy_coef(trainer, entropy, mask):

@@ -31,7 +31,9 @@ metric TRL logs with it, with one :func:`fused_rl.linear_policy_loss` call from 
 last hidden states (every ``loss_type`` of TRL 1.16, sequence-level importance sampling,
 the entropy bonus (static or adaptive), top-entropy tokens, vLLM's importance-sampling
 correction, the off-policy sequence mask, the MoE load-balancing loss:
-:mod:`fused_rl.integrations._trl_loss`).
+:mod:`fused_rl.integrations._trl_loss`); with it, ``fused_rl_kl_estimator="full"`` /
+``patch(loss=True, kl_estimator="full")`` puts the exact per-token KL to the reference model
+(over the whole vocabulary, from both models' hidden states) in place of TRL's k3 estimate.
 
 What fused_rl cannot do raises at construction (``ValueError`` naming the option), never
 a silent fall-back to TRL's head: a logit scale ``<= 0``, a ``final_logit_softcapping``
@@ -98,6 +100,8 @@ _SCALE_FIELDS = ("logit_scale", "output_multiplier", "lm_head_multiplier")
 _MARK = "_fused_rl_lm_head"  # attribute of a model whose forward this module patched
 # the trainers whose log-probs come from TRL's fused head, and the trl.trainer module of each
 HEAD_TRAINERS = {"GRPOTrainer": "grpo_trainer", "RLOOTrainer": "rloo_trainer"}
+# GRPO's KL term with fused_rl_loss=True: TRL's k3 estimate, or the exact KL
+KL_ESTIMATORS = ("k3", "full")
 
 
 def _trl():
@@ -141,20 +145,31 @@ def _trainer_module(name: str):
 @dataclasses.dataclass(frozen=True)
 class Options:
     """fused_rl's choices for the head: ``backend`` as every fused_rl op takes it, and
-    ``chunk_tokens`` (rows per GEMM chunk; None keeps a chunk's logits under 256 MiB)."""
+    ``chunk_tokens`` (rows per GEMM chunk; None keeps a chunk's logits under 256 MiB);
+    for GRPO's loss, ``loss`` (one ``fused_rl.linear_policy_loss`` call) and
+    ``kl_estimator`` (``"k3"``: TRL's estimate; ``"full"``: the exact KL, needs ``loss``)."""
 
     backend: str = "auto"
     chunk_tokens: int | None = None
     loss: bool = False  # the trainer's loss through one fused_rl.linear_policy_loss call
+    kl_estimator: str = "k3"
 
     @classmethod
-    def checked(cls, backend, chunk_tokens, prefix: str = "", loss: bool = False) -> Options:
+    def checked(cls, backend, chunk_tokens, prefix: str = "", loss: bool = False,
+                kl_estimator: str = "k3") -> Options:  # fmt: skip
         """The options, each checked under the name the caller gave it (``prefix`` +)."""
         V.check_choice(backend, BACKENDS, prefix + "backend")
         V.check_positive_int(chunk_tokens, prefix + "chunk_tokens", allow_none=True)
         if not isinstance(loss, bool):
             raise TypeError(f"{prefix}loss must be a bool, got {loss!r}")
-        return cls(backend, None if chunk_tokens is None else int(chunk_tokens), loss)
+        V.check_choice(kl_estimator, KL_ESTIMATORS, prefix + "kl_estimator")
+        if kl_estimator == "full" and not loss:
+            raise ValueError(
+                f"{prefix}kl_estimator='full' needs {prefix}loss=True: the exact KL is "
+                "computed inside fused_rl's loss, from both models' hidden states"
+            )
+        chunk = None if chunk_tokens is None else int(chunk_tokens)
+        return cls(backend, chunk, loss, kl_estimator)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,9 +302,12 @@ def add_fused_lm_head(
     # the class's signature, which generate() checks its keyword arguments against
     @functools.wraps(type(model).forward)
     def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None,
-                num_items_in_batch=None, fused_rl_loss=None, **kwargs):  # fmt: skip
+                num_items_in_batch=None, fused_rl_loss=None, fused_rl_hidden=False,
+                **kwargs):  # fmt: skip
         if fused_rl_loss is not None:  # the trainer's loss (fused_rl_loss=True)
             return _loss_forward(self, head, args, kwargs, fused_rl_loss)
+        if fused_rl_hidden:  # the reference's side of the exact KL
+            return _hidden_forward(self, head, args, kwargs)
         if not fused_lm_head:
             extra = dict(labels=labels, shift_labels=shift_labels,
                          num_items_in_batch=num_items_in_batch)  # fmt: skip
@@ -316,6 +334,16 @@ def _head_inputs(model, head: _Head, hidden):
         bias = None if bias is None else bias.float()
         context = torch.autocast(hidden.device.type, enabled=False)
     return hidden, weight, bias, context
+
+
+def _hidden_forward(model, head: _Head, args, kwargs):
+    """``model(..., fused_rl_hidden=True)``: the backbone's last hidden states and the LM
+    head's weight and bias, as the loss takes them (``_head_inputs``), and the head's
+    temperature and soft cap (the exact KL needs both models' alike)."""
+    kwargs["use_cache"] = False
+    hidden = getattr(model, head.backbone)(*args, **kwargs).last_hidden_state
+    hidden, weight, bias, _ = _head_inputs(model, head, hidden)
+    return hidden, weight, bias
 
 
 def _loss_forward(model, head: _Head, args, kwargs, request):
@@ -418,9 +446,10 @@ def _fused_heads(options: Options, name: str) -> Iterator[None]:
             module.add_fused_lm_head = previous
 
 
-def _check_installed(trainer, name: str) -> None:
+def _check_installed(trainer, name: str) -> dict[str, _Head]:
     """Every model TRL gave a fused head now has fused_rl's, or a RuntimeError: a TRL that
-    adds its head by another route must never run its own head silently."""
+    adds its head by another route must never run its own head silently. Returns the
+    heads (``"policy"``, and ``"reference model"`` where TRL built one)."""
     from accelerate.utils import is_peft_model
 
     model = trainer.model
@@ -435,6 +464,20 @@ def _check_installed(trainer, name: str) -> None:
             f" through trl.trainer.{HEAD_TRAINERS[name]}.add_fused_lm_head, so fused_rl could "
             "not replace it; fused_rl.integrations.trl follows TRL 1.15-1.16"
         )
+    return {who: vars(m)[_MARK] for who, m in models.items()}
+
+
+def _check_same_transform(heads: dict[str, _Head]) -> None:
+    """The exact KL applies one temperature and soft cap to both models' logits: a
+    reference model whose logit scale or soft cap differs from the policy's raises."""
+    policy, ref = heads["policy"], heads.get("reference model")
+    if ref is not None and (ref.temperature, ref.softcap) != (policy.temperature, policy.softcap):
+        raise ValueError(
+            "fused_rl_kl_estimator='full' needs a reference model whose logit scale and "
+            "final_logit_softcapping are the policy's: temperature / scale "
+            f"{ref.temperature} vs {policy.temperature}, soft cap {ref.softcap} vs "
+            f"{policy.softcap}"
+        )
 
 
 def _fused_init(trainer, trl_init: Callable[[], None], options: Options, name: str) -> None:
@@ -443,12 +486,13 @@ def _fused_init(trainer, trl_init: Callable[[], None], options: Options, name: s
     trainer's)."""
     with _fused_heads(options, name):
         trl_init()
-    _check_installed(trainer, name)
+    heads = _check_installed(trainer, name)
     if options.loss and name == "GRPOTrainer":
         from . import _trl_loss
 
-        trainer.fused_rl_policy_options = _trl_loss.policy_options(trainer)
-        trainer._compute_loss = types.MethodType(_trl_loss.compute_loss, trainer)
+        if options.kl_estimator == "full":
+            _check_same_transform(heads)
+        _trl_loss.route(trainer, options.kl_estimator)
     trainer.fused_rl_options = options
 
 
@@ -458,17 +502,20 @@ def _make_trainer_class():
     class GRPOTrainer(trl.GRPOTrainer):
         """``trl.GRPOTrainer`` with every log-prob and entropy from fused_rl (the policy in
         the training step, the old policy, the reference model): same constructor and
-        ``GRPOConfig``, plus three keyword-only options, ``fused_rl_backend`` (``"auto"``,
-        ``"triton"``, ``"reference"``), ``fused_rl_chunk_tokens`` (rows per GEMM chunk) and
+        ``GRPOConfig``, plus four keyword-only options, ``fused_rl_backend`` (``"auto"``,
+        ``"triton"``, ``"reference"``), ``fused_rl_chunk_tokens`` (rows per GEMM chunk),
         ``fused_rl_loss`` (the training loss through one ``fused_rl.linear_policy_loss``
-        call). See :mod:`fused_rl.integrations.trl`."""
+        call) and ``fused_rl_kl_estimator`` (``"k3"``, TRL's; ``"full"``: the exact
+        per-token KL to the reference model, with ``fused_rl_loss=True``). See
+        :mod:`fused_rl.integrations.trl`."""
 
         def __init__(self, *args, fused_rl_backend: str = "auto",
                      fused_rl_chunk_tokens: int | None = None, fused_rl_loss: bool = False,
-                     **kwargs):  # fmt: skip
+                     fused_rl_kl_estimator: str = "k3", **kwargs):  # fmt: skip
             options = Options.checked(
-                fused_rl_backend, fused_rl_chunk_tokens, "fused_rl_", loss=fused_rl_loss
-            )
+                fused_rl_backend, fused_rl_chunk_tokens, "fused_rl_", loss=fused_rl_loss,
+                kl_estimator=fused_rl_kl_estimator,
+            )  # fmt: skip
             run = lambda: super(GRPOTrainer, self).__init__(*args, **kwargs)  # noqa: E731
             _fused_init(self, run, options, "GRPOTrainer")
 
@@ -585,7 +632,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def patch(*, backend: str = "auto", chunk_tokens: int | None = None, loss: bool = False) -> None:
+def patch(*, backend: str = "auto", chunk_tokens: int | None = None, loss: bool = False,
+          kl_estimator: str = "k3") -> None:  # fmt: skip
     """Make ``trl.GRPOTrainer``, ``trl.RLOOTrainer`` and ``trl.DistillationTrainer``
     themselves (and every subclass, for scripts and TRL's CLI that construct them) behave as
     this module's trainers of the same names with these options: their ``__init__`` is
@@ -593,8 +641,9 @@ def patch(*, backend: str = "auto", chunk_tokens: int | None = None, loss: bool 
     ``DistillationTrainer`` where it has it: TRL >= 1.16). Idempotent (patching again only
     updates the options); :func:`unpatch` restores TRL's ``__init__`` exactly. Trainers
     constructed before keep their head and loss. ``loss=True``: GRPO's training loss through
-    one ``fused_rl.linear_policy_loss`` call (the other trainers keep their loss)."""
-    options = Options.checked(backend, chunk_tokens, loss=loss)
+    one ``fused_rl.linear_policy_loss`` call (the other trainers keep their loss), and with
+    it ``kl_estimator="full"``: GRPO's KL term exact."""
+    options = Options.checked(backend, chunk_tokens, loss=loss, kl_estimator=kl_estimator)
     trl, _ = _trl()
     with _LOCK:
         if _PATCH:
@@ -649,13 +698,13 @@ def is_patched() -> bool:
 
 
 @contextlib.contextmanager
-def patched(*, backend: str = "auto", chunk_tokens: int | None = None,
-            loss: bool = False) -> Iterator[None]:  # fmt: skip
+def patched(*, backend: str = "auto", chunk_tokens: int | None = None, loss: bool = False,
+            kl_estimator: str = "k3") -> Iterator[None]:  # fmt: skip
     """:func:`patch` for the block; on exit the previous state (unpatched, or patched with
     the previous options) comes back."""
     with _LOCK:
         before = _PATCH.get("options")
-        patch(backend=backend, chunk_tokens=chunk_tokens, loss=loss)
+        patch(backend=backend, chunk_tokens=chunk_tokens, loss=loss, kl_estimator=kl_estimator)
     try:
         yield
     finally:

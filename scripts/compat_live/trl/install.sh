@@ -16,6 +16,7 @@ for name in ("torch", "triton", "numpy"):
         pass
 PYEOF
 # trl.trainer.utils imports transformers, accelerate, datasets, huggingface_hub and pandas
-# at module level: TRL's own requirements, nothing more (no extras).
-"$PY" -m pip install -q -c "$constraints" "trl==1.16.0"
+# at module level: TRL's own requirements, and PEFT (TRL's `peft` extra) for the LoRA runs
+# of the trainer integration (its reference model is the policy with the adapter off).
+"$PY" -m pip install -q -c "$constraints" "trl==1.16.0" "peft==0.21.2"
 "$PY" -c "import trl, trl.trainer.utils; print('trl', trl.__version__)"
