@@ -195,7 +195,7 @@ def _token_layer(logp, entropy, targets, adv, old, ref, mask, is_w, ignore_index
         ignore_index, _hyper(tuple(hyper)), HAS_ENTROPY=entropy is not None,
         HAS_TARGETS=targets is not None, HAS_OLD=old is not None, HAS_REF=ref is not None,
         HAS_MASK=mask is not None, HAS_IS=is_w is not None, HAS_KEEP=keep is not None,
-        SEQUENCE=sequence != 0, SEQ_TOKEN=sequence == 2,
+        SEQUENCE=sequence != 0, SEQ_TOKEN=sequence == 2, SEQ_SUM=sequence == 3,
         HAS_ENT_SCALE=ent_scale is not None,
         BLOCK_T=TOKEN_BLOCK_T, ACC=triton_acc(g.dtype),
         **_policy_switches(hyper, modes, ref is not None),

@@ -64,9 +64,12 @@ class PolicyConfig:
         entropy_coef: entropy bonus ``-entropy_coef * H`` (H differentiable, same pass).
         importance_sampling: ``"token"``, ``"sequence"`` (GSPO: one ratio per sequence,
             ``exp(masked mean of logp - old)``, differentiable through every token; with
-            ``surrogate="ppo"`` or ``"sapo"``) or ``"sequence-token"`` (GSPO-token, TRL's
+            ``surrogate="ppo"`` or ``"sapo"``), ``"sequence-token"`` (GSPO-token, TRL's
             ``sequence_token`` and verl's ``gspo``: the sequence ratio's value with each
-            token's own gradient, ``sg(s) r_t / sg(r_t)``).
+            token's own gradient, ``sg(s) r_t / sg(r_t)``) or ``"sequence-sum"`` (RLOO, TRL's
+            ``RLOOTrainer``: one ratio per sequence of its summed log-ratio,
+            ``exp(sum m (logp - old))``, the product of the token ratios, differentiable
+            through every token; with the ratio surrogates, as ``"sequence"``).
         surrogate: the policy term per token: ``"ppo"`` (default) the clipped surrogate
             above; ``"cispo"`` (MiniMax-M1) ``-sg(clamp(r, 1 - eps_low, 1 + eps_high)) A logp``,
             verl's two-sided band (TRL's and Liger's absolute cap ``C``, ``sg(min(r, C))``, is
@@ -193,10 +196,10 @@ class PolicyConfig:
     def _check_surrogate(self) -> None:
         surrogate, level = self.surrogate, self.importance_sampling
         V.check_choice(surrogate, SURROGATES, "surrogate")
-        if surrogate in ("cispo", "gpg") and level == "sequence":
+        if surrogate in ("cispo", "gpg") and level in ("sequence", "sequence-sum"):
             raise ValueError(
-                f"importance_sampling='sequence' works with the ratio surrogates ('ppo' = "
-                f"GSPO, 'sapo'); surrogate={surrogate!r} weighs each token's own log-prob, so "
+                f"importance_sampling={level!r} works with the ratio surrogates ('ppo', "
+                f"'sapo'); surrogate={surrogate!r} weighs each token's own log-prob, so "
                 "use importance_sampling='token' or 'sequence-token'"
             )
         if surrogate == "vespo" and level != "token":
@@ -280,7 +283,8 @@ class PolicyConfig:
     def _kernel_modes(self) -> tuple[int, ...]:
         """The kernels' mode switches ``[surrogate, kl_kind, bias_kl, sequence, agg]``
         (``sequence``: 0 token, 1 GSPO, 2 a per-token gradient after a sequence total:
-        GSPO-token, and VESPO, which runs the sequence pass for its phi)."""
+        GSPO-token, and VESPO, which runs the sequence pass for its phi; 3 RLOO's summed
+        sequence log-ratio)."""
         level = IMPORTANCE_SAMPLING.index(self.importance_sampling)
         return (
             SURROGATES.index(self.surrogate),

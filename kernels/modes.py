@@ -10,7 +10,7 @@ without importing Triton.
 SURROGATES = ("ppo", "cispo", "sapo", "gpg", "gmpo", "vespo")
 # ``importance_sampling=``: one ratio per token, per sequence (GSPO), or the sequence's value
 # with each token's own gradient (GSPO-token)
-IMPORTANCE_SAMPLING = ("token", "sequence", "sequence-token")
+IMPORTANCE_SAMPLING = ("token", "sequence", "sequence-token", "sequence-sum")
 # ``kl_estimator=`` (kernels/policy/layer2.py ``kl_and_grad``)
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs", "full")
 # ``loss_agg=`` (the finalize kernel's ``AGG``)

@@ -435,6 +435,7 @@ def test_gspo_against_the_oracle(backend, loss_agg):
     (
         dict(surrogate="vespo"),
         dict(importance_sampling="sequence-token"),
+        dict(importance_sampling="sequence-sum"),
         dict(top_entropy_quantile=0.5, loss_agg="seq-mean-token-sum"),
     ),
 )
@@ -626,8 +627,9 @@ def test_linear_matches_the_materialised_oracle(backend, skip_padding, monkeypat
 @pytest.mark.parametrize(
     "options",
     (dict(importance_sampling="sequence"), dict(importance_sampling="sequence-token"),
-     dict(surrogate="vespo"), dict(top_entropy_quantile=0.5)),
-    ids=("gspo", "gspo-token", "vespo", "top-entropy"),
+     dict(importance_sampling="sequence-sum"), dict(surrogate="vespo"),
+     dict(top_entropy_quantile=0.5)),
+    ids=("gspo", "gspo-token", "rloo", "vespo", "top-entropy"),
 )  # fmt: skip
 def test_linear_composed_matches_materialised_logits(backend, options):
     """The composed routes from hidden states (GSPO, GSPO-token, VESPO, the top-entropy

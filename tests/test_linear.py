@@ -195,6 +195,7 @@ _POLICY_CASES = {
     "grpo": dict(eps_high=0.28, beta=0.04, kl_estimator="k3"),
     "ppo+entropy": dict(dual_clip=3.0, entropy_coef=0.01, loss_agg="seq-mean-token-mean"),
     "gspo": dict(importance_sampling="sequence", eps_low=3e-4, eps_high=4e-4),
+    "rloo": dict(importance_sampling="sequence-sum", eps_low=2e-3, eps_high=3e-3),
     "dr-grpo": dict(loss_agg="seq-mean-token-sum-norm", with_entropy=True, temperature=0.7),
 }
 

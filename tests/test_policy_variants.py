@@ -85,6 +85,8 @@ def _oracle_logp(r, logp, *, surrogate, eps_low=0.2, eps_high=0.28, tau_pos=1.0,
     if sequence:
         n = m.sum(1, keepdim=True)
         seq = (delta * m).sum(1, keepdim=True) / n.clamp(min=1)
+        if sequence == "sum":  # RLOO (TRL's RLOOTrainer): the summed log-ratio
+            seq = (delta * m).sum(1, keepdim=True)
         if sequence == "token":  # GSPO-token: sg(s) * r_t / sg(r_t)
             seq = seq.detach() + (logp - logp.detach())
         delta = seq.expand(B, T)
@@ -166,6 +168,11 @@ CASES = {
     "sapo-sequence": dict(surrogate="sapo", sequence=True, eps_low=0.2),
     "gspo-token+bias_kl": dict(surrogate="ppo", sequence="token", beta=0.1, bias=True),
     "cispo-sequence-token": dict(surrogate="cispo", sequence="token", is_weights="BT"),
+    "rloo": dict(surrogate="ppo", sequence="sum", eps_low=0.2, loss_agg="seq-mean-token-mean"),
+    "rloo+is+bias_kl": dict(
+        surrogate="ppo", sequence="sum", beta=0.1, bias=True, is_weights="B1"
+    ),  # fmt: skip
+    "sapo-sequence-sum": dict(surrogate="sapo", sequence="sum", tau_pos=0.6, tau_neg=0.9),
     "vespo": dict(surrogate="vespo"),
     "vespo+is+kl": dict(
         surrogate="vespo",
@@ -200,7 +207,9 @@ def _kwargs(r, case):
     seq = kw.pop("sequence", False)
     is_kind = kw.pop("is_weights", None)
     bias = kw.pop("bias", False)
-    level = {False: "token", True: "sequence", "token": "sequence-token"}[seq]
+    level = {False: "token", True: "sequence", "token": "sequence-token", "sum": "sequence-sum"}[
+        seq
+    ]
     ours = dict(kw, importance_sampling=level,
                 kl_bias_correction=bias, is_weights=_is_weights(r, is_kind))  # fmt: skip
     ours.setdefault("eps_high", 0.28)
@@ -312,6 +321,8 @@ def test_surrogate_metric_names():
         (dict(surrogate="vespa"), "surrogate"),
         (dict(surrogate="cispo", importance_sampling="sequence"), "importance_sampling"),
         (dict(surrogate="gpg", importance_sampling="sequence"), "importance_sampling"),
+        (dict(surrogate="cispo", importance_sampling="sequence-sum"), "importance_sampling"),
+        (dict(surrogate="gmpo", importance_sampling="sequence-sum"), "importance_sampling"),
         (dict(surrogate="gmpo"), "importance_sampling"),
         (dict(surrogate="vespo", importance_sampling="sequence"), "importance_sampling"),
         (dict(surrogate="vespo", vespo_lambda_neg=-1.0), "vespo_lambda_neg"),

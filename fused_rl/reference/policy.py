@@ -164,6 +164,8 @@ def policy_token_terms(
         log_ratio = _vespo_log_weight(log_ratio, mask_f, is_weights)
     elif importance_sampling == "sequence":
         log_ratio = sequence_log_ratio(log_ratio, mask_f)
+    elif importance_sampling == "sequence-sum":  # RLOO: the summed log-ratio of the sequence
+        log_ratio = (log_ratio * mask_f).sum(-1, keepdim=True).expand_as(log_ratio)
     elif importance_sampling == "sequence-token":  # the sequence's value, each token's gradient
         own = logp if config.log_ratio_clamp is None else token_log_ratio  # (none if clamped)
         log_ratio = sequence_log_ratio(log_ratio.detach(), mask_f) + (own - own.detach())

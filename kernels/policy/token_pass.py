@@ -144,6 +144,7 @@ def _policy_token_fwd_kernel(
     USE_DELTA: tl.constexpr,
     SEQUENCE: tl.constexpr,
     SEQ_TOKEN: tl.constexpr,
+    SEQ_SUM: tl.constexpr,
     HAS_ENT_SCALE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     ACC: tl.constexpr,
@@ -155,8 +156,10 @@ def _policy_token_fwd_kernel(
     surrogate's gradient then reaches every token through that mean (a third pass writes
     ``g`` once the sequence's total is known). ``SEQ_TOKEN`` (GSPO-token): the value of the
     sequence ratio, the gradient through each token's own log-prob (``sg(s) r_t / sg(r_t)``):
-    ``g`` is written per token, as at token level. ``HAS_KEEP``: ``keep`` ``(B, T)`` bytes,
-    0 where a token-selection mask drops the token's policy term (``policy_token_loss``).
+    ``g`` is written per token, as at token level. ``SEQ_SUM`` (with ``SEQUENCE``; RLOO's):
+    the ratio ``exp(sum m (logp - old))`` of the summed log-ratio, ``d r / d logp_t = r m_t``.
+    ``HAS_KEEP``: ``keep`` ``(B, T)`` bytes, 0 where a token-selection mask drops the token's
+    policy term (``policy_token_loss``).
     Bytes: reads the inputs once (twice with ``SEQUENCE``), writes ~14 floats per token.
     """
     b = tl.program_id(0).to(tl.int64)
@@ -195,7 +198,7 @@ def _policy_token_fwd_kernel(
             acc_n += m
         seq_n = tl.sum(acc_n, 0)
         seq_lr = tl.where(seq_n != 0, tl.sum(acc_lr, 0) / tl.where(seq_n != 0, seq_n, 1.0), 0.0)
-        if SURROGATE == SURROGATE_VESPO:
+        if SURROGATE == SURROGATE_VESPO or SEQ_SUM:
             seq_lr = tl.sum(acc_lr, 0)
     acc_g = tl.zeros((BLOCK_T,), ACC)
     for t0 in range(0, rows_inner, BLOCK_T):
@@ -250,8 +253,11 @@ def _policy_token_fwd_kernel(
             is_weight, HAS_IS,
         )  # fmt: skip
     if SEQUENCE and not SEQ_TOKEN:
-        # d ratio_b / d logp_t = ratio_b * m_t / sum m: every token shares the sequence's total
-        per_token = tl.sum(acc_g, 0) / tl.where(seq_n != 0, seq_n, 1.0)
+        # d ratio_b / d logp_t = ratio_b * m_t / sum m (SEQ_SUM: ratio_b * m_t): every token
+        # shares the sequence's total
+        per_token = tl.sum(acc_g, 0)
+        if not SEQ_SUM:
+            per_token = per_token / tl.where(seq_n != 0, seq_n, 1.0)
         for t0 in range(0, rows_inner, BLOCK_T):
             ts = t0 + offs
             in_seq = ts < rows_inner
