@@ -1,7 +1,7 @@
 """One GRPO training step of TRL's ``GRPOTrainer``: TRL's own fused head against fused_rl's.
 
 The figure an RLHF engineer looks for: the same trainer, the same model, the same
-micro-batch, with one import changed. Three variants, each built fresh (a randomly
+micro-batch, with one import changed. Four variants, each built fresh (a randomly
 initialised Qwen2-shaped model from a config, a tokenizer built in code, no download):
 
 - ``trl``: ``trl.GRPOTrainer`` (TRL >= 1.15 computes every log-prob with its chunked head);

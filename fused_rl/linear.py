@@ -1494,9 +1494,12 @@ def check_second_head(hidden2, weight2, bias2, hidden, weight, names, whose: str
 
 def _prepare_ref(ref_hidden, ref_weight, ref_bias, hidden, weight, targets):
     """The reference's ``(N, H_ref)`` rows (windowed as ``hidden``'s), lm_head and bias,
-    checked against the policy's and detached (constants, as ``ref_logprobs``)."""
+    checked against the policy's and detached (constants, as ``ref_logprobs``); under
+    ``torch.autocast`` in the autocast dtype, as the policy's (both logits from the same
+    GEMM precision: a reference equal to the policy gives a KL of exactly 0)."""
     V.check_float(ref_hidden, "ref_hidden")
     V.check_float(ref_weight, "ref_weight")
+    ref_hidden, ref_weight, ref_bias = _autocast_inputs(ref_hidden, ref_weight, ref_bias)
     V.check_same_device(hidden=hidden, ref_hidden=ref_hidden, ref_weight=ref_weight,
                         ref_bias=ref_bias)  # fmt: skip
     ref_hidden = _promote_hidden(ref_hidden, ref_weight)

@@ -581,6 +581,30 @@ def _linear_inputs(seed=20, B=2, S=6, T=5, H=8, H_ref=6, V=41):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("level", ("token", "sequence"))
+def test_linear_reference_equal_to_policy_under_autocast(backend, level):
+    """Under ``torch.autocast`` both models' logits come from GEMMs in the autocast dtype: a
+    reference equal to the policy (fp32 tensors, bf16 autocast, as a trainer's mixed
+    precision) gives a KL of exactly 0 and a KL gradient of 0 to rounding, on the one-pass
+    (token level) and the composed (sequence level) routes."""
+    hidden, weight, bias, _, targets, adv, kw = _linear_inputs(seed=31)
+    ref = dict(ref_hidden=hidden.clone(), ref_weight=weight.clone(), ref_bias=bias.clone())
+    grads = []
+    for beta in (0.0, 0.7):
+        h = hidden.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, metrics = fused_rl.linear_policy_loss(
+                h, weight, targets, adv, bias=bias, **ref, **kw, kl_estimator="full",
+                beta=beta, importance_sampling=level, chunk_tokens=3, backend=backend,
+            )  # fmt: skip
+        assert metrics["kl"].item() == 0.0
+        grads.append(torch.autograd.grad(loss, h)[0])
+    # the softmax backward's p (1 - sum p) rounding: ~1e-9, where bf16 logits against fp32
+    # ones give beta (p - q) ~ 1e-3
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-7, rtol=0.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("skip_padding", (True, False))
 def test_linear_matches_the_materialised_oracle(backend, skip_padding, monkeypatch):
     """``linear_policy_loss(ref_hidden=, ref_weight=, ref_bias=)`` in chunks of 3 rows: the

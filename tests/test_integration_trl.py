@@ -162,7 +162,7 @@ def _config(out_dir, *, beta, accumulation, config="GRPOConfig", **extra):
         output_dir=out_dir, max_steps=3, num_generations=2, per_device_train_batch_size=4,
         max_completion_length=8, num_iterations=2, gradient_accumulation_steps=accumulation,
         beta=beta, learning_rate=1e-3, report_to=[], use_cpu=True, seed=0, logging_steps=1,
-        bf16=False, save_strategy="no", disable_tqdm=True, **extra,
+        save_strategy="no", disable_tqdm=True, **{"bf16": False, **extra},
     )  # fmt: skip
 
 
@@ -591,6 +591,28 @@ def test_patch_unpatch_restore_exactly():
     assert fused_trl.GRPOTrainer.__module__ == "fused_rl.integrations.trl"
 
 
+@needs_trl
+def test_subclass_under_patch_keeps_its_options(model_dir, tmp_path):
+    """fused_rl's subclass built while ``patch()`` wraps TRL's ``__init__``: the subclass's
+    own options route its loss, once; the patch's options never reach it."""
+    import trl
+
+    args = _config(str(tmp_path), loss_type="grpo", beta=0.04, accumulation=1)
+    kwargs = dict(model=model_dir, reward_funcs=reward_w5, args=args, train_dataset=_dataset(),
+                  processing_class=_tokenizer())  # fmt: skip
+    with fused_trl.patched(loss=True, kl_estimator="full"):
+        plain = fused_trl.GRPOTrainer(**kwargs)
+        exact = fused_trl.GRPOTrainer(**kwargs, fused_rl_loss=True, fused_rl_kl_estimator="full")
+        k3 = fused_trl.GRPOTrainer(**kwargs, fused_rl_loss=True)
+    assert plain.fused_rl_options == fused_trl.Options()
+    assert plain._compute_loss.__func__ is trl.GRPOTrainer._compute_loss
+    assert "_generate_and_score_completions" not in vars(plain)
+    assert exact.fused_rl_policy_options["kl_estimator"] == "full"
+    assert "_generate_and_score_completions" in vars(exact)  # the reference forward skipped
+    assert k3.fused_rl_policy_options["kl_estimator"] == "k3"
+    assert "_generate_and_score_completions" not in vars(k3)
+
+
 # ----------------------------------------------------------------------------- the loss
 
 LOSS_CASES = [
@@ -969,9 +991,10 @@ def test_loss_step_matches_trl(model_dir, tmp_path, name):
                 assert abs(x - y) <= ATOL + RTOL * abs(x), f"{key}: TRL {x}, fused_rl {y}"
 
 
-def _exact_kl_oracle(model, ref_model, inputs, *, beta, eps, accumulation):
-    """TRL 1.16's ``grpo`` loss with its k3 estimate replaced by the exact per-token KL,
-    from the two models' full logits in float64: the loss and the token-mean KL."""
+def _exact_kl_oracle(model, ref_model, inputs, *, beta, eps, accumulation, level="token"):
+    """TRL 1.16's ``grpo`` loss (at ``importance_sampling_level=level``) with its k3
+    estimate replaced by the exact per-token KL, from the two models' full logits in
+    float64: the loss and the token-mean KL."""
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
     attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
     start = inputs["prompt_ids"].shape[1] - 1
@@ -983,7 +1006,10 @@ def _exact_kl_oracle(model, ref_model, inputs, *, beta, eps, accumulation):
     logp = logp_all.gather(-1, inputs["completion_ids"][..., None])[..., 0]
     mask = inputs["completion_mask"].double()
     adv = inputs["advantages"].double()[:, None]
-    ratio = (logp - inputs["old_per_token_logps"].double()).exp()
+    log_ratio = logp - inputs["old_per_token_logps"].double()
+    if level == "sequence":  # TRL: the masked mean per sequence (denominator clamped to 1)
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1))[:, None]
+    ratio = log_ratio.exp()
     surrogate = -torch.min(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
     per_token = surrogate + beta * kl
     loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean() / accumulation
@@ -991,12 +1017,15 @@ def _exact_kl_oracle(model, ref_model, inputs, *, beta, eps, accumulation):
 
 
 @needs_trl
-def test_loss_step_exact_kl(model_dir, tmp_path):
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_loss_step_exact_kl(model_dir, tmp_path, level):
     """``fused_rl_kl_estimator="full"``: one ``_compute_loss`` call is TRL's ``grpo`` loss
     with the exact KL to the reference model in place of k3 (a float64 oracle from both
     models' full logits): the loss, every parameter gradient and the logged ``kl``; the
-    micro-batch needs no reference log-probs."""
-    args = _config(str(tmp_path), loss_type="grpo", beta=0.3, accumulation=2, epsilon=2e-3)
+    micro-batch needs no reference log-probs. At the sequence level (GSPO) the loss takes
+    the composed route (the log-probs, then each chunk's exact KL)."""
+    args = _config(str(tmp_path), loss_type="grpo", beta=0.3, accumulation=2, epsilon=2e-3,
+                   importance_sampling_level=level)  # fmt: skip
     trainer = fused_trl.GRPOTrainer(
         model=model_dir, reward_funcs=reward_w5, args=args, train_dataset=_dataset(),
         processing_class=_tokenizer(), fused_rl_loss=True, fused_rl_kl_estimator="full",
@@ -1018,7 +1047,7 @@ def test_loss_step_exact_kl(model_dir, tmp_path):
     loss = trainer._compute_loss(trainer.model, dict(inputs))
     loss.backward()
     want, want_kl = _exact_kl_oracle(
-        oracle_model, trainer.ref_model, inputs, beta=0.3, eps=2e-3, accumulation=2
+        oracle_model, trainer.ref_model, inputs, beta=0.3, eps=2e-3, accumulation=2, level=level
     )
     want.backward()
     assert want_kl > 1e-3  # the two models differ
@@ -1077,24 +1106,37 @@ def test_loss_step_exact_kl_peft(model_dir, tmp_path):
 
 
 @needs_trl
-def test_training_exact_kl(model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "bf16, model_dtype",
+    [(False, "float32"), (True, "float32"), (True, "bfloat16")],
+    ids=["fp32", "fp32-model-bf16-autocast", "bf16-model"],
+)
+def test_training_exact_kl(model_dir, tmp_path, monkeypatch, bf16, model_dtype):
     """Training with ``fused_rl_kl_estimator="full"`` (3 steps, ``num_iterations=2``): the
     reference model's backbone runs once per loss call, never through TRL's (or fused_rl's)
-    log-prob head at generation; the logged ``kl`` is the exact KL (0 at the first step,
-    where the policy is the reference, then > 0)."""
+    log-prob head at generation; the logged ``kl`` is the exact KL (exactly 0 at the first
+    step, where the policy is the reference, also under bf16 autocast, then > 0); the
+    reference's head reaches the loss in its own dtype (not converted by accelerate)."""
     from fused_rl.integrations import _trl_loss
 
-    hidden_calls = []
+    heads = []  # what each loss call got from the reference
     reference_hidden = _trl_loss.reference_hidden
-    monkeypatch.setattr(_trl_loss, "reference_hidden",
-                        lambda *a: hidden_calls.append(1) or reference_hidden(*a))  # fmt: skip
-    case = dict(loss_type="dapo", beta=0.04, accumulation=2)
+
+    def counted(*args):
+        heads.append(reference_hidden(*args))
+        return heads[-1]
+
+    monkeypatch.setattr(_trl_loss, "reference_hidden", counted)
+    case = dict(loss_type="dapo", beta=0.04, accumulation=2, bf16=bf16,
+                model_init_kwargs={"dtype": model_dtype})  # fmt: skip
     log, _, calls, _ = _train(fused_trl.GRPOTrainer, model_dir, tmp_path, monkeypatch, case,
                               fused_rl_loss=True, fused_rl_kl_estimator="full")  # fmt: skip
+    want = getattr(torch, model_dtype)
+    assert all(h.dtype == w.dtype == want for h, w, _ in heads)
     # 6 loss calls; the fused head ran for the old policy only (4 forwards), never the reference
-    assert len(hidden_calls) == 6 and len(calls.fused) == 4 and calls.trl == 0
+    assert len(heads) == 6 and len(calls.fused) == 4 and calls.trl == 0
     kls = [entry["kl"] for entry in log if "kl" in entry]
-    assert len(kls) == 3 and abs(kls[0]) < 1e-7 and kls[-1] > 0
+    assert len(kls) == 3 and kls[0] == 0.0 and kls[-1] > 0
 
 
 @needs_trl

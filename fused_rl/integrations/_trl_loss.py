@@ -108,8 +108,6 @@ def _problems(trainer, kind: LossType | None, kl_estimator: str) -> list[str]:
     from trl.trainer import grpo_trainer
 
     problems = []
-    if kl_estimator == "full":
-        problems += _full_kl_problems(trainer)
     if kind is None:
         problems.append(f"loss_type={trainer.loss_type!r} (mapped: {', '.join(LOSS_TYPES)})")
     level = trainer.importance_sampling_level
@@ -142,34 +140,30 @@ def _problems(trainer, kind: LossType | None, kl_estimator: str) -> list[str]:
     return problems
 
 
-def _full_kl_problems(trainer) -> list[str]:
-    """What the exact KL cannot serve: no KL term. (A reference model whose logits are
-    scaled or capped otherwise than the policy's: checked with the heads, by ``.trl``.)"""
-    if trainer.beta == 0.0:
-        return ["fused_rl_kl_estimator='full' with beta=0.0 (there is no KL term)"]
-    return []
-
-
 def route(trainer, kl_estimator: str = "k3") -> None:
     """Make a constructed ``trl.GRPOTrainer`` compute its loss with :func:`compute_loss`
     (its options checked now: :func:`policy_options`); with ``kl_estimator="full"`` its
     generation no longer computes the reference log-probs (the loss computes the KL)."""
+    if kl_estimator == "full" and trainer.beta == 0.0:
+        raise ValueError(
+            "fused_rl_kl_estimator='full' with beta=0.0: there is no KL term to compute; set "
+            "beta != 0, or leave fused_rl_kl_estimator='k3'"
+        )
     trainer.fused_rl_policy_options = policy_options(trainer, kl_estimator)
     trainer._compute_loss = types.MethodType(compute_loss, trainer)
     if kl_estimator == "full":
         trainer._generate_and_score_completions = _without_reference_logprobs(
-            trainer._generate_and_score_completions
+            trainer, trainer._generate_and_score_completions
         )
 
 
-def _without_reference_logprobs(generate):
-    """TRL's ``_generate_and_score_completions`` (bound) run with ``beta = 0``: the one
-    place it reads ``beta`` is the reference log-prob forward, which the exact KL does not
-    use (TRL 1.15-1.16)."""
+def _without_reference_logprobs(trainer, generate):
+    """``trainer``'s ``_generate_and_score_completions`` (``generate``) run with
+    ``beta = 0``: the one place it reads ``beta`` is the reference log-prob forward, which
+    the exact KL does not use (TRL 1.15-1.16)."""
 
     @functools.wraps(generate)
     def wrapped(*args, **kwargs):
-        trainer = generate.__self__
         beta, trainer.beta = trainer.beta, 0.0
         try:
             return generate(*args, **kwargs)
@@ -364,13 +358,15 @@ def reference_hidden(trainer, model_inputs):
     its adapter off (the ``"ref"`` adapter where one is loaded), as TRL picks it."""
     with torch.no_grad():
         if trainer.ref_model is not None:
-            return trainer.ref_model(**model_inputs, fused_rl_hidden=True)
-        from trl.trainer.utils import use_adapter
+            out = trainer.ref_model(**model_inputs, fused_rl_hidden=True)
+        else:
+            from trl.trainer.utils import use_adapter
 
-        peft_model = trainer.accelerator.unwrap_model(trainer.model)
-        adapter = "ref" if "ref" in peft_model.peft_config else None
-        with use_adapter(peft_model, adapter_name=adapter):
-            return trainer.model(**model_inputs, fused_rl_hidden=True)
+            peft_model = trainer.accelerator.unwrap_model(trainer.model)
+            adapter = "ref" if "ref" in peft_model.peft_config else None
+            with use_adapter(peft_model, adapter_name=adapter):
+                out = trainer.model(**model_inputs, fused_rl_hidden=True)
+    return out.hidden, out.weight, out.bias
 
 
 def _adapt_entropy_coef(trainer, entropy, mask):

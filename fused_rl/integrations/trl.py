@@ -336,14 +336,24 @@ def _head_inputs(model, head: _Head, hidden):
     return hidden, weight, bias, context
 
 
-def _hidden_forward(model, head: _Head, args, kwargs):
+@dataclasses.dataclass(frozen=True)
+class HeadInputs:
+    """What ``model(..., fused_rl_hidden=True)`` returns: a plain object, not a tuple or a
+    mapping, so that accelerate's mixed-precision forward wrapper (which converts tuples'
+    and mappings' tensors to fp32) passes it through as it is."""
+
+    hidden: torch.Tensor  # (B, S, H): the backbone's last hidden states
+    weight: torch.Tensor  # (V, H): the LM head, gathered whole
+    bias: torch.Tensor | None
+
+
+def _hidden_forward(model, head: _Head, args, kwargs) -> HeadInputs:
     """``model(..., fused_rl_hidden=True)``: the backbone's last hidden states and the LM
-    head's weight and bias, as the loss takes them (``_head_inputs``), and the head's
-    temperature and soft cap (the exact KL needs both models' alike)."""
+    head's weight and bias, as the loss takes them (``_head_inputs``)."""
     kwargs["use_cache"] = False
     hidden = getattr(model, head.backbone)(*args, **kwargs).last_hidden_state
     hidden, weight, bias, _ = _head_inputs(model, head, hidden)
-    return hidden, weight, bias
+    return HeadInputs(hidden, weight, bias)
 
 
 def _loss_forward(model, head: _Head, args, kwargs, request):
@@ -483,7 +493,11 @@ def _check_same_transform(heads: dict[str, _Head]) -> None:
 def _fused_init(trainer, trl_init: Callable[[], None], options: Options, name: str) -> None:
     """Run TRL's ``__init__`` (``trl_init``) of the head trainer ``name`` with fused_rl's
     heads, then check them. ``options.loss`` routes ``GRPOTrainer``'s loss (no other
-    trainer's)."""
+    trainer's). An inner fused ``__init__`` on the same thread (the subclass over a patched
+    TRL ``__init__``) only runs TRL's: the outer one checks and routes, with its options."""
+    if getattr(_STATE, "options", None) is not None:
+        trl_init()
+        return
     with _fused_heads(options, name):
         trl_init()
     heads = _check_installed(trainer, name)
