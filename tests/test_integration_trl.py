@@ -351,11 +351,103 @@ def test_rloo_training_matches_trl(model_dir, tmp_path, tmp_path_factory, monkey
     check_against_trl(got, want_log, want_params, f"RLOO {case} {how} {backend}; TRL {want_s:.1f}s")
 
 
+RLOO_LOSS_CASES = [
+    pytest.param(dict(beta=0.04, accumulation=2, epsilon=2e-3), "subclass", id="rloo-loss"),
+    pytest.param(
+        dict(beta=0.0, accumulation=1, epsilon=1e-3, epsilon_high=3e-3, normalize_advantages=True),
+        "patch",
+        id="rloo-loss-clip-higher-patch",
+    ),  # fmt: skip
+]
+
+
+@needs_trl
+@pytest.mark.parametrize("case, how", RLOO_LOSS_CASES)
+def test_rloo_training_loss_matches_trl(model_dir, tmp_path, tmp_path_factory, monkeypatch, case,
+                                        how):  # fmt: skip
+    """``RLOOTrainer(fused_rl_loss=True)``: TRL's RLOO loss (a clipped ratio per sequence of
+    its summed log-probs) from one ``linear_policy_loss`` call per micro-batch
+    (``importance_sampling="sequence-sum"``); every logged metric and the final parameters
+    as ``trl.RLOOTrainer``'s, and TRL's ``_compute_loss`` never runs."""
+    import trl
+    from trl.trainer import rloo_trainer
+
+    want_log, want_params, want_calls, want_s = _baseline(
+        model_dir, tmp_path_factory, monkeypatch, case, name="RLOOTrainer"
+    )
+    assert any(entry.get("clip_ratio/region_mean", 0) > 0 for entry in want_log)
+    trl_loss_calls = []
+    trl_loss = rloo_trainer.RLOOTrainer._compute_loss
+
+    def counted_loss(*args, **kwargs):
+        trl_loss_calls.append(1)
+        return trl_loss(*args, **kwargs)
+
+    monkeypatch.setattr(rloo_trainer.RLOOTrainer, "_compute_loss", counted_loss)
+    if how == "subclass":
+        got = _train(fused_trl.RLOOTrainer, model_dir, tmp_path, monkeypatch, case,
+                     fused_rl_loss=True)  # fmt: skip
+    else:
+        with fused_trl.patched(loss=True):
+            got = _train(trl.RLOOTrainer, model_dir, tmp_path, monkeypatch, case)
+    assert trl_loss_calls == []
+    calls = got[2]
+    assert calls.trl == 0 and len(calls.fused) == want_calls.trl
+    check_against_trl(got, want_log, want_params, f"RLOO loss {case} {how}; TRL {want_s:.1f}s")
+
+
+@needs_trl
+def test_rloo_loss_step_matches_trl(model_dir, tmp_path):
+    """One ``_compute_loss`` call of ``trl.RLOOTrainer`` and of the integrated trainer
+    (``fused_rl_loss=True``) on the same micro-batch, with padding, a sequence with no
+    counted token (TRL's loss counts it as ``-A``) and ratios clipped on both sides: the
+    loss, every parameter gradient and every logged metric agree."""
+    import trl
+
+    args = _config(str(tmp_path), beta=0.0, accumulation=2, config="RLOOConfig",
+                   epsilon=0.02, epsilon_high=0.03)  # fmt: skip
+    kwargs = dict(model=model_dir, reward_funcs=reward_w5, args=args, train_dataset=_dataset(),
+                  processing_class=_tokenizer())  # fmt: skip
+    theirs = trl.RLOOTrainer(**kwargs)
+    ours = fused_trl.RLOOTrainer(**kwargs, fused_rl_loss=True)
+    inputs = _step_inputs(theirs.model, "token_truncate", None, 3.0)
+    mask = inputs["completion_mask"]
+    inputs = {k: inputs[k] for k in ("prompt_ids", "prompt_mask", "completion_ids",
+                                     "completion_mask", "advantages")}  # fmt: skip
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():  # the old policy's summed log-probs, off by up to +-0.1
+        logp, _, _ = theirs._get_per_token_logps_and_entropies(
+            theirs.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], mask], 1), mask.shape[1],
+        )  # fmt: skip
+    old = (logp * mask).sum(1) + 0.1 * (2 * torch.rand(5, generator=gen) - 1)
+    inputs["old_logps"] = torch.where(mask.sum(1) > 0, old, 0.0)  # TRL's sum over no token
+    results = []
+    for trainer in (theirs, ours):
+        trainer.model.train()
+        trainer.model.zero_grad()
+        loss = trainer._compute_loss(trainer.model, dict(inputs))
+        loss.backward()
+        grads = {k: p.grad.clone() for k, p in trainer.model.named_parameters()
+                 if p.grad is not None}  # fmt: skip
+        results.append((loss.detach(), grads, dict(trainer._metrics["train"])))
+    (want, want_grads, want_log), (got, got_grads, got_log) = results
+    assert 0 < want_log["clip_ratio/region_mean"][0] < 1  # some sequences clip, not all
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert sorted(got_grads) == sorted(want_grads)
+    for key, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[key], grad, atol=1e-6, rtol=1e-4, msg=key)
+    assert sorted(got_log) == sorted(want_log)
+    for key, values in want_log.items():
+        for x, y in zip(values, got_log[key], strict=True):
+            assert abs(x - y) <= ATOL + RTOL * abs(x), f"{key}: TRL {x}, fused_rl {y}"
+
+
 @needs_trl
 def test_rloo_trainer_options(model_dir, tmp_path):
     """The RLOO trainer checks its options as GRPO's (named with the ``fused_rl_`` prefix),
-    takes no ``fused_rl_loss`` (its loss is TRL's), and refuses a model fused_rl cannot
-    serve at construction."""
+    takes no ``fused_rl_kl_estimator`` (RLOO's KL is in its reward), and refuses a model
+    fused_rl cannot serve at construction."""
     import trl
     from transformers import Qwen2ForCausalLM
 
@@ -366,8 +458,10 @@ def test_rloo_trainer_options(model_dir, tmp_path):
                   processing_class=_tokenizer())  # fmt: skip
     with pytest.raises(ValueError, match="^fused_rl_chunk_tokens must be"):
         fused_trl.RLOOTrainer(model=model_dir, fused_rl_chunk_tokens=0, **common)
-    with pytest.raises(TypeError, match="fused_rl_loss"):
-        fused_trl.RLOOTrainer(model=model_dir, fused_rl_loss=True, **common)
+    with pytest.raises(TypeError, match="fused_rl_loss must be a bool"):
+        fused_trl.RLOOTrainer(model=model_dir, fused_rl_loss=1, **common)
+    with pytest.raises(TypeError, match="fused_rl_kl_estimator"):  # RLOO's KL is in its reward
+        fused_trl.RLOOTrainer(model=model_dir, fused_rl_kl_estimator="full", **common)
     model = Qwen2ForCausalLM.from_pretrained(model_dir)
     model.config.final_logit_softcapping = 0.0
     with pytest.raises(ValueError, match="final_logit_softcapping"):
@@ -1162,27 +1256,33 @@ def test_exact_kl_raises_for_what_does_not_map(model_dir, tmp_path):
 
 
 @needs_trl
-def test_training_loss_moe_aux_loss(tmp_path_factory, monkeypatch):
+@pytest.mark.parametrize("name", ["GRPOTrainer", "RLOOTrainer"])
+def test_training_loss_moe_aux_loss(tmp_path_factory, monkeypatch, name):
     """A MoE policy: the load-balancing loss comes from the same backbone forward as
-    fused_rl's loss and is added (and logged as ``aux_loss``) as TRL adds it."""
+    fused_rl's loss and is added (and logged as ``aux_loss``) as TRL adds it (GRPO divides
+    it by the accumulation steps, RLOO leaves that to the Trainer)."""
     import trl
 
     path = tmp_path_factory.mktemp("tiny_moe")
     # router logits in the loss step only (TRL 1.16's generation fails with them on)
     _tiny_moe(router_logits=False).save_pretrained(path)
     _tokenizer().save_pretrained(path)
-    case = dict(loss_type="dapo", **FULL)
-    want_log, want_params, _, _ = _train(trl.GRPOTrainer, str(path), tmp_path_factory.mktemp("a"),
-                                         monkeypatch, case)  # fmt: skip
+    case = dict(loss_type="dapo", **FULL) if name == "GRPOTrainer" else dict(FULL)
+    want_log, want_params, _, _ = _train(
+        getattr(trl, name), str(path), tmp_path_factory.mktemp("a"), monkeypatch, case
+    )
     got_log, got_params, calls, seconds = _train(
-        fused_trl.GRPOTrainer, str(path), tmp_path_factory.mktemp("b"), monkeypatch, case,
+        getattr(fused_trl, name), str(path), tmp_path_factory.mktemp("b"), monkeypatch, case,
         fused_rl_loss=True,
     )  # fmt: skip
     assert calls.trl == 0
     assert any(entry.get("aux_loss", 0) > 0 for entry in want_log)
     worst = compare_logs(want_log, got_log)
-    param_diff = compare_params(want_params, got_params)
-    _report("loss, MoE aux loss", worst, param_diff, calls, seconds)
+    # RLOO's ratio of summed log-probs: Adam turns fp32 summation-order differences in
+    # near-zero gradient entries into parameter differences up to lr x their relative error
+    param_diff = compare_params(want_params, got_params,
+                                atol=PARAM_ATOL if name == "GRPOTrainer" else 2e-5)  # fmt: skip
+    _report(f"{name} loss, MoE aux loss", worst, param_diff, calls, seconds)
 
 
 @needs_trl

@@ -78,7 +78,9 @@ class LossType:
 
     surrogate: str
     loss_agg: str
-    normaliser: str  # _ACCUMULATION: divide by the accumulation steps; _NUM_ITEMS: num_items
+    # _ACCUMULATION: divide by the accumulation steps; _NUM_ITEMS: num_items; "trainer":
+    # neither (RLOO: the Trainer divides by the accumulation steps)
+    normaliser: str
     metrics: str  # which metrics TRL logs: "clip" (the clip ratios), "cispo", "vespo", ""
 
 
@@ -93,7 +95,7 @@ LOSS_TYPES = {
     "vespo": LossType("vespo", "token-mean", _NUM_ITEMS, "vespo"),
 }
 # the multimodal inputs TRL's _get_per_token_logps_and_entropies passes on (one chunk: whole)
-_MODEL_INPUTS = (
+MODEL_INPUTS = (
     "pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
     "token_type_ids", "mm_token_type_ids", "image_position_ids",
 )  # fmt: skip
@@ -329,7 +331,7 @@ def compute_loss(trainer, model, inputs):
         num_items=num_items, options=options,
     )  # fmt: skip
     model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-    model_inputs.update({k: inputs[k] for k in _MODEL_INPUTS if inputs.get(k) is not None})
+    model_inputs.update({k: inputs[k] for k in MODEL_INPUTS if inputs.get(k) is not None})
     with trainer.accelerator.autocast():
         if options["kl_estimator"] == "full":
             request.ref_head = reference_hidden(trainer, model_inputs)
@@ -339,7 +341,7 @@ def compute_loss(trainer, model, inputs):
     loss, metrics = out.loss, out.metrics
     if kind.normaliser == _ACCUMULATION:
         loss = loss / accumulation
-    _log(trainer, mode, kind, out.loss.detach(), metrics, mask, options)
+    log_metrics(trainer, mode, kind, out.loss.detach(), metrics, mask, options)
     if trainer._entropy_bonus_enabled:
         if trainer.use_adaptive_entropy and mode == "train":
             _adapt_entropy_coef(trainer, metrics["entropy"], mask)
@@ -392,7 +394,7 @@ def _adapt_entropy_coef(trainer, entropy, mask):
     trainer._entropy_window_stats = None
 
 
-def _log(trainer, mode, kind: LossType, fused_loss, metrics, mask, options):
+def log_metrics(trainer, mode, kind: LossType, fused_loss, metrics, mask, options):
     """TRL's metrics from fused_rl's: the token means as TRL's global masked means (sums and
     counts reduced over the processes), the per-sequence extremes gathered then
     NaN-ignoring min / max, ``policy_loss`` when the bonus is on.
@@ -402,7 +404,7 @@ def _log(trainer, mode, kind: LossType, fused_loss, metrics, mask, options):
     from trl.trainer.utils import nanmax, nanmin
 
     accelerator, log = trainer.accelerator, trainer._metrics[mode]
-    if trainer._entropy_bonus_enabled:
+    if getattr(trainer, "_entropy_bonus_enabled", False):  # GRPO's (RLOO has no bonus)
         # the policy term alone: fused_rl's loss holds -coef * (the token-mean entropy)
         policy_loss = fused_loss + options["entropy_coef"] * metrics["entropy"]
         log["policy_loss"].append(accelerator.gather(policy_loss).nanmean().item())
@@ -410,9 +412,9 @@ def _log(trainer, mode, kind: LossType, fused_loss, metrics, mask, options):
     n_seq = torch.full_like(count, mask.shape[0])
     counted = mask.sum(-1) > 0
     n_counted = counted.sum().float()
-    sequence_level = options["importance_sampling"] == "sequence"
+    sequence_level = options["importance_sampling"] in ("sequence", "sequence-sum")
     sums = {"entropy": (metrics["entropy"] * count, count)}  # name: (sum, count)
-    if options["beta"] != 0.0:
+    if options.get("beta", 0.0) != 0.0:
         kl = metrics["kl_bias_corrected" if options["kl_bias_correction"] else "kl"]
         sums["kl"] = (kl * count, count)
     if kind.metrics == "clip":

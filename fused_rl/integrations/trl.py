@@ -49,8 +49,10 @@ to fp32 and the head runs outside autocast, as in TRL.
 
 TRL 1.16's ``RLOOTrainer`` adds the same head (its policy, old policy and reference model,
 whose KL enters the reward): ``from fused_rl.integrations.trl import RLOOTrainer`` (or
-``patch()``) puts fused_rl's in its place, with the same checks; its loss (a ratio per
-sequence of summed log-probs) stays TRL's, fed with fused_rl's log-probs.
+``patch()``) puts fused_rl's in its place, with the same checks; its loss (a clipped ratio
+per sequence of summed log-probs) is TRL's, fed with fused_rl's log-probs, or with
+``fused_rl_loss=True`` / ``patch(loss=True)`` one ``linear_policy_loss`` call
+(:mod:`fused_rl.integrations._trl_rloo`).
 
 TRL 1.16's ``DistillationTrainer`` likewise: ``from fused_rl.integrations.trl import
 DistillationTrainer`` (or ``patch()``, which wraps both trainers) computes its loss, the
@@ -492,9 +494,10 @@ def _check_same_transform(heads: dict[str, _Head]) -> None:
 
 def _fused_init(trainer, trl_init: Callable[[], None], options: Options, name: str) -> None:
     """Run TRL's ``__init__`` (``trl_init``) of the head trainer ``name`` with fused_rl's
-    heads, then check them. ``options.loss`` routes ``GRPOTrainer``'s loss (no other
-    trainer's). An inner fused ``__init__`` on the same thread (the subclass over a patched
-    TRL ``__init__``) only runs TRL's: the outer one checks and routes, with its options."""
+    heads, then check them. ``options.loss`` routes the trainer's loss (GRPO's with
+    ``options.kl_estimator``; RLOO's has no KL term). An inner fused ``__init__`` on the
+    same thread (the subclass over a patched TRL ``__init__``) only runs TRL's: the outer
+    one checks and routes, with its options."""
     if getattr(_STATE, "options", None) is not None:
         trl_init()
         return
@@ -507,6 +510,10 @@ def _fused_init(trainer, trl_init: Callable[[], None], options: Options, name: s
         if options.kl_estimator == "full":
             _check_same_transform(heads)
         _trl_loss.route(trainer, options.kl_estimator)
+    elif options.loss and name == "RLOOTrainer":
+        from . import _trl_rloo
+
+        _trl_rloo.route(trainer)
     trainer.fused_rl_options = options
 
 
@@ -543,13 +550,17 @@ def _make_rloo_class():
     class RLOOTrainer(module.RLOOTrainer):
         """``trl.RLOOTrainer`` with every log-prob and entropy from fused_rl (the policy in
         the training step, the old policy, the reference model whose KL enters the reward):
-        same constructor and ``RLOOConfig``, plus ``fused_rl_backend`` and
-        ``fused_rl_chunk_tokens``. The loss is TRL's (a sequence-level ratio of summed
-        log-probs), fed with fused_rl's log-probs. See :mod:`fused_rl.integrations.trl`."""
+        same constructor and ``RLOOConfig``, plus ``fused_rl_backend``,
+        ``fused_rl_chunk_tokens`` and ``fused_rl_loss`` (TRL's loss, a clipped ratio per
+        sequence of its summed log-probs, through one ``fused_rl.linear_policy_loss`` call:
+        :mod:`fused_rl.integrations._trl_rloo`). See :mod:`fused_rl.integrations.trl`."""
 
         def __init__(self, *args, fused_rl_backend: str = "auto",
-                     fused_rl_chunk_tokens: int | None = None, **kwargs):  # fmt: skip
-            options = Options.checked(fused_rl_backend, fused_rl_chunk_tokens, "fused_rl_")
+                     fused_rl_chunk_tokens: int | None = None, fused_rl_loss: bool = False,
+                     **kwargs):  # fmt: skip
+            options = Options.checked(
+                fused_rl_backend, fused_rl_chunk_tokens, "fused_rl_", loss=fused_rl_loss
+            )
             run = lambda: super(RLOOTrainer, self).__init__(*args, **kwargs)  # noqa: E731
             _fused_init(self, run, options, "RLOOTrainer")
 
@@ -654,9 +665,10 @@ def patch(*, backend: str = "auto", chunk_tokens: int | None = None, loss: bool 
     wrapped (``RLOOTrainer`` where the installed TRL gives it a fused head,
     ``DistillationTrainer`` where it has it: TRL >= 1.16). Idempotent (patching again only
     updates the options); :func:`unpatch` restores TRL's ``__init__`` exactly. Trainers
-    constructed before keep their head and loss. ``loss=True``: GRPO's training loss through
-    one ``fused_rl.linear_policy_loss`` call (the other trainers keep their loss), and with
-    it ``kl_estimator="full"``: GRPO's KL term exact."""
+    constructed before keep their head and loss. ``loss=True``: GRPO's and RLOO's training
+    loss through one ``fused_rl.linear_policy_loss`` call (the distillation trainer's is
+    always fused_rl's), and with it ``kl_estimator="full"``: GRPO's KL term exact (RLOO's
+    KL is in its reward, which it leaves alone)."""
     options = Options.checked(backend, chunk_tokens, loss=loss, kl_estimator=kl_estimator)
     trl, _ = _trl()
     with _LOCK:
