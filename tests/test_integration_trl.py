@@ -361,6 +361,20 @@ RLOO_LOSS_CASES = [
 ]
 
 
+def train_fused_loss(name, how, model_dir, tmp_path, monkeypatch, case):
+    """:func:`_train` of fused_rl's trainer ``name`` with ``fused_rl_loss=True``: the
+    subclass (``how="subclass"``) or TRL's own under ``patched(loss=True)``."""
+    import trl
+
+    if how == "subclass":
+        return _train(getattr(fused_trl, name), model_dir, tmp_path, monkeypatch, case,
+                      fused_rl_loss=True)  # fmt: skip
+    with fused_trl.patched(loss=True):
+        got = _train(getattr(trl, name), model_dir, tmp_path, monkeypatch, case)
+    assert not fused_trl.is_patched()
+    return got
+
+
 @needs_trl
 @pytest.mark.parametrize("case, how", RLOO_LOSS_CASES)
 def test_rloo_training_loss_matches_trl(model_dir, tmp_path, tmp_path_factory, monkeypatch, case,
@@ -369,7 +383,6 @@ def test_rloo_training_loss_matches_trl(model_dir, tmp_path, tmp_path_factory, m
     its summed log-probs) from one ``linear_policy_loss`` call per micro-batch
     (``importance_sampling="sequence-sum"``); every logged metric and the final parameters
     as ``trl.RLOOTrainer``'s, and TRL's ``_compute_loss`` never runs."""
-    import trl
     from trl.trainer import rloo_trainer
 
     want_log, want_params, want_calls, want_s = _baseline(
@@ -384,12 +397,7 @@ def test_rloo_training_loss_matches_trl(model_dir, tmp_path, tmp_path_factory, m
         return trl_loss(*args, **kwargs)
 
     monkeypatch.setattr(rloo_trainer.RLOOTrainer, "_compute_loss", counted_loss)
-    if how == "subclass":
-        got = _train(fused_trl.RLOOTrainer, model_dir, tmp_path, monkeypatch, case,
-                     fused_rl_loss=True)  # fmt: skip
-    else:
-        with fused_trl.patched(loss=True):
-            got = _train(trl.RLOOTrainer, model_dir, tmp_path, monkeypatch, case)
+    got = train_fused_loss("RLOOTrainer", how, model_dir, tmp_path, monkeypatch, case)
     assert trl_loss_calls == []
     calls = got[2]
     assert calls.trl == 0 and len(calls.fused) == want_calls.trl
@@ -422,25 +430,10 @@ def test_rloo_loss_step_matches_trl(model_dir, tmp_path):
         )  # fmt: skip
     old = (logp * mask).sum(1) + 0.1 * (2 * torch.rand(5, generator=gen) - 1)
     inputs["old_logps"] = torch.where(mask.sum(1) > 0, old, 0.0)  # TRL's sum over no token
-    results = []
     for trainer in (theirs, ours):
         trainer.model.train()
-        trainer.model.zero_grad()
-        loss = trainer._compute_loss(trainer.model, dict(inputs))
-        loss.backward()
-        grads = {k: p.grad.clone() for k, p in trainer.model.named_parameters()
-                 if p.grad is not None}  # fmt: skip
-        results.append((loss.detach(), grads, dict(trainer._metrics["train"])))
-    (want, want_grads, want_log), (got, got_grads, got_log) = results
+    want_log = compare_steps(theirs, ours, inputs)
     assert 0 < want_log["clip_ratio/region_mean"][0] < 1  # some sequences clip, not all
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
-    assert sorted(got_grads) == sorted(want_grads)
-    for key, grad in want_grads.items():
-        torch.testing.assert_close(got_grads[key], grad, atol=1e-6, rtol=1e-4, msg=key)
-    assert sorted(got_log) == sorted(want_log)
-    for key, values in want_log.items():
-        for x, y in zip(values, got_log[key], strict=True):
-            assert abs(x - y) <= ATOL + RTOL * abs(x), f"{key}: TRL {x}, fused_rl {y}"
 
 
 @needs_trl
@@ -781,7 +774,6 @@ def test_training_loss_matches_trl(model_dir, tmp_path, tmp_path_factory, monkey
     """``fused_rl_loss=True``: the loss and every metric TRL's ``_compute_loss`` logs come
     from one ``fused_rl.linear_policy_loss`` call per micro-batch, the old-policy and
     reference log-probs from fused_rl's head; TRL's head and loss never run."""
-    import trl
     from trl.trainer import grpo_trainer
 
     import fused_rl.linear as linear
@@ -801,13 +793,7 @@ def test_training_loss_matches_trl(model_dir, tmp_path, tmp_path_factory, monkey
 
     monkeypatch.setattr(linear, "linear_policy_loss", counted_loss)
     monkeypatch.setattr(grpo_trainer.GRPOTrainer, "_compute_loss", trl_loss, raising=True)
-    if how == "subclass":
-        got = _train(fused_trl.GRPOTrainer, model_dir, tmp_path, monkeypatch, case,
-                     fused_rl_loss=True)  # fmt: skip
-    else:
-        with fused_trl.patched(loss=True):
-            got = _train(trl.GRPOTrainer, model_dir, tmp_path, monkeypatch, case)
-        assert not fused_trl.is_patched()
+    got = train_fused_loss("GRPOTrainer", how, model_dir, tmp_path, monkeypatch, case)
     got_log, got_params, calls, seconds = got
     assert calls.trl == 0
     training_forwards = 6  # 3 steps x accumulation 2
@@ -1062,6 +1048,12 @@ def test_loss_step_matches_trl(model_dir, tmp_path, name):
         theirs.model, mode or "token_truncate",
         theirs.vllm_importance_sampling_clip_min, theirs.vllm_importance_sampling_clip_max,
     )  # fmt: skip
+    compare_steps(theirs, ours, inputs)
+
+
+def compare_steps(theirs, ours, inputs) -> dict:
+    """One ``_compute_loss`` call and backward of each trainer on ``inputs``: the loss, every
+    parameter gradient and every logged metric agree. Returns TRL's logged metrics."""
     results = []
     for trainer in (theirs, ours):
         trainer.model.zero_grad()
@@ -1083,6 +1075,7 @@ def test_loss_step_matches_trl(model_dir, tmp_path, name):
                 assert math.isnan(y), key
             else:
                 assert abs(x - y) <= ATOL + RTOL * abs(x), f"{key}: TRL {x}, fused_rl {y}"
+    return want_log
 
 
 def _exact_kl_oracle(model, ref_model, inputs, *, beta, eps, accumulation, level="token"):
