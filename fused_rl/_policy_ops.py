@@ -422,7 +422,7 @@ def policy_loss_fwd(
     else:
         h = new(bonus)
     mask = _mask_arg(mask)
-    if modes[3]:  # GSPO(-token), VESPO: layer 1, then the token layer over whole sequences
+    if modes[3]:  # GSPO(-token), RLOO, VESPO: layer 1, then the token layer over sequences
         logp, entropy, row_max, log_sum = token_stats_fwd(
             logits3d, targets, temperature, softcap, ignore_index, with_entropy
         )

@@ -315,7 +315,8 @@ def policy_loss(
             selects tokens (True counts). A float (or integer) mask is a per-token weight
             ``m_t >= 0``: ``token-mean`` gives ``sum_t m_t L_t / sum_t m_t``, every other
             ``loss_agg`` mode and every metric weighs token ``t`` by ``m_t`` the same way (GSPO's
-            sequence log-ratio is the ``m``-weighted mean), and ``m_t = 0`` drops the token
+            sequence log-ratio is the ``m``-weighted mean, ``sequence-sum``'s the
+            ``m``-weighted sum), and ``m_t = 0`` drops the token
             (a 0/1 mask is a padding mask). A negative weight raises ``ValueError`` in eager
             mode (one host sync, with the target check below); unchecked (``torch.compile``,
             ``fused_rl.config.check_values = False``) it makes the loss NaN.
@@ -381,7 +382,7 @@ def policy_loss(
             not needed by the backward (without ``inplace`` the caller may drop them after
             the forward), but the gradient is held from the forward on. Needs every token's
             gradient from its own row (``PolicyConfig.token_level``): with
-            ``importance_sampling="sequence"`` / ``"sequence-token"``, ``surrogate="vespo"``
+            ``importance_sampling`` other than ``"token"``, ``surrogate="vespo"``
             or ``top_entropy_quantile < 1`` it raises ``ValueError`` naming the option.
             Without a gradient to form (``no_grad``, logits that do not require grad) it is
             the ordinary forward. One backward per forward (a second one, with

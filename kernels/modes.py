@@ -8,8 +8,9 @@ without importing Triton.
 
 # ``surrogate=``: the per-token policy term (kernels/policy/layer2.py ``surrogate_loss``)
 SURROGATES = ("ppo", "cispo", "sapo", "gpg", "gmpo", "vespo")
-# ``importance_sampling=``: one ratio per token, per sequence (GSPO), or the sequence's value
-# with each token's own gradient (GSPO-token)
+# ``importance_sampling=``: one ratio per token, per sequence (GSPO: the mean log-ratio), the
+# sequence's value with each token's own gradient (GSPO-token), or per sequence of its summed
+# log-ratio (RLOO)
 IMPORTANCE_SAMPLING = ("token", "sequence", "sequence-token", "sequence-sum")
 # ``kl_estimator=`` (kernels/policy/layer2.py ``kl_and_grad``)
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs", "full")

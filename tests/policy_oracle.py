@@ -97,6 +97,10 @@ def oracle_policy_loss(
         n = m.sum(-1)
         per_seq = (m * log_ratio).sum(-1) / torch.where(n > 0, n, torch.ones_like(n))
         log_ratio = per_seq[:, None].expand(n_seq, length)
+    elif importance_sampling == "sequence-sum":
+        log_ratio = (m * log_ratio).sum(-1)[:, None].expand(n_seq, length)
+    elif importance_sampling != "token":
+        raise ValueError(f"the oracle has no importance_sampling={importance_sampling!r}")
     ratio = torch.exp(log_ratio)
 
     lo = 1.0 - eps_low

@@ -380,6 +380,7 @@ def test_allocations(extra, device):
     [
         (dict(importance_sampling="sequence"), "importance_sampling='sequence'"),
         (dict(importance_sampling="sequence-token"), "importance_sampling='sequence-token'"),
+        (dict(importance_sampling="sequence-sum"), "importance_sampling='sequence-sum'"),
         (dict(surrogate="vespo"), "surrogate='vespo'"),
         (dict(top_entropy_quantile=0.5), "top_entropy_quantile=0.5"),
     ],

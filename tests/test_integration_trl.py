@@ -434,6 +434,15 @@ def test_rloo_loss_step_matches_trl(model_dir, tmp_path):
         trainer.model.train()
     want_log = compare_steps(theirs, ours, inputs)
     assert 0 < want_log["clip_ratio/region_mean"][0] < 1  # some sequences clip, not all
+    evaluated = []  # evaluation: no gradient, the metrics logged under "eval"
+    for trainer in (theirs, ours):
+        trainer.model.eval()
+        with torch.no_grad():
+            evaluated.append(trainer._compute_loss(trainer.model, dict(inputs)))
+    torch.testing.assert_close(evaluated[1], evaluated[0], atol=1e-6, rtol=1e-5)
+    assert ours._metrics["eval"].keys() == theirs._metrics["eval"].keys()
+    for key, values in theirs._metrics["eval"].items():
+        torch.testing.assert_close(ours._metrics["eval"][key], values, atol=ATOL, rtol=RTOL)
 
 
 @needs_trl

@@ -252,7 +252,8 @@ def test_policy_loss_variant_matches_oracle(case, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
-    "case", ["cispo", "sapo+is+bias_kl", "gpg", "gspo+bias_kl", "gspo-token+bias_kl", "gmpo"]
+    "case",
+    ["cispo", "sapo+is+bias_kl", "gpg", "gspo+bias_kl", "gspo-token+bias_kl", "gmpo", "rloo"],
 )
 def test_from_logprobs_variant_matches_oracle(case, backend):
     r = _rollout(seed=1)

@@ -36,8 +36,15 @@ RLOO = _trl_loss.LossType("ppo", "seq-mean-token-mean", "trainer", "clip")
 def policy_options(trainer) -> dict:
     """The ``linear_policy_loss`` options of a constructed ``trl.RLOOTrainer``, or a
     ``ValueError`` naming what does not map."""
+    import trl
+    from packaging.version import Version
     from trl.trainer import rloo_trainer
 
+    if Version(trl.__version__).release[:2] != (1, 16):
+        raise ValueError(
+            "fused_rl_loss=True computes RLOOTrainer's loss as TRL 1.16 defines it; found TRL "
+            f"{trl.__version__}. Use fused_rl_loss=False (fused_rl's log-probs, TRL's loss)"
+        )
     if type(trainer)._compute_loss is not rloo_trainer.RLOOTrainer._compute_loss:
         raise ValueError(
             "fused_rl_loss=True computes RLOOTrainer's loss with one fused_rl.linear_policy_loss "
@@ -67,11 +74,13 @@ def route(trainer) -> None:
 
 
 def _old_on_first_token(old_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``(B, C)`` per-token old log-probs whose masked sum is ``old_logps`` ``(B,)``: the
-    whole sum on each sequence's first counted token, 0 elsewhere."""
+    """``(B, C)`` per-token old log-probs whose ``mask``-weighted sum is ``old_logps``
+    ``(B,)``: the whole sum (over the token's weight) on each sequence's first counted
+    token, 0 elsewhere."""
     counted = mask != 0
     first = counted & (counted.cumsum(-1) == 1)
-    return torch.where(first, old_logps[:, None].to(torch.float32), 0.0)
+    weight = torch.where(first, mask.to(torch.float32), 1.0)
+    return torch.where(first, old_logps[:, None].to(torch.float32) / weight, 0.0)
 
 
 def _empty_sequences_loss(old_logps, advantages, mask, options) -> torch.Tensor:
@@ -79,7 +88,7 @@ def _empty_sequences_loss(old_logps, advantages, mask, options) -> torch.Tensor:
     ``exp(0 - old_logps)`` (1, as TRL computes ``old_logps`` over the same mask) and the
     loss ``-min(r A, clip(r) A)``, a constant; fused_rl's mean gives it 0. Its share."""
     empty = mask.sum(-1) == 0
-    ratio = torch.exp(-old_logps.float())
+    ratio = torch.exp(-torch.where(empty, old_logps.float(), 0.0))  # 1 where not empty
     adv = advantages.float()
     clipped = ratio.clamp(1.0 - options["eps_low"], 1.0 + options["eps_high"])
     per_seq = -torch.minimum(ratio * adv, clipped * adv)
