@@ -767,7 +767,9 @@ def clip_hyper(draw):
         "delta": draw(st.sampled_from((None, None, 1.0 + high + 1e-6, 1.0 + high + 2.0))),
         "kl_estimator": draw(st.sampled_from(KL_KINDS)),
         "entropy_coef": draw(st.sampled_from((0.0, 0.0, 0.01, -0.01, 10.0))),
-        "importance_sampling": draw(st.sampled_from(("token", "token", "sequence"))),
+        "importance_sampling": draw(
+            st.sampled_from(("token", "token", "sequence", "sequence-sum"))
+        ),
         "off_policy_mask_threshold": draw(st.sampled_from((None, None, None, 0.0, -0.5, 1e3))),
         "loss_agg": draw(st.sampled_from(LOSS_AGGS)),
         "max_length": draw(st.sampled_from((None, None, 1, 1000))),
