@@ -351,6 +351,24 @@ def test_rloo_training_matches_trl(model_dir, tmp_path, tmp_path_factory, monkey
     check_against_trl(got, want_log, want_params, f"RLOO {case} {how} {backend}; TRL {want_s:.1f}s")
 
 
+def test_rloo_old_logps_on_first_token():
+    """Runs everywhere: RLOO's summed old log-probs as per-token ``old_logprobs`` whose
+    ``mask``-weighted sum is exactly the sum (a weight, a hole, an empty sequence)."""
+    from fused_rl.integrations._trl_rloo import _empty_sequences_loss, _old_on_first_token
+
+    mask = torch.tensor([[0.0, 0.5, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    old = torch.tensor([-4.0, 0.0, -2.5])
+    per_token = _old_on_first_token(old, mask)
+    assert torch.equal((per_token * mask).sum(-1), old)
+    assert torch.equal(
+        per_token != 0, torch.tensor([[0, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]]).bool()
+    )
+    # only the empty sequence contributes TRL's -min(r A, clip(r) A) at r = 1: -A / B
+    adv = torch.tensor([0.3, -0.6, 2.0])
+    extra = _empty_sequences_loss(old, adv, mask, dict(eps_low=0.2, eps_high=0.28))
+    torch.testing.assert_close(extra, torch.tensor(0.6 / 3))
+
+
 RLOO_LOSS_CASES = [
     pytest.param(dict(beta=0.04, accumulation=2, epsilon=2e-3), "subclass", id="rloo-loss"),
     pytest.param(
