@@ -25,9 +25,9 @@ from .continuous import gaussian_entropy, gaussian_logprob  # noqa: E402
 from .distill import distill_loss  # noqa: E402
 from .exact_kl import token_kl  # noqa: E402
 from .kl import kl_estimate  # noqa: E402
-from .linear import linear_policy_loss, linear_token_logprobs  # noqa: E402
+from .linear import linear_policy_loss, linear_token_logprobs, linear_token_stats  # noqa: E402
 from .linear_distill import linear_distill_loss  # noqa: E402
-from .logprobs import token_entropy, token_logprobs  # noqa: E402
+from .logprobs import TokenStats, token_entropy, token_logprobs, token_stats  # noqa: E402
 from .losses import policy_loss, policy_loss_from_logprobs  # noqa: E402
 from .policy_config import PolicyConfig  # noqa: E402
 from .reductions import masked_mean, masked_sum, masked_var, masked_whiten  # noqa: E402
@@ -50,6 +50,7 @@ __all__ = [
     "linear_distill_loss",
     "linear_policy_loss",
     "linear_token_logprobs",
+    "linear_token_stats",
     "masked_mean",
     "masked_sum",
     "masked_var",
@@ -63,6 +64,8 @@ __all__ = [
     "token_entropy",
     "token_kl",
     "token_logprobs",
+    "token_stats",
+    "TokenStats",
     "truncated_logprobs",
     "value_loss",
 ]

@@ -2,6 +2,8 @@
 
 * ``token_stats_fwd`` -- layer 1: per-token ``logp``, ``entropy`` and the softmax normaliser
   (row max ``m`` and ``log s``, ``lse = m + log s``), one read of the logits;
+  ``token_extras_fwd`` the same kernel with the per-token diagnostics (mean logit,
+  ``log sum p^2``, target is the argmax) from that read;
 * ``token_stats_bwd`` -- layer 3: ``dL/dlogits`` from per-token ``g = dL/dlogp`` and
   ``h = dL/dH``, one read of the logits and one write of the gradient.
 
@@ -81,28 +83,46 @@ def token_stats_fwd(
     Returns ``(logp, entropy, row_max, log_sum)``, each ``(outer, T)``; ``logp`` /
     ``entropy`` are empty when not asked for (no targets / ``with_entropy=False``).
     """
+    return _layer1(logits3d, targets, temperature, softcap, ignore_index, with_entropy, False)
+
+
+def token_extras_fwd(
+    logits3d: Tensor, targets: Tensor, temperature: float, softcap: float | None,
+    ignore_index: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """:func:`token_stats_fwd` with the entropy and, from the same read of each row, the
+    per-token diagnostics: ``(logp, entropy, row_max, log_sum, mean_logit,
+    log_sum_sq_probs, is_top1)``, each ``(outer, T)`` (``is_top1`` bool). No autograd: the
+    callers differentiate ``logp`` / ``entropy`` themselves (layer 3)."""
+    return _layer1(logits3d, targets, temperature, softcap, ignore_index, True, True)
+
+
+def _layer1(logits3d, targets, temperature, softcap, ignore_index, with_entropy, extras):
     from .kernels.vocab.layer1 import _token_stats_fwd_kernel
 
     outer, positions, vocab = logits3d.shape
     inner = positions if targets is None else targets.shape[1]
     dtype = stats_dtype(logits3d.dtype)
     dev = logits3d.device
-    new = lambda on: torch.empty((outer, inner) if on else (0,), dtype=dtype, device=dev)
+    new = lambda on, dt=dtype: torch.empty((outer, inner) if on else (0,), dtype=dt, device=dev)  # noqa: E731
     logp, entropy = new(targets is not None), new(with_entropy)
     row_max, log_sum = new(True), new(True)
+    more = (new(extras), new(extras), new(extras, torch.bool)) if extras else ()
     if outer * inner == 0:
-        return logp, entropy, row_max, log_sum
+        return (logp, entropy, row_max, log_sum) + more
     tgt = targets if targets is not None else row_max
+    mean, log_sq, top1 = more if extras else (row_max, row_max, row_max)
     _token_stats_fwd_kernel[(outer * inner,)](
-        logits3d, tgt, logp, entropy, row_max, log_sum,
+        logits3d, tgt, logp, entropy, row_max, log_sum, mean, log_sq,
+        top1.view(torch.uint8) if extras else top1,
         inner, position_shift(positions, inner), vocab, *logits3d.stride(), *tgt.stride(),
         *f32_pair(1.0 / temperature if softcap is None else softcap / temperature),
         *(NO_CAP if softcap is None else f32_pair(1.0 / softcap)), ignore_index,
-        HAS_TARGETS=targets is not None, WITH_ENTROPY=with_entropy,
+        HAS_TARGETS=targets is not None, WITH_ENTROPY=with_entropy, WITH_EXTRAS=extras,
         HAS_SOFTCAP=softcap is not None, ACC=triton_acc(logits3d.dtype),
         **vocab_launch(vocab, writes=False),
     )  # fmt: skip
-    return logp, entropy, row_max, log_sum
+    return (logp, entropy, row_max, log_sum) + more
 
 
 def _fwd_fake(logits3d, targets, temperature, softcap, ignore_index, with_entropy):
@@ -111,6 +131,14 @@ def _fwd_fake(logits3d, targets, temperature, softcap, ignore_index, with_entrop
     dtype = stats_dtype(logits3d.dtype)
     new = lambda on: logits3d.new_empty((outer, inner) if on else (0,), dtype=dtype)
     return new(targets is not None), new(with_entropy), new(True), new(True)
+
+
+def _extras_fake(logits3d, targets, temperature, softcap, ignore_index):
+    logp, entropy, row_max, log_sum = _fwd_fake(
+        logits3d, targets, temperature, softcap, ignore_index, True
+    )
+    return (logp, entropy, row_max, log_sum, torch.empty_like(logp), torch.empty_like(logp),
+            torch.empty_like(logp, dtype=torch.bool))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- layer 3
@@ -284,6 +312,21 @@ def _backward(ctx, grad_logp, grad_entropy, _grad_max, _grad_log_sum):
 token_stats_fwd_op = FusedOp("token_stats_fwd", token_stats_fwd)
 token_stats_fwd_op.register_fake(_fwd_fake)
 token_stats_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _extras_setup_context(ctx, inputs, output):
+    _setup_context(ctx, (*inputs, True), output[:4])
+    ctx.mark_non_differentiable(*output[2:])
+
+
+def _extras_backward(ctx, grad_logp, grad_entropy, *_grad_diagnostics):
+    return _backward(ctx, grad_logp, grad_entropy, None, None)
+
+
+# the same kernel with the per-token diagnostics (not differentiable; logp and entropy are)
+token_extras_fwd_op = FusedOp("token_extras_fwd", token_extras_fwd)
+token_extras_fwd_op.register_fake(_extras_fake)
+token_extras_fwd_op.register_autograd(_extras_backward, setup_context=_extras_setup_context)
 
 
 # ----------------------------------------------------------------------------- inplace=True

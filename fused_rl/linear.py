@@ -81,10 +81,16 @@ from ._truncated_ops import (
     truncated_logprobs_bwd_op,
     truncated_logprobs_fwd_op,
 )
-from ._vocab_ops import token_stats_bwd_into, token_stats_bwd_op, token_stats_fwd_op
+from ._vocab_ops import (
+    token_extras_fwd_op,
+    token_stats_bwd_into,
+    token_stats_bwd_op,
+    token_stats_fwd_op,
+)
 from .distill import pair_divergence
 from .distributed import MAX_VOCAB, check_layout_keywords, check_vocab_limit, group_shard
 from .exact_kl import token_kl
+from .logprobs import TokenStats
 from .losses import loss_from_token_stats, loss_with_exact_kl, policy_loss
 from .policy_config import PolicyConfig, takes_policy_options
 from .reference import logprobs as ref
@@ -150,12 +156,17 @@ def _hidden_grad(dz: Tensor, weight: Tensor, chunk: int, dz_full: Tensor | None 
     return _mm_wide(full, weight, dtype)[:n]
 
 
-def _chunk_stats(z: Tensor, targets: Tensor, temperature, softcap, ignore_index, which):
-    """``(logp, entropy, row_max, log_sum)`` of one chunk's ``(n, V)`` logits."""
+def _chunk_stats(z: Tensor, targets: Tensor, temperature, softcap, ignore_index, which,
+                 extras: bool = False):  # fmt: skip
+    """``(logp, entropy, row_max, log_sum)`` of one chunk's ``(n, V)`` logits; ``extras``:
+    then ``(mean_logit, log_sum_sq_probs, is_top1)`` from the same read."""
+    args = (z[None], targets[None], temperature, softcap, ignore_index)
     if which == "triton":
-        out = token_stats_fwd_op(z[None], targets[None], temperature, softcap, ignore_index, True)
+        out = token_extras_fwd_op(*args) if extras else token_stats_fwd_op(*args, True)
     else:
         out = ref.row_stats(z[None], targets[None], temperature, ignore_index, softcap)
+        if extras:
+            out += ref.row_extras(z[None], targets[None], temperature, ignore_index, softcap)
     return tuple(x[0] for x in out)
 
 
@@ -237,26 +248,33 @@ class _LinearTokenStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, softcap, ignore_index, chunk,
-                which, tp=None):  # fmt: skip
+                which, tp=None, extras=False):  # fmt: skip
         ctx.tp = tp
         ctx.set_materialize_grads(False)
         if tp is not None:
             return _LinearTokenStats._sharded_forward(ctx, hidden, weight, bias, targets, chunk)
         n_rows = hidden.shape[0]
         acc = stats_dtype(hidden.dtype)
-        logp = hidden.new_empty((n_rows,), dtype=acc)
-        entropy = hidden.new_empty((n_rows,), dtype=acc)
-        row_max = hidden.new_empty((n_rows,), dtype=acc)
-        log_sum = hidden.new_empty((n_rows,), dtype=acc)
+        # logp, entropy, row max, log-sum (and with extras: the diagnostics)
+        out = [hidden.new_empty((n_rows,), dtype=acc) for _ in range(6 if extras else 4)]
+        if extras:
+            out.append(hidden.new_empty((n_rows,), dtype=torch.bool))
         for start in range(0, n_rows, chunk):
             rows = slice(start, min(start + chunk, n_rows))
             z, _ = _chunk_logits(hidden[rows], weight, bias, chunk)
-            stats = _chunk_stats(z, targets[rows], temperature, softcap, ignore_index, which)
-            logp[rows], entropy[rows], row_max[rows], log_sum[rows] = stats
+            stats = _chunk_stats(
+                z, targets[rows], temperature, softcap, ignore_index, which, extras
+            )
+            for buf, part in zip(out, stats):
+                buf[rows] = part
             del z
+        logp, entropy, row_max, log_sum = out[:4]
         ctx.save_for_backward(hidden, weight, bias, targets, row_max, log_sum, entropy)
         ctx.config = (temperature, softcap, ignore_index, chunk, which)
-        return logp, entropy
+        if not extras:
+            return logp, entropy
+        ctx.mark_non_differentiable(*out[4:])
+        return (logp, entropy, *out[4:])
 
     @staticmethod
     def _sharded_forward(ctx, hidden, weight, bias, targets, chunk):
@@ -283,7 +301,7 @@ class _LinearTokenStats(torch.autograd.Function):
         return logp, (entropy if entropy is not None else m.new_empty((0,)))
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
+    def backward(ctx, grad_logp, grad_entropy, *_grad_diagnostics):
         return _once_differentiable_grads(ctx, _LinearTokenStats._grads, grad_logp, grad_entropy)
 
     @staticmethod
@@ -295,7 +313,7 @@ class _LinearTokenStats(torch.autograd.Function):
             # a compiled backward's zero tangent for it must not reach the kernel as ``h``
             grad_entropy = None
         if grad_logp is None and grad_entropy is None:
-            return (None,) * 10
+            return (None,) * 11
         if grad_logp is None:
             grad_logp = torch.zeros_like(row_max)
 
@@ -307,7 +325,7 @@ class _LinearTokenStats(torch.autograd.Function):
             return _shard_chunk_grad(z, *stats, tp.spec)  # local target ids, global stats
 
         return _head_grads(ctx.needs_input_grad[:3], hidden, weight, bias, chunk, dz_of,
-                           tp) + (None,) * 7  # fmt: skip
+                           tp) + (None,) * 8  # fmt: skip
 
 
 def _truncated_chunk_grad(z, targets, stats, g, top_k, top_p, temperature, softcap,
@@ -1063,6 +1081,62 @@ def linear_token_logprobs(
         )  # fmt: skip
     logp = logp.view(targets.shape)
     return (logp, entropy.view(targets.shape)) if return_entropy else logp
+
+
+def linear_token_stats(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    ignore_index: int = -100,
+    chunk_tokens: int | None = None,
+    backend: str = "auto",
+) -> TokenStats:
+    """:func:`fused_rl.token_stats` of ``F.linear(hidden, weight, bias)`` without the whole
+    ``(N, V)`` logits: the target's log-prob and the entropy (differentiable for ``hidden``,
+    ``weight`` and ``bias``) and the mean logit, ``log sum p^2`` and whether the target is
+    the top-1 prediction (not differentiable), every one from one read of each chunk's
+    logits: what SFT / DPO / KTO trainers log beside their loss (TRL's fused head's
+    ``mean_logits``, ``log_sum_sq_probs``, ``is_top1``).
+
+    Args:
+        hidden, weight, targets, bias, temperature, softcap, ignore_index, chunk_tokens,
+            backend: as :func:`linear_token_logprobs` (the causal-LM shift of ``(B, T)``
+            targets with ``T < S`` included).
+
+    Returns:
+        :class:`fused_rl.logprobs.TokenStats`, each ``targets.shape``; 0 (False) at ignored
+        tokens.
+
+    Cost: :func:`linear_token_logprobs` ``(return_entropy=True)``'s: one GEMM per chunk and
+    one read of its logits forward (9 more bytes written a token), two GEMMs and one read
+    and write backward.
+
+    Example:
+        >>> import torch, fused_rl
+        >>> h, w = torch.randn(2, 5, 8), torch.randn(11, 8)
+        >>> t = torch.randint(0, 11, (2, 4))
+        >>> s = fused_rl.linear_token_stats(h, w, t, chunk_tokens=3)
+        >>> z = (h @ w.T)[:, :-1]
+        >>> bool((s.is_top1 == (z.argmax(-1) == t)).all())
+        True
+        >>> torch.allclose(s.mean_logit, z.mean(-1), atol=1e-5)
+        True
+    """
+    rows, weight, bias, flat_targets, chunk, which = _prepare(
+        hidden, weight, bias, targets, temperature, softcap, ignore_index, chunk_tokens,
+        backend,
+    )  # fmt: skip
+    cap = None if softcap is None else float(softcap)
+    with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
+        out = _LinearTokenStats.apply(
+            rows, weight, bias, flat_targets, float(temperature), cap, int(ignore_index),
+            chunk, which, None, True,
+        )  # fmt: skip
+    return TokenStats(*(x.view(targets.shape) for x in out))
 
 
 def _linear_truncated(hidden, weight, targets, bias, top_k, top_p, temperature, softcap,

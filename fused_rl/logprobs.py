@@ -1,4 +1,5 @@
-"""Per-token log-probs and entropy over the vocabulary: ``token_logprobs``, ``token_entropy``.
+"""Per-token log-probs and entropy over the vocabulary: ``token_logprobs``, ``token_entropy``,
+and ``token_stats`` (both, with the diagnostics SFT / DPO trainers log, in one read).
 
 The Triton path is the two vocab-stream ops of ``fused_rl._vocab_ops`` (one pass over the
 logits forward, one backward); they are ``torch.library`` custom ops with fake and autograd
@@ -8,6 +9,9 @@ eager mode calls them directly.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import torch
 from torch import Tensor
 
 from . import _validation as V
@@ -16,8 +20,10 @@ from ._shapes import as_rows3d
 from ._vocab_ops import (
     check_inplace,
     check_targets_window,
+    token_extras_fwd_op,
     token_stats_fwd_op,
     token_stats_nocheck,
+    window,
 )
 from .distributed import is_dtensor, resolve_shard, sharded_token_stats
 from .reference import logprobs as ref
@@ -214,6 +220,81 @@ def token_entropy(
     cap = None if softcap is None else float(softcap)
     _, entropy, _, _ = token_stats_fwd_op(logits3d, None, float(temperature), cap, -100, True)
     return entropy.reshape(logits.shape[:-1])
+
+
+class TokenStats(NamedTuple):
+    """What :func:`token_stats` / :func:`fused_rl.linear_token_stats` return, each of the
+    targets' shape: ``logp`` and ``entropy`` differentiable (fp32; fp64 for fp64 inputs),
+    the diagnostics not. Ignored tokens hold 0 (``is_top1`` False)."""
+
+    logp: Tensor  # log_softmax(z)[target]
+    entropy: Tensor  # -sum_v p_v log p_v
+    mean_logit: Tensor  # mean_v z_v over the whole vocabulary (TRL's `logits/*` metrics)
+    log_sum_sq_probs: Tensor  # log sum_v p_v^2 (WPO's weights; minus the Renyi-2 entropy)
+    is_top1: Tensor  # bool: the target is argmax z (first maximum; token accuracy)
+
+
+def token_stats(
+    logits: Tensor,
+    targets: Tensor,
+    *,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    ignore_index: int = -100,
+    backend: str = "auto",
+) -> TokenStats:
+    """Every per-token statistic an SFT / preference-optimisation trainer takes from its
+    logits, from ONE read of each row: the target's log-prob and the entropy (both
+    differentiable, as :func:`token_logprobs` ``(return_entropy=True)``), and, not
+    differentiable, the mean logit, ``log sum p^2`` and whether the target is the top-1
+    prediction (TRL's ``mean_logits``, ``log_sum_sq_probs``, ``is_top1``). All are of the
+    scaled logits ``z = x / T`` (``c tanh(x / c) / T`` with ``softcap``).
+
+    Args:
+        logits, targets, temperature, softcap, ignore_index, backend: as
+            :func:`token_logprobs` (the causal-LM window ``(B, S, V)`` with ``(B, T)``
+            targets, ``S > T``, included).
+
+    Returns:
+        :class:`TokenStats` ``(logp, entropy, mean_logit, log_sum_sq_probs, is_top1)``, each
+        ``targets.shape``. ``is_top1`` follows ``torch.argmax``: on a tie the lowest id is
+        the prediction; a row holding a NaN predicts nothing (False), and gives NaN
+        everywhere else, as :func:`token_logprobs`.
+
+    Cost: the kernel of :func:`token_logprobs`, one read of each counted row forward
+    (ignored rows are not read), 25 bytes written a token; the backward is layer 3's one
+    read and one write.
+
+    Example:
+        >>> import torch, fused_rl
+        >>> logits = torch.tensor([[[2.0, 0.0, 2.0], [0.0, 1.0, 0.0]]])
+        >>> s = fused_rl.token_stats(logits, torch.tensor([[2, 1]]))
+        >>> s.is_top1.tolist()  # a tie with an earlier id does not count
+        [[False, True]]
+        >>> s.mean_logit.tolist()
+        [[1.3333333730697632, 0.3333333432674408]]
+    """
+    _check_common(logits, temperature, softcap)
+    check_targets_window(targets, logits)
+    V.check_target_range(targets, logits.shape[-1], ignore_index, "targets")
+    which = resolve_backend(backend, logits, targets)
+    cap = None if softcap is None else float(softcap)
+    if which == "reference":
+        logp, entropy = token_stats_nocheck(
+            logits, targets, temperature, ignore_index, True, which, softcap
+        )
+        rows = logits if targets.shape == logits.shape[:-1] else window(logits, targets.shape[-1])
+        rows3d = as_rows3d(rows.detach())
+        with torch.no_grad():
+            extras = ref.row_extras(rows3d, targets.reshape(rows3d.shape[:2]),
+                                    float(temperature), int(ignore_index), cap)  # fmt: skip
+        return TokenStats(logp, entropy, *(x.reshape(targets.shape) for x in extras))
+    logits3d = as_rows3d(logits)
+    n_targets = targets.shape[-1] if targets.dim() > 0 else 1
+    t2d = targets.reshape(logits3d.shape[0], n_targets if logits.dim() > 1 else 1)
+    out = token_extras_fwd_op(logits3d, t2d, float(temperature), cap, int(ignore_index))
+    logp, entropy, _, _, mean, log_sq, top1 = out
+    return TokenStats(*(x.reshape(targets.shape) for x in (logp, entropy, mean, log_sq, top1)))
 
 
 def _vocab_parallel(logits, vocab_start, vocab_size) -> bool:

@@ -86,9 +86,40 @@ def row_moments(
     rounding of a large ``lse`` (|logits| ~ 1e4 in fp32). ``active`` False skips the loads
     (ignored tokens cost no bandwidth).
     """
+    m, log_s, entropy, _, _, _ = row_pass(
+        row_ptr, V, stride_v, inv_temperature, inv_cap, active, -1, WITH_ENTROPY, False,
+        HAS_SOFTCAP, BLOCK_V, ACC,
+    )  # fmt: skip
+    return m, log_s, entropy
+
+
+@triton.jit
+def row_pass(
+    row_ptr,
+    V,
+    stride_v,
+    inv_temperature,
+    inv_cap,
+    active,
+    target,
+    WITH_ENTROPY: tl.constexpr,
+    WITH_EXTRAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """:func:`row_moments` and, with ``WITH_EXTRAS``, from the same read of the row:
+    ``z_sum = sum z`` (the mean logit is ``z_sum / V``), ``q = sum exp(2 (z - m))`` (so
+    ``log sum p^2 = log q - 2 log s``) and ``before``, the largest ``z`` at an id below
+    ``target`` (the target is the first argmax iff ``z_y >= m`` and ``z_y > before``, as
+    ``argmax`` breaks ties to the lowest id). Returns ``(m, log_s, entropy, z_sum, q,
+    before)``; the last three are 0 / 0 / -inf without ``WITH_EXTRAS``."""
     m = tl.full((), float("-inf"), ACC)
     s = tl.zeros((), ACC)
     w = tl.zeros((), ACC)
+    z_sum = tl.zeros((), ACC)
+    q = tl.zeros((), ACC)
+    before = tl.full((), float("-inf"), ACC)
     n_cols = tl.where(active, V, 0)
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
@@ -97,11 +128,20 @@ def row_moments(
         if HAS_SOFTCAP:  # the cap maps the padding lanes' -inf to -c / T: back to -inf
             z = tl.where(cols < V, z, float("-inf"))
         m_b, s_b, w_b = block_stats(z, WITH_ENTROPY)
+        if WITH_EXTRAS:
+            z_sum += tl.sum(tl.where(cols < V, z, 0.0), 0)
+            # the block's sum exp(2 (z - m_b)), moved onto the merged max like s
+            m_new = nan_max(m, m_b)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            e = tl.exp(z - m_ref)
+            q = q * tl.exp(2.0 * (m - m_ref)) + tl.sum(e * e, 0)
+            before = nan_max(before, tl.max(tl.where(cols < target, z, float("-inf")), 0))
         m, s, w = merge_stats(m, s, w, m_b, s_b, w_b)
     log_s = tl.log(s)
     entropy = log_s - w / s
     # H >= 0 always; rounding can leave -1e-8 on a point mass (a where() keeps NaN as NaN)
-    return m, log_s, tl.where(entropy < 0, 0.0, entropy)
+    entropy = tl.where(entropy < 0, 0.0, entropy)
+    return m, log_s, entropy, z_sum, q, before
 
 
 @triton.jit
@@ -127,6 +167,9 @@ def _token_stats_fwd_kernel(
     entropy_ptr,
     max_ptr,
     log_sum_ptr,
+    mean_ptr,
+    log_sq_ptr,
+    top1_ptr,
     rows_inner,
     shift,
     V,
@@ -142,6 +185,7 @@ def _token_stats_fwd_kernel(
     ignore_index,
     HAS_TARGETS: tl.constexpr,
     WITH_ENTROPY: tl.constexpr,
+    WITH_EXTRAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     BLOCK_V: tl.constexpr,
     ACC: tl.constexpr,
@@ -149,7 +193,11 @@ def _token_stats_fwd_kernel(
     """One program per target row: ``logp`` (if targets), ``entropy`` (if asked), ``m``,
     ``log s``, each written contiguous ``(outer * rows_inner,)``. Logits row ``inner + shift``
     of each ``outer`` predicts target ``inner`` (see ``row_pointer``); targets are strided.
-    ``inv_t``: ``1 / T`` (``c / T`` with ``HAS_SOFTCAP``), ``inv_cap``: ``1 / c``."""
+    ``inv_t``: ``1 / T`` (``c / T`` with ``HAS_SOFTCAP``), ``inv_cap``: ``1 / c``.
+    ``WITH_EXTRAS`` (with targets), from the same read of the row: the mean scaled logit,
+    ``log sum p^2`` and whether the target is the first argmax (a byte, 0 / 1); ignored rows
+    get 0. Bytes: one read of each counted row; 12 bytes written a token (logp, m, log s),
+    4 more with the entropy, 9 more with ``WITH_EXTRAS``; fp64 logits: twice the floats."""
     row = tl.program_id(0).to(tl.int64)
     inv_temperature = pair(inv_t_hi, inv_t_lo, ACC)  # 1 / T, fp64-exact for fp64 logits
     inv_cap = pair(inv_cap_hi, inv_cap_lo, ACC)  # HAS_SOFTCAP: 1 / c, and the above c / T
@@ -159,10 +207,11 @@ def _token_stats_fwd_kernel(
         target = tl.load(targets_ptr + t_off).to(tl.int64)
         active = target != ignore_index
     else:
+        target = row * 0 - 1
         active = row >= 0
-    m, log_s, entropy = row_moments(
-        row_ptr, V, stride_v, inv_temperature, inv_cap, active, WITH_ENTROPY, HAS_SOFTCAP,
-        BLOCK_V, ACC,
+    m, log_s, entropy, z_sum, q, before = row_pass(
+        row_ptr, V, stride_v, inv_temperature, inv_cap, active, target, WITH_ENTROPY,
+        WITH_EXTRAS, HAS_SOFTCAP, BLOCK_V, ACC,
     )  # fmt: skip
     tl.store(max_ptr + row, tl.where(active, m, 0.0))
     tl.store(log_sum_ptr + row, tl.where(active, log_s, 0.0))
@@ -173,3 +222,8 @@ def _token_stats_fwd_kernel(
             row_ptr, target, V, stride_v, inv_temperature, inv_cap, active, HAS_SOFTCAP, ACC
         )
         tl.store(logp_ptr + row, tl.where(active, (z_y - m) - log_s, 0.0))
+        if WITH_EXTRAS:
+            tl.store(mean_ptr + row, tl.where(active, z_sum / V, 0.0))
+            tl.store(log_sq_ptr + row, tl.where(active, tl.log(q) - 2.0 * log_s, 0.0))
+            top1 = active & (z_y >= m) & (z_y > before)
+            tl.store(top1_ptr + row, top1.to(tl.uint8))
