@@ -250,15 +250,18 @@ def vocab_stream_vectorised() -> list[str]:
     bwd = dict(HAS_TARGETS=True, HAS_G=True, HAS_H=True, HAS_SCALE=True, HAS_SEQ_SCALE=True,
                HAS_KL=False)  # fmt: skip
     cases = [  # (kernel, flags, writes a gradient row)
-        (_token_stats_fwd_kernel, dict(HAS_TARGETS=True, WITH_ENTROPY=True, HAS_SOFTCAP=False),
-         False),
+        (_token_stats_fwd_kernel, dict(HAS_TARGETS=True, WITH_ENTROPY=True, WITH_EXTRAS=False,
+                                       HAS_SOFTCAP=False), False),
+        # the diagnostics (token_stats: mean logit, log sum p^2, top-1) from the same read
+        (_token_stats_fwd_kernel, dict(HAS_TARGETS=True, WITH_ENTROPY=True, WITH_EXTRAS=True,
+                                       HAS_SOFTCAP=False), False),
         (_token_stats_bwd_kernel, dict(bwd, HAS_SOFTCAP=False), True),
         (_policy_loss_fwd_kernel, dict(policy, WRITE_GRAD=False), False),
         # WRITE_GRAD: the fused-linear loss also writes each row's gradient (vector stores)
         (_policy_loss_fwd_kernel, dict(policy, WRITE_GRAD=True), True),
         # the logit soft cap (a tanh per element) keeps the vector loads and stores
-        (_token_stats_fwd_kernel, dict(HAS_TARGETS=True, WITH_ENTROPY=True, HAS_SOFTCAP=True),
-         False),
+        (_token_stats_fwd_kernel, dict(HAS_TARGETS=True, WITH_ENTROPY=True, WITH_EXTRAS=False,
+                                       HAS_SOFTCAP=True), False),
         (_token_stats_bwd_kernel, dict(bwd, HAS_SOFTCAP=True), True),
         (_policy_loss_fwd_kernel, dict(policy, WRITE_GRAD=True, HAS_SOFTCAP=True), True),
         # the exact KL (kl_estimator="full", KL_KINDS[5]): the reference's row streamed too

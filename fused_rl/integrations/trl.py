@@ -79,7 +79,7 @@ import torch
 
 from .. import _validation as V
 from .._backend import BACKENDS
-from ..linear import linear_token_logprobs
+from ..linear import linear_token_logprobs, linear_token_stats
 from ._trl_distill import gathered as _full
 
 __all__ = [
@@ -96,12 +96,25 @@ __all__ = [
 
 MIN_TRL_VERSION = (1, 15)
 INSTALL_HINT = "pip install 'trl>=1.15'"
-OUTPUTS = ("log_probs", "entropy")  # the fused-head outputs fused_rl computes
+# the fused-head outputs fused_rl computes: all of TRL 1.16's
+OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+# the non-differentiable ones (SFT / DPO / KTO metrics, WPO's weights): fused_rl.token_stats'
+# fields of the same meaning, from the same read of each chunk's logits
+DIAGNOSTICS = {"log_sum_sq_probs": "log_sum_sq_probs", "mean_logits": "mean_logit",
+               "is_top1": "is_top1"}  # fmt: skip
 # the config fields TRL reads as a multiplier of the logits, in its order of precedence
 _SCALE_FIELDS = ("logit_scale", "output_multiplier", "lm_head_multiplier")
 _MARK = "_fused_rl_lm_head"  # attribute of a model whose forward this module patched
 # the trainers whose log-probs come from TRL's fused head, and the trl.trainer module of each
-HEAD_TRAINERS = {"GRPOTrainer": "grpo_trainer", "RLOOTrainer": "rloo_trainer"}
+HEAD_TRAINERS = {
+    "GRPOTrainer": "grpo_trainer",
+    "RLOOTrainer": "rloo_trainer",
+    "DPOTrainer": "dpo_trainer",
+    "KTOTrainer": "kto_trainer",
+    "SFTTrainer": "sft_trainer",
+}
+# of those, the ones whose loss fused_rl can compute (fused_rl_loss=True)
+LOSS_TRAINERS = ("GRPOTrainer", "RLOOTrainer")
 # GRPO's KL term with fused_rl_loss=True: TRL's k3 estimate, or the exact KL
 KL_ESTIMATORS = ("k3", "full")
 
@@ -182,6 +195,7 @@ class _Head:
     softcap: float | None  # the config's final_logit_softcapping divided by the logit scale
     cast_fp32: bool
     entropy: bool
+    diagnostics: tuple[str, ...]  # the DIAGNOSTICS asked for (fused_rl.linear_token_stats)
     backbone: str  # the model attribute holding the backbone
     router_logits: bool  # the config asks for router logits (MoE)
     options: Options
@@ -215,7 +229,7 @@ def _check_head(model, text_config, outputs, temperature) -> tuple[float, float 
     if unknown:
         raise ValueError(
             f"the fused LM head was asked for outputs {unknown}: fused_rl computes "
-            f"{' and '.join(OUTPUTS)} only (use trl.GRPOTrainer for the others)"
+            f"{', '.join(OUTPUTS)}"
         )
     V.check_positive(temperature, "temperature")
     scale, softcap = model_transform(text_config)
@@ -294,6 +308,7 @@ def add_fused_lm_head(
         softcap=head_softcap,
         cast_fp32=bool(cast_lm_head_to_fp32),
         entropy="entropy" in outputs,
+        diagnostics=tuple(o for o in DIAGNOSTICS if o in outputs),
         backbone=_backbone_attribute(model, text_config),
         router_logits=bool(getattr(text_config, "output_router_logits", False)),
         options=options,
@@ -389,18 +404,11 @@ def _fused_forward(model, head: _Head, output_type, args, kwargs, labels, shift_
     hidden, weight, bias, context = _head_inputs(model, head, hidden)
     targets = targets.to(weight.device)
     mask = targets != -100
-    with context:
-        # only the counted positions go through the head (one host sync for their count)
-        out = linear_token_logprobs(
-            hidden[mask], weight, targets[mask], bias=bias, temperature=head.temperature,
-            softcap=head.softcap, return_entropy=head.entropy,
-            chunk_tokens=head.options.chunk_tokens, backend=head.options.backend,
-        )  # fmt: skip
-    log_probs, entropy = out if head.entropy else (out, None)
+    fields = _head_outputs(head, hidden[mask], weight, bias, targets[mask], context)
     # scattered into zeros: the output stays connected to the model when no label counts
-    log_probs = log_probs.new_zeros(mask.shape).masked_scatter(mask, log_probs)
-    if entropy is not None:
-        entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)
+    fields = {k: None if v is None else v.new_zeros(mask.shape).masked_scatter(mask, v)
+              for k, v in fields.items()}  # fmt: skip
+    log_probs = fields["log_probs"]
     count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     loss = -log_probs.sum() / count
     aux_loss = None
@@ -408,9 +416,32 @@ def _fused_forward(model, head: _Head, output_type, args, kwargs, labels, shift_
         aux_loss = _load_balancing_loss(model, backbone_out, kwargs.get("attention_mask"))
         text_config = model.config.get_text_config()
         loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
-    return output_type(
-        loss=loss, log_probs=log_probs, entropy=entropy, label_mask=mask, aux_loss=aux_loss
-    )
+    fields = {k: v for k, v in fields.items() if v is not None}  # TRL 1.15 has fewer fields
+    return output_type(loss=loss, label_mask=mask, aux_loss=aux_loss, **fields)
+
+
+def _head_outputs(head: _Head, rows, weight, bias, targets, context) -> dict:
+    """The fused head's per-token fields of the ``(N, H)`` counted rows: ``log_probs``
+    (and what else the head was asked for, None otherwise) from one
+    ``linear_token_logprobs`` call, or ``linear_token_stats`` when a diagnostic is asked
+    for (the same read of each chunk's logits). One host sync for the rows' count."""
+    kw = dict(bias=bias, temperature=head.temperature, softcap=head.softcap,
+              chunk_tokens=head.options.chunk_tokens, backend=head.options.backend)  # fmt: skip
+    fields = dict.fromkeys(OUTPUTS)
+    with context:
+        if head.diagnostics:
+            stats = linear_token_stats(rows, weight, targets, **kw)
+            fields["log_probs"] = stats.logp
+            fields["entropy"] = stats.entropy if head.entropy else None
+            for name in head.diagnostics:
+                fields[name] = getattr(stats, DIAGNOSTICS[name])
+        elif head.entropy:
+            fields["log_probs"], fields["entropy"] = linear_token_logprobs(
+                rows, weight, targets, return_entropy=True, **kw
+            )
+        else:
+            fields["log_probs"] = linear_token_logprobs(rows, weight, targets, **kw)
+    return fields
 
 
 def _load_balancing_loss(model, backbone_out, attention_mask):
@@ -568,6 +599,29 @@ def _make_rloo_class():
     return RLOOTrainer
 
 
+def _make_head_class(name: str):
+    """``name`` (``DPOTrainer``, ``KTOTrainer``, ``SFTTrainer``): TRL's trainer with
+    fused_rl's head, TRL's loss, and the options ``fused_rl_backend`` /
+    ``fused_rl_chunk_tokens``."""
+    base = getattr(_trainer_module(name), name)
+
+    def __init__(self, *args, fused_rl_backend: str = "auto",
+                 fused_rl_chunk_tokens: int | None = None, **kwargs):  # fmt: skip
+        options = Options.checked(fused_rl_backend, fused_rl_chunk_tokens, "fused_rl_")
+        run = lambda: base.__init__(self, *args, **kwargs)  # noqa: E731
+        _fused_init(self, run, options, name)
+
+    doc = (
+        f"``trl.{name}`` with every log-prob, entropy and logged per-token statistic (mean "
+        "logit, top-1 accuracy, WPO's ``log sum p^2``) from fused_rl's head "
+        "(``fused_rl.linear_token_stats``: one read of each chunk's logits), for the policy "
+        "and the reference model where there is one; TRL's loss. Same constructor and "
+        "config, plus ``fused_rl_backend`` and ``fused_rl_chunk_tokens``. See "
+        ":mod:`fused_rl.integrations.trl`."
+    )
+    return type(name, (base,), {"__init__": __init__, "__doc__": doc, "__module__": __name__})
+
+
 def _check_distill_models(trainer) -> None:
     """The checks of :func:`add_fused_lm_head` that apply to the student and the teacher
     (their logit scale and soft cap, an lm_head weight, no ZeRO-3), at construction."""
@@ -645,6 +699,10 @@ _BUILDERS = {
     "GRPOTrainer": _make_trainer_class,
     "RLOOTrainer": _make_rloo_class,
     "DistillationTrainer": _make_distill_class,
+    **{
+        name: functools.partial(_make_head_class, name)
+        for name in ("DPOTrainer", "KTOTrainer", "SFTTrainer")
+    },
 }
 
 
@@ -676,11 +734,14 @@ def patch(*, backend: str = "auto", chunk_tokens: int | None = None, loss: bool 
             _PATCH["options"] = options
             return
         wraps = [(trl.GRPOTrainer, functools.partial(_fused_init, name="GRPOTrainer"))]
-        try:
-            rloo = _trainer_module("RLOOTrainer").RLOOTrainer
-            wraps.append((rloo, functools.partial(_fused_init, name="RLOOTrainer")))
-        except ImportError:  # a TRL whose RLOO trainer has no fused head
-            pass
+        for name in HEAD_TRAINERS:
+            if name == "GRPOTrainer":
+                continue
+            try:
+                cls = getattr(_trainer_module(name), name)
+            except ImportError:  # a TRL whose trainer `name` has no fused head
+                continue
+            wraps.append((cls, functools.partial(_fused_init, name=name)))
         try:
             from . import _trl_distill
 

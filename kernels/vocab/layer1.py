@@ -225,5 +225,6 @@ def _token_stats_fwd_kernel(
         if WITH_EXTRAS:
             tl.store(mean_ptr + row, tl.where(active, z_sum / V, 0.0))
             tl.store(log_sq_ptr + row, tl.where(active, tl.log(q) - 2.0 * log_s, 0.0))
-            top1 = active & (z_y >= m) & (z_y > before)
+            # a NaN anywhere in the row makes log s NaN (a block max may skip it)
+            top1 = active & (z_y >= m) & (z_y > before) & (log_s == log_s)
             tl.store(top1_ptr + row, top1.to(tl.uint8))
