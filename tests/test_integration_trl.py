@@ -625,7 +625,7 @@ def test_head_moe_aux_loss():
         (dict(final_logit_softcapping=0.0), ("log_probs",), "final_logit_softcapping"),
         (dict(logit_scale=-1.0), ("log_probs",), "logit_scale"),
         (dict(logits_scaling=0.0), ("log_probs",), "logits_scaling"),
-        ({}, ("log_probs", "is_top1"), "is_top1"),
+        ({}, ("log_probs", "top_k_ids"), "top_k_ids"),
     ],
 )
 def test_head_raises_for_what_fused_rl_cannot_do(config, outputs, match):
