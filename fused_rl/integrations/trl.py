@@ -1,4 +1,6 @@
-"""fused_rl inside TRL's ``GRPOTrainer`` and ``RLOOTrainer`` (TRL >= 1.15; 1.16 current).
+"""fused_rl inside TRL's trainers that compute log-probs with TRL's fused LM head
+(``GRPOTrainer``, TRL >= 1.15; TRL 1.16's ``RLOOTrainer``, ``DPOTrainer``, ``KTOTrainer``,
+``SFTTrainer``) and inside TRL 1.16's ``DistillationTrainer``.
 
 Since TRL 1.15 ``trl.GRPOTrainer`` computes every per-token log-prob and entropy with its own
 chunked fused LM head: ``trl.trainer.utils.add_fused_lm_head`` patches the model's forward so
@@ -37,8 +39,8 @@ correction, the off-policy sequence mask, the MoE load-balancing loss:
 
 What fused_rl cannot do raises at construction (``ValueError`` naming the option), never
 a silent fall-back to TRL's head: a logit scale ``<= 0``, a ``final_logit_softcapping``
-that is not a finite ``c > 0``, a fused-head output other than ``log_probs`` / ``entropy``,
-and DeepSpeed ZeRO-3 (fused_rl's backward recomputes the logits from the ``lm_head``
+that is not a finite ``c > 0``, a fused-head output TRL 1.16 does not define, and
+DeepSpeed ZeRO-3 (fused_rl's backward recomputes the logits from the ``lm_head``
 weight, which ZeRO-3 has released by then). A positive logit scale (the config's
 ``logit_scale``, ``output_multiplier``, ``lm_head_multiplier`` or ``logits_scaling``, read
 as TRL reads them) is exact: ``log_softmax(s z / T) = log_softmax(z / (T / s))``, so it
@@ -53,6 +55,13 @@ whose KL enters the reward): ``from fused_rl.integrations.trl import RLOOTrainer
 per sequence of summed log-probs) is TRL's, fed with fused_rl's log-probs, or with
 ``fused_rl_loss=True`` / ``patch(loss=True)`` one ``linear_policy_loss`` call
 (:mod:`fused_rl.integrations._trl_rloo`).
+
+TRL 1.16's ``DPOTrainer``, ``KTOTrainer`` and ``SFTTrainer`` add the same head and ask it
+for per-token statistics too: ``mean_logits`` (the ``logits/*`` metrics), ``is_top1``
+(``mean_token_accuracy``) and, for DPO's WPO weights, ``log_sum_sq_probs``. fused_rl's head
+computes them with the log-probs and entropies from one read of each chunk's logits
+(:func:`fused_rl.linear_token_stats`); ``from fused_rl.integrations.trl import DPOTrainer``
+(``KTOTrainer``, ``SFTTrainer``) or ``patch()`` puts it in place, TRL's loss unchanged.
 
 TRL 1.16's ``DistillationTrainer`` likewise: ``from fused_rl.integrations.trl import
 DistillationTrainer`` (or ``patch()``, which wraps both trainers) computes its loss, the
@@ -84,9 +93,12 @@ from ._trl_distill import gathered as _full
 
 __all__ = [
     "DistillationTrainer",  # noqa: F822  (built on first access: __getattr__ below)
+    "DPOTrainer",  # noqa: F822
     "GRPOTrainer",  # noqa: F822
+    "KTOTrainer",  # noqa: F822
     "MIN_TRL_VERSION",
     "RLOOTrainer",  # noqa: F822
+    "SFTTrainer",  # noqa: F822
     "add_fused_lm_head",
     "is_patched",
     "patch",
@@ -113,8 +125,6 @@ HEAD_TRAINERS = {
     "KTOTrainer": "kto_trainer",
     "SFTTrainer": "sft_trainer",
 }
-# of those, the ones whose loss fused_rl can compute (fused_rl_loss=True)
-LOSS_TRAINERS = ("GRPOTrainer", "RLOOTrainer")
 # GRPO's KL term with fused_rl_loss=True: TRL's k3 estimate, or the exact KL
 KL_ESTIMATORS = ("k3", "full")
 
@@ -295,9 +305,12 @@ def add_fused_lm_head(
     """``trl.trainer.utils.add_fused_lm_head`` (TRL >= 1.15) with fused_rl's head:
     ``model(..., labels=labels, fused_lm_head=True)`` returns TRL's ``FusedCausalLMOutput``
     with ``log_probs`` (and ``entropy`` if in ``outputs``) from
-    :func:`fused_rl.linear_token_logprobs`; without ``fused_lm_head`` the forward is the
-    original one (generation is unchanged). Adding it again replaces the previous head.
-    Raises ``ValueError`` for what fused_rl cannot do (module docstring)."""
+    :func:`fused_rl.linear_token_logprobs`, or, when ``outputs`` asks for
+    ``log_sum_sq_probs``, ``mean_logits`` or ``is_top1`` (TRL 1.16), all of them from
+    :func:`fused_rl.linear_token_stats` (the same read of each chunk's logits); without
+    ``fused_lm_head`` the forward is the original one (generation is unchanged). Adding it
+    again replaces the previous head. Raises ``ValueError`` for what fused_rl cannot do
+    (module docstring)."""
     _, trl_utils = _trl()
     options = Options.checked(backend, chunk_tokens)
     text_config = model.config.get_text_config()
@@ -717,16 +730,17 @@ def __getattr__(name: str):
 
 def patch(*, backend: str = "auto", chunk_tokens: int | None = None, loss: bool = False,
           kl_estimator: str = "k3") -> None:  # fmt: skip
-    """Make ``trl.GRPOTrainer``, ``trl.RLOOTrainer`` and ``trl.DistillationTrainer``
-    themselves (and every subclass, for scripts and TRL's CLI that construct them) behave as
-    this module's trainers of the same names with these options: their ``__init__`` is
-    wrapped (``RLOOTrainer`` where the installed TRL gives it a fused head,
+    """Make ``trl.GRPOTrainer``, ``trl.RLOOTrainer``, ``trl.DPOTrainer``,
+    ``trl.KTOTrainer``, ``trl.SFTTrainer`` and ``trl.DistillationTrainer`` themselves (and
+    every subclass, for scripts and TRL's CLI that construct them) behave as this module's
+    trainers of the same names with these options: their ``__init__`` is wrapped (each
+    trainer but GRPO's where the installed TRL gives it a fused head, and
     ``DistillationTrainer`` where it has it: TRL >= 1.16). Idempotent (patching again only
     updates the options); :func:`unpatch` restores TRL's ``__init__`` exactly. Trainers
     constructed before keep their head and loss. ``loss=True``: GRPO's and RLOO's training
-    loss through one ``fused_rl.linear_policy_loss`` call (the distillation trainer's is
-    always fused_rl's), and with it ``kl_estimator="full"``: GRPO's KL term exact (RLOO's
-    KL is in its reward, which it leaves alone)."""
+    loss (not DPO's, KTO's or SFT's: TRL's) through one ``fused_rl.linear_policy_loss`` call
+    (the distillation trainer's is always fused_rl's), and with it ``kl_estimator="full"``:
+    GRPO's KL term exact (RLOO's KL is in its reward, which it leaves alone)."""
     options = Options.checked(backend, chunk_tokens, loss=loss, kl_estimator=kl_estimator)
     trl, _ = _trl()
     with _LOCK:
