@@ -74,6 +74,7 @@ from ._shapes import as_rows3d
 from ._vocab_ops import (
     position_shift,
     scatter_exact_id_grads,
+    token_extras_fwd_op,
     token_stats_bwd_op,
     token_stats_fwd_op,
 )
@@ -327,6 +328,7 @@ class _Spec:
     which: str
     check: bool
     softcap: float | None = None  # the logit soft cap (None: none), applied before 1 / T
+    with_extras: bool = False  # token_stats' diagnostics too (mean logit, sum p^2, top-1)
 
 
 def _local_targets(targets: Tensor, shard: VocabShard, ignore_index: int):
@@ -361,12 +363,17 @@ def _local_stats(x3d: Tensor, t_local: Tensor | None, spec: _Spec, inner: int):
     dtype = stats_dtype(x3d.dtype)
     if valid == 0:  # an empty shard: an empty partial (-inf, 0, 0); a target here is bad
         full = lambda v: torch.full((outer, inner), v, dtype=dtype, device=x3d.device)
-        return full(math.nan), full(0.0), full(-math.inf), full(-math.inf)
+        extras = (full(0.0), full(-math.inf), full(0.0).bool()) if spec.with_extras else ()
+        return (full(math.nan), full(0.0), full(-math.inf), full(-math.inf)) + extras
     x = x3d if valid == x3d.shape[-1] else x3d.narrow(-1, 0, valid)
     if spec.which == "reference":
         if inner != x.shape[1]:
             x = x.narrow(1, position_shift(x.shape[1], inner), inner)
-        return ref.row_stats(x, t_local, spec.temperature, LOCAL_IGNORE, spec.softcap)
+        args = (x, t_local, spec.temperature, LOCAL_IGNORE, spec.softcap)
+        stats = ref.row_stats(*args)
+        return stats + ref.row_extras(*args) if spec.with_extras else stats
+    if spec.with_extras:
+        return token_extras_fwd_op(x, t_local, spec.temperature, spec.softcap, LOCAL_IGNORE)
     return token_stats_fwd_op(
         x, t_local, spec.temperature, spec.softcap, LOCAL_IGNORE, spec.with_entropy
     )
@@ -401,12 +408,15 @@ def merge_partials(local, targets, t_local, ignored, spec: _Spec):
     """The two all-reduces and the merge of this rank's layer-1 partials ``local = (logp,
     entropy, row_max, log_sum)`` (any one shape; ``logp`` / ``entropy`` unread when not
     asked for) into ``(logp, entropy, m, log_S)`` of the whole vocabulary, that shape.
+    ``spec.with_extras``: ``local`` also holds this shard's ``(mean_logit,
+    log_sum_sq_probs, is_top1)`` and the merge returns a fifth item, the whole vocabulary's
+    three (:func:`_merge_extras`: four more floats a token in the second all-reduce).
 
     Shared by :func:`_merge` (one call's logits) and the vocab-parallel
     :func:`fused_rl.linear_token_logprobs` (the partials of all its chunks, merged once)."""
     dist = _dist()
     shard = spec.shard
-    logp_l, ent_l, m_l, log_s_l = local
+    logp_l, ent_l, m_l, log_s_l = local[:4]
     dtype, dev = m_l.dtype, m_l.device
     n = m_l.numel()
     if spec.check and spec.with_targets:
@@ -437,6 +447,9 @@ def merge_partials(local, targets, t_local, ignored, spec: _Spec):
         parts.append(torch.where(owned, logp_l + log_a, 0.0))  # z_y - m
     if spec.with_entropy:
         parts.append(torch.where(a == 0, 0.0, a * (log_a - ent_l)))  # sum_j e^(z_j-m)(z_j-m)
+    n_parts = len(parts)
+    if spec.with_extras:
+        parts += _extras_parts(local[4:], m_l, m, log_a, targets, t_local, shard)
     packed = torch.stack(parts)
     dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=shard.group)
     total = packed[0]
@@ -457,7 +470,46 @@ def merge_partials(local, targets, t_local, ignored, spec: _Spec):
     if ok is not None:
         logp = torch.where(ok, logp, math.nan) if logp is not None else None
         entropy = torch.where(ok, entropy, math.nan) if entropy is not None else None
+    if spec.with_extras:
+        extras = _merge_extras(packed[n_parts:], log_total, ignored, ok, shard.vocab_size)
+        return logp, entropy, m, log_total, extras
     return logp, entropy, m, log_total
+
+
+def _extras_parts(local, m_l, m, log_a, targets, t_local, shard: VocabShard) -> list:
+    """This rank's share of the diagnostics' SUM: the shard's ``sum z``, its
+    ``sum exp(2 (z - m))`` on the global max ``m``, and two counts for the top-1 flag (the
+    target is the first maximum of the whole row iff its owner holds it as its own first
+    maximum at the global max, and no shard wholly before the target reaches that max)."""
+    mean_l, log_sq_l, top1_l = local
+    empty = m_l == -math.inf
+    z_sum = torch.where(empty, 0.0, mean_l * shard.valid)  # the kernel's sum / V_local
+    # sum exp(2 (z - m)) = exp(log sum p_l^2 + 2 log(s_l exp(m_l - m)))
+    sq = torch.where(empty, 0.0, (log_sq_l + 2 * log_a).exp())
+    at_max = m_l == m
+    owner_first = (top1_l & at_max).to(m.dtype)
+    before = (t_local == NOT_OWNED) & (targets > shard.start)  # owned by a later shard
+    blocks = (before & at_max & (shard.valid > 0)).to(m.dtype)
+    return [z_sum, sq, owner_first, blocks]
+
+
+def _merge_extras(summed, log_total, ignored, ok, vocab_size: int):
+    """``(mean_logit, log_sum_sq_probs, is_top1)`` of the whole vocabulary from the summed
+    shares of :func:`_extras_parts`; 0 / False at ignored tokens, NaN / False where the
+    layout check failed unchecked (``ok``) or a NaN reached the row."""
+    z_sum, sq, owner_first, blocks = summed
+    mean = z_sum / vocab_size
+    log_sq = sq.log() - 2 * log_total
+    top1 = (owner_first > 0) & (blocks == 0) & (log_total == log_total)
+    if ignored is not None:
+        mean = torch.where(ignored, 0.0, mean)
+        log_sq = torch.where(ignored, 0.0, log_sq)
+        top1 = top1 & ~ignored
+    if ok is not None:
+        mean = torch.where(ok, mean, math.nan)
+        log_sq = torch.where(ok, log_sq, math.nan)
+        top1 = top1 & ok
+    return mean, log_sq, top1
 
 
 # ----------------------------------------------------------------------------- backward
@@ -501,15 +553,19 @@ class _ShardedTokenStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x3d, targets, t_local, ignored, spec: _Spec):
         inner = x3d.shape[1] if t_local is None else t_local.shape[1]
-        logp, entropy, m, log_s = _merge(x3d, targets, t_local, ignored, spec, inner)
+        logp, entropy, m, log_s, *extras = _merge(x3d, targets, t_local, ignored, spec, inner)
         ctx.save_for_backward(x3d, t_local, m, log_s, entropy)
         ctx.spec, ctx.inner = spec, inner
         ctx.set_materialize_grads(False)
         empty = m.new_empty((0,))
-        return (logp if logp is not None else empty), (entropy if entropy is not None else empty)
+        out = (logp if logp is not None else empty), (entropy if entropy is not None else empty)
+        if not extras:
+            return out
+        ctx.mark_non_differentiable(*extras[0])
+        return out + extras[0]  # the diagnostics (with_extras)
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
+    def backward(ctx, grad_logp, grad_entropy, *_grad_diagnostics):
         x3d, t_local, m, log_s, entropy = ctx.saved_tensors
         spec = ctx.spec
         g = grad_logp if spec.with_targets else None
@@ -620,11 +676,14 @@ def sharded_token_stats(
     with_entropy: bool,
     which: str,
     softcap: float | None = None,
-) -> tuple[Tensor | None, Tensor | None]:
+    with_extras: bool = False,
+) -> tuple[Tensor | None, ...]:
     """``(logp, entropy)`` (each None when not asked for) of the full-vocabulary softmax
     from this rank's shard; arguments already checked locally (shapes, dtypes, temperature,
     softcap), layout and target range checked here through the first collective. The cap
-    is elementwise, so each rank caps its own columns before the merge."""
+    is elementwise, so each rank caps its own columns before the merge. ``with_extras``
+    (targets and the entropy asked for): then ``(logp, entropy, mean_logit,
+    log_sum_sq_probs, is_top1)``, :func:`fused_rl.token_stats`' of the whole vocabulary."""
     check_vocab_limit(shard)
     x3d = as_rows3d(logits)
     t_local = ignored = t2d = None
@@ -635,9 +694,12 @@ def sharded_token_stats(
     spec = _Spec(
         shard, float(temperature), int(ignore_index), targets is not None, bool(with_entropy),
         which, V.value_checks_enabled(logits), None if softcap is None else float(softcap),
+        with_extras,
     )  # fmt: skip
-    logp, entropy = _ShardedTokenStats.apply(x3d, t2d, t_local, ignored, spec)
+    logp, entropy, *extras = _ShardedTokenStats.apply(x3d, t2d, t_local, ignored, spec)
     shape = targets.shape if targets is not None else logits.shape[:-1]
+    if with_extras:
+        return tuple(x.reshape(shape) for x in (logp, entropy, *extras))
     logp = logp.reshape(shape) if targets is not None else None
     entropy = entropy.reshape(shape) if with_entropy else None
     return logp, entropy

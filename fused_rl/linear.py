@@ -253,12 +253,9 @@ class _LinearTokenStats(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         if tp is not None:
             return _LinearTokenStats._sharded_forward(ctx, hidden, weight, bias, targets, chunk)
-        n_rows = hidden.shape[0]
-        acc = stats_dtype(hidden.dtype)
         # logp, entropy, row max, log-sum (and with extras: the diagnostics)
-        out = [hidden.new_empty((n_rows,), dtype=acc) for _ in range(6 if extras else 4)]
-        if extras:
-            out.append(hidden.new_empty((n_rows,), dtype=torch.bool))
+        out = _stat_buffers(hidden, extras)
+        n_rows = hidden.shape[0]
         for start in range(0, n_rows, chunk):
             rows = slice(start, min(start + chunk, n_rows))
             z, _ = _chunk_logits(hidden[rows], weight, bias, chunk)
@@ -283,9 +280,8 @@ class _LinearTokenStats(torch.autograd.Function):
         spec = ctx.tp.spec
         n_rows = hidden.shape[0]
         t_local, ignored = _local_targets(targets, spec.shard, spec.ignore_index)
-        acc = stats_dtype(hidden.dtype)
-        # this rank's partials (logp, entropy, row max, log-sum) of every token
-        local = [hidden.new_empty((n_rows,), dtype=acc) for _ in range(4)]
+        # this rank's partials (logp, entropy, row max, log-sum, diagnostics) of every token
+        local = _stat_buffers(hidden, spec.with_extras)
         w_valid, b_valid = _valid_rows(weight, bias, spec.shard.valid)  # padding: unread
         for start in range(0, n_rows, chunk):
             rows = slice(start, min(start + chunk, n_rows))
@@ -295,10 +291,14 @@ class _LinearTokenStats(torch.autograd.Function):
                 if part.numel():  # entropy: empty when not asked for (Triton)
                     buf[rows] = part[0]
             del z
-        logp, entropy, m, log_s = merge_partials(local, targets, t_local, ignored, spec)
+        logp, entropy, m, log_s, *extras = merge_partials(local, targets, t_local, ignored, spec)
         ctx.save_for_backward(hidden, weight, bias, t_local, m, log_s, entropy)
         ctx.config = (spec.temperature, spec.softcap, spec.ignore_index, chunk, spec.which)
-        return logp, (entropy if entropy is not None else m.new_empty((0,)))
+        out = logp, (entropy if entropy is not None else m.new_empty((0,)))
+        if not extras:
+            return out
+        ctx.mark_non_differentiable(*extras[0])
+        return out + extras[0]
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy, *_grad_diagnostics):
@@ -326,6 +326,17 @@ class _LinearTokenStats(torch.autograd.Function):
 
         return _head_grads(ctx.needs_input_grad[:3], hidden, weight, bias, chunk, dz_of,
                            tp) + (None,) * 8  # fmt: skip
+
+
+def _stat_buffers(hidden: Tensor, extras: bool) -> list[Tensor]:
+    """Per-token buffers for layer 1's outputs over all chunks: ``(logp, entropy, row max,
+    log-sum)`` in the statistics dtype, and with ``extras`` the diagnostics (the last one,
+    the top-1 flag, bool)."""
+    n_rows, acc = hidden.shape[0], stats_dtype(hidden.dtype)
+    out = [hidden.new_empty((n_rows,), dtype=acc) for _ in range(6 if extras else 4)]
+    if extras:
+        out.append(hidden.new_empty((n_rows,), dtype=torch.bool))
+    return out
 
 
 def _truncated_chunk_grad(z, targets, stats, g, top_k, top_p, temperature, softcap,
@@ -1093,6 +1104,10 @@ def linear_token_stats(
     softcap: float | None = None,
     ignore_index: int = -100,
     chunk_tokens: int | None = None,
+    process_group=None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+    reduce_hidden_grad: bool = True,
     backend: str = "auto",
 ) -> TokenStats:
     """:func:`fused_rl.token_stats` of ``F.linear(hidden, weight, bias)`` without the whole
@@ -1106,6 +1121,11 @@ def linear_token_stats(
         hidden, weight, targets, bias, temperature, softcap, ignore_index, chunk_tokens,
             backend: as :func:`linear_token_logprobs` (the causal-LM shift of ``(B, T)``
             targets with ``T < S`` included).
+        process_group, vocab_start, vocab_size, reduce_hidden_grad: vocabulary
+            parallelism, as :func:`linear_token_logprobs` (``weight`` / ``bias`` this rank's
+            shard, ``hidden`` replicated): every rank returns the unsharded call's five
+            outputs; the two all-reduces of all chunks' partials carry 32 bytes a token
+            (:func:`fused_rl.token_stats` ``(process_group=)``).
 
     Returns:
         :class:`fused_rl.logprobs.TokenStats`, each ``targets.shape``; 0 (False) at ignored
@@ -1126,15 +1146,25 @@ def linear_token_stats(
         >>> torch.allclose(s.mean_logit, z.mean(-1), atol=1e-5)
         True
     """
+    if not isinstance(reduce_hidden_grad, bool):
+        raise TypeError(f"reduce_hidden_grad must be a bool, got {type(reduce_hidden_grad)}")
+    sharded = process_group is not None
+    check_layout_keywords(process_group, vocab_start, vocab_size)
     rows, weight, bias, flat_targets, chunk, which = _prepare(
         hidden, weight, bias, targets, temperature, softcap, ignore_index, chunk_tokens,
-        backend,
+        backend, sharded,
     )  # fmt: skip
     cap = None if softcap is None else float(softcap)
+    tp = None
+    if sharded:
+        tp = _tensor_parallel(
+            process_group, weight, vocab_start, vocab_size, temperature, cap, ignore_index,
+            True, which, reduce_hidden_grad, rows, with_extras=True,
+        )  # fmt: skip
     with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
         out = _LinearTokenStats.apply(
             rows, weight, bias, flat_targets, float(temperature), cap, int(ignore_index),
-            chunk, which, None, True,
+            chunk, which, tp, True,
         )  # fmt: skip
     return TokenStats(*(x.view(targets.shape) for x in out))
 
@@ -1196,17 +1226,18 @@ def _sharded_truncated(rows, weight, bias, flat_targets, k, p, chunk, tp) -> Ten
 
 
 def _tensor_parallel(group, weight, vocab_start, vocab_size, temperature, softcap,
-                     ignore_index, with_entropy, which, reduce_hidden,
-                     rows) -> _TensorParallel:  # fmt: skip
+                     ignore_index, with_entropy, which, reduce_hidden, rows,
+                     with_extras=False) -> _TensorParallel:  # fmt: skip
     """This rank's shard of the lm_head (``weight``'s rows) in ``group``, as a
-    :class:`_TensorParallel` for :class:`_LinearTokenStats`."""
+    :class:`_TensorParallel` for :class:`_LinearTokenStats` (``with_extras``: the
+    diagnostics of :func:`linear_token_stats` too)."""
     from .distributed import _Spec, check_vocab_limit, group_shard
 
     shard = group_shard(group, weight.shape[0], vocab_start, vocab_size, name="weight")
     check_vocab_limit(shard)
     spec = _Spec(
         shard, float(temperature), int(ignore_index), True, bool(with_entropy), which,
-        V.value_checks_enabled(rows), softcap,
+        V.value_checks_enabled(rows), softcap, with_extras,
     )  # fmt: skip
     return _TensorParallel(spec, reduce_hidden)
 

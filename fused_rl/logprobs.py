@@ -241,6 +241,9 @@ def token_stats(
     temperature: float = 1.0,
     softcap: float | None = None,
     ignore_index: int = -100,
+    process_group=None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
     backend: str = "auto",
 ) -> TokenStats:
     """Every per-token statistic an SFT / preference-optimisation trainer takes from its
@@ -254,6 +257,11 @@ def token_stats(
         logits, targets, temperature, softcap, ignore_index, backend: as
             :func:`token_logprobs` (the causal-LM window ``(B, S, V)`` with ``(B, T)``
             targets, ``S > T``, included).
+        process_group, vocab_start, vocab_size: vocabulary parallelism, as
+            :func:`token_logprobs` (or a ``DTensor`` placed ``Shard(-1)``): every rank
+            returns the unsharded call's five outputs. Its two all-reduces carry 4 more
+            floats a token (each shard's ``sum z`` and ``sum exp(2 (z - m))``, two counts
+            for the top-1 flag): 32 bytes a token per rank.
 
     Returns:
         :class:`TokenStats` ``(logp, entropy, mean_logit, log_sum_sq_probs, is_top1)``, each
@@ -274,6 +282,12 @@ def token_stats(
         >>> s.mean_logit.tolist()
         [[1.3333333730697632, 0.3333333432674408]]
     """
+    if process_group is not None or _vocab_parallel(logits, vocab_start, vocab_size):
+        return _sharded(
+            logits, targets, temperature=temperature, softcap=softcap,
+            ignore_index=ignore_index, with_entropy=True, process_group=process_group,
+            vocab_start=vocab_start, vocab_size=vocab_size, backend=backend, with_extras=True,
+        )  # fmt: skip
     _check_common(logits, temperature, softcap)
     check_targets_window(targets, logits)
     V.check_target_range(targets, logits.shape[-1], ignore_index, "targets")
@@ -303,12 +317,16 @@ def _vocab_parallel(logits, vocab_start, vocab_size) -> bool:
 
 def _sharded(
     logits, targets, *, temperature, softcap, ignore_index, with_entropy, process_group,
-    vocab_start, vocab_size, backend,
+    vocab_start, vocab_size, backend, with_extras=False,
 ):  # fmt: skip
     """The vocabulary-parallel path (``fused_rl.distributed``): ``logp`` / ``(logp,
-    entropy)`` / ``entropy`` (``targets`` None) of the whole vocabulary's softmax."""
+    entropy)`` / ``entropy`` (``targets`` None) of the whole vocabulary's softmax;
+    ``with_extras``: :func:`token_stats`' :class:`TokenStats`."""
     logits, targets, shard = resolve_shard(logits, targets, process_group, vocab_start, vocab_size)
     if shard is None:  # a DTensor replicated over the vocabulary: an ordinary call
+        if with_extras:
+            return token_stats(logits, targets, temperature=temperature, softcap=softcap,
+                               ignore_index=ignore_index, backend=backend)  # fmt: skip
         if targets is None:
             return token_entropy(logits, temperature=temperature, softcap=softcap, backend=backend)
         return token_logprobs(
@@ -319,10 +337,14 @@ def _sharded(
     if targets is not None:
         check_targets_window(targets, logits)
     which = resolve_backend(backend, logits, targets)
-    logp, entropy = sharded_token_stats(
+    out = sharded_token_stats(
         logits, targets, shard, temperature=temperature, softcap=softcap,
         ignore_index=ignore_index, with_entropy=with_entropy, which=which,
+        with_extras=with_extras,
     )  # fmt: skip
+    if with_extras:
+        return TokenStats(*out)
+    logp, entropy = out
     if targets is None:
         return entropy
     return (logp, entropy) if with_entropy else logp

@@ -185,6 +185,67 @@ def ragged_shards(ctx):
 
 
 @check
+def token_stats_diagnostics(ctx):
+    """``token_stats`` / ``linear_token_stats`` with ``process_group=``: the five outputs of
+    the unsharded call on ragged shards (world 3: one empty), with ties at the row maximum
+    across a shard boundary (the earlier id is the top-1, wherever the later one lives),
+    an ignored token and a NaN row; gradients of ``logp`` and ``entropy``."""
+    widths = _ragged_widths(ctx.world)
+    V = sum(widths)
+    g = ctx.gen(41)
+    full = torch.randn(2, 4, V, generator=g)
+    cut = widths[0]  # the first id of the next non-empty shard
+    full[0, 0, cut - 1] = full[0, 0, cut] = 9.0  # a tie across the boundary
+    full[0, 1, cut - 1] = full[0, 1, cut] = 9.0
+    full[1, 2, 0] = full[1, 2, V - 1] = 9.0  # a tie between the first and the last id
+    full[1, 3, 2] = float("nan")
+    targets = torch.tensor([[cut, cut - 1, 0, -100], [V - 1, 3, V - 1, 1]])
+    targets[1, 0] = full[1, 0].argmax()
+    start, stop = _shard_bounds(widths, ctx.rank)
+    gl, gh = torch.randn(2, 4, generator=g), torch.randn(2, 4, generator=g)
+    hidden = torch.randn(2, 5, 6, generator=g)
+    weight = torch.randn(V, 6, generator=g)
+    layout = dict(process_group=ctx.group, vocab_start=start, vocab_size=V)
+    for backend in BACKENDS:
+        local = _local(full, start, stop)
+        got = fused_rl.token_stats(local, targets, backend=backend, **layout)
+        want = fused_rl.token_stats(full, targets, backend=backend)
+        top1 = got.is_top1.tolist()
+        assert [top1[0][0], top1[0][1], top1[0][3]] == [False, True, False], backend
+        assert [top1[1][0], top1[1][2], top1[1][3]] == [True, False, False], backend
+        for name, a, b in zip(got._fields, got, want):
+            if name == "is_top1":
+                assert torch.equal(a, b), f"{backend} is_top1"
+                continue
+            assert torch.equal(a.isnan(), b.isnan()), f"{backend} {name} NaN"
+            ok = ~b.isnan()
+            assert_rel(a[ok], b[ok], 1e-6, f"{backend} {name} vs unsharded")
+        # gradients on the rows without NaN
+        keep = torch.ones(2, 4, dtype=torch.bool)
+        keep[1, 3] = False
+        (torch.where(keep, got.logp * gl + got.entropy * gh, 0.0)).sum().backward()
+        whole = full.clone().requires_grad_()
+        w = fused_rl.token_stats(whole, targets, backend=backend)
+        (torch.where(keep, w.logp * gl + w.entropy * gh, 0.0)).sum().backward()
+        assert_rel(local.grad[keep], whole.grad[..., start:stop][keep], FP32_TOL, "grad")
+        # from hidden states: this rank's rows of the head
+        w_local = weight[start:stop].clone().requires_grad_()
+        h = hidden.clone().requires_grad_()
+        lin = fused_rl.linear_token_stats(h, w_local, targets, chunk_tokens=3, backend=backend,
+                                          **layout)  # fmt: skip
+        un = fused_rl.linear_token_stats(hidden, weight, targets, chunk_tokens=3, backend=backend)
+        assert torch.equal(lin.is_top1, un.is_top1), f"{backend} linear is_top1"
+        for name in ("logp", "entropy", "mean_logit", "log_sum_sq_probs"):
+            assert_rel(getattr(lin, name), getattr(un, name), 1e-6, f"{backend} linear {name}")
+        (lin.logp.sum() + lin.entropy.sum()).backward()
+        hh, ww = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        u = fused_rl.linear_token_stats(hh, ww, targets, chunk_tokens=3, backend=backend)
+        (u.logp.sum() + u.entropy.sum()).backward()
+        assert_rel(h.grad, hh.grad, 1e-6, f"{backend} linear hidden grad")
+        assert_rel(w_local.grad, ww.grad[start:stop], 1e-6, f"{backend} linear weight grad")
+
+
+@check
 def megatron_padded(ctx):
     """Equal shards, the vocabulary padded at the end (``vocab_size`` alone): padding
     columns, even NaN / inf ones, change nothing and get exactly zero gradient."""
@@ -1330,8 +1391,9 @@ def test_signatures():
     import inspect
 
     for fn in (fused_rl.token_logprobs, fused_rl.token_entropy, fused_rl.token_kl,
-               fused_rl.distill_loss, fused_rl.linear_distill_loss,
-               fused_rl.linear_token_logprobs, fused_rl.linear_policy_loss):  # fmt: skip
+               fused_rl.distill_loss, fused_rl.linear_distill_loss, fused_rl.token_stats,
+               fused_rl.linear_token_stats, fused_rl.linear_token_logprobs,
+               fused_rl.linear_policy_loss):  # fmt: skip
         names = list(inspect.signature(fn).parameters)
         at = names.index("process_group")
         assert names[at : at + 3] == ["process_group", "vocab_start", "vocab_size"]
