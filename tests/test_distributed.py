@@ -1309,6 +1309,11 @@ def divergence_layouts(ctx):
     _group_ok(ctx)
 
 
+def _stacked(stats):
+    """A ``TokenStats`` as one tensor (the top-1 flag as 0 / 1)."""
+    return torch.stack([*stats[:4], stats.is_top1.to(stats.logp.dtype)])
+
+
 @check
 def compiled_fullgraph(ctx):
     """Every vocabulary-parallel op under ``torch.compile(fullgraph=True)`` (no graph break:
@@ -1339,6 +1344,7 @@ def compiled_fullgraph(ctx):
         "policy_full_kl": lambda x, **k: fused_rl.policy_loss(
             x, targets, adv, old_logprobs=old, ref_logits=other[..., start:stop],
             kl_estimator="full", beta=0.1, **grp, **k)[0],
+        "token_stats": lambda x, **k: _stacked(fused_rl.token_stats(x, targets, **grp, **k)),
     }  # fmt: skip
     head_ops = {
         "linear_logprobs": lambda h, wt, **k: fused_rl.linear_token_logprobs(
@@ -1349,6 +1355,8 @@ def compiled_fullgraph(ctx):
             h, wt, t_hidden, t_weight[start:stop], beta=0.4, chunk_tokens=2, **grp, **k)[0],
         "linear_policy": lambda h, wt, **k: fused_rl.linear_policy_loss(
             h, wt, targets[:, 1:], adv, **grp, **k)[0],
+        "linear_stats": lambda h, wt, **k: _stacked(fused_rl.linear_token_stats(
+            h, wt, targets[:, 1:], chunk_tokens=2, **grp, **k)),
     }  # fmt: skip
 
     def value_grads(fn, leaves):
