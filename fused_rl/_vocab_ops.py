@@ -89,11 +89,13 @@ def token_stats_fwd(
 def token_extras_fwd(
     logits3d: Tensor, targets: Tensor, temperature: float, softcap: float | None,
     ignore_index: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """:func:`token_stats_fwd` with the entropy and, from the same read of each row, the
     per-token diagnostics: ``(logp, entropy, row_max, log_sum, mean_logit,
-    log_sum_sq_probs, is_top1)``, each ``(outer, T)`` (``is_top1`` bool). No autograd: the
-    callers differentiate ``logp`` / ``entropy`` themselves (layer 3)."""
+    log_sum_sq_probs, is_top1, raw_max)``, each ``(outer, T)`` (``is_top1`` bool;
+    ``raw_max``: the max of the logits as stored, NaN for a row holding a NaN, for the
+    vocabulary-parallel merge). ``logp`` and ``entropy`` are differentiable (layer 3, the
+    op's autograd), the rest not."""
     return _layer1(logits3d, targets, temperature, softcap, ignore_index, True, True)
 
 
@@ -104,17 +106,22 @@ def _layer1(logits3d, targets, temperature, softcap, ignore_index, with_entropy,
     inner = positions if targets is None else targets.shape[1]
     dtype = stats_dtype(logits3d.dtype)
     dev = logits3d.device
-    new = lambda on, dt=dtype: torch.empty((outer, inner) if on else (0,), dtype=dt, device=dev)  # noqa: E731
-    logp, entropy = new(targets is not None), new(with_entropy)
-    row_max, log_sum = new(True), new(True)
-    more = (new(extras), new(extras), new(extras, torch.bool)) if extras else ()
+    shape, none = (outer, inner), (0,)
+    logp = torch.empty(shape if targets is not None else none, dtype=dtype, device=dev)
+    entropy = torch.empty(shape if with_entropy else none, dtype=dtype, device=dev)
+    row_max = torch.empty(shape, dtype=dtype, device=dev)
+    log_sum = torch.empty(shape, dtype=dtype, device=dev)
+    more = ()
+    if extras:  # mean logit, log sum p^2, top-1, raw max
+        more = tuple(torch.empty(shape, dtype=dt, device=dev)
+                     for dt in (dtype, dtype, torch.bool, dtype))  # fmt: skip
     if outer * inner == 0:
         return (logp, entropy, row_max, log_sum) + more
     tgt = targets if targets is not None else row_max
-    mean, log_sq, top1 = more if extras else (row_max, row_max, row_max)
+    mean, log_sq, top1, raw_max = more if extras else (row_max,) * 4
     _token_stats_fwd_kernel[(outer * inner,)](
         logits3d, tgt, logp, entropy, row_max, log_sum, mean, log_sq,
-        top1.view(torch.uint8) if extras else top1,
+        top1.view(torch.uint8) if extras else top1, raw_max,
         inner, position_shift(positions, inner), vocab, *logits3d.stride(), *tgt.stride(),
         *f32_pair(1.0 / temperature if softcap is None else softcap / temperature),
         *(NO_CAP if softcap is None else f32_pair(1.0 / softcap)), ignore_index,
@@ -138,7 +145,7 @@ def _extras_fake(logits3d, targets, temperature, softcap, ignore_index):
         logits3d, targets, temperature, softcap, ignore_index, True
     )
     return (logp, entropy, row_max, log_sum, torch.empty_like(logp), torch.empty_like(logp),
-            torch.empty_like(logp, dtype=torch.bool))  # fmt: skip
+            torch.empty_like(logp, dtype=torch.bool), torch.empty_like(logp))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- layer 3
@@ -316,7 +323,7 @@ token_stats_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 def _extras_setup_context(ctx, inputs, output):
     _setup_context(ctx, (*inputs, True), output[:4])
-    ctx.mark_non_differentiable(*output[2:])
+    ctx.mark_non_differentiable(*output[2:])  # the normaliser and the diagnostics
 
 
 def _extras_backward(ctx, grad_logp, grad_entropy, *_grad_diagnostics):

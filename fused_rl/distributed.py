@@ -363,7 +363,9 @@ def _local_stats(x3d: Tensor, t_local: Tensor | None, spec: _Spec, inner: int):
     dtype = stats_dtype(x3d.dtype)
     if valid == 0:  # an empty shard: an empty partial (-inf, 0, 0); a target here is bad
         full = lambda v: torch.full((outer, inner), v, dtype=dtype, device=x3d.device)
-        extras = (full(0.0), full(-math.inf), full(0.0).bool()) if spec.with_extras else ()
+        extras = ()
+        if spec.with_extras:  # mean, log sum p^2, top-1, raw max
+            extras = (full(0.0), full(-math.inf), full(0.0).bool(), full(-math.inf))
         return (full(math.nan), full(0.0), full(-math.inf), full(-math.inf)) + extras
     x = x3d if valid == x3d.shape[-1] else x3d.narrow(-1, 0, valid)
     if spec.which == "reference":
@@ -409,8 +411,9 @@ def merge_partials(local, targets, t_local, ignored, spec: _Spec):
     entropy, row_max, log_sum)`` (any one shape; ``logp`` / ``entropy`` unread when not
     asked for) into ``(logp, entropy, m, log_S)`` of the whole vocabulary, that shape.
     ``spec.with_extras``: ``local`` also holds this shard's ``(mean_logit,
-    log_sum_sq_probs, is_top1)`` and the merge returns a fifth item, the whole vocabulary's
-    three (:func:`_merge_extras`: four more floats a token in the second all-reduce).
+    log_sum_sq_probs, is_top1, raw_max)`` and the merge returns a fifth item, the whole
+    vocabulary's first three (:func:`_merge_extras`: the raw max rides the first all-reduce,
+    four more floats the second: 20 bytes a token more).
 
     Shared by :func:`_merge` (one call's logits) and the vocab-parallel
     :func:`fused_rl.linear_token_logprobs` (the partials of all its chunks, merged once)."""
@@ -423,10 +426,12 @@ def merge_partials(local, targets, t_local, ignored, spec: _Spec):
         tpart = _target_part(targets, spec.ignore_index, dtype)
     else:
         tpart = torch.full((2,), -math.inf, dtype=dtype, device=dev)
-    # collective 1: the row max and the layout header
-    buf = torch.cat((m_l.reshape(-1), _header(shard, dtype, dev), tpart))
+    # collective 1: the row max (and, for the diagnostics, the raw logits' max) and the
+    # layout header
+    maxima = (m_l.reshape(-1), local[7].reshape(-1)) if spec.with_extras else (m_l.reshape(-1),)
+    buf = torch.cat((*maxima, _header(shard, dtype, dev), tpart))
     dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=shard.group)
-    hdr = buf[n:]
+    hdr = buf[n * len(maxima) :]
     ok = None
     if spec.check:
         values = hdr.tolist()  # the call's one host sync, as the unsharded target check
@@ -449,7 +454,8 @@ def merge_partials(local, targets, t_local, ignored, spec: _Spec):
         parts.append(torch.where(a == 0, 0.0, a * (log_a - ent_l)))  # sum_j e^(z_j-m)(z_j-m)
     n_parts = len(parts)
     if spec.with_extras:
-        parts += _extras_parts(local[4:], m_l, m, log_a, targets, t_local, shard)
+        raw_max = buf[n : 2 * n].view(m_l.shape)
+        parts += _extras_parts(local[4:], m_l, raw_max, log_a, targets, t_local, shard)
     packed = torch.stack(parts)
     dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=shard.group)
     total = packed[0]
@@ -476,31 +482,34 @@ def merge_partials(local, targets, t_local, ignored, spec: _Spec):
     return logp, entropy, m, log_total
 
 
-def _extras_parts(local, m_l, m, log_a, targets, t_local, shard: VocabShard) -> list:
+def _extras_parts(local, m_l, raw_max, log_a, targets, t_local, shard: VocabShard) -> list:
     """This rank's share of the diagnostics' SUM: the shard's ``sum z``, its
-    ``sum exp(2 (z - m))`` on the global max ``m``, and two counts for the top-1 flag (the
-    target is the first maximum of the whole row iff its owner holds it as its own first
-    maximum at the global max, and no shard wholly before the target reaches that max)."""
-    mean_l, log_sq_l, top1_l = local
+    ``sum exp(2 (z - m))`` on the global max ``m`` (``log_a``: ``log(s_l exp(m_l - m))``),
+    and two counts for the top-1 flag, ranked on the raw logits as unsharded: the target
+    is the first maximum of the whole row iff its owner holds it as its own first maximum
+    at the row's raw max ``raw_max`` (all ranks'), and no shard wholly before the target
+    reaches that max. A shard whose row holds a NaN (its raw max NaN) counts as blocking,
+    so the flag is False, as unsharded."""
+    mean_l, log_sq_l, top1_l, raw_max_l = local
     empty = m_l == -math.inf
     z_sum = torch.where(empty, 0.0, mean_l * shard.valid)  # the kernel's sum / V_local
     # sum exp(2 (z - m)) = exp(log sum p_l^2 + 2 log(s_l exp(m_l - m)))
     sq = torch.where(empty, 0.0, (log_sq_l + 2 * log_a).exp())
-    at_max = m_l == m
-    owner_first = (top1_l & at_max).to(m.dtype)
+    at_max = raw_max_l == raw_max
+    owner_first = (top1_l & at_max).to(m_l.dtype)
     before = (t_local == NOT_OWNED) & (targets > shard.start)  # owned by a later shard
-    blocks = (before & at_max & (shard.valid > 0)).to(m.dtype)
-    return [z_sum, sq, owner_first, blocks]
+    blocks = (before & at_max & (shard.valid > 0)) | raw_max_l.isnan()
+    return [z_sum, sq, owner_first, blocks.to(m_l.dtype)]
 
 
 def _merge_extras(summed, log_total, ignored, ok, vocab_size: int):
     """``(mean_logit, log_sum_sq_probs, is_top1)`` of the whole vocabulary from the summed
     shares of :func:`_extras_parts`; 0 / False at ignored tokens, NaN / False where the
-    layout check failed unchecked (``ok``) or a NaN reached the row."""
+    layout check failed unchecked (``ok``)."""
     z_sum, sq, owner_first, blocks = summed
     mean = z_sum / vocab_size
     log_sq = sq.log() - 2 * log_total
-    top1 = (owner_first > 0) & (blocks == 0) & (log_total == log_total)
+    top1 = (owner_first > 0) & (blocks == 0)
     if ignored is not None:
         mean = torch.where(ignored, 0.0, mean)
         log_sq = torch.where(ignored, 0.0, log_sq)

@@ -159,7 +159,7 @@ def _hidden_grad(dz: Tensor, weight: Tensor, chunk: int, dz_full: Tensor | None 
 def _chunk_stats(z: Tensor, targets: Tensor, temperature, softcap, ignore_index, which,
                  extras: bool = False):  # fmt: skip
     """``(logp, entropy, row_max, log_sum)`` of one chunk's ``(n, V)`` logits; ``extras``:
-    then ``(mean_logit, log_sum_sq_probs, is_top1)`` from the same read."""
+    then ``(mean_logit, log_sum_sq_probs, is_top1, raw_max)`` from the same read."""
     args = (z[None], targets[None], temperature, softcap, ignore_index)
     if which == "triton":
         out = token_extras_fwd_op(*args) if extras else token_stats_fwd_op(*args, True)
@@ -235,7 +235,9 @@ def _addmm_wide(acc_out: Tensor, a: Tensor, b: Tensor) -> None:
 
 class _LinearTokenStats(torch.autograd.Function):
     """``(logp, entropy)`` of ``F.linear(hidden, weight, bias)`` for ``(N, H)`` hidden rows
-    and ``(N,)`` targets, chunk by chunk (see the module docstring).
+    and ``(N,)`` targets, chunk by chunk (see the module docstring); ``extras``: then
+    ``(logp, entropy, mean_logit, log_sum_sq_probs, is_top1)``, the last three not
+    differentiable (:func:`linear_token_stats`).
 
     ``tp`` (:class:`_TensorParallel`, None when unsharded): ``weight`` / ``bias`` are this
     rank's vocabulary shard. Forward: each chunk's local logits through layer 1 on the
@@ -270,8 +272,9 @@ class _LinearTokenStats(torch.autograd.Function):
         ctx.config = (temperature, softcap, ignore_index, chunk, which)
         if not extras:
             return logp, entropy
-        ctx.mark_non_differentiable(*out[4:])
-        return (logp, entropy, *out[4:])
+        diagnostics = out[4:7]  # the raw max only serves the vocabulary-parallel merge
+        ctx.mark_non_differentiable(*diagnostics)
+        return (logp, entropy, *diagnostics)
 
     @staticmethod
     def _sharded_forward(ctx, hidden, weight, bias, targets, chunk):
@@ -330,13 +333,11 @@ class _LinearTokenStats(torch.autograd.Function):
 
 def _stat_buffers(hidden: Tensor, extras: bool) -> list[Tensor]:
     """Per-token buffers for layer 1's outputs over all chunks: ``(logp, entropy, row max,
-    log-sum)`` in the statistics dtype, and with ``extras`` the diagnostics (the last one,
-    the top-1 flag, bool)."""
+    log-sum)`` in the statistics dtype, and with ``extras`` the diagnostics ``(mean logit,
+    log sum p^2, top-1 (bool), raw max)`` (``token_extras_fwd``'s order)."""
     n_rows, acc = hidden.shape[0], stats_dtype(hidden.dtype)
-    out = [hidden.new_empty((n_rows,), dtype=acc) for _ in range(6 if extras else 4)]
-    if extras:
-        out.append(hidden.new_empty((n_rows,), dtype=torch.bool))
-    return out
+    dtypes = (acc,) * 4 + ((acc, acc, torch.bool, acc) if extras else ())
+    return [hidden.new_empty((n_rows,), dtype=dt) for dt in dtypes]
 
 
 def _truncated_chunk_grad(z, targets, stats, g, top_k, top_p, temperature, softcap,
@@ -1132,7 +1133,7 @@ def linear_token_stats(
         tokens.
 
     Cost: :func:`linear_token_logprobs` ``(return_entropy=True)``'s: one GEMM per chunk and
-    one read of its logits forward (9 more bytes written a token), two GEMMs and one read
+    one read of its logits forward (13 more bytes written a token), two GEMMs and one read
     and write backward.
 
     Example:

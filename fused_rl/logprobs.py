@@ -265,12 +265,14 @@ def token_stats(
 
     Returns:
         :class:`TokenStats` ``(logp, entropy, mean_logit, log_sum_sq_probs, is_top1)``, each
-        ``targets.shape``. ``is_top1`` follows ``torch.argmax``: on a tie the lowest id is
-        the prediction; a row holding a NaN predicts nothing (False), and gives NaN
-        everywhere else, as :func:`token_logprobs`.
+        ``targets.shape``. ``is_top1`` is ``torch.argmax`` of the logits as given: on a tie
+        the lowest id is the prediction, ranked before the temperature and the cap (which
+        keep the order: none of their rounding makes or breaks a tie); a row holding a NaN
+        predicts nothing (False), and gives NaN in the other outputs, as
+        :func:`token_logprobs`.
 
     Cost: the kernel of :func:`token_logprobs`, one read of each counted row forward
-    (ignored rows are not read), 25 bytes written a token; the backward is layer 3's one
+    (ignored rows are not read), 29 bytes written a token; the backward is layer 3's one
     read and one write.
 
     Example:
@@ -302,12 +304,12 @@ def token_stats(
         with torch.no_grad():
             extras = ref.row_extras(rows3d, targets.reshape(rows3d.shape[:2]),
                                     float(temperature), int(ignore_index), cap)  # fmt: skip
-        return TokenStats(logp, entropy, *(x.reshape(targets.shape) for x in extras))
+        return TokenStats(logp, entropy, *(x.reshape(targets.shape) for x in extras[:3]))
     logits3d = as_rows3d(logits)
     n_targets = targets.shape[-1] if targets.dim() > 0 else 1
     t2d = targets.reshape(logits3d.shape[0], n_targets if logits.dim() > 1 else 1)
     out = token_extras_fwd_op(logits3d, t2d, float(temperature), cap, int(ignore_index))
-    logp, entropy, _, _, mean, log_sq, top1 = out
+    logp, entropy, _, _, mean, log_sq, top1, _ = out
     return TokenStats(*(x.reshape(targets.shape) for x in (logp, entropy, mean, log_sq, top1)))
 
 

@@ -28,7 +28,7 @@ BUDGET = {
     "policy_loss": (112, 17),
     "policy_loss_cispo": (112, 17),
     "policy_loss_is": (114, 17),
-    "token_logprobs": (75, 14),
+    "token_logprobs": (72, 14),
 }
 
 

@@ -669,13 +669,21 @@ def test_trainer_refuses_a_trl_head(model_dir, tmp_path, monkeypatch):
 
 @needs_trl
 def test_patch_unpatch_restore_exactly():
-    import trl
-    from trl.trainer import grpo_trainer, rloo_trainer
+    """``patch()`` wraps every head trainer of the installed TRL (and the distillation
+    trainer); ``unpatch()`` restores each ``__init__`` and each module's
+    ``add_fused_lm_head`` exactly."""
+    import importlib
 
-    init = trl.GRPOTrainer.__dict__["__init__"]
-    rloo_init = trl.RLOOTrainer.__dict__["__init__"]
-    head = grpo_trainer.add_fused_lm_head
-    rloo_head = rloo_trainer.add_fused_lm_head
+    import trl
+
+    modules = {}
+    for name in fused_trl.HEAD_TRAINERS:
+        try:
+            modules[name] = fused_trl._trainer_module(name)
+        except ImportError:  # a TRL whose trainer has no fused head (TRL 1.15's RLOO)
+            assert name != "GRPOTrainer"
+    inits = {name: getattr(m, name).__dict__["__init__"] for name, m in modules.items()}
+    heads = {name: m.add_fused_lm_head for name, m in modules.items()}
     with pytest.raises(ValueError, match="^backend must be one of"):
         fused_trl.patch(backend="cuda")
     with pytest.raises(ValueError, match="^chunk_tokens must be"):
@@ -685,8 +693,8 @@ def test_patch_unpatch_restore_exactly():
     try:
         fused_trl.patch(backend="reference")  # again: only the options change
         assert fused_trl.is_patched()
-        assert trl.GRPOTrainer.__init__ is not init
-        assert trl.RLOOTrainer.__init__ is not rloo_init
+        for name, m in modules.items():
+            assert getattr(m, name).__init__ is not inits[name], name
         with fused_trl.patched(backend="triton"):
             assert fused_trl._PATCH["options"].backend == "triton"
         assert fused_trl.is_patched() and fused_trl._PATCH["options"].backend == "reference"
@@ -694,13 +702,13 @@ def test_patch_unpatch_restore_exactly():
         fused_trl.unpatch()
     fused_trl.unpatch()  # again: nothing to do
     assert not fused_trl.is_patched()
-    assert trl.GRPOTrainer.__dict__["__init__"] is init
-    assert trl.RLOOTrainer.__dict__["__init__"] is rloo_init
-    assert grpo_trainer.add_fused_lm_head is head
-    assert rloo_trainer.add_fused_lm_head is rloo_head
+    for name, m in modules.items():
+        assert getattr(m, name).__dict__["__init__"] is inits[name], name
+        assert m.add_fused_lm_head is heads[name], name
+        assert importlib.import_module(m.__name__) is m
     with fused_trl.patched():
         assert fused_trl.is_patched()
-    assert trl.GRPOTrainer.__dict__["__init__"] is init
+    assert trl.GRPOTrainer.__dict__["__init__"] is inits["GRPOTrainer"]
     assert issubclass(fused_trl.GRPOTrainer, trl.GRPOTrainer)
     assert fused_trl.GRPOTrainer.__module__ == "fused_rl.integrations.trl"
 

@@ -191,3 +191,13 @@ def test_trainers_take_only_the_head_options(model_dir, tmp_path):
     assert trainer.fused_rl_options.chunk_tokens == 5
     head = vars(trainer.model)[fused_trl._MARK]
     assert head.diagnostics == ("is_top1",) and head.entropy
+    # patch(loss=True) routes GRPO's and RLOO's loss; these trainers keep TRL's
+    with fused_trl.patched(loss=True, kl_estimator="full"):
+        import trl
+
+        trainer = trl.SFTTrainer(
+            model=model_dir, args=_args("SFTTrainer", str(tmp_path)),
+            train_dataset=_dataset("SFTTrainer"), processing_class=_tokenizer(),
+        )  # fmt: skip
+    assert not trainer.fused_rl_options.loss
+    assert trainer.fused_rl_options.kl_estimator == "k3"

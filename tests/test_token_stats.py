@@ -36,7 +36,7 @@ def _oracle(logits, targets, temperature=1.0, softcap=None, ignore_index=-100):
     zero = torch.zeros_like(logp)
     mean = torch.where(keep, z.mean(-1), zero)
     log_sq = torch.where(keep, torch.logsumexp(2 * torch.log_softmax(z, -1), -1), zero)
-    top1 = (z.argmax(-1) == targets) & keep
+    top1 = (logits.argmax(-1) == targets) & keep  # argmax of the logits as given
     return logp, entropy, mean, log_sq, top1
 
 
@@ -133,6 +133,45 @@ def test_nan_row_gives_nan_and_no_top1(backend, device):
     for out in stats[:4]:
         assert out[1].isnan() and out[[0, 2]].isfinite().all()
     assert stats.is_top1.tolist() == [True, False, True]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_infinite_logits_follow_argmax(backend, device):
+    """``+inf`` and all-``-inf`` rows: ``is_top1`` is ``torch.argmax``'s answer (the first
+    infinite maximum; id 0 of an all-``-inf`` row), on both backends."""
+    inf = float("inf")
+    logits = torch.randn(5, 9, device=device)
+    logits[0, 4] = inf  # the target is the +inf
+    logits[1, 2] = logits[1, 6] = inf  # two, the target the later one
+    logits[2] = logits[3] = -inf  # all -inf: argmax is 0
+    logits[4, :] = -inf
+    logits[4, 3] = 1.0
+    targets = torch.tensor([4, 6, 0, 5, 3], device=device)
+    stats = fused_rl.token_stats(logits, targets, backend=backend)
+    assert stats.is_top1.tolist() == (logits.argmax(-1) == targets).tolist()
+    assert stats.is_top1.tolist() == [True, False, True, False, True]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("transform", [(3.5, None), (0.3, 1.5)], ids=["T3.5", "T0.3-cap"])
+def test_top1_ranks_the_logits_not_their_rounding(backend, transform, device):
+    """Two logits one ulp apart stay ordered whatever the temperature or the cap round them
+    to (fp32 ``x / T`` or ``c tanh(x / c)`` may make them equal): the flag is the argmax of
+    the logits as given, the same on both backends."""
+    temperature, softcap = transform
+    torch.manual_seed(10)
+    x = torch.rand(400, device=device) * 4 + 1
+    logits = torch.full((400, 8), -5.0, device=device)
+    logits[:, 3] = x
+    logits[:, 5] = torch.nextafter(x, torch.full_like(x, 100.0))  # one ulp above
+    targets = torch.full((400,), 5, device=device)
+    stats = fused_rl.token_stats(
+        logits, targets, temperature=temperature, softcap=softcap, backend=backend
+    )
+    assert stats.is_top1.all()
+    stats = fused_rl.token_stats(logits, torch.full_like(targets, 3), temperature=temperature,
+                                 softcap=softcap, backend=backend)  # fmt: skip
+    assert not stats.is_top1.any()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -52,10 +52,15 @@ INPUTS = {
     "gaussian_entropy": lambda: ((_x(B, T).exp(),), {}),
     "token_logprobs": lambda: ((_x(B, T, V_SIZE), torch.zeros(B, T, dtype=torch.long)), {}),
     "token_entropy": lambda: ((_x(B, T, V_SIZE),), {}),
+    "token_stats": lambda: ((_x(B, T, V_SIZE), torch.zeros(B, T, dtype=torch.long)), {}),
     "token_kl": lambda: ((_x(B, T, V_SIZE), _x(B, T, V_SIZE) * 0.5), {}),
     "distill_loss": lambda: ((_x(B, T, V_SIZE), _x(B, T, V_SIZE) * 0.5), {}),
     "linear_distill_loss": lambda: ((_x(B, T, 3), _x(V_SIZE, 3), _x(B, T, 4), _x(V_SIZE, 4)), {}),
     "linear_token_logprobs": lambda: (
+        (_x(B, T + 1, 3), _x(V_SIZE, 3), torch.zeros(B, T, dtype=torch.long)),
+        {},
+    ),
+    "linear_token_stats": lambda: (
         (_x(B, T + 1, 3), _x(V_SIZE, 3), torch.zeros(B, T, dtype=torch.long)),
         {},
     ),

@@ -315,6 +315,14 @@ def add_fused_lm_head(
     options = Options.checked(backend, chunk_tokens)
     text_config = model.config.get_text_config()
     head_temperature, head_softcap = _check_head(model, text_config, outputs, temperature)
+    output_type = trl_utils.FusedCausalLMOutput
+    fields = {f.name for f in dataclasses.fields(output_type)}
+    absent = [o for o in outputs if o not in fields]
+    if absent:  # TRL 1.15's output has no field for the diagnostics
+        raise ValueError(
+            f"the fused LM head was asked for outputs {absent}, which this TRL's "
+            "FusedCausalLMOutput has no field for (TRL >= 1.16 has)"
+        )
     previous = model.__dict__.get(_MARK)
     head = _Head(
         temperature=head_temperature,
@@ -327,7 +335,6 @@ def add_fused_lm_head(
         options=options,
         original_forward=model.forward if previous is None else previous.original_forward,
     )
-    output_type = trl_utils.FusedCausalLMOutput
 
     # the class's signature, which generate() checks its keyword arguments against
     @functools.wraps(type(model).forward)
@@ -558,6 +565,8 @@ def _fused_init(trainer, trl_init: Callable[[], None], options: Options, name: s
         from . import _trl_rloo
 
         _trl_rloo.route(trainer)
+    elif name not in ("GRPOTrainer", "RLOOTrainer"):  # patch(loss=True): their loss is TRL's
+        options = dataclasses.replace(options, loss=False, kl_estimator="k3")
     trainer.fused_rl_options = options
 
 

@@ -90,26 +90,30 @@ def row_extras(
     temperature: float,
     ignore_index: int,
     softcap: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The per-token diagnostics ``(mean_logit, log_sum_sq_probs, is_top1)`` of the scaled
-    logits ``z``: ``mean_v z_v``, ``log sum_v p_v^2`` and ``argmax_v z_v == target`` (the
-    first maximum, as ``torch.argmax``; False for a row holding a NaN and for a target
-    outside ``[0, V)``), ``(outer, inner)`` fp32 (fp64 for fp64 logits) / bool, no
-    autograd. Ignored rows give 0 / 0 / False."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-token diagnostics ``(mean_logit, log_sum_sq_probs, is_top1, raw_max)``:
+    ``mean_v z_v`` and ``log sum_v p_v^2`` of the scaled logits ``z``, ``argmax_v x_v ==
+    target`` of the logits ``x`` as given (the first maximum, as ``torch.argmax``; the
+    temperature and the cap keep the order, so none of their rounding makes or breaks a
+    tie; False for a row holding a NaN and for a target outside ``[0, V)``) and ``max_v
+    x_v`` (NaN for a row holding a NaN), ``(outer, inner)`` fp32 (fp64 for fp64 logits) /
+    bool, no autograd. Ignored rows give 0 / 0 / False / 0."""
     outer, inner, vocab = logits3d.shape
     dtype = acc_dtype(logits3d)
     mean = torch.zeros(outer, inner, dtype=dtype, device=logits3d.device)
-    log_sq = torch.zeros_like(mean)
+    log_sq, raw_max = torch.zeros_like(mean), torch.zeros_like(mean)
     top1 = torch.zeros(outer, inner, dtype=torch.bool, device=logits3d.device)
     for idx in _chunks(outer, inner, vocab):
-        z = scaled(logits3d[idx].to(dtype), temperature, softcap)
+        x = logits3d[idx].to(dtype)
+        z = scaled(x, temperature, softcap)
         mean[idx] = z.mean(-1)
         log_sq[idx] = torch.logsumexp(2 * torch.log_softmax(z, -1), -1)
-        t = targets[idx].long()
-        top1[idx] = (z.argmax(-1) == t) & ~z.isnan().any(-1)
+        raw_max[idx] = x.amax(-1)  # NaN when the row holds one
+        top1[idx] = (x.argmax(-1) == targets[idx].long()) & ~raw_max[idx].isnan()
     counted = targets != ignore_index
     zero = torch.zeros_like(mean)
-    return torch.where(counted, mean, zero), torch.where(counted, log_sq, zero), top1 & counted
+    return (torch.where(counted, mean, zero), torch.where(counted, log_sq, zero),
+            top1 & counted, torch.where(counted, raw_max, zero))  # fmt: skip
 
 
 def grad_logits(

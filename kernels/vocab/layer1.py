@@ -52,8 +52,9 @@ def scaled_logits(x, inv_temperature, inv_cap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def block_stats(z, WITH_ENTROPY: tl.constexpr):
-    """Statistics of one block of scaled logits (``-inf`` where masked out)."""
+def block_stats(z, WITH_ENTROPY: tl.constexpr, WITH_SQ: tl.constexpr = False):
+    """Statistics of one block of scaled logits (``-inf`` where masked out): ``(m, s, w,
+    q)``, ``q = sum exp(2 (z - m))`` with ``WITH_SQ`` (else 0), from the same ``exp``."""
     m = tl.max(z, 0)
     m_ref = tl.where(m == float("-inf"), 0.0, m)
     d = z - m_ref
@@ -63,7 +64,11 @@ def block_stats(z, WITH_ENTROPY: tl.constexpr):
         w = tl.sum(tl.where(e > 0, e * d, 0.0), 0)  # 0 * -inf guarded
     else:
         w = s * 0.0
-    return m, s, w
+    if WITH_SQ:
+        q = tl.sum(e * e, 0)
+    else:
+        q = s * 0.0
+    return m, s, w, q
 
 
 @triton.jit
@@ -86,8 +91,8 @@ def row_moments(
     rounding of a large ``lse`` (|logits| ~ 1e4 in fp32). ``active`` False skips the loads
     (ignored tokens cost no bandwidth).
     """
-    m, log_s, entropy, _, _, _ = row_pass(
-        row_ptr, V, stride_v, inv_temperature, inv_cap, active, -1, WITH_ENTROPY, False,
+    m, log_s, entropy, _, _, _, _ = row_pass(
+        row_ptr, V, stride_v, inv_temperature, inv_cap, active, -1, 0.0, WITH_ENTROPY, False,
         HAS_SOFTCAP, BLOCK_V, ACC,
     )  # fmt: skip
     return m, log_s, entropy
@@ -102,6 +107,7 @@ def row_pass(
     inv_cap,
     active,
     target,
+    x_target,
     WITH_ENTROPY: tl.constexpr,
     WITH_EXTRAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
@@ -110,38 +116,46 @@ def row_pass(
 ):
     """:func:`row_moments` and, with ``WITH_EXTRAS``, from the same read of the row:
     ``z_sum = sum z`` (the mean logit is ``z_sum / V``), ``q = sum exp(2 (z - m))`` (so
-    ``log sum p^2 = log q - 2 log s``) and ``before``, the largest ``z`` at an id below
-    ``target`` (the target is the first argmax iff ``z_y >= m`` and ``z_y > before``, as
-    ``argmax`` breaks ties to the lowest id). Returns ``(m, log_s, entropy, z_sum, q,
-    before)``; the last three are 0 / 0 / -inf without ``WITH_EXTRAS``."""
+    ``log sum p^2 = log q - 2 log s``), the raw logits' max ``x_max`` (NaN if the row holds
+    a NaN) and ``tied``: an id below ``target`` whose raw logit reaches the target's
+    ``x_target``. The target is the first argmax iff ``x_target >= x_max`` and none is
+    ``tied``; ranked on the raw logits, which the temperature and the cap keep in order, so
+    no rounding of theirs makes or breaks a tie. Returns ``(m, log_s, entropy, z_sum, q,
+    x_max, tied)`` (``tied`` a count); the last four are 0 / 0 / -inf / 0 without
+    ``WITH_EXTRAS``."""
     m = tl.full((), float("-inf"), ACC)
     s = tl.zeros((), ACC)
     w = tl.zeros((), ACC)
     z_sum = tl.zeros((), ACC)
     q = tl.zeros((), ACC)
-    before = tl.full((), float("-inf"), ACC)
+    x_max = tl.full((), float("-inf"), ACC)
     n_cols = tl.where(active, V, 0)
+    tied = tl.zeros((), tl.int32)  # ids below the target reaching its logit
+    nans = tl.zeros((), tl.int32)
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V, other=float("-inf"))
-        z = scaled_logits(x.to(ACC), inv_temperature, inv_cap, HAS_SOFTCAP)
+        x = x.to(ACC)
+        z = scaled_logits(x, inv_temperature, inv_cap, HAS_SOFTCAP)
         if HAS_SOFTCAP:  # the cap maps the padding lanes' -inf to -c / T: back to -inf
             z = tl.where(cols < V, z, float("-inf"))
-        m_b, s_b, w_b = block_stats(z, WITH_ENTROPY)
+        m_b, s_b, w_b, q_b = block_stats(z, WITH_ENTROPY, WITH_EXTRAS)
         if WITH_EXTRAS:
             z_sum += tl.sum(tl.where(cols < V, z, 0.0), 0)
-            # the block's sum exp(2 (z - m_b)), moved onto the merged max like s
+            # q and the block's q_b onto the merged max (as merge_stats moves s)
             m_new = nan_max(m, m_b)
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            e = tl.exp(z - m_ref)
-            q = q * tl.exp(2.0 * (m - m_ref)) + tl.sum(e * e, 0)
-            before = nan_max(before, tl.max(tl.where(cols < target, z, float("-inf")), 0))
+            q = q * tl.exp(2.0 * (m - m_ref)) + q_b * tl.exp(2.0 * (m_b - m_ref))
+            x_max = tl.maximum(x_max, tl.max(x, 0))
+            nans += tl.sum((x != x).to(tl.int32), 0)
+            tied += tl.sum(((cols < target) & (x >= x_target)).to(tl.int32), 0)
         m, s, w = merge_stats(m, s, w, m_b, s_b, w_b)
     log_s = tl.log(s)
     entropy = log_s - w / s
     # H >= 0 always; rounding can leave -1e-8 on a point mass (a where() keeps NaN as NaN)
     entropy = tl.where(entropy < 0, 0.0, entropy)
-    return m, log_s, entropy, z_sum, q, before
+    x_max = tl.where(nans > 0, float("nan"), x_max)
+    return m, log_s, entropy, z_sum, q, x_max, tied
 
 
 @triton.jit
@@ -150,11 +164,17 @@ def target_logit(
     HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """Scaled logit of the target, or NaN for a target outside ``[0, V)`` (never a wild read)."""
+    x = target_raw(row_ptr, target, V, stride_v, active, ACC)
+    return scaled_logits(x, inv_temperature, inv_cap, HAS_SOFTCAP)
+
+
+@triton.jit
+def target_raw(row_ptr, target, V, stride_v, active, ACC: tl.constexpr):
+    """The target's logit as stored (in ``ACC``), NaN for a target outside ``[0, V)``."""
     in_range = (target >= 0) & (target < V)
     safe = tl.where(in_range, target, 0).to(tl.int64)
     x = tl.load(row_ptr + safe * stride_v, mask=active & in_range, other=0.0)
-    z = scaled_logits(x.to(ACC), inv_temperature, inv_cap, HAS_SOFTCAP)
-    return tl.where(in_range, z, float("nan"))
+    return tl.where(in_range, x.to(ACC), float("nan"))
 
 
 @triton.jit(
@@ -170,6 +190,7 @@ def _token_stats_fwd_kernel(
     mean_ptr,
     log_sq_ptr,
     top1_ptr,
+    raw_max_ptr,
     rows_inner,
     shift,
     V,
@@ -195,9 +216,11 @@ def _token_stats_fwd_kernel(
     of each ``outer`` predicts target ``inner`` (see ``row_pointer``); targets are strided.
     ``inv_t``: ``1 / T`` (``c / T`` with ``HAS_SOFTCAP``), ``inv_cap``: ``1 / c``.
     ``WITH_EXTRAS`` (with targets), from the same read of the row: the mean scaled logit,
-    ``log sum p^2`` and whether the target is the first argmax (a byte, 0 / 1); ignored rows
-    get 0. Bytes: one read of each counted row; 12 bytes written a token (logp, m, log s),
-    4 more with the entropy, 9 more with ``WITH_EXTRAS``; fp64 logits: twice the floats."""
+    ``log sum p^2``, whether the target is the first argmax of the row's logits (a byte,
+    0 / 1; none where the row holds a NaN) and the raw logits' max (NaN then; what the
+    vocabulary-parallel merge compares across shards); ignored rows get 0. Bytes: one read
+    of each counted row; 12 bytes written a token (logp, m, log s), 4 more with the
+    entropy, 13 more with ``WITH_EXTRAS``; fp64 logits: twice the floats."""
     row = tl.program_id(0).to(tl.int64)
     inv_temperature = pair(inv_t_hi, inv_t_lo, ACC)  # 1 / T, fp64-exact for fp64 logits
     inv_cap = pair(inv_cap_hi, inv_cap_lo, ACC)  # HAS_SOFTCAP: 1 / c, and the above c / T
@@ -206,11 +229,13 @@ def _token_stats_fwd_kernel(
         t_off = token_offset(row, rows_inner, t_stride_outer, t_stride_inner)
         target = tl.load(targets_ptr + t_off).to(tl.int64)
         active = target != ignore_index
+        x_y = target_raw(row_ptr, target, V, stride_v, active, ACC)
     else:
         target = row * 0 - 1
         active = row >= 0
-    m, log_s, entropy, z_sum, q, before = row_pass(
-        row_ptr, V, stride_v, inv_temperature, inv_cap, active, target, WITH_ENTROPY,
+        x_y = tl.zeros((), ACC)
+    m, log_s, entropy, z_sum, q, x_max, tied = row_pass(
+        row_ptr, V, stride_v, inv_temperature, inv_cap, active, target, x_y, WITH_ENTROPY,
         WITH_EXTRAS, HAS_SOFTCAP, BLOCK_V, ACC,
     )  # fmt: skip
     tl.store(max_ptr + row, tl.where(active, m, 0.0))
@@ -218,13 +243,11 @@ def _token_stats_fwd_kernel(
     if WITH_ENTROPY:
         tl.store(entropy_ptr + row, tl.where(active, entropy, 0.0))
     if HAS_TARGETS:
-        z_y = target_logit(
-            row_ptr, target, V, stride_v, inv_temperature, inv_cap, active, HAS_SOFTCAP, ACC
-        )
+        z_y = scaled_logits(x_y, inv_temperature, inv_cap, HAS_SOFTCAP)
         tl.store(logp_ptr + row, tl.where(active, (z_y - m) - log_s, 0.0))
         if WITH_EXTRAS:
             tl.store(mean_ptr + row, tl.where(active, z_sum / V, 0.0))
             tl.store(log_sq_ptr + row, tl.where(active, tl.log(q) - 2.0 * log_s, 0.0))
-            # a NaN anywhere in the row makes log s NaN (a block max may skip it)
-            top1 = active & (z_y >= m) & (z_y > before) & (log_s == log_s)
+            tl.store(raw_max_ptr + row, tl.where(active, x_max, 0.0))
+            top1 = active & (x_y >= x_max) & (tied == 0)
             tl.store(top1_ptr + row, top1.to(tl.uint8))
