@@ -1125,7 +1125,7 @@ def linear_token_stats(
         process_group, vocab_start, vocab_size, reduce_hidden_grad: vocabulary
             parallelism, as :func:`linear_token_logprobs` (``weight`` / ``bias`` this rank's
             shard, ``hidden`` replicated): every rank returns the unsharded call's five
-            outputs; the two all-reduces of all chunks' partials carry 32 bytes a token
+            outputs; the two all-reduces of all chunks' partials carry 36 bytes a token
             (:func:`fused_rl.token_stats` ``(process_group=)``).
 
     Returns:

@@ -259,9 +259,11 @@ def token_stats(
             targets, ``S > T``, included).
         process_group, vocab_start, vocab_size: vocabulary parallelism, as
             :func:`token_logprobs` (or a ``DTensor`` placed ``Shard(-1)``): every rank
-            returns the unsharded call's five outputs. Its two all-reduces carry 4 more
-            floats a token (each shard's ``sum z`` and ``sum exp(2 (z - m))``, two counts
-            for the top-1 flag): 32 bytes a token per rank.
+            returns the unsharded call's five outputs. Its two all-reduces carry 5 more
+            floats a token than :func:`token_logprobs` ``(return_entropy=True)``'s 4: the
+            row's raw max (the top-1 flag ranks the logits as given), each shard's ``sum z``
+            and ``sum exp(2 (z - m))``, two counts for the top-1 flag; 36 bytes a token per
+            rank.
 
     Returns:
         :class:`TokenStats` ``(logp, entropy, mean_logit, log_sum_sq_probs, is_top1)``, each

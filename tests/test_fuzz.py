@@ -713,6 +713,10 @@ def token_stats_cases(draw, op):
     targets = draw(target_args(tshape, vocab, ignore_index))
     with_entropy = draw(st.booleans())
     counted_tok = targets.value() != ignore_index
+    if op == "token_stats":
+        return _token_stats_case(
+            logits, targets, temperature, ignore_index, counted_tok, lead, n_tok, upstream_seed
+        )
     counted = _window_counted(counted_tok, lead[-1]) if lead else counted_tok.reshape(1).clone()
 
     def call(x, backend):
@@ -736,9 +740,43 @@ def token_stats_cases(draw, op):
     )  # fmt: skip
 
 
+def _token_stats_case(logits, targets, temperature, ignore_index, counted_tok, lead, n_tok,
+                      upstream_seed):  # fmt: skip
+    """``token_stats``: its five outputs (the top-1 flag as 0 / 1), the log-prob's and the
+    entropy's NaN rule of ``token_logprobs``; the diagnostics NaN exactly where the
+    reference's are (the backends must agree)."""
+    counted = _window_counted(counted_tok, lead[-1]) if lead else counted_tok.reshape(1).clone()
+
+    def call(x, backend):
+        s = fused_rl.token_stats(x["logits"], x["targets"], temperature=temperature,
+                                 ignore_index=ignore_index, backend=backend)  # fmt: skip
+        return {"logp": s.logp, "entropy": s.entropy, "mean_logit": s.mean_logit,
+                "log_sum_sq_probs": s.log_sum_sq_probs,
+                "is_top1": s.is_top1.to(s.logp.dtype)}  # fmt: skip
+
+    def rule(x):
+        lg = x["logits"]
+        if lg.dim() >= 2:
+            lg = lg[..., _window_rows(lg.shape[-2], n_tok), :]
+        bad = row_poisoned(lg) & counted_tok
+        return {"logp": bad, "entropy": bad}
+
+    hyper = {"temperature": temperature, "ignore_index": ignore_index}
+    return Case(
+        "token_stats", call, {"logits": logits, "targets": targets}, hyper, grad=("logits",),
+        counted={"logits": counted}, nan_rule=rule, upstream_seed=upstream_seed,
+    )  # fmt: skip
+
+
 @fuzz(30)
 @given(token_stats_cases("token_logprobs"))
 def test_token_logprobs(case):
+    check_case(case)
+
+
+@fuzz(10)
+@given(token_stats_cases("token_stats"))
+def test_token_stats(case):
     check_case(case)
 
 
@@ -2118,6 +2156,13 @@ TOKEN = ("advantages", "old_logprobs", "ref_logprobs")
 BAD_SPECS = {
     "token_logprobs": _spec(
         _op("token_logprobs"),
+        lambda b, t, v, dt, g: dict(logits=_randn(g, b, t, v, dtype=dt), targets=_ids(g, v, b, t)),
+        floats=("logits",),
+        indices={"targets": "V"},
+        temperature="positive",
+    ),
+    "token_stats": _spec(
+        _op("token_stats"),
         lambda b, t, v, dt, g: dict(logits=_randn(g, b, t, v, dtype=dt), targets=_ids(g, v, b, t)),
         floats=("logits",),
         indices={"targets": "V"},
