@@ -1073,6 +1073,19 @@ def linear_token_logprobs(
             return_entropy, chunk_tokens, process_group, vocab_start, vocab_size,
             reduce_hidden_grad, backend,
         )  # fmt: skip
+    logp, entropy = _linear_stats(
+        hidden, weight, targets, bias, temperature, softcap, ignore_index, chunk_tokens,
+        process_group, vocab_start, vocab_size, reduce_hidden_grad, backend, return_entropy,
+    )  # fmt: skip
+    return (logp, entropy) if return_entropy else logp
+
+
+def _linear_stats(hidden, weight, targets, bias, temperature, softcap, ignore_index,
+                  chunk_tokens, process_group, vocab_start, vocab_size, reduce_hidden_grad,
+                  backend, with_entropy, extras=False) -> tuple[Tensor, ...]:  # fmt: skip
+    """:class:`_LinearTokenStats` on checked inputs, unsharded or on this rank's shard:
+    ``(logp, entropy)`` (``extras``: and the three diagnostics), each ``targets.shape``
+    (the entropy None where not asked for)."""
     sharded = process_group is not None
     check_layout_keywords(process_group, vocab_start, vocab_size)
     rows, weight, bias, flat_targets, chunk, which = _prepare(
@@ -1084,15 +1097,16 @@ def linear_token_logprobs(
     if sharded:
         tp = _tensor_parallel(
             process_group, weight, vocab_start, vocab_size, temperature, cap, ignore_index,
-            return_entropy, which, reduce_hidden_grad, rows,
+            with_entropy, which, reduce_hidden_grad, rows, with_extras=extras,
         )  # fmt: skip
     with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
-        logp, entropy = _LinearTokenStats.apply(
+        out = _LinearTokenStats.apply(
             rows, weight, bias, flat_targets, float(temperature), cap, int(ignore_index),
-            chunk, which, tp,
+            chunk, which, tp, extras,
         )  # fmt: skip
-    logp = logp.view(targets.shape)
-    return (logp, entropy.view(targets.shape)) if return_entropy else logp
+    logp, entropy, *diagnostics = out  # the entropy: empty where not asked for (sharded)
+    entropy = entropy.view(targets.shape) if with_entropy else None
+    return (logp.view(targets.shape), entropy, *(x.view(targets.shape) for x in diagnostics))
 
 
 def linear_token_stats(
@@ -1149,25 +1163,10 @@ def linear_token_stats(
     """
     if not isinstance(reduce_hidden_grad, bool):
         raise TypeError(f"reduce_hidden_grad must be a bool, got {type(reduce_hidden_grad)}")
-    sharded = process_group is not None
-    check_layout_keywords(process_group, vocab_start, vocab_size)
-    rows, weight, bias, flat_targets, chunk, which = _prepare(
-        hidden, weight, bias, targets, temperature, softcap, ignore_index, chunk_tokens,
-        backend, sharded,
-    )  # fmt: skip
-    cap = None if softcap is None else float(softcap)
-    tp = None
-    if sharded:
-        tp = _tensor_parallel(
-            process_group, weight, vocab_start, vocab_size, temperature, cap, ignore_index,
-            True, which, reduce_hidden_grad, rows, with_extras=True,
-        )  # fmt: skip
-    with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
-        out = _LinearTokenStats.apply(
-            rows, weight, bias, flat_targets, float(temperature), cap, int(ignore_index),
-            chunk, which, tp, True,
-        )  # fmt: skip
-    return TokenStats(*(x.view(targets.shape) for x in out))
+    return TokenStats(*_linear_stats(
+        hidden, weight, targets, bias, temperature, softcap, ignore_index, chunk_tokens,
+        process_group, vocab_start, vocab_size, reduce_hidden_grad, backend, True, extras=True,
+    ))  # fmt: skip
 
 
 def _linear_truncated(hidden, weight, targets, bias, top_k, top_p, temperature, softcap,
