@@ -46,7 +46,11 @@
 #                  then one on-policy distillation step of TRL's DistillationTrainer, TRL's
 #                  chunked divergence against fused_rl's (bench/e2e_trl_distill.py: random
 #                  Qwen2.5-0.5B / 1.5B-shaped student / teacher, 2 x (256 + 2048) tokens):
-#                  $OUT/e2e_distill.log and $OUT/results/e2e_trl_distill.json
+#                  $OUT/e2e_distill.log and $OUT/results/e2e_trl_distill.json; then one
+#                  SFT and one DPO step of TRL's SFTTrainer / DPOTrainer, TRL's head (with
+#                  its token accuracy and mean logits) against fused_rl's
+#                  (bench/e2e_trl_pref.py: Qwen2.5-1.5B-shaped, 4 x (256 + 1792) words):
+#                  $OUT/e2e_pref.log and $OUT/results/e2e_trl_pref.json
 #
 # The bench part RESUMES: cases already in bench/results/<gpu>/results.json of this working
 # tree are skipped, so repeated calls (each under the 10-minute command limit) complete the
@@ -202,6 +206,10 @@ if [ "$PART" = e2e ]; then
     echo "== one distillation step of TRL's DistillationTrainer: TRL's loss against fused_rl's"
     "$PY" -m bench.e2e_trl_distill --device cuda --out "$OUT/results/e2e_trl_distill.json" \
         2>&1 | grep -v "Loading weights" | tee "$OUT/e2e_distill.log" | tail -20
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    echo "== one SFT and one DPO step of TRL's trainers: TRL's head against fused_rl's"
+    "$PY" -m bench.e2e_trl_pref --device cuda --out "$OUT/results/e2e_trl_pref.json" \
+        2>&1 | grep -v "Loading weights" | tee "$OUT/e2e_pref.log" | tail -20
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 

@@ -201,3 +201,21 @@ def test_trainers_take_only_the_head_options(model_dir, tmp_path):
         )  # fmt: skip
     assert not trainer.fused_rl_options.loss
     assert trainer.fused_rl_options.kl_estimator == "k3"
+
+
+def test_bench_e2e_parity(tmp_path):
+    """``bench/e2e_trl_pref.py`` at its tiny shape: fused_rl's SFT and DPO trainers step
+    from the same weights on the same batch to TRL's loss and gradient norm."""
+    import json
+
+    from bench import e2e_trl_pref
+
+    out = tmp_path / "e2e.json"
+    assert e2e_trl_pref.main(["--device", "cpu", "--tiny", "--out", str(out)]) == 0
+    results = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
+    assert sorted(results) == sorted(e2e_trl_pref.VARIANTS)
+    for kind in ("sft", "dpo"):
+        want, got = results[f"{kind}_trl"], results[f"{kind}_fused_rl"]
+        assert got["tokens"] == want["tokens"] > 0
+        assert abs(got["loss"] - want["loss"]) <= 1e-5 + 1e-4 * abs(want["loss"]), kind
+        assert abs(got["grad_norm"] - want["grad_norm"]) <= 1e-4 * want["grad_norm"], kind
