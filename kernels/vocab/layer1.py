@@ -146,7 +146,7 @@ def row_pass(
             m_new = nan_max(m, m_b)
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
             q = q * tl.exp(2.0 * (m - m_ref)) + q_b * tl.exp(2.0 * (m_b - m_ref))
-            x_max = tl.maximum(x_max, tl.max(x, 0))
+            x_max = nan_max(x_max, tl.max(x, 0))
             nans += tl.sum((x != x).to(tl.int32), 0)
             tied += tl.sum(((cols < target) & (x >= x_target)).to(tl.int32), 0)
         m, s, w = merge_stats(m, s, w, m_b, s_b, w_b)
