@@ -47,9 +47,12 @@ MODES = ("fwd", "fwd_nograd", "fwd_bwd")
 
 # (variant, mode) pairs measured per op
 OP_VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {
+    # stats: token_stats, the log-prob and entropy with the diagnostics SFT / DPO trainers
+    # log (mean logit, log sum p^2, top-1), no grad (what a trainer's metrics cost)
     "token_logprobs": tuple(
         itertools.product(("logp", "logp+entropy"), ("fwd_nograd", "fwd", "fwd_bwd"))
-    ),
+    )
+    + (("stats", "fwd_nograd"),),
     # grpo: token-level ratio, k3 KL (beta 0.04), no entropy bonus (what Liger's loss does);
     # grpo+entropy: the same plus an entropy bonus; gspo: sequence-level ratio (GSPO);
     # cispo: MiniMax-M1's detached capped ratio times log p (CISPO band below); gmpo: the
@@ -304,7 +307,7 @@ def peer_cases() -> list[Case]:
     cases += _full_kl_cases([(*FULL_KL_SHAPES[0], "bf16")])
     for b, t, v in PEER_LOGPROB_SHAPES:
         cases += [Case("token_logprobs", variant, "fwd_nograd", b, t, v, "bf16", compile_ok=False)
-                  for variant in ("logp", "logp+entropy")]  # fmt: skip
+                  for variant in ("logp", "logp+entropy", "stats")]  # fmt: skip
     for shape in rest:
         cases += linear(*shape)
     return cases

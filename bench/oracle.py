@@ -208,6 +208,25 @@ def token_stats64(logits: torch.Tensor, targets: torch.Tensor, tau: float = TEMP
     return logp, entropy, lse
 
 
+def diagnostics64(logits: torch.Tensor, targets: torch.Tensor, tau: float = TEMPERATURE):
+    """Per-token float64 ``(mean logit, log sum p^2, is_top1 as 0 / 1)`` of
+    ``softmax(logits / tau)``, ``(B, T)`` each (the top-1 flag: the argmax of the logits
+    as given, the lowest id of a tie), streaming the logits in blocks of rows."""
+    batch, seqlen, _ = logits.shape
+    shape = dict(dtype=torch.float64, device=logits.device)
+    mean, log_sq, top1 = (torch.empty(batch, seqlen, **shape) for _ in range(3))
+    with torch.no_grad():
+        for b, t0, t1 in _row_blocks(logits):
+            x = logits[b, t0:t1]
+            top1[b, t0:t1] = (x.argmax(-1) == targets[b, t0:t1]).double()
+            s = _copy64(x)
+            if tau != 1.0:
+                s /= tau
+            mean[b, t0:t1] = s.mean(-1)
+            log_sq[b, t0:t1] = torch.logsumexp(2 * torch.log_softmax(s, -1), -1)
+    return mean, log_sq, top1
+
+
 def full_kl64(logits: torch.Tensor, ref_logits: torch.Tensor, tau: float = TEMPERATURE):
     """Per-token float64 ``(KL(p || q), lse of q)``, ``(B, T)`` each, of the policy's
     ``p = softmax(logits / tau)`` and the reference's ``q = softmax(ref_logits / tau)``,
@@ -677,6 +696,11 @@ class Oracle:
         logits, targets = inp["logits"].detach(), inp["targets"]
         logp, entropy, lse = token_stats64(logits, targets)
         self.values["logp"] = logp
+        if self.case.variant == "stats":
+            self.values["entropy"] = entropy
+            self.values.update(zip(("mean_logit", "log_sum_sq_probs", "is_top1"),
+                                   diagnostics64(logits, targets)))  # fmt: skip
+            return
         with_entropy = self.case.variant == "logp+entropy"
         if with_entropy:
             self.values["entropy"] = entropy

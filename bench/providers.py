@@ -166,6 +166,8 @@ TWO_PASS_VARIANTS = ("grpo", "grpo+entropy", "cispo", "grpo+is", "grpo+fullkl") 
 # the ops whose fused_rl provider is a drop-in adapter, not a fused_rl.<op> function
 # (topk_distill_loss: fused_rl.compat.verl.compute_forward_kl_topk)
 ADAPTER_OPS = ("topk_distill_loss",)
+# token_logprobs[stats]: token_stats' outputs (the top-1 flag as 0 / 1)
+STATS_OUTPUTS = ("logp", "entropy", "mean_logit", "log_sum_sq_probs", "is_top1")
 BASELINE = "fused_rl"  # the provider the others' time and memory are compared with
 # the package itself: no "less accurate" excuse
 MUST_MEET_TOL = ("fused_rl", "fused_rl_ref", "fused_rl_k3", *FUSED_VARIANTS)
@@ -214,6 +216,8 @@ class Unavailable(Exception):
 
 def output_names(case: Case) -> list[str]:
     if case.op == "token_logprobs":
+        if case.variant == "stats":
+            return list(STATS_OUTPUTS)
         names = ["logp"] + (["entropy"] if case.variant == "logp+entropy" else [])
         return names + (["grad_logits"] if case.mode == "fwd_bwd" else [])
     if case.op == "policy_loss":
@@ -280,6 +284,20 @@ def eager_token_logprobs(logits, targets, with_entropy: bool):
         return (logp,)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
+
+
+def eager_token_stats(logits, targets):
+    """The log-prob and entropy of :func:`eager_token_logprobs` and the diagnostics the
+    ``stats`` variant adds, eager: the mean scaled logit, ``log sum p^2`` and whether the
+    target is the argmax (as 0 / 1), each a reduction over the materialised fp32 logits."""
+    z = logits.float()
+    if TEMPERATURE != 1.0:
+        z = z / TEMPERATURE
+    logp_all = torch.log_softmax(z, dim=-1)
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    top1 = (logits.argmax(-1) == targets).float()
+    return logp, entropy, z.mean(-1), torch.logsumexp(2 * logp_all, -1), top1
 
 
 def token_policy_loss(
@@ -706,6 +724,14 @@ def _fused_forward(case: Case, inp: dict, backend: str, k3: bool = False):
         kwargs = _distill_kwargs(inp, case.variant)
         args = [inp[k] for k in ("hidden", "weight", "teacher_hidden", "teacher_weight")]
         return lambda: (fn(*args, **kwargs)[0],)
+    if case.op == "token_logprobs" and case.variant == "stats":
+        stats = _fused_fn("token_stats", backend)
+
+        def forward():
+            s = stats(inp["logits"], inp["targets"], temperature=TEMPERATURE)
+            return (*s[:4], s.is_top1.float())
+
+        return forward
     if case.op == "token_logprobs":
         with_entropy = case.variant == "logp+entropy"
 
@@ -803,6 +829,11 @@ def _compiled(key, fn):
 def _eager_forward(case: Case, inp: dict, compiled: bool, flavour: str = "eager"):
     """The eager (or TRL-style) function of the case, optionally through torch.compile."""
     op, variant = case.op, case.variant
+    if op == "token_logprobs" and variant == "stats":
+        if flavour == "trl":
+            raise Unavailable("TRL computes these inside its fused head only (e2e_trl_pref)")
+        fn = _compiled((flavour, op, variant), eager_token_stats) if compiled else eager_token_stats
+        return lambda: fn(inp["logits"], inp["targets"])
     if op == "token_logprobs":
         with_entropy = variant == "logp+entropy"
         base = trl_token_stats if flavour == "trl" else eager_token_logprobs
