@@ -207,6 +207,30 @@ def add_common_arguments(parser, variants) -> None:
     parser.add_argument("--out", help="write the results as JSON here")
 
 
+def add_model_arguments(parser, *, batch: int, completion: int) -> None:
+    """The random Qwen2-shaped model (Qwen2.5-1.5B by default) and the batch of ``batch``
+    sequences of ``--prompt`` + ``completion`` tokens; ``--tiny``: :func:`tiny`."""
+    parser.add_argument("--tiny", action="store_true", help="a tiny model: parity on a CPU")
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--hidden", type=int, default=1536)  # Qwen2.5-1.5B
+    parser.add_argument("--intermediate", type=int, default=8960)
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=batch)
+    parser.add_argument("--prompt", type=int, default=256)
+    parser.add_argument("--completion", type=int, default=completion)
+
+
+def tiny(args) -> None:
+    """With ``--tiny``: a two-layer model of vocabulary 509 on 3 short sequences, one repeat
+    (the parity check a CPU runs)."""
+    if args.tiny:
+        args.vocab, args.hidden, args.intermediate, args.layers = 509, 64, 128, 2
+        args.heads, args.kv_heads, args.batch, args.prompt, args.completion = 4, 2, 3, 5, 9
+        args.repeats = 1
+
+
 def run_variants(run_variant, args) -> list[dict]:
     """``run_variant(variant)`` for each of ``args.variants``, each trainer freed before the
     next is built."""
@@ -232,23 +256,11 @@ def write_results(args, results, **extra) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_arguments(parser, VARIANTS)
-    parser.add_argument("--tiny", action="store_true", help="a tiny model: parity on a CPU")
-    parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--hidden", type=int, default=1536)  # Qwen2.5-1.5B
-    parser.add_argument("--intermediate", type=int, default=8960)
-    parser.add_argument("--layers", type=int, default=28)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--prompt", type=int, default=256)
-    parser.add_argument("--completion", type=int, default=4096)
+    add_model_arguments(parser, batch=2, completion=4096)
     parser.add_argument("--loss-type", default="dapo")
     parser.add_argument("--beta", type=float, default=0.04)
     args = parser.parse_args(argv)
-    if args.tiny:
-        args.vocab, args.hidden, args.intermediate, args.layers = 509, 64, 128, 2
-        args.heads, args.kv_heads, args.batch, args.prompt, args.completion = 4, 2, 3, 5, 9
-        args.repeats = 1
+    tiny(args)
     path = _model_dir(args)
     results = run_variants(lambda variant: run_variant(variant, path, args), args)
     base = results[0]

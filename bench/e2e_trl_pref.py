@@ -36,8 +36,10 @@ from bench.e2e_trl import (
     _model_dir,
     _tokenizer,
     add_common_arguments,
+    add_model_arguments,
     run_variants,
     timed_step,
+    tiny,
     write_results,
 )
 
@@ -100,21 +102,9 @@ def run_variant(variant: str, path: str, args) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_arguments(parser, VARIANTS)
-    parser.add_argument("--tiny", action="store_true", help="a tiny model: parity on a CPU")
-    parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--hidden", type=int, default=1536)  # Qwen2.5-1.5B
-    parser.add_argument("--intermediate", type=int, default=8960)
-    parser.add_argument("--layers", type=int, default=28)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--prompt", type=int, default=256)
-    parser.add_argument("--completion", type=int, default=1792)
+    add_model_arguments(parser, batch=4, completion=1792)
     args = parser.parse_args(argv)
-    if args.tiny:
-        args.vocab, args.hidden, args.intermediate, args.layers = 509, 64, 128, 2
-        args.heads, args.kv_heads, args.batch, args.prompt, args.completion = 4, 2, 3, 5, 9
-        args.repeats = 1
+    tiny(args)
     path = _model_dir(args)
     results = run_variants(lambda variant: run_variant(variant, path, args), args)
     baseline = {r["variant"].split("_")[0]: r for r in results if r["variant"].endswith("_trl")}
