@@ -357,7 +357,8 @@ def compute_loss(trainer, model, inputs):
 def reference_hidden(trainer, model_inputs):
     """The reference model's last hidden states, lm_head weight and bias on
     ``model_inputs`` (no gradient): ``trainer.ref_model``, or under PEFT the policy with
-    its adapter off (the ``"ref"`` adapter where one is loaded), as TRL picks it."""
+    its adapter off (the ``"ref"`` adapter where one is loaded), as TRL picks it; under
+    FSDP2 the head gathered again after the forward (``HeadInputs.kept``)."""
     with torch.no_grad():
         if trainer.ref_model is not None:
             out = trainer.ref_model(**model_inputs, fused_rl_hidden=True)
@@ -368,7 +369,7 @@ def reference_hidden(trainer, model_inputs):
             adapter = "ref" if "ref" in peft_model.peft_config else None
             with use_adapter(peft_model, adapter_name=adapter):
                 out = trainer.model(**model_inputs, fused_rl_hidden=True)
-    return out.hidden, out.weight, out.bias
+        return out.hidden, *out.kept()
 
 
 def _adapt_entropy_coef(trainer, entropy, mask):

@@ -382,6 +382,29 @@ class HeadInputs:
     hidden: torch.Tensor  # (B, S, H): the backbone's last hidden states
     weight: torch.Tensor  # (V, H): the LM head, gathered whole
     bias: torch.Tensor | None
+    lm_head: torch.nn.Module  # where the weight and bias live, for ``kept``
+
+    def kept(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight and bias, readable after the forward has returned. FSDP2 frees the
+        parameters it gathered for a forward without gradient as that forward returns (the
+        reference model's head among them), so a freed one is gathered again from its
+        sharded parameter, in the dtype the forward used: one more all-gather of the head,
+        whose whole copy the loss holds until it returns."""
+        return _kept(self.weight, self.lm_head.weight), _kept(self.bias, self.lm_head.bias)
+
+
+def _kept(used: torch.Tensor | None, param) -> torch.Tensor | None:
+    """``used`` if its storage is still there, else ``param`` gathered whole again."""
+    if used is None or used.numel() == 0 or used.untyped_storage().nbytes() > 0:
+        return used
+    whole = _full(param)
+    if whole.shape != used.shape:
+        raise RuntimeError(
+            f"the reference model's LM head ({tuple(used.shape)}) was freed when its forward "
+            f"returned and its parameter at rest has the shape {tuple(whole.shape)}: fused_rl "
+            "gathers it again from a DTensor (FSDP2) only; use FSDP2 (fsdp_config version 2)"
+        )
+    return whole.detach().to(used.dtype)
 
 
 def _hidden_forward(model, head: _Head, args, kwargs) -> HeadInputs:
@@ -390,7 +413,7 @@ def _hidden_forward(model, head: _Head, args, kwargs) -> HeadInputs:
     kwargs["use_cache"] = False
     hidden = getattr(model, head.backbone)(*args, **kwargs).last_hidden_state
     hidden, weight, bias, _ = _head_inputs(model, head, hidden)
-    return HeadInputs(hidden, weight, bias)
+    return HeadInputs(hidden, weight, bias, model.get_output_embeddings())
 
 
 def _loss_forward(model, head: _Head, args, kwargs, request):
