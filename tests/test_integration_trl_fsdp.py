@@ -29,6 +29,7 @@ from test_integration_trl import (
     compare_params,
     reward_w5,
 )
+from test_integration_trl_distill import _tiny
 
 
 def _trl_ok() -> bool:
@@ -49,12 +50,18 @@ pytestmark = [
 ]
 
 WORLD = 2
-# name -> fused_rl trainer options (None: TRL's own GRPOTrainer)
+# name -> (TRL trainer, fused_rl's options: None for TRL's own trainer)
 RUNS = {
-    "trl": None,
-    "head": {},
-    "loss": {"fused_rl_loss": True},
-    "exact_kl": {"fused_rl_loss": True, "fused_rl_kl_estimator": "full"},
+    "grpo/trl": ("GRPOTrainer", None),
+    "grpo/head": ("GRPOTrainer", {}),
+    "grpo/loss": ("GRPOTrainer", {"fused_rl_loss": True}),
+    "grpo/exact_kl": ("GRPOTrainer", {"fused_rl_loss": True, "fused_rl_kl_estimator": "full"}),
+    "distill/trl": ("DistillationTrainer", None),
+    "distill/fused": ("DistillationTrainer", {}),
+    "dpo/trl": ("DPOTrainer", None),
+    "dpo/fused": ("DPOTrainer", {}),
+    "sft/trl": ("SFTTrainer", None),
+    "sft/fused": ("SFTTrainer", {}),
 }
 
 
@@ -75,24 +82,40 @@ def _fsdp_on_cpu() -> None:
     state.AcceleratorState.__init__ = patched
 
 
-def _config(out_dir: str, fsdp: bool):
+FSDP2 = {
+    "version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+    "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"], "reshard_after_forward": True,
+}  # fmt: skip
+
+
+def _trainer(name: str, cls, out_dir: str, models: dict, fsdp: bool, options: dict):
+    """The trainer of run ``name`` (its class ``cls``) as the single-process tests build it."""
+    import test_integration_trl_distill as distill
+    import test_integration_trl_preference as pref
     import trl
 
-    extra = {}
-    if fsdp:
-        extra = dict(fsdp=True, fsdp_config={
-            "version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"], "reshard_after_forward": True,
-        })  # fmt: skip
-    return trl.GRPOConfig(
-        output_dir=out_dir, max_steps=3, num_generations=2, per_device_train_batch_size=4,
-        max_completion_length=8, num_iterations=2, gradient_accumulation_steps=2, beta=0.04,
-        learning_rate=1e-3, report_to=[], use_cpu=True, seed=0, logging_steps=1,
-        save_strategy="no", disable_tqdm=True, bf16=False, **extra,
-    )  # fmt: skip
+    common = dict(report_to=[], use_cpu=True, seed=0, logging_steps=1,
+                  save_strategy="no", disable_tqdm=True, bf16=False, max_steps=3,
+                  gradient_accumulation_steps=2, learning_rate=1e-3,
+                  **(dict(fsdp=True, fsdp_config=FSDP2) if fsdp else {}))  # fmt: skip
+    kind = name.split("/")[0]
+    if kind == "grpo":
+        args = trl.GRPOConfig(output_dir=out_dir, **common, num_generations=2,
+                              per_device_train_batch_size=4, max_completion_length=8,
+                              num_iterations=2, beta=0.04)  # fmt: skip
+        return cls(model=models["policy"], reward_funcs=reward_w5, args=args,
+                   train_dataset=_dataset(), processing_class=_tokenizer(), **options)  # fmt: skip
+    if kind == "distill":
+        args = distill._config(out_dir, **common)
+        return cls(model=models["policy"], teacher_model=models["teacher"], args=args,
+                   train_dataset=_dataset(), processing_class=_tokenizer(), **options)  # fmt: skip
+    trainer_name = {"dpo": "DPOTrainer", "sft": "SFTTrainer"}[kind]
+    args = pref._args(trainer_name, out_dir, **common)
+    return cls(model=models["policy"], args=args, train_dataset=pref._dataset(trainer_name),
+               processing_class=_tokenizer(), **options)  # fmt: skip
 
 
-def _worker(rank: int, port: int, model_dir: str, out_dir: str, fsdp: bool, names) -> None:
+def _worker(rank: int, port: int, models: dict, out_dir: str, fsdp: bool, names) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))  # fmt: skip
     os.environ["TRITON_INTERPRET"] = "1"
@@ -113,13 +136,11 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str, fsdp: bool, name
     fused_trl._kept = counted
     results = {}
     for name in names:
-        options = RUNS[name]
-        cls = trl.GRPOTrainer if options is None else fused_trl.GRPOTrainer
+        trainer_name, options = RUNS[name]
+        cls = getattr(trl if options is None else fused_trl, trainer_name)
         regathered.clear()
-        trainer = cls(
-            model=model_dir, reward_funcs=reward_w5, args=_config(f"{out_dir}/{name}", fsdp),
-            train_dataset=_dataset(), processing_class=_tokenizer(), **(options or {}),
-        )  # fmt: skip
+        out = f"{out_dir}/{name.replace('/', '-')}"
+        trainer = _trainer(name, cls, out, models, fsdp, options or {})
         trainer.train()
         params = {}
         for key, p in trainer.model.named_parameters():  # every rank joins the gathers
@@ -147,30 +168,56 @@ def _run(tmp_path_factory, fsdp: bool, names) -> dict:
     key = (fsdp, tuple(names))
     if key not in _RESULTS:
         root = tmp_path_factory.mktemp("fsdp" if fsdp else "ddp")
-        model_dir = str(root / "model")
-        _tiny_model().save_pretrained(model_dir)
-        _tokenizer().save_pretrained(model_dir)
+        models = {"policy": str(root / "policy"), "teacher": str(root / "teacher")}
+        _tiny_model().save_pretrained(models["policy"])
+        _tiny(96, 1).save_pretrained(models["teacher"])  # a wider teacher, as in distillation
+        for path in models.values():
+            _tokenizer().save_pretrained(path)
         tests_dir = os.path.dirname(os.path.abspath(__file__))
         if tests_dir not in sys.path:
             sys.path.insert(0, tests_dir)
         os.environ["PYTHONPATH"] = os.pathsep.join(
             [tests_dir, *filter(None, [os.environ.get("PYTHONPATH")])]
         )
-        mp.spawn(_worker, args=(_free_port(), model_dir, str(root), fsdp, names), nprocs=WORLD)
+        mp.spawn(_worker, args=(_free_port(), models, str(root), fsdp, names), nprocs=WORLD)
         _RESULTS[key] = torch.load(root / "results.pt", weights_only=False)
     return _RESULTS[key]
 
 
 def test_grpo_under_fsdp2_matches_trl(tmp_path_factory):
-    """Under FSDP2, fused_rl's head and fused_rl's loss train as TRL's own trainer does:
+    """Under FSDP2, fused_rl's head and fused_rl's loss train as TRL's own GRPO trainer does:
     every logged metric (1e-5 absolute + 1e-4 relative) and the final parameters
     (gathered whole, 1e-5)."""
     got = _run(tmp_path_factory, True, list(RUNS))
-    want = got["trl"]
+    want = got["grpo/trl"]
     assert want["wrapped"].startswith("FSDP")  # accelerate's fully_shard ran
-    for name in ("head", "loss"):
+    for name in ("grpo/head", "grpo/loss"):
         compare_logs(want["log"], got[name]["log"])
         compare_params(want["params"], got[name]["params"])
+
+
+@pytest.mark.parametrize("kind", ["distill", "dpo", "sft"])
+def test_under_fsdp2_matches_trl(tmp_path_factory, kind):
+    """TRL's distillation (the student's and the teacher's heads gathered from their
+    DTensors), DPO (with its reference model) and SFT trainers under FSDP2: fused_rl's
+    trainer as TRL's, on every logged metric and the final parameters."""
+    got = _run(tmp_path_factory, True, list(RUNS))
+    want = got[f"{kind}/trl"]
+    assert want["wrapped"].startswith("FSDP")
+    compare_logs(want["log"], got[f"{kind}/fused"]["log"])
+    compare_params(want["params"], got[f"{kind}/fused"]["params"])
+
+
+DDP_RUNS = ["grpo/exact_kl", "distill/fused"]
+
+
+def test_distill_under_fsdp2_matches_ddp(tmp_path_factory):
+    """fused_rl's distillation trainer under FSDP2 trains as under DDP: the heads it gathers
+    from their DTensors take their gradients as DDP's do."""
+    fsdp = _run(tmp_path_factory, True, list(RUNS))["distill/fused"]
+    ddp = _run(tmp_path_factory, False, DDP_RUNS)["distill/fused"]
+    compare_logs(ddp["log"], fsdp["log"])
+    compare_params(ddp["params"], fsdp["params"])
 
 
 def test_exact_kl_under_fsdp2_matches_ddp(tmp_path_factory):
@@ -178,8 +225,8 @@ def test_exact_kl_under_fsdp2_matches_ddp(tmp_path_factory):
     final parameters); FSDP2 freed the reference's head after each of its forwards and
     fused_rl gathered it again, which DDP never needs; the exact KL is 0 at the first step
     (the policy is the reference) and positive after."""
-    fsdp = _run(tmp_path_factory, True, list(RUNS))["exact_kl"]
-    ddp = _run(tmp_path_factory, False, ["exact_kl"])["exact_kl"]
+    fsdp = _run(tmp_path_factory, True, list(RUNS))["grpo/exact_kl"]
+    ddp = _run(tmp_path_factory, False, DDP_RUNS)["grpo/exact_kl"]
     assert fsdp["wrapped"].startswith("FSDP") and not ddp["wrapped"].startswith("FSDP")
     assert fsdp["regathered"] and all(fsdp["regathered"])
     assert ddp["regathered"] and not any(ddp["regathered"])
