@@ -1,15 +1,16 @@
-"""fused_rl inside TRL's ``GRPOTrainer`` under FSDP2 (2 gloo ranks on CPU; skipped without
-TRL >= 1.16).
+"""fused_rl inside TRL's trainers under FSDP2 (2 gloo ranks on CPU; skipped without
+TRL >= 1.16): GRPO, RLOO, distillation, DPO, KTO, SFT.
 
 accelerate enables FSDP for accelerator devices only, so each rank runs accelerate's own
 FSDP code (``Accelerator.prepare``: ``fully_shard`` of every decoder layer and of the
 root, TRL's ``prepare_fsdp`` of the reference model) with the one line accelerate runs on
 a GPU to choose it (:func:`_fsdp_on_cpu`). Each configuration trains 3 optimizer steps
 (``num_iterations=2``, gradient accumulation 2) from the same seed and weights, as
-``tests/test_integration_trl.py`` does in one process: TRL's trainer, fused_rl's head, the
-training loss through fused_rl and the exact KL to the reference model; the last also
-under plain data parallelism (DDP), which it must match, since its reference head is freed
-by FSDP2 when the reference's forward returns and has to be gathered again.
+the single-process tests do: TRL's trainer and fused_rl's (for GRPO its head, the training
+loss through fused_rl and the exact KL to the reference model). The exact KL and the
+distillation trainer also run under plain data parallelism (DDP), which they must match:
+the reference's head is freed by FSDP2 when the reference's forward returns and has to be
+gathered again, and the distillation heads are gathered from their DTensors.
 """
 
 from __future__ import annotations
@@ -56,10 +57,14 @@ RUNS = {
     "grpo/head": ("GRPOTrainer", {}),
     "grpo/loss": ("GRPOTrainer", {"fused_rl_loss": True}),
     "grpo/exact_kl": ("GRPOTrainer", {"fused_rl_loss": True, "fused_rl_kl_estimator": "full"}),
+    "rloo/trl": ("RLOOTrainer", None),
+    "rloo/loss": ("RLOOTrainer", {"fused_rl_loss": True}),
     "distill/trl": ("DistillationTrainer", None),
     "distill/fused": ("DistillationTrainer", {}),
     "dpo/trl": ("DPOTrainer", None),
     "dpo/fused": ("DPOTrainer", {}),
+    "kto/trl": ("KTOTrainer", None),
+    "kto/fused": ("KTOTrainer", {}),
     "sft/trl": ("SFTTrainer", None),
     "sft/fused": ("SFTTrainer", {}),
 }
@@ -99,8 +104,9 @@ def _trainer(name: str, cls, out_dir: str, models: dict, fsdp: bool, options: di
                   gradient_accumulation_steps=2, learning_rate=1e-3,
                   **(dict(fsdp=True, fsdp_config=FSDP2) if fsdp else {}))  # fmt: skip
     kind = name.split("/")[0]
-    if kind == "grpo":
-        args = trl.GRPOConfig(output_dir=out_dir, **common, num_generations=2,
+    if kind in ("grpo", "rloo"):
+        config = trl.GRPOConfig if kind == "grpo" else trl.RLOOConfig
+        args = config(output_dir=out_dir, **common, num_generations=2,
                               per_device_train_batch_size=4, max_completion_length=8,
                               num_iterations=2, beta=0.04)  # fmt: skip
         return cls(model=models["policy"], reward_funcs=reward_w5, args=args,
@@ -109,7 +115,7 @@ def _trainer(name: str, cls, out_dir: str, models: dict, fsdp: bool, options: di
         args = distill._config(out_dir, **common)
         return cls(model=models["policy"], teacher_model=models["teacher"], args=args,
                    train_dataset=_dataset(), processing_class=_tokenizer(), **options)  # fmt: skip
-    trainer_name = {"dpo": "DPOTrainer", "sft": "SFTTrainer"}[kind]
+    trainer_name = {"dpo": "DPOTrainer", "kto": "KTOTrainer", "sft": "SFTTrainer"}[kind]
     args = pref._args(trainer_name, out_dir, **common)
     return cls(model=models["policy"], args=args, train_dataset=pref._dataset(trainer_name),
                processing_class=_tokenizer(), **options)  # fmt: skip
@@ -196,16 +202,18 @@ def test_grpo_under_fsdp2_matches_trl(tmp_path_factory):
         compare_params(want["params"], got[name]["params"])
 
 
-@pytest.mark.parametrize("kind", ["distill", "dpo", "sft"])
-def test_under_fsdp2_matches_trl(tmp_path_factory, kind):
-    """TRL's distillation (the student's and the teacher's heads gathered from their
-    DTensors), DPO (with its reference model) and SFT trainers under FSDP2: fused_rl's
-    trainer as TRL's, on every logged metric and the final parameters."""
+@pytest.mark.parametrize("run", ["rloo/loss", "distill/fused", "dpo/fused", "kto/fused",
+                                 "sft/fused"])  # fmt: skip
+def test_under_fsdp2_matches_trl(tmp_path_factory, run):
+    """TRL's RLOO (fused_rl's loss, with the reference model's KL in the reward),
+    distillation (the student's and the teacher's heads gathered from their DTensors), DPO
+    (with its reference model), KTO and SFT trainers under FSDP2: fused_rl's trainer as
+    TRL's, on every logged metric and the final parameters."""
     got = _run(tmp_path_factory, True, list(RUNS))
-    want = got[f"{kind}/trl"]
+    want = got[run.split("/")[0] + "/trl"]
     assert want["wrapped"].startswith("FSDP")
-    compare_logs(want["log"], got[f"{kind}/fused"]["log"])
-    compare_params(want["params"], got[f"{kind}/fused"]["params"])
+    compare_logs(want["log"], got[run]["log"])
+    compare_params(want["params"], got[run]["params"])
 
 
 DDP_RUNS = ["grpo/exact_kl", "distill/fused"]
