@@ -57,6 +57,11 @@ RUNS = {
     "grpo/head": ("GRPOTrainer", {}),
     "grpo/loss": ("GRPOTrainer", {"fused_rl_loss": True}),
     "grpo/exact_kl": ("GRPOTrainer", {"fused_rl_loss": True, "fused_rl_kl_estimator": "full"}),
+    # the reference is the policy with its LoRA adapter off
+    "grpo/exact_kl_lora": (
+        "GRPOTrainer",
+        {"fused_rl_loss": True, "fused_rl_kl_estimator": "full", "peft_config": "lora"},
+    ),
     "rloo/trl": ("RLOOTrainer", None),
     "rloo/loss": ("RLOOTrainer", {"fused_rl_loss": True}),
     "distill/trl": ("DistillationTrainer", None),
@@ -104,6 +109,11 @@ def _trainer(name: str, cls, out_dir: str, models: dict, fsdp: bool, options: di
                   gradient_accumulation_steps=2, learning_rate=1e-3,
                   **(dict(fsdp=True, fsdp_config=FSDP2) if fsdp else {}))  # fmt: skip
     kind = name.split("/")[0]
+    if options.get("peft_config") == "lora":
+        from peft import LoraConfig
+
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+        options = {**options, "peft_config": lora}
     if kind in ("grpo", "rloo"):
         config = trl.GRPOConfig if kind == "grpo" else trl.RLOOConfig
         args = config(output_dir=out_dir, **common, num_generations=2,
@@ -216,7 +226,7 @@ def test_under_fsdp2_matches_trl(tmp_path_factory, run):
     compare_params(want["params"], got[run]["params"])
 
 
-DDP_RUNS = ["grpo/exact_kl", "distill/fused"]
+DDP_RUNS = ["grpo/exact_kl", "grpo/exact_kl_lora", "distill/fused"]
 
 
 def test_distill_under_fsdp2_matches_ddp(tmp_path_factory):
@@ -228,15 +238,20 @@ def test_distill_under_fsdp2_matches_ddp(tmp_path_factory):
     compare_params(ddp["params"], fsdp["params"])
 
 
-def test_exact_kl_under_fsdp2_matches_ddp(tmp_path_factory):
+@pytest.mark.parametrize("run", ["grpo/exact_kl", "grpo/exact_kl_lora"])
+def test_exact_kl_under_fsdp2_matches_ddp(tmp_path_factory, run):
     """``fused_rl_kl_estimator="full"`` under FSDP2 trains as under DDP (every metric, the
-    final parameters); FSDP2 freed the reference's head after each of its forwards and
-    fused_rl gathered it again, which DDP never needs; the exact KL is 0 at the first step
-    (the policy is the reference) and positive after."""
-    fsdp = _run(tmp_path_factory, True, list(RUNS))["grpo/exact_kl"]
-    ddp = _run(tmp_path_factory, False, DDP_RUNS)["grpo/exact_kl"]
+    final parameters), with a reference model and under LoRA (the policy with its adapter
+    off); FSDP2 freed the reference model's head after each of its forwards and fused_rl
+    gathered it again, which DDP never needs; the exact KL is 0 at the first step (the policy is the
+    reference) and positive after."""
+    if "lora" in run:
+        pytest.importorskip("peft")
+    fsdp = _run(tmp_path_factory, True, list(RUNS))[run]
+    ddp = _run(tmp_path_factory, False, DDP_RUNS)[run]
     assert fsdp["wrapped"].startswith("FSDP") and not ddp["wrapped"].startswith("FSDP")
-    assert fsdp["regathered"] and all(fsdp["regathered"])
+    if run == "grpo/exact_kl":  # TRL's prepare_fsdp of the reference frees it (not the policy)
+        assert fsdp["regathered"] and all(fsdp["regathered"])
     assert ddp["regathered"] and not any(ddp["regathered"])
     compare_logs(ddp["log"], fsdp["log"])
     compare_params(ddp["params"], fsdp["params"])
