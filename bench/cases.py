@@ -66,8 +66,9 @@ OP_VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {
     "value_loss": (("clipped", "fwd_bwd"),),
     "masked_whiten": (("zero-mean", "fwd_nograd"),),
     "gae": (("gamma0.99-lam0.95", "fwd_nograd"),),
-    # from hidden states: the policy_loss grpo case, and log-probs with and without grad
-    "linear_token_logprobs": (("logp", "fwd_nograd"), ("logp", "fwd_bwd")),
+    # from hidden states: the policy_loss grpo case, log-probs with and without grad, and
+    # linear_token_stats (the stats variant above, from the hidden states)
+    "linear_token_logprobs": (("logp", "fwd_nograd"), ("logp", "fwd_bwd"), ("stats", "fwd_nograd")),
     "linear_policy_loss": (("grpo", "fwd_bwd"),),
     # on-policy distillation (TRL GKD's generalized_jsd_loss): a variant per beta
     "distill_loss": tuple((v, "fwd_bwd") for v in ("fkl", "jsd", "rkl")),
@@ -289,7 +290,8 @@ def peer_cases() -> list[Case]:
     """The ``peers`` suite: bf16, ``policy_loss[grpo]`` forward + backward (torch.compile
     included) at ``PEER_POLICY_SHAPES``, and ``policy_loss[grpo+fullkl]`` (the exact KL) at
     8 x 2048 x 151936; ``linear_policy_loss[grpo]`` and
-    ``linear_token_logprobs[logp]`` forward + backward at ``PEER_LINEAR_SHAPES`` (H = 4096);
+    ``linear_token_logprobs[logp]`` forward + backward at ``PEER_LINEAR_SHAPES`` (H = 4096),
+    ``linear_token_logprobs[stats]`` (no grad) at the first of them;
     ``token_logprobs`` no-grad with and without entropy at ``PEER_LOGPROB_SHAPES``. Ordered
     so that a run cut short by a GPU lease has the fused heads at the largest token count,
     then the logits ops, then the rest."""
@@ -302,6 +304,9 @@ def peer_cases() -> list[Case]:
 
     first, *rest = PEER_LINEAR_SHAPES
     cases = linear(*first)
+    # what SFT / DPO trainers' heads log, against TRL's head, which computes the same
+    cases.append(Case("linear_token_logprobs", "stats", "fwd_nograd", *first, "bf16",
+                      compile_ok=False, hidden=HIDDEN["full"]))  # fmt: skip
     cases += [Case("policy_loss", "grpo", "fwd_bwd", b, t, v, "bf16")
               for b, t, v in PEER_POLICY_SHAPES]  # fmt: skip
     cases += _full_kl_cases([(*FULL_KL_SHAPES[0], "bf16")])

@@ -275,16 +275,18 @@ def gemm_out_dtype(supported: bool | None = True):
     if supported is None:
         yield
         return
-    saved = {kind: table.get(kind, _UNSET) for kind in ("cpu", "cuda")}
-    table.update(cpu=supported, cuda=supported)
+    # the table is keyed by (device type, GEMM): pin every key the model can meet
+    keys = [(device, gemm) for device in ("cpu", "cuda") for gemm in ("mm", "addmm")]
+    saved = {key: table.get(key, _UNSET) for key in keys}
+    table.update(dict.fromkeys(keys, supported))
     try:
         yield
     finally:
-        for kind, value in saved.items():
+        for key, value in saved.items():
             if value is _UNSET:
-                table.pop(kind, None)
+                table.pop(key, None)
             else:
-                table[kind] = value
+                table[key] = value
 
 
 def model_peak(

@@ -326,6 +326,20 @@ def linear_stats64(hidden, weight, targets, tau: float = TEMPERATURE):
     return tuple(x.view(targets.shape) for x in out)
 
 
+def linear_diagnostics64(hidden, weight, targets, tau: float = TEMPERATURE):
+    """:func:`diagnostics64` of ``hidden W^T`` for the ``(B, T)`` targets, block by block of
+    rows (the top-1 flag: the argmax of the float64 logits)."""
+    h64, w64 = _window64(hidden, targets), weight.detach().to(torch.float64)
+    flat = targets.reshape(-1)
+    out = [torch.empty(flat.shape[0], dtype=torch.float64, device=h64.device) for _ in range(3)]
+    with torch.no_grad():
+        for rows in _linear_blocks(h64.shape[0], w64.shape[0]):
+            stats = diagnostics64((h64[rows] @ w64.T)[None], flat[rows][None], tau)
+            for dst, src in zip(out, stats):
+                dst[rows] = src[0]
+    return tuple(x.view(targets.shape) for x in out)
+
+
 def linear_grads64(hidden, weight, targets, lse, entropy, g, h, tau: float = TEMPERATURE):
     """Float64 ``(dL/dhidden, dL/dweight)`` given ``g = dL/dlogp`` and ``h = dL/dentropy``:
     per block of rows ``dz = (g (onehot - p) - h p (log p + H)) / tau`` (``z`` recomputed),
@@ -743,8 +757,12 @@ class Oracle:
         logp, entropy, lse = linear_stats64(hidden, weight, targets)
         if self.case.op == "linear_token_logprobs":
             self.values["logp"] = logp
-            if self.case.variant == "logp+entropy":
+            if self.case.variant in ("logp+entropy", "stats"):
                 self.values["entropy"] = entropy
+            if self.case.variant == "stats":
+                self.values.update(zip(("mean_logit", "log_sum_sq_probs", "is_top1"),
+                                       linear_diagnostics64(hidden, weight, targets)))  # fmt: skip
+                return
             if not fwd_bwd:
                 return
             g = inp["g_logp"].double()

@@ -17,7 +17,8 @@
 * ``trl`` on the linear ops: TRL's own chunked fused LM head (``trl.kernels.chunked_logprob.
   ChunkedLogProbFunction``, what GRPOTrainer runs since TRL 1.15: cuBLAS tiles of 4096 tokens x
   32768 vocabulary columns folded by a Triton kernel, the logits recomputed in the backward)
-  and the benchmark's loss on its log-probs, where ``trl`` is importable.
+  and the benchmark's loss on its log-probs, where ``trl`` is importable; for
+  ``linear_token_logprobs[stats]`` the same head asked for every statistic (TRL >= 1.16).
 * ``verl``: verl's torch ``FusedLinearForPPO`` (512-token chunks; log-probs and entropy),
   loaded from its file in the installed verl (verl's package ``__init__`` needs Ray), then
   the benchmark's loss. Linear ops only.
@@ -215,9 +216,9 @@ class Unavailable(Exception):
 
 
 def output_names(case: Case) -> list[str]:
+    if case.op in ("token_logprobs", "linear_token_logprobs") and case.variant == "stats":
+        return list(STATS_OUTPUTS)
     if case.op == "token_logprobs":
-        if case.variant == "stats":
-            return list(STATS_OUTPUTS)
         names = ["logp"] + (["entropy"] if case.variant == "logp+entropy" else [])
         return names + (["grad_logits"] if case.mode == "fwd_bwd" else [])
     if case.op == "policy_loss":
@@ -377,6 +378,11 @@ def eager_full_kl_policy_loss(logits, ref_logits, targets, advantages, old, mask
 def eager_linear_token_logprobs(hidden, weight, targets, with_entropy: bool):
     """``F.linear`` on the positions that predict the targets, then the eager log-probs."""
     return eager_token_logprobs(F.linear(hidden[:, :-1], weight), targets, with_entropy)
+
+
+def eager_linear_token_stats(hidden, weight, targets):
+    """``F.linear`` on the positions that predict the targets, then the eager stats."""
+    return eager_token_stats(F.linear(hidden[:, :-1], weight), targets)
 
 
 def eager_linear_policy_loss(hidden, weight, targets, advantages, old, ref, mask, variant: str):
@@ -645,6 +651,15 @@ def _fused_materialised_forward(case: Case, inp: dict):
     """``fused_rl_mat``: ``F.linear`` over all ``T + 1`` hidden positions (the model's
     ``(B, T + 1, V)`` logits), then fused_rl's Triton logits op on that buffer as it comes
     (its backward writes the whole buffer's gradient, zero at the last position)."""
+    if case.op == "linear_token_logprobs" and case.variant == "stats":
+        stats = _fused_fn("token_stats", "triton")
+
+        def forward():
+            logits = F.linear(inp["hidden"], inp["weight"])
+            s = stats(logits, inp["targets"], temperature=TEMPERATURE)
+            return (*s[:4], s.is_top1.float())
+
+        return forward
     if case.op == "linear_token_logprobs":
         fn = _fused_fn("token_logprobs", "triton")
         with_entropy = case.variant == "logp+entropy"
@@ -748,6 +763,15 @@ def _fused_forward(case: Case, inp: dict, backend: str, k3: bool = False):
         # its whole gradient, zero in the last position, with no slice backward
         logits = inp["buf_leaf"] if backend == "triton" else inp["logits"]
         return lambda: (fn(logits, inp["targets"], inp["advantages"], **kwargs)[0],)
+    if case.op == "linear_token_logprobs" and case.variant == "stats":
+        stats = _fused_fn("linear_token_stats", backend)
+        args = [inp[k] for k in ("hidden", "weight", "targets")]
+
+        def forward():
+            s = stats(*args, temperature=TEMPERATURE)
+            return (*s[:4], s.is_top1.float())
+
+        return forward
     if case.op == "linear_token_logprobs":
         with_entropy = case.variant == "logp+entropy"
 
@@ -854,6 +878,10 @@ def _eager_forward(case: Case, inp: dict, compiled: bool, flavour: str = "eager"
         args += [inp[k] for k in ("old_logprobs", "ref_logprobs", "mask")]
         is_weights = inp.get("is_weights")  # grpo+is only
         return lambda: fn(*args, variant, is_weights)
+    if op == "linear_token_logprobs" and variant == "stats":
+        base = eager_linear_token_stats
+        fn = _compiled((flavour, op, variant), base) if compiled else base
+        return lambda: fn(inp["hidden"], inp["weight"], inp["targets"])
     if op == "linear_token_logprobs":
         with_entropy = variant == "logp+entropy"
         base = eager_linear_token_logprobs
@@ -1162,6 +1190,16 @@ def _trl_linear_forward(case: Case, inp: dict):
         inp.get("mask"),
     )
     hidden_size = window.shape[-1]
+    if case.variant == "stats":  # TRL 1.16's head computes every output of the case
+        rows = (window.reshape(-1, hidden_size), weight, None, targets.reshape(-1))
+
+        def forward():
+            out = fn.apply(*rows, TEMPERATURE, TRL_VOCAB_CHUNK, None, 1.0,
+                           ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1"))  # fmt: skip
+            logp, entropy, log_sq, mean, top1 = (x.view(targets.shape) for x in out)
+            return logp, entropy, mean, log_sq, top1.float()
+
+        return forward
 
     def logprobs(with_entropy: bool):
         if case.op == "linear_policy_loss":
@@ -1203,6 +1241,8 @@ def _trl_linear_distill_forward(case: Case, inp: dict):
 
 def _verl_linear_forward(case: Case, inp: dict):
     """verl's torch ``FusedLinearForPPO`` on the positions that predict the targets."""
+    if case.variant == "stats":
+        raise Unavailable("verl's fused head computes log-probs and entropy only")
     head = _verl_fused_linear()(chunk_size=VERL_TOKEN_CHUNK, impl_backend="torch")
     window, weight, targets = inp["hidden"][:, :-1], inp["weight"], inp["targets"]
     return _linear_loss_forward(case, inp, lambda _: head(window, weight, targets, TEMPERATURE))
