@@ -259,10 +259,11 @@ _UNSET = object()
 
 @contextlib.contextmanager
 def gemm_out_dtype(supported: bool | None = True):
-    """Which path ``fused_rl.linear._addmm_wide`` takes for ``dW += dz^T h_c`` in 16 bits:
-    ``True`` (the default of the model) as on CUDA, one ``torch.addmm(..., out_dtype=fp32,
-    out=dW)`` accumulating in place; ``False`` as on CPU, whose ``addmm`` has no
-    ``out_dtype``: fp32 copies of the chunk's ``dz`` and rows; ``None``: what this process
+    """Which path fused_rl.linear's wide GEMMs take (``_addmm_wide`` for ``dW += dz^T h_c``
+    in 16 bits, ``_mm_wide`` for fp32 logits or gradients of 16-bit operands): ``True`` (the
+    default of the model) as on CUDA, ``torch.addmm`` / ``torch.mm`` with ``out_dtype=fp32``
+    (``dW`` accumulated in place); ``False`` as on CPU, which has no ``out_dtype``: fp32
+    copies of the operands (the chunk's ``dz`` and rows); ``None``: what this process
     found out (a real CPU run before the model would otherwise switch the model to the CPU
     path). Fake CPU tensors take either path."""
     try:

@@ -328,15 +328,18 @@ def linear_stats64(hidden, weight, targets, tau: float = TEMPERATURE):
 
 def linear_diagnostics64(hidden, weight, targets, tau: float = TEMPERATURE):
     """:func:`diagnostics64` of ``hidden W^T`` for the ``(B, T)`` targets, block by block of
-    rows (the top-1 flag: the argmax of the float64 logits)."""
+    rows; the top-1 flag ranks those logits rounded to the hidden states' dtype, as every
+    provider's GEMM returns them (a near-tie the rounding makes a tie is one in all)."""
     h64, w64 = _window64(hidden, targets), weight.detach().to(torch.float64)
     flat = targets.reshape(-1)
     out = [torch.empty(flat.shape[0], dtype=torch.float64, device=h64.device) for _ in range(3)]
     with torch.no_grad():
         for rows in _linear_blocks(h64.shape[0], w64.shape[0]):
-            stats = diagnostics64((h64[rows] @ w64.T)[None], flat[rows][None], tau)
+            z = h64[rows] @ w64.T
+            stats = diagnostics64(z[None], flat[rows][None], tau)
             for dst, src in zip(out, stats):
                 dst[rows] = src[0]
+            out[2][rows] = (z.to(hidden.dtype).argmax(-1) == flat[rows]).double()
     return tuple(x.view(targets.shape) for x in out)
 
 

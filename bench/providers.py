@@ -1191,9 +1191,9 @@ def _trl_linear_forward(case: Case, inp: dict):
     )
     hidden_size = window.shape[-1]
     if case.variant == "stats":  # TRL 1.16's head computes every output of the case
-        rows = (window.reshape(-1, hidden_size), weight, None, targets.reshape(-1))
 
-        def forward():
+        def forward():  # the rows' copy (a strided window) measured, as in logprobs below
+            rows = (window.reshape(-1, hidden_size), weight, None, targets.reshape(-1))
             out = fn.apply(*rows, TEMPERATURE, TRL_VOCAB_CHUNK, None, 1.0,
                            ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1"))  # fmt: skip
             logp, entropy, log_sq, mean, top1 = (x.view(targets.shape) for x in out)

@@ -54,6 +54,30 @@ def test_clear_error_without_trl(monkeypatch):
         fused_trl.NoSuchName  # noqa: B018
 
 
+def test_kept_gathers_a_freed_head_again():
+    """Runs everywhere: the reference's head after its forward (``HeadInputs.kept``). Kept
+    as it is while its storage is there; freed (FSDP2 resizes it to 0 bytes), gathered again
+    from the DTensor at rest (``full_tensor``, here a stand-in), in the dtype the forward
+    used; freed with no DTensor to gather from, a ``RuntimeError`` naming FSDP2."""
+    used = torch.randn(5, 3, dtype=torch.bfloat16)
+    whole = torch.randn(5, 3)
+
+    class AtRest:  # a DTensor's one method the gather uses
+        def full_tensor(self):
+            return whole
+
+    assert fused_trl._kept(None, AtRest()) is None
+    assert fused_trl._kept(used, AtRest()) is used and not fused_trl.freed(used)
+    empty = torch.empty(0, 3)
+    assert fused_trl._kept(empty, AtRest()) is empty  # nothing to free: kept
+    used.untyped_storage().resize_(0)
+    assert fused_trl.freed(used)
+    again = fused_trl._kept(used, AtRest())
+    assert again.dtype == torch.bfloat16 and torch.equal(again, whole.to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="FSDP2"):
+        fused_trl._kept(used, torch.nn.Parameter(torch.randn(5, 3)))
+
+
 # ----------------------------------------------------------------------------- the setup
 
 

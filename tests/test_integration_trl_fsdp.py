@@ -134,7 +134,6 @@ def _trainer(name: str, cls, out_dir: str, models: dict, fsdp: bool, options: di
 def _worker(rank: int, port: int, models: dict, out_dir: str, fsdp: bool, names) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))  # fmt: skip
-    os.environ["TRITON_INTERPRET"] = "1"
     import trl
 
     import fused_rl.integrations.trl as fused_trl
@@ -146,7 +145,7 @@ def _worker(rank: int, port: int, models: dict, out_dir: str, fsdp: bool, names)
 
     def counted(used, param):
         if used is not None:
-            regathered.append(used.numel() > 0 and used.untyped_storage().nbytes() == 0)
+            regathered.append(fused_trl.freed(used))
         return kept(used, param)
 
     fused_trl._kept = counted
@@ -242,9 +241,10 @@ def test_distill_under_fsdp2_matches_ddp(tmp_path_factory):
 def test_exact_kl_under_fsdp2_matches_ddp(tmp_path_factory, run):
     """``fused_rl_kl_estimator="full"`` under FSDP2 trains as under DDP (every metric, the
     final parameters), with a reference model and under LoRA (the policy with its adapter
-    off); FSDP2 freed the reference model's head after each of its forwards and fused_rl
-    gathered it again, which DDP never needs; the exact KL is 0 at the first step (the policy is the
-    reference) and positive after."""
+    off); FSDP2 freed the reference model's head (TRL's ``prepare_fsdp``) after each of its
+    forwards and fused_rl gathered it again, which DDP never needs (under LoRA the
+    reference's head is the policy's, which accelerate's FSDP2 keeps); the exact KL is 0 at
+    the first step (the policy is the reference) and positive after."""
     if "lora" in run:
         pytest.importorskip("peft")
     fsdp = _run(tmp_path_factory, True, list(RUNS))[run]

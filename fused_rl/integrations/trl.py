@@ -393,18 +393,23 @@ class HeadInputs:
         return _kept(self.weight, self.lm_head.weight), _kept(self.bias, self.lm_head.bias)
 
 
+def freed(t: torch.Tensor | None) -> bool:
+    """Whether a sharding wrapper freed ``t``'s storage (resized it to 0 bytes)."""
+    return t is not None and t.numel() > 0 and t.untyped_storage().nbytes() == 0
+
+
 def _kept(used: torch.Tensor | None, param) -> torch.Tensor | None:
-    """``used`` if its storage is still there, else ``param`` gathered whole again."""
-    if used is None or used.numel() == 0 or used.untyped_storage().nbytes() > 0:
+    """``used`` if its storage is still there, else ``param`` (a DTensor) gathered whole
+    again, on ``used``'s device and in its dtype."""
+    if not freed(used):
         return used
-    whole = _full(param)
-    if whole.shape != used.shape:
+    if not hasattr(param, "full_tensor"):
         raise RuntimeError(
             f"the reference model's LM head ({tuple(used.shape)}) was freed when its forward "
-            f"returned and its parameter at rest has the shape {tuple(whole.shape)}: fused_rl "
-            "gathers it again from a DTensor (FSDP2) only; use FSDP2 (fsdp_config version 2)"
+            "returned and its parameter at rest is not a DTensor: fused_rl gathers it again "
+            "from a DTensor (FSDP2) only; use FSDP2 (fsdp_config version 2)"
         )
-    return whole.detach().to(used.dtype)
+    return param.full_tensor().detach().to(device=used.device, dtype=used.dtype)
 
 
 def _hidden_forward(model, head: _Head, args, kwargs) -> HeadInputs:
