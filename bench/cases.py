@@ -459,6 +459,19 @@ def _true_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _argmax_targets(logits: torch.Tensor, targets: torch.Tensor) -> None:
+    """Every other position's target (``targets[:, ::2]``) set to the argmax of its
+    ``(B, T, V)`` logits row (the lowest id of a tie), a block of rows at a time: a random
+    target is the argmax with probability 1 / V, so a top-1 flag that never fires would
+    pass a check on random targets. (From hidden states the providers' GEMMs round the
+    logits differently near a tie, so the linear cases keep random targets.)"""
+    batch, seqlen, vocab = logits.shape
+    step = max(1, (1 << 26) // max(vocab * seqlen, 1))
+    with torch.no_grad():
+        for b in range(0, batch, step):
+            targets[b : b + step, ::2] = logits[b : b + step, ::2].argmax(-1)
+
+
 def _linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
     """fp32 log-probs of ``targets`` from ``hidden[:, :-1] @ weight.T``, in chunks of rows."""
     batch, seqlen = targets.shape
@@ -621,6 +634,8 @@ def make_inputs(case: Case, device: str | torch.device, seed: int = 0) -> dict:
         if case.op == "token_logprobs":
             inp["g_logp"] = randn(b, t)
             inp["g_entropy"] = randn(b, t)
+            if case.variant == "stats":  # half the targets the argmax: the flag checked both ways
+                _argmax_targets(buf[:, :-1], targets)
         else:
             logp = _true_logprobs(buf[:, :-1], targets)
             inp["advantages"] = randn(b)  # one per sequence (GRPO / GSPO)

@@ -521,6 +521,33 @@ def test_linear_memory_model_with_torch_211_addmm(monkeypatch):
     assert model_peak("fused_rl", case) == want
 
 
+def test_memory_model_pins_the_gemm_path():
+    """The modelled path of fused_rl's wide GEMMs is the one asked for (``gemm_out_dtype``),
+    whatever this process found out before about ``out_dtype`` (``linear._MM_OUT_DTYPE``,
+    keyed by device type and GEMM); the CPU's path (fp32 copies of the operands) costs
+    more than the GPU's at this shape; the process's table is left as it was."""
+    from fused_rl import linear
+
+    case = Case("linear_policy_loss", "grpo", "fwd_bwd", 2, 256, 4099, "bf16", hidden=64)
+    keys = [(device, gemm) for device in ("cpu", "cuda") for gemm in ("mm", "addmm")]
+    table, saved = linear._MM_OUT_DTYPE, dict(linear._MM_OUT_DTYPE)
+    try:
+        peaks = set()
+        for found in (None, False, True):  # nothing found out yet, no out_dtype, out_dtype
+            table.clear()
+            if found is not None:
+                table.update(dict.fromkeys(keys, found))
+            before = dict(table)
+            peaks.add((model_peak("fused_rl", case)[0],
+                       model_peak("fused_rl", case, gemm_out_dtype_path=False)[0]))  # fmt: skip
+            assert table == before
+        ((gpu, cpu),) = peaks
+        assert cpu > gpu
+    finally:
+        table.clear()
+        table.update(saved)
+
+
 @pytest.mark.parametrize(
     ("op", "variant", "per_token"),
     [("linear_policy_loss", "grpo", 68), ("linear_token_logprobs", "logp", 16)],

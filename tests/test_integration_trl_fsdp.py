@@ -15,6 +15,7 @@ gathered again, and the distillation heads are gathered from their DTensors.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import sys
@@ -62,6 +63,11 @@ RUNS = {
         "GRPOTrainer",
         {"fused_rl_loss": True, "fused_rl_kl_estimator": "full", "peft_config": "lora"},
     ),
+    # bf16 mixed precision: FSDP2 gathers bf16 copies of the fp32 parameters for a forward
+    "grpo/exact_kl_bf16": (
+        "GRPOTrainer",
+        {"fused_rl_loss": True, "fused_rl_kl_estimator": "full", "bf16": True},
+    ),
     "rloo/trl": ("RLOOTrainer", None),
     "rloo/loss": ("RLOOTrainer", {"fused_rl_loss": True}),
     "distill/trl": ("DistillationTrainer", None),
@@ -104,11 +110,12 @@ def _trainer(name: str, cls, out_dir: str, models: dict, fsdp: bool, options: di
     import test_integration_trl_preference as pref
     import trl
 
+    kind, options = name.split("/")[0], dict(options)
+    bf16 = options.pop("bf16", False)  # the trainer's mixed precision, not fused_rl's option
     common = dict(report_to=[], use_cpu=True, seed=0, logging_steps=1,
-                  save_strategy="no", disable_tqdm=True, bf16=False, max_steps=3,
+                  save_strategy="no", disable_tqdm=True, bf16=bf16, max_steps=3,
                   gradient_accumulation_steps=2, learning_rate=1e-3,
                   **(dict(fsdp=True, fsdp_config=FSDP2) if fsdp else {}))  # fmt: skip
-    kind = name.split("/")[0]
     if options.get("peft_config") == "lora":
         from peft import LoraConfig
 
@@ -117,8 +124,8 @@ def _trainer(name: str, cls, out_dir: str, models: dict, fsdp: bool, options: di
     if kind in ("grpo", "rloo"):
         config = trl.GRPOConfig if kind == "grpo" else trl.RLOOConfig
         args = config(output_dir=out_dir, **common, num_generations=2,
-                              per_device_train_batch_size=4, max_completion_length=8,
-                              num_iterations=2, beta=0.04)  # fmt: skip
+                      per_device_train_batch_size=4, max_completion_length=8, num_iterations=2,
+                      beta=0.04)  # fmt: skip
         return cls(model=models["policy"], reward_funcs=reward_w5, args=args,
                    train_dataset=_dataset(), processing_class=_tokenizer(), **options)  # fmt: skip
     if kind == "distill":
@@ -223,6 +230,19 @@ def test_under_fsdp2_matches_trl(tmp_path_factory, run):
     assert want["wrapped"].startswith("FSDP")
     compare_logs(want["log"], got[run]["log"])
     compare_params(want["params"], got[run]["params"])
+
+
+def test_exact_kl_under_fsdp2_bf16(tmp_path_factory):
+    """Under FSDP2's bf16 mixed precision the reference's head is gathered again from its
+    fp32 shards and cast to the bf16 its forward used: at the first step, where the policy
+    is the reference, the exact KL is exactly 0 (the two heads equal to the bit), then
+    positive; every logged number finite."""
+    got = _run(tmp_path_factory, True, list(RUNS))["grpo/exact_kl_bf16"]
+    assert got["regathered"] and all(got["regathered"])
+    kls = [entry["kl"] for entry in got["log"] if "kl" in entry]
+    assert len(kls) == 3 and kls[0] == 0.0 and kls[-1] > 0
+    numbers = [v for entry in got["log"] for v in entry.values() if isinstance(v, float)]
+    assert all(math.isfinite(v) for v in numbers)
 
 
 DDP_RUNS = ["grpo/exact_kl", "grpo/exact_kl_lora", "distill/fused"]
