@@ -10,7 +10,9 @@ the single-process tests do: TRL's trainer and fused_rl's (for GRPO its head, th
 loss through fused_rl and the exact KL to the reference model). The exact KL and the
 distillation trainer also run under plain data parallelism (DDP), which they must match:
 the reference's head is freed by FSDP2 when the reference's forward returns and has to be
-gathered again, and the distillation heads are gathered from their DTensors.
+gathered again, and the distillation heads are gathered from their DTensors. A second
+wrapping makes the LM head an FSDP2 unit of its own, whose gradient fused_rl reduces
+itself: those runs must match the runs with the head in the root unit.
 """
 
 from __future__ import annotations
@@ -98,13 +100,25 @@ def _fsdp_on_cpu() -> None:
     state.AcceleratorState.__init__ = patched
 
 
-FSDP2 = {
-    "version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-    "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"], "reshard_after_forward": True,
+# accelerate's fsdp_config per wrapping (None: DDP)
+WRAPS = {
+    None: None,
+    # every decoder layer a unit; the embeddings, the final norm and the LM head in the root's
+    "layers": {
+        "version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"], "reshard_after_forward": True,
+    },
+    # every decoder layer and every Linear a unit: the LM head among them, so its weight is a
+    # DTensor in the model's forward (fused_rl gathers it there)
+    "linear": {
+        "version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer", "Linear"],
+        "reshard_after_forward": True,
+    },
 }  # fmt: skip
 
 
-def _trainer(name: str, cls, out_dir: str, models: dict, fsdp: bool, options: dict):
+def _trainer(name: str, cls, out_dir: str, models: dict, wrap: str | None, options: dict):
     """The trainer of run ``name`` (its class ``cls``) as the single-process tests build it."""
     import test_integration_trl_distill as distill
     import test_integration_trl_preference as pref
@@ -115,7 +129,7 @@ def _trainer(name: str, cls, out_dir: str, models: dict, fsdp: bool, options: di
     common = dict(report_to=[], use_cpu=True, seed=0, logging_steps=1,
                   save_strategy="no", disable_tqdm=True, bf16=bf16, max_steps=3,
                   gradient_accumulation_steps=2, learning_rate=1e-3,
-                  **(dict(fsdp=True, fsdp_config=FSDP2) if fsdp else {}))  # fmt: skip
+                  **(dict(fsdp=True, fsdp_config=WRAPS[wrap]) if wrap else {}))  # fmt: skip
     if options.get("peft_config") == "lora":
         from peft import LoraConfig
 
@@ -138,14 +152,16 @@ def _trainer(name: str, cls, out_dir: str, models: dict, fsdp: bool, options: di
                processing_class=_tokenizer(), **options)  # fmt: skip
 
 
-def _worker(rank: int, port: int, models: dict, out_dir: str, fsdp: bool, names) -> None:
+def _worker(rank: int, port: int, models: dict, out_dir: str, wrap, names) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))  # fmt: skip
     import trl
+    import trl.trainer.utils as trl_utils
 
     import fused_rl.integrations.trl as fused_trl
+    import fused_rl.linear as fused_linear
 
-    if fsdp:
+    if wrap:
         _fsdp_on_cpu()
     regathered = []  # one entry per reference head read after its forward: was it freed?
     kept = fused_trl._kept
@@ -156,13 +172,28 @@ def _worker(rank: int, port: int, models: dict, out_dir: str, fsdp: bool, names)
         return kept(used, param)
 
     fused_trl._kept = counted
+    heads = {"trl": 0, "fused_rl": 0}  # the fused heads' calls (log-probs from hidden states)
+    trl_head = trl_utils._ChunkedLogProbFunction
+    fused_head = fused_linear._LinearTokenStats
+    trl_apply, fused_apply = trl_head.apply, fused_head.apply
+
+    def count(who, apply):
+        def counted_apply(*args):
+            heads[who] += 1
+            return apply(*args)
+
+        return counted_apply
+
+    trl_head.apply = count("trl", trl_apply)
+    fused_head.apply = count("fused_rl", fused_apply)
     results = {}
     for name in names:
         trainer_name, options = RUNS[name]
         cls = getattr(trl if options is None else fused_trl, trainer_name)
         regathered.clear()
+        heads.update(trl=0, fused_rl=0)
         out = f"{out_dir}/{name.replace('/', '-')}"
-        trainer = _trainer(name, cls, out, models, fsdp, options or {})
+        trainer = _trainer(name, cls, out, models, wrap, options or {})
         trainer.train()
         params = {}
         for key, p in trainer.model.named_parameters():  # every rank joins the gathers
@@ -170,7 +201,7 @@ def _worker(rank: int, port: int, models: dict, out_dir: str, fsdp: bool, names)
             params[key] = whole.detach().clone()
         results[name] = dict(
             log=trainer.state.log_history, params=params, regathered=list(regathered),
-            wrapped=type(trainer.model_wrapped).__name__,
+            wrapped=type(trainer.model_wrapped).__name__, heads=dict(heads),
         )  # fmt: skip
     if rank == 0:
         torch.save(results, f"{out_dir}/results.pt")
@@ -185,11 +216,12 @@ def _free_port() -> int:
 _RESULTS: dict = {}
 
 
-def _run(tmp_path_factory, fsdp: bool, names) -> dict:
-    """Each of ``names`` trained on ``WORLD`` ranks (FSDP2 or DDP), once per module."""
-    key = (fsdp, tuple(names))
+def _run(tmp_path_factory, wrap: str | None, names) -> dict:
+    """Each of ``names`` trained on ``WORLD`` ranks (FSDP2 wrapped as ``wrap`` names, or
+    DDP), once per module."""
+    key = (wrap, tuple(names))
     if key not in _RESULTS:
-        root = tmp_path_factory.mktemp("fsdp" if fsdp else "ddp")
+        root = tmp_path_factory.mktemp(f"fsdp-{wrap}" if wrap else "ddp")
         models = {"policy": str(root / "policy"), "teacher": str(root / "teacher")}
         _tiny_model().save_pretrained(models["policy"])
         _tiny(96, 1).save_pretrained(models["teacher"])  # a wider teacher, as in distillation
@@ -201,7 +233,7 @@ def _run(tmp_path_factory, fsdp: bool, names) -> dict:
         os.environ["PYTHONPATH"] = os.pathsep.join(
             [tests_dir, *filter(None, [os.environ.get("PYTHONPATH")])]
         )
-        mp.spawn(_worker, args=(_free_port(), models, str(root), fsdp, names), nprocs=WORLD)
+        mp.spawn(_worker, args=(_free_port(), models, str(root), wrap, names), nprocs=WORLD)
         _RESULTS[key] = torch.load(root / "results.pt", weights_only=False)
     return _RESULTS[key]
 
@@ -210,10 +242,12 @@ def test_grpo_under_fsdp2_matches_trl(tmp_path_factory):
     """Under FSDP2, fused_rl's head and fused_rl's loss train as TRL's own GRPO trainer does:
     every logged metric (1e-5 absolute + 1e-4 relative) and the final parameters
     (gathered whole, 1e-5)."""
-    got = _run(tmp_path_factory, True, list(RUNS))
+    got = _run(tmp_path_factory, "layers", list(RUNS))
     want = got["grpo/trl"]
     assert want["wrapped"].startswith("FSDP")  # accelerate's fully_shard ran
+    assert want["heads"]["trl"] > 0 and want["heads"]["fused_rl"] == 0
     for name in ("grpo/head", "grpo/loss"):
+        assert got[name]["heads"]["trl"] == 0 and got[name]["heads"]["fused_rl"] > 0
         compare_logs(want["log"], got[name]["log"])
         compare_params(want["params"], got[name]["params"])
 
@@ -225,7 +259,7 @@ def test_under_fsdp2_matches_trl(tmp_path_factory, run):
     distillation (the student's and the teacher's heads gathered from their DTensors), DPO
     (with its reference model), KTO and SFT trainers under FSDP2: fused_rl's trainer as
     TRL's, on every logged metric and the final parameters."""
-    got = _run(tmp_path_factory, True, list(RUNS))
+    got = _run(tmp_path_factory, "layers", list(RUNS))
     want = got[run.split("/")[0] + "/trl"]
     assert want["wrapped"].startswith("FSDP")
     compare_logs(want["log"], got[run]["log"])
@@ -237,7 +271,7 @@ def test_exact_kl_under_fsdp2_bf16(tmp_path_factory):
     fp32 shards and cast to the bf16 its forward used: at the first step, where the policy
     is the reference, the exact KL is exactly 0 (the two heads equal to the bit), then
     positive; every logged number finite."""
-    got = _run(tmp_path_factory, True, list(RUNS))["grpo/exact_kl_bf16"]
+    got = _run(tmp_path_factory, "layers", list(RUNS))["grpo/exact_kl_bf16"]
     assert got["regathered"] and all(got["regathered"])
     kls = [entry["kl"] for entry in got["log"] if "kl" in entry]
     assert len(kls) == 3 and kls[0] == 0.0 and kls[-1] > 0
@@ -251,8 +285,8 @@ DDP_RUNS = ["grpo/exact_kl", "grpo/exact_kl_lora", "distill/fused"]
 def test_distill_under_fsdp2_matches_ddp(tmp_path_factory):
     """fused_rl's distillation trainer under FSDP2 trains as under DDP: the heads it gathers
     from their DTensors take their gradients as DDP's do."""
-    fsdp = _run(tmp_path_factory, True, list(RUNS))["distill/fused"]
-    ddp = _run(tmp_path_factory, False, DDP_RUNS)["distill/fused"]
+    fsdp = _run(tmp_path_factory, "layers", list(RUNS))["distill/fused"]
+    ddp = _run(tmp_path_factory, None, DDP_RUNS)["distill/fused"]
     compare_logs(ddp["log"], fsdp["log"])
     compare_params(ddp["params"], fsdp["params"])
 
@@ -267,8 +301,8 @@ def test_exact_kl_under_fsdp2_matches_ddp(tmp_path_factory, run):
     the first step (the policy is the reference) and positive after."""
     if "lora" in run:
         pytest.importorskip("peft")
-    fsdp = _run(tmp_path_factory, True, list(RUNS))[run]
-    ddp = _run(tmp_path_factory, False, DDP_RUNS)[run]
+    fsdp = _run(tmp_path_factory, "layers", list(RUNS))[run]
+    ddp = _run(tmp_path_factory, None, DDP_RUNS)[run]
     assert fsdp["wrapped"].startswith("FSDP") and not ddp["wrapped"].startswith("FSDP")
     if run == "grpo/exact_kl":  # TRL's prepare_fsdp of the reference frees it (not the policy)
         assert fsdp["regathered"] and all(fsdp["regathered"])
@@ -277,3 +311,19 @@ def test_exact_kl_under_fsdp2_matches_ddp(tmp_path_factory, run):
     compare_params(ddp["params"], fsdp["params"])
     kls = [entry["kl"] for entry in fsdp["log"] if "kl" in entry]
     assert len(kls) == 3 and kls[0] == 0.0 and kls[-1] > 0
+
+
+LINEAR_RUNS = ["grpo/head", "grpo/loss", "grpo/exact_kl", "distill/fused"]
+
+
+@pytest.mark.parametrize("run", LINEAR_RUNS)
+def test_head_its_own_fsdp2_unit(tmp_path_factory, run):
+    """The LM head an FSDP2 unit of its own (as every Linear): FSDP2 never gathers it (its
+    forward never runs), so it is a DTensor in the model's forward, and its gradient is
+    reduced by fused_rl (``_trl_distill.gathered``), not by FSDP2. Every logged metric and
+    the final parameters as with the head in the root unit (where FSDP2 reduces it, and
+    which the tests above hold to TRL's trainer and DDP)."""
+    got = _run(tmp_path_factory, "linear", LINEAR_RUNS)[run]
+    want = _run(tmp_path_factory, "layers", list(RUNS))[run]
+    compare_logs(want["log"], got["log"])
+    compare_params(want["params"], got["params"])

@@ -111,10 +111,36 @@ def divergence_loss(
 
 
 def gathered(param):
-    """A DTensor (FSDP2) parameter gathered whole; anything else as it is."""
-    if param is not None and hasattr(param, "full_tensor"):
+    """A DTensor (FSDP2) parameter gathered whole; anything else as it is.
+
+    A DTensor here is a parameter FSDP2 did not gather itself (the module it belongs to, an
+    FSDP2 unit of its own such as the LM head, never runs its forward: the head is read as a
+    weight). FSDP2 then never reduces its gradient either, and the gather's own backward
+    would keep each rank's slice of that rank's gradient alone. So the gradient is taken as
+    a partial sum over the ranks, reduce-scattered to the shards and divided by their
+    number: the mean FSDP2 (and DDP) makes of the gradients it reduces."""
+    if param is None or not hasattr(param, "full_tensor"):
+        return param
+    if not (param.requires_grad and torch.is_grad_enabled()):
         return param.full_tensor()
-    return param
+    from torch.distributed.tensor import Partial
+
+    mesh = param.device_mesh
+    whole = param.full_tensor(grad_placements=[Partial("sum")] * mesh.ndim)
+    return _MeanOverRanks.apply(whole, mesh.size())
+
+
+class _MeanOverRanks(torch.autograd.Function):
+    """The identity forward; backward, the gradient divided by the number of ranks."""
+
+    @staticmethod
+    def forward(ctx, x, ranks: int):
+        ctx.ranks = ranks
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.ranks, None
 
 
 def _in_compute_dtype(hidden, weight, bias):
