@@ -27,6 +27,7 @@ import torch
 import torch.multiprocessing as mp
 from test_integration_trl import (
     _dataset,
+    _tiny_config,
     _tiny_model,
     _tokenizer,
     compare_logs,
@@ -54,7 +55,8 @@ pytestmark = [
 ]
 
 WORLD = 2
-# name -> (TRL trainer, fused_rl's options: None for TRL's own trainer)
+# name -> (TRL trainer, fused_rl's options: None, or "trl": True, for TRL's own trainer;
+# "tied": the tied model; "bf16": the trainer's mixed precision)
 RUNS = {
     "grpo/trl": ("GRPOTrainer", None),
     "grpo/head": ("GRPOTrainer", {}),
@@ -69,6 +71,13 @@ RUNS = {
     "grpo/exact_kl_bf16": (
         "GRPOTrainer",
         {"fused_rl_loss": True, "fused_rl_kl_estimator": "full", "bf16": True},
+    ),
+    # tied input and output embeddings (the LM head's weight is the embedding's)
+    "grpo/trl_tied": ("GRPOTrainer", {"tied": True, "trl": True}),
+    "grpo/head_tied": ("GRPOTrainer", {"tied": True}),
+    "grpo/exact_kl_tied": (
+        "GRPOTrainer",
+        {"fused_rl_loss": True, "fused_rl_kl_estimator": "full", "tied": True},
     ),
     "rloo/trl": ("RLOOTrainer", None),
     "rloo/loss": ("RLOOTrainer", {"fused_rl_loss": True}),
@@ -126,6 +135,7 @@ def _trainer(name: str, cls, out_dir: str, models: dict, wrap: str | None, optio
 
     kind, options = name.split("/")[0], dict(options)
     bf16 = options.pop("bf16", False)  # the trainer's mixed precision, not fused_rl's option
+    policy = models["tied" if options.pop("tied", False) else "policy"]
     common = dict(report_to=[], use_cpu=True, seed=0, logging_steps=1,
                   save_strategy="no", disable_tqdm=True, bf16=bf16, max_steps=3,
                   gradient_accumulation_steps=2, learning_rate=1e-3,
@@ -140,15 +150,15 @@ def _trainer(name: str, cls, out_dir: str, models: dict, wrap: str | None, optio
         args = config(output_dir=out_dir, **common, num_generations=2,
                       per_device_train_batch_size=4, max_completion_length=8, num_iterations=2,
                       beta=0.04)  # fmt: skip
-        return cls(model=models["policy"], reward_funcs=reward_w5, args=args,
+        return cls(model=policy, reward_funcs=reward_w5, args=args,
                    train_dataset=_dataset(), processing_class=_tokenizer(), **options)  # fmt: skip
     if kind == "distill":
         args = distill._config(out_dir, **common)
-        return cls(model=models["policy"], teacher_model=models["teacher"], args=args,
+        return cls(model=policy, teacher_model=models["teacher"], args=args,
                    train_dataset=_dataset(), processing_class=_tokenizer(), **options)  # fmt: skip
     trainer_name = {"dpo": "DPOTrainer", "kto": "KTOTrainer", "sft": "SFTTrainer"}[kind]
     args = pref._args(trainer_name, out_dir, **common)
-    return cls(model=models["policy"], args=args, train_dataset=pref._dataset(trainer_name),
+    return cls(model=policy, args=args, train_dataset=pref._dataset(trainer_name),
                processing_class=_tokenizer(), **options)  # fmt: skip
 
 
@@ -189,7 +199,9 @@ def _worker(rank: int, port: int, models: dict, out_dir: str, wrap, names) -> No
     results = {}
     for name in names:
         trainer_name, options = RUNS[name]
-        cls = getattr(trl if options is None else fused_trl, trainer_name)
+        options = None if options is None else dict(options)
+        own = options is None or options.pop("trl", False)  # TRL's own trainer
+        cls = getattr(trl if own else fused_trl, trainer_name)
         regathered.clear()
         heads.update(trl=0, fused_rl=0)
         out = f"{out_dir}/{name.replace('/', '-')}"
@@ -207,6 +219,18 @@ def _worker(rank: int, port: int, models: dict, out_dir: str, wrap, names) -> No
         torch.save(results, f"{out_dir}/results.pt")
 
 
+def _tied_model():
+    """The tiny Qwen2 with its LM head tied to its input embeddings."""
+    from transformers import Qwen2ForCausalLM
+
+    config = _tiny_config()
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    return model
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -222,8 +246,9 @@ def _run(tmp_path_factory, wrap: str | None, names) -> dict:
     key = (wrap, tuple(names))
     if key not in _RESULTS:
         root = tmp_path_factory.mktemp(f"fsdp-{wrap}" if wrap else "ddp")
-        models = {"policy": str(root / "policy"), "teacher": str(root / "teacher")}
+        models = {who: str(root / who) for who in ("policy", "tied", "teacher")}
         _tiny_model().save_pretrained(models["policy"])
+        _tied_model().save_pretrained(models["tied"])
         _tiny(96, 1).save_pretrained(models["teacher"])  # a wider teacher, as in distillation
         for path in models.values():
             _tokenizer().save_pretrained(path)
@@ -250,6 +275,16 @@ def test_grpo_under_fsdp2_matches_trl(tmp_path_factory):
         assert got[name]["heads"]["trl"] == 0 and got[name]["heads"]["fused_rl"] > 0
         compare_logs(want["log"], got[name]["log"])
         compare_params(want["params"], got[name]["params"])
+
+
+def test_tied_head_under_fsdp2_matches_trl(tmp_path_factory):
+    """A tied LM head (its weight the input embeddings') under FSDP2: fused_rl's head trains
+    as TRL's, its gradient from the head and from the embedding lookup summed once."""
+    got = _run(tmp_path_factory, "layers", list(RUNS))
+    want = got["grpo/trl_tied"]
+    assert want["heads"]["trl"] > 0 and got["grpo/head_tied"]["heads"]["trl"] == 0
+    compare_logs(want["log"], got["grpo/head_tied"]["log"])
+    compare_params(want["params"], got["grpo/head_tied"]["params"])
 
 
 @pytest.mark.parametrize("run", ["rloo/loss", "distill/fused", "dpo/fused", "kto/fused",
@@ -279,7 +314,7 @@ def test_exact_kl_under_fsdp2_bf16(tmp_path_factory):
     assert all(math.isfinite(v) for v in numbers)
 
 
-DDP_RUNS = ["grpo/exact_kl", "grpo/exact_kl_lora", "distill/fused"]
+DDP_RUNS = ["grpo/exact_kl", "grpo/exact_kl_lora", "grpo/exact_kl_tied", "distill/fused"]
 
 
 def test_distill_under_fsdp2_matches_ddp(tmp_path_factory):
@@ -291,7 +326,7 @@ def test_distill_under_fsdp2_matches_ddp(tmp_path_factory):
     compare_params(ddp["params"], fsdp["params"])
 
 
-@pytest.mark.parametrize("run", ["grpo/exact_kl", "grpo/exact_kl_lora"])
+@pytest.mark.parametrize("run", ["grpo/exact_kl", "grpo/exact_kl_lora", "grpo/exact_kl_tied"])
 def test_exact_kl_under_fsdp2_matches_ddp(tmp_path_factory, run):
     """``fused_rl_kl_estimator="full"`` under FSDP2 trains as under DDP (every metric, the
     final parameters), with a reference model and under LoRA (the policy with its adapter
