@@ -80,7 +80,7 @@ from ._vocab_ops import (
 )
 from .reference import logprobs as ref
 
-__all__ = ["global_token_count", "VocabShard"]
+__all__ = ["gather_param", "global_token_count", "VocabShard"]
 
 # local target ids handed to layers 1 and 3: an ignored token, and a target another rank owns
 LOCAL_IGNORE = -1
@@ -750,3 +750,79 @@ def global_token_count(mask: Tensor, group=None) -> Tensor:
     dist = _dist()
     dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
     return count
+
+
+def gather_param(param):
+    """An FSDP2 (``DTensor``) parameter gathered whole for the fused-linear ops, its gradient
+    reduced over the ranks as FSDP2 reduces the gradients of what it gathers; anything else
+    (a plain tensor, ``None``) as it is.
+
+    FSDP2 gathers a unit's parameters in that unit's forward and reduce-scatters their
+    gradients in its backward. An LM head read as a weight (``linear_policy_loss(hidden,
+    model.lm_head.weight, ...)`` outside the model's forward, or a head that is an FSDP2
+    unit of its own, whose forward never runs) gets neither: its weight is a ``DTensor``,
+    and ``full_tensor()``'s own backward would keep each rank's slice of that rank's
+    gradient alone. Here the gradient of the gathered weight is a partial sum over the
+    ranks of the parameter's mesh, reduce-scattered back to the shards and divided by the
+    number of ranks: the mean FSDP2 and DDP take. Every rank of the mesh must call it (an
+    all-gather forward, a reduce-scatter backward). The ranks along every mesh dimension
+    must be data parallel, or see the same data (their gradients then count once each in
+    the mean); a vocabulary-parallel head is not gathered: pass its local shard with
+    ``process_group=`` instead (``docs/tensor-parallel.md``).
+
+    Args:
+        param: a ``DTensor`` (an FSDP2 parameter at rest), a plain tensor or ``None``.
+
+    Returns:
+        The whole parameter as a plain tensor (a new one for a ``DTensor``), or ``param``.
+
+    Example (one process; under FSDP2 every rank passes its sharded parameter):
+        >>> import torch, torch.distributed as dist, fused_rl
+        >>> from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> mesh = init_device_mesh("cpu", (1,))
+        >>> weight = distribute_tensor(torch.randn(11, 4), mesh, [Shard(0)]).requires_grad_()
+        >>> hidden, targets = torch.randn(2, 3, 4), torch.randint(0, 11, (2, 3))
+        >>> logp = fused_rl.linear_token_logprobs(
+        ...     hidden, fused_rl.distributed.gather_param(weight), targets)
+        >>> logp.sum().backward()
+        >>> type(weight.grad).__name__, tuple(weight.grad.full_tensor().shape)
+        ('DTensor', (11, 4))
+        >>> dist.destroy_process_group()
+    """
+    if param is None or not is_dtensor(param):
+        return param
+    if not (param.requires_grad and torch.is_grad_enabled()):
+        return param.full_tensor()
+    from torch.distributed.tensor import Partial
+
+    mesh = param.device_mesh
+    whole = param.full_tensor(grad_placements=[Partial("sum")] * mesh.ndim)
+    return _MeanOverRanks.apply(whole, mesh.size())
+
+
+class _MeanOverRanks(torch.autograd.Function):
+    """The identity forward; backward, the gradient divided by the number of ranks."""
+
+    @staticmethod
+    def forward(ctx, x, ranks: int):
+        ctx.ranks = ranks
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.ranks, None
+
+
+def check_local(x, name: str) -> None:
+    """``TypeError`` for a ``DTensor`` where a fused-linear op takes a plain tensor: an
+    FSDP2 parameter (data-parallel shards, to be gathered) and a vocabulary-parallel head
+    (a local shard and ``process_group=``) look alike, so the op does not guess."""
+    if is_dtensor(x):
+        raise TypeError(
+            f"{name} is a DTensor ({list(x.placements)}); the fused-linear ops take plain "
+            f"tensors. An FSDP2 parameter: pass fused_rl.distributed.gather_param({name}) "
+            "(gathered whole, its gradient reduced over the ranks as FSDP2 does); a "
+            f"vocabulary-parallel head: pass its local shard ({name}.to_local()) with "
+            "process_group="
+        )

@@ -88,7 +88,13 @@ from ._vocab_ops import (
     token_stats_fwd_op,
 )
 from .distill import pair_divergence
-from .distributed import MAX_VOCAB, check_layout_keywords, check_vocab_limit, group_shard
+from .distributed import (
+    MAX_VOCAB,
+    check_layout_keywords,
+    check_local,
+    check_vocab_limit,
+    group_shard,
+)
 from .exact_kl import token_kl
 from .logprobs import TokenStats
 from .losses import loss_from_token_stats, loss_with_exact_kl, policy_loss
@@ -864,6 +870,8 @@ def formed_grads_backward(ctx, grad_loss: Tensor | None) -> tuple:
 
 
 def _check_linear(hidden: Tensor, weight: Tensor, bias: Tensor | None, sharded=False) -> None:
+    for name, x in (("hidden", hidden), ("weight", weight), ("bias", bias)):
+        check_local(x, name)
     V.check_float(hidden, "hidden")
     V.check_float(weight, "weight")
     if hidden.dim() not in (2, 3):
@@ -1566,6 +1574,8 @@ def check_second_head(hidden2, weight2, bias2, hidden, weight, names, whose: str
     ``hidden`` / ``weight``: the same tokens, its own width, the same vocabulary, one dtype
     for ``torch.nn.functional.linear``; each error names the argument."""
     n_hidden, n_weight, n_bias = names
+    for name, x in zip(names, (hidden2, weight2, bias2)):
+        check_local(x, name)
     lead = tuple(hidden.shape[:-1])
     if hidden2.dim() != hidden.dim() or tuple(hidden2.shape[:-1]) != lead:
         raise ValueError(

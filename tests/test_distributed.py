@@ -357,6 +357,53 @@ def _mesh(ctx):
 
 
 @check
+def fsdp_gather_param(ctx):
+    """``gather_param``: an FSDP2-sharded head (a DTensor placed ``Shard(0)``, uneven at 3
+    ranks) gathered whole for the fused-linear ops on each rank's own tokens (data
+    parallel): each rank's log-probs are the plain call's, and the head's gradient is the
+    mean over the ranks of each rank's gradient (float64, every rank's data rebuilt on every
+    rank), left sharded on the DTensor; under no_grad a plain copy; a plain tensor and None
+    pass through; a DTensor handed to the op itself raises ``TypeError`` naming it."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from fused_rl.distributed import gather_param
+
+    V, H, B, T = 7, 4, 2, 3
+    weight = torch.randn(V, H, generator=ctx.gen(5))
+
+    def data(rank):
+        g = ctx.gen(100 + rank)
+        return (torch.randn(B, T, H, generator=g), torch.randint(0, V, (B, T), generator=g),
+                torch.randn(B, T, generator=g))  # fmt: skip
+
+    want = torch.zeros(V, H, dtype=torch.float64)
+    for rank in range(ctx.world):
+        hidden, targets, up = data(rank)
+        w64 = weight.double().requires_grad_()
+        logits = (hidden.double() @ w64.T).log_softmax(-1)
+        (logits.gather(-1, targets[..., None])[..., 0] * up.double()).sum().backward()
+        want += w64.grad / ctx.world
+    hidden, targets, up = data(ctx.rank)
+    mesh = _mesh(ctx)
+    for backend in BACKENDS:
+        sharded = distribute_tensor(weight, mesh, [Shard(0)]).requires_grad_()
+        whole = gather_param(sharded)
+        assert type(whole) is torch.Tensor and torch.equal(whole.detach(), weight)
+        logp = fused_rl.linear_token_logprobs(hidden, whole, targets, backend=backend)
+        assert_rel(logp, fused_rl.linear_token_logprobs(hidden, weight, targets), FP32_TOL,
+                   f"logp {backend}")  # fmt: skip
+        (logp * up).sum().backward()
+        assert type(sharded.grad).__name__ == "DTensor"
+        assert_rel(sharded.grad.full_tensor(), want, FP32_TOL, f"mean grad {backend}")
+        with pytest.raises(TypeError, match="weight is a DTensor"):
+            fused_rl.linear_token_logprobs(hidden, sharded, targets, backend=backend)
+    with torch.no_grad():
+        copy = gather_param(sharded)
+    assert copy.grad_fn is None and torch.equal(copy, weight)
+    assert gather_param(weight) is weight and gather_param(None) is None
+
+
+@check
 def dtensor(ctx):
     """A DTensor placed Shard(-1) (torch.chunk layout: uneven, world 3 with V = 4 leaves
     rank 2 empty): plain replicated-valued outputs, a DTensor gradient of the same layout."""

@@ -35,6 +35,7 @@ import threading
 
 import torch
 
+from ..distributed import gather_param
 from ..linear_distill import linear_distill_loss
 
 _ROUTE = threading.local()  # .options while a fused trainer computes its loss on this thread
@@ -82,8 +83,8 @@ def divergence_loss(
     Shapes: ``(B, K, H_s)`` / ``(B, K, H_t)`` hidden states, ``(V, H_s)`` / ``(V, H_t)``
     heads, ``(B, K)`` completion mask. Returns the 0-dim loss, the student's entropy summed
     over the valid positions (detached) and their count (int64 0-dim)."""
-    weight, bias = gathered(student_lm_head_weight), gathered(student_lm_head_bias)
-    t_weight, t_bias = gathered(teacher_lm_head_weight), gathered(teacher_lm_head_bias)
+    weight, bias = gather_param(student_lm_head_weight), gather_param(student_lm_head_bias)
+    t_weight, t_bias = gather_param(teacher_lm_head_weight), gather_param(teacher_lm_head_bias)
     valid = completion_mask.reshape(-1) != 0
     n_valid = valid.sum()
     rows = valid.nonzero().squeeze(1)  # the one host sync (the count of valid positions)
@@ -108,39 +109,6 @@ def divergence_loss(
     )  # fmt: skip
     entropy_sum = metrics["student_entropy"] * n_valid  # the metric: a mean over the valid
     return loss, entropy_sum, n_valid
-
-
-def gathered(param):
-    """A DTensor (FSDP2) parameter gathered whole; anything else as it is.
-
-    A DTensor here is a parameter FSDP2 did not gather itself (the module it belongs to, an
-    FSDP2 unit of its own such as the LM head, never runs its forward: the head is read as a
-    weight). FSDP2 then never reduces its gradient either, and the gather's own backward
-    would keep each rank's slice of that rank's gradient alone. So the gradient is taken as
-    a partial sum over the ranks, reduce-scattered to the shards and divided by their
-    number: the mean FSDP2 (and DDP) makes of the gradients it reduces."""
-    if param is None or not hasattr(param, "full_tensor"):
-        return param
-    if not (param.requires_grad and torch.is_grad_enabled()):
-        return param.full_tensor()
-    from torch.distributed.tensor import Partial
-
-    mesh = param.device_mesh
-    whole = param.full_tensor(grad_placements=[Partial("sum")] * mesh.ndim)
-    return _MeanOverRanks.apply(whole, mesh.size())
-
-
-class _MeanOverRanks(torch.autograd.Function):
-    """The identity forward; backward, the gradient divided by the number of ranks."""
-
-    @staticmethod
-    def forward(ctx, x, ranks: int):
-        ctx.ranks = ranks
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad / ctx.ranks, None
 
 
 def _in_compute_dtype(hidden, weight, bias):

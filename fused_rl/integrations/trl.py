@@ -88,8 +88,8 @@ import torch
 
 from .. import _validation as V
 from .._backend import BACKENDS
+from ..distributed import gather_param
 from ..linear import linear_token_logprobs, linear_token_stats
-from ._trl_distill import gathered as _full
 
 __all__ = [
     "DistillationTrainer",  # noqa: F822  (built on first access: __getattr__ below)
@@ -362,7 +362,7 @@ def _head_inputs(model, head: _Head, hidden):
     """The hidden states, the LM head's weight and bias (gathered whole), and the context
     the head runs in (fp32 outside autocast under ``cast_lm_head_to_fp32``)."""
     lm_head = model.get_output_embeddings()
-    weight, bias = _full(lm_head.weight), _full(lm_head.bias)
+    weight, bias = gather_param(lm_head.weight), gather_param(lm_head.bias)
     hidden = hidden.to(weight.device)
     context = contextlib.nullcontext()
     if head.cast_fp32:
