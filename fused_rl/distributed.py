@@ -758,17 +758,26 @@ def gather_param(param):
     (a plain tensor, ``None``) as it is.
 
     FSDP2 gathers a unit's parameters in that unit's forward and reduce-scatters their
-    gradients in its backward. An LM head read as a weight (``linear_policy_loss(hidden,
-    model.lm_head.weight, ...)`` outside the model's forward, or a head that is an FSDP2
-    unit of its own, whose forward never runs) gets neither: its weight is a ``DTensor``,
-    and ``full_tensor()``'s own backward would keep each rank's slice of that rank's
-    gradient alone. Here the gradient of the gathered weight is a partial sum over the
-    ranks of the parameter's mesh, reduce-scattered back to the shards and divided by the
-    number of ranks: the mean FSDP2 and DDP take. Every rank of the mesh must call it (an
-    all-gather forward, a reduce-scatter backward). The ranks along every mesh dimension
-    must be data parallel, or see the same data (their gradients then count once each in
-    the mean); a vocabulary-parallel head is not gathered: pass its local shard with
-    ``process_group=`` instead (``docs/tensor-parallel.md``).
+    gradients in its backward. An LM head read as a weight in a unit whose forward has not
+    run gets neither: a head that is an FSDP2 unit of its own (its forward never runs, only
+    its weight is read), or one of a non-root unit read outside that unit's forward. Its
+    weight is then a ``DTensor``, and ``full_tensor()``'s own backward would keep each
+    rank's slice of that rank's gradient alone. Here the gradient of the gathered weight is
+    a partial sum over the ranks of the parameter's mesh, reduce-scattered back to the
+    shards and divided by the number of ranks: the mean FSDP2 and DDP take. (A head in the
+    root unit is a plain tensor in and after the root's forward, which FSDP2 does not
+    reshard, and FSDP2 reduces its gradient: a plain tensor is returned as it is.) Every
+    rank of the mesh must call it (an all-gather forward, a reduce-scatter backward). The
+    ranks along every mesh dimension must be data parallel (FSDP2, HSDP) or see the same
+    data (their gradients then count once each in the mean); a vocabulary-parallel head is
+    not gathered: pass its local shard with ``process_group=`` instead
+    (``docs/tensor-parallel.md``).
+
+    Limits: the head is gathered in its parameter's dtype (fp32 shards under a bf16
+    ``MixedPrecisionPolicy``: twice the bytes of FSDP2's own bf16 gather, and the op then
+    runs in fp32 unless autocast casts it); its gradient is reduced at every backward
+    (under ``set_requires_gradient_sync(False)`` too, where FSDP2 defers its own), and
+    divided by the number of ranks (a custom FSDP2 gradient divide factor is not read).
 
     Args:
         param: a ``DTensor`` (an FSDP2 parameter at rest), a plain tensor or ``None``.

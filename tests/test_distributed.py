@@ -359,12 +359,14 @@ def _mesh(ctx):
 @check
 def fsdp_gather_param(ctx):
     """``gather_param``: an FSDP2-sharded head (a DTensor placed ``Shard(0)``, uneven at 3
-    ranks) gathered whole for the fused-linear ops on each rank's own tokens (data
-    parallel): each rank's log-probs are the plain call's, and the head's gradient is the
-    mean over the ranks of each rank's gradient (float64, every rank's data rebuilt on every
-    rank), left sharded on the DTensor; under no_grad a plain copy; a plain tensor and None
-    pass through; a DTensor handed to the op itself raises ``TypeError`` naming it."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+    ranks; and HSDP's ``(Replicate, Shard(0))`` on a 2-D mesh) gathered whole for the
+    fused-linear ops on each rank's own tokens (data parallel): each rank's log-probs are
+    the plain call's, and the head's gradient is the mean over the ranks of each rank's
+    gradient (float64, every rank's data rebuilt on every rank), left sharded on the
+    DTensor; under no_grad a plain copy; a plain tensor and None pass through; a DTensor
+    handed to the op itself raises ``TypeError`` naming it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from fused_rl.distributed import gather_param
 
@@ -384,9 +386,11 @@ def fsdp_gather_param(ctx):
         (logits.gather(-1, targets[..., None])[..., 0] * up.double()).sum().backward()
         want += w64.grad / ctx.world
     hidden, targets, up = data(ctx.rank)
-    mesh = _mesh(ctx)
-    for backend in BACKENDS:
-        sharded = distribute_tensor(weight, mesh, [Shard(0)]).requires_grad_()
+    hsdp = init_device_mesh("cpu", (ctx.world, 1))  # replicated over all the ranks here
+    layouts = [(_mesh(ctx), [Shard(0)], "triton"), (_mesh(ctx), [Shard(0)], "reference"),
+               (hsdp, [Replicate(), Shard(0)], "triton")]  # fmt: skip
+    for mesh, placements, backend in layouts:
+        sharded = distribute_tensor(weight, mesh, placements).requires_grad_()
         whole = gather_param(sharded)
         assert type(whole) is torch.Tensor and torch.equal(whole.detach(), weight)
         logp = fused_rl.linear_token_logprobs(hidden, whole, targets, backend=backend)

@@ -54,17 +54,20 @@ def test_clear_error_without_trl(monkeypatch):
         fused_trl.NoSuchName  # noqa: B018
 
 
-def test_kept_gathers_a_freed_head_again():
+def test_kept_gathers_a_freed_head_again(monkeypatch):
     """Runs everywhere: the reference's head after its forward (``HeadInputs.kept``). Kept
     as it is while its storage is there; freed (FSDP2 resizes it to 0 bytes), gathered again
-    from the DTensor at rest (``full_tensor``, here a stand-in), in the dtype the forward
-    used; freed with no DTensor to gather from, a ``RuntimeError`` naming FSDP2."""
+    from the DTensor at rest (``gather_param``; here a stand-in: a DTensor needs a process
+    group, which tests/test_integration_trl_fsdp.py has), in the dtype the forward used;
+    freed with no DTensor to gather from, a ``RuntimeError`` naming FSDP2."""
     used = torch.randn(5, 3, dtype=torch.bfloat16)
     whole = torch.randn(5, 3)
 
-    class AtRest:  # a DTensor's one method the gather uses
-        def full_tensor(self):
-            return whole
+    class AtRest:  # stands in for a DTensor parameter
+        pass
+
+    monkeypatch.setattr(fused_trl, "is_dtensor", lambda p: isinstance(p, AtRest))
+    monkeypatch.setattr(fused_trl, "gather_param", lambda p: whole)
 
     assert fused_trl._kept(None, AtRest()) is None
     assert fused_trl._kept(used, AtRest()) is used and not fused_trl.freed(used)

@@ -355,9 +355,9 @@ LINEAR_RUNS = ["grpo/head", "grpo/loss", "grpo/exact_kl", "distill/fused"]
 def test_head_its_own_fsdp2_unit(tmp_path_factory, run):
     """The LM head an FSDP2 unit of its own (as every Linear): FSDP2 never gathers it (its
     forward never runs), so it is a DTensor in the model's forward, and its gradient is
-    reduced by fused_rl (``_trl_distill.gathered``), not by FSDP2. Every logged metric and
-    the final parameters as with the head in the root unit (where FSDP2 reduces it, and
-    which the tests above hold to TRL's trainer and DDP)."""
+    reduced by fused_rl (``fused_rl.distributed.gather_param``), not by FSDP2. Every logged
+    metric and the final parameters as with the head in the root unit (where FSDP2 reduces
+    it, and which the tests above hold to TRL's trainer and DDP)."""
     got = _run(tmp_path_factory, "linear", LINEAR_RUNS)[run]
     want = _run(tmp_path_factory, "layers", list(RUNS))[run]
     compare_logs(want["log"], got["log"])

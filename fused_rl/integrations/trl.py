@@ -88,7 +88,7 @@ import torch
 
 from .. import _validation as V
 from .._backend import BACKENDS
-from ..distributed import gather_param
+from ..distributed import gather_param, is_dtensor
 from ..linear import linear_token_logprobs, linear_token_stats
 
 __all__ = [
@@ -403,13 +403,15 @@ def _kept(used: torch.Tensor | None, param) -> torch.Tensor | None:
     again, on ``used``'s device and in its dtype."""
     if not freed(used):
         return used
-    if not hasattr(param, "full_tensor"):
+    if not is_dtensor(param):
         raise RuntimeError(
             f"the reference model's LM head ({tuple(used.shape)}) was freed when its forward "
             "returned and its parameter at rest is not a DTensor: fused_rl gathers it again "
             "from a DTensor (FSDP2) only; use FSDP2 (fsdp_config version 2)"
         )
-    return param.full_tensor().detach().to(device=used.device, dtype=used.dtype)
+    with torch.no_grad():
+        whole = gather_param(param)
+    return whole.to(device=used.device, dtype=used.dtype)
 
 
 def _hidden_forward(model, head: _Head, args, kwargs) -> HeadInputs:
