@@ -310,37 +310,44 @@ def _linear_blocks(n_rows: int, vocab: int):
         yield slice(r0, min(n_rows, r0 + step))
 
 
+def _linear_rows64(hidden, weight, targets, per_block):
+    """``per_block(z, t)`` (a tuple of ``(n,)`` float64 tensors) over blocks of the float64
+    logits ``z = hidden W^T`` of the rows that predict the ``(B, T)`` targets (``t``: the
+    block's targets), assembled into ``(B, T)`` tensors."""
+    h64, w64 = _window64(hidden, targets), weight.detach().to(torch.float64)
+    flat = targets.reshape(-1)
+    out = None
+    with torch.no_grad():
+        for rows in _linear_blocks(h64.shape[0], w64.shape[0]):
+            parts = per_block(h64[rows] @ w64.T, flat[rows])
+            if out is None:
+                out = [torch.empty(flat.shape[0], dtype=torch.float64, device=h64.device)
+                       for _ in parts]  # fmt: skip
+            for dst, src in zip(out, parts):
+                dst[rows] = src
+    return tuple(x.view(targets.shape) for x in out)
+
+
 def linear_stats64(hidden, weight, targets, tau: float = TEMPERATURE):
     """Per-token float64 ``(logp, entropy, lse)`` of ``softmax(hidden W^T / tau)`` for the
     ``(B, T)`` targets, block by block of rows (see :func:`token_stats64`)."""
-    h64, w64 = _window64(hidden, targets), weight.detach().to(torch.float64)
-    flat = targets.reshape(-1)
-    out = [torch.empty(flat.shape[0], dtype=torch.float64, device=h64.device) for _ in range(3)]
-    with torch.no_grad():
-        for rows in _linear_blocks(h64.shape[0], w64.shape[0]):
-            z = h64[rows] @ w64.T
-            stats = token_stats64(z[None], flat[rows][None], tau)
-            for dst, src in zip(out, stats):
-                dst[rows] = src[0]
-            del z
-    return tuple(x.view(targets.shape) for x in out)
+
+    def per_block(z, t):
+        return [x[0] for x in token_stats64(z[None], t[None], tau)]
+
+    return _linear_rows64(hidden, weight, targets, per_block)
 
 
 def linear_diagnostics64(hidden, weight, targets, tau: float = TEMPERATURE):
     """:func:`diagnostics64` of ``hidden W^T`` for the ``(B, T)`` targets, block by block of
     rows; the top-1 flag ranks those logits rounded to the hidden states' dtype, as every
     provider's GEMM returns them (a near-tie the rounding makes a tie is one in all)."""
-    h64, w64 = _window64(hidden, targets), weight.detach().to(torch.float64)
-    flat = targets.reshape(-1)
-    out = [torch.empty(flat.shape[0], dtype=torch.float64, device=h64.device) for _ in range(3)]
-    with torch.no_grad():
-        for rows in _linear_blocks(h64.shape[0], w64.shape[0]):
-            z = h64[rows] @ w64.T
-            stats = diagnostics64(z[None], flat[rows][None], tau)
-            for dst, src in zip(out, stats):
-                dst[rows] = src[0]
-            out[2][rows] = (z.to(hidden.dtype).argmax(-1) == flat[rows]).double()
-    return tuple(x.view(targets.shape) for x in out)
+
+    def per_block(z, t):
+        mean, log_sq, _ = diagnostics64(z[None], t[None], tau)
+        return mean[0], log_sq[0], (z.to(hidden.dtype).argmax(-1) == t).double()
+
+    return _linear_rows64(hidden, weight, targets, per_block)
 
 
 def linear_grads64(hidden, weight, targets, lse, entropy, g, h, tau: float = TEMPERATURE):
