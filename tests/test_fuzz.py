@@ -2153,21 +2153,21 @@ POLICY_HYPER = dict(
 )  # fmt: skip
 TOKEN = ("advantages", "old_logprobs", "ref_logprobs")
 
+
+def _logits_targets_spec(name: str):
+    """An op of ``(logits, targets)`` and a temperature (``token_logprobs``, ``token_stats``)."""
+    return _spec(
+        _op(name),
+        lambda b, t, v, dt, g: dict(logits=_randn(g, b, t, v, dtype=dt), targets=_ids(g, v, b, t)),
+        floats=("logits",),
+        indices={"targets": "V"},
+        temperature="positive",
+    )
+
+
 BAD_SPECS = {
-    "token_logprobs": _spec(
-        _op("token_logprobs"),
-        lambda b, t, v, dt, g: dict(logits=_randn(g, b, t, v, dtype=dt), targets=_ids(g, v, b, t)),
-        floats=("logits",),
-        indices={"targets": "V"},
-        temperature="positive",
-    ),
-    "token_stats": _spec(
-        _op("token_stats"),
-        lambda b, t, v, dt, g: dict(logits=_randn(g, b, t, v, dtype=dt), targets=_ids(g, v, b, t)),
-        floats=("logits",),
-        indices={"targets": "V"},
-        temperature="positive",
-    ),
+    "token_logprobs": _logits_targets_spec("token_logprobs"),
+    "token_stats": _logits_targets_spec("token_stats"),
     "token_entropy": _spec(
         _op("token_entropy"),
         lambda b, t, v, dt, g: dict(logits=_randn(g, b, t, v, dtype=dt)),

@@ -25,16 +25,17 @@ import fused_rl.integrations.trl as fused_trl
 import fused_rl.linear as fused_linear
 
 
-def _trl_version_ok() -> bool:
+def trl_at_least(major: int, minor: int) -> bool:
+    """Whether TRL is installed at ``major.minor`` or later."""
     try:
         import trl
         from packaging.version import Version
     except ImportError:
         return False
-    return Version(trl.__version__).release[:2] >= (1, 15)
+    return Version(trl.__version__).release[:2] >= (major, minor)
 
 
-needs_trl = pytest.mark.skipif(not _trl_version_ok(), reason="needs TRL >= 1.15")
+needs_trl = pytest.mark.skipif(not trl_at_least(1, 15), reason="needs TRL >= 1.15")
 
 VOCAB = 509
 EOS = 1

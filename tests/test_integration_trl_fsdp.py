@@ -33,21 +33,12 @@ from test_integration_trl import (
     compare_logs,
     compare_params,
     reward_w5,
+    trl_at_least,
 )
 from test_integration_trl_distill import _tiny
 
-
-def _trl_ok() -> bool:
-    try:
-        import trl
-        from packaging.version import Version
-    except ImportError:
-        return False
-    return Version(trl.__version__).release[:2] >= (1, 16)
-
-
 pytestmark = [
-    pytest.mark.skipif(not _trl_ok(), reason="needs TRL >= 1.16"),
+    pytest.mark.skipif(not trl_at_least(1, 16), reason="needs TRL >= 1.16"),
     pytest.mark.skipif(
         not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
         reason="needs torch.distributed gloo",

@@ -27,21 +27,12 @@ from test_integration_trl import (
     _tokenizer,
     check_against_trl,
     run_integrated,
+    trl_at_least,
 )
 
 import fused_rl.integrations.trl as fused_trl
 
-
-def _trl_ok() -> bool:
-    try:
-        import trl
-        from packaging.version import Version
-    except ImportError:
-        return False
-    return Version(trl.__version__).release[:2] >= (1, 16)
-
-
-pytestmark = pytest.mark.skipif(not _trl_ok(), reason="needs TRL >= 1.16")
+pytestmark = pytest.mark.skipif(not trl_at_least(1, 16), reason="needs TRL >= 1.16")
 
 TRAINERS = ("DPOTrainer", "KTOTrainer", "SFTTrainer")
 
