@@ -158,10 +158,12 @@ def is_weights_2d(is_weights: Tensor | None, batch: int, length: int) -> Tensor 
     )
 
 
-def num_items_args(num_items) -> tuple[float, Tensor | None]:
-    """``num_items`` as the kernels take it: a number (``-1``: not given) or a tensor."""
+def num_items_args(num_items, device: torch.device) -> tuple[float, Tensor | None]:
+    """``num_items`` as the kernels take it: a number (``-1``: not given) or a tensor on the
+    kernels' ``device`` (a trainer's count may sit on the CPU: copied, never read on the
+    host)."""
     if isinstance(num_items, Tensor):
-        return -1.0, num_items.reshape(())
+        return -1.0, num_items.reshape(()).to(device)
     return (-1.0 if num_items is None else float(num_items)), None
 
 

@@ -1062,7 +1062,7 @@ def _distill_loss(logits, teacher_logits, beta, temperature, mask, targets, igno
     rows = lambda t: None if t is None else t.reshape(outer, inner)  # a view, strides kept
     if mask is not None and mask.dtype == torch.bool:
         mask = mask.view(torch.uint8)  # read as bytes, no copy
-    n_items, n_items_t = num_items_args(num_items)
+    n_items, n_items_t = num_items_args(num_items, student3d.device)
     loss, metrics, *_ = distill_fwd_op(
         student3d, teacher3d, rows(targets), rows(mask), n_items_t, beta, temperature,
         int(ignore_index), LOSS_AGG_MODES.index(loss_agg), float(max_length or inner), n_items,

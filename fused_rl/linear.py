@@ -1644,7 +1644,7 @@ def _fused_policy_loss(rows, weight, bias, flat_targets, shape, inputs: RolloutI
     scale = sequence_scale(m, policy.loss_agg, max_length=policy.max_length, num_items=num_items)
     row_scale = scale.expand(batch, length).contiguous().view(-1)  # the kernel reads stride 1
     kept = _counted_rows(m, rows)
-    n_items, n_items_t = num_items_args(num_items)
+    n_items, n_items_t = num_items_args(num_items, rows.device)
     launch = _LinearLaunch(
         float(temperature), None if softcap is None else float(softcap), int(ignore_index),
         bool(with_entropy), chunk, shape,

@@ -519,7 +519,7 @@ def linear_distill_loss(
     if flat_mask is not None and flat_mask.dtype == torch.bool:
         flat_mask = flat_mask.view(torch.uint8)  # read as bytes, no copy
     flat_targets = None if targets is None else targets.reshape(-1)
-    n_items, n_items_t = num_items_args(num_items)
+    n_items, n_items_t = num_items_args(num_items, rows.device)
     launch = _Launch(
         float(beta), float(temperature), int(ignore_index), chunk, outer, inner,
         LOSS_AGG_MODES.index(loss_agg), float(max_length or inner), n_items, which, shard,

@@ -513,7 +513,7 @@ def policy_loss(
     is_w = is_weights_2d(is_weights, batch, length)
 
     if which == "triton":
-        n_items, n_items_t = num_items_args(num_items)
+        n_items, n_items_t = num_items_args(num_items, logits.device)
         ent = None
         if policy.entropy_agg is not None and policy.entropy_coef != 0.0:
             m = weights_of(mask, targets, stats_dtype(logits.dtype), targets, ignore_index)
@@ -640,7 +640,7 @@ def _formed_in_forward(
     adv2d = advantages_2d(advantages, batch, length)
     is_w = is_weights_2d(inputs.is_weights, batch, length)
     num_items = inputs.num_items
-    n_items, n_items_t = num_items_args(num_items)
+    n_items, n_items_t = num_items_args(num_items, logits.device)
     max_length = float(policy.max_length or length)
     seq_scale, m = aggregation_scale_launch(
         mask, targets, int(ignore_index), stats_dtype(logits.dtype), policy.kernel_modes[4],
@@ -740,7 +740,7 @@ def policy_loss_from_logprobs(
         policy, logprobs, entropy, adv2d, old_logprobs, rollout_logprobs, mask
     )
     if which == "triton":
-        n_items, n_items_t = num_items_args(num_items)
+        n_items, n_items_t = num_items_args(num_items, logprobs.device)
         ent = None
         if policy.entropy_agg is not None and policy.entropy_coef != 0.0:
             m = weights_of(mask, logprobs, stats_dtype(logprobs.dtype))
