@@ -1,6 +1,7 @@
 """Batch invariance: a sequence's log-probs, entropies and policy-loss gradient rows are
 bitwise the same whatever else is in the batch (its size, the sequence's position in it, the
-padding around it), for each dtype and both backends.
+padding around it), for each dtype and both backends (on a GPU the Triton backend only:
+``helpers.BATCH_INVARIANT_BACKENDS``).
 
 Why it holds: every vocabulary kernel runs one program per row with a block size that
 depends on V only (``fused_rl._launch.vocab_launch``), and reduces the row in a fixed order;
@@ -15,10 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import DEVICE
+from helpers import BATCH_INVARIANT_BACKENDS
 
 import fused_rl
 
-BACKENDS = ("triton", "reference")
 V, T = 77, 5
 
 
@@ -32,7 +33,7 @@ def _batch(row: torch.Tensor, row_t: torch.Tensor, size: int, at: int, seed: int
     return logits, targets
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BATCH_INVARIANT_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_token_logprobs_do_not_depend_on_the_batch(backend, dtype):
     g = torch.Generator().manual_seed(0)
@@ -47,7 +48,7 @@ def test_token_logprobs_do_not_depend_on_the_batch(backend, dtype):
         assert torch.equal(logp, seen[0][0]) and torch.equal(ent, seen[0][1])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BATCH_INVARIANT_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_policy_gradient_rows_do_not_depend_on_the_batch(backend, dtype):
     """With ``loss_agg="seq-mean-token-sum"`` the normaliser is ``1 / B``: scaled back by
@@ -92,7 +93,7 @@ def _linear_batch(row, row_t, size: int, at: int, seed: int, dtype):
 PLACES = ((1, 0, 1), (3, 2, 2), (7, 4, 3), (16, 0, 4), (16, 15, 5))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BATCH_INVARIANT_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk", [None, 16], ids=["default-chunk", "chunk16"])
 def test_linear_token_logprobs_do_not_depend_on_the_batch(backend, dtype, chunk):
@@ -118,7 +119,7 @@ def test_linear_token_logprobs_do_not_depend_on_the_batch(backend, dtype, chunk)
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BATCH_INVARIANT_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_policy_gradient_rows_do_not_depend_on_the_batch(backend, dtype):
     """``linear_policy_loss`` with a fixed normaliser (``token-mean`` over ``num_items``

@@ -238,8 +238,9 @@ def test_k_ids_rounded_once(dtype, device, backend):
 
 def test_k_ids_of_one_equal_one_id(device, backend):
     """An ``(..., 1)`` index gives the one-id route's log-probs and gradients: to the bit on
-    the Triton path (the logits scaled by ``1 / T`` as layer 1 scales them), to fp32
-    rounding on the reference, at any temperature."""
+    the interpreted Triton path (the logits scaled by ``1 / T`` as layer 1 scales them; a
+    GPU's compiler fuses that product into the kernel's subtraction, one rounding fewer
+    than torch's), to fp32 rounding elsewhere, at any temperature."""
     gen = torch.Generator().manual_seed(4)
     z = (torch.randn(8, 64, 100, generator=gen) * 5).to(device)
     index = torch.randint(0, 100, (8, 64), generator=gen).to(device)
@@ -250,7 +251,7 @@ def test_k_ids_of_one_equal_one_id(device, backend):
         b = selective_log_softmax(k, index[..., None], temperature)[..., 0]
         a.backward(up)
         b.backward(up)
-        if backend == "triton":
+        if backend == "triton" and torch.device(device).type == "cpu":
             assert torch.equal(a, b), temperature
         assert rel_err(a, b) <= 1e-6 and rel_err(one.grad, k.grad) <= 1e-6, temperature
 

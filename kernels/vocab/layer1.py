@@ -52,6 +52,15 @@ def scaled_logits(x, inv_temperature, inv_cap, HAS_SOFTCAP: tl.constexpr):
 
 
 @triton.jit
+def target_logp(z_y, m, log_s):
+    """``log p_y = (z_y - m) - log_s``, at most 0. The compiler may fuse ``z_y = x_y / T``
+    into the subtraction (one FMA, ``x_y / T`` unrounded) while ``m`` holds the rounded
+    ``z``: on a point mass that left ``+5e-8`` (a GPU, T = 0.7); the ``where`` keeps NaN."""
+    logp = (z_y - m) - log_s
+    return tl.where(logp > 0, 0.0, logp)
+
+
+@triton.jit
 def block_stats(z, WITH_ENTROPY: tl.constexpr, WITH_SQ: tl.constexpr = False):
     """Statistics of one block of scaled logits (``-inf`` where masked out): ``(m, s, w,
     q)``, ``q = sum exp(2 (z - m))`` with ``WITH_SQ`` (else 0), from the same ``exp``."""
@@ -244,7 +253,7 @@ def _token_stats_fwd_kernel(
         tl.store(entropy_ptr + row, tl.where(active, entropy, 0.0))
     if HAS_TARGETS:
         z_y = scaled_logits(x_y, inv_temperature, inv_cap, HAS_SOFTCAP)
-        tl.store(logp_ptr + row, tl.where(active, (z_y - m) - log_s, 0.0))
+        tl.store(logp_ptr + row, tl.where(active, target_logp(z_y, m, log_s), 0.0))
         if WITH_EXTRAS:
             tl.store(mean_ptr + row, tl.where(active, z_sum / V, 0.0))
             tl.store(log_sq_ptr + row, tl.where(active, tl.log(q) - 2.0 * log_s, 0.0))

@@ -28,7 +28,7 @@ from ..policy.layer2 import (
     store_policy_partials,
     token_log_ratio,
 )
-from .layer1 import row_moments, target_logit
+from .layer1 import row_moments, target_logit, target_logp
 from .layer3 import KLS_COEF, KLS_KL, KLS_LOG_RATIO, KLS_MAX_U, write_grad_row
 from .pair import pair_moments
 
@@ -185,7 +185,7 @@ def _policy_loss_fwd_kernel(
     z_y = target_logit(
         row_ptr, target, V, stride_v, inv_temperature, inv_cap, active, HAS_SOFTCAP, ACC
     )
-    logp = tl.where(active, (z_y - row_max) - log_s, 0.0)
+    logp = tl.where(active, target_logp(z_y, row_max, log_s), 0.0)
     entropy = tl.where(active, entropy, 0.0)
 
     # layer 2: token loss math on scalars

@@ -72,7 +72,7 @@ import triton
 import triton.language as tl
 
 from ..common import cast_for, nan_max, nan_min, pair, row_pointer, tanh_and_sech2, token_offset
-from .layer1 import scaled_logits
+from .layer1 import scaled_logits, target_logp
 
 KS = tl.constexpr(64)  # register slots: fused_rl.truncated.MAX_STREAMED_K
 
@@ -464,7 +464,7 @@ def _truncated_logprobs_fwd_kernel(
     safe = tl.where(in_range, target, 0)
     x_y = tl.load(row_ptr + safe * stride_v, mask=active & in_range, other=0.0)
     z_y = scaled_logits(x_y.to(ACC), inv_t, inv_cap, HAS_SOFTCAP)
-    logp = tl.where(z_y >= tau, (z_y - m) - log_f, float("-inf"))
+    logp = tl.where(z_y >= tau, target_logp(z_y, m, log_f), float("-inf"))
     logp = tl.where(ok, logp, float("nan"))
     logp = tl.where(in_range, logp, float("nan"))
     tl.store(logp_ptr + row, tl.where(active, logp, 0.0))
