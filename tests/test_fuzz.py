@@ -435,7 +435,8 @@ def check_case(case: Case, precision: torch.dtype | None = None) -> None:
     }
     if case.op in ROUNDING_SLACK:
         for k, slack in ROUNDING_SLACK[case.op](case).items():
-            condition[k] = condition[k] + slack
+            # the slack is computed from the case's (CPU) inputs, the condition on DEVICE
+            condition[k] = condition[k] + slack.to(condition[k].device)
     failures = []
 
     def check(fn, *args):

@@ -46,7 +46,7 @@ def oracle_stats(x, targets, softcap, temperature=1.0, ignore_index=-100):
     entropy = -(lp.exp() * lp).sum(-1)
     keep = targets != ignore_index
     logp = lp.gather(-1, torch.where(keep, targets, 0).long()[..., None])[..., 0]
-    zero = torch.zeros((), dtype=lp.dtype)
+    zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
     return torch.where(keep, logp, zero), torch.where(keep, entropy, zero)
 
 
@@ -335,8 +335,8 @@ def _policy_inputs(device, dtype, seed):
     adv = torch.randn(B, generator=g).to(device)
     with torch.no_grad():
         logp, _ = oracle_stats(logits.double(), targets, 6.0, 0.8)
-    old = (logp + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)).float()
-    ref = (logp + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)).float()
+    old = (logp + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64).to(device)).float()
+    ref = (logp + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64).to(device)).float()
     return logits, targets, adv, dict(old_logprobs=old.to(device), ref_logprobs=ref.to(device),
                                       mask=mask.to(device))  # fmt: skip
 
@@ -457,8 +457,9 @@ def test_linear_policy_loss(backend, dtype, case, device):
     with torch.no_grad():
         z = (hidden.double() @ weight.double().T + bias.double())[:, -L - 1 : -1]
         logp, _ = oracle_stats(z, targets, c, T)
-    old = (logp + 0.3 * torch.randn(B, L, generator=g, dtype=torch.float64)).float().to(device)
-    ref = (logp + 0.2 * torch.randn(B, L, generator=g, dtype=torch.float64)).float().to(device)
+    noise = [torch.randn(B, L, generator=g, dtype=torch.float64).to(device) for _ in range(2)]
+    old = (logp + 0.3 * noise[0]).float()
+    ref = (logp + 0.2 * noise[1]).float()
     opts = dict(eps_high=0.28, beta=0.04, entropy_coef=0.01, importance_sampling=case)
     tensors = dict(old_logprobs=old, ref_logprobs=ref, mask=mask)
 

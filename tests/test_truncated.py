@@ -65,7 +65,7 @@ def vllm_keep(z_row: torch.Tensor, top_k, top_p) -> torch.Tensor:
         drop = cum <= 1 - top_p
         drop[-1] = False
         s = s.masked_fill(drop, NEG_INF)
-    keep = torch.zeros(n, dtype=torch.bool)
+    keep = torch.zeros(n, dtype=torch.bool, device=z_row.device)
     keep[idx] = s > NEG_INF
     return keep
 
@@ -79,14 +79,16 @@ def oracle(x, targets, top_k=None, top_p=None, temperature=1.0, ignore_index=-10
            rule="threshold", dtype=torch.float64, softcap=None):  # fmt: skip
     """float64 log-probs (differentiable in ``x``); ``rule="vllm"`` keeps vLLM's set.
     ``dtype``: the arithmetic's (``x.dtype``: eager PyTorch in that dtype), the kept set
-    always the float64 one."""
+    always the float64 one. On ``x``'s device (vLLM's rule runs on the rows' CPU copy)."""
     rows = tempered(x.detach().double(), temperature, softcap).reshape(-1, x.shape[-1])
     z = tempered(x.to(dtype), temperature, softcap)
     if rule == "threshold":
-        thr = torch.tensor([oracle_threshold(r, top_k, top_p) for r in rows], dtype=rows.dtype)
+        thr = [oracle_threshold(r, top_k, top_p) for r in rows]
+        thr = torch.tensor(thr, dtype=rows.dtype, device=rows.device)
         keep = (rows >= thr[:, None]).reshape(z.shape)
     else:
-        keep = torch.stack([vllm_keep(r, top_k, top_p) for r in rows]).reshape(z.shape)
+        keep = torch.stack([vllm_keep(r, top_k, top_p) for r in rows.cpu()])
+        keep = keep.reshape(z.shape).to(z.device)
     ignored = targets == ignore_index
     t = torch.where(ignored, 0, targets).long()[..., None]
     lse = torch.logsumexp(z.masked_fill(~keep, NEG_INF), -1)
@@ -479,11 +481,11 @@ def test_passes_over_a_row(device):
     fp32 (pass A, search passes, one collect pass), even for logits spread over every
     octave; 0 for an ignored row."""
     g = torch.Generator().manual_seed(8)
-    peaked = torch.randn(1, 4, 400, generator=g) * 6
-    flat = torch.randn(1, 4, 400, generator=g)
-    octaves = torch.sign(torch.randn(1, 4, 400, generator=g)) * 10 ** (
-        torch.rand(1, 4, 400, generator=g) * 40 - 39)  # fmt: skip
-    targets = torch.zeros(1, 4, dtype=torch.long)
+    peaked = (torch.randn(1, 4, 400, generator=g) * 6).to(device)
+    flat = torch.randn(1, 4, 400, generator=g).to(device)
+    octaves = (torch.sign(torch.randn(1, 4, 400, generator=g)) * 10 ** (
+        torch.rand(1, 4, 400, generator=g) * 40 - 39)).to(device)  # fmt: skip
+    targets = torch.zeros(1, 4, dtype=torch.long, device=device)
     targets[0, 3] = -100
     runs = lambda x, k, p: T.truncated_logprobs_fwd_op.launcher(x, targets, k, p, 1.0, None, -100)  # noqa: E731
     for k, p in [(1, 1.0), (64, 1.0), (64, 0.9), (7, 0.5), (0, 1.0)]:
