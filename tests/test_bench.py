@@ -1196,7 +1196,7 @@ def test_full_kl_cli(tmp_path, device):
     assert "Exact KL (`policy_loss[grpo+fullkl]`)" in (out / "results.md").read_text()
 
 
-def test_full_kl_is_its_own_math():
+def test_full_kl_is_its_own_math(device):
     """The exact KL matters and each oracle judges its own function: the k3 call's outputs
     fail the exact KL's oracle, the exact KL's fail k3's, and eager with the KL dropped
     fails too (fp32: the KL term is ~8% of the loss here)."""
@@ -1204,7 +1204,7 @@ def test_full_kl_is_its_own_math():
     from bench.oracle import Oracle
 
     case = Case("policy_loss", FULL_KL, "fwd_bwd", 2, 8, 1000, "fp32")
-    inp = make_inputs(case, "cpu")
+    inp = make_inputs(case, device)
     oracle = Oracle(case, inp)
     names = P.output_names(case)
     k3 = P.build("fused_rl_k3", case, inp)()
@@ -1218,7 +1218,7 @@ def test_full_kl_is_its_own_math():
     no_kl = P.token_policy_loss(
         torch.log_softmax(logits.float(), -1).gather(-1, inp["targets"][..., None])[..., 0],
         None, inp["advantages"], inp["old_logprobs"], None, inp["mask"], FULL_KL,
-        kl=torch.zeros(logits.shape[:2]),
+        kl=torch.zeros(logits.shape[:2], device=logits.device),
     )  # fmt: skip
     grads = torch.autograd.grad(no_kl, [logits])
     judged = A.judge("eager", "fp32", oracle.compare_all(names, (no_kl.detach(), *grads)))

@@ -45,8 +45,8 @@ def oracle_terms(s, t, beta, temperature, dtype=torch.float64):
     return d, fwd, rev, -(p * lp).sum(-1), -(q * lq).sum(-1)
 
 
-def oracle_weights(shape, mask, targets, ignore_index=-100):
-    m = torch.ones(shape, dtype=torch.float64) if mask is None else mask.double()
+def oracle_weights(shape, mask, targets, ignore_index=-100, device=None):
+    m = torch.ones(shape, dtype=torch.float64, device=device) if mask is None else mask.double()
     if targets is not None:
         m = torch.where(targets != ignore_index, m, 0.0)
     return m
@@ -87,7 +87,7 @@ def oracle_call(s, t, *, beta, temperature=1.0, mask=None, targets=None, loss_ag
         t = oracle_transform(t, teacher_logit_scale, teacher_softcap, dtype)
     terms = oracle_terms(s, t, beta, temperature, dtype)
     rows = terms[0].shape if s.dim() == 3 else (1, s.shape[0])
-    m = oracle_weights(s.shape[:-1], mask, targets).reshape(rows)
+    m = oracle_weights(s.shape[:-1], mask, targets, device=s.device).reshape(rows)
     terms = [x.reshape(rows) for x in terms]
     loss = oracle_aggregate(terms[0], m, loss_agg, num_items, max_length)
     count = m.sum()
@@ -175,15 +175,15 @@ def test_matches_oracle(beta, temperature, dtype, backend, device):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("beta", (0.0, 0.5, 1.0))
 @pytest.mark.parametrize("cap", (2.0, 30.0))
-def test_softcap(backend, beta, cap):
+def test_softcap(backend, beta, cap, device):
     """Gemma's cap on both models' logits, ``c tanh(x / c)`` before the temperature: the
     float64 oracle on the capped logits, differentiated through the cap; a masked NaN row
     never matters (the reference zeroes it before the cap)."""
-    s, t, _ = make((2, 5, 37), seed=3, scale=4.0)
-    mask = torch.rand(2, 5, generator=torch.Generator().manual_seed(4)) > 0.3
+    s, t, _ = make((2, 5, 37), seed=3, scale=4.0, device=device)
+    mask = (torch.rand(2, 5, generator=torch.Generator().manual_seed(4)) > 0.3).to(device)
     s[0, 0], t[1, 1] = float("nan"), float("nan")
     mask[0, 0] = mask[1, 1] = False
-    up = torch.tensor(1.3, dtype=torch.float64)
+    up = torch.tensor(1.3, dtype=torch.float64, device=device)
     loss, metrics, grad = run(s, t, up, beta=beta, temperature=0.8, mask=mask, softcap=cap,
                               backend=backend)  # fmt: skip
     s64 = torch.where(mask[..., None], s.double(), 0.0).requires_grad_()
@@ -352,7 +352,8 @@ def test_near_equal_student_and_teacher(eps, beta, backend, device):
     (eager_grad,) = torch.autograd.grad(eager_fp32_loss(leaf, t, beta), leaf)
     eager_err = rel_err(eager_fp32_loss(s, t, beta), want)
     eager_grad_err = rel_err(eager_grad, want_grad)
-    loss, _, grad = run(s.to(device), t.to(device), torch.tensor(1.0), beta=beta, backend=backend)
+    up = torch.tensor(1.0, device=device)
+    loss, _, grad = run(s.to(device), t.to(device), up, beta=beta, backend=backend)
     bound = 2e-7 / eps
     assert rel_err(loss, want) <= max(2 * eager_err, bound), (rel_err(loss, want), eager_err)
     assert rel_err(grad, want_grad) <= max(2 * eager_grad_err, bound), (

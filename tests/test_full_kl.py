@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICE
 from helpers import FP32_TOL, U32, assert_rel, bf16_tol
 from policy_oracle import oracle_policy_loss
 
@@ -28,7 +29,8 @@ AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-tok
 
 def _inputs(B=2, T=5, V=37, S=None, S_ref=None, spread=0.7, seed=0, dtype=torch.float32,
             ref_dtype=None, mask=True, ignore=True):  # fmt: skip
-    """A rollout whose reference differs from the policy by ``spread`` per logit."""
+    """A rollout whose reference differs from the policy by ``spread`` per logit, on the
+    suite's device (drawn on the CPU)."""
     g = torch.Generator().manual_seed(seed)
     S = T if S is None else S
     S_ref = S if S_ref is None else S_ref
@@ -45,7 +47,8 @@ def _inputs(B=2, T=5, V=37, S=None, S_ref=None, spread=0.7, seed=0, dtype=torch.
         old_logprobs=torch.randn(B, T, generator=g) * 0.3 - 3.0,
         mask=(torch.rand(B, T, generator=g) > 0.25) if mask else None,
     )
-    return logits, targets, torch.randn(B, generator=g), kw
+    kw = {k: None if v is None else v.to(DEVICE) for k, v in kw.items()}
+    return logits.to(DEVICE), targets.to(DEVICE), torch.randn(B, generator=g).to(DEVICE), kw
 
 
 def _windowed(ref, T):
@@ -137,7 +140,7 @@ def test_parity_shapes(backend, shape):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_strided_reference_in_another_dtype(backend):
     logits, targets, adv, kw = _inputs(seed=3)
-    wide = torch.randn(2, 5, 2 * 37, dtype=torch.float64)
+    wide = torch.randn(2, 5, 2 * 37, dtype=torch.float64, device=DEVICE)
     wide[..., ::2] = kw["ref_logits"].double()
     kw["ref_logits"] = wide[..., ::2]  # stride 2 along V, fp64 beside fp32 logits
     _check(backend, logits, targets, adv, beta=0.3, **kw)
@@ -217,7 +220,7 @@ def test_kl_is_the_distill_reverse_kl():
 @pytest.mark.parametrize("where", ("counted", "not counted"))
 def test_nan_in_reference(backend, where):
     logits, targets, adv, kw = _inputs(seed=9, mask=False, ignore=False)
-    kw["mask"] = torch.ones(2, 5, dtype=torch.bool)
+    kw["mask"] = torch.ones(2, 5, dtype=torch.bool, device=DEVICE)
     kw["mask"][1, 2] = where == "counted"
     kw["ref_logits"][1, 2, 3] = float("nan")
     loss, metrics = fused_rl.policy_loss(logits, targets, adv, kl_estimator="full", beta=0.2,
@@ -242,7 +245,7 @@ def test_nonfinite_kl_row_has_no_finite_gradient(options):
     logits[0, 1, 4] = logits[1, 3, 4] = float("-inf")  # p == 0 there
     kw["ref_logits"][0, 1, 6] = float("-inf")  # KL = +inf
     kw["ref_logits"][1, 3, 2] = float("nan")  # KL = NaN
-    upstream = torch.tensor(0.7)
+    upstream = torch.tensor(0.7, device=DEVICE)
     grads = {}
     for backend in BACKENDS:
         opts = options if backend == "triton" else {
@@ -252,7 +255,7 @@ def test_nonfinite_kl_row_has_no_finite_gradient(options):
                               kl_estimator="full", beta=0.2, backend=backend, **kw,
                               **opts)[2]  # fmt: skip
     for backend, grad in grads.items():
-        bad = torch.zeros(grad.shape[:2], dtype=torch.bool)
+        bad = torch.zeros(grad.shape[:2], dtype=torch.bool, device=grad.device)
         bad[0, 1] = bad[1, 3] = True
         assert not torch.isfinite(grad[bad]).any(), backend
         assert torch.isnan(grad[0, 1, 4]) and torch.isnan(grad[1, 3, 4]), backend
@@ -314,7 +317,7 @@ def test_launches_are_those_of_k3(monkeypatch):
     logits, targets, adv, kw = _inputs(seed=13)
     ref = kw.pop("ref_logits")
     counts = {}
-    for name, extra in (("k3", dict(ref_logprobs=torch.randn(2, 5) - 3)),
+    for name, extra in (("k3", dict(ref_logprobs=torch.randn(2, 5, device=DEVICE) - 3)),
                         ("full", dict(ref_logits=ref, kl_estimator="full"))):  # fmt: skip
         x = logits.clone().requires_grad_()
         with LaunchCounter() as c:
@@ -478,6 +481,7 @@ def test_token_kl_against_the_oracle(backend, dtype):
     r = (x.float() + 0.8 * torch.randn(x.shape, generator=g)).to(dtype)
     mask = torch.rand(3, 4, generator=g) > 0.3
     up = torch.randn(3, 4, generator=g)
+    x, r, mask, up = (t.to(DEVICE) for t in (x, r, mask, up))
     leaf = x.clone().requires_grad_()
     kl = fused_rl.token_kl(leaf, r, temperature=0.9, mask=mask, backend=backend)
     (grad,) = torch.autograd.grad((kl * up).sum(), leaf)
@@ -495,7 +499,7 @@ def test_token_kl_against_the_oracle(backend, dtype):
 
 
 def test_token_kl_compiles_and_refuses_bad_input():
-    x, r = torch.randn(2, 3, 17), torch.randn(2, 3, 17)
+    x, r = torch.randn(2, 3, 17, device=DEVICE), torch.randn(2, 3, 17, device=DEVICE)
 
     def fn(x):
         return fused_rl.token_kl(x, r, backend="triton")
@@ -511,7 +515,7 @@ def test_token_kl_compiles_and_refuses_bad_input():
     with pytest.raises(ValueError, match="ref_logits must have logits' shape"):
         fused_rl.token_kl(x, r[..., :-1])
     with pytest.raises(ValueError, match=r"mask must have shape logits.shape\[:-1\]"):
-        fused_rl.token_kl(x, r, mask=torch.ones(2, 4))
+        fused_rl.token_kl(x, r, mask=torch.ones(2, 4, device=DEVICE))
     with pytest.raises(TypeError, match="ref_logits"):
         fused_rl.token_kl(x, r.long())
     with pytest.raises(ValueError, match="temperature"):
@@ -532,7 +536,7 @@ def _bad_calls():
         (TypeError, r"ref_logits", dict(base, ref_logits=ref.long())),
         (ValueError, r"needs ref_logits", dict(base, ref_logits=None)),
         (ValueError, r"pass ref_logits=, not ref_logprobs=",
-         dict(base, ref_logprobs=torch.zeros(2, 5))),
+         dict(base, ref_logprobs=torch.zeros(2, 5, device=DEVICE))),
         (ValueError, r"ref_logits is read only by kl_estimator='full'",
          dict(base, kl_estimator="k3")),
         (ValueError, r"temperature", dict(base, temperature=0.0)),
@@ -577,7 +581,12 @@ def _linear_inputs(seed=20, B=2, S=6, T=5, H=8, H_ref=6, V=41):
     targets[1, 0] = -100
     kw = dict(mask=torch.rand(B, T, generator=g) > 0.3,
               old_logprobs=torch.randn(B, T, generator=g) * 0.3 - 3.0)  # fmt: skip
-    return hidden, weight, bias, ref, targets, torch.randn(B, generator=g), kw
+    adv = torch.randn(B, generator=g)
+    hidden, weight, bias, targets, adv = (
+        t.to(DEVICE) for t in (hidden, weight, bias, targets, adv)
+    )
+    ref, kw = ({k: v.to(DEVICE) for k, v in d.items()} for d in (ref, kw))
+    return hidden, weight, bias, ref, targets, adv, kw
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -592,7 +601,7 @@ def test_linear_reference_equal_to_policy_under_autocast(backend, level):
     grads = []
     for beta in (0.0, 0.7):
         h = hidden.clone().requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
             loss, metrics = fused_rl.linear_policy_loss(
                 h, weight, targets, adv, bias=bias, **ref, **kw, kl_estimator="full",
                 beta=beta, importance_sampling=level, chunk_tokens=3, backend=backend,
@@ -722,7 +731,7 @@ def test_linear_torch_compile_fullgraph():
 def test_linear_bad_input(change, error, match):
     hidden, weight, bias, ref, targets, adv, kw = _linear_inputs()
     args = dict(ref, kl_estimator="full", beta=0.2, **kw)
-    args.update(change)
+    args.update({k: v.to(DEVICE) if torch.is_tensor(v) else v for k, v in change.items()})
     with pytest.raises(error, match=match):
         fused_rl.linear_policy_loss(hidden, weight, targets, adv, **args)
 

@@ -408,8 +408,8 @@ def test_bad_arguments_raise():
 
 
 @pytest.mark.parametrize("inplace", (False, True))
-def test_second_backward_raises(inplace):
-    r = _inputs()
+def test_second_backward_raises(inplace, device):
+    r = _inputs(device=device)
     x = r["buf"].clone().requires_grad_()
     loss, _ = fused_rl.policy_loss(x, r["targets"], r["advantages"], grad_in_forward=True,
                                    inplace=inplace)  # fmt: skip
@@ -419,8 +419,8 @@ def test_second_backward_raises(inplace):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_inplace_logits_modified_before_the_backward(backend):
-    r = _inputs()
+def test_inplace_logits_modified_before_the_backward(backend, device):
+    r = _inputs(device=device)
     x = r["buf"].clone().requires_grad_()
     loss, _ = fused_rl.policy_loss(x, r["targets"], r["advantages"], grad_in_forward=True,
                                    inplace=True, backend=backend)  # fmt: skip
@@ -442,10 +442,10 @@ def test_compile_raises_at_trace_time():
         compiled(r["buf"].clone().requires_grad_())
 
 
-def test_policy_loss_module_takes_the_options():
+def test_policy_loss_module_takes_the_options(device):
     from fused_rl.nn import PolicyLoss
 
-    r = _inputs()
+    r = _inputs(device=device)
     want = _run(r, "triton", "token_mean_no_ref", "default", loss_scale=0.5)
     x = r["buf"].clone().requires_grad_()
     module = PolicyLoss(grad_in_forward=True, inplace=True, loss_scale=0.5)
@@ -462,7 +462,7 @@ def test_policy_loss_module_takes_the_options():
 # ----------------------------------------------------------------------------- benchmark
 
 
-def test_bench_providers_meet_the_oracle_and_model_their_memory():
+def test_bench_providers_meet_the_oracle_and_model_their_memory(device):
     """``bench`` providers ``fused_rl_2pass`` / ``fused_rl_2pass_inplace``: within fused_rl's
     tolerance of the float64 oracle, token-level variants only (GSPO is not theirs), and
     modelled (``bench/memory_profile.py``, fake tensors) with the gradient held from the
@@ -482,7 +482,7 @@ def test_bench_providers_meet_the_oracle_and_model_their_memory():
 
     for variant in ("grpo+entropy", "grpo+is"):
         case = Case("policy_loss", variant, "fwd_bwd", 2, 8, 1000, "bf16")
-        inp = make_inputs(case, "cpu")
+        inp = make_inputs(case, device)
         oracle = Oracle(case, inp)
         for provider in ("fused_rl_2pass", "fused_rl_2pass_inplace"):
             out = P.build(provider, case, inp)()

@@ -252,8 +252,8 @@ def test_rejects_leading_dims_that_would_be_copied():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("op", ("policy_loss", "token_logprobs"))
-def test_modified_between_forward_and_backward(op, backend):
-    r = _inputs()
+def test_modified_between_forward_and_backward(op, backend, device):
+    r = {k: v.to(device) for k, v in _inputs().items()}
     x = r["buf"].clone().requires_grad_()
     if op == "policy_loss":
         loss = _policy_run(r, x, backend, True, beta=0.04)[0]
@@ -266,10 +266,10 @@ def test_modified_between_forward_and_backward(op, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_second_backward_raises(backend):
+def test_second_backward_raises(backend, device):
     """``retain_graph=True`` then a second backward: the first one's gradient is in the
     buffer now, and the version check says so."""
-    r = _inputs()
+    r = {k: v.to(device) for k, v in _inputs().items()}
     x = r["buf"].clone().requires_grad_()
     loss = _policy_run(r, x, backend, True)[0]
     loss.backward(retain_graph=True)
@@ -278,11 +278,11 @@ def test_second_backward_raises(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_another_op_that_saved_the_logits_raises(backend):
+def test_another_op_that_saved_the_logits_raises(backend, device):
     """The documented rule: nothing whose backward reads the logits may use them. An op
     that saved them (here ``x * x``) and runs its backward after this one meets autograd's
     own version check: the write advanced the logits' version."""
-    r = _inputs()
+    r = {k: v.to(device) for k, v in _inputs().items()}
     x = r["buf"].clone().requires_grad_()
     other = (x * x).mean()
     loss = _policy_run(r, x, backend, True)[0]
@@ -319,10 +319,10 @@ def test_vocab_parallel_raises_not_implemented():
         fused_rl.token_logprobs(x, r["targets"], vocab_size=37, inplace=True)
 
 
-def test_policy_loss_module_takes_inplace():
+def test_policy_loss_module_takes_inplace(device):
     from fused_rl.nn import LinearPolicyLoss, PolicyLoss
 
-    r = _inputs()
+    r = {k: v.to(device) for k, v in _inputs().items()}
     x = r["buf"].clone().requires_grad_()
     loss, _ = PolicyLoss(inplace=True, beta=0.04)(
         x, r["targets"], r["advantages"], ref_logprobs=r["ref_logprobs"]
@@ -338,7 +338,7 @@ def test_policy_loss_module_takes_inplace():
 # ----------------------------------------------------------------------------- benchmark
 
 
-def test_bench_provider_meets_the_oracle_and_models_no_gradient():
+def test_bench_provider_meets_the_oracle_and_models_no_gradient(device):
     """``bench`` provider ``fused_rl_inplace``: within fused_rl's tolerance of the float64
     oracle (its first run; later runs read the previous gradient as logits), and its
     modelled peak (fake tensors, ``bench/memory_profile.py``) holds no ``(N, V)`` gradient
@@ -356,7 +356,7 @@ def test_bench_provider_meets_the_oracle_and_models_no_gradient():
     from bench.oracle import Oracle
 
     case = Case("policy_loss", "grpo+entropy", "fwd_bwd", 2, 8, 1000, "bf16")
-    inp = make_inputs(case, "cpu")
+    inp = make_inputs(case, device)
     out = P.build("fused_rl_inplace", case, inp)()
     verdict = A.judge("fused_rl_inplace", case.dtype, Oracle(case, inp).compare_all(
         P.output_names(case), out))["verdict"]  # fmt: skip

@@ -134,7 +134,7 @@ def test_softcap(beta, backend):
     student, teacher, g = make(seed=5)
     cap = 1.5
     mask = (torch.rand(B, T, generator=g) > 0.2).to(DEVICE)
-    up = torch.tensor(0.7, dtype=torch.float64)
+    up = torch.tensor(0.7, dtype=torch.float64, device=DEVICE)
     got = ours(student, teacher, up, beta=beta, softcap=cap, mask=mask, chunk_tokens=4,
                backend=backend)  # fmt: skip
     leaves = [x.detach().double().requires_grad_() for x in student_params(student)]
@@ -177,7 +177,7 @@ def test_equal_transforms_are_the_call_without_them(cap, backend):
     metrics and gradients (the one-transform kernels run)."""
     student, teacher, g = make(seed=8)
     mask = (torch.rand(B, T, generator=g) > 0.2).to(DEVICE)
-    up = torch.tensor(0.8, dtype=torch.float64)
+    up = torch.tensor(0.8, dtype=torch.float64, device=DEVICE)
     for beta in (0.0, 0.5, 1.0):
         kw = dict(beta=beta, softcap=cap, mask=mask, chunk_tokens=4, backend=backend)
         want = ours(student, teacher, up, **kw)

@@ -108,11 +108,12 @@ def test_kernels_name_every_table_entry():
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
-def test_policy_config_equals_the_keywords(backend):
+def test_policy_config_equals_the_keywords(backend, device):
     gen = torch.Generator().manual_seed(3)
-    logits = torch.randn(2, 5, 23, generator=gen, requires_grad=True)
-    targets = torch.randint(0, 23, (2, 4), generator=gen)
+    logits = torch.randn(2, 5, 23, generator=gen).to(device).requires_grad_()
+    targets = torch.randint(0, 23, (2, 4), generator=gen).to(device)
     adv, old = torch.randn(2, generator=gen), torch.randn(2, 4, generator=gen) - 3.0
+    adv, old = adv.to(device), old.to(device)
     options = dict(eps_high=0.28, loss_agg="seq-mean-token-mean", log_ratio_clamp=0.5)
     a, ma = fused_rl.policy_loss(logits, targets, adv, old_logprobs=old, backend=backend,
                                  **options)  # fmt: skip
@@ -140,15 +141,15 @@ def test_policy_config_and_options_together_is_an_error():
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
-def test_log_ratio_clamp_from_hidden_states(backend):
+def test_log_ratio_clamp_from_hidden_states(backend, device):
     """The fused-linear loss (one pass per chunk, its own kernel call) honours the clamp as
     the materialised path does."""
     gen = torch.Generator().manual_seed(5)
-    hidden = torch.randn(2, 6, 8, generator=gen, requires_grad=True)
-    weight = torch.randn(29, 8, generator=gen, requires_grad=True)
-    targets = torch.randint(0, 29, (2, 5), generator=gen)
-    adv = torch.randn(2, generator=gen)
-    old = torch.randn(2, 5, generator=gen) * 4.0 - 3.0  # log-ratios beyond the clamp
+    hidden = torch.randn(2, 6, 8, generator=gen).to(device).requires_grad_()
+    weight = torch.randn(29, 8, generator=gen).to(device).requires_grad_()
+    targets = torch.randint(0, 29, (2, 5), generator=gen).to(device)
+    adv = torch.randn(2, generator=gen).to(device)
+    old = (torch.randn(2, 5, generator=gen) * 4.0 - 3.0).to(device)  # log-ratios beyond the clamp
     kw = dict(old_logprobs=old, log_ratio_clamp=1.5, backend=backend)
     loss, metrics = fused_rl.linear_policy_loss(hidden, weight, targets, adv, chunk_tokens=4, **kw)
     grads = torch.autograd.grad(loss, [hidden, weight])
