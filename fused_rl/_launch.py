@@ -32,15 +32,23 @@ def vocab_warps(block: int) -> int:
 # at the copy rate (1.16 ms) where the 8-warp 4096-column one here took 1.50 ms. Kernels that
 # also write a gradient row keep ``vocab_block`` / ``vocab_warps``.
 READ_BLOCK_V = 2048
+# The exact KL's forward streams two rows (``kernels/vocab/pair.pair_moments``, a dozen
+# values a column): at READ_BLOCK_V columns on one warp it took 255 registers and spilled
+# ~0.8 KB a thread to local memory (sm_90, ptxas), and on an H200 (2026-11-27) that
+# forward made ``policy_loss(kl_estimator="full")`` 4.4x the k3 call (15.2 ms against 3.4
+# at 8 x 2048 x 151936 bf16). 512 columns: 125 registers, no spill, no barrier.
+PAIR_READ_BLOCK_V = 512
 
 
-def vocab_launch(vocab: int, *, writes: bool) -> dict:
+def vocab_launch(vocab: int, *, writes: bool, pair: bool = False) -> dict:
     """``BLOCK_V`` and ``num_warps`` of a vocab-stream kernel (one program per row) over
-    ``vocab`` columns; ``writes``: the kernel also writes the row's gradient."""
+    ``vocab`` columns; ``writes``: the kernel also writes the row's gradient; ``pair``: a
+    read-only kernel streams two rows (the exact KL's forward, ``PAIR_READ_BLOCK_V``)."""
     if writes:
         block = vocab_block(vocab)
         return {"BLOCK_V": block, "num_warps": vocab_warps(block)}
-    return {"BLOCK_V": max(16, min(next_power_of_2(vocab), READ_BLOCK_V)), "num_warps": 1}
+    cap = PAIR_READ_BLOCK_V if pair else READ_BLOCK_V
+    return {"BLOCK_V": max(16, min(next_power_of_2(vocab), cap)), "num_warps": 1}
 
 
 def stats_dtype(logits_dtype: torch.dtype) -> torch.dtype:

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import importlib
 import re
+import subprocess
 import sys
+import tempfile
 import traceback
+from pathlib import Path
 
 import triton
 import triton.language as tl
@@ -227,6 +230,25 @@ def offset_check_works() -> list[str]:
     return problems
 
 
+def spill_bytes(ptx: str) -> int:
+    """The bytes a thread spills to local memory (stores and loads, as ``ptxas -v`` reports
+    them) when ``ptx`` is assembled for sm_90a by the ptxas Triton itself uses."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "kernel.ptx"
+        src.write_text(ptx)
+        out = subprocess.run(
+            [get_ptxas(90).path, "-v", "--gpu-name=sm_90a", str(src), "-o", str(src) + ".o"],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+    report = out.stdout + out.stderr
+    found = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    if not found:
+        raise AssertionError(f"no spill report in ptxas -v's output:\n{report[-2000:]}")
+    return sum(int(a) + int(b) for a, b in found)
+
+
 def vocab_stream_vectorised() -> list[str]:
     """The vocab-stream kernels as launched for a real vocabulary (bf16, V = 151936, the
     launchers' ``vocab_launch`` options, a unit vocab stride and 16-divisible row strides, as
@@ -235,6 +257,8 @@ def vocab_stream_vectorised() -> list[str]:
     silently turns them into scalar accesses would cost most of the bandwidth. The read-only
     forward kernels (one warp per row) must also reduce without a barrier (``bar.sync``): a
     cross-warp reduction per block step is what made the 8-warp forward slower than a copy.
+    And none may spill registers to local memory (:func:`spill_bytes`): the exact KL's
+    two-row forward did at 2048 columns a warp, and ran 4.4x the k3 call on an H200.
 
     Returns the problems found (empty when all is well)."""
     from fused_rl.kernels.vocab.layer1 import _token_stats_fwd_kernel
@@ -285,14 +309,17 @@ def vocab_stream_vectorised() -> list[str]:
                 "r_stride_outer", "r_stride_inner"]  # fmt: skip
         aligned = [n for n in names if n.endswith("_ptr")] + ["V"] + [n for n in rows if n in names]
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-        launch = vocab_launch(151936, writes=writes)
+        launch = vocab_launch(151936, writes=writes, pair=flags.get("KL_KIND") == 5)
         constexprs = dict(flags, BLOCK_V=launch["BLOCK_V"], ACC=tl.float32, stride_v=1)
         if "r_stride_v" in names:
             constexprs["r_stride_v"] = 1
         source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
         options = {"num_warps": launch["num_warps"]}
         ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
-        label = f"{kernel.__name__} ({'writes' if writes else 'reads'})"
+        label = f"{kernel.__name__} ({'writes' if writes else 'reads'}, {flags})"
+        spilled = spill_bytes(ptx)
+        if spilled:
+            problems.append(f"{label}: {spilled} bytes of registers spilled to local memory")
         if "ld.global.v4" not in ptx:
             problems.append(f"{label}: no 128-bit vector load of the logits row")
         if writes and "st.global.v4" not in ptx:

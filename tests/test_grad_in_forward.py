@@ -286,8 +286,8 @@ def test_the_backward_decides_on_the_device(up, device):
 
 
 def test_scaling_kernel_is_torch_multiply(device):
-    """The scaling launch on its own: ``grad * factor`` as torch computes it (in fp32 / fp64,
-    rounded once), on strided rows too, NaN and inf included; exactly 1 leaves every bit."""
+    """The scaling launch on its own: ``grad * factor`` computed in fp32 / fp64 and rounded
+    once, on strided rows too, NaN and inf included; exactly 1 leaves every bit."""
     from fused_rl._policy_ops import scale_rows_unless_one_launch as scale_rows_unless_one
 
     g = torch.Generator().manual_seed(3)
@@ -297,8 +297,12 @@ def test_scaling_kernel_is_torch_multiply(device):
         for factor in (1.0, 0.37, float("nan"), 0.0):
             buf = full.clone()
             view = buf[:, 1:]  # strided rows
-            want = view * torch.tensor(factor, device=device)
-            scale_rows_unless_one(view, torch.tensor(factor, device=device))
+            # in fp32 (fp64) with the exact factor, rounded once: torch's own bf16 / fp16
+            # product rounds a 0-dim factor to the buffer's dtype first on a GPU
+            acc = torch.float64 if dtype == torch.float64 else torch.float32
+            scale = torch.tensor(factor, device=device)  # fp32, as the kernel reads it
+            want = (view.to(acc) * scale.to(acc)).to(dtype)
+            scale_rows_unless_one(view, scale)
             got, want = view.nan_to_num(7.0), want.nan_to_num(7.0)
             if dtype == torch.bfloat16 and interpreter_enabled():
                 # the interpreter rounds fp32 -> bf16 toward zero (a GPU, as torch, to

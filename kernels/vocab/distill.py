@@ -82,7 +82,7 @@ import triton.language as tl
 
 from ..common import as_weight, cast_for, nan_max, nan_min, pair, row_pointer, token_offset
 from ..policy.finalize import AGG_SEQ_MEAN_TOKEN_MEAN, aggregated_loss
-from .pair import expm1, log1p, pair_columns, pair_moments, reverse_kl_grad
+from .pair import expm1, expm1_near, log1p, pair_columns, pair_moments, reverse_kl_grad
 
 # the divergence (``fused_rl.distill.DIVERGENCES`` in this order)
 MODE_FORWARD_KL = tl.constexpr(0)
@@ -198,7 +198,7 @@ def mixture_terms(delta, p, q, beta, log_beta, log_1m_beta, ACC: tl.constexpr):
         SMALL: tl.constexpr = 0.25
     near = (delta <= 1.0) & (delta >= -1.0)
     dn = tl.where(near, delta, 0.0)
-    x = beta * expm1(dn)
+    x = beta * expm1_near(dn)
     far_l, log_q_over_m = mixture_log_ratios(delta, log_beta, log_1m_beta)
     term_p = tl.where(p == 0, 0.0, p * far_l)
     term_q = tl.where(q == 0, 0.0, q * log_q_over_m)
@@ -530,12 +530,12 @@ def _distill_bwd_kernel(
             if FREE:
                 g = -tl.exp(log_q)
             else:  # p - q = -p expm1(delta), relative to itself where the two are near
-                g = tl.where(near, -p * expm1(tl.where(near, delta, 0.0)), p - tl.exp(log_q))
+                g = tl.where(near, -p * expm1_near(tl.where(near, delta, 0.0)), p - tl.exp(log_q))
         elif MODE == MODE_REVERSE_KL:
             g = reverse_kl_grad(p, delta, c)
         else:
             far_l, _ = mixture_log_ratios(delta, log_beta, log_1m_beta)
-            excess = tl.where(near, log1p(beta * expm1(tl.where(near, delta, 0.0))), far_l)
+            excess = tl.where(near, log1p(beta * expm1_near(tl.where(near, delta, 0.0))), far_l)
             g = tl.where(p == 0, c - c, p * (excess - c))  # 0, NaN if c is not finite
         g = tl.where(active, coef * g * dx, 0.0)
         tl.store(grad_row + cols, cast_for(g, grad_ptr), mask=cols < V)

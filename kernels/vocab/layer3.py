@@ -252,8 +252,8 @@ def _scale_rows_unless_one_kernel(
     ``scale`` a 0-dim tensor read on the device (no host sync): when it is exactly 1 every
     program returns after reading those 4 bytes, so the launch touches none of the
     buffer; otherwise program ``p`` scales rows ``p, p + n_programs, ...`` (any NaN or other
-    value scales, computed in ``ACC`` and rounded once to the buffer's dtype, as
-    ``grad * scale`` does in torch)."""
+    value scales, computed in ``ACC`` with the exact scale and rounded once to the buffer's
+    dtype; torch's bf16 ``grad * scale`` on a GPU first rounds a 0-dim ``scale`` to bf16)."""
     scale = tl.load(scale_ptr).to(ACC)
     if scale != 1.0:
         for prow in range(tl.program_id(0), n_rows, tl.num_programs(0)):
