@@ -514,6 +514,20 @@ def topk_distill_rows64(s: torch.Tensor, lt: torch.Tensor, ids: torch.Tensor, cl
     return d, grad
 
 
+def topk_overlap64(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+    """``sum_t weights[t] c_t``: ``c_t`` the count of the teacher's ids ``ids[t]`` ``(K,)``
+    whose student logit reaches the row's K-th largest (verl's overlap diagnostic; a tie
+    with the K-th counts), row block by row block."""
+    total = torch.zeros((), dtype=torch.float64, device=logits.device)
+    with torch.no_grad():
+        for b, t0, t1 in _row_blocks(logits):
+            s = _copy64(logits[b, t0:t1])
+            kth = s.topk(ids.shape[-1], dim=-1).values[..., -1:]
+            count = (s.gather(-1, ids[b, t0:t1]) >= kth).sum(-1).to(torch.float64)
+            total += (count * weights[b, t0:t1]).sum()
+    return total
+
+
 def compare_distill_grad(out, logits, weights, rows64):
     """A provider's ``(B, T, V)`` gradient of a distillation loss ``out`` against the float64
     one, ``weights[t] * grad`` of ``rows64(b, t0, t1) -> (d, grad)`` (the rows ``t0:t1`` of
@@ -837,6 +851,8 @@ class Oracle:
                                       beta)  # fmt: skip
 
         self.values["loss"] = distill_loss64(logits, weights, rows64)
+        if self.case.op == "topk_distill_loss":
+            self.values["overlap_count"] = topk_overlap64(logits, inp["teacher_topk_ids"], weights)
         self._distill_grad = (logits, weights, rows64)
 
     def compare(self, name: str, out: torch.Tensor) -> Comparison:

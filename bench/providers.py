@@ -223,8 +223,10 @@ def output_names(case: Case) -> list[str]:
         return names + (["grad_logits"] if case.mode == "fwd_bwd" else [])
     if case.op == "policy_loss":
         return ["loss", "grad_logits"]
-    if case.op in ("distill_loss", "topk_distill_loss"):
+    if case.op == "distill_loss":
         return ["loss"] + (["grad_logits"] if case.mode == "fwd_bwd" else [])
+    if case.op == "topk_distill_loss":  # the overlap diagnostic checked: compile keeps it
+        return ["loss", "overlap_count"] + (["grad_logits"] if case.mode == "fwd_bwd" else [])
     if case.op == "linear_distill_loss":
         return ["loss"] + (["grad_hidden", "grad_weight"] if case.mode == "fwd_bwd" else [])
     if case.op in ("linear_token_logprobs", "linear_policy_loss"):
@@ -424,8 +426,10 @@ def eager_topk_distill_loss(logits, teacher_logprobs, teacher_ids, mask):
     diagnostic) and its log-probs at the teacher's ids, the two top-K masses, both log-probs
     clamped below at ``TOPK_CLAMP``, ``sum_k p (lt - ls)`` in fp32 per token, the teacher's
     ids among the student's top K and the mean of ``-p (lt - ls)`` over them; then the loss's
-    mean over the mask's tokens (the diagnostics are computed, as verl's function does, and
-    not returned)."""
+    mean over the mask's tokens, and the mean overlap count (a checked output: returned, so
+    ``torch.compile`` cannot drop the top K as dead code, which it did while only the loss
+    was returned; the masses and the advantage, ``(N, K)`` work, are computed as verl's
+    function does and not returned)."""
     log_q = torch.log_softmax(logits, dim=-1)
     own = torch.topk(log_q, k=teacher_ids.shape[-1], dim=-1).indices
     student = torch.gather(log_q, -1, teacher_ids)
@@ -437,13 +441,18 @@ def eager_topk_distill_loss(logits, teacher_logprobs, teacher_ids, mask):
     count = overlap.sum(-1)
     _advantage = (-token_kl * overlap).sum(-1) / count.clamp_min(1)
     per_token = torch.where(mask, token_kl.sum(-1), 0.0)
-    return (per_token.sum() / mask.sum(),)
+    return per_token.sum() / mask.sum(), _masked_mean(count.float(), mask)
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask, x, 0.0).sum() / mask.sum()
 
 
 def _topk_token_mean(out: dict, mask: torch.Tensor) -> tuple:
-    """The mean over the mask's tokens of ``compute_forward_kl_topk``'s per-token loss."""
-    per_token = torch.where(mask, out["distillation_losses"], 0.0)
-    return (per_token.sum() / mask.sum(),)
+    """The means over the mask's tokens of ``compute_forward_kl_topk``'s per-token loss and
+    overlap count."""
+    count = out["overlap_count"].view(mask.shape).float()
+    return _masked_mean(out["distillation_losses"], mask), _masked_mean(count, mask)
 
 
 def _topk_config():
