@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from .oracle import Comparison
-from .providers import LESS_ACCURATE, MUST_MEET_TOL
+from .providers import MUST_MEET_TOL, less_accurate
 
 TOL = {"fp32": 1e-4, "bf16": 1e-2, "fp16": 5e-3}
 ROW_TOL_FACTOR = 4  # a row may be this many times the RMS tolerance off (bf16 rounding)
@@ -44,12 +44,12 @@ def _fmt(x: float) -> str:
     return "inf" if math.isinf(x) else f"{x:.1e}"
 
 
-def judge(provider: str, dtype: str, comps: dict[str, Comparison]) -> dict:
-    """The record fields of one provider's measured errors: ``err`` / ``err_row`` per
-    output, their maxima, the limits, ``status`` and ``verdict`` (words)."""
+def judge(provider: str, dtype: str, comps: dict[str, Comparison], op: str | None = None) -> dict:
+    """The record fields of one provider's measured errors on ``op``: ``err`` / ``err_row``
+    per output, their maxima, the limits, ``status`` and ``verdict`` (words)."""
     tol = TOL[dtype]
     row_tol = ROW_TOL_FACTOR * tol
-    declared = None if provider in MUST_MEET_TOL else LESS_ACCURATE.get(provider)
+    declared = None if provider in MUST_MEET_TOL else less_accurate(provider, op)
     bound = declared.bounds.get(dtype) if declared else None
     fields = {
         "err": {n: c.err for n, c in comps.items()},

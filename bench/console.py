@@ -10,7 +10,7 @@ import sys
 import textwrap
 
 from . import accuracy as A
-from .providers import BASELINE, LESS_ACCURATE
+from .providers import BASELINE, less_accurate
 from .report import case_key, verdict
 
 DASH = "-"
@@ -219,17 +219,17 @@ def summary(records: list[dict], skipped: list[dict]) -> list[str]:
     expected: dict = {}
     for r in records:
         if r.get("status") == "less_accurate":
-            expected.setdefault((r["provider"], r["dtype"]), []).append(r)
+            expected.setdefault((r["provider"], r["op"], r["dtype"]), []).append(r)
     if expected:
         lines += ["", "Less accurate by design (expected, not failures):"]
-    for (provider, dtype), rows in expected.items():
+    for (provider, op, dtype), rows in expected.items():
         worst = max(rows, key=lambda r: r["err_max"])
         name = max(worst["err"], key=worst["err"].get)
         row = max(r["err_worst_row"] for r in rows)
         rms_bound, row_bound = rows[0]["bound"]
-        declared = LESS_ACCURATE.get(provider)
+        declared = less_accurate(provider, op)
         text = (
-            f"{provider}, {dtype}, {len(rows)} cases: measured up to {worst['err_max']:.1e} "
+            f"{provider}, {op}, {dtype}, {len(rows)} cases: measured up to {worst['err_max']:.1e} "
             f"vs float64 ({name}), worst row {row:.2g}; declared bound {rms_bound:g} RMS, "
             f"{row_bound:g} per row (tolerance {rows[0]['tol']:g})."
         )

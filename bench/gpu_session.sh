@@ -3,6 +3,7 @@
 #
 #   bash bench/gpu_session.sh [all|tests|bench|linear|peers|host|inplace|distill|fullkl|e2e]
 #       [extra bench/run.py arguments]
+#   bash bench/gpu_session.sh tests,fullkl,distill   # several parts, TOTAL (520) s shared
 #
 #   all (default)  tests (at most TEST_TIMEOUT s), then `bench/run.py --suite full` until
 #                  the time budget is spent
@@ -90,6 +91,26 @@ PART=${1:-all}
 OUT=${OUT:-bench/results/_session}
 mkdir -p "$OUT/results"
 
+if [[ "$PART" == *,* ]]; then
+    # several parts in one call (e.g. tests,fullkl,distill): each part in turn gets an equal
+    # share of what is left of TOTAL seconds (default 520) as its TEST_TIMEOUT / BENCH_BUDGET;
+    # each part's console output goes to $OUT/<part>.out and a bench part's log to
+    # $OUT/<part>.log; the results of every bench part accumulate in $OUT/results/
+    IFS=, read -ra PARTS <<<"$PART"
+    status=0
+    left=${#PARTS[@]}
+    for part in "${PARTS[@]}"; do
+        share=$(((${TOTAL:-520} - SECONDS) / left))
+        left=$((left - 1))
+        echo "== $part (${share}s)"
+        OUT="$OUT" TEST_TIMEOUT=$share BENCH_BUDGET=$share bash "$0" "$part" "$@" \
+            >"$OUT/$part.out" 2>&1 || status=1
+        [ -f "$OUT/bench.log" ] && mv "$OUT/bench.log" "$OUT/$part.log"
+        tail -25 "$OUT/$part.out"
+    done
+    exit "$status"
+fi
+
 if compgen -G ".whl/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -120,9 +141,14 @@ if [ "$PART" = all ] || [ "$PART" = tests ]; then
     XDIST=""
     "$PY" -c "import xdist" 2>/dev/null && XDIST="-n auto"
     # every failure is recorded: no -x (it hides the failures after the first)
+    # -v names each test as it ends (a run stopped by TEST_TIMEOUT still says which failed);
+    # --timeout (pytest-timeout, on the GPU image) fails one hung test instead of the run
+    TIMEOUT=""
+    "$PY" -c "import pytest_timeout" 2>/dev/null && TIMEOUT="--timeout=150"
     # shellcheck disable=SC2086
-    timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -q -rfE $XDIST tests --benchmark-disable \
-        -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -15
+    timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -v -rfE $XDIST $TIMEOUT tests \
+        --benchmark-disable -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" \
+        | grep -E "FAILED|ERROR| passed| failed" | tail -40
     status=${PIPESTATUS[0]}
     echo "pytest exit status $status (124 = stopped by TEST_TIMEOUT)"
 fi

@@ -198,7 +198,7 @@ def verdict(r: dict) -> str:
 
 def _accuracy_notes(records: list[dict]) -> list[str]:
     from .accuracy import policy_text
-    from .providers import LESS_ACCURATE
+    from .providers import less_accurate
 
     lines = [
         "Accuracy: the float64 oracle (`bench/oracle.py`) computes per-token log-probs and "
@@ -229,12 +229,12 @@ def _accuracy_notes(records: list[dict]) -> list[str]:
             "the exact KL's five passes, so the k3 row's GB/s is an effective rate.",
             "",
         ]
-    declared = {r["provider"] for r in records if r.get("status") == "less_accurate"}
-    for provider in sorted(declared):
-        d = LESS_ACCURATE[provider]
+    declared = {(r["provider"], r["op"]) for r in records if r.get("status") == "less_accurate"}
+    for provider, op in sorted(declared):
+        d = less_accurate(provider, op)
         bounds = "; ".join(f"{k}: {a:g} RMS, {b:g} per row" for k, (a, b) in d.bounds.items())
-        lines += [f"Less accurate by design, `{provider}`, {d.label}: {d.why} Declared bound: "
-                  f"{bounds}.", ""]  # fmt: skip
+        lines += [f"Less accurate by design, `{provider}` on `{op}`, {d.label}: {d.why} "
+                  f"Declared bound: {bounds}.", ""]  # fmt: skip
     lines += [
         "`eager` upcasts the logits to fp32 (as RL trainers do). Liger is called with "
         "`inplace=False` because every provider reuses the logits (its default "

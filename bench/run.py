@@ -279,7 +279,7 @@ def run_case(
             M.sync(device)
             if oracle is not None:
                 comps = oracle.compare_all(names, out, provider)
-                rec.update(A.judge(provider, case.dtype, comps))
+                rec.update(A.judge(provider, case.dtype, comps, case.op))
                 if oracle.matched:  # which exact definition (bench/oracle.py)
                     rec["note"] = f"oracle: the loss of {oracle.matched}"
             else:

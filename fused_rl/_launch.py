@@ -33,10 +33,11 @@ def vocab_warps(block: int) -> int:
 # also write a gradient row keep ``vocab_block`` / ``vocab_warps``.
 READ_BLOCK_V = 2048
 # The exact KL's forward streams two rows (``kernels/vocab/pair.pair_moments``, a dozen
-# values a column): at READ_BLOCK_V columns on one warp it took 255 registers and spilled
-# ~0.8 KB a thread to local memory (sm_90, ptxas), and on an H200 (2026-11-27) that
-# forward made ``policy_loss(kl_estimator="full")`` 4.4x the k3 call (15.2 ms against 3.4
-# at 8 x 2048 x 151936 bf16). 512 columns: 125 registers, no spill, no barrier.
+# values a column): at READ_BLOCK_V columns on one warp it takes 255 registers and spills
+# to a 752-byte stack a thread (Triton 3.9's cubin for sm_90a, read on the CPU), and on an
+# H200 (2026-11-27, Triton 3.6) ``policy_loss(kl_estimator="full")`` ran 4.4x the k3 call
+# (15.2 ms against 3.4 at 8 x 2048 x 151936 bf16). 512 columns: 125 registers, no stack, no
+# barrier (tests/hopper_compile.py checks it); its time on a GPU is not measured yet.
 PAIR_READ_BLOCK_V = 512
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import triton
 import triton.language as tl
-from fused_rl.kernels.modes import POLICY_PARAMS
+from fused_rl.kernels.modes import KL_KINDS, POLICY_PARAMS
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -72,6 +73,7 @@ INPUT_POINTERS = {"logits_ptr", "grad_ptr", "x_ptr", "gx_ptr", "v_ptr", "gv_ptr"
 # small values so the compile stays fast; the real launchers pick larger ones
 BLOCKS = {"BLOCK_V": 256, "BLOCK": 256, "BLOCK_P": 128, "BLOCK_T": 64, "BLOCK_N": 64, "BLOCK_R": 16,
           "BLOCK_B": 16}  # fmt: skip
+KL_FULL = KL_KINDS.index("full")  # the exact KL's KL_KIND
 # KIND: the two-log-prob estimators only (kl_and_grad asserts it never sees "full")
 ENUMS = {"KL_KIND": 6, "KIND": 5, "MODE": 3, "AGG": 4, "SURROGATE": 6}
 
@@ -230,23 +232,56 @@ def offset_check_works() -> list[str]:
     return problems
 
 
-def spill_bytes(ptx: str) -> int:
-    """The bytes a thread spills to local memory (stores and loads, as ``ptxas -v`` reports
-    them) when ``ptx`` is assembled for sm_90a by the ptxas Triton itself uses."""
-    from triton.backends.nvidia.compiler import get_ptxas
+def _cuobjdump() -> str:
+    """The cuobjdump Triton ships (``triton.knobs`` on recent Triton, its ``bin`` folder on
+    older), else one on the PATH."""
+    try:
+        from triton import knobs
 
+        return knobs.nvidia.cuobjdump.path
+    except (ImportError, AttributeError):
+        bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        found = str(bundled) if bundled.exists() else shutil.which("cuobjdump")
+        if found is None:
+            raise AssertionError("no cuobjdump: the spill check cannot read a cubin") from None
+        return found
+
+
+def stack_bytes(cubin: bytes) -> int:
+    """The per-thread stack frame of the kernel in ``cubin`` (Triton's own, as it would be
+    launched), where ptxas puts the registers it spills (``cuobjdump -res-usage``: ``STACK``,
+    plus ``LOCAL``); fails loudly if the report has neither."""
     with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "kernel.ptx"
-        src.write_text(ptx)
-        out = subprocess.run(
-            [get_ptxas(90).path, "-v", "--gpu-name=sm_90a", str(src), "-o", str(src) + ".o"],
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        out = subprocess.run([_cuobjdump(), "-res-usage", str(path)], capture_output=True,
+                             text=True)  # fmt: skip
     report = out.stdout + out.stderr
-    found = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    if not found:
-        raise AssertionError(f"no spill report in ptxas -v's output:\n{report[-2000:]}")
-    return sum(int(a) + int(b) for a, b in found)
+    stack, local = re.findall(r"STACK:(\d+)", report), re.findall(r"LOCAL:(\d+)", report)
+    if out.returncode != 0 or not stack or not local:
+        raise AssertionError(f"no resource report from cuobjdump -res-usage:\n{report[-2000:]}")
+    return sum(map(int, stack)) + sum(map(int, local))
+
+
+@triton.jit
+def _spill_canary(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    """A row of ``BLOCK`` values held across its own sum: on one warp, more values a thread
+    than registers, so it must spill."""
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + cols)
+    tl.store(out_ptr + cols, x / tl.sum(x * x, 0))
+
+
+def spill_check_works() -> list[str]:
+    """The spill check finds a spill: ``_spill_canary`` (8192 fp32 values on one warp, 256 a
+    thread) reports a stack."""
+    source = ASTSource(fn=_spill_canary, signature={"x_ptr": "*fp32", "out_ptr": "*fp32",
+                                                    "BLOCK": "constexpr"},
+                       constexprs={"BLOCK": 8192})  # fmt: skip
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+    if stack_bytes(compiled.asm["cubin"]) == 0:
+        return ["the spill check saw no stack in _spill_canary, which must spill"]
+    return []
 
 
 def vocab_stream_vectorised() -> list[str]:
@@ -257,8 +292,9 @@ def vocab_stream_vectorised() -> list[str]:
     silently turns them into scalar accesses would cost most of the bandwidth. The read-only
     forward kernels (one warp per row) must also reduce without a barrier (``bar.sync``): a
     cross-warp reduction per block step is what made the 8-warp forward slower than a copy.
-    And none may spill registers to local memory (:func:`spill_bytes`): the exact KL's
-    two-row forward did at 2048 columns a warp, and ran 4.4x the k3 call on an H200.
+    And none may spill registers (:func:`stack_bytes` of Triton's own cubin): the exact KL's
+    two-row forward did at 2048 columns a warp (255 registers, a 752-byte stack with Triton
+    3.9's ptxas), and ran 4.4x the k3 call on an H200 (Triton 3.6).
 
     Returns the problems found (empty when all is well)."""
     from fused_rl.kernels.vocab.layer1 import _token_stats_fwd_kernel
@@ -273,7 +309,7 @@ def vocab_stream_vectorised() -> list[str]:
                   HAS_SOFTCAP=False)  # fmt: skip
     bwd = dict(HAS_TARGETS=True, HAS_G=True, HAS_H=True, HAS_SCALE=True, HAS_SEQ_SCALE=True,
                HAS_KL=False)  # fmt: skip
-    cases = [  # (kernel, flags, writes a gradient row)
+    cases = [  # (kernel, flags, writes a gradient row[, launched at the read layout])
         (_token_stats_fwd_kernel, dict(HAS_TARGETS=True, WITH_ENTROPY=True, WITH_EXTRAS=False,
                                        HAS_SOFTCAP=False), False),
         # the diagnostics (token_stats: mean logit, log sum p^2, top-1) from the same read
@@ -289,15 +325,18 @@ def vocab_stream_vectorised() -> list[str]:
         (_token_stats_bwd_kernel, dict(bwd, HAS_SOFTCAP=True), True),
         (_policy_loss_fwd_kernel, dict(policy, WRITE_GRAD=True, HAS_SOFTCAP=True), True),
         # the exact KL (kl_estimator="full", KL_KINDS[5]): the reference's row streamed too
-        (_policy_loss_fwd_kernel, dict(policy, KL_KIND=5, WRITE_GRAD=False), False),
-        (_policy_loss_fwd_kernel, dict(policy, KL_KIND=5, WRITE_GRAD=True), True),
+        (_policy_loss_fwd_kernel, dict(policy, KL_KIND=KL_FULL, WRITE_GRAD=False), False),
+        (_policy_loss_fwd_kernel, dict(policy, KL_KIND=KL_FULL, WRITE_GRAD=True), True),
         (_token_stats_bwd_kernel, dict(bwd, HAS_SOFTCAP=False, HAS_KL=True), True),
-        (_policy_loss_fwd_kernel, dict(policy, KL_KIND=5, WRITE_GRAD=True, HAS_SOFTCAP=True),
+        (_policy_loss_fwd_kernel, dict(policy, KL_KIND=KL_FULL, WRITE_GRAD=True, HAS_SOFTCAP=True),
          True),
         (_token_stats_bwd_kernel, dict(bwd, HAS_SOFTCAP=True, HAS_KL=True), True),
+        # grad_in_forward=True: the gradient row written at the forward's read layout
+        (_policy_loss_fwd_kernel, dict(policy, WRITE_GRAD=True), True, True),
+        (_policy_loss_fwd_kernel, dict(policy, KL_KIND=KL_FULL, WRITE_GRAD=True), True, True),
     ]  # fmt: skip
     problems = []
-    for kernel, flags, writes in cases:
+    for kernel, flags, writes, *read_layout in cases:
         names = [p.name for p in kernel.params]
         signature = _signature(kernel, True)
         signature["stride_v"] = "constexpr"
@@ -309,22 +348,24 @@ def vocab_stream_vectorised() -> list[str]:
                 "r_stride_outer", "r_stride_inner"]  # fmt: skip
         aligned = [n for n in names if n.endswith("_ptr")] + ["V"] + [n for n in rows if n in names]
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-        launch = vocab_launch(151936, writes=writes, pair=flags.get("KL_KIND") == 5)
+        one_warp = not writes or bool(read_layout)
+        launch = vocab_launch(151936, writes=not one_warp, pair=flags.get("KL_KIND") == KL_FULL)
         constexprs = dict(flags, BLOCK_V=launch["BLOCK_V"], ACC=tl.float32, stride_v=1)
         if "r_stride_v" in names:
             constexprs["r_stride_v"] = 1
         source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
         options = {"num_warps": launch["num_warps"]}
-        ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
-        label = f"{kernel.__name__} ({'writes' if writes else 'reads'}, {flags})"
-        spilled = spill_bytes(ptx)
-        if spilled:
-            problems.append(f"{label}: {spilled} bytes of registers spilled to local memory")
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+        ptx = compiled.asm["ptx"]
+        label = f"{kernel.__name__} ({'writes' if writes else 'reads'}, {launch}, {flags})"
+        stack = stack_bytes(compiled.asm["cubin"])
+        if stack:
+            problems.append(f"{label}: a {stack}-byte stack a thread (registers spilled)")
         if "ld.global.v4" not in ptx:
             problems.append(f"{label}: no 128-bit vector load of the logits row")
         if writes and "st.global.v4" not in ptx:
             problems.append(f"{label}: no 128-bit vector store of the gradient row")
-        if not writes and re.search(r"\bbar(rier)?\.sync", ptx):
+        if one_warp and re.search(r"\bbar(rier)?\.sync", ptx):
             problems.append(f"{label}: a barrier in the one-warp forward (cross-warp reduction)")
     return problems
 
@@ -343,7 +384,7 @@ def main(offsets_only: bool = False) -> int:
                 print(f"FAIL {label}\n{traceback.format_exc()}", flush=True)
     problems = offset_check_works()
     if not offsets_only:
-        problems += vocab_stream_vectorised()
+        problems += spill_check_works() + vocab_stream_vectorised()
     for problem in problems:
         failures += 1
         print(f"FAIL {problem}", flush=True)

@@ -126,7 +126,7 @@ def _verdicts(case: Case, inp: dict, providers) -> dict:
     out = {}
     for provider in providers:
         cmp = oracle.compare_all(P.output_names(case), P.build(provider, case, inp)(), provider)
-        out[provider] = A.judge(provider, case.dtype, cmp)["verdict"]
+        out[provider] = A.judge(provider, case.dtype, cmp, case.op)["verdict"]
     return out
 
 

@@ -131,6 +131,15 @@ def test_verdicts():
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(P.LESS_ACCURATE, "fused_rl", P.LESS_ACCURATE["trl"])
         assert A.judge("fused_rl", "bf16", {"grad_logits": _cmp(0.03)})["status"] == "wrong"
+    # a declaration for one op covers that op only: verl's bf16 top-k path, eager elsewhere
+    topk = {"loss": _cmp(1e-3), "overlap_count": _cmp(1.3e-2), "grad_logits": _cmp(1.2e-2, 0.13)}
+    for provider in ("eager", "compile", "verl"):
+        judged = A.judge(provider, "bf16", topk, "topk_distill_loss")
+        assert judged["status"] == "less_accurate", (provider, judged["verdict"])
+    assert A.judge("eager", "bf16", topk, "distill_loss")["status"] == "wrong"
+    assert A.judge("eager", "bf16", topk)["status"] == "wrong"
+    assert A.judge("eager", "fp32", topk, "topk_distill_loss")["status"] == "wrong"
+    assert A.judge("fused_rl", "bf16", topk, "topk_distill_loss")["status"] == "wrong"
 
 
 def _scaled(monkeypatch, provider: str, scale: float) -> None:

@@ -5,7 +5,8 @@ rejects (a scalar re-bound to a tensor of another type, an int flag stored to a 
 pointer, ...). ``tests/hopper_compile.py`` compiles every kernel ahead of time for
 ``cuda:90`` through Triton's own front end, LLVM and ptxas, so CPU-only CI catches those.
 It also checks that the vocab-stream kernels, compiled as launched for a 151936 vocabulary,
-read the logits with 128-bit vector loads. It runs in a subprocess because this process
+read the logits with 128-bit vector loads and spill no registers (a stack frame in the
+cubin; a canary kernel proves the check can see one). It runs in a subprocess because this process
 has the interpreter switched on.
 """
 

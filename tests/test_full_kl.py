@@ -266,8 +266,9 @@ def test_nonfinite_kl_row_has_no_finite_gradient(options):
 # ----------------------------------------------------------------------------- other paths
 
 
-def test_grad_in_forward_and_inplace_are_bitwise_the_default():
-    logits, targets, adv, kw = _inputs(seed=10, V=67)
+@pytest.mark.parametrize("vocab", [67, 1031])  # one block; several of the forward's 512
+def test_grad_in_forward_and_inplace_are_bitwise_the_default(vocab):
+    logits, targets, adv, kw = _inputs(seed=10, V=vocab)
     kw = dict(kw, kl_estimator="full", beta=0.3, entropy_coef=0.01)
     loss, metrics, grad = _run(fused_rl.policy_loss, logits, targets, adv, 1.0,
                                backend="triton", **kw)  # fmt: skip

@@ -285,7 +285,7 @@ def test_the_backward_decides_on_the_device(up, device):
     assert c.kernels == ["_scale_rows_unless_one_kernel"] and c.ops == ["aten.ones_like.default"]
 
 
-def test_scaling_kernel_is_torch_multiply(device):
+def test_scaling_kernel_rounds_once(device):
     """The scaling launch on its own: ``grad * factor`` computed in fp32 / fp64 and rounded
     once, on strided rows too, NaN and inf included; exactly 1 leaves every bit."""
     from fused_rl._policy_ops import scale_rows_unless_one_launch as scale_rows_unless_one
