@@ -54,6 +54,8 @@ def judge(provider: str, dtype: str, comps: dict[str, Comparison], op: str | Non
     fields = {
         "err": {n: c.err for n, c in comps.items()},
         "err_row": {n: c.worst_row for n, c in comps.items()},
+        # where each output's worst row is: [index, its reference norm over the RMS row's]
+        "err_row_at": {n: list(c.worst_at) for n, c in comps.items() if c.worst_at},
         "err_max": max((c.err for c in comps.values()), default=0.0),
         "err_worst_row": max((c.worst_row for c in comps.values()), default=0.0),
         "err_excluded_rows": sum(c.excluded for c in comps.values()),

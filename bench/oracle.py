@@ -81,6 +81,10 @@ class Comparison:
     err: float  # RMS relative error ||out - ref|| / ||ref|| (inf: NaN or wrong shape)
     worst_row: float  # max_row ||out_row - ref_row|| / RMS_row ||ref_row||
     excluded: int = 0  # rows left out: at a kink of the objective
+    # where the worst row is: (its index among the output's rows, ||ref_row|| / RMS_row
+    # ||ref_row||), for the record (a big row's ordinary rounding, or a wrong one); None for
+    # 0-dim outputs and the streamed gradient comparisons
+    worst_at: tuple[int, float] | None = None
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -109,22 +113,38 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return _ratio(num, den)
 
 
+def row_errors(out: torch.Tensor, ref: torch.Tensor, own_rows: bool = False):
+    """``(worst, index, norm)`` over the last dimension's rows: ``worst`` as
+    :func:`worst_row_err` (``own_rows``: :func:`worst_own_row_err`), the worst row's index
+    and its ``||ref_row||`` over the RMS row norm."""
+    if out.dim() == 0:
+        return 0.0, -1, 0.0
+    if out.shape != ref.shape:
+        return float("inf"), -1, 0.0
+    a2d, b2d = out.reshape(-1, out.shape[-1]), ref.reshape(-1, ref.shape[-1])
+    step = max(1, CHUNK // max(a2d.shape[1], 1))
+    rows = max(a2d.shape[0], 1)
+    mean_sq = sum(b2d[k : k + step].double().square().sum().item()
+                  for k in range(0, b2d.shape[0], step)) / rows  # fmt: skip
+    worst, at, at_sq = 0.0, -1, 0.0
+    for k in range(0, a2d.shape[0], step):
+        a, b = a2d[k : k + step].double(), b2d[k : k + step].double()
+        ref_sq = b.square().sum(-1)
+        err_sq = (a - b).square().sum(-1)
+        if own_rows:
+            err_sq = err_sq / ref_sq.clamp(min=max(mean_sq, 1e-300))
+        j = int(err_sq.argmax())
+        if at < 0 or not err_sq[j].item() <= worst:  # NaN is the worst
+            worst, at, at_sq = err_sq[j].item(), k + j, ref_sq[j].item()
+    norm = math.sqrt(at_sq / mean_sq) if mean_sq > 0 else 0.0
+    return _ratio(worst, 1.0 if own_rows else mean_sq), at, norm
+
+
 def worst_row_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """``max_row ||out_row - ref_row|| / RMS_row ||ref_row||`` over the last dimension's rows:
     one wrong token among 32768 moves :func:`rel_err` by only 0.5%, but this by ~100%.
     0 for 0-dim outputs (``rel_err`` covers them)."""
-    if out.dim() == 0:
-        return 0.0
-    if out.shape != ref.shape:
-        return float("inf")
-    a2d, b2d = out.reshape(-1, out.shape[-1]), ref.reshape(-1, ref.shape[-1])
-    step = max(1, CHUNK // max(a2d.shape[1], 1))
-    worst, ref_sq = 0.0, 0.0
-    for k in range(0, a2d.shape[0], step):
-        a, b = a2d[k : k + step].double(), b2d[k : k + step].double()
-        worst = max(worst, (a - b).square().sum(-1).max().item())
-        ref_sq += b.square().sum().item()
-    return _ratio(worst, ref_sq / max(a2d.shape[0], 1))
+    return row_errors(out, ref)[0]
 
 
 def worst_own_row_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -133,18 +153,7 @@ def worst_own_row_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     nature: ``grad_weight``'s vocabulary rows, of which a target token's is ~1/p larger than
     the rest (with fewer tokens than V most rows get none), where :func:`worst_row_err`
     would hold a big row's ordinary rounding against the typical row's norm."""
-    if out.shape != ref.shape:
-        return float("inf")
-    a2d, b2d = out.reshape(-1, out.shape[-1]), ref.reshape(-1, ref.shape[-1])
-    step = max(1, CHUNK // max(a2d.shape[1], 1))
-    mean_sq = sum(b2d[k : k + step].double().square().sum().item()
-                  for k in range(0, b2d.shape[0], step)) / max(b2d.shape[0], 1)  # fmt: skip
-    worst = 0.0
-    for k in range(0, a2d.shape[0], step):
-        a, b = a2d[k : k + step].double(), b2d[k : k + step].double()
-        own = b.square().sum(-1).clamp(min=max(mean_sq, 1e-300))
-        worst = max(worst, ((a - b).square().sum(-1) / own).max().item())
-    return _ratio(worst, 1.0)
+    return row_errors(out, ref, own_rows=True)[0]
 
 
 def compare(
@@ -156,8 +165,8 @@ def compare(
     if kink is not None and out.shape == ref.shape and bool(kink.any()):
         excluded = int(kink.sum())
         out, ref = out.double().masked_fill(kink, 0.0), ref.masked_fill(kink, 0.0)
-    row = worst_own_row_err(out, ref) if own_rows and out.dim() else worst_row_err(out, ref)
-    return Comparison(rel_err(out, ref), row, excluded)
+    row, at, norm = row_errors(out, ref, own_rows and out.dim() > 0)
+    return Comparison(rel_err(out, ref), row, excluded, (at, norm) if at >= 0 else None)
 
 
 def _near(x: torch.Tensor, points, tol: float = KINK) -> torch.Tensor:

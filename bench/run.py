@@ -210,6 +210,7 @@ def _record(case: Case, provider: str, **fields) -> dict:
         "pct_matmul": None,  # ... as a share of torch.matmul's bf16 rate on this GPU
         "err": None,  # {output: RMS relative error vs the float64 oracle}
         "err_row": None,  # {output: worst row's error}
+        "err_row_at": None,  # {output: [worst row's index, its norm over the RMS row's]}
         "err_max": None,
         "err_worst_row": None,
         "tol": A.TOL[case.dtype],

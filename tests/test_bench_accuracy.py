@@ -314,3 +314,25 @@ def test_worst_own_row_err():
     out[3, 0] += rms
     assert O.worst_own_row_err(out, ref) == pytest.approx(1.0, rel=1e-6)
     assert O.worst_own_row_err(ref[:2], ref) == float("inf")
+
+
+def test_worst_row_is_located():
+    """Each comparison says where its worst row is and how big that row is (the record's
+    ``err_row_at``): a big row's ordinary rounding and a wrong typical row read apart."""
+    ref = torch.ones(100, 4, dtype=torch.float64)
+    ref[7] = 20.0
+    rms = ref.square().sum(-1).mean().sqrt().item()
+    out = ref.clone()
+    out[7] *= 1.004  # a big row's rounding
+    big = O.compare(out, ref)
+    assert big.worst_at[0] == 7 and big.worst_at[1] == pytest.approx(40 / rms, rel=1e-9)
+    out = ref.clone()
+    out[42, 1] += 1.0  # a typical row off by 1
+    assert O.compare(out, ref).worst_at == (42, pytest.approx(2 / rms, rel=1e-9))
+    assert O.compare(out, ref, own_rows=True).worst_at[0] == 42
+    out[3, 0] = float("nan")
+    nan = O.compare(out, ref)
+    assert nan.worst_at[0] == 3 and nan.worst_row == float("inf")
+    assert O.compare(torch.tensor(1.0), torch.tensor(1.0, dtype=torch.float64)).worst_at is None
+    judged = A.judge("x", "fp32", {"grad": big, "loss": O.Comparison(0.0, 0.0)})
+    assert judged["err_row_at"] == {"grad": [7, big.worst_at[1]]}
