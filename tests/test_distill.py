@@ -729,7 +729,8 @@ sys.path.insert(0, sys.argv[1])
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from hopper_compile import kernel_signature, narrow_offset_products
+from hopper_compile import kernel_signature, narrow_offset_products, stack_bytes
+from fused_rl._launch import vocab_launch
 import fused_rl.kernels.vocab.distill as k
 
 FLOATS = {"inv_t_hi", "inv_t_lo", "inv_cap_hi", "inv_cap_lo", "t_inv_t_hi", "t_inv_t_lo",
@@ -791,6 +792,18 @@ for fn, flags in ((k._distill_fwd_kernel, dict(HAS_TARGETS=True, HAS_MASK=True))
     c = build(fn, dict(BLOCK_V=4096, ACC=tl.float32, **mode, **flags), "*bf16", "*fp32",
               unit, attrs)
     assert "ld.global.v4" in c.asm["ptx"] or "ld.global.nc.v4" in c.asm["ptx"], fn.__name__
+# as launched at V = 151936, every divergence: no register spilled (no stack in the cubin)
+launch = vocab_launch(151936, writes=True)
+assert launch["num_warps"] == 8  # build()'s
+for mode in range(3):
+    for fn, flags in ((k._distill_fwd_kernel, dict(HAS_TARGETS=True, HAS_MASK=True)),
+                      (k._distill_bwd_kernel, dict(FREE=False))):
+        c = build(fn, dict(BLOCK_V=launch["BLOCK_V"], ACC=tl.float32, MODE=mode, **flags),
+                  "*bf16", "*fp32")
+        assert stack_bytes(c.asm["cubin"]) == 0, (fn.__name__, mode, "registers spilled")
+c = build(k._distill_mixture_kernel, dict(BLOCK_V=launch["BLOCK_V"], ACC=tl.float32,
+                                          HAS_MASK=True), "*bf16", "*fp32")
+assert stack_bytes(c.asm["cubin"]) == 0, "mixture: registers spilled"
 print("compiled", count)
 """
 

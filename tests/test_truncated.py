@@ -537,7 +537,9 @@ sys.path.insert(0, sys.argv[1])
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from hopper_compile import kernel_signature, narrow_offset_products
+from hopper_compile import kernel_signature, narrow_offset_products, stack_bytes
+from fused_rl._launch import vocab_launch
+from fused_rl._truncated_ops import NUM_WARPS, _block
 import fused_rl.kernels.vocab.truncated as k
 import fused_rl.kernels.vocab.truncated_shard as s
 
@@ -609,6 +611,18 @@ for fn, flags, warps in ((k._truncated_logprobs_fwd_kernel,
     assert "ld.global.v4" in ptx or "ld.global.nc.v4" in ptx, fn.__name__
     assert fn is k._truncated_logprobs_fwd_kernel or "st.global.v4" in ptx, fn.__name__
     count += 1
+# as launched at V = 151936: no register spilled (no stack frame in the cubin)
+bwd_launch = vocab_launch(151936, writes=True)
+launched = [(k._truncated_logprobs_fwd_kernel, _block(151936), NUM_WARPS,
+             dict(TOPK_REG=reg, SEARCH_K=search, TOP_P=True, SEARCH_BLOCK=128, N_CAND=16,
+                  MAX_SEARCH_PASSES=11)) for reg, search in ((True, False), (False, True))]
+launched.append((k._truncated_logprobs_bwd_kernel, bwd_launch["BLOCK_V"],
+                 bwd_launch["num_warps"], dict(TARGET_KEPT=False)))
+for fn, block, warps, flags in launched:
+    src = ASTSource(fn=fn, signature=signature(fn, "*bf16", "*fp32"), constexprs=dict(
+        HAS_SOFTCAP=False, ACC=tl.float32, BLOCK_V=block, **flags))
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    assert stack_bytes(c.asm["cubin"]) == 0, (fn.__name__, flags, "registers spilled")
 print("compiled", count)
 """
 
