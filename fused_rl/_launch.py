@@ -32,23 +32,25 @@ def vocab_warps(block: int) -> int:
 # at the copy rate (1.16 ms) where the 8-warp 4096-column one here took 1.50 ms. Kernels that
 # also write a gradient row keep ``vocab_block`` / ``vocab_warps``.
 READ_BLOCK_V = 2048
-# The exact KL's forward streams two rows (``kernels/vocab/pair.pair_moments``, a dozen
-# values a column): at READ_BLOCK_V columns on one warp it takes 255 registers and spills
-# to a 752-byte stack a thread (Triton 3.9's cubin for sm_90a, read on the CPU), and on an
-# H200 (2026-11-27, Triton 3.6) ``policy_loss(kl_estimator="full")`` ran 4.4x the k3 call
-# (15.2 ms against 3.4 at 8 x 2048 x 151936 bf16). 512 columns: 125 registers, no stack, no
-# barrier (tests/hopper_compile.py checks it); its time on a GPU is not measured yet.
-PAIR_READ_BLOCK_V = 512
+# Read-only kernels that hold many values a column run one warp on fewer columns a step:
+# at READ_BLOCK_V the exact KL's forward (two rows, ``kernels/vocab/pair.pair_moments``) took
+# 255 registers and spilled to a 752-byte stack a thread, the truncated forward (its top-k
+# and search passes) to a 120-144-byte one (Triton 3.9's cubins for sm_90a, read on the
+# CPU); on an H200 (2026-11-27, Triton 3.6) ``policy_loss(kl_estimator="full")`` ran 4.4x
+# the k3 call (15.2 ms against 3.4 at 8 x 2048 x 151936 bf16). At 512 columns: 113-148
+# registers, no stack, no barrier (tests/hopper_compile.py, tests/test_truncated.py check
+# them as launched); their time on a GPU is not measured yet.
+HEAVY_READ_BLOCK_V = 512
 
 
-def vocab_launch(vocab: int, *, writes: bool, pair: bool = False) -> dict:
+def vocab_launch(vocab: int, *, writes: bool, heavy: bool = False) -> dict:
     """``BLOCK_V`` and ``num_warps`` of a vocab-stream kernel (one program per row) over
-    ``vocab`` columns; ``writes``: the kernel also writes the row's gradient; ``pair``: a
-    read-only kernel streams two rows (the exact KL's forward, ``PAIR_READ_BLOCK_V``)."""
+    ``vocab`` columns; ``writes``: the kernel also writes the row's gradient; ``heavy``: a
+    read-only kernel holding many values a column (``HEAVY_READ_BLOCK_V``)."""
     if writes:
         block = vocab_block(vocab)
         return {"BLOCK_V": block, "num_warps": vocab_warps(block)}
-    cap = PAIR_READ_BLOCK_V if pair else READ_BLOCK_V
+    cap = HEAVY_READ_BLOCK_V if heavy else READ_BLOCK_V
     return {"BLOCK_V": max(16, min(next_power_of_2(vocab), cap)), "num_warps": 1}
 
 

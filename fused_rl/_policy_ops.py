@@ -263,7 +263,7 @@ def _fused_rows(logits3d, targets, adv, old, ref, mask, is_w, temperature, softc
         HAS_ENT_SCALE=ent_scale is not None, HAS_SOFTCAP=softcap is not None,
         ACC=triton_acc(logits3d.dtype),
         **_policy_switches(hyper, modes, full or ref is not None),
-        **vocab_launch(vocab, writes=write and not read_layout, pair=full),
+        **vocab_launch(vocab, writes=write and not read_layout, heavy=full),
     )  # fmt: skip
 
 

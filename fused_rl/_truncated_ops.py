@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-from ._launch import NO_CAP, f32_pair, next_power_of_2, stats_dtype, triton_acc, vocab_launch
+from ._launch import NO_CAP, f32_pair, stats_dtype, triton_acc, vocab_launch
 from ._ops import FusedOp, _serialised_when_interpreting
 
 # top-k with k up to this is kept in registers in one pass (kernels/vocab/truncated.py KS)
@@ -37,17 +37,10 @@ def scale_args(temperature: float, softcap: float | None) -> tuple[float, float,
     return (*inv_t, *(NO_CAP if softcap is None else f32_pair(1.0 / softcap)))
 
 
-# pass A's columns a step, on one warp: at the read streams' 2048 (READ_BLOCK_V) the forward
-# held 255 registers and spilled to a 120-144-byte stack a thread (sm_90a, Triton 3.9's
-# cubin, read on the CPU); at 512, 113-148 registers and no stack (tests/test_truncated.py
-# checks it as launched at V = 151936)
-BLOCK_V = 512
-
-
 def _block(vocab: int) -> int:
-    """Pass A's block: ``BLOCK_V`` (the row's power of two below it), at least 64 (one value
-    per group)."""
-    return max(MAX_STREAMED_K, min(next_power_of_2(vocab), BLOCK_V))
+    """Pass A's block: a heavy read stream's (``fused_rl._launch.HEAVY_READ_BLOCK_V``), at
+    least 64 (one value per group)."""
+    return max(MAX_STREAMED_K, vocab_launch(vocab, writes=False, heavy=True)["BLOCK_V"])
 
 
 # ----------------------------------------------------------------------------- forward

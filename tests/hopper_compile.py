@@ -349,7 +349,7 @@ def vocab_stream_vectorised() -> list[str]:
         aligned = [n for n in names if n.endswith("_ptr")] + ["V"] + [n for n in rows if n in names]
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
         one_warp = not writes or bool(read_layout)
-        launch = vocab_launch(151936, writes=not one_warp, pair=flags.get("KL_KIND") == KL_FULL)
+        launch = vocab_launch(151936, writes=not one_warp, heavy=flags.get("KL_KIND") == KL_FULL)
         constexprs = dict(flags, BLOCK_V=launch["BLOCK_V"], ACC=tl.float32, stride_v=1)
         if "r_stride_v" in names:
             constexprs["r_stride_v"] = 1
