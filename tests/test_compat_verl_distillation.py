@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import FP32_TOL, rel_err
 
+import fused_rl._select_ops as select_ops
 import fused_rl.compat._checks as compat_checks
 from fused_rl.compat.verl import compute_forward_kl_topk
 from fused_rl.profiling import LaunchCounter
@@ -20,7 +21,8 @@ V = 53  # not a power of two: the vocab kernels' masked tail runs
 def backend(request, monkeypatch):
     """The adapter takes no backend (as verl's): force the shared gather's dispatch."""
     if request.param == "reference":
-        monkeypatch.setattr(compat_checks, "resolve_backend", lambda _b, *t: "reference")
+        for module in (compat_checks, select_ops):
+            monkeypatch.setattr(module, "resolve_backend", lambda _b, *t: "reference")
     return request.param
 
 
@@ -118,14 +120,16 @@ def test_clamped_tokens_get_no_gradient(device, backend):
 @pytest.mark.parametrize("k", [2, 32])
 def test_one_read_forward_and_one_backward(k, device):
     """The student's K log-probs: one layer-1 read of the logits forward and one layer-3
-    read and write backward, whatever K (verl's path writes the ``(N, V)`` log-softmax)."""
+    read and write backward, whatever K (verl's path writes the ``(N, V)`` log-softmax); the
+    overlap diagnostic one radix select of the K-th largest (no ``torch.topk``)."""
     logits = torch.randn(1, 6, 64, device=device, requires_grad=True)
     ids = torch.stack([torch.randperm(64)[:k] for _ in range(6)])[None].to(device)
     teacher = torch.full((1, 6, k), -3.0, device=device)
     with LaunchCounter() as c:
         compute_forward_kl_topk(logits, teacher, ids, cfg(-10.0))["distillation_losses"].sum(
         ).backward()  # fmt: skip
-    assert c.kernels == ["_token_stats_fwd_kernel", "_token_stats_bwd_kernel"], c.kernels
+    assert c.kernels == ["_token_stats_fwd_kernel", "_kth_largest_kernel",
+                         "_token_stats_bwd_kernel"], c.kernels  # fmt: skip
 
 
 def test_bad_arguments_name_the_argument(device):

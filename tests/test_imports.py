@@ -102,7 +102,7 @@ LAYERS = (
               "fused_rl._validation", "fused_rl._agg", "fused_rl.policy_config",
               "fused_rl.profiling", "fused_rl._describe")),
     ("ops", ("fused_rl._ops", "fused_rl._vocab_ops", "fused_rl._policy_ops",
-             "fused_rl._truncated_ops")),
+             "fused_rl._truncated_ops", "fused_rl._select_ops")),
     ("vocab parallel", ("fused_rl.distributed", "fused_rl.truncated_parallel")),
     ("functions", ("fused_rl.logprobs", "fused_rl.kl", "fused_rl.reductions", "fused_rl.distill",
                    "fused_rl.rollout", "fused_rl.continuous", "fused_rl.advantages",

@@ -23,6 +23,15 @@ from .reductions import acc_dtype
 
 
 @torch.no_grad()
+def kth_largest(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k``-th largest of each row of ``(..., V)`` logits, counted with multiplicity, as
+    ``(...)`` fp32 (fp64 for fp64 logits); NaN for a row holding a NaN (``torch.topk`` would
+    rank NaN above everything)."""
+    kth = logits.topk(k, dim=-1).values[..., -1].to(acc_dtype(logits))
+    return torch.where(logits.isnan().any(-1), float("nan"), kth)
+
+
+@torch.no_grad()
 def keep_mask(z: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
     """Boolean ``(..., V)`` mask of the tokens the sampler keeps, from tempered logits
     ``z`` (rows without NaN / ``+inf``). ``top_k`` None or ``>= V``, ``top_p`` None or 1:

@@ -9,7 +9,10 @@ the student's ``(1, N, V)`` log-softmax in the logits' dtype (or, with ``use_chu
 an fp32 log-sum-exp chunk by chunk) and its backward writes the ``(N, V)`` softmax again.
 Here the student's ``K`` log-probs come from one read of the logits forward and one read and
 write backward (:class:`fused_rl._vocab_ops.MultiTargetLogprobs`), in fp32, whatever ``K``;
-the overlap diagnostic's top K (no gradient) reads the logits once more, as verl's does.
+the overlap diagnostic (no gradient) needs only the value that ranks K-th in each student
+row, found by a streamed radix select (``fused_rl._select_ops.kth_largest``: 2 reads of a
+bf16 row, 4 of fp32, 4 bytes written a row) where verl's ``torch.topk`` selects and writes
+K values and K ids a row.
 
 verl's Megatron path (``verl.trainer.distillation.megatron.losses``: the student's logits
 split over the vocabulary across the tensor-parallel ranks) materialises each shard's fp32
@@ -25,6 +28,7 @@ from torch import Tensor
 
 from ... import _validation as V
 from ..._backend import resolve_backend
+from ..._select_ops import kth_largest
 from ...distributed import _dist, group_shard, sharded_logprobs_k
 from .._checks import check_index_range, checked_logprobs_k
 from .core_algos import _config_value
@@ -102,9 +106,11 @@ def compute_forward_kl_topk(
     ``config.distillation_loss.log_prob_min_clamp`` (None: not clamped):
     ``loss = sum_k exp(lt_k) (lt_k - ls_k)``. The diagnostics as verl's: the two top-k masses
     ``sum_k exp(ls_k)`` / ``sum_k exp(lt_k)`` (unclamped), the count of the teacher's ids among
-    the student's own top K (``torch.topk`` of the logits, as verl's ranking) and the mean of
-    ``-exp(lt_k) (lt_k - ls_k)`` over them (a teacher id whose logit ties the student's
-    K-th largest counts: ``torch.topk`` keeps an arbitrary one of tied values).
+    the student's own top K (the ids whose logit is at least the row's K-th largest, verl's
+    ranking by ``torch.topk`` of the logits) and the mean of ``-exp(lt_k) (lt_k - ls_k)``
+    over them (a teacher id whose logit ties the student's K-th largest counts:
+    ``torch.topk`` keeps an arbitrary one of tied values); a student row holding a NaN
+    counts none (its loss is NaN).
 
     Args:
         student_logits: ``(bsz, seqlen, V)`` (verl: ``(1, total_nnz, V)``), any float dtype.
@@ -156,10 +162,9 @@ def compute_forward_kl_topk(
     token_kl = teacher.exp() * (teacher - student)
     with torch.no_grad():  # verl's diagnostics: the teacher's ids among the student's top K
         logits = student_logits.detach()
-        kth = torch.topk(logits, k=k, dim=-1).values[..., -1:]  # no (N, K, K) comparison
-        overlap_count, advantage = _overlap(
-            token_kl, logits.gather(-1, teacher_topk_ids.long()) >= kth
-        )
+        kth = kth_largest(logits, k)  # streamed: no (N, K) values and ids, no (N, K, K) test
+        id_logits = logits.gather(-1, teacher_topk_ids.long()).to(kth.dtype)
+        overlap_count, advantage = _overlap(token_kl, id_logits >= kth.unsqueeze(-1))
     return {
         "distillation_losses": token_kl.sum(-1),
         "student_mass": student_mass,
