@@ -72,8 +72,9 @@ def bytes_moved(case: Case) -> int:
     two gradients written (``4*(N + V)*H*e``); GEMM-bound, as the linear ops.
     ``topk_distill_loss`` (verl's ``compute_forward_kl_topk``): forward reads the student's
     logits twice, the normaliser and the K log-probs, and the top K of its overlap
-    diagnostic (``2*E*e``); forward + backward reads them again and writes the gradient
-    (``4*E*e``); the teacher's ``(B, T, K)`` tensors are not counted.
+    diagnostic (``2*E*e``; fused_rl's radix select of the K-th largest reads a 16-bit row
+    twice: its GB/s is then an effective rate); forward + backward reads them again and
+    writes the gradient (``4*E*e``); the teacher's ``(B, T, K)`` tensors are not counted.
     """
     n = case.tokens
     if case.op == "topk_distill_loss":  # the teacher's (B, T, K) inputs: negligible

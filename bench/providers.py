@@ -90,7 +90,8 @@ overlap diagnostics; ``log_prob_min_clamp`` ``cases.TOPK_CLAMP``), then the loss
 the mask's tokens and the overlap count's (checked too, so no provider can drop the top K).
 
 * ``fused_rl``: ``fused_rl.compat.verl.compute_forward_kl_topk`` (the student's K log-probs
-  from one read of the logits forward and one backward); no ``fused_rl_ref`` (the adapter,
+  from one read of the logits forward and one backward, the overlap's K-th largest from a
+  streamed radix select: two more reads of a bf16 row); no ``fused_rl_ref`` (the adapter,
   as verl's function, takes no backend).
 * ``eager``: :func:`eager_topk_distill_loss`, verl's default path written from its formula
   (the student's ``log_softmax`` in the logits' dtype, materialised); ``compile``: it under
