@@ -19,6 +19,9 @@ from ._ops import FusedOp
 from ._shapes import as_rows3d
 from .reference.truncated import kth_largest as kth_largest_reference
 
+DIGIT_BITS = 8  # kernels/vocab/select.py: the key is chosen 8 bits a pass
+BINS = 1 << DIGIT_BITS
+
 
 def _launch(logits3d: Tensor, k: int) -> Tensor:
     """The ``k``-th largest of each row of ``(outer, inner, V)`` logits (any strides), as a
@@ -42,6 +45,61 @@ kth_largest_op.register_fake(
         (logits3d.shape[0] * logits3d.shape[1],), dtype=stats_dtype(logits3d.dtype)
     )
 )
+
+
+def _histogram_launch(logits3d: Tensor, prefix: Tensor, shift: int, first: bool) -> Tensor:
+    """One radix-select pass over each row of ``(outer, inner, V)`` logits (any strides,
+    ``V`` may be 0): ``(outer * inner, 257)`` int32, per row the 256-bin histogram of the key
+    digit at ``shift`` among the keys whose higher digits equal ``prefix`` (``(outer *
+    inner,)`` int64; unread when ``first``) and, ``first``, the NaN count (else 0). One
+    launch."""
+    from .kernels.vocab.select import _digit_histogram_kernel
+
+    outer, inner, vocab = logits3d.shape
+    hist = torch.empty((outer * inner, BINS + 1), dtype=torch.int32, device=logits3d.device)
+    if hist.numel() == 0:
+        return hist
+    _digit_histogram_kernel[(outer * inner,)](
+        logits3d, prefix, hist, inner, vocab, *logits3d.stride(), SHIFT=shift, FIRST=first,
+        **vocab_launch(max(vocab, 1), writes=False),
+    )  # fmt: skip
+    return hist
+
+
+digit_histogram_op = FusedOp("kth_digit_histogram", _histogram_launch)
+digit_histogram_op.register_fake(
+    lambda logits3d, prefix, shift, first: logits3d.new_empty(
+        (logits3d.shape[0] * logits3d.shape[1], BINS + 1), dtype=torch.int32
+    )
+)
+
+
+def choose_digit(hist: Tensor, need: Tensor, prefix: Tensor) -> tuple[Tensor, Tensor]:
+    """The radix select's step from one pass's histograms (``(n_rows, 257)``, summed over
+    every rank that holds a part of the rows): the digit is the largest whose bin, counted
+    with the bins above it, holds ``need`` (``(n_rows,)`` int64, the values of the current
+    prefix still to pass over, the k-th included). Returns the new ``(need, prefix)``."""
+    counts = hist[:, :BINS].long()
+    at_or_above = counts.flip(-1).cumsum(-1).flip(-1)
+    digit = ((at_or_above >= need[:, None]).sum(-1, keepdim=True) - 1).clamp_min(0)
+    above = at_or_above.gather(-1, digit) - counts.gather(-1, digit)
+    return need - above[:, 0], torch.bitwise_left_shift(prefix, DIGIT_BITS) | digit[:, 0]
+
+
+def key_value(key: Tensor, dtype: torch.dtype) -> Tensor:
+    """The float of ``dtype`` whose order-preserving key (``kernels/vocab/select.py``
+    ``_key``, all its bits chosen) is ``key`` (int64; a 64-bit key's bits as they are), in
+    fp32 (fp64 for fp64)."""
+    bits = torch.finfo(dtype).bits
+    if bits == 64:
+        sign = torch.iinfo(torch.int64).min
+        raw = torch.where(key < 0, key ^ sign, ~key)
+        return raw.view(torch.float64)
+    full = (1 << bits) - 1
+    positive = (key >> (bits - 1)) == 1
+    raw = torch.where(positive, key ^ (1 << (bits - 1)), ~key & full)
+    signed = {16: torch.int16, 32: torch.int32}[bits]
+    return raw.to(signed).view(dtype).to(stats_dtype(dtype))
 
 
 def kth_largest(logits: Tensor, k: int, *, backend: str = "auto") -> Tensor:

@@ -70,6 +70,8 @@ from torch import Tensor
 
 from . import _validation as V
 from ._launch import stats_dtype
+from ._select_ops import DIGIT_BITS as SELECT_DIGIT_BITS
+from ._select_ops import choose_digit, digit_histogram_op, key_value
 from ._shapes import as_rows3d
 from ._vocab_ops import (
     position_shift,
@@ -79,6 +81,7 @@ from ._vocab_ops import (
     token_stats_fwd_op,
 )
 from .reference import logprobs as ref
+from .reference.truncated import kth_largest as kth_largest_reference
 
 __all__ = ["gather_param", "global_token_count", "VocabShard"]
 
@@ -667,6 +670,47 @@ def sharded_logprobs_k(
                  V.value_checks_enabled(logits))  # fmt: skip
     logp, z = _ShardedLogprobsK.apply(x3d, first, local, owned, bad, spec)
     return logp.reshape(ids.shape), z.reshape(ids.shape)
+
+
+@torch.no_grad()
+def sharded_kth_largest(logits: Tensor, k: int, shard: VocabShard, *, which: str) -> Tensor:
+    """The ``k``-th largest of each row of the whole vocabulary (ties counted with their
+    multiplicity; ``1 <= k <=`` the global width, checked by the caller), from this rank's
+    ``(..., V_local)`` shard (its ``shard.valid`` leading columns): ``(...)`` fp32 (fp64 for
+    fp64 logits), the same on every rank, NaN for a row holding a NaN on any rank; never
+    differentiable.
+
+    Triton: the radix select of ``kernels/vocab/select.py`` one pass a launch (``B / 8``
+    passes for ``B``-bit floats: 2 for bf16), each pass's ``(rows, 257)`` int32 histograms
+    summed over the ranks by one all-reduce (1028 bytes a row a pass), no sort and nothing
+    of size ``(rows, K)``. Reference: each rank's top ``k`` values (``-inf`` past its width)
+    gathered (``4 K`` bytes a row from every rank) and ranked again."""
+    dist = _dist()
+    x3d = as_rows3d(logits.detach())[..., : shard.valid]  # the padding columns rank nowhere
+    n_rows = x3d.shape[0] * x3d.shape[1]
+    if which == "reference":
+        width = min(k, x3d.shape[-1])
+        local = torch.full((*x3d.shape[:2], k), float("-inf"), dtype=stats_dtype(x3d.dtype),
+                           device=x3d.device)  # fmt: skip
+        local[..., :width] = x3d.topk(width, dim=-1).values  # k a rank: gathers match
+        # a row with a NaN sends only NaN: every rank then sees it (gloo gathers no bf16)
+        local = torch.where(x3d.isnan().any(-1, keepdim=True), float("nan"), local)
+        gathered = [torch.empty_like(local) for _ in range(shard.world)]
+        dist.all_gather(gathered, local.contiguous(), group=shard.group)
+        kth = kth_largest_reference(torch.cat(gathered, -1), k)
+        return kth.reshape(logits.shape[:-1])
+    bits = torch.finfo(x3d.dtype).bits
+    need = torch.full((n_rows,), k, dtype=torch.int64, device=x3d.device)
+    prefix = torch.zeros_like(need)
+    nan_rows = None
+    for p in range(bits // SELECT_DIGIT_BITS):
+        hist = digit_histogram_op(x3d, prefix, bits - SELECT_DIGIT_BITS * (p + 1), p == 0)
+        dist.all_reduce(hist, group=shard.group)
+        if p == 0:
+            nan_rows = hist[:, -1] > 0
+        need, prefix = choose_digit(hist, need, prefix)
+    kth = torch.where(nan_rows, float("nan"), key_value(prefix, x3d.dtype))
+    return kth.reshape(logits.shape[:-1])
 
 
 def check_vocab_limit(shard: VocabShard) -> None:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from fused_rl.compat.verl import compute_forward_kl_topk_megatron
-from fused_rl.distributed import group_shard, sharded_logprobs_k
+from fused_rl.distributed import group_shard, sharded_kth_largest, sharded_logprobs_k
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dist_harness import check_registry, failures, needs_gloo, needs_interpreter  # noqa: E402
@@ -150,6 +150,70 @@ def logprobs_k_unchecked_bad_id_is_nan(ctx):
     logp, _ = sharded_logprobs_k(local, ids, torch.ones(1, 2, dtype=torch.bool), shard,
                                  which="triton")  # fmt: skip
     assert math.isnan(logp[0, 0, 1]) and torch.isfinite(logp[0, 1]).all()
+
+
+def _kth_oracle(full, k):
+    """Per row of the whole vocabulary: NaN if it holds a NaN, else its k-th largest."""
+    kth = full.double().topk(k, dim=-1).values[..., -1]
+    return torch.where(full.isnan().any(-1), math.nan, kth)
+
+
+def _ragged_bounds(world, rank):
+    """Ragged shards of widths 4, 8 over a vocabulary of 10 (world 2) or 3, 6, 4 over 12
+    (world 3): the last rank holds padding columns past the vocabulary, which rank nowhere."""
+    widths = (4, 8) if world == 2 else (3, 6, 4)
+    vocab = 10 if world == 2 else 12
+    start = sum(widths[:rank])
+    return start, widths[rank], vocab
+
+
+@check
+def kth_largest_over_shards(ctx):
+    """``sharded_kth_largest``: the same value on every rank as the float64 oracle on the
+    concatenated vocabulary, both backends, every float dtype, K from 1 to V; ties spread
+    over the shards, ``+-inf``, ``-0.0``, a NaN on one rank's shard (NaN on every rank);
+    ragged shards with padding columns."""
+    g = ctx.gen(11)
+    w = 5
+    vocab = w * ctx.world
+    start, stop = ctx.rank * w, (ctx.rank + 1) * w
+    shard = group_shard(ctx.group, w, None, None)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        full = (torch.randn(2, 4, vocab, generator=g) * 3).to(dtype)
+        full[0, 0, ::2] = full[0, 0, 1]  # ties on every shard
+        full[0, 1, 0], full[0, 1, vocab - 1] = math.inf, -math.inf
+        full[0, 2, : vocab // 2] = -0.0
+        full[1, 3, vocab - 2] = math.nan  # the last rank's
+        for backend in BACKENDS:
+            for k in (1, 2, w, vocab - 1, vocab):
+                got = sharded_kth_largest(full[..., start:stop], k, shard, which=backend)
+                want = _kth_oracle(full, k)
+                assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+                same = (got.double() == want) | (got.isnan() & want.isnan())
+                assert bool(same.all()), (dtype, backend, k, got, want)
+    start, width, vocab = _ragged_bounds(ctx.world, ctx.rank)
+    full = torch.randn(3, vocab + 4, generator=g)
+    full[:, vocab:] = 100.0  # padding: never ranked
+    local = full[:, start : start + width]
+    shard = group_shard(ctx.group, width, start, vocab)
+    for backend in BACKENDS:
+        for k in (1, 3, vocab):
+            got = sharded_kth_largest(local, k, shard, which=backend)
+            assert torch.equal(got.double(), _kth_oracle(full[:, :vocab], k)), (backend, k)
+
+
+@check
+def kth_largest_over_shards_cost(ctx):
+    """Triton: one histogram launch and one all-reduce of 257 int32 a row per pass, two
+    passes for bf16, four for fp32; nothing else collective."""
+    w = 6
+    shard = group_shard(ctx.group, w, None, None)
+    for dtype, passes in ((torch.bfloat16, 2), (torch.float32, 4)):
+        local = torch.randn(2, 3, w, generator=ctx.gen(4)).to(dtype)
+        with LaunchCounter() as launches, _CountCollectives() as comms:
+            sharded_kth_largest(local, 4, shard, which="triton")
+        assert launches.kernels == ["_digit_histogram_kernel"] * passes, launches.kernels
+        assert comms.calls == [("all_reduce", 2 * 3 * 257 * 4)] * passes, comms.calls
 
 
 def _oracle_megatron(full, lt, ids, clamp, up):

@@ -83,6 +83,28 @@ def test_every_digit_decides(dtype, device):
         check(x, k, "triton")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_pass_a_launch_route(dtype, device):
+    """The vocabulary-parallel route on one rank: ``digit_histogram_op`` a pass, the digit
+    chosen by ``choose_digit``, the value by ``key_value``; NaN from the first pass's count."""
+    x = awkward_rows(dtype, device)
+    x3d = x.reshape(-1, 1, x.shape[-1])
+    bits = torch.finfo(dtype).bits
+    for k in (1, 2, 26, 53):
+        need = torch.full((x3d.shape[0],), k, dtype=torch.int64, device=device)
+        prefix = torch.zeros_like(need)
+        for p in range(bits // S.DIGIT_BITS):
+            hist = S.digit_histogram_op(x3d, prefix, bits - S.DIGIT_BITS * (p + 1), p == 0)
+            assert hist.shape == (x3d.shape[0], S.BINS + 1) and hist.dtype == torch.int32
+            if p == 0:
+                nan_rows = hist[:, -1] > 0
+            need, prefix = S.choose_digit(hist, need, prefix)
+        got = torch.where(nan_rows, float("nan"), S.key_value(prefix, dtype))
+        want = oracle(x, k).reshape(-1).to(device)
+        same = (got.double() == want) | (got.isnan() & want.isnan())
+        assert bool(same.all()), (k, got[~same], want[~same])
+
+
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
 def test_rows_longer_than_a_block(dtype, device):
     """Several loop steps a pass (the launch streams 2048 columns a step), with the k-th
@@ -156,7 +178,8 @@ def test_bad_logits_name_them(device):
 
 
 # Triton's own cubin for sm_90a, as launched at V = 151936: no register spilled; bf16 rows
-# with 16-aligned lengths load 128 bits at a time; every offset product 64-bit.
+# with 16-aligned lengths load 128 bits at a time; every offset product 64-bit. The same for
+# the one-pass histogram kernel of the vocabulary-parallel select.
 _COMPILE_SCRIPT = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
@@ -165,7 +188,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from hopper_compile import kernel_signature, narrow_offset_products, stack_bytes
 from fused_rl._launch import vocab_launch
-from fused_rl.kernels.vocab.select import _kth_largest_kernel as fn
+import fused_rl.kernels.vocab.select as select
+fn = select._kth_largest_kernel
 
 launch = vocab_launch(151936, writes=False)
 names = [p.name for p in fn.params if not p.is_constexpr]
@@ -185,6 +209,20 @@ for logits, out, acc in (("*bf16", "*fp32", tl.float32), ("*fp16", "*fp32", tl.f
         ptx = c.asm["ptx"]
         assert "ld.global.v4" in ptx or "ld.global.nc.v4" in ptx, (logits, "no vector load")
     count += 1
+# the vocabulary-parallel pass (fused_rl.distributed.sharded_kth_largest): one a launch
+hist = select._digit_histogram_kernel
+names = [p.name for p in hist.params if not p.is_constexpr]
+for logits, shift, first in (("*bf16", 8, True), ("*bf16", 0, False), ("*fp64", 8, False)):
+    sig = dict(kernel_signature(hist, set(), {"logits_ptr": logits, "prefix_ptr": "*i64",
+                                              "hist_ptr": "*i32"}, "*i32"), stride_v="constexpr")
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned if n in names}
+    src = ASTSource(fn=hist, signature=sig, attrs=attrs, constexprs=dict(
+        SHIFT=shift, FIRST=first, BLOCK_V=launch["BLOCK_V"], stride_v=1))
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": launch["num_warps"]})
+    assert stack_bytes(c.asm["cubin"]) == 0, (logits, first, "registers spilled")
+    assert not narrow_offset_products(c.asm["ttir"]), (logits, first, "narrow offsets")
+    count += 1
 print("compiled", count)
 """
 
@@ -193,4 +231,4 @@ print("compiled", count)
 @pytest.mark.no_poison
 def test_kernel_compiles_for_sm90():
     pytest.importorskip("triton.backends.compiler")
-    assert sm90_compile_output(_COMPILE_SCRIPT).endswith("compiled 4")
+    assert sm90_compile_output(_COMPILE_SCRIPT).endswith("compiled 7")

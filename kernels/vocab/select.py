@@ -12,6 +12,9 @@ multiplicity (the k-th largest of ``[3, 3, 1]`` for ``k = 2`` is 3), as ``torch.
 values. A row holding a NaN gives NaN (counted in the first pass; the histograms leave NaN
 out); ``+-inf`` are values like any other.
 
+A vocabulary split across ranks runs the passes one launch each
+(``_digit_histogram_kernel``): each rank's histograms are summed over the ranks between them.
+
 One program per row, one warp (a read-only stream, ``fused_rl._launch.vocab_launch``); the
 histogram is the hardware's shared-memory increment (``ATOMS.POPC.INC`` on sm_90: lanes on
 the same bin add once), 1 KB of shared memory.
@@ -118,3 +121,36 @@ def _kth_largest_kernel(
         prefix = (prefix << DIGIT_BITS) | digit.to(KEY)
     value = _value(prefix, KEY, DTYPE).to(ACC)
     tl.store(out_ptr + row, tl.where(n_nan > 0, float("nan"), value))
+
+
+@triton.jit(do_not_specialize=["rows_inner"])
+def _digit_histogram_kernel(
+    logits_ptr,
+    prefix_ptr,
+    hist_ptr,
+    rows_inner,
+    V,
+    stride_outer,
+    stride_inner,
+    stride_v,
+    SHIFT: tl.constexpr,
+    FIRST: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """One pass of the radix select for a row split across ranks (the vocabulary-parallel
+    caller sums the histograms over the ranks and chooses the digit): ``hist[row, :256]``
+    the histogram of the digit at ``SHIFT`` of the row's keys whose digits above it equal
+    ``prefix[row]`` (int64, the key's bits; unread in the ``FIRST`` pass), ``hist[row, 256]``
+    the row's NaN count (``FIRST``; else 0). ``hist`` contiguous ``(n_rows, 257)`` int32."""
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = row_pointer(logits_ptr, row, rows_inner, 0, stride_outer, stride_inner)
+    BITS: tl.constexpr = logits_ptr.dtype.element_ty.primitive_bitwidth
+    KEY: tl.constexpr = tl.core.get_int_dtype(BITS, False)
+    if FIRST:
+        prefix = tl.zeros((), KEY)
+    else:
+        prefix = tl.load(prefix_ptr + row).to(tl.uint64, bitcast=True).to(KEY)
+    hist, n_nan = _digit_histogram(row_ptr, V, stride_v, prefix, SHIFT, FIRST, KEY, BLOCK_V)
+    out = hist_ptr + row * (BINS + 1)
+    tl.store(out + tl.arange(0, BINS), hist)
+    tl.store(out + BINS, n_nan)

@@ -29,7 +29,7 @@ from torch import Tensor
 from ... import _validation as V
 from ..._backend import resolve_backend
 from ..._select_ops import kth_largest
-from ...distributed import _dist, group_shard, sharded_logprobs_k
+from ...distributed import group_shard, sharded_kth_largest, sharded_logprobs_k
 from .._checks import check_index_range, checked_logprobs_k
 from .core_algos import _config_value
 
@@ -233,14 +233,16 @@ def compute_forward_kl_topk_megatron(
         ``distillation_losses`` (fp32, differentiable: each rank's gradient is its shard of
         the whole), and, as verl's Megatron function (unlike its FSDP one), the two masses
         of the CLAMPED log-probs in fp32, ``overlap_count`` and ``overlap_token_advantage``
-        (the student's global top K: each rank's own top K of its shard, gathered).
+        (the teacher's ids whose logit is at least the student's global K-th largest).
 
     Cost: the student's log-probs at the teacher's ids by one read of each shard forward
     (three all-reduces: the row max and the rescaled sum, 8 bytes a token in fp32, and the
     ids' logits, ``4 K``) and one read and write backward (no collective), where verl
     writes each shard's fp32 log-softmax and softmax (``8 V / tp`` bytes a token) and keeps
-    the softmax for its backward; the overlap diagnostic reads the shard once more and
-    gathers ``K`` values a token from every rank (verl gathers ``K`` values and ``K`` ids).
+    the softmax for its backward; the overlap diagnostic's K-th largest is a radix select
+    over the shards (``fused_rl.distributed.sharded_kth_largest``: two more reads of a bf16
+    shard, four of fp32, and one all-reduce of 257 int32 a token a read), where verl sorts
+    each shard's top K and gathers ``K`` values and ``K`` ids a token from every rank.
     """
     teacher_topk_log_probs, teacher_topk_ids = _megatron_split(
         teacher_topk_log_probs, teacher_topk_ids, data_format
@@ -259,14 +261,9 @@ def compute_forward_kl_topk_megatron(
     if clamp is not None:
         student, teacher = student.clamp_min(clamp), teacher.clamp_min(clamp)
     token_kl = teacher.exp() * (teacher - student)
-    with torch.no_grad():  # the student's global top K: each shard's own, gathered
-        dist = _dist()
-        local = torch.topk(student_logits.detach(), k=min(k, student_logits.shape[-1]), dim=-1)
-        local = local.values.float()  # gloo gathers no bf16 (exact for 16-bit and fp32 logits)
-        gathered = [torch.empty_like(local) for _ in range(shard.world)]
-        dist.all_gather(gathered, local, group=group)
-        kth = torch.topk(torch.cat(gathered, -1), k=k, dim=-1).values[..., -1:]
-        overlap_count, advantage = _overlap(token_kl, id_logits >= kth.to(id_logits.dtype))
+    with torch.no_grad():  # the student's global K-th largest, the shards' histograms summed
+        kth = sharded_kth_largest(student_logits, k, shard, which=which)
+        overlap_count, advantage = _overlap(token_kl, id_logits.to(kth.dtype) >= kth[..., None])
     return {
         "distillation_losses": token_kl.sum(-1),
         "student_mass": student.detach().exp().sum(-1),
