@@ -361,7 +361,8 @@ def test_torch_compile_fullgraph(case, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_torch_compile_fullgraph_fp32_logits(backend):
     """bf16 heads with fp32 chunk logits under ``torch.compile(fullgraph=True)`` (the GEMM
-    on fp32 copies while tracing): the eager call's loss and gradients."""
+    with ``out_dtype=`` on CUDA, on fp32 copies elsewhere): the eager call's loss and
+    gradients."""
     (h, w, b), (th, tw, tb), _ = make(seed=13, dtype=torch.bfloat16)
 
     def f(h, w, b):
