@@ -3,8 +3,8 @@
 Where a caller needs only the value that ranks ``k``-th (verl's top-k overlap diagnostic:
 which of the teacher's ids are among the student's own top ``k``), ``torch.topk`` sorts a
 ``k``-wide selection per row and writes values and indices; this reads each row ``B / 8``
-times for ``B``-bit logits (2 reads of a bf16 row), writes 4 bytes a row and allocates
-nothing else.
+times for ``B``-bit logits (2 reads of a bf16 row), writes 4 bytes a row (8 for fp64) and
+allocates nothing else.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def _histogram_launch(logits3d: Tensor, prefix: Tensor, shift: int, first: bool)
     if hist.numel() == 0:
         return hist
     _digit_histogram_kernel[(outer * inner,)](
-        logits3d, prefix, hist, inner, vocab, *logits3d.stride(), SHIFT=shift, FIRST=first,
+        logits3d, prefix, hist, inner, vocab, *logits3d.stride(), shift, FIRST=first,
         **vocab_launch(max(vocab, 1), writes=False),
     )  # fmt: skip
     return hist
@@ -116,7 +116,7 @@ def kth_largest(logits: Tensor, k: int, *, backend: str = "auto") -> Tensor:
         a NaN.
 
     Cost (Triton): ``B / 8`` reads of the logits for ``B``-bit floats (2 for bf16), one
-    launch, ``4`` bytes written a row.
+    launch, 4 bytes written a row (8 for fp64).
 
     Example:
         >>> import torch

@@ -675,7 +675,7 @@ def sharded_logprobs_k(
 @torch.no_grad()
 def sharded_kth_largest(logits: Tensor, k: int, shard: VocabShard, *, which: str) -> Tensor:
     """The ``k``-th largest of each row of the whole vocabulary (ties counted with their
-    multiplicity; ``1 <= k <=`` the global width, checked by the caller), from this rank's
+    multiplicity; ``1 <= k <=`` the global width), from this rank's
     ``(..., V_local)`` shard (its ``shard.valid`` leading columns): ``(...)`` fp32 (fp64 for
     fp64 logits), the same on every rank, NaN for a row holding a NaN on any rank; never
     differentiable.
@@ -684,7 +684,9 @@ def sharded_kth_largest(logits: Tensor, k: int, shard: VocabShard, *, which: str
     passes for ``B``-bit floats: 2 for bf16), each pass's ``(rows, 257)`` int32 histograms
     summed over the ranks by one all-reduce (1028 bytes a row a pass), no sort and nothing
     of size ``(rows, K)``. Reference: each rank's top ``k`` values (``-inf`` past its width)
-    gathered (``4 K`` bytes a row from every rank) and ranked again."""
+    gathered (``4 K`` bytes a row from every rank, ``8 K`` for fp64) and ranked again."""
+    if not 1 <= k <= shard.vocab_size:  # every rank raises: the same k and layout everywhere
+        raise ValueError(f"k must be in [1, {shard.vocab_size}] (the vocabulary), got {k}")
     dist = _dist()
     x3d = as_rows3d(logits.detach())[..., : shard.valid]  # the padding columns rank nowhere
     n_rows = x3d.shape[0] * x3d.shape[1]

@@ -116,6 +116,22 @@ def test_clamped_tokens_get_no_gradient(device, backend):
     assert rel_err(logits.grad[0, 0], want.to(device)) <= FP32_TOL
 
 
+def test_nan_row_ranks_nothing(device, backend):
+    """A student row holding a NaN: its loss NaN, its overlap count 0 and the overlap's
+    mean NaN (NaN in, NaN out); the other rows as without it."""
+    gen = torch.Generator().manual_seed(5)
+    logits, teacher, ids = case(gen, 4, 3, torch.float32, device)
+    clean = compute_forward_kl_topk(logits, teacher, ids, cfg(-10.0))
+    poisoned = logits.detach().clone()
+    poisoned[0, 2, 7] = float("nan")
+    out = compute_forward_kl_topk(poisoned, teacher, ids, cfg(-10.0))
+    assert out["distillation_losses"][0, 2].isnan()
+    assert out["overlap_count"][0, 2] == 0 and out["overlap_token_advantage"][0, 2].isnan()
+    for name in out:
+        rest = [0, 1, 3]
+        assert torch.equal(out[name][0, rest], clean[name][0, rest].detach()), name
+
+
 @pytest.mark.no_poison  # the NaN fill of fresh buffers is the test's, not the call's
 @pytest.mark.parametrize("k", [2, 32])
 def test_one_read_forward_and_one_backward(k, device):

@@ -158,10 +158,15 @@ def _kth_oracle(full, k):
     return torch.where(full.isnan().any(-1), math.nan, kth)
 
 
-def _ragged_bounds(world, rank):
+def _ragged_bounds(world, rank, empty_last=False):
     """Ragged shards of widths 4, 8 over a vocabulary of 10 (world 2) or 3, 6, 4 over 12
-    (world 3): the last rank holds padding columns past the vocabulary, which rank nowhere."""
-    widths = (4, 8) if world == 2 else (3, 6, 4)
+    (world 3): the last rank holds padding columns past the vocabulary, which rank nowhere.
+    ``empty_last``: 10, 4 (world 2) or 6, 6, 3 (world 3), the last rank's columns all
+    padding (``shard.valid == 0``)."""
+    if empty_last:
+        widths = (10, 4) if world == 2 else (6, 6, 3)
+    else:
+        widths = (4, 8) if world == 2 else (3, 6, 4)
     vocab = 10 if world == 2 else 12
     start = sum(widths[:rank])
     return start, widths[rank], vocab
@@ -191,15 +196,19 @@ def kth_largest_over_shards(ctx):
                 assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
                 same = (got.double() == want) | (got.isnan() & want.isnan())
                 assert bool(same.all()), (dtype, backend, k, got, want)
-    start, width, vocab = _ragged_bounds(ctx.world, ctx.rank)
-    full = torch.randn(3, vocab + 4, generator=g)
-    full[:, vocab:] = 100.0  # padding: never ranked
-    local = full[:, start : start + width]
-    shard = group_shard(ctx.group, width, start, vocab)
-    for backend in BACKENDS:
-        for k in (1, 3, vocab):
-            got = sharded_kth_largest(local, k, shard, which=backend)
-            assert torch.equal(got.double(), _kth_oracle(full[:, :vocab], k)), (backend, k)
+    for empty_last in (False, True):
+        start, width, vocab = _ragged_bounds(ctx.world, ctx.rank, empty_last)
+        full = torch.randn(3, vocab + 4, generator=g)
+        full[:, vocab:] = 100.0  # padding: never ranked
+        local = full[:, start : start + width]
+        shard = group_shard(ctx.group, width, start, vocab)
+        for backend in BACKENDS:
+            for k in (1, 3, vocab):
+                got = sharded_kth_largest(local, k, shard, which=backend)
+                want = _kth_oracle(full[:, :vocab], k)
+                assert torch.equal(got.double(), want), (backend, k, empty_last)
+            with pytest.raises(ValueError, match=f"k must be in \\[1, {vocab}\\]"):
+                sharded_kth_largest(local, vocab + 1, shard, which=backend)
 
 
 @check
@@ -266,6 +275,26 @@ def megatron_topk_distillation(ctx):
         assert got["overlap_count"][0, 1] == k, what
         tol = FP32_TOL if dtype == torch.float32 else 4e-3
         assert_rel(local.grad.double(), o_grad[..., start:stop], tol, f"grad {what}")
+
+
+@check
+def megatron_topk_nan_row(ctx):
+    """A NaN in one rank's shard of a student row: that row's loss NaN on every rank, its
+    overlap count 0 and the overlap's mean NaN; the other rows finite."""
+    g = ctx.gen(9)
+    w, k = 5, 3
+    vocab = w * ctx.world
+    full = torch.randn(1, 3, vocab, generator=g)
+    full[0, 1, vocab - 1] = math.nan  # the last rank's
+    ids = torch.randint(0, vocab, (1, 3, k), generator=g)
+    lt = torch.log_softmax(torch.randn(1, 3, k, generator=g), -1)
+    local = _local(full, ctx.rank * w, (ctx.rank + 1) * w)
+    config = {"distillation_loss": {"log_prob_min_clamp": -10.0}}
+    got = compute_forward_kl_topk_megatron(local, lt, ids, config, process_group=ctx.group)
+    assert got["distillation_losses"][0, 1].isnan()
+    assert got["overlap_count"][0, 1] == 0 and got["overlap_token_advantage"][0, 1].isnan()
+    for name in got:
+        assert torch.isfinite(got[name][0, [0, 2]].double()).all(), name
 
 
 @check

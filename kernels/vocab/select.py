@@ -7,7 +7,7 @@ once and builds a 256-bin histogram (``tl.histogram``) of the next 8-bit digit o
 that share the digits already chosen; the chosen digit is the largest whose bin, counted
 with every bin above it, reaches the number of values still to pass over. A row of ``B``-bit
 floats takes ``B / 8`` passes: **2 reads** of a bf16 / fp16 row, 4 of fp32, 8 of fp64, each
-``V E`` bytes (``E`` bytes a logit); 4 bytes written a row. Ties count with their
+``V E`` bytes (``E`` bytes a logit); 4 bytes written a row (8 for fp64). Ties count with their
 multiplicity (the k-th largest of ``[3, 3, 1]`` for ``k = 2`` is 3), as ``torch.topk``'s
 values. A row holding a NaN gives NaN (counted in the first pass; the histograms leave NaN
 out); ``+-inf`` are values like any other.
@@ -51,20 +51,24 @@ def _is_nan(x, KEY: tl.constexpr):
 
 
 @triton.jit
-def _value(key, KEY: tl.constexpr, DTYPE: tl.constexpr):
-    """The float of a key (``_key``'s inverse), in ``DTYPE``."""
+def _value(key, KEY: tl.constexpr, DTYPE: tl.constexpr, ACC: tl.constexpr):
+    """The float of a key (``_key``'s inverse), a ``DTYPE`` value returned in ``ACC``. A bf16
+    value is widened by its bits (fp32's upper half), exact for subnormals too (the
+    interpreter's bf16 -> fp32 cast flushes them to 0)."""
     TOP: tl.constexpr = KEY.primitive_bitwidth - 1
     sign = tl.full((), 1, KEY) << TOP
     bits = tl.where((key >> TOP) == 1, key ^ sign, ~key)
-    return bits.to(DTYPE, bitcast=True)
+    if DTYPE == tl.bfloat16:
+        return (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True).to(ACC)
+    return bits.to(DTYPE, bitcast=True).to(ACC)
 
 
 @triton.jit
 def _digit_histogram(
-    row_ptr, V, stride_v, prefix, SHIFT: tl.constexpr, FIRST: tl.constexpr, KEY: tl.constexpr,
+    row_ptr, V, stride_v, prefix, shift, FIRST: tl.constexpr, KEY: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    """One pass over the row: the histogram of the digit ``(key >> SHIFT) & 255`` over the
+    """One pass over the row: the histogram of the digit ``(key >> shift) & 255`` over the
     non-NaN values whose key above the digit equals ``prefix`` (every value in the ``FIRST``
     pass), and the row's NaN count (``FIRST`` only; else 0)."""
     hist = tl.zeros((BINS,), tl.int32)
@@ -79,8 +83,8 @@ def _digit_histogram(
         if FIRST:
             n_nan += tl.sum((valid & nan).to(tl.int32), 0)
         else:
-            counted = counted & ((key >> (SHIFT + DIGIT_BITS)) == prefix)
-        digit = ((key >> SHIFT) & (BINS - 1)).to(tl.int32)
+            counted = counted & ((key >> (shift + DIGIT_BITS)) == prefix)
+        digit = ((key >> shift) & (BINS - 1)).to(tl.int32)
         hist += tl.histogram(digit, BINS, mask=counted)
     return hist, n_nan
 
@@ -119,11 +123,11 @@ def _kth_largest_kernel(
         digit = tl.max(tl.where(at_or_above >= need, bins, 0), 0)
         need -= tl.sum(tl.where(bins == digit, at_or_above - hist, 0), 0)
         prefix = (prefix << DIGIT_BITS) | digit.to(KEY)
-    value = _value(prefix, KEY, DTYPE).to(ACC)
+    value = _value(prefix, KEY, DTYPE, ACC)
     tl.store(out_ptr + row, tl.where(n_nan > 0, float("nan"), value))
 
 
-@triton.jit(do_not_specialize=["rows_inner"])
+@triton.jit(do_not_specialize=["rows_inner", "shift"])
 def _digit_histogram_kernel(
     logits_ptr,
     prefix_ptr,
@@ -133,13 +137,13 @@ def _digit_histogram_kernel(
     stride_outer,
     stride_inner,
     stride_v,
-    SHIFT: tl.constexpr,
+    shift,
     FIRST: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """One pass of the radix select for a row split across ranks (the vocabulary-parallel
     caller sums the histograms over the ranks and chooses the digit): ``hist[row, :256]``
-    the histogram of the digit at ``SHIFT`` of the row's keys whose digits above it equal
+    the histogram of the digit at ``shift`` of the row's keys whose digits above it equal
     ``prefix[row]`` (int64, the key's bits; unread in the ``FIRST`` pass), ``hist[row, 256]``
     the row's NaN count (``FIRST``; else 0). ``hist`` contiguous ``(n_rows, 257)`` int32."""
     row = tl.program_id(0).to(tl.int64)
@@ -150,7 +154,7 @@ def _digit_histogram_kernel(
         prefix = tl.zeros((), KEY)
     else:
         prefix = tl.load(prefix_ptr + row).to(tl.uint64, bitcast=True).to(KEY)
-    hist, n_nan = _digit_histogram(row_ptr, V, stride_v, prefix, SHIFT, FIRST, KEY, BLOCK_V)
+    hist, n_nan = _digit_histogram(row_ptr, V, stride_v, prefix, shift, FIRST, KEY, BLOCK_V)
     out = hist_ptr + row * (BINS + 1)
     tl.store(out + tl.arange(0, BINS), hist)
     tl.store(out + BINS, n_nan)

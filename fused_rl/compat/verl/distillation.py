@@ -83,12 +83,16 @@ def _checked(student_logits, teacher_topk_log_probs, teacher_topk_ids, config, d
     return clamp, k
 
 
-def _overlap(token_kl: Tensor, overlap: Tensor) -> tuple[Tensor, Tensor]:
-    """verl's diagnostics: the count of the teacher's ids among the student's top K and the
-    mean of ``-token_kl`` over them (0 where none)."""
+def _overlap(token_kl: Tensor, id_logits: Tensor, kth: Tensor) -> tuple[Tensor, Tensor]:
+    """verl's diagnostics from the teacher's ids' logits ``(..., K)`` and the student's K-th
+    largest ``(...)``: the count of the ids among the student's top K (a logit at least the
+    K-th largest) and the mean of ``-token_kl`` over them (0 where none). A student row
+    holding a NaN (``kth`` NaN) ranks nothing: count 0, mean NaN (as its loss)."""
+    overlap = id_logits.to(kth.dtype) >= kth.unsqueeze(-1)
     overlap_count = overlap.sum(-1)
     advantage = (-token_kl.detach() * overlap).sum(-1) / overlap_count.clamp_min(1)
-    return overlap_count, torch.where(overlap_count > 0, advantage, torch.zeros_like(advantage))
+    advantage = torch.where(overlap_count > 0, advantage, torch.zeros_like(advantage))
+    return overlap_count, torch.where(kth.isnan(), float("nan"), advantage)
 
 
 def compute_forward_kl_topk(
@@ -110,7 +114,8 @@ def compute_forward_kl_topk(
     ranking by ``torch.topk`` of the logits) and the mean of ``-exp(lt_k) (lt_k - ls_k)``
     over them (a teacher id whose logit ties the student's K-th largest counts:
     ``torch.topk`` keeps an arbitrary one of tied values); a student row holding a NaN
-    counts none (its loss is NaN).
+    ranks nothing: an overlap count of 0 and a NaN mean, as its loss (verl's
+    ``torch.topk`` ranks NaN above every number).
 
     Args:
         student_logits: ``(bsz, seqlen, V)`` (verl: ``(1, total_nnz, V)``), any float dtype.
@@ -163,8 +168,8 @@ def compute_forward_kl_topk(
     with torch.no_grad():  # verl's diagnostics: the teacher's ids among the student's top K
         logits = student_logits.detach()
         kth = kth_largest(logits, k)  # streamed: no (N, K) values and ids, no (N, K, K) test
-        id_logits = logits.gather(-1, teacher_topk_ids.long()).to(kth.dtype)
-        overlap_count, advantage = _overlap(token_kl, id_logits >= kth.unsqueeze(-1))
+        id_logits = logits.gather(-1, teacher_topk_ids.long())
+        overlap_count, advantage = _overlap(token_kl, id_logits, kth)
     return {
         "distillation_losses": token_kl.sum(-1),
         "student_mass": student_mass,
@@ -263,7 +268,7 @@ def compute_forward_kl_topk_megatron(
     token_kl = teacher.exp() * (teacher - student)
     with torch.no_grad():  # the student's global K-th largest, the shards' histograms summed
         kth = sharded_kth_largest(student_logits, k, shard, which=which)
-        overlap_count, advantage = _overlap(token_kl, id_logits.to(kth.dtype) >= kth[..., None])
+        overlap_count, advantage = _overlap(token_kl, id_logits, kth)
     return {
         "distillation_losses": token_kl.sum(-1),
         "student_mass": student.detach().exp().sum(-1),
