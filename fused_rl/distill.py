@@ -215,7 +215,7 @@ def _launch_rows(student3d, teacher3d, targets, mask, part, stats, beta, tempera
             *transform, *_beta_args(beta), ignore_index,
             MODE=divergence_mode(beta), HAS_TARGETS=targets is not None,
             HAS_MASK=mask is not None, ACC=triton_acc(part.dtype), **flags,
-            **vocab_launch(vocab, writes=True),
+            **vocab_launch(vocab, writes=False, heavy=True),
         )  # fmt: skip
 
 
@@ -599,7 +599,7 @@ def distill_mixture_fwd(
         x3d, r3d, stats, mask.view(torch.uint8) if mask is not None else stats, out, inner,
         outer * inner, vocab, *x3d.stride(), *r3d.stride(), *transform, *_beta_args(beta),
         HAS_MASK=mask is not None, ACC=triton_acc(stats.dtype), **flags,
-        **vocab_launch(vocab, writes=True),
+        **vocab_launch(vocab, writes=False, heavy=True),
     )  # fmt: skip
     return out
 
