@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: the CUDA test-suite, then the full benchmark suite.
 #
-#   bash bench/gpu_session.sh [all|tests|bench|linear|peers|host|inplace|distill|fullkl|e2e]
+#   bash bench/gpu_session.sh [all|tests|bench|linear|peers|host|inplace|distill|fullkl|e2e|
+#       ldiag]
 #       [extra bench/run.py arguments]
 #   bash bench/gpu_session.sh tests,fullkl,distill   # several parts, TOTAL (520) s shared
 #
@@ -40,6 +41,12 @@
 #                  same inputs (fused_rl_k3: what the exact KL costs), eager (both fp32
 #                  log-softmaxes) and torch.compile of it; time, measured peak memory and the
 #                  float64 check of every row (resumable, as bench)
+#   ldiag          linear_distill_loss's worst row against float64 (it failed the bench's
+#                  check on an H200 for fused_rl, the materialised path and eager alike):
+#                  the distill suite's linear_distill_loss cases for fused_rl and the
+#                  materialised path twice, with cuBLAS's default bf16 GEMM reductions and
+#                  with --exact-bf16-gemm (none in bf16), each its own results:
+#                  $OUT/ldiag-default/ and $OUT/ldiag-exact/ (results.json: err_row_at)
 #   e2e            one GRPO step of TRL's GRPOTrainer, TRL's head against fused_rl's
 #                  integration (bench/e2e_trl.py: a random Qwen2.5-1.5B-shaped model,
 #                  vocabulary 151936, 2 x (256 + 4096) tokens): $OUT/e2e.log and
@@ -216,6 +223,19 @@ if [ -n "$SUITE" ]; then
     bench_status=${PIPESTATUS[0]}
     echo "bench exit status $bench_status; results for bench/results/$SLUG/ in $OUT/results/"
     [ "$status" -eq 0 ] && status=$bench_status
+fi
+
+if [ "$PART" = ldiag ]; then
+    BUDGET=${BENCH_BUDGET:-$((500 - SECONDS))}
+    for mode in default exact; do
+        FLAG=()
+        [ "$mode" = exact ] && FLAG=(--exact-bf16-gemm)
+        echo "== linear_distill_loss, bf16 GEMM reductions: $mode, budget $((BUDGET / 2))s"
+        "$PY" bench/run.py --suite distill --op linear_distill_loss --no-plots \
+            --providers fused_rl,fused_rl_mat --time-budget $((BUDGET / 2)) \
+            --out "$OUT/ldiag-$mode" ${FLAG[@]+"${FLAG[@]}"} "$@" 2>&1 | tail -30
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    done
 fi
 
 if [ "$PART" = peers ] || [ "$PART" = host ]; then

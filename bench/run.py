@@ -170,6 +170,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--number", type=int, default=None, help="host: calls per sample (default: ~20 ms worth)"
     )
+    p.add_argument(
+        "--exact-bf16-gemm",
+        action="store_true",
+        help="turn off cuBLAS's reduced-precision reductions in fp16 / bf16 GEMMs "
+        "(torch.backends.cuda.matmul.allow_{bf16,fp16}_reduced_precision_reduction) for every "
+        "provider; results.json records the setting either way",
+    )
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -447,6 +454,19 @@ def _shown(path: str) -> str:
     return path if rel.startswith("..") else rel
 
 
+def gemm_reductions(exact: bool) -> dict:
+    """Set (``exact``: off) and return cuBLAS's reduced-precision reductions of fp16 / bf16
+    GEMMs (split sums kept in the operands' dtype), the same for every provider."""
+    matmul = torch.backends.cuda.matmul
+    if exact:
+        matmul.allow_bf16_reduced_precision_reduction = False
+        matmul.allow_fp16_reduced_precision_reduction = False
+    return {
+        "bf16": bool(matmul.allow_bf16_reduced_precision_reduction),
+        "fp16": bool(matmul.allow_fp16_reduced_precision_reduction),
+    }
+
+
 def run_suite(args) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = M.is_gpu(device)
@@ -484,6 +504,7 @@ def run_suite(args) -> dict:
         "tolerance": A.TOL,
         "row_tolerance_factor": A.ROW_TOL_FACTOR,
         "reps": args.reps,
+        "gemm_reduced_precision_reduction": gemm_reductions(args.exact_bf16_gemm),
     }
     previous = R.load_json(json_path) if args.append else None
     todo = {c: list(args.providers) for c in cases}
