@@ -197,31 +197,14 @@ def _chunk_grad(z, targets, row_max, log_sum, entropy, g, h, temperature, softca
 _MM_OUT_DTYPE: dict[tuple[str, str], bool] = {}
 
 
-def _registered(op: str, dispatch_key: str) -> bool:
-    query = getattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", None)
-    return bool(query is not None and query(op, dispatch_key))
-
-
-# (device type, GEMM) -> this torch build registers a kernel for that GEMM with out_dtype= on
-# that device type (CUDA builds: fp16 / bf16 operands into fp32). Read while torch.compile
-# traces, which cannot try a call and fall back; asked once here, outside any trace.
-_TRACED_OUT_DTYPE: dict[tuple[str, str], bool] = {
-    ("cuda", "mm"): _registered("aten::mm.dtype", "CUDA"),
-    ("cuda", "addmm"): _registered("aten::addmm.dtype_out", "CUDA"),
-}
-
-
 def _wide_gemm(key: tuple[str, str], wide, upcast) -> Tensor | None:
     """``wide()`` (a GEMM with ``out_dtype=``: 16-bit operands, the product kept in the fp32
     accumulator, no upcast copy of either operand) where torch offers it (``key``: the
     device type and the GEMM), else ``upcast()`` (the same product on fp32 copies of the
-    operands: a ``(V, H)`` fp32 copy of the head per wide logits GEMM, a ``(V, chunk)`` one
-    of ``dz`` per ``dW`` accumulation and an fp32 GEMM, many times slower than a 16-bit one).
-    While ``torch.compile`` traces, the build's kernel registry decides
-    (``_TRACED_OUT_DTYPE``: the wide form on CUDA) unless an eager call found it failing."""
-    if torch.compiler.is_compiling():  # no try/except while tracing
-        offered = _TRACED_OUT_DTYPE.get(key, False) and _MM_OUT_DTYPE.get(key, True)
-        return wide() if offered else upcast()
+    operands; always while ``torch.compile`` traces: a ``(V, H)`` fp32 copy of the head
+    per call of a wide logits GEMM)."""
+    if torch.compiler.is_compiling():  # no try/except while tracing: the portable form
+        return upcast()
     if _MM_OUT_DTYPE.get(key, True):
         try:
             out = wide()

@@ -386,9 +386,9 @@ def linear_distill_loss(
         logits_dtype: None (default): each chunk's logits in its head's dtype, what
             ``F.linear`` gives (bf16 heads: logits rounded to bf16 before the divergence);
             ``torch.float32``: the GEMMs' fp32 accumulators kept (``torch.mm(...,
-            out_dtype=torch.float32)`` where torch has it, CUDA, under ``torch.compile``
-            too; elsewhere the GEMM on fp32 copies of the rows and the head: a ``4 V
-            H``-byte copy of each head per chunk), the biases added in fp32 (as given:
+            out_dtype=torch.float32)`` where torch has it, CUDA; elsewhere, and while
+            ``torch.compile`` traces, the GEMM on fp32 copies of the rows and the head: a
+            ``4 V H``-byte copy of each head per chunk), the biases added in fp32 (as given:
             under autocast a wider bias unrounded), ``dz`` formed in fp32 and rounded to the
             head's dtype for its two GEMMs (its bias sum in fp32):
             the numerics of TRL's ``DistillationTrainer``, whose tiles are fp32, at twice the

@@ -327,67 +327,6 @@ def test_torch_compile_fullgraph(backend):
         torch.testing.assert_close(a, e)
 
 
-def test_traced_wide_gemms_follow_the_kernel_registry(monkeypatch):
-    """While ``torch.compile`` traces (no try/except there), a wide GEMM (16-bit operands,
-    fp32 product) takes ``out_dtype=`` where the build registers that kernel for the device
-    type (``_TRACED_OUT_DTYPE``: CUDA builds) and no eager call found it failing; else the
-    fp32 copies of its operands. On a GPU the registry must offer both GEMMs."""
-    from fused_rl import linear
-
-    calls = []
-    wide, upcast = (lambda: calls.append("wide")), (lambda: calls.append("upcast"))
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    monkeypatch.setattr(linear, "_TRACED_OUT_DTYPE", {("cuda", "mm"): True,
-                                                      ("cuda", "addmm"): False})  # fmt: skip
-    monkeypatch.setattr(linear, "_MM_OUT_DTYPE", {})
-    for key in (("cuda", "mm"), ("cuda", "addmm"), ("cpu", "mm")):
-        linear._wide_gemm(key, wide, upcast)
-    linear._MM_OUT_DTYPE[("cuda", "mm")] = False  # an eager call found it failing
-    linear._wide_gemm(("cuda", "mm"), wide, upcast)
-    assert calls == ["wide", "upcast", "upcast", "upcast"]
-    if torch.cuda.is_available():
-        assert all(linear._TRACED_OUT_DTYPE.values()), linear._TRACED_OUT_DTYPE
-
-
-@pytest.mark.no_poison  # Dynamo cannot trace the NaN-filling torch.empty of the fixture
-@pytest.mark.skipif(DEVICE == "cpu", reason="the wide GEMMs have no CPU kernel")
-def test_compiled_bf16_heads_keep_16bit_gemm_operands():
-    """bf16 heads under ``torch.compile``: the ``dW`` accumulation (and, with fp32 chunk
-    logits, the logits GEMMs) run with ``out_dtype=`` (no fp32 copy of the head or of ``dz``,
-    no fp32 GEMM), as in eager mode, and give the eager results."""
-    from torch._dynamo.backends.common import aot_autograd
-
-    graphs = []
-
-    def record(gm, _inputs):
-        graphs.append(str(gm.graph))
-        return gm
-
-    backend = aot_autograd(fw_compiler=record, bw_compiler=record)
-    h, w, b, t = _inputs(n=12, hdim=16, vocab=40, dtype=torch.bfloat16)
-    th, tw, _, _ = _inputs(n=12, hdim=8, vocab=40, dtype=torch.bfloat16, seed=1, bias=False)
-
-    def policy(h, w, b):
-        return fused_rl.linear_token_logprobs(h, w, t, bias=b, chunk_tokens=4).sum()
-
-    def distill(h, w, b):
-        return fused_rl.linear_distill_loss(
-            h, w, th.detach(), tw.detach(), bias=b, chunk_tokens=4, logits_dtype=torch.float32
-        )[0]
-
-    for f, wanted in ((policy, ("aten.addmm.dtype",)),
-                      (distill, ("aten.mm.dtype", "aten.addmm.dtype"))):  # fmt: skip
-        graphs.clear()
-        got = torch.compile(f, fullgraph=True, backend=backend)(h, w, b)
-        grads = torch.autograd.grad(got, (h, w, b))
-        want = f(h, w, b)
-        torch.testing.assert_close(got, want)
-        for a, e in zip(grads, torch.autograd.grad(want, (h, w, b))):
-            torch.testing.assert_close(a, e)
-        text = "\n".join(graphs)
-        assert all(op in text for op in wanted), (f.__name__, text[-3000:])
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_double_backward_raises(backend):
     """The gradients come from saved statistics: a Hessian-vector product raises instead

@@ -361,8 +361,7 @@ def test_torch_compile_fullgraph(case, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_torch_compile_fullgraph_fp32_logits(backend):
     """bf16 heads with fp32 chunk logits under ``torch.compile(fullgraph=True)`` (the GEMM
-    with ``out_dtype=`` on CUDA, on fp32 copies elsewhere): the eager call's loss and
-    gradients."""
+    on fp32 copies while tracing): the eager call's loss and gradients."""
     (h, w, b), (th, tw, tb), _ = make(seed=13, dtype=torch.bfloat16)
 
     def f(h, w, b):
