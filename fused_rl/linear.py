@@ -197,13 +197,25 @@ def _chunk_grad(z, targets, row_max, log_sum, entropy, g, h, temperature, softca
 _MM_OUT_DTYPE: dict[tuple[str, str], bool] = {}
 
 
-def _wide_gemm(key: tuple[str, str], wide, upcast) -> Tensor | None:
+# the one widening torch's GEMMs offer with out_dtype= (CUDA, torch >= 2.8): fp16 / bf16
+# operands of one dtype into fp32
+_WIDE_OPERANDS = (torch.float16, torch.bfloat16)
+
+
+def _wide_gemm(key: tuple[str, str], operands: tuple[torch.dtype, ...], dtype: torch.dtype,
+               wide, upcast) -> Tensor | None:  # fmt: skip
     """``wide()`` (a GEMM with ``out_dtype=``: 16-bit operands, the product kept in the fp32
     accumulator, no upcast copy of either operand) where torch offers it (``key``: the
-    device type and the GEMM), else ``upcast()`` (the same product on fp32 copies of the
-    operands; always while ``torch.compile`` traces: a ``(V, H)`` fp32 copy of the head
-    per call of a wide logits GEMM)."""
-    if torch.compiler.is_compiling():  # no try/except while tracing: the portable form
+    device type and the GEMM; ``operands``' dtypes into ``dtype``: fp16 / bf16 into fp32
+    only), else ``upcast()`` (the same product on copies of the operands in ``dtype``).
+    Always the upcast while ``torch.compile`` traces (a ``(V, H)`` fp32 copy of the head
+    per wide logits GEMM, a ``(V, chunk)`` one of ``dz`` and an fp32 GEMM per ``dW``
+    accumulation): a traced call cannot try the wide GEMM and fall back, and Inductor does
+    not lower ``addmm`` with ``out_dtype=`` (torch 2.13). Another widening (an fp64
+    accumulator, mixed operands) takes the upcast without trying, so it never switches the
+    wide path off for the calls that have it."""
+    eligible = dtype == torch.float32 and len(set(operands)) == 1 and operands[0] in _WIDE_OPERANDS
+    if torch.compiler.is_compiling() or not eligible:
         return upcast()
     if _MM_OUT_DTYPE.get(key, True):
         try:
@@ -221,7 +233,8 @@ def _wide_gemm(key: tuple[str, str], wide, upcast) -> Tensor | None:
 
 def _mm_wide(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
     """``a @ b`` in ``dtype`` (wider than the operands'), never rounded to their dtype."""
-    return _wide_gemm((a.device.type, "mm"), lambda: torch.mm(a, b, out_dtype=dtype),
+    return _wide_gemm((a.device.type, "mm"), (a.dtype, b.dtype), dtype,
+                      lambda: torch.mm(a, b, out_dtype=dtype),
                       lambda: a.to(dtype) @ b.to(dtype))  # fmt: skip
 
 
@@ -234,7 +247,7 @@ def _addmm_wide(acc_out: Tensor, a: Tensor, b: Tensor) -> None:
         acc_out.addmm_(a, b)
         return
     dtype = acc_out.dtype
-    _wide_gemm((a.device.type, "addmm"),
+    _wide_gemm((a.device.type, "addmm"), (a.dtype, b.dtype), dtype,
                lambda: torch.addmm(acc_out, a, b, out_dtype=dtype, out=acc_out),
                lambda: acc_out.addmm_(a.to(dtype), b.to(dtype)))  # fmt: skip
 
