@@ -46,7 +46,8 @@
 #                  the distill suite's linear_distill_loss cases for fused_rl and the
 #                  materialised path twice, with cuBLAS's default bf16 GEMM reductions and
 #                  with --exact-bf16-gemm (none in bf16), each its own results:
-#                  $OUT/ldiag-default/ and $OUT/ldiag-exact/ (results.json: err_row_at)
+#                  $OUT/ldiag-default/ and $OUT/ldiag-exact/ (results.json: err_row_at),
+#                  the logs $OUT/ldiag-default.log and $OUT/ldiag-exact.log
 #   e2e            one GRPO step of TRL's GRPOTrainer, TRL's head against fused_rl's
 #                  integration (bench/e2e_trl.py: a random Qwen2.5-1.5B-shaped model,
 #                  vocabulary 151936, 2 x (256 + 4096) tokens): $OUT/e2e.log and
@@ -233,7 +234,8 @@ if [ "$PART" = ldiag ]; then
         echo "== linear_distill_loss, bf16 GEMM reductions: $mode, budget $((BUDGET / 2))s"
         "$PY" bench/run.py --suite distill --op linear_distill_loss --no-plots \
             --providers fused_rl,fused_rl_mat --time-budget $((BUDGET / 2)) \
-            --out "$OUT/ldiag-$mode" ${FLAG[@]+"${FLAG[@]}"} "$@" 2>&1 | tail -30
+            --out "$OUT/ldiag-$mode" ${FLAG[@]+"${FLAG[@]}"} "$@" 2>&1 \
+            | tee "$OUT/ldiag-$mode.log" | tail -30
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
     done
 fi

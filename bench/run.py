@@ -507,6 +507,13 @@ def run_suite(args) -> dict:
         "gemm_reduced_precision_reduction": gemm_reductions(args.exact_bf16_gemm),
     }
     previous = R.load_json(json_path) if args.append else None
+    gemm = meta["gemm_reduced_precision_reduction"]
+    before = (previous or {}).get("gemm_reduced_precision_reduction", {"bf16": True, "fp16": True})
+    if previous and before != gemm:  # runs before the setting was recorded: torch's default
+        raise SystemExit(
+            f"{json_path} holds results with cuBLAS's reduced-precision reductions {before}, "
+            f"this run has {gemm} (--exact-bf16-gemm): give it another --out"
+        )
     todo = {c: list(args.providers) for c in cases}
     if previous and args.resume:
         env_now = lambda p: P.environment(p, device, args.compile_cpu)  # noqa: E731

@@ -1312,3 +1312,26 @@ def test_full_kl_memory_figures_in_docs():
     for term in (4 * n * v, grad, fused, k3, 6 * 4 * n * v, peaks["grpo", "eager"]):
         assert f"{term:,}" in section, term
     assert f"{peaks[FULL_KL, 'eager'] / peaks[FULL_KL, 'fused_rl']:.1f}×" in section
+
+
+def test_gemm_reduction_setting_recorded_and_never_mixed(tmp_path):
+    """results.json records cuBLAS's reduced-precision reductions of the run; a run with
+    ``--exact-bf16-gemm`` refuses to merge into results taken with the default, which would
+    put two settings under one header."""
+    matmul = torch.backends.cuda.matmul
+    saved = (matmul.allow_bf16_reduced_precision_reduction,
+             matmul.allow_fp16_reduced_precision_reduction)  # fmt: skip
+    out = str(tmp_path)
+    argv = ["--suite=quick", "--device=cpu", "--op=masked_whiten", "--providers=fused_rl",
+            "--no-plots", f"--out={out}"]  # fmt: skip
+    try:
+        assert main(argv) == 0
+        with open(tmp_path / "results.json") as f:
+            recorded = json.load(f)["gemm_reduced_precision_reduction"]
+        assert recorded == {"bf16": saved[0], "fp16": saved[1]}
+        with pytest.raises(SystemExit, match="another --out"):
+            main([*argv, "--append", "--exact-bf16-gemm"])
+        assert matmul.allow_bf16_reduced_precision_reduction is False  # the flag took effect
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = saved[0]
+        matmul.allow_fp16_reduced_precision_reduction = saved[1]

@@ -75,15 +75,18 @@ general ``beta``) and 6 backward, against eager PyTorch's materialised fp32 log-
 mixture and elementwise terms (TRL's ``generalized_jsd_loss``: several ``(N, V)`` fp32
 tensors written and read each way). Launch options: the forward and the JSD's mixture pass
 are read-only streams holding many values a column, ``vocab_launch(V, writes=False,
-heavy=True)`` (one warp, 512 columns a step: no cross-warp reduction, no spill; at 8 warps
-and 4096 columns the mixture pass took 186 registers, one program an SM); the backward
-writes the gradient row, ``vocab_launch(V, writes=True)``.
+heavy=True)`` (one warp, 512 columns a step: no cross-warp reduction, no spill); the
+backward writes the gradient row, ``vocab_launch(V, writes=True)``.
 
-Instructions a column (sm_90a SASS of the loop bodies, bf16, Triton 3.9): forward 71
-(every ``beta``), backward 48 / 30 / 94 (forward KL / reverse KL / JSD), the JSD's mixture
-pass 158 (one ``log1p`` a column for both of its forms, ``mixture_logs``: 224 before, and
-the JSD's backward 130). All three divergences are compute-bound on an H200: a column of
-two bf16 rows read at its copy rate leaves about 30 instructions a lane.
+Instructions a column of each loop (compiled for sm_90a and disassembled on the CPU,
+Triton 3.9, bf16; not timed): the forward's first pass 71 (every ``beta``), the JSD's
+mixture pass 159 (in the forward kernel; ``_distill_mixture_kernel`` 158), the backward
+48 / 30 / 94 (forward KL / reverse KL / JSD). The mixture pass takes one ``log1p`` a
+column for both of its forms and reuses its ``expm1`` (``mixture_logs``): 224 before, the
+JSD's backward 130. Registers of the JSD's forward kernel: 146 at the launch's one warp,
+217 at 8 warps and 4096 columns (one program an SM). On an H200 (2026-11-27, the code
+before these counts) every divergence was compute-bound: a column of two bf16 rows read at
+the copy rate leaves about 30 instructions a lane.
 """
 
 import triton
