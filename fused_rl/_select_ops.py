@@ -102,6 +102,26 @@ def key_value(key: Tensor, dtype: torch.dtype) -> Tensor:
     return raw.to(signed).view(dtype).to(stats_dtype(dtype))
 
 
+def kth_largest_by_passes(logits3d: Tensor, k: int, sum_over_parts=None) -> Tensor:
+    """The radix select one pass a launch (``digit_histogram_op``, ``choose_digit``,
+    ``key_value``): the ``k``-th largest of each row of ``(outer, inner, V)`` logits as
+    ``(outer * inner,)`` fp32 (fp64 for fp64), NaN for a row holding a NaN.
+    ``sum_over_parts(hist)``: sums each pass's histograms in place over every part of the
+    rows (a vocabulary split across ranks: an all-reduce) before the digit is chosen."""
+    bits = torch.finfo(logits3d.dtype).bits
+    n_rows = logits3d.shape[0] * logits3d.shape[1]
+    need = torch.full((n_rows,), k, dtype=torch.int64, device=logits3d.device)
+    prefix = torch.zeros_like(need)
+    for p in range(bits // DIGIT_BITS):
+        hist = digit_histogram_op(logits3d, prefix, bits - DIGIT_BITS * (p + 1), p == 0)
+        if sum_over_parts is not None:
+            sum_over_parts(hist)
+        if p == 0:
+            nan_rows = hist[:, -1] > 0
+        need, prefix = choose_digit(hist, need, prefix)
+    return torch.where(nan_rows, float("nan"), key_value(prefix, logits3d.dtype))
+
+
 def kth_largest(logits: Tensor, k: int, *, backend: str = "auto") -> Tensor:
     """The ``k``-th largest of each row of ``(..., V)`` logits, ties counted with their
     multiplicity (``torch.topk(logits, k).values[..., -1]``), never differentiable.

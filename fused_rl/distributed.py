@@ -70,8 +70,7 @@ from torch import Tensor
 
 from . import _validation as V
 from ._launch import stats_dtype
-from ._select_ops import DIGIT_BITS as SELECT_DIGIT_BITS
-from ._select_ops import choose_digit, digit_histogram_op, key_value
+from ._select_ops import kth_largest_by_passes
 from ._shapes import as_rows3d
 from ._vocab_ops import (
     position_shift,
@@ -689,7 +688,6 @@ def sharded_kth_largest(logits: Tensor, k: int, shard: VocabShard, *, which: str
         raise ValueError(f"k must be in [1, {shard.vocab_size}] (the vocabulary), got {k}")
     dist = _dist()
     x3d = as_rows3d(logits.detach())[..., : shard.valid]  # the padding columns rank nowhere
-    n_rows = x3d.shape[0] * x3d.shape[1]
     if which == "reference":
         width = min(k, x3d.shape[-1])
         local = torch.full((*x3d.shape[:2], k), float("-inf"), dtype=stats_dtype(x3d.dtype),
@@ -701,17 +699,7 @@ def sharded_kth_largest(logits: Tensor, k: int, shard: VocabShard, *, which: str
         dist.all_gather(gathered, local.contiguous(), group=shard.group)
         kth = kth_largest_reference(torch.cat(gathered, -1), k)
         return kth.reshape(logits.shape[:-1])
-    bits = torch.finfo(x3d.dtype).bits
-    need = torch.full((n_rows,), k, dtype=torch.int64, device=x3d.device)
-    prefix = torch.zeros_like(need)
-    nan_rows = None
-    for p in range(bits // SELECT_DIGIT_BITS):
-        hist = digit_histogram_op(x3d, prefix, bits - SELECT_DIGIT_BITS * (p + 1), p == 0)
-        dist.all_reduce(hist, group=shard.group)
-        if p == 0:
-            nan_rows = hist[:, -1] > 0
-        need, prefix = choose_digit(hist, need, prefix)
-    kth = torch.where(nan_rows, float("nan"), key_value(prefix, x3d.dtype))
+    kth = kth_largest_by_passes(x3d, k, lambda hist: dist.all_reduce(hist, group=shard.group))
     return kth.reshape(logits.shape[:-1])
 
 

@@ -90,18 +90,14 @@ def test_every_digit_decides(dtype, device):
 
 
 def pass_by_pass(x3d: torch.Tensor, k: int) -> torch.Tensor:
-    """The vocabulary-parallel route on one rank: ``digit_histogram_op`` a pass, the digit
-    chosen by ``choose_digit``, the value by ``key_value``; NaN from the first pass's count."""
-    bits = torch.finfo(x3d.dtype).bits
-    need = torch.full((x3d.shape[0] * x3d.shape[1],), k, dtype=torch.int64, device=x3d.device)
-    prefix = torch.zeros_like(need)
-    for p in range(bits // S.DIGIT_BITS):
-        hist = S.digit_histogram_op(x3d, prefix, bits - S.DIGIT_BITS * (p + 1), p == 0)
-        assert hist.shape == (need.shape[0], S.BINS + 1) and hist.dtype == torch.int32
-        if p == 0:
-            nan_rows = hist[:, -1] > 0
-        need, prefix = S.choose_digit(hist, need, prefix)
-    return torch.where(nan_rows, float("nan"), S.key_value(prefix, x3d.dtype))
+    """The vocabulary-parallel route on one rank (``kth_largest_by_passes``), each pass's
+    histogram checked for its shape and dtype."""
+
+    def check(hist):
+        assert hist.shape == (x3d.shape[0] * x3d.shape[1], S.BINS + 1)
+        assert hist.dtype == torch.int32
+
+    return S.kth_largest_by_passes(x3d, k, check)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

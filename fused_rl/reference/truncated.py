@@ -39,8 +39,7 @@ def keep_mask(z: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.
     vocab = z.shape[-1]
     keep = torch.ones_like(z, dtype=torch.bool)
     if top_k is not None and top_k < vocab:
-        kth = z.topk(top_k, dim=-1).values[..., -1:]
-        keep = z >= kth
+        keep = z >= kth_largest(z, top_k).unsqueeze(-1)
     if top_p is not None and top_p < 1.0:
         zk = z.masked_fill(~keep, float("-inf"))
         z_sorted = zk.sort(dim=-1, descending=True).values
