@@ -218,7 +218,7 @@ class FakeAddmmOutDtype(TorchDispatchMode):
     decomposition for every overload of ``addmm``, so ``dtype_out`` runs it with
     ``beta=out_dtype`` and fails on ``beta * self`` ("unsupported operand type(s) for *:
     'torch.dtype' and 'FakeTensor'"; torch 2.13 has a decomposition of its own for it). The
-    model then counted memory a GPU never allocates: fused_rl's ``_addmm_wide`` reads that
+    model then counted memory a GPU never allocates: fused_rl's ``addmm_wide`` reads that
     TypeError as "no out_dtype here" and takes the CPU's path (fp32 copies of each chunk),
     and the fake-tensor mode logs the error with its traceback, whose frames (pinned by any
     handler that keeps records, pytest's log capture) keep the first chunk's tensors alive.
@@ -259,17 +259,17 @@ _UNSET = object()
 
 @contextlib.contextmanager
 def gemm_out_dtype(supported: bool | None = True):
-    """Which path fused_rl.linear's wide GEMMs take (``_addmm_wide`` for ``dW += dz^T h_c``
-    in 16 bits, ``_mm_wide`` for fp32 logits or gradients of 16-bit operands): ``True`` (the
-    default of the model) as on CUDA, ``torch.addmm`` / ``torch.mm`` with ``out_dtype=fp32``
-    (``dW`` accumulated in place); ``False`` as on CPU, which has no ``out_dtype``: fp32
-    copies of the operands (the chunk's ``dz`` and rows); ``None``: what this process
-    found out (a real CPU run before the model would otherwise switch the model to the CPU
-    path). Fake CPU tensors take either path."""
+    """Which path fused_rl's wide GEMMs take (``fused_rl._wide_gemm``: ``addmm_wide`` for
+    ``dW += dz^T h_c`` in 16 bits, ``mm_wide`` for fp32 logits or gradients of 16-bit
+    operands): ``True`` (the default of the model) as on CUDA, ``torch.addmm`` /
+    ``torch.mm`` with ``out_dtype=fp32`` (``dW`` accumulated in place); ``False`` as on CPU,
+    which has no ``out_dtype``: fp32 copies of the operands (the chunk's ``dz`` and rows);
+    ``None``: what this process found out (a real CPU run before the model would otherwise
+    switch the model to the CPU path). Fake CPU tensors take either path."""
     try:
-        from fused_rl import linear
+        from fused_rl import _wide_gemm
 
-        table = linear._MM_OUT_DTYPE
+        table = _wide_gemm._MM_OUT_DTYPE
     except (ImportError, AttributeError):  # an older or reworked fused_rl: nothing to pin
         yield
         return

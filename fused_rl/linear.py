@@ -87,6 +87,7 @@ from ._vocab_ops import (
     token_stats_bwd_op,
     token_stats_fwd_op,
 )
+from ._wide_gemm import addmm_wide, mm_wide
 from .distill import pair_divergence
 from .distributed import (
     MAX_VOCAB,
@@ -138,12 +139,12 @@ def _chunk_logits(rows: Tensor, weight: Tensor, bias: Tensor | None, chunk: int,
                   dtype: torch.dtype | None = None):  # fmt: skip
     """``(z, z_full)``: the ``(n, V)`` logits of ``rows`` and the GEMM's whole output, of
     which ``z`` is the first ``n`` rows (``_gemm_rows``). ``dtype`` wider than the head's:
-    the GEMM's accumulator kept in it (``_mm_wide``), the bias added in it."""
+    the GEMM's accumulator kept in it (``mm_wide``), the bias added in it."""
     full = _gemm_rows(rows, chunk)
     if dtype is None or dtype == weight.dtype:
         z_full = F.linear(full, weight, bias)
     else:
-        z_full = _mm_wide(full, weight.t(), dtype)
+        z_full = mm_wide(full, weight.t(), dtype)
         if bias is not None:
             z_full.add_(bias)
     return z_full[: rows.shape[0]], z_full
@@ -154,12 +155,12 @@ def _hidden_grad(dz: Tensor, weight: Tensor, chunk: int, dz_full: Tensor | None 
     """``dz W`` for the chunk's ``n`` rows through a GEMM of ``chunk`` rows: ``dz_full``, the
     buffer ``dz`` is the head of (its other rows hold finite values no result row reads), or
     ``dz`` padded (``_gemm_rows``); ``dtype`` wider than the head's: the GEMM's accumulator
-    kept in it (``_mm_wide``)."""
+    kept in it (``mm_wide``)."""
     n = dz.shape[0]
     full = dz_full if dz_full is not None and config.batch_invariant else _gemm_rows(dz, chunk)
     if dtype is None or dtype == weight.dtype:
         return (full @ weight)[:n]
-    return _mm_wide(full, weight, dtype)[:n]
+    return mm_wide(full, weight, dtype)[:n]
 
 
 def _chunk_stats(z: Tensor, targets: Tensor, temperature, softcap, ignore_index, which,
@@ -191,65 +192,6 @@ def _chunk_grad(z, targets, row_max, log_sum, entropy, g, h, temperature, softca
     if torch.compiler.is_compiling() or _tracing():  # a traced op may not mutate its input
         return token_stats_bwd_op(z3, *args, *rest)[:, 0], False
     return _stats_bwd_into(z3, z3, *args, *rest)[:, 0], True
-
-
-# (device type, GEMM) -> torch offers that GEMM with out_dtype= on that device type
-_MM_OUT_DTYPE: dict[tuple[str, str], bool] = {}
-
-
-# the one widening torch's GEMMs offer with out_dtype= (CUDA, torch >= 2.8): fp16 / bf16
-# operands of one dtype into fp32
-_WIDE_OPERANDS = (torch.float16, torch.bfloat16)
-
-
-def _wide_gemm(key: tuple[str, str], operands: tuple[torch.dtype, ...], dtype: torch.dtype,
-               wide, upcast) -> Tensor | None:  # fmt: skip
-    """``wide()`` (a GEMM with ``out_dtype=``: 16-bit operands, the product kept in the fp32
-    accumulator, no upcast copy of either operand) where torch offers it (``key``: the
-    device type and the GEMM; ``operands``' dtypes into ``dtype``: fp16 / bf16 into fp32
-    only), else ``upcast()`` (the same product on copies of the operands in ``dtype``).
-    Always the upcast while ``torch.compile`` traces (a ``(V, H)`` fp32 copy of the head
-    per wide logits GEMM, a ``(V, chunk)`` one of ``dz`` and an fp32 GEMM per ``dW``
-    accumulation): a traced call cannot try the wide GEMM and fall back, and Inductor does
-    not lower ``addmm`` with ``out_dtype=`` (torch 2.13). Another widening (an fp64
-    accumulator, mixed operands) takes the upcast without trying, so it never switches the
-    wide path off for the calls that have it."""
-    eligible = dtype == torch.float32 and len(set(operands)) == 1 and operands[0] in _WIDE_OPERANDS
-    if torch.compiler.is_compiling() or not eligible:
-        return upcast()
-    if _MM_OUT_DTYPE.get(key, True):
-        try:
-            out = wide()
-            _MM_OUT_DTYPE[key] = True
-            return out
-        except (TypeError, NotImplementedError, RuntimeError) as exc:
-            # "not supported here" ("out_dtype" keyword, "aten::mm.dtype" backend), never
-            # another error (out of memory) that would switch the fast path off for good
-            if not isinstance(exc, NotImplementedError) and "dtype" not in str(exc):
-                raise
-            _MM_OUT_DTYPE[key] = False
-    return upcast()
-
-
-def _mm_wide(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
-    """``a @ b`` in ``dtype`` (wider than the operands'), never rounded to their dtype."""
-    return _wide_gemm((a.device.type, "mm"), (a.dtype, b.dtype), dtype,
-                      lambda: torch.mm(a, b, out_dtype=dtype),
-                      lambda: a.to(dtype) @ b.to(dtype))  # fmt: skip
-
-
-def _addmm_wide(acc_out: Tensor, a: Tensor, b: Tensor) -> None:
-    """``acc_out += a @ b`` with the product itself in ``acc_out``'s (fp32 / fp64) dtype, not
-    rounded to ``a``'s 16-bit dtype first: one GEMM accumulating straight into ``acc_out``
-    where torch offers it (``torch.addmm(..., out_dtype=, out=acc_out)``, CUDA: no ``(V, H)``
-    temporary), else on upcast copies of the chunk."""
-    if a.dtype == acc_out.dtype:
-        acc_out.addmm_(a, b)
-        return
-    dtype = acc_out.dtype
-    _wide_gemm((a.device.type, "addmm"), (a.dtype, b.dtype), dtype,
-               lambda: torch.addmm(acc_out, a, b, out_dtype=dtype, out=acc_out),
-               lambda: acc_out.addmm_(a.to(dtype), b.to(dtype)))  # fmt: skip
 
 
 class _LinearTokenStats(torch.autograd.Function):
@@ -716,7 +658,7 @@ def _add_chunk_grads(d_rows, d_weight, d_bias, r, dz: Tensor, dz_full, h_c: Tens
     if d_rows is not None:  # in its own dtype: wider than the head's under autocast
         d_rows[r] = _hidden_grad(dz, weight, chunk, dz_full, d_rows.dtype)
     if d_weight is not None:
-        _addmm_wide(d_weight, dz.t(), h_c)
+        addmm_wide(d_weight, dz.t(), h_c)
 
 
 def _rows_of(t: Tensor | None, rows: slice) -> Tensor | None:

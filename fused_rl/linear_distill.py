@@ -10,7 +10,7 @@ Per chunk (``h_c`` the student's hidden rows, ``t_c`` the teacher's):
 * ``z_s = h_c W^T (+ b)`` and ``z_t = t_c W_t^T (+ b_t)`` through ``F.linear`` (cuBLAS on a
   GPU; the teacher's under no autograd: it gets no gradient), or with
   ``logits_dtype=torch.float32`` a GEMM keeping its fp32 accumulator
-  (``fused_rl.linear._mm_wide``), each of exactly ``chunk`` rows
+  (``fused_rl._wide_gemm.mm_wide``), each of exactly ``chunk`` rows
   (``fused_rl.linear._gemm_rows``: batch invariance);
 * the distillation forward kernel (``kernels/vocab/distill.py``) on the chunk's rows writes
   its six partial columns (the divergence, both KLs, both entropies, the token weight) and
@@ -20,7 +20,7 @@ Per chunk (``h_c`` the student's hidden rows, ``t_c`` the teacher's):
   aggregation's per-row factor, which depends on the mask and targets only
   (``fused_rl._agg.sequence_scale``) and so is known before any logit is read; then
   ``dH_c = dz W`` (a GEMM of ``chunk`` rows), ``dW += dz^T h_c`` and ``db += sum dz``, both
-  accumulated in fp32 (fp64 for fp64 inputs; ``fused_rl.linear._addmm_wide``);
+  accumulated in fp32 (fp64 for fp64 inputs; ``fused_rl._wide_gemm.addmm_wide``);
 * ``z_s``, ``z_t`` are dropped.
 
 One reduction over every chunk's partial columns then gives the loss and the metrics. The

@@ -523,14 +523,14 @@ def test_linear_memory_model_with_torch_211_addmm(monkeypatch):
 
 def test_memory_model_pins_the_gemm_path():
     """The modelled path of fused_rl's wide GEMMs is the one asked for (``gemm_out_dtype``),
-    whatever this process found out before about ``out_dtype`` (``linear._MM_OUT_DTYPE``,
+    whatever this process found out before about ``out_dtype`` (``_wide_gemm._MM_OUT_DTYPE``,
     keyed by device type and GEMM); the CPU's path (fp32 copies of the operands) costs
     more than the GPU's at this shape; the process's table is left as it was."""
-    from fused_rl import linear
+    from fused_rl import _wide_gemm
 
     case = Case("linear_policy_loss", "grpo", "fwd_bwd", 2, 256, 4099, "bf16", hidden=64)
     keys = [(device, gemm) for device in ("cpu", "cuda") for gemm in ("mm", "addmm")]
-    table, saved = linear._MM_OUT_DTYPE, dict(linear._MM_OUT_DTYPE)
+    table, saved = _wide_gemm._MM_OUT_DTYPE, dict(_wide_gemm._MM_OUT_DTYPE)
     try:
         peaks = set()
         for found in (None, False, True):  # nothing found out yet, no out_dtype, out_dtype

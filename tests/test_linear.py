@@ -327,38 +327,6 @@ def test_torch_compile_fullgraph(backend):
         torch.testing.assert_close(a, e)
 
 
-def test_wide_gemm_tried_only_where_torch_offers_it(monkeypatch):
-    """``out_dtype=`` is tried only for fp16 / bf16 operands of one dtype into fp32, the one
-    widening torch's GEMMs offer: an fp64 accumulator (a bf16 student beside an fp64
-    teacher) or mixed operands take the upcast without trying, so they never record the wide
-    path as missing for the calls that have it (``linear._MM_OUT_DTYPE``)."""
-    from fused_rl import linear
-
-    tried = []
-    real_addmm = torch.addmm
-
-    def addmm(*args, out_dtype=None, **kwargs):
-        if out_dtype is not None:
-            tried.append((args[1].dtype, out_dtype))
-            raise NotImplementedError("aten::addmm.dtype_out: no kernel here")
-        return real_addmm(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "addmm", addmm)
-    monkeypatch.setattr(linear, "_MM_OUT_DTYPE", {})
-    a = torch.randn(5, 3).to(torch.bfloat16)
-    b = torch.randn(3, 4).to(torch.bfloat16)
-    for acc, operand in ((torch.zeros(5, 4, dtype=torch.float64), b),
-                         (torch.zeros(5, 4), b.half())):  # fmt: skip
-        linear._addmm_wide(acc, a, operand)
-        torch.testing.assert_close(acc, a.to(acc.dtype) @ operand.to(acc.dtype))
-    assert tried == [] and linear._MM_OUT_DTYPE == {}
-    acc = torch.zeros(5, 4)
-    linear._addmm_wide(acc, a, b)  # tried, missing here: recorded, then the upcast
-    torch.testing.assert_close(acc, a.float() @ b.float())
-    assert tried == [(torch.bfloat16, torch.float32)]
-    assert linear._MM_OUT_DTYPE == {("cpu", "addmm"): False}
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_double_backward_raises(backend):
     """The gradients come from saved statistics: a Hessian-vector product raises instead
