@@ -263,3 +263,23 @@ def test_compiled_lm_head_ops_take_the_wide_gemm(op, wide_gemms):
     torch.testing.assert_close(got, want)
     for a, e in zip(got_grads, want_grads):
         torch.testing.assert_close(a, e)
+
+
+@pytest.mark.no_poison
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="out_dtype= GEMMs are CUDA's")
+def test_inductor_runs_the_16_bit_gemm_on_cuda(fresh_table):
+    """On CUDA with Inductor, no emulation: the compiled bf16 lm_head backward runs torch's
+    ``out_dtype=`` GEMM (recorded as offered) and gives the eager call's gradients."""
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(300, 64, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+    w = (torch.randn(1000, 64, generator=g) / 8).to("cuda", torch.bfloat16).requires_grad_()
+    t = torch.randint(0, 1000, (300,), generator=g).to("cuda")
+
+    def loss_fn(h, w):
+        return fused_rl.linear_token_logprobs(h, w, t, chunk_tokens=128).sum()
+
+    got = torch.autograd.grad(torch.compile(loss_fn, fullgraph=True)(h, w), (h, w))
+    assert fresh_table == {("cuda", "addmm"): True}
+    want = torch.autograd.grad(loss_fn(h, w), (h, w))
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e)
