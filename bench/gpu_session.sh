@@ -2,7 +2,7 @@
 # One call on a lent GPU machine: the CUDA test-suite, then the full benchmark suite.
 #
 #   bash bench/gpu_session.sh [all|tests|bench|linear|peers|host|inplace|distill|fullkl|e2e|
-#       ldiag]
+#       ldiag|chunks]
 #       [extra bench/run.py arguments]
 #   bash bench/gpu_session.sh tests,fullkl,distill   # several parts, TOTAL (520) s shared
 #
@@ -48,6 +48,14 @@
 #                  with --exact-bf16-gemm (none in bf16), each its own results:
 #                  $OUT/ldiag-default/ and $OUT/ldiag-exact/ (results.json: err_row_at),
 #                  the logs $OUT/ldiag-default.log and $OUT/ldiag-exact.log
+#   chunks         the rows per chunk of the ops from hidden states: the peers suite's
+#                  linear_token_logprobs / linear_policy_loss cases at 16384 x 151936, H =
+#                  4096, for fused_rl at its default chunk (883 rows: 256 MiB of bf16
+#                  logits) and at 441, 1766 and 3532 rows (--chunk-tokens): whether each
+#                  chunk's dW += dz^T h_c (a read and a write of the fp32 (V, H) dW a chunk)
+#                  costs what the roofline says. $OUT/chunks-<rows>/results.json (results.md
+#                  dropped: 8 files come back; `bench/run.py report` rewrites it) and
+#                  $OUT/chunks.log; five files, so a call of its own or beside tests
 #   e2e            one GRPO step of TRL's GRPOTrainer, TRL's head against fused_rl's
 #                  integration (bench/e2e_trl.py: a random Qwen2.5-1.5B-shaped model,
 #                  vocabulary 151936, 2 x (256 + 4096) tokens): $OUT/e2e.log and
@@ -238,6 +246,25 @@ if [ "$PART" = ldiag ]; then
             | tee "$OUT/ldiag-$mode.log" | tail -30
         [ "${PIPESTATUS[0]}" = 0 ] || status=1
     done
+fi
+
+if [ "$PART" = chunks ]; then
+    BUDGET=${BENCH_BUDGET:-$((500 - SECONDS))}
+    {
+        failed=0
+        for rows in default 441 1766 3532; do
+            FLAG=()
+            [ "$rows" = default ] || FLAG=(--chunk-tokens "$rows")
+            echo "== linear ops at 16384 x 151936, chunk: $rows rows, budget $((BUDGET / 4))s"
+            "$PY" bench/run.py --suite peers --op linear_token_logprobs,linear_policy_loss \
+                --tokens 16384 --vocab 151936 --providers fused_rl --no-plots \
+                --time-budget $((BUDGET / 4)) --out "$OUT/chunks-$rows" \
+                ${FLAG[@]+"${FLAG[@]}"} "$@" || failed=1
+            rm -f "$OUT/chunks-$rows/results.md"
+        done
+        exit "$failed"
+    } 2>&1 | tee "$OUT/chunks.log" | tail -60
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 
 if [ "$PART" = peers ] || [ "$PART" = host ]; then

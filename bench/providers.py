@@ -171,6 +171,9 @@ ADAPTER_OPS = ("topk_distill_loss",)
 # token_logprobs[stats]: token_stats' outputs (the top-1 flag as 0 / 1)
 STATS_OUTPUTS = ("logp", "entropy", "mean_logit", "log_sum_sq_probs", "is_top1")
 BASELINE = "fused_rl"  # the provider the others' time and memory are compared with
+# rows per chunk of fused_rl's ops from hidden states (``linear_*``; ``bench/run.py
+# --chunk-tokens``); None: each op's default (a chunk's logits under 256 MiB)
+LINEAR_CHUNK_TOKENS: int | None = None
 # the package itself: no "less accurate" excuse
 MUST_MEET_TOL = ("fused_rl", "fused_rl_ref", "fused_rl_k3", *FUSED_VARIANTS)
 
@@ -630,10 +633,14 @@ def _fused_fn(name: str, backend: str):
     if not hasattr(fused_rl, name):
         raise Unavailable(f"fused_rl.{name} does not exist yet")
     fn = getattr(fused_rl, name)
-    takes_backend = "backend" in inspect.signature(fn).parameters
+    params = inspect.signature(fn).parameters
+    takes_backend = "backend" in params
     if backend == "reference" and not takes_backend:
         raise Unavailable(f"fused_rl.{name} has no backend= argument")
-    return (lambda *a, **k: fn(*a, backend=backend, **k)) if takes_backend else fn
+    fixed = {"backend": backend} if takes_backend else {}
+    if LINEAR_CHUNK_TOKENS is not None and "chunk_tokens" in params:
+        fixed["chunk_tokens"] = LINEAR_CHUNK_TOKENS
+    return (lambda *a, **k: fn(*a, **fixed, **k)) if fixed else fn
 
 
 def _policy_kwargs(inp: dict, variant: str) -> dict:

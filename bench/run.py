@@ -177,9 +177,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         "(torch.backends.cuda.matmul.allow_{bf16,fp16}_reduced_precision_reduction) for every "
         "provider; results.json records the setting either way",
     )
+    p.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=None,
+        help="rows per chunk of fused_rl's ops from hidden states (linear_*; default: a chunk's "
+        "logits under 256 MiB); results.json records it",
+    )
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    if args.chunk_tokens is not None and args.chunk_tokens < 1:
+        p.error(f"--chunk-tokens must be >= 1, got {args.chunk_tokens}")
     if args.providers is None:
         args.providers = [x for x in P.PROVIDERS if args.suite == "quick" or x != "fused_rl_ref"]
     args.append = args.append or args.resume
@@ -467,6 +476,24 @@ def gemm_reductions(exact: bool) -> dict:
     }
 
 
+def linear_chunk_tokens(rows: int | None) -> int | None:
+    """Set and return the rows per chunk of fused_rl's linear ops (None: their default)."""
+    P.LINEAR_CHUNK_TOKENS = rows
+    return rows
+
+
+# the settings of a run that results.json records, which one file never mixes: the flag
+# that changes each, and its value in runs from before it was recorded
+RUN_SETTINGS = {
+    "gemm_reduced_precision_reduction": "--exact-bf16-gemm",
+    "linear_chunk_tokens": "--chunk-tokens",
+}
+SETTING_DEFAULTS = {
+    "gemm_reduced_precision_reduction": {"bf16": True, "fp16": True},
+    "linear_chunk_tokens": None,
+}
+
+
 def run_suite(args) -> dict:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = M.is_gpu(device)
@@ -505,15 +532,17 @@ def run_suite(args) -> dict:
         "row_tolerance_factor": A.ROW_TOL_FACTOR,
         "reps": args.reps,
         "gemm_reduced_precision_reduction": gemm_reductions(args.exact_bf16_gemm),
+        "linear_chunk_tokens": linear_chunk_tokens(args.chunk_tokens),
     }
     previous = R.load_json(json_path) if args.append else None
-    gemm = meta["gemm_reduced_precision_reduction"]
-    before = (previous or {}).get("gemm_reduced_precision_reduction", {"bf16": True, "fp16": True})
-    if previous and before != gemm:  # runs before the setting was recorded: torch's default
-        raise SystemExit(
-            f"{json_path} holds results with cuBLAS's reduced-precision reductions {before}, "
-            f"this run has {gemm} (--exact-bf16-gemm): give it another --out"
-        )
+    for key, flag in RUN_SETTINGS.items():
+        # runs before a setting was recorded had its default
+        before = (previous or {}).get(key, SETTING_DEFAULTS[key])
+        if previous and before != meta[key]:
+            raise SystemExit(
+                f"{json_path} holds results with {key} = {before}, this run has {meta[key]} "
+                f"({flag}): give it another --out"
+            )
     todo = {c: list(args.providers) for c in cases}
     if previous and args.resume:
         env_now = lambda p: P.environment(p, device, args.compile_cpu)  # noqa: E731
@@ -607,6 +636,7 @@ def run_memory_vs_tokens(args, device, vocab: int, dtype: str, groups) -> list[d
         "memory_kind": "torch.cuda.max_memory_allocated above inputs"
         if gpu
         else "modelled (bench/memory_profile.py), not measured",
+        "linear_chunk_tokens": P.LINEAR_CHUNK_TOKENS,
     }
     path = os.path.join(out_dir, "memory_vs_tokens.json")
     R.write_json(path, meta, rows, [])
@@ -642,6 +672,7 @@ def main(argv=None) -> int:
         run_host(args)
         return 0
     if args.command == "memory":
+        linear_chunk_tokens(args.chunk_tokens)
         run_memory(args)
         return 0
     if args.command == "report":

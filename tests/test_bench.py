@@ -1314,6 +1314,38 @@ def test_full_kl_memory_figures_in_docs():
     assert f"{peaks[FULL_KL, 'eager'] / peaks[FULL_KL, 'fused_rl']:.1f}×" in section
 
 
+def test_chunk_tokens_reach_the_linear_ops_and_are_recorded(tmp_path, monkeypatch):
+    """``--chunk-tokens`` gives fused_rl's ops from hidden states (those taking
+    ``chunk_tokens=``) that many rows a chunk and nothing else; results.json records it, and
+    a run with another setting refuses to merge into it."""
+    monkeypatch.setattr(P, "LINEAR_CHUNK_TOKENS", None)
+    seen = []
+
+    def linear_op(hidden, weight, targets, *, chunk_tokens=None, backend="auto"):
+        seen.append((chunk_tokens, backend))
+
+    def logits_op(logits, targets, *, backend="auto"):
+        seen.append(backend)
+
+    monkeypatch.setattr(fused_rl, "linear_token_logprobs", linear_op)
+    monkeypatch.setattr(fused_rl, "token_logprobs", logits_op)
+    P._fused_fn("linear_token_logprobs", "triton")(1, 2, 3)
+    bench_run.linear_chunk_tokens(5)
+    P._fused_fn("linear_token_logprobs", "reference")(1, 2, 3)
+    P._fused_fn("token_logprobs", "triton")(1, 2)
+    assert seen == [(None, "triton"), (5, "reference"), "triton"]
+    out = str(tmp_path)
+    argv = ["--suite=quick", "--device=cpu", "--op=masked_whiten", "--providers=fused_rl",
+            "--no-plots", f"--out={out}"]  # fmt: skip
+    assert main([*argv, "--chunk-tokens=7"]) == 0
+    with open(tmp_path / "results.json") as f:
+        assert json.load(f)["linear_chunk_tokens"] == 7
+    with pytest.raises(SystemExit, match="linear_chunk_tokens = 7.*--chunk-tokens"):
+        main([*argv, "--append"])
+    with pytest.raises(SystemExit):
+        main([*argv, "--chunk-tokens=0"])
+
+
 def test_gemm_reduction_setting_recorded_and_never_mixed(tmp_path):
     """results.json records cuBLAS's reduced-precision reductions of the run; a run with
     ``--exact-bf16-gemm`` refuses to merge into results taken with the default, which would
