@@ -499,6 +499,55 @@ def test_passes_over_a_row(device):
         assert torch.equal(torch.isinf(logp), torch.isinf(want))
 
 
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32, torch.float64))
+def test_top_k_over_64_reads(dtype, device):
+    """Top-k > 64 by radix select on the logits' bits: ``B / 8`` reads of a ``B``-bit row
+    (pass A's included) whatever ``k`` and the data, 0 for an ignored row; the values are
+    the oracle's."""
+    g = torch.Generator().manual_seed(12)
+    x = (torch.randn(1, 3, 300, generator=g) * 2).to(device, dtype)
+    targets = torch.tensor([[0, 1, -100]], device=device)
+    reads = torch.finfo(dtype).bits // 8
+    tol = F64_TOL if dtype == torch.float64 else FP32_TOL
+    for k in (65, 100, 299):
+        logp, _, passes = T.truncated_logprobs_fwd_op.launcher(x, targets, k, 1.0, 1.0, None,
+                                                               -100)  # fmt: skip
+        assert passes.tolist() == [reads, reads, 0], (k, passes)
+        want = oracle(x, targets, top_k=k)
+        assert torch.equal(torch.isinf(logp), torch.isinf(want))
+        fin = torch.isfinite(want)
+        assert_rel(logp[fin], want[fin].to(logp.dtype), tol, "logp")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ("signed_zeros", "saturated_cap"))
+def test_top_k_over_64_keeps_what_merges_with_the_kth(case, backend, device):
+    """A logit below the k-th largest whose ``z`` equals the k-th's is kept and counted in
+    the kept mass (one more read): ``-0.0`` beside a k-th value of ``+0.0``, and logits the
+    soft cap saturates to the same ``z`` (fp64, where float64's ``tanh`` saturates too)."""
+    g = torch.Generator().manual_seed(13)
+    if case == "signed_zeros":
+        dtype, softcap = torch.float32, None
+        row = torch.cat([torch.rand(99, generator=g) + 0.5, torch.tensor([0.0, -0.0, -0.0]),
+                         -torch.rand(97, generator=g) - 0.5])  # fmt: skip
+    else:
+        dtype, softcap = torch.float64, 1.0
+        row = torch.cat([torch.linspace(-0.9, 0.9, 99, dtype=torch.float64),
+                         -torch.linspace(20.0, 40.0, 200, dtype=torch.float64)])  # fmt: skip
+    perm = torch.randperm(row.numel(), generator=g)
+    x = row[perm].to(device, dtype)[None].repeat(2, 1)
+    kth = int(torch.nonzero(perm == 99)[0])  # the 100th largest logit
+    below = int(torch.nonzero(perm == 100)[0])  # merged with it
+    targets = torch.tensor([kth, below], device=device)
+    out = check_against_oracle(backend, x, targets, tol=FP32_TOL, top_k=100, softcap=softcap)
+    assert torch.isfinite(out).all()
+    if backend == "triton":
+        _, _, passes = T.truncated_logprobs_fwd_op.launcher(
+            x[None], targets[None], 100, 1.0, 1.0, softcap, -100
+        )
+        assert passes.tolist() == [torch.finfo(dtype).bits // 8 + 1] * 2
+
+
 def test_token_logprobs_takes_top_k_and_top_p(device):
     """``token_logprobs(..., top_k=, top_p=)`` is ``truncated_logprobs`` (the same values and
     gradients); the options it does not take with truncation raise naming them."""

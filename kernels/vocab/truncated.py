@@ -24,11 +24,23 @@ Forward, one program per row (``_truncated_logprobs_fwd_kernel``):
   kept exactly (``eqcnt``: a larger ``thr`` than the block's previous one was held whole,
   an unchanged one carries its count), so the tokens tied AT the k-th value that did not
   fit a slot are counted and kept. Also per row: the online max and ``sum exp(z - m)``
-  (top-p alone / no truncation), the row minimum (top-k > 64), a NaN count. With ``k <=
+  (top-p alone / no truncation), a NaN count, and for top-k > 64 the histogram of the top
+  8-bit digit of the logits' keys (the radix select's first pass, below). With ``k <=
   64`` the kept set's mass is summed from the registers (plus ``extra * exp(tau_k - m)``
   for the uncounted ties) and the top-p cut is a 64 x 64 comparison of the same registers
   (the mass at or above each held value).
-* **Top-p without top-k, or top-k > 64** (``k < V``): if the row's 64 largest values (and
+* **Top-k > 64** (``k < V``; ``_kth_by_digits``): unless the ties at the 64th held value
+  reach ``k``, the k-th largest by **radix select on the logits' own bits**
+  (``kernels/vocab/select.py``'s digit histograms: 8 bits a pass, most significant first,
+  the first from pass A). ``z`` is a non-decreasing function of ``x``, so the k-th largest
+  ``z`` is the image of the k-th largest ``x``. The last pass also sums the mass of the
+  values above the chosen prefix, and the values sharing it are one value per last digit
+  (their mass is the histogram's counts times that value's ``exp(z - m)``), so the kept
+  mass costs no pass of its own, unless a smaller logit has the k-th's ``z`` (the scaling
+  rounds them together, the soft cap saturates, ``-0.0`` beside ``+0.0``): then one pass
+  sums ``{z >= tau_k}``. **Reads: 2 for bf16 / fp16 logits, 4 fp32, 8 fp64** (pass A
+  included; one more where a smaller logit merges with the k-th), whatever the data.
+* **Top-p without top-k, or after top-k > 64**: if the row's 64 largest values (and
   the ties at the 64th) already hold ``p`` of the mass (a peaked row), the cut is read off
   the registers: still one pass. Otherwise a bracket ``[lo, hi)`` on the value holding the
   answer is narrowed by **search passes**: each streams the row once and, for ``N_CAND =
@@ -42,22 +54,24 @@ Forward, one program per row (``_truncated_logprobs_fwd_kernel``):
   them into registers as pass A does, and the answer is read off exactly) or a single float
   value (a tie group at the boundary: no collect pass). For top-p the bracket starts at
   ``[max(tau_k, m + log((1 - p) F / V) - 1), v_64)`` (below its ``lo`` lies less than ``1 -
-  p`` of the mass); for top-k > 64 at ``[row min, v_64)``, searched first (on the count),
-  then top-p on top of it.
+  p`` of the mass).
 
 Bytes per row (``E`` bytes per logit, ``V`` the vocabulary), forward:
 
-* no truncation; top-k <= 64 with or without top-p; top-p (alone or after top-k > 64) when
-  the 64 largest hold ``p``: ONE read, ``V E`` (as ``token_logprobs``), plus the target
+* no truncation; top-k <= 64 with or without top-p; top-p alone when the 64 largest hold
+  ``p``: ONE read, ``V E`` (as ``token_logprobs``), plus the target
   logit and 16-20 bytes written (``logp``, ``tau``, ``m``, ``log F``, the pass count);
 * top-p otherwise: ``(1 + s + c) V E`` with ``s`` search passes and ``c <= 1`` collect pass.
   Measured here (CPU interpreter, same arithmetic): Gaussian logits, ``p`` in 0.9 - 0.99,
   ``V`` = 32768: 4-5 reads; ``V`` = 151936: 5-6 reads; at most 13 (fp32) in any case;
-* top-k > 64: the same for the k-th value (5 reads at ``V`` = 151936, ``k`` = 1000), and as
-  many again for top-p on top of it.
+* top-k > 64: ``B / 8`` reads of a ``B``-bit row (2 bf16 / fp16, 4 fp32, 8 fp64; one more
+  where a smaller logit's ``z`` merges with the k-th), then top-p on top of it as above.
+  Measured here (CPU interpreter), Gaussian rows at ``V`` = 151936: ``k`` = 200 and 1000, 2
+  reads in bf16, 4 in fp32; ``k`` = 5000 with ``p`` = 0.95, 8 in bf16, 7 in fp32.
 
 A search pass is compute-heavier than pass A (16 compares and masked adds per logit); the
-search and its bracket bounds are in ``_search``. ``passes_ptr`` records each row's reads
+search and its bracket bounds are in ``_search``. A radix pass is light (a key, a digit and a
+shared-memory histogram increment per logit). ``passes_ptr`` records each row's reads
 (``tests/test_truncated.py`` checks them).
 
 Backward (``_truncated_logprobs_bwd_kernel``): ONE pass, reads the row, writes
@@ -73,6 +87,8 @@ import triton.language as tl
 
 from ..common import cast_for, nan_max, nan_min, pair, row_pointer, tanh_and_sech2, token_offset
 from .layer1 import scaled_logits, target_logp
+from .select import BINS, DIGIT_BITS, _digit_histogram, _is_nan, _value
+from .select import _key as _bits_key
 
 KS = tl.constexpr(64)  # register slots: fused_rl.truncated.MAX_STREAMED_K
 
@@ -147,12 +163,16 @@ def _absorb(zs, top, thr, eqcnt, kk, BLOCK: tl.constexpr):
 def _pass_a(
     row_ptr, n_read, stride_v, inv_t, inv_cap, kk, NEED_SUM: tl.constexpr,
     NEED_MIN: tl.constexpr, COLLECT: tl.constexpr, BLOCK_V: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr, HIST: tl.constexpr = False,
 ):  # fmt: skip
     """Pass A over the row's first ``n_read`` logits: ``(m, s, z_min, n_nan, top, thr,
-    eqcnt)``: the online max and ``sum exp(z - m)`` (``NEED_SUM``), the minimum
-    (``NEED_MIN``), the NaN count, and (``COLLECT``) the ``kk`` largest values held as
-    :func:`_absorb` holds them. NaN counts as ``-inf`` in all but ``n_nan``."""
+    eqcnt, hist)``: the online max and ``sum exp(z - m)`` (``NEED_SUM``), the minimum
+    (``NEED_MIN``), the NaN count, (``COLLECT``) the ``kk`` largest values held as
+    :func:`_absorb` holds them, and (``HIST``) the first pass of :func:`_kth_by_digits`: the
+    histogram of the top digit of the logits' keys. NaN counts as ``-inf`` in all but
+    ``n_nan`` (and is left out of ``hist``)."""
+    KEY: tl.constexpr = tl.core.get_int_dtype(row_ptr.dtype.element_ty.primitive_bitwidth, False)
+    TOP_SHIFT: tl.constexpr = KEY.primitive_bitwidth - DIGIT_BITS
     m = tl.full((), float("-inf"), ACC)
     s = tl.zeros((), ACC)
     z_min = tl.full((), float("inf"), ACC)
@@ -160,6 +180,7 @@ def _pass_a(
     top = tl.full((KS,), float("-inf"), ACC)
     thr = tl.full((), float("-inf"), ACC)
     eqcnt = tl.zeros((), tl.int32)
+    hist = tl.zeros((BINS,), tl.int32)
     for start in range(0, n_read, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < n_read, other=0.0)
@@ -176,7 +197,10 @@ def _pass_a(
             z_min = nan_min(z_min, tl.min(tl.where(cols < n_read, zs, float("inf")), 0))
         if COLLECT:
             top, thr, eqcnt = _absorb(zs, top, thr, eqcnt, kk, BLOCK_V)
-    return m, s, z_min, n_nan, top, thr, eqcnt
+        if HIST:
+            digit = (_bits_key(x, KEY) >> TOP_SHIFT).to(tl.int32)
+            hist += tl.histogram(digit, BINS, mask=(cols < n_read) & (z == z))
+    return m, s, z_min, n_nan, top, thr, eqcnt, hist
 
 
 @triton.jit
@@ -296,13 +320,12 @@ def _collect(
 @triton.jit
 def _search(
     row_ptr, V, stride_v, inv_t, inv_cap, m, lo, hi, c_hi, f_hi, goal, enabled,
-    BY_COUNT: tl.constexpr, N_CAND: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
-    BLOCK_V: tl.constexpr, MAX_SEARCH_PASSES: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    ACC: tl.constexpr,
+    N_CAND: tl.constexpr, SEARCH_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr,
+    MAX_SEARCH_PASSES: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    """The largest row value ``v`` in ``[lo, hi)`` with ``G(v) >= goal``, ``G`` the count
-    (``BY_COUNT``) or the mass ``exp(z - m)`` of the row values ``>= v``, given ``c_hi`` /
-    ``f_hi`` = count / mass of the values ``>= hi`` (``G(hi) < goal <= G(lo)``).
+    """The top-p cut: the largest row value ``v`` in ``[lo, hi)`` with ``F(v) >= goal``,
+    ``F`` the mass ``exp(z - m)`` of the row values ``>= v``, given ``c_hi`` / ``f_hi`` =
+    count / mass of the values ``>= hi`` (``F(hi) < goal <= F(lo)``).
 
     Returns ``(v, F(v), passes)``: search passes narrow the bracket on the values' keys,
     then one collect pass (<= 64 values left) or none (one value left)."""
@@ -318,7 +341,7 @@ def _search(
             HAS_SOFTCAP, ACC,
         )  # fmt: skip
         passes += 1
-        lo, hi, c_hi, f_hi, f_lo, n_in = _narrow(cand, cnt, mass, hi, c_hi, f_hi, goal, BY_COUNT,
+        lo, hi, c_hi, f_hi, f_lo, n_in = _narrow(cand, cnt, mass, hi, c_hi, f_hi, goal, False,
                                                  N_CAND)  # fmt: skip
         single = (_key(hi, ACC) - _key(lo, ACC)) <= 1
         done = single | (n_in <= KS) | (passes >= MAX_SEARCH_PASSES)
@@ -330,16 +353,108 @@ def _search(
     held = top > float("-inf")
     e = tl.exp(top - m)
     at_or_above = (top[None, :] >= top[:, None]) & held[None, :]
-    if BY_COUNT:
-        meets = (c_hi + tl.sum(at_or_above.to(tl.int64), 1)) >= goal
-    else:
-        meets = (f_hi + tl.sum(tl.where(at_or_above, e[None, :], 0.0), 1)) >= goal
+    meets = (f_hi + tl.sum(tl.where(at_or_above, e[None, :], 0.0), 1)) >= goal
     ok = tl.where(collect, held & meets, False)
     found = tl.sum(ok.to(tl.int32), 0) > 0
     v = tl.max(tl.where(ok, top, float("-inf")), 0)
     f_v = f_hi + tl.sum(tl.where(held & (top >= v), e, 0.0), 0)
     # not found: one value left (or rounding): lo, whose mass f_lo was summed
     return tl.where(found, v, lo), tl.where(found, f_v, f_lo), passes
+
+
+@triton.jit
+def _last_digit(
+    row_ptr, n_read, stride_v, prefix, m, inv_t, inv_cap, KEY: tl.constexpr,
+    BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """The last pass of :func:`_kth_by_digits`: the histogram of the lowest digit of the
+    keys whose digits above it equal ``prefix``, and the mass ``exp(z - m)`` of the values
+    whose key is above that prefix (all kept, whatever the last digit)."""
+    hist = tl.zeros((BINS,), tl.int32)
+    above = tl.zeros((), ACC)
+    for start in range(0, n_read, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < n_read, other=0.0)
+        key = _bits_key(x, KEY)
+        counted = (cols < n_read) & (_is_nan(x, KEY) == 0)
+        high = key >> DIGIT_BITS
+        digit = (key & (BINS - 1)).to(tl.int32)
+        hist += tl.histogram(digit, BINS, mask=counted & (high == prefix))
+        z = scaled_logits(x.to(ACC), inv_t, inv_cap, HAS_SOFTCAP)
+        above += tl.sum(tl.where(counted & (high > prefix), tl.exp(z - m), 0.0), 0)
+    return hist, above
+
+
+@triton.jit
+def _mass_at_or_above(
+    row_ptr, n_read, stride_v, tau, m, inv_t, inv_cap, BLOCK_V: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """``sum exp(z - m)`` over the row's values with ``z >= tau`` (one pass)."""
+    mass = tl.zeros((), ACC)
+    for start in range(0, n_read, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < n_read, other=0.0)
+        z = scaled_logits(x.to(ACC), inv_t, inv_cap, HAS_SOFTCAP)
+        mass += tl.sum(tl.where((cols < n_read) & (z >= tau), tl.exp(z - m), 0.0), 0)
+    return mass
+
+
+@triton.jit
+def _kth_by_digits(
+    row_ptr, n_read, stride_v, hist, k, m, inv_t, inv_cap, BLOCK_V: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """Top-k for ``k > 64``: ``(tau_k, F(tau_k), passes)``, the k-th largest ``z`` of the
+    row (ties with their multiplicity) and the mass ``exp(z - m)`` of ``{z >= tau_k}``, by
+    radix select on the LOGITS' own bits (``kernels/vocab/select.py``: 8-bit digits, most
+    significant first; ``hist``, the first digit's histogram, comes from pass A). ``z`` is a
+    non-decreasing function of ``x`` (``x / T``, the soft cap), so the k-th largest ``z``
+    is the image of the k-th largest ``x``: ``B / 8 - 1`` passes after pass A for ``B``-bit
+    logits (1 for bf16 / fp16, 3 fp32, 7 fp64). The last pass also sums the mass of the
+    values above the chosen prefix; those sharing it hold one value per last digit, so
+    their mass is the histogram's counts times that value's ``exp(z - m)``: no pass for
+    ``F``, unless a smaller logit has the same ``z`` as the k-th (the scaling rounds them
+    together, or the soft cap saturates): then one more pass sums ``{z >= tau_k}``.
+    ``n_read = 0``: no pass, ``passes`` 0."""
+    DTYPE: tl.constexpr = row_ptr.dtype.element_ty
+    BITS: tl.constexpr = DTYPE.primitive_bitwidth
+    KEY: tl.constexpr = tl.core.get_int_dtype(BITS, False)
+    N_DIGITS: tl.constexpr = BITS // DIGIT_BITS
+    bins = tl.arange(0, BINS)
+    run = (n_read > 0).to(tl.int32)
+    need = k  # values of the current prefix still to pass over, the k-th included
+    prefix = tl.zeros((), KEY)
+    above = tl.zeros((), ACC)
+    digit = tl.zeros((), tl.int32)
+    for p in tl.static_range(N_DIGITS):
+        if p == N_DIGITS - 1:
+            hist, above = _last_digit(row_ptr, n_read, stride_v, prefix, m, inv_t, inv_cap, KEY,
+                                      BLOCK_V, HAS_SOFTCAP, ACC)  # fmt: skip
+        elif p > 0:
+            hist, _ = _digit_histogram(
+                row_ptr, n_read, stride_v, prefix, BITS - DIGIT_BITS * (p + 1), False, KEY,
+                BLOCK_V,
+            )  # fmt: skip
+        at_or_above = tl.cumsum(hist, 0, reverse=True)  # per bin: that bin and every bin above
+        digit = tl.max(tl.where(at_or_above >= need, bins, 0), 0)
+        need -= tl.sum(tl.where(bins == digit, at_or_above - hist, 0), 0)
+        if p < N_DIGITS - 1:
+            prefix = (prefix << DIGIT_BITS) | digit.to(KEY)
+    key_k = (prefix << DIGIT_BITS) | digit.to(KEY)
+    tau = scaled_logits(_value(key_k, KEY, DTYPE, ACC), inv_t, inv_cap, HAS_SOFTCAP)
+    # the prefix's values at or above the k-th: one value per last digit
+    same = (prefix << DIGIT_BITS) | bins.to(KEY)
+    z_bin = scaled_logits(_value(same, KEY, DTYPE, ACC), inv_t, inv_cap, HAS_SOFTCAP)
+    e_bin = tl.where((bins >= digit) & (hist > 0), tl.exp(z_bin - m), 0.0)
+    mass = above + tl.sum(hist.to(ACC) * e_bin, 0)
+    # a smaller logit with the k-th's z: kept too, its mass summed by one more pass
+    z_below = scaled_logits(_value(key_k - 1, KEY, DTYPE, ACC), inv_t, inv_cap, HAS_SOFTCAP)
+    merged = (run != 0) & (key_k > 0) & (z_below == tau)
+    exact = _mass_at_or_above(row_ptr, tl.where(merged, n_read, 0), stride_v, tau, m, inv_t,
+                              inv_cap, BLOCK_V, HAS_SOFTCAP, ACC)  # fmt: skip
+    mass = tl.where(merged, exact, mass)
+    return tau, mass, run * (N_DIGITS - 1) + merged.to(tl.int32)
 
 
 @triton.jit(
@@ -401,9 +516,9 @@ def _truncated_logprobs_fwd_kernel(
     else:
         kk = top_k * 0 + KS
 
-    m, s, z_min, n_nan, top, thr, eqcnt = _pass_a(
-        row_ptr, tl.where(active, V, 0), stride_v, inv_t, inv_cap, kk, NEED_SUM, SEARCH_K,
-        COLLECT, BLOCK_V, HAS_SOFTCAP, ACC,
+    m, s, _, n_nan, top, thr, eqcnt, hist = _pass_a(
+        row_ptr, tl.where(active, V, 0), stride_v, inv_t, inv_cap, kk, NEED_SUM, False,
+        COLLECT, BLOCK_V, HAS_SOFTCAP, ACC, SEARCH_K,
     )  # fmt: skip
     passes = active.to(tl.int32)
     if not NEED_SUM:
@@ -426,11 +541,9 @@ def _truncated_logprobs_fwd_kernel(
         if SEARCH_K:
             # count of {z >= thr}: the 64 held and the ties left out (thr = -inf: every value)
             resolved = (thr == float("-inf")) | (extra + KS >= top_k)
-            lo = tl.where(resolved, thr, z_min)
-            tau_k, f_k, n_pass = _search(
-                row_ptr, V, stride_v, inv_t, inv_cap, m_safe, lo, thr, (extra + KS).to(tl.int64),
-                f_held, top_k.to(tl.int64), ok & (resolved == 0), True, N_CAND, SEARCH_BLOCK,
-                BLOCK_V, MAX_SEARCH_PASSES, HAS_SOFTCAP, ACC,
+            tau_k, f_k, n_pass = _kth_by_digits(
+                row_ptr, tl.where(ok & (resolved == 0), V, 0), stride_v, hist, top_k, m_safe,
+                inv_t, inv_cap, BLOCK_V, HAS_SOFTCAP, ACC,
             )  # fmt: skip
             tau = tl.where(resolved, thr, tau_k)
             f = tl.where(resolved, f_held, f_k)
@@ -448,7 +561,7 @@ def _truncated_logprobs_fwd_kernel(
                 lo = nan_max(tau, tl.where(bound < thr, bound, tau))
                 v_s, f_s, n_pass = _search(
                     row_ptr, V, stride_v, inv_t, inv_cap, m_safe, lo, thr,
-                    (extra + KS).to(tl.int64), f_held, goal, ok & (found == 0), False, N_CAND,
+                    (extra + KS).to(tl.int64), f_held, goal, ok & (found == 0), N_CAND,
                     SEARCH_BLOCK, BLOCK_V, MAX_SEARCH_PASSES, HAS_SOFTCAP, ACC,
                 )  # fmt: skip
                 tau = tl.where(found, v, v_s)

@@ -84,7 +84,7 @@ def _shard_partials_kernel(
     target = tl.load(targets_ptr + token_offset(row, rows_inner, t_stride_outer, t_stride_inner))
     target = target.to(tl.int64)
     active = target != ignore_index
-    m, s, z_min, n_nan, top, thr, eqcnt = _pass_a(
+    m, s, z_min, n_nan, top, thr, eqcnt, _ = _pass_a(
         row_ptr, tl.where(active, V, 0), stride_v, inv_t, inv_cap, kk, NEED_SUM, NEED_MIN, True,
         BLOCK_V, HAS_SOFTCAP, ACC,
     )  # fmt: skip
