@@ -63,7 +63,9 @@ Bytes per row (``E`` bytes per logit, ``V`` the vocabulary), forward:
   logit and 16-20 bytes written (``logp``, ``tau``, ``m``, ``log F``, the pass count);
 * top-p otherwise: ``(1 + s + c) V E`` with ``s`` search passes and ``c <= 1`` collect pass.
   Measured here (CPU interpreter, same arithmetic): Gaussian logits, ``p`` in 0.9 - 0.99,
-  ``V`` = 32768: 4-5 reads; ``V`` = 151936: 5-6 reads; at most 13 (fp32) in any case;
+  ``V`` = 32768: 4-5 reads; ``V`` = 151936: 5-6 reads in fp32, 8 in bf16 (the search narrows
+  on fp32 keys, and a bf16 value near the cut holds more than 64 tied logits, so the
+  bracket must close on one value); at most 13 in any case;
 * top-k > 64: ``B / 8`` reads of a ``B``-bit row (2 bf16 / fp16, 4 fp32, 8 fp64; one more
   where a smaller logit's ``z`` merges with the k-th), then top-p on top of it as above.
   Measured here (CPU interpreter), Gaussian rows at ``V`` = 151936: ``k`` = 200 and 1000, 2
