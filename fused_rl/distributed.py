@@ -91,6 +91,13 @@ NOT_OWNED = -2
 MAX_VOCAB = 1 << 24
 
 
+def _all_reduce_max(t: Tensor, group) -> Tensor:
+    """The elementwise max of ``t`` over ``group``, in a new tensor (``t`` unchanged)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.all_reduce(t, "max", group))
+
+
 def _dist():
     import torch.distributed as dist
 
@@ -431,8 +438,13 @@ def merge_partials(local, targets, t_local, ignored, spec: _Spec):
     # collective 1: the row max (and, for the diagnostics, the raw logits' max) and the
     # layout header
     maxima = (m_l.reshape(-1), local[7].reshape(-1)) if spec.with_extras else (m_l.reshape(-1),)
-    buf = torch.cat((*maxima, _header(shard, dtype, dev), tpart))
-    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=shard.group)
+    local_max = torch.cat((*maxima, _header(shard, dtype, dev), tpart))
+    # out of place, and the local maxima read from its input below: Inductor writes m_l
+    # straight into the concatenation, so an in-place all-reduce (which it reinplaces onto
+    # the concatenation however the call is written) would hand the code after it the
+    # global max in place of m_l
+    buf = _all_reduce_max(local_max, shard.group)
+    m_l = local_max[:n].view(m_l.shape)
     hdr = buf[n * len(maxima) :]
     ok = None
     if spec.check:

@@ -10,6 +10,7 @@ spawning again. Fresh
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -55,10 +56,26 @@ def check_registry():
     return checks, check
 
 
+_REAL_EMPTY = (torch.empty, torch.empty_like)
+
+
+@contextlib.contextmanager
+def unpoisoned():
+    """``torch.empty`` / ``torch.empty_like`` as torch has them, for a check that Inductor
+    compiles (the NaN fill traces as a copy into a fresh buffer, which Inductor's
+    functional-graph check rejects; tests/conftest.py's ``no_poison`` marker in process)."""
+    poisoned = (torch.empty, torch.empty_like)
+    torch.empty, torch.empty_like = _REAL_EMPTY
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = poisoned
+
+
 def poison_empty() -> None:
     """NaN-fill fresh floating ``torch.empty`` allocations (tests/conftest.py does this for
     in-process tests): an output the code never writes fails."""
-    real_empty, real_empty_like = torch.empty, torch.empty_like
+    real_empty, real_empty_like = _REAL_EMPTY
 
     def fill(t):
         if t.is_floating_point() and t.numel() > 0:

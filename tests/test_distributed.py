@@ -11,6 +11,7 @@ verdicts to a file, and one test per (world size, check) reads them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from functools import partial
@@ -25,7 +26,13 @@ from fused_rl import config
 from fused_rl.nn import PolicyLoss
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dist_harness import check_registry, failures, needs_gloo, needs_interpreter  # noqa: E402
+from dist_harness import (  # noqa: E402
+    check_registry,
+    failures,
+    needs_gloo,
+    needs_interpreter,
+    unpoisoned,
+)
 from helpers import F64_TOL, FP32_TOL, assert_rel, oracle_token_stats  # noqa: E402
 
 WORLD_SIZES = (2, 3)
@@ -297,23 +304,29 @@ class _CountCollectives:
              "reduce_scatter_tensor", "broadcast", "reduce", "all_to_all", "all_to_all_single",
              "gather", "scatter", "barrier", "send", "recv")  # fmt: skip
 
+    # the out-of-place (functional) collectives, counted under the same names
+    FUNCTIONAL = ("all_reduce", "all_gather_tensor", "reduce_scatter_tensor")
+
     def __enter__(self):
+        from torch.distributed import _functional_collectives as funcol
+
         self.calls, self.saved = [], {}
-        for name in self.NAMES:
-            real = getattr(dist, name)
-            self.saved[name] = real
+        for module, names in ((dist, self.NAMES), (funcol, self.FUNCTIONAL)):
+            for name in names:
+                real = getattr(module, name)
+                self.saved[module, name] = real
 
-            def wrapped(*args, _real=real, _name=name, **kwargs):
-                t = args[0] if args and isinstance(args[0], torch.Tensor) else None
-                self.calls.append((_name, 0 if t is None else t.numel() * t.element_size()))
-                return _real(*args, **kwargs)
+                def wrapped(*args, _real=real, _name=name, **kwargs):
+                    t = args[0] if args and isinstance(args[0], torch.Tensor) else None
+                    self.calls.append((_name, 0 if t is None else t.numel() * t.element_size()))
+                    return _real(*args, **kwargs)
 
-            setattr(dist, name, wrapped)
+                setattr(module, name, wrapped)
         return self
 
     def __exit__(self, *exc):
-        for name, real in self.saved.items():
-            setattr(dist, name, real)
+        for (module, name), real in self.saved.items():
+            setattr(module, name, real)
 
 
 @check
@@ -1417,15 +1430,22 @@ def compiled_fullgraph(ctx):
         torch.where(torch.isfinite(out), out * up, 0.0).sum().backward()
         return out.detach(), [x.grad for x in leaves]
 
-    cases = [(name, fn, [full[..., start:stop]]) for name, fn in logits_ops.items()]
-    cases += [(name, fn, [hidden, weight[start:stop]]) for name, fn in head_ops.items()]
-    for name, fn, leaves in cases:
-        for backend in BACKENDS:
+    cases = [(name, fn, [full[..., start:stop]], BACKENDS) for name, fn in logits_ops.items()]
+    cases += [(name, fn, [hidden, weight[start:stop]], BACKENDS) for name, fn in head_ops.items()]
+    # Inductor on the heads' several chunks (their per-token partials assembled from the
+    # chunks, then merged): the generated code, not only the traced graph, is the eager call
+    cases += [(f"{name} inductor", partial(fn, chunk_tokens=2), [hidden, weight[start:stop]],
+               ("triton",)) for name, fn in head_ops.items() if name in INDUCTOR_HEADS]  # fmt: skip
+    for name, fn, leaves, backends in cases:
+        for backend in backends:
             what = f"{name} {backend}"
             eager = partial(fn, backend=backend)
             torch._dynamo.reset()
-            compiled = torch.compile(eager, fullgraph=True, backend="aot_eager")
-            got, got_g = value_grads(compiled, leaves)
+            inductor = name.endswith("inductor")
+            compiled = torch.compile(eager, fullgraph=True,
+                                     backend="inductor" if inductor else "aot_eager")  # fmt: skip
+            with unpoisoned() if inductor else contextlib.nullcontext():
+                got, got_g = value_grads(compiled, leaves)
             want, want_g = value_grads(eager, leaves)
             fin = torch.isfinite(want)  # truncated: cut targets are -inf in both
             assert torch.equal(fin, torch.isfinite(got)), what
@@ -1433,6 +1453,11 @@ def compiled_fullgraph(ctx):
             for a, e in zip(got_g, want_g, strict=True):
                 assert_rel(a, e, 1e-6, f"grad {what}")
     _group_ok(ctx)
+
+
+# the head ops whose merge of the chunks' partials Inductor once miscompiled (m_l written
+# into the all-reduced buffer): checked compiled by Inductor too
+INDUCTOR_HEADS = ("linear_logprobs", "linear_policy")
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
