@@ -18,8 +18,8 @@ custom ops ``fused_rl::addmm_wide_`` and ``fused_rl::mm_wide``: a traced call ca
 GEMM and fall back, and Inductor does not lower ``addmm`` / ``mm`` with ``out_dtype=``
 (torch 2.13), so the graph holds the op and the op, run eagerly, makes the same choice as
 an eager call. Inductor writes ``addmm_wide_`` in place into its accumulator (no copy of
-``dW`` per chunk). The other widenings (an fp64 accumulator, mixed operands) are traced as
-the upcast GEMM.
+``dW`` per chunk). The other widenings (an fp64 accumulator, mixed operands), operands
+autograd tracks and calls under a functorch transform take the upcast GEMM.
 
 Example:
     >>> import torch
@@ -51,10 +51,18 @@ def _eligible(operands: tuple[torch.dtype, ...], dtype: torch.dtype) -> bool:
 
 def _traced() -> bool:
     """``torch.compile`` tracing, or ``make_fx`` recording (``torch.export``, the AOT trace
-    of a compiled backward): the call is recorded, not run. Not a functorch transform
-    alone (``vmap`` / ``grad``), which runs the eager path on its wrapped tensors."""
+    of a compiled backward): the call is recorded, not run."""
     proxy = torch._C._TorchDispatchModeKey.PROXY
     return torch.compiler.is_compiling() or torch._C._get_dispatch_mode(proxy) is not None
+
+
+def _upcast_only(*operands: Tensor) -> bool:
+    """The product taken on wide copies without trying ``out_dtype=``: under a functorch
+    transform (``vmap`` / ``grad``: a failure there says nothing of the device, and must
+    not switch the wide GEMM off for the process), or for operands autograd tracks (the
+    custom ops have no autograd formula; the upcast GEMM has one)."""
+    tracked = torch.is_grad_enabled() and any(t.requires_grad for t in operands)
+    return tracked or torch._C._are_functorch_transforms_active()
 
 
 def _wide_or_upcast(key: tuple[str, str], wide: Callable, upcast: Callable):
@@ -120,7 +128,7 @@ def _addmm_wide_fake(acc: Tensor, a: Tensor, b: Tensor) -> None:
 def mm_wide(a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
     """``a @ b`` ``(m, k) x (k, n)`` in ``dtype`` (wider than the operands'), never rounded
     to the operands' dtype."""
-    if not _eligible((a.dtype, b.dtype), dtype):
+    if not _eligible((a.dtype, b.dtype), dtype) or _upcast_only(a, b):
         return a.to(dtype) @ b.to(dtype)
     if _traced():
         return torch.ops.fused_rl.mm_wide(a, b, dtype)
@@ -134,7 +142,7 @@ def addmm_wide(acc: Tensor, a: Tensor, b: Tensor) -> None:
     temporary the size of ``acc``), else on wide copies of ``a`` and ``b``."""
     if a.dtype == acc.dtype and b.dtype == acc.dtype:
         acc.addmm_(a, b)
-    elif not _eligible((a.dtype, b.dtype), acc.dtype):
+    elif not _eligible((a.dtype, b.dtype), acc.dtype) or _upcast_only(acc, a, b):
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
     elif _traced():
         torch.ops.fused_rl.addmm_wide_(acc, a, b)

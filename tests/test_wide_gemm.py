@@ -217,15 +217,31 @@ def test_make_fx_records_the_ops(wide_gemms):
     assert wide_gemms == []
 
 
-def test_vmap_runs_the_eager_path(wide_gemms):
-    """A functorch transform alone (``vmap``) is not a trace: the eager path runs on its
-    wrapped tensors (the custom ops have no batching rule)."""
+def test_vmap_takes_the_upcast(wide_gemms):
+    """Under a functorch transform (``vmap``) the product is taken on wide copies without
+    trying ``out_dtype=`` (a failure there would say nothing of the device)."""
     a, b = _operands(torch.bfloat16, 3, 4, 2, device="cpu")
     batch = torch.stack([b, -b, 2 * b])
     got = torch.vmap(lambda x: W.mm_wide(a, x, torch.float32))(batch)
     assert got.shape == (3, 3, 2) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), a.double() @ batch.double(), rtol=1e-6, atol=1e-6)
-    assert [gemm for gemm, *_ in wide_gemms] == ["mm"]
+    assert wide_gemms == []
+
+
+@pytest.mark.no_poison
+def test_tracked_operands_stay_differentiable(wide_gemms):
+    """Operands autograd tracks take the upcast GEMM, eager or traced (the custom ops have
+    no autograd formula): the gradient flows, and no wide GEMM is tried."""
+    a, b = _operands(torch.bfloat16, 3, 4, 2, device="cpu")
+    a.requires_grad_()
+
+    def f(a, b):
+        return W.mm_wide(a, b, torch.float32).sum()
+
+    for fn in (f, torch.compile(f, fullgraph=True, backend="aot_eager")):
+        (grad,) = torch.autograd.grad(fn(a, b), a)
+        torch.testing.assert_close(grad, b.sum(1).expand(3, 4).to(grad.dtype))
+    assert wide_gemms == []
 
 
 @pytest.mark.no_poison
@@ -267,6 +283,10 @@ def test_compiled_lm_head_ops_take_the_wide_gemm(op, wide_gemms):
 
 @pytest.mark.no_poison
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="out_dtype= GEMMs are CUDA's")
+@pytest.mark.skipif(
+    tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 8),
+    reason="torch's GEMMs take out_dtype= from 2.8",
+)
 def test_inductor_runs_the_16_bit_gemm_on_cuda(fresh_table):
     """On CUDA with Inductor, no emulation: the compiled bf16 lm_head backward runs torch's
     ``out_dtype=`` GEMM (recorded as offered) and gives the eager call's gradients."""
