@@ -139,7 +139,8 @@ def truncated_logprobs(
     Cost on the Triton backend (``E`` bytes per logit), one launch each way: top-k with
     ``k <= MAX_STREAMED_K`` (64), with or without top-p: one read of each row (``V E``), as
     ``token_logprobs``; top-k > 64: a radix select of the k-th largest on the logits' bits,
-    2 reads of a bf16 / fp16 row, 4 fp32, 8 fp64; top-p alone (or after top-k > 64): one
+    2 reads of a bf16 / fp16 row, 4 fp32, 8 fp64 (one more with ``softcap``; one in all
+    where ties at the 64th largest settle it); top-p alone (or after top-k > 64): one
     read when the row's 64 largest values already hold ``top_p``, else a search on the
     threshold (typically 4-6 reads of a flat fp32 row at V = 32K-152K, 8 of a bf16 one at
     152K, at most 13; ``kernels/vocab/truncated.py``). Backward: one read and one write per

@@ -545,7 +545,35 @@ def test_top_k_over_64_keeps_what_merges_with_the_kth(case, backend, device):
         _, _, passes = T.truncated_logprobs_fwd_op.launcher(
             x[None], targets[None], 100, 1.0, 1.0, softcap, -100
         )
-        assert passes.tolist() == [torch.finfo(dtype).bits // 8 + 1] * 2
+        # the merged logits' mass from the last digit pass; with the soft cap one more pass
+        reads = torch.finfo(dtype).bits // 8 + (softcap is not None)
+        assert passes.tolist() == [reads] * 2
+
+
+def test_top_k_over_64_keeps_neighbours_the_temperature_rounds_together(device):
+    """fp32 logits at ``T = 0.7``: the k-th logit's neighbour below it (one ulp) has the same
+    ``z = x * fp32(1 / T)`` and is kept with it, its mass counted in the last digit pass (no
+    more reads); the values are those of the fp32 ``z`` (the kernel's kept set)."""
+    inv_t = torch.tensor(1 / 0.7, dtype=torch.float32)
+    x_k = torch.tensor(1.0, dtype=torch.float32)
+    while True:  # the first float from 1.0 up whose lower neighbour scales onto its z
+        below = torch.nextafter(x_k, torch.tensor(-math.inf))
+        if x_k * inv_t == below * inv_t:
+            break
+        x_k = torch.nextafter(x_k, torch.tensor(math.inf))
+    g = torch.Generator().manual_seed(14)
+    row = torch.cat([torch.rand(99, generator=g) + 2.0, x_k[None], below[None],
+                     -torch.rand(199, generator=g)])  # fmt: skip
+    perm = torch.randperm(row.numel(), generator=g)
+    x = row[perm][None, None].to(device)
+    targets = torch.tensor([[int(torch.nonzero(perm == 100)[0])]], device=device)  # `below`
+    logp, _, passes = T.truncated_logprobs_fwd_op.launcher(x, targets, 100, 1.0, 0.7, None, -100)
+    assert passes.tolist() == [4]
+    z = (x.double().float() * inv_t.to(device)).double()[0, 0]  # fp32 z, summed in float64
+    kept = z >= z[targets[0, 0]]
+    assert int(kept.sum()) == 101
+    want = z[targets[0, 0]] - torch.logsumexp(z[kept], 0)
+    assert_rel(logp[0, 0].double(), want, FP32_TOL, "logp")
 
 
 def test_token_logprobs_takes_top_k_and_top_p(device):

@@ -51,14 +51,16 @@ def _is_nan(x, KEY: tl.constexpr):
 
 
 @triton.jit
-def _value(key, KEY: tl.constexpr, DTYPE: tl.constexpr, ACC: tl.constexpr):
+def _value(key, KEY: tl.constexpr, DTYPE: tl.constexpr, ACC: tl.constexpr,
+           AS_LOADED: tl.constexpr = False):  # fmt: skip
     """The float of a key (``_key``'s inverse), a ``DTYPE`` value returned in ``ACC``. A bf16
     value is widened by its bits (fp32's upper half), exact for subnormals too (the
-    interpreter's bf16 -> fp32 cast flushes them to 0)."""
+    interpreter's bf16 -> fp32 cast flushes them to 0), unless ``AS_LOADED``: then cast as a
+    kernel casts the logits it loads (``x.to(ACC)``), for a value compared with theirs."""
     TOP: tl.constexpr = KEY.primitive_bitwidth - 1
     sign = tl.full((), 1, KEY) << TOP
     bits = tl.where((key >> TOP) == 1, key ^ sign, ~key)
-    if DTYPE == tl.bfloat16:
+    if DTYPE == tl.bfloat16 and not AS_LOADED:
         return (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True).to(ACC)
     return bits.to(DTYPE, bitcast=True).to(ACC)
 

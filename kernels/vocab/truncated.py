@@ -33,13 +33,14 @@ Forward, one program per row (``_truncated_logprobs_fwd_kernel``):
   reach ``k``, the k-th largest by **radix select on the logits' own bits**
   (``kernels/vocab/select.py``'s digit histograms: 8 bits a pass, most significant first,
   the first from pass A). ``z`` is a non-decreasing function of ``x``, so the k-th largest
-  ``z`` is the image of the k-th largest ``x``. The last pass also sums the mass of the
-  values above the chosen prefix, and the values sharing it are one value per last digit
-  (their mass is the histogram's counts times that value's ``exp(z - m)``), so the kept
-  mass costs no pass of its own, unless a smaller logit has the k-th's ``z`` (the scaling
-  rounds them together, the soft cap saturates, ``-0.0`` beside ``+0.0``): then one pass
-  sums ``{z >= tau_k}``. **Reads: 2 for bf16 / fp16 logits, 4 fp32, 8 fp64** (pass A
-  included; one more where a smaller logit merges with the k-th), whatever the data.
+  ``z`` is the image of the k-th largest ``x``. The last pass also gives the kept mass:
+  the values above the chosen prefix summed, those sharing it one value per last digit
+  (the histogram's counts times that value's ``exp(z - m)``), and the smaller logits the
+  scaling rounds onto the k-th's ``z`` (``-0.0`` beside ``+0.0``, neighbours at ``T !=
+  1``) counted. **Reads: 2 for bf16 / fp16 logits, 4 fp32, 8 fp64** (pass A included),
+  whatever the data; with the soft cap one more, which sums ``{z >= tau_k}`` (its
+  ``tanh`` is not exactly monotone on a GPU). A row whose 64 largest values already
+  settle the k-th (ties at the 64th) takes pass A alone.
 * **Top-p without top-k, or after top-k > 64**: if the row's 64 largest values (and
   the ties at the 64th) already hold ``p`` of the mass (a peaked row), the cut is read off
   the registers: still one pass. Otherwise a bracket ``[lo, hi)`` on the value holding the
@@ -67,7 +68,7 @@ Bytes per row (``E`` bytes per logit, ``V`` the vocabulary), forward:
   on fp32 keys, and a bf16 value near the cut holds more than 64 tied logits, so the
   bracket must close on one value); at most 13 in any case;
 * top-k > 64: ``B / 8`` reads of a ``B``-bit row (2 bf16 / fp16, 4 fp32, 8 fp64; one more
-  where a smaller logit's ``z`` merges with the k-th), then top-p on top of it as above.
+  with the soft cap), then top-p on top of it as above.
   Measured here (CPU interpreter), Gaussian rows at ``V`` = 151936: ``k`` = 200 and 1000, 2
   reads in bf16, 4 in fp32; ``k`` = 5000 with ``p`` = 0.95, 8 in bf16, 7 in fp32.
 
@@ -366,14 +367,17 @@ def _search(
 
 @triton.jit
 def _last_digit(
-    row_ptr, n_read, stride_v, prefix, m, inv_t, inv_cap, KEY: tl.constexpr,
+    row_ptr, n_read, stride_v, prefix, z_low, m, inv_t, inv_cap, KEY: tl.constexpr,
     BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """The last pass of :func:`_kth_by_digits`: the histogram of the lowest digit of the
-    keys whose digits above it equal ``prefix``, and the mass ``exp(z - m)`` of the values
-    whose key is above that prefix (all kept, whatever the last digit)."""
+    keys whose digits above it equal ``prefix``; the mass ``exp(z - m)`` of the values whose
+    key is above that prefix (all kept, whatever the last digit); and the count of the
+    values below it whose ``z`` equals ``z_low``, the ``z`` of the prefix's smallest key
+    (kept with the k-th where that is the k-th's ``z``)."""
     hist = tl.zeros((BINS,), tl.int32)
     above = tl.zeros((), ACC)
+    n_low = tl.zeros((), tl.int32)
     for start in range(0, n_read, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < n_read, other=0.0)
@@ -384,7 +388,8 @@ def _last_digit(
         hist += tl.histogram(digit, BINS, mask=counted & (high == prefix))
         z = scaled_logits(x.to(ACC), inv_t, inv_cap, HAS_SOFTCAP)
         above += tl.sum(tl.where(counted & (high > prefix), tl.exp(z - m), 0.0), 0)
-    return hist, above
+        n_low += tl.sum((counted & (high < prefix) & (z == z_low)).to(tl.int32), 0)
+    return hist, above, n_low
 
 
 @triton.jit
@@ -410,14 +415,16 @@ def _kth_by_digits(
     """Top-k for ``k > 64``: ``(tau_k, F(tau_k), passes)``, the k-th largest ``z`` of the
     row (ties with their multiplicity) and the mass ``exp(z - m)`` of ``{z >= tau_k}``, by
     radix select on the LOGITS' own bits (``kernels/vocab/select.py``: 8-bit digits, most
-    significant first; ``hist``, the first digit's histogram, comes from pass A). ``z`` is a
-    non-decreasing function of ``x`` (``x / T``, the soft cap), so the k-th largest ``z``
-    is the image of the k-th largest ``x``: ``B / 8 - 1`` passes after pass A for ``B``-bit
-    logits (1 for bf16 / fp16, 3 fp32, 7 fp64). The last pass also sums the mass of the
-    values above the chosen prefix; those sharing it hold one value per last digit, so
-    their mass is the histogram's counts times that value's ``exp(z - m)``: no pass for
-    ``F``, unless a smaller logit has the same ``z`` as the k-th (the scaling rounds them
-    together, or the soft cap saturates): then one more pass sums ``{z >= tau_k}``.
+    significant first; ``hist``, the first digit's histogram, comes from pass A). ``z = x /
+    T`` is a non-decreasing function of ``x`` (one correctly rounded product), so the k-th
+    largest ``z`` is the image of the k-th largest ``x``: ``B / 8 - 1`` passes after pass A
+    for ``B``-bit logits (1 for bf16 / fp16, 3 fp32, 7 fp64). The last pass also gives
+    ``F``: the mass of the values above the chosen prefix, summed; those sharing it hold
+    one value per last digit (the histogram's count times that value's ``exp(z - m)``);
+    and the smaller logits whose ``z`` the scaling rounds onto ``tau_k`` (signed zeros,
+    neighbours at ``T != 1``), kept with it, counted. With the soft cap, whose ``tanh`` is
+    not exactly monotone on a GPU (approximate ``exp``), ``F`` is summed over ``{z >=
+    tau_k}`` by one more pass instead, so that it always holds the kept set.
     ``n_read = 0``: no pass, ``passes`` 0."""
     DTYPE: tl.constexpr = row_ptr.dtype.element_ty
     BITS: tl.constexpr = DTYPE.primitive_bitwidth
@@ -428,11 +435,17 @@ def _kth_by_digits(
     need = k  # values of the current prefix still to pass over, the k-th included
     prefix = tl.zeros((), KEY)
     above = tl.zeros((), ACC)
+    n_low = tl.zeros((), tl.int32)
+    z_low = tl.zeros((), ACC)
     digit = tl.zeros((), tl.int32)
     for p in tl.static_range(N_DIGITS):
         if p == N_DIGITS - 1:
-            hist, above = _last_digit(row_ptr, n_read, stride_v, prefix, m, inv_t, inv_cap, KEY,
-                                      BLOCK_V, HAS_SOFTCAP, ACC)  # fmt: skip
+            z_low = scaled_logits(_value(prefix << DIGIT_BITS, KEY, DTYPE, ACC, True), inv_t,
+                                  inv_cap, HAS_SOFTCAP)  # fmt: skip
+            hist, above, n_low = _last_digit(
+                row_ptr, n_read, stride_v, prefix, z_low, m, inv_t, inv_cap, KEY, BLOCK_V,
+                HAS_SOFTCAP, ACC,
+            )  # fmt: skip
         elif p > 0:
             hist, _ = _digit_histogram(
                 row_ptr, n_read, stride_v, prefix, BITS - DIGIT_BITS * (p + 1), False, KEY,
@@ -444,19 +457,20 @@ def _kth_by_digits(
         if p < N_DIGITS - 1:
             prefix = (prefix << DIGIT_BITS) | digit.to(KEY)
     key_k = (prefix << DIGIT_BITS) | digit.to(KEY)
-    tau = scaled_logits(_value(key_k, KEY, DTYPE, ACC), inv_t, inv_cap, HAS_SOFTCAP)
-    # the prefix's values at or above the k-th: one value per last digit
+    # as the streamed logits are converted: tau and their z compare on one conversion
+    tau = scaled_logits(_value(key_k, KEY, DTYPE, ACC, True), inv_t, inv_cap, HAS_SOFTCAP)
+    # the prefix's values at or above the k-th, or rounded onto its z: one value per digit
     same = (prefix << DIGIT_BITS) | bins.to(KEY)
-    z_bin = scaled_logits(_value(same, KEY, DTYPE, ACC), inv_t, inv_cap, HAS_SOFTCAP)
-    e_bin = tl.where((bins >= digit) & (hist > 0), tl.exp(z_bin - m), 0.0)
-    mass = above + tl.sum(hist.to(ACC) * e_bin, 0)
-    # a smaller logit with the k-th's z: kept too, its mass summed by one more pass
-    z_below = scaled_logits(_value(key_k - 1, KEY, DTYPE, ACC), inv_t, inv_cap, HAS_SOFTCAP)
-    merged = (run != 0) & (key_k > 0) & (z_below == tau)
-    exact = _mass_at_or_above(row_ptr, tl.where(merged, n_read, 0), stride_v, tau, m, inv_t,
-                              inv_cap, BLOCK_V, HAS_SOFTCAP, ACC)  # fmt: skip
-    mass = tl.where(merged, exact, mass)
-    return tau, mass, run * (N_DIGITS - 1) + merged.to(tl.int32)
+    z_bin = scaled_logits(_value(same, KEY, DTYPE, ACC, True), inv_t, inv_cap, HAS_SOFTCAP)
+    kept = ((bins >= digit) | (z_bin == tau)) & (hist > 0)
+    e_bin = tl.where(kept, tl.exp(z_bin - m), 0.0)
+    merged_low = tl.where(z_low == tau, n_low.to(ACC) * tl.exp(tau - m), 0.0)
+    mass = above + tl.sum(hist.to(ACC) * e_bin, 0) + merged_low
+    if HAS_SOFTCAP:
+        mass = _mass_at_or_above(row_ptr, n_read, stride_v, tau, m, inv_t, inv_cap, BLOCK_V,
+                                 HAS_SOFTCAP, ACC)  # fmt: skip
+        return tau, mass, run * N_DIGITS
+    return tau, mass, run * (N_DIGITS - 1)
 
 
 @triton.jit(
