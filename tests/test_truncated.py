@@ -576,6 +576,27 @@ def test_top_k_over_64_keeps_neighbours_the_temperature_rounds_together(device):
     assert_rel(logp[0, 0].double(), want, FP32_TOL, "logp")
 
 
+@pytest.mark.parametrize("temperature", (1.0, 0.7))
+def test_top_p_cut_in_a_bf16_tie_group(temperature, device):
+    """bf16 logits whose top-p cut falls in a group of 500 tied values below the 64
+    largest: the search closes on the group through the logits' own 16-bit keys (at most
+    4 reads here; on fp32 keys it took 8), the values the oracle's."""
+    g = torch.Generator().manual_seed(22)
+    row = torch.cat([torch.full((100,), 3.0), torch.full((500,), 2.0),
+                     torch.rand(3496, generator=g) * 6 - 5])  # fmt: skip
+    x = row[torch.randperm(row.numel(), generator=g)].to(device, torch.bfloat16)
+    x = x[None].repeat(2, 1)
+    tie, below = int((x[0] == 2.0).nonzero()[0]), int((x[0] < 1.5).nonzero()[0])
+    targets = torch.tensor([tie, below], device=device)
+    for backend in BACKENDS:
+        out = check_against_oracle(backend, x, targets, top_p=0.5, temperature=temperature)
+        assert torch.isfinite(out[0]) and out[1] == NEG_INF
+    _, _, passes = T.truncated_logprobs_fwd_op.launcher(
+        x[None], targets[None], 0, 0.5, temperature, None, -100
+    )
+    assert (passes <= 4).all(), passes
+
+
 def test_token_logprobs_takes_top_k_and_top_p(device):
     """``token_logprobs(..., top_k=, top_p=)`` is ``truncated_logprobs`` (the same values and
     gradients); the options it does not take with truncation raise naming them."""

@@ -50,10 +50,14 @@ Forward, one program per row (``_truncated_logprobs_fwd_kernel``):
   holding the answer. Candidates are spread evenly over the values while the bracket spans
   more than an octave or crosses 0 (the first passes, at most 3), else evenly over the
   floats' order-preserving integer keys (their bits), which shrinks the key range 16-fold a
-  pass: at most 3 + 8 = 11 search passes in fp32 / bf16 (3 + 19 in fp64) whatever the
-  data. It stops when the bracket holds at most 64 values (then one **collect pass** gathers
-  them into registers as pass A does, and the answer is read off exactly) or a single float
-  value (a tie group at the boundary: no collect pass). For top-p the bracket starts at
+  pass: at most 3 + 8 = 11 search passes in fp32 (3 + 19 in fp64) whatever the data. For
+  bf16 / fp16 logits without the soft cap the keys are the LOGITS' own 16 bits
+  (``_input_candidates``: each candidate the ``z`` of a logit value; ``z = x / T`` is
+  non-decreasing in ``x``), at most 3 + 4 passes: a bf16 value near the cut often holds
+  more than 64 tied logits, and on fp32 keys the bracket closed on it one 16-fold step at
+  a time. It stops when the bracket holds at most 64 values (then one **collect pass**
+  gathers them into registers as pass A does, and the answer is read off exactly) or a
+  single value (a tie group at the boundary: no collect pass). For top-p the bracket starts at
   ``[max(tau_k, m + log((1 - p) F / V) - 1), v_64)`` (below its ``lo`` lies less than ``1 -
   p`` of the mass).
 
@@ -64,9 +68,8 @@ Bytes per row (``E`` bytes per logit, ``V`` the vocabulary), forward:
   logit and 16-20 bytes written (``logp``, ``tau``, ``m``, ``log F``, the pass count);
 * top-p otherwise: ``(1 + s + c) V E`` with ``s`` search passes and ``c <= 1`` collect pass.
   Measured here (CPU interpreter, same arithmetic): Gaussian logits, ``p`` in 0.9 - 0.99,
-  ``V`` = 32768: 4-5 reads; ``V`` = 151936: 5-6 reads in fp32, 8 in bf16 (the search narrows
-  on fp32 keys, and a bf16 value near the cut holds more than 64 tied logits, so the
-  bracket must close on one value); at most 13 in any case;
+  ``V`` = 32768: 4-5 reads; ``V`` = 151936: 5-6 reads in fp32, 4 in bf16; at most 13 in any
+  case;
 * top-k > 64: ``B / 8`` reads of a ``B``-bit row (2 bf16 / fp16, 4 fp32, 8 fp64; one more
   with the soft cap), then top-p on top of it as above.
   Measured here (CPU interpreter), Gaussian rows at ``V`` = 151936: ``k`` = 200 and 1000, 2
@@ -233,6 +236,15 @@ def _cut_in_registers(top, e, thr, tie_mass, kk, goal):
 
 
 @triton.jit
+def _by_value(lo, hi, passes, VALUE_PASSES: tl.constexpr):
+    """Whether search pass ``passes`` spreads its candidates evenly over the values: while
+    the bracket spans more than an octave or crosses 0 (the first ``VALUE_PASSES`` passes
+    at most), where candidates even over the keys would sit on tiny magnitudes."""
+    narrow = (lo > 0.0) & (hi <= 2.0 * lo) | (hi <= 0.0) & (lo >= 2.0 * hi)
+    return (narrow == 0) & (passes < VALUE_PASSES) & (hi - lo < float("inf"))
+
+
+@triton.jit
 def _candidates(
     lo, hi, passes, N_CAND: tl.constexpr, ACC: tl.constexpr, VALUE_PASSES: tl.constexpr = 3
 ):
@@ -250,10 +262,8 @@ def _candidates(
         step = (k_hi - k_lo + N_CAND - 1) // N_CAND
     step = tl.where(step < 1, 1, step)
     ck = k_lo + step * j.to(tl.int64)
-    narrow = (lo > 0.0) & (hi <= 2.0 * lo) | (hi <= 0.0) & (lo >= 2.0 * hi)
-    wide = (narrow == 0) & (passes < VALUE_PASSES) & (hi - lo < float("inf"))
     vk = _key(lo + (hi - lo) * (j.to(ACC) * (1.0 / N_CAND)), ACC)
-    ck = tl.where(wide, vk, ck)
+    ck = tl.where(_by_value(lo, hi, passes, VALUE_PASSES), vk, ck)
     ck = tl.where(ck < k_hi, ck, k_hi - 1)  # cand[0] = lo; all < hi; non-decreasing
     return _unkey(ck, ACC)
 
@@ -321,6 +331,40 @@ def _collect(
 
 
 @triton.jit
+def _input_key_at_or_above(v, inv_t, KEY: tl.constexpr, DTYPE: tl.constexpr, ACC: tl.constexpr):
+    """The key of the smallest ``DTYPE`` logit ``x`` with ``x * inv_t >= v`` (``z = x / T``,
+    non-decreasing in ``x``): ``v / inv_t`` rounded to ``DTYPE``, then one step up or down
+    (its two roundings put it within one value of the answer)."""
+    k = _bits_key((v / inv_t).to(DTYPE), KEY)
+    k = tl.where(_value(k, KEY, DTYPE, ACC, True) * inv_t < v, k + 1, k)
+    return tl.where(_value(k - 1, KEY, DTYPE, ACC, True) * inv_t >= v, k - 1, k)
+
+
+@triton.jit
+def _input_candidates(
+    lo, hi, passes, inv_t, N_CAND: tl.constexpr, KEY: tl.constexpr, DTYPE: tl.constexpr,
+    ACC: tl.constexpr, VALUE_PASSES: tl.constexpr = 3,
+):  # fmt: skip
+    """``N_CAND`` ascending thresholds in ``[lo, hi)`` for search pass ``passes`` of a
+    16-bit row: evenly over the values as :func:`_candidates` while the bracket is wide
+    (``_by_value``), else the ``z`` of logit values spread evenly over the keys between the
+    smallest logits scaling to ``lo`` and to ``hi`` (the key range shrinks 16-fold a pass:
+    <= 4 such passes from any bracket). The first partitions the row as ``lo`` does (no
+    logit scales into between)."""
+    k_lo = _input_key_at_or_above(lo, inv_t, KEY, DTYPE, ACC).to(tl.int32)
+    k_hi = _input_key_at_or_above(hi, inv_t, KEY, DTYPE, ACC).to(tl.int32)
+    j = tl.arange(0, N_CAND)
+    step = (k_hi - k_lo + N_CAND - 1) // N_CAND
+    step = tl.where(step < 1, 1, step)
+    ck = k_lo + step * j
+    ck = tl.where(ck < k_hi, ck, k_hi - 1)
+    ck = tl.where(ck > k_lo, ck, k_lo)  # cand[0]: lo's own partition; non-decreasing
+    keyed = _value(ck.to(KEY), KEY, DTYPE, ACC, True) * inv_t
+    spread = lo + (hi - lo) * (j.to(ACC) * (1.0 / N_CAND))
+    return tl.where(_by_value(lo, hi, passes, VALUE_PASSES), spread, keyed)
+
+
+@triton.jit
 def _search(
     row_ptr, V, stride_v, inv_t, inv_cap, m, lo, hi, c_hi, f_hi, goal, enabled,
     N_CAND: tl.constexpr, SEARCH_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -332,13 +376,22 @@ def _search(
 
     Returns ``(v, F(v), passes)``: search passes narrow the bracket on the values' keys,
     then one collect pass (<= 64 values left) or none (one value left)."""
+    # 16-bit logits without the soft cap: the candidates are the images of logit values,
+    # spread evenly over their 16-bit keys (a bf16 value near the cut holds many tied
+    # logits: on fp32 keys the bracket would close on it one 16-fold step at a time)
+    DTYPE: tl.constexpr = row_ptr.dtype.element_ty
+    KEY: tl.constexpr = tl.core.get_int_dtype(DTYPE.primitive_bitwidth, False)
+    BY_INPUT_KEYS: tl.constexpr = (DTYPE.primitive_bitwidth <= 16) and (not HAS_SOFTCAP)
     f_lo = f_hi
     n_in = c_hi * 0
     passes = n_in.to(tl.int32)
     done = enabled == 0
     single = done
     while done == 0:
-        cand = _candidates(lo, hi, passes, N_CAND, ACC)
+        if BY_INPUT_KEYS:
+            cand = _input_candidates(lo, hi, passes, inv_t, N_CAND, KEY, DTYPE, ACC)
+        else:
+            cand = _candidates(lo, hi, passes, N_CAND, ACC)
         cnt, mass = _bracket_sums(
             row_ptr, V, stride_v, inv_t, inv_cap, m, lo, hi, cand, N_CAND, SEARCH_BLOCK,
             HAS_SOFTCAP, ACC,
@@ -346,7 +399,13 @@ def _search(
         passes += 1
         lo, hi, c_hi, f_hi, f_lo, n_in = _narrow(cand, cnt, mass, hi, c_hi, f_hi, goal, False,
                                                  N_CAND)  # fmt: skip
-        single = (_key(hi, ACC) - _key(lo, ACC)) <= 1
+        if BY_INPUT_KEYS:  # at most one logit value scales into [lo, hi)
+            span = _input_key_at_or_above(hi, inv_t, KEY, DTYPE, ACC).to(tl.int32) - (
+                _input_key_at_or_above(lo, inv_t, KEY, DTYPE, ACC).to(tl.int32)
+            )
+            single = span <= 1
+        else:
+            single = (_key(hi, ACC) - _key(lo, ACC)) <= 1
         done = single | (n_in <= KS) | (passes >= MAX_SEARCH_PASSES)
     # <= 64 values left in [lo, hi): gather them and read the answer off
     collect = (enabled != 0) & (single == 0)
