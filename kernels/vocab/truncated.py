@@ -430,10 +430,11 @@ def _last_digit(
     BLOCK_V: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """The last pass of :func:`_kth_by_digits`: the histogram of the lowest digit of the
-    keys whose digits above it equal ``prefix``; the mass ``exp(z - m)`` of the values whose
-    key is above that prefix (all kept, whatever the last digit); and the count of the
-    values below it whose ``z`` equals ``z_low``, the ``z`` of the prefix's smallest key
-    (kept with the k-th where that is the k-th's ``z``)."""
+    keys whose digits above it equal ``prefix``; without the soft cap also the mass ``exp(z
+    - m)`` of the values whose key is above that prefix (all kept, whatever the last digit)
+    and the count of the values below it whose ``z`` equals ``z_low``, the ``z`` of the
+    prefix's smallest key (kept with the k-th where that is the k-th's ``z``); with it
+    (the mass summed by a pass of its own) those two are 0."""
     hist = tl.zeros((BINS,), tl.int32)
     above = tl.zeros((), ACC)
     n_low = tl.zeros((), tl.int32)
@@ -445,9 +446,10 @@ def _last_digit(
         high = key >> DIGIT_BITS
         digit = (key & (BINS - 1)).to(tl.int32)
         hist += tl.histogram(digit, BINS, mask=counted & (high == prefix))
-        z = scaled_logits(x.to(ACC), inv_t, inv_cap, HAS_SOFTCAP)
-        above += tl.sum(tl.where(counted & (high > prefix), tl.exp(z - m), 0.0), 0)
-        n_low += tl.sum((counted & (high < prefix) & (z == z_low)).to(tl.int32), 0)
+        if not HAS_SOFTCAP:
+            z = scaled_logits(x.to(ACC), inv_t, inv_cap, HAS_SOFTCAP)
+            above += tl.sum(tl.where(counted & (high > prefix), tl.exp(z - m), 0.0), 0)
+            n_low += tl.sum((counted & (high < prefix) & (z == z_low)).to(tl.int32), 0)
     return hist, above, n_low
 
 
@@ -518,6 +520,10 @@ def _kth_by_digits(
     key_k = (prefix << DIGIT_BITS) | digit.to(KEY)
     # as the streamed logits are converted: tau and their z compare on one conversion
     tau = scaled_logits(_value(key_k, KEY, DTYPE, ACC, True), inv_t, inv_cap, HAS_SOFTCAP)
+    if HAS_SOFTCAP:
+        mass = _mass_at_or_above(row_ptr, n_read, stride_v, tau, m, inv_t, inv_cap, BLOCK_V,
+                                 HAS_SOFTCAP, ACC)  # fmt: skip
+        return tau, mass, run * N_DIGITS
     # the prefix's values at or above the k-th, or rounded onto its z: one value per digit
     same = (prefix << DIGIT_BITS) | bins.to(KEY)
     z_bin = scaled_logits(_value(same, KEY, DTYPE, ACC, True), inv_t, inv_cap, HAS_SOFTCAP)
@@ -525,10 +531,6 @@ def _kth_by_digits(
     e_bin = tl.where(kept, tl.exp(z_bin - m), 0.0)
     merged_low = tl.where(z_low == tau, n_low.to(ACC) * tl.exp(tau - m), 0.0)
     mass = above + tl.sum(hist.to(ACC) * e_bin, 0) + merged_low
-    if HAS_SOFTCAP:
-        mass = _mass_at_or_above(row_ptr, n_read, stride_v, tau, m, inv_t, inv_cap, BLOCK_V,
-                                 HAS_SOFTCAP, ACC)  # fmt: skip
-        return tau, mass, run * N_DIGITS
     return tau, mass, run * (N_DIGITS - 1)
 
 
