@@ -11,19 +11,27 @@ Forward (``kernels/vocab/truncated_shard.py``):
    collective);
 2. the partials kernel reads each shard row once: its ``kk`` largest values (``kk = k`` for
    top-k ``<= 64``, else 64) with the count of ties at the ``kk``-th, and its max, sum,
-   NaN count, minimum and the owned target's logit; one **all-gather** of ``kk + 8`` floats
-   a token per rank (fp64 logits: 8 bytes a float);
+   NaN count and the owned target's logit; one **all-gather** of ``kk + 7`` floats a token
+   per rank (fp64 logits: 8 bytes a float); for top-k > 64 also the histogram of its
+   logits' top key digit (the radix select's first pass);
 3. every rank merges the gathered rows alike (:func:`_union_cut`, float64): the union of
    the ranks' slots holds every value at or above ``L``, the largest of the ranks' ``kk``-th
    values, so top-k ``<= 64`` (with or without top-p) and any cut at or above ``L`` is read
    off it -- one read of each shard row in all;
-4. otherwise (top-p on a flat row, top-k > 64) the threshold search of the single-device
+4. otherwise, top-k > 64: the k-th largest by the radix select of the single-device kernel
+   on the logits' bits (:func:`_kth_by_digits`), its digit histograms **all-reduced** (258
+   floats a token a pass, ``B / 8`` passes for ``B``-bit logits: 2 for bf16, 4 fp32, 8
+   fp64), each pass after the first one read of the shard; the last pass also sums the
+   kept mass (with the soft cap one more read and an all-reduce of one float a token);
+   skipped when no row needs it (a host read);
+5. top-p on a flat row (alone or after top-k): the threshold search of the single-device
    kernel runs one pass per launch on a bracket ``[lo, L)`` every rank holds alike: each
    pass streams the shard for 16 candidates' counts and masses and **all-reduces** them
-   (``2 x 16`` floats a token; ``fused_rl._truncated_ops.MAX_SEARCH_PASSES`` passes at
-   most; skipped when no row needs it and stopped once every row's search is over, a host
-   read each, with the layout checked), then one collect pass gathers the at most 64 values
-   left in the bracket (**all-gather**, 64 floats a token per rank).
+   (``2 x 16`` floats a token; bf16 / fp16 logits without the soft cap on their own 16-bit
+   keys, at most 3 + 4 passes; ``fused_rl._truncated_ops.MAX_SEARCH_PASSES`` at most;
+   skipped when no row needs it and stopped once every row's search is over, a host read
+   each, with the layout checked), then one collect pass gathers the at most 64 values left
+   in the bracket (**all-gather**, 64 floats a token per rank).
 
 Every branch that decides a collective depends on the call's options and the gathered
 (merged) values only, so every rank runs the same collectives; ``top_k >= V`` is turned off
@@ -49,6 +57,7 @@ from . import _validation as V
 from . import distributed as D
 from ._launch import stats_dtype, triton_acc
 from ._ops import FusedOp, _serialised_when_interpreting
+from ._select_ops import BINS, DIGIT_BITS, choose_digit
 from ._shapes import as_rows3d
 from ._truncated_ops import (
     MAX_SEARCH_PASSES,
@@ -132,12 +141,12 @@ def _all_gather(t: Tensor, shard) -> Tensor:
     return torch.stack(parts)
 
 
-def _search(x3d: Tensor, spec, on, lo, hi, c_hi, f_hi, goal, m, by_count: bool):
+def _search(x3d: Tensor, spec, on, lo, hi, c_hi, f_hi, goal, m):
     """The vocabulary-parallel threshold search on ``x3d`` (this rank's valid columns): one
     kernel launch and one all-reduce a pass, then a collect pass and its all-gather.
     Returns ``(v, F(v))`` float64 per row: for the rows ``on``, the largest row value in
-    ``[lo, hi)`` whose count (``by_count``) or mass ``exp(z - m)`` at or above it reaches
-    ``goal``, given ``c_hi`` / ``f_hi``, those of the values ``>= hi``."""
+    ``[lo, hi)`` whose mass ``exp(z - m)`` at or above it reaches ``goal`` (the top-p cut),
+    given ``c_hi`` / ``f_hi``, the count / mass of the values ``>= hi``."""
     acc = stats_dtype(x3d.dtype)
     if V.host_sync_allowed(on) and not bool(on.any()):
         return lo, f_hi  # no row to search (every rank alike: on is merged): no collective
@@ -152,7 +161,7 @@ def _search(x3d: Tensor, spec, on, lo, hi, c_hi, f_hi, goal, m, by_count: bool):
     top = torch.empty((n, KS), dtype=acc, device=on.device)
 
     def launch(narrow: bool, stream: bool, collect: bool) -> None:
-        _search_step(x3d, state, sums, top, spec, by_count, narrow, stream, collect)
+        _search_step(x3d, state, sums, top, spec, narrow, stream, collect)
 
     dist = D._dist()
     group = spec.shard.group
@@ -170,7 +179,7 @@ def _search(x3d: Tensor, spec, on, lo, hi, c_hi, f_hi, goal, m, by_count: bool):
     s = state.double()
     field = lambda f: s[:, f.value]  # noqa: E731
     found, v, f_v = _union_cut(
-        vals, torch.ones_like(vals), field(k.S_M), field(k.S_GOAL), by_count,
+        vals, torch.ones_like(vals), field(k.S_M), field(k.S_GOAL), False,
         field(k.S_CHI), field(k.S_FHI),
     )  # fmt: skip
     found = found & on & (field(k.S_SINGLE) == 0)
@@ -179,7 +188,7 @@ def _search(x3d: Tensor, spec, on, lo, hi, c_hi, f_hi, goal, m, by_count: bool):
 
 
 @_serialised_when_interpreting
-def _search_step(x, state, sums, top, spec, by_count, narrow, stream, collect):
+def _search_step(x, state, sums, top, spec, narrow, stream, collect):
     """One launch of the search kernel (``kernels/vocab/truncated_shard.py``)."""
     k = _shard_kernels()
     outer, inner, vocab = x.shape
@@ -188,7 +197,7 @@ def _search_step(x, state, sums, top, spec, by_count, narrow, stream, collect):
     k._shard_search_kernel[(outer * inner,)](
         x, state, sums, top, inner, vocab, *x.stride(),
         *scale_args(spec.temperature, spec.softcap), NARROW=narrow,
-        STREAM=stream, COLLECT=collect, BY_COUNT=by_count, N_CAND=N_CAND,
+        STREAM=stream, COLLECT=collect, N_CAND=N_CAND,
         SEARCH_BLOCK=min(SEARCH_BLOCK, _block(vocab)), BLOCK_V=_block(vocab),
         MAX_SEARCH_PASSES=MAX_SEARCH_PASSES[stats_dtype(x.dtype)],
         HAS_SOFTCAP=spec.softcap is not None, ACC=triton_acc(x.dtype), num_warps=NUM_WARPS,
@@ -196,34 +205,109 @@ def _search_step(x, state, sums, top, spec, by_count, narrow, stream, collect):
 
 
 @_serialised_when_interpreting
-def _partials(x3d: Tensor, t_local: Tensor, spec, kk: int, need_sum: bool, need_min: bool):
-    """The partials kernel: ``(n_rows, KS + 8)`` rows (``kernels/vocab/truncated_shard.py``)."""
+def _partials(x3d: Tensor, t_local: Tensor, spec, kk: int, need_sum: bool, hist: bool):
+    """The partials kernel (``kernels/vocab/truncated_shard.py``): ``(n_rows, KS + 7)`` rows
+    and, ``hist`` (top-k > 64: with the minimum), the radix select's first histograms
+    ``(n_rows, 256)`` int32 (else None)."""
     k = _shard_kernels()
     outer, inner, vocab = x3d.shape
     part = torch.empty((outer * inner, KS + k.PART_EXTRA.value), dtype=stats_dtype(x3d.dtype),
                        device=x3d.device)  # fmt: skip
+    counts = x3d.new_empty((outer * inner, BINS), dtype=torch.int32) if hist else None
     if outer * inner:
         k._shard_partials_kernel[(outer * inner,)](
-            x3d, t_local, part, inner, vocab, *x3d.stride(), *t_local.stride(),
-            *scale_args(spec.temperature, spec.softcap), kk, D.LOCAL_IGNORE, NEED_SUM=need_sum,
-            NEED_MIN=need_min, HAS_SOFTCAP=spec.softcap is not None, BLOCK_V=_block(vocab),
+            x3d, t_local, part, part if counts is None else counts, inner, vocab, *x3d.stride(),
+            *t_local.stride(), *scale_args(spec.temperature, spec.softcap), kk, D.LOCAL_IGNORE,
+            NEED_SUM=need_sum, HIST=hist, HAS_SOFTCAP=spec.softcap is not None,
+            BLOCK_V=_block(vocab), ACC=triton_acc(x3d.dtype), num_warps=NUM_WARPS,
+        )  # fmt: skip
+    return part, counts
+
+
+@_serialised_when_interpreting
+def _digit_pass(x3d: Tensor, on: Tensor, prefix: Tensor, m: Tensor, spec, shift: int,
+                last: bool) -> Tensor:  # fmt: skip
+    """A later radix-select pass on the rows ``on``: ``(n_rows, 258)`` in the statistics
+    dtype, this rank's histograms (and, ``last``, mass above the prefix and count rounded
+    onto it; ``kernels/vocab/truncated_shard.py`` ``_shard_digit_kernel``)."""
+    k = _shard_kernels()
+    outer, inner, vocab = x3d.shape
+    acc = stats_dtype(x3d.dtype)
+    buf = torch.empty((outer * inner, BINS + 2), dtype=acc, device=x3d.device)
+    if outer * inner:
+        k._shard_digit_kernel[(outer * inner,)](
+            x3d, on, prefix, m.to(acc), buf, inner, vocab, *x3d.stride(),
+            *scale_args(spec.temperature, spec.softcap), shift, LAST=last,
+            HAS_SOFTCAP=spec.softcap is not None, BLOCK_V=_block(vocab),
             ACC=triton_acc(x3d.dtype), num_warps=NUM_WARPS,
         )  # fmt: skip
-    return part
+    return buf
+
+
+@_serialised_when_interpreting
+def _kth_end(x3d: Tensor, on: Tensor, key: Tensor, m: Tensor, buf: Tensor, spec) -> Tensor:
+    """``(2, n_rows)``: ``tau`` and the kept mass from the k-th largest's ``key``
+    (``_shard_kth_kernel``: with the soft cap this rank's share of the mass, one read)."""
+    k = _shard_kernels()
+    outer, inner, vocab = x3d.shape
+    acc = stats_dtype(x3d.dtype)
+    out = torch.empty((2, outer * inner), dtype=acc, device=x3d.device)
+    if outer * inner:
+        k._shard_kth_kernel[(outer * inner,)](
+            x3d, on, key, m.to(acc), buf, out, inner, vocab, *x3d.stride(),
+            *scale_args(spec.temperature, spec.softcap), HAS_SOFTCAP=spec.softcap is not None,
+            BLOCK_V=_block(vocab), ACC=triton_acc(x3d.dtype), num_warps=NUM_WARPS,
+        )  # fmt: skip
+    return out
+
+
+def _kth_by_digits(x3d: Tensor, spec, on: Tensor, hist: Tensor, k: int, m: Tensor):
+    """Top-k for ``k > 64`` on the rows ``on``: ``(tau, F)`` float64 per row (other rows:
+    whatever), the k-th largest ``z`` of the whole row and the mass ``exp(z - m)`` of ``{z
+    >= tau}``, by the radix select of ``kernels/vocab/truncated.py`` on the logits' bits:
+    the first digit's histograms ``hist`` from the partials, then ``B / 8 - 1`` passes of
+    one launch and one all-reduce each (the histograms summed over the ranks; ``257 + 1``
+    floats a token), the digit chosen on every rank alike (``_select_ops.choose_digit``),
+    then the end (no read; with the soft cap one read and an all-reduce of its mass).
+    Skipped, with no collective, when no row needs it (a host read where allowed)."""
+    n = on.numel()
+    if V.host_sync_allowed(on) and not bool(on.any()):
+        return torch.full((n,), -math.inf, dtype=torch.float64, device=on.device), m * 0
+    dist = D._dist()
+    group = spec.shard.group
+    bits = torch.finfo(x3d.dtype).bits
+    on8 = on.to(torch.int8)
+    m_acc = m.to(stats_dtype(x3d.dtype))
+    dist.all_reduce(hist, group=group)
+    need = torch.full((n,), k, dtype=torch.int64, device=on.device)
+    prefix = torch.zeros_like(need)
+    buf = hist
+    for p in range(1, bits // DIGIT_BITS):
+        need, prefix = choose_digit(hist, need, prefix)
+        buf = _digit_pass(x3d, on8, prefix, m_acc, spec, bits - DIGIT_BITS * (p + 1),
+                          p == bits // DIGIT_BITS - 1)  # fmt: skip
+        dist.all_reduce(buf, group=group)
+        hist = buf[:, :BINS]
+    _, key = choose_digit(hist, need, prefix)
+    tau, mass = _kth_end(x3d, on8, key, m_acc, buf, spec)
+    if spec.softcap is not None:
+        dist.all_reduce(mass, group=group)
+    return tau.double(), mass.double()
 
 
 def _threshold(x3d, t_local, spec, top_k: int, top_p: float, vocab: int):
     """The merged ``(tau, m, F, z_y, owners, bad)`` per row, float64, on every rank alike:
-    the partials, their all-gather, the union cuts and (where they do not decide) the
-    search. ``top_k``: 0 none; ``top_p``: 1.0 none; ``vocab``: the global vocabulary (the
-    top-p bracket's bound). Every branch that decides a collective depends on the call's
-    options and the gathered values only, the same on every rank."""
+    the partials, their all-gather, the union cuts and (where they do not decide) the radix
+    select (top-k > 64) and the search (top-p). ``top_k``: 0 none; ``top_p``: 1.0 none;
+    ``vocab``: the global vocabulary (the top-p bracket's bound). Every branch that decides
+    a collective depends on the call's options and the gathered values only, the same on
+    every rank."""
     k = _shard_kernels()
     shard = spec.shard
     kk = top_k if 0 < top_k <= KS else KS
-    part = _partials(x3d, t_local, spec, kk, top_k == 0, top_k > KS)  # need sum, min
+    part, hist = _partials(x3d, t_local, spec, kk, top_k == 0, top_k > KS)  # need sum, hist
     send = torch.cat((part[:, :kk], part[:, KS:]), 1)
-    g = _all_gather(send, shard)  # (P, n, kk + 8)
+    g = _all_gather(send, shard)  # (P, n, kk + 7)
     n = g.shape[1]
     field = lambda f: g[..., kk + f.value].double()  # noqa: E731  (P, n)
     thr, m_r = field(k.P_THR), field(k.P_MAX)
@@ -247,9 +331,7 @@ def _threshold(x3d, t_local, spec, top_k: int, top_p: float, vocab: int):
     elif top_k > KS:
         # L = -inf: every value is in the union (fewer than k: all kept, tau = -inf)
         decided = (found & (v >= low)) | (low == -math.inf)
-        c_l, f_l = _at_or_above(vals, weights, m, low)
-        v_s, f_s = _search(x3d, spec, on & ~decided, field(k.P_MIN).amin(0), low, c_l, f_l,
-                              torch.full_like(m, top_k), m, by_count=True)  # fmt: skip
+        v_s, f_s = _kth_by_digits(x3d, spec, on & ~decided, hist, top_k, m)
         tau, f = torch.where(decided, v, v_s), torch.where(decided, f, f_s)
     if top_p < 1.0:
         goal = top_p * f
@@ -262,7 +344,7 @@ def _threshold(x3d, t_local, spec, top_k: int, top_p: float, vocab: int):
         lo = torch.maximum(tau, torch.where(bound < low, bound, tau))
         c_l, f_l = _at_or_above(torch.where(kept, vals, -math.inf), weights, m, low)
         searched = on & ~decided
-        v_s, f_s = _search(x3d, spec, searched, lo, low, c_l, f_l, goal, m, by_count=False)
+        v_s, f_s = _search(x3d, spec, searched, lo, low, c_l, f_l, goal, m)
         tau = torch.where(searched, v_s, torch.where(found, v, tau))
         f = torch.where(searched, f_s, torch.where(found, f_v, f))
     return tau, m, f, field(k.P_Y).sum(0), field(k.P_OWN).sum(0), bad

@@ -80,6 +80,17 @@ def seed_gae_loop(rewards, values, gamma, lam):
     return advantages, advantages + values
 
 
+def fp32_neighbours_sharing_z(temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_k, below)``: the first fp32 logit from 1.0 up whose lower neighbour (one ulp)
+    has the same ``z = x * fp32(1 / T)`` (scalars; all the candidates scaled at once)."""
+    inv_t = torch.tensor(1 / temperature, dtype=torch.float32)
+    one = int(torch.tensor(1.0).view(torch.int32))
+    x = torch.arange(one, one + (1 << 23), dtype=torch.int32).view(torch.float32)  # [1, 2)
+    z = x * inv_t
+    i = int(torch.nonzero(z[1:] == z[:-1])[0]) + 1
+    return x[i].clone(), x[i - 1].clone()
+
+
 def fp32_exp_tol(max_arg: float, device, floor: float = 1e-6) -> float:
     """Tolerance for an fp32 value computed through ``exp`` of an argument up to
     ``|max_arg|``, checked tighter than ``FP32_TOL``.

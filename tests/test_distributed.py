@@ -33,7 +33,13 @@ from dist_harness import (  # noqa: E402
     needs_interpreter,
     unpoisoned,
 )
-from helpers import F64_TOL, FP32_TOL, assert_rel, oracle_token_stats  # noqa: E402
+from helpers import (  # noqa: E402
+    F64_TOL,
+    FP32_TOL,
+    assert_rel,
+    fp32_neighbours_sharing_z,
+    oracle_token_stats,
+)
 
 WORLD_SIZES = (2, 3)
 BACKENDS = ("triton", "reference")
@@ -996,6 +1002,102 @@ def truncated_vocab_parallel(ctx):
     assert bwd.calls == [], bwd.calls
     assert torch.equal(lp, fused_rl.truncated_logprobs(local, targets, top_p=0.9,
                                                        process_group=ctx.group))  # fmt: skip
+
+
+@check
+def truncated_vocab_parallel_radix(ctx):
+    """Top-k > 64 across the ranks by the radix select on the logits' bits: every rank the
+    unsharded call's values (and the float64 oracle's) and its columns of the gradient, fp32
+    / bf16 / fp64, temperature, the soft cap, top-p on top; logits below the k-th that share
+    its ``z`` kept with it wherever they sit (``-0.0`` beside a k-th of ``+0.0``, a one-ulp
+    neighbour at ``T = 0.7``). Collectives: the header, the gather, then ``B / 8``
+    all-reduces of the digit histograms (one more with the soft cap), none when the gathered
+    slots decide every row. And a bf16 top-p cut inside a group of tied values below every
+    shard's 64 largest, searched on the logits' own 16-bit keys."""
+    from test_truncated import oracle as truncated_oracle
+
+    g = ctx.gen(32)
+    w = 150
+    V = w * ctx.world
+    start, stop = _shard_bounds([w] * ctx.world, ctx.rank)
+
+    def run(x, targets, n_reduces, oracle=True, **kw):
+        up = torch.randn(targets.shape, generator=torch.Generator().manual_seed(33))
+        unsharded = partial(fused_rl.truncated_logprobs, targets=targets, **kw)
+        want, w_grad = _value_grad(unsharded, x, up)
+        with _CountCollectives() as fwd:
+            got, grad = _value_grad(partial(unsharded, process_group=ctx.group),
+                                    x[..., start:stop], up)  # fmt: skip
+        what = f"{kw} {x.dtype}"
+        _same_cut(got, want, what)
+        fin = torch.isfinite(want)
+        wide = x.dtype == torch.float64
+        assert_rel(got[fin], want[fin], F64_TOL if wide else 1e-5, f"logp vs unsharded {what}")
+        if oracle:  # (float64 z keeps apart what the kernels' fp32 z merges)
+            o_lp = truncated_oracle(x, targets, **kw).to(got.dtype)
+            assert_rel(got[fin], o_lp[fin], F64_TOL if wide else FP32_TOL, f"oracle {what}")
+        tol = 1e-2 if x.dtype == torch.bfloat16 else (F64_TOL if wide else 1e-5)
+        assert_rel(grad.double(), w_grad[..., start:stop].double(), tol, f"grad {what}")
+        names = [c[0] for c in fwd.calls]
+        assert names[:2] == ["all_reduce", "all_gather"], f"{what}: {names}"
+        if n_reduces is not None:
+            assert names[2:] == ["all_reduce"] * n_reduces, f"{what}: {names}"
+        return got, names
+
+    # k above every shard's 64 slots together: the slots cannot decide it
+    k = 64 * ctx.world + 8
+    x = torch.randn(2, 3, V, generator=g) * torch.tensor([2.0, 0.5, 4.0])[:, None]
+    t = torch.randint(0, V, (2, 3), generator=g)
+    t[1, 1] = -100
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        run(x.to(dtype), t, torch.finfo(dtype).bits // 8, top_k=k)
+    run(x, t, 4, top_k=k, temperature=0.7)
+    run(x, t, 5, top_k=k, softcap=2.0)
+    run(x, t, None, top_k=k, top_p=0.8)
+    # a row of ties: the gathered slots (and the ties they count) decide it, no radix pass
+    run(torch.ones(1, V), torch.tensor([3]), 0, top_k=k)
+
+    def shards(top, rest):
+        """A row whose every shard holds 70 of ``top`` (its 64th value is one of them),
+        then its share of ``rest``."""
+        parts = rest.chunk(ctx.world)
+        return torch.cat([torch.cat([top[70 * r : 70 * (r + 1)], parts[r]])
+                          for r in range(ctx.world)])  # fmt: skip
+
+    # signed zeros below every shard's 64th: the k-th is +0.0 or -0.0, every zero kept
+    n_rest = V - 70 * ctx.world
+    rest = torch.cat([torch.zeros(10), torch.full((50,), -0.0),
+                      -torch.rand(n_rest - 60, generator=g) - 0.5])  # fmt: skip
+    row = shards(torch.rand(70 * ctx.world, generator=g) + 0.5,
+                 rest[torch.randperm(n_rest, generator=g)])  # fmt: skip
+    neg_zero = int(((row == 0) & torch.signbit(row)).nonzero()[0])
+    for k in (70 * ctx.world + 5, 70 * ctx.world + 30):
+        got, _ = run(row[None], torch.tensor([neg_zero]), 4, top_k=k)
+        assert torch.isfinite(got).all(), f"-0.0 cut at k = {k}"
+    # T = 0.7: the k-th logit's lower neighbour, on another shard, shares its z: kept
+    x_k, below = fp32_neighbours_sharing_z(0.7)
+    top = torch.rand(70 * ctx.world, generator=g) + 2.0
+    top[69], top[70] = x_k, below  # shard 0's last held value, shard 1's first
+    row = shards(top, -torch.rand(n_rest, generator=g))
+    got, _ = run(row[None], torch.tensor([w]), 4, False, top_k=70 * ctx.world - 1,
+                 temperature=0.7)  # fmt: skip
+    assert torch.isfinite(got).all(), "the neighbour sharing the k-th's z was cut"
+    # bf16 top-p inside a tie group below every shard's 64 largest: searched on 16-bit keys
+    big = 400
+    row = torch.cat(
+        [
+            torch.full((100 * ctx.world,), 3.0),
+            torch.full((100 * ctx.world,), 2.0),
+            torch.rand(big * ctx.world - 200 * ctx.world, generator=g) * 6 - 5,
+        ]
+    )
+    row = row[torch.randperm(row.numel(), generator=g)].bfloat16()
+    start, stop = _shard_bounds([big] * ctx.world, ctx.rank)
+    tie = int((row == 2.0).nonzero()[0])
+    for temperature in (1.0, 0.7):
+        _, names = run(row[None], torch.tensor([tie]), None, top_p=0.8, temperature=temperature)
+        searched = names.count("all_reduce") - 1
+        assert 1 <= searched <= 4 and names.count("all_gather") == 2, names  # 7 on fp32 keys
 
 
 @check

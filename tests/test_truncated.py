@@ -16,7 +16,14 @@ import math
 
 import pytest
 import torch
-from helpers import F64_TOL, FP32_TOL, assert_rel, bf16_tol, sm90_compile_output
+from helpers import (
+    F64_TOL,
+    FP32_TOL,
+    assert_rel,
+    bf16_tol,
+    fp32_neighbours_sharing_z,
+    sm90_compile_output,
+)
 
 import fused_rl
 import fused_rl._truncated_ops as T
@@ -555,12 +562,7 @@ def test_top_k_over_64_keeps_neighbours_the_temperature_rounds_together(device):
     ``z = x * fp32(1 / T)`` and is kept with it, its mass counted in the last digit pass (no
     more reads); the values are those of the fp32 ``z`` (the kernel's kept set)."""
     inv_t = torch.tensor(1 / 0.7, dtype=torch.float32)
-    x_k = torch.tensor(1.0, dtype=torch.float32)
-    while True:  # the first float from 1.0 up whose lower neighbour scales onto its z
-        below = torch.nextafter(x_k, torch.tensor(-math.inf))
-        if x_k * inv_t == below * inv_t:
-            break
-        x_k = torch.nextafter(x_k, torch.tensor(math.inf))
+    x_k, below = fp32_neighbours_sharing_z(0.7)
     g = torch.Generator().manual_seed(14)
     row = torch.cat([torch.rand(99, generator=g) + 2.0, x_k[None], below[None],
                      -torch.rand(199, generator=g)])  # fmt: skip
@@ -625,8 +627,8 @@ def test_token_logprobs_takes_top_k_and_top_p(device):
 
 # Run in a subprocess without TRITON_INTERPRET (this process interprets): every variant of
 # both truncated kernels (the three cuts' on / off combinations, the soft cap, fp32 and fp64
-# accumulation) and of the vocabulary-parallel partials and search kernels through Triton's
-# front end, LLVM and ptxas for cuda:90, no GPU needed; the pointer offsets 64-bit
+# accumulation) and of the vocabulary-parallel partials, search and radix kernels through
+# Triton's front end, LLVM and ptxas for cuda:90, no GPU needed; the pointer offsets 64-bit
 # (``hopper_compile.narrow_offset_products``); a bf16 row's loads (and the backward's stores)
 # 128-bit vectors.
 _COMPILE_SCRIPT = r"""
@@ -646,7 +648,8 @@ FLOATS = {"inv_t_hi", "inv_t_lo", "inv_cap_hi", "inv_cap_lo", "p_hi", "p_lo", "l
 
 def signature(fn, logits, acc):
     pointers = {"targets_ptr": "*i64", "passes_ptr": "*i32", "logits_ptr": logits,
-                "grad_ptr": logits}
+                "grad_ptr": logits, "hist_ptr": "*i32", "on_ptr": "*i8", "prefix_ptr": "*i64",
+                "key_ptr": "*i64"}
     return kernel_signature(fn, FLOATS, pointers, acc)
 
 count = 0
@@ -672,24 +675,32 @@ for logits, acc, ACC, passes in (("*bf16", "*fp32", tl.float32, 11),
         assert not narrow_offset_products(c.asm["ttir"]), ("bwd", cap)
         count += 1
     # the vocabulary-parallel kernels (kernels/vocab/truncated_shard.py)
-    for need_sum, need_min, cap in ((True, False, False), (False, True, True)):
+    for need_sum, hist, cap in ((True, False, False), (False, True, True)):
         fn = s._shard_partials_kernel
         src = ASTSource(fn=fn, signature=signature(fn, logits, acc), constexprs=dict(
-            NEED_SUM=need_sum, NEED_MIN=need_min, HAS_SOFTCAP=cap, BLOCK_V=1024, ACC=ACC))
+            NEED_SUM=need_sum, HIST=hist, HAS_SOFTCAP=cap, BLOCK_V=1024, ACC=ACC))
         c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
         assert not narrow_offset_products(c.asm["ttir"]), ("partials", need_sum)
         count += 1
-    for narrow, stream, collect, by_count, cap in ((False, True, False, True, False),
-                                                   (True, True, False, False, True),
-                                                   (True, True, False, True, False),
-                                                   (False, False, True, False, True)):
+    for narrow, stream, collect, cap in ((False, True, False, False), (True, True, False, True),
+                                         (True, True, False, False),
+                                         (False, False, True, True)):
         fn = s._shard_search_kernel
         src = ASTSource(fn=fn, signature=signature(fn, logits, acc), constexprs=dict(
-            NARROW=narrow, STREAM=stream, COLLECT=collect, BY_COUNT=by_count, N_CAND=16,
-            SEARCH_BLOCK=128, BLOCK_V=1024, MAX_SEARCH_PASSES=passes, HAS_SOFTCAP=cap,
-            ACC=ACC))
+            NARROW=narrow, STREAM=stream, COLLECT=collect, N_CAND=16, SEARCH_BLOCK=128,
+            BLOCK_V=1024, MAX_SEARCH_PASSES=passes, HAS_SOFTCAP=cap, ACC=ACC))
         c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
         assert not narrow_offset_products(c.asm["ttir"]), ("search", narrow, stream)
+        count += 1
+    for fn, flags in ((s._shard_digit_kernel, dict(LAST=False, HAS_SOFTCAP=False)),
+                      (s._shard_digit_kernel, dict(LAST=True, HAS_SOFTCAP=False)),
+                      (s._shard_digit_kernel, dict(LAST=True, HAS_SOFTCAP=True)),
+                      (s._shard_kth_kernel, dict(HAS_SOFTCAP=False)),
+                      (s._shard_kth_kernel, dict(HAS_SOFTCAP=True))):
+        src = ASTSource(fn=fn, signature=signature(fn, logits, acc), constexprs=dict(
+            BLOCK_V=1024, ACC=ACC, **flags))
+        c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+        assert not narrow_offset_products(c.asm["ttir"]), (fn.__name__, flags)
         count += 1
 # a bf16 row with unit stride and 16-aligned lengths: 128-bit loads (and stores backward)
 for fn, flags, warps in ((k._truncated_logprobs_fwd_kernel,
@@ -716,6 +727,10 @@ launched = [(k._truncated_logprobs_fwd_kernel, _block(151936), NUM_WARPS,
                   MAX_SEARCH_PASSES=11)) for reg, search in ((True, False), (False, True))]
 launched.append((k._truncated_logprobs_bwd_kernel, bwd_launch["BLOCK_V"],
                  bwd_launch["num_warps"], dict(TARGET_KEPT=False)))
+launched += [(s._shard_partials_kernel, _block(151936), NUM_WARPS,
+              dict(NEED_SUM=False, HIST=True)),
+             (s._shard_digit_kernel, _block(151936), NUM_WARPS, dict(LAST=True)),
+             (s._shard_kth_kernel, _block(151936), NUM_WARPS, {})]
 for fn, block, warps, flags in launched:
     src = ASTSource(fn=fn, signature=signature(fn, "*bf16", "*fp32"), constexprs=dict(
         HAS_SOFTCAP=False, ACC=tl.float32, BLOCK_V=block, **flags))
@@ -729,4 +744,4 @@ print("compiled", count)
 @pytest.mark.no_poison
 def test_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.compiler")
-    assert sm90_compile_output(_COMPILE_SCRIPT).endswith("compiled 44")
+    assert sm90_compile_output(_COMPILE_SCRIPT).endswith("compiled 54")

@@ -91,7 +91,7 @@ row.
 import triton
 import triton.language as tl
 
-from ..common import cast_for, nan_max, nan_min, pair, row_pointer, tanh_and_sech2, token_offset
+from ..common import cast_for, nan_max, pair, row_pointer, tanh_and_sech2, token_offset
 from .layer1 import scaled_logits, target_logp
 from .select import BINS, DIGIT_BITS, _digit_histogram, _is_nan, _value
 from .select import _key as _bits_key
@@ -168,20 +168,19 @@ def _absorb(zs, top, thr, eqcnt, kk, BLOCK: tl.constexpr):
 @triton.jit
 def _pass_a(
     row_ptr, n_read, stride_v, inv_t, inv_cap, kk, NEED_SUM: tl.constexpr,
-    NEED_MIN: tl.constexpr, COLLECT: tl.constexpr, BLOCK_V: tl.constexpr,
+    COLLECT: tl.constexpr, BLOCK_V: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr, HIST: tl.constexpr = False,
 ):  # fmt: skip
-    """Pass A over the row's first ``n_read`` logits: ``(m, s, z_min, n_nan, top, thr,
-    eqcnt, hist)``: the online max and ``sum exp(z - m)`` (``NEED_SUM``), the minimum
-    (``NEED_MIN``), the NaN count, (``COLLECT``) the ``kk`` largest values held as
-    :func:`_absorb` holds them, and (``HIST``) the first pass of :func:`_kth_by_digits`: the
-    histogram of the top digit of the logits' keys. NaN counts as ``-inf`` in all but
+    """Pass A over the row's first ``n_read`` logits: ``(m, s, n_nan, top, thr, eqcnt,
+    hist)``: the online max and ``sum exp(z - m)`` (``NEED_SUM``), the NaN count,
+    (``COLLECT``) the ``kk`` largest values held as :func:`_absorb` holds them, and
+    (``HIST``) the first pass of :func:`_kth_by_digits`: the histogram of the top digit of
+    the logits' keys. NaN counts as ``-inf`` in all but
     ``n_nan`` (and is left out of ``hist``)."""
     KEY: tl.constexpr = tl.core.get_int_dtype(row_ptr.dtype.element_ty.primitive_bitwidth, False)
     TOP_SHIFT: tl.constexpr = KEY.primitive_bitwidth - DIGIT_BITS
     m = tl.full((), float("-inf"), ACC)
     s = tl.zeros((), ACC)
-    z_min = tl.full((), float("inf"), ACC)
     n_nan = tl.zeros((), tl.int32)
     top = tl.full((KS,), float("-inf"), ACC)
     thr = tl.full((), float("-inf"), ACC)
@@ -199,14 +198,12 @@ def _pass_a(
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
             s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(zs - m_ref), 0)
             m = m_new
-        if NEED_MIN:
-            z_min = nan_min(z_min, tl.min(tl.where(cols < n_read, zs, float("inf")), 0))
         if COLLECT:
             top, thr, eqcnt = _absorb(zs, top, thr, eqcnt, kk, BLOCK_V)
         if HIST:
             digit = (_bits_key(x, KEY) >> TOP_SHIFT).to(tl.int32)
             hist += tl.histogram(digit, BINS, mask=(cols < n_read) & (z == z))
-    return m, s, z_min, n_nan, top, thr, eqcnt, hist
+    return m, s, n_nan, top, thr, eqcnt, hist
 
 
 @triton.jit
@@ -291,16 +288,14 @@ def _bracket_sums(
 
 
 @triton.jit
-def _narrow(cand, cnt, mass, hi, c_hi, f_hi, goal, BY_COUNT: tl.constexpr, N_CAND: tl.constexpr):
+def _narrow(cand, cnt, mass, hi, c_hi, f_hi, goal, N_CAND: tl.constexpr):
     """The bracket after a search pass: ``[lo, hi)`` becomes the candidate interval that
-    holds the answer (the largest candidate meeting ``goal``, up to the next candidate).
+    holds the answer (the largest candidate whose mass at or above it meets ``goal``, up to
+    the next candidate).
     Returns ``(lo, hi, c_hi, f_hi, f_lo, n_in)``: the new bounds, the count / mass at or
     above each (``f_lo`` the mass at or above ``lo``) and the count of values inside."""
     j = tl.arange(0, N_CAND)
-    if BY_COUNT:
-        meets = (c_hi + cnt) >= goal
-    else:
-        meets = (f_hi + mass) >= goal
+    meets = (f_hi + mass) >= goal
     best = tl.max(tl.where(meets | (j == 0), j, 0), 0)
     new_lo = tl.max(tl.where(j == best, cand, float("-inf")), 0)
     new_hi = tl.min(tl.where(cand > new_lo, cand, hi), 0)
@@ -365,6 +360,35 @@ def _input_candidates(
 
 
 @triton.jit
+def _search_candidates(
+    lo, hi, passes, inv_t, N_CAND: tl.constexpr, DTYPE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    """The candidates of search pass ``passes`` on ``DTYPE`` logits: for 16-bit logits
+    without the soft cap the images of logit values spread evenly over their 16-bit keys
+    (:func:`_input_candidates`: a bf16 value near the cut holds many tied logits, and on
+    fp32 keys the bracket would close on it one 16-fold step at a time), else
+    :func:`_candidates`."""
+    if (DTYPE.primitive_bitwidth <= 16) and (not HAS_SOFTCAP):
+        KEY: tl.constexpr = tl.core.get_int_dtype(DTYPE.primitive_bitwidth, False)
+        return _input_candidates(lo, hi, passes, inv_t, N_CAND, KEY, DTYPE, ACC)
+    return _candidates(lo, hi, passes, N_CAND, ACC)
+
+
+@triton.jit
+def _one_value_left(lo, hi, inv_t, DTYPE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                    ACC: tl.constexpr):  # fmt: skip
+    """Whether at most one value of the row can lie in ``[lo, hi)``: on the logits' own
+    16-bit keys where :func:`_search_candidates` uses them (at most one logit value scales
+    into it), else on the keys of ``z``."""
+    if (DTYPE.primitive_bitwidth <= 16) and (not HAS_SOFTCAP):
+        KEY: tl.constexpr = tl.core.get_int_dtype(DTYPE.primitive_bitwidth, False)
+        k_hi = _input_key_at_or_above(hi, inv_t, KEY, DTYPE, ACC).to(tl.int32)
+        return (k_hi - _input_key_at_or_above(lo, inv_t, KEY, DTYPE, ACC).to(tl.int32)) <= 1
+    return (_key(hi, ACC) - _key(lo, ACC)) <= 1
+
+
+@triton.jit
 def _search(
     row_ptr, V, stride_v, inv_t, inv_cap, m, lo, hi, c_hi, f_hi, goal, enabled,
     N_CAND: tl.constexpr, SEARCH_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -376,36 +400,21 @@ def _search(
 
     Returns ``(v, F(v), passes)``: search passes narrow the bracket on the values' keys,
     then one collect pass (<= 64 values left) or none (one value left)."""
-    # 16-bit logits without the soft cap: the candidates are the images of logit values,
-    # spread evenly over their 16-bit keys (a bf16 value near the cut holds many tied
-    # logits: on fp32 keys the bracket would close on it one 16-fold step at a time)
     DTYPE: tl.constexpr = row_ptr.dtype.element_ty
-    KEY: tl.constexpr = tl.core.get_int_dtype(DTYPE.primitive_bitwidth, False)
-    BY_INPUT_KEYS: tl.constexpr = (DTYPE.primitive_bitwidth <= 16) and (not HAS_SOFTCAP)
     f_lo = f_hi
     n_in = c_hi * 0
     passes = n_in.to(tl.int32)
     done = enabled == 0
     single = done
     while done == 0:
-        if BY_INPUT_KEYS:
-            cand = _input_candidates(lo, hi, passes, inv_t, N_CAND, KEY, DTYPE, ACC)
-        else:
-            cand = _candidates(lo, hi, passes, N_CAND, ACC)
+        cand = _search_candidates(lo, hi, passes, inv_t, N_CAND, DTYPE, HAS_SOFTCAP, ACC)
         cnt, mass = _bracket_sums(
             row_ptr, V, stride_v, inv_t, inv_cap, m, lo, hi, cand, N_CAND, SEARCH_BLOCK,
             HAS_SOFTCAP, ACC,
         )  # fmt: skip
         passes += 1
-        lo, hi, c_hi, f_hi, f_lo, n_in = _narrow(cand, cnt, mass, hi, c_hi, f_hi, goal, False,
-                                                 N_CAND)  # fmt: skip
-        if BY_INPUT_KEYS:  # at most one logit value scales into [lo, hi)
-            span = _input_key_at_or_above(hi, inv_t, KEY, DTYPE, ACC).to(tl.int32) - (
-                _input_key_at_or_above(lo, inv_t, KEY, DTYPE, ACC).to(tl.int32)
-            )
-            single = span <= 1
-        else:
-            single = (_key(hi, ACC) - _key(lo, ACC)) <= 1
+        lo, hi, c_hi, f_hi, f_lo, n_in = _narrow(cand, cnt, mass, hi, c_hi, f_hi, goal, N_CAND)
+        single = _one_value_left(lo, hi, inv_t, DTYPE, HAS_SOFTCAP, ACC)
         done = single | (n_in <= KS) | (passes >= MAX_SEARCH_PASSES)
     # <= 64 values left in [lo, hi): gather them and read the answer off
     collect = (enabled != 0) & (single == 0)
@@ -501,8 +510,7 @@ def _kth_by_digits(
     digit = tl.zeros((), tl.int32)
     for p in tl.static_range(N_DIGITS):
         if p == N_DIGITS - 1:
-            z_low = scaled_logits(_value(prefix << DIGIT_BITS, KEY, DTYPE, ACC, True), inv_t,
-                                  inv_cap, HAS_SOFTCAP)  # fmt: skip
+            z_low = _z_of_key(prefix << DIGIT_BITS, inv_t, inv_cap, DTYPE, HAS_SOFTCAP, ACC)
             hist, above, n_low = _last_digit(
                 row_ptr, n_read, stride_v, prefix, z_low, m, inv_t, inv_cap, KEY, BLOCK_V,
                 HAS_SOFTCAP, ACC,
@@ -518,20 +526,45 @@ def _kth_by_digits(
         if p < N_DIGITS - 1:
             prefix = (prefix << DIGIT_BITS) | digit.to(KEY)
     key_k = (prefix << DIGIT_BITS) | digit.to(KEY)
-    # as the streamed logits are converted: tau and their z compare on one conversion
-    tau = scaled_logits(_value(key_k, KEY, DTYPE, ACC, True), inv_t, inv_cap, HAS_SOFTCAP)
+    tau = _z_of_key(key_k, inv_t, inv_cap, DTYPE, HAS_SOFTCAP, ACC)
     if HAS_SOFTCAP:
         mass = _mass_at_or_above(row_ptr, n_read, stride_v, tau, m, inv_t, inv_cap, BLOCK_V,
                                  HAS_SOFTCAP, ACC)  # fmt: skip
         return tau, mass, run * N_DIGITS
-    # the prefix's values at or above the k-th, or rounded onto its z: one value per digit
+    mass = _kept_mass(key_k, tau, hist, above, n_low, m, inv_t, inv_cap, DTYPE, ACC)
+    return tau, mass, run * (N_DIGITS - 1)
+
+
+@triton.jit
+def _z_of_key(key, inv_t, inv_cap, DTYPE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+              ACC: tl.constexpr):  # fmt: skip
+    """The ``z`` of the ``DTYPE`` logit whose order-preserving key is ``key``, converted as
+    the streamed logits are (``tau`` and their ``z`` compare on one conversion)."""
+    KEY: tl.constexpr = tl.core.get_int_dtype(DTYPE.primitive_bitwidth, False)
+    return scaled_logits(_value(key, KEY, DTYPE, ACC, True), inv_t, inv_cap, HAS_SOFTCAP)
+
+
+@triton.jit
+def _kept_mass(key_k, tau, hist, above, n_low, m, inv_t, inv_cap, DTYPE: tl.constexpr,
+               ACC: tl.constexpr):  # fmt: skip
+    """The radix select's kept mass without the soft cap, from its last pass
+    (:func:`_last_digit`'s ``hist``, ``above``, ``n_low``, int or float): ``sum exp(z - m)``
+    over ``{z >= tau}``, ``tau`` the ``z`` of the k-th largest logit (key ``key_k``). The
+    values above the k-th's prefix are summed in ``above``; those sharing it hold one value
+    per last digit (kept at or above the k-th's digit, or where the scaling rounds it onto
+    ``tau``); ``n_low`` values below the prefix share the ``z`` of its smallest key, kept
+    where that is ``tau``."""
+    KEY: tl.constexpr = tl.core.get_int_dtype(DTYPE.primitive_bitwidth, False)
+    bins = tl.arange(0, BINS)
+    prefix = key_k >> DIGIT_BITS
+    digit = (key_k & (BINS - 1)).to(tl.int32)
     same = (prefix << DIGIT_BITS) | bins.to(KEY)
-    z_bin = scaled_logits(_value(same, KEY, DTYPE, ACC, True), inv_t, inv_cap, HAS_SOFTCAP)
+    z_bin = _z_of_key(same, inv_t, inv_cap, DTYPE, False, ACC)
     kept = ((bins >= digit) | (z_bin == tau)) & (hist > 0)
     e_bin = tl.where(kept, tl.exp(z_bin - m), 0.0)
+    z_low = _z_of_key(prefix << DIGIT_BITS, inv_t, inv_cap, DTYPE, False, ACC)
     merged_low = tl.where(z_low == tau, n_low.to(ACC) * tl.exp(tau - m), 0.0)
-    mass = above + tl.sum(hist.to(ACC) * e_bin, 0) + merged_low
-    return tau, mass, run * (N_DIGITS - 1)
+    return above + tl.sum(hist.to(ACC) * e_bin, 0) + merged_low
 
 
 @triton.jit(
@@ -593,9 +626,9 @@ def _truncated_logprobs_fwd_kernel(
     else:
         kk = top_k * 0 + KS
 
-    m, s, _, n_nan, top, thr, eqcnt, hist = _pass_a(
-        row_ptr, tl.where(active, V, 0), stride_v, inv_t, inv_cap, kk, NEED_SUM, False,
-        COLLECT, BLOCK_V, HAS_SOFTCAP, ACC, SEARCH_K,
+    m, s, n_nan, top, thr, eqcnt, hist = _pass_a(
+        row_ptr, tl.where(active, V, 0), stride_v, inv_t, inv_cap, kk, NEED_SUM, COLLECT, BLOCK_V,
+        HAS_SOFTCAP, ACC, SEARCH_K,
     )  # fmt: skip
     passes = active.to(tl.int32)
     if not NEED_SUM:
