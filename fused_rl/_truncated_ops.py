@@ -21,8 +21,20 @@ N_CAND = 16  # candidate thresholds per search pass: the key range shrinks 16-fo
 SEARCH_BLOCK = 128  # logits per step of a search pass (a (128, 16) comparison tile)
 # search passes at most (kernels/vocab/truncated.py ``_search``): up to 3 on evenly spaced
 # values, then 4 bits of the key a pass: fp32 keys 32 bits (8), fp64 keys 64 bits (16, plus
-# ~3 for the halving that keeps int64 from overflowing)
+# ~3 for the halving that keeps int64 from overflowing); bf16 / fp16 logits without the soft
+# cap are searched on their own 16-bit keys (4): :func:`max_search_passes`
 MAX_SEARCH_PASSES = {torch.float32: 11, torch.float64: 22}
+MAX_SEARCH_PASSES_16BIT = 7
+
+
+def max_search_passes(dtype: torch.dtype, softcap: float | None) -> int:
+    """The most search passes a row of ``dtype`` logits takes (the loop's bound; the
+    vocabulary-parallel route runs them all where it cannot stop early)."""
+    if torch.finfo(dtype).bits == 16 and softcap is None:
+        return MAX_SEARCH_PASSES_16BIT
+    return MAX_SEARCH_PASSES[stats_dtype(dtype)]
+
+
 # one warp per row, as the read-only vocab streams (fused_rl._launch.READ_BLOCK_V): the
 # per-insertion reductions over the 64 held values are warp shuffles, no shared memory and
 # barrier (untuned: no GPU has run this kernel yet)
@@ -83,7 +95,8 @@ def truncated_logprobs_fwd(
         TOPK_REG=0 < top_k <= MAX_STREAMED_K, SEARCH_K=top_k > MAX_STREAMED_K, TOP_P=has_p,
         HAS_SOFTCAP=softcap is not None,
         BLOCK_V=block, SEARCH_BLOCK=min(SEARCH_BLOCK, block), N_CAND=N_CAND,
-        MAX_SEARCH_PASSES=MAX_SEARCH_PASSES[dtype], ACC=triton_acc(logits3d.dtype),
+        MAX_SEARCH_PASSES=max_search_passes(logits3d.dtype, softcap),
+        ACC=triton_acc(logits3d.dtype),
         num_warps=NUM_WARPS,
     )  # fmt: skip
     return logp, stats, passes

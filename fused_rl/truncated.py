@@ -126,9 +126,10 @@ def truncated_logprobs(
             the layout header, one all-gather of ``kk + 7`` floats a token per rank (``kk =
             min(k, 64)``, or 64 for top-p alone and ``k > 64``); where those values do not
             decide a row's cut: for ``k > 64`` the radix select's ``B / 8`` passes (2 for
-            bf16, 4 fp32), one all-reduce of 258 floats a token each (one more of one float
-            with ``softcap``); for top-p search passes of one all-reduce of 32 floats a
-            token each (at most 11 in fp32, 7 for bf16), then one all-gather of 64. Under
+            bf16, 4 fp32), one all-reduce each of the digit's histogram (256 int32 a token,
+            258 floats after the first pass; one more of one float with ``softcap``); for
+            top-p search passes of one all-reduce of 32 floats a token each (at most 11 in
+            fp32, 7 for bf16 / fp16), then one all-gather of 64. Under
             ``torch.compile`` one custom op each way (``fullgraph=True`` holds): the host
             reads (to skip a step no row needs, once a search pass to stop early) run
             inside it.

@@ -28,7 +28,7 @@ Forward (``kernels/vocab/truncated_shard.py``):
    kernel runs one pass per launch on a bracket ``[lo, L)`` every rank holds alike: each
    pass streams the shard for 16 candidates' counts and masses and **all-reduces** them
    (``2 x 16`` floats a token; bf16 / fp16 logits without the soft cap on their own 16-bit
-   keys, at most 3 + 4 passes; ``fused_rl._truncated_ops.MAX_SEARCH_PASSES`` at most;
+   keys, at most 3 + 4 passes; ``fused_rl._truncated_ops.max_search_passes`` at most;
    skipped when no row needs it and stopped once every row's search is over, a host read
    each, with the layout checked), then one collect pass gathers the at most 64 values left
    in the bracket (**all-gather**, 64 floats a token per rank).
@@ -60,12 +60,12 @@ from ._ops import FusedOp, _serialised_when_interpreting
 from ._select_ops import BINS, DIGIT_BITS, choose_digit
 from ._shapes import as_rows3d
 from ._truncated_ops import (
-    MAX_SEARCH_PASSES,
     MAX_STREAMED_K,
     N_CAND,
     NUM_WARPS,
     SEARCH_BLOCK,
     _block,
+    max_search_passes,
     scale_args,
     truncated_bwd_into,
 )
@@ -169,13 +169,13 @@ def _search(x3d: Tensor, spec, on, lo, hi, c_hi, f_hi, goal, m):
     # stop early once every row is done: a host read a pass, only where the layout is
     # checked (an unchecked bad layout may leave the ranks' states apart: all passes)
     early = spec.check and V.host_sync_allowed(on)
-    for _ in range(MAX_SEARCH_PASSES[acc]):
+    for _ in range(max_search_passes(x3d.dtype, spec.softcap)):
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
         launch(narrow=True, stream=True, collect=False)
         if early and bool((state[:, k.S_DONE.value] != 0).all()):
             break  # every rank alike: each holds the same state
     launch(narrow=False, stream=False, collect=True)
-    vals = _all_gather(top, spec.shard).permute(1, 0, 2).reshape(n, -1)
+    vals = _all_gather(top, spec.shard).permute(1, 0, 2).reshape(n, spec.shard.world * KS)
     s = state.double()
     field = lambda f: s[:, f.value]  # noqa: E731
     found, v, f_v = _union_cut(
@@ -199,7 +199,7 @@ def _search_step(x, state, sums, top, spec, narrow, stream, collect):
         *scale_args(spec.temperature, spec.softcap), NARROW=narrow,
         STREAM=stream, COLLECT=collect, N_CAND=N_CAND,
         SEARCH_BLOCK=min(SEARCH_BLOCK, _block(vocab)), BLOCK_V=_block(vocab),
-        MAX_SEARCH_PASSES=MAX_SEARCH_PASSES[stats_dtype(x.dtype)],
+        MAX_SEARCH_PASSES=max_search_passes(x.dtype, spec.softcap),
         HAS_SOFTCAP=spec.softcap is not None, ACC=triton_acc(x.dtype), num_warps=NUM_WARPS,
     )  # fmt: skip
 
@@ -207,8 +207,8 @@ def _search_step(x, state, sums, top, spec, narrow, stream, collect):
 @_serialised_when_interpreting
 def _partials(x3d: Tensor, t_local: Tensor, spec, kk: int, need_sum: bool, hist: bool):
     """The partials kernel (``kernels/vocab/truncated_shard.py``): ``(n_rows, KS + 7)`` rows
-    and, ``hist`` (top-k > 64: with the minimum), the radix select's first histograms
-    ``(n_rows, 256)`` int32 (else None)."""
+    and, ``hist`` (top-k > 64), the radix select's first histograms ``(n_rows, 256)`` int32
+    (else None)."""
     k = _shard_kernels()
     outer, inner, vocab = x3d.shape
     part = torch.empty((outer * inner, KS + k.PART_EXTRA.value), dtype=stats_dtype(x3d.dtype),
@@ -279,7 +279,9 @@ def _kth_by_digits(x3d: Tensor, spec, on: Tensor, hist: Tensor, k: int, m: Tenso
     on8 = on.to(torch.int8)
     m_acc = m.to(stats_dtype(x3d.dtype))
     dist.all_reduce(hist, group=group)
-    need = torch.full((n,), k, dtype=torch.int64, device=on.device)
+    # k beyond the row (top_k >= V where no header was read to turn it off): its smallest
+    # value is the k-th, everything kept
+    need = torch.minimum(torch.full((n,), k, device=on.device), hist.sum(-1, dtype=torch.int64))
     prefix = torch.zeros_like(need)
     buf = hist
     for p in range(1, bits // DIGIT_BITS):
@@ -315,7 +317,8 @@ def _threshold(x3d, t_local, spec, top_k: int, top_p: float, vocab: int):
     bad = (field(k.P_NAN).sum(0) > 0) | ~torch.isfinite(m)
     m = torch.where(bad, 0.0, m)
     # the union: every rank's slots, and its ties at the kk-th value that hold none
-    slots, thr_acc = g[..., :kk].permute(1, 0, 2).reshape(n, -1), g[..., kk + k.P_THR.value]
+    slots = g[..., :kk].permute(1, 0, 2).reshape(n, shard.world * kk)
+    thr_acc = g[..., kk + k.P_THR.value]
     vals = torch.cat((slots, thr_acc.t()), 1)
     weights = torch.cat((torch.ones((n, shard.world * kk), dtype=g.dtype, device=g.device),
                          g[..., kk + k.P_EXTRA.value].t()), 1)  # fmt: skip

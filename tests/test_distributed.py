@@ -1056,6 +1056,18 @@ def truncated_vocab_parallel_radix(ctx):
     run(x, t, None, top_k=k, top_p=0.8)
     # a row of ties: the gathered slots (and the ties they count) decide it, no radix pass
     run(torch.ones(1, V), torch.tensor([3]), 0, top_k=k)
+    # unchecked (no header read, as under torch.compile) top_k >= V is not turned off: the
+    # radix select keeps every value, the unsharded call's values
+    config.check_values = False
+    try:
+        run(x, t, 4, False, top_k=V + 7)
+    finally:
+        config.check_values = True
+    # no token at all: an empty result on every rank
+    for kw in (dict(top_k=k), dict(top_p=0.9)):
+        empty = fused_rl.truncated_logprobs(x[0, :0, start:stop], t[0, :0], **kw,
+                                            process_group=ctx.group)  # fmt: skip
+        assert empty.shape == (0,), empty.shape
 
     def shards(top, rest):
         """A row whose every shard holds 70 of ``top`` (its 64th value is one of them),
