@@ -20,6 +20,8 @@ Two families of ops:
 * ``policy_loss[grpo+fullkl]`` (:data:`FULL_KL_VARIANTS`): the GRPO inputs plus the reference
   model's ``(B, T + 1, V)`` logits buffer, the policy's plus noise (``REF_NOISE``), in the
   case dtype: GRPO with the exact per-token KL to the reference over the vocabulary.
+* ``token_logprobs`` under a sampler's top-k / top-p truncation (:data:`TRUNCATED_VARIANTS`):
+  the ``token_logprobs`` inputs, every target its row's argmax (kept by every cut).
 
 Inputs are random normal (never zeros: they hide unwritten outputs and can time faster).
 """
@@ -95,6 +97,20 @@ NEW_POLICY_VARIANTS = ("cispo", "gmpo", "grpo+is", "grpo+fullkl")
 # grid of the other suites leaves them out): the quick suite runs them at its shapes, the
 # full and peers suites at one shape, the fullkl suite at FULL_KL_SHAPES (and its grids)
 FULL_KL_VARIANTS = ("grpo+fullkl",)
+# token_logprobs under a sampler's truncation (``token_logprobs(top_k=, top_p=)``, the
+# log-prob under the renormalised kept set), the call's keywords by variant: top-k at a
+# sampler's usual k (k <= 64: one read of each row, as the plain op), top-k beyond the
+# streamed 64 (a radix select of the k-th largest) and top-p alone (a threshold search).
+# Not in OP_VARIANTS, as FULL_KL_VARIANTS: the quick suite runs them at its shapes, the
+# truncated suite at TRUNCATED_SHAPE beside the plain logp cases
+TRUNCATED_VARIANTS: dict[str, dict] = {
+    "k50": dict(top_k=50),
+    "k1000": dict(top_k=1000),
+    "p0.9": dict(top_p=0.9),
+}
+# (variant, mode) pairs measured: k50 without grad too (what scoring rollouts costs)
+TRUNCATED_MODES = (("k50", "fwd_nograd"), ("k50", "fwd_bwd"), ("k1000", "fwd_bwd"),
+                   ("p0.9", "fwd_bwd"))  # fmt: skip
 
 # Hyper-parameters shared by every provider of an op (a benchmark compares like with like).
 TEMPERATURE = 1.0
@@ -205,6 +221,9 @@ def quick_cases() -> list[Case]:
     for op in LOGITS_OPS:
         cases += _logits_cases(op, logits_shapes)
     cases += _full_kl_cases(logits_shapes)
+    # the truncated variants cost the interpreter seconds a call (the threshold search, the
+    # radix select): each at one shape, the first its top-k truncates (k1000: V = 4099)
+    cases += _truncated_cases(logits_shapes, first_cut=True)
     for op in TOKEN_OPS:
         cases += _token_cases(op, token_shapes)
     for op in LINEAR_OPS:  # the GEMMs are torch's: the same tiny grid, H = 16
@@ -220,6 +239,29 @@ def _full_kl_cases(shapes, compile_shapes=None) -> list[Case]:
     return [Case("policy_loss", variant, "fwd_bwd", b, t, v, dt,
                  compile_ok=compile_shapes is None or (b * t, v, dt) in compile_shapes)
             for b, t, v, dt in shapes for variant in FULL_KL_VARIANTS]  # fmt: skip
+
+
+def _truncated_cases(shapes, compile_shapes=None, plain: bool = False,
+                     first_cut: bool = False) -> list[Case]:  # fmt: skip
+    """``token_logprobs`` under truncation (every ``TRUNCATED_MODES`` pair) at ``shapes``,
+    iterable of ``(B, T, V, dtype)``; ``plain``: the plain ``token_logprobs[logp]`` in the
+    same modes first at each shape and mode (what truncation costs over it, in one run);
+    ``first_cut``: each pair at the first of ``shapes`` whose vocabulary its top-k
+    truncates (``k < V``) only."""
+    pairs = []
+    for mode in dict.fromkeys(m for _, m in TRUNCATED_MODES):  # the no-grad cases first
+        pairs += [("logp", mode)] if plain else []
+        pairs += [(v, m) for v, m in TRUNCATED_MODES if m == mode]
+    out, placed = [], set()
+    for b, t, v, dt in shapes:
+        for variant, mode in pairs:
+            top_k = TRUNCATED_VARIANTS.get(variant, {}).get("top_k")
+            if first_cut and ((variant, mode) in placed or (top_k or 0) >= v):
+                continue
+            placed.add((variant, mode))
+            ok = compile_shapes is None or (b * t, v, dt) in compile_shapes
+            out.append(Case("token_logprobs", variant, mode, b, t, v, dt, compile_ok=ok))
+    return out
 
 
 def _distill_cases(shapes, hidden: int, compile_shapes=None) -> list[Case]:
@@ -284,6 +326,12 @@ PEER_LOGPROB_SHAPES = ((8, 2048, 151936),)
 # (what the exact KL costs over the estimate), eager and torch.compile of it
 FULL_KL_SHAPES = ((8, 2048, 151936), (4, 1024, 32000))
 FULL_KL_PROVIDERS = ("fused_rl", "fused_rl_k3", "eager", "compile")
+# the truncated suite's shape (B, T, V), a trainer's, and its providers: fused_rl's
+# truncated call, eager (a sampler's computation: top-k by torch.topk, top-p over the sorted
+# fp32 logits) and torch.compile of it; the plain token_logprobs[logp] cases beside them get
+# the same three (the one-pass op's time at the shape, the eager log_softmax's)
+TRUNCATED_SHAPE = (8, 2048, 151936)
+TRUNCATED_PROVIDERS = ("fused_rl", "eager", "compile")
 
 
 def peer_cases() -> list[Case]:
@@ -373,8 +421,20 @@ def full_kl_cases() -> list[Case]:
     return _full_kl_cases([(b, t, v, "bf16") for b, t, v in FULL_KL_SHAPES])
 
 
+def truncated_cases() -> list[Case]:
+    """The ``truncated`` suite (GPU): ``token_logprobs`` under top-k / top-p
+    (:data:`TRUNCATED_MODES`) in bf16 at ``TRUNCATED_SHAPE``, each mode's plain
+    ``token_logprobs[logp]`` case first (what truncation costs over the one-pass op, from
+    one run), torch.compile included, for ``TRUNCATED_PROVIDERS``: ``python bench/run.py
+    --suite truncated --providers <TRUNCATED_PROVIDERS, comma-separated>`` (a new
+    ``--tokens`` / ``--vocab`` grid: the same cases at its shapes). On CPU the variants run
+    in the quick suite's shapes: ``--suite quick --op token_logprobs``."""
+    return _truncated_cases([(*TRUNCATED_SHAPE, "bf16")], plain=True)
+
+
 SUITES = {"quick": quick_cases, "full": full_cases, "peers": peer_cases, "inplace": inplace_cases,
-          "distill": distill_cases, "fullkl": full_kl_cases}  # fmt: skip
+          "distill": distill_cases, "fullkl": full_kl_cases,
+          "truncated": truncated_cases}  # fmt: skip
 
 
 def select_cases(
@@ -386,7 +446,8 @@ def select_cases(
     seqlen: int | None = None,
 ) -> list[Case]:
     """The suite's cases, filtered. ``tokens`` / ``vocabs`` given: a new shape grid instead,
-    of the ops the suite holds (the ``fullkl`` suite's: its variants, ``FULL_KL_VARIANTS``).
+    of the ops the suite holds (the ``fullkl`` suite's: its variants, ``FULL_KL_VARIANTS``;
+    the ``truncated`` suite's: ``TRUNCATED_MODES`` and the plain logp cases beside them).
 
     With ``tokens``, logits ops use ``T = min(seqlen or 1024, tokens)`` and token ops use
     ``T = min(seqlen or 1024, tokens)`` too (``B = tokens / T``).
@@ -425,6 +486,8 @@ def select_cases(
         base += _distill_cases(shapes, hidden)
         if suite == "fullkl":  # a suite of variants, not of ops
             base = _full_kl_cases(shapes)
+        if suite == "truncated":  # the variants and the plain logp cases beside them
+            base = _truncated_cases(shapes, plain=True)
     out = []
     for c in base:
         if c.op not in suite_ops:  # a new grid keeps to the suite's own ops
@@ -459,17 +522,17 @@ def _true_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _argmax_targets(logits: torch.Tensor, targets: torch.Tensor) -> None:
-    """Every other position's target (``targets[:, ::2]``) set to the argmax of its
-    ``(B, T, V)`` logits row (the lowest id of a tie), a block of rows at a time: a random
-    target is the argmax with probability 1 / V, so a top-1 flag that never fires would
-    pass a check on random targets. (From hidden states the providers' GEMMs round the
+def _argmax_targets(logits: torch.Tensor, targets: torch.Tensor, every: int = 2) -> None:
+    """Every ``every``-th position's target (``targets[:, ::every]``) set to the argmax of
+    its ``(B, T, V)`` logits row (the lowest id of a tie), a block of rows at a time: a
+    random target is the argmax with probability 1 / V, so a top-1 flag that never fires
+    would pass a check on random targets. (From hidden states the providers' GEMMs round the
     logits differently near a tie, so the linear cases keep random targets.)"""
     batch, seqlen, vocab = logits.shape
-    step = max(1, (1 << 26) // max(vocab * seqlen, 1))
+    rows = max(1, (1 << 26) // max(vocab * seqlen, 1))
     with torch.no_grad():
-        for b in range(0, batch, step):
-            targets[b : b + step, ::2] = logits[b : b + step, ::2].argmax(-1)
+        for b in range(0, batch, rows):
+            targets[b : b + rows, ::every] = logits[b : b + rows, ::every].argmax(-1)
 
 
 def _linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
@@ -608,6 +671,9 @@ def make_inputs(case: Case, device: str | torch.device, seed: int = 0) -> dict:
 
     Logits ops: ``buf`` (B, T+1, V) and ``logits = buf[:, :-1]`` (a leaf view sharing its
     memory, so gradients land in a (B, T, V) buffer and no provider copies the slice).
+    ``token_logprobs``: ``targets`` (B, T) and the upstream gradients ``g_logp``,
+    ``g_entropy`` (B, T) fp32; the truncated variants (``TRUNCATED_VARIANTS``) draw the same
+    numbers as ``logp`` and then take each row's argmax as its target.
     Random numbers are drawn on ``device`` (a GPU fills gigabytes in milliseconds).
     """
     device = torch.device(device)
@@ -636,6 +702,14 @@ def make_inputs(case: Case, device: str | torch.device, seed: int = 0) -> dict:
             inp["g_entropy"] = randn(b, t)
             if case.variant == "stats":  # half the targets the argmax: the flag checked both ways
                 _argmax_targets(buf[:, :-1], targets)
+            if case.variant in TRUNCATED_VARIANTS:
+                # every target its row's argmax, which every cut keeps (top-k keeps the
+                # largest value and its ties for any k, top-p at least the most probable
+                # token): a target cut off has log-prob -inf and a zero gradient row, which
+                # the fused backward skips, so random targets (cut with probability ~1 - k / V)
+                # would time an unrepresentatively cheap backward; and a target near a cut
+                # could land on either side of it between fp32 and float64 rounding
+                _argmax_targets(buf[:, :-1], targets, every=1)
         else:
             logp = _true_logprobs(buf[:, :-1], targets)
             inp["advantages"] = randn(b)  # one per sequence (GRPO / GSPO)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: the CUDA test-suite, then the full benchmark suite.
 #
-#   bash bench/gpu_session.sh [all|tests|bench|linear|peers|host|inplace|distill|fullkl|e2e|
-#       ldiag|chunks]
+#   bash bench/gpu_session.sh [all|tests|bench|linear|peers|host|inplace|distill|fullkl|
+#       truncated|e2e|ldiag|chunks]
 #       [extra bench/run.py arguments]
 #   bash bench/gpu_session.sh tests,fullkl,distill   # several parts, TOTAL (520) s shared
 #
@@ -41,6 +41,12 @@
 #                  same inputs (fused_rl_k3: what the exact KL costs), eager (both fp32
 #                  log-softmaxes) and torch.compile of it; time, measured peak memory and the
 #                  float64 check of every row (resumable, as bench)
+#   truncated      token_logprobs under a sampler's top-k / top-p (`bench/run.py --suite
+#                  truncated`: top-k 50 without grad and forward + backward, top-k 1000 and
+#                  top-p 0.9 forward + backward, bf16, 8x2048x151936, each mode beside the
+#                  plain token_logprobs[logp]) for fused_rl, eager (torch.topk, a sort of the
+#                  fp32 logits for top-p) and torch.compile of it; time, measured peak
+#                  memory and the float64 check of every row (resumable, as bench)
 #   ldiag          linear_distill_loss's worst row against float64 (it failed the bench's
 #                  check on an H200 for fused_rl, the materialised path and eager alike):
 #                  the distill suite's linear_distill_loss cases for fused_rl and the
@@ -170,7 +176,8 @@ if [ "$PART" = all ] || [ "$PART" = tests ]; then
 fi
 
 if [ "$PART" = all ] || [ "$PART" = bench ] || [ "$PART" = linear ] || [ "$PART" = peers ] \
-    || [ "$PART" = inplace ] || [ "$PART" = distill ] || [ "$PART" = fullkl ]; then
+    || [ "$PART" = inplace ] || [ "$PART" = distill ] || [ "$PART" = fullkl ] \
+    || [ "$PART" = truncated ]; then
     SLUG=$("$PY" -c "import sys, torch; sys.path.insert(0, '.'); from bench.measure import \
 slug, device_name; print(slug(device_name('cuda' if torch.cuda.is_available() else 'cpu')))")
     # resume from what this working tree already holds for this GPU
@@ -222,6 +229,11 @@ if [ "$PART" = fullkl ]; then
     SUITE=fullkl
     SUITE_ARGS=(--providers "$("$PY" -c "import sys; sys.path.insert(0, '.'); \
 from bench.cases import FULL_KL_PROVIDERS; print(','.join(FULL_KL_PROVIDERS))")")
+fi
+if [ "$PART" = truncated ]; then
+    SUITE=truncated
+    SUITE_ARGS=(--providers "$("$PY" -c "import sys; sys.path.insert(0, '.'); \
+from bench.cases import TRUNCATED_PROVIDERS; print(','.join(TRUNCATED_PROVIDERS))")")
 fi
 { [ "$PART" = all ] || [ "$PART" = bench ]; } && SUITE=full
 if [ -n "$SUITE" ]; then

@@ -60,6 +60,14 @@ def bytes_moved(case: Case) -> int:
     gradients (``3*(N + V)*H*e``). These ops are GEMM-bound (``2*N*V*H`` flops a pass):
     their GB/s is no measure of how well they run.
 
+    ``token_logprobs`` under truncation (``cases.TRUNCATED_VARIANTS``): the plain op's bytes,
+    one read forward (``E*e``), read, read, write with the backward (``3*E*e``), what
+    fused_rl's top-k with ``k <= 64`` moves. Its top-k > 64 selects the k-th largest by
+    radix select (2 reads of a bf16 / fp16 row, 4 fp32) and its top-p searches the
+    threshold (typically 4-6 reads of a flat row, one where the row's 64 largest values
+    already hold ``p``): their GB/s is then an effective rate, the time to do the plain
+    op's job under the cut.
+
     ``policy_loss`` with the exact KL (``cases.FULL_KL_VARIANTS``): the reference's logits
     are read once in each pass too (``5*E*e``), for every provider of the case (the k3 call
     beside it moves ``3*E*e``: its GB/s is then an effective rate).

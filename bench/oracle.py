@@ -25,6 +25,13 @@ each row's gradient. A provider that computes another stated function of the sam
 (``fused_rl_k3``: GRPO with the k3 estimate) is checked against that function's oracle
 (``Oracle.by_provider``), never against the best match of several.
 
+Truncated log-probs (``token_logprobs[k50]`` etc., ``cases.TRUNCATED_VARIANTS``): per block
+of rows, the kept set in float64 from the rules' definitions (:func:`truncated_keep64`: top-k
+keeps the values at or above the k-th largest; top-p, over the renormalised top-k set, the
+values at or above the largest one whose upper set holds mass ``p``, whole tie groups
+counted), ``logp = s_y - logsumexp(s over the kept set)`` and the gradient in closed form,
+``g (onehot - p_kept) / tau`` on the kept set and 0 elsewhere (:func:`truncated_rows64`).
+
 Linear ops (``linear_token_logprobs``, ``linear_policy_loss``) never hold the ``(N, V)``
 logits in float64 either: the rows of ``z = h W^T`` are computed in float64 from float64
 copies of ``hidden`` and ``weight``, a block of rows at a time, for steps 1 and 2; then each
@@ -64,6 +71,7 @@ from .cases import (
     PPO,
     TEMPERATURE,
     TOPK_CLAMP,
+    TRUNCATED_VARIANTS,
     VALUE_CLIP,
     Case,
     clip_bounds,
@@ -538,10 +546,11 @@ def topk_overlap64(logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
 
 
 def compare_distill_grad(out, logits, weights, rows64):
-    """A provider's ``(B, T, V)`` gradient of a distillation loss ``out`` against the float64
-    one, ``weights[t] * grad`` of ``rows64(b, t0, t1) -> (d, grad)`` (the rows ``t0:t1`` of
-    sequence ``b``: :func:`distill_rows64`, :func:`topk_distill_rows64`), block by block
-    (never a float64 copy of the whole)."""
+    """A provider's ``(B, T, V)`` gradient of a row-local objective ``out`` (a distillation
+    loss, truncated log-probs under their upstream gradient) against the float64 one,
+    ``weights[t] * grad`` of ``rows64(b, t0, t1) -> (d, grad)`` (the rows ``t0:t1`` of
+    sequence ``b``: :func:`distill_rows64`, :func:`topk_distill_rows64`,
+    :func:`truncated_rows64`), block by block (never a float64 copy of the whole)."""
     if out.shape != logits.shape:
         return Comparison(float("inf"), float("inf"))
     num = den = worst = 0.0
@@ -555,6 +564,57 @@ def compare_distill_grad(out, logits, weights, rows64):
             den += ref.square_().sum().item()
     rows = logits.shape[0] * logits.shape[1]
     return Comparison(_ratio(num, den), _ratio(worst, den / max(rows, 1)))
+
+
+def truncated_keep64(s: torch.Tensor, top_k: int | None = None, top_p: float | None = None):
+    """Boolean ``(n, V)`` mask of the tokens a sampler keeps of float64 rows ``s`` ``(n, V)``
+    of tempered logits, from the rules' definitions (``fused_rl.truncated_logprobs``):
+
+    * top-k: ``s >= tau_k``, ``tau_k`` the k-th largest value counted with multiplicity
+      (``None`` or ``k >= V``: no cut);
+    * top-p, over the top-k set renormalised: ``s >= v*``, ``v*`` the largest kept value
+      whose upper set ``{s >= v*}`` holds probability ``>= p`` (``None`` or ``1``: no cut).
+      Each sorted position's upper-set mass is the cumulative sum at the LAST position tied
+      with it, so a tie group counts whole and no sort order of ties decides."""
+    vocab = s.shape[-1]
+    keep = torch.ones_like(s, dtype=torch.bool)
+    cut_k = top_k is not None and top_k < vocab
+    cut_p = top_p is not None and top_p < 1.0
+    if not (cut_k or cut_p):
+        return keep
+    desc = s.sort(dim=-1, descending=True).values
+    if cut_k:
+        kth = desc[:, top_k - 1 : top_k]
+        keep = s >= kth
+        desc.masked_fill_(desc < kth, float("-inf"))  # still descending
+    if cut_p:
+        cum = torch.softmax(desc, dim=-1).cumsum_(dim=-1)
+        ascending = desc.neg_()  # -s ascending: the ties of a value end where it is passed
+        last_tied = torch.searchsorted(ascending, ascending, right=True).sub_(1)
+        upper = cum.gather(-1, last_tied)
+        first = (upper < top_p).sum(-1, keepdim=True).clamp_(max=vocab - 1)
+        keep &= s >= ascending.gather(-1, first).neg_()
+    return keep
+
+
+def truncated_rows64(x: torch.Tensor, targets: torch.Tensor, top_k: int | None = None,
+                     top_p: float | None = None, tau: float = TEMPERATURE):  # fmt: skip
+    """``(logp, grad)`` of float64 logits rows ``x`` ``(n, V)`` and ``targets`` ``(n,)``
+    under the sampler's truncation, ``s = x / tau``: ``logp = s_y - logsumexp(s over the
+    kept set)`` ``(n,)`` (``-inf`` for a target cut off) and ``grad = d logp / dx``
+    ``(n, V)``, ``(onehot_y - p_kept) / tau`` on the kept set, 0 elsewhere (the kept set is
+    piecewise constant in the logits), and 0 for a row whose target is cut off (its log-prob
+    is the constant -inf)."""
+    s = x / tau if tau != 1.0 else x
+    keep = truncated_keep64(s, top_k, top_p)
+    log_p = s.masked_fill(~keep, float("-inf"))
+    log_p -= torch.logsumexp(log_p, dim=-1, keepdim=True)
+    t = targets[:, None]
+    kept = keep.gather(-1, t)
+    logp = torch.where(kept, log_p.gather(-1, t), float("-inf"))[:, 0]
+    grad = log_p.exp_().neg_().scatter_add_(-1, t, torch.ones_like(log_p[:, :1]))
+    grad.masked_fill_(~kept, 0.0)
+    return logp, grad / tau if tau != 1.0 else grad
 
 
 def distill_loss64(logits, weights, rows64):
@@ -713,6 +773,8 @@ class Oracle:
         self.kinks: dict[str, torch.Tensor] = {}
         self._vocab = None  # (logits, targets, lse, entropy, g, h, kink) for grad_logits
         self._full_kl = None  # (ref_logits, ref_lse, kl, c): the exact KL's gradient term
+        # (logits, weights, rows64) of a row-local objective's gradient (compare_distill_grad)
+        self._row_grad = None
         # providers that compute another stated function of the same inputs, each with the
         # oracle of that function (the k3 call beside the exact KL)
         self.by_provider: dict[str, Oracle] = {}
@@ -741,6 +803,9 @@ class Oracle:
 
     def _token_logprobs(self, inp: dict, fwd_bwd: bool) -> None:
         logits, targets = inp["logits"].detach(), inp["targets"]
+        if self.case.variant in TRUNCATED_VARIANTS:
+            self._truncated(logits, targets, inp["g_logp"] if fwd_bwd else None)
+            return
         logp, entropy, lse = token_stats64(logits, targets)
         self.values["logp"] = logp
         if self.case.variant == "stats":
@@ -755,6 +820,23 @@ class Oracle:
             g = inp["g_logp"].double()
             h = inp["g_entropy"].double() if with_entropy else torch.zeros_like(g)
             self._vocab = (logits, targets, lse, entropy, g, h, None)
+
+    def _truncated(self, logits, targets, g_logp) -> None:
+        """The truncated log-probs (the variant's cuts), block by block; with the upstream
+        gradient ``g_logp`` (forward + backward) the logits' gradient ``g_logp * grad`` of
+        :func:`truncated_rows64`."""
+        cuts = TRUNCATED_VARIANTS[self.case.variant]
+
+        def rows64(b, t0, t1):
+            return truncated_rows64(_copy64(logits[b, t0:t1]), targets[b, t0:t1], **cuts)
+
+        logp = torch.empty(logits.shape[:2], dtype=torch.float64, device=logits.device)
+        with torch.no_grad():
+            for b, t0, t1 in _row_blocks(logits):
+                logp[b, t0:t1] = rows64(b, t0, t1)[0]
+        self.values["logp"] = logp
+        if g_logp is not None:
+            self._row_grad = (logits, g_logp.double(), rows64)
 
     def _policy_loss(self, inp: dict) -> None:
         logits, targets = inp["logits"].detach(), inp["targets"]
@@ -862,11 +944,11 @@ class Oracle:
         self.values["loss"] = distill_loss64(logits, weights, rows64)
         if self.case.op == "topk_distill_loss":
             self.values["overlap_count"] = topk_overlap64(logits, inp["teacher_topk_ids"], weights)
-        self._distill_grad = (logits, weights, rows64)
+        self._row_grad = (logits, weights, rows64)
 
     def compare(self, name: str, out: torch.Tensor) -> Comparison:
-        if name == "grad_logits" and self.case.op in ("distill_loss", "topk_distill_loss"):
-            return compare_distill_grad(out, *self._distill_grad)
+        if name == "grad_logits" and self._row_grad is not None:
+            return compare_distill_grad(out, *self._row_grad)
         if name == "grad_logits":
             logits, targets, lse, entropy, g, h, kink = self._vocab
             return compare_vocab_grad(out, logits, targets, lse, entropy, g, h, kink,

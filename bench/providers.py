@@ -57,6 +57,19 @@ from the reference model's ``(B, T + 1, V)`` logits.
 * ``trl``, ``liger``, ``liger_inplace``: none (their GRPO losses estimate the KL from two
   log-probs per token; a note says so).
 
+Log-probs under a sampler's truncation (``token_logprobs[k50]``, ``[k1000]``, ``[p0.9]``,
+``cases.TRUNCATED_VARIANTS``): the log-prob of each target under the distribution vLLM's
+sampler draws from (temperature, then top-k, then top-p over the renormalised top-k set;
+ties at either cut kept whole), ``-inf`` for a target cut off (the cases' targets never are).
+
+* ``fused_rl`` / ``fused_rl_ref``: ``fused_rl.token_logprobs(logits, targets, top_k=,
+  top_p=)`` (``fused_rl.truncated_logprobs``), streamed on the Triton backend.
+* ``eager``: :func:`eager_truncated_logprobs`, what an RL engineer writes without fused_rl,
+  in vLLM's order over the fp32 logits: top-k by the k-th largest of ``torch.topk``, top-p
+  by sorting the kept logits, then ``log_softmax`` and ``gather``; ``compile``:
+  ``torch.compile`` of it.
+* ``trl``, ``liger``: none (no truncated log-prob; a note says so).
+
 Linear ops (``linear_token_logprobs``, ``linear_policy_loss``): fused_rl's ops from the hidden
 states and the lm_head; eager / compile run ``F.linear`` on ``hidden[:, :-1]`` and then the
 eager log-prob / GRPO loss above (logits upcast to fp32).
@@ -135,6 +148,7 @@ from .cases import (
     PPO,
     TEMPERATURE,
     TOPK_CLAMP,
+    TRUNCATED_VARIANTS,
     VALUE_CLIP,
     Case,
 )
@@ -314,6 +328,47 @@ def eager_token_logprobs(logits, targets, with_entropy: bool):
         return (logp,)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
+
+
+def eager_truncated_logprobs(logits, targets, top_k: int | None = None,
+                             top_p: float | None = None):  # fmt: skip
+    """``(logp,)``, ``(B, T)`` fp32: the log-prob of each target under a sampler's truncated
+    distribution, written the way an RL engineer would without fused_rl, in vLLM's order over
+    the fp32 logits ``z = logits / T``:
+
+    * top-k: the k-th largest ``z`` from ``torch.topk``; everything below it set to ``-inf``
+      (every value tied with the k-th is kept; ``None`` or ``k >= V``: no top-k);
+    * top-p: the kept logits sorted descending, their softmax's cumulative sum; the
+      threshold is the sorted value at the first position whose cumulative mass reaches
+      ``p``, and everything below it set to ``-inf`` (so every value tied with it is kept:
+      fused_rl's threshold rule; ``None`` or ``1``: no top-p);
+
+    then ``log_softmax`` of what is left and ``gather`` of the targets. Materialises several
+    fp32 ``(B, T, V)`` tensors (the masked logits, the sorted values and their int64
+    indices, the softmax, its cumulative sum) and the log-softmax autograd keeps."""
+    z = logits.float()
+    if TEMPERATURE != 1.0:
+        z = z / TEMPERATURE
+    vocab = z.shape[-1]
+    if top_k is not None and top_k < vocab:
+        kth = z.topk(top_k, dim=-1).values[..., -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        z_sorted = z.sort(dim=-1, descending=True).values
+        cum = torch.softmax(z_sorted, dim=-1).cumsum(dim=-1)
+        # the first position whose cumulative mass reaches p (the last one where rounding
+        # leaves the total short of p)
+        first = (cum < top_p).sum(-1, keepdim=True).clamp(max=vocab - 1)
+        z = z.masked_fill(z < z_sorted.gather(-1, first), float("-inf"))
+    logp = torch.log_softmax(z, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return (logp,)
+
+
+def eager_truncated_variant(logits, targets, variant: str):
+    """:func:`eager_truncated_logprobs` with the cuts of ``variant``
+    (``cases.TRUNCATED_VARIANTS``): under ``torch.compile`` the cuts are constants of each
+    variant's graph (the variant, a string, is specialised on)."""
+    return eager_truncated_logprobs(logits, targets, **TRUNCATED_VARIANTS[variant])
 
 
 def eager_token_stats(logits, targets):
@@ -779,6 +834,10 @@ def _fused_forward(case: Case, inp: dict, backend: str, k3: bool = False):
         kwargs = _distill_kwargs(inp, case.variant)
         args = [inp[k] for k in ("hidden", "weight", "teacher_hidden", "teacher_weight")]
         return lambda: (fn(*args, **kwargs)[0],)
+    if case.op == "token_logprobs" and case.variant in TRUNCATED_VARIANTS:
+        # the (B, T, V) slice: a truncated call takes targets of the logits' leading shape
+        cuts = TRUNCATED_VARIANTS[case.variant]
+        return lambda: (fn(inp["logits"], inp["targets"], temperature=TEMPERATURE, **cuts),)
     if case.op == "token_logprobs" and case.variant == "stats":
         stats = _fused_fn("token_stats", backend)
 
@@ -898,6 +957,12 @@ def _eager_forward(case: Case, inp: dict, compiled: bool, flavour: str = "eager"
             raise Unavailable("TRL computes these inside its fused head only (e2e_trl_pref)")
         fn = _compiled((flavour, op, variant), eager_token_stats) if compiled else eager_token_stats
         return lambda: fn(inp["logits"], inp["targets"])
+    if op == "token_logprobs" and variant in TRUNCATED_VARIANTS:
+        if flavour == "trl":
+            raise Unavailable("TRL has no truncated (top-k / top-p) log-prob")
+        base = eager_truncated_variant
+        fn = _compiled((flavour, op, variant), base) if compiled else base
+        return lambda: fn(inp["logits"], inp["targets"], variant)
     if op == "token_logprobs":
         with_entropy = variant == "logp+entropy"
         base = trl_token_stats if flavour == "trl" else eager_token_logprobs
@@ -1091,6 +1156,8 @@ def _liger_distill_forward(case: Case, inp: dict):
 def _liger_forward(case: Case, inp: dict, inplace: bool = False):
     if case.op == "topk_distill_loss":
         raise Unavailable("Liger has no top-k distillation loss")
+    if case.op == "token_logprobs" and case.variant in TRUNCATED_VARIANTS:
+        raise Unavailable("Liger has no truncated (top-k / top-p) log-prob")
     if liger_version() is None:
         raise Unavailable("liger_kernel is not importable", transient=True)
     if case.op in DISTILL_OPS:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 
-from .cases import DISTILL_OPS, FULL_KL_VARIANTS
+from .cases import DISTILL_OPS, FULL_KL_VARIANTS, TRUNCATED_VARIANTS
 from .measure import CPU_TIME_LABEL
 from .providers import BASELINE
 
@@ -227,6 +227,19 @@ def _accuracy_notes(records: list[dict]) -> list[str]:
             "`fused_rl_k3` (the same call with k3 on the same inputs) is checked against "
             "GRPO's oracle with k3 (results.json's `note` says so); the case's byte count is "
             "the exact KL's five passes, so the k3 row's GB/s is an effective rate.",
+            "",
+        ]
+    if any(r["op"] == "token_logprobs" and r["variant"] in TRUNCATED_VARIANTS for r in records):
+        lines += [
+            "Truncated log-probs (`token_logprobs[k50]`, `[k1000]`, `[p0.9]`: top-k / top-p "
+            "as a sampler cuts, every target its row's argmax, which every cut keeps): the "
+            "oracle finds each block of rows' kept set in float64 from the rules' definitions "
+            "(top-k: at or above the k-th largest; top-p: at or above the largest value whose "
+            "upper set holds mass p, tie groups whole), the log-prob over it and the gradient "
+            "`g (onehot - p_kept) / tau` on it, 0 elsewhere. The byte count is the plain "
+            "op's (one read forward; read, read, write with the backward): fused_rl's top-k "
+            "> 64 (a radix select) and top-p (a threshold search) read a row more than once, "
+            "so their GB/s is an effective rate.",
             "",
         ]
     declared = {(r["provider"], r["op"]) for r in records if r.get("status") == "less_accurate"}

@@ -14,6 +14,7 @@ Usage::
     python bench/run.py memory --op distill_loss --tokens 16384 --seqlen 2048   # its peaks
     python bench/run.py --suite fullkl --providers fused_rl,fused_rl_k3,eager,compile
     python bench/run.py memory --op policy_loss --tokens 16384 --seqlen 2048   # exact KL too
+    python bench/run.py --suite truncated --providers fused_rl,eager,compile   # top-k / top-p
     python bench/run.py host                          # host cost per call, tiny shape
 
 Every case runs each provider (``bench/providers.py``) on the same inputs in this process.
@@ -126,8 +127,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "own paths: TRL's and verl's fused heads, Liger inplace=True, at trainers' shapes), "
         "inplace (the gradient written into the logits), distill (the on-policy "
         "distillation losses at trainers' shapes; on CPU: --suite quick --op "
-        "distill_loss,linear_distill_loss) or fullkl (policy_loss with the exact KL to the "
-        "reference beside the same call with k3; on CPU: --suite quick --op policy_loss)",
+        "distill_loss,linear_distill_loss), fullkl (policy_loss with the exact KL to the "
+        "reference beside the same call with k3; on CPU: --suite quick --op policy_loss) or "
+        "truncated (token_logprobs under top-k / top-p beside the plain log-probs; on CPU: "
+        "--suite quick --op token_logprobs)",
     )
     p.add_argument("--op", type=_csv(str), default=None, help=f"comma list of: {', '.join(OPS)}")
     p.add_argument("--tokens", type=_csv(int), default=None, help="comma list of B*T values")

@@ -1314,6 +1314,230 @@ def test_full_kl_memory_figures_in_docs():
     assert f"{peaks[FULL_KL, 'eager'] / peaks[FULL_KL, 'fused_rl']:.1f}×" in section
 
 
+# ----------------------------------------------------------------------------- truncated
+
+TRUNCATED = ("k50", "k1000", "p0.9")
+# the truncated suite's (variant, mode) pairs in its order: the no-grad cases first, the
+# plain log-probs first in each mode
+TRUNCATED_SUITE = (("logp", "fwd_nograd"), ("k50", "fwd_nograd"), ("logp", "fwd_bwd"),
+                   ("k50", "fwd_bwd"), ("k1000", "fwd_bwd"), ("p0.9", "fwd_bwd"))  # fmt: skip
+
+
+def test_truncated_suites_and_cases(monkeypatch):
+    """``token_logprobs`` under top-k / top-p (``TRUNCATED_VARIANTS``): the ``truncated``
+    suite (bf16 at 8 x 2048 x 151936, each mode's plain ``token_logprobs[logp]`` case first,
+    torch.compile included), the quick suite (each pair once, at the first quick shape its
+    top-k truncates), none in the other suites or in a new quick grid; which providers
+    apply or say why not; the byte counts (the plain op's)."""
+    from bench.cases import TRUNCATED_MODES, TRUNCATED_PROVIDERS, TRUNCATED_VARIANTS
+
+    assert set(TRUNCATED_VARIANTS) == set(TRUNCATED)
+    assert set(TRUNCATED_MODES) == {p for p in TRUNCATED_SUITE if p[0] != "logp"}
+    cases = select_cases("truncated")
+    assert tuple((c.variant, c.mode) for c in cases) == TRUNCATED_SUITE
+    assert {(c.op, c.batch, c.seqlen, c.vocab, c.dtype) for c in cases} == {
+        ("token_logprobs", 8, 2048, 151936, "bf16")
+    }
+    assert all(c.compile_ok for c in cases)
+    quick = [c for c in select_cases("quick", ["token_logprobs"]) if c.variant in TRUNCATED]
+    assert sorted((c.variant, c.mode) for c in quick) == sorted(TRUNCATED_MODES)
+    for c in quick:  # every cut truncates there: k1000 at the odd V, the others at the first
+        assert TRUNCATED_VARIANTS[c.variant].get("top_k", 0) < c.vocab and c.dtype == "bf16"
+        assert c.tokens <= 8 and c.vocab == (4099 if c.variant == "k1000" else 1000), c
+    others = [c for s in ("full", "peers", "inplace", "distill", "fullkl") for c in select_cases(s)]
+    assert not [c for c in others if c.variant in TRUNCATED]
+    assert not [c for c in select_cases("quick", tokens=[4], vocabs=[64]) if c.variant in TRUNCATED]
+    grid = select_cases("truncated", tokens=[4096], vocabs=[32000])
+    assert [(c.variant, c.mode) for c in grid] == [(c.variant, c.mode) for c in cases]
+    assert {(c.tokens, c.vocab) for c in grid} == {(4096, 32000)}
+    assert set(TRUNCATED_PROVIDERS) <= set(P.PROVIDERS)
+
+    big = {(c.variant, c.mode): c for c in cases}
+    elements = 8 * 2048 * 151936 * 2
+    for (_, mode), case in big.items():
+        assert M.bytes_moved(case) == elements * (3 if mode == "fwd_bwd" else 1), case
+    case = Case("token_logprobs", "k50", "fwd_bwd", 2, 8, 1000, "bf16")
+    inp = make_inputs(case, "cpu")
+    for provider in ("fused_rl_k3", "fused_rl_mat", "verl", "liger_inplace", "fused_rl_2pass"):
+        assert not P.applies(provider, case), provider
+    monkeypatch.setattr(P, "liger_version", lambda: "any")  # the reason, installed or not
+    for provider in ("trl", "liger"):
+        with pytest.raises(P.Unavailable, match="no truncated") as info:
+            P.build(provider, case, inp)
+        assert not info.value.transient  # never: no --resume retries it
+
+
+def test_truncated_inputs_keep_every_target():
+    """The truncated cases' inputs are the plain ``logp`` case's (the same draws), with every
+    target its row's argmax, kept by every cut: the float64 kept set holds each target
+    (so no row's log-prob is -inf, nor its gradient 0) where random targets mostly fall
+    outside the top-k (V = 1500: top-k 1000 truncates)."""
+    from bench.cases import TRUNCATED_VARIANTS
+    from bench.oracle import truncated_keep64
+
+    plain = make_inputs(Case("token_logprobs", "logp", "fwd_bwd", 2, 8, 1500, "bf16"), "cpu")
+    for variant in TRUNCATED:
+        inp = make_inputs(Case("token_logprobs", variant, "fwd_bwd", 2, 8, 1500, "bf16"), "cpu")
+        for key in ("buf", "g_logp", "g_entropy"):
+            assert torch.equal(inp[key], plain[key]), (variant, key)
+        rows = inp["logits"].detach().reshape(-1, 1500)
+        targets = inp["targets"].reshape(-1)
+        assert torch.equal(targets, rows.argmax(-1)), variant
+        keep = truncated_keep64(rows.double(), **TRUNCATED_VARIANTS[variant])
+        assert keep.gather(-1, targets[:, None]).all(), variant
+        assert keep.sum(-1).max() < 1500 and keep.sum(-1).min() > 1, variant  # real cuts
+    rows = plain["logits"].detach().reshape(-1, 1500).double()
+    random_kept = truncated_keep64(rows, top_k=50).gather(-1, plain["targets"].reshape(-1, 1))
+    assert random_kept.float().mean() < 0.5  # what random targets would measure
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_truncated_providers_meet_the_oracle(dtype, device):
+    """fused_rl's truncated call (CUDA, or the Triton interpreter on a CPU-only machine), its
+    reference path and the eager sampler-style computation against the float64 oracle, every
+    (variant, mode) pair, at V = 1500 (top-k 1000 truncates: the radix select runs), on the
+    suite's device."""
+    from bench.cases import TRUNCATED_MODES
+
+    for variant, mode in TRUNCATED_MODES:
+        case = Case("token_logprobs", variant, mode, 2, 4, 1500, dtype)
+        verdicts = _verdicts(case, make_inputs(case, device), ("fused_rl", "fused_rl_ref", "eager"))
+        assert set(verdicts.values()) == {"ok"}, (variant, mode, verdicts)
+
+
+def test_truncated_ties_are_kept_whole():
+    """Rows with ties at the cut: top-k 2 of ``[2, 1, 1, -1]`` keeps three tokens (the two
+    tied at the 2nd value), top-p 0.5 of the probabilities ``[.4, .2, .2, .1, .1]`` keeps
+    the first three (the crossing token's tie whole: mass .8); the eager provider, the
+    oracle and fused_rl's reference give the log-probs of that rule, and -inf for a target
+    cut off (the oracle's gradient row 0 there)."""
+    from bench.oracle import truncated_rows64
+    from fused_rl.reference.truncated import truncated_logprobs
+
+    ln = math.log
+    rows = [([2.0, 1.0, 1.0, -1.0], dict(top_k=2), [0, 1, 3]),
+            ([ln(4), ln(2), ln(2), 0.0, 0.0], dict(top_p=0.5), [0, 2, 3])]  # fmt: skip
+    for row, cuts, targets in rows:
+        x = torch.tensor([row] * len(targets), dtype=torch.float64)
+        t = torch.tensor(targets)
+        kept = [i for i, v in enumerate(row) if v >= sorted(row)[-3]]
+        lse = torch.logsumexp(x[0, kept], 0)
+        want = torch.tensor([x[0, i] - lse if i in kept else -math.inf for i in targets])
+        logp, grad = truncated_rows64(x, t, **cuts)
+        torch.testing.assert_close(logp, want.double(), rtol=1e-12, atol=1e-12)
+        assert (grad[t == 3] == 0).all() and (grad[t != 3] != 0).any()  # a cut target: none
+        (eager,) = P.eager_truncated_logprobs(x.float()[None], t[None], **cuts)
+        torch.testing.assert_close(eager[0], want.float(), rtol=1e-6, atol=1e-6)
+        reference = truncated_logprobs(x, t, top_k=cuts.get("top_k"), top_p=cuts.get("top_p"),
+                                       temperature=1.0, ignore_index=-100)  # fmt: skip
+        torch.testing.assert_close(reference, want.double(), rtol=1e-12, atol=1e-12)
+
+
+def test_truncated_is_its_own_math():
+    """The cut matters and each variant's oracle judges its own: the untruncated log-probs
+    fail top-k 50's oracle, top-k 49 fails it too (one more token cut a row), and top-p 0.8
+    fails top-p 0.9's (fp32, the tolerance 1e-4)."""
+    from bench import accuracy as A
+    from bench.oracle import Oracle
+
+    for variant, wrong in (("k50", {}), ("k50", dict(top_k=49)), ("p0.9", dict(top_p=0.8))):
+        case = Case("token_logprobs", variant, "fwd_bwd", 2, 4, 1000, "fp32")
+        inp = make_inputs(case, "cpu")
+        logp = P.eager_truncated_logprobs(inp["logits"], inp["targets"], **wrong)[0]
+        grads = torch.autograd.grad([logp], [inp["logits"]], [inp["g_logp"]])
+        comps = Oracle(case, inp).compare_all(P.output_names(case), (logp.detach(), *grads))
+        judged = A.judge("eager", "fp32", comps, case.op)
+        assert judged["status"] == "wrong", (variant, wrong, judged["verdict"])
+
+
+def test_truncated_cli(tmp_path, device):
+    """``bench/run.py --suite truncated`` on a new grid (4 tokens x V 64, bf16): the plain
+    and the truncated cases for every provider that runs here, each within the tolerance of
+    float64, the plain op's byte counts, the results.md note on how they are checked, a
+    modelled peak per row on CPU."""
+    out = tmp_path / "res"
+    argv = ["--suite=truncated", f"--device={device}", "--tokens=4", "--vocab=64",
+            "--providers=fused_rl,fused_rl_ref,eager,trl", "--reps=1", "--no-plots",
+            "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    records = results["records"]
+    want = set(TRUNCATED_SUITE)
+    for provider in ("fused_rl", "fused_rl_ref", "eager"):
+        assert {(r["variant"], r["mode"]) for r in records if r["provider"] == provider} == want
+    assert {(r["variant"], r["mode"]) for r in records if r["provider"] == "trl"} == {
+        ("logp", "fwd_nograd"),
+        ("logp", "fwd_bwd"),
+    }
+    notes = [n for n in results["skipped"] if n["provider"] == "trl"]
+    assert len(notes) == 4 and all("no truncated" in n["reason"] for n in notes), notes
+    for r in records:
+        assert r["verdict"].startswith(("ok", "less accurate")), r
+        assert r["verdict"] == "ok" or r["provider"] == "trl", r
+        assert r["bytes"] == 4 * 64 * 2 * (3 if r["mode"] == "fwd_bwd" else 1), r
+        assert (r["model_mb"] is not None) == (device == "cpu"), r
+    assert "Truncated log-probs (`token_logprobs[k50]`" in (out / "results.md").read_text()
+
+
+def test_truncated_memory_model():
+    """The truncated cases at 8 x 2048 x 151936 bf16, modelled (fake tensors): fused_rl
+    holds per-token floats without grad and the bf16 (B, T, V) gradient (the slice's) with
+    it, whatever the cut (at most 64 bytes a token besides); eager's peak per logit: the
+    plain log-probs 12 bytes (fp32 logits, the log-softmax, the backward's), top-k 13 (the
+    masked copy and its bool mask beside the logits and the log-softmax), top-p 29 (the
+    sort's fp32 values and int64 indices, the softmax, its cumulative sum, the mask and the
+    masked copy beside the logits); 9 and 8 without grad. Per-token floats aside (at most
+    16 bytes a token, and top-k's k values and ids)."""
+    from bench.cases import TRUNCATED_VARIANTS
+
+    n, v = 8 * 2048, 151936
+    nv = n * v
+    eager_bytes = dict(zip(TRUNCATED_SUITE, (8, 9, 12, 13, 13, 29), strict=True))
+    for (variant, mode), per_logit in eager_bytes.items():
+        case = Case("token_logprobs", variant, mode, 8, 2048, v, "bf16")
+        # torch.topk's k values and int64 ids a token may be alive at the peak too
+        small = (16 + 12 * TRUNCATED_VARIANTS.get(variant, {}).get("top_k", 0)) * n
+        fused, how = model_peak("fused_rl", case)
+        assert how == "modelled", (variant, mode, how)
+        assert 0 <= fused - (2 * nv if mode == "fwd_bwd" else 0) < 64 * n, (variant, mode, fused)
+        eager, how = model_peak("eager", case)
+        assert how == "modelled" and 0 <= eager - per_logit * nv < small, (variant, mode, eager)
+    case = Case("token_logprobs", "k50", "fwd_bwd", 8, 2048, v, "bf16")
+    assert model_peak("compile", case)[0] is None  # measured on GPUs only
+
+
+def _truncated_doc_section() -> str:
+    text = open(os.path.join(ROOT, "docs", "benchmarks.md")).read()
+    start = text.index("## Truncated log-probs")
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end < 0 else text[start:end]
+
+
+def test_truncated_memory_figures_in_docs():
+    """docs/benchmarks.md's Truncated log-probs table states the model's peaks at 8 x 2048 x
+    151936 bf16 for fused_rl and eager, each cell the model's bytes in GB to two decimals,
+    the case's byte convention and the command; it says they are modelled, and that no GPU
+    has timed the cases yet."""
+    section = _truncated_doc_section()
+    flat = " ".join(section.split())
+    assert "modelled on CPU, not measured on a GPU" in flat and "No GPU figures yet" in flat
+    assert "bash bench/gpu_session.sh truncated" in flat
+    assert "python bench/run.py --suite truncated" in flat
+    for variant, mode in TRUNCATED_SUITE:
+        row = next(line for line in section.splitlines()
+                   if line.startswith(f"| `token_logprobs[{variant}]` {mode} |"))  # fmt: skip
+        cells = [c.strip() for c in row.strip("|").split("|")][1:]
+        case = Case("token_logprobs", variant, mode, 8, 2048, 151936, "bf16")
+        for provider, cell in zip(("fused_rl", "eager"), cells, strict=True):
+            peak = model_peak(provider, case)[0]
+            assert cell == f"{peak / 1e9:.2f} GB", (variant, mode, provider, peak, cell)
+    n, v = 8 * 2048, 151936
+    assert f"{2 * n * v:,}" in section and f"{4 * n * v:,}" in section
+    top_p = Case("token_logprobs", "p0.9", "fwd_bwd", 8, 2048, v, "bf16")
+    ratio = model_peak("eager", top_p)[0] / model_peak("fused_rl", top_p)[0]
+    assert f"{ratio:.1f}×" in section
+
+
 def test_chunk_tokens_reach_the_linear_ops_and_are_recorded(tmp_path, monkeypatch):
     """``--chunk-tokens`` gives fused_rl's ops from hidden states (those taking
     ``chunk_tokens=``) that many rows a chunk and nothing else; results.json records it, and

@@ -299,6 +299,37 @@ def test_linear_oracle_matches_float64_autograd(monkeypatch, op, variant, dtype)
     assert off.worst_row == pytest.approx(0.1, rel=1e-9)
 
 
+@pytest.mark.no_poison
+@pytest.mark.parametrize("variant", ["k50", "k1000", "p0.9"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_truncated_oracle_matches_float64_autograd(monkeypatch, variant, dtype):
+    """The truncated log-probs' streamed oracle (blocks of 3 rows: a remainder block too;
+    the kept set from the rules' definitions, the gradient in closed form) equals float64
+    autograd through fused_rl's reference (a sort, another way to find the kept set) on the
+    whole logits under the case's upstream gradient, to 1e-12, at V = 1100 (top-k 1000
+    truncates); a gradient 10% off is measured as 0.1."""
+    from bench.cases import TRUNCATED_VARIANTS
+    from fused_rl.reference.truncated import truncated_logprobs
+
+    vocab = 1100
+    monkeypatch.setattr(O, "CHUNK", 3 * vocab)
+    case = Case("token_logprobs", variant, "fwd_bwd", 2, 5, vocab, dtype)
+    inp = make_inputs(case, "cpu")
+    oracle = O.Oracle(case, inp)
+    z = inp["logits"].detach().double().requires_grad_()
+    cuts = TRUNCATED_VARIANTS[variant]
+    logp = truncated_logprobs(z, inp["targets"], top_k=cuts.get("top_k"),
+                              top_p=cuts.get("top_p"), temperature=1.0,
+                              ignore_index=-100)  # fmt: skip
+    (grad,) = torch.autograd.grad(logp, [z], inp["g_logp"].double())
+    for name, want in (("logp", logp.detach()), ("grad_logits", grad)):
+        got = oracle.compare(name, want)
+        assert got.err < F64_TOL and got.worst_row < F64_TOL, (name, got)
+    off = oracle.compare("grad_logits", 1.1 * grad)
+    assert off.err == pytest.approx(0.1, rel=1e-9)
+    assert torch.isfinite(oracle.values["logp"]).all()  # every target kept
+
+
 def test_worst_own_row_err():
     """grad_weight's rows against their own norm, floored at the RMS row norm: a big row 1%
     off reads 0.01 (not ~1% times how much bigger than the typical row it is); a small row
