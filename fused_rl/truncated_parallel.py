@@ -266,8 +266,9 @@ def _kth_by_digits(x3d: Tensor, spec, on: Tensor, hist: Tensor, k: int, m: Tenso
     whatever), the k-th largest ``z`` of the whole row and the mass ``exp(z - m)`` of ``{z
     >= tau}``, by the radix select of ``kernels/vocab/truncated.py`` on the logits' bits:
     the first digit's histograms ``hist`` from the partials, then ``B / 8 - 1`` passes of
-    one launch and one all-reduce each (the histograms summed over the ranks; ``257 + 1``
-    floats a token), the digit chosen on every rank alike (``_select_ops.choose_digit``),
+    one launch and one all-reduce each (summed over the ranks: 258 floats a token, the
+    256 counts, then the last pass's mass above the prefix and count rounded onto it), the
+    digit chosen on every rank alike (``_select_ops.choose_digit``),
     then the end (no read; with the soft cap one read and an all-reduce of its mass).
     Skipped, with no collective, when no row needs it (a host read where allowed)."""
     n = on.numel()
