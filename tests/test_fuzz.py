@@ -2850,7 +2850,7 @@ def _found_params():
         yield pytest.param(name, marks=marks, id=name)
 
 
-@pytest.mark.parametrize("name", _found_params())
+@pytest.mark.parametrize("name", list(_found_params()))
 def test_found_by_fuzzing(name):
     check_case(FOUND[name]())
 
