@@ -227,16 +227,17 @@ def _partials(x3d: Tensor, t_local: Tensor, spec, kk: int, need_sum: bool, hist:
 @_serialised_when_interpreting
 def _digit_pass(x3d: Tensor, on: Tensor, prefix: Tensor, m: Tensor, spec, shift: int,
                 last: bool) -> Tensor:  # fmt: skip
-    """A later radix-select pass on the rows ``on``: ``(n_rows, 258)`` in the statistics
-    dtype, this rank's histograms (and, ``last``, mass above the prefix and count rounded
-    onto it; ``kernels/vocab/truncated_shard.py`` ``_shard_digit_kernel``)."""
+    """A later radix-select pass on the rows ``on`` (``m``: the global max, in the
+    statistics dtype): ``(n_rows, 258)`` in the statistics dtype, this rank's histograms
+    (and, ``last``, mass above the prefix and count rounded onto it;
+    ``kernels/vocab/truncated_shard.py`` ``_shard_digit_kernel``)."""
     k = _shard_kernels()
     outer, inner, vocab = x3d.shape
     acc = stats_dtype(x3d.dtype)
     buf = torch.empty((outer * inner, BINS + 2), dtype=acc, device=x3d.device)
     if outer * inner:
         k._shard_digit_kernel[(outer * inner,)](
-            x3d, on, prefix, m.to(acc), buf, inner, vocab, *x3d.stride(),
+            x3d, on, prefix, m, buf, inner, vocab, *x3d.stride(),
             *scale_args(spec.temperature, spec.softcap), shift, LAST=last,
             HAS_SOFTCAP=spec.softcap is not None, BLOCK_V=_block(vocab),
             ACC=triton_acc(x3d.dtype), num_warps=NUM_WARPS,
@@ -246,15 +247,16 @@ def _digit_pass(x3d: Tensor, on: Tensor, prefix: Tensor, m: Tensor, spec, shift:
 
 @_serialised_when_interpreting
 def _kth_end(x3d: Tensor, on: Tensor, key: Tensor, m: Tensor, buf: Tensor, spec) -> Tensor:
-    """``(2, n_rows)``: ``tau`` and the kept mass from the k-th largest's ``key``
-    (``_shard_kth_kernel``: with the soft cap this rank's share of the mass, one read)."""
+    """``(2, n_rows)``: ``tau`` and the kept mass from the k-th largest's ``key`` (``m`` as
+    :func:`_digit_pass` takes it; ``_shard_kth_kernel``: with the soft cap this rank's
+    share of the mass, one read)."""
     k = _shard_kernels()
     outer, inner, vocab = x3d.shape
     acc = stats_dtype(x3d.dtype)
     out = torch.empty((2, outer * inner), dtype=acc, device=x3d.device)
     if outer * inner:
         k._shard_kth_kernel[(outer * inner,)](
-            x3d, on, key, m.to(acc), buf, out, inner, vocab, *x3d.stride(),
+            x3d, on, key, m, buf, out, inner, vocab, *x3d.stride(),
             *scale_args(spec.temperature, spec.softcap), HAS_SOFTCAP=spec.softcap is not None,
             BLOCK_V=_block(vocab), ACC=triton_acc(x3d.dtype), num_warps=NUM_WARPS,
         )  # fmt: skip
@@ -268,8 +270,8 @@ def _kth_by_digits(x3d: Tensor, spec, on: Tensor, hist: Tensor, k: int, m: Tenso
     the first digit's histograms ``hist`` from the partials, then ``B / 8 - 1`` passes of
     one launch and one all-reduce each (summed over the ranks: 258 floats a token, the
     256 counts, then the last pass's mass above the prefix and count rounded onto it), the
-    digit chosen on every rank alike (``_select_ops.choose_digit``),
-    then the end (no read; with the soft cap one read and an all-reduce of its mass).
+    digit chosen on every rank alike (``_select_ops.choose_digit``), then the end (no read;
+    with the soft cap one read and an all-reduce of its mass).
     Skipped, with no collective, when no row needs it (a host read where allowed)."""
     n = on.numel()
     if V.host_sync_allowed(on) and not bool(on.any()):

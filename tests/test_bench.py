@@ -1078,9 +1078,10 @@ def test_linear_distill_memory_model():
     assert p2 < mat / 3
 
 
-def _distill_doc_section() -> str:
+def _doc_section(heading: str) -> str:
+    """docs/benchmarks.md's section under ``heading`` (to the next ``## ``)."""
     text = open(os.path.join(ROOT, "docs", "benchmarks.md")).read()
-    start = text.index("## Distillation")
+    start = text.index(heading)
     end = text.find("\n## ", start + 1)
     return text[start:] if end < 0 else text[start:end]
 
@@ -1089,7 +1090,7 @@ def test_distill_memory_figures_in_docs():
     """docs/benchmarks.md's Distillation table states the model's peaks at 8 x 2048 x 151936
     bf16 (H = 4096 from hidden states), each cell the model's bytes in GB to two decimals,
     and the exact bytes of what they consist of; it says they are modelled, not measured."""
-    section = _distill_doc_section()
+    section = _doc_section("## Distillation")
     assert "modelled on CPU, not measured on a GPU" in " ".join(section.split())
     labels = {"fused_rl": "fused_rl", "fused_rl_mat": "materialised", "eager": "eager"}
     for op, providers, hidden in (("distill_loss", ("fused_rl", "eager"), None),
@@ -1279,18 +1280,11 @@ def test_full_kl_memory_model():
     assert peak is None and "no exact KL" in how, how
 
 
-def _full_kl_doc_section() -> str:
-    text = open(os.path.join(ROOT, "docs", "benchmarks.md")).read()
-    start = text.index("## Exact KL")
-    end = text.find("\n## ", start + 1)
-    return text[start:] if end < 0 else text[start:end]
-
-
 def test_full_kl_memory_figures_in_docs():
     """docs/benchmarks.md's Exact KL table states the model's peaks at 8 x 2048 x 151936 bf16,
     each cell the model's bytes in GB to two decimals, and the exact bytes of what they
     consist of; it says they are modelled, not measured."""
-    section = _full_kl_doc_section()
+    section = _doc_section("## Exact KL")
     assert "modelled on CPU, not measured on a GPU" in " ".join(section.split())
     rows = {
         (FULL_KL, "fused_rl"): "fused_rl, exact KL",
@@ -1506,19 +1500,12 @@ def test_truncated_memory_model():
     assert model_peak("compile", case)[0] is None  # measured on GPUs only
 
 
-def _truncated_doc_section() -> str:
-    text = open(os.path.join(ROOT, "docs", "benchmarks.md")).read()
-    start = text.index("## Truncated log-probs")
-    end = text.find("\n## ", start + 1)
-    return text[start:] if end < 0 else text[start:end]
-
-
 def test_truncated_memory_figures_in_docs():
     """docs/benchmarks.md's Truncated log-probs table states the model's peaks at 8 x 2048 x
     151936 bf16 for fused_rl and eager, each cell the model's bytes in GB to two decimals,
     the case's byte convention and the command; it says they are modelled, and that no GPU
     has timed the cases yet."""
-    section = _truncated_doc_section()
+    section = _doc_section("## Truncated log-probs")
     flat = " ".join(section.split())
     assert "modelled on CPU, not measured on a GPU" in flat and "No GPU figures yet" in flat
     assert "bash bench/gpu_session.sh truncated" in flat
