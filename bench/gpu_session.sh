@@ -56,10 +56,10 @@
 #                  the logs $OUT/ldiag-default.log and $OUT/ldiag-exact.log
 #   chunks         the rows per chunk of the ops from hidden states: the peers suite's
 #                  linear_token_logprobs / linear_policy_loss cases at 16384 x 151936, H =
-#                  4096, for fused_rl at its default chunk (883 rows: 256 MiB of bf16
-#                  logits) and at 441, 1766 and 3532 rows (--chunk-tokens): whether each
-#                  chunk's dW += dz^T h_c (a read and a write of the fp32 (V, H) dW a chunk)
-#                  costs what the roofline says. $OUT/chunks-<rows>/results.json (results.md
+#                  4096, for fused_rl at its default chunk (2048 rows, beside the
+#                  materialised path) and at 883 (the default before 2026-11-27), 1024 and
+#                  4096 rows (--chunk-tokens): whether each chunk's dW += dz^T h_c (a read
+#                  and a write of the fp32 (V, H) dW a chunk) costs what the roofline says. $OUT/chunks-<rows>/results.json (results.md
 #                  dropped: 8 files come back; `bench/run.py report` rewrites it) and
 #                  $OUT/chunks.log; five files, so a call of its own or beside tests
 #   e2e            one GRPO step of TRL's GRPOTrainer, TRL's head against fused_rl's
@@ -264,12 +264,13 @@ if [ "$PART" = chunks ]; then
     BUDGET=${BENCH_BUDGET:-$((500 - SECONDS))}
     {
         failed=0
-        for rows in default 441 1766 3532; do
-            FLAG=()
+        for rows in default 883 1024 4096; do
+            FLAG=() PROVIDERS=fused_rl
+            [ "$rows" = default ] && PROVIDERS=fused_rl,fused_rl_mat
             [ "$rows" = default ] || FLAG=(--chunk-tokens "$rows")
             echo "== linear ops at 16384 x 151936, chunk: $rows rows, budget $((BUDGET / 4))s"
             "$PY" bench/run.py --suite peers --op linear_token_logprobs,linear_policy_loss \
-                --tokens 16384 --vocab 151936 --providers fused_rl --no-plots \
+                --tokens 16384 --vocab 151936 --providers "$PROVIDERS" --no-plots \
                 --time-budget $((BUDGET / 4)) --out "$OUT/chunks-$rows" \
                 ${FLAG[@]+"${FLAG[@]}"} "$@" || failed=1
             rm -f "$OUT/chunks-$rows/results.md"

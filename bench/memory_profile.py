@@ -14,8 +14,9 @@ stubbed) the same count equals the peak of ``torch.profiler``'s memory timeline
 (``tests/test_bench.py::test_memory_model_matches_profiler_on_cpu``).
 
 fused_rl's fused-linear ops (``fused_rl/linear.py``) are modelled on the path a GPU takes:
-``dW += dz^T h_c`` as ``torch.addmm(dW, ..., out_dtype=fp32, out=dW)``, which CUDA has and
-CPU lacks (a CPU run upcasts the chunk instead), see ``gemm_out_dtype``. ``linear_policy_loss``
+``dW`` made by the first chunk's ``torch.mm(..., out_dtype=fp32)`` and ``dW += dz^T h_c`` as
+``torch.addmm(dW, ..., out_dtype=fp32, out=dW)`` for the others, which CUDA has and CPU lacks
+(a CPU run upcasts the chunk instead), see ``gemm_out_dtype``. ``linear_policy_loss``
 (GRPO, gradients on) then holds, per chunk: the ``(N, H)`` copy of the hidden rows that
 predict the targets, ``dH`` (``N*H``, the hidden dtype), ``dW`` in fp32 (``V*H*4``) and the
 chunk's ``(chunk, V)`` logits (overwritten in place by their gradient). After the chunks

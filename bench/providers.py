@@ -186,7 +186,7 @@ ADAPTER_OPS = ("topk_distill_loss",)
 STATS_OUTPUTS = ("logp", "entropy", "mean_logit", "log_sum_sq_probs", "is_top1")
 BASELINE = "fused_rl"  # the provider the others' time and memory are compared with
 # rows per chunk of fused_rl's ops from hidden states (``linear_*``; ``bench/run.py
-# --chunk-tokens``); None: each op's default (a chunk's logits under 256 MiB)
+# --chunk-tokens``); None: each op's default (``fused_rl.linear.chunk_rows``)
 LINEAR_CHUNK_TOKENS: int | None = None
 # the package itself: no "less accurate" excuse
 MUST_MEET_TOL = ("fused_rl", "fused_rl_ref", "fused_rl_k3", *FUSED_VARIANTS)

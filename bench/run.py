@@ -184,8 +184,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--chunk-tokens",
         type=int,
         default=None,
-        help="rows per chunk of fused_rl's ops from hidden states (linear_*; default: a chunk's "
-        "logits under 256 MiB); results.json records it",
+        help="rows per chunk of fused_rl's ops from hidden states (linear_*; default: the "
+        "ops' own, fused_rl.linear.chunk_rows); results.json records it",
     )
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--seed", type=int, default=0)

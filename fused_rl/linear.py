@@ -35,8 +35,9 @@ backward is local (layer 3 with the global statistics, the shard's ``dW``) but f
 all-reduce of ``dH`` (``reduce_hidden_grad=True``, the default), so that every rank's
 ``hidden`` gradient is the unsharded one.
 
-``chunk_tokens=None`` picks the largest chunk whose logits stay under
-``CHUNK_BYTES`` (256 MiB): at V = 151936 in bf16, 883 tokens.
+``chunk_tokens=None`` picks the chunk of :func:`chunk_rows`: the rows whose logits fit in
+``CHUNK_BYTES`` (256 MiB), or up to 2048 rows under ``2 V H`` bytes, since every chunk
+reads and writes the whole fp32 ``dW`` once: at V = 151936, H = 4096 in bf16, 2048 rows.
 """
 
 from __future__ import annotations
@@ -110,15 +111,39 @@ from .truncated import check_options, cuts
 _stats_bwd_into = _serialised_when_interpreting(token_stats_bwd_into)
 _policy_rows_grad_into = _serialised_when_interpreting(policy_rows_grad_into)
 
-CHUNK_BYTES = 256 * 2**20  # the logits of one chunk, the only (rows, V) buffer alive
+CHUNK_BYTES = 256 * 2**20  # a chunk's logits may always take this much
+HEAD_CHUNK_ROWS = 2048  # ... and up to this many rows while they stay under 2 V H bytes
 MAX_DEFAULT_CHUNK = 4096  # rows: a small vocabulary's chunk (and its padding) stays small
 
 
-def default_chunk_tokens(vocab: int, dtype: torch.dtype) -> int:
-    """Rows per chunk so that a chunk's logits take at most :data:`CHUNK_BYTES`, and at most
-    :data:`MAX_DEFAULT_CHUNK` (a chunk's GEMM is padded to it: ``_gemm_rows``)."""
+def chunk_rows(vocab: int, logit_bytes: int, hidden_size: int | None = None) -> int:
+    """Rows per chunk of a chunked lm_head op whose chunk holds ``logit_bytes`` bytes of
+    logits per vocabulary column (2 for one bf16 model, 4 for a bf16 student and teacher):
+    as many as fit in :data:`CHUNK_BYTES`, or, where ``hidden_size`` (the lm_head's ``H``)
+    allows more, up to :data:`HEAD_CHUNK_ROWS` rows whose logits take at most ``2 V H``
+    bytes (a 16-bit lm_head's own size, half its fp32 gradient accumulator); at most
+    :data:`MAX_DEFAULT_CHUNK` rows.
+
+    Why the second bound: each chunk's ``dW += dz^T h_c`` reads and writes the whole fp32
+    ``dW`` (``8 V H`` bytes), against ``2 rows H V`` flops per GEMM of the chunk; at a GPU's
+    ~200 flops a byte (an H100 / H200's bf16 GEMM rate over its copy bandwidth) the
+    accumulator costs about ``270 / rows`` of the three GEMMs a chunk of
+    ``linear_policy_loss`` runs: 30 % at 883 rows, 13 % at 2048. The rule depends on
+    ``V``, ``H`` and the dtypes only, never on the batch or on the grad mode, so a no-grad
+    call's GEMMs have the training call's shapes (batch invariance)."""
+    per_row = max(1, vocab * logit_bytes)
+    rows = CHUNK_BYTES // per_row
+    if hidden_size:
+        rows = max(rows, min(HEAD_CHUNK_ROWS, 2 * hidden_size // logit_bytes))
+    return max(1, min(MAX_DEFAULT_CHUNK, rows))
+
+
+def default_chunk_tokens(vocab: int, dtype: torch.dtype, hidden_size: int | None = None) -> int:
+    """Rows per chunk of the ops from hidden states with ``dtype`` logits (:func:`chunk_rows`):
+    at V = 151936, H = 4096 in bf16, 2048 rows (622 MB of logits); without ``hidden_size``
+    the :data:`CHUNK_BYTES` bound alone (883 rows)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return max(1, min(MAX_DEFAULT_CHUNK, CHUNK_BYTES // max(1, vocab * itemsize)))
+    return chunk_rows(vocab, itemsize, hidden_size)
 
 
 def _gemm_rows(rows: Tensor, chunk: int) -> Tensor:
@@ -221,7 +246,7 @@ class _LinearTokenStats(torch.autograd.Function):
         n_rows = hidden.shape[0]
         for start in range(0, n_rows, chunk):
             rows = slice(start, min(start + chunk, n_rows))
-            z, _ = _chunk_logits(hidden[rows], weight, bias, chunk)
+            z = _chunk_logits(hidden[rows], weight, bias, chunk)[0]
             stats = _chunk_stats(
                 z, targets[rows], temperature, softcap, ignore_index, which, extras
             )
@@ -249,7 +274,7 @@ class _LinearTokenStats(torch.autograd.Function):
         w_valid, b_valid = _valid_rows(weight, bias, spec.shard.valid)  # padding: unread
         for start in range(0, n_rows, chunk):
             rows = slice(start, min(start + chunk, n_rows))
-            z, _ = _chunk_logits(hidden[rows], w_valid, b_valid, chunk)
+            z = _chunk_logits(hidden[rows], w_valid, b_valid, chunk)[0]
             stats = _local_stats(z[None], t_local[None, rows], spec, z.shape[0])
             for buf, part in zip(local, stats):
                 if part.numel():  # entropy: empty when not asked for (Triton)
@@ -342,7 +367,7 @@ class _LinearTruncated(torch.autograd.Function):
         stats = hidden.new_empty((3 * n_rows,), dtype=acc) if which == "triton" else None
         for start in range(0, n_rows, chunk):
             stop = min(start + chunk, n_rows)
-            z, _ = _chunk_logits(hidden[start:stop], weight, bias, chunk)
+            z = _chunk_logits(hidden[start:stop], weight, bias, chunk)[0]
             t = targets[start:stop]
             if which == "triton":
                 lp, st, _ = truncated_logprobs_fwd_op(
@@ -423,7 +448,7 @@ def sharded_linear_truncated_fwd(
     kept = torch.zeros((n_rows,), dtype=torch.bool, device=hidden.device)
     for first in range(0, n_rows, chunk):
         rows = slice(first, min(first + chunk, n_rows))
-        z, _ = _chunk_logits(hidden[rows], w_valid, b_valid, chunk)
+        z = _chunk_logits(hidden[rows], w_valid, b_valid, chunk)[0]
         if spec.which == "triton":
             lp, st, kp = TP.shard_rows(z[None], t_local[None, rows], ignored[None, rows],
                                        spec, top_k, top_p, vocab, ok)  # fmt: skip
@@ -556,31 +581,24 @@ def _head_grads(needs, hidden, weight, bias, chunk, dz_of, tp=None, group=None):
     sum dz`` (fp32 / fp64 accumulators). ``tp``: a vocabulary shard, its padding rows unread
     (zero gradient) and, with ``tp.reduce_hidden``, ``dH`` summed over the ranks (one
     all-reduce); ``group``: that all-reduce without a shard (:class:`_LinearTokenKL`)."""
-    need_h, need_w, need_b = needs
-    _, d_hidden, d_weight, d_bias = _grad_buffers(hidden, weight, need_h, need_w, need_b)
-    dw_out, db_out, out_dtype = d_weight, d_bias, weight.dtype
+    valid = None
     if tp is not None:  # padding rows of the shard: unread, their gradient stays zero
         valid = tp.spec.shard.valid
-        weight, bias = _valid_rows(weight, bias, valid)
-        d_weight = d_weight[:valid] if need_w else None
-        d_bias = d_bias[:valid] if need_b else None
         group = tp.spec.shard.group if tp.reduce_hidden else None
+    out_dtype = weight.dtype
+    grads = HeadGrads(hidden, weight, needs, valid=valid)
+    weight, bias = _valid_rows(weight, bias, grads.valid)
     n_rows = hidden.shape[0]
     for start in range(0, n_rows, chunk):
         rows = slice(start, min(start + chunk, n_rows))
         z, z_full = _chunk_logits(hidden[rows], weight, bias, chunk)
         dz, in_place = dz_of(rows, z)
         # dz written over z: its GEMM buffer is z's
-        _add_chunk_grads(d_hidden, d_weight, d_bias, rows, dz, z_full if in_place else None,
-                         hidden[rows], weight, chunk)  # fmt: skip
+        grads.add(rows, dz, z_full if in_place else None, hidden[rows], weight, chunk)
         del z, z_full, dz
-    if need_h and group is not None:  # hidden is replicated: its gradient sums the ranks'
-        _all_reduce_sum(d_hidden, group)
-    return (
-        d_hidden,
-        dw_out.to(out_dtype) if need_w else None,
-        db_out.to(out_dtype) if need_b else None,
-    )
+    if grads.d_hidden is not None and group is not None:  # hidden is replicated: its
+        _all_reduce_sum(grads.d_hidden, group)  # gradient sums the ranks'
+    return grads.grads(out_dtype)
 
 
 def _reference_shard_chunk(z, targets, spec, values, top_k, top_p, ok=None, g=None):
@@ -627,38 +645,78 @@ def _all_reduce_sum(t: Tensor, group) -> None:
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
 
 
-def _grad_buffers(rows: Tensor, weight: Tensor, need_h: bool, need_w: bool, need_b: bool,
-                  acc: torch.dtype | None = None, zero_rows: bool = False):  # fmt: skip
-    """``(acc, d_rows, d_weight, d_bias)`` of a chunked backward: the accumulation dtype
-    (``rows``' fp32 / fp64 unless given), ``rows``' gradient (filled chunk by chunk; zeroed
-    with ``zero_rows``, for chunks that skip rows), zeroed ``acc`` accumulators for the
-    lm_head's and bias's (None where not needed)."""
-    if acc is None:
-        acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
-    d_rows = None
-    if need_h:
-        d_rows = rows.new_zeros(rows.shape) if zero_rows else rows.new_empty(rows.shape)
-    d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-    d_bias = torch.zeros(weight.shape[:1], dtype=acc, device=weight.device) if need_b else None
-    return acc, d_rows, d_weight, d_bias
+class HeadGrads:
+    """The gradients of a chunked lm_head op's inputs, gathered chunk by chunk from each
+    chunk's ``dz`` ``(n, V)``: ``hidden``'s by rows (``dz W``), the lm_head's as
+    ``dW = sum dz^T h_c`` in fp32 (fp64 for fp64 inputs) and the bias's as ``sum dz``.
 
+    ``dW``'s accumulator is made by the FIRST chunk's GEMM (``mm_wide``) and added to by
+    the others (``addmm_wide``): no zero fill and no read of zeros, ``8 V H`` bytes a call
+    fewer than a zeroed accumulator. ``needs``: which of the three are wanted (as
+    ``ctx.needs_input_grad[:3]``); ``zero_rows``: ``hidden``'s gradient zeroed first, for
+    calls that skip rows; ``hidden_dtype``: its dtype (default ``rows``'); ``valid``: the
+    lm_head rows the chunks cover (a vocabulary shard's real ids), the others' gradient
+    zero."""
 
-def _add_chunk_grads(d_rows, d_weight, d_bias, r, dz: Tensor, dz_full, h_c: Tensor,
-                     weight: Tensor, chunk: int) -> None:  # fmt: skip
-    """One chunk's share of the lm_head's gradients from its ``dz`` ``(n, V)`` (the rows
-    ``r`` of the chunk's hidden states ``h_c``; ``dz_full``: the GEMM buffer ``dz`` heads,
-    or None): ``d_rows[r] = dz W``, ``d_weight += dz^T h_c``, ``d_bias += sum dz`` (each
-    where wanted: None is not). A ``dz`` wider than the head (fp32 chunk logits of a 16-bit
-    head) is summed for the bias as it is, then rounded to the head's dtype for the GEMMs."""
-    if d_bias is not None:
-        d_bias.add_(dz.sum(0, dtype=d_bias.dtype))
-    if dz is not None and dz.dtype != weight.dtype:
-        dz_full = None if dz_full is None else dz_full.to(weight.dtype)
-        dz = dz.to(weight.dtype) if dz_full is None else dz_full[: dz.shape[0]]
-    if d_rows is not None:  # in its own dtype: wider than the head's under autocast
-        d_rows[r] = _hidden_grad(dz, weight, chunk, dz_full, d_rows.dtype)
-    if d_weight is not None:
-        addmm_wide(d_weight, dz.t(), h_c)
+    def __init__(self, rows: Tensor, weight: Tensor, needs, acc: torch.dtype | None = None,
+                 zero_rows: bool = False, hidden_dtype: torch.dtype | None = None,
+                 valid: int | None = None):  # fmt: skip
+        need_h, need_w, need_b = needs
+        self.acc = acc or (torch.float64 if rows.dtype == torch.float64 else torch.float32)
+        self.shape, self.valid = weight.shape, weight.shape[0] if valid is None else valid
+        self.need_w, self.device = need_w, weight.device
+        self.d_hidden = None
+        if need_h:
+            make = torch.zeros if zero_rows else torch.empty
+            self.d_hidden = make(rows.shape, dtype=hidden_dtype or rows.dtype, device=rows.device)
+        self.d_weight = None  # the first chunk's GEMM makes it
+        self.d_bias = None
+        if need_b:
+            self.d_bias = torch.zeros(self.valid, dtype=self.acc, device=self.device)
+
+    def add(self, r, dz: Tensor | None, dz_full: Tensor | None, h_c: Tensor, weight: Tensor,
+            chunk: int) -> None:  # fmt: skip
+        """One chunk's share from its ``dz`` (the rows ``r`` of ``hidden``, whose chunk is
+        ``h_c``; ``dz_full``: the GEMM buffer ``dz`` heads, or None; ``weight`` the covered
+        lm_head rows): ``d_hidden[r] = dz W``, ``dW += dz^T h_c``, ``db += sum dz``. A
+        ``dz`` wider than the head (fp32 chunk logits of a 16-bit head) is summed for the
+        bias as it is, then rounded to the head's dtype for the GEMMs."""
+        if dz is None:
+            return
+        if self.d_bias is not None:
+            self.d_bias.add_(dz.sum(0, dtype=self.acc))
+        if dz.dtype != weight.dtype:
+            dz_full = None if dz_full is None else dz_full.to(weight.dtype)
+            dz = dz.to(weight.dtype) if dz_full is None else dz_full[: dz.shape[0]]
+        if self.d_hidden is not None:  # in its own dtype: wider than the head's under autocast
+            self.d_hidden[r] = _hidden_grad(dz, weight, chunk, dz_full, self.d_hidden.dtype)
+        if not self.need_w:
+            return
+        if self.d_weight is None:
+            self.d_weight = mm_wide(dz.t(), h_c, self.acc)
+        else:
+            addmm_wide(self.d_weight, dz.t(), h_c)
+
+    def grads(self, dtype: torch.dtype | None = None):
+        """``(d_hidden, d_weight, d_bias)`` (None where not wanted), the lm_head's and the
+        bias's in ``dtype`` (default: the accumulator's) over every lm_head row."""
+        dtype = dtype or self.acc
+        d_weight = d_bias = None
+        if self.need_w:
+            d_weight = self._whole(self.d_weight, self.shape, dtype)
+        if self.d_bias is not None:
+            d_bias = self._whole(self.d_bias, self.shape[:1], dtype)
+        return self.d_hidden, d_weight, d_bias
+
+    def _whole(self, acc: Tensor | None, shape, dtype: torch.dtype) -> Tensor:
+        """``acc`` (None: no chunk ran) in ``dtype`` over ``shape``, rows past ``valid``
+        zero."""
+        if acc is not None and acc.shape[0] == shape[0]:
+            return acc.to(dtype)
+        out = torch.zeros(shape, dtype=dtype, device=self.device)
+        if acc is not None:
+            out[: acc.shape[0]] = acc
+        return out
 
 
 def _rows_of(t: Tensor | None, rows: slice) -> Tensor | None:
@@ -743,9 +801,9 @@ class _LinearPolicyLoss(torch.autograd.Function):
         n_rows = rows.shape[0]
         # kept: the counted rows' indices (None: every row). A skipped row gets the partials
         # and the zero hidden gradient its kernel program would write.
-        acc, d_hidden, d_weight, d_bias = _grad_buffers(
-            rows, weight, *ctx.needs_input_grad[:3], stats_dtype(rows.dtype), kept is not None
-        )
+        grads = HeadGrads(rows, weight, ctx.needs_input_grad[:3], stats_dtype(rows.dtype),
+                          zero_rows=kept is not None)  # fmt: skip
+        acc = grads.acc
         if kept is None:
             part = rows.new_empty((N_COLS, n_rows), dtype=acc)
         else:
@@ -776,14 +834,13 @@ class _LinearPolicyLoss(torch.autograd.Function):
             else:  # the chunk's logits become their gradient in place
                 part[:, r] = _policy_rows_grad_into(z[:, None], z[:, None], *args)
                 dz, dz_full = z, z_full
-            _add_chunk_grads(d_hidden, d_weight, d_bias, r, dz, dz_full, h_c, weight,
-                             launch.chunk)  # fmt: skip
+            grads.add(r, dz, dz_full, h_c, weight, launch.chunk)
             del z, z_full, dz, dz_full, h_c, ref_c
         loss, metrics, _ = policy_finalize_op(
             part, *launch.shape, launch.modes[4], launch.max_length, launch.num_items,
             num_items_t, is_w is not None,
         )  # fmt: skip
-        save_formed_grads(ctx, rows, weight, bias, d_hidden, d_weight, d_bias)
+        save_formed_grads(ctx, rows, weight, bias, *grads.grads())
         ctx.mark_non_differentiable(metrics)
         return loss, metrics
 
@@ -928,7 +985,11 @@ def _prepare(hidden, weight, bias, targets, temperature, softcap, ignore_index, 
     if not sharded:
         V.check_target_range(flat_targets, vocab, ignore_index, "targets")
     which = resolve_backend(backend, hidden, weight, bias, targets)
-    chunk = int(chunk_tokens) if chunk_tokens else default_chunk_tokens(vocab, hidden.dtype)
+    chunk = (
+        int(chunk_tokens)
+        if chunk_tokens
+        else default_chunk_tokens(vocab, hidden.dtype, hidden.shape[-1])
+    )
     return rows, weight, bias, flat_targets, chunk, which
 
 
@@ -979,8 +1040,10 @@ def linear_token_logprobs(
             vocabulary-parallel too (each chunk's cut agreed by the ranks:
             ``fused_rl.truncated_parallel``); not with ``return_entropy`` (``ValueError``, as
             :func:`token_logprobs`).
-        chunk_tokens: rows per chunk; None keeps a chunk's logits under 256 MiB
-            (``fused_rl.linear.CHUNK_BYTES``).
+        chunk_tokens: rows per chunk; None: as many as keep a chunk's logits under 256
+            MiB, or up to 2048 rows under ``2 V H`` bytes (the lm_head's own size in 16
+            bits; fewer chunks, fewer read-writes of the fp32 ``dW``), at most 4096
+            (:func:`default_chunk_tokens`: 2048 rows at V = 151936, H = 4096 in bf16).
         process_group: vocabulary (tensor) parallelism, the Megatron ``ColumnParallelLinear``
             lm_head: ``weight`` (and ``bias``) are this rank's ``(V_local, H)`` shard,
             ``hidden`` is the same on every rank, ``targets`` hold global ids. Every rank
@@ -1167,7 +1230,8 @@ def _linear_truncated(hidden, weight, targets, bias, top_k, top_p, temperature, 
     if not chunk_tokens:  # the same chunks on every rank: each chunk's cut is collective
         # (a checked layout agrees on vocab_size before any chunk; unchecked, the ranks
         # must pass the same one)
-        chunk = default_chunk_tokens(-(-shard.vocab_size // shard.world), rows.dtype)
+        chunk = default_chunk_tokens(-(-shard.vocab_size // shard.world), rows.dtype,
+                                     rows.shape[1])  # fmt: skip
     # top_k as given: the ranks agree on turning it off at V (truncated_parallel.agreed_cut)
     k, p = cuts(top_k, top_p, MAX_VOCAB)
     logp = _sharded_truncated(rows, weight, bias, flat_targets, k, p, chunk, tp)
@@ -1395,10 +1459,11 @@ def _full_kl_policy_loss(hidden, weight, targets, inputs: RolloutInputs, *, bias
         shard = group_shard(process_group, weight.shape[0], vocab_start, vocab_size,
                             name="weight")  # fmt: skip
         check_vocab_limit(shard)
-        if not chunk_tokens:
-            chunk = default_chunk_tokens(-(-shard.vocab_size // shard.world), rows.dtype)
     ref_rows, ref_weight, ref_bias = _prepare_ref(ref_hidden, ref_weight, ref_bias, hidden,
                                                   weight, targets)  # fmt: skip
+    if not chunk_tokens:  # a chunk holds both models' logits (the same chunks on every rank)
+        vocab = weight.shape[0] if shard is None else -(-shard.vocab_size // shard.world)
+        chunk = chunk_rows(vocab, rows.element_size() + ref_rows.element_size(), rows.shape[1])
     if sharded or not policy.token_level:
         return _composed_full_kl_loss(
             hidden, weight, targets, inputs, bias=bias, rows=rows, flat_targets=flat_targets,

@@ -69,17 +69,15 @@ from .distributed import (
 )
 from .kernels.modes import LOSS_AGG_MODES
 from .linear import (
-    CHUNK_BYTES,
-    MAX_DEFAULT_CHUNK,
-    _add_chunk_grads,
+    HeadGrads,
     _autocast_inputs,
     _check_linear,
     _chunk_logits,
-    _grad_buffers,
     _grad_wanted,
     _promote_hidden,
     _valid_rows,
     check_second_head,
+    chunk_rows,
     formed_grads_backward,
     save_formed_grads,
 )
@@ -91,13 +89,14 @@ from .reference.reductions import acc_dtype
 _rows_grad_into = _serialised_when_interpreting(distill_rows_grad_into)
 
 
-def default_chunk_tokens(vocab: int, student_dtype: torch.dtype, teacher_dtype: torch.dtype) -> int:
-    """Rows per chunk so that one chunk's student AND teacher logits together take at most
-    ``fused_rl.linear.CHUNK_BYTES`` (256 MiB), and at most ``MAX_DEFAULT_CHUNK`` rows: at
-    V = 151936 with bf16 logits, 441 rows."""
+def default_chunk_tokens(vocab: int, student_dtype: torch.dtype, teacher_dtype: torch.dtype,
+                         hidden_size: int | None = None) -> int:  # fmt: skip
+    """Rows per chunk holding the student's AND the teacher's logits
+    (``fused_rl.linear.chunk_rows``, ``hidden_size`` the student's ``H``): at V = 151936,
+    H = 4096 with bf16 logits, 2048 rows (1.24 GB of logits); without ``hidden_size``
+    those under 256 MiB alone (441 rows)."""
     size = lambda d: torch.empty((), dtype=d).element_size()  # noqa: E731
-    per_row = max(1, vocab * (size(student_dtype) + size(teacher_dtype)))
-    return max(1, min(MAX_DEFAULT_CHUNK, CHUNK_BYTES // per_row))
+    return chunk_rows(vocab, size(student_dtype) + size(teacher_dtype), hidden_size)
 
 
 @dataclass(frozen=True)
@@ -132,11 +131,9 @@ def _run(rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_sca
     Triton path without gradients)."""
     n_rows, chunk = rows.shape[0], launch.chunk
     grad = need_h or need_w or need_b
-    acc, d_hidden, d_weight, d_bias = _grad_buffers(
-        rows, weight, need_h, need_w, need_b, acc_dtype(rows, t_rows)
-    )
-    if d_hidden is not None and hidden_dtype not in (None, rows.dtype):
-        d_hidden = torch.empty(rows.shape, dtype=hidden_dtype, device=rows.device)
+    grads = HeadGrads(rows, weight, (need_h, need_w, need_b), acc_dtype(rows, t_rows),
+                      hidden_dtype=hidden_dtype)  # fmt: skip
+    acc = grads.acc
     shard = launch.shard
     triton = launch.which == "triton" and shard is None
     if triton:
@@ -149,7 +146,7 @@ def _run(rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_sca
         r = slice(start, min(start + chunk, n_rows))
         h_c = rows[r]
         z, z_full = _chunk_logits(h_c, weight, bias, chunk, launch.logits_dtype)
-        zt, _ = _chunk_logits(t_rows[r], t_weight, t_bias, chunk, launch.logits_dtype)
+        zt = _chunk_logits(t_rows[r], t_weight, t_bias, chunk, launch.logits_dtype)[0]
         dz = dz_full = None
         if triton:
             part_c, stats_c = distill_rows_fwd_op(
@@ -193,8 +190,9 @@ def _run(rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_sca
                 w = (m[r] * row_scale[r])[:, None]
                 dz = torch.where(w != 0, g * w, torch.zeros_like(g)).to(z.dtype)
         # with dz written over z, its GEMM buffer is z's
-        _add_chunk_grads(d_hidden, d_weight, d_bias, r, dz, dz_full, h_c, weight, chunk)
+        grads.add(r, dz, dz_full, h_c, weight, chunk)
         del z, z_full, zt, dz, dz_full, h_c
+    d_hidden, d_weight, d_bias = grads.grads()
     if need_h and shard is not None and launch.reduce_hidden:  # dz W_local: a part of dH
         _dist().all_reduce(d_hidden, group=shard.group)
     if triton:
@@ -381,8 +379,10 @@ def linear_distill_loss(
             ``teacher_softcap`` is given, ``None`` an uncapped teacher; TRL's
             ``DistillationTrainer`` with models of different ``logit_scale`` /
             ``final_logit_softcapping``).
-        chunk_tokens: rows per chunk; None keeps one chunk's student and teacher logits
-            together under 256 MiB (``fused_rl.linear.CHUNK_BYTES``; at most 4096 rows).
+        chunk_tokens: rows per chunk; None: as many as keep one chunk's student and
+            teacher logits together under 256 MiB, or up to 2048 rows under ``2 V H`` bytes
+            (the size of a 16-bit lm_head; fewer chunks, fewer read-writes of the fp32
+            ``dW``; :func:`default_chunk_tokens`), at most 4096.
         logits_dtype: None (default): each chunk's logits in its head's dtype, what
             ``F.linear`` gives (bf16 heads: logits rounded to bf16 before the divergence);
             ``torch.float32``: the GEMMs' fp32 accumulators kept (``torch.mm(...,
@@ -503,6 +503,7 @@ def linear_distill_loss(
             vocab if shard is None else shard.vocab_size,
             logits_dtype or rows.dtype,
             logits_dtype or t_rows.dtype,
+            rows.shape[1],
         )
     )
     grad = _grad_wanted(rows, weight, bias)

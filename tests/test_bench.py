@@ -585,15 +585,17 @@ def test_linear_memory_model_at_issue_14_shape():
 
     case = Case("linear_policy_loss", "grpo", "fwd_bwd", **BIG)
     n, v, h, b, t = case.tokens, case.vocab, case.hidden, case.batch, case.seqlen
-    chunk = default_chunk_tokens(v, torch.bfloat16)
-    # the GPU's dW path (torch.addmm(out_dtype=fp32, out=dW): no (V, H) temporary) and the
-    # CPU's (fp32 copies of the chunk): the peak is dW in fp32 with its cast to bf16
+    chunk = default_chunk_tokens(v, torch.bfloat16, h)
+    # the GPU's dW path (torch.mm / addmm(out_dtype=fp32): no (V, H) temporary): the peak is
+    # dW in fp32 with its cast to bf16; the CPU's (fp32 copies of the chunk's dz and rows):
+    # dW in fp32 beside the chunk's bf16 logits, their fp32 copy and the rows' fp32 copy
     gpu, how = model_peak("fused_rl", case)
     assert how == "modelled"
     assert gpu == pytest.approx(2 * n * h * 2 + 6 * v * h, rel=2e-3)
     cpu = model_peak("fused_rl", case, gemm_out_dtype_path=False)[0]
-    assert cpu == pytest.approx(gpu, rel=2e-3)
-    assert chunk * v * 2 <= 2**28  # one chunk's logits: under CHUNK_BYTES
+    assert cpu == pytest.approx(2 * n * h * 2 + 4 * v * h + chunk * (6 * v + 4 * h), rel=1e-3)
+    # one chunk's logits (2048 rows): under a bf16 head's size, so not the peak
+    assert chunk == 2048 and chunk * v * 2 <= 2 * v * h
     mat, how = model_peak("fused_rl_mat", case)
     assert how == "modelled" and mat == pytest.approx(2 * b * (t + 1) * v * 2, rel=2e-3)
     liger, how = model_peak("liger", case)
@@ -1052,10 +1054,29 @@ def test_topk_distill_memory_model():
     assert eager > 2.8 * fused
 
 
+@pytest.mark.parametrize("op", ["linear_token_logprobs", "linear_distill_loss"])
+def test_linear_forward_holds_one_chunk(op):
+    """Without gradients the ops from hidden states hold ONE chunk's logits at a time (each
+    chunk's buffer freed before the next chunk's GEMM), beside their per-token outputs and,
+    for the log-probs, the ``(N, H)`` rows; modelled at 8 x 2048 x 151936, H = 4096, bf16."""
+    from fused_rl.linear import chunk_rows
+
+    vocab, hidden = 151936, 4096
+    variant, logit_bytes = ("logp", 2) if op == "linear_token_logprobs" else ("fkl", 4)
+    case = Case(op, variant, "fwd_nograd", 8, 2048, vocab, "bf16", hidden=hidden)
+    peak, how = model_peak("fused_rl", case)
+    assert how == "modelled"
+    chunk = chunk_rows(vocab, logit_bytes, hidden)
+    per_token = (peak - chunk * vocab * logit_bytes) / case.tokens
+    rows = 2 * hidden if op == "linear_token_logprobs" else 0
+    assert 0 <= per_token - rows <= 40, per_token
+
+
 def test_linear_distill_memory_model():
     """linear_distill_loss at H = 4096 x 151936, bf16, beta 0, forward + backward, modelled:
-    fused_rl's peak is ``6 V H`` (dW in fp32 and, for a moment, its bf16 cast) plus per token
-    dH (``2 H`` bytes) and a few fp32 (at most the docstring's ``4 (6 + 2)`` bytes), the same
+    fused_rl's peak is dW in fp32 beside one chunk's logits of both models (2048 rows: as
+    many bytes as dW's bf16 cast at the end) and the chunk's ``dz W``, plus per token dH
+    (``2 H`` bytes) and a few fp32 (at most the docstring's ``4 (6 + 2)`` bytes), the same
     at 2 x 2048 and 8 x 2048 tokens: no logits chunk grows with them. The materialised path
     holds both models' bf16 logits and the student's gradient (``3 N V 2``), eager both bf16
     logits (one fp32 (N, V) unit) and the five fp32 tensors of the logits loss."""
@@ -1069,7 +1090,13 @@ def test_linear_distill_memory_model():
     (n1, p1), (n2, p2) = sorted(peaks.items())
     per_token = (p2 - p1) / (n2 - n1) - 2 * hidden
     assert 0 <= per_token <= 32, per_token
-    assert 0 <= p2 - n2 * (2 * hidden + per_token) - 6 * vocab * hidden < 4096
+    from fused_rl.linear_distill import default_chunk_tokens
+
+    chunk = default_chunk_tokens(vocab, torch.bfloat16, torch.bfloat16, hidden)
+    assert chunk * vocab * 4 == 2 * vocab * hidden  # both chunks: dW's bf16 cast's bytes
+    held = 4 * vocab * hidden + chunk * vocab * 4 + chunk * hidden * 2
+    # and the chunk's per-row statistics and partials (12 fp32 a row)
+    assert 0 <= p2 - n2 * (2 * hidden + per_token) - held <= 48 * chunk + 4096
     n, nv = case.tokens, case.tokens * vocab
     mat, how = model_peak("fused_rl_mat", case)
     assert how == "modelled" and 0 <= mat - 3 * nv * 2 < 64 * n, mat

@@ -12,9 +12,16 @@ import torch
 import torch.nn.functional as F
 from conftest import DEVICE
 from helpers import FP32_TOL, assert_rel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fused_rl
-from fused_rl.linear import CHUNK_BYTES, default_chunk_tokens
+from fused_rl.linear import (
+    CHUNK_BYTES,
+    HEAD_CHUNK_ROWS,
+    MAX_DEFAULT_CHUNK,
+    chunk_rows,
+    default_chunk_tokens,
+)
 from fused_rl.profiling import AllocationTracker, LaunchCounter
 
 BACKENDS = ("triton", "reference")
@@ -163,10 +170,70 @@ def test_gradcheck_float64(backend):
 
 
 def test_default_chunk_keeps_a_chunk_under_the_budget():
+    """256 MiB of logits, or up to HEAD_CHUNK_ROWS rows under 2 V H bytes (a 16-bit lm_head's
+    size): fewer read-writes of the fp32 dW; never more than MAX_DEFAULT_CHUNK rows."""
     rows = default_chunk_tokens(151936, torch.bfloat16)
     assert rows == 883 and rows * 151936 * 2 <= CHUNK_BYTES
     assert default_chunk_tokens(10, torch.float32) * 40 <= CHUNK_BYTES
     assert default_chunk_tokens(10**9, torch.float32) == 1
+    # with the lm_head's H: Qwen2.5-7B's head in bf16 / fp32, a 0.5B-sized head, a 70B one
+    assert default_chunk_tokens(151936, torch.bfloat16, 4096) == HEAD_CHUNK_ROWS == 2048
+    assert default_chunk_tokens(151936, torch.float32, 4096) == 2048
+    assert default_chunk_tokens(151936, torch.bfloat16, 896) == 896  # 2 V H bytes
+    assert default_chunk_tokens(151936, torch.bfloat16, 512) == 883  # 256 MiB: more
+    assert default_chunk_tokens(128256, torch.bfloat16, 8192) == 2048
+    assert default_chunk_tokens(10, torch.bfloat16, 4096) == MAX_DEFAULT_CHUNK
+    for vocab, hdim in ((151936, 4096), (151936, 896), (262144, 2560), (32000, 4096)):
+        rows = default_chunk_tokens(vocab, torch.bfloat16, hdim)
+        assert rows * vocab * 2 <= max(CHUNK_BYTES, 2 * vocab * hdim)
+        # the two models' logits of the exact KL / distillation: half the rows
+        assert chunk_rows(vocab, 4, hdim) * vocab * 4 <= max(CHUNK_BYTES, 2 * vocab * hdim)
+
+
+class _WeightSizedOps(TorchDispatchMode):
+    """The aten ops that return a fresh ``shape``-sized tensor (views left out)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.ops = tuple(shape), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        view = func._schema.is_mutable or any(r.alias_info for r in func._schema.returns)
+        if isinstance(out, torch.Tensor) and tuple(out.shape) == self.shape and not view:
+            self.ops.append(func.overloadpacket.__name__)
+        elif func._schema.is_mutable and any(
+            isinstance(a, torch.Tensor) and tuple(a.shape) == self.shape for a in args[:1]
+        ):
+            self.ops.append(func.overloadpacket.__name__)
+        return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", ["linear_token_logprobs", "linear_policy_loss",
+                                "linear_distill_loss"])  # fmt: skip
+def test_weight_gradient_is_made_by_the_first_chunk(op, backend):
+    """The lm_head's fp32 gradient is the first chunk's GEMM output, and each later chunk
+    adds to it in place: no zero fill of a ``(V, H)`` buffer and no read of zeros (``8 V H``
+    bytes a call). Three chunks of 4 rows of 10: one ``mm``, two ``addmm_``, then the cast
+    to the weight's dtype (none here: fp32) and the upstream scale."""
+    h, w, b, t = _inputs(n=10, hdim=6, vocab=29, bias=False)
+    chunks = dict(chunk_tokens=4, backend=backend)
+    with _WeightSizedOps(w.shape) as seen:
+        if op == "linear_token_logprobs":
+            out = fused_rl.linear_token_logprobs(h, w, t, **chunks).sum()
+        elif op == "linear_policy_loss":
+            adv, old = torch.ones(1, device=h.device), torch.full((1, 10), -3.0, device=h.device)
+            out = fused_rl.linear_policy_loss(h[None], w, t[None], adv, old_logprobs=old,
+                                              **chunks)[0]  # fmt: skip
+        else:
+            out = fused_rl.linear_distill_loss(h, w, h.detach().flip(0), w.detach() * 0.5,
+                                               **chunks)[0]  # fmt: skip
+        out.backward()
+    gemms = [name for name in seen.ops if name in ("mm", "addmm", "addmm_")]
+    assert gemms == ["mm", "addmm_", "addmm_"], seen.ops
+    assert not {"zeros", "zero_", "fill_", "new_zeros", "zeros_like", "full"} & set(seen.ops)
+    assert w.grad is not None and torch.isfinite(w.grad).all()
 
 
 def test_bad_arguments_name_themselves():

@@ -487,6 +487,10 @@ def test_default_chunk_keeps_both_chunks_under_the_budget():
     )
     assert mod.default_chunk_tokens(10, torch.float32, torch.float32) == 4096
     assert mod.default_chunk_tokens(10**9, torch.float32, torch.float32) == 1
+    # with the student's H: up to 2048 rows while both chunks stay under 2 V H bytes
+    assert mod.default_chunk_tokens(151936, torch.bfloat16, torch.bfloat16, 4096) == 2048
+    assert mod.default_chunk_tokens(151936, torch.float32, torch.float32, 4096) == 1024
+    assert mod.default_chunk_tokens(151936, torch.bfloat16, torch.bfloat16, 896) == 448
 
 
 # ----------------------------------------------------------------------- fp32 logits, autocast

@@ -247,11 +247,11 @@ def test_tracked_operands_stay_differentiable(wide_gemms):
 @pytest.mark.no_poison
 @pytest.mark.parametrize("op", ("linear_token_logprobs", "linear_policy_loss"))
 def test_compiled_lm_head_ops_take_the_wide_gemm(op, wide_gemms):
-    """A bf16 lm_head under ``torch.compile(fullgraph=True)``: ``dW`` accumulates through
-    ``fused_rl::addmm_wide_`` (in the backward of the log-probs, in the forward of the
-    policy loss, which forms its gradients there), so a compiled call runs the 16-bit GEMM
-    into the fp32 ``dW`` where torch offers it, as an eager call does, with the eager
-    call's values."""
+    """A bf16 lm_head under ``torch.compile(fullgraph=True)``: ``dW`` is made by
+    ``fused_rl::mm_wide`` and accumulates through ``fused_rl::addmm_wide_`` (in the
+    backward of the log-probs, in the forward of the policy loss, which forms its gradients
+    there), so a compiled call runs the 16-bit GEMMs into the fp32 ``dW`` where torch offers
+    them, as an eager call does, with the eager call's values."""
     from torch._dynamo.testing import AotEagerAndRecordGraphs
 
     g = torch.Generator().manual_seed(3)
@@ -270,12 +270,14 @@ def test_compiled_lm_head_ops_take_the_wide_gemm(op, wide_gemms):
     got = torch.compile(loss_fn, fullgraph=True, backend=backend)(h, w)
     got_grads = torch.autograd.grad(got, (h, w))
     ops = _fused_rl_ops(*backend.fw_graphs, *backend.bw_graphs)
-    assert ops.count("fused_rl.addmm_wide_.default") == 3  # a chunk of 4 rows of 12 each
-    assert [gemm for gemm, *_ in wide_gemms] == ["addmm"] * 3
+    # chunks of 4 rows of 12: the first chunk's GEMM makes dW, the others add to it
+    assert ops.count("fused_rl.addmm_wide_.default") == 2
+    assert ops.count("fused_rl.mm_wide.default") == 1
+    assert [gemm for gemm, *_ in wide_gemms] == ["mm", "addmm", "addmm"]
     wide_gemms.clear()
     want = loss_fn(h, w)
     want_grads = torch.autograd.grad(want, (h, w))
-    assert [gemm for gemm, *_ in wide_gemms] == ["addmm"] * 3  # eager: the same GEMMs
+    assert [gemm for gemm, *_ in wide_gemms] == ["mm", "addmm", "addmm"]  # eager: the same
     torch.testing.assert_close(got, want)
     for a, e in zip(got_grads, want_grads):
         torch.testing.assert_close(a, e)
