@@ -21,8 +21,8 @@ fused_rl's fused-linear ops (``fused_rl/linear.py``) are modelled on the path a 
 predict the targets, ``dH`` (``N*H``, the hidden dtype), ``dW`` in fp32 (``V*H*4``) and the
 chunk's ``(chunk, V)`` logits (overwritten in place by their gradient). After the chunks
 ``dW`` is cast to the weight dtype (``V*H*(4 + e)`` for a moment: the peak at H = 4096,
-``2*N*H*e + 6*V*H``) and saved with ``dH`` (and ``d_bias``); the backward allocates their
-copies times the upstream scalar (``2*(N + V)*H*e`` for a moment). ``linear_token_logprobs``
+``2*N*H*e + 6*V*H``) and saved with ``dH`` (and ``d_bias``); the backward scales them in
+place (no new storage). ``linear_token_logprobs``
 holds the same in its backward, which recomputes each chunk's logits. On fake tensors that
 GEMM is answered by the model itself (``FakeAddmmOutDtype``: it writes into ``dW``, no new
 storage), not by torch's fake-tensor implementation, which torch 2.11 gets wrong.

@@ -17,12 +17,13 @@ tokens in chunks of ``chunk_tokens`` rows. Per chunk:
 ``linear_policy_loss`` (Triton backend, gradients on, token-level importance sampling) does
 better: its output is one scalar, so the chunk's gradients are formed in the FORWARD
 (:class:`_LinearPolicyLoss`: one vocab kernel per chunk computes the loss terms and
-overwrites ``z`` with ``dz``, then ``dH_c``, ``dW``) and the backward only multiplies them
-by the upstream gradient: three GEMMs per chunk instead of four. In eager mode it runs on
-the counted rows only (``config.skip_padding_rows``: mask weight != 0, target !=
-``ignore_index``; one host sync for their count, as TRL's GRPOTrainer), so padding costs no
-GEMM work; skipped rows get the partials of an uncounted token (``uncounted_partials``) and
-a zero ``dH``, what their programs would write.
+overwrites ``z`` with ``dz``, then ``dH_c``, ``dW``) and the backward only scales them in
+place by the upstream gradient (one launch that touches none of them when it is exactly 1; a
+second backward through the same call forms them again): three GEMMs per chunk instead of
+four. In eager mode it runs on the counted rows only (``config.skip_padding_rows``: mask
+weight != 0, target != ``ignore_index``; one host sync for their count, as TRL's
+GRPOTrainer), so padding costs no GEMM work; skipped rows get the partials of an uncounted
+token (``uncounted_partials``) and a zero ``dH``, what their programs would write.
 
 Peak memory above the inputs: one chunk's logits, ``dW`` in fp32 (the GEMM accumulates into
 it directly on CUDA; elsewhere through fp32 copies of the chunk) and ``dH``.
@@ -75,6 +76,7 @@ from ._policy_ops import (
     policy_finalize_op,
     policy_rows_grad_fwd_op,
     policy_rows_grad_into,
+    scale_rows_unless_one_launch,
     uncounted_partials,
 )
 from ._truncated_ops import (
@@ -774,6 +776,59 @@ class _LinearLaunch:
     modes: list[int]
 
 
+def _policy_chunks(needs, rows, weight, bias, launch, targets, adv, old, ref, mask, is_w,
+                   row_scale, ent_scale, num_items_t, kept, ref_rows, ref_weight,
+                   ref_bias):  # fmt: skip
+    """The chunk loop of :class:`_LinearPolicyLoss`: ``(loss, metrics, (d_hidden, d_weight,
+    d_bias))``, the gradients (``needs``: which) of the loss with upstream gradient 1, the
+    lm_head's and the bias's in the fp32 / fp64 accumulator."""
+    temperature, ignore_index = launch.temperature, launch.ignore_index
+    softcap, with_entropy = launch.softcap, launch.with_entropy
+    n_rows = rows.shape[0]
+    # kept: the counted rows' indices (None: every row). A skipped row gets the partials
+    # and the zero hidden gradient its kernel program would write.
+    grads = HeadGrads(rows, weight, needs, stats_dtype(rows.dtype),
+                      zero_rows=kept is not None)  # fmt: skip
+    acc = grads.acc
+    if kept is None:
+        part = rows.new_empty((N_COLS, n_rows), dtype=acc)
+    else:
+        part = uncounted_partials(n_rows, acc, rows.device)
+    col = lambda t, c: None if t is None else t[c, None]  # noqa: E731  (n, 1) per chunk
+    n_work = n_rows
+    if kept is not None:  # the counted rows' per-token inputs, gathered once
+        pick = lambda t: None if t is None else t[kept]  # noqa: E731
+        targets, adv, old, ref, mask, is_w, row_scale, ent_scale, ref_rows = map(
+            pick, (targets, adv, old, ref, mask, is_w, row_scale, ent_scale, ref_rows)
+        )
+        n_work = kept.numel()
+    for start in range(0, n_work, launch.chunk):
+        c = slice(start, min(start + launch.chunk, n_work))  # into the per-token inputs
+        r = c if kept is None else kept[c]  # into rows, part and d_hidden
+        h_c = rows[r]  # a view, or a gather of the counted rows
+        z, z_full = _chunk_logits(h_c, weight, bias, launch.chunk)
+        ref_c = col(ref, c)
+        if ref_rows is not None:  # the exact KL: the reference's chunk of logits, read only
+            ref_c = _chunk_logits(ref_rows[c], ref_weight, ref_bias, launch.chunk)[0][:, None]
+        args = (col(targets, c), col(adv, c), col(old, c), ref_c, col(mask, c),
+                col(is_w, c), row_scale[c], None if ent_scale is None else ent_scale[c],
+                temperature, softcap, ignore_index, with_entropy, launch.hyper,
+                launch.modes)  # fmt: skip
+        if torch.compiler.is_compiling() or _tracing():  # a traced op may not mutate
+            part[:, r], dz3 = policy_rows_grad_fwd_op(z[:, None], *args)
+            dz, dz_full = dz3[:, 0], None
+        else:  # the chunk's logits become their gradient in place
+            part[:, r] = _policy_rows_grad_into(z[:, None], z[:, None], *args)
+            dz, dz_full = z, z_full
+        grads.add(r, dz, dz_full, h_c, weight, launch.chunk)
+        del z, z_full, dz, dz_full, h_c, ref_c, args  # args holds ref_c
+    loss, metrics, _ = policy_finalize_op(
+        part, *launch.shape, launch.modes[4], launch.max_length, launch.num_items,
+        num_items_t, is_w is not None,
+    )  # fmt: skip
+    return loss, metrics, grads.grads()
+
+
 class _LinearPolicyLoss(torch.autograd.Function):
     """The token-level policy loss of ``F.linear(rows, weight, bias)`` with its gradients
     formed in the forward (one GEMM per chunk for the logits, two for the gradients) and
@@ -796,51 +851,13 @@ class _LinearPolicyLoss(torch.autograd.Function):
     def forward(ctx, rows, weight, bias, targets, adv, old, ref, mask, is_w, row_scale,
                 ent_scale, num_items_t, kept, launch, ref_rows=None, ref_weight=None,
                 ref_bias=None):  # fmt: skip
-        temperature, ignore_index = launch.temperature, launch.ignore_index
-        softcap, with_entropy = launch.softcap, launch.with_entropy
-        n_rows = rows.shape[0]
-        # kept: the counted rows' indices (None: every row). A skipped row gets the partials
-        # and the zero hidden gradient its kernel program would write.
-        grads = HeadGrads(rows, weight, ctx.needs_input_grad[:3], stats_dtype(rows.dtype),
-                          zero_rows=kept is not None)  # fmt: skip
-        acc = grads.acc
-        if kept is None:
-            part = rows.new_empty((N_COLS, n_rows), dtype=acc)
-        else:
-            part = uncounted_partials(n_rows, acc, rows.device)
-        col = lambda t, c: None if t is None else t[c, None]  # noqa: E731  (n, 1) per chunk
-        n_work = n_rows
-        if kept is not None:  # the counted rows' per-token inputs, gathered once
-            pick = lambda t: None if t is None else t[kept]  # noqa: E731
-            targets, adv, old, ref, mask, is_w, row_scale, ent_scale, ref_rows = map(
-                pick, (targets, adv, old, ref, mask, is_w, row_scale, ent_scale, ref_rows)
-            )
-            n_work = kept.numel()
-        for start in range(0, n_work, launch.chunk):
-            c = slice(start, min(start + launch.chunk, n_work))  # into the per-token inputs
-            r = c if kept is None else kept[c]  # into rows, part and d_hidden
-            h_c = rows[r]  # a view, or a gather of the counted rows
-            z, z_full = _chunk_logits(h_c, weight, bias, launch.chunk)
-            ref_c = col(ref, c)
-            if ref_rows is not None:  # the exact KL: the reference's chunk of logits, read only
-                ref_c = _chunk_logits(ref_rows[c], ref_weight, ref_bias, launch.chunk)[0][:, None]
-            args = (col(targets, c), col(adv, c), col(old, c), ref_c, col(mask, c),
-                    col(is_w, c), row_scale[c], None if ent_scale is None else ent_scale[c],
-                    temperature, softcap, ignore_index, with_entropy, launch.hyper,
-                    launch.modes)  # fmt: skip
-            if torch.compiler.is_compiling() or _tracing():  # a traced op may not mutate
-                part[:, r], dz3 = policy_rows_grad_fwd_op(z[:, None], *args)
-                dz, dz_full = dz3[:, 0], None
-            else:  # the chunk's logits become their gradient in place
-                part[:, r] = _policy_rows_grad_into(z[:, None], z[:, None], *args)
-                dz, dz_full = z, z_full
-            grads.add(r, dz, dz_full, h_c, weight, launch.chunk)
-            del z, z_full, dz, dz_full, h_c, ref_c
-        loss, metrics, _ = policy_finalize_op(
-            part, *launch.shape, launch.modes[4], launch.max_length, launch.num_items,
-            num_items_t, is_w is not None,
-        )  # fmt: skip
-        save_formed_grads(ctx, rows, weight, bias, *grads.grads())
+        needs = ctx.needs_input_grad[:3]
+        rest = (targets, adv, old, ref, mask, is_w, row_scale, ent_scale, num_items_t, kept,
+                ref_rows, ref_weight, ref_bias)  # fmt: skip
+        loss, metrics, grads = _policy_chunks(needs, rows, weight, bias, launch, *rest)
+        save_formed_grads(ctx, (rows, weight, bias), grads, "triton", rest,
+                          lambda *saved: _policy_chunks(needs, *saved[:3], launch,
+                                                        *saved[3:])[2])  # fmt: skip
         ctx.mark_non_differentiable(metrics)
         return loss, metrics
 
@@ -849,34 +866,75 @@ class _LinearPolicyLoss(torch.autograd.Function):
         return formed_grads_backward(ctx, grad_loss)
 
 
-def save_formed_grads(ctx, rows, weight, bias, d_hidden, d_weight, d_bias) -> None:
-    """Keep the gradients of a loss of ``F.linear(rows, weight, bias)`` formed in its
-    forward (None: not wanted; the fp32 ``d_weight`` / ``d_bias`` accumulators cast back to
-    the parameters' dtypes) for :func:`formed_grads_backward`; the inputs are saved only to
-    mark a double backward."""
-    ctx.save_for_backward(
-        rows, weight, bias, d_hidden,
+def save_formed_grads(ctx, inputs, grads, which, rest, reform) -> None:
+    """Keep ``grads`` = ``(d_hidden, d_weight, d_bias)``, the gradients of a loss of
+    ``F.linear(*inputs)`` (``inputs``: ``(rows, weight, bias)``) formed in its forward
+    (None: not wanted; the fp32 ``d_weight`` / ``d_bias`` accumulators cast to the
+    parameters' dtypes here), for :func:`formed_grads_backward`. ``which``: the backend
+    ("triton": the backward scales with a Triton launch); ``reform(*inputs, *rest)``: the
+    same gradients formed again (the forward's chunk loop on its other tensors ``rest``),
+    for a second backward through the call. Eager, the gradients are kept on ``ctx`` to be
+    handed over by the first backward, and ``inputs`` and ``rest`` saved (autograd frees
+    them after a backward without ``retain_graph``); traced (``torch.compile``), the
+    gradients are saved beside ``inputs``."""
+    grads = _as_params(grads, *inputs[1:])
+    ctx.set_materialize_grads(False)
+    if torch.compiler.is_compiling() or _tracing():
+        ctx.save_for_backward(*inputs, *grads)
+        return
+    ctx.save_for_backward(*inputs, *rest)
+    ctx.formed, ctx.reform, ctx.which = grads, reform, which
+
+
+def _as_params(grads, weight: Tensor, bias: Tensor | None) -> tuple:
+    """``(d_hidden, d_weight, d_bias)`` with the lm_head's and the bias's in their dtypes."""
+    d_hidden, d_weight, d_bias = grads
+    return (
+        d_hidden,
         None if d_weight is None else d_weight.to(weight.dtype),
         None if d_bias is None else d_bias.to(bias.dtype),
-    )  # fmt: skip
-    ctx.set_materialize_grads(False)
+    )
+
+
+def _scale_in_place(d: Tensor, grad_loss: Tensor, which: str) -> Tensor:
+    """``d *= grad_loss`` in place (``grad_loss`` a 0-dim tensor on ``d``'s device): on the
+    Triton backend one launch that returns at once when it is exactly 1 (no byte of ``d``
+    read or written, no host sync; ``scale_rows_unless_one``), else ``mul_``."""
+    if which == "triton" and d.is_contiguous() and d.numel():
+        scale_rows_unless_one_launch(d.view(1, -1, d.shape[-1]), grad_loss)
+    else:
+        d.mul_(grad_loss)
+    return d
 
 
 def formed_grads_backward(ctx, grad_loss: Tensor | None) -> tuple:
     """The backward of a chunked loss whose gradients were formed in the forward
-    (:func:`save_formed_grads`): each times the upstream scalar, a multiply over
-    ``N H + V H`` elements (16-bit times a 0-dim fp32 tensor stays 16-bit, computed in
-    fp32). They came from statistics taken as constants: a double backward raises (as
+    (:func:`save_formed_grads`): each times the upstream scalar. Eager, they are scaled IN
+    PLACE and handed to autograd as they are (no copy; ``N H + V H`` elements read and
+    written on the Triton backend, none when the upstream gradient is exactly 1); a second
+    backward through the same call (``retain_graph=True``, ``gradcheck``) forms them again
+    (one more run of the forward's chunks). Traced (``torch.compile``): a multiply out of
+    place. They came from statistics taken as constants: a double backward raises (as
     every fused op here)."""
     n_inputs = len(ctx.needs_input_grad)
     if grad_loss is None:
         return (None,) * n_inputs
-    saved = ctx.saved_tensors
     with torch.no_grad():
-        grads = tuple(None if d is None else d * grad_loss for d in saved[3:])
+        if not hasattr(ctx, "reform"):  # traced: saved beside the inputs
+            grads = tuple(None if d is None else d * grad_loss for d in ctx.saved_tensors[3:])
+        else:
+            # handed over once; a second backward forms them again from the saved tensors
+            # (unpacked only then: the first backward checks no version of them)
+            grads = ctx.__dict__.pop("formed", None)
+            if grads is None:
+                saved = ctx.saved_tensors
+                grads = _as_params(ctx.reform(*saved), *saved[1:3])
+            grads = tuple(
+                None if d is None else _scale_in_place(d, grad_loss, ctx.which) for d in grads
+            )
     if torch.is_grad_enabled():  # create_graph
         with torch.enable_grad():
-            sources = (*saved[:3], grad_loss)
+            sources = (*ctx.saved_tensors[:3], grad_loss)
             grads = tuple(differentiable_once(g, *sources) for g in grads)
     return grads + (None,) * (n_inputs - 3)
 
@@ -1313,7 +1371,8 @@ def linear_policy_loss(
     How (module docstring): with gradients on and ``importance_sampling="token"`` on the
     Triton backend, one pass over the chunks computes the loss, the metrics and the
     gradients (GEMM, one vocab kernel writing ``dz`` over the logits, the two gradient
-    GEMMs), and the backward multiplies ``dH``/``dW``/``db`` by the upstream scalar: three
+    GEMMs), and the backward scales ``dH``/``dW``/``db`` in place by the upstream scalar
+    (nothing read when it is 1; a second backward of the same call forms them again): three
     GEMMs per chunk. Otherwise (GSPO, ``top_entropy_quantile < 1``, the off-policy mask,
     ``no_grad``, the reference backend) it is :func:`linear_token_logprobs` feeding
     :func:`policy_loss_from_logprobs`, whose backward recomputes each chunk's logits (GSPO's
@@ -1461,9 +1520,9 @@ def _full_kl_policy_loss(hidden, weight, targets, inputs: RolloutInputs, *, bias
         check_vocab_limit(shard)
     ref_rows, ref_weight, ref_bias = _prepare_ref(ref_hidden, ref_weight, ref_bias, hidden,
                                                   weight, targets)  # fmt: skip
-    if not chunk_tokens:  # a chunk holds both models' logits (the same chunks on every rank)
-        vocab = weight.shape[0] if shard is None else -(-shard.vocab_size // shard.world)
-        chunk = chunk_rows(vocab, rows.element_size() + ref_rows.element_size(), rows.shape[1])
+    if sharded and not chunk_tokens:  # the same chunks on every rank
+        chunk = default_chunk_tokens(-(-shard.vocab_size // shard.world), rows.dtype,
+                                     rows.shape[1])  # fmt: skip
     if sharded or not policy.token_level:
         return _composed_full_kl_loss(
             hidden, weight, targets, inputs, bias=bias, rows=rows, flat_targets=flat_targets,
@@ -1547,7 +1606,7 @@ class _LinearTokenKL(torch.autograd.Function):
             stop = min(start + chunk, n_rows)
             kl[start:stop] = _chunk_kl(rows, weight, bias, ref_rows, ref_weight, ref_bias,
                                        counted, start, stop, temperature, softcap, shard,
-                                       which)  # fmt: skip
+                                       which, chunk)  # fmt: skip
         ctx.save_for_backward(rows, weight, bias, ref_rows, ref_weight, ref_bias, counted)
         ctx.config = (temperature, softcap, chunk, shard, reduce_hidden, which)
         return kl
@@ -1564,7 +1623,7 @@ class _LinearTokenKL(torch.autograd.Function):
             with torch.enable_grad():
                 leaf = z.detach().requires_grad_()
                 kl = _chunk_kl(leaf, None, None, ref_rows, ref_weight, ref_bias, counted, start,
-                               stop, temperature, softcap, shard, which)  # fmt: skip
+                               stop, temperature, softcap, shard, which, chunk)  # fmt: skip
                 (dz,) = torch.autograd.grad(kl, leaf, grad_kl[chunk_rows].to(kl.dtype))
             return dz, False
 
@@ -1574,12 +1633,13 @@ class _LinearTokenKL(torch.autograd.Function):
 
 
 def _chunk_kl(rows, weight, bias, ref_rows, ref_weight, ref_bias, counted, start, stop,
-              temperature, softcap, shard, which) -> Tensor:  # fmt: skip
+              temperature, softcap, shard, which, chunk) -> Tensor:  # fmt: skip
     """The exact KL of rows ``[start, stop)`` (``token_kl``'s; with ``shard`` merged over its
-    ranks): the policy's chunk logits from ``rows`` (or
-    ``rows`` itself when ``weight`` is None: the logits already made), the reference's."""
-    z = rows if weight is None else F.linear(rows[start:stop], weight, bias)
-    u = F.linear(ref_rows[start:stop], ref_weight, ref_bias)
+    ranks): the policy's chunk logits from ``rows`` (or ``rows`` itself when ``weight`` is
+    None: the logits already made), the reference's; each GEMM of ``chunk`` rows (batch
+    invariance, ``_gemm_rows``)."""
+    z = rows if weight is None else _chunk_logits(rows[start:stop], weight, bias, chunk)[0]
+    u = _chunk_logits(ref_rows[start:stop], ref_weight, ref_bias, chunk)[0]
     if shard is None:
         return token_kl(z, u, temperature=temperature, softcap=softcap,
                         mask=counted[start:stop], backend=which)  # fmt: skip

@@ -25,11 +25,13 @@ Per chunk (``h_c`` the student's hidden rows, ``t_c`` the teacher's):
 
 One reduction over every chunk's partial columns then gives the loss and the metrics. The
 loss is a scalar, so its gradients are formed in the forward (as ``linear_policy_loss`` and
-Liger's ``LigerFusedLinearJSD`` do) and the backward only multiplies ``dH``, ``dW``, ``db``
-by the upstream gradient: four GEMMs per chunk (the two logits, ``dz W``, ``dz^T h``), none
-recomputed; without gradients (``torch.no_grad``, nothing requiring grad) two, and no
-gradient kernel. The ``reference`` backend runs the same chunks and GEMMs with the plain
-PyTorch math of :mod:`fused_rl.reference.distill` (``student_grad`` for ``dz``).
+Liger's ``LigerFusedLinearJSD`` do) and the backward only scales ``dH``, ``dW``, ``db`` in
+place by the upstream gradient (on the Triton backend one launch that touches none of them
+when it is exactly 1; a second backward through the same call forms them again): four GEMMs
+per chunk (the two logits, ``dz W``, ``dz^T h``), none recomputed; without gradients
+(``torch.no_grad``, nothing requiring grad) two, and no gradient kernel. The ``reference``
+backend runs the same chunks and GEMMs with the plain PyTorch math of
+:mod:`fused_rl.reference.distill` (``student_grad`` for ``dz``).
 """
 
 from __future__ import annotations
@@ -175,20 +177,8 @@ def _run(rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_sca
                                      launch.which, launch.beta, launch.tf,
                                      shard)[0]  # fmt: skip
         else:
-            counted, tf = m[r] != 0, launch.tf
-            # each model's scale and cap on rows that count (no NaN through the cap)
-            zc, slope = ref.capped_rows_and_slope(z, counted, tf.softcap, tf.logit_scale)
-            ztc = ref.capped_rows(zt, counted, tf.teacher_softcap, tf.teacher_logit_scale)
-            out = ref.token_divergences(zc, ztc, beta=launch.beta, temperature=launch.temperature,
-                                        counted=counted)  # fmt: skip
-            terms[:, r] = torch.stack([out["d"].detach()] + [out[k] for k in METRICS[1:]])
-            if grad:
-                g = ref.student_grad(zc, ztc, beta=launch.beta, temperature=launch.temperature,
-                                     counted=counted)  # fmt: skip
-                if slope is not None:  # dz/dx of the scale and the cap
-                    g = g * slope
-                w = (m[r] * row_scale[r])[:, None]
-                dz = torch.where(w != 0, g * w, torch.zeros_like(g)).to(z.dtype)
+            w = (m[r] * row_scale[r])[:, None] if grad else None
+            terms[:, r], dz = _reference_chunk(z, zt, m[r] != 0, w, launch)
         # with dz written over z, its GEMM buffer is z's
         grads.add(r, dz, dz_full, h_c, weight, chunk)
         del z, z_full, zt, dz, dz_full, h_c
@@ -209,6 +199,27 @@ def _run(rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_sca
     return loss, metrics, d_hidden, d_weight, d_bias
 
 
+def _reference_chunk(z: Tensor, zt: Tensor, counted: Tensor, w: Tensor | None, launch):
+    """The ``reference`` backend on one unsharded chunk: ``(terms, dz)``, the chunk's
+    ``(len(METRICS), n)`` per-token terms and, with the per-row weights ``w`` ``(n, 1)``,
+    ``dL/dz`` in ``z``'s dtype (None without). A function of its own, so that its
+    ``(n, V)`` temporaries are gone before the next chunk's GEMMs."""
+    tf = launch.tf
+    # each model's scale and cap on rows that count (no NaN through the cap)
+    zc, slope = ref.capped_rows_and_slope(z, counted, tf.softcap, tf.logit_scale)
+    ztc = ref.capped_rows(zt, counted, tf.teacher_softcap, tf.teacher_logit_scale)
+    out = ref.token_divergences(zc, ztc, beta=launch.beta, temperature=launch.temperature,
+                                counted=counted)  # fmt: skip
+    terms = torch.stack([out["d"].detach()] + [out[k] for k in METRICS[1:]])
+    if w is None:
+        return terms, None
+    g = ref.student_grad(zc, ztc, beta=launch.beta, temperature=launch.temperature,
+                         counted=counted)  # fmt: skip
+    if slope is not None:  # dz/dx of the scale and the cap
+        g = g * slope
+    return terms, torch.where(w != 0, g * w, torch.zeros_like(g)).to(z.dtype)
+
+
 class _LinearDistill(torch.autograd.Function):
     """The distillation loss of ``F.linear(rows, weight, bias)`` against the teacher's
     ``F.linear(t_rows, t_weight, t_bias)``, its gradients (``rows``, ``weight``, ``bias``)
@@ -221,12 +232,19 @@ class _LinearDistill(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_scale,
                 num_items_t, launch, compute):  # fmt: skip
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        loss, metrics, d_hidden, d_weight, d_bias = _run(
-            *(compute or (rows, weight, bias)), t_rows, t_weight, t_bias, targets, mask, m,
-            row_scale, num_items_t, launch, need_h, need_w, need_b, rows.dtype,
-        )  # fmt: skip
-        save_formed_grads(ctx, rows, weight, bias, d_hidden, d_weight, d_bias)
+        needs = ctx.needs_input_grad[:3]
+        rest = (t_rows, t_weight, t_bias, targets, mask, m, row_scale, num_items_t)
+        loss, metrics, *grads = _run(*(compute or (rows, weight, bias)), *rest, launch, *needs,
+                                     rows.dtype)  # fmt: skip
+        dtypes = None if compute is None else [None if c is None else c.dtype for c in compute]
+
+        def reform(rows, weight, bias, *rest):  # the autocast copies made again
+            head = (rows, weight, bias)
+            if dtypes is not None:
+                head = [None if x is None else x.detach().to(d) for x, d in zip(head, dtypes)]
+            return _run(*head, *rest, launch, *needs, rows.dtype)[2:]
+
+        save_formed_grads(ctx, (rows, weight, bias), grads, launch.which, rest, reform)
         ctx.mark_non_differentiable(metrics)
         return loss, metrics
 
@@ -444,10 +462,10 @@ def linear_distill_loss(
     for ``0 < beta < 1``; the backward kernel reads both and writes ``dz``): in bf16, per
     vocabulary entry and row, the GEMMs write ``z_s`` and ``z_t`` (2 + 2 bytes), the kernels
     read 4 (8 for the JSD) + 4 and write 2, the gradient GEMMs read ``dz`` (2 + 2). Then one
-    finalize reduction for the loss and the metrics; the backward is three multiplies by the
-    upstream scalar. With ``process_group`` per chunk: the forward kernel (and its unused
-    finalize), the JSD's second pass, the backward kernel into a fresh buffer, and the
-    collectives above.
+    finalize reduction for the loss and the metrics; the backward scales the three gradients
+    in place by the upstream scalar (no byte read when it is 1). With ``process_group`` per
+    chunk: the forward kernel (and its unused finalize), the JSD's second pass, the backward
+    kernel into a fresh buffer, and the collectives above.
 
     Example:
         >>> import torch, torch.nn.functional as F, fused_rl

@@ -146,7 +146,9 @@ def test_linear_policy_gradient_rows_do_not_depend_on_the_batch(backend, dtype):
         assert torch.equal(got, seen[0])
 
 
-@pytest.mark.parametrize("op", ["linear_token_logprobs", "linear_policy_loss"])
+@pytest.mark.parametrize(
+    "op", ["linear_token_logprobs", "linear_policy_loss", "linear_policy_loss_full_kl_gspo"]
+)
 def test_linear_gemm_shapes_do_not_depend_on_the_batch(monkeypatch, op):
     """The guard: every GEMM the fused-linear ops issue for a row (the logits, and the hidden
     gradient ``dz W``) has the chunk's row count, whatever the batch; with
@@ -183,10 +185,18 @@ def test_linear_gemm_shapes_do_not_depend_on_the_batch(monkeypatch, op):
             targets = torch.randint(0, V, (size, T), generator=g).to(DEVICE)
             if op == "linear_token_logprobs":
                 out = fused_rl.linear_token_logprobs(hidden, weight, targets, chunk_tokens=16)
-            else:
+            else:  # the composed exact KL (GSPO): the reference's GEMMs too
+                kl = dict(
+                    ref_hidden=hidden.detach() * 0.5,
+                    ref_weight=weight * 0.5,
+                    kl_estimator="full",
+                    beta=0.1,
+                    importance_sampling="sequence",
+                )
                 out, _ = fused_rl.linear_policy_loss(
                     hidden, weight, targets, torch.ones(size, device=DEVICE),
                     old_logprobs=torch.full((size, T), -4.0, device=DEVICE), chunk_tokens=16,
+                    **(kl if op.endswith("gspo") else {}),
                 )  # fmt: skip
             out.sum().backward()
             assert {kind for kind, _ in shapes} == {"logits", "dH"}

@@ -15,6 +15,7 @@ from helpers import FP32_TOL, assert_rel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fused_rl
+from fused_rl._backend import interpreter_enabled
 from fused_rl.linear import (
     CHUNK_BYTES,
     HEAD_CHUNK_ROWS,
@@ -215,25 +216,71 @@ class _WeightSizedOps(TorchDispatchMode):
 def test_weight_gradient_is_made_by_the_first_chunk(op, backend):
     """The lm_head's fp32 gradient is the first chunk's GEMM output, and each later chunk
     adds to it in place: no zero fill of a ``(V, H)`` buffer and no read of zeros (``8 V H``
-    bytes a call). Three chunks of 4 rows of 10: one ``mm``, two ``addmm_``, then the cast
-    to the weight's dtype (none here: fp32) and the upstream scale."""
+    bytes a call). Three chunks of 4 rows of 10: one ``mm``, two ``addmm_``; the cast to
+    the weight's dtype is none here (fp32), and a loss whose gradients were formed in the
+    forward (``linear_distill_loss``) has them scaled in place by the backward, a Triton
+    launch or ``mul_``, never a fresh copy."""
     h, w, b, t = _inputs(n=10, hdim=6, vocab=29, bias=False)
     chunks = dict(chunk_tokens=4, backend=backend)
+    teacher = (h.detach().flip(0), w.detach() * 0.5)
+    adv, old = torch.ones(1, device=h.device), torch.full((1, 10), -3.0, device=h.device)
     with _WeightSizedOps(w.shape) as seen:
         if op == "linear_token_logprobs":
             out = fused_rl.linear_token_logprobs(h, w, t, **chunks).sum()
         elif op == "linear_policy_loss":
-            adv, old = torch.ones(1, device=h.device), torch.full((1, 10), -3.0, device=h.device)
             out = fused_rl.linear_policy_loss(h[None], w, t[None], adv, old_logprobs=old,
                                               **chunks)[0]  # fmt: skip
         else:
-            out = fused_rl.linear_distill_loss(h, w, h.detach().flip(0), w.detach() * 0.5,
-                                               **chunks)[0]  # fmt: skip
-        out.backward()
-    gemms = [name for name in seen.ops if name in ("mm", "addmm", "addmm_")]
-    assert gemms == ["mm", "addmm_", "addmm_"], seen.ops
-    assert not {"zeros", "zero_", "fill_", "new_zeros", "zeros_like", "full"} & set(seen.ops)
+            out = fused_rl.linear_distill_loss(h, w, *teacher, **chunks)[0]
+        out.backward(torch.tensor(0.5, device=h.device))
+    scaled = ["mul_"] if (op, backend) == ("linear_distill_loss", "reference") else []
+    assert seen.ops == ["mm", "addmm_", "addmm_", *scaled]
     assert w.grad is not None and torch.isfinite(w.grad).all()
+
+
+def _formed_loss(op, backend, dtype):
+    """A loss of ``op`` whose gradients are formed in its forward, and its leaves."""
+    h, w, _, t = _inputs(n=10, hdim=6, vocab=29, dtype=dtype, bias=False)
+    if op == "linear_policy_loss":
+        old = torch.full((1, 10), -3.0, device=h.device)
+        adv = torch.ones(1, device=h.device)
+        loss = fused_rl.linear_policy_loss(h[None], w, t[None], adv, old_logprobs=old,
+                                           chunk_tokens=4, backend=backend)[0]  # fmt: skip
+    else:
+        loss = fused_rl.linear_distill_loss(h, w, h.detach().flip(0), w.detach() * 0.5,
+                                            chunk_tokens=4, backend=backend)[0]  # fmt: skip
+    return loss, (h, w)
+
+
+FORMED = [("linear_policy_loss", "triton"), ("linear_distill_loss", "triton"),
+          ("linear_distill_loss", "reference")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("op", "backend"), FORMED)
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_formed_gradients_scaled_in_place_once(op, backend, dtype):
+    """The gradients formed in the forward are scaled in place by the backward and handed
+    to autograd: with an upstream gradient of 1 they are the forward's bits; with 0.37 the
+    forward's times 0.37, computed in fp32 and rounded once. A second backward through the
+    same call (``retain_graph=True``) forms them again: the values a fresh call gives, the
+    first backward's results untouched."""
+    loss, leaves = _formed_loss(op, backend, dtype)
+    ones = torch.autograd.grad(loss, leaves, retain_graph=True)
+    kept = [g.clone() for g in ones]
+    up = torch.tensor(0.37, device=loss.device)
+    again = torch.autograd.grad(loss, leaves, up)
+    fresh_loss, fresh_leaves = _formed_loss(op, backend, dtype)
+    scaled = torch.autograd.grad(fresh_loss, fresh_leaves, up)
+    for one, first, got, other in zip(ones, kept, scaled, again):
+        assert torch.equal(one, first) and torch.equal(got, other)
+        want = (one.float() * up).to(dtype)
+        if dtype == torch.bfloat16 and backend == "triton" and interpreter_enabled():
+            # the interpreter rounds fp32 -> bf16 toward zero (a GPU, as torch, to nearest
+            # even): within one unit in the last place there
+            err = (got.double() - want.double()).abs()
+            assert (err <= torch.finfo(dtype).eps * want.double().abs()).all()
+        else:
+            assert torch.equal(got, want)
 
 
 def test_bad_arguments_name_themselves():
@@ -474,7 +521,10 @@ def test_linear_policy_loss_one_vocab_kernel_per_chunk():
         loss.backward()
     chunks = -(-t.numel() // 4)
     assert c.kernels.count("_policy_loss_fwd_kernel") == chunks, c.kernels
-    assert sorted(set(c.kernels)) == ["_policy_finalize_kernel", "_policy_loss_fwd_kernel"]
+    # and the backward's in-place scale by the upstream gradient (nothing when it is 1)
+    assert sorted(set(c.kernels)) == [
+        "_policy_finalize_kernel", "_policy_loss_fwd_kernel", "_scale_rows_unless_one_kernel"
+    ]  # fmt: skip
     assert c.kernels.count("_policy_finalize_kernel") == 1
 
 

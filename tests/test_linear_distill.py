@@ -20,6 +20,7 @@ from test_distill import SPLIT_CASES, oracle_call
 import fused_rl
 import fused_rl.linear_distill as mod
 from fused_rl._agg import LOSS_AGG_MODES
+from fused_rl._backend import interpreter_enabled
 from fused_rl.profiling import AllocationTracker
 
 BACKENDS = ("triton", "reference")
@@ -104,6 +105,11 @@ def check(student, teacher, *, dtype=torch.float32, seed=1, **kw):
         assert rel_err(got[1][name], value) <= tol, name
     for name, a, e, tol in zip(("hidden", "weight", "bias"), got[2], want[2], tols[2:]):
         assert a.dtype == dtype and a.shape == e.shape, name
+        half = dtype in (torch.bfloat16, torch.float16)
+        if half and kw.get("backend") == "triton" and interpreter_enabled():
+            # the backward's in-place scale by the upstream gradient rounds toward zero in
+            # the interpreter (on a GPU, as torch, to nearest even): one more unit there
+            tol += torch.finfo(dtype).eps
         assert rel_err(a, e) <= tol, (name, rel_err(a, e), tol)
     return got
 

@@ -170,7 +170,7 @@ def _trainer_module(name: str):
 @dataclasses.dataclass(frozen=True)
 class Options:
     """fused_rl's choices for the head: ``backend`` as every fused_rl op takes it, and
-    ``chunk_tokens`` (rows per GEMM chunk; None keeps a chunk's logits under 256 MiB);
+    ``chunk_tokens`` (rows per GEMM chunk; None: ``fused_rl.linear.chunk_rows``'s default);
     for GRPO's loss, ``loss`` (one ``fused_rl.linear_policy_loss`` call) and
     ``kl_estimator`` (``"k3"``: TRL's estimate; ``"full"``: the exact KL, needs ``loss``)."""
 
