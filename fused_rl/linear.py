@@ -144,8 +144,7 @@ def default_chunk_tokens(vocab: int, dtype: torch.dtype, hidden_size: int | None
     """Rows per chunk of the ops from hidden states with ``dtype`` logits (:func:`chunk_rows`):
     at V = 151936, H = 4096 in bf16, 2048 rows (622 MB of logits); without ``hidden_size``
     the :data:`CHUNK_BYTES` bound alone (883 rows)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return chunk_rows(vocab, itemsize, hidden_size)
+    return chunk_rows(vocab, dtype.itemsize, hidden_size)
 
 
 def _gemm_rows(rows: Tensor, chunk: int) -> Tensor:
@@ -669,8 +668,8 @@ class HeadGrads:
         self.need_w, self.device = need_w, weight.device
         self.d_hidden = None
         if need_h:
-            make = torch.zeros if zero_rows else torch.empty
-            self.d_hidden = make(rows.shape, dtype=hidden_dtype or rows.dtype, device=rows.device)
+            make = rows.new_zeros if zero_rows else rows.new_empty
+            self.d_hidden = make(rows.shape, dtype=hidden_dtype or rows.dtype)
         self.d_weight = None  # the first chunk's GEMM makes it
         self.d_bias = None
         if need_b:
@@ -874,9 +873,11 @@ def save_formed_grads(ctx, inputs, grads, which, rest, reform) -> None:
     ("triton": the backward scales with a Triton launch); ``reform(*inputs, *rest)``: the
     same gradients formed again (the forward's chunk loop on its other tensors ``rest``),
     for a second backward through the call. Eager, the gradients are kept on ``ctx`` to be
-    handed over by the first backward, and ``inputs`` and ``rest`` saved (autograd frees
-    them after a backward without ``retain_graph``); traced (``torch.compile``), the
-    gradients are saved beside ``inputs``."""
+    handed over by the first backward, and ``inputs`` and ``rest`` saved: what ``rest``
+    holds of a second model (the teacher's or the reference's rows and lm_head, and the
+    copies the call made of them, e.g. a 16-bit cast of an fp32 head under autocast, ``2 V
+    H`` bytes) lives until the backward, which frees it unless ``retain_graph``; traced
+    (``torch.compile``), the gradients are saved beside ``inputs``."""
     grads = _as_params(grads, *inputs[1:])
     ctx.set_materialize_grads(False)
     if torch.compiler.is_compiling() or _tracing():
@@ -896,10 +897,11 @@ def _as_params(grads, weight: Tensor, bias: Tensor | None) -> tuple:
     )
 
 
-def _scale_in_place(d: Tensor, grad_loss: Tensor, which: str) -> Tensor:
-    """``d *= grad_loss`` in place (``grad_loss`` a 0-dim tensor on ``d``'s device): on the
-    Triton backend one launch that returns at once when it is exactly 1 (no byte of ``d``
-    read or written, no host sync; ``scale_rows_unless_one``), else ``mul_``."""
+def _scale_formed(d: Tensor, grad_loss: Tensor, which: str) -> Tensor:
+    """``d *= grad_loss`` in place (``grad_loss`` a 0-dim tensor on ``d``'s device), computed
+    in fp32 (fp64) with the exact factor and rounded once: on the Triton backend one launch
+    that returns at once when it is exactly 1 (no byte of ``d`` read or written, no host
+    sync; ``scale_rows_unless_one``), else ``mul_``."""
     if which == "triton" and d.is_contiguous() and d.numel():
         scale_rows_unless_one_launch(d.view(1, -1, d.shape[-1]), grad_loss)
     else:
@@ -907,34 +909,43 @@ def _scale_in_place(d: Tensor, grad_loss: Tensor, which: str) -> Tensor:
     return d
 
 
+def _scaled_copy(d: Tensor, grad_loss: Tensor) -> Tensor:
+    """``d * grad_loss`` out of place, in fp32 (fp64) with the exact factor, rounded once to
+    ``d``'s dtype (torch's 16-bit ``d * grad_loss`` on a GPU rounds the 0-dim factor to 16
+    bits first): the traced backward's, which Inductor fuses into one pass."""
+    acc = torch.float64 if d.dtype == torch.float64 else torch.float32
+    return (d.to(acc) * grad_loss.to(acc)).to(d.dtype)
+
+
 def formed_grads_backward(ctx, grad_loss: Tensor | None) -> tuple:
     """The backward of a chunked loss whose gradients were formed in the forward
-    (:func:`save_formed_grads`): each times the upstream scalar. Eager, they are scaled IN
-    PLACE and handed to autograd as they are (no copy; ``N H + V H`` elements read and
-    written on the Triton backend, none when the upstream gradient is exactly 1); a second
-    backward through the same call (``retain_graph=True``, ``gradcheck``) forms them again
-    (one more run of the forward's chunks). Traced (``torch.compile``): a multiply out of
-    place. They came from statistics taken as constants: a double backward raises (as
-    every fused op here)."""
+    (:func:`save_formed_grads`): each times the upstream scalar, rounded once. Eager, they
+    are scaled IN PLACE and handed to autograd as they are (on the Triton backend one
+    launch each, reading and writing ``N H``, ``V H`` and ``V`` elements, none when the
+    upstream gradient is exactly 1; no copy of its own, though autograd's casts back to a
+    wider ``weight`` / ``hidden`` under autocast make theirs); a second backward through
+    the same call (``retain_graph=True``, ``gradcheck``) forms them again (one more run of
+    the forward's chunks, autocast off as in the forward). Traced (``torch.compile``): a
+    multiply out of place. They came from statistics taken as constants: a double backward
+    raises (as every fused op here)."""
     n_inputs = len(ctx.needs_input_grad)
     if grad_loss is None:
         return (None,) * n_inputs
+    saved = ctx.saved_tensors  # raises if an input was modified in place since the forward
     with torch.no_grad():
         if not hasattr(ctx, "reform"):  # traced: saved beside the inputs
-            grads = tuple(None if d is None else d * grad_loss for d in ctx.saved_tensors[3:])
+            grads = tuple(None if d is None else _scaled_copy(d, grad_loss) for d in saved[3:])
         else:
-            # handed over once; a second backward forms them again from the saved tensors
-            # (unpacked only then: the first backward checks no version of them)
-            grads = ctx.__dict__.pop("formed", None)
-            if grads is None:
-                saved = ctx.saved_tensors
-                grads = _as_params(ctx.reform(*saved), *saved[1:3])
+            grads = ctx.__dict__.pop("formed", None)  # handed over once
+            if grads is None:  # a second backward: formed again from the saved tensors
+                with torch.autocast(saved[0].device.type, enabled=False):
+                    grads = _as_params(ctx.reform(*saved), *saved[1:3])
             grads = tuple(
-                None if d is None else _scale_in_place(d, grad_loss, ctx.which) for d in grads
+                None if d is None else _scale_formed(d, grad_loss, ctx.which) for d in grads
             )
     if torch.is_grad_enabled():  # create_graph
         with torch.enable_grad():
-            sources = (*ctx.saved_tensors[:3], grad_loss)
+            sources = (*saved[:3], grad_loss)
             grads = tuple(differentiable_once(g, *sources) for g in grads)
     return grads + (None,) * (n_inputs - 3)
 

@@ -97,8 +97,7 @@ def default_chunk_tokens(vocab: int, student_dtype: torch.dtype, teacher_dtype: 
     (``fused_rl.linear.chunk_rows``, ``hidden_size`` the student's ``H``): at V = 151936,
     H = 4096 with bf16 logits, 2048 rows (1.24 GB of logits); without ``hidden_size``
     those under 256 MiB alone (441 rows)."""
-    size = lambda d: torch.empty((), dtype=d).element_size()  # noqa: E731
-    return chunk_rows(vocab, size(student_dtype) + size(teacher_dtype), hidden_size)
+    return chunk_rows(vocab, student_dtype.itemsize + teacher_dtype.itemsize, hidden_size)
 
 
 @dataclass(frozen=True)

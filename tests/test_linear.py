@@ -271,6 +271,13 @@ def test_formed_gradients_scaled_in_place_once(op, backend, dtype):
     again = torch.autograd.grad(loss, leaves, up)
     fresh_loss, fresh_leaves = _formed_loss(op, backend, dtype)
     scaled = torch.autograd.grad(fresh_loss, fresh_leaves, up)
+    # a second backward run under autocast forms them as the forward did (autocast off)
+    loss, leaves = _formed_loss(op, backend, dtype)
+    torch.autograd.grad(loss, leaves, retain_graph=True)
+    with torch.autocast(loss.device.type, dtype=torch.bfloat16):
+        under = torch.autograd.grad(loss, leaves, up)
+    for got, other in zip(scaled, under):
+        assert torch.equal(got, other)
     for one, first, got, other in zip(ones, kept, scaled, again):
         assert torch.equal(one, first) and torch.equal(got, other)
         want = (one.float() * up).to(dtype)
