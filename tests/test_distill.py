@@ -724,6 +724,7 @@ def test_docstring_example():
 # offsets 64-bit (``hopper_compile.narrow_offset_products``); the row loads of both vocab
 # kernels 128-bit vectors when launched on a bf16 vocabulary.
 _COMPILE_SCRIPT = r"""
+import inspect
 import sys
 sys.path.insert(0, sys.argv[1])
 import triton, triton.language as tl
@@ -744,8 +745,12 @@ def signature(fn, logits, acc, unit=()):
     return kernel_signature(fn, FLOATS, pointers, acc, unit)
 
 def build(fn, consts, logits, acc, unit=(), attrs=None, warps=8):
+    # every constexpr given, its default where the variant leaves it (Triton 3.4 does not
+    # fill defaults in here: "constexpr has no attribute _flatten_ir_types")
+    defaults = {p.name: p.default for p in fn.params
+                if p.is_constexpr and p.default is not inspect.Parameter.empty}
     src = ASTSource(fn=fn, signature=signature(fn, logits, acc, unit),
-                    constexprs={**consts, **{n: 1 for n in unit}}, attrs=attrs)
+                    constexprs={**defaults, **consts, **{n: 1 for n in unit}}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 # the launches at V = 151936: the read-only forward and mixture pass, the backward
