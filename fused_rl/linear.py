@@ -90,6 +90,7 @@ from ._vocab_ops import (
     token_stats_bwd_op,
     token_stats_fwd_op,
 )
+from ._whole_rows import whole_rows
 from ._wide_gemm import addmm_wide, mm_wide
 from .distill import pair_divergence
 from .distributed import (
@@ -306,6 +307,7 @@ class _LinearTokenStats(torch.autograd.Function):
             return (None,) * 11
         if grad_logp is None:
             grad_logp = torch.zeros_like(row_max)
+        grad_logp, grad_entropy = whole_rows(grad_logp), whole_rows(grad_entropy)
 
         def dz_of(rows, z):
             stats = (targets[rows], row_max[rows], log_sum[rows], _rows_of(entropy, rows),
@@ -396,6 +398,7 @@ class _LinearTruncated(torch.autograd.Function):
         top_k, top_p, temperature, softcap, ignore_index, chunk, which = ctx.config
         if grad_logp is None:
             return (None,) * 11
+        grad_logp = whole_rows(grad_logp)
 
         def dz_of(rows, z):
             st = None if stats is None else stats[3 * rows.start : 3 * rows.stop]
@@ -1059,7 +1062,7 @@ def _prepare(hidden, weight, bias, targets, temperature, softcap, ignore_index, 
         if chunk_tokens
         else default_chunk_tokens(vocab, hidden.dtype, hidden.shape[-1])
     )
-    return rows, weight, bias, flat_targets, chunk, which
+    return rows, weight, bias, whole_rows(flat_targets), chunk, which
 
 
 def linear_token_logprobs(
@@ -1612,6 +1615,7 @@ class _LinearTokenKL(torch.autograd.Function):
                 softcap, chunk, shard, reduce_hidden, which):  # fmt: skip
         ctx.set_materialize_grads(False)
         n_rows = rows.shape[0]
+        counted = whole_rows(counted)
         kl = rows.new_empty((n_rows,), dtype=stats_dtype(rows.dtype))
         for start in range(0, n_rows, chunk):
             stop = min(start + chunk, n_rows)
@@ -1628,6 +1632,7 @@ class _LinearTokenKL(torch.autograd.Function):
         temperature, softcap, chunk, shard, reduce_hidden, which = ctx.config
         if grad_kl is None:
             return (None,) * 13
+        grad_kl = whole_rows(grad_kl)
 
         def dz_of(chunk_rows, z):
             start, stop = chunk_rows.start, chunk_rows.stop
@@ -1725,7 +1730,7 @@ def _fused_policy_loss(rows, weight, bias, flat_targets, shape, inputs: RolloutI
     aggregation's per-row scale computed from the mask before the chunk loop."""
     batch, length = shape
     acc = stats_dtype(rows.dtype)
-    flat = lambda t: None if t is None else t.reshape(-1)  # noqa: E731
+    flat = lambda t: None if t is None else whole_rows(t.reshape(-1))  # noqa: E731
     adv2d = advantages_2d(inputs.advantages, batch, length)
     adv, old, ref = rollout_constants(acc, adv2d, inputs.old_logprobs, inputs.ref_logprobs)
     is_w = is_weights_2d(inputs.is_weights, batch, length)
@@ -1733,7 +1738,7 @@ def _fused_policy_loss(rows, weight, bias, flat_targets, shape, inputs: RolloutI
     targets2d = flat_targets.view(batch, length)
     m = weights_of(mask, targets2d, acc, targets2d, ignore_index)
     scale = sequence_scale(m, policy.loss_agg, max_length=policy.max_length, num_items=num_items)
-    row_scale = scale.expand(batch, length).contiguous().view(-1)  # the kernel reads stride 1
+    row_scale = flat(scale.expand(batch, length).contiguous())  # the kernel reads stride 1
     kept = _counted_rows(m, rows)
     n_items, n_items_t = num_items_args(num_items, rows.device)
     launch = _LinearLaunch(
@@ -1747,7 +1752,7 @@ def _fused_policy_loss(rows, weight, bias, flat_targets, shape, inputs: RolloutI
             rows, weight, bias, flat_targets, flat(adv), flat(old), flat(ref),
             flat(mask.detach()) if mask is not None else None,
             flat(rollout_constants(acc, is_w)[0]), row_scale,
-            per_row(entropy_scale(m, policy, num_items), (batch, length)), n_items_t, kept,
+            flat(per_row(entropy_scale(m, policy, num_items), (batch, length))), n_items_t, kept,
             launch, *(ref_head or ()),
         )  # fmt: skip
     has_kl = ref is not None or ref_head is not None

@@ -46,6 +46,7 @@ from ._agg import masked_mean_all, poison_empty, sequence_scale
 from ._backend import resolve_backend
 from ._ops import _serialised_when_interpreting, _tracing
 from ._policy_inputs import num_items_args, weights_of
+from ._whole_rows import whole_rows
 from .distill import (
     METRICS,
     NO_TRANSFORMS,
@@ -531,12 +532,12 @@ def linear_distill_loss(
         m2 = weights_of(as2d(mask), rows.new_empty((outer, inner)), acc, as2d(targets),
                         int(ignore_index))  # fmt: skip
         scale = sequence_scale(m2, loss_agg, max_length=max_length, num_items=num_items)
-        row_scale = scale.expand(outer, inner).reshape(-1).contiguous()
-        m = m2.reshape(-1)
-    flat_mask = None if mask is None else mask.detach().reshape(-1)
+        row_scale = whole_rows(scale.expand(outer, inner).reshape(-1).contiguous())
+        m = whole_rows(m2.reshape(-1))
+    flat_mask = None if mask is None else whole_rows(mask.detach().reshape(-1))
     if flat_mask is not None and flat_mask.dtype == torch.bool:
         flat_mask = flat_mask.view(torch.uint8)  # read as bytes, no copy
-    flat_targets = None if targets is None else targets.reshape(-1)
+    flat_targets = None if targets is None else whole_rows(targets.reshape(-1))
     n_items, n_items_t = num_items_args(num_items, rows.device)
     launch = _Launch(
         float(beta), float(temperature), int(ignore_index), chunk, outer, inner,

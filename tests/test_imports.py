@@ -103,7 +103,7 @@ LAYERS = (
               "fused_rl.profiling", "fused_rl._describe")),
     ("ops", ("fused_rl._ops", "fused_rl._vocab_ops", "fused_rl._policy_ops",
              "fused_rl._truncated_ops", "fused_rl._select_ops",
-             "fused_rl._wide_gemm")),
+             "fused_rl._wide_gemm", "fused_rl._whole_rows")),
     ("vocab parallel", ("fused_rl.distributed", "fused_rl.truncated_parallel")),
     ("functions", ("fused_rl.logprobs", "fused_rl.kl", "fused_rl.reductions", "fused_rl.distill",
                    "fused_rl.rollout", "fused_rl.continuous", "fused_rl.advantages",
