@@ -63,6 +63,13 @@ computes them with the log-probs and entropies from one read of each chunk's log
 (:func:`fused_rl.linear_token_stats`); ``from fused_rl.integrations.trl import DPOTrainer``
 (``KTOTrainer``, ``SFTTrainer``) or ``patch()`` puts it in place, TRL's loss unchanged.
 
+TRL 1.16's experimental ``trl.experimental.async_grpo.AsyncGRPOTrainer`` (rollouts from a
+vLLM server, several completions packed into one row as a prefix tree) adds the same head
+for its log-probs and entropies: ``from fused_rl.integrations.trl import AsyncGRPOTrainer``
+(or ``patch()``) puts fused_rl's in its place (the packed row's pre-shifted
+``shift_labels``, ``position_ids`` and tree-attention arguments go to the backbone as they
+come), TRL's loss unchanged.
+
 TRL 1.16's ``DistillationTrainer`` likewise: ``from fused_rl.integrations.trl import
 DistillationTrainer`` (or ``patch()``, which wraps both trainers) computes its loss, the
 divergence of the student's and the teacher's full next-token distributions, with one
@@ -79,7 +86,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import sys
 import threading
 import types
 from collections.abc import Callable, Iterator
@@ -92,7 +98,8 @@ from ..distributed import gather_param, is_dtensor
 from ..linear import linear_token_logprobs, linear_token_stats
 
 __all__ = [
-    "DistillationTrainer",  # noqa: F822  (built on first access: __getattr__ below)
+    "AsyncGRPOTrainer",  # noqa: F822  (built on first access: __getattr__ below)
+    "DistillationTrainer",  # noqa: F822
     "DPOTrainer",  # noqa: F822
     "GRPOTrainer",  # noqa: F822
     "KTOTrainer",  # noqa: F822
@@ -117,14 +124,18 @@ DIAGNOSTICS = {"log_sum_sq_probs": "log_sum_sq_probs", "mean_logits": "mean_logi
 # the config fields TRL reads as a multiplier of the logits, in its order of precedence
 _SCALE_FIELDS = ("logit_scale", "output_multiplier", "lm_head_multiplier")
 _MARK = "_fused_rl_lm_head"  # attribute of a model whose forward this module patched
-# the trainers whose log-probs come from TRL's fused head, and the trl.trainer module of each
+# the trainers whose log-probs come from TRL's fused head, and the TRL module of each
 HEAD_TRAINERS = {
-    "GRPOTrainer": "grpo_trainer",
-    "RLOOTrainer": "rloo_trainer",
-    "DPOTrainer": "dpo_trainer",
-    "KTOTrainer": "kto_trainer",
-    "SFTTrainer": "sft_trainer",
+    "GRPOTrainer": "trl.trainer.grpo_trainer",
+    "RLOOTrainer": "trl.trainer.rloo_trainer",
+    "DPOTrainer": "trl.trainer.dpo_trainer",
+    "KTOTrainer": "trl.trainer.kto_trainer",
+    "SFTTrainer": "trl.trainer.sft_trainer",
+    "AsyncGRPOTrainer": "trl.experimental.async_grpo.async_grpo_trainer",
 }
+# what TRL prints when its experimental package is first imported (by patch(), for a
+# trainer the script may not use: not shown there)
+_EXPERIMENTAL_WARNING = "You are importing from 'trl.experimental'"
 # GRPO's KL term with fused_rl_loss=True: TRL's k3 estimate, or the exact KL
 KL_ESTIMATORS = ("k3", "full")
 
@@ -154,15 +165,20 @@ def _trainer_module(name: str):
     """The TRL module that defines the head trainer ``name`` (:data:`HEAD_TRAINERS`) and
     adds its fused heads through its own ``add_fused_lm_head`` global."""
     import importlib
+    import warnings
 
-    _trl()
-    module = importlib.import_module(f"trl.trainer.{HEAD_TRAINERS[name]}")
+    trl, _ = _trl()
+    where = HEAD_TRAINERS[name]
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_EXPERIMENTAL_WARNING)
+            module = importlib.import_module(where)
+    except ModuleNotFoundError as exc:
+        raise ImportError(f"TRL {trl.__version__} has no {name} ({where}): {exc}") from exc
     if not hasattr(module, "add_fused_lm_head") or not hasattr(module, name):
-        trl = sys.modules["trl"]
         raise ImportError(
             f"TRL {trl.__version__}'s {name} does not add a fused LM head through "
-            f"trl.trainer.{HEAD_TRAINERS[name]}.add_fused_lm_head; fused_rl.integrations.trl "
-            "follows TRL 1.15-1.16"
+            f"{where}.add_fused_lm_head; fused_rl.integrations.trl follows TRL 1.15-1.16"
         )
     return module
 
@@ -554,7 +570,7 @@ def _check_installed(trainer, name: str) -> dict[str, _Head]:
         trl, _ = _trl()
         raise RuntimeError(
             f"TRL {trl.__version__} did not add its fused LM head to the {' and '.join(missing)}"
-            f" through trl.trainer.{HEAD_TRAINERS[name]}.add_fused_lm_head, so fused_rl could "
+            f" through {HEAD_TRAINERS[name]}.add_fused_lm_head, so fused_rl could "
             "not replace it; fused_rl.integrations.trl follows TRL 1.15-1.16"
         )
     return {who: vars(m)[_MARK] for who, m in models.items()}
@@ -652,10 +668,11 @@ def _make_rloo_class():
 
 
 def _make_head_class(name: str):
-    """``name`` (``DPOTrainer``, ``KTOTrainer``, ``SFTTrainer``): TRL's trainer with
-    fused_rl's head, TRL's loss, and the options ``fused_rl_backend`` /
+    """``name`` (``DPOTrainer``, ``KTOTrainer``, ``SFTTrainer``, ``AsyncGRPOTrainer``):
+    TRL's trainer with fused_rl's head, TRL's loss, and the options ``fused_rl_backend`` /
     ``fused_rl_chunk_tokens``."""
-    base = getattr(_trainer_module(name), name)
+    module = _trainer_module(name)
+    base = getattr(module, name)
 
     def __init__(self, *args, fused_rl_backend: str = "auto",
                  fused_rl_chunk_tokens: int | None = None, **kwargs):  # fmt: skip
@@ -663,12 +680,14 @@ def _make_head_class(name: str):
         run = lambda: base.__init__(self, *args, **kwargs)  # noqa: E731
         _fused_init(self, run, options, name)
 
+    where = module.__name__.rsplit(".", 1)[0]  # trl.trainer, trl.experimental.async_grpo
     doc = (
-        f"``trl.{name}`` with every log-prob, entropy and logged per-token statistic (mean "
-        "logit, top-1 accuracy, WPO's ``log sum p^2``) from fused_rl's head "
-        "(``fused_rl.linear_token_stats``: one read of each chunk's logits), for the policy "
-        "and the reference model where there is one; TRL's loss. Same constructor and "
-        "config, plus ``fused_rl_backend`` and ``fused_rl_chunk_tokens``. See "
+        f"``{where}.{name}`` with every log-prob, entropy and logged per-token statistic its "
+        "head computes (DPO, KTO, SFT: the mean logit, top-1 accuracy, WPO's ``log sum "
+        "p^2``) from fused_rl's head (``fused_rl.linear_token_logprobs`` / "
+        "``linear_token_stats``: one read of each chunk's logits), for the policy and the "
+        "reference model where there is one; TRL's loss. Same constructor and config, plus "
+        "``fused_rl_backend`` and ``fused_rl_chunk_tokens``. See "
         ":mod:`fused_rl.integrations.trl`."
     )
     return type(name, (base,), {"__init__": __init__, "__doc__": doc, "__module__": __name__})
@@ -753,7 +772,7 @@ _BUILDERS = {
     "DistillationTrainer": _make_distill_class,
     **{
         name: functools.partial(_make_head_class, name)
-        for name in ("DPOTrainer", "KTOTrainer", "SFTTrainer")
+        for name in ("DPOTrainer", "KTOTrainer", "SFTTrainer", "AsyncGRPOTrainer")
     },
 }
 
@@ -770,11 +789,13 @@ def __getattr__(name: str):
 def patch(*, backend: str = "auto", chunk_tokens: int | None = None, loss: bool = False,
           kl_estimator: str = "k3") -> None:  # fmt: skip
     """Make ``trl.GRPOTrainer``, ``trl.RLOOTrainer``, ``trl.DPOTrainer``,
-    ``trl.KTOTrainer``, ``trl.SFTTrainer`` and ``trl.DistillationTrainer`` themselves (and
-    every subclass, for scripts and TRL's CLI that construct them) behave as this module's
-    trainers of the same names with these options: their ``__init__`` is wrapped (each
-    trainer but GRPO's where the installed TRL gives it a fused head, and
-    ``DistillationTrainer`` where it has it: TRL >= 1.16). Idempotent (patching again only
+    ``trl.KTOTrainer``, ``trl.SFTTrainer``, ``trl.DistillationTrainer`` and
+    ``trl.experimental.async_grpo.AsyncGRPOTrainer`` themselves (and every subclass, for
+    scripts and TRL's CLI that construct them) behave as this module's trainers of the same
+    names with these options: their ``__init__`` is wrapped (each trainer but GRPO's where
+    the installed TRL has it and gives it a fused head, and ``DistillationTrainer`` where it
+    has it: TRL >= 1.16; importing the experimental trainer's module here does not show
+    TRL's warning about experimental APIs). Idempotent (patching again only
     updates the options); :func:`unpatch` restores TRL's ``__init__`` exactly. Trainers
     constructed before keep their head and loss. ``loss=True``: GRPO's and RLOO's training
     loss (not DPO's, KTO's or SFT's: TRL's) through one ``fused_rl.linear_policy_loss`` call
