@@ -11,8 +11,9 @@ Inductor has no such pass.
 
 :func:`whole_rows` hands such a tensor to an op Inductor cannot see through, so it is
 computed whole (``B T`` rows, which ``T`` divides) into its own buffer, and the chunks read
-slices of that buffer. It costs one copy of the per-token values, and only while compiling
-for the CPU; elsewhere it returns its argument.
+slices of that buffer. It costs one copy of the per-token values, and only while
+``torch.compile`` or ``torch.export`` traces a call on CPU tensors; elsewhere (eager, CUDA)
+it returns its argument.
 
 Example:
     >>> import torch

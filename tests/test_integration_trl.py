@@ -302,12 +302,16 @@ def run_integrated(train, name: str, how: str, backend: str, want_calls):
     """``train(trainer_class, **kwargs)`` with fused_rl's trainer ``name``: the subclass
     (``how="subclass"``) or TRL's own under ``patched()``. Checks that TRL's kernel never
     ran and fused_rl's op ran every time TRL's ran in its own run, with ``backend``."""
+    import trl
+
     assert want_calls.trl > 0 and want_calls.fused == []
     if how == "subclass":
         got = train(getattr(fused_trl, name), fused_rl_backend=backend)
     else:
         with fused_trl.patched(backend=backend):
-            got = train(getattr(fused_trl._trainer_module(name), name))  # TRL's own class
+            # TRL's own class (the experimental ones are not exported by ``trl``)
+            module = trl if hasattr(trl, name) else fused_trl._trainer_module(name)
+            got = train(getattr(module, name))
         assert not fused_trl.is_patched()
     calls = got[2]
     assert calls.trl == 0, "TRL's kernel ran in the integrated trainer"

@@ -4,8 +4,11 @@ values when a chunk's rows broadcast per-sequence values.
 torch 2.13's C++ Inductor splits a loop of ``C`` rows indexed by ``row // T`` into ``C // T``
 times ``T`` iterations without checking that ``T`` divides ``C``: a chunk of 32 rows over
 sequences of 24 tokens, reading a per-sequence weight, computed 24 rows and read the other 8
-from memory nothing wrote (an out-of-bounds target id, or wrong gradients). Here the chunk
-loops' per-token inputs and gradients are whole buffers first (``fused_rl._whole_rows``)."""
+from memory nothing wrote (an out-of-bounds target id). Here the chunk loops' per-token
+inputs and gradients are whole buffers first (``fused_rl._whole_rows``). Of the three ops
+compiled here, the log-probs' backward (a per-sequence weight in its incoming gradient) is
+the one that failed without that; the policy and distillation losses, whose sites are
+covered the same way, are compiled beside it for their values."""
 
 from __future__ import annotations
 
@@ -22,8 +25,8 @@ B, T, V, H, CHUNK = 2, 24, 37, 8, 32  # T > 8 (the pass's threshold), 32 % 24 !=
 def _heads(h, w, targets, adv, old, keep, th, tw):
     """Three linear ops on the reference backend, each with a per-sequence factor in the
     rows it chunks: log-probs weighted per sequence (their gradient broadcasts ``adv``), the
-    policy loss with a per-sequence mask and ``seq-mean-token-mean`` (its gradient and row
-    weights), the distillation loss with the same mask."""
+    policy loss with a per-sequence mask and ``seq-mean-token-mean``, the distillation loss
+    with the same mask."""
     mask = keep[:, None].expand(B, T)
     common = dict(chunk_tokens=CHUNK, backend="reference")
     logp = fused_rl.linear_token_logprobs(h, w, targets, **common)
