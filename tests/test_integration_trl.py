@@ -204,9 +204,14 @@ def _train(trainer_cls, model_dir, tmp_path, monkeypatch, case, **trainer_kwargs
             model=model_dir, reward_funcs=reward_w5, args=args, train_dataset=_dataset(),
             processing_class=_tokenizer(), **trainer_kwargs,
         )  # fmt: skip
-        start = time.perf_counter()
-        trainer.train()
-        seconds = time.perf_counter() - start
+        return trained(trainer, calls)
+
+
+def trained(trainer, calls):
+    """``trainer.train()``; its log history, final parameters, ``calls`` and seconds."""
+    start = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - start
     params = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
     return trainer.state.log_history, params, calls, seconds
 

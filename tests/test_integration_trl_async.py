@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import queue
-import time
 import types
 
 import pytest
@@ -31,6 +30,7 @@ from test_integration_trl import (
     check_against_trl,
     needs_trl,
     run_integrated,
+    trained,
 )
 
 import fused_rl.integrations.trl as fused_trl
@@ -163,11 +163,7 @@ def _train(trainer_cls, model_dir, tmp_path, monkeypatch, **trainer_kwargs):
             processing_class=_tokenizer(), rollout_worker=_Rollouts(), weight_transfer=_NoSync(),
             **trainer_kwargs,
         )  # fmt: skip
-        start = time.perf_counter()
-        trainer.train()
-        seconds = time.perf_counter() - start
-    params = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
-    return trainer.state.log_history, params, calls, seconds
+        return trained(trainer, calls)
 
 
 _BASELINE: list = []

@@ -28,6 +28,7 @@ from test_integration_trl import (
     compare_logs,
     compare_params,
     run_integrated,
+    trained,
 )
 
 import fused_rl.integrations.trl as fused_trl
@@ -241,7 +242,6 @@ def _config(out_dir, **extra):
 
 
 def _train(trainer_cls, paths, tmp_path, monkeypatch, config=None, **trainer_kwargs):
-    import time
 
     with monkeypatch.context() as patch_ctx:
         calls = Calls(patch_ctx)
@@ -249,11 +249,7 @@ def _train(trainer_cls, paths, tmp_path, monkeypatch, config=None, **trainer_kwa
             model=paths[0], teacher_model=paths[1], args=_config(str(tmp_path), **(config or {})),
             train_dataset=_dataset(), processing_class=_tokenizer(), **trainer_kwargs,
         )  # fmt: skip
-        start = time.perf_counter()
-        trainer.train()
-        seconds = time.perf_counter() - start
-    params = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
-    return trainer.state.log_history, params, calls, seconds
+        return trained(trainer, calls)
 
 
 def _models(tmp_path_factory, name, student_extra=None, teacher_extra=None):

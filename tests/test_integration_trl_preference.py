@@ -27,6 +27,7 @@ from test_integration_trl import (
     _tokenizer,
     check_against_trl,
     run_integrated,
+    trained,
     trl_at_least,
 )
 
@@ -78,7 +79,6 @@ def model_dir(tmp_path_factory):
 
 
 def _train(cls, name, model_dir, tmp_path, monkeypatch, case, **trainer_kwargs):
-    import time
 
     with monkeypatch.context() as ctx:
         calls = Calls(ctx)
@@ -86,11 +86,7 @@ def _train(cls, name, model_dir, tmp_path, monkeypatch, case, **trainer_kwargs):
             model=model_dir, args=_args(name, str(tmp_path / "out"), **case),
             train_dataset=_dataset(name), processing_class=_tokenizer(), **trainer_kwargs,
         )  # fmt: skip
-        start = time.perf_counter()
-        trainer.train()
-        seconds = time.perf_counter() - start
-    params = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
-    return trainer.state.log_history, params, calls, seconds
+        return trained(trainer, calls)
 
 
 CASES = [
