@@ -133,9 +133,6 @@ HEAD_TRAINERS = {
     "SFTTrainer": "trl.trainer.sft_trainer",
     "AsyncGRPOTrainer": "trl.experimental.async_grpo.async_grpo_trainer",
 }
-# what TRL prints when its experimental package is first imported (by patch(), for a
-# trainer the script may not use: not shown there)
-_EXPERIMENTAL_WARNING = "You are importing from 'trl.experimental'"
 # GRPO's KL term with fused_rl_loss=True: TRL's k3 estimate, or the exact KL
 KL_ESTIMATORS = ("k3", "full")
 
@@ -165,14 +162,11 @@ def _trainer_module(name: str):
     """The TRL module that defines the head trainer ``name`` (:data:`HEAD_TRAINERS`) and
     adds its fused heads through its own ``add_fused_lm_head`` global."""
     import importlib
-    import warnings
 
     trl, _ = _trl()
     where = HEAD_TRAINERS[name]
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_EXPERIMENTAL_WARNING)
-            module = importlib.import_module(where)
+        module = importlib.import_module(where)
     except ModuleNotFoundError as exc:
         raise ImportError(f"TRL {trl.__version__} has no {name} ({where}): {exc}") from exc
     if not hasattr(module, "add_fused_lm_head") or not hasattr(module, name):
@@ -794,8 +788,7 @@ def patch(*, backend: str = "auto", chunk_tokens: int | None = None, loss: bool 
     scripts and TRL's CLI that construct them) behave as this module's trainers of the same
     names with these options: their ``__init__`` is wrapped (each trainer but GRPO's where
     the installed TRL has it and gives it a fused head, and ``DistillationTrainer`` where it
-    has it: TRL >= 1.16; importing the experimental trainer's module here does not show
-    TRL's warning about experimental APIs). Idempotent (patching again only
+    has it: TRL >= 1.16). Idempotent (patching again only
     updates the options); :func:`unpatch` restores TRL's ``__init__`` exactly. Trainers
     constructed before keep their head and loss. ``loss=True``: GRPO's and RLOO's training
     loss (not DPO's, KTO's or SFT's: TRL's) through one ``fused_rl.linear_policy_loss`` call
