@@ -1,4 +1,4 @@
-"""Per-token tensors made whole before a chunk loop slices them, when Inductor compiles for CPU.
+"""Per-token tensors made whole before a chunk loop slices them, when traced on the CPU.
 
 The ops from hidden states slice their per-token inputs and gradients chunk by chunk. When
 such a tensor broadcasts a per-sequence value (an advantage of shape ``(B,)``, a
@@ -43,8 +43,9 @@ _whole_rows_op.register_autograd(lambda ctx, grad: grad)
 
 
 def whole_rows(t: Tensor | None) -> Tensor | None:
-    """``t`` (any shape), computed into its own contiguous buffer when Inductor compiles
-    for the CPU (see the module's docstring); otherwise ``t`` itself. None stays None."""
+    """``t`` (any shape), computed into its own contiguous buffer while a call on CPU
+    tensors is traced (see the module's docstring); otherwise ``t`` itself. None stays
+    None."""
     if t is None or t.device.type != "cpu" or not torch.compiler.is_compiling():
         return t
     return _whole_rows_op(t)

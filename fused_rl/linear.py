@@ -1738,7 +1738,7 @@ def _fused_policy_loss(rows, weight, bias, flat_targets, shape, inputs: RolloutI
     targets2d = flat_targets.view(batch, length)
     m = weights_of(mask, targets2d, acc, targets2d, ignore_index)
     scale = sequence_scale(m, policy.loss_agg, max_length=policy.max_length, num_items=num_items)
-    row_scale = flat(scale.expand(batch, length).contiguous())  # the kernel reads stride 1
+    row_scale = flat(per_row(scale, (batch, length)))  # the kernel reads stride 1
     kept = _counted_rows(m, rows)
     n_items, n_items_t = num_items_args(num_items, rows.device)
     launch = _LinearLaunch(

@@ -45,7 +45,7 @@ from . import _validation as V
 from ._agg import masked_mean_all, poison_empty, sequence_scale
 from ._backend import resolve_backend
 from ._ops import _serialised_when_interpreting, _tracing
-from ._policy_inputs import num_items_args, weights_of
+from ._policy_inputs import num_items_args, per_row, weights_of
 from ._whole_rows import whole_rows
 from .distill import (
     METRICS,
@@ -532,7 +532,7 @@ def linear_distill_loss(
         m2 = weights_of(as2d(mask), rows.new_empty((outer, inner)), acc, as2d(targets),
                         int(ignore_index))  # fmt: skip
         scale = sequence_scale(m2, loss_agg, max_length=max_length, num_items=num_items)
-        row_scale = whole_rows(scale.expand(outer, inner).reshape(-1).contiguous())
+        row_scale = whole_rows(per_row(scale, (outer, inner)))
         m = whole_rows(m2.reshape(-1))
     flat_mask = None if mask is None else whole_rows(mask.detach().reshape(-1))
     if flat_mask is not None and flat_mask.dtype == torch.bool:
