@@ -282,6 +282,9 @@ def distill_bwd(
     if grad.numel() == 0:
         return grad
     n_rows = outer * inner
+    # the kernel reads row i's statistic k at k * n_rows + i: a column slice of a wider
+    # buffer (a chunk's) is made whole first (N_STATS + len(COLUMNS) floats a row)
+    stats, part = stats.contiguous(), part.contiguous()
     transform, flags = _transform_args(
         temperature, Transforms(softcap, logit_scale, teacher_softcap, teacher_logit_scale)
     )

@@ -92,7 +92,7 @@ from ._vocab_ops import (
 )
 from ._whole_rows import whole_rows
 from ._wide_gemm import addmm_wide, mm_wide
-from .distill import pair_divergence
+from .distill import N_STATS, Transforms, divergence_grad, divergence_stats
 from .distributed import (
     MAX_VOCAB,
     check_layout_keywords,
@@ -100,7 +100,6 @@ from .distributed import (
     check_vocab_limit,
     group_shard,
 )
-from .exact_kl import token_kl
 from .logprobs import TokenStats
 from .losses import loss_from_token_stats, loss_with_exact_kl, policy_loss
 from .policy_config import PolicyConfig, takes_policy_options
@@ -1401,10 +1400,11 @@ def linear_policy_loss(
     tensor of either model (``softcap`` caps both models' logits alike). GSPO, VESPO, the
     top-entropy selection and ``process_group`` (both lm_heads sharded alike, any layout of
     ``vocab_start`` / ``vocab_size``) compose it: the log-probs, then each chunk's exact KL
-    (:func:`fused_rl.token_kl`'s, on the chunk's two logits, recomputed in the backward;
-    sharded, merged over the ranks chunk by chunk, so without ``chunk_tokens`` the chunk is
-    sized from ``ceil(vocab_size / P)`` on every rank), added with the aggregation's token
-    weights; ``kl_bias_correction`` raises there.
+    (:func:`fused_rl.token_kl`'s, on the chunk's two logits; its row statistics, 24 bytes a
+    token, kept for the backward, which recomputes both chunks' logits and writes ``dz``
+    from them with no collective; sharded, merged over the ranks chunk by chunk, so without
+    ``chunk_tokens`` the chunk is sized from ``ceil(vocab_size / P)`` on every rank), added
+    with the aggregation's token weights; ``kl_bias_correction`` raises there.
 
     Vocabulary parallelism (``process_group``, ``vocab_start``, ``vocab_size``,
     ``reduce_hidden_grad``: as :func:`linear_token_logprobs`, ``weight`` / ``bias`` this
@@ -1600,15 +1600,16 @@ def _composed_full_kl_loss(hidden, weight, targets, inputs: RolloutInputs, *, bi
 class _LinearTokenKL(torch.autograd.Function):
     """The exact per-token ``KL(pi || pi_ref)`` ``(N,)`` of ``F.linear(rows, weight, bias)``
     against ``F.linear(ref_rows, ref_weight, ref_bias)`` (a constant), chunk by chunk:
-    forward :func:`fused_rl.token_kl` on each chunk's two logits (rows outside ``counted``
-    unread, 0); backward each chunk's logits recomputed and ``token_kl``'s own backward
-    giving ``dz``, then ``dH = dz W``, ``dW += dz^T h``, ``db`` (with ``group`` and
-    ``reduce_hidden`` one SUM all-reduce of ``dH``). With a vocabulary ``shard`` each
-    chunk's KL merges over the ranks (:func:`fused_rl.distill.pair_divergence`; the layout
-    was checked by the log-probs' merge before, here a bad one gives NaN), so every rank
-    runs the same chunks.
-    Neither model's ``(N, V)`` logits exist whole; the backward's recompute reads both
-    chunks once more."""
+    forward each chunk's two logits made and their KL and row statistics computed
+    (:func:`fused_rl.distill.divergence_stats` at ``beta = 1``; rows outside ``counted``
+    unread, 0), the ``(N_STATS, N)`` statistics kept (24 bytes a token in fp32); backward
+    each chunk's two logits recomputed and ``dz`` written from the kept statistics
+    (:func:`fused_rl.distill.divergence_grad`: one read of each chunk, no collective, no
+    autograd graph, so ``torch.compile(fullgraph=True)`` traces it), then ``dH = dz W``,
+    ``dW += dz^T h``, ``db`` (with ``shard`` and ``reduce_hidden`` one SUM all-reduce of
+    ``dH``). With a vocabulary ``shard`` each chunk's statistics merge over the ranks (the
+    layout was checked by the log-probs' merge before, here a bad one gives NaN), so every
+    rank runs the same chunks. Neither model's ``(N, V)`` logits exist whole."""
 
     @staticmethod
     def forward(ctx, rows, weight, bias, ref_rows, ref_weight, ref_bias, counted, temperature,
@@ -1616,52 +1617,42 @@ class _LinearTokenKL(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         n_rows = rows.shape[0]
         counted = whole_rows(counted)
-        kl = rows.new_empty((n_rows,), dtype=stats_dtype(rows.dtype))
+        tf = Transforms.shared(softcap)
+        acc = stats_dtype(torch.promote_types(rows.dtype, ref_rows.dtype))
+        kl = rows.new_empty((n_rows,), dtype=acc)
+        stats = rows.new_empty((N_STATS, n_rows), dtype=acc)
         for start in range(0, n_rows, chunk):
-            stop = min(start + chunk, n_rows)
-            kl[start:stop] = _chunk_kl(rows, weight, bias, ref_rows, ref_weight, ref_bias,
-                                       counted, start, stop, temperature, softcap, shard,
-                                       which, chunk)  # fmt: skip
-        ctx.save_for_backward(rows, weight, bias, ref_rows, ref_weight, ref_bias, counted)
-        ctx.config = (temperature, softcap, chunk, shard, reduce_hidden, which)
+            r = slice(start, min(start + chunk, n_rows))
+            z = _chunk_logits(rows[r], weight, bias, chunk)[0]
+            u = _chunk_logits(ref_rows[r], ref_weight, ref_bias, chunk)[0]
+            d, _, stats_r = divergence_stats(
+                z[None], u[None], counted[r][None], temperature, which, shard, 1.0, False, tf
+            )
+            kl[r], stats[:, r] = d[0], stats_r
+            del z, u, d, stats_r
+        ctx.save_for_backward(rows, weight, bias, ref_rows, ref_weight, ref_bias, counted,
+                              stats)  # fmt: skip
+        ctx.config = (temperature, tf, chunk, shard, reduce_hidden, which)
         return kl
 
     @staticmethod
     def backward(ctx, grad_kl):
-        rows, weight, bias, ref_rows, ref_weight, ref_bias, counted = ctx.saved_tensors
-        temperature, softcap, chunk, shard, reduce_hidden, which = ctx.config
+        rows, weight, bias, ref_rows, ref_weight, ref_bias, counted, stats = ctx.saved_tensors
+        temperature, tf, chunk, shard, reduce_hidden, which = ctx.config
         if grad_kl is None:
             return (None,) * 13
         grad_kl = whole_rows(grad_kl)
 
-        def dz_of(chunk_rows, z):
-            start, stop = chunk_rows.start, chunk_rows.stop
-            with torch.enable_grad():
-                leaf = z.detach().requires_grad_()
-                kl = _chunk_kl(leaf, None, None, ref_rows, ref_weight, ref_bias, counted, start,
-                               stop, temperature, softcap, shard, which, chunk)  # fmt: skip
-                (dz,) = torch.autograd.grad(kl, leaf, grad_kl[chunk_rows].to(kl.dtype))
-            return dz, False
+        def dz_of(r, z):
+            u = _chunk_logits(ref_rows[r], ref_weight, ref_bias, chunk)[0]
+            g = torch.where(counted[r], grad_kl[r], 0.0)[None]  # rows not counted: not read
+            dz = divergence_grad(z[None], u[None], stats[:, r], g, temperature, which, 1.0, tf,
+                                 shard)  # fmt: skip
+            return dz[0], False
 
         reduce = shard.group if shard is not None and reduce_hidden else None
         needs = ctx.needs_input_grad[:3]
         return _head_grads(needs, rows, weight, bias, chunk, dz_of, group=reduce) + (None,) * 10
-
-
-def _chunk_kl(rows, weight, bias, ref_rows, ref_weight, ref_bias, counted, start, stop,
-              temperature, softcap, shard, which, chunk) -> Tensor:  # fmt: skip
-    """The exact KL of rows ``[start, stop)`` (``token_kl``'s; with ``shard`` merged over its
-    ranks): the policy's chunk logits from ``rows`` (or ``rows`` itself when ``weight`` is
-    None: the logits already made), the reference's; each GEMM of ``chunk`` rows (batch
-    invariance, ``_gemm_rows``)."""
-    z = rows if weight is None else _chunk_logits(rows[start:stop], weight, bias, chunk)[0]
-    u = _chunk_logits(ref_rows[start:stop], ref_weight, ref_bias, chunk)[0]
-    if shard is None:
-        return token_kl(z, u, temperature=temperature, softcap=softcap,
-                        mask=counted[start:stop], backend=which)  # fmt: skip
-    kl, _ = pair_divergence(z[None], u[None], counted[start:stop][None], temperature, which,
-                            shard, softcap=softcap)  # fmt: skip
-    return kl[0]
 
 
 def check_second_head(hidden2, weight2, bias2, hidden, weight, names, whose: str) -> None:

@@ -1533,6 +1533,10 @@ def compiled_fullgraph(ctx):
             h, wt, t_hidden, t_weight[start:stop], beta=0.4, chunk_tokens=2, **grp, **k)[0],
         "linear_policy": lambda h, wt, **k: fused_rl.linear_policy_loss(
             h, wt, targets[:, 1:], adv, **grp, **k)[0],
+        "linear_policy_full_kl": lambda h, wt, **k: fused_rl.linear_policy_loss(
+            h, wt, targets[:, 1:], adv, old_logprobs=old[:, 1:], ref_hidden=t_hidden,
+            ref_weight=t_weight[start:stop], kl_estimator="full", beta=0.1, chunk_tokens=2,
+            **grp, **k)[0],
         "linear_stats": lambda h, wt, **k: _stacked(fused_rl.linear_token_stats(
             h, wt, targets[:, 1:], chunk_tokens=2, **grp, **k)),
     }  # fmt: skip

@@ -697,12 +697,18 @@ def test_linear_composed_matches_materialised_logits(backend, options):
         assert_rel(metrics[name], value, 1e-5, f"metric {name}")
 
 
-def test_linear_torch_compile_fullgraph():
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("options", (dict(), dict(importance_sampling="sequence")),
+                         ids=("token-level", "gspo"))  # fmt: skip
+def test_linear_torch_compile_fullgraph(backend, options):
+    """One graph, both ways: the token-level pass and the composed route (the log-probs,
+    then the chunks' exact KL, whose backward writes ``dz`` from kept statistics)."""
     hidden, weight, bias, ref, targets, adv, kw = _linear_inputs(seed=21)
 
     def fn(h, w):
-        return fused_rl.linear_policy_loss(h, w, targets, adv, chunk_tokens=4, backend="triton",
-                                           kl_estimator="full", beta=0.2, **ref, **kw)  # fmt: skip
+        return fused_rl.linear_policy_loss(h, w, targets, adv, chunk_tokens=4, backend=backend,
+                                           kl_estimator="full", beta=0.2, **ref, **kw,
+                                           **options)  # fmt: skip
 
     torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
@@ -713,6 +719,25 @@ def test_linear_torch_compile_fullgraph():
         out.append((loss.detach(), metrics["kl"], *torch.autograd.grad(loss, (h, w))))
     for a, b in zip(*out):
         assert_rel(b, a, 1e-6, "compiled")
+
+
+@pytest.mark.no_poison  # the NaN fill of fresh buffers is the test's, not the call's
+def test_linear_composed_backward_reads_each_chunk_once(monkeypatch):
+    """The composed route's exact KL keeps its row statistics: its backward launches the
+    gradient kernel once a chunk and no divergence forward (no recomputed statistics, so no
+    collective under vocabulary parallelism), and builds no autograd graph."""
+    monkeypatch.setattr(fused_rl.config, "check_values", False)
+    hidden, weight, bias, ref, targets, adv, kw = _linear_inputs(seed=24)
+    n_chunks = -(-targets.numel() // 3)
+    h = hidden.clone().requires_grad_()
+    loss, _ = fused_rl.linear_policy_loss(h, weight, targets, adv, chunk_tokens=3,
+                                          backend="triton", kl_estimator="full", beta=0.2,
+                                          importance_sampling="sequence", **ref, **kw)  # fmt: skip
+    with LaunchCounter() as c:
+        loss.backward()
+    names = [k.split(".")[-1] for k in c.kernels]
+    assert names.count("_distill_bwd_kernel") == n_chunks, names
+    assert "_distill_fwd_kernel" not in names, names
 
 
 @pytest.mark.parametrize(
