@@ -161,9 +161,14 @@ def is_weights_2d(is_weights: Tensor | None, batch: int, length: int) -> Tensor 
 def num_items_args(num_items, device: torch.device) -> tuple[float, Tensor | None]:
     """``num_items`` as the kernels take it: a number (``-1``: not given) or a tensor on the
     kernels' ``device`` (a trainer's count may sit on the CPU: copied, never read on the
-    host)."""
+    host). While ``torch.compile`` traces the call a number is made a 0-dim tensor too: a
+    custom op's float argument is a constant of the graph, so a count that changes every
+    step (a trainer's ``num_items_in_batch``) would recompile it each step, where a tensor
+    made from it is an input of the graph."""
     if isinstance(num_items, Tensor):
         return -1.0, num_items.reshape(()).to(device)
+    if num_items is not None and torch.compiler.is_compiling():
+        return -1.0, torch.scalar_tensor(num_items, dtype=torch.float64, device=device)
     return (-1.0 if num_items is None else float(num_items)), None
 
 

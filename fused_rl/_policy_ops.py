@@ -352,7 +352,7 @@ def policy_finalize(
     outer: int,
     inner: int,
     agg: int,
-    max_length: float,
+    max_length: int,
     num_items: float,
     num_items_t: Tensor | None,
     has_is: bool,
@@ -393,7 +393,7 @@ def policy_loss_fwd(
     with_entropy: bool,
     hyper: list[float],
     modes: list[int],
-    max_length: float,
+    max_length: int,
     num_items: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The policy loss over ``(B, S, V)`` logits for ``(B, T)`` targets / per-token inputs
@@ -560,7 +560,7 @@ def policy_logprobs_fwd(
     ent_scale: Tensor | None,
     hyper: list[float],
     modes: list[int],
-    max_length: float,
+    max_length: int,
     num_items: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The policy loss from ``(B, T)`` log-probs (and entropy), any strides; ``keep``: a
@@ -636,7 +636,7 @@ policy_logprobs_fwd_op.register_autograd(_logprobs_backward, setup_context=_logp
 
 def aggregation_scale(
     mask: Tensor | None, targets: Tensor, ignore_index: int, dtype: torch.dtype, agg: int,
-    max_length: float, num_items: float, num_items_t: Tensor | None,
+    max_length: int, num_items: float, num_items_t: Tensor | None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """``(seq_scale, m)``: the loss aggregation's normaliser (``(B,)`` for
     ``seq-mean-token-mean``, else ``(1,)``) from the mask alone, BEFORE the vocabulary pass,
@@ -696,7 +696,7 @@ def policy_loss_grad_fwd(
     with_entropy: bool,
     hyper: list[float],
     modes: list[int],
-    max_length: float,
+    max_length: int,
     num_items: float,
     loss_scale: float | None,
 ) -> tuple[Tensor, Tensor]:

@@ -91,12 +91,19 @@ def _check_number_type(value, name: str) -> None:
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
 
 
+def _finite(value) -> bool:
+    """``math.isfinite`` by comparisons (False for NaN): under ``torch.compile`` a number
+    that changed between calls is symbolic, which comparisons accept and guard on (the
+    graph then stays valid for every finite value) and ``math.isfinite`` does not."""
+    return -math.inf < value < math.inf
+
+
 def check_number(value, name: str, *, allow_none: bool = False) -> None:
     """A finite Python int / float (a hyper-parameter; a NaN bound would silently drop a clip)."""
     if value is None and allow_none:
         return
     _check_number_type(value, name)
-    if not math.isfinite(value):
+    if not _finite(value):
         raise ValueError(f"{name} must be finite, got {value!r}")
 
 
@@ -105,7 +112,7 @@ def check_nonnegative(value, name: str, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     _check_number_type(value, name)
-    if not (math.isfinite(value) and value >= 0):
+    if not (_finite(value) and value >= 0):
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
@@ -114,7 +121,7 @@ def check_positive(value, name: str, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     _check_number_type(value, name)
-    if not (math.isfinite(value) and value > 0):
+    if not (_finite(value) and value > 0):
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 

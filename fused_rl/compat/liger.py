@@ -270,8 +270,8 @@ def _cispo_scale(cap) -> float:
     and a cap below 1 (TRL's and Liger's default is below 1) is the ratio ``r / C`` (old
     log-probs shifted by ``log C``) with the advantage times ``C``. Returns the scale: 1.0,
     or ``C`` when ``C < 1``."""
-    V.check_number(cap, "eps_high")
-    if not (math.isfinite(cap) and cap > 0):
+    V.check_number(cap, "eps_high")  # finite
+    if not cap > 0:
         raise ValueError(f"eps_high is CISPO's cap on the ratio and must be > 0, got {cap}")
     return 1.0 if cap >= 1.0 else float(cap)
 

@@ -31,7 +31,13 @@ def scaled(x: torch.Tensor, temperature: float, softcap: float | None) -> torch.
 
 
 def _chunks(outer: int, inner: int, vocab: int):
-    """Index pairs ``(outer_slice, inner_slice)`` covering a ``(outer, inner, V)`` tensor."""
+    """Index pairs ``(outer_slice, inner_slice)`` covering a ``(outer, inner, V)`` tensor.
+    One pair while ``torch.compile`` traces: a loop over the rows would make the graph's
+    shapes constants (a recompile for every sequence length), and the compiled graph
+    fuses the fp32 copy the chunks bound."""
+    if torch.compiler.is_compiling():
+        yield slice(None), slice(None)
+        return
     rows = max(1, CHUNK_ELEMENTS // max(vocab, 1))
     if inner <= rows:
         step = max(1, rows // max(inner, 1))

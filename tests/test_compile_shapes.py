@@ -1,0 +1,114 @@
+"""``torch.compile(fullgraph=True)`` across a training run's changing shapes and counts.
+
+An RL batch has a new padded length nearly every step, and a trainer's global token count
+(``num_items``) changes every step. Dynamo compiles a call once with constant shapes, then
+once more with symbolic ones; a value a fused op takes as a Python ``float`` is a constant
+of the graph instead (``torch.library`` specialises floats), so a length or a count passed
+that way recompiled the graph every step and, with ``fullgraph=True``, raised at the ninth
+(``recompile_limit``). Each logits-level op here runs at four lengths with four counts and
+must compile at most twice, with the eager call's values and gradients.
+
+A hyper-parameter that changes (a scheduled ``beta`` or ``eps_low``) may recompile (the
+kernels take it as a constant) but must not fail; the validation compares instead of
+calling ``math.isfinite``, which Dynamo cannot trace on a symbolic number.
+
+The ops from hidden states loop over chunks of tokens in Python, so their graph holds one
+token count (docs/usage.md, "torch.compile"); they are not checked here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICE
+from helpers import assert_rel
+
+import fused_rl
+
+BACKENDS = ("triton", "reference")
+LENGTHS = (5, 7, 9, 6)
+V = 19
+
+
+def _batch(T: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    d = dict(
+        x=torch.randn(2, T, V, generator=g),
+        ref=torch.randn(2, T, V, generator=g),
+        targets=torch.randint(0, V, (2, T), generator=g),
+        mask=torch.rand(2, T, generator=g) > 0.2,
+        adv=torch.randn(2, generator=g),
+        old=torch.randn(2, T, generator=g) - 3.0,
+        up=torch.rand(2, T, generator=g) + 0.5,
+    )
+    d["targets"][0, 0] = -100
+    return {k: v.to(DEVICE) for k, v in d.items()}
+
+
+def _policy(d, n, be, **kw):
+    return fused_rl.policy_loss(d["x"], d["targets"], d["adv"], old_logprobs=d["old"],
+                                mask=d["mask"], num_items=n, backend=be, **kw)[0]  # fmt: skip
+
+
+CASES = {
+    "token_logprobs": lambda d, n, be: fused_rl.token_logprobs(d["x"], d["targets"], backend=be),
+    "top_p": lambda d, n, be: fused_rl.token_logprobs(
+        d["x"], d["targets"].clamp(min=0), top_k=6, top_p=0.8, backend=be),
+    "token_kl": lambda d, n, be: fused_rl.token_kl(d["x"], d["ref"], mask=d["mask"], backend=be),
+    "ppo": lambda d, n, be: _policy(d, n, be, entropy_coef=0.01),
+    "gspo_exact_kl": lambda d, n, be: _policy(
+        d, n, be, importance_sampling="sequence", ref_logits=d["ref"], kl_estimator="full",
+        beta=0.1),
+    "token_sum_norm": lambda d, n, be: _policy(d, None, be, loss_agg="seq-mean-token-sum-norm"),
+    "distill": lambda d, n, be: fused_rl.distill_loss(d["x"], d["ref"], beta=0.5,
+                                                      mask=d["mask"], num_items=n,
+                                                      backend=be)[0],
+}  # fmt: skip
+
+
+def _value_and_grad(fn, d, n, be):
+    x = d["x"].clone().requires_grad_()
+    out = fn(dict(d, x=x), n, be)
+    finite = torch.isfinite(out)  # the truncated log-probs: -inf outside the kept set
+    up = d["up"] if out.dim() == 2 else torch.ones_like(out)
+    torch.where(finite, out * up, 0.0).sum().backward()
+    return out.detach(), x.grad
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_changing_lengths_and_counts_compile_twice(name, backend):
+    fn = CASES[name]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    for i, T in enumerate(LENGTHS):
+        d, n = _batch(T, seed=i), 7 + 3 * i  # the trainer's count: an int, new each step
+        got, got_grad = _value_and_grad(compiled, d, n, backend)
+        want, want_grad = _value_and_grad(fn, d, n, backend)
+        fin = torch.isfinite(want)
+        assert torch.equal(fin, torch.isfinite(got)), (name, T)
+        assert_rel(got[fin], want[fin], 1e-6, f"{name} T={T}")
+        assert_rel(got_grad, want_grad, 1e-6, f"{name} grad T={T}")
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs <= 2, f"{name}: {graphs} graphs for {len(LENGTHS)} lengths"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_changing_hyperparameters_do_not_fail(backend):
+    """A scheduled ``eps_low``, ``beta``, ``temperature``, ``entropy_coef`` or ``loss_scale``:
+    each new value is a recompile at worst, never Dynamo's error on ``math.isfinite``."""
+
+    def fn(d, eps, beta, temp, coef, scale):
+        return fused_rl.policy_loss(
+            d["x"], d["targets"], d["adv"], old_logprobs=d["old"], ref_logits=d["ref"],
+            kl_estimator="full", eps_low=eps, beta=beta, temperature=temp, entropy_coef=coef,
+            loss_scale=scale, backend=backend,
+        )[0]  # fmt: skip
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    d = _batch(5, seed=0)
+    for i in range(3):
+        args = (0.2 - 0.05 * i, 0.1 + 0.1 * i, 1.0 - 0.1 * i, 0.01 * i, 1.0 + i)
+        assert_rel(compiled(d, *args), fn(d, *args), 1e-6, f"step {i}")
