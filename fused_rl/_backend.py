@@ -158,7 +158,7 @@ _WARNED: set[str] = set()
 
 
 def _warn_once(message: str) -> None:
-    if message not in _WARNED:
+    if message not in _WARNED and not torch.compiler.is_compiling():  # shown when eager
         _WARNED.add(message)
         warn_at_caller(message, RuntimeWarning)
 
@@ -168,7 +168,11 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 def warn_at_caller(message: str, category: type[Warning]) -> None:
     """``warnings.warn`` attributed to the first frame outside fused_rl: the user's line,
-    however many fused_rl layers (adapters, aliases, autograd) sit in between."""
+    however many fused_rl layers (adapters, aliases, autograd) sit in between. Not while
+    ``torch.compile`` traces (Dynamo cannot trace the frame walk or ``warnings.warn``): an
+    eager call shows it."""
+    if torch.compiler.is_compiling():
+        return
     frame, level = sys._getframe(1), 2
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         frame, level = frame.f_back, level + 1

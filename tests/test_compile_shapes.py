@@ -18,6 +18,8 @@ token count (docs/usage.md, "torch.compile"); they are not checked here.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from conftest import DEVICE
@@ -112,3 +114,47 @@ def test_changing_hyperparameters_do_not_fail(backend):
     for i in range(3):
         args = (0.2 - 0.05 * i, 0.1 + 0.1 * i, 1.0 - 0.1 * i, 0.01 * i, 1.0 + i)
         assert_rel(compiled(d, *args), fn(d, *args), 1e-6, f"step {i}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gae_changing_lengths(backend):
+    """The reference GAE's blocked sums take a fixed block while compiling (``ceil(sqrt(T))``
+    of a symbolic ``T`` is no int): equal to the eager call at every length."""
+
+    def fn(r, v):
+        return fused_rl.gae(r, v, gamma=0.99, lam=0.95, backend=backend)
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    for i, T in enumerate((7, 5, 30, 130, 200, 90)):
+        g = torch.Generator().manual_seed(i)
+        r, v = (torch.randn(2, T, generator=g).to(DEVICE) for _ in range(2))
+        for got, want in zip(compiled(r, v), fn(r, v), strict=True):
+            assert_rel(got, want, 1e-6, f"gae T={T}")
+    # Dynamo specialises a dimension of size 1: one block (T <= 64) and two blocks (a size-1
+    # difference) are graphs of their own, every other length shares one
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 4
+
+
+def test_adapters_and_deprecated_aliases_trace():
+    """What Dynamo cannot trace stays out of a compiled call: ``torch.result_type`` (verl's
+    ``kl_penalty``), a branch on a mask's count (verl's ``masked_whiten``), the deprecation
+    warnings (shown by eager calls: ``tests/test_validation.py``)."""
+    from fused_rl.compat.verl import core_algos
+    from fused_rl.compat.verl import torch_functional as verl_tf
+
+    g = torch.Generator().manual_seed(0)
+    old = (torch.randn(2, 5, generator=g) - 3).to(DEVICE)
+    values, mask = torch.randn(2, 5, generator=g).to(DEVICE), torch.ones(2, 5, device=DEVICE)
+    calls = {
+        "kl_penalty": (lambda a, b: core_algos.kl_penalty(a, b, "low_var_kl"), (old, old + 0.1)),
+        "masked_whiten": (verl_tf.masked_whiten, (values, mask)),
+        "kind alias": (lambda a, b: fused_rl.kl_estimate(a, b, kind="k3"), (old, old + 0.1)),
+    }  # fmt: skip
+    for name, (fn, args) in calls.items():
+        torch._dynamo.reset()
+        with pytest.warns(FutureWarning) if name == "kind alias" else contextlib.nullcontext():
+            want = fn(*args)
+        got = torch.compile(fn, fullgraph=True, backend="aot_eager")(*args)
+        assert_rel(got, want, 1e-6, name)

@@ -56,7 +56,9 @@ def _blocked_suffix_sum(x: torch.Tensor, decay: float) -> torch.Tensor:
     n_rows, length = x.shape
     if length == 0 or n_rows == 0:
         return x.clone()
-    chunk = max(1, math.isqrt(length - 1) + 1)  # ceil(sqrt(T))
+    # ceil(sqrt(T)); a fixed 64 while torch.compile traces (T symbolic: no square root of
+    # it is an int without a recompile for every length)
+    chunk = 64 if torch.compiler.is_compiling() else max(1, math.isqrt(length - 1) + 1)
     n_chunks = -(-length // chunk)
     pad = n_chunks * chunk - length
     # zero steps past the end add nothing to any suffix sum

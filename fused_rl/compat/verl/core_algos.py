@@ -287,12 +287,13 @@ def compute_policy_loss(
         >>> out[0].backward(); [round(v.item(), 4) for v in out]
         [-0.9355, 0.3333, 0.0, 0.0]
     """
-    warnings.warn(  # named after the package users import it from, fused_rl.compat.verl
-        f"Warning: Function '{__package__}.compute_policy_loss' is deprecated. Please use "
-        f"'{__package__}.compute_policy_loss_vanilla' instead.",
-        category=FutureWarning,
-        stacklevel=2,
-    )
+    if not torch.compiler.is_compiling():  # Dynamo cannot trace warnings.warn
+        warnings.warn(  # named after the package users import it from, fused_rl.compat.verl
+            f"Warning: Function '{__package__}.compute_policy_loss' is deprecated. Please "
+            f"use '{__package__}.compute_policy_loss_vanilla' instead.",
+            category=FutureWarning,
+            stacklevel=2,
+        )
     _check_clip_ratio_c(clip_ratio_c)
     return _run(
         _policy, old_log_prob, log_prob, advantages, response_mask, None, cliprange,
@@ -524,10 +525,18 @@ def kl_penalty_forward(logprob: Tensor, ref_logprob: Tensor, kl_penalty: str) ->
     V.check_float(ref_logprob, "ref_logprob")
     if original_half_precision(logprob, ref_logprob):
         return _kl_eager(logprob, ref_logprob, kind)
-    out_dtype = torch.result_type(logprob, ref_logprob)
+    out_dtype = _result_dtype(logprob, ref_logprob)
     if logprob.shape != ref_logprob.shape:
         logprob, ref_logprob = torch.broadcast_tensors(logprob, ref_logprob)
     return kl_estimate(logprob, ref_logprob, kl_estimator=_KL_NAMES[kl_penalty]).to(out_dtype)
+
+
+def _result_dtype(a: Tensor, b: Tensor) -> torch.dtype:
+    """``torch.result_type`` of two float tensors (a 0-dim one yields to one with
+    dimensions), written out: Dynamo cannot trace ``torch.result_type``."""
+    if (a.dim() == 0) != (b.dim() == 0):
+        return b.dtype if a.dim() == 0 else a.dtype
+    return torch.promote_types(a.dtype, b.dtype)
 
 
 def kl_penalty(logprob: Tensor, ref_logprob: Tensor, kl_penalty: str) -> Tensor:

@@ -119,7 +119,9 @@ def _masked_var(values, mask, unbiased=True):
     variance = _masked_mean((values - mean) ** 2, mask)
     if unbiased:
         count = mask.sum()
-        if not count.is_meta:  # a dtype probe has no values
+        # a dtype probe has no values; a traced call cannot branch on them (an empty or
+        # one-token mask then gives inf / NaN instead of the error)
+        if not (count.is_meta or torch.compiler.is_compiling()):
             if count == 0:
                 raise ValueError("At least one element in the mask has to be 1.")
             if count == 1:
