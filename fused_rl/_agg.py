@@ -101,9 +101,12 @@ def sequence_scale(
             return _safe_div(one, m.sum().reshape(1, 1))
         # a count tensor is never read on the host: one <= 0 makes the loss NaN (a float one
         # raises), so a bad global token count cannot pass as a finite loss
-        den = (num_items.to(device=m.device, dtype=m.dtype) if isinstance(num_items, torch.Tensor)
-               else torch.scalar_tensor(num_items, dtype=m.dtype, device=m.device))  # fmt: skip
-        den = den.reshape(1, 1)  # (scalar_tensor: a count that changed keeps the graph)
+        if torch.compiler.is_compiling() and not isinstance(num_items, torch.Tensor):
+            # as_tensor would make a count that changes between calls a graph constant
+            den = torch.scalar_tensor(num_items, dtype=m.dtype, device=m.device)
+        else:
+            den = torch.as_tensor(num_items, dtype=m.dtype, device=m.device)
+        den = den.reshape(1, 1)
         return one / torch.where(den > 0, den, float("nan"))
     if loss_agg == "seq-mean-token-mean":
         return _safe_div(one, m.sum(dim=1, keepdim=True)) / max(n_seq, 1)

@@ -91,11 +91,9 @@ def _check_number_type(value, name: str) -> None:
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
 
 
-def _finite(value) -> bool:
-    """``math.isfinite`` by comparisons (False for NaN): under ``torch.compile`` a number
-    that changed between calls is symbolic, which comparisons accept and guard on (the
-    graph then stays valid for every finite value) and ``math.isfinite`` does not."""
-    return -math.inf < value < math.inf
+# Finiteness by comparisons (False for NaN), inline: under ``torch.compile`` a number that
+# changed between calls is symbolic, which comparisons accept and ``math.isfinite`` does not
+_INF = math.inf
 
 
 def check_number(value, name: str, *, allow_none: bool = False) -> None:
@@ -103,7 +101,7 @@ def check_number(value, name: str, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     _check_number_type(value, name)
-    if not _finite(value):
+    if not -_INF < value < _INF:
         raise ValueError(f"{name} must be finite, got {value!r}")
 
 
@@ -112,7 +110,7 @@ def check_nonnegative(value, name: str, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     _check_number_type(value, name)
-    if not (_finite(value) and value >= 0):
+    if not (-_INF < value < _INF and value >= 0):
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
@@ -121,7 +119,7 @@ def check_positive(value, name: str, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     _check_number_type(value, name)
-    if not (_finite(value) and value > 0):
+    if not (-_INF < value < _INF and value > 0):
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 

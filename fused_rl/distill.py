@@ -595,6 +595,7 @@ def distill_mixture_fwd(
 
     outer, inner, vocab = x3d.shape
     assert mask is None or mask.is_contiguous(), "the kernel reads the mask by row index"
+    stats = stats.contiguous()  # read at k * n_rows + i (a no-op for every caller today)
     out = torch.zeros((2, outer * inner), dtype=stats.dtype, device=x3d.device)
     tf = Transforms(softcap, logit_scale, teacher_softcap, teacher_logit_scale)
     transform, flags = _transform_args(temperature, tf)

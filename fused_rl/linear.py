@@ -92,7 +92,7 @@ from ._vocab_ops import (
 )
 from ._whole_rows import whole_rows
 from ._wide_gemm import addmm_wide, mm_wide
-from .distill import N_STATS, Transforms, divergence_grad, divergence_stats
+from .distill import Transforms, divergence_grad, divergence_stats
 from .distributed import (
     MAX_VOCAB,
     check_layout_keywords,
@@ -1401,7 +1401,7 @@ def linear_policy_loss(
     top-entropy selection and ``process_group`` (both lm_heads sharded alike, any layout of
     ``vocab_start`` / ``vocab_size``) compose it: the log-probs, then each chunk's exact KL
     (:func:`fused_rl.token_kl`'s, on the chunk's two logits; its row statistics, 24 bytes a
-    token, kept for the backward, which recomputes both chunks' logits and writes ``dz``
+    token in fp32, kept for the backward, which recomputes both chunks' logits and writes ``dz``
     from them with no collective; sharded, merged over the ranks chunk by chunk, so without
     ``chunk_tokens`` the chunk is sized from ``ceil(vocab_size / P)`` on every rank), added
     with the aggregation's token weights; ``kl_bias_correction`` raises there.
@@ -1602,8 +1602,8 @@ class _LinearTokenKL(torch.autograd.Function):
     against ``F.linear(ref_rows, ref_weight, ref_bias)`` (a constant), chunk by chunk:
     forward each chunk's two logits made and their KL and row statistics computed
     (:func:`fused_rl.distill.divergence_stats` at ``beta = 1``; rows outside ``counted``
-    unread, 0), the ``(N_STATS, N)`` statistics kept (24 bytes a token in fp32); backward
-    each chunk's two logits recomputed and ``dz`` written from the kept statistics
+    unread, 0), each chunk's ``(N_STATS, n)`` statistics kept (24 bytes a token in fp32);
+    backward each chunk's two logits recomputed and ``dz`` written from its statistics
     (:func:`fused_rl.distill.divergence_grad`: one read of each chunk, no collective, no
     autograd graph, so ``torch.compile(fullgraph=True)`` traces it), then ``dH = dz W``,
     ``dW += dz^T h``, ``db`` (with ``shard`` and ``reduce_hidden`` one SUM all-reduce of
@@ -1620,7 +1620,7 @@ class _LinearTokenKL(torch.autograd.Function):
         tf = Transforms.shared(softcap)
         acc = stats_dtype(torch.promote_types(rows.dtype, ref_rows.dtype))
         kl = rows.new_empty((n_rows,), dtype=acc)
-        stats = rows.new_empty((N_STATS, n_rows), dtype=acc)
+        stats = []  # each chunk's (N_STATS, n) as made: the gradient kernel reads it whole
         for start in range(0, n_rows, chunk):
             r = slice(start, min(start + chunk, n_rows))
             z = _chunk_logits(rows[r], weight, bias, chunk)[0]
@@ -1628,16 +1628,17 @@ class _LinearTokenKL(torch.autograd.Function):
             d, _, stats_r = divergence_stats(
                 z[None], u[None], counted[r][None], temperature, which, shard, 1.0, False, tf
             )
-            kl[r], stats[:, r] = d[0], stats_r
+            kl[r] = d[0]
+            stats.append(stats_r)
             del z, u, d, stats_r
         ctx.save_for_backward(rows, weight, bias, ref_rows, ref_weight, ref_bias, counted,
-                              stats)  # fmt: skip
+                              *stats)  # fmt: skip
         ctx.config = (temperature, tf, chunk, shard, reduce_hidden, which)
         return kl
 
     @staticmethod
     def backward(ctx, grad_kl):
-        rows, weight, bias, ref_rows, ref_weight, ref_bias, counted, stats = ctx.saved_tensors
+        rows, weight, bias, ref_rows, ref_weight, ref_bias, counted, *stats = ctx.saved_tensors
         temperature, tf, chunk, shard, reduce_hidden, which = ctx.config
         if grad_kl is None:
             return (None,) * 13
@@ -1646,8 +1647,8 @@ class _LinearTokenKL(torch.autograd.Function):
         def dz_of(r, z):
             u = _chunk_logits(ref_rows[r], ref_weight, ref_bias, chunk)[0]
             g = torch.where(counted[r], grad_kl[r], 0.0)[None]  # rows not counted: not read
-            dz = divergence_grad(z[None], u[None], stats[:, r], g, temperature, which, 1.0, tf,
-                                 shard)  # fmt: skip
+            dz = divergence_grad(z[None], u[None], stats[r.start // chunk], g, temperature,
+                                 which, 1.0, tf, shard)  # fmt: skip
             return dz[0], False
 
         reduce = shard.group if shard is not None and reduce_hidden else None

@@ -8,9 +8,10 @@ that way recompiled the graph every step and, with ``fullgraph=True``, raised at
 (``recompile_limit``). Each logits-level op here runs at four lengths with four counts and
 must compile at most twice, with the eager call's values and gradients.
 
-A hyper-parameter that changes (a scheduled ``beta`` or ``eps_low``) may recompile (the
-kernels take it as a constant) but must not fail; the validation compares instead of
-calling ``math.isfinite``, which Dynamo cannot trace on a symbolic number.
+A hyper-parameter that changes (a scheduled ``beta`` or ``eps_low``) recompiles (the kernels
+take it as a constant; the ninth distinct value meets the same limit) but its second value
+must not fail: the validation compares instead of calling ``math.isfinite``, which Dynamo
+cannot trace on a symbolic number.
 
 The ops from hidden states loop over chunks of tokens in Python, so their graph holds one
 token count (docs/usage.md, "torch.compile"); they are not checked here.

@@ -1,7 +1,8 @@
 """Reference per-token log-prob / entropy over the vocabulary (plain PyTorch).
 
-Chunked over rows so that neither the forward nor the backward allocates an fp32 copy of
-all logits: autograd saves only the logits themselves and three floats per row, and the
+Chunked over rows (eager; one chunk while ``torch.compile`` traces, where Inductor fuses
+the cast) so that neither the forward nor the backward allocates an fp32 copy of all
+logits: autograd saves only the logits themselves and three floats per row, and the
 backward recomputes ``softmax`` chunk by chunk with the same closed form as the Triton
 kernel (CONTRIBUTING.md, "The three layers"):
 
