@@ -283,7 +283,7 @@ def distill_bwd(
         return grad
     n_rows = outer * inner
     # the kernel reads row i's statistic k at k * n_rows + i: a column slice of a wider
-    # buffer (a chunk's) is made whole first (N_STATS + len(COLUMNS) floats a row)
+    # buffer would be read with the wrong stride (a no-op for every caller today)
     stats, part = stats.contiguous(), part.contiguous()
     transform, flags = _transform_args(
         temperature, Transforms(softcap, logit_scale, teacher_softcap, teacher_logit_scale)
