@@ -80,6 +80,7 @@
 # suite. Everything comes back under $OUT (at most 8 files, none deeper than 2 folders):
 #   $OUT/env.txt               nvidia-smi, versions
 #   $OUT/pytest.log            the CUDA test-suite's output
+#   $OUT/failures.log          each failed test's traceback, written as it fails
 #   $OUT/bench.log             the benchmark's output (its table at the end)
 #   $OUT/results/results.json  all results so far (this call's merged into the tree's)
 #   $OUT/results/results.md    the tables
@@ -92,7 +93,9 @@
 # then call again with `bench` to continue an unfinished suite.
 #
 # Environment: OUT (default bench/results/_session), BENCH_BUDGET (seconds for the bench
-# part; default 500 minus the time already spent), TEST_TIMEOUT (default 240).
+# part; default 500 minus the time already spent), TEST_TIMEOUT (default 240; the whole
+# suite took ~400 s with -n auto on an H200 on 2026-11-28: half of it in 200 s), TESTS (the
+# test paths, default tests).
 # liger-kernel, trl and verl are not on the GPU image: carry their wheels in .whl/ (the
 # device README's notes), all pure Python except multiprocess (per Python version):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -167,8 +170,12 @@ if [ "$PART" = all ] || [ "$PART" = tests ]; then
     # --timeout (pytest-timeout, on the GPU image) fails one hung test instead of the run
     TIMEOUT=""
     "$PY" -c "import pytest_timeout" 2>/dev/null && TIMEOUT="--timeout=150"
+    # each failure's traceback lands in $OUT/failures.log as it happens (tests/conftest.py):
+    # a run stopped by TEST_TIMEOUT keeps them (pytest's -rfE summary comes only at the end)
+    # TESTS: the test paths (default tests; e.g. "tests/test_[p-z]*.py" for the second half)
     # shellcheck disable=SC2086
-    timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -v -rfE $XDIST $TIMEOUT tests \
+    FUSED_RL_FAILURE_LOG="$OUT/failures.log" timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest \
+        -v -rfE $XDIST $TIMEOUT ${TESTS:-tests} \
         --benchmark-disable -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" \
         | grep -E "FAILED|ERROR| passed| failed" | tail -40
     status=${PIPESTATUS[0]}

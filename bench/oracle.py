@@ -36,7 +36,11 @@ Linear ops (``linear_token_logprobs``, ``linear_policy_loss``) never hold the ``
 logits in float64 either: the rows of ``z = h W^T`` are computed in float64 from float64
 copies of ``hidden`` and ``weight``, a block of rows at a time, for steps 1 and 2; then each
 block's ``dL/dz`` (the same row formula) gives ``dL/dH = dz W`` and ``dL/dW += dz^T h``, both
-kept in float64 (a ``(V, H)`` float64 buffer, the only one the size of the lm_head).
+kept in float64 (a ``(V, H)`` float64 buffer, the only one the size of the lm_head). From a
+16-bit head the oracle answers twice, on the exact logits and on the logits rounded to the
+head's dtype (``LOGITS_DEFINITIONS``), and a token whose target logit rounds either way in
+an fp32-accumulating GEMM (:func:`rounding_ambiguous64`) has its hidden row left out, as a
+kink's.
 
 Distillation ops (``distill_loss``, ``linear_distill_loss``): per block of rows, float64
 ``log_softmax`` of the student's and the teacher's logits (from hidden states: each built as
@@ -327,16 +331,24 @@ def _linear_blocks(n_rows: int, vocab: int):
         yield slice(r0, min(n_rows, r0 + step))
 
 
-def _linear_rows64(hidden, weight, targets, per_block):
+def _logits64(h64: torch.Tensor, w64: torch.Tensor, logits_dtype=None) -> torch.Tensor:
+    """A block of float64 logits ``h W^T``, rounded to ``logits_dtype`` when given (what a
+    16-bit GEMM returns; :data:`LOGITS_DEFINITIONS`)."""
+    z = h64 @ w64.T
+    return z if logits_dtype is None else z.to(logits_dtype).to(torch.float64)
+
+
+def _linear_rows64(hidden, weight, targets, per_block, logits_dtype=None):
     """``per_block(z, t)`` (a tuple of ``(n,)`` float64 tensors) over blocks of the float64
-    logits ``z = hidden W^T`` of the rows that predict the ``(B, T)`` targets (``t``: the
-    block's targets), assembled into ``(B, T)`` tensors."""
+    logits ``z = hidden W^T`` (rounded to ``logits_dtype`` when given) of the rows that
+    predict the ``(B, T)`` targets (``t``: the block's targets), assembled into ``(B, T)``
+    tensors."""
     h64, w64 = _window64(hidden, targets), weight.detach().to(torch.float64)
     flat = targets.reshape(-1)
     out = None
     with torch.no_grad():
         for rows in _linear_blocks(h64.shape[0], w64.shape[0]):
-            parts = per_block(h64[rows] @ w64.T, flat[rows])
+            parts = per_block(_logits64(h64[rows], w64, logits_dtype), flat[rows])
             if out is None:
                 out = [torch.empty(flat.shape[0], dtype=torch.float64, device=h64.device)
                        for _ in parts]  # fmt: skip
@@ -345,14 +357,15 @@ def _linear_rows64(hidden, weight, targets, per_block):
     return tuple(x.view(targets.shape) for x in out)
 
 
-def linear_stats64(hidden, weight, targets, tau: float = TEMPERATURE):
+def linear_stats64(hidden, weight, targets, tau: float = TEMPERATURE, logits_dtype=None):
     """Per-token float64 ``(logp, entropy, lse)`` of ``softmax(hidden W^T / tau)`` for the
-    ``(B, T)`` targets, block by block of rows (see :func:`token_stats64`)."""
+    ``(B, T)`` targets, block by block of rows (see :func:`token_stats64`); the logits
+    rounded to ``logits_dtype`` when given."""
 
     def per_block(z, t):
         return [x[0] for x in token_stats64(z[None], t[None], tau)]
 
-    return _linear_rows64(hidden, weight, targets, per_block)
+    return _linear_rows64(hidden, weight, targets, per_block, logits_dtype)
 
 
 def linear_diagnostics64(hidden, weight, targets, tau: float = TEMPERATURE):
@@ -367,11 +380,12 @@ def linear_diagnostics64(hidden, weight, targets, tau: float = TEMPERATURE):
     return _linear_rows64(hidden, weight, targets, per_block)
 
 
-def linear_grads64(hidden, weight, targets, lse, entropy, g, h, tau: float = TEMPERATURE):
+def linear_grads64(hidden, weight, targets, lse, entropy, g, h, tau: float = TEMPERATURE,
+                   logits_dtype=None):  # fmt: skip
     """Float64 ``(dL/dhidden, dL/dweight)`` given ``g = dL/dlogp`` and ``h = dL/dentropy``:
-    per block of rows ``dz = (g (onehot - p) - h p (log p + H)) / tau`` (``z`` recomputed),
-    ``dH = dz W``, ``dW += dz^T h``. ``dL/dhidden`` has ``hidden``'s shape (zero at the
-    positions that predict no target)."""
+    per block of rows ``dz = (g (onehot - p) - h p (log p + H)) / tau`` (``z`` recomputed,
+    rounded to ``logits_dtype`` when given), ``dH = dz W``, ``dW += dz^T h``. ``dL/dhidden``
+    has ``hidden``'s shape (zero at the positions that predict no target)."""
     h64, w64 = _window64(hidden, targets), weight.detach().to(torch.float64)
     flat = targets.reshape(-1)
     lse, entropy, g, h = (x.reshape(-1, 1) for x in (lse, entropy, g, h))
@@ -379,7 +393,7 @@ def linear_grads64(hidden, weight, targets, lse, entropy, g, h, tau: float = TEM
     d_weight = torch.zeros_like(w64)
     with torch.no_grad():
         for rows in _linear_blocks(h64.shape[0], w64.shape[0]):
-            logp_all = (h64[rows] @ w64.T).div_(tau).sub_(lse[rows])
+            logp_all = _logits64(h64[rows], w64, logits_dtype).div_(tau).sub_(lse[rows])
             p = logp_all.exp()
             dz = logp_all.add_(entropy[rows]).mul_(-h[rows]).sub_(g[rows]).mul_(p)
             del p
@@ -393,6 +407,33 @@ def linear_grads64(hidden, weight, targets, lse, entropy, g, h, tau: float = TEM
     d_hidden = torch.zeros(hidden.shape, dtype=torch.float64, device=h64.device)
     d_hidden[:, positions - length - 1 : positions - 1] = d_rows.view(batch, length, size)
     return d_hidden, d_weight
+
+
+AMBIGUOUS_SPREAD = 16  # fp32 accumulation spreads within which a rounding can go either way
+
+
+def rounding_ambiguous64(hidden, weight, targets, dtype) -> torch.Tensor:
+    """``(B, T)`` bool: the tokens whose target logit ``z = h . w_y`` has two right roundings
+    to the 16-bit ``dtype``: its float64 value within ``AMBIGUOUS_SPREAD`` times an fp32
+    accumulation's spread (``2^-24 sqrt(H) ||h * w_y||``) of the midpoint between two
+    ``dtype`` values, where ``|z| >= 1``. A GEMM accumulating in fp32 may round such a logit
+    either way, a unit in the last place apart (0.03 at ``|z|`` = 4 in bf16), which moves
+    the token's log-prob by that much and so its whole policy-gradient row through the
+    ratio; below ``|z|`` = 1 a unit moves it by at most ``eps(dtype)``."""
+    h64, w = _window64(hidden, targets), weight.detach()
+    flat = targets.reshape(-1)
+    eps = torch.finfo(dtype).eps  # a unit in the last place of [1, 2)
+    out = torch.empty(flat.shape[0], dtype=torch.bool, device=h64.device)
+    step = max(1, CHUNK // max(h64.shape[1], 1))
+    for r0 in range(0, flat.shape[0], step):
+        rows = slice(r0, r0 + step)
+        prod = h64[rows] * w[flat[rows]].to(torch.float64)
+        mag = prod.sum(-1).abs()
+        spread = AMBIGUOUS_SPREAD * 2.0**-24 * math.sqrt(h64.shape[1]) * prod.norm(dim=-1)
+        ulp = torch.exp2(torch.floor(torch.log2(mag.clamp(min=1.0)))) * eps
+        to_midpoint = ((mag / ulp).remainder(1.0) - 0.5).abs() * ulp
+        out[rows] = (mag >= 1.0) & (to_midpoint < spread)
+    return out.view(targets.shape)
 
 
 def policy_loss64(
@@ -484,16 +525,18 @@ def distill_rows64(s: torch.Tensor, u: torch.Tensor, beta: float, tau: float = T
     return d, (1.0 - beta) * p * (a - kl_pm[:, None]) / tau
 
 
-# linear_distill_loss from 16-bit hidden states has two exact definitions, and a provider
-# is checked against the one its outputs match best (the record's note names it): the loss
-# of the logits the inputs define, and the loss of those logits rounded to the inputs'
-# dtype, which is what ``F.linear`` returns and so what fused_rl's op (by its definition,
-# ``distill_loss(F.linear(...), F.linear(...))``), the materialised and the eager paths
-# compute. The two differ by 1-2% in the gradients, far over the bf16 tolerance: a
-# token's probability is off by the rounding of its logit, ``2^-9 |z|`` relative (~1.7% at
-# z = 9, the largest of 151936 logits of deviation 2), and unlike the policy losses'
-# one-hot term nothing in the divergence's gradient dwarfs it. Either match is exact math
-# of a stated function; wrong math matches neither.
+# The ops from 16-bit hidden states have two exact definitions, and a provider is checked
+# against the one its outputs match best (the record's note names it): the loss of the
+# logits the inputs define, and the loss of those logits rounded to the inputs' dtype, which
+# is what ``F.linear`` returns and so what fused_rl's ops (by their definition, the logits
+# op of ``F.linear(...)``), the materialised and the eager paths compute. The two differ by
+# far more than the bf16 tolerance in places: the rounding of a logit, ``2^-9 |z|``
+# relative, moves a token's probability (``linear_distill_loss``: ~1.7% at z = 9, the
+# largest of 151936 logits of deviation 2, and nothing in the divergence's gradient dwarfs
+# it) and a target's log-prob, which scales the token's whole policy-gradient row through
+# the ratio (``linear_policy_loss``: one row 2.2% off its own norm at 16384 tokens on an
+# H200, fused_rl and the materialised path alike, with cuBLAS's exact reductions too).
+# Either match is exact math of a stated function; wrong math matches neither.
 LOGITS_DEFINITIONS = {
     None: "the exact logits",
     torch.bfloat16: "the logits rounded to bf16, as F.linear returns them",
@@ -868,21 +911,49 @@ class Oracle:
         self._vocab = (logits, targets, lse.detach(), entropy.detach(), g, h, kink)
 
     def _linear(self, inp: dict, fwd_bwd: bool) -> None:
+        """The float64 answer on the exact logits and, for a 16-bit lm_head, a second one on
+        the logits rounded to its dtype (:data:`LOGITS_DEFINITIONS`); a token whose target
+        logit rounds either way (:func:`rounding_ambiguous64`) or whose ratio sits at a clip
+        boundary under either has its hidden row left out of the gradient comparison."""
         hidden, weight, targets = inp["hidden"], inp["weight"], inp["targets"]
-        logp, entropy, lse = linear_stats64(hidden, weight, targets)
+        dtype = hidden.dtype
+        rounded = [dtype] if dtype in (torch.bfloat16, torch.float16) else []
+        row_kink = None
+        if fwd_bwd and rounded:
+            row_kink = rounding_ambiguous64(hidden, weight, targets, dtype)
+        for logits_dtype in [None, *rounded]:
+            values, kink = self._linear_values(inp, fwd_bwd, logits_dtype)
+            if kink is not None:
+                row_kink = kink if row_kink is None else row_kink | kink
+            self.definitions.append((LOGITS_DEFINITIONS[logits_dtype], values))
+        self.values = self.definitions[0][1]
+        if row_kink is not None and bool(row_kink.any()):
+            # a token at a kink: its hidden row is left out (grad_weight sums every token's
+            # row: the inputs keep the log-ratios away from the boundaries, cases.CLIP_MARGIN)
+            hidden_kink = torch.zeros(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
+            length = targets.shape[1]
+            hidden_kink[:, hidden.shape[1] - length - 1 : hidden.shape[1] - 1] = row_kink
+            self.kinks["grad_hidden"] = hidden_kink[..., None]
+
+    def _linear_values(self, inp: dict, fwd_bwd: bool, logits_dtype):
+        """One definition's float64 outputs of a linear op (the logits rounded to
+        ``logits_dtype`` when given) and its ``(B, T)`` clip kinks (None without)."""
+        hidden, weight, targets = inp["hidden"], inp["weight"], inp["targets"]
+        values = {}
+        logp, entropy, lse = linear_stats64(hidden, weight, targets, logits_dtype=logits_dtype)
+        kink = None
         if self.case.op == "linear_token_logprobs":
-            self.values["logp"] = logp
+            values["logp"] = logp
             if self.case.variant in ("logp+entropy", "stats"):
-                self.values["entropy"] = entropy
+                values["entropy"] = entropy
             if self.case.variant == "stats":
-                self.values.update(zip(("mean_logit", "log_sum_sq_probs", "is_top1"),
-                                       linear_diagnostics64(hidden, weight, targets)))  # fmt: skip
-                return
+                values.update(zip(("mean_logit", "log_sum_sq_probs", "is_top1"),
+                                  linear_diagnostics64(hidden, weight, targets)))  # fmt: skip
+                return values, None
             if not fwd_bwd:
-                return
+                return values, None
             g = inp["g_logp"].double()
-            h = inp["g_entropy"].double() if "entropy" in self.values else torch.zeros_like(g)
-            kink = None
+            h = inp["g_entropy"].double() if "entropy" in values else torch.zeros_like(g)
         else:
             logp_leaf, entropy_leaf = logp.requires_grad_(), entropy.requires_grad_()
             args = [_f64(inp[k]) for k in ("advantages", "old_logprobs", "ref_logprobs")]
@@ -892,17 +963,12 @@ class Oracle:
             h = torch.zeros_like(g) if h is None else h
             bounds = [math.log(1.0 - POLICY["eps_low"]), math.log(1.0 + POLICY["eps_high"])]
             kink = inp["mask"].bool() & _near(log_ratio.detach(), bounds)
-            self.values["loss"] = loss
+            values["loss"] = loss
         d_hidden, d_weight = linear_grads64(hidden, weight, targets, lse.detach(),
-                                            entropy.detach(), g, h)  # fmt: skip
-        self.values.update(grad_hidden=d_hidden, grad_weight=d_weight)
-        if kink is not None and bool(kink.any()):
-            # a token at a kink: its hidden row is left out (grad_weight sums every token's
-            # row: the inputs keep the log-ratios away from the boundaries, cases.CLIP_MARGIN)
-            row_kink = torch.zeros(hidden.shape[:2], dtype=torch.bool, device=kink.device)
-            length = targets.shape[1]
-            row_kink[:, hidden.shape[1] - length - 1 : hidden.shape[1] - 1] = kink
-            self.kinks["grad_hidden"] = row_kink[..., None]
+                                            entropy.detach(), g, h,
+                                            logits_dtype=logits_dtype)  # fmt: skip
+        values.update(grad_hidden=d_hidden, grad_weight=d_weight)
+        return values, kink
 
     def _linear_distill(self, inp: dict, fwd_bwd: bool) -> None:
         """The float64 answer on the exact logits and, for 16-bit heads, a second one on the
@@ -959,8 +1025,8 @@ class Oracle:
     def compare_all(self, names, outs, provider: str | None = None) -> dict[str, Comparison]:
         """Every output of ``provider`` against the oracle: that provider's own function's
         when it computes another one (:attr:`by_provider`, named in ``matched``). With more
-        than one definition (16-bit ``linear_distill_loss``) the one the outputs match best,
-        named in ``matched``."""
+        than one definition (the 16-bit ops from hidden states) the one the outputs match
+        best, named in ``matched``."""
         from .accuracy import ROW_TOL_FACTOR  # (accuracy imports this module)
 
         self.matched = None

@@ -899,13 +899,24 @@ def _as_params(grads, weight: Tensor, bias: Tensor | None) -> tuple:
     )
 
 
+_SCALE_ELEMENTS = 1 << 24  # a 16-bit gradient scaled through fp32 this many elements at a time
+
+
 def _scale_formed(d: Tensor, grad_loss: Tensor, which: str) -> Tensor:
     """``d *= grad_loss`` in place (``grad_loss`` a 0-dim tensor on ``d``'s device), computed
     in fp32 (fp64) with the exact factor and rounded once: on the Triton backend one launch
     that returns at once when it is exactly 1 (no byte of ``d`` read or written, no host
-    sync; ``scale_rows_unless_one``), else ``mul_``."""
+    sync; ``scale_rows_unless_one``); else a 16-bit ``d`` through fp32 slices of at most
+    ``_SCALE_ELEMENTS`` (torch's 16-bit ``mul_`` on a GPU rounds the factor to 16 bits
+    first), a wider one by ``mul_``."""
     if which == "triton" and d.is_contiguous() and d.numel():
         scale_rows_unless_one_launch(d.view(1, -1, d.shape[-1]), grad_loss)
+    elif d.dtype in (torch.float16, torch.bfloat16) and d.numel():
+        factor = grad_loss.float()
+        rows = d if d.dim() else d[None]
+        step = max(1, _SCALE_ELEMENTS // max(rows[0].numel(), 1))
+        for part in rows.split(step):  # views of d: written in place
+            part.copy_(part.float().mul_(factor))
     else:
         d.mul_(grad_loss)
     return d

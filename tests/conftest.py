@@ -45,6 +45,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+def pytest_runtest_logreport(report):
+    """``FUSED_RL_FAILURE_LOG=<file>`` (``bench/gpu_session.sh`` sets it): each failure's
+    traceback appended to the file when it happens, by the controlling process, so a run
+    stopped by a time limit keeps them (pytest prints them only at its end)."""
+    path = os.environ.get("FUSED_RL_FAILURE_LOG")
+    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    with open(path, "a") as f:
+        f.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+
+
 @pytest.fixture
 def device():
     return DEVICE

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+from conftest import DEVICE
 
 # an integration test (subprocess / CLI / compile): `pytest -m 'not integration'` skips it
 pytestmark = pytest.mark.integration
@@ -468,13 +469,15 @@ def test_linear_cases_build():
             assert len(out) == len(names) and out[0].shape == (() if "loss" in names else (b, t))
             if case.mode == "fwd_bwd":
                 assert out[-2].shape == (b, t + 1, h) and out[-1].shape == (v, h)
-        # TRL's and verl's fused heads: measured where the package is installed
+        # TRL's and verl's fused heads: measured where the package is installed (on the
+        # tests' device: TRL's head is Triton)
         for provider, module in (("trl", "trl.kernels.chunked_logprob"), ("verl", "verl")):
             if importlib.util.find_spec(module.split(".")[0]) is None:
                 with pytest.raises(P.Unavailable, match=module):
                     P.build(provider, case, inp)
             else:
-                assert P.build(provider, case, inp)()[0].shape == out[0].shape
+                got = P.build(provider, case, make_inputs(case, DEVICE))()
+                assert got[0].shape == out[0].shape
         if P.liger_version() is None:
             with pytest.raises(P.Unavailable):
                 P.build("liger", case, inp)
@@ -938,6 +941,47 @@ def test_linear_distill_oracle_definitions():
     fp32 = Case("linear_distill_loss", "jsd", "fwd_bwd", 2, 8, 1000, "fp32", hidden=16)
     single = Oracle(fp32, make_inputs(fp32, "cpu"))
     assert [label for label, _ in single.definitions] == [exact_label]
+
+
+def test_linear_policy_oracle_definitions():
+    """The policy loss from bf16 hidden states has the two definitions too: a target logit's
+    rounding to bf16 moves its log-prob and so scales the token's whole gradient row through
+    the ratio (on an H200: one row 2.2% off its own norm at 16384 tokens, a FAIL for every
+    provider against the exact logits). With logits of deviation ~16, where that rounding is
+    large, fused_rl's reference (bf16 logits from ``F.linear``) matches the rounded logits
+    and fails the exact ones' row check; a token whose target logit would round either way
+    in an fp32-accumulating GEMM (``rounding_ambiguous64``) is left out of the hidden rows."""
+    from bench import accuracy as A
+    from bench.cases import _away_from_clip, _linear_logprobs
+    from bench.oracle import Oracle, rounding_ambiguous64
+
+    case = Case("linear_policy_loss", "grpo", "fwd_bwd", 2, 24, 300, "bf16", hidden=16)
+    inp = make_inputs(case, "cpu")
+    with torch.no_grad():
+        inp["weight"].mul_(8.0)
+    logp = _linear_logprobs(inp["hidden"].detach(), inp["weight"].detach(), inp["targets"])
+    noise = 0.1 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(5))
+    inp["old_logprobs"] = logp - _away_from_clip(noise)
+    oracle = Oracle(case, inp)
+    names = P.output_names(case)
+    (exact_label, exact), (rounded_label, _) = oracle.definitions
+    out = P.build("fused_rl_ref", case, inp)()
+    judged = A.judge("x", "bf16", oracle.compare_all(names, out))
+    assert judged["verdict"] == "ok" and oracle.matched == rounded_label, judged
+    oracle.values = exact
+    comps = {name: oracle.compare(name, o) for name, o in zip(names, out)}
+    assert A.judge("x", "bf16", comps)["status"] == "wrong"
+    # the ambiguity test: a logit at a bf16 midpoint (1 + 2^-8) is, one 16 fp32 spreads
+    # off it is not, and below |z| = 1 none is
+    hidden = torch.zeros(1, 2, 4, dtype=torch.float64)
+    hidden[0, 0, 0] = 1.0
+    weight = torch.zeros(3, 4, dtype=torch.float64)
+    weight[0, 0], weight[1, 0], weight[2, 0] = 1 + 2**-8, 1 + 2**-8 + 2**-17, 0.5 + 2**-9
+    spread = 16 * 2.0**-24 * 2  # sqrt(H) = 2, ||h * w|| ~ 1
+    assert 2**-17 > spread
+    got = [rounding_ambiguous64(hidden, weight, torch.tensor([[y]]), torch.bfloat16).item()
+           for y in range(3)]  # fmt: skip
+    assert got == [True, False, False]
 
 
 def test_distill_quick_cli(tmp_path, device):
@@ -1531,11 +1575,20 @@ def test_truncated_memory_model():
 def test_truncated_memory_figures_in_docs():
     """docs/benchmarks.md's Truncated log-probs table states the model's peaks at 8 x 2048 x
     151936 bf16 for fused_rl and eager, each cell the model's bytes in GB to two decimals,
-    the case's byte convention and the command; it says they are modelled, and that no GPU
-    has timed the cases yet."""
+    the case's byte convention and the command; it says they are modelled. Its GPU table
+    quotes the H200 run's records (``bench/results/h200-2026-11-28/gpu.results.json``):
+    every provider's median of every truncated case, to the hundredth of a ms."""
     section = _doc_section("## Truncated log-probs")
     flat = " ".join(section.split())
-    assert "modelled on CPU, not measured on a GPU" in flat and "No GPU figures yet" in flat
+    assert "modelled on CPU, not measured on a GPU" in flat
+    from bench.cases import TRUNCATED_VARIANTS
+
+    run = os.path.join(ROOT, "bench", "results", "h200-2026-11-28", "gpu.results.json")
+    with open(run) as f:
+        records = [r for r in json.load(f)["records"] if r["op"] == "token_logprobs"]
+    assert {r["variant"] for r in records} == {"logp", *TRUNCATED_VARIANTS}
+    for r in records:
+        assert r["verdict"] == "ok" and f"{r['ms']:.2f} ms" in section, r
     assert "bash bench/gpu_session.sh truncated" in flat
     assert "python bench/run.py --suite truncated" in flat
     for variant, mode in TRUNCATED_SUITE:
@@ -1574,7 +1627,8 @@ def test_chunk_tokens_reach_the_linear_ops_and_are_recorded(tmp_path, monkeypatc
     P._fused_fn("token_logprobs", "triton")(1, 2)
     assert seen == [(None, "triton"), (5, "reference"), "triton"]
     out = str(tmp_path)
-    argv = ["--suite=quick", "--device=cpu", "--op=masked_whiten", "--providers=fused_rl",
+    # the reference backend: fused_rl's Triton path on CPU tensors only runs interpreted
+    argv = ["--suite=quick", "--device=cpu", "--op=masked_whiten", "--providers=fused_rl_ref",
             "--no-plots", f"--out={out}"]  # fmt: skip
     assert main([*argv, "--chunk-tokens=7"]) == 0
     with open(tmp_path / "results.json") as f:
@@ -1593,7 +1647,8 @@ def test_gemm_reduction_setting_recorded_and_never_mixed(tmp_path):
     saved = (matmul.allow_bf16_reduced_precision_reduction,
              matmul.allow_fp16_reduced_precision_reduction)  # fmt: skip
     out = str(tmp_path)
-    argv = ["--suite=quick", "--device=cpu", "--op=masked_whiten", "--providers=fused_rl",
+    # the reference backend: fused_rl's Triton path on CPU tensors only runs interpreted
+    argv = ["--suite=quick", "--device=cpu", "--op=masked_whiten", "--providers=fused_rl_ref",
             "--no-plots", f"--out={out}"]  # fmt: skip
     try:
         assert main(argv) == 0

@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from conftest import DEVICE
 from helpers import rel_err
 
 from fused_rl.compat.liger import LOSS_TYPES, triton_grpo_loss
@@ -696,7 +697,8 @@ def test_liger_jsd_against_liger(beta):
     and gradients, with and without labels, fp32."""
     lf = _liger()
     _, x, y, labels, g = jsd_case(seed=70 + int(beta * 10))
-    up = torch.randn((), generator=g)
+    up = torch.randn((), generator=g).to(DEVICE)
+    x, y, labels = x.to(DEVICE), y.to(DEVICE), labels.to(DEVICE)  # Liger's kernels: CUDA
     for lab in (None, labels):
         ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
         a = liger_jsd(ours, y, lab, beta)
@@ -705,6 +707,7 @@ def test_liger_jsd_against_liger(beta):
         assert a.dtype == b.dtype and rel_err(a, b) <= 1e-5
         assert rel_err(ours.grad, theirs.grad) <= 1e-5
     h, w, th, tw, labels, _ = fused_linear_case(seed=71 + int(beta * 10))
+    h, w, th, tw, labels = (x.to(DEVICE) for x in (h, w, th, tw, labels))
     for lab in (None, labels):
         hs = [h.clone().requires_grad_() for _ in range(2)]
         ws = [w.clone().requires_grad_() for _ in range(2)]

@@ -16,6 +16,7 @@ import functools
 
 import pytest
 import torch
+from conftest import DEVICE
 from helpers import rel_err
 from test_integration_trl import (
     ATOL,
@@ -64,21 +65,22 @@ OPTIONS = fused_trl.Options
 
 
 def _loss_inputs(seed, *, bias, dtype=torch.float32, batch=3, length=5, vocab=37):
+    """Drawn on the CPU (the same values everywhere), placed on the tests' device."""
     g = torch.Generator().manual_seed(seed)
     hs, ht = 8, 12  # a wider teacher
     mask = torch.rand(batch, length, generator=g) > 0.3
     mask[1] = False  # a sequence with no completion token
     mask[0, 0] = True
     args = dict(
-        student_hidden_states=torch.randn(batch, length, hs, generator=g).to(dtype),
-        teacher_hidden_states=torch.randn(batch, length, ht, generator=g).to(dtype),
-        student_lm_head_weight=torch.randn(vocab, hs, generator=g).to(dtype),
-        teacher_lm_head_weight=torch.randn(vocab, ht, generator=g).to(dtype),
-        completion_mask=mask.long(),
+        student_hidden_states=torch.randn(batch, length, hs, generator=g).to(DEVICE, dtype),
+        teacher_hidden_states=torch.randn(batch, length, ht, generator=g).to(DEVICE, dtype),
+        student_lm_head_weight=torch.randn(vocab, hs, generator=g).to(DEVICE, dtype),
+        teacher_lm_head_weight=torch.randn(vocab, ht, generator=g).to(DEVICE, dtype),
+        completion_mask=mask.long().to(DEVICE),
     )
     if bias:
-        args["student_lm_head_bias"] = torch.randn(vocab, generator=g).to(dtype)
-        args["teacher_lm_head_bias"] = torch.randn(vocab, generator=g).to(dtype)
+        args["student_lm_head_bias"] = torch.randn(vocab, generator=g).to(DEVICE, dtype)
+        args["teacher_lm_head_bias"] = torch.randn(vocab, generator=g).to(DEVICE, dtype)
     return args
 
 
@@ -153,7 +155,7 @@ def test_loss_matches_trls_in_bf16(case, backend):
     kwargs = dict(beta=0.4, temperature=0.9)
     ctx = contextlib.nullcontext
     if case != "bf16":
-        ctx = functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)
+        ctx = functools.partial(torch.autocast, DEVICE, dtype=torch.bfloat16)
     fused = functools.partial(_trl_distill.divergence_loss, OPTIONS(backend, chunk_tokens=3))
     with ctx():
         want = _run(trl_loss, inputs, **kwargs)
