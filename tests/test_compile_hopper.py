@@ -23,6 +23,9 @@ pytestmark = pytest.mark.integration
 pytest.importorskip("triton.backends.compiler")
 
 
+# minutes of compiling in its subprocess, which has its own limit: past the per-test limit
+# of a GPU machine's run (bench/gpu_session.sh's --timeout=150, with pytest-timeout there)
+@pytest.mark.timeout(900)
 @pytest.mark.no_poison
 def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -34,6 +37,7 @@ def test_every_kernel_compiles_for_sm90():
     assert " 0 kernel(s) failed" in " " + result.stdout.splitlines()[-1]
 
 
+@pytest.mark.timeout(600)
 @pytest.mark.no_poison
 def test_token_reductions_offsets_are_64bit():
     """Lengths and strides reach a kernel as i32 when they fit, so ``stats + 3 * R`` wraps past

@@ -340,7 +340,10 @@ def test_near_equal_student_and_teacher(eps, beta, backend, device):
     cost a relative ``ulp / eps^2`` (CONTRIBUTING.md, near-cancellation). The loss and the
     gradient stay within 2x eager fp32's relative error vs a float64 oracle, and within a
     fixed bound (the kernel's forms leave at most ``O(ulp / eps)``, the forward KL's
-    ``E_q[b - a]`` against ``log(S_z / S_u)``: 2e-4 at eps = 1e-3 covers it 10x)."""
+    ``E_q[b - a]`` against ``log(S_z / S_u)``: 4e-4 at eps = 1e-3 covers it 20x). At eps =
+    0.1 the interpreter's forward-KL loss is 1.7e-6 off, the rounding of fp32 row sums of
+    terms ~1/eps times the KL in size; a GPU sums in another order and went past 2e-6 (an
+    H200, 2026-11-28): the bound leaves 2x."""
     gen = torch.Generator().manual_seed(7)
     t = torch.randn(4, 2048, generator=gen, dtype=torch.float64) * 2
     s = (t + eps * torch.randn(t.shape, generator=gen, dtype=torch.float64)).float()
@@ -354,7 +357,7 @@ def test_near_equal_student_and_teacher(eps, beta, backend, device):
     eager_grad_err = rel_err(eager_grad, want_grad)
     up = torch.tensor(1.0, device=device)
     loss, _, grad = run(s.to(device), t.to(device), up, beta=beta, backend=backend)
-    bound = 2e-7 / eps
+    bound = 4e-7 / eps
     assert rel_err(loss, want) <= max(2 * eager_err, bound), (rel_err(loss, want), eager_err)
     assert rel_err(grad, want_grad) <= max(2 * eager_grad_err, bound), (
         rel_err(grad, want_grad), eager_grad_err)  # fmt: skip
@@ -823,6 +826,7 @@ print("compiled", count)
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(600)  # a subprocess's minutes of compiling (see test_compile_hopper)
 @pytest.mark.no_poison
 def test_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.compiler")

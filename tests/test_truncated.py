@@ -741,6 +741,7 @@ print("compiled", count)
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(600)  # a subprocess's minutes of compiling (see test_compile_hopper)
 @pytest.mark.no_poison
 def test_kernels_compile_for_sm90():
     pytest.importorskip("triton.backends.compiler")
