@@ -243,17 +243,8 @@ class _LinearTokenStats(torch.autograd.Function):
         if tp is not None:
             return _LinearTokenStats._sharded_forward(ctx, hidden, weight, bias, targets, chunk)
         # logp, entropy, row max, log-sum (and with extras: the diagnostics)
-        out = _stat_buffers(hidden, extras)
-        n_rows = hidden.shape[0]
-        for start in range(0, n_rows, chunk):
-            rows = slice(start, min(start + chunk, n_rows))
-            z = _chunk_logits(hidden[rows], weight, bias, chunk)[0]
-            stats = _chunk_stats(
-                z, targets[rows], temperature, softcap, ignore_index, which, extras
-            )
-            for buf, part in zip(out, stats):
-                buf[rows] = part
-            del z
+        out = _stats_chunks(hidden, weight, bias, targets, temperature, softcap, ignore_index,
+                            chunk, which, extras)  # fmt: skip
         logp, entropy, row_max, log_sum = out[:4]
         ctx.save_for_backward(hidden, weight, bias, targets, row_max, log_sum, entropy)
         ctx.config = (temperature, softcap, ignore_index, chunk, which)
@@ -296,27 +287,129 @@ class _LinearTokenStats(torch.autograd.Function):
 
     @staticmethod
     def _grads(ctx, grad_logp, grad_entropy):
-        hidden, weight, bias, targets, row_max, log_sum, entropy = ctx.saved_tensors
-        temperature, softcap, ignore_index, chunk, which = ctx.config
-        tp = ctx.tp
-        if entropy is None:  # not computed (sharded, no entropy): its output is empty, and
-            # a compiled backward's zero tangent for it must not reach the kernel as ``h``
-            grad_entropy = None
-        if grad_logp is None and grad_entropy is None:
-            return (None,) * 11
-        if grad_logp is None:
-            grad_logp = torch.zeros_like(row_max)
-        grad_logp, grad_entropy = whole_rows(grad_logp), whole_rows(grad_entropy)
+        grads = _stats_grads(ctx.needs_input_grad[:3], *ctx.saved_tensors, grad_logp,
+                             grad_entropy, ctx.config, ctx.tp)  # fmt: skip
+        return grads + (None,) * 8
 
-        def dz_of(rows, z):
-            stats = (targets[rows], row_max[rows], log_sum[rows], _rows_of(entropy, rows),
-                     grad_logp[rows], _rows_of(grad_entropy, rows))  # fmt: skip
-            if tp is None:
-                return _chunk_grad(z, *stats, temperature, softcap, ignore_index, which)
-            return _shard_chunk_grad(z, *stats, tp.spec)  # local target ids, global stats
 
-        return _head_grads(ctx.needs_input_grad[:3], hidden, weight, bias, chunk, dz_of,
-                           tp) + (None,) * 8  # fmt: skip
+def _stats_chunks(hidden, weight, bias, targets, temperature, softcap, ignore_index, chunk,
+                  which, extras) -> list[Tensor]:  # fmt: skip
+    """Layer 1 over each chunk's logits in turn: :func:`_stat_buffers`' per-token buffers of
+    the ``(N, H)`` rows, filled."""
+    out = _stat_buffers(hidden, extras)
+    n_rows = hidden.shape[0]
+    for start in range(0, n_rows, chunk):
+        rows = slice(start, min(start + chunk, n_rows))
+        z = _chunk_logits(hidden[rows], weight, bias, chunk)[0]
+        stats = _chunk_stats(z, targets[rows], temperature, softcap, ignore_index, which, extras)
+        for buf, part in zip(out, stats):
+            buf[rows] = part
+        del z
+    return out
+
+
+def _stats_grads(needs, hidden, weight, bias, targets, row_max, log_sum, entropy, grad_logp,
+                 grad_entropy, config, tp=None) -> tuple:  # fmt: skip
+    """``(d_hidden, d_weight, d_bias)`` of :class:`_LinearTokenStats` (None where not
+    needed, or with no upstream gradient): layer 3 over each chunk's recomputed logits with
+    the forward's statistics, then the head's GEMMs (:func:`_head_grads`)."""
+    temperature, softcap, ignore_index, chunk, which = config
+    if entropy is None:  # not computed (sharded, no entropy): its output is empty, and
+        # a compiled backward's zero tangent for it must not reach the kernel as ``h``
+        grad_entropy = None
+    if grad_logp is None and grad_entropy is None:
+        return (None,) * 3
+    if grad_logp is None:
+        grad_logp = torch.zeros_like(row_max)
+    grad_logp, grad_entropy = whole_rows(grad_logp), whole_rows(grad_entropy)
+
+    def dz_of(rows, z):
+        stats = (targets[rows], row_max[rows], log_sum[rows], _rows_of(entropy, rows),
+                 grad_logp[rows], _rows_of(grad_entropy, rows))  # fmt: skip
+        if tp is None:
+            return _chunk_grad(z, *stats, temperature, softcap, ignore_index, which)
+        return _shard_chunk_grad(z, *stats, tp.spec)  # local target ids, global stats
+
+    return _head_grads(needs, hidden, weight, bias, chunk, dz_of, tp)
+
+
+# Traced (torch.compile), the unsharded statistics run as two custom ops, the chunk loops
+# inside: Dynamo would unroll a loop over the token count, which fixes that count in the
+# graph (a recompile for each new one); opaque, the graph takes any count.
+
+
+def linear_stats_fwd(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
+                     temperature: float, softcap: float | None, ignore_index: int, chunk: int,
+                     which: str, extras: bool) -> tuple[Tensor, Tensor, Tensor, Tensor,
+                                                        Tensor, Tensor, Tensor]:  # fmt: skip
+    """:class:`_LinearTokenStats`' forward, unsharded: ``(logp, entropy, row max, log-sum,
+    mean logit, log sum p^2, top-1)``, ``(N,)`` each, the last three empty without
+    ``extras``."""
+    out = _stats_chunks(hidden, weight, bias, targets, temperature, softcap, ignore_index,
+                        chunk, which, extras)  # fmt: skip
+    return _with_diagnostics(out, extras)
+
+
+def _with_diagnostics(out: list[Tensor], extras: bool) -> tuple:
+    """:func:`_stat_buffers`' first seven, three empty ones for the diagnostics without
+    ``extras`` (a custom op's outputs are a fixed number)."""
+    if extras:
+        return tuple(out[:7])
+    empty = [out[0].new_empty((0,), dtype=dt) for dt in (out[0].dtype, out[0].dtype, torch.bool)]
+    return (*out[:4], *empty)
+
+
+def linear_stats_bwd(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
+                     row_max: Tensor, log_sum: Tensor, entropy: Tensor,
+                     grad_logp: Tensor | None, grad_entropy: Tensor | None, need_h: bool,
+                     need_w: bool, need_b: bool, temperature: float, softcap: float | None,
+                     ignore_index: int, chunk: int, which: str) -> list[Tensor]:  # fmt: skip
+    """:func:`_stats_grads` of :func:`linear_stats_fwd`: ``[d_hidden, d_weight, d_bias]``,
+    empty where not needed."""
+    config = (temperature, softcap, ignore_index, chunk, which)
+    grads = _stats_grads((need_h, need_w, need_b), hidden, weight, bias, targets, row_max,
+                         log_sum, entropy, grad_logp, grad_entropy, config)  # fmt: skip
+    return [hidden.new_empty((0,)) if g is None else g for g in grads]
+
+
+def _head_grads_fake(hidden, weight, bias, need_h, need_w, need_b) -> list[Tensor]:
+    """``(d_hidden, d_weight, d_bias)`` of a chunked head op as fake tensors (empty where
+    not needed)."""
+    empty = hidden.new_empty((0,))
+    return [hidden.new_empty(hidden.shape) if need_h else empty,
+            weight.new_empty(weight.shape) if need_w else empty,
+            bias.new_empty(bias.shape) if need_b and bias is not None else empty]  # fmt: skip
+
+
+def _linear_stats_setup(ctx, inputs, output):
+    hidden, weight, bias, targets, *options = inputs
+    _, entropy, row_max, log_sum, *diagnostics = output
+    ctx.save_for_backward(hidden, weight, bias, targets, row_max, log_sum, entropy)
+    ctx.options = options[:5]  # temperature, softcap, ignore_index, chunk, which
+    ctx.mark_non_differentiable(row_max, log_sum, *diagnostics)
+    ctx.set_materialize_grads(False)
+
+
+def _linear_stats_backward(ctx, grad_logp, grad_entropy, *_unused):
+    n_inputs = len(ctx.needs_input_grad)
+    needs = ctx.needs_input_grad[:3]
+    if grad_logp is None and grad_entropy is None:
+        return (None,) * n_inputs
+    grads = linear_stats_bwd_op(*ctx.saved_tensors, grad_logp, grad_entropy, *needs,
+                                *ctx.options)  # fmt: skip
+    grads = tuple(g if need else None for g, need in zip(grads, needs, strict=True))
+    return grads + (None,) * (n_inputs - 3)
+
+
+linear_stats_bwd_op = FusedOp("linear_stats_bwd", linear_stats_bwd)
+linear_stats_bwd_op.register_fake(
+    lambda hidden, weight, bias, *args: _head_grads_fake(hidden, weight, bias, *args[6:9])
+)
+linear_stats_fwd_op = FusedOp("linear_stats_fwd", linear_stats_fwd)
+linear_stats_fwd_op.register_fake(
+    lambda hidden, *args: _with_diagnostics(_stat_buffers(hidden, args[-1]), args[-1])
+)
+linear_stats_fwd_op.register_autograd(_linear_stats_backward, setup_context=_linear_stats_setup)
 
 
 def _stat_buffers(hidden: Tensor, extras: bool) -> list[Tensor]:
@@ -361,28 +454,10 @@ class _LinearTruncated(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, top_k, top_p, temperature, softcap,
                 ignore_index, chunk, which):  # fmt: skip
         ctx.set_materialize_grads(False)
-        n_rows = hidden.shape[0]
-        acc = stats_dtype(hidden.dtype)
-        logp = hidden.new_empty((n_rows,), dtype=acc)
-        # chunk by chunk the kernel's (3, n) layout: a chunk's statistics are one
-        # contiguous slice for its backward launch
-        stats = hidden.new_empty((3 * n_rows,), dtype=acc) if which == "triton" else None
-        for start in range(0, n_rows, chunk):
-            stop = min(start + chunk, n_rows)
-            z = _chunk_logits(hidden[start:stop], weight, bias, chunk)[0]
-            t = targets[start:stop]
-            if which == "triton":
-                lp, st, _ = truncated_logprobs_fwd_op(
-                    z[None], t[None], top_k, top_p, temperature, softcap, ignore_index
-                )
-                logp[start:stop] = lp[0]
-                stats[3 * start : 3 * stop] = st.reshape(-1)
-            else:
-                logp[start:stop] = ref_truncated.truncated_logprobs(
-                    z, t, top_k=top_k or None, top_p=top_p, temperature=temperature,
-                    ignore_index=ignore_index, softcap=softcap,
-                )  # fmt: skip
-            del z
+        logp, stats = _truncated_chunks(
+            hidden, weight, bias, targets, top_k, top_p, temperature, softcap, ignore_index,
+            chunk, which,
+        )  # fmt: skip
         ctx.save_for_backward(hidden, weight, bias, targets, stats)
         ctx.config = (top_k, top_p, temperature, softcap, ignore_index, chunk, which)
         return logp
@@ -393,20 +468,114 @@ class _LinearTruncated(torch.autograd.Function):
 
     @staticmethod
     def _grads(ctx, grad_logp):
-        hidden, weight, bias, targets, stats = ctx.saved_tensors
-        top_k, top_p, temperature, softcap, ignore_index, chunk, which = ctx.config
-        if grad_logp is None:
-            return (None,) * 11
-        grad_logp = whole_rows(grad_logp)
+        grads = _truncated_grads(ctx.needs_input_grad[:3], *ctx.saved_tensors, grad_logp,
+                                 ctx.config)  # fmt: skip
+        return grads + (None,) * 8
 
-        def dz_of(rows, z):
-            st = None if stats is None else stats[3 * rows.start : 3 * rows.stop]
-            st = None if st is None else st.view(3, rows.stop - rows.start)
-            return _truncated_chunk_grad(z, targets[rows], st, grad_logp[rows], top_k, top_p,
-                                         temperature, softcap, ignore_index, which)  # fmt: skip
 
-        needs = ctx.needs_input_grad[:3]
-        return _head_grads(needs, hidden, weight, bias, chunk, dz_of) + (None,) * 8
+def _truncated_chunks(hidden, weight, bias, targets, top_k, top_p, temperature, softcap,
+                      ignore_index, chunk, which) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """The truncated forward over each chunk's logits in turn: ``(logp, stats)``, the
+    kernel's ``(3 N)`` statistics (None on the reference backend)."""
+    n_rows = hidden.shape[0]
+    acc = stats_dtype(hidden.dtype)
+    logp = hidden.new_empty((n_rows,), dtype=acc)
+    # chunk by chunk the kernel's (3, n) layout: a chunk's statistics are one
+    # contiguous slice for its backward launch
+    stats = hidden.new_empty((3 * n_rows,), dtype=acc) if which == "triton" else None
+    for start in range(0, n_rows, chunk):
+        stop = min(start + chunk, n_rows)
+        z = _chunk_logits(hidden[start:stop], weight, bias, chunk)[0]
+        t = targets[start:stop]
+        if which == "triton":
+            lp, st, _ = truncated_logprobs_fwd_op(
+                z[None], t[None], top_k, top_p, temperature, softcap, ignore_index
+            )
+            logp[start:stop] = lp[0]
+            stats[3 * start : 3 * stop] = st.reshape(-1)
+        else:
+            logp[start:stop] = ref_truncated.truncated_logprobs(
+                z, t, top_k=top_k or None, top_p=top_p, temperature=temperature,
+                ignore_index=ignore_index, softcap=softcap,
+            )  # fmt: skip
+        del z
+    return logp, stats
+
+
+def _truncated_grads(needs, hidden, weight, bias, targets, stats, grad_logp, config) -> tuple:
+    """``(d_hidden, d_weight, d_bias)`` of :class:`_LinearTruncated` (None where not
+    needed, or with no upstream gradient)."""
+    top_k, top_p, temperature, softcap, ignore_index, chunk, which = config
+    if grad_logp is None:
+        return (None,) * 3
+    grad_logp = whole_rows(grad_logp)
+
+    def dz_of(rows, z):
+        st = None if stats is None else stats[3 * rows.start : 3 * rows.stop]
+        st = None if st is None else st.view(3, rows.stop - rows.start)
+        return _truncated_chunk_grad(z, targets[rows], st, grad_logp[rows], top_k, top_p,
+                                     temperature, softcap, ignore_index, which)  # fmt: skip
+
+    return _head_grads(needs, hidden, weight, bias, chunk, dz_of)
+
+
+def linear_truncated_fwd(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
+                         top_k: int, top_p: float, temperature: float, softcap: float | None,
+                         ignore_index: int, chunk: int,
+                         which: str) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """:class:`_LinearTruncated`'s forward traced, unsharded (see ``linear_stats_fwd``):
+    ``(logp, stats)``, the statistics empty on the reference backend."""
+    logp, stats = _truncated_chunks(hidden, weight, bias, targets, top_k, top_p, temperature,
+                                    softcap, ignore_index, chunk, which)  # fmt: skip
+    return logp, logp.new_empty((0,)) if stats is None else stats
+
+
+def linear_truncated_bwd(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
+                         stats: Tensor, grad_logp: Tensor, need_h: bool, need_w: bool,
+                         need_b: bool, top_k: int, top_p: float, temperature: float,
+                         softcap: float | None, ignore_index: int, chunk: int,
+                         which: str) -> list[Tensor]:  # fmt: skip
+    """:func:`_truncated_grads` of :func:`linear_truncated_fwd`: ``[d_hidden, d_weight,
+    d_bias]``, empty where not needed."""
+    config = (top_k, top_p, temperature, softcap, ignore_index, chunk, which)
+    grads = _truncated_grads((need_h, need_w, need_b), hidden, weight, bias, targets,
+                             stats if which == "triton" else None, grad_logp, config)  # fmt: skip
+    return [hidden.new_empty((0,)) if g is None else g for g in grads]
+
+
+def _linear_truncated_setup_unsharded(ctx, inputs, output):
+    hidden, weight, bias, targets, *options = inputs
+    ctx.save_for_backward(hidden, weight, bias, targets, output[1])
+    ctx.options = options
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+
+
+def _linear_truncated_backward_unsharded(ctx, grad_logp, *_unused):
+    n_inputs = len(ctx.needs_input_grad)
+    needs = ctx.needs_input_grad[:3]
+    if grad_logp is None:
+        return (None,) * n_inputs
+    grads = linear_truncated_bwd_op(*ctx.saved_tensors, grad_logp, *needs, *ctx.options)
+    grads = tuple(g if need else None for g, need in zip(grads, needs, strict=True))
+    return grads + (None,) * (n_inputs - 3)
+
+
+def _linear_truncated_fwd_fake_unsharded(hidden, weight, bias, targets, *args):
+    acc, n = stats_dtype(hidden.dtype), hidden.shape[0]
+    width = 3 * n if args[-1] == "triton" else 0
+    return hidden.new_empty((n,), dtype=acc), hidden.new_empty((width,), dtype=acc)
+
+
+linear_truncated_bwd_op = FusedOp("linear_truncated_bwd", linear_truncated_bwd)
+linear_truncated_bwd_op.register_fake(
+    lambda hidden, weight, bias, *args: _head_grads_fake(hidden, weight, bias, *args[3:6])
+)
+linear_truncated_fwd_op = FusedOp("linear_truncated_fwd", linear_truncated_fwd)
+linear_truncated_fwd_op.register_fake(_linear_truncated_fwd_fake_unsharded)
+linear_truncated_fwd_op.register_autograd(
+    _linear_truncated_backward_unsharded, setup_context=_linear_truncated_setup_unsharded
+)
 
 
 def sharded_linear_truncated_fwd(
@@ -1207,11 +1376,14 @@ def _linear_stats(hidden, weight, targets, bias, temperature, softcap, ignore_in
             process_group, weight, vocab_start, vocab_size, temperature, cap, ignore_index,
             with_entropy, which, reduce_hidden_grad, rows, with_extras=extras,
         )  # fmt: skip
+    args = (rows, weight, bias, flat_targets, float(temperature), cap, int(ignore_index),
+            chunk, which)  # fmt: skip
     with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
-        out = _LinearTokenStats.apply(
-            rows, weight, bias, flat_targets, float(temperature), cap, int(ignore_index),
-            chunk, which, tp, extras,
-        )  # fmt: skip
+        if tp is None and torch.compiler.is_compiling():  # one op: any token count
+            logp, entropy, _, _, *diagnostics = linear_stats_fwd_op(*args, extras)
+            out = (logp, entropy, *(diagnostics if extras else ()))
+        else:
+            out = _LinearTokenStats.apply(*args, tp, extras)
     logp, entropy, *diagnostics = out  # the entropy: empty where not asked for (sharded)
     entropy = entropy.view(targets.shape) if with_entropy else None
     return (logp.view(targets.shape), entropy, *(x.view(targets.shape) for x in diagnostics))
@@ -1298,11 +1470,13 @@ def _linear_truncated(hidden, weight, targets, bias, top_k, top_p, temperature, 
     cap = None if softcap is None else float(softcap)
     if not sharded:
         k, p = cuts(top_k, top_p, weight.shape[0])
+        args = (rows, weight, bias, flat_targets, k, p, float(temperature), cap,
+                int(ignore_index), chunk, which)  # fmt: skip
         with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
-            logp = _LinearTruncated.apply(
-                rows, weight, bias, flat_targets, k, p, float(temperature), cap,
-                int(ignore_index), chunk, which,
-            )  # fmt: skip
+            if torch.compiler.is_compiling():  # one op: any token count
+                logp = linear_truncated_fwd_op(*args)[0]
+            else:
+                logp = _LinearTruncated.apply(*args)
         return logp.view(targets.shape)
     tp = _tensor_parallel(
         process_group, weight, vocab_start, vocab_size, temperature, cap, ignore_index, False,

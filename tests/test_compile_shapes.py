@@ -13,8 +13,11 @@ take it as a constant; the ninth distinct value meets the same limit) but its se
 must not fail: the validation compares instead of calling ``math.isfinite``, which Dynamo
 cannot trace on a symbolic number.
 
-The ops from hidden states loop over chunks of tokens in Python, so their graph holds one
-token count (docs/usage.md, "torch.compile"); they are not checked here.
+The ops from hidden states loop over chunks of tokens in Python, which would fix the
+graph's token count: ``linear_token_logprobs`` (truncated too) and ``linear_token_stats``
+run the loop inside a custom op each way while compiling, and are checked over six token
+counts; ``linear_policy_loss`` and ``linear_distill_loss`` do not yet (docs/usage.md,
+"torch.compile").
 """
 
 from __future__ import annotations
@@ -159,3 +162,52 @@ def test_adapters_and_deprecated_aliases_trace():
             want = fn(*args)
         got = torch.compile(fn, fullgraph=True, backend="aot_eager")(*args)
         assert_rel(got, want, 1e-6, name)
+
+
+H = 6
+LINEAR_CASES = {
+    "linear_token_logprobs": lambda d, be: fused_rl.linear_token_logprobs(
+        d["h"], d["w"], d["targets"], bias=d["b"], chunk_tokens=4, backend=be),
+    "linear_entropy": lambda d, be: torch.stack(fused_rl.linear_token_logprobs(
+        d["h"], d["w"], d["targets"], return_entropy=True, temperature=0.9, chunk_tokens=4,
+        backend=be)),
+    "linear_token_stats": lambda d, be: (lambda s: s.logp + s.entropy + s.mean_logit)(
+        fused_rl.linear_token_stats(d["h"], d["w"], d["targets"], chunk_tokens=4, backend=be)),
+    "linear_top_p": lambda d, be: fused_rl.linear_token_logprobs(
+        d["h"], d["w"], d["targets"], bias=d["b"], top_k=8, top_p=0.9, chunk_tokens=4,
+        backend=be).clamp(min=-1e4),  # -inf where a target is cut: a zero gradient there
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(LINEAR_CASES))
+def test_ops_from_hidden_states_compile_twice(name, backend):
+    """The ops from hidden states run their chunk loop inside one custom op each way while
+    compiling (the loop over a symbolic token count would fix it): a new token count each
+    step (chunks of 4 rows, so 1 to 5 chunks, the last one partial) compiles at most twice,
+    with the eager call's values and the gradients of the hidden states, the lm_head and
+    its bias."""
+    fn = LINEAR_CASES[name]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    for i, T in enumerate((5, 7, 9, 6, 3, 10)):
+        g = torch.Generator().manual_seed(i)
+        d = dict(h=torch.randn(2, T + 1, H, generator=g), w=torch.randn(V, H, generator=g),
+                 b=torch.randn(V, generator=g), targets=torch.randint(0, V, (2, T), generator=g),
+                 up=torch.rand(2, T, generator=g) + 0.5)  # fmt: skip
+        d["targets"][0, 0] = -100
+        d = {k: v.to(DEVICE) for k, v in d.items()}
+        results = []
+        for f in (compiled, fn):
+            leaves = {k: d[k].clone().requires_grad_() for k in ("h", "w", "b")}
+            out = f(dict(d, **leaves), backend)
+            (out * d["up"]).sum().backward()
+            results.append((out.detach(), *(leaves[k].grad for k in ("h", "w", "b"))))
+        for got, want, what in zip(*results, ("value", "grad h", "grad w", "grad b")):
+            if want is None:  # the bias: not an input of every case
+                assert got is None, (name, what)
+                continue
+            assert_rel(got, want, 1e-6, f"{name} {what} T={T}")
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs <= 2, f"{name}: {graphs} graphs for 6 token counts"
