@@ -72,6 +72,7 @@ from ._policy_inputs import (
 )
 from ._policy_ops import (
     N_COLS,
+    N_OUTPUTS,
     metrics_dict,
     policy_finalize_op,
     policy_rows_grad_fwd_op,
@@ -92,7 +93,7 @@ from ._vocab_ops import (
 )
 from ._whole_rows import whole_rows
 from ._wide_gemm import addmm_wide, mm_wide
-from .distill import Transforms, divergence_grad, divergence_stats
+from .distill import N_STATS, Transforms, divergence_grad, divergence_stats
 from .distributed import (
     MAX_VOCAB,
     check_layout_keywords,
@@ -1036,6 +1037,67 @@ class _LinearPolicyLoss(torch.autograd.Function):
         return formed_grads_backward(ctx, grad_loss)
 
 
+def linear_policy_fwd(rows: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
+                      adv: Tensor | None, old: Tensor | None, ref: Tensor | None,
+                      mask: Tensor | None, is_w: Tensor | None, row_scale: Tensor,
+                      ent_scale: Tensor | None, num_items_t: Tensor | None,
+                      ref_rows: Tensor | None, ref_weight: Tensor | None,
+                      ref_bias: Tensor | None, need_h: bool, need_w: bool, need_b: bool,
+                      temperature: float, softcap: float | None, ignore_index: int,
+                      with_entropy: bool, chunk: int, batch: int, length: int,
+                      max_length: int, num_items: float, hyper: list[float],
+                      modes: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor,
+                                                 Tensor]:  # fmt: skip
+    """:class:`_LinearPolicyLoss` traced (every row; the chunk loop inside one custom op, as
+    ``linear_stats_fwd``): ``(loss, metrics, d_hidden, d_weight, d_bias)``, the gradients
+    formed with upstream gradient 1 in the parameters' dtypes, empty where not needed."""
+    launch = _LinearLaunch(temperature, softcap, ignore_index, with_entropy, chunk,
+                           (batch, length), max_length, num_items, hyper, modes)  # fmt: skip
+    loss, metrics, grads = _policy_chunks(
+        (need_h, need_w, need_b), rows, weight, bias, launch, targets, adv, old, ref, mask,
+        is_w, row_scale, ent_scale, num_items_t, None, ref_rows, ref_weight, ref_bias,
+    )  # fmt: skip
+    grads = _as_params(grads, weight, bias)
+    return loss, metrics, *(rows.new_empty((0,)) if g is None else g for g in grads)
+
+
+def _linear_policy_fwd_fake(rows, weight, bias, *args):
+    acc = stats_dtype(rows.dtype)
+    loss, metrics = rows.new_empty((), dtype=acc), rows.new_empty(N_OUTPUTS, dtype=torch.float32)
+    return loss, metrics, *_head_grads_fake(rows, weight, bias, *args[12:15])
+
+
+def formed_op_setup(first_need: int):
+    """The ``setup_context`` of a traced op returning ``(loss, metrics, d_hidden, d_weight,
+    d_bias)``, the gradients formed in its forward (:func:`formed_op_backward`), whose
+    three ``need_*`` flags are its inputs from ``first_need`` on."""
+
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(*output[2:])
+        ctx.needs = inputs[first_need : first_need + 3]
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)
+
+    return setup
+
+
+def formed_op_backward(ctx, grad_loss, *_unused):
+    """The formed gradients times the upstream scalar, out of place (:func:`_scaled_copy`)."""
+    n_inputs = len(ctx.needs_input_grad)
+    needs = ctx.needs_input_grad[:3]
+    if grad_loss is None:
+        return (None,) * n_inputs
+    saved = zip(ctx.saved_tensors, needs, ctx.needs, strict=True)
+    grads = tuple(_scaled_copy(d, grad_loss) if need and formed else None
+                  for d, need, formed in saved)  # fmt: skip
+    return grads + (None,) * (n_inputs - 3)
+
+
+linear_policy_fwd_op = FusedOp("linear_policy_fwd", linear_policy_fwd)
+linear_policy_fwd_op.register_fake(_linear_policy_fwd_fake)
+linear_policy_fwd_op.register_autograd(formed_op_backward, setup_context=formed_op_setup(15))
+
+
 def save_formed_grads(ctx, inputs, grads, which, rest, reform) -> None:
     """Keep ``grads`` = ``(d_hidden, d_weight, d_bias)``, the gradients of a loss of
     ``F.linear(*inputs)`` (``inputs``: ``(rows, weight, bias)``) formed in its forward
@@ -1774,10 +1836,14 @@ def _composed_full_kl_loss(hidden, weight, targets, inputs: RolloutInputs, *, bi
     if shard is not None:  # a padded vocabulary's padding rows: never read (0 gradient)
         weight, bias = _valid_rows(weight, bias, shard.valid)
         ref_weight, ref_bias = _valid_rows(ref_weight, ref_bias, shard.valid)
+    head = (rows, weight, bias, ref_rows, ref_weight, ref_bias)
     with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
-        kl = _LinearTokenKL.apply(rows, weight, bias, ref_rows, ref_weight, ref_bias, counted,
-                                  float(temperature), cap, chunk, shard, reduce_hidden_grad,
-                                  which)  # fmt: skip
+        if shard is None and torch.compiler.is_compiling():  # one op: any token count
+            kl = linear_kl_fwd_op(*head, whole_rows(counted), float(temperature), cap, chunk,
+                                  which)[0]  # fmt: skip
+        else:
+            kl = _LinearTokenKL.apply(*head, counted, float(temperature), cap, chunk, shard,
+                                      reduce_hidden_grad, which)  # fmt: skip
     return loss_with_exact_kl(logp, entropy, kl.view(targets.shape), targets, inputs,
                               policy=policy, ignore_index=ignore_index, backend=which)  # fmt: skip
 
@@ -1800,45 +1866,131 @@ class _LinearTokenKL(torch.autograd.Function):
     def forward(ctx, rows, weight, bias, ref_rows, ref_weight, ref_bias, counted, temperature,
                 softcap, chunk, shard, reduce_hidden, which):  # fmt: skip
         ctx.set_materialize_grads(False)
-        n_rows = rows.shape[0]
         counted = whole_rows(counted)
-        tf = Transforms.shared(softcap)
-        acc = stats_dtype(torch.promote_types(rows.dtype, ref_rows.dtype))
-        kl = rows.new_empty((n_rows,), dtype=acc)
-        stats = []  # each chunk's (N_STATS, n) as made: the gradient kernel reads it whole
-        for start in range(0, n_rows, chunk):
-            r = slice(start, min(start + chunk, n_rows))
-            z = _chunk_logits(rows[r], weight, bias, chunk)[0]
-            u = _chunk_logits(ref_rows[r], ref_weight, ref_bias, chunk)[0]
-            d, _, stats_r = divergence_stats(
-                z[None], u[None], counted[r][None], temperature, which, shard, 1.0, False, tf
-            )
-            kl[r] = d[0]
-            stats.append(stats_r)
-            del z, u, d, stats_r
+        kl, stats = _kl_chunks(rows, weight, bias, ref_rows, ref_weight, ref_bias, counted,
+                               temperature, softcap, chunk, shard, which)  # fmt: skip
         ctx.save_for_backward(rows, weight, bias, ref_rows, ref_weight, ref_bias, counted,
                               *stats)  # fmt: skip
-        ctx.config = (temperature, tf, chunk, shard, reduce_hidden, which)
+        ctx.config = (temperature, softcap, chunk, shard, reduce_hidden, which)
         return kl
 
     @staticmethod
     def backward(ctx, grad_kl):
         rows, weight, bias, ref_rows, ref_weight, ref_bias, counted, *stats = ctx.saved_tensors
-        temperature, tf, chunk, shard, reduce_hidden, which = ctx.config
-        if grad_kl is None:
-            return (None,) * 13
-        grad_kl = whole_rows(grad_kl)
+        temperature, softcap, chunk, shard, reduce_hidden, which = ctx.config
+        grads = _kl_grads(ctx.needs_input_grad[:3], rows, weight, bias, ref_rows, ref_weight,
+                          ref_bias, counted, lambda r: stats[r.start // chunk], grad_kl,
+                          temperature, softcap, chunk, shard, reduce_hidden, which)  # fmt: skip
+        return grads + (None,) * 10
 
-        def dz_of(r, z):
-            u = _chunk_logits(ref_rows[r], ref_weight, ref_bias, chunk)[0]
-            g = torch.where(counted[r], grad_kl[r], 0.0)[None]  # rows not counted: not read
-            dz = divergence_grad(z[None], u[None], stats[r.start // chunk], g, temperature,
-                                 which, 1.0, tf, shard)  # fmt: skip
-            return dz[0], False
 
-        reduce = shard.group if shard is not None and reduce_hidden else None
-        needs = ctx.needs_input_grad[:3]
-        return _head_grads(needs, rows, weight, bias, chunk, dz_of, group=reduce) + (None,) * 10
+def _kl_chunks(rows, weight, bias, ref_rows, ref_weight, ref_bias, counted, temperature,
+               softcap, chunk, shard, which, into=None) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
+    """:class:`_LinearTokenKL`'s forward: ``(kl, stats)``, each chunk's ``(N_STATS, n)``
+    statistics as made (the gradient kernel reads them whole), or written into ``into``
+    (flat, chunk by chunk: each chunk's block contiguous) and returned as its views."""
+    n_rows = rows.shape[0]
+    tf = Transforms.shared(softcap)
+    acc = stats_dtype(torch.promote_types(rows.dtype, ref_rows.dtype))
+    kl = rows.new_empty((n_rows,), dtype=acc)
+    stats = []
+    for start in range(0, n_rows, chunk):
+        r = slice(start, min(start + chunk, n_rows))
+        z = _chunk_logits(rows[r], weight, bias, chunk)[0]
+        u = _chunk_logits(ref_rows[r], ref_weight, ref_bias, chunk)[0]
+        d, _, stats_r = divergence_stats(
+            z[None], u[None], counted[r][None], temperature, which, shard, 1.0, False, tf
+        )
+        kl[r] = d[0]
+        if into is not None:
+            stats_r = _kl_stats_block(into, r).copy_(stats_r)
+        stats.append(stats_r)
+        del z, u, d, stats_r
+    return kl, stats
+
+
+def _kl_stats_block(flat: Tensor, r: slice) -> Tensor:
+    """The ``(N_STATS, n)`` block of the chunk ``r`` in a flat statistics buffer."""
+    return flat[N_STATS * r.start : N_STATS * r.stop].view(N_STATS, r.stop - r.start)
+
+
+def _kl_grads(needs, rows, weight, bias, ref_rows, ref_weight, ref_bias, counted, stats_of,
+              grad_kl, temperature, softcap, chunk, shard, reduce_hidden,
+              which) -> tuple:  # fmt: skip
+    """``(d_hidden, d_weight, d_bias)`` of :class:`_LinearTokenKL` (None where not needed,
+    or with no upstream gradient): each chunk's two logits recomputed, ``dz`` written from
+    its statistics (``stats_of(rows)``), the head's GEMMs."""
+    if grad_kl is None:
+        return (None,) * 3
+    grad_kl = whole_rows(grad_kl)
+    tf = Transforms.shared(softcap)
+
+    def dz_of(r, z):
+        u = _chunk_logits(ref_rows[r], ref_weight, ref_bias, chunk)[0]
+        g = torch.where(counted[r], grad_kl[r], 0.0)[None]  # rows not counted: not read
+        dz = divergence_grad(z[None], u[None], stats_of(r), g, temperature, which, 1.0, tf,
+                             shard)  # fmt: skip
+        return dz[0], False
+
+    reduce = shard.group if shard is not None and reduce_hidden else None
+    return _head_grads(needs, rows, weight, bias, chunk, dz_of, group=reduce)
+
+
+def linear_kl_fwd(rows: Tensor, weight: Tensor, bias: Tensor | None, ref_rows: Tensor,
+                  ref_weight: Tensor, ref_bias: Tensor | None, counted: Tensor,
+                  temperature: float, softcap: float | None, chunk: int,
+                  which: str) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """:class:`_LinearTokenKL` traced, unsharded (as ``linear_stats_fwd``): ``(kl, stats)``,
+    the statistics flat, each chunk's ``(N_STATS, n)`` block contiguous."""
+    acc = stats_dtype(torch.promote_types(rows.dtype, ref_rows.dtype))
+    flat = rows.new_empty((N_STATS * rows.shape[0],), dtype=acc)
+    kl, _ = _kl_chunks(rows, weight, bias, ref_rows, ref_weight, ref_bias, counted,
+                       temperature, softcap, chunk, None, which, into=flat)  # fmt: skip
+    return kl, flat
+
+
+def linear_kl_bwd(rows: Tensor, weight: Tensor, bias: Tensor | None, ref_rows: Tensor,
+                  ref_weight: Tensor, ref_bias: Tensor | None, counted: Tensor, stats: Tensor,
+                  grad_kl: Tensor, need_h: bool, need_w: bool, need_b: bool,
+                  temperature: float, softcap: float | None, chunk: int,
+                  which: str) -> list[Tensor]:  # fmt: skip
+    """:func:`_kl_grads` of :func:`linear_kl_fwd`: ``[d_hidden, d_weight, d_bias]``, empty
+    where not needed."""
+    grads = _kl_grads((need_h, need_w, need_b), rows, weight, bias, ref_rows, ref_weight,
+                      ref_bias, counted, lambda r: _kl_stats_block(stats, r), grad_kl,
+                      temperature, softcap, chunk, None, False, which)  # fmt: skip
+    return [rows.new_empty((0,)) if g is None else g for g in grads]
+
+
+def _linear_kl_fwd_fake(rows, weight, bias, ref_rows, *args):
+    acc, n = stats_dtype(torch.promote_types(rows.dtype, ref_rows.dtype)), rows.shape[0]
+    return rows.new_empty((n,), dtype=acc), rows.new_empty((N_STATS * n,), dtype=acc)
+
+
+def _linear_kl_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:7], output[1])
+    ctx.options = inputs[7:]
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+
+
+def _linear_kl_backward(ctx, grad_kl, *_unused):
+    n_inputs = len(ctx.needs_input_grad)
+    needs = ctx.needs_input_grad[:3]
+    if grad_kl is None:
+        return (None,) * n_inputs
+    grads = linear_kl_bwd_op(*ctx.saved_tensors, grad_kl, *needs, *ctx.options)
+    grads = tuple(g if need else None for g, need in zip(grads, needs, strict=True))
+    return grads + (None,) * (n_inputs - 3)
+
+
+linear_kl_bwd_op = FusedOp("linear_kl_bwd", linear_kl_bwd)
+linear_kl_bwd_op.register_fake(
+    lambda rows, weight, bias, *args: _head_grads_fake(rows, weight, bias, *args[6:9])
+)
+linear_kl_fwd_op = FusedOp("linear_kl_fwd", linear_kl_fwd)
+linear_kl_fwd_op.register_fake(_linear_kl_fwd_fake)
+linear_kl_fwd_op.register_autograd(_linear_kl_backward, setup_context=_linear_kl_setup)
 
 
 def check_second_head(hidden2, weight2, bias2, hidden, weight, names, whose: str) -> None:
@@ -1924,14 +2076,25 @@ def _fused_policy_loss(rows, weight, bias, flat_targets, shape, inputs: RolloutI
         policy.max_length or length, n_items, policy.kernel_params,
         policy.kernel_modes,
     )  # fmt: skip
+    tensors = (
+        flat_targets, flat(adv), flat(old), flat(ref),
+        flat(mask.detach()) if mask is not None else None,
+        flat(rollout_constants(acc, is_w)[0]), row_scale,
+        flat(per_row(entropy_scale(m, policy, num_items), (batch, length))), n_items_t,
+    )  # fmt: skip
     with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
-        loss, metrics = _LinearPolicyLoss.apply(
-            rows, weight, bias, flat_targets, flat(adv), flat(old), flat(ref),
-            flat(mask.detach()) if mask is not None else None,
-            flat(rollout_constants(acc, is_w)[0]), row_scale,
-            flat(per_row(entropy_scale(m, policy, num_items), (batch, length))), n_items_t, kept,
-            launch, *(ref_head or ()),
-        )  # fmt: skip
+        if torch.compiler.is_compiling():  # one op: any token count (kept is None here)
+            grad = torch.is_grad_enabled()
+            needs = [grad and t is not None and t.requires_grad for t in (rows, weight, bias)]
+            loss, metrics, *_ = linear_policy_fwd_op(
+                rows, weight, bias, *tensors, *(ref_head or (None,) * 3), *needs,
+                launch.temperature, launch.softcap, launch.ignore_index, launch.with_entropy,
+                launch.chunk, *launch.shape, launch.max_length, launch.num_items, launch.hyper,
+                launch.modes,
+            )  # fmt: skip
+        else:
+            loss, metrics = _LinearPolicyLoss.apply(rows, weight, bias, *tensors, kept, launch,
+                                                    *(ref_head or ()))  # fmt: skip
     has_kl = ref is not None or ref_head is not None
     out = metrics_dict(metrics, has_kl=has_kl, has_entropy=with_entropy,
                        surrogate=launch.modes[0], has_is=is_w is not None,

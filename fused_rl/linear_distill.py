@@ -44,7 +44,7 @@ from torch import Tensor
 from . import _validation as V
 from ._agg import masked_mean_all, poison_empty, sequence_scale
 from ._backend import resolve_backend
-from ._ops import _serialised_when_interpreting, _tracing
+from ._ops import FusedOp, _serialised_when_interpreting, _tracing
 from ._policy_inputs import num_items_args, per_row, weights_of
 from ._whole_rows import whole_rows
 from .distill import (
@@ -73,15 +73,19 @@ from .distributed import (
 from .kernels.modes import LOSS_AGG_MODES
 from .linear import (
     HeadGrads,
+    _as_params,
     _autocast_inputs,
     _check_linear,
     _chunk_logits,
     _grad_wanted,
+    _head_grads_fake,
     _promote_hidden,
     _valid_rows,
     check_second_head,
     chunk_rows,
     formed_grads_backward,
+    formed_op_backward,
+    formed_op_setup,
     save_formed_grads,
 )
 from .reference import distill as ref
@@ -218,6 +222,43 @@ def _reference_chunk(z: Tensor, zt: Tensor, counted: Tensor, w: Tensor | None, l
     if slope is not None:  # dz/dx of the scale and the cap
         g = g * slope
     return terms, torch.where(w != 0, g * w, torch.zeros_like(g)).to(z.dtype)
+
+
+def linear_distill_fwd(rows: Tensor, weight: Tensor, bias: Tensor | None, t_rows: Tensor,
+                       t_weight: Tensor, t_bias: Tensor | None, targets: Tensor | None,
+                       mask: Tensor | None, m: Tensor | None, row_scale: Tensor | None,
+                       num_items_t: Tensor | None, need_h: bool, need_w: bool, need_b: bool,
+                       beta: float, temperature: float, ignore_index: int, chunk: int,
+                       outer: int, inner: int, agg: int, max_length: int, num_items: float,
+                       which: str, softcap: float | None, logit_scale: float,
+                       teacher_softcap: float | None, teacher_logit_scale: float,
+                       logits_dtype: torch.dtype | None) -> tuple[Tensor, Tensor, Tensor,
+                                                                  Tensor, Tensor]:  # fmt: skip
+    """:class:`_LinearDistill` traced, unsharded (the chunk loop inside one custom op, as
+    ``fused_rl.linear.linear_stats_fwd``): ``(loss, metrics, d_hidden, d_weight, d_bias)``,
+    the gradients formed with upstream gradient 1 in the parameters' dtypes, empty where not
+    needed."""
+    tf = Transforms(softcap, logit_scale, teacher_softcap, teacher_logit_scale)
+    launch = _Launch(beta, temperature, ignore_index, chunk, outer, inner, agg, max_length,
+                     num_items, which, None, True, tf, logits_dtype)  # fmt: skip
+    loss, metrics, *grads = _run(
+        rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_scale, num_items_t,
+        launch, need_h, need_w, need_b,
+    )  # fmt: skip
+    grads = _as_params(grads, weight, bias)
+    return loss, metrics, *(rows.new_empty((0,)) if g is None else g for g in grads)
+
+
+def _linear_distill_fwd_fake(rows, weight, bias, t_rows, *args):
+    acc = acc_dtype(rows, t_rows)
+    loss = rows.new_empty((), dtype=acc)
+    metrics = rows.new_empty(len(METRICS), dtype=torch.float32)
+    return loss, metrics, *_head_grads_fake(rows, weight, bias, *args[7:10])
+
+
+linear_distill_fwd_op = FusedOp("linear_distill_fwd", linear_distill_fwd)
+linear_distill_fwd_op.register_fake(_linear_distill_fwd_fake)
+linear_distill_fwd_op.register_autograd(formed_op_backward, setup_context=formed_op_setup(11))
 
 
 class _LinearDistill(torch.autograd.Function):
@@ -548,8 +589,19 @@ def linear_distill_loss(
               None if teacher_bias is None else teacher_bias.detach(), flat_targets, flat_mask,
               m, row_scale, n_items_t, launch)  # fmt: skip
     narrowed = lambda x, given: x.element_size() < given.element_size()  # noqa: E731
+    autocast_copies = grad and (narrowed(weight, head[0]) or narrowed(hidden, given_hidden))
     with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
-        if grad and (narrowed(weight, head[0]) or narrowed(hidden, given_hidden)):
+        if torch.compiler.is_compiling() and shard is None and not autocast_copies:
+            # one op: any token count
+            grad_on = torch.is_grad_enabled()
+            needs = [grad_on and t is not None and t.requires_grad for t in (rows, weight, bias)]
+            loss, metrics, *_ = linear_distill_fwd_op(
+                rows, weight, bias, *t_args[:-1], *needs, launch.beta, launch.temperature,
+                launch.ignore_index, launch.chunk, launch.outer, launch.inner, launch.agg,
+                launch.max_length, launch.num_items, launch.which, *launch.tf,
+                launch.logits_dtype,
+            )  # fmt: skip
+        elif autocast_copies:
             # autocast: the GEMMs on detached copies, the gradients to the caller's tensors
             copies = rows.detach(), weight.detach(), None if bias is None else bias.detach()
             given_rows = given_hidden.reshape(rows.shape)

@@ -14,10 +14,8 @@ must not fail: the validation compares instead of calling ``math.isfinite``, whi
 cannot trace on a symbolic number.
 
 The ops from hidden states loop over chunks of tokens in Python, which would fix the
-graph's token count: ``linear_token_logprobs`` (truncated too) and ``linear_token_stats``
-run the loop inside a custom op each way while compiling, and are checked over six token
-counts; ``linear_policy_loss`` and ``linear_distill_loss`` do not yet (docs/usage.md,
-"torch.compile").
+graph's token count: on one device they run each loop inside a custom op while compiling,
+and are checked over six token counts (docs/usage.md, "torch.compile").
 """
 
 from __future__ import annotations
@@ -176,7 +174,25 @@ LINEAR_CASES = {
     "linear_top_p": lambda d, be: fused_rl.linear_token_logprobs(
         d["h"], d["w"], d["targets"], bias=d["b"], top_k=8, top_p=0.9, chunk_tokens=4,
         backend=be).clamp(min=-1e4),  # -inf where a target is cut: a zero gradient there
+    "linear_grpo": lambda d, be: _linear_policy(d, be, entropy_coef=0.01, beta=0.05,
+                                                ref_logprobs=d["old"] + 0.1),
+    "linear_gspo": lambda d, be: _linear_policy(d, be, importance_sampling="sequence"),
+    "linear_exact_kl": lambda d, be: _linear_policy(
+        d, be, ref_hidden=d["rh"], ref_weight=d["rw"], kl_estimator="full", beta=0.1),
+    "linear_gspo_exact_kl": lambda d, be: _linear_policy(
+        d, be, importance_sampling="sequence", ref_hidden=d["rh"], ref_weight=d["rw"],
+        kl_estimator="full", beta=0.1),
+    "linear_distill": lambda d, be: fused_rl.linear_distill_loss(
+        d["h"][:, 1:], d["w"], d["rh"][:, 1:], d["rw"], bias=d["b"], beta=0.5, mask=d["mask"],
+        num_items=d["n"], chunk_tokens=4, backend=be)[0],
 }  # fmt: skip
+
+
+def _linear_policy(d, be, **kw):
+    return fused_rl.linear_policy_loss(
+        d["h"], d["w"], d["targets"], d["adv"], bias=d["b"], old_logprobs=d["old"],
+        mask=d["mask"], num_items=d["n"], chunk_tokens=4, backend=be, **kw,
+    )[0]  # fmt: skip
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -195,9 +211,14 @@ def test_ops_from_hidden_states_compile_twice(name, backend):
         g = torch.Generator().manual_seed(i)
         d = dict(h=torch.randn(2, T + 1, H, generator=g), w=torch.randn(V, H, generator=g),
                  b=torch.randn(V, generator=g), targets=torch.randint(0, V, (2, T), generator=g),
-                 up=torch.rand(2, T, generator=g) + 0.5)  # fmt: skip
+                 up=torch.rand(2, T, generator=g) + 0.5, adv=torch.randn(2, generator=g),
+                 old=torch.randn(2, T, generator=g) - 3.0,
+                 mask=torch.rand(2, T, generator=g) > 0.2,
+                 rh=torch.randn(2, T + 1, H, generator=g),
+                 rw=torch.randn(V, H, generator=g))  # fmt: skip
         d["targets"][0, 0] = -100
         d = {k: v.to(DEVICE) for k, v in d.items()}
+        d["n"] = 7 + 3 * i  # the trainer's count: an int, new each step
         results = []
         for f in (compiled, fn):
             leaves = {k: d[k].clone().requires_grad_() for k in ("h", "w", "b")}
