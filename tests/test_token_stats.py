@@ -273,7 +273,8 @@ def test_errors_name_the_argument(device):
     with pytest.raises(TypeError, match="logits"):
         fused_rl.token_stats(logits.long(), targets)
     with pytest.raises(ValueError, match="targets"):
-        fused_rl.linear_token_stats(torch.randn(6, 4), torch.randn(7, 4), bad.view(-1))
+        fused_rl.linear_token_stats(torch.randn(6, 4, device=device),
+                                    torch.randn(7, 4, device=device), bad.view(-1))  # fmt: skip
     with pytest.raises(ValueError, match="backend"):
         fused_rl.token_stats(logits, targets, backend="cuda")
 
