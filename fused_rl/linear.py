@@ -391,15 +391,23 @@ def _linear_stats_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _linear_stats_backward(ctx, grad_logp, grad_entropy, *_unused):
-    n_inputs = len(ctx.needs_input_grad)
-    needs = ctx.needs_input_grad[:3]
-    if grad_logp is None and grad_entropy is None:
-        return (None,) * n_inputs
-    grads = linear_stats_bwd_op(*ctx.saved_tensors, grad_logp, grad_entropy, *needs,
-                                *ctx.options)  # fmt: skip
-    grads = tuple(g if need else None for g, need in zip(grads, needs, strict=True))
-    return grads + (None,) * (n_inputs - 3)
+def head_op_backward(bwd_op, n_grads: int = 1):
+    """The backward of a traced chunked head op: ``bwd_op(*saved, *grads, need_h, need_w,
+    need_b, *options)`` (its ``[d_hidden, d_weight, d_bias]``, empty where not needed) on
+    the upstream gradients of the forward's first ``n_grads`` outputs, nothing when they are
+    all None."""
+
+    def backward(ctx, *grad_outputs):
+        n_inputs = len(ctx.needs_input_grad)
+        grads = grad_outputs[:n_grads]
+        if all(g is None for g in grads):
+            return (None,) * n_inputs
+        needs = ctx.needs_input_grad[:3]
+        out = bwd_op(*ctx.saved_tensors, *grads, *needs, *ctx.options)
+        out = tuple(g if need else None for g, need in zip(out, needs, strict=True))
+        return out + (None,) * (n_inputs - 3)
+
+    return backward
 
 
 linear_stats_bwd_op = FusedOp("linear_stats_bwd", linear_stats_bwd)
@@ -410,7 +418,9 @@ linear_stats_fwd_op = FusedOp("linear_stats_fwd", linear_stats_fwd)
 linear_stats_fwd_op.register_fake(
     lambda hidden, *args: _with_diagnostics(_stat_buffers(hidden, args[-1]), args[-1])
 )
-linear_stats_fwd_op.register_autograd(_linear_stats_backward, setup_context=_linear_stats_setup)
+linear_stats_fwd_op.register_autograd(
+    head_op_backward(linear_stats_bwd_op, 2), setup_context=_linear_stats_setup
+)
 
 
 def _stat_buffers(hidden: Tensor, extras: bool) -> list[Tensor]:
@@ -552,16 +562,6 @@ def _linear_truncated_setup_unsharded(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _linear_truncated_backward_unsharded(ctx, grad_logp, *_unused):
-    n_inputs = len(ctx.needs_input_grad)
-    needs = ctx.needs_input_grad[:3]
-    if grad_logp is None:
-        return (None,) * n_inputs
-    grads = linear_truncated_bwd_op(*ctx.saved_tensors, grad_logp, *needs, *ctx.options)
-    grads = tuple(g if need else None for g, need in zip(grads, needs, strict=True))
-    return grads + (None,) * (n_inputs - 3)
-
-
 def _linear_truncated_fwd_fake_unsharded(hidden, weight, bias, targets, *args):
     acc, n = stats_dtype(hidden.dtype), hidden.shape[0]
     width = 3 * n if args[-1] == "triton" else 0
@@ -575,7 +575,7 @@ linear_truncated_bwd_op.register_fake(
 linear_truncated_fwd_op = FusedOp("linear_truncated_fwd", linear_truncated_fwd)
 linear_truncated_fwd_op.register_fake(_linear_truncated_fwd_fake_unsharded)
 linear_truncated_fwd_op.register_autograd(
-    _linear_truncated_backward_unsharded, setup_context=_linear_truncated_setup_unsharded
+    head_op_backward(linear_truncated_bwd_op), setup_context=_linear_truncated_setup_unsharded
 )
 
 
@@ -711,16 +711,6 @@ def _linear_truncated_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _linear_truncated_backward(ctx, grad_logp, *_unused):
-    n_inputs = len(ctx.needs_input_grad)
-    if grad_logp is None:
-        return (None,) * n_inputs
-    needs = ctx.needs_input_grad[:3]
-    grads = sharded_linear_truncated_bwd_op(*ctx.saved_tensors, grad_logp, *needs, *ctx.options)
-    grads = tuple(g if need else None for g, need in zip(grads, needs, strict=True))
-    return grads + (None,) * (n_inputs - 3)
-
-
 sharded_linear_truncated_bwd_op = FusedOp("sharded_linear_truncated_bwd",
                                           sharded_linear_truncated_bwd)  # fmt: skip
 sharded_linear_truncated_bwd_op.register_fake(_linear_truncated_bwd_fake)
@@ -728,7 +718,7 @@ sharded_linear_truncated_fwd_op = FusedOp("sharded_linear_truncated_fwd",
                                           sharded_linear_truncated_fwd)  # fmt: skip
 sharded_linear_truncated_fwd_op.register_fake(_linear_truncated_fwd_fake)
 sharded_linear_truncated_fwd_op.register_autograd(
-    _linear_truncated_backward, setup_context=_linear_truncated_setup
+    head_op_backward(sharded_linear_truncated_bwd_op), setup_context=_linear_truncated_setup
 )
 
 
@@ -1974,23 +1964,14 @@ def _linear_kl_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _linear_kl_backward(ctx, grad_kl, *_unused):
-    n_inputs = len(ctx.needs_input_grad)
-    needs = ctx.needs_input_grad[:3]
-    if grad_kl is None:
-        return (None,) * n_inputs
-    grads = linear_kl_bwd_op(*ctx.saved_tensors, grad_kl, *needs, *ctx.options)
-    grads = tuple(g if need else None for g, need in zip(grads, needs, strict=True))
-    return grads + (None,) * (n_inputs - 3)
-
-
 linear_kl_bwd_op = FusedOp("linear_kl_bwd", linear_kl_bwd)
 linear_kl_bwd_op.register_fake(
     lambda rows, weight, bias, *args: _head_grads_fake(rows, weight, bias, *args[6:9])
 )
 linear_kl_fwd_op = FusedOp("linear_kl_fwd", linear_kl_fwd)
 linear_kl_fwd_op.register_fake(_linear_kl_fwd_fake)
-linear_kl_fwd_op.register_autograd(_linear_kl_backward, setup_context=_linear_kl_setup)
+linear_kl_fwd_op.register_autograd(head_op_backward(linear_kl_bwd_op),
+                                   setup_context=_linear_kl_setup)  # fmt: skip
 
 
 def check_second_head(hidden2, weight2, bias2, hidden, weight, names, whose: str) -> None:
