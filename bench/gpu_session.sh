@@ -174,6 +174,7 @@ if [ "$PART" = all ] || [ "$PART" = tests ]; then
     # a run stopped by TEST_TIMEOUT keeps them (pytest's -rfE summary comes only at the end)
     # TESTS: the test paths (default tests; e.g. "tests/test_[p-z]*.py" for the second half)
     # shellcheck disable=SC2086
+    rm -f "$OUT/failures.log"  # this run's failures only
     FUSED_RL_FAILURE_LOG="$OUT/failures.log" timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest \
         -v -rfE $XDIST $TIMEOUT ${TESTS:-tests} \
         --benchmark-disable -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" \

@@ -38,9 +38,9 @@ copies of ``hidden`` and ``weight``, a block of rows at a time, for steps 1 and 
 block's ``dL/dz`` (the same row formula) gives ``dL/dH = dz W`` and ``dL/dW += dz^T h``, both
 kept in float64 (a ``(V, H)`` float64 buffer, the only one the size of the lm_head). From a
 16-bit head the oracle answers twice, on the exact logits and on the logits rounded to the
-head's dtype (``LOGITS_DEFINITIONS``), and a token whose target logit rounds either way in
-an fp32-accumulating GEMM (:func:`rounding_ambiguous64`) has its hidden row left out, as a
-kink's.
+head's dtype (``LOGITS_DEFINITIONS``), and in the policy loss a token whose target logit
+rounds either way in an fp32-accumulating GEMM (:func:`rounding_ambiguous64`) has its
+hidden row left out, as a kink's.
 
 Distillation ops (``distill_loss``, ``linear_distill_loss``): per block of rows, float64
 ``log_softmax`` of the student's and the teacher's logits (from hidden states: each built as
@@ -409,7 +409,7 @@ def linear_grads64(hidden, weight, targets, lse, entropy, g, h, tau: float = TEM
     return d_hidden, d_weight
 
 
-AMBIGUOUS_SPREAD = 16  # fp32 accumulation spreads within which a rounding can go either way
+AMBIGUOUS_SPREAD = 4  # fp32 accumulation spreads within which a rounding can go either way
 
 
 def rounding_ambiguous64(hidden, weight, targets, dtype) -> torch.Tensor:
@@ -427,12 +427,12 @@ def rounding_ambiguous64(hidden, weight, targets, dtype) -> torch.Tensor:
     step = max(1, CHUNK // max(h64.shape[1], 1))
     for r0 in range(0, flat.shape[0], step):
         rows = slice(r0, r0 + step)
-        prod = h64[rows] * w[flat[rows]].to(torch.float64)
+        prod = h64[rows] * w[flat[rows].clamp(min=0)].to(torch.float64)
         mag = prod.sum(-1).abs()
         spread = AMBIGUOUS_SPREAD * 2.0**-24 * math.sqrt(h64.shape[1]) * prod.norm(dim=-1)
         ulp = torch.exp2(torch.floor(torch.log2(mag.clamp(min=1.0)))) * eps
         to_midpoint = ((mag / ulp).remainder(1.0) - 0.5).abs() * ulp
-        out[rows] = (mag >= 1.0) & (to_midpoint < spread)
+        out[rows] = (mag >= 1.0) & (to_midpoint < spread) & (flat[rows] >= 0)
     return out.view(targets.shape)
 
 
@@ -912,14 +912,15 @@ class Oracle:
 
     def _linear(self, inp: dict, fwd_bwd: bool) -> None:
         """The float64 answer on the exact logits and, for a 16-bit lm_head, a second one on
-        the logits rounded to its dtype (:data:`LOGITS_DEFINITIONS`); a token whose target
-        logit rounds either way (:func:`rounding_ambiguous64`) or whose ratio sits at a clip
-        boundary under either has its hidden row left out of the gradient comparison."""
+        the logits rounded to its dtype (:data:`LOGITS_DEFINITIONS`); in the policy loss a
+        token whose target logit rounds either way (:func:`rounding_ambiguous64`: its ratio,
+        which scales its row) or whose ratio sits at a clip boundary under either has its
+        hidden row left out of the gradient comparison."""
         hidden, weight, targets = inp["hidden"], inp["weight"], inp["targets"]
         dtype = hidden.dtype
         rounded = [dtype] if dtype in (torch.bfloat16, torch.float16) else []
         row_kink = None
-        if fwd_bwd and rounded:
+        if fwd_bwd and rounded and self.case.op == "linear_policy_loss":  # ratio-scaled rows
             row_kink = rounding_ambiguous64(hidden, weight, targets, dtype)
         for logits_dtype in [None, *rounded]:
             values, kink = self._linear_values(inp, fwd_bwd, logits_dtype)

@@ -207,9 +207,9 @@ def _chunk_stats(z: Tensor, targets: Tensor, temperature, softcap, ignore_index,
 def _chunk_grad(z, targets, row_max, log_sum, entropy, g, h, temperature, softcap, ignore_index,
                 which):  # fmt: skip
     """``(dz, in_place)``: ``dL/dz`` of one chunk's ``(n, V)`` logits from per-token
-    ``(n,)`` statistics and ``g``/``h``: layer 3, written over ``z`` (``in_place``) in eager
-    mode on the Triton path (a fresh buffer under ``torch.compile``, which cannot trace a
-    mutation of its input)."""
+    ``(n,)`` statistics and ``g``/``h``: layer 3, written over ``z`` (``in_place``) on the
+    Triton path (a fresh buffer while traced, which cannot mutate its input: the
+    vocabulary-parallel calls; the unsharded ones run their loops inside an opaque op)."""
     col = lambda t: None if t is None else t.reshape(-1, 1)  # noqa: E731
     args = (col(targets), col(row_max), col(log_sum), col(entropy), col(g), col(h))
     z3 = z[:, None]
@@ -375,11 +375,11 @@ def linear_stats_bwd(hidden: Tensor, weight: Tensor, bias: Tensor | None, target
 
 def _head_grads_fake(hidden, weight, bias, need_h, need_w, need_b) -> list[Tensor]:
     """``(d_hidden, d_weight, d_bias)`` of a chunked head op as fake tensors (empty where
-    not needed)."""
-    empty = hidden.new_empty((0,))
-    return [hidden.new_empty(hidden.shape) if need_h else empty,
-            weight.new_empty(weight.shape) if need_w else empty,
-            bias.new_empty(bias.shape) if need_b and bias is not None else empty]  # fmt: skip
+    not needed: each its own tensor, as the real op's, since outputs may not alias)."""
+    return [hidden.new_empty(hidden.shape) if need_h else hidden.new_empty((0,)),
+            weight.new_empty(weight.shape) if need_w else hidden.new_empty((0,)),
+            bias.new_empty(bias.shape) if need_b and bias is not None
+            else hidden.new_empty((0,))]  # fmt: skip
 
 
 def _linear_stats_setup(ctx, inputs, output):
@@ -696,10 +696,7 @@ def _linear_truncated_fwd_fake(hidden, _weight, _bias, targets, *_args):
 
 def _linear_truncated_bwd_fake(hidden, weight, bias, _targets, _t_local, _stats, _kept, _g,
                                need_h, need_w, need_b, *_args):  # fmt: skip
-    empty = hidden.new_empty((0,))
-    return (hidden.new_empty(hidden.shape) if need_h else empty,
-            weight.new_empty(weight.shape) if need_w else empty,
-            bias.new_empty(bias.shape) if need_b and bias is not None else empty)  # fmt: skip
+    return _head_grads_fake(hidden, weight, bias, need_h, need_w, need_b)
 
 
 def _linear_truncated_setup(ctx, inputs, output):

@@ -971,13 +971,13 @@ def test_linear_policy_oracle_definitions():
     oracle.values = exact
     comps = {name: oracle.compare(name, o) for name, o in zip(names, out)}
     assert A.judge("x", "bf16", comps)["status"] == "wrong"
-    # the ambiguity test: a logit at a bf16 midpoint (1 + 2^-8) is, one 16 fp32 spreads
+    # the ambiguity test: a logit at a bf16 midpoint (1 + 2^-8) is, one 4 fp32 spreads
     # off it is not, and below |z| = 1 none is
     hidden = torch.zeros(1, 2, 4, dtype=torch.float64)
     hidden[0, 0, 0] = 1.0
     weight = torch.zeros(3, 4, dtype=torch.float64)
     weight[0, 0], weight[1, 0], weight[2, 0] = 1 + 2**-8, 1 + 2**-8 + 2**-17, 0.5 + 2**-9
-    spread = 16 * 2.0**-24 * 2  # sqrt(H) = 2, ||h * w|| ~ 1
+    spread = 4 * 2.0**-24 * 2  # sqrt(H) = 2, ||h * w|| ~ 1
     assert 2**-17 > spread
     got = [rounding_ambiguous64(hidden, weight, torch.tensor([[y]]), torch.bfloat16).item()
            for y in range(3)]  # fmt: skip

@@ -232,3 +232,22 @@ def test_ops_from_hidden_states_compile_twice(name, backend):
             assert_rel(got, want, 1e-6, f"{name} {what} T={T}")
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert graphs <= 2, f"{name}: {graphs} graphs for 6 token counts"
+
+
+@pytest.mark.parametrize(
+    "needs", [(True, False, False), (False, True, False), (False, False, True)]
+)
+def test_head_op_fakes_keep_outputs_apart(needs):
+    """A traced head op's fake gives each gradient not needed a tensor of its own, as the
+    real op does (a custom op's outputs may not alias one another)."""
+    from fused_rl import linear as L
+
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(6, H, generator=g).to(DEVICE), torch.randn(V, H, generator=g).to(DEVICE)
+    b, t = torch.randn(V, generator=g).to(DEVICE), torch.randint(0, V, (6,), generator=g)
+    t = t.to(DEVICE)
+    logp, entropy, row_max, log_sum, *_ = L.linear_stats_fwd(h, w, b, t, 1.0, None, -100, 4,
+                                                             "triton", False)  # fmt: skip
+    args = (h, w, b, t, row_max, log_sum, entropy, torch.ones_like(logp), None, *needs, 1.0,
+            None, -100, 4, "triton")  # fmt: skip
+    torch.library.opcheck(L.linear_stats_bwd_op.op, args, test_utils=("test_faketensor",))
