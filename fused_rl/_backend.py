@@ -158,9 +158,22 @@ _WARNED: set[str] = set()
 
 
 def _warn_once(message: str) -> None:
-    if message not in _WARNED and not torch.compiler.is_compiling():  # shown when eager
+    if torch.compiler.is_compiling():
+        _warn_once_traced(message)
+    elif message not in _WARNED:
         _WARNED.add(message)
         warn_at_caller(message, RuntimeWarning)
+
+
+@torch.compiler.assume_constant_result
+def _warn_once_traced(message: str) -> bool:
+    """:func:`_warn_once` while ``torch.compile`` traces: Dynamo runs a function marked
+    ``assume_constant_result`` in Python, once per compile (its result a constant of the
+    graph), so the warning is shown there too, attributed to the tracer's frame."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    return True
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep

@@ -213,6 +213,30 @@ def group_shard(
     )
 
 
+def shard_args(shard: VocabShard | None) -> tuple:
+    """``shard`` as a custom op's primitive arguments, :func:`shard_of`'s: ``(group name,
+    start, columns, vocab_size, explicit)``, or ``(None, 0, 0, 0, False)`` for no shard. A
+    custom op takes no process group: it travels by name and is resolved where the op runs
+    (as ``torch.distributed``'s functional collectives do)."""
+    if shard is None:
+        return (None, 0, 0, 0, False)
+    return (shard.group.group_name, shard.start, shard.columns, shard.vocab_size, shard.explicit)
+
+
+def shard_of(group_name: str | None, start: int, columns: int, vocab_size: int,
+             explicit: bool, name: str = "logits") -> VocabShard | None:  # fmt: skip
+    """The :class:`VocabShard` of :func:`shard_args`' arguments (None for no group): this
+    rank's place in the group resolved from its name."""
+    if group_name is None:
+        return None
+    from torch.distributed import distributed_c10d
+
+    group = distributed_c10d._resolve_process_group(group_name)
+    dist = _dist()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    return VocabShard(group, rank, world, start, columns, vocab_size, explicit, name)
+
+
 def _from_dtensor(logits, targets):
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 

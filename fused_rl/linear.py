@@ -100,6 +100,8 @@ from .distributed import (
     check_local,
     check_vocab_limit,
     group_shard,
+    shard_args,
+    shard_of,
 )
 from .logprobs import TokenStats
 from .losses import loss_from_token_stats, loss_with_exact_kl, policy_loss
@@ -257,30 +259,17 @@ class _LinearTokenStats(torch.autograd.Function):
 
     @staticmethod
     def _sharded_forward(ctx, hidden, weight, bias, targets, chunk):
-        from .distributed import _local_stats, _local_targets, merge_partials
-
         spec = ctx.tp.spec
-        n_rows = hidden.shape[0]
-        t_local, ignored = _local_targets(targets, spec.shard, spec.ignore_index)
-        # this rank's partials (logp, entropy, row max, log-sum, diagnostics) of every token
-        local = _stat_buffers(hidden, spec.with_extras)
-        w_valid, b_valid = _valid_rows(weight, bias, spec.shard.valid)  # padding: unread
-        for start in range(0, n_rows, chunk):
-            rows = slice(start, min(start + chunk, n_rows))
-            z = _chunk_logits(hidden[rows], w_valid, b_valid, chunk)[0]
-            stats = _local_stats(z[None], t_local[None, rows], spec, z.shape[0])
-            for buf, part in zip(local, stats):
-                if part.numel():  # entropy: empty when not asked for (Triton)
-                    buf[rows] = part[0]
-            del z
-        logp, entropy, m, log_s, *extras = merge_partials(local, targets, t_local, ignored, spec)
+        logp, entropy, t_local, m, log_s, extras = _sharded_stats_chunks(
+            hidden, weight, bias, targets, chunk, spec
+        )
         ctx.save_for_backward(hidden, weight, bias, t_local, m, log_s, entropy)
         ctx.config = (spec.temperature, spec.softcap, spec.ignore_index, chunk, spec.which)
         out = logp, (entropy if entropy is not None else m.new_empty((0,)))
         if not extras:
             return out
-        ctx.mark_non_differentiable(*extras[0])
-        return out + extras[0]
+        ctx.mark_non_differentiable(*extras)
+        return out + extras
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy, *_grad_diagnostics):
@@ -291,6 +280,30 @@ class _LinearTokenStats(torch.autograd.Function):
         grads = _stats_grads(ctx.needs_input_grad[:3], *ctx.saved_tensors, grad_logp,
                              grad_entropy, ctx.config, ctx.tp)  # fmt: skip
         return grads + (None,) * 8
+
+
+def _sharded_stats_chunks(hidden, weight, bias, targets, chunk, spec) -> tuple:
+    """Layer 1 on each chunk's local logits of this rank's shard, then ONE merge of every
+    chunk's partials over the ranks: ``(logp, entropy, t_local, row max, log-sum,
+    diagnostics)``, the entropy None when not asked for, the diagnostics a tuple of three
+    (empty without ``spec.with_extras``)."""
+    from .distributed import _local_stats, _local_targets, merge_partials
+
+    n_rows = hidden.shape[0]
+    t_local, ignored = _local_targets(targets, spec.shard, spec.ignore_index)
+    # this rank's partials (logp, entropy, row max, log-sum, diagnostics) of every token
+    local = _stat_buffers(hidden, spec.with_extras)
+    w_valid, b_valid = _valid_rows(weight, bias, spec.shard.valid)  # padding: unread
+    for start in range(0, n_rows, chunk):
+        rows = slice(start, min(start + chunk, n_rows))
+        z = _chunk_logits(hidden[rows], w_valid, b_valid, chunk)[0]
+        stats = _local_stats(z[None], t_local[None, rows], spec, z.shape[0])
+        for buf, part in zip(local, stats):
+            if part.numel():  # entropy: empty when not asked for (Triton)
+                buf[rows] = part[0]
+        del z
+    logp, entropy, m, log_s, *extras = merge_partials(local, targets, t_local, ignored, spec)
+    return logp, entropy, t_local, m, log_s, (extras[0] if extras else ())
 
 
 def _stats_chunks(hidden, weight, bias, targets, temperature, softcap, ignore_index, chunk,
@@ -383,6 +396,8 @@ def _head_grads_fake(hidden, weight, bias, need_h, need_w, need_b) -> list[Tenso
 
 
 def _linear_stats_setup(ctx, inputs, output):
+    """Saves what ``linear_stats_bwd`` takes before the upstream gradients, in its order
+    (``(hidden, weight, bias, targets, row max, log-sum, entropy)``), and its options."""
     hidden, weight, bias, targets, *options = inputs
     _, entropy, row_max, log_sum, *diagnostics = output
     ctx.save_for_backward(hidden, weight, bias, targets, row_max, log_sum, entropy)
@@ -420,6 +435,76 @@ linear_stats_fwd_op.register_fake(
 )
 linear_stats_fwd_op.register_autograd(
     head_op_backward(linear_stats_bwd_op, 2), setup_context=_linear_stats_setup
+)
+
+
+def sharded_linear_stats_fwd(hidden: Tensor, weight: Tensor, bias: Tensor | None,
+                             targets: Tensor, chunk: int, reduce_hidden: bool, group_name: str,
+                             start: int, vocab_size: int, explicit: bool, temperature: float,
+                             softcap: float | None, ignore_index: int, which: str, check: bool,
+                             with_entropy: bool, extras: bool) -> tuple[
+                                 Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                 Tensor]:  # fmt: skip
+    """:func:`linear_stats_fwd` on this rank's vocabulary shard (``weight`` / ``bias``; the
+    layout as :func:`_tp_args`' primitive arguments): its seven outputs (the entropy empty
+    without ``with_entropy``), then the local targets."""
+    tp = _tp_of(weight, reduce_hidden, group_name, start, vocab_size, explicit, temperature,
+                softcap, ignore_index, which, check, with_entropy, extras)  # fmt: skip
+    logp, entropy, t_local, m, log_s, diagnostics = _sharded_stats_chunks(
+        hidden, weight, bias, targets, chunk, tp.spec
+    )
+    entropy = m.new_empty((0,)) if entropy is None else entropy
+    return (*_with_diagnostics([logp, entropy, m, log_s, *diagnostics], extras), t_local)
+
+
+def sharded_linear_stats_bwd(hidden: Tensor, weight: Tensor, bias: Tensor | None,
+                             t_local: Tensor, row_max: Tensor, log_sum: Tensor,
+                             entropy: Tensor, grad_logp: Tensor | None,
+                             grad_entropy: Tensor | None, need_h: bool, need_w: bool,
+                             need_b: bool, chunk: int, reduce_hidden: bool, group_name: str,
+                             start: int, vocab_size: int, explicit: bool, temperature: float,
+                             softcap: float | None, ignore_index: int, which: str, check: bool,
+                             with_entropy: bool, extras: bool) -> list[Tensor]:  # fmt: skip
+    """:func:`_stats_grads` of :func:`sharded_linear_stats_fwd` (no collective but the
+    hidden gradient's SUM with ``reduce_hidden``): ``[d_hidden, d_weight, d_bias]``, empty
+    where not needed."""
+    tp = _tp_of(weight, reduce_hidden, group_name, start, vocab_size, explicit, temperature,
+                softcap, ignore_index, which, check, with_entropy, extras)  # fmt: skip
+    config = (temperature, softcap, ignore_index, chunk, which)
+    grads = _stats_grads((need_h, need_w, need_b), hidden, weight, bias, t_local, row_max,
+                         log_sum, entropy if with_entropy else None, grad_logp, grad_entropy,
+                         config, tp)  # fmt: skip
+    return [hidden.new_empty((0,)) if g is None else g for g in grads]
+
+
+def _sharded_linear_stats_fake(hidden, weight, bias, targets, *args):
+    """:func:`sharded_linear_stats_fwd`'s outputs as fake tensors."""
+    with_entropy, extras = args[-2:]
+    out = list(_with_diagnostics(_stat_buffers(hidden, extras), extras))
+    if not with_entropy:
+        out[1] = hidden.new_empty((0,), dtype=out[1].dtype)
+    return (*out, targets.new_empty(targets.shape))
+
+
+def _sharded_linear_stats_setup(ctx, inputs, output):
+    """Saves what ``sharded_linear_stats_bwd`` takes before the upstream gradients (the
+    local targets where the unsharded op has the global ones) and every option."""
+    hidden, weight, bias, _, *options = inputs
+    _, entropy, row_max, log_sum, *diagnostics, t_local = output
+    ctx.save_for_backward(hidden, weight, bias, t_local, row_max, log_sum, entropy)
+    ctx.options = options
+    ctx.mark_non_differentiable(row_max, log_sum, *diagnostics, t_local)
+    ctx.set_materialize_grads(False)
+
+
+sharded_linear_stats_bwd_op = FusedOp("sharded_linear_stats_bwd", sharded_linear_stats_bwd)
+sharded_linear_stats_bwd_op.register_fake(
+    lambda hidden, weight, bias, *args: _head_grads_fake(hidden, weight, bias, *args[6:9])
+)
+sharded_linear_stats_fwd_op = FusedOp("sharded_linear_stats_fwd", sharded_linear_stats_fwd)
+sharded_linear_stats_fwd_op.register_fake(_sharded_linear_stats_fake)
+sharded_linear_stats_fwd_op.register_autograd(
+    head_op_backward(sharded_linear_stats_bwd_op, 2), setup_context=_sharded_linear_stats_setup
 )
 
 
@@ -608,8 +693,8 @@ def sharded_linear_truncated_fwd(
     from . import truncated_parallel as TP
     from .distributed import _local_targets
 
-    spec = TP.spec_of(group_name, start, weight.shape[0], vocab_size, explicit, temperature,
-                      softcap, ignore_index, which, check, name="weight")  # fmt: skip
+    spec = _tp_of(weight, reduce_hidden, group_name, start, vocab_size, explicit, temperature,
+                  softcap, ignore_index, which, check).spec  # fmt: skip
     n_rows = hidden.shape[0]
     acc = stats_dtype(hidden.dtype)
     values, ok = TP.checked_header(targets[None], spec, acc, read=spec.which == "reference")
@@ -667,9 +752,8 @@ def sharded_linear_truncated_bwd(
     ``dH``."""
     from . import truncated_parallel as TP
 
-    spec = TP.spec_of(group_name, start, weight.shape[0], vocab_size, explicit, temperature,
-                      softcap, ignore_index, which, check, name="weight")  # fmt: skip
-    tp = _TensorParallel(spec, reduce_hidden)
+    tp = _tp_of(weight, reduce_hidden, group_name, start, vocab_size, explicit, temperature,
+                softcap, ignore_index, which, check)  # fmt: skip
     values = None
     if which == "reference":  # the layout again (the forward's host read)
         values, _ = TP.checked_header(targets[None], tp.spec, stats.dtype, read=True)
@@ -915,6 +999,30 @@ class _TensorParallel:
 
     spec: object  # fused_rl.distributed._Spec
     reduce_hidden: bool
+
+
+def _tp_args(tp: _TensorParallel) -> tuple:
+    """``tp`` as a custom op's primitive arguments (:func:`_tp_of`'s, after the shard's
+    ``weight``): ``(reduce_hidden, group name, start, vocab_size, explicit, temperature,
+    softcap, ignore_index, which, check)``."""
+    spec, shard = tp.spec, tp.spec.shard
+    return (bool(tp.reduce_hidden), shard.group.group_name, shard.start, shard.vocab_size,
+            shard.explicit, spec.temperature, spec.softcap, spec.ignore_index, spec.which,
+            spec.check)  # fmt: skip
+
+
+def _tp_of(weight: Tensor, reduce_hidden: bool, group_name: str, start: int, vocab_size: int,
+           explicit: bool, temperature: float, softcap: float | None, ignore_index: int,
+           which: str, check: bool, with_entropy: bool = False,
+           with_extras: bool = False) -> _TensorParallel:  # fmt: skip
+    """The :class:`_TensorParallel` of :func:`_tp_args` for the lm_head shard ``weight``,
+    inside a custom op (the group resolved from its name)."""
+    from .truncated_parallel import spec_of
+
+    spec = spec_of(group_name, start, weight.shape[0], vocab_size, explicit, temperature,
+                   softcap, ignore_index, which, check, "weight", with_entropy,
+                   with_extras)  # fmt: skip
+    return _TensorParallel(spec, reduce_hidden)
 
 
 @dataclass(frozen=True)
@@ -1428,8 +1536,14 @@ def _linear_stats(hidden, weight, targets, bias, temperature, softcap, ignore_in
     args = (rows, weight, bias, flat_targets, float(temperature), cap, int(ignore_index),
             chunk, which)  # fmt: skip
     with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
-        if tp is None and torch.compiler.is_compiling():  # one op: any token count
-            logp, entropy, _, _, *diagnostics = linear_stats_fwd_op(*args, extras)
+        if torch.compiler.is_compiling():  # one op: any token count
+            if tp is None:
+                logp, entropy, _, _, *diagnostics = linear_stats_fwd_op(*args, extras)
+            else:
+                logp, entropy, _, _, *diagnostics, _ = sharded_linear_stats_fwd_op(
+                    rows, weight, bias, flat_targets, chunk, *_tp_args(tp),
+                    bool(with_entropy), extras,
+                )  # fmt: skip
             out = (logp, entropy, *(diagnostics if extras else ()))
         else:
             out = _LinearTokenStats.apply(*args, tp, extras)
@@ -1546,14 +1660,10 @@ def _linear_truncated(hidden, weight, targets, bias, top_k, top_p, temperature, 
 def _sharded_truncated(rows, weight, bias, flat_targets, k, p, chunk, tp) -> Tensor:
     """``sharded_linear_truncated_fwd_op`` (the options in ``tp``): one custom op each way,
     opaque to ``torch.compile`` (its host reads and collectives run inside)."""
-    spec, shard = tp.spec, tp.spec.shard
     with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
         logp, *_ = sharded_linear_truncated_fwd_op(
-            rows, weight, bias, flat_targets, int(k), float(p), int(chunk),
-            bool(tp.reduce_hidden), shard.group.group_name, shard.start, shard.vocab_size,
-            shard.explicit, spec.temperature, spec.softcap, spec.ignore_index, spec.which,
-            spec.check,
-        )  # fmt: skip
+            rows, weight, bias, flat_targets, int(k), float(p), int(chunk), *_tp_args(tp)
+        )
     return logp
 
 
@@ -1825,9 +1935,10 @@ def _composed_full_kl_loss(hidden, weight, targets, inputs: RolloutInputs, *, bi
         ref_weight, ref_bias = _valid_rows(ref_weight, ref_bias, shard.valid)
     head = (rows, weight, bias, ref_rows, ref_weight, ref_bias)
     with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
-        if shard is None and torch.compiler.is_compiling():  # one op: any token count
+        if torch.compiler.is_compiling():  # one op: any token count
             kl = linear_kl_fwd_op(*head, whole_rows(counted), float(temperature), cap, chunk,
-                                  which)[0]  # fmt: skip
+                                  which, bool(reduce_hidden_grad),
+                                  *shard_args(shard))[0]  # fmt: skip
         else:
             kl = _LinearTokenKL.apply(*head, counted, float(temperature), cap, chunk, shard,
                                       reduce_hidden_grad, which)  # fmt: skip
@@ -1925,27 +2036,32 @@ def _kl_grads(needs, rows, weight, bias, ref_rows, ref_weight, ref_bias, counted
 
 def linear_kl_fwd(rows: Tensor, weight: Tensor, bias: Tensor | None, ref_rows: Tensor,
                   ref_weight: Tensor, ref_bias: Tensor | None, counted: Tensor,
-                  temperature: float, softcap: float | None, chunk: int,
-                  which: str) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """:class:`_LinearTokenKL` traced, unsharded (as ``linear_stats_fwd``): ``(kl, stats)``,
-    the statistics flat, each chunk's ``(N_STATS, n)`` block contiguous."""
+                  temperature: float, softcap: float | None, chunk: int, which: str,
+                  reduce_hidden: bool, group_name: str | None, start: int, columns: int,
+                  vocab_size: int, explicit: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """:class:`_LinearTokenKL` traced (as ``linear_stats_fwd``; the shard, if any, as
+    :func:`fused_rl.distributed.shard_args`' primitive arguments): ``(kl, stats)``, the
+    statistics flat, each chunk's ``(N_STATS, n)`` block contiguous."""
+    shard = shard_of(group_name, start, columns, vocab_size, explicit, "weight")
     acc = stats_dtype(torch.promote_types(rows.dtype, ref_rows.dtype))
     flat = rows.new_empty((N_STATS * rows.shape[0],), dtype=acc)
     kl, _ = _kl_chunks(rows, weight, bias, ref_rows, ref_weight, ref_bias, counted,
-                       temperature, softcap, chunk, None, which, into=flat)  # fmt: skip
+                       temperature, softcap, chunk, shard, which, into=flat)  # fmt: skip
     return kl, flat
 
 
 def linear_kl_bwd(rows: Tensor, weight: Tensor, bias: Tensor | None, ref_rows: Tensor,
                   ref_weight: Tensor, ref_bias: Tensor | None, counted: Tensor, stats: Tensor,
                   grad_kl: Tensor, need_h: bool, need_w: bool, need_b: bool,
-                  temperature: float, softcap: float | None, chunk: int,
-                  which: str) -> list[Tensor]:  # fmt: skip
+                  temperature: float, softcap: float | None, chunk: int, which: str,
+                  reduce_hidden: bool, group_name: str | None, start: int, columns: int,
+                  vocab_size: int, explicit: bool) -> list[Tensor]:  # fmt: skip
     """:func:`_kl_grads` of :func:`linear_kl_fwd`: ``[d_hidden, d_weight, d_bias]``, empty
     where not needed."""
+    shard = shard_of(group_name, start, columns, vocab_size, explicit, "weight")
     grads = _kl_grads((need_h, need_w, need_b), rows, weight, bias, ref_rows, ref_weight,
                       ref_bias, counted, lambda r: _kl_stats_block(stats, r), grad_kl,
-                      temperature, softcap, chunk, None, False, which)  # fmt: skip
+                      temperature, softcap, chunk, shard, reduce_hidden, which)  # fmt: skip
     return [rows.new_empty((0,)) if g is None else g for g in grads]
 
 
@@ -1955,6 +2071,8 @@ def _linear_kl_fwd_fake(rows, weight, bias, ref_rows, *args):
 
 
 def _linear_kl_setup(ctx, inputs, output):
+    """Saves ``linear_kl_bwd``'s first eight arguments (the seven inputs, the flat
+    statistics) and the options after them."""
     ctx.save_for_backward(*inputs[:7], output[1])
     ctx.options = inputs[7:]
     ctx.mark_non_differentiable(output[1])

@@ -69,6 +69,8 @@ from .distributed import (
     check_layout_keywords,
     check_vocab_limit,
     group_shard,
+    shard_args,
+    shard_of,
 )
 from .kernels.modes import LOSS_AGG_MODES
 from .linear import (
@@ -232,15 +234,19 @@ def linear_distill_fwd(rows: Tensor, weight: Tensor, bias: Tensor | None, t_rows
                        outer: int, inner: int, agg: int, max_length: int, num_items: float,
                        which: str, softcap: float | None, logit_scale: float,
                        teacher_softcap: float | None, teacher_logit_scale: float,
-                       logits_dtype: torch.dtype | None) -> tuple[Tensor, Tensor, Tensor,
-                                                                  Tensor, Tensor]:  # fmt: skip
-    """:class:`_LinearDistill` traced, unsharded (the chunk loop inside one custom op, as
-    ``fused_rl.linear.linear_stats_fwd``): ``(loss, metrics, d_hidden, d_weight, d_bias)``,
-    the gradients formed with upstream gradient 1 in the parameters' dtypes, empty where not
-    needed."""
+                       logits_dtype: torch.dtype | None, reduce_hidden: bool,
+                       group_name: str | None, start: int, columns: int, vocab_size: int,
+                       explicit: bool) -> tuple[Tensor, Tensor, Tensor, Tensor,
+                                                Tensor]:  # fmt: skip
+    """:class:`_LinearDistill` traced (the chunk loop inside one custom op, as
+    ``fused_rl.linear.linear_stats_fwd``; the lm_heads' shard, if any, as
+    :func:`fused_rl.distributed.shard_args`' primitive arguments): ``(loss, metrics,
+    d_hidden, d_weight, d_bias)``, the gradients formed with upstream gradient 1 in the
+    parameters' dtypes, empty where not needed."""
     tf = Transforms(softcap, logit_scale, teacher_softcap, teacher_logit_scale)
+    shard = shard_of(group_name, start, columns, vocab_size, explicit, "weight")
     launch = _Launch(beta, temperature, ignore_index, chunk, outer, inner, agg, max_length,
-                     num_items, which, None, True, tf, logits_dtype)  # fmt: skip
+                     num_items, which, shard, reduce_hidden, tf, logits_dtype)  # fmt: skip
     loss, metrics, *grads = _run(
         rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_scale, num_items_t,
         launch, need_h, need_w, need_b,
@@ -591,15 +597,14 @@ def linear_distill_loss(
     narrowed = lambda x, given: x.element_size() < given.element_size()  # noqa: E731
     autocast_copies = grad and (narrowed(weight, head[0]) or narrowed(hidden, given_hidden))
     with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
-        if torch.compiler.is_compiling() and shard is None and not autocast_copies:
-            # one op: any token count
+        if torch.compiler.is_compiling() and not autocast_copies:  # one op: any token count
             grad_on = torch.is_grad_enabled()
             needs = [grad_on and t is not None and t.requires_grad for t in (rows, weight, bias)]
             loss, metrics, *_ = linear_distill_fwd_op(
                 rows, weight, bias, *t_args[:-1], *needs, launch.beta, launch.temperature,
                 launch.ignore_index, launch.chunk, launch.outer, launch.inner, launch.agg,
                 launch.max_length, launch.num_items, launch.which, *launch.tf,
-                launch.logits_dtype,
+                launch.logits_dtype, launch.reduce_hidden, *shard_args(shard),
             )  # fmt: skip
         elif autocast_copies:
             # autocast: the GEMMs on detached copies, the gradients to the caller's tensors

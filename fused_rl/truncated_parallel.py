@@ -428,17 +428,14 @@ def agreed_cut(values: list[float] | None, shard, top_k: int) -> tuple[int, int]
 
 def spec_of(group_name: str, start: int, columns: int, vocab_size: int, explicit: bool,
             temperature: float, softcap: float | None, ignore_index: int, which: str,
-            check: bool, name: str = "logits") -> D._Spec:  # fmt: skip
-    """The truncated route's :class:`fused_rl.distributed._Spec` from a custom op's
-    primitive arguments: the process group resolved from its name, this rank's place in it,
-    the shard's layout (``columns`` local columns from ``start``)."""
-    from torch.distributed import distributed_c10d
-
-    group = distributed_c10d._resolve_process_group(group_name)
-    dist = D._dist()
-    shard = D.VocabShard(group, dist.get_rank(group), dist.get_world_size(group), start,
-                         columns, vocab_size, explicit, name)  # fmt: skip
-    return D._Spec(shard, temperature, ignore_index, True, False, which, check, softcap)
+            check: bool, name: str = "logits", with_entropy: bool = False,
+            with_extras: bool = False) -> D._Spec:  # fmt: skip
+    """The :class:`fused_rl.distributed._Spec` of a custom op's primitive arguments: the
+    shard (``columns`` local columns from ``start``, :func:`fused_rl.distributed.shard_of`)
+    and the layer options."""
+    shard = D.shard_of(group_name, start, columns, vocab_size, explicit, name)
+    return D._Spec(shard, temperature, ignore_index, True, with_entropy, which, check, softcap,
+                   with_extras)  # fmt: skip
 
 
 def sharded_truncated_fwd(

@@ -198,6 +198,23 @@ def test_first_choice_is_logged(interpreter, monkeypatch, caplog):
     ]
 
 
+def test_fallback_warned_under_compile(monkeypatch):
+    """``backend="auto"`` running the reference where the Triton kernels were expected (here:
+    an interpreter setting that came too late) warns once, in eager mode as while
+    ``torch.compile`` traces the call."""
+    problem = "TRITON_INTERPRET=1 was set after `import triton` (simulated)"
+    monkeypatch.setattr(B, "_interpreter_mismatch", lambda: problem)
+    x, y = _pair()
+    want = torch.log_softmax(x, -1).gather(-1, y[..., None])[..., 0]
+    torch._dynamo.reset()
+    for run in (torch.compile(token_logprobs, fullgraph=True, backend="aot_eager"),
+                token_logprobs):  # fmt: skip
+        monkeypatch.setattr(B, "_WARNED", set())
+        with pytest.warns(RuntimeWarning, match="backend='auto' runs the reference: TRITON_"):
+            got = run(x, y)
+        torch.testing.assert_close(got, want)
+
+
 _LEAKY = """
 import warnings
 warnings.simplefilter("error")  # any warning, NumPy's included, fails the run

@@ -1573,6 +1573,80 @@ def compiled_fullgraph(ctx):
     _group_ok(ctx)
 
 
+SHARDED_HEADS = ("entropy", "stats", "top_p", "grpo", "exact_kl", "gspo_exact_kl", "distill")
+
+
+def _sharded_heads(d, be, grp):
+    """The vocabulary-parallel ops from hidden states of :func:`compiled_token_counts`, each
+    one output tensor (``d``: the step's tensors, the shards' ``w`` / ``b`` / ``tw``)."""
+    head = dict(bias=d["b"], chunk_tokens=4, backend=be, **grp)
+    policy = lambda **kw: fused_rl.linear_policy_loss(  # noqa: E731
+        d["h"], d["w"], d["targets"], d["adv"], old_logprobs=d["old"], mask=d["mask"],
+        num_items=d["n"], **head, **kw)[0]  # fmt: skip
+    stats = lambda s: torch.stack([s.logp, s.entropy, s.mean_logit, s.log_sum_sq_probs])  # noqa: E731
+    return {
+        "entropy": lambda: torch.stack(fused_rl.linear_token_logprobs(
+            d["h"], d["w"], d["targets"], return_entropy=True, temperature=0.9, **head)),
+        "stats": lambda: stats(fused_rl.linear_token_stats(d["h"], d["w"], d["targets"],
+                                                           **head)),
+        "top_p": lambda: fused_rl.linear_token_logprobs(
+            d["h"], d["w"], d["targets"], top_p=0.9, **head).clamp(min=-1e4),
+        "grpo": lambda: policy(entropy_coef=0.01, beta=0.05, ref_logprobs=d["old"] + 0.1),
+        "exact_kl": lambda: policy(ref_hidden=d["rh"], ref_weight=d["rw"],
+                                   kl_estimator="full", beta=0.1),
+        "gspo_exact_kl": lambda: policy(importance_sampling="sequence", ref_hidden=d["rh"],
+                                        ref_weight=d["rw"], kl_estimator="full", beta=0.1),
+        "distill": lambda: fused_rl.linear_distill_loss(
+            d["h"], d["w"], d["rh"], d["rw"], beta=0.5, mask=d["mask"], num_items=d["n"],
+            **head)[0],
+    }  # fmt: skip
+
+
+@check
+def compiled_token_counts(ctx):
+    """The vocabulary-parallel ops from hidden states run each chunk loop inside one custom
+    op while compiling (the group travels by name), as on one device: a new token count each
+    step (chunks of 4 rows, 1 to 3 chunks) compiles at most twice, with the eager call's
+    values and this rank's gradients of the hidden states, the lm_head shard and its bias.
+    A padded vocabulary (the last rank's last row padding); at 2 ranks only."""
+    if ctx.world != 2:
+        return
+    w, H = 4, 5
+    vocab = w * ctx.world - 1
+    start, stop = _shard_bounds([w] * ctx.world, ctx.rank)
+    grp = dict(process_group=ctx.group, vocab_size=vocab)
+    for name in SHARDED_HEADS:
+        for backend in BACKENDS:
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            fn = lambda d, be=backend, name=name: _sharded_heads(d, be, grp)[name]()  # noqa: E731
+            compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+            for i, T in enumerate((5, 9, 3)):
+                g = ctx.gen(100 + i)
+                d = dict(h=torch.randn(2, T, H, generator=g),
+                         w=torch.randn(w * ctx.world, H, generator=g)[start:stop],
+                         b=torch.randn(w * ctx.world, generator=g)[start:stop],
+                         targets=torch.randint(0, vocab, (2, T), generator=g),
+                         up=torch.rand(2, T, generator=g) + 0.5, adv=torch.randn(2, generator=g),
+                         old=torch.randn(2, T, generator=g) - 3.0,
+                         mask=torch.rand(2, T, generator=g) > 0.2,
+                         rh=torch.randn(2, T, H, generator=g),
+                         rw=torch.randn(w * ctx.world, H, generator=g)[start:stop])  # fmt: skip
+                d["targets"][0, 0] = -100
+                d["n"] = 7 + 3 * i  # the trainer's count: an int, new each step
+                results = []
+                for f in (compiled, fn):
+                    leaves = {k: d[k].clone().requires_grad_() for k in ("h", "w", "b")}
+                    out = f(dict(d, **leaves))
+                    (out * d["up"].expand_as(out) if out.dim() else out).sum().backward()
+                    results.append((out.detach(), *(leaves[k].grad for k in ("h", "w", "b"))))
+                for got, want, what in zip(*results, ("value", "grad h", "grad w", "grad b")):
+                    assert_rel(got, want, 1e-6, f"{name} {backend} {what} T={T}")
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            assert graphs <= 2, f"{name} {backend}: {graphs} graphs for 3 token counts"
+    _group_ok(ctx)
+
+
 # the head ops whose merge of the chunks' partials Inductor once miscompiled (m_l written
 # into the all-reduced buffer): checked compiled by Inductor too
 INDUCTOR_HEADS = ("linear_logprobs", "linear_policy")
