@@ -234,7 +234,8 @@ def linear_distill_fwd(rows: Tensor, weight: Tensor, bias: Tensor | None, t_rows
                        outer: int, inner: int, agg: int, max_length: int, num_items: float,
                        which: str, softcap: float | None, logit_scale: float,
                        teacher_softcap: float | None, teacher_logit_scale: float,
-                       logits_dtype: torch.dtype | None, reduce_hidden: bool,
+                       logits_dtype: torch.dtype | None, compute_dtype: torch.dtype | None,
+                       reduce_hidden: bool,
                        group_name: str | None, start: int, columns: int, vocab_size: int,
                        explicit: bool) -> tuple[Tensor, Tensor, Tensor, Tensor,
                                                 Tensor]:  # fmt: skip
@@ -242,21 +243,38 @@ def linear_distill_fwd(rows: Tensor, weight: Tensor, bias: Tensor | None, t_rows
     ``fused_rl.linear.linear_stats_fwd``; the lm_heads' shard, if any, as
     :func:`fused_rl.distributed.shard_args`' primitive arguments): ``(loss, metrics,
     d_hidden, d_weight, d_bias)``, the gradients formed with upstream gradient 1 in the
-    parameters' dtypes, empty where not needed."""
+    parameters' dtypes, empty where not needed. ``compute_dtype``: the GEMMs on copies of
+    ``rows`` / ``weight`` (and ``bias``, but with ``logits_dtype``) in that dtype
+    (autocast's), made here, the gradients formed for the given tensors."""
     tf = Transforms(softcap, logit_scale, teacher_softcap, teacher_logit_scale)
     shard = shard_of(group_name, start, columns, vocab_size, explicit, "weight")
     launch = _Launch(beta, temperature, ignore_index, chunk, outer, inner, agg, max_length,
                      num_items, which, shard, reduce_hidden, tf, logits_dtype)  # fmt: skip
+    head = _compute_copies(rows, weight, bias, compute_dtype, logits_dtype)
     loss, metrics, *grads = _run(
-        rows, weight, bias, t_rows, t_weight, t_bias, targets, mask, m, row_scale, num_items_t,
-        launch, need_h, need_w, need_b,
+        *head, t_rows, t_weight, t_bias, targets, mask, m, row_scale, num_items_t, launch,
+        need_h, need_w, need_b, rows.dtype,
     )  # fmt: skip
     grads = _as_params(grads, weight, bias)
     return loss, metrics, *(rows.new_empty((0,)) if g is None else g for g in grads)
 
 
+def _compute_copies(rows, weight, bias, compute_dtype, logits_dtype) -> tuple:
+    """``(rows, weight, bias)`` as the GEMMs take them: copies in ``compute_dtype`` (None:
+    the tensors themselves), the bias as given with fp32 ``logits_dtype``."""
+    if compute_dtype is None:
+        return rows, weight, bias
+    keep_bias = bias is None or logits_dtype is not None
+    return (
+        rows.to(compute_dtype),
+        weight.to(compute_dtype),
+        bias if keep_bias else bias.to(compute_dtype),
+    )
+
+
 def _linear_distill_fwd_fake(rows, weight, bias, t_rows, *args):
-    acc = acc_dtype(rows, t_rows)
+    compute_dtype = args[-7]
+    acc = acc_dtype(rows if compute_dtype is None else rows.to(compute_dtype), t_rows)
     loss = rows.new_empty((), dtype=acc)
     metrics = rows.new_empty(len(METRICS), dtype=torch.float32)
     return loss, metrics, *_head_grads_fake(rows, weight, bias, *args[7:10])
@@ -597,14 +615,18 @@ def linear_distill_loss(
     narrowed = lambda x, given: x.element_size() < given.element_size()  # noqa: E731
     autocast_copies = grad and (narrowed(weight, head[0]) or narrowed(hidden, given_hidden))
     with torch.autocast(rows.device.type, enabled=False):  # inputs already cast
-        if torch.compiler.is_compiling() and not autocast_copies:  # one op: any token count
+        if torch.compiler.is_compiling():  # one op: any token count
+            # autocast's copies made inside the op, the gradients formed for the given tensors
+            compute_dtype = rows.dtype if autocast_copies else None
+            given = (given_hidden.reshape(rows.shape), *head) if autocast_copies else (
+                rows, weight, bias)  # fmt: skip
             grad_on = torch.is_grad_enabled()
-            needs = [grad_on and t is not None and t.requires_grad for t in (rows, weight, bias)]
+            needs = [grad_on and t is not None and t.requires_grad for t in given]
             loss, metrics, *_ = linear_distill_fwd_op(
-                rows, weight, bias, *t_args[:-1], *needs, launch.beta, launch.temperature,
+                *given, *t_args[:-1], *needs, launch.beta, launch.temperature,
                 launch.ignore_index, launch.chunk, launch.outer, launch.inner, launch.agg,
                 launch.max_length, launch.num_items, launch.which, *launch.tf,
-                launch.logits_dtype, launch.reduce_hidden, *shard_args(shard),
+                launch.logits_dtype, compute_dtype, launch.reduce_hidden, *shard_args(shard),
             )  # fmt: skip
         elif autocast_copies:
             # autocast: the GEMMs on detached copies, the gradients to the caller's tensors

@@ -185,7 +185,21 @@ LINEAR_CASES = {
     "linear_distill": lambda d, be: fused_rl.linear_distill_loss(
         d["h"][:, 1:], d["w"], d["rh"][:, 1:], d["rw"], bias=d["b"], beta=0.5, mask=d["mask"],
         num_items=d["n"], chunk_tokens=4, backend=be)[0],
+    # autocast's 16-bit copies of the fp32 hidden states and lm_head made inside the op, the
+    # gradients formed for the fp32 tensors (the logits fp32 too: the bias added as given)
+    "linear_distill_autocast": lambda d, be: _autocast(lambda: fused_rl.linear_distill_loss(
+        d["h"][:, 1:], d["w"], d["rh"][:, 1:], d["rw"], bias=d["b"], beta=0.5, mask=d["mask"],
+        num_items=d["n"], chunk_tokens=4, backend=be)[0]),
+    "linear_distill_autocast_fp32_logits": lambda d, be: _autocast(
+        lambda: fused_rl.linear_distill_loss(
+            d["h"][:, 1:], d["w"], d["rh"][:, 1:], d["rw"], bias=d["b"], beta=0.5,
+            logits_dtype=torch.float32, chunk_tokens=4, backend=be)[0]),
 }  # fmt: skip
+
+
+def _autocast(fn):
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        return fn()
 
 
 def _linear_policy(d, be, **kw):
