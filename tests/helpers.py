@@ -32,6 +32,18 @@ BATCH_INVARIANT_BACKENDS = (
 )
 
 
+def clamp_in(x: torch.Tensor, lo: float | None = None, hi: float | None = None) -> torch.Tensor:
+    """``torch.clamp`` whose gradient passes on the bounds (included), for the oracles: torch
+    2.14 gives ``torch.clamp`` with number bounds a zero gradient there, torch <= 2.13 and the
+    kernels pass it (the oracles put ratios exactly on a bound on purpose)."""
+    inside = torch.ones_like(x, dtype=torch.bool)
+    if lo is not None:
+        inside = inside & (x >= lo)
+    if hi is not None:
+        inside = inside & (x <= hi)
+    return torch.where(inside, x, x.detach().clamp(lo, hi))
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor, floor: float = 1e-30) -> float:
     """RMS relative error ``||out - ref|| / ||ref||`` (absolute when ``ref`` is ~0)."""
     out, ref = out.detach().double().cpu(), ref.detach().double().cpu()

@@ -9,6 +9,7 @@ not in the library's ``-min`` form, so the two codings check each other.
 from __future__ import annotations
 
 import torch
+from helpers import clamp_in
 
 
 def _kl(logp, ref, kind):
@@ -20,8 +21,8 @@ def _kl(logp, ref, kind):
     if kind == "k3":
         return torch.exp(-d) + d - 1
     if kind == "low_var_kl":
-        x = torch.clamp(ref - logp, -20.0, 20.0)
-        return torch.clamp(torch.exp(x) - x - 1, -10.0, 10.0)
+        x = clamp_in(ref - logp, -20.0, 20.0)
+        return clamp_in(torch.exp(x) - x - 1, -10.0, 10.0)
     if kind == "abs":
         return torch.abs(d)
     raise AssertionError(kind)
@@ -92,7 +93,7 @@ def oracle_policy_loss(
     old = logp.detach() if old_logprobs is None else _promoted(old_logprobs, work)
     log_ratio = logp - old
     if log_ratio_clamp is not None:  # verl's clamp: the ratio of the clamped log-ratio
-        log_ratio = log_ratio.clamp(-log_ratio_clamp, log_ratio_clamp)
+        log_ratio = clamp_in(log_ratio, -log_ratio_clamp, log_ratio_clamp)
     if importance_sampling == "sequence":
         n = m.sum(-1)
         per_seq = (m * log_ratio).sum(-1) / torch.where(n > 0, n, torch.ones_like(n))
@@ -107,7 +108,7 @@ def oracle_policy_loss(
     hi = 1.0 + (eps_low if eps_high is None else eps_high)
     capped = ratio if delta is None else torch.minimum(ratio, torch.full_like(ratio, delta))
     surr1 = capped * adv
-    surr2 = ratio.clamp(lo, hi) * adv
+    surr2 = clamp_in(ratio, lo, hi) * adv
     objective = torch.minimum(surr1, surr2)
     clipped = surr2 < surr1
     if dual_clip is not None:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import rel_err
+from helpers import clamp_in, rel_err
 
 from fused_rl import compat
 from fused_rl.compat import verl
@@ -80,11 +80,11 @@ def o_agg_loss_v05(loss_mat, loss_mask, mode):
 def o_policy_terms(old, new, adv, mask, cliprange, low, high, c):
     low = cliprange if low is None else low
     high = cliprange if high is None else high
-    nkl = torch.clamp(new - old, min=-20.0, max=20.0)
+    nkl = clamp_in(new - old, -20.0, 20.0)
     ratio = torch.exp(nkl)
     ppo_kl = o_masked_mean(-nkl, mask)
     l1 = -adv * ratio
-    l2 = -adv * torch.clamp(ratio, 1 - low, 1 + high)
+    l2 = -adv * clamp_in(ratio, 1 - low, 1 + high)
     c1 = torch.maximum(l1, l2)
     clipfrac = o_masked_mean(torch.gt(l2, l1).float(), mask)
     l3 = -adv * c

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import F64_TOL, FP32_TOL, rel_err
+from helpers import F64_TOL, FP32_TOL, clamp_in, rel_err
 
 from fused_rl.compat import verl
 
@@ -57,9 +57,9 @@ def o_policy(name, old, lp, adv, m, mode, cfg, w):
     metrics = {}
     if name == "vanilla":
         c = cfg.get("clip_ratio_c", 3.0)
-        dc = torch.clamp(d, -20.0, 20.0)
+        dc = clamp_in(d, -20.0, 20.0)
         r = torch.exp(dc)
-        L1, L2 = -adv * r, -adv * torch.clamp(r, 1 - low, 1 + high)
+        L1, L2 = -adv * r, -adv * clamp_in(r, 1 - low, 1 + high)
         Lc = torch.maximum(L1, L2)
         L3 = -adv * c
         L = torch.where(adv < 0, torch.min(L3, Lc), Lc)
@@ -70,9 +70,9 @@ def o_policy(name, old, lp, adv, m, mode, cfg, w):
         }
     elif name == "gspo":
         seq = (d * m).sum(-1) / m.sum(-1).clamp(min=1)
-        log_s = torch.clamp(lp - lp.detach() + seq.detach()[:, None], max=10.0)
+        log_s = clamp_in(lp - lp.detach() + seq.detach()[:, None], hi=10.0)
         s = torch.exp(log_s)
-        L1, L2 = -adv * s, -adv * torch.clamp(s, 1 - low, 1 + high)
+        L1, L2 = -adv * s, -adv * clamp_in(s, 1 - low, 1 + high)
         L = torch.maximum(L1, L2)
         metrics = {
             "actor/pg_clipfrac": o_masked_mean((L2 > L1).double(), m),
@@ -81,7 +81,7 @@ def o_policy(name, old, lp, adv, m, mode, cfg, w):
         }
     elif name == "sapo":
         mode = "seq-mean-token-mean"
-        dc = torch.clamp(d, -20.0, 20.0)
+        dc = clamp_in(d, -20.0, 20.0)
         r = torch.exp(dc)
         as_adv = lambda v: torch.as_tensor(v, dtype=adv.dtype)  # noqa: E731  (verl's taus)
         tau = torch.where(
@@ -91,9 +91,9 @@ def o_policy(name, old, lp, adv, m, mode, cfg, w):
         metrics = {"actor/pg_clipfrac": 0.0, "actor/ppo_kl": o_masked_mean(-dc, m),
                    "actor/pg_clipfrac_lower": 0.0}  # fmt: skip
     elif name == "cispo":
-        dc = torch.clamp(d, -20.0, 20.0)
+        dc = clamp_in(d, -20.0, 20.0)
         r = torch.exp(dc)
-        rc = torch.clamp(r, 1 - low, 1 + high)
+        rc = clamp_in(r, 1 - low, 1 + high)
         L = -rc.detach() * adv * lp
         metrics = {
             "actor/pg_clipfrac": o_masked_mean((r != rc).double(), m),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.modes import KL_KINDS  # noqa: F401  (re-exported: the list's old home)
+from .clamp import clamp
 
 
 def k3(n: torch.Tensor) -> torch.Tensor:
@@ -49,8 +50,8 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kl_estimator: str) -
     if kl_estimator == "k3":
         return k3(-log_ratio)
     if kl_estimator == "low_var_kl":
-        neg = torch.clamp(-log_ratio, min=-20.0, max=20.0)
-        return torch.clamp(k3(neg), min=-10.0, max=10.0)
+        neg = clamp(-log_ratio, -20.0, 20.0)
+        return clamp(k3(neg), -10.0, 10.0)
     if kl_estimator == "abs":
         return log_ratio.abs()
     refuse_full(kl_estimator)

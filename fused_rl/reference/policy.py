@@ -4,13 +4,15 @@ The same math as the epilogue of the fused kernel (``kernels/policy/layer2.py``)
 reading: the surrogates (PPO's clipped one with asymmetric clip, TRL's two-sided ``delta``
 cap and dual clip; CISPO, SAPO, GPG), the rollout IS weight, KL to a reference policy
 (optionally bias-corrected) and an entropy bonus. Ties in ``torch.minimum`` split their
-gradient 50/50, ``torch.clamp`` passes gradient on its bounds; the kernel does the same.
+gradient 50/50, a clamp passes gradient on its bounds (:mod:`.clamp`, on every torch); the
+kernel does the same.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .clamp import clamp
 from .kl import kl_estimate
 
 
@@ -21,9 +23,9 @@ def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip):
     tensors: the clipped branch strictly chosen (and at which bound), the dual clip active.
     """
     lo, hi = 1.0 - clip.eps_low, 1.0 + clip.clip_high
-    unclipped_ratio = ratio if clip.delta is None else torch.clamp(ratio, max=clip.delta)
+    unclipped_ratio = ratio if clip.delta is None else clamp(ratio, hi=clip.delta)
     surr_unclipped = unclipped_ratio * adv
-    surr_clipped = torch.clamp(ratio, lo, hi) * adv
+    surr_clipped = clamp(ratio, lo, hi) * adv
     loss = -torch.minimum(surr_unclipped, surr_clipped)
     clipped = surr_clipped < surr_unclipped
     dual = torch.zeros_like(clipped)
@@ -46,7 +48,7 @@ def sequence_log_ratio(log_ratio: torch.Tensor, mask_f: torch.Tensor) -> torch.T
 def gmpo_log_ratio(log_ratio: torch.Tensor, adv: torch.Tensor, clip) -> torch.Tensor:
     """GMPO's token log-ratio, clipped in log space on the advantage's side (verl
     ``geo_mean``): ``min(d, clamp(d))`` where ``A > 0``, ``max`` where ``A < 0``, 0 at ``A = 0``."""
-    clipped = torch.clamp(log_ratio, -clip.eps_low, clip.clip_high)
+    clipped = clamp(log_ratio, -clip.eps_low, clip.clip_high)
     value = torch.where(
         adv > 0, torch.minimum(log_ratio, clipped), torch.maximum(log_ratio, clipped)
     )
@@ -88,7 +90,7 @@ def surrogate_terms(
         high = (adv > 0) & (token_log_ratio > clip.clip_high)
         return -adv * ratio, low | high, low, high, torch.zeros_like(ratio)
     if surrogate == "vespo":  # ratio: the sequence's log-weight sum S (policy_token_terms)
-        log_w = torch.clamp(torch.log(ratio), LN_1E_8, 20.0)
+        log_w = clamp(torch.log(ratio), LN_1E_8, 20.0)
         positive = adv >= 0
         k = torch.where(positive, torch.full_like(ratio, params[0]), params[2])
         lam = torch.where(positive, torch.full_like(ratio, params[1]), params[3]).clamp(min=1e-4)
@@ -156,7 +158,7 @@ def policy_token_terms(
     surrogate, importance_sampling = config.surrogate, config.importance_sampling
     log_ratio = logp - old
     if config.log_ratio_clamp is not None:
-        log_ratio = torch.clamp(log_ratio, -config.log_ratio_clamp, config.log_ratio_clamp)
+        log_ratio = clamp(log_ratio, -config.log_ratio_clamp, config.log_ratio_clamp)
     token_log_ratio = log_ratio
     if surrogate == "gmpo":
         log_ratio = gmpo_log_ratio(log_ratio, adv, config)

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from . import reductions as red
+from .clamp import clamp
 
 
 def clipped_value_sq(
@@ -77,7 +78,7 @@ def ppo_loss(
     ratios_mean = torch.exp(pi_logprobs - pi_old_logprobs).mean()  # unmasked, no gradient
     old_lp, new_lp, adv = zero_unmasked(padding_masks, pi_old_logprobs, pi_logprobs, advantages)
     ratios = torch.exp(new_lp - old_lp)
-    losses_clipped = -adv * torch.clamp(ratios, 1.0 - epsilon, 1.0 + epsilon)
+    losses_clipped = -adv * clamp(ratios, 1.0 - epsilon, 1.0 + epsilon)
     losses_unclipped = -adv * ratios
     clipfrac = _torchtune_mean((losses_clipped > losses_unclipped).to(ratios.dtype), padding_masks)
     policy_loss = _torchtune_mean(torch.maximum(losses_clipped, losses_unclipped), padding_masks)

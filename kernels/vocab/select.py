@@ -37,7 +37,9 @@ def _key(x, KEY: tl.constexpr):
     bits = x.to(KEY, bitcast=True)
     TOP: tl.constexpr = KEY.primitive_bitwidth - 1
     sign = tl.full((), 1, KEY) << TOP
-    return tl.where((bits >> TOP) == 1, ~bits, bits | sign)
+    # ``^ ones`` where ``~`` would do: Triton 3.8's interpreter builds ``~``'s all-ones
+    # operand as a signed -1, which NumPy refuses for an unsigned type (OverflowError)
+    return tl.where((bits >> TOP) == 1, bits ^ (sign | (sign - 1)), bits | sign)
 
 
 @triton.jit
@@ -45,8 +47,16 @@ def _is_nan(x, KEY: tl.constexpr):
     """NaN from the bits (exponent all ones, mantissa not zero): the interpreter compares
     bf16 as raw bits, where ``x != x`` never holds."""
     bits = x.to(KEY, bitcast=True)
-    magnitude = bits & ~(tl.full((), 1, KEY) << (KEY.primitive_bitwidth - 1))
-    inf = tl.full((), float("inf"), x.dtype).to(KEY, bitcast=True)
+    magnitude = bits & ((tl.full((), 1, KEY) << (KEY.primitive_bitwidth - 1)) - 1)
+    # +inf's bits written out: Triton 3.8's interpreter cannot make a bf16 constant
+    if x.dtype == tl.bfloat16:
+        inf = tl.full((), 0x7F80, KEY)
+    elif x.dtype == tl.float16:
+        inf = tl.full((), 0x7C00, KEY)
+    elif x.dtype == tl.float32:
+        inf = tl.full((), 0x7F800000, KEY)
+    else:
+        inf = tl.full((), 0x7FF0000000000000, KEY)
     return magnitude > inf
 
 
@@ -59,7 +69,7 @@ def _value(key, KEY: tl.constexpr, DTYPE: tl.constexpr, ACC: tl.constexpr,
     kernel casts the logits it loads (``x.to(ACC)``), for a value compared with theirs."""
     TOP: tl.constexpr = KEY.primitive_bitwidth - 1
     sign = tl.full((), 1, KEY) << TOP
-    bits = tl.where((key >> TOP) == 1, key ^ sign, ~key)
+    bits = tl.where((key >> TOP) == 1, key ^ sign, key ^ (sign | (sign - 1)))  # not ``~``
     if DTYPE == tl.bfloat16 and not AS_LOADED:
         return (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True).to(ACC)
     return bits.to(DTYPE, bitcast=True).to(ACC)

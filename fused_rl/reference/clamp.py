@@ -1,0 +1,31 @@
+"""``clamp`` whose gradient passes on its bounds, whatever torch's version.
+
+torch 2.14 made ``torch.clamp``'s gradient 0 where the input sits exactly on a bound given as
+a Python number (with tensor bounds, and up to torch 2.13, it passes). The kernels pass it:
+a ratio of exactly 1 on a clip band of width 0 (an on-policy step with ``eps = 0``) gets the
+policy gradient. The reference says so here instead of inheriting the version's choice, so
+both backends agree on every torch.
+
+Example:
+    >>> import torch
+    >>> from fused_rl.reference.clamp import clamp
+    >>> r = torch.ones(2, requires_grad=True)
+    >>> clamp(r, 1.0, 1.0).sum().backward(); r.grad.tolist()
+    [1.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def clamp(x: Tensor, lo: float | None = None, hi: float | None = None) -> Tensor:
+    """``torch.clamp(x, lo, hi)`` (Python-number bounds; None: none) with gradient 1 where
+    ``lo <= x <= hi``, bounds included, and 0 outside; NaN stays NaN."""
+    inside = torch.ones_like(x, dtype=torch.bool)
+    if lo is not None:
+        inside = inside & (x >= lo)
+    if hi is not None:
+        inside = inside & (x <= hi)
+    return torch.where(inside, x, torch.clamp(x.detach(), lo, hi))
