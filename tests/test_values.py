@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from helpers import FP32_TOL, assert_rel, bf16_tol
+from helpers import FP32_TOL, assert_rel, bf16_tol, clamp_in
 
 from fused_rl.values import ppo_loss, value_loss
 
@@ -31,7 +31,7 @@ def o_value_loss(v, v_old, ret, mask, clip, loss_agg, max_length=None, num_items
     sq = (v - ret) ** 2
     clipped = torch.zeros_like(sq, dtype=torch.bool)
     if clip is not None:
-        sq_c = (torch.clamp(v, v_old - clip, v_old + clip) - ret) ** 2
+        sq_c = (clamp_in(v, v_old - clip, v_old + clip) - ret) ** 2
         clipped = sq_c > sq
         sq = torch.maximum(sq, sq_c)
     m = torch.ones_like(v) if mask is None else mask.double()

@@ -1,7 +1,8 @@
 """``clamp`` whose gradient passes on its bounds, whatever torch's version.
 
-torch 2.14 made ``torch.clamp``'s gradient 0 where the input sits exactly on a bound given as
-a Python number (with tensor bounds, and up to torch 2.13, it passes). The kernels pass it:
+torch 2.14 changed ``torch.clamp``'s gradient where the input sits exactly on a bound: 0 for
+a Python-number bound, half for a tensor bound (torch 2.13 passes it whole), and made it pass
+where a tensor bound is NaN (0 up to torch 2.13). The kernels pass it whole on the bounds:
 a ratio of exactly 1 on a clip band of width 0 (an on-policy step with ``eps = 0``) gets the
 policy gradient. The reference says so here instead of inheriting the version's choice, so
 both backends agree on every torch.
@@ -20,9 +21,11 @@ import torch
 from torch import Tensor
 
 
-def clamp(x: Tensor, lo: float | None = None, hi: float | None = None) -> Tensor:
-    """``torch.clamp(x, lo, hi)`` (Python-number bounds; None: none) with gradient 1 where
-    ``lo <= x <= hi``, bounds included, and 0 outside; NaN stays NaN."""
+def clamp(x: Tensor, lo: float | Tensor | None = None,
+          hi: float | Tensor | None = None) -> Tensor:  # fmt: skip
+    """``torch.clamp(x, lo, hi)`` (numbers or constant tensors; None: no bound) with gradient
+    1 where ``lo <= x <= hi``, bounds included, and 0 elsewhere, a NaN bound's position
+    included (the value is NaN there either way)."""
     inside = torch.ones_like(x, dtype=torch.bool)
     if lo is not None:
         inside = inside & (x >= lo)

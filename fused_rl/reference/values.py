@@ -21,7 +21,7 @@ def clipped_value_sq(
     sq_unclipped = (values - returns).square()
     if clip is None:
         return sq_unclipped, torch.zeros_like(sq_unclipped, dtype=torch.bool)
-    v_clipped = torch.clamp(values, old_values - clip, old_values + clip)
+    v_clipped = clamp(values, old_values - clip, old_values + clip)
     sq_clipped = (v_clipped - returns).square()
     return torch.maximum(sq_unclipped, sq_clipped), sq_clipped > sq_unclipped
 
