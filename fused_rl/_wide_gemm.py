@@ -13,9 +13,9 @@ to 16 bits first would lose what the accumulator is there to keep, so:
   Which of the two a device type has is found out once, by trying, and remembered
   (``_MM_OUT_DTYPE``).
 
-Traced (``torch.compile``, ``torch.export``; the ops from hidden states run their chunk
-loops inside opaque ops while compiling, so this is their vocabulary-parallel calls and
-``linear_distill_loss``'s autocast copies), the eligible calls record themselves as the
+Traced (a bare ``make_fx`` / ``torch.export`` over a chunk loop; under ``torch.compile``
+the ops from hidden states run their chunk loops inside opaque ops, so their GEMMs run
+there as in eager mode), the eligible calls record themselves as the
 custom ops ``fused_rl::addmm_wide_`` and ``fused_rl::mm_wide``: a traced call cannot try a
 GEMM and fall back, and Inductor does not lower ``addmm`` / ``mm`` with ``out_dtype=``
 (torch 2.13), so the graph holds the op and the op, run eagerly, makes the same choice as

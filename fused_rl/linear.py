@@ -210,8 +210,9 @@ def _chunk_grad(z, targets, row_max, log_sum, entropy, g, h, temperature, softca
                 which):  # fmt: skip
     """``(dz, in_place)``: ``dL/dz`` of one chunk's ``(n, V)`` logits from per-token
     ``(n,)`` statistics and ``g``/``h``: layer 3, written over ``z`` (``in_place``) on the
-    Triton path (a fresh buffer while traced, which cannot mutate its input: the
-    vocabulary-parallel calls; the unsharded ones run their loops inside an opaque op)."""
+    Triton path (a fresh buffer where the loop itself is traced, e.g. by a bare ``make_fx``:
+    a traced op cannot mutate its input; under ``torch.compile`` the loops run inside
+    opaque ops)."""
     col = lambda t: None if t is None else t.reshape(-1, 1)  # noqa: E731
     args = (col(targets), col(row_max), col(log_sum), col(entropy), col(g), col(h))
     z3 = z[:, None]
@@ -347,9 +348,10 @@ def _stats_grads(needs, hidden, weight, bias, targets, row_max, log_sum, entropy
     return _head_grads(needs, hidden, weight, bias, chunk, dz_of, tp)
 
 
-# Traced (torch.compile), the unsharded statistics run as two custom ops, the chunk loops
-# inside: Dynamo would unroll a loop over the token count, which fixes that count in the
-# graph (a recompile for each new one); opaque, the graph takes any count.
+# Traced (torch.compile), the statistics run as two custom ops (unsharded, or on a
+# vocabulary shard: sharded_linear_stats_*), the chunk loops inside: Dynamo would unroll a
+# loop over the token count, which fixes that count in the graph (a recompile for each new
+# one); opaque, the graph takes any count.
 
 
 def linear_stats_fwd(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,

@@ -16,7 +16,7 @@ Per chunk (``h_c`` the student's hidden rows, ``t_c`` the teacher's):
   its six partial columns (the divergence, both KLs, both entropies, the token weight) and
   five per-row statistics;
 * with gradients on, at once: the distillation backward kernel writes ``dz`` OVER ``z_s``
-  in place (eager Triton; a fresh buffer under ``torch.compile``), scaled by the
+  in place (Triton; under ``torch.compile`` too, inside the op), scaled by the
   aggregation's per-row factor, which depends on the mask and targets only
   (``fused_rl._agg.sequence_scale``) and so is known before any logit is read; then
   ``dH_c = dz W`` (a GEMM of ``chunk`` rows), ``dW += dz^T h_c`` and ``db += sum dz``, both
@@ -469,9 +469,9 @@ def linear_distill_loss(
         logits_dtype: None (default): each chunk's logits in its head's dtype, what
             ``F.linear`` gives (bf16 heads: logits rounded to bf16 before the divergence);
             ``torch.float32``: the GEMMs' fp32 accumulators kept (``torch.mm(...,
-            out_dtype=torch.float32)`` where torch has it, CUDA; elsewhere, and while
-            ``torch.compile`` traces, the GEMM on fp32 copies of the rows and the head: a
-            ``4 V H``-byte copy of each head per chunk), the biases added in fp32 (as given:
+            out_dtype=torch.float32)`` where torch has it, CUDA; elsewhere the GEMM on fp32
+            copies of the rows and the head: a ``4 V H``-byte copy of each head per
+            chunk), the biases added in fp32 (as given:
             under autocast a wider bias unrounded), ``dz`` formed in fp32 and rounded to the
             head's dtype for its two GEMMs (its bias sum in fp32):
             the numerics of TRL's ``DistillationTrainer``, whose tiles are fp32, at twice the

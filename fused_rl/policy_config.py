@@ -115,8 +115,8 @@ class PolicyConfig:
         max_length: the ``seq-mean-token-sum-norm`` constant (default T).
         log_ratio_clamp: ``c > 0``: each token's log-ratio ``logp - old_logprobs`` is clamped
             to ``[-c, c]`` before anything is built from it (the ratio, a GSPO sequence mean,
-            GMPO's clip, VESPO's weight), with no gradient where the clamp is active (as
-            ``torch.clamp``); verl clamps at 20 in its vanilla, SAPO and CISPO losses. The
+            GMPO's clip, VESPO's weight), with no gradient where the clamp is active (its
+            bounds pass it); verl clamps at 20 in its vanilla, SAPO and CISPO losses. The
             ``approx_kl`` metric stays the unclamped ``mean(old - logp)``. None: no clamp.
         entropy_agg: how the entropy bonus is aggregated. None: with ``loss_agg``, as every
             other term; ``"token-mean"``: ``-entropy_coef`` times the mean entropy over the

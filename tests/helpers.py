@@ -32,10 +32,13 @@ BATCH_INVARIANT_BACKENDS = (
 )
 
 
-def clamp_in(x: torch.Tensor, lo: float | None = None, hi: float | None = None) -> torch.Tensor:
-    """``torch.clamp`` whose gradient passes on the bounds (included), for the oracles: torch
-    2.14 gives ``torch.clamp`` with number bounds a zero gradient there, torch <= 2.13 and the
-    kernels pass it (the oracles put ratios exactly on a bound on purpose)."""
+def clamp_in(x: torch.Tensor, lo: float | torch.Tensor | None = None,
+             hi: float | torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """``torch.clamp`` (number or constant tensor bounds) whose gradient passes whole on the
+    bounds, for the oracles: torch 2.14 gives ``torch.clamp`` a zero gradient there with
+    number bounds and half of it with tensor bounds; torch <= 2.13 and the kernels pass it
+    (the oracles put ratios exactly on a bound on purpose). Written apart from the
+    reference's ``clamp``: an oracle does not import what it judges."""
     inside = torch.ones_like(x, dtype=torch.bool)
     if lo is not None:
         inside = inside & (x >= lo)

@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 from conftest import DEVICE
+from helpers import FP32_TOL
 
 # an integration test (subprocess / CLI / compile): `pytest -m 'not integration'` skips it
 pytestmark = pytest.mark.integration
@@ -1285,8 +1286,8 @@ def test_full_kl_is_its_own_math(device):
     for out, provider in ((k3, "fused_rl"), (exact, "fused_rl_k3")):
         judged = A.judge("fused_rl", "fp32", oracle.compare_all(names, out, provider))
         assert judged["status"] == "wrong", (provider, judged["verdict"])
-    # its own oracle to fp32 rounding (1.2e-6 on torch 2.14's CPU sums), the 8% KL term apart
-    assert oracle.compare_all(names, k3, "fused_rl_k3")["loss"].err < 1e-5
+    # its own oracle to fp32 rounding, the 8% KL term apart
+    assert oracle.compare_all(names, k3, "fused_rl_k3")["loss"].err < FP32_TOL
     assert "k3" in oracle.matched
     logits = inp["logits"]
     no_kl = P.token_policy_loss(

@@ -112,8 +112,8 @@ def o_kl_forward(lp, ref, kind):
         return (lp - ref).abs()
     if kind in ("mse", "k2"):
         return 0.5 * (lp - ref).square()
-    kl = torch.clamp(ref - lp, min=-20, max=20)
-    return torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
+    kl = clamp_in(ref - lp, -20.0, 20.0)
+    return clamp_in(torch.exp(kl) - kl - 1, -10.0, 10.0)
 
 
 def o_kl_penalty(lp, ref, kind):

@@ -1550,8 +1550,12 @@ def compiled_fullgraph(ctx):
 
     cases = [(name, fn, [full[..., start:stop]], BACKENDS) for name, fn in logits_ops.items()]
     cases += [(name, fn, [hidden, weight[start:stop]], BACKENDS) for name, fn in head_ops.items()]
-    # Inductor on the heads' several chunks (their per-token partials assembled from the
-    # chunks, then merged): the generated code, not only the traced graph, is the eager call
+    # Inductor: the generated code, not only the traced graph, is the eager call. A logits
+    # op's merge is traced (it reads this rank's own maxima after the MAX all-reduce, which
+    # Inductor once wrote straight into the reduced buffer); the heads' several chunks run
+    # inside their custom ops
+    cases += [("token_logprobs inductor", logits_ops["token_logprobs"], [full[..., start:stop]],
+               ("triton",))]  # fmt: skip
     cases += [(f"{name} inductor", partial(fn, chunk_tokens=2), [hidden, weight[start:stop]],
                ("triton",)) for name, fn in head_ops.items() if name in INDUCTOR_HEADS]  # fmt: skip
     for name, fn, leaves, backends in cases:
@@ -1578,7 +1582,7 @@ SHARDED_HEADS = ("entropy", "stats", "top_p", "grpo", "exact_kl", "gspo_exact_kl
 
 def _sharded_heads(d, be, grp):
     """The vocabulary-parallel ops from hidden states of :func:`compiled_token_counts`, each
-    one output tensor (``d``: the step's tensors, the shards' ``w`` / ``b`` / ``tw``)."""
+    one output tensor (``d``: the step's tensors, the shards' ``w`` / ``b`` / ``rw``)."""
     head = dict(bias=d["b"], chunk_tokens=4, backend=be, **grp)
     policy = lambda **kw: fused_rl.linear_policy_loss(  # noqa: E731
         d["h"], d["w"], d["targets"], d["adv"], old_logprobs=d["old"], mask=d["mask"],
@@ -1606,7 +1610,7 @@ def _sharded_heads(d, be, grp):
 def compiled_token_counts(ctx):
     """The vocabulary-parallel ops from hidden states run each chunk loop inside one custom
     op while compiling (the group travels by name), as on one device: a new token count each
-    step (chunks of 4 rows, 1 to 3 chunks) compiles at most twice, with the eager call's
+    step (chunks of 4 rows: 2, 3 and 5 chunks) compiles at most twice, with the eager call's
     values and this rank's gradients of the hidden states, the lm_head shard and its bias.
     A padded vocabulary (the last rank's last row padding); at 2 ranks only."""
     if ctx.world != 2:
@@ -1647,8 +1651,8 @@ def compiled_token_counts(ctx):
     _group_ok(ctx)
 
 
-# the head ops whose merge of the chunks' partials Inductor once miscompiled (m_l written
-# into the all-reduced buffer): checked compiled by Inductor too
+# the head ops checked compiled by Inductor too (their merge of the chunks' partials, which
+# Inductor once miscompiled when it was traced, now runs inside their custom ops)
 INDUCTOR_HEADS = ("linear_logprobs", "linear_policy")
 
 

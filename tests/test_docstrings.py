@@ -36,6 +36,7 @@ MODULES = [
     "fused_rl.compat.verl.legacy_v05",
     "fused_rl.policy_config",
     "fused_rl.compat.liger",
+    "fused_rl.reference.clamp",
 ]
 
 

@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import DEVICE
-from helpers import FP32_TOL, assert_rel
+from helpers import FP32_TOL, assert_rel, clamp_in
 
 import fused_rl
 from fused_rl.nn import PolicyLoss
@@ -81,7 +81,7 @@ def _oracle_logp(r, logp, *, surrogate, eps_low=0.2, eps_high=0.28, tau_pos=1.0,
     delta = token_delta = logp - old
     if surrogate == "gmpo":  # verl geo_mean: sign(A) * min(sign(A) d, sign(A) clamp(d))
         sign = torch.sign(adv)
-        delta = sign * torch.minimum(sign * delta, sign * delta.clamp(-eps_low, eps_high))
+        delta = sign * torch.minimum(sign * delta, sign * clamp_in(delta, -eps_low, eps_high))
     if sequence:
         n = m.sum(1, keepdim=True)
         seq = (delta * m).sum(1, keepdim=True) / n.clamp(min=1)
@@ -95,8 +95,8 @@ def _oracle_logp(r, logp, *, surrogate, eps_low=0.2, eps_high=0.28, tau_pos=1.0,
     aux = torch.zeros_like(ratio)
     clipped = torch.zeros_like(ratio, dtype=torch.bool)
     if surrogate == "ppo":
-        pol = -torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv)
-        clipped = ratio.clamp(lo, hi) * adv < ratio * adv
+        pol = -torch.minimum(ratio * adv, clamp_in(ratio, lo, hi) * adv)
+        clipped = clamp_in(ratio, lo, hi) * adv < ratio * adv
     elif surrogate == "cispo":
         pol = -ratio.clamp(lo, hi).detach() * adv * logp
         clipped = (ratio < lo) | (ratio > hi)

@@ -39,7 +39,7 @@ def k3_and_expm1(n):
 @triton.jit
 def kl_and_grad(logp, ref_logp, KIND: tl.constexpr):
     """``(kl, d kl / d logp)`` for ``log_ratio = logp - ref_logp``; clamps pass gradient
-    inclusively at their bounds, as ``torch.clamp`` does.
+    inclusively at their bounds, as ``fused_rl/reference/clamp.py`` (torch <= 2.13's clamp).
 
     ``KIND`` indexes ``kernels/modes.py`` ``KL_KINDS`` (``abs`` is the ``else``; ``full`` is not
     an estimate from two log-probs: ``policy_token_loss`` takes it as given).
@@ -187,8 +187,8 @@ def param(hyper, INDEX: tl.constexpr, ACC: tl.constexpr):
 def token_log_ratio(logp, old, hyper, ACC: tl.constexpr):
     """``(log_ratio, inside)``: each token's ``logp - old``, clamped to ``[-c, c]`` by the
     ``log_ratio_clamp`` option ``c`` (``+inf``: off), and where its gradient passes (as
-    ``torch.clamp``: inclusive bounds, none at NaN; everywhere when off, so a NaN keeps its
-    NaN gradient)."""
+    the reference's ``clamp``: inclusive bounds, none at NaN; everywhere when off, so a NaN
+    keeps its NaN gradient)."""
     c = param(hyper, P_LOG_RATIO_CLAMP, ACC)
     d = logp - old
     inside = tl.where(c == float("inf"), 1, tl.where((d >= -c) & (d <= c), 1, 0)) != 0
