@@ -397,6 +397,19 @@ def _head_grads_fake(hidden, weight, bias, need_h, need_w, need_b) -> list[Tenso
             else hidden.new_empty((0,))]  # fmt: skip
 
 
+def head_bwd_op(name: str, launcher, needs_at: int) -> FusedOp:
+    """The backward op of a chunked head op, ``launcher(hidden, weight, bias, *args)``
+    returning ``[d_hidden, d_weight, d_bias]``, whose three ``need_*`` flags are
+    ``args[needs_at : needs_at + 3]``; its fake gives those gradients' shapes."""
+    op = FusedOp(name, launcher)
+    op.register_fake(
+        lambda hidden, weight, bias, *args: _head_grads_fake(
+            hidden, weight, bias, *args[needs_at : needs_at + 3]
+        )
+    )
+    return op
+
+
 def _linear_stats_setup(ctx, inputs, output):
     """Saves what ``linear_stats_bwd`` takes before the upstream gradients, in its order
     (``(hidden, weight, bias, targets, row max, log-sum, entropy)``), and its options."""
@@ -427,10 +440,7 @@ def head_op_backward(bwd_op, n_grads: int = 1):
     return backward
 
 
-linear_stats_bwd_op = FusedOp("linear_stats_bwd", linear_stats_bwd)
-linear_stats_bwd_op.register_fake(
-    lambda hidden, weight, bias, *args: _head_grads_fake(hidden, weight, bias, *args[6:9])
-)
+linear_stats_bwd_op = head_bwd_op("linear_stats_bwd", linear_stats_bwd, 6)
 linear_stats_fwd_op = FusedOp("linear_stats_fwd", linear_stats_fwd)
 linear_stats_fwd_op.register_fake(
     lambda hidden, *args: _with_diagnostics(_stat_buffers(hidden, args[-1]), args[-1])
@@ -499,10 +509,7 @@ def _sharded_linear_stats_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-sharded_linear_stats_bwd_op = FusedOp("sharded_linear_stats_bwd", sharded_linear_stats_bwd)
-sharded_linear_stats_bwd_op.register_fake(
-    lambda hidden, weight, bias, *args: _head_grads_fake(hidden, weight, bias, *args[6:9])
-)
+sharded_linear_stats_bwd_op = head_bwd_op("sharded_linear_stats_bwd", sharded_linear_stats_bwd, 6)
 sharded_linear_stats_fwd_op = FusedOp("sharded_linear_stats_fwd", sharded_linear_stats_fwd)
 sharded_linear_stats_fwd_op.register_fake(_sharded_linear_stats_fake)
 sharded_linear_stats_fwd_op.register_autograd(
@@ -655,10 +662,7 @@ def _linear_truncated_fwd_fake_unsharded(hidden, weight, bias, targets, *args):
     return hidden.new_empty((n,), dtype=acc), hidden.new_empty((width,), dtype=acc)
 
 
-linear_truncated_bwd_op = FusedOp("linear_truncated_bwd", linear_truncated_bwd)
-linear_truncated_bwd_op.register_fake(
-    lambda hidden, weight, bias, *args: _head_grads_fake(hidden, weight, bias, *args[3:6])
-)
+linear_truncated_bwd_op = head_bwd_op("linear_truncated_bwd", linear_truncated_bwd, 3)
 linear_truncated_fwd_op = FusedOp("linear_truncated_fwd", linear_truncated_fwd)
 linear_truncated_fwd_op.register_fake(_linear_truncated_fwd_fake_unsharded)
 linear_truncated_fwd_op.register_autograd(
@@ -780,11 +784,6 @@ def _linear_truncated_fwd_fake(hidden, _weight, _bias, targets, *_args):
             hidden.new_empty((3 * n,), dtype=acc), flags)  # fmt: skip
 
 
-def _linear_truncated_bwd_fake(hidden, weight, bias, _targets, _t_local, _stats, _kept, _g,
-                               need_h, need_w, need_b, *_args):  # fmt: skip
-    return _head_grads_fake(hidden, weight, bias, need_h, need_w, need_b)
-
-
 def _linear_truncated_setup(ctx, inputs, output):
     hidden, weight, bias, targets, *options = inputs
     _, t_local, stats, kept = output
@@ -794,9 +793,8 @@ def _linear_truncated_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-sharded_linear_truncated_bwd_op = FusedOp("sharded_linear_truncated_bwd",
-                                          sharded_linear_truncated_bwd)  # fmt: skip
-sharded_linear_truncated_bwd_op.register_fake(_linear_truncated_bwd_fake)
+sharded_linear_truncated_bwd_op = head_bwd_op("sharded_linear_truncated_bwd",
+                                              sharded_linear_truncated_bwd, 5)  # fmt: skip
 sharded_linear_truncated_fwd_op = FusedOp("sharded_linear_truncated_fwd",
                                           sharded_linear_truncated_fwd)  # fmt: skip
 sharded_linear_truncated_fwd_op.register_fake(_linear_truncated_fwd_fake)
@@ -2081,10 +2079,7 @@ def _linear_kl_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-linear_kl_bwd_op = FusedOp("linear_kl_bwd", linear_kl_bwd)
-linear_kl_bwd_op.register_fake(
-    lambda rows, weight, bias, *args: _head_grads_fake(rows, weight, bias, *args[6:9])
-)
+linear_kl_bwd_op = head_bwd_op("linear_kl_bwd", linear_kl_bwd, 6)
 linear_kl_fwd_op = FusedOp("linear_kl_fwd", linear_kl_fwd)
 linear_kl_fwd_op.register_fake(_linear_kl_fwd_fake)
 linear_kl_fwd_op.register_autograd(head_op_backward(linear_kl_bwd_op),
