@@ -2,7 +2,7 @@
 # Live compatibility check against the real libraries (needs the package index; NOT part of CI).
 #
 # For each library, in its own virtual environment (which sees this machine's torch, triton
-# and fused_rl through --system-site-packages, so nothing multi-GB is downloaded):
+# and fused_rl, made by scripts/compat_live/venv.sh, so nothing multi-GB is downloaded):
 #   1. scripts/compat_live/<lib>/install.sh installs the pinned upstream release(s);
 #   2. the project's real-library tests, tests/test_compat_<lib>*.py and, where there are
 #      some, the trainer integrations' training runs, tests/test_integration_<lib>*.py (they
@@ -27,7 +27,7 @@ status=0
 for lib in "${LIBS[@]}"; do
     echo "=== $lib"
     venv="$VENVS/$lib"
-    [ -x "$venv/bin/python" ] || "$PY" -m venv --system-site-packages "$venv"
+    [ -x "$venv/bin/python" ] || bash scripts/compat_live/venv.sh "$PY" "$venv"
     vpy="$venv/bin/python"
     bash "scripts/compat_live/$lib/install.sh" "$vpy"
     tests=(tests/test_compat_"$lib"*.py)

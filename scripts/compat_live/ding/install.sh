@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the DI-engine release fused_rl.compat.ding_v053 mirrors (0.5.3, the latest on PyPI)
 # into the live check's venv; DI-engine main (fused_rl.compat.ding) is checked from its
-# sources by check.py. $1: the venv's python (created with --system-site-packages: torch,
+# sources by check.py. $1: the venv's python (made by ../venv.sh: torch,
 # triton, numpy, pytest and fused_rl come from this machine and must stay as they are).
 #
 # DI-engine 0.5.3's requirements cannot be installed here (numpy < 2, setuptools <= 66,
@@ -15,14 +15,7 @@ set -euo pipefail
 PY=${1:?usage: install.sh VENV_PYTHON}
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
-"$PY" - >"$constraints" <<'PYEOF'
-import importlib.metadata as md
-for name in ("torch", "triton", "numpy"):
-    try:
-        print(f"{name}=={md.version(name)}")
-    except md.PackageNotFoundError:
-        pass
-PYEOF
+"$PY" "$(dirname "$0")/../pins.py" >"$constraints"
 "$PY" -m pip install -q --no-deps "DI-engine==0.5.3"
 "$PY" -m pip install -q -c "$constraints" DI-toolkit DI-treetensor easydict URLObject \
     enum-tools tabulate tensorboardX gym

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the torchtune release fused_rl.compat.torchtune mirrors into the live check's venv.
-# $1: the venv's python (created with --system-site-packages: torch, triton, pytest and
+# $1: the venv's python (made by ../venv.sh: torch, triton, pytest and
 # fused_rl come from this machine and must stay as they are).
 #
 # torchtune 0.6.1 with its own requirements (torchdata, datasets, huggingface_hub, ...: none
@@ -11,14 +11,7 @@ set -euo pipefail
 PY=${1:?usage: install.sh VENV_PYTHON}
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
-"$PY" - >"$constraints" <<'PYEOF'
-import importlib.metadata as md
-for name in ("torch", "triton", "numpy"):
-    try:
-        print(f"{name}=={md.version(name)}")
-    except md.PackageNotFoundError:
-        pass
-PYEOF
+"$PY" "$(dirname "$0")/../pins.py" >"$constraints"
 "$PY" -m pip install -q -c "$constraints" "torchtune==0.6.1" "torchao==0.16.0"
 "$PY" - <<'PYEOF'
 import importlib.metadata as md

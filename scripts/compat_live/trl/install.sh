@@ -1,20 +1,12 @@
 #!/usr/bin/env bash
 # Installs the TRL release the adapter mirrors into the live check's venv.
-# $1: the venv's python (created with --system-site-packages: torch, triton, pytest and
+# $1: the venv's python (made by ../venv.sh: torch, triton, pytest and
 # fused_rl come from this machine and must stay as they are).
 set -euo pipefail
 PY=${1:?usage: install.sh VENV_PYTHON}
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
-# Pin what is already installed so that no dependency (accelerate asks for torch) replaces it.
-"$PY" - >"$constraints" <<'PYEOF'
-import importlib.metadata as md
-for name in ("torch", "triton", "numpy"):
-    try:
-        print(f"{name}=={md.version(name).split('+')[0]}")
-    except md.PackageNotFoundError:
-        pass
-PYEOF
+"$PY" "$(dirname "$0")/../pins.py" >"$constraints"
 # trl.trainer.utils imports transformers, accelerate, datasets, huggingface_hub and pandas
 # at module level: TRL's own requirements, and PEFT (TRL's `peft` extra) for the LoRA runs
 # of the trainer integration (its reference model is the policy with the adapter off).

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install verl 0.9.1 into the live-check venv ($1 = its python; the venv is created with
-# --system-site-packages, so it already sees this machine's torch, triton and fused_rl).
+# ../venv.sh, so it already sees this machine's torch, triton and fused_rl).
 #
 # verl itself goes in with --no-deps; then only what `verl.trainer.ppo.core_algos`,
 # `verl.utils.torch_functional` and the actor's loss module `verl.workers.utils.losses` import
@@ -18,14 +18,7 @@ VERSION=0.9.1
 venv=$(cd "$(dirname "$PY")/.." && pwd)
 constraints=$(mktemp)
 trap 'rm -f "$constraints"' EXIT
-"$PY" - >"$constraints" <<'PYEOF'
-import importlib.metadata as md
-for name in ("torch", "triton", "numpy"):
-    try:
-        print(f"{name}=={md.version(name)}")
-    except md.PackageNotFoundError:
-        pass
-PYEOF
+"$PY" "$(dirname "$0")/../pins.py" >"$constraints"
 pip_install() {
     "$PY" -m pip install -q --disable-pip-version-check -c "$constraints" "$@"
 }
