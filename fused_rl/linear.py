@@ -896,11 +896,16 @@ class HeadGrads:
 
     ``dW``'s accumulator is made by the FIRST chunk's GEMM (``mm_wide``) and added to by
     the others (``addmm_wide``): no zero fill and no read of zeros, ``8 V H`` bytes a call
-    fewer than a zeroed accumulator. ``needs``: which of the three are wanted (as
-    ``ctx.needs_input_grad[:3]``); ``zero_rows``: ``hidden``'s gradient zeroed first, for
-    calls that skip rows; ``hidden_dtype``: its dtype (default ``rows``'); ``valid``: the
-    lm_head rows the chunks cover (a vocabulary shard's real ids), the others' gradient
-    zero."""
+    fewer than a zeroed accumulator. On a padded vocabulary shard (``valid`` < the head's
+    rows) the accumulator is zeroed over every row and the chunks add to its first
+    ``valid``: ``8 V H`` bytes of zeros written and read, where copying a ``valid``-row
+    accumulator into a zeroed whole would hold two ``(V, H)`` fp32 buffers and move
+    ``16 V H``.
+
+    ``needs``: which of the three are wanted (as ``ctx.needs_input_grad[:3]``);
+    ``zero_rows``: ``hidden``'s gradient zeroed first, for calls that skip rows;
+    ``hidden_dtype``: its dtype (default ``rows``'); ``valid``: the lm_head rows the chunks
+    cover (a vocabulary shard's real ids), the others' gradient zero."""
 
     def __init__(self, rows: Tensor, weight: Tensor, needs, acc: torch.dtype | None = None,
                  zero_rows: bool = False, hidden_dtype: torch.dtype | None = None,
@@ -913,10 +918,13 @@ class HeadGrads:
         if need_h:
             make = rows.new_zeros if zero_rows else rows.new_empty
             self.d_hidden = make(rows.shape, dtype=hidden_dtype or rows.dtype)
-        self.d_weight = None  # the first chunk's GEMM makes it
+        padded = self.valid < self.shape[0]
+        self.d_weight = None  # the first chunk's GEMM makes it, where no row is padding
+        if need_w and padded:
+            self.d_weight = torch.zeros(self.shape, dtype=self.acc, device=self.device)
         self.d_bias = None
         if need_b:
-            self.d_bias = torch.zeros(self.valid, dtype=self.acc, device=self.device)
+            self.d_bias = torch.zeros(self.shape[0], dtype=self.acc, device=self.device)
 
     def add(self, r, dz: Tensor | None, dz_full: Tensor | None, h_c: Tensor, weight: Tensor,
             chunk: int) -> None:  # fmt: skip
@@ -928,7 +936,7 @@ class HeadGrads:
         if dz is None:
             return
         if self.d_bias is not None:
-            self.d_bias.add_(dz.sum(0, dtype=self.acc))
+            self.d_bias[: self.valid].add_(dz.sum(0, dtype=self.acc))
         if dz.dtype != weight.dtype:
             dz_full = None if dz_full is None else dz_full.to(weight.dtype)
             dz = dz.to(weight.dtype) if dz_full is None else dz_full[: dz.shape[0]]
@@ -939,7 +947,7 @@ class HeadGrads:
         if self.d_weight is None:
             self.d_weight = mm_wide(dz.t(), h_c, self.acc)
         else:
-            addmm_wide(self.d_weight, dz.t(), h_c)
+            addmm_wide(self.d_weight[: self.valid], dz.t(), h_c)
 
     def grads(self, dtype: torch.dtype | None = None):
         """``(d_hidden, d_weight, d_bias)`` (None where not wanted), the lm_head's and the
@@ -953,14 +961,10 @@ class HeadGrads:
         return self.d_hidden, d_weight, d_bias
 
     def _whole(self, acc: Tensor | None, shape, dtype: torch.dtype) -> Tensor:
-        """``acc`` (None: no chunk ran) in ``dtype`` over ``shape``, rows past ``valid``
-        zero."""
-        if acc is not None and acc.shape[0] == shape[0]:
-            return acc.to(dtype)
-        out = torch.zeros(shape, dtype=dtype, device=self.device)
-        if acc is not None:
-            out[: acc.shape[0]] = acc
-        return out
+        """``acc`` (already over every row) in ``dtype``; zeros where no chunk ran."""
+        if acc is None:
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        return acc.to(dtype)
 
 
 def _rows_of(t: Tensor | None, rows: slice) -> Tensor | None:

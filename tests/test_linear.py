@@ -20,6 +20,7 @@ from fused_rl.linear import (
     CHUNK_BYTES,
     HEAD_CHUNK_ROWS,
     MAX_DEFAULT_CHUNK,
+    HeadGrads,
     chunk_rows,
     default_chunk_tokens,
 )
@@ -138,6 +139,38 @@ def test_no_logits_sized_allocation(backend):
     chunk_bytes = chunk * vocab * 4
     weight_bytes = vocab * hdim * 4
     assert max(a.sizes) <= max(chunk_bytes, weight_bytes), sorted(a.sizes)[-5:]
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=("fp32", "bf16"))
+def test_head_grads_padded_shard_no_second_weight_copy(dtype):
+    """A padded vocabulary shard (the chunks cover its first ``valid`` rows): the lm_head's
+    and the bias's gradients over every row, zero on the padding, equal to ``dz^T h``; the
+    fp32 accumulator is the one weight-sized buffer of an fp32 head (no padded copy of it),
+    a 16-bit head's adds its cast only."""
+    n, vocab, valid, hdim, chunk = 11, 13, 9, 6, 4
+    g = torch.Generator().manual_seed(5)
+    rows = torch.randn(n, hdim, generator=g).to(dtype)
+    weight = torch.randn(vocab, hdim, generator=g).to(dtype)
+    dz = torch.randn(n, valid, generator=g).to(dtype)
+    with AllocationTracker() as a:
+        grads = HeadGrads(rows, weight, (False, True, True), valid=valid)
+        for start in range(0, n, chunk):
+            r = slice(start, min(start + chunk, n))
+            grads.add(r, dz[r], None, rows[r], weight[:valid], chunk)
+        _, d_weight, d_bias = grads.grads(dtype)
+    want_w = torch.zeros(vocab, hdim, dtype=torch.float64)
+    want_w[:valid] = dz.double().t() @ rows.double()
+    want_b = torch.zeros(vocab, dtype=torch.float64)
+    want_b[:valid] = dz.double().sum(0)
+    assert d_weight.dtype == d_bias.dtype == dtype
+    assert d_weight.shape == weight.shape and d_bias.shape == (vocab,)
+    tol = FP32_TOL if dtype == torch.float32 else 1e-2
+    assert_rel(d_weight, want_w, tol)
+    assert_rel(d_bias, want_b, tol)
+    assert (d_weight[valid:] == 0).all() and (d_bias[valid:] == 0).all()
+    # weight-sized: at least a 16-bit (V, H); the valid rows' fp32 GEMM output is as large
+    weight_sized = a.count_at_least(vocab * hdim * 2)
+    assert weight_sized == (1 if dtype == torch.float32 else 2), sorted(a.sizes)[-4:]
 
 
 def test_no_grad_computes_statistics_only():
