@@ -46,14 +46,29 @@ class Ctx:
 
 
 def check_registry():
-    """``(CHECKS, check)``: a test module's dict of checks and the decorator that fills it."""
+    """``(CHECKS, check)``: a test module's dict of checks and the decorator that fills it:
+    ``@check``, or ``@check(worlds=(2,))`` for a check run at those world sizes only."""
     checks: dict = {}
 
-    def check(fn):
-        checks[fn.__name__] = fn
-        return fn
+    def check(fn=None, *, worlds=None):
+        def register(fn):
+            fn.worlds = worlds
+            checks[fn.__name__] = fn
+            return fn
+
+        return register if fn is None else register(fn)
 
     return checks, check
+
+
+def world_cases(checks: dict, world_sizes) -> list:
+    """``(world, name)`` for each check at each of ``world_sizes`` it runs at."""
+    return [
+        pytest.param(world, name, id=f"{world}-{name}")
+        for world in world_sizes
+        for name, fn in checks.items()
+        if fn.worlds is None or world in fn.worlds
+    ]
 
 
 _REAL_EMPTY = (torch.empty, torch.empty_like)
@@ -97,6 +112,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, module: str) ->
     verdicts = {}
     with compiled_scalar_abi(), helper_calls_patch_once():
         for name, fn in tests.CHECKS.items():
+            if fn.worlds is not None and world not in fn.worlds:
+                continue
             try:
                 t0 = time.perf_counter()
                 fn(ctx)

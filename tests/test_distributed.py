@@ -32,6 +32,7 @@ from dist_harness import (  # noqa: E402
     needs_gloo,
     needs_interpreter,
     unpoisoned,
+    world_cases,
 )
 from helpers import (  # noqa: E402
     F64_TOL,
@@ -795,11 +796,12 @@ def exact_kl_vocab_parallel(ctx):
             assert_rel(local.grad, grad_o[..., start:stop], FP32_TOL, f"grad at {fill} {backend}")
 
 
-@check
+@check(worlds=(2,))
 def distill_vocab_parallel(ctx):
     """``distill_loss(process_group=)`` at ``beta`` 0, 1 and two generalized JSDs: every rank
     the unsharded call's loss and every metric (the unsharded fused call, itself checked
-    against the float64 oracle in tests/test_distill.py) and its shard of the gradient."""
+    against the float64 oracle in tests/test_distill.py) and its shard of the gradient.
+    At 2 ranks only: the divergences merge over 3 ranks in :func:`divergence_layouts`."""
     w, B, T = 4, 2, 5
     V = w * ctx.world
     g = ctx.gen(41)
@@ -923,7 +925,7 @@ def _same_cut(got, want, what):
     assert torch.equal(torch.isnan(got), torch.isnan(want)), f"NaN differ {what}"
 
 
-@check
+@check(worlds=(2,))
 def truncated_vocab_parallel(ctx):
     """``truncated_logprobs(process_group=)``: every rank the unsharded call's values (and
     the float64 oracle's) and its columns of the gradient, both backends: top-k read off the
@@ -931,7 +933,9 @@ def truncated_vocab_parallel(ctx):
     and searched (flat rows, 200 columns a shard), with top-k, temperature, the soft cap, 90
     values tied at the row top spread over the shards (more per shard than k), ignored and
     cut targets; the collectives: a header all-reduce and one all-gather forward for k <=
-    64, one all-reduce more per search pass, none backward."""
+    64, one all-reduce more per search pass, none backward.
+    At 2 ranks only: the same routes merge over 3 ranks (one of them empty) in
+    :func:`truncated_vocab_parallel_layouts`."""
     from test_truncated import oracle as truncated_oracle
 
     w = 200
@@ -1004,7 +1008,7 @@ def truncated_vocab_parallel(ctx):
                                                        process_group=ctx.group))  # fmt: skip
 
 
-@check
+@check(worlds=(2,))
 def truncated_vocab_parallel_radix(ctx):
     """Top-k > 64 across the ranks by the radix select on the logits' bits: every rank the
     unsharded call's values (and the float64 oracle's) and its columns of the gradient, fp32
@@ -1013,7 +1017,9 @@ def truncated_vocab_parallel_radix(ctx):
     neighbour at ``T = 0.7``). Collectives: the header, the gather, then ``B / 8``
     all-reduces of the digit histograms (one more with the soft cap), none when the gathered
     slots decide every row. And a bf16 top-p cut inside a group of tied values below every
-    shard's 64 largest, searched on the logits' own 16-bit keys."""
+    shard's 64 largest, searched on the logits' own 16-bit keys.
+    At 2 ranks only: the search's histograms merge over 3 ranks in
+    :func:`truncated_vocab_parallel_layouts` (``top_k=70``)."""
     from test_truncated import oracle as truncated_oracle
 
     g = ctx.gen(32)
@@ -1492,14 +1498,12 @@ def _stacked(stats):
     return torch.stack([*stats[:4], stats.is_top1.to(stats.logp.dtype)])
 
 
-@check
+@check(worlds=(2,))
 def compiled_fullgraph(ctx):
     """Every vocabulary-parallel op under ``torch.compile(fullgraph=True)`` (no graph break:
     collectives traced, or the routes with host reads opaque custom ops): the eager call's
     values and this rank's gradients, both backends. At 2 ranks only (what compiles does
     not depend on the world size; each op compiles twice, the check's cost)."""
-    if ctx.world != 2:
-        return
     w, B, T, H = 5, 2, 3, 4
     V = w * ctx.world
     g = ctx.gen(71)
@@ -1606,15 +1610,13 @@ def _sharded_heads(d, be, grp):
     }  # fmt: skip
 
 
-@check
+@check(worlds=(2,))
 def compiled_token_counts(ctx):
     """The vocabulary-parallel ops from hidden states run each chunk loop inside one custom
     op while compiling (the group travels by name), as on one device: a new token count each
     step (chunks of 4 rows: 2, 3 and 5 chunks) compiles at most twice, with the eager call's
     values and this rank's gradients of the hidden states, the lm_head shard and its bias.
     A padded vocabulary (the last rank's last row padding); at 2 ranks only."""
-    if ctx.world != 2:
-        return
     w, H = 4, 5
     vocab = w * ctx.world - 1
     start, stop = _shard_bounds([w] * ctx.world, ctx.rank)
@@ -1656,8 +1658,7 @@ def compiled_token_counts(ctx):
 INDUCTOR_HEADS = ("linear_logprobs", "linear_policy")
 
 
-@pytest.mark.parametrize("name", list(CHECKS))
-@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("world, name", world_cases(CHECKS, WORLD_SIZES))
 @needs_gloo
 @needs_interpreter
 def test_vocab_parallel(world, name):

@@ -24,7 +24,13 @@ import torch.nn.functional as F
 import fused_rl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dist_harness import check_registry, failures, needs_gloo, needs_interpreter  # noqa: E402
+from dist_harness import (  # noqa: E402
+    check_registry,
+    failures,
+    needs_gloo,
+    needs_interpreter,
+    world_cases,
+)
 from helpers import FP32_TOL, assert_rel, oracle_token_stats, rel_err  # noqa: E402
 from test_distributed import _CountCollectives, _group_ok  # noqa: E402
 
@@ -357,8 +363,7 @@ def double_backward_raises(ctx):
         grad.sum().backward()
 
 
-@pytest.mark.parametrize("name", list(CHECKS))
-@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("world, name", world_cases(CHECKS, WORLD_SIZES))
 @needs_gloo
 @needs_interpreter
 def test_vocab_parallel_linear(world, name):

@@ -26,7 +26,13 @@ from fused_rl.compat.verl import compute_forward_kl_topk_megatron
 from fused_rl.distributed import group_shard, sharded_kth_largest, sharded_logprobs_k
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dist_harness import check_registry, failures, needs_gloo, needs_interpreter  # noqa: E402
+from dist_harness import (  # noqa: E402
+    check_registry,
+    failures,
+    needs_gloo,
+    needs_interpreter,
+    world_cases,
+)
 from helpers import F64_TOL, FP32_TOL, assert_rel  # noqa: E402
 from test_distributed import _CountCollectives  # noqa: E402
 
@@ -376,8 +382,7 @@ def against_verls_megatron_function(ctx):
         parallel_state.destroy_model_parallel()
 
 
-@pytest.mark.parametrize("name", list(CHECKS))
-@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("world, name", world_cases(CHECKS, WORLD_SIZES))
 @needs_gloo
 @needs_interpreter
 def test_vocab_parallel_topk(world, name):
