@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from helpers import F64_TOL, FP32_TOL, assert_rel, bf16_tol, gradcheck
 from policy_oracle import oracle_policy_loss
 
@@ -24,7 +23,7 @@ import fused_rl
 from fused_rl.nn import LinearPolicyLoss, PolicyLoss
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dist_harness import failures, needs_gloo, needs_interpreter  # noqa: E402
+from dist_harness import check_registry, failures, needs_gloo, needs_interpreter  # noqa: E402
 
 BACKENDS = ("triton", "reference")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -543,18 +542,7 @@ def test_signatures():
 
 # ----------------------------------------------------------------------------- vocab-parallel
 
-CHECKS: dict = {}
-
-
-class Ctx:
-    def __init__(self, rank: int, world: int):
-        self.rank, self.world = rank, world
-        self.group = dist.group.WORLD
-
-
-def check(fn):
-    CHECKS[fn.__name__] = fn
-    return fn
+CHECKS, check = check_registry()
 
 
 @check
