@@ -896,11 +896,12 @@ class HeadGrads:
 
     ``dW``'s accumulator is made by the FIRST chunk's GEMM (``mm_wide``) and added to by
     the others (``addmm_wide``): no zero fill and no read of zeros, ``8 V H`` bytes a call
-    fewer than a zeroed accumulator. On a padded vocabulary shard (``valid`` < the head's
-    rows) the accumulator is zeroed over every row and the chunks add to its first
-    ``valid``: ``8 V H`` bytes of zeros written and read, where copying a ``valid``-row
-    accumulator into a zeroed whole would hold two ``(V, H)`` fp32 buffers and move
-    ``16 V H``.
+    fewer than a zeroed accumulator. A head in the accumulator's dtype (fp32 / fp64) on a
+    padded vocabulary shard (``valid`` < its rows): the accumulator is zeroed over every
+    row and the chunks add to its first ``valid``, so the gradient is returned as it is
+    (zeros written and read, ``8 V H`` bytes), where a ``valid``-row accumulator copied into
+    a zeroed whole would move ``12 V H`` and hold two ``(V, H)`` buffers at once. A 16-bit
+    head's gradient is a cast copy anyway: its padding is zero-filled in the head's dtype.
 
     ``needs``: which of the three are wanted (as ``ctx.needs_input_grad[:3]``);
     ``zero_rows``: ``hidden``'s gradient zeroed first, for calls that skip rows;
@@ -918,9 +919,8 @@ class HeadGrads:
         if need_h:
             make = rows.new_zeros if zero_rows else rows.new_empty
             self.d_hidden = make(rows.shape, dtype=hidden_dtype or rows.dtype)
-        padded = self.valid < self.shape[0]
-        self.d_weight = None  # the first chunk's GEMM makes it, where no row is padding
-        if need_w and padded:
+        self.d_weight = None  # the first chunk's GEMM makes it (but see the docstring)
+        if need_w and self.valid < self.shape[0] and weight.dtype == self.acc:
             self.d_weight = torch.zeros(self.shape, dtype=self.acc, device=self.device)
         self.d_bias = None
         if need_b:
@@ -961,10 +961,14 @@ class HeadGrads:
         return self.d_hidden, d_weight, d_bias
 
     def _whole(self, acc: Tensor | None, shape, dtype: torch.dtype) -> Tensor:
-        """``acc`` (already over every row) in ``dtype``; zeros where no chunk ran."""
-        if acc is None:
-            return torch.zeros(shape, dtype=dtype, device=self.device)
-        return acc.to(dtype)
+        """``acc`` (None: no chunk ran) in ``dtype`` over ``shape``, rows past its own
+        zero."""
+        if acc is not None and acc.shape[0] == shape[0]:
+            return acc.to(dtype)
+        out = torch.zeros(shape, dtype=dtype, device=self.device)
+        if acc is not None:
+            out[: acc.shape[0]] = acc
+        return out
 
 
 def _rows_of(t: Tensor | None, rows: slice) -> Tensor | None:

@@ -27,7 +27,12 @@ status=0
 for lib in "${LIBS[@]}"; do
     echo "=== $lib"
     venv="$VENVS/$lib"
-    [ -x "$venv/bin/python" ] || bash scripts/compat_live/venv.sh "$PY" "$venv"
+    # made anew unless it sees torch and fused_rl (pins.py checks; a venv made otherwise
+    # would let pip pull a torch of its own)
+    if ! "$venv/bin/python" scripts/compat_live/pins.py >/dev/null 2>&1; then
+        rm -rf "$venv"
+        bash scripts/compat_live/venv.sh "$PY" "$venv"
+    fi
     vpy="$venv/bin/python"
     bash "scripts/compat_live/$lib/install.sh" "$vpy"
     tests=(tests/test_compat_"$lib"*.py)

@@ -62,11 +62,10 @@ def _dataset(name):
 def _args(name, out_dir, **extra):
     import trl
 
-    # Adam's epsilon 1e-6, not 1e-8: Adam divides each entry by its own gradient's size, so
-    # an entry whose gradient is 1e-8 of the tensor's largest moves by a fifth of a step,
-    # and the fp32 rounding of the two runs' sums (1e-6 of the largest entry: 9% of that
-    # gradient) would differ by 1.5e-5 after 3 steps (measured: DPO, WPO + IPO, lm_head).
-    # 1e-6 caps that amplification at lr / eps; the parameters then show the gradients.
+    # Adam's epsilon 1e-6, not 1e-8: its step's sensitivity to a gradient entry, at most
+    # lr / eps, peaks where the entry is near eps. With 1e-8, an lm_head entry of 2.4e-9
+    # whose two runs' fp32 sums differed by 2.2e-10 (9% of it, 2.4e-9 of the largest entry)
+    # ended 1.5e-5 apart after 3 steps (DPO, WPO + IPO); docs/compat.md has the numbers.
     common = dict(
         output_dir=out_dir, max_steps=3, per_device_train_batch_size=4, learning_rate=1e-3,
         report_to=[], use_cpu=True, seed=0, logging_steps=1, save_strategy="no",

@@ -13,7 +13,7 @@ import sys
 for needed in ("torch", "fused_rl"):
     if importlib.util.find_spec(needed) is None:
         sys.exit(
-            f"{sys.executable} does not see {needed}: create the venv with "
+            f"{sys.executable} does not see {needed}: delete its venv and make it again with "
             "scripts/compat_live/venv.sh from the python that has torch and fused_rl"
         )
 for name in ("torch", "triton", "numpy"):

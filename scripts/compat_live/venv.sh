@@ -13,4 +13,7 @@ VENV=${2:?usage: venv.sh PYTHON VENV}
 dirs=$("$PY" -c "import site; print(repr(site.getsitepackages()))")
 site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 echo "import site; list(map(site.addsitedir, $dirs))" >"$site/_fused_rl_parent.pth"
-"$VENV/bin/python" "$(dirname "$0")/pins.py" >/dev/null
+if ! "$VENV/bin/python" "$(dirname "$0")/pins.py" >/dev/null; then
+    rm -rf "$VENV"  # not left behind half made
+    exit 1
+fi
