@@ -919,7 +919,8 @@ class HeadGrads:
         if need_h:
             make = rows.new_zeros if zero_rows else rows.new_empty
             self.d_hidden = make(rows.shape, dtype=hidden_dtype or rows.dtype)
-        self.d_weight = None  # the first chunk's GEMM makes it (but see the docstring)
+        self.d_weight = None  # the first chunk's GEMM makes it; zeroed whole for a padded
+        # shard of a head in the accumulator's dtype, the chunks adding to its valid rows
         if need_w and self.valid < self.shape[0] and weight.dtype == self.acc:
             self.d_weight = torch.zeros(self.shape, dtype=self.acc, device=self.device)
         self.d_bias = None
@@ -961,7 +962,7 @@ class HeadGrads:
         return self.d_hidden, d_weight, d_bias
 
     def _whole(self, acc: Tensor | None, shape, dtype: torch.dtype) -> Tensor:
-        """``acc`` (None: no chunk ran) in ``dtype`` over ``shape``, rows past its own
+        """``acc`` (None: no chunk ran) in ``dtype`` over ``shape``, the rows it lacks
         zero."""
         if acc is not None and acc.shape[0] == shape[0]:
             return acc.to(dtype)

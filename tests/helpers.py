@@ -32,6 +32,10 @@ BATCH_INVARIANT_BACKENDS = (
 )
 
 
+# helpers.gradcheck's fast-mode tolerances (float64 central differences: ~1e-10)
+FAST_ATOL, FAST_RTOL = 1e-8, 1e-6
+
+
 def gradcheck(fn, inputs, **kwargs) -> bool:
     """``torch.autograd.gradcheck`` (float64), in its fast mode where the Triton interpreter
     runs the kernels: the finite difference of ``fn`` along one random direction per input
@@ -49,9 +53,6 @@ def gradcheck(fn, inputs, **kwargs) -> bool:
     atol = min(kwargs.pop("atol", FAST_ATOL), FAST_ATOL)
     rtol = min(kwargs.pop("rtol", FAST_RTOL), FAST_RTOL)
     return torch.autograd.gradcheck(fn, inputs, fast_mode=True, atol=atol, rtol=rtol, **kwargs)
-
-
-FAST_ATOL, FAST_RTOL = 1e-8, 1e-6
 
 
 def clamp_in(x: torch.Tensor, lo: float | torch.Tensor | None = None,
