@@ -15,7 +15,7 @@ cannot trace on a symbolic number.
 
 The ops from hidden states loop over chunks of tokens in Python, which would fix the
 graph's token count: on one device they run each loop inside a custom op while compiling,
-and are checked over six token counts (docs/usage.md, "torch.compile").
+and are checked over three token counts (docs/usage.md, "torch.compile").
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from helpers import assert_rel
 import fused_rl
 
 BACKENDS = ("triton", "reference")
-LENGTHS = (5, 9, 6)  # a static graph, a symbolic one, that one again
+LENGTHS = (5, 6, 9)  # a static graph, a symbolic one, that one again at a longer length
 V = 19
 
 
@@ -209,10 +209,11 @@ def _linear_policy(d, be, **kw):
     )[0]  # fmt: skip
 
 
-TOKEN_COUNTS = (5, 9, 3)
+TOKEN_COUNTS = (5, 3, 9)  # the symbolic graph reused at a larger count
 # the cases whose traced graph is the same on either backend (one custom op each way, the
-# backend one of its arguments): checked on the Triton backend, the reference backend's
-# launchers by linear_token_stats (the same op) and linear_top_p
+# backend one of its arguments): checked on the Triton backend; the reference backend's
+# launcher of that op runs compiled in linear_token_stats, linear_grpo (bias, entropy) and
+# linear_gspo (bias, no entropy: linear_token_logprobs' arguments)
 SAME_GRAPH = ("linear_token_logprobs", "linear_entropy")
 
 
@@ -223,7 +224,7 @@ SAME_GRAPH = ("linear_token_logprobs", "linear_entropy")
 def test_ops_from_hidden_states_compile_twice(name, backend):
     """The ops from hidden states run their chunk loop inside one custom op each way while
     compiling (the loop over a symbolic token count would fix it): a new token count each
-    step (chunks of 4 rows: 3, 5 and 2 chunks, the last one partial) compiles at most twice,
+    step (chunks of 4 rows: 3, 2 and 5 chunks, the last one partial) compiles at most twice,
     with the eager call's values and the gradients of the hidden states, the lm_head and
     its bias."""
     fn = LINEAR_CASES[name]

@@ -1556,7 +1556,7 @@ def compiled_fullgraph(ctx):
     cases = [(name, fn, [full[..., start:stop]], BACKENDS) for name, fn in logits_ops.items()]
     # the ops from hidden states trace the same custom ops on either backend (the backend is
     # an argument of theirs): the reference backend's launchers of the statistics, the
-    # truncation and the exact KL
+    # truncation and the exact KL (the sharded distillation op's: compiled on Triton only)
     both = ("linear_truncated", "linear_policy_full_kl")
     cases += [(name, fn, [hidden, weight[start:stop]], BACKENDS if name in both else ("triton",))
               for name, fn in head_ops.items()]  # fmt: skip
@@ -1623,10 +1623,12 @@ def compiled_token_counts(ctx):
     step (chunks of 4 rows: 2, 3 and 5 chunks) compiles at most twice, with the eager call's
     values and this rank's gradients of the hidden states, the lm_head shard and its bias.
     A padded vocabulary (the last rank's last row padding); at 2 ranks only. The reference
-    backend for one head: while compiling, both backends trace the same sharded custom ops
-    (the backend is an argument of theirs; what runs inside is eager, checked by the eager
-    checks here), and the token-level tails that differ are compiled on one device
-    (tests/test_compile_shapes.py)."""
+    backend for ``exact_kl`` only: while compiling, both backends trace the same sharded
+    custom ops (the backend is an argument of theirs; what runs inside is the eager code,
+    checked on both backends by the eager checks here and in test_distributed_linear.py);
+    the token-level tails that differ are compiled on one device (test_compile_shapes.py),
+    except ``loss_with_exact_kl``'s on the reference backend (one device's reference
+    materialises both logits and calls ``policy_loss``), compiled here."""
     w, H = 4, 5
     vocab = w * ctx.world - 1
     start, stop = _shard_bounds([w] * ctx.world, ctx.rank)

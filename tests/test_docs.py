@@ -298,15 +298,19 @@ def test_the_runnable_examples_are_where_the_test_finds_them():
 
 # Runs each block in a namespace of its own (a block stands alone: a name another block
 # defined is undefined here), all of one page's blocks in one process: the import is most of
-# a block's time. A failing block prints its number, text and traceback and stops the page.
+# a block's time. A failing block prints its traceback, then its number and text (last: the
+# message keeps the tail), and stops the page; each block's number is printed as it starts
+# (a timeout says which hung).
 _RUN_BLOCKS = """
 import sys, traceback
-for i, block in enumerate(sys.argv[1:]):
+blocks, sys.argv = sys.argv[1:], sys.argv[:1]
+for i, block in enumerate(blocks):
+    print(f"block {i}", file=sys.stderr, flush=True)
     try:
         exec(compile(block, f"<block {i}>", "exec"), {"__name__": "__main__"})
     except BaseException:
-        print(f"block {i} failed:\\n{block}", file=sys.stderr)
         traceback.print_exc()
+        print(f"block {i} failed:\\n{block}", file=sys.stderr)
         sys.exit(1)
 """
 
@@ -320,10 +324,15 @@ def test_python_blocks_run(doc):
     of the suite's job)."""
     blocks = _python_blocks(_read(doc))
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONWARNINGS": "error"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _RUN_BLOCKS, *blocks], capture_output=True, text=True, env=env,
-        timeout=300, cwd=ROOT,
-    )  # fmt: skip
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _RUN_BLOCKS, *blocks], capture_output=True, text=True,
+            env=env, timeout=300, cwd=ROOT,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as exc:
+        err = exc.stderr or b""  # bytes, text=True or not
+        err = err.decode(errors="replace") if isinstance(err, bytes) else err
+        pytest.fail(f"{doc}: timed out at {' '.join(err.split()[-2:])}")
     assert proc.returncode == 0, f"{doc}: a python block failed\n{proc.stderr[-3000:]}"
 
 

@@ -456,10 +456,10 @@ class _GemmCounter(torch.utils._python_dispatch.TorchDispatchMode):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gemms_per_chunk_and_no_logits_sized_allocation(backend):
-    """N = 32 rows in chunks of 8: four GEMMs per chunk with gradients (both heads' logits,
+    """N = 32 rows in chunks of 4: four GEMMs per chunk with gradients (both heads' logits,
     dz W, dz^T h; none recomputed in the backward), two without; no allocation of N * V
     elements (forward and backward): at most a chunk's logits, or dW."""
-    n, vocab, hdim, t_hdim, chunk = 32, 500, 16, 24, 8
+    n, vocab, hdim, t_hdim, chunk = 32, 500, 8, 12, 4  # N V = 4 x max(chunk V, V H)
     student, teacher, _ = make(lead=(n,), hdim=hdim, t_hdim=t_hdim, vocab=vocab, seed=14)
     h, w, b = student
     th, tw, tb = teacher
