@@ -40,9 +40,37 @@ class Ctx:
     def __init__(self, rank: int, world: int):
         self.rank, self.world = rank, world
         self.group = dist.group.WORLD
+        self._turn = 0  # the rank that runs the next :meth:`once` call
 
     def gen(self, seed: int) -> torch.Generator:
         return torch.Generator().manual_seed(seed)  # the same stream on every rank
+
+    def once(self, *calls):
+        """``[call() for call in calls]``, each call run on ONE rank (the ranks take turns,
+        across calls of ``once`` too) and its result sent to every rank: for the unsharded
+        reference calls, whose inputs are the same everywhere (the generators are seeded
+        alike), so that the ranks do not each repeat them. A call must not draw from a
+        shared generator (only one rank would). Results are pickled: detached tensors,
+        tuples, dicts. A call that raises fails the check on every rank (its traceback in
+        the message), never a rank alone, which would leave the others in a collective."""
+        owner = [(self._turn + i) % self.world for i in range(len(calls))]
+        self._turn += len(calls)
+        mine = {}
+        for i, call in enumerate(calls):
+            if owner[i] == self.rank:
+                try:
+                    mine[i] = (None, call())
+                except Exception:  # noqa: BLE001 - sent to every rank, raised there
+                    mine[i] = (traceback.format_exc(), None)
+        gathered: list = [None] * self.world
+        dist.all_gather_object(gathered, mine, group=self.group)
+        results = []
+        for i in range(len(calls)):
+            error, value = gathered[owner[i]][i]
+            if error is not None:
+                raise AssertionError(f"reference call {i} failed on rank {owner[i]}:\n{error}")
+            results.append(value)
+        return results
 
 
 def check_registry():

@@ -737,8 +737,22 @@ def exact_kl_vocab_parallel(ctx):
     targets[1, 2] = -100
     mask = torch.rand(B, T, generator=g) > 0.2
     up = torch.randn(B, T, generator=g)
-    for spread in (1.0, 1e-2):
-        ref_full = full + spread * torch.randn(full.shape, generator=g)
+    spreads = (1.0, 1e-2)
+    ref_fulls = [full + spread * torch.randn(full.shape, generator=g) for spread in spreads]
+    kw = dict(kl_estimator="full", beta=0.3, mask=mask, importance_sampling="sequence",
+              entropy_coef=0.01)  # fmt: skip
+
+    def unsharded(ref_full):
+        whole = full.clone().requires_grad_()
+        loss, metrics = fused_rl.policy_loss(
+            whole, targets, torch.randn(B, generator=ctx.gen(7)), ref_logits=ref_full,
+            backend="triton", **kw,
+        )  # fmt: skip
+        loss.backward()
+        return loss.detach(), metrics, whole.grad
+
+    wants = ctx.once(*(partial(unsharded, ref_full) for ref_full in ref_fulls))
+    for spread, ref_full, (ref_loss, ref_metrics, ref_grad) in zip(spreads, ref_fulls, wants):
         # the oracle: float64 on the whole vocabulary, positions 0 .. T-1 predict the targets
         x = full.double().requires_grad_()
         lp = torch.log_softmax(x[:, :T], -1)
@@ -753,14 +767,6 @@ def exact_kl_vocab_parallel(ctx):
             assert_rel(kl, kl_o, FP32_TOL if spread == 1.0 else 1e-4, f"token_kl {what}")
             (kl * up).sum().backward()
             assert_rel(local.grad, grad_o[:, :T, start:stop], FP32_TOL, f"token_kl grad {what}")
-            kw = dict(kl_estimator="full", beta=0.3, mask=mask, importance_sampling="sequence",
-                      entropy_coef=0.01)  # fmt: skip
-            whole = full.clone().requires_grad_()
-            ref_loss, ref_metrics = fused_rl.policy_loss(
-                whole, targets, torch.randn(B, generator=ctx.gen(7)), ref_logits=ref_full,
-                backend="triton", **kw,
-            )  # fmt: skip
-            ref_loss.backward()
             mine = _local(full, start, stop)
             loss, metrics = fused_rl.policy_loss(
                 mine, targets, torch.randn(B, generator=ctx.gen(7)),
@@ -773,7 +779,7 @@ def exact_kl_vocab_parallel(ctx):
             for key, value in metrics.items():
                 assert_rel(value, ref_metrics[key], 1e-4 if key == "kl" else FP32_TOL,
                            f"{key} {what}")  # fmt: skip
-            assert_rel(mine.grad, whole.grad[..., start:stop], FP32_TOL, f"grad {what}")
+            assert_rel(mine.grad, ref_grad[..., start:stop], FP32_TOL, f"grad {what}")
     # a shard where the policy holds no mass (all -inf there) or underflows (200 below the
     # other shards' logits) while the reference has mass: its share of S_u still counts
     last = _shard_bounds([w] * ctx.world, ctx.world - 1)
@@ -814,23 +820,28 @@ def distill_vocab_parallel(ctx):
     # one model without mass on the last rank's columns (a token): that KL is +inf, as
     # unsharded; the other divergences finite
     last = _shard_bounds([w] * ctx.world, ctx.world - 1)
+    models = {}
     for which in ("student", "teacher"):
         x, t = full.clone(), teacher.clone()
         (x if which == "student" else t)[0, 4, last[0] : last[1]] = -math.inf
-        for beta in (0.0, 1.0, 0.5):
-            ref_loss, ref_metrics = fused_rl.distill_loss(x, t, beta=beta, backend="triton")
-            for backend in BACKENDS:
-                loss, metrics = fused_rl.distill_loss(
-                    x[..., start:stop], t[..., start:stop], beta=beta, process_group=ctx.group,
-                    backend=backend,
-                )  # fmt: skip
-                what = f"{which} -inf, beta {beta} {backend}"
-                assert loss.isinf() == ref_loss.isinf(), (what, loss, ref_loss)
-                if not ref_loss.isinf():
-                    assert_rel(loss, ref_loss, FP32_TOL, what)
-                for key, value in metrics.items():
-                    assert value.isinf() == ref_metrics[key].isinf(), (what, key, value)
-                    assert not value.isnan(), (what, key)
+        models[which] = x, t
+    runs = [(which, beta) for which in models for beta in (0.0, 1.0, 0.5)]
+    wants = ctx.once(*(partial(fused_rl.distill_loss, *models[which], beta=beta,
+                               backend="triton") for which, beta in runs))  # fmt: skip
+    for (which, beta), (ref_loss, ref_metrics) in zip(runs, wants, strict=True):
+        x, t = models[which]
+        for backend in BACKENDS:
+            loss, metrics = fused_rl.distill_loss(
+                x[..., start:stop], t[..., start:stop], beta=beta, process_group=ctx.group,
+                backend=backend,
+            )  # fmt: skip
+            what = f"{which} -inf, beta {beta} {backend}"
+            assert loss.isinf() == ref_loss.isinf(), (what, loss, ref_loss)
+            if not ref_loss.isinf():
+                assert_rel(loss, ref_loss, FP32_TOL, what)
+            for key, value in metrics.items():
+                assert value.isinf() == ref_metrics[key].isinf(), (what, key, value)
+                assert not value.isnan(), (what, key)
     cases = [
         dict(beta=beta, softcap=softcap)
         for beta, softcap in (
@@ -843,25 +854,29 @@ def distill_vocab_parallel(ctx):
         )
     ]
     cases += [dict(beta=beta, **own) for beta, own in zip((0.0, 1.0, 0.3), OWN_TRANSFORMS)]
-    for case in cases:
-        for loss_agg in ("token-mean", "seq-mean-token-mean"):
-            kw = dict(targets=targets, mask=mask, loss_agg=loss_agg, temperature=0.8, **case)
-            whole = full.clone().requires_grad_()
-            ref_loss, ref_metrics = fused_rl.distill_loss(whole, teacher, backend="triton", **kw)
-            (ref_loss * 1.7).backward()
-            for backend in BACKENDS:
-                what = f"{case} {loss_agg} {backend}"
-                mine = _local(full, start, stop)
-                loss, metrics = fused_rl.distill_loss(
-                    mine, teacher[..., start:stop], process_group=ctx.group, backend=backend,
-                    **kw,
-                )  # fmt: skip
-                (loss * 1.7).backward()
-                assert_rel(loss, ref_loss, FP32_TOL, f"loss {what}")
-                assert sorted(metrics) == sorted(ref_metrics)
-                for key, value in metrics.items():
-                    assert_rel(value, ref_metrics[key], FP32_TOL, f"{key} {what}")
-                assert_rel(mine.grad, whole.grad[..., start:stop], FP32_TOL, f"grad {what}")
+    runs = [dict(targets=targets, mask=mask, loss_agg=loss_agg, temperature=0.8, **case)
+            for case in cases for loss_agg in ("token-mean", "seq-mean-token-mean")]  # fmt: skip
+
+    def unsharded(kw):
+        whole = full.clone().requires_grad_()
+        loss, metrics = fused_rl.distill_loss(whole, teacher, backend="triton", **kw)
+        (loss * 1.7).backward()
+        return loss.detach(), metrics, whole.grad
+
+    wants = ctx.once(*(partial(unsharded, kw) for kw in runs))
+    for kw, (ref_loss, ref_metrics, ref_grad) in zip(runs, wants, strict=True):
+        for backend in BACKENDS:
+            what = f"{ {k: v for k, v in kw.items() if k not in ('targets', 'mask')} } {backend}"
+            mine = _local(full, start, stop)
+            loss, metrics = fused_rl.distill_loss(
+                mine, teacher[..., start:stop], process_group=ctx.group, backend=backend, **kw
+            )
+            (loss * 1.7).backward()
+            assert_rel(loss, ref_loss, FP32_TOL, f"loss {what}")
+            assert sorted(metrics) == sorted(ref_metrics)
+            for key, value in metrics.items():
+                assert_rel(value, ref_metrics[key], FP32_TOL, f"{key} {what}")
+            assert_rel(mine.grad, ref_grad[..., start:stop], FP32_TOL, f"grad {what}")
     _group_ok(ctx)
 
 
@@ -887,13 +902,20 @@ def linear_distill_vocab_parallel(ctx):
         for beta, agg in ((0.0, "token-mean"), (1.0, "seq-mean-token-mean"), (0.5, "token-mean"))
     ]
     cases += [dict(beta=beta, **own) for beta, own in zip((0.3, 0.0, 1.0), OWN_TRANSFORMS)]
-    for case in cases:
-        kw = dict(mask=mask, chunk_tokens=3, temperature=0.9, targets=targets, **case)
+    common = dict(mask=mask, chunk_tokens=3, temperature=0.9, targets=targets)
+
+    def unsharded(case):
         leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
-        ref_loss, ref_metrics = fused_rl.linear_distill_loss(
-            leaves[0], leaves[1], t_hidden, t_weight, bias=leaves[2], backend="triton", **kw
-        )
-        (ref_loss * 1.3).backward()
+        loss, metrics = fused_rl.linear_distill_loss(
+            leaves[0], leaves[1], t_hidden, t_weight, bias=leaves[2], backend="triton",
+            **common, **case,
+        )  # fmt: skip
+        (loss * 1.3).backward()
+        return loss.detach(), metrics, [leaf.grad for leaf in leaves]
+
+    wants = ctx.once(*(partial(unsharded, case) for case in cases))
+    for case, (ref_loss, ref_metrics, ref_grads) in zip(cases, wants, strict=True):
+        kw = dict(common, **case)
         for backend in BACKENDS:
             what = f"{case} {backend}"
             mine = [hidden.clone().requires_grad_(), weight[start:stop].clone().requires_grad_()]
@@ -906,9 +928,9 @@ def linear_distill_vocab_parallel(ctx):
             assert_rel(loss, ref_loss, FP32_TOL, f"loss {what}")
             for key, value in metrics.items():
                 assert_rel(value, ref_metrics[key], FP32_TOL, f"{key} {what}")
-            assert_rel(mine[0].grad, leaves[0].grad, FP32_TOL, f"hidden grad {what}")
-            assert_rel(mine[1].grad, leaves[1].grad[start:stop], FP32_TOL, f"weight {what}")
-            assert_rel(my_bias.grad, leaves[2].grad[start:stop], FP32_TOL, f"bias {what}")
+            assert_rel(mine[0].grad, ref_grads[0], FP32_TOL, f"hidden grad {what}")
+            assert_rel(mine[1].grad, ref_grads[1][start:stop], FP32_TOL, f"weight {what}")
+            assert_rel(my_bias.grad, ref_grads[2][start:stop], FP32_TOL, f"bias {what}")
     _group_ok(ctx)
 
 
@@ -956,9 +978,11 @@ def truncated_vocab_parallel(ctx):
     if ctx.world > 2:  # the merges of more than two shards: each route once
         cases = [dict(top_k=7, temperature=0.7), dict(top_p=0.9), dict(top_k=100),
                  dict(top_k=80, top_p=0.7)]  # fmt: skip
-    for kw in cases:
+    wants = ctx.once(*(partial(_value_grad, partial(fused_rl.truncated_logprobs,
+                                                    targets=targets, **kw), full, up)
+                       for kw in cases))  # fmt: skip
+    for kw, (want, w_grad) in zip(cases, wants, strict=True):
         unsharded = partial(fused_rl.truncated_logprobs, targets=targets, **kw)
-        want, w_grad = _value_grad(unsharded, full, up)
         o_lp = truncated_oracle(full, targets, **kw)
         for backend in BACKENDS:
             what = f"{kw} {backend}"
@@ -978,11 +1002,14 @@ def truncated_vocab_parallel(ctx):
             if backend == "triton" and kw == dict(top_p=0.9):  # a flat row: searched
                 assert names.count("all_reduce") > 1 and names.count("all_gather") == 2, names
     # bf16 shards; a soft cap with infinite logits (capped to +-c: finite rows)
-    for x, kw in ((full.bfloat16(), dict(top_k=9, top_p=0.9)),
-                  (full.index_fill(-1, torch.tensor([0, V - 1]), float("-inf")),
-                   dict(top_p=0.9, softcap=2.0))):  # fmt: skip
+    more = ((full.bfloat16(), dict(top_k=9, top_p=0.9)),
+            (full.index_fill(-1, torch.tensor([0, V - 1]), float("-inf")),
+             dict(top_p=0.9, softcap=2.0)))  # fmt: skip
+    wants = ctx.once(*(partial(_value_grad, partial(fused_rl.truncated_logprobs,
+                                                    targets=targets, **kw), x, up)
+                       for x, kw in more))  # fmt: skip
+    for (x, kw), (want, w_grad) in zip(more, wants, strict=True):
         unsharded = partial(fused_rl.truncated_logprobs, targets=targets, **kw)
-        want, w_grad = _value_grad(unsharded, x, up)
         got, grad = _value_grad(partial(unsharded, process_group=ctx.group), x[..., start:stop],
                                 up)  # fmt: skip
         _same_cut(got, want, f"{kw} {x.dtype}")
@@ -1027,46 +1054,57 @@ def truncated_vocab_parallel_radix(ctx):
     V = w * ctx.world
     start, stop = _shard_bounds([w] * ctx.world, ctx.rank)
 
-    def run(x, targets, n_reduces, oracle=True, **kw):
-        up = torch.randn(targets.shape, generator=torch.Generator().manual_seed(33))
-        unsharded = partial(fused_rl.truncated_logprobs, targets=targets, **kw)
-        want, w_grad = _value_grad(unsharded, x, up)
-        with _CountCollectives() as fwd:
-            got, grad = _value_grad(partial(unsharded, process_group=ctx.group),
-                                    x[..., start:stop], up)  # fmt: skip
-        what = f"{kw} {x.dtype}"
-        _same_cut(got, want, what)
-        fin = torch.isfinite(want)
-        wide = x.dtype == torch.float64
-        assert_rel(got[fin], want[fin], F64_TOL if wide else 1e-5, f"logp vs unsharded {what}")
-        if oracle:  # (float64 z keeps apart what the kernels' fp32 z merges)
-            o_lp = truncated_oracle(x, targets, **kw).to(got.dtype)
-            assert_rel(got[fin], o_lp[fin], F64_TOL if wide else FP32_TOL, f"oracle {what}")
-        tol = 1e-2 if x.dtype == torch.bfloat16 else (F64_TOL if wide else 1e-5)
-        assert_rel(grad.double(), w_grad[..., start:stop].double(), tol, f"grad {what}")
-        names = [c[0] for c in fwd.calls]
-        assert names[:2] == ["all_reduce", "all_gather"], f"{what}: {names}"
-        if n_reduces is not None:
-            assert names[2:] == ["all_reduce"] * n_reduces, f"{what}: {names}"
-        return got, names
+    def case(x, targets, n_reduces, oracle=True, **kw):
+        return x, targets, n_reduces, oracle, kw
+
+    def run(*cases):
+        """Each case ``(x, targets, n_reduces, oracle, kw)`` against the unsharded call (the
+        calls spread over the ranks): ``[(got, the collectives' names)]``."""
+        ups = [torch.randn(c[1].shape, generator=torch.Generator().manual_seed(33))
+               for c in cases]  # fmt: skip
+        wants = ctx.once(*(partial(_value_grad, partial(fused_rl.truncated_logprobs,
+                                                        targets=targets, **kw), x, up)
+                           for (x, targets, *_, kw), up in zip(cases, ups)))  # fmt: skip
+        out = []
+        for (x, targets, n_reduces, oracle, kw), up, (want, w_grad) in zip(cases, ups, wants):
+            unsharded = partial(fused_rl.truncated_logprobs, targets=targets, **kw)
+            with _CountCollectives() as fwd:
+                got, grad = _value_grad(partial(unsharded, process_group=ctx.group),
+                                        x[..., start:stop], up)  # fmt: skip
+            what = f"{kw} {x.dtype}"
+            _same_cut(got, want, what)
+            fin = torch.isfinite(want)
+            wide = x.dtype == torch.float64
+            assert_rel(got[fin], want[fin], F64_TOL if wide else 1e-5,
+                       f"logp vs unsharded {what}")  # fmt: skip
+            if oracle:  # (float64 z keeps apart what the kernels' fp32 z merges)
+                o_lp = truncated_oracle(x, targets, **kw).to(got.dtype)
+                assert_rel(got[fin], o_lp[fin], F64_TOL if wide else FP32_TOL, f"oracle {what}")
+            tol = 1e-2 if x.dtype == torch.bfloat16 else (F64_TOL if wide else 1e-5)
+            assert_rel(grad.double(), w_grad[..., start:stop].double(), tol, f"grad {what}")
+            names = [c[0] for c in fwd.calls]
+            assert names[:2] == ["all_reduce", "all_gather"], f"{what}: {names}"
+            if n_reduces is not None:
+                assert names[2:] == ["all_reduce"] * n_reduces, f"{what}: {names}"
+            out.append((got, names))
+        return out
 
     # k above every shard's 64 slots together: the slots cannot decide it
     k = 64 * ctx.world + 8
     x = torch.randn(2, 3, V, generator=g) * torch.tensor([2.0, 0.5, 4.0])[:, None]
     t = torch.randint(0, V, (2, 3), generator=g)
     t[1, 1] = -100
-    for dtype in (torch.float32, torch.bfloat16, torch.float64):
-        run(x.to(dtype), t, torch.finfo(dtype).bits // 8, top_k=k)
-    run(x, t, 4, top_k=k, temperature=0.7)
-    run(x, t, 5, top_k=k, softcap=2.0)
-    run(x, t, None, top_k=k, top_p=0.8)
-    # a row of ties: the gathered slots (and the ties they count) decide it, no radix pass
-    run(torch.ones(1, V), torch.tensor([3]), 0, top_k=k)
+    run(*(case(x.to(dtype), t, torch.finfo(dtype).bits // 8, top_k=k)
+          for dtype in (torch.float32, torch.bfloat16, torch.float64)),
+        case(x, t, 4, top_k=k, temperature=0.7), case(x, t, 5, top_k=k, softcap=2.0),
+        case(x, t, None, top_k=k, top_p=0.8),
+        # a row of ties: the gathered slots (and the ties they count) decide it, no radix
+        case(torch.ones(1, V), torch.tensor([3]), 0, top_k=k))  # fmt: skip
     # unchecked (no header read, as under torch.compile) top_k >= V is not turned off: the
     # radix select keeps every value, the unsharded call's values
     config.check_values = False
     try:
-        run(x, t, 4, False, top_k=V + 7)
+        run(case(x, t, 4, False, top_k=V + 7))
     finally:
         config.check_values = True
     # no token at all: an empty result on every rank
@@ -1089,16 +1127,17 @@ def truncated_vocab_parallel_radix(ctx):
     row = shards(torch.rand(70 * ctx.world, generator=g) + 0.5,
                  rest[torch.randperm(n_rest, generator=g)])  # fmt: skip
     neg_zero = int(((row == 0) & torch.signbit(row)).nonzero()[0])
-    for k in (70 * ctx.world + 5, 70 * ctx.world + 30):
-        got, _ = run(row[None], torch.tensor([neg_zero]), 4, top_k=k)
+    ks = (70 * ctx.world + 5, 70 * ctx.world + 30)
+    for k, (got, _) in zip(ks, run(*(case(row[None], torch.tensor([neg_zero]), 4, top_k=k)
+                                     for k in ks))):  # fmt: skip
         assert torch.isfinite(got).all(), f"-0.0 cut at k = {k}"
     # T = 0.7: the k-th logit's lower neighbour, on another shard, shares its z: kept
     x_k, below = fp32_neighbours_sharing_z(0.7)
     top = torch.rand(70 * ctx.world, generator=g) + 2.0
     top[69], top[70] = x_k, below  # shard 0's last held value, shard 1's first
     row = shards(top, -torch.rand(n_rest, generator=g))
-    got, _ = run(row[None], torch.tensor([w]), 4, False, top_k=70 * ctx.world - 1,
-                 temperature=0.7)  # fmt: skip
+    ((got, _),) = run(case(row[None], torch.tensor([w]), 4, False, top_k=70 * ctx.world - 1,
+                           temperature=0.7))  # fmt: skip
     assert torch.isfinite(got).all(), "the neighbour sharing the k-th's z was cut"
     # bf16 top-p inside a tie group below every shard's 64 largest: searched on 16-bit keys
     big = 400
@@ -1112,8 +1151,9 @@ def truncated_vocab_parallel_radix(ctx):
     row = row[torch.randperm(row.numel(), generator=g)].bfloat16()
     start, stop = _shard_bounds([big] * ctx.world, ctx.rank)
     tie = int((row == 2.0).nonzero()[0])
-    for temperature in (1.0, 0.7):
-        _, names = run(row[None], torch.tensor([tie]), None, top_p=0.8, temperature=temperature)
+    ties = (case(row[None], torch.tensor([tie]), None, top_p=0.8, temperature=temperature)
+            for temperature in (1.0, 0.7))  # fmt: skip
+    for _, names in run(*ties):
         searched = names.count("all_reduce") - 1
         assert 1 <= searched <= 4 and names.count("all_gather") == 2, names  # 7 on fp32 keys
 
@@ -1133,9 +1173,12 @@ def truncated_vocab_parallel_layouts(ctx):
     targets = torch.randint(widths[0], V, (2, 4), generator=g)
     up = torch.randn(2, 4, generator=g)
     start, stop = _shard_bounds(widths, ctx.rank)
-    for kw in (dict(top_k=5), dict(top_p=0.9), dict(top_k=70, top_p=0.8)):
+    cases = (dict(top_k=5), dict(top_p=0.9), dict(top_k=70, top_p=0.8))
+    wants = ctx.once(*(partial(_value_grad, partial(fused_rl.truncated_logprobs,
+                                                    targets=targets, **kw), full, up)
+                       for kw in cases))  # fmt: skip
+    for kw, (want, w_grad) in zip(cases, wants, strict=True):
         unsharded = partial(fused_rl.truncated_logprobs, targets=targets, **kw)
-        want, w_grad = _value_grad(unsharded, full, up)
         assert torch.isnan(want[0, 1]) and not torch.isnan(want[1, 0])
         for backend in BACKENDS:
             sharded = partial(unsharded, process_group=ctx.group, vocab_start=start,
@@ -1155,7 +1198,7 @@ def truncated_vocab_parallel_layouts(ctx):
     t = torch.tensor([0, 36, 5])
     start, stop = _shard_bounds([w] * ctx.world, ctx.rank)
     unsharded = partial(fused_rl.truncated_logprobs, targets=t, top_p=0.8)
-    want, w_grad = _value_grad(unsharded, padded[:, :37], torch.ones(3))
+    ((want, w_grad),) = ctx.once(partial(_value_grad, unsharded, padded[:, :37], torch.ones(3)))
     for backend in BACKENDS:
         sharded = partial(unsharded, process_group=ctx.group, vocab_size=37, backend=backend)
         got, grad = _value_grad(sharded, padded[:, start:stop], torch.ones(3))
@@ -1169,7 +1212,7 @@ def truncated_vocab_parallel_layouts(ctx):
     t64 = torch.tensor([1, 2])
     start, stop = _shard_bounds([40] * ctx.world, ctx.rank)
     unsharded = partial(fused_rl.truncated_logprobs, targets=t64, top_p=0.95)
-    want, w_grad = _value_grad(unsharded, x64, torch.ones(2))
+    ((want, w_grad),) = ctx.once(partial(_value_grad, unsharded, x64, torch.ones(2)))
     for backend in BACKENDS:
         sharded = partial(unsharded, process_group=ctx.group, backend=backend)
         got, grad = _value_grad(sharded, x64[:, start:stop], torch.ones(2, dtype=torch.float64))
@@ -1241,16 +1284,19 @@ def linear_truncated_vocab_parallel(ctx):
         torch.where(torch.isfinite(out), out * up, 0.0).sum().backward()
         return out.detach(), [leaf.grad for leaf in leaves]
 
-    for kw in (
-        dict(top_k=5),
-        dict(top_p=0.9),
-        dict(top_k=70, top_p=0.8),
-        dict(top_k=9, top_p=0.9, softcap=2.0),
-        dict(top_p=0.9, chunk_tokens=None),
-    ):
-        kw = dict(dict(chunk_tokens=3), **kw)  # None: the default chunks, ragged shards
-        unsharded = partial(fused_rl.linear_token_logprobs, targets=targets, **kw)
-        want, (w_h, w_w, w_b) = run(unsharded, hidden, weight, bias)
+    cases = [
+        dict(dict(chunk_tokens=3), **kw)  # None: the default chunks, ragged shards
+        for kw in (
+            dict(top_k=5),
+            dict(top_p=0.9),
+            dict(top_k=70, top_p=0.8),
+            dict(top_k=9, top_p=0.9, softcap=2.0),
+            dict(top_p=0.9, chunk_tokens=None),
+        )
+    ]
+    calls = [partial(fused_rl.linear_token_logprobs, targets=targets, **kw) for kw in cases]
+    wants = ctx.once(*(partial(run, call, hidden, weight, bias) for call in calls))
+    for kw, unsharded, (want, (w_h, w_w, w_b)) in zip(cases, calls, wants, strict=True):
         for backend in BACKENDS:
             what = f"{kw} {backend}"
             for reduce in (True, False):
@@ -1307,9 +1353,10 @@ def linear_exact_kl_vocab_parallel(ctx):
         (loss * 1.7).backward()
         return loss.detach(), metrics, [leaf.grad for leaf in leaves]
 
-    for options in (dict(), dict(importance_sampling="sequence")):
-        want, w_metrics, (w_h, w_w, w_b) = run(hidden, weight, bias, ref["ref_weight"],
-                                               ref["ref_bias"], **options)  # fmt: skip
+    variants = (dict(), dict(importance_sampling="sequence"))
+    wants = ctx.once(*(partial(run, hidden, weight, bias, ref["ref_weight"], ref["ref_bias"],
+                               **options) for options in variants))  # fmt: skip
+    for options, (want, w_metrics, (w_h, w_w, w_b)) in zip(variants, wants, strict=True):
         for backend in BACKENDS:
             what = f"{options} {backend}"
             got, metrics, (d_h, d_w, d_b) = run(
@@ -1361,16 +1408,49 @@ def divergence_layouts(ctx):
     hidden, t_hidden = torch.randn(B, T + 1, H, generator=g), torch.randn(B, T + 1, Ht, generator=g)
     weight, t_weight = torch.randn(V, H, generator=g), torch.randn(V, Ht, generator=g)
     targets = torch.randint(0, V, (B, T), generator=g)
-    x = full.clone().requires_grad_()
-    want_kl = fused_rl.token_kl(x, other, mask=mask, backend="triton")
-    (want_grad,) = torch.autograd.grad((want_kl * up).sum(), x)
-    distill = {}
-    for beta, own in ((0.0, 0), (1.0, 0), (0.5, 0), (0.3, 1)):  # own: each model's transform
+    pkw = dict(kl_estimator="full", beta=0.2, importance_sampling="sequence",
+               entropy_coef=0.01, mask=mask)  # fmt: skip
+    lkw = dict(ref_hidden=t_hidden, kl_estimator="full", beta=0.2, chunk_tokens=2,
+               importance_sampling="sequence")  # fmt: skip
+
+    # the unsharded calls, each (value, its gradients), spread over the ranks
+    def kl_ref():
         x = full.clone().requires_grad_()
-        own = OWN_TRANSFORMS[0] if own else {}
+        kl = fused_rl.token_kl(x, other, mask=mask, backend="triton")
+        return kl.detach(), torch.autograd.grad((kl * up).sum(), x)[0]
+
+    def distill_ref(beta, own):
+        x = full.clone().requires_grad_()
         loss, metrics = fused_rl.distill_loss(x, other, beta=beta, mask=mask, temperature=0.9,
                                               backend="triton", **own)  # fmt: skip
-        distill[beta] = (own, loss, metrics, torch.autograd.grad(loss * 1.3, x)[0])
+        return loss.detach(), metrics, torch.autograd.grad(loss * 1.3, x)[0]
+
+    def linear_distill_ref():
+        wl = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
+        loss, _ = fused_rl.linear_distill_loss(wl[0][:, :T], wl[1], t_hidden[:, :T], t_weight,
+                                               beta=0.5, mask=mask, chunk_tokens=2,
+                                               backend="triton")  # fmt: skip
+        return loss.detach(), torch.autograd.grad(loss, wl)
+
+    def policy_ref():
+        x = full.clone().requires_grad_()
+        loss, metrics = fused_rl.policy_loss(x, targets, up[:, 0], ref_logits=other,
+                                             backend="triton", **pkw)  # fmt: skip
+        return loss.detach(), metrics, torch.autograd.grad(loss, x)[0]
+
+    def linear_policy_ref():
+        wl = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
+        loss, metrics = fused_rl.linear_policy_loss(
+            wl[0], wl[1], targets, up[:, 0], ref_weight=t_weight, backend="triton", **lkw
+        )
+        return loss.detach(), metrics, torch.autograd.grad(loss, wl)
+
+    transforms = {0.0: {}, 1.0: {}, 0.5: {}, 0.3: OWN_TRANSFORMS[0]}  # each model's own at 0.3
+    (want_kl, want_grad), want_ld, want_p, want_lp, *wants = ctx.once(
+        kl_ref, linear_distill_ref, policy_ref, linear_policy_ref,
+        *(partial(distill_ref, beta, own) for beta, own in transforms.items()),
+    )  # fmt: skip
+    distill = {beta: (transforms[beta], *want) for beta, want in zip(transforms, wants)}
     for name, (start, stop), columns, layout in _layouts(ctx, V):
         for backend in BACKENDS:
             what = f"{name} {backend}"
@@ -1407,24 +1487,15 @@ def divergence_layouts(ctx):
                 leaves[0][:, :T], leaves[1], t_hidden[:, :T], twp[start:stop], beta=0.5,
                 mask=mask, chunk_tokens=2, process_group=ctx.group, backend=backend, **layout,
             )  # fmt: skip
-            wl = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
-            want, _ = fused_rl.linear_distill_loss(wl[0][:, :T], wl[1], t_hidden[:, :T],
-                                                   t_weight, beta=0.5, mask=mask, chunk_tokens=2,
-                                                   backend="triton")  # fmt: skip
+            want, (want_dh, want_dw) = want_ld
             assert_rel(loss, want, FP32_TOL, f"linear_distill {what}")
             loss.backward()
-            want.backward()
-            assert_rel(leaves[0].grad, wl[0].grad, FP32_TOL, f"linear_distill dH {what}")
-            assert_rel(leaves[1].grad[:valid], wl[1].grad[start : start + valid], FP32_TOL,
+            assert_rel(leaves[0].grad, want_dh, FP32_TOL, f"linear_distill dH {what}")
+            assert_rel(leaves[1].grad[:valid], want_dw[start : start + valid], FP32_TOL,
                        f"linear_distill dW {what}")  # fmt: skip
             assert (leaves[1].grad[valid:] == 0).all()
             # policy_loss on the logits (and its module): the log-probs and the exact KL
-            pkw = dict(kl_estimator="full", beta=0.2, importance_sampling="sequence",
-                       entropy_coef=0.01, mask=mask)  # fmt: skip
-            x = full.clone().requires_grad_()
-            want, want_metrics = fused_rl.policy_loss(x, targets, up[:, 0], ref_logits=other,
-                                                      backend="triton", **pkw)  # fmt: skip
-            (want_g,) = torch.autograd.grad(want, x)
+            want, want_metrics, want_g = want_p
             module = PolicyLoss(kl_estimator="full", beta=0.2,
                                             importance_sampling="sequence", entropy_coef=0.01,
                                             process_group=ctx.group, backend=backend,
@@ -1447,23 +1518,17 @@ def divergence_layouts(ctx):
                 assert_rel(g_x[..., :valid], want_g[..., start : start + valid], FP32_TOL,
                            f"policy_loss grad {what}")  # fmt: skip
                 assert (g_x[..., valid:] == 0).all()
-            kw = dict(ref_hidden=t_hidden, kl_estimator="full", beta=0.2, chunk_tokens=2,
-                      importance_sampling="sequence")  # fmt: skip
             leaves = [hidden.clone().requires_grad_(), wp[start:stop].clone().requires_grad_()]
             loss, metrics = fused_rl.linear_policy_loss(
                 leaves[0], leaves[1], targets, up[:, 0], ref_weight=twp[start:stop],
-                process_group=ctx.group, backend=backend, **layout, **kw,
+                process_group=ctx.group, backend=backend, **layout, **lkw,
             )  # fmt: skip
-            wl = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
-            want, want_metrics = fused_rl.linear_policy_loss(
-                wl[0], wl[1], targets, up[:, 0], ref_weight=t_weight, backend="triton", **kw
-            )
+            want, want_metrics, (want_dh, want_dw) = want_lp
             assert_rel(loss, want, FP32_TOL, f"linear_policy_loss {what}")
             assert_rel(metrics["kl"], want_metrics["kl"], FP32_TOL, f"kl {what}")
             loss.backward()
-            want.backward()
-            assert_rel(leaves[0].grad, wl[0].grad, FP32_TOL, f"linear_policy_loss dH {what}")
-            assert_rel(leaves[1].grad[:valid], wl[1].grad[start : start + valid], FP32_TOL,
+            assert_rel(leaves[0].grad, want_dh, FP32_TOL, f"linear_policy_loss dH {what}")
+            assert_rel(leaves[1].grad[:valid], want_dw[start : start + valid], FP32_TOL,
                        f"linear_policy_loss dW {what}")  # fmt: skip
     # a layout the ranks disagree on: ValueError on every rank, checked; NaN unchecked
     start, stop = _shard_bounds([2] * ctx.world, ctx.rank)
