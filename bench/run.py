@@ -671,6 +671,11 @@ def run_host(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    with M.heap_frozen():
+        return _run(args)
+
+
+def _run(args) -> int:
     if args.command == "host":
         run_host(args)
         return 0
