@@ -156,17 +156,26 @@ def test_softcap(beta, backend):
         assert rel_err(a, e) <= FP32_TOL
 
 
+# every case at a generalized JSD; the two KLs (beta 0 and 1, their own branches of the
+# kernels) with every transform differing
+TRANSFORM_BETAS = [
+    *((case, 0.3) for case in ("student_scaled", "teacher_capped", "caps_differ", "all_differ",
+                               "scaled_alike")),
+    ("all_differ", 0.0),
+    ("all_differ", 1.0),
+]  # fmt: skip
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
-@pytest.mark.parametrize("case", ["student_scaled", "teacher_capped", "caps_differ",
-                                  "all_differ", "scaled_alike"])  # fmt: skip
+@pytest.mark.parametrize("case, beta", TRANSFORM_BETAS)
 def test_each_model_its_own_transform(case, beta, dtype, backend):
     """Each model's chunk logits through its own ``c tanh(s x / c) / T``
     (``tests/test_distill.py`` ``SPLIT_CASES``): the float64 oracle on the materialised
     logits (each model's transform, then TRL's divergence), gradients of hidden, weight and
     bias through the student's scale and cap; a float mask, ignored targets, chunks of 4
-    over 14; bf16 against twice the materialised ``distill_loss`` in bf16."""
+    over 14; bf16 against twice the materialised ``distill_loss`` in bf16. (Each beta with
+    one transform at a time: ``tests/test_distill.py``, the same kernels on the logits.)"""
     student, teacher, g = make(dtype=dtype, seed=7 + int(beta * 10))
     mask = torch.rand(B, T, generator=g).to(DEVICE)
     mask[0, 2] = 0.0
