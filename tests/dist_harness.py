@@ -6,6 +6,8 @@ gloo ranks in ONE spawn (cached per module and world size) and returns each rank
 traceback for a check, so a parametrised test per (world, check) reads its verdict without
 spawning again. Fresh
 ``torch.empty`` buffers are NaN-filled on the ranks, as tests/conftest.py does in process.
+:meth:`Ctx.once` runs a check's unsharded reference calls once over the group, the ranks
+taking turns, instead of once on every rank (the ranks share the machine's cores).
 """
 
 from __future__ import annotations
