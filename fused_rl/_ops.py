@@ -11,6 +11,17 @@ one launcher and the one autograd formula, and dispatches:
   from the same ``setup_context`` / ``backward``;
 * otherwise: the launcher itself.
 
+A launcher's ``hyper: list[float]`` (a policy loss's table of hyper-parameters,
+``PolicyConfig.kernel_params``) may change every step (an adaptive KL coefficient, an entropy
+schedule). A custom op's ``float`` arguments are constants of the graph, so each new value
+recompiles. With ``fused_rl.config.scheduled_hyperparameters`` on, a call being compiled
+goes to a twin op, ``fused_rl::<name>_scheduled``, that takes the values as one float64 CPU
+tensor (built by arithmetic on Dynamo's unspecialised floats, which keeps them symbolic) and
+``hyper`` as its pattern of zeros (the fake and the autograd setup decide output shapes and
+kernel switches on ``!= 0`` alone; the launcher gets the values). A new zero pattern
+compiles again, as it launches other kernels. (Dynamo reports a symbolic float as a
+``float``, not a ``torch.SymFloat``, so the route cannot be taken for symbolic values only.)
+
 Example:
     >>> import torch
     >>> from fused_rl._ops import FusedOp
@@ -29,12 +40,14 @@ Example:
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 import warnings
 from collections.abc import Callable
 
 import torch
 
+from . import config
 from ._backend import interpreter_requested
 from .reference.logprobs import differentiable_once
 
@@ -99,11 +112,25 @@ def _tracing() -> bool:
     )
 
 
+def _zero_pattern(hyper) -> list[float]:
+    """``hyper`` with each value replaced by 0.0 or 1.0, as it is zero or not (compiling: a
+    guard on that alone, not on the value)."""
+    return [0.0 if v == 0.0 else 1.0 for v in hyper]
+
+
+def _packed(hyper) -> torch.Tensor:
+    """``hyper`` as a float64 CPU tensor, by arithmetic on the values (``torch.tensor`` of a
+    symbolic float would guard on its value; ``0 * inf`` rules out a sum of basis vectors)."""
+    zero = torch.zeros((), dtype=torch.float64, device="cpu")
+    return torch.stack([zero + v for v in hyper])
+
+
 class FusedOp:
     """``fused_rl::<name>`` around ``launcher`` (positional arguments only, annotated)."""
 
     def __init__(self, name: str, launcher: Callable):
         schema = torch.library.infer_schema(launcher, mutates_args=())
+        params = list(inspect.signature(launcher).parameters)
         self.launcher = launcher = _serialised_when_interpreting(launcher)
         self.op = torch.library.custom_op(
             f"fused_rl::{name}", launcher, mutates_args=(), schema=schema
@@ -111,9 +138,25 @@ class FusedOp:
         self.function: type[torch.autograd.Function] | None = None
         self.__doc__ = launcher.__doc__
         self.__name__ = name
+        self.scheduled = None  # the twin taking ``hyper``'s values as a tensor
+        if "hyper" in params:
+            self._hyper_at = at = params.index("hyper")
+
+            def scheduled(*args):
+                *args, values = args
+                args[at] = values.tolist()  # a CPU tensor: no device sync
+                return launcher(*args)
+
+            head, tail = schema.split(") -> ", 1)
+            self.scheduled = torch.library.custom_op(
+                f"fused_rl::{name}_scheduled", scheduled, mutates_args=(),
+                schema=f"{head}, Tensor hyper_values) -> {tail}",
+            )  # fmt: skip
 
     def register_fake(self, fake: Callable) -> None:
         self.op.register_fake(fake)
+        if self.scheduled is not None:
+            self.scheduled.register_fake(lambda *args: fake(*args[:-1]))
 
     def register_autograd(
         self, backward: Callable, *, setup_context: Callable, once: bool = True
@@ -124,6 +167,16 @@ class FusedOp:
         if once:  # off only for a backward that marks its own gradients (masked reductions)
             backward = _differentiable_once(backward)
         self.op.register_autograd(backward, setup_context=setup_context)
+        if self.scheduled is not None:
+
+            def scheduled_backward(ctx, *grads):  # one more input: the values, no gradient
+                out = tuple(backward(ctx, *grads))
+                return out + (None,) * (len(ctx.needs_input_grad) - len(out))
+
+            self.scheduled.register_autograd(
+                scheduled_backward,
+                setup_context=lambda ctx, inputs, output: setup_context(ctx, inputs[:-1], output),
+            )
         launcher = self.launcher
 
         def forward(ctx, *args):
@@ -140,6 +193,15 @@ class FusedOp:
         )
 
     def __call__(self, *args):
+        if (
+            self.scheduled is not None
+            and config.scheduled_hyperparameters
+            and torch.compiler.is_compiling()
+        ):
+            at = self._hyper_at
+            hyper = args[at]
+            pattern = (*args[:at], _zero_pattern(hyper), *args[at + 1 :])
+            return self.scheduled(*pattern, _packed(hyper))
         if torch.compiler.is_compiling() or _tracing():
             return self.op(*args)
         if self.function is not None and _needs_grad(args):

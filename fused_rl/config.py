@@ -18,8 +18,19 @@ so a row's logits, log-prob, entropy and hidden gradient do not depend on how ma
 call holds, where the row sits or what surrounds it (docs/numerics.md, "Batch invariance").
 It costs at most ``chunk - 1`` padded rows of GEMM work per call (none when the row count
 is a multiple of the chunk); False gives the last chunk a GEMM of its own rows only.
+
+``scheduled_hyperparameters``: under ``torch.compile``, the policy losses' hyper-parameters
+(``eps_low`` / ``eps_high``, ``beta``, ``entropy_coef``, ``dual_clip``, ``delta``, the
+surrogates' own, ``log_ratio_clamp``: ``PolicyConfig.kernel_params``) reach the kernels as
+a float64 CPU tensor made in the graph, not as constants of the graph, so a coefficient that
+changes every step (an adaptive KL controller, an entropy schedule) compiles twice, not once
+per value (``fullgraph=True`` would raise at Dynamo's ninth). A value turning 0 or non-0
+compiles again (other kernels run). The cost: a few CPU ops in the graph (Inductor then
+skips CUDA graphs for it) and one ``tolist`` of that CPU tensor per call; eager calls are
+unchanged. ``temperature`` and ``softcap`` stay constants.
 """
 
 check_values: bool = True
 skip_padding_rows: bool = True
 batch_invariant: bool = True
+scheduled_hyperparameters: bool = False

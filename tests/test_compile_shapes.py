@@ -11,7 +11,9 @@ must compile at most twice, with the eager call's values and gradients.
 A hyper-parameter that changes (a scheduled ``beta`` or ``eps_low``) recompiles (the kernels
 take it as a constant; the ninth distinct value meets the same limit) but its second value
 must not fail: the validation compares instead of calling ``math.isfinite``, which Dynamo
-cannot trace on a symbolic number.
+cannot trace on a symbolic number. With ``config.scheduled_hyperparameters`` the policy
+losses' table reaches the kernels as a tensor: a new value every step compiles twice, a
+value turning zero once more.
 
 The ops from hidden states loop over chunks of tokens in Python, which would fix the
 graph's token count: on one device they run each loop inside a custom op while compiling,
@@ -116,6 +118,63 @@ def test_changing_hyperparameters_do_not_fail(backend):
     for i in range(3):
         args = (0.2 - 0.05 * i, 0.1 + 0.1 * i, 1.0 - 0.1 * i, 0.01 * i, 1.0 + i)
         assert_rel(compiled(d, *args), fn(d, *args), 1e-6, f"step {i}")
+
+
+def _from_logprobs(logp, entropy, d, be, **kw):
+    return fused_rl.policy_loss_from_logprobs(
+        logp, d["adv"], old_logprobs=d["old"], ref_logprobs=d["old"] + 0.1, mask=d["mask"],
+        entropy=entropy, backend=be, **kw)[0]  # fmt: skip
+
+
+SCHEDULED = {
+    "ppo_k3": lambda d, be, **kw: _policy(d, None, be, ref_logprobs=d["old"] + 0.1, **kw),
+    "gspo_exact_kl": lambda d, be, **kw: _policy(d, None, be, importance_sampling="sequence",
+                                                 ref_logits=d["ref"], kl_estimator="full", **kw),
+    "from_logprobs": lambda d, be, **kw: _from_logprobs(
+        *fused_rl.token_logprobs(d["x"], d["targets"], return_entropy=True, backend=be), d,
+        be, **kw),
+    "linear_grpo": lambda d, be, **kw: fused_rl.linear_policy_loss(
+        d["x"], d["w"], d["targets"], d["adv"], old_logprobs=d["old"],
+        ref_logprobs=d["old"] + 0.1, mask=d["mask"], chunk_tokens=4, backend=be, **kw)[0],
+}  # fmt: skip
+
+
+@pytest.fixture
+def scheduled_hyperparameters():
+    fused_rl.config.scheduled_hyperparameters = True
+    try:
+        yield
+    finally:
+        fused_rl.config.scheduled_hyperparameters = False
+
+
+@pytest.mark.parametrize("name", list(SCHEDULED))
+def test_scheduled_hyperparameters_compile_twice(name, scheduled_hyperparameters):
+    """``config.scheduled_hyperparameters``: ``beta``, ``entropy_coef`` and ``eps_low`` new
+    at every step (an adaptive KL controller, an entropy schedule) compile twice, the eager
+    call's values and gradients at each; ``entropy_coef`` turning 0 (no entropy kernel) once
+    more, and back to the symbolic graph after it."""
+    fn = SCHEDULED[name]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    d = _batch(5, seed=3)
+    d["w"] = torch.randn(V, 3, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    if name == "linear_grpo":  # hidden states (2, T, 3) in place of the logits
+        d["x"] = d["x"][..., :3].contiguous()
+    coefs = (0.01, 0.02, 0.0, 0.03, 0.05)
+    for i, coef in enumerate(coefs):
+        kw = dict(beta=0.1 + 0.07 * i, entropy_coef=coef, eps_low=0.2 - 0.01 * i)
+        x = d["x"].clone().requires_grad_()
+        got = compiled(dict(d, x=x), "triton", **kw)
+        got.backward()
+        x_e = d["x"].clone().requires_grad_()
+        want = fn(dict(d, x=x_e), "triton", **kw)
+        want.backward()
+        assert_rel(got, want, 1e-6, f"{name} step {i}")
+        assert_rel(x.grad, x_e.grad, 1e-6, f"{name} grad step {i}")
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs <= 3, f"{name}: {graphs} graphs for {len(coefs)} steps"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
