@@ -1693,7 +1693,8 @@ def _sharded_heads(d, be, grp):
 def compiled_token_counts(ctx):
     """The vocabulary-parallel ops from hidden states run each chunk loop inside one custom
     op while compiling (the group travels by name), as on one device: a new token count each
-    step (chunks of 4 rows: 2, 3 and 5 chunks) compiles at most twice, with the eager call's
+    step (chunks of 4 rows: 2, 3 and 5 chunks) compiles at most twice (all the ops in one
+    compiled function, each with its own leaves), with the eager call's
     values and this rank's gradients of the hidden states, the lm_head shard and its bias.
     A padded vocabulary (the last rank's last row padding); at 2 ranks only. The reference
     backend for ``exact_kl`` only: while compiling, both backends trace the same sharded
@@ -1706,35 +1707,44 @@ def compiled_token_counts(ctx):
     vocab = w * ctx.world - 1
     start, stop = _shard_bounds([w] * ctx.world, ctx.rank)
     grp = dict(process_group=ctx.group, vocab_size=vocab)
-    for name in SHARDED_HEADS:
-        for backend in BACKENDS if name == "exact_kl" else ("triton",):
-            torch._dynamo.reset()
-            torch._dynamo.utils.counters.clear()
-            fn = lambda d, be=backend, name=name: _sharded_heads(d, be, grp)[name]()  # noqa: E731
-            compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
-            for i, T in enumerate((5, 9, 3)):
-                g = ctx.gen(100 + i)
-                d = dict(h=torch.randn(2, T, H, generator=g),
-                         w=torch.randn(w * ctx.world, H, generator=g)[start:stop],
-                         b=torch.randn(w * ctx.world, generator=g)[start:stop],
-                         targets=torch.randint(0, vocab, (2, T), generator=g),
-                         up=torch.rand(2, T, generator=g) + 0.5, adv=torch.randn(2, generator=g),
-                         old=torch.randn(2, T, generator=g) - 3.0,
-                         mask=torch.rand(2, T, generator=g) > 0.2,
-                         rh=torch.randn(2, T, H, generator=g),
-                         rw=torch.randn(w * ctx.world, H, generator=g)[start:stop])  # fmt: skip
-                d["targets"][0, 0] = -100
-                d["n"] = 7 + 3 * i  # the trainer's count: an int, new each step
-                results = []
-                for f in (compiled, fn):
-                    leaves = {k: d[k].clone().requires_grad_() for k in ("h", "w", "b")}
-                    out = f(dict(d, **leaves))
-                    (out * d["up"].expand_as(out) if out.dim() else out).sum().backward()
-                    results.append((out.detach(), *(leaves[k].grad for k in ("h", "w", "b"))))
-                for got, want, what in zip(*results, ("value", "grad h", "grad w", "grad b")):
-                    assert_rel(got, want, 1e-6, f"{name} {backend} {what} T={T}")
-            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-            assert graphs <= 2, f"{name} {backend}: {graphs} graphs for 3 token counts"
+    # every (op, backend) in one compiled function (each its own leaves): one graph, and one
+    # recompile for the symbolic count, for all of them (a compile per op was the check's cost)
+    pairs = [(name, be) for name in SHARDED_HEADS
+             for be in (BACKENDS if name == "exact_kl" else ("triton",))]  # fmt: skip
+
+    def heads(ds):
+        return [_sharded_heads(d, be, grp)[name]() for (name, be), d in zip(pairs, ds, strict=True)]
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(heads, fullgraph=True, backend="aot_eager")
+    for i, T in enumerate((5, 9, 3)):
+        g = ctx.gen(100 + i)
+        d = dict(h=torch.randn(2, T, H, generator=g),
+                 w=torch.randn(w * ctx.world, H, generator=g)[start:stop],
+                 b=torch.randn(w * ctx.world, generator=g)[start:stop],
+                 targets=torch.randint(0, vocab, (2, T), generator=g),
+                 up=torch.rand(2, T, generator=g) + 0.5, adv=torch.randn(2, generator=g),
+                 old=torch.randn(2, T, generator=g) - 3.0,
+                 mask=torch.rand(2, T, generator=g) > 0.2,
+                 rh=torch.randn(2, T, H, generator=g),
+                 rw=torch.randn(w * ctx.world, H, generator=g)[start:stop])  # fmt: skip
+        d["targets"][0, 0] = -100
+        d["n"] = 7 + 3 * i  # the trainer's count: an int, new each step
+        results = []
+        for f in (compiled, heads):
+            leaves = [{k: d[k].clone().requires_grad_() for k in ("h", "w", "b")} for _ in pairs]
+            outs = f([dict(d, **lv) for lv in leaves])
+            sum(
+                (out * d["up"].expand_as(out) if out.dim() else out).sum() for out in outs
+            ).backward()
+            results.append([(out.detach(), *(lv[k].grad for k in ("h", "w", "b")))
+                            for out, lv in zip(outs, leaves, strict=True)])  # fmt: skip
+        for (name, backend), got, want in zip(pairs, *results, strict=True):
+            for a, e, what in zip(got, want, ("value", "grad h", "grad w", "grad b"), strict=True):
+                assert_rel(a, e, 1e-6, f"{name} {backend} {what} T={T}")
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs <= 2, f"{graphs} graphs for 3 token counts"
     _group_ok(ctx)
 
 
