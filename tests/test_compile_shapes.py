@@ -148,8 +148,13 @@ def scheduled_hyperparameters():
         fused_rl.config.scheduled_hyperparameters = False
 
 
+# Inductor on a GPU: the hyper-parameter table is a CPU tensor made in the CUDA graph
+INDUCTOR_ON_GPU = pytest.param("inductor", marks=[pytest.mark.gpu, pytest.mark.no_poison])
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", INDUCTOR_ON_GPU])
 @pytest.mark.parametrize("name", list(SCHEDULED))
-def test_scheduled_hyperparameters_compile_twice(name, scheduled_hyperparameters):
+def test_scheduled_hyperparameters_compile_twice(name, compiler, scheduled_hyperparameters):
     """``config.scheduled_hyperparameters``: ``beta``, ``entropy_coef`` and ``eps_low`` new
     at every step (an adaptive KL controller, an entropy schedule) compile twice, the eager
     call's values and gradients at each; ``entropy_coef`` turning 0 (no entropy kernel) once
@@ -157,7 +162,7 @@ def test_scheduled_hyperparameters_compile_twice(name, scheduled_hyperparameters
     fn = SCHEDULED[name]
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(fn, fullgraph=True, backend=compiler)
     d = _batch(5, seed=3)
     d["w"] = torch.randn(V, 3, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     if name == "linear_grpo":  # hidden states (2, T, 3) in place of the logits
