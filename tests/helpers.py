@@ -187,11 +187,15 @@ def helper_calls_patch_once():
         yield
         return
     original = interpreter._patch_lang
+    modules: dict = {}  # id(globals) -> the language modules in them (a scan each call cost)
 
     def once(fn):
         # the modules it would patch (fn's globals: triton.language and / or its core), each
         # already patched (its builtins replaced) by the launch or an earlier helper call
-        langs = [v for v in fn.__globals__.values() if v is tl or v is tl.core]
+        langs = modules.get(id(fn.__globals__))
+        if langs is None:
+            langs = [v for v in fn.__globals__.values() if v is tl or v is tl.core]
+            modules[id(fn.__globals__)] = langs
         if langs and not any(tl.core.is_builtin(lang.arange) for lang in langs):
             return interpreter._LangPatchScope()
         return original(fn)
