@@ -18,7 +18,7 @@ from ._ops import FusedOp, _serialised_when_interpreting
 # top-k with k up to this is kept in registers in one pass (kernels/vocab/truncated.py KS)
 MAX_STREAMED_K = 64
 N_CAND = 16  # candidate thresholds per search pass: the key range shrinks 16-fold a pass
-SEARCH_BLOCK = 128  # logits per step of a search pass (a (128, 16) comparison tile)
+SEARCH_BLOCK = 64  # logits per step of a search pass (a (16, 64) comparison tile)
 # search passes at most (kernels/vocab/truncated.py ``_search``): up to 3 on evenly spaced
 # values, then 4 bits of the key a pass: fp32 keys 32 bits (8), fp64 keys 64 bits (16, plus
 # ~3 for the halving that keeps int64 from overflowing); bf16 / fp16 logits without the soft

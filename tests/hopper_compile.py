@@ -21,6 +21,7 @@ from pathlib import Path
 import triton
 import triton.language as tl
 from fused_rl.kernels.modes import KL_KINDS, POLICY_PARAMS
+from fused_rl.kernels.vocab.truncated import _bracket_sums
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -232,19 +233,83 @@ def offset_check_works() -> list[str]:
     return problems
 
 
-def _cuobjdump() -> str:
-    """The cuobjdump Triton ships (``triton.knobs`` on recent Triton, its ``bin`` folder on
-    older), else one on the PATH."""
+def _nvidia_tool(name: str) -> str:
+    """The ``cuobjdump`` / ``nvdisasm`` Triton ships (``triton.knobs`` on recent Triton, its
+    ``bin`` folder on older), else one on the PATH."""
     try:
         from triton import knobs
 
-        return knobs.nvidia.cuobjdump.path
+        return getattr(knobs.nvidia, name).path
     except (ImportError, AttributeError):
-        bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-        found = str(bundled) if bundled.exists() else shutil.which("cuobjdump")
+        bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+        found = str(bundled) if bundled.exists() else shutil.which(name)
         if found is None:
-            raise AssertionError("no cuobjdump: the spill check cannot read a cubin") from None
+            raise AssertionError(f"no {name}: the check cannot read a cubin") from None
         return found
+
+
+def _cuobjdump() -> str:
+    return _nvidia_tool("cuobjdump")
+
+
+@triton.jit
+def _search_pass_probe(row_ptr, out_ptr, n_read, stride_v, inv_t, m, lo, hi,
+                       N_CAND: tl.constexpr, SEARCH_BLOCK: tl.constexpr):  # fmt: skip
+    """One top-p search pass (``kernels/vocab/truncated.py`` ``_bracket_sums``) alone in a
+    kernel: its loop is the kernel's one loop."""
+    j = tl.arange(0, N_CAND)
+    cand = lo + (hi - lo) * j.to(tl.float32) / N_CAND
+    cnt, mass = _bracket_sums(row_ptr, n_read, stride_v, inv_t, inv_t, m, lo, hi, cand, N_CAND,
+                              SEARCH_BLOCK, False, tl.float32)  # fmt: skip
+    tl.store(out_ptr + j, mass + cnt.to(tl.float32))
+
+
+def search_pass_instructions(search_block: int, n_cand: int, num_warps: int) -> float:
+    """sm_90 SASS instructions (per warp) a logit of a top-p search pass costs, bf16 logits
+    at ``search_block`` logits a step: the pass is compute-bound, so this is its time."""
+    signature = {"row_ptr": "*bf16", "out_ptr": "*fp32", "n_read": "i32", "stride_v": "i64",
+                 "inv_t": "fp32", "m": "fp32", "lo": "fp32", "hi": "fp32",
+                 "N_CAND": "constexpr", "SEARCH_BLOCK": "constexpr"}  # fmt: skip
+    source = ASTSource(fn=_search_pass_probe, signature=signature,
+                       constexprs={"N_CAND": n_cand, "SEARCH_BLOCK": search_block})  # fmt: skip
+    cubin = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": num_warps}).asm["cubin"]  # fmt: skip
+    loops = innermost_loops(cubin)
+    if len(loops) != 1:
+        raise AssertionError(f"the search-pass probe has {len(loops)} innermost loops, not 1")
+    return loops[0] * num_warps / search_block
+
+
+def innermost_loops(cubin: bytes) -> list[int]:
+    """The instruction counts of the innermost loops of the kernel in ``cubin`` (its sm_90
+    SASS, ``nvdisasm``: a branch back to an earlier label, with no such loop inside),
+    largest first. A static measure of a compute-bound loop's work per step."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        out = subprocess.run([_nvidia_tool("nvdisasm"), "-c", str(path)], capture_output=True,
+                             text=True)  # fmt: skip
+    if out.returncode != 0:
+        raise AssertionError(f"nvdisasm failed:\n{out.stderr[-2000:]}")
+    labels, pending, addresses, loops = {}, [], [], []
+    for line in out.stdout.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        ins = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if not ins:
+            continue
+        at = int(ins.group(1), 16)
+        labels.update(dict.fromkeys(pending, at))
+        pending = []
+        addresses.append(at)
+        back = re.search(r"BRA\s+`\((\.L_x_\d+)\)", ins.group(2))
+        if back and labels.get(back.group(1), at) < at:  # not the end's one-branch spin
+            loops.append((labels[back.group(1)], at))
+    inner = [(lo, hi) for lo, hi in loops
+             if not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in loops)]  # fmt: skip
+    return sorted((sum(lo <= a <= hi for a in addresses) for lo, hi in inner), reverse=True)
 
 
 def stack_bytes(cubin: bytes) -> int:
