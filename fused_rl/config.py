@@ -27,7 +27,9 @@ changes every step (an adaptive KL controller, an entropy schedule) compiles twi
 per value (``fullgraph=True`` would raise at Dynamo's ninth). A value turning 0 or non-0
 compiles again (other kernels run). The cost: a few CPU ops in the graph (Inductor then
 skips CUDA graphs for it) and one ``tolist`` of that CPU tensor per call; eager calls are
-unchanged. ``temperature`` and ``softcap`` stay constants.
+unchanged. ``temperature`` and ``softcap`` stay constants. Set it before the first compile,
+and pass the values as arguments of the compiled function: a ``PolicyLoss`` module's own
+``policy_config`` attribute is specialised on by Dynamo (each value recompiles).
 """
 
 check_values: bool = True

@@ -16,6 +16,7 @@ import contextlib
 import importlib
 import json
 import os
+import pickle
 import sys
 import tempfile
 import time
@@ -52,17 +53,18 @@ class Ctx:
         across calls of ``once`` too) and its result sent to every rank: for the unsharded
         reference calls, whose inputs are the same everywhere (the generators are seeded
         alike), so that the ranks do not each repeat them. A call must not draw from a
-        shared generator (only one rank would). Results are pickled: detached tensors,
-        tuples, dicts. A call that raises fails the check on every rank (its traceback in
-        the message), never a rank alone, which would leave the others in a collective."""
+        shared generator (only one rank would), nor use the process group (only one rank
+        runs it). Results are pickled: detached tensors, tuples, dicts. A call that raises
+        (or returns what cannot be pickled) fails the check on every rank, its traceback in
+        the message, never a rank alone, which would leave the others in a collective."""
         owner = [(self._turn + i) % self.world for i in range(len(calls))]
         self._turn += len(calls)
         mine = {}
         for i, call in enumerate(calls):
             if owner[i] == self.rank:
                 try:
-                    mine[i] = (None, call())
-                except Exception:  # noqa: BLE001 - sent to every rank, raised there
+                    mine[i] = (None, pickle.dumps(call()))
+                except BaseException:  # noqa: B036 - pytest.fail too: raised on every rank
                     mine[i] = (traceback.format_exc(), None)
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, mine, group=self.group)
@@ -71,7 +73,7 @@ class Ctx:
             error, value = gathered[owner[i]][i]
             if error is not None:
                 raise AssertionError(f"reference call {i} failed on rank {owner[i]}:\n{error}")
-            results.append(value)
+            results.append(pickle.loads(value))
         return results
 
 
@@ -146,6 +148,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, module: str) ->
                 continue
             try:
                 t0 = time.perf_counter()
+                ctx._turn = 0  # a check left early (on one rank) leaves the next in step
                 fn(ctx)
                 if os.environ.get("FUSED_RL_TIME_CHECKS"):
                     print(f"rank {rank} {name}: {time.perf_counter() - t0:.2f} s", flush=True)

@@ -752,7 +752,9 @@ def exact_kl_vocab_parallel(ctx):
         return loss.detach(), metrics, whole.grad
 
     wants = ctx.once(*(partial(unsharded, ref_full) for ref_full in ref_fulls))
-    for spread, ref_full, (ref_loss, ref_metrics, ref_grad) in zip(spreads, ref_fulls, wants):
+    for spread, ref_full, (ref_loss, ref_metrics, ref_grad) in zip(
+        spreads, ref_fulls, wants, strict=True
+    ):
         # the oracle: float64 on the whole vocabulary, positions 0 .. T-1 predict the targets
         x = full.double().requires_grad_()
         lp = torch.log_softmax(x[:, :T], -1)
@@ -1047,8 +1049,9 @@ def truncated_vocab_parallel_radix(ctx):
     all-reduces of the digit histograms (one more with the soft cap), none when the gathered
     slots decide every row. And a bf16 top-p cut inside a group of tied values below every
     shard's 64 largest, searched on the logits' own 16-bit keys. At 3 ranks the merges of
-    more than two shards: fp32, top-p on top, the signed zeros and the neighbour (the key
-    widths, the transforms and the 16-bit search do not depend on the world size)."""
+    more than two shards: fp32, top-p on top, the signed zeros at one k and the neighbour
+    (the key widths, the transforms, the 16-bit search, the row of ties decided by the
+    gathered slots and the unchecked ``k >= V`` run at 2 ranks only)."""
     from test_truncated import oracle as truncated_oracle
 
     every = ctx.world == 2
@@ -1069,7 +1072,9 @@ def truncated_vocab_parallel_radix(ctx):
                                                         targets=targets, **kw), x, up)
                            for (x, targets, *_, kw), up in zip(cases, ups)))  # fmt: skip
         out = []
-        for (x, targets, n_reduces, oracle, kw), up, (want, w_grad) in zip(cases, ups, wants):
+        for (x, targets, n_reduces, oracle, kw), up, (want, w_grad) in zip(
+            cases, ups, wants, strict=True
+        ):
             unsharded = partial(fused_rl.truncated_logprobs, targets=targets, **kw)
             with _CountCollectives() as fwd:
                 got, grad = _value_grad(partial(unsharded, process_group=ctx.group),
@@ -1135,7 +1140,7 @@ def truncated_vocab_parallel_radix(ctx):
     neg_zero = int(((row == 0) & torch.signbit(row)).nonzero()[0])
     ks = (70 * ctx.world + 5, 70 * ctx.world + 30)[: 2 if every else 1]
     for k, (got, _) in zip(ks, run(*(case(row[None], torch.tensor([neg_zero]), 4, top_k=k)
-                                     for k in ks))):  # fmt: skip
+                                     for k in ks)), strict=True):  # fmt: skip
         assert torch.isfinite(got).all(), f"-0.0 cut at k = {k}"
     # T = 0.7: the k-th logit's lower neighbour, on another shard, shares its z: kept
     x_k, below = fp32_neighbours_sharing_z(0.7)
@@ -1458,7 +1463,9 @@ def divergence_layouts(ctx):
         kl_ref, linear_distill_ref, policy_ref, linear_policy_ref,
         *(partial(distill_ref, beta, own) for beta, own in transforms.items()),
     )  # fmt: skip
-    distill = {beta: (transforms[beta], *want) for beta, want in zip(transforms, wants)}
+    distill = {
+        beta: (transforms[beta], *want) for beta, want in zip(transforms, wants, strict=True)
+    }
     for name, (start, stop), columns, layout in _layouts(ctx, V):
         for backend in BACKENDS:
             what = f"{name} {backend}"

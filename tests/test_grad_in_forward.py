@@ -97,12 +97,12 @@ def _run(r, backend, case, mode, up=1.0, loss_scale=None):
     return loss.detach(), metrics, x.grad, x
 
 
-def _assert_equal(a, b):
-    assert torch.equal(a[0], b[0]), (a[0], b[0])
-    assert a[1].keys() == b[1].keys()
+def _assert_equal(a, b, what=""):
+    assert torch.equal(a[0], b[0]), (what, a[0], b[0])
+    assert a[1].keys() == b[1].keys(), what
     for k in a[1]:
-        assert torch.equal(a[1][k], b[1][k]), k
-    assert torch.equal(a[2], b[2])
+        assert torch.equal(a[1][k], b[1][k]), (what, k)
+    assert torch.equal(a[2], b[2]), f"gradient {what}"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -114,7 +114,7 @@ def test_bitwise_equal_with_upstream_one(case, dtype, backend, device):
     want = _run(r, backend, case, "default")
     for mode in ("new", "inplace"):
         got = _run(r, backend, case, mode)
-        _assert_equal(want, got)
+        _assert_equal(want, got, mode)
         x = got[3]
         if mode == "inplace":  # the logits are the gradient, the leaf's .grad their memory
             assert torch.equal(x.detach(), got[2]) and x.grad.data_ptr() == x.data_ptr()
@@ -133,7 +133,8 @@ def test_loss_scale_is_loss_times_k(loss_scale, dtype, backend, device):
     for case in ("token_mean_kl_entropy", "seq_mean_token_mean"):
         want = _run(r, backend, case, "default", loss_scale=loss_scale)
         for mode in ("new", "inplace"):
-            _assert_equal(want, _run(r, backend, case, mode, loss_scale=loss_scale))
+            _assert_equal(want, _run(r, backend, case, mode, loss_scale=loss_scale),
+                          f"{case} {mode}")  # fmt: skip
     options, tensors = CASES["seq_mean_token_mean"]
     x = r["buf"].clone().requires_grad_()
     loss, _ = _call(r, x, backend, options, tensors, loss_scale=loss_scale)
