@@ -248,10 +248,6 @@ def _nvidia_tool(name: str) -> str:
         return found
 
 
-def _cuobjdump() -> str:
-    return _nvidia_tool("cuobjdump")
-
-
 @triton.jit
 def _search_pass_probe(row_ptr, out_ptr, n_read, stride_v, inv_t, m, lo, hi,
                        N_CAND: tl.constexpr, SEARCH_BLOCK: tl.constexpr):  # fmt: skip
@@ -319,8 +315,8 @@ def stack_bytes(cubin: bytes) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "kernel.cubin"
         path.write_bytes(cubin)
-        out = subprocess.run([_cuobjdump(), "-res-usage", str(path)], capture_output=True,
-                             text=True)  # fmt: skip
+        out = subprocess.run([_nvidia_tool("cuobjdump"), "-res-usage", str(path)],
+                             capture_output=True, text=True)  # fmt: skip
     report = out.stdout + out.stderr
     stack, local = re.findall(r"STACK:(\d+)", report), re.findall(r"LOCAL:(\d+)", report)
     if out.returncode != 0 or not stack or not local:
