@@ -279,7 +279,9 @@ def search_pass_instructions(search_block: int, n_cand: int, num_warps: int) -> 
 def innermost_loops(cubin: bytes) -> list[int]:
     """The instruction counts of the innermost loops of the kernel in ``cubin`` (its sm_90
     SASS, ``nvdisasm``: a branch back to an earlier label, with no such loop inside),
-    largest first. A static measure of a compute-bound loop's work per step."""
+    largest first. A static measure of a compute-bound loop's work per step. Branches
+    placed after the kernel's last ``EXIT`` are not loops: they are the divergent-warp
+    fallbacks of warp shuffles (``BRA.DIV``), which jump back into the body."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "kernel.cubin"
         path.write_bytes(cubin)
@@ -287,7 +289,7 @@ def innermost_loops(cubin: bytes) -> list[int]:
                              text=True)  # fmt: skip
     if out.returncode != 0:
         raise AssertionError(f"nvdisasm failed:\n{out.stderr[-2000:]}")
-    labels, pending, addresses, loops = {}, [], [], []
+    labels, pending, addresses, loops, exits = {}, [], [], [], []
     for line in out.stdout.splitlines():
         label = re.match(r"\s*(\.L_x_\d+):", line)
         if label:
@@ -300,9 +302,12 @@ def innermost_loops(cubin: bytes) -> list[int]:
         labels.update(dict.fromkeys(pending, at))
         pending = []
         addresses.append(at)
+        if re.search(r"\bEXIT\b", ins.group(2)):
+            exits.append(at)
         back = re.search(r"BRA\s+`\((\.L_x_\d+)\)", ins.group(2))
         if back and labels.get(back.group(1), at) < at:  # not the end's one-branch spin
             loops.append((labels[back.group(1)], at))
+    loops = [(lo, hi) for lo, hi in loops if hi < max(exits, default=hi + 1)]
     inner = [(lo, hi) for lo, hi in loops
              if not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in loops)]  # fmt: skip
     return sorted((sum(lo <= a <= hi for a in addresses) for lo, hi in inner), reverse=True)
@@ -345,6 +350,33 @@ def spill_check_works() -> list[str]:
     return []
 
 
+def _compile_launched(kernel, flags: dict, one_warp: bool):
+    """``(compiled, launch)``: a vocab-stream kernel compiled for sm_90 as launched on a bf16
+    vocabulary of 151936 (``vocab_launch``'s block and warps, one warp a row for a read-only
+    stream or the read layout, a unit vocab stride and 16-divisible row strides, as Triton
+    specialises them at launch)."""
+    from fused_rl._launch import vocab_launch
+
+    names = [p.name for p in kernel.params]
+    signature = _signature(kernel, True)
+    signature["stride_v"] = "constexpr"
+    if "r_stride_v" in names:
+        signature["r_stride_v"] = "constexpr"
+    # the row strides of the logits and of the gradient (a fresh buffer or, inplace=True,
+    # the logits themselves): multiples of 16 at a real vocabulary, as Triton sees them
+    rows = ["stride_outer", "stride_inner", "grad_stride_outer", "grad_stride_inner",
+            "r_stride_outer", "r_stride_inner"]  # fmt: skip
+    aligned = [n for n in names if n.endswith("_ptr")] + ["V"] + [n for n in rows if n in names]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    launch = vocab_launch(151936, writes=not one_warp, heavy=flags.get("KL_KIND") == KL_FULL)
+    constexprs = dict(flags, BLOCK_V=launch["BLOCK_V"], ACC=tl.float32, stride_v=1)
+    if "r_stride_v" in names:
+        constexprs["r_stride_v"] = 1
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    options = {"num_warps": launch["num_warps"]}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options), launch
+
+
 def vocab_stream_vectorised() -> list[str]:
     """The vocab-stream kernels as launched for a real vocabulary (bf16, V = 151936, the
     launchers' ``vocab_launch`` options, a unit vocab stride and 16-divisible row strides, as
@@ -361,8 +393,6 @@ def vocab_stream_vectorised() -> list[str]:
     from fused_rl.kernels.vocab.layer1 import _token_stats_fwd_kernel
     from fused_rl.kernels.vocab.layer3 import _token_stats_bwd_kernel
     from fused_rl.kernels.vocab.policy_fused import _policy_loss_fwd_kernel
-
-    from fused_rl._launch import vocab_launch
 
     policy = dict(HAS_OLD=True, HAS_REF=True, HAS_MASK=True, ADD_KL=True, KL_KIND=2,
                   SURROGATE=0, HAS_IS=True, BIAS_KL=False, WITH_ENTROPY=True,
@@ -398,25 +428,8 @@ def vocab_stream_vectorised() -> list[str]:
     ]  # fmt: skip
     problems = []
     for kernel, flags, writes, *read_layout in cases:
-        names = [p.name for p in kernel.params]
-        signature = _signature(kernel, True)
-        signature["stride_v"] = "constexpr"
-        if "r_stride_v" in names:
-            signature["r_stride_v"] = "constexpr"
-        # the row strides of the logits and of the gradient (a fresh buffer or, inplace=True,
-        # the logits themselves): multiples of 16 at a real vocabulary, as Triton sees them
-        rows = ["stride_outer", "stride_inner", "grad_stride_outer", "grad_stride_inner",
-                "r_stride_outer", "r_stride_inner"]  # fmt: skip
-        aligned = [n for n in names if n.endswith("_ptr")] + ["V"] + [n for n in rows if n in names]
-        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
         one_warp = not writes or bool(read_layout)
-        launch = vocab_launch(151936, writes=not one_warp, heavy=flags.get("KL_KIND") == KL_FULL)
-        constexprs = dict(flags, BLOCK_V=launch["BLOCK_V"], ACC=tl.float32, stride_v=1)
-        if "r_stride_v" in names:
-            constexprs["r_stride_v"] = 1
-        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-        options = {"num_warps": launch["num_warps"]}
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+        compiled, launch = _compile_launched(kernel, flags, one_warp)
         ptx = compiled.asm["ptx"]
         label = f"{kernel.__name__} ({'writes' if writes else 'reads'}, {launch}, {flags})"
         stack = stack_bytes(compiled.asm["cubin"])
@@ -428,6 +441,47 @@ def vocab_stream_vectorised() -> list[str]:
             problems.append(f"{label}: no 128-bit vector store of the gradient row")
         if one_warp and re.search(r"\bbar(rier)?\.sync", ptx):
             problems.append(f"{label}: a barrier in the one-warp forward (cross-warp reduction)")
+    return problems
+
+
+# sm_90 warp instructions a logit (innermost loop, as launched) each stream may cost: an H200
+# issues ~1.05e12 a second (132 SMs x 4 schedulers x 1.98 GHz) and reads ~2.4e12 bf16 logits
+# a second, so a one-row read-only stream is memory-bound below ~0.44. Measured 2026-11-29
+# (Triton 3.9): 0.28, 0.44 and 1.58; before ``kernels.common.exp`` (ex2.approx.ftz, one
+# instruction against tl.exp's five) and the int32 one-hot column, 0.38, 0.57 and 1.95
+STREAM_BUDGETS = [  # (label, kernel name, flags, one warp a row, ceiling)
+    ("token_logprobs forward", "_token_stats_fwd_kernel",
+     dict(HAS_TARGETS=True, WITH_ENTROPY=False, WITH_EXTRAS=False, HAS_SOFTCAP=False), True,
+     0.32),
+    ("token_logprobs backward", "_token_stats_bwd_kernel",
+     dict(HAS_TARGETS=True, HAS_G=True, HAS_H=False, HAS_SCALE=True, HAS_SEQ_SCALE=True,
+          HAS_KL=False, HAS_SOFTCAP=False), False, 0.5),
+    ("policy_loss exact-KL forward", "_policy_loss_fwd_kernel",
+     dict(HAS_OLD=True, HAS_REF=True, HAS_MASK=True, ADD_KL=True, KL_KIND=KL_FULL, SURROGATE=0,
+          HAS_IS=True, BIAS_KL=False, WITH_ENTROPY=True, ENTROPY_BONUS=True, USE_DUAL=True,
+          USE_DELTA=True, HAS_ENT_SCALE=False, HAS_SOFTCAP=False, WRITE_GRAD=False), True, 1.75),
+]  # fmt: skip
+
+
+def stream_instructions() -> list[str]:
+    """Each stream of :data:`STREAM_BUDGETS`, compiled as launched: its block loop's sm_90
+    instructions (:func:`innermost_loops`) per logit within its ceiling. A streamed kernel
+    that is compute-bound runs slower than its bytes; an ``exp`` without ``ftz`` or a 64-bit
+    compare a column puts it back there. Returns the problems found."""
+    from fused_rl.kernels.vocab import layer1, layer3, policy_fused
+
+    problems = []
+    for label, name, flags, one_warp, ceiling in STREAM_BUDGETS:
+        kernel = next(getattr(m, name) for m in (layer1, layer3, policy_fused) if hasattr(m, name))
+        compiled, launch = _compile_launched(kernel, flags, one_warp)
+        loops = innermost_loops(compiled.asm["cubin"])
+        if len(loops) != 1:
+            problems.append(f"{label}: {len(loops)} innermost loops, not the one block loop")
+            continue
+        per_logit = loops[0] * launch["num_warps"] / launch["BLOCK_V"]
+        print(f"{label}: {per_logit:.3f} sm_90 instructions a logit (ceiling {ceiling})")
+        if per_logit > ceiling:
+            problems.append(f"{label}: {per_logit:.3f} sm_90 instructions a logit > {ceiling}")
     return problems
 
 
@@ -445,7 +499,7 @@ def main(offsets_only: bool = False) -> int:
                 print(f"FAIL {label}\n{traceback.format_exc()}", flush=True)
     problems = offset_check_works()
     if not offsets_only:
-        problems += spill_check_works() + vocab_stream_vectorised()
+        problems += spill_check_works() + vocab_stream_vectorised() + stream_instructions()
     for problem in problems:
         failures += 1
         print(f"FAIL {problem}", flush=True)

@@ -6,7 +6,8 @@ pointer, ...). ``tests/hopper_compile.py`` compiles every kernel ahead of time f
 ``cuda:90`` through Triton's own front end, LLVM and ptxas, so CPU-only CI catches those.
 It also checks that the vocab-stream kernels, compiled as launched for a 151936 vocabulary,
 read the logits with 128-bit vector loads and spill no registers (a stack frame in the
-cubin; a canary kernel proves the check can see one). It runs in a subprocess because this process
+cubin; a canary kernel proves the check can see one), and that three of them stay within an
+instruction budget a logit (``STREAM_BUDGETS``). It runs in a subprocess because this process
 has the interpreter switched on.
 """
 

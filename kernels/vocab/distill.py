@@ -92,7 +92,7 @@ the copy rate leaves about 30 instructions a lane.
 import triton
 import triton.language as tl
 
-from ..common import as_weight, cast_for, nan_max, nan_min, pair, row_pointer, token_offset
+from ..common import as_weight, cast_for, exp, nan_max, nan_min, pair, row_pointer, token_offset
 from ..policy.finalize import AGG_SEQ_MEAN_TOKEN_MEAN, aggregated_loss
 from .pair import expm1_near, log1p, pair_columns, pair_moments, reverse_kl_grad
 
@@ -142,7 +142,7 @@ def mixture_logs(delta, beta, log_beta, log_1m_beta):
     k = log_beta + delta
     hi = nan_max(log_1m_beta, k)
     lo = nan_min(log_1m_beta, k)
-    l1 = log1p(tl.where(near, x, tl.exp(lo - hi)))
+    l1 = log1p(tl.where(near, x, exp(lo - hi)))
     log_q_over_m = tl.where(k > log_1m_beta, -log_beta - l1, (delta - log_1m_beta) - l1)
     return tl.where(near, l1, hi + l1), log_q_over_m, e, x, l1
 
@@ -150,23 +150,37 @@ def mixture_logs(delta, beta, log_beta, log_1m_beta):
 @triton.jit
 def _bregman_exp(d, e, ACC: tl.constexpr):
     """``g1(d) = d e^d - expm1(d) >= 0`` (``KL(q || p) = sum_v p_v g1(delta_v)``) for
-    ``|d| <= 1``, ``e = expm1(d)``: below ``|d| = 1/4`` its Taylor series to ``d^13``,
-    ``sum_k (k - 1) d^k / k!`` nested as ``d^2 / 2 (1 + d / 3 (2 + d / 4 (3 + ...)))``
-    (small-integer constants, exact in any ``ACC``); the direct form ``d (1 + e) - e`` above
-    (cancelling by at most ``2 / |d| <= 8``)."""
-    h = tl.full((), 12.0, ACC) + 0.0 * d  # (k - 1) at k = 13
-    h = 11.0 + d * h / 13.0
-    h = 10.0 + d * h / 12.0
-    h = 9.0 + d * h / 11.0
-    h = 8.0 + d * h / 10.0
-    h = 7.0 + d * h / 9.0
-    h = 6.0 + d * h / 8.0
-    h = 5.0 + d * h / 7.0
-    h = 4.0 + d * h / 6.0
-    h = 3.0 + d * h / 5.0
-    h = 2.0 + d * h / 4.0
-    h = 1.0 + d * h / 3.0
-    series = 0.5 * d * d * h
+    ``|d| <= 1``, ``e = expm1(d)``: below ``|d| = 1/4`` its Taylor series
+    ``sum_k (k - 1) d^k / k!``; the direct form ``d (1 + e) - e`` above (cancelling by at
+    most ``2 / |d| <= 8``). fp64: to ``d^13``, nested as ``d^2 / 2 (1 + d / 3 (2 + d / 4 (3 +
+    ...)))`` (small-integer constants, exact). fp32: to ``d^10`` (the next term is below
+    ``1e-10`` of the sum) with the coefficients rounded to fp32, eight multiply-adds: the
+    nested form's two multiplies and an add a step made it most of a mixture pass's work."""
+    if ACC == tl.float64:
+        h = tl.full((), 12.0, ACC) + 0.0 * d  # (k - 1) at k = 13
+        h = 11.0 + d * h / 13.0
+        h = 10.0 + d * h / 12.0
+        h = 9.0 + d * h / 11.0
+        h = 8.0 + d * h / 10.0
+        h = 7.0 + d * h / 9.0
+        h = 6.0 + d * h / 8.0
+        h = 5.0 + d * h / 7.0
+        h = 4.0 + d * h / 6.0
+        h = 3.0 + d * h / 5.0
+        h = 2.0 + d * h / 4.0
+        h = 1.0 + d * h / 3.0
+        series = 0.5 * d * d * h
+    else:  # (k - 1) / k! for k = 10 down to 2
+        h = 2.48015873015873e-06 + 0.0 * d
+        h = h * d + 2.2045855379188714e-05
+        h = h * d + 0.00017361111111111112
+        h = h * d + 0.0011904761904761906
+        h = h * d + 0.006944444444444444
+        h = h * d + 0.03333333333333333
+        h = h * d + 0.125
+        h = h * d + 0.3333333333333333
+        h = h * d + 0.5
+        series = d * d * h
     direct = d * (1.0 + e) - e
     return tl.where((d <= 0.25) & (d >= -0.25), series, direct)
 
@@ -241,8 +255,8 @@ def mixture_pass(
             log_s_z, log_s_u, log_zu, HAS_SOFTCAP, ACC, t_inv_temperature, t_inv_cap, SPLIT,
             TEACHER_SOFTCAP,
         )  # fmt: skip
-        p = tl.exp(log_p)
-        q = tl.exp(log_q)
+        p = exp(log_p)
+        q = exp(log_q)
         excess, f = mixture_terms(delta, p, q, beta, log_beta, log_1m_beta, ACC)
         p_excess += tl.sum(tl.where(p == 0, 0.0, p * excess), 0)
         jsd += tl.sum(f, 0)
@@ -537,13 +551,13 @@ def _distill_bwd_kernel(
             m_u, log_s_z, log_s_u, log_zu, HAS_SOFTCAP, ACC, t_inv_temperature, t_inv_cap, SPLIT,
             TEACHER_SOFTCAP,
         )  # fmt: skip
-        p = tl.exp(log_p)
+        p = exp(log_p)
         near = (delta <= 1.0) & (delta >= -1.0)
         if MODE == MODE_FORWARD_KL:
             if FREE:
-                g = -tl.exp(log_q)
+                g = -exp(log_q)
             else:  # p - q = -p expm1(delta), relative to itself where the two are near
-                g = tl.where(near, -p * expm1_near(tl.where(near, delta, 0.0)), p - tl.exp(log_q))
+                g = tl.where(near, -p * expm1_near(tl.where(near, delta, 0.0)), p - exp(log_q))
         elif MODE == MODE_REVERSE_KL:
             g = reverse_kl_grad(p, delta, c)
         else:

@@ -18,7 +18,7 @@ stays exact to fp32 even for logits of magnitude 1e4.
 import triton
 import triton.language as tl
 
-from ..common import nan_max, pair, row_pointer, tanh_and_sech2, token_offset
+from ..common import exp, nan_max, pair, row_pointer, tanh_and_sech2, token_offset
 
 
 @triton.jit
@@ -29,8 +29,8 @@ def merge_stats(m_a, s_a, w_a, m_b, s_b, w_b):
     """
     m = nan_max(m_a, m_b)
     m_ref = tl.where(m == float("-inf"), 0.0, m)  # both empty: keep everything finite
-    alpha_a = tl.exp(m_a - m_ref)
-    alpha_b = tl.exp(m_b - m_ref)
+    alpha_a = exp(m_a - m_ref)
+    alpha_b = exp(m_b - m_ref)
     # re-centre each partial's w on the merged max: w + (m_part - m) * s
     w_a = tl.where(s_a > 0, w_a + (m_a - m_ref) * s_a, 0.0)
     w_b = tl.where(s_b > 0, w_b + (m_b - m_ref) * s_b, 0.0)
@@ -68,7 +68,7 @@ def block_stats(z, WITH_ENTROPY: tl.constexpr, WITH_SQ: tl.constexpr = False):
     m = tl.max(z, 0)
     m_ref = tl.where(m == float("-inf"), 0.0, m)
     d = z - m_ref
-    e = tl.exp(d)
+    e = exp(d)
     s = tl.sum(e, 0)
     if WITH_ENTROPY:
         w = tl.sum(tl.where(e > 0, e * d, 0.0), 0)  # 0 * -inf guarded
@@ -155,7 +155,7 @@ def row_pass(
             # q and the block's q_b onto the merged max (as merge_stats moves s)
             m_new = nan_max(m, m_b)
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            q = q * tl.exp(2.0 * (m - m_ref)) + q_b * tl.exp(2.0 * (m_b - m_ref))
+            q = q * exp(2.0 * (m - m_ref)) + q_b * exp(2.0 * (m_b - m_ref))
             x_max = nan_max(x_max, tl.max(x, 0))
             nans += tl.sum((x != x).to(tl.int32), 0)
             tied += tl.sum(((cols < target) & (x >= x_target)).to(tl.int32), 0)

@@ -27,7 +27,7 @@ scalar in place, deciding on the device whether there is anything to do.
 import triton
 import triton.language as tl
 
-from ..common import cast_for, pair, row_pointer, tanh_and_sech2, token_offset
+from ..common import cast_for, exp, pair, row_pointer, tanh_and_sech2, target_column, token_offset
 from .pair import capped_gap, gap_from, load_block, near_delta, reverse_kl_grad
 
 # the exact KL's per-token statistics the policy forward saves (``(4, N)``; the fourth is
@@ -204,6 +204,7 @@ def write_grad_row(
         h = h * inv_cap
         k = k * inv_cap
     n_read = tl.where(active, V, 0)
+    column = target_column(target, V)
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         in_row = cols < V
@@ -213,10 +214,10 @@ def write_grad_row(
             d = t * inv_temperature - m
         else:
             d = x.to(ACC) * inv_temperature - m
-        p = tl.exp(d - log_s)
+        p = exp(d - log_s)
         grad = -g * p
         if HAS_TARGETS:
-            grad += tl.where(cols == target, g, 0.0)
+            grad += tl.where(cols == column, g, 0.0)
         if HAS_H:
             grad -= h * tl.where(p > 0, p * (d - mean_d), 0.0)  # 0 * -inf guarded
         if HAS_KL:

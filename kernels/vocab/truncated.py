@@ -92,7 +92,16 @@ row.
 import triton
 import triton.language as tl
 
-from ..common import cast_for, nan_max, pair, row_pointer, tanh_and_sech2, token_offset
+from ..common import (
+    cast_for,
+    exp,
+    nan_max,
+    pair,
+    row_pointer,
+    tanh_and_sech2,
+    target_column,
+    token_offset,
+)
 from .layer1 import scaled_logits, target_logp
 from .select import BINS, DIGIT_BITS, _digit_histogram, _is_nan, _value
 from .select import _key as _bits_key
@@ -197,7 +206,7 @@ def _pass_a(
         if NEED_SUM:
             m_new = nan_max(m, tl.max(zs, 0))
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(zs - m_ref), 0)
+            s = s * exp(m - m_ref) + tl.sum(exp(zs - m_ref), 0)
             m = m_new
         if COLLECT:
             top, thr, eqcnt = _absorb(zs, top, thr, eqcnt, kk, BLOCK_V)
@@ -289,7 +298,7 @@ def _bracket_sums(
         x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < n_read, other=0.0)
         z = scaled_logits(x.to(ACC), inv_t, inv_cap, HAS_SOFTCAP)
         inside = (cols < n_read) & (z >= lo) & (z < hi)
-        e = tl.where(inside, tl.exp(z - m), 0.0)
+        e = tl.where(inside, exp(z - m), 0.0)
         z = tl.where(inside, z, float("nan"))  # NaN: at or above no candidate
         ge = (z[None, :] >= cand[:, None]).to(tl.float32)
         cnt += ge
@@ -432,7 +441,7 @@ def _search(
                    HAS_SOFTCAP, ACC)  # fmt: skip
     passes += collect.to(tl.int32)
     held = top > float("-inf")
-    e = tl.exp(top - m)
+    e = exp(top - m)
     at_or_above = (top[None, :] >= top[:, None]) & held[None, :]
     meets = (f_hi + tl.sum(tl.where(at_or_above, e[None, :], 0.0), 1)) >= goal
     ok = tl.where(collect, held & meets, False)
@@ -467,7 +476,7 @@ def _last_digit(
         hist += tl.histogram(digit, BINS, mask=counted & (high == prefix))
         if not HAS_SOFTCAP:
             z = scaled_logits(x.to(ACC), inv_t, inv_cap, HAS_SOFTCAP)
-            above += tl.sum(tl.where(counted & (high > prefix), tl.exp(z - m), 0.0), 0)
+            above += tl.sum(tl.where(counted & (high > prefix), exp(z - m), 0.0), 0)
             n_low += tl.sum((counted & (high < prefix) & (z == z_low)).to(tl.int32), 0)
     return hist, above, n_low
 
@@ -483,7 +492,7 @@ def _mass_at_or_above(
         cols = start + tl.arange(0, BLOCK_V)
         x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < n_read, other=0.0)
         z = scaled_logits(x.to(ACC), inv_t, inv_cap, HAS_SOFTCAP)
-        mass += tl.sum(tl.where((cols < n_read) & (z >= tau), tl.exp(z - m), 0.0), 0)
+        mass += tl.sum(tl.where((cols < n_read) & (z >= tau), exp(z - m), 0.0), 0)
     return mass
 
 
@@ -571,9 +580,9 @@ def _kept_mass(key_k, tau, hist, above, n_low, m, inv_t, inv_cap, DTYPE: tl.cons
     same = (prefix << DIGIT_BITS) | bins.to(KEY)
     z_bin = _z_of_key(same, inv_t, inv_cap, DTYPE, False, ACC)
     kept = ((bins >= digit) | (z_bin == tau)) & (hist > 0)
-    e_bin = tl.where(kept, tl.exp(z_bin - m), 0.0)
+    e_bin = tl.where(kept, exp(z_bin - m), 0.0)
     z_low = _z_of_key(prefix << DIGIT_BITS, inv_t, inv_cap, DTYPE, False, ACC)
-    merged_low = tl.where(z_low == tau, n_low.to(ACC) * tl.exp(tau - m), 0.0)
+    merged_low = tl.where(z_low == tau, n_low.to(ACC) * exp(tau - m), 0.0)
     return above + tl.sum(hist.to(ACC) * e_bin, 0) + merged_low
 
 
@@ -651,9 +660,9 @@ def _truncated_logprobs_fwd_kernel(
     f = s
     if COLLECT:
         slot = tl.arange(0, KS)
-        e = tl.exp(top - m_safe)
+        e = exp(top - m_safe)
         extra = _ties_not_held(top, thr, eqcnt, kk)
-        tie_mass = extra.to(ACC) * tl.exp(thr - m_safe)
+        tie_mass = extra.to(ACC) * exp(thr - m_safe)
         f_held = tl.sum(tl.where(slot < kk, e, 0.0), 0) + tie_mass  # mass of {z >= thr}
         if TOPK_REG:
             tau = thr
@@ -772,6 +781,7 @@ def _truncated_logprobs_bwd_kernel(
     if HAS_SOFTCAP:
         coef = coef * inv_cap  # g / T; each column then times sech^2(x / c)
     n_read = tl.where(coef != 0.0, V, 0)  # a NaN g reads too; a bound, so loads vectorise
+    column = target_column(target, V)
     for start in range(0, V, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         valid = cols < V
@@ -782,8 +792,8 @@ def _truncated_logprobs_bwd_kernel(
             z = t * inv_t
         else:
             z = x.to(ACC) * inv_t
-        p = tl.exp((z - m) - log_f)
-        onehot = tl.where(cols == target, 1.0, 0.0)
+        p = exp((z - m) - log_f)
+        onehot = tl.where(cols == column, 1.0, 0.0)
         grad = (onehot - p) * coef
         if HAS_SOFTCAP:
             grad = grad * sech2
