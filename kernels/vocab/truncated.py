@@ -135,7 +135,8 @@ def _unkey(key, ACC: tl.constexpr):
 
 @triton.jit
 def _absorb(zs, top, thr, eqcnt, kk, BLOCK: tl.constexpr):
-    """Merge one block ``zs`` (``-inf`` where not a candidate; no NaN) into the running set
+    """Merge one block ``zs`` (``-inf`` where not a candidate; a NaN is never held: every
+    comparison with it is false, and ``tl.max`` drops it) into the running set
     ``top`` of the ``kk`` largest values seen (unordered, in slots ``< kk``; ``-inf`` in
     the others and in slots not filled yet), ``thr`` = the smallest held (the ``kk``-th
     largest seen), ``eqcnt`` = how many values seen equal ``thr`` (held or not).
@@ -185,8 +186,8 @@ def _pass_a(
     hist)``: the online max and ``sum exp(z - m)`` (``NEED_SUM``), the NaN count,
     (``COLLECT``) the ``kk`` largest values held as :func:`_absorb` holds them, and
     (``HIST``) the first pass of :func:`_kth_by_digits`: the histogram of the top digit of
-    the logits' keys. NaN counts as ``-inf`` in all but
-    ``n_nan`` (and is left out of ``hist``)."""
+    the logits' keys. A NaN is counted in ``n_nan`` (which makes the row NaN), never held
+    and left out of ``hist``; ``s`` is NaN then."""
     KEY: tl.constexpr = tl.core.get_int_dtype(row_ptr.dtype.element_ty.primitive_bitwidth, False)
     TOP_SHIFT: tl.constexpr = KEY.primitive_bitwidth - DIGIT_BITS
     m = tl.full((), float("-inf"), ACC)
@@ -198,18 +199,20 @@ def _pass_a(
     hist = tl.zeros((BINS,), tl.int32)
     for start in range(0, n_read, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < n_read, other=0.0)
+        x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < n_read,
+                    other=float("-inf"))  # fmt: skip
         z = scaled_logits(x.to(ACC), inv_t, inv_cap, HAS_SOFTCAP)
-        z = tl.where(cols < n_read, z, float("-inf"))
+        if HAS_SOFTCAP:  # the cap maps the -inf padding to -c / T: back to -inf
+            z = tl.where(cols < n_read, z, float("-inf"))
+        # NaN kept: counted here, dropped by tl.max, never held (two selects a logit fewer)
         n_nan += tl.sum((z != z).to(tl.int32), 0)
-        zs = tl.where(z == z, z, float("-inf"))
         if NEED_SUM:
-            m_new = nan_max(m, tl.max(zs, 0))
+            m_new = nan_max(m, tl.max(z, 0))
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            s = s * exp(m - m_ref) + tl.sum(exp(zs - m_ref), 0)
+            s = s * exp(m - m_ref) + tl.sum(exp(z - m_ref), 0)
             m = m_new
         if COLLECT:
-            top, thr, eqcnt = _absorb(zs, top, thr, eqcnt, kk, BLOCK_V)
+            top, thr, eqcnt = _absorb(z, top, thr, eqcnt, kk, BLOCK_V)
         if HIST:
             digit = (_bits_key(x, KEY) >> TOP_SHIFT).to(tl.int32)
             hist += tl.histogram(digit, BINS, mask=(cols < n_read) & (z == z))
