@@ -34,10 +34,13 @@ def token_offset(row, rows_inner, stride_outer, stride_inner):
 def exp(x):
     """``e^x`` as ``2^(x log2 e)`` in fp32 (``tl.exp`` in fp64). On sm_90 ``tl.exp2`` is one
     ``ex2.approx.ftz`` instruction, while ``tl.exp`` multiplies by the same fp32 ``log2 e``
-    and calls ``ex2.approx`` without ``ftz``, which ptxas wraps in a denormal fix-up: five
-    instructions against two a value, a fifth of a vocab stream's work per logit. The one
-    difference: a result below ``2^-126`` (``x < -87.3``) is 0, far below what any sum of a
-    row's terms, each relative to the row's maximum, can resolve."""
+    and calls ``ex2.approx`` without ``ftz``, which ptxas wraps in a denormal fix-up: two
+    instructions a value against five, a fifth of a vocab stream's work per logit. The one
+    difference: a result below ``2^-126`` (``x < -87.3``, relative to the row's maximum) is
+    0 where torch keeps a denormal down to ``x = -103.3``. No sum of a row's terms resolves
+    it; a divergence's support test does (``p == 0``): a student probability in between
+    where the teacher's or the reference's is 0 counts as 0, a finite KL where torch's is
+    ``+inf``."""
     if x.dtype == tl.float32:
         return tl.exp2(x * 1.4426950408889634)
     else:
@@ -48,8 +51,12 @@ def exp(x):
 def target_column(target, V):
     """An int64 target as an int32 column of a row of ``V`` (``-1`` outside ``[0, V)``:
     ignored, or on another rank's shard), for a gradient's one-hot ``cols == column``: a
-    64-bit compare there cost ~7 sm_90 instructions a column, a third of a backward's."""
-    return tl.where((target >= 0) & (target < V), target, -1).to(tl.int32)
+    64-bit compare there cost ~7 sm_90 instructions a column, a third of a backward's. A
+    row of ``2^31`` logits or more (an int64 ``V``, and int64 columns) keeps it int64."""
+    column = tl.where((target >= 0) & (target < V), target, -1)
+    if V.dtype == tl.int64:
+        return column
+    return column.to(tl.int32)
 
 
 @triton.jit

@@ -269,7 +269,8 @@ def search_pass_instructions(search_block: int, n_cand: int, num_warps: int) -> 
     source = ASTSource(fn=_search_pass_probe, signature=signature,
                        constexprs={"N_CAND": n_cand, "SEARCH_BLOCK": search_block})  # fmt: skip
     cubin = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": num_warps}).asm["cubin"]  # fmt: skip
+                           options={"num_warps": num_warps, "enable_fp_fusion": True},
+                           ).asm["cubin"]  # fmt: skip
     loops = innermost_loops(cubin)
     if len(loops) != 1:
         raise AssertionError(f"the search-pass probe has {len(loops)} innermost loops, not 1")
@@ -279,9 +280,10 @@ def search_pass_instructions(search_block: int, n_cand: int, num_warps: int) -> 
 def innermost_loops(cubin: bytes) -> list[int]:
     """The instruction counts of the innermost loops of the kernel in ``cubin`` (its sm_90
     SASS, ``nvdisasm``: a branch back to an earlier label, with no such loop inside),
-    largest first. A static measure of a compute-bound loop's work per step. Branches
-    placed after the kernel's last ``EXIT`` are not loops: they are the divergent-warp
-    fallbacks of warp shuffles (``BRA.DIV``), which jump back into the body."""
+    largest first. A static measure of a compute-bound loop's work per step. A warp
+    shuffle's divergent-warp fallback (the block a ``BRA.DIV`` jumps to, placed after the
+    body, up to its unconditional ``BRA`` back into it) is not a loop; a loop closed by
+    ``@P0 EXIT`` and a ``BRA`` back is."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "kernel.cubin"
         path.write_bytes(cubin)
@@ -289,28 +291,39 @@ def innermost_loops(cubin: bytes) -> list[int]:
                              text=True)  # fmt: skip
     if out.returncode != 0:
         raise AssertionError(f"nvdisasm failed:\n{out.stderr[-2000:]}")
-    labels, pending, addresses, loops, exits = {}, [], [], [], []
-    for line in out.stdout.splitlines():
+    return listing_innermost_loops(out.stdout)
+
+
+def listing_innermost_loops(sass: str) -> list[int]:
+    """:func:`innermost_loops` of an ``nvdisasm -c`` listing."""
+    labels, pending, listing = {}, [], []
+    for line in sass.splitlines():
         label = re.match(r"\s*(\.L_x_\d+):", line)
         if label:
             pending.append(label.group(1))
             continue
         ins = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
-        if not ins:
+        if ins:
+            at = int(ins.group(1), 16)
+            labels.update(dict.fromkeys(pending, at))
+            pending = []
+            listing.append((at, ins.group(2)))
+    target = re.compile(r"BRA(\.DIV)?\s+(?:\S+,\s*)?`\((\.L_x_\d+)\)")
+    fallbacks = {labels[m.group(2)] for _, text in listing
+                 if (m := target.search(text)) and m.group(1)}  # fmt: skip
+    loops, in_fallback = [], False
+    for at, text in listing:
+        in_fallback = in_fallback or at in fallbacks
+        branch = target.search(text)
+        if not branch or branch.group(1):
             continue
-        at = int(ins.group(1), 16)
-        labels.update(dict.fromkeys(pending, at))
-        pending = []
-        addresses.append(at)
-        if re.search(r"\bEXIT\b", ins.group(2)):
-            exits.append(at)
-        back = re.search(r"BRA\s+`\((\.L_x_\d+)\)", ins.group(2))
-        if back and labels.get(back.group(1), at) < at:  # not the end's one-branch spin
-            loops.append((labels[back.group(1)], at))
-    loops = [(lo, hi) for lo, hi in loops if hi < max(exits, default=hi + 1)]
+        if not in_fallback and labels.get(branch.group(2), at) < at:  # not the end's spin
+            loops.append((labels[branch.group(2)], at))
+        if in_fallback and not text.startswith("@"):  # its jump back into the body
+            in_fallback = False
     inner = [(lo, hi) for lo, hi in loops
              if not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in loops)]  # fmt: skip
-    return sorted((sum(lo <= a <= hi for a in addresses) for lo, hi in inner), reverse=True)
+    return sorted((sum(lo <= a <= hi for a, _ in listing) for lo, hi in inner), reverse=True)
 
 
 def stack_bytes(cubin: bytes) -> int:
@@ -373,7 +386,8 @@ def _compile_launched(kernel, flags: dict, one_warp: bool):
     if "r_stride_v" in names:
         constexprs["r_stride_v"] = 1
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    options = {"num_warps": launch["num_warps"]}
+    # contracted multiply-adds, as launched today (Triton 3.9's default, off from 3.10)
+    options = {"num_warps": launch["num_warps"], "enable_fp_fusion": True}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options), launch
 
 

@@ -56,3 +56,38 @@ def test_token_reductions_offsets_are_64bit():
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
+
+
+# a block loop closed by ``@P0 EXIT`` and a branch back, with a shuffle whose divergent-warp
+# fallback (after the body) jumps back into it, then the kernel's closing spin
+_LISTING = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   FADD R2, R2, R3 ;
+        /*0020*/                   BRA.DIV UR4, `(.L_x_2) ;
+        /*0030*/                   SHFL.BFLY PT, R5, R2, 0x1, 0x1f ;
+.L_x_3:
+        /*0040*/                   FADD R2, R2, R5 ;
+        /*0050*/               @P0 EXIT ;
+        /*0060*/                   BRA `(.L_x_0) ;
+.L_x_2:
+        /*0070*/                   WARPSYNC.COLLECTIVE R17, `(.L_x_4) ;
+        /*0080*/                   SHFL.BFLY P6, R5, R2, R13, R12 ;
+        /*0090*/                   ENDCOLLECTIVE ;
+.L_x_4:
+        /*00a0*/                   BRA `(.L_x_3) ;
+.L_x_1:
+        /*00b0*/                   BRA `(.L_x_1) ;
+"""
+
+
+def test_innermost_loops_of_a_listing():
+    """The SASS loop finder behind the instruction budgets counts the block loop (six
+    instructions, closed by an EXIT and a branch back) and neither the shuffle's fallback,
+    which branches back into the body, nor the closing spin."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from hopper_compile import listing_innermost_loops
+
+    assert listing_innermost_loops(_LISTING) == [6]
+    without_exit = _LISTING.replace("@P0 EXIT", "FADD R2, R2, R2")
+    assert listing_innermost_loops(without_exit) == [6]

@@ -79,14 +79,15 @@ heavy=True)`` (one warp, 512 columns a step: no cross-warp reduction, no spill);
 backward writes the gradient row, ``vocab_launch(V, writes=True)``.
 
 Instructions a column of each loop (compiled for sm_90a and disassembled on the CPU,
-Triton 3.9, bf16; not timed): the forward's first pass 71 (every ``beta``), the JSD's
-mixture pass 159 (in the forward kernel; ``_distill_mixture_kernel`` 158), the backward
-48 / 30 / 94 (forward KL / reverse KL / JSD). The mixture pass takes one ``log1p`` a
-column for both of its forms and reuses its ``expm1`` (``mixture_logs``): 224 before, the
-JSD's backward 130. Registers of the JSD's forward kernel: 146 at the launch's one warp,
-217 at 8 warps and 4096 columns (one program an SM). On an H200 (2026-11-27, the code
-before these counts) every divergence was compute-bound: a column of two bf16 rows read at
-the copy rate leaves about 30 instructions a lane.
+Triton 3.9, bf16; not timed): the forward's first pass 59 (every ``beta``), the JSD's
+mixture pass 132 (in the forward kernel; ``_distill_mixture_kernel`` 133), the backward
+40 / 28 / 86 (forward KL / reverse KL / JSD); 71, 159, 48 / 30 / 94 before
+``kernels.common.exp`` and the fp32 series of ``_bregman_exp``. The mixture pass takes one
+``log1p`` a column for both of its forms and reuses its ``expm1`` (``mixture_logs``): 224
+before that, the JSD's backward 130. Registers of the JSD's forward kernel: 146 at the
+launch's one warp, 217 at 8 warps and 4096 columns (one program an SM). On an H200
+(2026-11-27, the code before these counts) every divergence was compute-bound: a column of
+two bf16 rows read at the copy rate leaves about 30 instructions a lane.
 """
 
 import triton
