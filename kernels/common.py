@@ -85,6 +85,14 @@ def as_weight(m):
 
 
 @triton.jit
+def lift_neg_inf(x):
+    """``x`` with ``-inf`` raised to the lowest finite fp32, NaN kept: ``e * lift_neg_inf(d)``
+    with ``e = exp(d)`` is 0 where ``d = -inf`` (not ``0 * -inf``), one max a column where a
+    compare and a select guarded it (an entropy term ``p log p`` per logit)."""
+    return nan_max(x, -3.4028234663852886e38)
+
+
+@triton.jit
 def nan_min(a, b):
     """``torch.minimum(a, b)``: NaN if either is NaN."""
     return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)

@@ -79,8 +79,8 @@ heavy=True)`` (one warp, 512 columns a step: no cross-warp reduction, no spill);
 backward writes the gradient row, ``vocab_launch(V, writes=True)``.
 
 Instructions a column of each loop (compiled for sm_90a and disassembled on the CPU,
-Triton 3.9, bf16; not timed): the forward's first pass 59 (every ``beta``), the JSD's
-mixture pass 132 (in the forward kernel; ``_distill_mixture_kernel`` 133), the backward
+Triton 3.9, bf16; not timed): the forward's first pass 58 (every ``beta``), the JSD's
+mixture pass 135 (in the forward kernel; ``_distill_mixture_kernel`` 133), the backward
 40 / 28 / 86 (forward KL / reverse KL / JSD); 71, 159, 48 / 30 / 94 before
 ``kernels.common.exp`` and the fp32 series of ``_bregman_exp``. The mixture pass takes one
 ``log1p`` a column for both of its forms and reuses its ``expm1`` (``mixture_logs``): 224

@@ -18,7 +18,7 @@ stays exact to fp32 even for logits of magnitude 1e4.
 import triton
 import triton.language as tl
 
-from ..common import exp, nan_max, pair, row_pointer, tanh_and_sech2, token_offset
+from ..common import exp, lift_neg_inf, nan_max, pair, row_pointer, tanh_and_sech2, token_offset
 
 
 @triton.jit
@@ -71,7 +71,7 @@ def block_stats(z, WITH_ENTROPY: tl.constexpr, WITH_SQ: tl.constexpr = False):
     e = exp(d)
     s = tl.sum(e, 0)
     if WITH_ENTROPY:
-        w = tl.sum(tl.where(e > 0, e * d, 0.0), 0)  # 0 * -inf guarded
+        w = tl.sum(e * lift_neg_inf(d), 0)  # 0 * -inf guarded
     else:
         w = s * 0.0
     if WITH_SQ:

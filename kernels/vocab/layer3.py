@@ -27,7 +27,16 @@ scalar in place, deciding on the device whether there is anything to do.
 import triton
 import triton.language as tl
 
-from ..common import cast_for, exp, pair, row_pointer, tanh_and_sech2, target_column, token_offset
+from ..common import (
+    cast_for,
+    exp,
+    lift_neg_inf,
+    pair,
+    row_pointer,
+    tanh_and_sech2,
+    target_column,
+    token_offset,
+)
 from .pair import capped_gap, gap_from, load_block, near_delta, reverse_kl_grad
 
 # the exact KL's per-token statistics the policy forward saves (``(4, N)``; the fourth is
@@ -219,7 +228,7 @@ def write_grad_row(
         if HAS_TARGETS:
             grad += tl.where(cols == column, g, 0.0)
         if HAS_H:
-            grad -= h * tl.where(p > 0, p * (d - mean_d), 0.0)  # 0 * -inf guarded
+            grad -= h * (p * lift_neg_inf(d - mean_d))  # 0 * -inf guarded
         if HAS_KL:
             y = load_block(ref_row, cols, n_read, r_stride_v, ACC)
             if HAS_SOFTCAP:  # pair_moments' b - a

@@ -38,7 +38,7 @@ which makes every column's gradient non-finite, those columns NaN.
 import triton
 import triton.language as tl
 
-from ..common import exp, nan_max, tanh_and_sech2
+from ..common import exp, lift_neg_inf, nan_max, tanh_and_sech2
 from .layer1 import scaled_logits
 
 
@@ -294,8 +294,8 @@ def pair_moments(
         e_b = exp(b)
         s_z += tl.sum(e_a, 0)
         s_u += tl.sum(e_b, 0)
-        w_z += tl.sum(tl.where(e_a == 0, 0.0, e_a * a), 0)
-        w_u += tl.sum(tl.where(e_b == 0, 0.0, e_b * b), 0)
+        w_z += tl.sum(e_a * lift_neg_inf(a), 0)
+        w_u += tl.sum(e_b * lift_neg_inf(b), 0)
         near = (b_minus_a <= 1.0) & (b_minus_a >= -1.0)
         gap_v = tl.where(near, e_a * expm1_near(tl.where(near, b_minus_a, 0.0)), e_b - e_a)
         # e^a == 0 (a < -87.3): a near column's e^b is below 2^-124 too, a far one's is exact
