@@ -363,6 +363,16 @@ def spill_check_works() -> list[str]:
     return []
 
 
+# the policy forward as GRPO / PPO with k3, entropy bonus and dual clip run it, and the
+# statistics backward with targets (the flags each check varies are set where it runs)
+POLICY_FLAGS = dict(HAS_OLD=True, HAS_REF=True, HAS_MASK=True, ADD_KL=True, KL_KIND=2,
+                    SURROGATE=0, HAS_IS=True, BIAS_KL=False, WITH_ENTROPY=True,
+                    ENTROPY_BONUS=True, USE_DUAL=True, USE_DELTA=True, HAS_ENT_SCALE=False,
+                    HAS_SOFTCAP=False)  # fmt: skip
+BWD_FLAGS = dict(HAS_TARGETS=True, HAS_G=True, HAS_H=False, HAS_SCALE=True, HAS_SEQ_SCALE=True,
+                 HAS_KL=False, HAS_SOFTCAP=False)  # fmt: skip
+
+
 def _compile_launched(kernel, flags: dict, one_warp: bool):
     """``(compiled, launch)``: a vocab-stream kernel compiled for sm_90 as launched on a bf16
     vocabulary of 151936 (``vocab_launch``'s block and warps, one warp a row for a read-only
@@ -408,12 +418,8 @@ def vocab_stream_vectorised() -> list[str]:
     from fused_rl.kernels.vocab.layer3 import _token_stats_bwd_kernel
     from fused_rl.kernels.vocab.policy_fused import _policy_loss_fwd_kernel
 
-    policy = dict(HAS_OLD=True, HAS_REF=True, HAS_MASK=True, ADD_KL=True, KL_KIND=2,
-                  SURROGATE=0, HAS_IS=True, BIAS_KL=False, WITH_ENTROPY=True,
-                  ENTROPY_BONUS=True, USE_DUAL=True, USE_DELTA=True, HAS_ENT_SCALE=False,
-                  HAS_SOFTCAP=False)  # fmt: skip
-    bwd = dict(HAS_TARGETS=True, HAS_G=True, HAS_H=True, HAS_SCALE=True, HAS_SEQ_SCALE=True,
-               HAS_KL=False)  # fmt: skip
+    policy = POLICY_FLAGS
+    bwd = dict(BWD_FLAGS, HAS_H=True)
     cases = [  # (kernel, flags, writes a gradient row[, launched at the read layout])
         (_token_stats_fwd_kernel, dict(HAS_TARGETS=True, WITH_ENTROPY=True, WITH_EXTRAS=False,
                                        HAS_SOFTCAP=False), False),
@@ -468,13 +474,9 @@ STREAM_BUDGETS = [  # (label, kernel name, flags, one warp a row, ceiling)
     ("token_logprobs forward", "_token_stats_fwd_kernel",
      dict(HAS_TARGETS=True, WITH_ENTROPY=False, WITH_EXTRAS=False, HAS_SOFTCAP=False), True,
      0.32),
-    ("token_logprobs backward", "_token_stats_bwd_kernel",
-     dict(HAS_TARGETS=True, HAS_G=True, HAS_H=False, HAS_SCALE=True, HAS_SEQ_SCALE=True,
-          HAS_KL=False, HAS_SOFTCAP=False), False, 0.5),
+    ("token_logprobs backward", "_token_stats_bwd_kernel", BWD_FLAGS, False, 0.5),
     ("policy_loss exact-KL forward", "_policy_loss_fwd_kernel",
-     dict(HAS_OLD=True, HAS_REF=True, HAS_MASK=True, ADD_KL=True, KL_KIND=KL_FULL, SURROGATE=0,
-          HAS_IS=True, BIAS_KL=False, WITH_ENTROPY=True, ENTROPY_BONUS=True, USE_DUAL=True,
-          USE_DELTA=True, HAS_ENT_SCALE=False, HAS_SOFTCAP=False, WRITE_GRAD=False), True, 1.75),
+     dict(POLICY_FLAGS, KL_KIND=KL_FULL, WRITE_GRAD=False), True, 1.75),
 ]  # fmt: skip
 
 
