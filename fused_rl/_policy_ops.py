@@ -22,7 +22,15 @@ import functools
 import torch
 from torch import Tensor
 
-from ._launch import NO_CAP, NO_NUM_ITEMS, f32_pair, stats_dtype, triton_acc, vocab_launch
+from ._launch import (
+    COMPILE_OPTIONS,
+    NO_CAP,
+    NO_NUM_ITEMS,
+    f32_pair,
+    stats_dtype,
+    triton_acc,
+    vocab_launch,
+)
 from ._ops import FusedOp, _differentiable_once, _serialised_when_interpreting
 from ._vocab_ops import (
     hand_back,
@@ -168,7 +176,7 @@ def _finalize(part, n_outer, inner, dtype, agg, max_length, num_items, num_items
         n_outer, inner, *(f32_pair(num_items) if num_items > 0 else NO_NUM_ITEMS),
         float(max(n_outer, 1)), float(max_length),
         AGG=agg, NUM_ITEMS_TENSOR=num_items_t is not None, BLOCK_B=FINALIZE_BLOCK_B,
-        BLOCK_T=FINALIZE_BLOCK_T, ACC=triton_acc(dtype),
+        BLOCK_T=FINALIZE_BLOCK_T, ACC=triton_acc(dtype), **COMPILE_OPTIONS,
     )  # fmt: skip
     return loss, metrics, seq_scale
 
@@ -198,7 +206,7 @@ def _token_layer(logp, entropy, targets, adv, old, ref, mask, is_w, ignore_index
         SEQUENCE=sequence != 0, SEQ_TOKEN=sequence == 2, SEQ_SUM=sequence == 3,
         HAS_ENT_SCALE=ent_scale is not None,
         BLOCK_T=TOKEN_BLOCK_T, ACC=triton_acc(g.dtype),
-        **_policy_switches(hyper, modes, ref is not None),
+        **_policy_switches(hyper, modes, ref is not None), **COMPILE_OPTIONS,
     )  # fmt: skip
 
 
@@ -670,7 +678,7 @@ def aggregation_scale(
         outer, inner, *(f32_pair(num_items) if num_items > 0 else NO_NUM_ITEMS),
         float(max(outer, 1)), float(max_length), AGG=agg,
         NUM_ITEMS_TENSOR=num_items_t is not None, BLOCK_B=FINALIZE_BLOCK_B,
-        BLOCK_T=FINALIZE_BLOCK_T, ACC=triton_acc(dtype),
+        BLOCK_T=FINALIZE_BLOCK_T, ACC=triton_acc(dtype), **COMPILE_OPTIONS,
     )  # fmt: skip
     return seq_scale, m
 

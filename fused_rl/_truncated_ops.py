@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-from ._launch import NO_CAP, f32_pair, stats_dtype, triton_acc, vocab_launch
+from ._launch import COMPILE_OPTIONS, NO_CAP, f32_pair, stats_dtype, triton_acc, vocab_launch
 from ._ops import FusedOp, _serialised_when_interpreting
 
 # top-k with k up to this is kept in registers in one pass (kernels/vocab/truncated.py KS)
@@ -98,7 +98,7 @@ def truncated_logprobs_fwd(
         BLOCK_V=block, SEARCH_BLOCK=min(SEARCH_BLOCK, block), N_CAND=N_CAND,
         MAX_SEARCH_PASSES=max_search_passes(logits3d.dtype, softcap),
         ACC=triton_acc(logits3d.dtype),
-        num_warps=NUM_WARPS,
+        num_warps=NUM_WARPS, **COMPILE_OPTIONS,
     )  # fmt: skip
     return logp, stats, passes
 

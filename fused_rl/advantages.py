@@ -17,7 +17,7 @@ from torch import Tensor
 
 from . import _validation as V
 from ._backend import resolve_backend
-from ._launch import f32_pair, next_power_of_2, triton_acc
+from ._launch import COMPILE_OPTIONS, f32_pair, next_power_of_2, triton_acc
 from ._ops import FusedOp
 from .reference import advantages as ref
 from .reference.kl import KL_KINDS, refuse_full
@@ -68,6 +68,7 @@ def gae_fwd(
         HAS_MASK=mask is not None,
         BLOCK_T=_time_block(length),
         ACC=triton_acc(dtype),
+        **COMPILE_OPTIONS,
     )
     return adv, ret
 
@@ -113,6 +114,7 @@ def kl_penalized_rewards_fwd(
         KIND=KL_KINDS.index(kl_estimator),
         BLOCK_T=_time_block(length),
         ACC=triton_acc(dtype),
+        **COMPILE_OPTIONS,
     )
     return out
 
@@ -137,6 +139,7 @@ def group_advantages_fwd(scores: Tensor, group_size: int, mode: str, eps: float)
         MODE=_GROUP_MODES[mode],
         BLOCK_N=max(16, min(next_power_of_2(group_size), MAX_BLOCK_N)),
         ACC=triton_acc(dtype),
+        **COMPILE_OPTIONS,
     )
     return out
 

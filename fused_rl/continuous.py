@@ -22,7 +22,7 @@ from torch import Tensor
 
 from . import _validation as V
 from ._backend import resolve_backend
-from ._launch import next_power_of_2, triton_acc
+from ._launch import COMPILE_OPTIONS, next_power_of_2, triton_acc
 from ._ops import FusedOp
 from .reference import continuous as ref
 
@@ -68,6 +68,7 @@ def gaussian_logprob_fwd(mu: Tensor, sigma: Tensor, actions: Tensor) -> Tensor:
         BLOCK_R=block_r,
         BLOCK_N=block_n,
         ACC=triton_acc(dtype),
+        **COMPILE_OPTIONS,
     )
     return out
 
@@ -107,6 +108,7 @@ def gaussian_logprob_bwd(
         BLOCK_R=block_r,
         BLOCK_N=block_n,
         ACC=triton_acc(ref.acc_dtype(mu, sigma, actions)),
+        **COMPILE_OPTIONS,
     )
     return grad_mu, grad_sigma
 
@@ -131,6 +133,7 @@ def gaussian_entropy_fwd(sigma: Tensor) -> Tensor:
         BLOCK_R=block_r,
         BLOCK_N=block_n,
         ACC=triton_acc(dtype),
+        **COMPILE_OPTIONS,
     )
     return out
 
@@ -156,6 +159,7 @@ def gaussian_entropy_bwd(sigma: Tensor, grad_out: Tensor) -> Tensor:
         BLOCK_R=block_r,
         BLOCK_N=block_n,
         ACC=triton_acc(ref.acc_dtype(sigma)),
+        **COMPILE_OPTIONS,
     )
     return grad_sigma
 

@@ -28,7 +28,15 @@ from torch import Tensor
 from . import _validation as V
 from ._agg import check_loss_agg, masked_mean_all, poison_empty, token_weights
 from ._backend import resolve_backend
-from ._launch import NO_CAP, NO_NUM_ITEMS, f32_pair, stats_dtype, triton_acc, vocab_launch
+from ._launch import (
+    COMPILE_OPTIONS,
+    NO_CAP,
+    NO_NUM_ITEMS,
+    f32_pair,
+    stats_dtype,
+    triton_acc,
+    vocab_launch,
+)
 from ._ops import FusedOp
 from ._policy_inputs import num_items_args, weights_of
 from ._shapes import as_rows3d
@@ -234,7 +242,7 @@ def _launch_finalize(part, outer, inner, agg, max_length, num_items, num_items_t
         outer, inner, *(f32_pair(num_items) if num_items > 0 else NO_NUM_ITEMS),
         float(max(outer, 1)), float(max_length),
         AGG=agg, NUM_ITEMS_TENSOR=num_items_t is not None, BLOCK_B=FINALIZE_BLOCK_B,
-        BLOCK_T=FINALIZE_BLOCK_T, ACC=triton_acc(acc),
+        BLOCK_T=FINALIZE_BLOCK_T, ACC=triton_acc(acc), **COMPILE_OPTIONS,
     )  # fmt: skip
     return loss, metrics, seq_scale
 

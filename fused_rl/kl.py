@@ -15,7 +15,7 @@ from torch import Tensor
 
 from . import _validation as V
 from ._backend import resolve_backend
-from ._launch import triton_acc
+from ._launch import COMPILE_OPTIONS, triton_acc
 from ._ops import FusedOp
 from .reductions import BLOCK, NUM_WARPS, as_rows2d, n_blocks
 from .reference import kl as ref
@@ -36,7 +36,7 @@ def kl_estimate_fwd(logprobs: Tensor, ref_logprobs: Tensor, kind: int) -> Tensor
             logprobs, ref_logprobs, out, logprobs.numel(), logprobs.shape[1],
             logprobs.stride(0), logprobs.stride(1), ref_logprobs.stride(0),
             ref_logprobs.stride(1), KIND=kind, BLOCK=BLOCK, ACC=triton_acc(dtype),
-            num_warps=NUM_WARPS,
+            num_warps=NUM_WARPS, **COMPILE_OPTIONS,
         )  # fmt: skip
     return out
 
@@ -64,6 +64,7 @@ def kl_estimate_bwd(
             ref_logprobs.stride(1), grad.stride(0), grad.stride(1), KIND=kind,
             WANT_LOGP=want_logp, WANT_REF=want_ref, BLOCK=BLOCK,
             ACC=triton_acc(acc_dtype(logprobs, ref_logprobs)), num_warps=NUM_WARPS,
+            **COMPILE_OPTIONS,
         )  # fmt: skip
     return g_lp, g_ref
 

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from . import _validation as V
 from ._backend import resolve_backend
-from ._launch import f32_pair, triton_acc
+from ._launch import COMPILE_OPTIONS, f32_pair, triton_acc
 from ._ops import FusedOp
 from .reference import reductions as ref
 from .reference.logprobs import differentiable_once
@@ -95,7 +95,7 @@ def masked_moments_fwd(
             _masked_row_moments_fwd_kernel[(n_rows,)](
                 x2d, m_arg, stats, n_rows, n_cols, x2d.stride(0), x2d.stride(1), smr, smc,
                 float(correction), HAS_MASK=mask2d is not None, WITH_VAR=with_var,
-                BLOCK=BLOCK, ACC=acc, num_warps=NUM_WARPS,
+                BLOCK=BLOCK, ACC=acc, num_warps=NUM_WARPS, **COMPILE_OPTIONS,
             )  # fmt: skip
         return stats
     n_prog = n_blocks(x2d.numel())
@@ -104,11 +104,18 @@ def masked_moments_fwd(
         _masked_moments_fwd_kernel[(n_prog,)](
             x2d, m_arg, partials, x2d.numel(), n_cols, x2d.stride(0), x2d.stride(1), smr, smc,
             HAS_MASK=mask2d is not None, WITH_VAR=with_var, BLOCK=BLOCK, ACC=acc,
-            num_warps=NUM_WARPS,
+            num_warps=NUM_WARPS, **COMPILE_OPTIONS,
         )  # fmt: skip
     stats = torch.empty((4, 1), dtype=dtype, device=x2d.device)
     _masked_moments_finalize_kernel[(1,)](
-        partials, stats, n_prog, float(correction), BLOCK_P=BLOCK_P, ACC=acc, num_warps=NUM_WARPS
+        partials,
+        stats,
+        n_prog,
+        float(correction),
+        BLOCK_P=BLOCK_P,
+        ACC=acc,
+        num_warps=NUM_WARPS,
+        **COMPILE_OPTIONS,
     )
     return stats
 
@@ -135,7 +142,7 @@ def masked_moments_bwd(
         x2d, mask2d if mask2d is not None else x2d, stats, grad_stats, grad, x2d.numel(),
         x2d.shape[1], x2d.stride(0), x2d.stride(1), smr, smc, stats.stride(0),
         1 if per_row else 0, float(correction), HAS_MASK=mask2d is not None, WITH_VAR=with_var,
-        BLOCK=BLOCK, ACC=triton_acc(stats.dtype), num_warps=NUM_WARPS,
+        BLOCK=BLOCK, ACC=triton_acc(stats.dtype), num_warps=NUM_WARPS, **COMPILE_OPTIONS,
     )  # fmt: skip
     return grad
 
@@ -152,6 +159,7 @@ def masked_whiten_fwd(
         _masked_whiten_fwd_kernel[(n_blocks(x2d.numel()),)](
             x2d, stats, y, x2d.numel(), x2d.shape[1], x2d.stride(0), x2d.stride(1), *f32_pair(eps),
             KEEP_MEAN=keep_mean, BLOCK=BLOCK, ACC=triton_acc(stats.dtype), num_warps=NUM_WARPS,
+            **COMPILE_OPTIONS,
         )  # fmt: skip
     return y, stats
 
@@ -174,6 +182,7 @@ def masked_whiten_bwd(
     _masked_whiten_bwd_partials_kernel[(n_prog,)](
         x2d, grad_y, stats, partials, x2d.numel(), x2d.shape[1], x2d.stride(0), x2d.stride(1),
         grad_y.stride(0), grad_y.stride(1), BLOCK=BLOCK, ACC=acc, num_warps=NUM_WARPS,
+        **COMPILE_OPTIONS,
     )  # fmt: skip
     sums = partials.sum(dim=1)  # (2,): deterministic, tiny
     mask2d = kernel_mask(mask2d)
@@ -182,7 +191,7 @@ def masked_whiten_bwd(
         x2d, mask2d if mask2d is not None else x2d, grad_y, stats, sums, grad, x2d.numel(),
         x2d.shape[1], x2d.stride(0), x2d.stride(1), smr, smc, grad_y.stride(0),
         grad_y.stride(1), *f32_pair(eps), 1.0, KEEP_MEAN=keep_mean, HAS_MASK=mask2d is not None,
-        BLOCK=BLOCK, ACC=acc, num_warps=NUM_WARPS,
+        BLOCK=BLOCK, ACC=acc, num_warps=NUM_WARPS, **COMPILE_OPTIONS,
     )  # fmt: skip
     return grad
 

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from . import _validation as V
 from ._backend import resolve_backend
-from ._launch import f32_pair, next_power_of_2, triton_acc
+from ._launch import COMPILE_OPTIONS, f32_pair, next_power_of_2, triton_acc
 from ._ops import FusedOp
 from .reference import rollout as ref
 from .reference.reductions import acc_dtype
@@ -71,7 +71,7 @@ def rollout_is_weights_fwd(
         rollout_logprobs.stride(0), rollout_logprobs.stride(1), m.stride(0), m.stride(1),
         *f32_pair(clip_min), *f32_pair(clip_max),
         HAS_MASK=mask is not None, SEQUENCE=not token, MEAN=level == 2, REJECT=reject,
-        BLOCK_T=block, ACC=triton_acc(dtype),
+        BLOCK_T=block, ACC=triton_acc(dtype), **COMPILE_OPTIONS,
     )  # fmt: skip
     return weights, keep
 

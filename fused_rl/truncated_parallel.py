@@ -55,7 +55,7 @@ from torch import Tensor
 
 from . import _validation as V
 from . import distributed as D
-from ._launch import stats_dtype, triton_acc
+from ._launch import COMPILE_OPTIONS, stats_dtype, triton_acc
 from ._ops import FusedOp, _serialised_when_interpreting
 from ._select_ops import BINS, DIGIT_BITS, choose_digit
 from ._shapes import as_rows3d
@@ -201,6 +201,7 @@ def _search_step(x, state, sums, top, spec, narrow, stream, collect):
         SEARCH_BLOCK=min(SEARCH_BLOCK, _block(vocab)), BLOCK_V=_block(vocab),
         MAX_SEARCH_PASSES=max_search_passes(x.dtype, spec.softcap),
         HAS_SOFTCAP=spec.softcap is not None, ACC=triton_acc(x.dtype), num_warps=NUM_WARPS,
+        **COMPILE_OPTIONS,
     )  # fmt: skip
 
 
@@ -220,6 +221,7 @@ def _partials(x3d: Tensor, t_local: Tensor, spec, kk: int, need_sum: bool, hist:
             *t_local.stride(), *scale_args(spec.temperature, spec.softcap), kk, D.LOCAL_IGNORE,
             NEED_SUM=need_sum, HIST=hist, HAS_SOFTCAP=spec.softcap is not None,
             BLOCK_V=_block(vocab), ACC=triton_acc(x3d.dtype), num_warps=NUM_WARPS,
+            **COMPILE_OPTIONS,
         )  # fmt: skip
     return part, counts
 
@@ -240,7 +242,7 @@ def _digit_pass(x3d: Tensor, on: Tensor, prefix: Tensor, m: Tensor, spec, shift:
             x3d, on, prefix, m, buf, inner, vocab, *x3d.stride(),
             *scale_args(spec.temperature, spec.softcap), shift, LAST=last,
             HAS_SOFTCAP=spec.softcap is not None, BLOCK_V=_block(vocab),
-            ACC=triton_acc(x3d.dtype), num_warps=NUM_WARPS,
+            ACC=triton_acc(x3d.dtype), num_warps=NUM_WARPS, **COMPILE_OPTIONS,
         )  # fmt: skip
     return buf
 
@@ -259,6 +261,7 @@ def _kth_end(x3d: Tensor, on: Tensor, key: Tensor, m: Tensor, buf: Tensor, spec)
             x3d, on, key, m, buf, out, inner, vocab, *x3d.stride(),
             *scale_args(spec.temperature, spec.softcap), HAS_SOFTCAP=spec.softcap is not None,
             BLOCK_V=_block(vocab), ACC=triton_acc(x3d.dtype), num_warps=NUM_WARPS,
+            **COMPILE_OPTIONS,
         )  # fmt: skip
     return out
 

@@ -16,7 +16,7 @@ from torch import Tensor
 from . import _validation as V
 from ._agg import check_loss_agg, poison_empty, token_weights
 from ._backend import resolve_backend
-from ._launch import f32_pair, triton_acc
+from ._launch import COMPILE_OPTIONS, f32_pair, triton_acc
 from ._ops import FusedOp
 from .reductions import (
     BLOCK,
@@ -63,11 +63,11 @@ def value_loss_fwd(
             values, old_values, returns, weights, mask if mask is not None else weights,
             partials, values.numel(), values.shape[1], *_strides(values, old_values, returns, mask),
             *f32_pair(0.0 if clip is None else clip), HAS_MASK=mask is not None,
-            HAS_CLIP=clip is not None, BLOCK=BLOCK, ACC=acc, num_warps=NUM_WARPS,
+            HAS_CLIP=clip is not None, BLOCK=BLOCK, ACC=acc, num_warps=NUM_WARPS, **COMPILE_OPTIONS,
         )  # fmt: skip
     out = torch.empty((4,), dtype=dtype, device=values.device)
     _value_loss_finalize_kernel[(1,)](
-        partials, out, n_prog, BLOCK_P=BLOCK_P, ACC=acc, num_warps=NUM_WARPS
+        partials, out, n_prog, BLOCK_P=BLOCK_P, ACC=acc, num_warps=NUM_WARPS, **COMPILE_OPTIONS
     )
     return out
 
@@ -94,7 +94,7 @@ def value_loss_bwd(
         grad_out.to(out.dtype).contiguous(), grad, values.numel(), values.shape[1],
         *_strides(values, old_values, returns, mask), *f32_pair(0.0 if clip is None else clip),
         HAS_MASK=mask is not None, HAS_CLIP=clip is not None, BLOCK=BLOCK,
-        ACC=triton_acc(out.dtype), num_warps=NUM_WARPS,
+        ACC=triton_acc(out.dtype), num_warps=NUM_WARPS, **COMPILE_OPTIONS,
     )  # fmt: skip
     return grad
 
@@ -132,12 +132,12 @@ def ppo_loss_fwd(
             *tensors, pm if pm is not None else pi_logprobs, vm if vm is not None else phi_values,
             partials, numel, pi_logprobs.shape[1], *_strides(*tensors, pm, vm),
             *_ppo_scalars(epsilon, value_clip_range), HAS_PMASK=pm is not None,
-            HAS_VMASK=vm is not None, BLOCK=BLOCK, ACC=acc, num_warps=NUM_WARPS,
+            HAS_VMASK=vm is not None, BLOCK=BLOCK, ACC=acc, num_warps=NUM_WARPS, **COMPILE_OPTIONS,
         )  # fmt: skip
     out = torch.empty((8,), dtype=dtype, device=pi_logprobs.device)
     _ppo_loss_finalize_kernel[(1,)](
         partials, out, n_prog, numel, *f32_pair(value_coeff), HAS_PMASK=pm is not None,
-        HAS_VMASK=vm is not None, BLOCK_P=BLOCK_P, ACC=acc, num_warps=NUM_WARPS,
+        HAS_VMASK=vm is not None, BLOCK_P=BLOCK_P, ACC=acc, num_warps=NUM_WARPS, **COMPILE_OPTIONS,
     )  # fmt: skip
     return out
 
@@ -172,7 +172,7 @@ def ppo_loss_bwd(
         out, grad_out.to(out.dtype).contiguous(), g_lp, g_v, numel, pi_logprobs.shape[1],
         *_strides(*tensors, pm, vm), *_ppo_scalars(epsilon, value_clip_range),
         *f32_pair(value_coeff), HAS_PMASK=pm is not None, HAS_VMASK=vm is not None,
-        BLOCK=BLOCK, ACC=triton_acc(out.dtype), num_warps=NUM_WARPS,
+        BLOCK=BLOCK, ACC=triton_acc(out.dtype), num_warps=NUM_WARPS, **COMPILE_OPTIONS,
     )  # fmt: skip
     return g_lp, g_v
 

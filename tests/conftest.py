@@ -91,6 +91,16 @@ def _helper_calls_patch_once():
         yield
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _pinned_compile_options():
+    """Every fused_rl launch the suite makes passes its compile options (FMA contraction on),
+    so none depends on Triton's default (``helpers.pinned_compile_options``)."""
+    from helpers import pinned_compile_options
+
+    with pinned_compile_options():
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _compiled_scalar_abi():
     """Python floats reach interpreted kernels as fp32, as a compiled launch passes them, so a

@@ -173,6 +173,43 @@ def compiled_scalar_abi():
 
 
 @contextlib.contextmanager
+def pinned_compile_options():
+    """Within the block a launch of a fused_rl kernel that does not pass
+    ``fused_rl._launch.COMPILE_OPTIONS`` (directly or through ``vocab_launch``) raises: left
+    unset, FMA contraction follows Triton's default, which Triton 3.10 turns off. Checked on
+    the launch path itself (``run``: what ``kernel[grid](...)`` calls), interpreted or
+    compiled."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    from fused_rl._launch import COMPILE_OPTIONS
+
+    originals = {cls: cls.run for cls in (InterpretedFunction, JITFunction)}
+
+    def checked(run):
+        def launch(self, *args, **kwargs):
+            fn = self.fn
+            if fn.__module__.startswith("fused_rl.") and any(
+                kwargs.get(k) != v for k, v in COMPILE_OPTIONS.items()
+            ):
+                raise AssertionError(
+                    f"{fn.__module__}.{fn.__name__} launched without COMPILE_OPTIONS "
+                    f"(fused_rl._launch): {sorted(kwargs)}"
+                )
+            return run(self, *args, **kwargs)
+
+        return launch
+
+    for cls, run in originals.items():
+        cls.run = checked(run)
+    try:
+        yield
+    finally:
+        for cls, run in originals.items():
+            cls.run = run
+
+
+@contextlib.contextmanager
 def helper_calls_patch_once():
     """Within the block the Triton interpreter skips re-patching ``triton.language`` at each
     call of a ``@triton.jit`` helper inside a kernel: the launch has patched it already and

@@ -396,8 +396,8 @@ def _compile_launched(kernel, flags: dict, one_warp: bool):
     if "r_stride_v" in names:
         constexprs["r_stride_v"] = 1
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    # contracted multiply-adds, as launched today (Triton 3.9's default, off from 3.10)
-    options = {"num_warps": launch["num_warps"], "enable_fp_fusion": True}
+    # the launch's own compile options (contracted multiply-adds: fused_rl._launch)
+    options = {"num_warps": launch["num_warps"], "enable_fp_fusion": launch["enable_fp_fusion"]}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options), launch
 
 

@@ -15,6 +15,7 @@ from helpers import F64_TOL, FP32_TOL, gradcheck, rel_err, sm90_compile_output
 import fused_rl
 import fused_rl.distill as distill_mod
 from fused_rl._agg import LOSS_AGG_MODES
+from fused_rl._launch import COMPILE_OPTIONS
 from fused_rl.profiling import AllocationTracker, LaunchCounter
 
 BACKENDS = ("triton", "reference")
@@ -382,7 +383,9 @@ def test_awkward_shapes(shape, backend, device):
 def test_online_rescaling_over_many_blocks(beta, device, monkeypatch):
     """Blocks of 16 columns over rows whose maximum rises block after block (and falls, and
     jumps by 1e3): every online rescaling of the running sums is exercised."""
-    monkeypatch.setattr(distill_mod, "vocab_launch", lambda v, **_: {"BLOCK_V": 16})
+    monkeypatch.setattr(
+        distill_mod, "vocab_launch", lambda v, **_: {"BLOCK_V": 16, **COMPILE_OPTIONS}
+    )
     V = 100
     ramp = torch.linspace(-3.0, 9.0, V, dtype=torch.float64)
     s = torch.stack([ramp, ramp.flip(0), torch.randn(V, dtype=torch.float64)]).reshape(1, 3, V)

@@ -208,6 +208,21 @@ def test_vocab_streams_exponentiate_with_one_instruction():
 # ----------------------------------------------------------------------------- host side
 
 
+def test_a_launch_without_the_compile_options_fails_the_suite(monkeypatch):
+    """The suite's guard (``helpers.pinned_compile_options``, on for every test) is live on
+    the real launch path: a launcher that drops ``COMPILE_OPTIONS`` raises, naming the
+    kernel; the same call with them passes."""
+    import fused_rl.kl
+
+    x, y = torch.randn(2, 5), torch.randn(2, 5)
+    expected = fused_rl.kl_estimate(x, y, kl_estimator="k3", backend="triton")
+    monkeypatch.setattr(fused_rl.kl, "COMPILE_OPTIONS", {})
+    with pytest.raises(AssertionError, match="_kl_estimate_fwd_kernel launched without"):
+        fused_rl.kl_estimate(x, y, kl_estimator="k3", backend="triton")
+    monkeypatch.undo()
+    torch.testing.assert_close(fused_rl.kl_estimate(x, y, kl_estimator="k3", backend="triton"), expected)
+
+
 def test_interpreted_launches_are_thread_safe():
     """The Triton interpreter is not re-entrant across threads; fused_rl serialises its
     interpreted launches, so concurrent calls give exactly the single-threaded results."""
