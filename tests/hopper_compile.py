@@ -25,6 +25,8 @@ from fused_rl.kernels.vocab.truncated import _bracket_sums
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from fused_rl._launch import COMPILE_OPTIONS
+
 MODULES = [
     "vocab.layer1",
     "vocab.layer3",
@@ -140,7 +142,7 @@ def compile_all(kernel, low_precision: bool, check_offsets: bool = False) -> int
         constexprs.update(flags, ACC=acc)
         source = ASTSource(fn=kernel, signature=_signature(kernel, low_precision),
                            constexprs=constexprs)  # fmt: skip
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=COMPILE_OPTIONS)
         if ".entry" not in compiled.asm["ptx"]:
             raise AssertionError(f"no kernel entry in the PTX of {kernel.__name__} {flags}")
         narrow = narrow_offset_products(compiled.asm["ttir"]) if check_offsets else []
@@ -227,7 +229,9 @@ def offset_check_works() -> list[str]:
     problems = []
     for kernel, expect_narrow in ((_narrow_offset_canary, True), (_wide_offset_canary, False)):
         source = ASTSource(fn=kernel, signature={"out_ptr": "*fp32", "R": "i32"}, constexprs={})
-        ttir = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ttir"]
+        ttir = triton.compile(
+            source, target=GPUTarget("cuda", 90, 32), options=COMPILE_OPTIONS
+        ).asm["ttir"]
         if bool(narrow_offset_products(ttir)) != expect_narrow:
             problems.append(f"narrow_offset_products is wrong on {kernel.__name__}:\n{ttir}")
     return problems
@@ -269,7 +273,7 @@ def search_pass_instructions(search_block: int, n_cand: int, num_warps: int) -> 
     source = ASTSource(fn=_search_pass_probe, signature=signature,
                        constexprs={"N_CAND": n_cand, "SEARCH_BLOCK": search_block})  # fmt: skip
     cubin = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": num_warps, "enable_fp_fusion": True},
+                           options={"num_warps": num_warps, **COMPILE_OPTIONS},
                            ).asm["cubin"]  # fmt: skip
     loops = innermost_loops(cubin)
     if len(loops) != 1:
@@ -357,7 +361,9 @@ def spill_check_works() -> list[str]:
     source = ASTSource(fn=_spill_canary, signature={"x_ptr": "*fp32", "out_ptr": "*fp32",
                                                     "BLOCK": "constexpr"},
                        constexprs={"BLOCK": 8192})  # fmt: skip
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+    compiled = triton.compile(
+        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, **COMPILE_OPTIONS}
+    )
     if stack_bytes(compiled.asm["cubin"]) == 0:
         return ["the spill check saw no stack in _spill_canary, which must spill"]
     return []
@@ -397,7 +403,7 @@ def _compile_launched(kernel, flags: dict, one_warp: bool):
         constexprs["r_stride_v"] = 1
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     # the launch's own compile options (contracted multiply-adds: fused_rl._launch)
-    options = {"num_warps": launch["num_warps"], "enable_fp_fusion": launch["enable_fp_fusion"]}
+    options = {"num_warps": launch["num_warps"], **COMPILE_OPTIONS}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options), launch
 
 

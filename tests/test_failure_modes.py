@@ -220,7 +220,9 @@ def test_a_launch_without_the_compile_options_fails_the_suite(monkeypatch):
     with pytest.raises(AssertionError, match="_kl_estimate_fwd_kernel launched without"):
         fused_rl.kl_estimate(x, y, kl_estimator="k3", backend="triton")
     monkeypatch.undo()
-    torch.testing.assert_close(fused_rl.kl_estimate(x, y, kl_estimator="k3", backend="triton"), expected)
+    torch.testing.assert_close(
+        fused_rl.kl_estimate(x, y, kl_estimator="k3", backend="triton"), expected
+    )
 
 
 def test_interpreted_launches_are_thread_safe():

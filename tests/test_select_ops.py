@@ -205,8 +205,13 @@ import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from hopper_compile import kernel_signature, narrow_offset_products, stack_bytes
-from fused_rl._launch import vocab_launch
+from fused_rl._launch import COMPILE_OPTIONS, vocab_launch
 import fused_rl.kernels.vocab.select as select
+
+SM90 = GPUTarget("cuda", 90, 32)
+
+def launched(num_warps):  # the launch's compile options
+    return {"num_warps": num_warps, **COMPILE_OPTIONS}
 fn = select._kth_largest_kernel
 
 launch = vocab_launch(151936, writes=False)
@@ -219,8 +224,8 @@ for logits, out, acc in (("*bf16", "*fp32", tl.float32), ("*fp16", "*fp32", tl.f
     sig = dict(kernel_signature(fn, set(), {"logits_ptr": logits}, out), stride_v="constexpr")
     src = ASTSource(fn=fn, signature=sig, attrs=attrs,
                     constexprs=dict(BLOCK_V=launch["BLOCK_V"], ACC=acc, stride_v=1))
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": launch["num_warps"]})
+    c = triton.compile(src, target=SM90,
+                       options=launched(launch["num_warps"]))
     assert stack_bytes(c.asm["cubin"]) == 0, (logits, "registers spilled")
     assert not narrow_offset_products(c.asm["ttir"]), (logits, "narrow offsets")
     if logits != "*fp64":
@@ -236,8 +241,8 @@ for logits, first in (("*bf16", True), ("*bf16", False), ("*fp64", False)):
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned if n in names}
     src = ASTSource(fn=hist, signature=sig, attrs=attrs, constexprs=dict(
         FIRST=first, BLOCK_V=launch["BLOCK_V"], stride_v=1))
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": launch["num_warps"]})
+    c = triton.compile(src, target=SM90,
+                       options=launched(launch["num_warps"]))
     assert stack_bytes(c.asm["cubin"]) == 0, (logits, first, "registers spilled")
     assert not narrow_offset_products(c.asm["ttir"]), (logits, first, "narrow offsets")
     count += 1
