@@ -81,13 +81,13 @@ def _poison_empty(request, monkeypatch):
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _helper_calls_patch_once():
+def _interpreter_fast_paths():
     """Interpreted kernels skip the interpreter's redundant re-patch of ``triton.language`` at
-    each helper call (``helpers.helper_calls_patch_once``): the suite's time, not its
-    results."""
-    from helpers import helper_calls_patch_once
+    each helper call (``helpers.helper_calls_patch_once``) and look its NumPy dtypes up in a
+    memo (``helpers.np_dtype_memo``): the suite's time, not its results."""
+    from helpers import helper_calls_patch_once, np_dtype_memo
 
-    with helper_calls_patch_once():
+    with helper_calls_patch_once(), np_dtype_memo():
         yield
 
 

@@ -244,6 +244,39 @@ def helper_calls_patch_once():
         interpreter._patch_lang = original
 
 
+@contextlib.contextmanager
+def np_dtype_memo():
+    """Within the block the Triton interpreter's ``_get_np_dtype`` (the NumPy dtype of a
+    Triton type, asked at nearly every interpreted op) answers from a memo: it rebuilds a
+    19-entry dict of hashed Triton dtypes on every call, a tenth of an interpreted test's
+    time (tests/test_truncated.py). A block type answers as its element type, as the
+    original does. No-op without the interpreter; nothing a kernel computes changes."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        yield
+        return
+    original = interpreter._get_np_dtype
+    memo: dict = {}
+
+    def memoised(tt_dtype):
+        if isinstance(tt_dtype, tl.block_type):
+            tt_dtype = tt_dtype.element_ty
+        if isinstance(tt_dtype, tl.pointer_type):  # unhashable; answered before the dict
+            return original(tt_dtype)
+        found = memo.get(tt_dtype)
+        if found is None:
+            found = memo[tt_dtype] = original(tt_dtype)
+        return found
+
+    interpreter._get_np_dtype = memoised
+    try:
+        yield
+    finally:
+        interpreter._get_np_dtype = original
+
+
 def sm90_compile_output(script: str) -> str:
     """The stdout of ``script`` -- a program that compiles kernels for sm_90 -- run in a
     fresh interpreter WITHOUT ``TRITON_INTERPRET`` (the interpreter replaces kernels by

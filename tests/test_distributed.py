@@ -1583,8 +1583,10 @@ def compiled_fullgraph(ctx):
     """Every vocabulary-parallel op under ``torch.compile(fullgraph=True)`` (no graph break:
     collectives traced, or the routes with host reads opaque custom ops): the eager call's
     values and this rank's gradients, both backends for the logits ops (their merges are
-    traced), two ops from hidden states on both. At 2 ranks only (what compiles does not
-    depend on the world size; each op compiles twice, the check's cost)."""
+    traced); the ops from hidden states under Inductor (two of them: the generated code, not
+    only the graph), as :func:`compiled_token_counts` compiles every one of them under
+    ``aot_eager`` in one graph. At 2 ranks only (what compiles does not depend on the world
+    size; each op compiles twice, the check's cost)."""
     w, B, T, H = 5, 2, 3, 4
     V = w * ctx.world
     g = ctx.gen(71)
@@ -1593,8 +1595,7 @@ def compiled_fullgraph(ctx):
     targets = torch.randint(0, V, (B, T), generator=g)
     targets[0, 0] = -100
     adv, old = torch.randn(B, generator=g), torch.randn(B, T, generator=g) - 2
-    hidden, t_hidden = torch.randn(B, T, H, generator=g), torch.randn(B, T, H, generator=g)
-    weight, t_weight = torch.randn(V, H, generator=g), torch.randn(V, H, generator=g)
+    hidden, weight = torch.randn(B, T, H, generator=g), torch.randn(V, H, generator=g)
     grp = dict(process_group=ctx.group)
     logits_ops = {
         "token_logprobs": lambda x, **k: fused_rl.token_logprobs(x, targets, **grp, **k),
@@ -1609,21 +1610,13 @@ def compiled_fullgraph(ctx):
             kl_estimator="full", beta=0.1, **grp, **k)[0],
         "token_stats": lambda x, **k: _stacked(fused_rl.token_stats(x, targets, **grp, **k)),
     }  # fmt: skip
+    # ops from hidden states compiled by Inductor (their merge of the chunks' partials, which
+    # Inductor once miscompiled when it was traced, now runs inside their custom ops)
     head_ops = {
         "linear_logprobs": lambda h, wt, **k: fused_rl.linear_token_logprobs(
             h, wt, targets[:, 1:], **grp, **k),
-        "linear_truncated": lambda h, wt, **k: fused_rl.linear_token_logprobs(
-            h, wt, targets[:, 1:], top_p=0.8, chunk_tokens=2, **grp, **k),
-        "linear_distill": lambda h, wt, **k: fused_rl.linear_distill_loss(
-            h, wt, t_hidden, t_weight[start:stop], beta=0.4, chunk_tokens=2, **grp, **k)[0],
         "linear_policy": lambda h, wt, **k: fused_rl.linear_policy_loss(
             h, wt, targets[:, 1:], adv, **grp, **k)[0],
-        "linear_policy_full_kl": lambda h, wt, **k: fused_rl.linear_policy_loss(
-            h, wt, targets[:, 1:], adv, old_logprobs=old[:, 1:], ref_hidden=t_hidden,
-            ref_weight=t_weight[start:stop], kl_estimator="full", beta=0.1, chunk_tokens=2,
-            **grp, **k)[0],
-        "linear_stats": lambda h, wt, **k: _stacked(fused_rl.linear_token_stats(
-            h, wt, targets[:, 1:], chunk_tokens=2, **grp, **k)),
     }  # fmt: skip
 
     def value_grads(fn, leaves):
@@ -1634,12 +1627,6 @@ def compiled_fullgraph(ctx):
         return out.detach(), [x.grad for x in leaves]
 
     cases = [(name, fn, [full[..., start:stop]], BACKENDS) for name, fn in logits_ops.items()]
-    # the ops from hidden states trace the same custom ops on either backend (the backend is
-    # an argument of theirs): the reference backend's launchers of the statistics, the
-    # truncation and the exact KL (the sharded distillation op's: compiled on Triton only)
-    both = ("linear_truncated", "linear_policy_full_kl")
-    cases += [(name, fn, [hidden, weight[start:stop]], BACKENDS if name in both else ("triton",))
-              for name, fn in head_ops.items()]  # fmt: skip
     # Inductor: the generated code, not only the traced graph, is the eager call. A logits
     # op's merge is traced (it reads this rank's own maxima after the MAX all-reduce, which
     # Inductor once wrote straight into the reduced buffer); the heads' several chunks run
@@ -1647,7 +1634,7 @@ def compiled_fullgraph(ctx):
     cases += [("token_logprobs inductor", logits_ops["token_logprobs"], [full[..., start:stop]],
                ("triton",))]  # fmt: skip
     cases += [(f"{name} inductor", partial(fn, chunk_tokens=2), [hidden, weight[start:stop]],
-               ("triton",)) for name, fn in head_ops.items() if name in INDUCTOR_HEADS]  # fmt: skip
+               ("triton",)) for name, fn in head_ops.items()]  # fmt: skip
     for name, fn, leaves, backends in cases:
         for backend in backends:
             what = f"{name} {backend}"
@@ -1753,11 +1740,6 @@ def compiled_token_counts(ctx):
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert graphs <= 2, f"{graphs} graphs for 3 token counts"
     _group_ok(ctx)
-
-
-# the head ops checked compiled by Inductor too (their merge of the chunks' partials, which
-# Inductor once miscompiled when it was traced, now runs inside their custom ops)
-INDUCTOR_HEADS = ("linear_logprobs", "linear_policy")
 
 
 @pytest.mark.parametrize("world, name", world_cases(CHECKS, WORLD_SIZES))
