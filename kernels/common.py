@@ -120,3 +120,13 @@ def cast_for(x, ptr):
         return x.to(tl.float64)
     else:
         return x.to(tl.float32).to(ptr.dtype.element_ty)
+
+
+@triton.jit
+def lane_sums(x, LANES: tl.constexpr, VEC: tl.constexpr):
+    """A one-warp block's values summed to ``LANES`` partials, one a lane, with no cross-lane
+    traffic: a vector load puts ``VEC`` consecutive values in a lane and the next ``VEC`` in
+    the next lane, so the sum of ``(BLOCK / (LANES VEC), LANES, VEC)`` over its outer axes
+    stays in each lane's registers. A running sum kept as these partials takes one
+    cross-lane reduction after the loop instead of a shuffle tree a block."""
+    return tl.sum(tl.sum(tl.reshape(x, (x.shape[0] // (LANES * VEC), LANES, VEC)), 2), 0)

@@ -473,16 +473,17 @@ def vocab_stream_vectorised() -> list[str]:
 # sm_90 warp instructions a logit (innermost loop, as launched) each stream may cost: an H200
 # issues ~1.05e12 a second (132 SMs x 4 schedulers x 1.98 GHz) and reads ~2.4e12 bf16 logits
 # a second, so a one-row read-only stream is memory-bound below ~0.44. Measured 2026-11-29
-# (Triton 3.9): 0.28, 0.44 and 1.57; before ``kernels.common.exp`` (a multiply and one
-# ex2.approx.ftz against tl.exp's five instructions) and the int32 one-hot column, 0.38, 0.57
-# and 1.95
+# (Triton 3.9): 0.28, 0.44 and 1.47 (1.57 before the exact KL's seven running sums were kept
+# a lane each, ``kernels.common.lane_sums``: a shuffle tree a sum a block saved); before
+# ``kernels.common.exp`` (a multiply and one ex2.approx.ftz against tl.exp's five
+# instructions) and the int32 one-hot column, 0.38, 0.57 and 1.95
 STREAM_BUDGETS = [  # (label, kernel name, flags, one warp a row, ceiling)
     ("token_logprobs forward", "_token_stats_fwd_kernel",
      dict(HAS_TARGETS=True, WITH_ENTROPY=False, WITH_EXTRAS=False, HAS_SOFTCAP=False), True,
      0.32),
     ("token_logprobs backward", "_token_stats_bwd_kernel", BWD_FLAGS, False, 0.5),
     ("policy_loss exact-KL forward", "_policy_loss_fwd_kernel",
-     dict(POLICY_FLAGS, KL_KIND=KL_FULL, WRITE_GRAD=False), True, 1.75),
+     dict(POLICY_FLAGS, KL_KIND=KL_FULL, WRITE_GRAD=False), True, 1.55),
 ]  # fmt: skip
 
 

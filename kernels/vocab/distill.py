@@ -79,7 +79,8 @@ heavy=True)`` (one warp, 512 columns a step: no cross-warp reduction, no spill);
 backward writes the gradient row, ``vocab_launch(V, writes=True)``.
 
 Instructions a column of each loop (compiled for sm_90a and disassembled on the CPU,
-Triton 3.9, bf16; not timed): the forward's first pass 58 (every ``beta``), the JSD's
+Triton 3.9, bf16; not timed): the forward's first pass 54 (every ``beta``; 58 before its
+running sums were kept a lane each, ``kernels.common.lane_sums``), the JSD's
 mixture pass 135 (in the forward kernel; ``_distill_mixture_kernel`` 133), the backward
 40 / 28 / 86 (forward KL / reverse KL / JSD); 71, 159, 48 / 30 / 94 before
 ``kernels.common.exp`` and the fp32 series of ``_bregman_exp``. The mixture pass takes one
