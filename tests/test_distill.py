@@ -742,7 +742,7 @@ import fused_rl.kernels.vocab.distill as k
 
 SM90 = GPUTarget("cuda", 90, 32)
 
-def launched(num_warps):  # the launch's compile options
+def sm90_options(num_warps):  # the launch's compile options
     return {"num_warps": num_warps, **COMPILE_OPTIONS}
 
 FLOATS = {"inv_t_hi", "inv_t_lo", "inv_cap_hi", "inv_cap_lo", "t_inv_t_hi", "t_inv_t_lo",
@@ -762,7 +762,7 @@ def build(fn, consts, logits, acc, unit=(), attrs=None, warps=8):
                 if p.is_constexpr and p.default is not inspect.Parameter.empty}
     src = ASTSource(fn=fn, signature=signature(fn, logits, acc, unit),
                     constexprs={**defaults, **consts, **{n: 1 for n in unit}}, attrs=attrs)
-    return triton.compile(src, target=SM90, options=launched(warps))
+    return triton.compile(src, target=SM90, options=sm90_options(warps))
 
 # the launches at V = 151936: the read-only forward and mixture pass, the backward
 READS = vocab_launch(151936, writes=False, heavy=True)

@@ -210,7 +210,7 @@ import fused_rl.kernels.vocab.select as select
 
 SM90 = GPUTarget("cuda", 90, 32)
 
-def launched(num_warps):  # the launch's compile options
+def sm90_options(num_warps):  # the launch's compile options
     return {"num_warps": num_warps, **COMPILE_OPTIONS}
 fn = select._kth_largest_kernel
 
@@ -225,7 +225,7 @@ for logits, out, acc in (("*bf16", "*fp32", tl.float32), ("*fp16", "*fp32", tl.f
     src = ASTSource(fn=fn, signature=sig, attrs=attrs,
                     constexprs=dict(BLOCK_V=launch["BLOCK_V"], ACC=acc, stride_v=1))
     c = triton.compile(src, target=SM90,
-                       options=launched(launch["num_warps"]))
+                       options=sm90_options(launch["num_warps"]))
     assert stack_bytes(c.asm["cubin"]) == 0, (logits, "registers spilled")
     assert not narrow_offset_products(c.asm["ttir"]), (logits, "narrow offsets")
     if logits != "*fp64":
@@ -242,7 +242,7 @@ for logits, first in (("*bf16", True), ("*bf16", False), ("*fp64", False)):
     src = ASTSource(fn=hist, signature=sig, attrs=attrs, constexprs=dict(
         FIRST=first, BLOCK_V=launch["BLOCK_V"], stride_v=1))
     c = triton.compile(src, target=SM90,
-                       options=launched(launch["num_warps"]))
+                       options=sm90_options(launch["num_warps"]))
     assert stack_bytes(c.asm["cubin"]) == 0, (logits, first, "registers spilled")
     assert not narrow_offset_products(c.asm["ttir"]), (logits, first, "narrow offsets")
     count += 1

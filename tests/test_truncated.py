@@ -648,7 +648,7 @@ import fused_rl.kernels.vocab.truncated_shard as s
 
 SM90 = GPUTarget("cuda", 90, 32)
 
-def launched(num_warps):  # the launch's compile options
+def sm90_options(num_warps):  # the launch's compile options
     return {"num_warps": num_warps, **COMPILE_OPTIONS}
 
 FLOATS = {"inv_t_hi", "inv_t_lo", "inv_cap_hi", "inv_cap_lo", "p_hi", "p_lo", "log1mp_hi",
@@ -672,14 +672,14 @@ for logits, acc, ACC, passes in (("*bf16", "*fp32", tl.float32, 11),
                          MAX_SEARCH_PASSES=passes, ACC=ACC)
             fn = k._truncated_logprobs_fwd_kernel
             src = ASTSource(fn=fn, signature=signature(fn, logits, acc), constexprs=flags)
-            c = triton.compile(src, target=SM90, options=launched(1))
+            c = triton.compile(src, target=SM90, options=sm90_options(1))
             assert not narrow_offset_products(c.asm["ttir"]), (flags, "narrow offsets")
             count += 1
     for cap, kept in ((False, False), (True, False), (False, True)):
         fn = k._truncated_logprobs_bwd_kernel
         src = ASTSource(fn=fn, signature=signature(fn, logits, acc),
                         constexprs=dict(HAS_SOFTCAP=cap, TARGET_KEPT=kept, BLOCK_V=4096, ACC=ACC))
-        c = triton.compile(src, target=SM90, options=launched(8))
+        c = triton.compile(src, target=SM90, options=sm90_options(8))
         assert not narrow_offset_products(c.asm["ttir"]), ("bwd", cap)
         count += 1
     # the vocabulary-parallel kernels (kernels/vocab/truncated_shard.py)
@@ -687,7 +687,7 @@ for logits, acc, ACC, passes in (("*bf16", "*fp32", tl.float32, 11),
         fn = s._shard_partials_kernel
         src = ASTSource(fn=fn, signature=signature(fn, logits, acc), constexprs=dict(
             NEED_SUM=need_sum, HIST=hist, HAS_SOFTCAP=cap, BLOCK_V=1024, ACC=ACC))
-        c = triton.compile(src, target=SM90, options=launched(1))
+        c = triton.compile(src, target=SM90, options=sm90_options(1))
         assert not narrow_offset_products(c.asm["ttir"]), ("partials", need_sum)
         count += 1
     for narrow, stream, collect, cap in ((False, True, False, False), (True, True, False, True),
@@ -697,7 +697,7 @@ for logits, acc, ACC, passes in (("*bf16", "*fp32", tl.float32, 11),
         src = ASTSource(fn=fn, signature=signature(fn, logits, acc), constexprs=dict(
             NARROW=narrow, STREAM=stream, COLLECT=collect, N_CAND=16, SEARCH_BLOCK=SEARCH_BLOCK,
             BLOCK_V=1024, MAX_SEARCH_PASSES=passes, HAS_SOFTCAP=cap, ACC=ACC))
-        c = triton.compile(src, target=SM90, options=launched(1))
+        c = triton.compile(src, target=SM90, options=sm90_options(1))
         assert not narrow_offset_products(c.asm["ttir"]), ("search", narrow, stream)
         count += 1
     for fn, flags in ((s._shard_digit_kernel, dict(LAST=False, HAS_SOFTCAP=False)),
@@ -707,7 +707,7 @@ for logits, acc, ACC, passes in (("*bf16", "*fp32", tl.float32, 11),
                       (s._shard_kth_kernel, dict(HAS_SOFTCAP=True))):
         src = ASTSource(fn=fn, signature=signature(fn, logits, acc), constexprs=dict(
             BLOCK_V=1024, ACC=ACC, **flags))
-        c = triton.compile(src, target=SM90, options=launched(1))
+        c = triton.compile(src, target=SM90, options=sm90_options(1))
         assert not narrow_offset_products(c.asm["ttir"]), (fn.__name__, flags)
         count += 1
 # a bf16 row with unit stride and 16-aligned lengths: 128-bit loads (and stores backward)
@@ -724,7 +724,7 @@ for fn, flags, warps in ((k._truncated_logprobs_fwd_kernel,
     src = ASTSource(fn=fn, signature=sig, attrs=attrs, constexprs=dict(
         stride_v=1, HAS_SOFTCAP=False, ACC=tl.float32, **flags))
     ptx = triton.compile(src, target=SM90,
-                         options=launched(warps)).asm["ptx"]
+                         options=sm90_options(warps)).asm["ptx"]
     assert "ld.global.v4" in ptx or "ld.global.nc.v4" in ptx, fn.__name__
     assert fn is k._truncated_logprobs_fwd_kernel or "st.global.v4" in ptx, fn.__name__
     count += 1
@@ -742,7 +742,7 @@ launched += [(s._shard_partials_kernel, _block(151936), NUM_WARPS,
 for fn, block, warps, flags in launched:
     src = ASTSource(fn=fn, signature=signature(fn, "*bf16", "*fp32"), constexprs=dict(
         HAS_SOFTCAP=False, ACC=tl.float32, BLOCK_V=block, **flags))
-    c = triton.compile(src, target=SM90, options=launched(warps))
+    c = triton.compile(src, target=SM90, options=sm90_options(warps))
     assert stack_bytes(c.asm["cubin"]) == 0, (fn.__name__, flags, "registers spilled")
 # a top-p search pass is compute-bound (16 candidates a logit): its step's instructions
 print("search pass", search_pass_instructions(SEARCH_BLOCK, N_CAND, NUM_WARPS))
