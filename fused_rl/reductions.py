@@ -108,15 +108,9 @@ def masked_moments_fwd(
         )  # fmt: skip
     stats = torch.empty((4, 1), dtype=dtype, device=x2d.device)
     _masked_moments_finalize_kernel[(1,)](
-        partials,
-        stats,
-        n_prog,
-        float(correction),
-        BLOCK_P=BLOCK_P,
-        ACC=acc,
-        num_warps=NUM_WARPS,
+        partials, stats, n_prog, float(correction), BLOCK_P=BLOCK_P, ACC=acc, num_warps=NUM_WARPS,
         **COMPILE_OPTIONS,
-    )
+    )  # fmt: skip
     return stats
 
 

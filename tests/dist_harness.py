@@ -27,7 +27,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import compiled_scalar_abi, helper_calls_patch_once, np_dtype_memo
+from helpers import (
+    compiled_scalar_abi,
+    helper_calls_patch_once,
+    np_dtype_memo,
+    pinned_compile_options,
+)
 
 needs_gloo = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
@@ -142,7 +147,12 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, module: str) ->
     tests = importlib.import_module(module)
     ctx = Ctx(rank, world)
     verdicts = {}
-    with compiled_scalar_abi(), helper_calls_patch_once(), np_dtype_memo():
+    with (
+        compiled_scalar_abi(),
+        helper_calls_patch_once(),
+        np_dtype_memo(),
+        pinned_compile_options(),
+    ):
         for name, fn in tests.CHECKS.items():
             if fn.worlds is not None and world not in fn.worlds:
                 continue

@@ -178,10 +178,13 @@ def pinned_compile_options():
     ``fused_rl._launch.COMPILE_OPTIONS`` (directly or through ``vocab_launch``) raises: left
     unset, FMA contraction follows Triton's default, which Triton 3.10 turns off. Checked on
     the launch path itself (``run``: what ``kernel[grid](...)`` calls), interpreted or
-    compiled."""
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
+    compiled. No-op without Triton."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        yield
+        return
     from fused_rl._launch import COMPILE_OPTIONS
 
     originals = {cls: cls.run for cls in (InterpretedFunction, JITFunction)}
