@@ -856,8 +856,11 @@ def distill_vocab_parallel(ctx):
         )
     ]
     cases += [dict(beta=beta, **own) for beta, own in zip((0.0, 1.0, 0.3), OWN_TRANSFORMS)]
-    runs = [dict(targets=targets, mask=mask, loss_agg=loss_agg, temperature=0.8, **case)
-            for case in cases for loss_agg in ("token-mean", "seq-mean-token-mean")]  # fmt: skip
+    # the aggregations take the merged per-token divergences (no collective of their own):
+    # the cases take them in turn
+    aggs = ("token-mean", "seq-mean-token-mean")
+    runs = [dict(targets=targets, mask=mask, loss_agg=aggs[i % 2], temperature=0.8, **case)
+            for i, case in enumerate(cases)]  # fmt: skip
 
     def unsharded(kw):
         whole = full.clone().requires_grad_()
@@ -1309,27 +1312,31 @@ def linear_truncated_vocab_parallel(ctx):
     ]
     calls = [partial(fused_rl.linear_token_logprobs, targets=targets, **kw) for kw in cases]
     wants = ctx.once(*(partial(run, call, hidden, weight, bias) for call in calls))
-    for kw, unsharded, (want, (w_h, w_w, w_b)) in zip(cases, calls, wants, strict=True):
-        for backend in BACKENDS:
+    # with and without the hidden gradient's all-reduce in turn: each on both backends, the
+    # cuts' routes with either
+    for i, (kw, unsharded, (want, (w_h, w_w, w_b))) in enumerate(
+        zip(cases, calls, wants, strict=True)
+    ):
+        for j, backend in enumerate(BACKENDS):
             what = f"{kw} {backend}"
-            for reduce in (True, False):
-                sharded = partial(
-                    unsharded,
-                    process_group=ctx.group,
-                    vocab_start=start,
-                    vocab_size=V,
-                    backend=backend,
-                    reduce_hidden_grad=reduce,
-                )
-                got, (d_h, d_w, d_b) = run(sharded, hidden, weight[start:stop], bias[start:stop])
-                _same_cut(got, want, what)
-                fin = torch.isfinite(want)
-                assert_rel(got[fin], want[fin], 1e-5, f"logp {what}")
-                assert_rel(d_w, w_w[start:stop], 1e-5, f"weight grad {what}")
-                assert_rel(d_b, w_b[start:stop], 1e-5, f"bias grad {what}")
-                if not reduce:  # this rank's part of dH: summed here to check it
-                    dist.all_reduce(d_h, group=ctx.group)
-                assert_rel(d_h, w_h, 1e-5, f"hidden grad {what} reduce={reduce}")
+            reduce = (i + j) % 2 == 0
+            sharded = partial(
+                unsharded,
+                process_group=ctx.group,
+                vocab_start=start,
+                vocab_size=V,
+                backend=backend,
+                reduce_hidden_grad=reduce,
+            )
+            got, (d_h, d_w, d_b) = run(sharded, hidden, weight[start:stop], bias[start:stop])
+            _same_cut(got, want, what)
+            fin = torch.isfinite(want)
+            assert_rel(got[fin], want[fin], 1e-5, f"logp {what}")
+            assert_rel(d_w, w_w[start:stop], 1e-5, f"weight grad {what}")
+            assert_rel(d_b, w_b[start:stop], 1e-5, f"bias grad {what}")
+            if not reduce:  # this rank's part of dH: summed here to check it
+                dist.all_reduce(d_h, group=ctx.group)
+            assert_rel(d_h, w_h, 1e-5, f"hidden grad {what} reduce={reduce}")
     _group_ok(ctx)
 
 
@@ -1582,11 +1589,15 @@ def _stacked(stats):
 def compiled_fullgraph(ctx):
     """Every vocabulary-parallel op under ``torch.compile(fullgraph=True)`` (no graph break:
     collectives traced, or the routes with host reads opaque custom ops): the eager call's
-    values and this rank's gradients, both backends for the logits ops (their merges are
-    traced); the ops from hidden states under Inductor (two of them: the generated code, not
-    only the graph), as :func:`compiled_token_counts` compiles every one of them under
-    ``aot_eager`` in one graph. At 2 ranks only (what compiles does not depend on the world
-    size; each op compiles twice, the check's cost)."""
+    values and this rank's gradients. The logits ops on the Triton backend, and on the
+    reference backend one op per route its shards take (their merges are the Triton
+    backend's, traced with it; what differs is the local plain-PyTorch partial): the row
+    statistics with the extras (``token_stats``), the pair statistics with the mixture pass
+    (``distill_jsd``; ``token_kl`` and the exact KL take the same partials), the gathered
+    rows (``truncated``). The ops from hidden states under Inductor (two of them: the
+    generated code, not only the graph), as :func:`compiled_token_counts` compiles every one
+    of them under ``aot_eager`` in one graph. At 2 ranks only (what compiles does not depend
+    on the world size; the compiles are the check's cost)."""
     w, B, T, H = 5, 2, 3, 4
     V = w * ctx.world
     g = ctx.gen(71)
@@ -1626,7 +1637,9 @@ def compiled_fullgraph(ctx):
         torch.where(torch.isfinite(out), out * up, 0.0).sum().backward()
         return out.detach(), [x.grad for x in leaves]
 
-    cases = [(name, fn, [full[..., start:stop]], BACKENDS) for name, fn in logits_ops.items()]
+    reference_routes = ("token_stats", "distill_jsd", "truncated")
+    cases = [(name, fn, [full[..., start:stop]], BACKENDS if name in reference_routes
+              else ("triton",)) for name, fn in logits_ops.items()]  # fmt: skip
     # Inductor: the generated code, not only the traced graph, is the eager call. A logits
     # op's merge is traced (it reads this rank's own maxima after the MAX all-reduce, which
     # Inductor once wrote straight into the reduced buffer); the heads' several chunks run
