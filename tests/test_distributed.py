@@ -1667,7 +1667,7 @@ def compiled_fullgraph(ctx):
     _group_ok(ctx)
 
 
-SHARDED_HEADS = ("entropy", "stats", "top_p", "grpo", "exact_kl", "gspo_exact_kl", "distill")
+SHARDED_HEADS = ("entropy", "stats", "top_p", "grpo", "exact_kl", "distill")
 
 
 def _sharded_heads(d, be, grp):
@@ -1688,8 +1688,6 @@ def _sharded_heads(d, be, grp):
         "grpo": lambda: policy(entropy_coef=0.01, beta=0.05, ref_logprobs=d["old"] + 0.1),
         "exact_kl": lambda: policy(ref_hidden=d["rh"], ref_weight=d["rw"],
                                    kl_estimator="full", beta=0.1),
-        "gspo_exact_kl": lambda: policy(importance_sampling="sequence", ref_hidden=d["rh"],
-                                        ref_weight=d["rw"], kl_estimator="full", beta=0.1),
         "distill": lambda: fused_rl.linear_distill_loss(
             d["h"], d["w"], d["rh"], d["rw"], beta=0.5, mask=d["mask"], num_items=d["n"],
             **head)[0],
@@ -1707,7 +1705,8 @@ def compiled_token_counts(ctx):
     backend for ``exact_kl`` only: while compiling, both backends trace the same sharded
     custom ops (the backend is an argument of theirs; what runs inside is the eager code,
     checked on both backends by the eager checks here and in test_distributed_linear.py);
-    the token-level tails that differ are compiled on one device (test_compile_shapes.py),
+    the token-level tails that differ are compiled on one device (test_compile_shapes.py;
+    the sequence-level exact KL takes ``exact_kl``'s custom ops, its tail compiled there),
     except ``loss_with_exact_kl``'s on the reference backend (one device's reference
     materialises both logits and calls ``policy_loss``), compiled here."""
     w, H = 4, 5
