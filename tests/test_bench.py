@@ -662,7 +662,7 @@ def test_memory_model_matches_profiler_on_cpu(op, variant):
             "CPU tensors, which backend='triton' accepts only with the Triton interpreter on; "
             "this process runs Triton compiled (a CUDA machine)"
         )
-    case = Case(op, variant, "fwd_bwd", 2, 256, 4099, "bf16", hidden=64)
+    case = Case(op, variant, "fwd_bwd", 2, 256, 4099, "bf16", hidden=16)
     saved = fused_rl.config.check_values, fused_rl.config.skip_padding_rows
     fused_rl.config.check_values = False
     try:
