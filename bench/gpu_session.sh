@@ -181,6 +181,10 @@ if [ "$PART" = all ] || [ "$PART" = tests ]; then
         | grep -E "FAILED|ERROR| passed| failed" | tail -40
     status=${PIPESTATUS[0]}
     echo "pytest exit status $status (124 = stopped by TEST_TIMEOUT)"
+    # Triton 3.9 warns when a launch leaves FMA contraction unset (fused_rl pins it:
+    # fused_rl._launch.COMPILE_OPTIONS); pytest's warnings summary would name the test
+    echo "Triton's unset-fp-fusion warnings: $(grep -c "TRITON_DEFAULT_FP_FUSION is unset" \
+"$OUT/pytest.log")"
 fi
 
 if [ "$PART" = all ] || [ "$PART" = bench ] || [ "$PART" = linear ] || [ "$PART" = peers ] \
