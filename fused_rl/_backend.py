@@ -37,7 +37,16 @@ def interpreter_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@torch.compiler.assume_constant_result
+def assume_constant_result(fn):
+    """``torch.compiler.assume_constant_result`` without its import of ``torch._dynamo``
+    (about 2 s, most of ``import fused_rl``'s time; a program that compiles imports it
+    anyway): the mark Dynamo reads, set as that function sets it (a test compares the
+    two, so a torch that marks otherwise fails the suite)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@assume_constant_result
 def _standard_library_interpreted() -> bool | None:
     """Whether Triton's standard library was imported interpreted; None before its import.
 
@@ -165,7 +174,7 @@ def _warn_once(message: str) -> None:
         warn_at_caller(message, RuntimeWarning)
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _warn_once_traced(message: str) -> bool:
     """:func:`_warn_once` while ``torch.compile`` traces: Dynamo runs a function marked
     ``assume_constant_result`` in Python, once per compile (its result a constant of the

@@ -153,6 +153,42 @@ def test_import_without_triton():
     assert result["kernels_imported"] == []  # the plain tables of kernels/modes.py only
 
 
+def test_constant_mark_is_torchs():
+    """``_backend.assume_constant_result`` marks a function as
+    ``torch.compiler.assume_constant_result`` does (Dynamo reads the mark; fused_rl sets it
+    itself so that ``import fused_rl`` does not import ``torch._dynamo``)."""
+
+    def ours():
+        return True
+
+    def torchs():
+        return True
+
+    marked = vars(torch.compiler.assume_constant_result(torchs))
+    assert marked and vars(B.assume_constant_result(ours)) == marked
+
+
+_LIGHT_IMPORT = """
+import sys, torch, fused_rl
+x = torch.randn(2, 3, 7, requires_grad=True)
+t = torch.tensor([[0, 6, -100], [3, 3, 1]])
+loss, _ = fused_rl.policy_loss(x, t, torch.randn(2), old_logprobs=torch.randn(2, 3) - 2,
+                               ref_logprobs=torch.randn(2, 3) - 2, beta=0.1)
+loss.backward()
+print(sorted(m for m in sys.modules if m.startswith("torch._dynamo")))
+"""
+
+
+@pytest.mark.integration
+def test_import_and_eager_calls_leave_dynamo_unimported():
+    """``import fused_rl`` and an eager call (forward and backward) do not import
+    ``torch._dynamo``: about 2 s, once most of the package's import time."""
+    proc = subprocess.run([sys.executable, "-c", _LIGHT_IMPORT], capture_output=True,
+                          text=True, env=os.environ, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
+
+
 def test_describe_reports_the_auto_backend(interpreter):
     interpreter(True)
     d = fused_rl.describe()
