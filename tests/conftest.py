@@ -24,7 +24,11 @@ def _unpoisoned_trace_rules() -> None:
         rules.get_torch_obj_rule_map()
 
 
-_unpoisoned_trace_rules()
+# not on a vocab-parallel rank (tests/dist_harness.py), which imports this module already
+# poisoned: there the map is built at its first compile either way, and the ranks that never
+# compile skip Dynamo's import (~2 s each)
+if not os.environ.get("FUSED_RL_DIST_RANK"):
+    _unpoisoned_trace_rules()
 
 
 def pytest_configure(config):

@@ -144,6 +144,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, module: str) ->
         timeout=timedelta(seconds=30),
     )  # fmt: skip
     poison_empty()
+    os.environ["FUSED_RL_DIST_RANK"] = str(rank)  # read by tests/conftest.py
     tests = importlib.import_module(module)
     ctx = Ctx(rank, world)
     verdicts = {}
