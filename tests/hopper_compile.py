@@ -27,6 +27,19 @@ from triton.compiler import ASTSource
 
 from fused_rl._launch import COMPILE_OPTIONS
 
+SM90 = GPUTarget("cuda", 90, 32)
+
+
+def sm90_options(num_warps: int | None = None) -> dict:
+    """A launch's compile options (``fused_rl._launch.COMPILE_OPTIONS``: contracted
+    multiply-adds) with its ``num_warps`` (Triton's default when None): the sm_90 compiles
+    here and in the tests' compile scripts are the kernels as launched."""
+    options = dict(COMPILE_OPTIONS)
+    if num_warps is not None:
+        options["num_warps"] = num_warps
+    return options
+
+
 MODULES = [
     "vocab.layer1",
     "vocab.layer3",
@@ -142,7 +155,7 @@ def compile_all(kernel, low_precision: bool, check_offsets: bool = False) -> int
         constexprs.update(flags, ACC=acc)
         source = ASTSource(fn=kernel, signature=_signature(kernel, low_precision),
                            constexprs=constexprs)  # fmt: skip
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=COMPILE_OPTIONS)
+        compiled = triton.compile(source, target=SM90, options=sm90_options())
         if ".entry" not in compiled.asm["ptx"]:
             raise AssertionError(f"no kernel entry in the PTX of {kernel.__name__} {flags}")
         narrow = narrow_offset_products(compiled.asm["ttir"]) if check_offsets else []
@@ -229,9 +242,7 @@ def offset_check_works() -> list[str]:
     problems = []
     for kernel, expect_narrow in ((_narrow_offset_canary, True), (_wide_offset_canary, False)):
         source = ASTSource(fn=kernel, signature={"out_ptr": "*fp32", "R": "i32"}, constexprs={})
-        ttir = triton.compile(
-            source, target=GPUTarget("cuda", 90, 32), options=COMPILE_OPTIONS
-        ).asm["ttir"]
+        ttir = triton.compile(source, target=SM90, options=sm90_options()).asm["ttir"]
         if bool(narrow_offset_products(ttir)) != expect_narrow:
             problems.append(f"narrow_offset_products is wrong on {kernel.__name__}:\n{ttir}")
     return problems
@@ -272,9 +283,7 @@ def search_pass_instructions(search_block: int, n_cand: int, num_warps: int) -> 
                  "N_CAND": "constexpr", "SEARCH_BLOCK": "constexpr"}  # fmt: skip
     source = ASTSource(fn=_search_pass_probe, signature=signature,
                        constexprs={"N_CAND": n_cand, "SEARCH_BLOCK": search_block})  # fmt: skip
-    cubin = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": num_warps, **COMPILE_OPTIONS},
-                           ).asm["cubin"]  # fmt: skip
+    cubin = triton.compile(source, target=SM90, options=sm90_options(num_warps)).asm["cubin"]
     loops = innermost_loops(cubin)
     if len(loops) != 1:
         raise AssertionError(f"the search-pass probe has {len(loops)} innermost loops, not 1")
@@ -361,9 +370,7 @@ def spill_check_works() -> list[str]:
     source = ASTSource(fn=_spill_canary, signature={"x_ptr": "*fp32", "out_ptr": "*fp32",
                                                     "BLOCK": "constexpr"},
                        constexprs={"BLOCK": 8192})  # fmt: skip
-    compiled = triton.compile(
-        source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, **COMPILE_OPTIONS}
-    )
+    compiled = triton.compile(source, target=SM90, options=sm90_options(1))
     if stack_bytes(compiled.asm["cubin"]) == 0:
         return ["the spill check saw no stack in _spill_canary, which must spill"]
     return []
@@ -402,9 +409,7 @@ def _compile_launched(kernel, flags: dict, one_warp: bool):
     if "r_stride_v" in names:
         constexprs["r_stride_v"] = 1
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    # the launch's own compile options (contracted multiply-adds: fused_rl._launch)
-    options = {"num_warps": launch["num_warps"], **COMPILE_OPTIONS}
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options), launch
+    return triton.compile(source, target=SM90, options=sm90_options(launch["num_warps"])), launch
 
 
 def vocab_stream_vectorised() -> list[str]:

@@ -202,16 +202,12 @@ _COMPILE_SCRIPT = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
 import triton, triton.language as tl
-from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from hopper_compile import kernel_signature, narrow_offset_products, stack_bytes
-from fused_rl._launch import COMPILE_OPTIONS, vocab_launch
+from hopper_compile import (SM90, kernel_signature, narrow_offset_products, sm90_options,
+                            stack_bytes)
+from fused_rl._launch import vocab_launch
 import fused_rl.kernels.vocab.select as select
 
-SM90 = GPUTarget("cuda", 90, 32)
-
-def sm90_options(num_warps):  # the launch's compile options
-    return {"num_warps": num_warps, **COMPILE_OPTIONS}
 fn = select._kth_largest_kernel
 
 launch = vocab_launch(151936, writes=False)

@@ -637,19 +637,13 @@ _COMPILE_SCRIPT = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
 import triton, triton.language as tl
-from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from hopper_compile import (kernel_signature, narrow_offset_products, search_pass_instructions,
-                            stack_bytes)
-from fused_rl._launch import COMPILE_OPTIONS, vocab_launch
+from hopper_compile import (SM90, kernel_signature, narrow_offset_products,
+                            search_pass_instructions, sm90_options, stack_bytes)
+from fused_rl._launch import vocab_launch
 from fused_rl._truncated_ops import N_CAND, NUM_WARPS, SEARCH_BLOCK, _block
 import fused_rl.kernels.vocab.truncated as k
 import fused_rl.kernels.vocab.truncated_shard as s
-
-SM90 = GPUTarget("cuda", 90, 32)
-
-def sm90_options(num_warps):  # the launch's compile options
-    return {"num_warps": num_warps, **COMPILE_OPTIONS}
 
 FLOATS = {"inv_t_hi", "inv_t_lo", "inv_cap_hi", "inv_cap_lo", "p_hi", "p_lo", "log1mp_hi",
           "log1mp_lo"}
