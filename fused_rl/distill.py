@@ -37,6 +37,7 @@ from ._launch import (
     triton_acc,
     vocab_launch,
 )
+from ._mixture_poly import near_polynomials
 from ._ops import FusedOp
 from ._policy_inputs import num_items_args, weights_of
 from ._shapes import as_rows3d
@@ -49,7 +50,7 @@ from .distributed import (
     is_dtensor,
     resolve_shard,
 )
-from .kernels.modes import LOSS_AGG_MODES
+from .kernels.modes import LOSS_AGG_MODES, MIX_NEAR_DEGREE
 from .reference import distill as ref
 from .reference.logprobs import differentiable_once
 from .reference.reductions import acc_dtype
@@ -70,10 +71,19 @@ def divergence_mode(beta: float) -> int:
     return 0 if beta == 0 else 1 if beta == 1 else 2
 
 
-def _beta_args(beta: float) -> tuple[float, ...]:
-    """``beta``, ``log beta``, ``log(1 - beta)`` as fp32 pairs (the logs only for the JSD)."""
-    logs = (math.log(beta), math.log1p(-beta)) if 0.0 < beta < 1.0 else (0.0, 0.0)
-    return (*f32_pair(beta), *f32_pair(logs[0]), *f32_pair(logs[1]))
+def mixture_constants(beta: float) -> tuple[float, ...]:
+    """The distillation kernels' ``mix`` tuple for ``beta``: ``beta``, ``1 - beta``,
+    ``log beta``, ``log(1 - beta)`` as fp32 pairs (``f32_pair``), then ``A`` and ``H`` of
+    :func:`near_polynomials` (fp32 launch arguments, rounded there: the fp32 kernels' near
+    form; fp64 launches use series instead). Outside the JSD (``beta`` 0 or 1) the logs and
+    polynomials are 0."""
+    if 0.0 < beta < 1.0:
+        logs = (math.log(beta), math.log1p(-beta))
+        a, h = near_polynomials(beta)
+    else:
+        logs, a, h = (0.0, 0.0), (0.0,) * (MIX_NEAR_DEGREE + 1), (0.0,) * (MIX_NEAR_DEGREE + 1)
+    pairs = (beta, 1.0 - beta, *logs)
+    return (*(half for v in pairs for half in f32_pair(v)), *a, *h)
 
 
 class _SameAsStudent:
@@ -220,7 +230,7 @@ def _launch_rows(student3d, teacher3d, targets, mask, part, stats, beta, tempera
             student3d, teacher3d, targets if targets is not None else part,
             mask if mask is not None else part, part, stats, inner, n_rows, vocab,
             *student3d.stride(), *teacher3d.stride(), *strides(targets), *strides(mask),
-            *transform, *_beta_args(beta), ignore_index,
+            *transform, mixture_constants(beta), ignore_index,
             MODE=divergence_mode(beta), HAS_TARGETS=targets is not None,
             HAS_MASK=mask is not None, ACC=triton_acc(part.dtype), **flags,
             **vocab_launch(vocab, writes=False, heavy=True),
@@ -299,7 +309,7 @@ def distill_bwd(
     _distill_bwd_kernel[(n_rows,)](
         student3d, teacher3d, grad, stats, part, grad_loss, seq_scale, inner, n_rows, vocab,
         *student3d.stride(), *teacher3d.stride(), 0 if seq_scale.numel() == 1 else 1,
-        *transform, *_beta_args(beta), MODE=divergence_mode(beta),
+        *transform, mixture_constants(beta), MODE=divergence_mode(beta),
         ACC=triton_acc(stats.dtype), FREE=bool(free), **flags,
         **vocab_launch(vocab, writes=True),
     )  # fmt: skip
@@ -443,8 +453,8 @@ def distill_rows_grad_into(
     _distill_bwd_kernel[(n,)](
         student2d, teacher2d, grad, stats, part, scale, row_scale, 1, stats.stride(0), vocab,
         student2d.stride(0), 0, student2d.stride(1), teacher2d.stride(0), 0,
-        teacher2d.stride(1), row_scale.stride(0), *transform,
-        *_beta_args(beta), MODE=divergence_mode(beta), ACC=triton_acc(stats.dtype), FREE=False,
+        teacher2d.stride(1), row_scale.stride(0), *transform, mixture_constants(beta),
+        MODE=divergence_mode(beta), ACC=triton_acc(stats.dtype), FREE=False,
         **flags, **vocab_launch(vocab, writes=True),
     )  # fmt: skip
     return grad
@@ -609,7 +619,7 @@ def distill_mixture_fwd(
     transform, flags = _transform_args(temperature, tf)
     _distill_mixture_kernel[(outer * inner,)](
         x3d, r3d, stats, mask.view(torch.uint8) if mask is not None else stats, out, inner,
-        outer * inner, vocab, *x3d.stride(), *r3d.stride(), *transform, *_beta_args(beta),
+        outer * inner, vocab, *x3d.stride(), *r3d.stride(), *transform, mixture_constants(beta),
         HAS_MASK=mask is not None, ACC=triton_acc(stats.dtype), **flags,
         **vocab_launch(vocab, writes=False, heavy=True),
     )  # fmt: skip

@@ -76,3 +76,10 @@ SEQUENCE_METRICS = (
     "clip_frac_high_seq_mean",
     "aux_seq_mean",
 )
+
+# The generalized JSD's launch constants (kernels/vocab/distill.py ``mix``, packed by
+# ``fused_rl.distill.mixture_constants``): ``beta``, ``1 - beta``, ``log beta``,
+# ``log(1 - beta)`` as fp32 pairs, then the two near-form polynomials' coefficients (lowest
+# degree first) of this degree, fp32
+MIX_NEAR_DEGREE = 8
+N_MIX = 8 + 2 * (MIX_NEAR_DEGREE + 1)

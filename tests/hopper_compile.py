@@ -20,7 +20,7 @@ from pathlib import Path
 
 import triton
 import triton.language as tl
-from fused_rl.kernels.modes import KL_KINDS, POLICY_PARAMS
+from fused_rl.kernels.modes import KL_KINDS, N_MIX, POLICY_PARAMS
 from fused_rl.kernels.vocab.truncated import _bracket_sums
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -64,7 +64,7 @@ FLOAT_ARGS = {
 }  # fmt: skip
 # tuple arguments: the policy kernels' hyper-parameters, one fp32 (hi, lo) pair per entry of
 # kernels/modes.py POLICY_PARAMS
-TUPLE_ARGS = {"hyper": ("fp32",) * (2 * len(POLICY_PARAMS))}
+TUPLE_ARGS = {"hyper": ("fp32",) * (2 * len(POLICY_PARAMS)), "mix": ("fp32",) * N_MIX}
 # modules whose every pointer offset must be computed in 64 bits (narrow_offset_products)
 WIDE_OFFSET_MODULES = [
     "token_ops.reductions",
@@ -175,7 +175,8 @@ _I32 = re.compile(r":\s*(?:i32|tensor<[\dx]*xi32>)\s*$")
 def kernel_signature(fn, floats, pointers: dict, other_ptr: str, unit=()) -> dict:
     """A Triton signature for ``ASTSource``: constexprs (and ``unit``, compiled as the
     constant 1), the pointer types in ``pointers`` (name -> type), ``other_ptr`` for every
-    other ``*_ptr``, ``fp32`` for the names in ``floats``, ``i32`` for the rest. For the
+    other ``*_ptr``, ``fp32`` for the names in ``floats``, :data:`TUPLE_ARGS`' types for
+    its tuples, ``i32`` for the rest. For the
     per-module compile scripts of tests/test_distill.py and tests/test_truncated.py."""
     out = {}
     for p in fn.params:
@@ -186,6 +187,8 @@ def kernel_signature(fn, floats, pointers: dict, other_ptr: str, unit=()) -> dic
             out[n] = pointers[n]
         elif n.endswith("_ptr"):
             out[n] = other_ptr
+        elif n in TUPLE_ARGS:
+            out[n] = TUPLE_ARGS[n]
         else:
             out[n] = "fp32" if n in floats else "i32"
     return out

@@ -8,6 +8,7 @@ import pytest
 MODULES = [
     "fused_rl._backend",
     "fused_rl._describe",
+    "fused_rl._mixture_poly",
     "fused_rl._ops",
     "fused_rl.logprobs",
     "fused_rl.losses",

@@ -1,6 +1,7 @@
 """``kernels/vocab/pair.py``'s scalar helpers on their own: ``expm1_near`` (the polynomial
-the two-row kernels use on their near-equal columns) and ``expm1`` against float64, on the
-test's device (the interpreter on a CPU-only machine, compiled on a GPU)."""
+the two-row kernels use on their near-equal columns), ``expm1`` and ``log1p_unit`` (the
+``logaddexp`` forms' polynomial) against float64, on the test's device (the interpreter on a
+CPU-only machine, compiled on a GPU)."""
 
 from __future__ import annotations
 
@@ -11,24 +12,31 @@ import torch
 import triton
 import triton.language as tl
 from conftest import DEVICE
-from fused_rl.kernels.vocab.pair import expm1, expm1_near
+from fused_rl.kernels.vocab.pair import expm1, expm1_near, log1p_unit
 
 U32 = 2.0**-24  # fp32 unit roundoff
 
 
 @triton.jit
-def _apply(x_ptr, out_ptr, n, NEAR: tl.constexpr, BLOCK: tl.constexpr):
+def _apply(x_ptr, out_ptr, n, FN: tl.constexpr, BLOCK: tl.constexpr):
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + cols, mask=cols < n, other=0.0)
-    y = expm1_near(x) if NEAR else expm1(x)
+    if FN == 0:
+        y = expm1(x)
+    elif FN == 1:
+        y = expm1_near(x)
+    else:
+        y = log1p_unit(x)
     tl.store(out_ptr + cols, y, mask=cols < n)
 
 
-def _run(x: torch.Tensor, near: bool) -> torch.Tensor:
+def _run(x: torch.Tensor, near: bool, fn: int | None = None) -> torch.Tensor:
+    """``expm1_near`` (``near``) or ``expm1`` of ``x``; ``fn=2``: ``log1p_unit``."""
     x = x.to(DEVICE).contiguous()
     out = torch.empty_like(x)
     block = 1024
-    _apply[(triton.cdiv(x.numel(), block),)](x, out, x.numel(), NEAR=near, BLOCK=block)
+    fn = int(near) if fn is None else fn
+    _apply[(triton.cdiv(x.numel(), block),)](x, out, x.numel(), FN=fn, BLOCK=block)
     return out.cpu()
 
 
@@ -73,3 +81,21 @@ def test_expm1_special_values():
     want = torch.expm1(x[5:].double())
     assert ((got[5:].double() - want).abs() / want.abs()).max() <= 4 * U32 * 80  # exp's |v|
     assert math.isnan(_run(torch.tensor([float("nan")]), near=True)[0])
+
+
+def test_log1p_unit_on_its_range():
+    """``log1p_unit`` over ``[0, 1]`` (tiny values down to ``2^-124`` included): fp32 within 4
+    units of fp32 roundoff of float64's ``log1p`` of the same input (measured 1.2 with fused
+    multiply-adds, as compiled, 2.9 without, as interpreted); fp64 is ``log1p``, to a few
+    fp64 ulps; 0 -> 0, NaN -> NaN."""
+    tiny = [2.0**-e for e in range(1, 127, 3)]
+    x = torch.cat([torch.linspace(0.0, 1.0, 20001, dtype=torch.float64),
+                   torch.tensor(tiny, dtype=torch.float64)])  # fmt: skip
+    got = _run(x.float(), False, fn=2).double()
+    want = torch.log1p(x.float().double())
+    nz = want != 0
+    assert ((got - want).abs()[nz] / want[nz]).max() <= 4 * U32
+    assert got[0] == 0
+    got64 = _run(x, False, fn=2)
+    assert ((got64 - torch.log1p(x)).abs()[nz] / torch.log1p(x)[nz]).max() <= 1e-13
+    assert math.isnan(_run(torch.tensor([float("nan")]), False, fn=2)[0])

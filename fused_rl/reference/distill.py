@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._mixture_poly import near_polynomials
 from .reductions import acc_dtype
 
 
@@ -114,22 +115,34 @@ def mixture_terms(delta, near, p, q, log_p, log_q, beta):
     """``(L, f)`` per column as ``kernels/vocab/distill.py`` ``mixture_terms``: ``L = log(m /
     p)``, ``f`` the column's JSD term; the near form where ``near`` (``delta`` is 0 off it),
     the ``logaddexp`` form elsewhere (columns where both ``p`` and ``q`` are 0 take finite
-    stand-ins: their terms are 0 whatever ``m`` is there)."""
-    small = 0.0625 if delta.dtype == torch.float64 else 0.25
+    stand-ins: their terms are 0 whatever ``m`` is there). The near ``f`` in fp32 is
+    ``p delta^2 H(delta)`` (``fused_rl._mixture_poly``), as the kernel's: the series form
+    ``p (beta g1 - g2)`` cancels by up to ``1 / (1 - beta)``; in fp64 the series. The far
+    form's ``log(q / m)`` comes from ``logaddexp``'s own ``log1p`` term, as the kernel's
+    (``log q - log m`` of two log-probabilities cancels where ``m`` is near ``q``). Both
+    cancellations left the fp32 loss 8e-4 off at ``beta = 0.9999``."""
     x = beta * torch.expm1(delta)
-    g1 = torch.where(
-        _small(delta, 0.25), _series(_G1, delta), delta * delta.exp() - torch.expm1(delta)
-    )
-    x_s = torch.where(_small(x, small), x, torch.zeros_like(x))
-    x_d = torch.where(_small(x, small), torch.ones_like(x), x)
-    g2 = torch.where(_small(x, small), _series(_G2, x_s), (1.0 + x_d) * torch.log1p(x_d) - x_d)
-    near_f = p * (beta * g1 - g2)
+    if delta.dtype == torch.float64:
+        g1 = torch.where(
+            _small(delta, 0.25), _series(_G1, delta), delta * delta.exp() - torch.expm1(delta)
+        )
+        x_s = torch.where(_small(x, 0.0625), x, torch.zeros_like(x))
+        x_d = torch.where(_small(x, 0.0625), torch.ones_like(x), x)
+        g2 = torch.where(_small(x, 0.0625), _series(_G2, x_s), (1.0 + x_d) * torch.log1p(x_d) - x_d)
+        near_f = p * (beta * g1 - g2)
+    else:
+        near_f = p * _series(near_polynomials(beta)[1], delta)
     both_zero = ((p == 0) & (q == 0)) | near
-    safe_p = torch.where(both_zero, torch.zeros_like(log_p), log_p)
-    safe_q = torch.where(both_zero, torch.zeros_like(log_q), log_q)
-    log_m = torch.logaddexp(safe_p + math.log1p(-beta), safe_q + math.log(beta))
-    far_f = beta * _xlogy_terms(q, safe_q - log_m) + (1.0 - beta) * _xlogy_terms(p, safe_p - log_m)
-    far_l = log_m - safe_p
+    d = torch.where(both_zero, torch.zeros_like(log_q), log_q - log_p)  # log q - log p
+    # L = logaddexp(log(1 - beta), log(beta) + d) = hi + l1, and log(q / m) from the same
+    # l1 (not d - L, which cancels when q is near m: beta near 1)
+    log_1m_beta = math.log1p(-beta)
+    k = d + math.log(beta)
+    hi, lo = torch.clamp(k, min=log_1m_beta), torch.clamp(k, max=log_1m_beta)
+    l1 = torch.log1p(torch.exp(lo - hi))
+    far_l = hi + l1
+    log_q_over_m = torch.where(k > log_1m_beta, -math.log(beta) - l1, (d - log_1m_beta) - l1)
+    far_f = beta * _xlogy_terms(q, log_q_over_m) - (1.0 - beta) * _xlogy_terms(p, far_l)
     return torch.where(near, torch.log1p(x), far_l), torch.where(near, near_f, far_f)
 
 

@@ -21,13 +21,17 @@ The divergence ``d_t`` of a token (``MODE``, TRL's ``generalized_jsd_loss``):
   ``beta KL(q || m) + (1 - beta) KL(p || m)``. The mixture needs both normalisers, so a
   second pass over both rows forms, per column, ``delta`` (above), ``L = log(m / p)`` and
   the column's term ``f = beta q log(q / m) + (1 - beta) p log(p / m) >= 0``
-  (``mixture_terms``): for ``|delta| <= 1`` ``L = log1p(beta expm1(delta))`` and
-  ``f = p (beta g1(delta) - g2(beta expm1(delta)))`` with the non-negative ``O(delta^2)``
-  ``g1(d) = d e^d - expm1(d)``, ``g2(x) = (1 + x) log1p(x) - x`` (Taylor series for small
-  arguments), so no ``O(p delta)`` terms cancel into the ``O(p delta^2)`` JSD; beyond (and
-  for infinities) ``L = logaddexp(log(1 - beta), log(beta) + delta)`` and
-  ``f = beta q (delta - L) - (1 - beta) p L``, ``delta - L = log(q / m)`` formed without
-  cancelling at ``delta = +inf``. Pass 1 is the one-pass statistics above (the metrics).
+  (``mixture_terms``): for ``|delta| <= 1`` (``near_mixture``) ``L = log1p(beta
+  expm1(delta))`` and ``f = p (beta g1(delta) - g2(beta expm1(delta)))`` with the
+  non-negative ``O(delta^2)`` ``g1(d) = d e^d - expm1(d)``, ``g2(x) = (1 + x) log1p(x) - x``,
+  so no ``O(p delta)`` terms cancel into the ``O(p delta^2)`` JSD: in fp32 as
+  ``delta A(delta)`` and ``p delta^2 H(delta)``, two degree-8 polynomials fitted per
+  ``beta`` on the host (``fused_rl._mixture_poly``, passed in the launch's ``mix`` tuple
+  with ``beta``, ``1 - beta`` and their logs), in fp64 by Taylor series of ``g1`` and
+  ``g2``; beyond (and for infinities, ``far_mixture``) ``L = logaddexp(log(1 - beta),
+  log(beta) + delta)`` and ``f = beta q (delta - L) - (1 - beta) p L``, ``delta - L =
+  log(q / m)`` formed without cancelling at ``delta = +inf``. Pass 1 is the one-pass
+  statistics above (the metrics).
 
 Gradients (student only; ``dL/dx = w_t c dD/dz dz/dx`` with the token weight ``w_t``, the
 aggregation's scale and the upstream gradient ``c``; ``dz/dx = s / T``, capped
@@ -80,23 +84,24 @@ backward writes the gradient row, ``vocab_launch(V, writes=True)``.
 
 Instructions a column of each loop (compiled for sm_90a and disassembled on the CPU,
 Triton 3.9, bf16; not timed): the forward's first pass 54 (every ``beta``; 58 before its
-running sums were kept a lane each, ``kernels.common.lane_sums``), the JSD's
-mixture pass 135 (in the forward kernel; ``_distill_mixture_kernel`` 133), the backward
-40 / 28 / 86 (forward KL / reverse KL / JSD); 71, 159, 48 / 30 / 94 before
-``kernels.common.exp`` and the fp32 series of ``_bregman_exp``. The mixture pass takes one
-``log1p`` a column for both of its forms and reuses its ``expm1`` (``mixture_logs``): 224
-before that, the JSD's backward 130. Registers of the JSD's forward kernel: 146 at the
-launch's one warp, 217 at 8 warps and 4096 columns (one program an SM). On an H200
-(2026-11-27, the code before these counts) every divergence was compute-bound: a column of
-two bf16 rows read at the copy rate leaves about 30 instructions a lane.
+running sums were kept a lane each, ``kernels.common.lane_sums``), the JSD's mixture pass
+80 (both kernels), the backward 40 / 28 / 55 (forward KL / reverse KL / JSD). The JSD's
+were 135 and 86 with the series forms for the near columns (an ``expm1``, a ``log1p`` and
+two Taylor series a column) and a ``log`` for the far ones (``pair.log1p_unit`` now), 224
+and 130 before the two forms shared one ``log1p``; 71, 159, 48 / 30 / 94 before
+``kernels.common.exp``. Registers of the JSD's forward kernel at the launch's one warp: 96
+(146 with the series forms). On an H200 (2026-11-27, the code before these counts) every
+divergence was compute-bound: a column of two bf16 rows read at the copy rate leaves about
+30 instructions a lane.
 """
 
 import triton
 import triton.language as tl
 
 from ..common import as_weight, cast_for, exp, nan_max, nan_min, pair, row_pointer, token_offset
+from ..modes import MIX_NEAR_DEGREE as _DEGREE
 from ..policy.finalize import AGG_SEQ_MEAN_TOKEN_MEAN, aggregated_loss
-from .pair import expm1_near, log1p, pair_columns, pair_moments, reverse_kl_grad
+from .pair import expm1_near, log1p, log1p_unit, pair_columns, pair_moments, reverse_kl_grad
 
 # the divergence (``fused_rl.distill.DIVERGENCES`` in this order)
 MODE_FORWARD_KL = tl.constexpr(0)
@@ -124,123 +129,144 @@ STAT_C = tl.constexpr(4)
 STAT_LOG_SUM_U = tl.constexpr(5)
 N_STATS = 6
 
-
-@triton.jit
-def mixture_logs(delta, beta, log_beta, log_1m_beta):
-    """For ``delta = log q - log p``, with ONE ``log1p`` per column: ``(L, log_q_over_m, e,
-    x, l1)``, ``L = log(m / p)`` and ``log(q / m)`` (``m = (1 - beta) p + beta q``).
-
-    Near (``|delta| <= 1``): ``e = expm1(delta)``, ``x = beta e``, ``L = l1 = log1p(x)``,
-    exact to rounding relative to ``L`` itself. Beyond (and for infinities): the
-    ``logaddexp`` form ``L = hi + l1``, ``l1 = log1p(e^(lo - hi))`` of ``log(1 - beta)`` and
-    ``log(beta) + delta`` (``hi`` / ``lo`` the larger / smaller), and ``log(q / m)`` from the
-    same ``l1`` without cancellation (``delta = +inf``: ``L = inf``, ``log(q / m) = -log
-    beta``; ``delta = -inf``: ``L = log(1 - beta)``, ``log(q / m) = -inf``); ``e``, ``x``
-    are 0 there. ``log_q_over_m`` is the beyond form's (near columns take theirs from
-    ``L``)."""
-    near = (delta <= 1.0) & (delta >= -1.0)
-    e = expm1_near(tl.where(near, delta, 0.0))
-    x = beta * e
-    k = log_beta + delta
-    hi = nan_max(log_1m_beta, k)
-    lo = nan_min(log_1m_beta, k)
-    l1 = log1p(tl.where(near, x, exp(lo - hi)))
-    log_q_over_m = tl.where(k > log_1m_beta, -log_beta - l1, (delta - log_1m_beta) - l1)
-    return tl.where(near, l1, hi + l1), log_q_over_m, e, x, l1
+# the launch's ``mix`` tuple (``kernels/modes.py`` ``N_MIX``): four fp32 pairs, then the
+# fp32 near form's polynomials ``A`` (``L / delta``) and ``H`` (``f / (p delta^2)``)
+MIX_NEAR_DEGREE = tl.constexpr(_DEGREE)
+MIX_L = tl.constexpr(8)
+MIX_F = tl.constexpr(8 + _DEGREE + 1)
 
 
 @triton.jit
-def _bregman_exp(d, e, ACC: tl.constexpr):
-    """``g1(d) = d e^d - expm1(d) >= 0`` (``KL(q || p) = sum_v p_v g1(delta_v)``) for
+def mixture_scalars(mix, ACC: tl.constexpr):
+    """``(beta, 1 - beta, log beta, log(1 - beta))`` from the launch's ``mix`` tuple (fp32
+    pairs: ``1 - beta`` formed on the host, as ``fp32(1 - fp32(beta))`` is off by up to
+    ``2^-24 / (1 - beta)`` relative, 1.7e-4 at ``beta = 0.9999``)."""
+    beta = pair(mix[0], mix[1], ACC)
+    one_m_beta = pair(mix[2], mix[3], ACC)
+    return beta, one_m_beta, pair(mix[4], mix[5], ACC), pair(mix[6], mix[7], ACC)
+
+
+@triton.jit
+def _near_polynomial(mix, FIRST: tl.constexpr, v):
+    """``sum_k mix[FIRST + k] v^k`` for ``k <= MIX_NEAR_DEGREE`` (Horner, fp32)."""
+    h = mix[FIRST + MIX_NEAR_DEGREE] + 0.0 * v
+    for i in tl.static_range(MIX_NEAR_DEGREE):
+        h = h * v + mix[FIRST + MIX_NEAR_DEGREE - 1 - i]
+    return h
+
+
+@triton.jit
+def _bregman_exp(d, e):
+    """``g1(d) = d e^d - expm1(d) >= 0`` (``KL(q || p) = sum_v p_v g1(delta_v)``) in fp64 for
     ``|d| <= 1``, ``e = expm1(d)``: below ``|d| = 1/4`` its Taylor series
-    ``sum_k (k - 1) d^k / k!``; the direct form ``d (1 + e) - e`` above (cancelling by at
-    most ``2 / |d| <= 8``). fp64: to ``d^13``, nested as ``d^2 / 2 (1 + d / 3 (2 + d / 4 (3 +
-    ...)))`` (small-integer constants, exact). fp32: to ``d^10`` (the next term is below
-    ``1e-10`` of the sum) with the coefficients rounded to fp32, eight multiply-adds: the
-    nested form's two multiplies and an add a step made it most of a mixture pass's work."""
-    if ACC == tl.float64:
-        h = tl.full((), 12.0, ACC) + 0.0 * d  # (k - 1) at k = 13
-        h = 11.0 + d * h / 13.0
-        h = 10.0 + d * h / 12.0
-        h = 9.0 + d * h / 11.0
-        h = 8.0 + d * h / 10.0
-        h = 7.0 + d * h / 9.0
-        h = 6.0 + d * h / 8.0
-        h = 5.0 + d * h / 7.0
-        h = 4.0 + d * h / 6.0
-        h = 3.0 + d * h / 5.0
-        h = 2.0 + d * h / 4.0
-        h = 1.0 + d * h / 3.0
-        series = 0.5 * d * d * h
-    else:  # (k - 1) / k! for k = 10 down to 2
-        h = 2.48015873015873e-06 + 0.0 * d
-        h = h * d + 2.2045855379188714e-05
-        h = h * d + 0.00017361111111111112
-        h = h * d + 0.0011904761904761906
-        h = h * d + 0.006944444444444444
-        h = h * d + 0.03333333333333333
-        h = h * d + 0.125
-        h = h * d + 0.3333333333333333
-        h = h * d + 0.5
-        series = d * d * h
+    ``sum_k (k - 1) d^k / k!`` to ``d^13``, nested as ``d^2 / 2 (1 + d / 3 (2 + d / 4 (3 +
+    ...)))`` (small-integer constants, exact); the direct form ``d (1 + e) - e`` above
+    (cancelling by at most ``2 / |d| <= 8``)."""
+    h = 12.0 + 0.0 * d  # (k - 1) at k = 13
+    h = 11.0 + d * h / 13.0
+    h = 10.0 + d * h / 12.0
+    h = 9.0 + d * h / 11.0
+    h = 8.0 + d * h / 10.0
+    h = 7.0 + d * h / 9.0
+    h = 6.0 + d * h / 8.0
+    h = 5.0 + d * h / 7.0
+    h = 4.0 + d * h / 6.0
+    h = 3.0 + d * h / 5.0
+    h = 2.0 + d * h / 4.0
+    h = 1.0 + d * h / 3.0
+    series = 0.5 * d * d * h
     direct = d * (1.0 + e) - e
     return tl.where((d <= 0.25) & (d >= -0.25), series, direct)
 
 
 @triton.jit
-def _bregman_log(x, l1, SMALL: tl.constexpr, ACC: tl.constexpr):
-    """``g2(x) = (1 + x) log1p(x) - x >= 0``, ``l1 = log1p(x)``: for ``|x| <= SMALL`` its
-    Taylor series to ``x^13``, ``sum_k (-1)^k x^k / (k (k - 1))`` (coefficients divided out
-    in ``ACC``); the direct form above (cancelling by at most ``2 / SMALL``)."""
-    one = tl.full((), 1.0, ACC)
-    h = -one / 156 + 0.0 * x  # (-1)^k / (k (k - 1)) at k = 13
-    h = one / 132 + x * h
-    h = -one / 110 + x * h
-    h = one / 90 + x * h
-    h = -one / 72 + x * h
-    h = one / 56 + x * h
-    h = -one / 42 + x * h
-    h = one / 30 + x * h
-    h = -one / 20 + x * h
-    h = one / 12 + x * h
-    h = -one / 6 + x * h
-    h = one / 2 + x * h
+def _bregman_log(x, l1):
+    """``g2(x) = (1 + x) log1p(x) - x >= 0`` in fp64, ``l1 = log1p(x)``: for ``|x| <= 1/16``
+    its Taylor series to ``x^13``, ``sum_k (-1)^k x^k / (k (k - 1))``; the direct form above
+    (cancelling by at most 32)."""
+    h = -1.0 / 156 + 0.0 * x  # (-1)^k / (k (k - 1)) at k = 13
+    h = 1.0 / 132 + x * h
+    h = -1.0 / 110 + x * h
+    h = 1.0 / 90 + x * h
+    h = -1.0 / 72 + x * h
+    h = 1.0 / 56 + x * h
+    h = -1.0 / 42 + x * h
+    h = 1.0 / 30 + x * h
+    h = -1.0 / 20 + x * h
+    h = 1.0 / 12 + x * h
+    h = -1.0 / 6 + x * h
+    h = 1.0 / 2 + x * h
     series = x * x * h
     direct = (1.0 + x) * l1 - x
-    return tl.where((x <= SMALL) & (x >= -SMALL), series, direct)
+    return tl.where((x <= 0.0625) & (x >= -0.0625), series, direct)
 
 
 @triton.jit
-def mixture_terms(delta, p, q, beta, log_beta, log_1m_beta, ACC: tl.constexpr):
-    """Per column: ``(L, f)`` with ``L = log(m / p)`` and ``f = beta q log(q / m) + (1 - beta)
-    p log(p / m) >= 0`` (the column's JSD term), for ``delta = log q - log p``.
-
-    For ``|delta| <= 1`` (the near-equal columns): ``L = log1p(beta expm1(delta))``, exact
-    to rounding relative to ``L`` itself, and ``f = p (beta g1(delta) - g2(x))`` with
-    ``x = beta expm1(delta)`` (``f / p = beta e^delta delta - (1 + x) L``, both ``g >= 0``
-    and of order ``delta^2``, cancelling only by ``1 / (1 - beta)``): no ``O(p delta)``
-    terms are summed into an ``O(p delta^2)`` result. Beyond, and for infinities, the
-    ``logaddexp`` form (:func:`mixture_logs`, one ``log1p`` a column for both), whose terms
-    no longer cancel badly."""
+def near_mixture(dn, beta, mix, ACC: tl.constexpr):
+    """``(L, f / p)`` of a near-equal column (``|dn| <= 1``; module docstring): ``L =
+    log(m / p)`` exact to rounding relative to itself, and ``f / p = beta g1(dn) - g2(x)``
+    (``x = beta expm1(dn)``; both ``g >= 0`` and of order ``dn^2``), so no ``O(p dn)`` terms
+    cancel into the ``O(p dn^2)`` JSD. fp32: ``dn A(dn)`` and ``dn^2 H(dn)``, the launch's
+    degree-8 polynomials (``fused_rl._mixture_poly``: within fp32 rounding of both on
+    ``[-1, 1]``; ``beta g1 - g2`` cancels by up to ``1 / (1 - beta)``, 4e5 units of roundoff
+    at ``beta = 0.9999`` in fp32); fp64: ``log1p`` of ``x`` and the two functions' series."""
     if ACC == tl.float64:
-        SMALL: tl.constexpr = 0.0625
+        e = expm1_near(dn)
+        x = beta * e
+        l1 = log1p(x)
+        return l1, beta * _bregman_exp(dn, e) - _bregman_log(x, l1)
     else:
-        SMALL: tl.constexpr = 0.25
+        big_l = dn * _near_polynomial(mix, MIX_L, dn)
+        return big_l, dn * dn * _near_polynomial(mix, MIX_F, dn)
+
+
+@triton.jit
+def far_mixture(delta, log_beta, log_1m_beta):
+    """``(L, log(q / m))`` by the ``logaddexp`` form, for the columns beyond ``|delta| <= 1``
+    (and infinities): ``L = hi + log1p(e^(lo - hi))`` of ``log(1 - beta)`` and ``log(beta) +
+    delta`` (``hi`` / ``lo`` the larger / smaller; ``pair.log1p_unit``), ``log(q / m)`` from
+    the same ``log1p`` without cancelling (``delta = +inf``: ``L = inf``, ``log(q / m) =
+    -log beta``; ``delta = -inf``: ``L = log(1 - beta)``, ``log(q / m) = -inf``)."""
+    k = log_beta + delta
+    hi = nan_max(log_1m_beta, k)
+    lo = nan_min(log_1m_beta, k)
+    l1 = log1p_unit(exp(lo - hi))
+    return hi + l1, tl.where(k > log_1m_beta, -log_beta - l1, (delta - log_1m_beta) - l1)
+
+
+@triton.jit
+def mixture_log(delta, mix, ACC: tl.constexpr):
+    """``L = log(m / p)`` per column (the JSD's backward): :func:`near_mixture`'s for
+    ``|delta| <= 1``, :func:`far_mixture`'s beyond."""
+    beta, _, log_beta, log_1m_beta = mixture_scalars(mix, ACC)
     near = (delta <= 1.0) & (delta >= -1.0)
-    dn = tl.where(near, delta, 0.0)
-    big_l, log_q_over_m, e, x, l1 = mixture_logs(delta, beta, log_beta, log_1m_beta)
-    term_p = tl.where(p == 0, 0.0, p * big_l)
+    near_l, _ = near_mixture(tl.where(near, delta, 0.0), beta, mix, ACC)
+    far_l, _ = far_mixture(delta, log_beta, log_1m_beta)
+    return tl.where(near, near_l, far_l)
+
+
+@triton.jit
+def mixture_terms(delta, p, q, mix, ACC: tl.constexpr):
+    """Per column: ``(L, f)`` with ``L = log(m / p)`` and ``f = beta q log(q / m) + (1 - beta)
+    p log(p / m) >= 0`` (the column's JSD term), for ``delta = log q - log p``: the near
+    form for ``|delta| <= 1`` (:func:`near_mixture`), beyond it ``f = beta q log(q / m) -
+    (1 - beta) p L`` from :func:`far_mixture` (``0 log 0 = 0``), whose terms no longer
+    cancel badly."""
+    beta, one_m_beta, log_beta, log_1m_beta = mixture_scalars(mix, ACC)
+    near = (delta <= 1.0) & (delta >= -1.0)
+    near_l, near_f = near_mixture(tl.where(near, delta, 0.0), beta, mix, ACC)
+    far_l, log_q_over_m = far_mixture(delta, log_beta, log_1m_beta)
+    term_p = tl.where(p == 0, 0.0, p * far_l)
     term_q = tl.where(q == 0, 0.0, q * log_q_over_m)
-    far_f = beta * term_q - (1.0 - beta) * term_p
-    near_f = p * (beta * _bregman_exp(dn, e, ACC) - _bregman_log(x, l1, SMALL, ACC))
-    return big_l, tl.where(near, near_f, far_f)
+    far_f = beta * term_q - one_m_beta * term_p
+    return tl.where(near, near_l, far_l), tl.where(near, p * near_f, far_f)
 
 
 @triton.jit
 def mixture_pass(
     s_row, t_row, V, s_stride_v, t_stride_v, inv_temperature, n_cols, m_z, log_s_z, m_u,
-    log_s_u, log_zu, beta, log_beta, log_1m_beta, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
-    inv_cap=1.0, HAS_SOFTCAP: tl.constexpr = False, t_inv_temperature=1.0, t_inv_cap=1.0,
+    log_s_u, log_zu, mix, BLOCK_V: tl.constexpr, ACC: tl.constexpr, inv_cap=1.0,
+    HAS_SOFTCAP: tl.constexpr = False, t_inv_temperature=1.0, t_inv_cap=1.0,
     SPLIT: tl.constexpr = False, TEACHER_SOFTCAP: tl.constexpr = False,
 ):  # fmt: skip
     """Pass 2 of the general ``beta``: ``(JSD, sum_v p_v L_v)`` (module docstring), with
@@ -259,7 +285,7 @@ def mixture_pass(
         )  # fmt: skip
         p = exp(log_p)
         q = exp(log_q)
-        excess, f = mixture_terms(delta, p, q, beta, log_beta, log_1m_beta, ACC)
+        excess, f = mixture_terms(delta, p, q, mix, ACC)
         p_excess += tl.sum(tl.where(p == 0, 0.0, p * excess), 0)
         jsd += tl.sum(f, 0)
     return jsd, p_excess
@@ -321,12 +347,7 @@ def _distill_fwd_kernel(
     t_inv_t_lo,
     t_inv_cap_hi,
     t_inv_cap_lo,
-    beta_hi,
-    beta_lo,
-    log_beta_hi,
-    log_beta_lo,
-    log_1m_beta_hi,
-    log_1m_beta_lo,
+    mix,
     ignore_index,
     MODE: tl.constexpr,
     HAS_TARGETS: tl.constexpr,
@@ -368,13 +389,10 @@ def _distill_fwd_kernel(
         d = kl_rev
         c = kl_rev
     else:
-        beta = pair(beta_hi, beta_lo, ACC)
-        log_beta = pair(log_beta_hi, log_beta_lo, ACC)
-        log_1m_beta = pair(log_1m_beta_hi, log_1m_beta_lo, ACC)
         d, c = mixture_pass(
             s_row, t_row, V, s_stride_v, t_stride_v, inv_temperature, n_cols, m_z, log_s_z,
-            m_u, log_s_u, log_zu, beta, log_beta, log_1m_beta, BLOCK_V, ACC, inv_cap, HAS_SOFTCAP,
-            t_inv_temperature, t_inv_cap, SPLIT, TEACHER_SOFTCAP,
+            m_u, log_s_u, log_zu, mix, BLOCK_V, ACC, inv_cap, HAS_SOFTCAP, t_inv_temperature,
+            t_inv_cap, SPLIT, TEACHER_SOFTCAP,
         )  # fmt: skip
         # a row whose normaliser is NaN / inf (NaN logit, all -inf) is NaN, whatever p and q
         d += (log_s_z - log_s_z) + (log_s_u - log_s_u)
@@ -487,12 +505,7 @@ def _distill_bwd_kernel(
     t_inv_t_lo,
     t_inv_cap_hi,
     t_inv_cap_lo,
-    beta_hi,
-    beta_lo,
-    log_beta_hi,
-    log_beta_lo,
-    log_1m_beta_hi,
-    log_1m_beta_lo,
+    mix,
     MODE: tl.constexpr,
     BLOCK_V: tl.constexpr,
     ACC: tl.constexpr,
@@ -537,10 +550,7 @@ def _distill_bwd_kernel(
     t_row = row_pointer(t_ptr, row, rows_inner, 0, t_stride_outer, t_stride_inner)
     grad_row = grad_ptr + row * V
     if MODE == MODE_JSD:
-        beta = pair(beta_hi, beta_lo, ACC)
-        log_beta = pair(log_beta_hi, log_beta_lo, ACC)
-        log_1m_beta = pair(log_1m_beta_hi, log_1m_beta_lo, ACC)
-        coef = coef * (beta - 1.0)  # dD/dz = -(1 - beta) p (L - sum p L)
+        coef = -coef * mixture_scalars(mix, ACC)[1]  # dD/dz = -(1 - beta) p (L - sum p L)
     if FREE:  # the partial derivatives on log p (docstring): no softmax projection
         if MODE == MODE_REVERSE_KL:
             c = tl.full((), -1.0, ACC)
@@ -563,7 +573,7 @@ def _distill_bwd_kernel(
         elif MODE == MODE_REVERSE_KL:
             g = reverse_kl_grad(p, delta, c)
         else:
-            excess, _, _, _, _ = mixture_logs(delta, beta, log_beta, log_1m_beta)
+            excess = mixture_log(delta, mix, ACC)
             g = tl.where(p == 0, c - c, p * (excess - c))  # 0, NaN if c is not finite
         g = tl.where(active, coef * g * dx, 0.0)
         tl.store(grad_row + cols, cast_for(g, grad_ptr), mask=cols < V)
@@ -593,12 +603,7 @@ def _distill_mixture_kernel(
     t_inv_t_lo,
     t_inv_cap_hi,
     t_inv_cap_lo,
-    beta_hi,
-    beta_lo,
-    log_beta_hi,
-    log_beta_lo,
-    log_1m_beta_hi,
-    log_1m_beta_lo,
+    mix,
     HAS_MASK: tl.constexpr,
     BLOCK_V: tl.constexpr,
     ACC: tl.constexpr,
@@ -627,15 +632,12 @@ def _distill_mixture_kernel(
     m_u = tl.load(st + STAT_MAX_U * n_rows).to(ACC)
     log_zu = tl.load(st + STAT_LOG_RATIO * n_rows).to(ACC)
     log_s_u = tl.load(st + STAT_LOG_SUM_U * n_rows).to(ACC)
-    beta = pair(beta_hi, beta_lo, ACC)
-    log_beta = pair(log_beta_hi, log_beta_lo, ACC)
-    log_1m_beta = pair(log_1m_beta_hi, log_1m_beta_lo, ACC)
     s_row = row_pointer(s_ptr, row, rows_inner, 0, s_stride_outer, s_stride_inner)
     t_row = row_pointer(t_ptr, row, rows_inner, 0, t_stride_outer, t_stride_inner)
     jsd, p_excess = mixture_pass(
         s_row, t_row, V, s_stride_v, t_stride_v, inv_temperature, tl.where(active, V, 0), m_z,
-        log_s_z, m_u, log_s_u, log_zu, beta, log_beta, log_1m_beta, BLOCK_V, ACC, inv_cap,
-        HAS_SOFTCAP, t_inv_temperature, t_inv_cap, SPLIT, TEACHER_SOFTCAP,
+        log_s_z, m_u, log_s_u, log_zu, mix, BLOCK_V, ACC, inv_cap, HAS_SOFTCAP,
+        t_inv_temperature, t_inv_cap, SPLIT, TEACHER_SOFTCAP,
     )  # fmt: skip
     tl.store(out_ptr + row, tl.where(active, jsd, 0.0))
     tl.store(out_ptr + n_rows + row, tl.where(active, p_excess, 0.0))

@@ -94,6 +94,28 @@ def log1p(r):
 
 
 @triton.jit
+def log1p_unit(t):
+    """``log(1 + t)`` for ``0 <= t <= 1`` (the ``logaddexp`` forms' ``log1p(e^(lo - hi))``).
+    fp32: ``t P(t)``, ``P`` the degree-8 Chebyshev fit of ``log1p(t) / t`` on ``[0, 1]`` (fit
+    error ``3.1e-8``), nine multiply-adds where :func:`log1p` takes a ``log`` (a dozen
+    multiply-adds of its own), a division and two tests; within 1.2 units of fp32 roundoff
+    of float64 with fused multiply-adds (as compiled), 2.9 without (as interpreted). fp64:
+    :func:`log1p`. NaN stays NaN."""
+    if t.dtype == tl.float64:
+        return log1p(t)
+    c = 0.005253457797148778
+    c = c * t - 0.029588507393192163
+    c = c * t + 0.07836166801873298
+    c = c * t - 0.13674769705464718
+    c = c * t + 0.19111431080497024
+    c = c * t - 0.24844369892423512
+    c = c * t + 0.3331927134249036
+    c = c * t - 0.4999950151678611
+    c = c * t + 0.9999999705406566
+    return c * t
+
+
+@triton.jit
 def log_ratio_of_sums(s_z, s_u, gap):
     """``log(S_z / S_u) = -log1p(gap / S_z)`` with ``gap = S_u - S_z`` summed from its own
     per-column terms (two separately rounded sums near each other would leave their
