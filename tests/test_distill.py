@@ -332,6 +332,19 @@ def eager_fp32_loss(s, t, beta):
     return d.sum(-1).mean()
 
 
+def perturbed_rows(eps: float, beta: float, seed: int):
+    """``(s, t, loss, grad)``: 4 fp32 teacher rows ``t`` of 2048 logits, the student ``s = t +
+    eps * noise`` (fp32), and the float64 oracle's token-mean divergence and its gradient."""
+    gen = torch.Generator().manual_seed(seed)
+    t = torch.randn(4, 2048, generator=gen, dtype=torch.float64) * 2
+    s = (t + eps * torch.randn(t.shape, generator=gen, dtype=torch.float64)).float()
+    t = t.float()
+    leaf = s.double().requires_grad_()
+    want = oracle_aggregate(oracle_terms(leaf, t.double(), beta, 1.0)[0][None], torch.ones(1, 4))
+    (want_grad,) = torch.autograd.grad(want, leaf)
+    return s, t, want, want_grad
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("beta", (0.0, 0.5, 1.0))
 @pytest.mark.parametrize("eps", (1e-1, 1e-2, 1e-3))
@@ -345,13 +358,7 @@ def test_near_equal_student_and_teacher(eps, beta, backend, device):
     0.1 the interpreter's forward-KL loss is 1.7e-6 off, the rounding of fp32 row sums of
     terms ~1/eps times the KL in size; a GPU sums in another order and went past 2e-6 (an
     H200, 2026-11-28): the bound leaves 2x."""
-    gen = torch.Generator().manual_seed(7)
-    t = torch.randn(4, 2048, generator=gen, dtype=torch.float64) * 2
-    s = (t + eps * torch.randn(t.shape, generator=gen, dtype=torch.float64)).float()
-    t = t.float()
-    leaf = s.double().requires_grad_()
-    want = oracle_aggregate(oracle_terms(leaf, t.double(), beta, 1.0)[0][None], torch.ones(1, 4))
-    (want_grad,) = torch.autograd.grad(want, leaf)
+    s, t, want, want_grad = perturbed_rows(eps, beta, seed=7)
     leaf = s.clone().requires_grad_()
     (eager_grad,) = torch.autograd.grad(eager_fp32_loss(leaf, t, beta), leaf)
     eager_err = rel_err(eager_fp32_loss(s, t, beta), want)
@@ -376,13 +383,7 @@ def test_beta_near_one(eps, beta, backend, device):
     m`` of two log-probabilities all cancel by about ``1 / (1 - beta)``: the loss was 8e-4
     off and the gradient 1.7e-4 at 0.9999 before the polynomial near form and the ``log1p``
     far form (``kernels/vocab/distill.py`` ``mixture_terms``)."""
-    gen = torch.Generator().manual_seed(3)
-    t = torch.randn(4, 2048, generator=gen, dtype=torch.float64) * 2
-    s = (t + eps * torch.randn(t.shape, generator=gen, dtype=torch.float64)).float()
-    t = t.float()
-    leaf = s.double().requires_grad_()
-    want = oracle_aggregate(oracle_terms(leaf, t.double(), beta, 1.0)[0][None], torch.ones(1, 4))
-    (want_grad,) = torch.autograd.grad(want, leaf)
+    s, t, want, want_grad = perturbed_rows(eps, beta, seed=3)
     up = torch.tensor(1.0, device=device)
     loss, _, grad = run(s.to(device), t.to(device), up, beta=beta, backend=backend)
     assert rel_err(loss, want) <= 1e-6 and rel_err(grad, want_grad) <= 1e-6, (
