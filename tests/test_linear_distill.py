@@ -119,10 +119,13 @@ def check(student, teacher, *, dtype=torch.float32, seed=1, **kw):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 0.9999, 1.0])
 def test_matches_oracle(beta, dtype, backend):
     """A float mask with a zero, ignored targets, temperature, biases, a teacher wider than
-    the student (H_t != H), chunks of 4 rows over 14 (not dividing)."""
+    the student (H_t != H), chunks of 4 rows over 14 (not dividing). ``beta = 0.9999``: the
+    mixture near the teacher, where the fp32 JSD's terms cancel by ``1 / (1 - beta)`` unless
+    formed as ``kernels/vocab/distill.py`` ``mixture_terms`` does (the fp32 loss was 1.7e-3
+    off on the reference backend, the gradients 1.7e-4 on Triton's)."""
     student, teacher, g = make(dtype=dtype, seed=int(beta * 10))
     mask = torch.rand(B, T, generator=g).to(DEVICE)
     mask[0, 2] = 0.0
