@@ -21,6 +21,8 @@ import warnings
 
 import torch
 
+from ._compile_marks import assume_constant_result
+
 BACKENDS = ("auto", "triton", "reference")
 
 
@@ -35,15 +37,6 @@ def triton_installed() -> bool:
 def interpreter_requested() -> bool:
     """True when the environment asks for the Triton interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def assume_constant_result(fn):
-    """``torch.compiler.assume_constant_result`` without its import of ``torch._dynamo``
-    (about 2 s, most of ``import fused_rl``'s time; a program that compiles imports it
-    anyway): the mark Dynamo reads, set as that function sets it (a test compares the
-    two, so a torch that marks otherwise fails the suite)."""
-    fn._dynamo_marked_constant = True
-    return fn
 
 
 @assume_constant_result

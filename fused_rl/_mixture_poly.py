@@ -10,24 +10,29 @@ for complex ``|delta| < pi`` at least (``m`` vanishes first at
 ``f / (p delta^2)`` are each a polynomial of degree ``MIX_NEAR_DEGREE`` (8) to well within
 fp32 rounding: the truncation is at most 2.2e-8 relative (5.0e-9 for ``f``) over ``beta`` in
 ``k / 40`` and ``1e-3``, ``1 - 1e-3`` (degree 7: 1.5e-7), and evaluated in fp32 with fused
-multiply-adds both are within 3.5 units of fp32 roundoff of float64 (``delta`` on a grid of
-``[-1, 1]``, ``beta`` from ``1e-7`` to ``1 - 1e-7``). The kernel evaluates ``delta A(delta)``
-and ``delta^2 H(delta)``, eight multiply-adds each, where the series forms took an ``expm1``, a
-``log1p`` and two Taylor series; no ``O(delta)`` terms cancel.
+multiply-adds both are within about 4 units of fp32 roundoff of float64 (``delta`` on a grid
+of ``[-1, 1]``, ``beta`` from ``1e-7`` to ``1 - 1e-7``: 4.1 for ``f`` at ``beta = 1e-7``).
+The kernel evaluates ``delta A(delta)`` and ``delta^2 H(delta)``, eight multiply-adds each,
+where the series forms took an ``expm1``, a ``log1p`` and two Taylor series; no
+``O(delta)`` terms cancel.
 
-The coefficients depend on ``beta`` alone: computed here once per ``beta`` in float64 (the
-Taylor series of both to degree ``_TAYLOR`` by power-series recurrences, whose truncation
-is below ``pi^-28`` on ``[-1, 1]``, then Chebyshev economisation down to degree 8), and
-passed to the kernels as fp32 launch constants (``fused_rl.distill.mixture_constants``);
-the reference backend evaluates the same polynomials in fp32 (``fused_rl.reference.distill``
-``mixture_terms``). Plain Python, no Triton and no torch.
+The coefficients depend on ``beta`` alone: computed here once per ``beta`` (the Taylor
+series of both to degree ``_TAYLOR`` by power-series recurrences in exact rationals, whose
+truncation is below ``pi^-28`` on ``[-1, 1]``, then Chebyshev economisation down to degree 8
+in float64), and passed to the kernels as fp32 launch constants
+(``fused_rl.distill.mixture_constants``); the reference backend evaluates the same ``H`` in
+fp32 (``fused_rl.reference.distill`` ``mixture_terms``). Exact rationals because each of
+``f``'s coefficients is a difference of order-1 terms that is of order ``1 - beta``: in
+float64 they lost ``2^-53 / (1 - beta)``, 2e-3 of ``H`` at ``beta = 1 - 1e-13`` (the exact
+series: about 9 ms a ``beta``, once). Plain Python, no Triton and no torch.
 """
 
 from __future__ import annotations
 
-import functools
 import math
+from fractions import Fraction
 
+from ._compile_marks import assume_constant_result
 from .kernels.modes import MIX_NEAR_DEGREE
 
 _TAYLOR = 30
@@ -35,18 +40,19 @@ _TAYLOR = 30
 
 def _taylor(beta: float) -> tuple[list[float], list[float]]:
     """The Taylor coefficients at ``delta = 0`` of ``L / delta`` and ``f / (p delta^2)``
-    (degree ``_TAYLOR - 2``), float64."""
-    n = _TAYLOR
-    w = [1.0] + [beta / math.factorial(k) for k in range(1, n + 1)]  # e^L = 1 + beta expm1
+    (degree ``_TAYLOR - 2``), computed exactly (``beta`` as the rational it is) and rounded
+    to float64."""
+    n, b = _TAYLOR, Fraction(beta)
+    w = [Fraction(1)] + [b / math.factorial(k) for k in range(1, n + 1)]  # 1 + beta expm1
     # L = log w from w L' = w' (w_0 = 1): the coefficients of L' one degree at a time
     dl = []
     for k in range(n):
         dl.append((k + 1) * w[k + 1] - sum(w[j] * dl[k - j] for j in range(1, k + 1)))
-    log_w = [0.0] + [dl[k - 1] / k for k in range(1, n + 1)]
+    log_w = [Fraction(0)] + [dl[k - 1] / k for k in range(1, n + 1)]
     # f / p = beta delta e^delta - w L
-    f = [0.0] + [beta / math.factorial(k - 1) for k in range(1, n + 1)]
+    f = [Fraction(0)] + [b / math.factorial(k - 1) for k in range(1, n + 1)]
     f = [f[k] - sum(w[j] * log_w[k - j] for j in range(k + 1)) for k in range(n + 1)]
-    return log_w[1:-1], f[2:]
+    return [float(c) for c in log_w[1:-1]], [float(c) for c in f[2:]]
 
 
 def _economize(coeffs: list[float], degree: int) -> list[float]:
@@ -69,7 +75,10 @@ def _economize(coeffs: list[float], degree: int) -> list[float]:
     return out
 
 
-@functools.lru_cache(maxsize=64)
+_NEAR: dict[float, tuple[tuple[float, ...], tuple[float, ...]]] = {}
+
+
+@assume_constant_result  # traced (the reference under torch.compile): a constant
 def near_polynomials(beta: float) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """``(A, H)``: the degree-``MIX_NEAR_DEGREE`` coefficients (lowest first, float64) with
     ``L ~ delta A(delta)`` and ``f / p ~ delta^2 H(delta)`` on ``|delta| <= 1``, for
@@ -79,5 +88,9 @@ def near_polynomials(beta: float) -> tuple[tuple[float, ...], tuple[float, ...]]
     >>> len(a), round(a[0], 6), round(h[0], 6)  # L'(0) = beta, H(0) = beta (1 - beta) / 2
     (9, 0.3, 0.105)
     """
-    log_m, f = _taylor(beta)
-    return tuple(_economize(log_m, MIX_NEAR_DEGREE)), tuple(_economize(f, MIX_NEAR_DEGREE))
+    hit = _NEAR.get(beta)
+    if hit is None:  # computed once a beta (a few betas in a run: a schedule's steps at most)
+        log_m, f = _taylor(beta)
+        hit = tuple(_economize(log_m, MIX_NEAR_DEGREE)), tuple(_economize(f, MIX_NEAR_DEGREE))
+        _NEAR[beta] = hit
+    return hit

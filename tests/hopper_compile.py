@@ -63,7 +63,8 @@ FLOAT_ARGS = {
     "eps_hi", "eps_lo", "grad_scale_hi", "grad_scale_lo",
 }  # fmt: skip
 # tuple arguments: the policy kernels' hyper-parameters, one fp32 (hi, lo) pair per entry of
-# kernels/modes.py POLICY_PARAMS
+# kernels/modes.py POLICY_PARAMS; the distillation kernels' JSD constants (kernels/modes.py
+# N_MIX: fused_rl.distill.mixture_constants)
 TUPLE_ARGS = {"hyper": ("fp32",) * (2 * len(POLICY_PARAMS)), "mix": ("fp32",) * N_MIX}
 # modules whose every pointer offset must be computed in 64 bits (narrow_offset_products)
 WIDE_OFFSET_MODULES = [

@@ -16,6 +16,7 @@ import fused_rl
 import fused_rl._backend as B
 from fused_rl import available_backends, token_entropy, token_logprobs
 from fused_rl._backend import resolve_backend
+from fused_rl._compile_marks import assume_constant_result
 
 
 @pytest.fixture
@@ -154,7 +155,7 @@ def test_import_without_triton():
 
 
 def test_constant_mark_is_torchs():
-    """``_backend.assume_constant_result`` marks a function as
+    """``_compile_marks.assume_constant_result`` marks a function as
     ``torch.compiler.assume_constant_result`` does (Dynamo reads the mark; fused_rl sets it
     itself so that ``import fused_rl`` does not import ``torch._dynamo``)."""
 
@@ -165,7 +166,7 @@ def test_constant_mark_is_torchs():
         return True
 
     marked = vars(torch.compiler.assume_constant_result(torchs))
-    assert marked and vars(B.assume_constant_result(ours)) == marked
+    assert marked and vars(assume_constant_result(ours)) == marked
 
 
 _LIGHT_IMPORT = """

@@ -95,7 +95,8 @@ def test_no_import_cycle():
 # lower one (within a layer, test_no_import_cycle keeps the imports acyclic). The reference
 # twin reads alone: plain PyTorch over the leaf helpers, nothing of the Triton side.
 LAYERS = (
-    ("leaves", ("fused_rl._shapes", "fused_rl.kernels.modes", "fused_rl._mixture_poly")),
+    ("leaves", ("fused_rl._shapes", "fused_rl.kernels.modes", "fused_rl._compile_marks",
+                "fused_rl._mixture_poly")),
     ("reference", ("fused_rl.reference",)),
     ("base", ("fused_rl.config", "fused_rl._version", "fused_rl._backend", "fused_rl._launch",
               "fused_rl._policy_inputs",

@@ -6,6 +6,7 @@ on the test's device (the interpreter on a CPU-only machine, compiled on a GPU).
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -58,6 +59,28 @@ def test_polynomials_are_the_functions_on_the_near_range(beta):
     assert h[0] == pytest.approx(beta * (1 - beta) / 2, rel=3e-8)
 
 
+@pytest.mark.parametrize("gap", [1e-7, 1e-11, 1e-15], ids=lambda g: f"1-{g:g}")
+def test_polynomials_next_to_one(gap):
+    """``beta = 1 - gap``: each of ``f``'s Taylor coefficients is a difference of order-1
+    terms that is of order ``gap``, so they are formed in exact rationals (float64 lost
+    ``2^-53 / gap``: 19% of ``H`` at ``1 - 1e-15``). Against 60-digit arithmetic (mpmath,
+    which torch's sympy brings) at a few ``delta``: within 3e-8, as at any ``beta``."""
+    import mpmath
+
+    mpmath.mp.dps = 60
+    beta = 1.0 - gap
+    a, h = near_polynomials(beta)
+    b = mpmath.mpf(beta)
+    for delta in (-1.0, -0.3, 0.01, 0.5, 1.0):
+        d = mpmath.mpf(delta)
+        m = 1 - b + b * mpmath.exp(d)
+        big_l, f = mpmath.log(m), b * d * mpmath.exp(d) - m * mpmath.log(m)
+        got_l = delta * sum(c * delta**i for i, c in enumerate(a))
+        got_f = delta * delta * sum(c * delta**i for i, c in enumerate(h))
+        assert abs(got_l - float(big_l)) <= 3e-8 * abs(float(big_l)), delta
+        assert abs(got_f - float(f)) <= 3e-8 * abs(float(f)), delta
+
+
 def test_constants_layout():
     """``mixture_constants``: ``N_MIX`` values, the four fp32 pairs summing to ``beta``,
     ``1 - beta``, ``log beta``, ``log(1 - beta)``, then ``A`` and ``H``; at ``beta`` 0 and 1
@@ -74,6 +97,21 @@ def test_constants_layout():
         assert len(mix) == N_MIX and mix[0] + mix[1] == edge and mix[2] + mix[3] == 1 - edge
         assert not any(mix[4:])
     assert near_polynomials(beta) is near_polynomials(beta)
+
+
+def test_a_constant_under_torch_compile():
+    """The reference calls ``near_polynomials`` inside code ``torch.compile`` traces: marked
+    ``assume_constant_result`` (its own cache, no ``lru_cache`` wrapper, which Dynamo traces
+    through with a warning), it is called once while tracing and its numbers are constants
+    of the graph (``fullgraph``: no break), with no warning."""
+
+    def f(x):
+        return x * near_polynomials(0.37)[1][0]
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*lru_cache")
+        out = torch.compile(f, fullgraph=True, backend="eager")(torch.ones(2))
+    assert torch.equal(out, torch.full((2,), near_polynomials(0.37)[1][0]))
 
 
 @triton.jit

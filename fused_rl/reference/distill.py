@@ -66,7 +66,7 @@ def _xlogy_terms(p: Tensor, log_ratio: Tensor) -> Tensor:
 
 # Taylor coefficients (``d^2`` to ``d^13``) of ``g1(d) = d e^d - expm1(d)`` and
 # ``g2(x) = (1 + x) log1p(x) - x``, the two non-negative pieces of a near-equal column's JSD
-# term (``kernels/vocab/distill.py`` ``mixture_terms``)
+# term in fp64 (``kernels/vocab/distill.py`` ``near_mixture``; fp32 takes a polynomial)
 _G1 = tuple((k - 1) / math.factorial(k) for k in range(2, 14))
 _G2 = tuple((-1) ** k / (k * (k - 1)) for k in range(2, 14))
 
@@ -138,10 +138,11 @@ def mixture_terms(delta, near, p, q, log_p, log_q, beta):
     # l1 (not d - L, which cancels when q is near m: beta near 1)
     log_1m_beta = math.log1p(-beta)
     k = d + math.log(beta)
-    hi, lo = torch.clamp(k, min=log_1m_beta), torch.clamp(k, max=log_1m_beta)
+    above = k > log_1m_beta  # (a where, not a clamp: a tie's gradient goes to one side)
+    hi, lo = torch.where(above, k, log_1m_beta), torch.where(above, log_1m_beta, k)
     l1 = torch.log1p(torch.exp(lo - hi))
     far_l = hi + l1
-    log_q_over_m = torch.where(k > log_1m_beta, -math.log(beta) - l1, (d - log_1m_beta) - l1)
+    log_q_over_m = torch.where(above, -math.log(beta) - l1, (d - log_1m_beta) - l1)
     far_f = beta * _xlogy_terms(q, log_q_over_m) - (1.0 - beta) * _xlogy_terms(p, far_l)
     return torch.where(near, torch.log1p(x), far_l), torch.where(near, near_f, far_f)
 
@@ -229,7 +230,8 @@ def student_grad(
 
     On near-equal columns (``|log q - log p| <= 1``) ``delta = log q - log p`` comes from the
     logits' difference (``_near_delta``), ``p - q = -p expm1(delta)`` and ``L =
-    log1p(beta expm1(delta))``: each relative to itself, as the kernel forms them.
+    log1p(beta expm1(delta))``: each exact to rounding relative to itself, as the kernel's
+    (whose fp32 ``L`` there is the polynomial ``delta A(delta)``, ``fused_rl._mixture_poly``).
 
     Columns where ``p = 0`` get 0 (NaN stays NaN elsewhere), NaN in a row whose reverse KL /
     ``sum_w p_w L_w`` is not finite (``0 * inf``, as autograd and the kernel); rows outside
