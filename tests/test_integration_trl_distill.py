@@ -21,6 +21,7 @@ from helpers import rel_err
 from test_integration_trl import (
     ATOL,
     EOS,
+    PARAM_ATOL,
     RTOL,
     VOCAB,
     _dataset,
@@ -298,22 +299,21 @@ def test_training_matches_trl(tmp_path_factory, monkeypatch, config, student, te
 
 @needs_trl
 @pytest.mark.parametrize(
-    "config, param_rtol",
+    "config, bf16_params",
     [
         pytest.param(dict(model_init_kwargs={"dtype": "bfloat16"},
-                          teacher_model_init_kwargs={"dtype": "bfloat16"}), 2**-7,
+                          teacher_model_init_kwargs={"dtype": "bfloat16"}), True,
                      id="bf16-models"),
-        pytest.param(dict(bf16=True), 0.0, id="fp32-models-bf16-autocast"),
+        pytest.param(dict(bf16=True), False, id="fp32-models-bf16-autocast"),
     ],
 )  # fmt: skip
-def test_training_bf16(tmp_path_factory, monkeypatch, config, param_rtol):
+def test_training_bf16(tmp_path_factory, monkeypatch, config, bf16_params):
     """bf16 models, and fp32 models under bf16 autocast (the hidden states' and head's
     gradients then fp32 accumulators, as TRL's): fused_rl keeps the chunk logits in fp32
     as TRL's tiles, so the two trainers differ by rounding (the order of fp32 sums, now and
     then ``dz``'s bf16 copy an ulp apart): every logged metric within the fp32 tolerances
-    (measured: loss 3e-7 relative); bf16 parameters within one bf16 rounding (2^-7
-    relative: an update rounding the other way; measured 1.2e-4), fp32 ones within 1e-5
-    (measured 7.8e-7)."""
+    (measured: loss 3e-7 relative); fp32 parameters within 1e-5 (measured 7.8e-7); bf16
+    ones as :func:`compare_bf16_params`."""
     import trl
 
     paths = _models(tmp_path_factory, "bf16")
@@ -326,7 +326,29 @@ def test_training_bf16(tmp_path_factory, monkeypatch, config, param_rtol):
     )
     assert calls.trl == 0 and calls.fused
     compare_logs(want_log, got_log)
-    compare_params(want_params, got_params, rtol=param_rtol)
+    if bf16_params:
+        compare_bf16_params(want_params, got_params, lr=1e-3, steps=3)
+    else:
+        compare_params(want_params, got_params)
+
+
+def compare_bf16_params(want, got, lr, steps):
+    """bf16 parameters after ``steps`` AdamW steps of learning rate ``lr``: all but 1e-4 of
+    them (over every tensor) within one bf16 rounding, ``PARAM_ATOL + 2^-7 |w|`` (an update
+    rounding the other way: measured 1.2e-4 relative), and every one within ``2 lr steps``,
+    the most two trainers' updates can differ by. Adam's step ``lr m / (sqrt(v) + eps)`` is
+    not a smooth function of the gradient where it is of the order of ``eps`` or its sign
+    turns between steps: gradients a rounding apart (the order of fp32 sums) then move a
+    weight by a different fraction of ``lr`` (measured 2 of the 139,456 weights, 10 bf16
+    roundings apart: 1.2e-5 on an embedding weight of 1.5e-4, 1.5e-4 on a projection weight
+    of 3.8e-3)."""
+    far, total = 0, 0
+    for name, w in want.items():
+        diff = (got[name].float() - w.float()).abs()
+        far += int((diff > PARAM_ATOL + 2**-7 * w.float().abs()).sum())
+        total += w.numel()
+        assert (diff <= 2 * lr * steps).all(), f"{name}: max diff {diff.max().item():.3g}"
+    assert far <= 1e-4 * total, f"{far} of {total} parameters beyond one bf16 rounding"
 
 
 @needs_trl
