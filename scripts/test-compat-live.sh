@@ -14,14 +14,14 @@
 #      released and with its functions monkeypatched to fused_rl's.
 # Then scripts/compat_live/summary.py writes the table into docs/compat.md.
 #
-# Usage: bash scripts/test-compat-live.sh [trl] [verl] [torchtune] [ding]   (default: all four)
+# Usage: bash scripts/test-compat-live.sh [trl] [verl] [torchtune] [ding] [liger]   (default: all five)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENVS=${COMPAT_VENVS:-.compat-venvs}
 OUT=${COMPAT_OUT:-compat-live}
 LIBS=("$@")
-[ ${#LIBS[@]} -eq 0 ] && LIBS=(trl verl torchtune ding)
+[ ${#LIBS[@]} -eq 0 ] && LIBS=(trl verl torchtune ding liger)
 mkdir -p "$OUT"
 status=0
 for lib in "${LIBS[@]}"; do
