@@ -126,9 +126,10 @@ def mixture_terms(delta, near, p, q, log_p, log_q, beta):
         g1 = torch.where(
             _small(delta, 0.25), _series(_G1, delta), delta * delta.exp() - torch.expm1(delta)
         )
-        x_s = torch.where(_small(x, 0.0625), x, torch.zeros_like(x))
-        x_d = torch.where(_small(x, 0.0625), torch.ones_like(x), x)
-        g2 = torch.where(_small(x, 0.0625), _series(_G2, x_s), (1.0 + x_d) * torch.log1p(x_d) - x_d)
+        small = _small(x, 0.0625)  # g2's series (the direct form cancels by 2 / |x| above)
+        x_s = torch.where(small, x, torch.zeros_like(x))
+        x_d = torch.where(small, torch.ones_like(x), x)
+        g2 = torch.where(small, _series(_G2, x_s), (1.0 + x_d) * torch.log1p(x_d) - x_d)
         near_f = p * (beta * g1 - g2)
     else:
         near_f = p * _series(near_polynomials(beta)[1], delta)
