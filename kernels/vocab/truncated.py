@@ -76,8 +76,9 @@ Bytes per row (``E`` bytes per logit, ``V`` the vocabulary), forward:
   reads in bf16, 4 in fp32; ``k`` = 5000 with ``p`` = 0.95, 8 in bf16, 7 in fp32.
 
 A search pass is compute-heavier than pass A (16 compares, adds and multiply-adds per
-logit: ~2.3 sm_90 instructions a logit per warp, ``_bracket_sums``); the search and its
-bracket bounds are in ``_search``. A radix pass is light (a key, a digit and a
+logit: ~1.9 sm_90 instructions a logit per warp, ``_bracket_sums``; a step reads 16
+contiguous bytes a thread, so a one-warp row keeps 1 KiB of bf16 in flight); the search and
+its bracket bounds are in ``_search``. A radix pass is light (a key, a digit and a
 shared-memory histogram increment per logit). ``passes_ptr`` records each row's reads
 (``tests/test_truncated.py`` checks them).
 
@@ -279,6 +280,23 @@ def _candidates(
 
 
 @triton.jit
+def _column_sums(cnt, mass, z, e, cand, DEPTH: tl.constexpr):
+    """Add ``DEPTH`` values a column (``z``, ``e``: ``(SEARCH_BLOCK, 2, ..., 2)``, one 2 a
+    halving of ``DEPTH``, all in one thread's registers) one at a time to each candidate's
+    per-column count and mass: per value a compare giving 1.0 / 0.0, an add of it to the
+    count, a multiply-add of it with the mass -- three instructions a (logit, candidate)
+    pair."""
+    if DEPTH == 1:
+        ge = (z[None, :] >= cand[:, None]).to(tl.float32)
+        return cnt + ge, mass + ge.to(mass.dtype) * e[None, :]
+    else:
+        z0, z1 = tl.split(z)
+        e0, e1 = tl.split(e)
+        cnt, mass = _column_sums(cnt, mass, z0, e0, cand, DEPTH // 2)
+        return _column_sums(cnt, mass, z1, e1, cand, DEPTH // 2)
+
+
+@triton.jit
 def _bracket_sums(
     row_ptr, n_read, stride_v, inv_t, inv_cap, m, lo, hi, cand, N_CAND: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr,
@@ -288,25 +306,45 @@ def _bracket_sums(
     comparison per logit).
 
     The pass is compute-bound (16 candidates a logit), so its inner step is three
-    instructions a (logit, candidate) pair: a compare giving 1.0 / 0.0, an add of it to the
-    count, a multiply-add of it with the logit's mass. Counts and masses accumulate per
-    (candidate, column) cell, reduced across the columns once at the end: a reduction per
-    step costs cross-lane shuffles for 32 sums (sm_90 SASS of the step, 2026-11-29: 2.3
-    instructions a logit at 64 columns, against 6.5 with a reduction per step at 128). A
-    cell's count is an integer below ``2**24`` (exact in fp32)."""
+    instructions a (logit, candidate) pair (:func:`_column_sums`). Counts and masses
+    accumulate per (candidate, column) cell, reduced across the columns once at the end: a
+    reduction per step costs cross-lane shuffles for 32 sums (sm_90 SASS of the step,
+    2026-11-29: 2.3 instructions a logit at 64 columns, against 6.5 with a reduction per
+    step at 128). A step reads 16 contiguous bytes a column (8 bf16 / fp16 logits, 4 fp32,
+    2 fp64: one vector load a thread, split into single values in registers), so a
+    one-warp row has that many times the bytes in flight as with one logit a column (128
+    bytes a step of bf16 left the row waiting on memory, not on its arithmetic) and the
+    step's own work is shared by as many logits. A cell's count is an integer below
+    ``2**24`` (exact in fp32)."""
+    DEPTH: tl.constexpr = 128 // row_ptr.dtype.element_ty.primitive_bitwidth
+    STEP: tl.constexpr = SEARCH_BLOCK * DEPTH
     cnt = tl.zeros((N_CAND, SEARCH_BLOCK), tl.float32)
     mass = tl.zeros((N_CAND, SEARCH_BLOCK), ACC)
-    for start in range(0, n_read, SEARCH_BLOCK):
-        cols = start + tl.arange(0, SEARCH_BLOCK)
+    tile = tl.reshape(tl.arange(0, STEP), (SEARCH_BLOCK, DEPTH))  # a column's values in a row
+    for start in range(0, n_read, STEP):
+        cols = start + tile
         x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < n_read, other=0.0)
         z = scaled_logits(x.to(ACC), inv_t, inv_cap, HAS_SOFTCAP)
         inside = (cols < n_read) & (z >= lo) & (z < hi)
         e = tl.where(inside, exp(z - m), 0.0)
         z = tl.where(inside, z, float("nan"))  # NaN: at or above no candidate
-        ge = (z[None, :] >= cand[:, None]).to(tl.float32)
-        cnt += ge
-        mass += ge.to(ACC) * e[None, :]
+        cnt, mass = _column_sums(
+            cnt, mass, _halved(z, SEARCH_BLOCK, DEPTH), _halved(e, SEARCH_BLOCK, DEPTH), cand,
+            DEPTH,
+        )  # fmt: skip
     return tl.sum(cnt.to(tl.int32), 1).to(tl.int64), tl.sum(mass, 1)
+
+
+@triton.jit
+def _halved(x, SEARCH_BLOCK: tl.constexpr, DEPTH: tl.constexpr):
+    """``(SEARCH_BLOCK, DEPTH)`` as ``(SEARCH_BLOCK, 2, ..., 2)`` for :func:`_column_sums`."""
+    if DEPTH == 8:
+        return tl.reshape(x, (SEARCH_BLOCK, 2, 2, 2))
+    elif DEPTH == 4:
+        return tl.reshape(x, (SEARCH_BLOCK, 2, 2))
+    else:
+        tl.static_assert(DEPTH == 2)
+        return x
 
 
 @triton.jit
