@@ -146,7 +146,7 @@ def truncated_logprobs(
     2 reads of a bf16 / fp16 row, 4 fp32, 8 fp64 (one more with ``softcap``; one in all
     where ties at the 64th largest settle it); top-p alone (or after top-k > 64): one
     read when the row's 64 largest values already hold ``top_p``, else a search on the
-    threshold (typically 4-6 reads of a flat row at V = 32K-152K, at most 13;
+    threshold (typically 3-6 reads of a flat row at V = 32K-152K, at most 13;
     ``kernels/vocab/truncated.py``). Backward: one read and one write per row.
 
     Example:

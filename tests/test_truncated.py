@@ -601,6 +601,20 @@ def test_top_p_cut_in_a_bf16_tie_group(temperature, device):
     assert (passes <= 4).all(), passes
 
 
+def test_top_p_search_closes_on_the_estimated_key(device):
+    """A flat bf16 row (Gaussian logits of deviation 2, V = 32768) at p = 0.9: after pass A
+    and a pass over evenly spaced values the cut's bracket holds ~60 bf16 keys; the next
+    pass puts half its candidates at consecutive keys around the cut estimated from the
+    bracket's masses and closes on the cut's key: 3 reads a row (4 with every candidate
+    evenly over the keys), the values the oracle's."""
+    g = torch.Generator().manual_seed(23)
+    x = (torch.randn(1, 2, 32768, generator=g) * 2).to(device, torch.bfloat16)
+    targets = x.float().argmax(-1)
+    logp, _, passes = T.truncated_logprobs_fwd_op.launcher(x, targets, 0, 0.9, 1.0, None, -100)
+    assert passes.tolist() == [3, 3]
+    assert_rel(logp, oracle(x, targets, top_p=0.9).to(logp.dtype), FP32_TOL, "logp")
+
+
 def test_token_logprobs_takes_top_k_and_top_p(device):
     """``token_logprobs(..., top_k=, top_p=)`` is ``truncated_logprobs`` (the same values and
     gradients); the options it does not take with truncation raise naming them."""

@@ -50,7 +50,10 @@ Forward, one program per row (``_truncated_logprobs_fwd_kernel``):
   holding the answer. Candidates are spread evenly over the values while the bracket spans
   more than an octave or crosses 0 (the first passes, at most 3), else evenly over the
   floats' order-preserving integer keys (their bits), which shrinks the key range 16-fold a
-  pass: at most 3 + 8 = 11 search passes in fp32 (3 + 19 in fp64) whatever the data. For
+  pass: at most 3 + 8 = 11 search passes in fp32 (3 + 19 in fp64) whatever the data. A
+  bracket of 17 - 128 keys takes half its candidates evenly and half at consecutive keys
+  around the cut estimated from its masses (``_toward_estimate``): two passes close it
+  either way, one where the estimate holds (a flat bf16 row at p = 0.9: 3 reads, not 4). For
   bf16 / fp16 logits without the soft cap the keys are the LOGITS' own 16 bits
   (``_input_candidates``: each candidate the ``z`` of a logit value; ``z = x / T`` is
   non-decreasing in ``x``), at most 3 + 4 passes: a bf16 value near the cut often holds
@@ -68,8 +71,8 @@ Bytes per row (``E`` bytes per logit, ``V`` the vocabulary), forward:
   logit and 16-20 bytes written (``logp``, ``tau``, ``m``, ``log F``, the pass count);
 * top-p otherwise: ``(1 + s + c) V E`` with ``s`` search passes and ``c <= 1`` collect pass.
   Measured here (CPU interpreter, same arithmetic): Gaussian logits, ``p`` in 0.9 - 0.99,
-  ``V`` = 32768: 4-5 reads; ``V`` = 151936: 5-6 reads in fp32, 4 in bf16; at most 13 in any
-  case;
+  ``V`` = 32768 and 151936: 5-6 reads in fp32, 3-4 in bf16 (3 at p = 0.9, deviation 2);
+  at most 13 in any case;
 * top-k > 64: ``B / 8`` reads of a ``B``-bit row (2 bf16 / fp16, 4 fp32, 8 fp64; one more
   with the soft cap), then top-p on top of it as above.
   Measured here (CPU interpreter), Gaussian rows at ``V`` = 151936: ``k`` = 200 and 1000, 2
@@ -256,13 +259,49 @@ def _by_value(lo, hi, passes, VALUE_PASSES: tl.constexpr):
 
 
 @triton.jit
+def _mass_fraction(f_lo, f_hi, goal):
+    """Where the cut lies in the bracket by its masses (``f_lo`` / ``f_hi`` at or above its
+    ends, ``goal`` between): ``(goal - f_hi) / (f_lo - f_hi)``, the fraction of the
+    bracket's mass above the cut; NaN before a pass has summed ``f_lo`` (``f_lo == f_hi``)."""
+    known = f_lo > f_hi
+    return tl.where(known, (goal - f_hi) / tl.where(known, f_lo - f_hi, 1.0), float("nan"))
+
+
+@triton.jit
+def _toward_estimate(ck, k_lo, k_hi, frac, N_CAND: tl.constexpr):
+    """Keys ``ck`` spread evenly over a bracket of keys ``[k_lo, k_hi)``, or where that holds
+    ``N_CAND < R <= 8 N_CAND`` keys and ``frac`` (:func:`_mass_fraction`) is known: half of
+    them evenly over it, which shrinks it at least 8-fold, to ``<= N_CAND`` keys that the
+    next pass resolves (as the even 16-fold step would: two passes from any such bracket
+    either way), the other half at consecutive keys around ``k_est = k_hi - ceil(R frac)``
+    (three below, four above), the cut were the mass spread evenly over the keys: where the
+    cut is among them this pass resolves it. The mass of a row's values varies slowly over
+    a few dozen keys (bf16 logits at the cut of a flat row: ~60 keys to a bracket after the
+    first pass), so the estimate is within a key or two there. Within the bracket, the
+    smallest ``k_lo``; not sorted (:func:`_narrow` takes them in any order)."""
+    j = tl.arange(0, N_CAND)
+    HALF: tl.constexpr = N_CAND // 2
+    r = k_hi - k_lo
+    usable = (r > N_CAND) & (r <= 8 * N_CAND) & (frac >= 0.0) & (frac <= 1.0)  # NaN: not
+    above = tl.math.ceil(tl.where(usable, frac, 0.0) * r.to(tl.float32)).to(r.dtype)
+    step = (r + HALF - 1) // HALF
+    mixed = tl.where(j < HALF, k_lo + step * j, (k_hi - above) + (j - HALF - 3))
+    mixed = tl.where(mixed < k_hi, mixed, k_hi - 1)
+    mixed = tl.where(mixed > k_lo, mixed, k_lo)
+    return tl.where(usable, mixed, ck)
+
+
+@triton.jit
 def _candidates(
-    lo, hi, passes, N_CAND: tl.constexpr, ACC: tl.constexpr, VALUE_PASSES: tl.constexpr = 3
-):
-    """``N_CAND`` thresholds in ``[lo, hi)`` for search pass ``passes`` (0-based), ascending,
-    the first ``lo``: evenly spaced over the floats' keys (the key range shrinks 16-fold a
-    pass), or over the values while the bracket spans more than an octave or crosses 0 (the
-    first ``VALUE_PASSES`` passes at most), where even keys would sit on tiny magnitudes."""
+    lo, hi, passes, frac, N_CAND: tl.constexpr, ACC: tl.constexpr,
+    VALUE_PASSES: tl.constexpr = 3,
+):  # fmt: skip
+    """``N_CAND`` thresholds in ``[lo, hi)`` for search pass ``passes`` (0-based), the
+    smallest ``lo``: evenly spaced over the floats' keys (the key range shrinks 16-fold a
+    pass; near the end clustered toward the cut's estimate from the bracket's masses
+    ``frac``, :func:`_toward_estimate`), or over the values while the bracket spans more
+    than an octave or crosses 0 (the first ``VALUE_PASSES`` passes at most), where even keys
+    would sit on tiny magnitudes."""
     j = tl.arange(0, N_CAND)
     k_lo = _key(lo, ACC)
     k_hi = _key(hi, ACC)
@@ -272,10 +311,10 @@ def _candidates(
     else:  # fp32 keys in int64: exact, the range shrinks to ceil(R / 16)
         step = (k_hi - k_lo + N_CAND - 1) // N_CAND
     step = tl.where(step < 1, 1, step)
-    ck = k_lo + step * j.to(tl.int64)
+    ck = _toward_estimate(k_lo + step * j.to(tl.int64), k_lo, k_hi, frac, N_CAND)
     vk = _key(lo + (hi - lo) * (j.to(ACC) * (1.0 / N_CAND)), ACC)
     ck = tl.where(_by_value(lo, hi, passes, VALUE_PASSES), vk, ck)
-    ck = tl.where(ck < k_hi, ck, k_hi - 1)  # cand[0] = lo; all < hi; non-decreasing
+    ck = tl.where(ck < k_hi, ck, k_hi - 1)  # the smallest lo; all < hi
     return _unkey(ck, ACC)
 
 
@@ -348,21 +387,24 @@ def _halved(x, SEARCH_BLOCK: tl.constexpr, DEPTH: tl.constexpr):
 
 
 @triton.jit
-def _narrow(cand, cnt, mass, hi, c_hi, f_hi, goal, N_CAND: tl.constexpr):
+def _narrow(cand, cnt, mass, hi, c_hi, f_hi, goal, N_CAND: tl.constexpr, ACC: tl.constexpr):
     """The bracket after a search pass: ``[lo, hi)`` becomes the candidate interval that
-    holds the answer (the largest candidate whose mass at or above it meets ``goal``, up to
-    the next candidate).
+    holds the answer (the largest candidate whose mass at or above it meets ``goal``, or
+    ``lo``, the smallest, up to the next larger candidate). The candidates in any order
+    (a repeated one has repeated sums), ordered by their keys (:func:`_key`: ``-0.0`` below
+    ``+0.0``, which compare equal, so a bracket closes on a zero's one key).
     Returns ``(lo, hi, c_hi, f_hi, f_lo, n_in)``: the new bounds, the count / mass at or
     above each (``f_lo`` the mass at or above ``lo``) and the count of values inside."""
-    j = tl.arange(0, N_CAND)
-    meets = (f_hi + mass) >= goal
-    best = tl.max(tl.where(meets | (j == 0), j, 0), 0)
-    new_lo = tl.max(tl.where(j == best, cand, float("-inf")), 0)
-    new_hi = tl.min(tl.where(cand > new_lo, cand, hi), 0)
-    f_lo = f_hi + tl.max(tl.where(j == best, mass, 0.0), 0)
-    c_lo = c_hi + tl.max(tl.where(j == best, cnt, 0), 0)
-    c_hi += tl.max(tl.where(cand == new_hi, cnt, 0), 0)  # 0 when new_hi == hi
-    f_hi += tl.max(tl.where(cand == new_hi, mass, 0.0), 0)
+    kc = _key(cand, ACC)
+    meets = ((f_hi + mass) >= goal) | (kc == tl.min(kc, 0))
+    k_lo = tl.max(tl.where(meets, kc, tl.min(kc, 0)), 0)
+    new_lo = _unkey(k_lo, ACC)
+    k_hi = tl.min(tl.where(kc > k_lo, kc, _key(hi, ACC)), 0)
+    new_hi = _unkey(k_hi, ACC)
+    f_lo = f_hi + tl.max(tl.where(kc == k_lo, mass, 0.0), 0)
+    c_lo = c_hi + tl.max(tl.where(kc == k_lo, cnt, 0), 0)
+    c_hi += tl.max(tl.where(kc == k_hi, cnt, 0), 0)  # 0 when new_hi == hi (no candidate)
+    f_hi += tl.max(tl.where(kc == k_hi, mass, 0.0), 0)
     return new_lo, new_hi, c_hi, f_hi, f_lo, c_lo - c_hi
 
 
@@ -397,23 +439,24 @@ def _input_key_at_or_above(v, inv_t, KEY: tl.constexpr, DTYPE: tl.constexpr, ACC
 
 @triton.jit
 def _input_candidates(
-    lo, hi, passes, inv_t, N_CAND: tl.constexpr, KEY: tl.constexpr, DTYPE: tl.constexpr,
-    ACC: tl.constexpr, VALUE_PASSES: tl.constexpr = 3,
+    lo, hi, passes, frac, inv_t, N_CAND: tl.constexpr, KEY: tl.constexpr,
+    DTYPE: tl.constexpr, ACC: tl.constexpr, VALUE_PASSES: tl.constexpr = 3,
 ):  # fmt: skip
-    """``N_CAND`` ascending thresholds in ``[lo, hi)`` for search pass ``passes`` of a
+    """``N_CAND`` thresholds in ``[lo, hi)`` for search pass ``passes`` of a
     16-bit row: evenly over the values as :func:`_candidates` while the bracket is wide
     (``_by_value``), else the ``z`` of logit values spread evenly over the keys between the
     smallest logits scaling to ``lo`` and to ``hi`` (the key range shrinks 16-fold a pass:
-    <= 4 such passes from any bracket). The first partitions the row as ``lo`` does (no
-    logit scales into between)."""
+    <= 4 such passes from any bracket; near the end clustered toward the cut's estimate,
+    :func:`_toward_estimate`). The first partitions the row as ``lo`` does (no logit scales
+    into between)."""
     k_lo = _input_key_at_or_above(lo, inv_t, KEY, DTYPE, ACC).to(tl.int32)
     k_hi = _input_key_at_or_above(hi, inv_t, KEY, DTYPE, ACC).to(tl.int32)
     j = tl.arange(0, N_CAND)
     step = (k_hi - k_lo + N_CAND - 1) // N_CAND
     step = tl.where(step < 1, 1, step)
-    ck = k_lo + step * j
+    ck = _toward_estimate(k_lo + step * j, k_lo, k_hi, frac, N_CAND)
     ck = tl.where(ck < k_hi, ck, k_hi - 1)
-    ck = tl.where(ck > k_lo, ck, k_lo)  # cand[0]: lo's own partition; non-decreasing
+    ck = tl.where(ck > k_lo, ck, k_lo)  # the smallest: lo's own partition
     keyed = _value(ck.to(KEY), KEY, DTYPE, ACC, True) * inv_t
     spread = lo + (hi - lo) * (j.to(ACC) * (1.0 / N_CAND))
     return tl.where(_by_value(lo, hi, passes, VALUE_PASSES), spread, keyed)
@@ -421,18 +464,18 @@ def _input_candidates(
 
 @triton.jit
 def _search_candidates(
-    lo, hi, passes, inv_t, N_CAND: tl.constexpr, DTYPE: tl.constexpr,
+    lo, hi, passes, frac, inv_t, N_CAND: tl.constexpr, DTYPE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    """The candidates of search pass ``passes`` on ``DTYPE`` logits: for 16-bit logits
-    without the soft cap the images of logit values spread evenly over their 16-bit keys
-    (:func:`_input_candidates`: a bf16 value near the cut holds many tied logits, and on
-    fp32 keys the bracket would close on it one 16-fold step at a time), else
-    :func:`_candidates`."""
+    """The candidates of search pass ``passes`` on ``DTYPE`` logits (``frac``: the bracket's
+    :func:`_mass_fraction`): for 16-bit logits without the soft cap the images of logit
+    values spread evenly over their 16-bit keys (:func:`_input_candidates`: a bf16 value
+    near the cut holds many tied logits, and on fp32 keys the bracket would close on it one
+    16-fold step at a time), else :func:`_candidates`."""
     if (DTYPE.primitive_bitwidth <= 16) and (not HAS_SOFTCAP):
         KEY: tl.constexpr = tl.core.get_int_dtype(DTYPE.primitive_bitwidth, False)
-        return _input_candidates(lo, hi, passes, inv_t, N_CAND, KEY, DTYPE, ACC)
-    return _candidates(lo, hi, passes, N_CAND, ACC)
+        return _input_candidates(lo, hi, passes, frac, inv_t, N_CAND, KEY, DTYPE, ACC)
+    return _candidates(lo, hi, passes, frac, N_CAND, ACC)
 
 
 @triton.jit
@@ -467,13 +510,15 @@ def _search(
     done = enabled == 0
     single = done
     while done == 0:
-        cand = _search_candidates(lo, hi, passes, inv_t, N_CAND, DTYPE, HAS_SOFTCAP, ACC)
+        frac = _mass_fraction(f_lo, f_hi, goal)
+        cand = _search_candidates(lo, hi, passes, frac, inv_t, N_CAND, DTYPE, HAS_SOFTCAP, ACC)
         cnt, mass = _bracket_sums(
             row_ptr, V, stride_v, inv_t, inv_cap, m, lo, hi, cand, N_CAND, SEARCH_BLOCK,
             HAS_SOFTCAP, ACC,
         )  # fmt: skip
         passes += 1
-        lo, hi, c_hi, f_hi, f_lo, n_in = _narrow(cand, cnt, mass, hi, c_hi, f_hi, goal, N_CAND)
+        lo, hi, c_hi, f_hi, f_lo, n_in = _narrow(cand, cnt, mass, hi, c_hi, f_hi, goal, N_CAND,
+                                                 ACC)  # fmt: skip
         single = _one_value_left(lo, hi, inv_t, DTYPE, HAS_SOFTCAP, ACC)
         done = single | (n_in <= KS) | (passes >= MAX_SEARCH_PASSES)
     # <= 64 values left in [lo, hi): gather them and read the answer off

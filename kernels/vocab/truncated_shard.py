@@ -44,6 +44,7 @@ from .truncated import (
     _kept_mass,
     _last_digit,
     _mass_at_or_above,
+    _mass_fraction,
     _narrow,
     _one_value_left,
     _pass_a,
@@ -170,11 +171,14 @@ def _shard_search_kernel(
     sums = sums_ptr + row * (2 * N_CAND)
     if NARROW:  # the pass the ranks just summed: the same new bracket on every rank
         goal = tl.load(st + S_GOAL)
-        cand = _search_candidates(lo, hi, passes - 1, inv_t, N_CAND, DTYPE, HAS_SOFTCAP, ACC)
+        # the previous pass's candidates, from the bracket's masses before this narrowing
+        frac = _mass_fraction(tl.load(st + S_FLO), f_hi, goal)
+        cand = _search_candidates(lo, hi, passes - 1, frac, inv_t, N_CAND, DTYPE, HAS_SOFTCAP,
+                                  ACC)  # fmt: skip
         cnt = tl.load(sums + j).to(tl.int64)
         mass = tl.load(sums + N_CAND + j)
         n_lo, n_hi, n_chi, n_fhi, n_flo, n_in = _narrow(
-            cand, cnt, mass, hi, c_hi.to(tl.int64), f_hi, goal, N_CAND
+            cand, cnt, mass, hi, c_hi.to(tl.int64), f_hi, goal, N_CAND, ACC
         )
         lo = tl.where(done, lo, n_lo)
         hi = tl.where(done, hi, n_hi)
@@ -190,7 +194,8 @@ def _shard_search_kernel(
         tl.store(st + S_FHI, f_hi)
         tl.store(st + S_DONE, done.to(ACC))
     if STREAM:
-        cand = _search_candidates(lo, hi, passes, inv_t, N_CAND, DTYPE, HAS_SOFTCAP, ACC)
+        frac = _mass_fraction(tl.load(st + S_FLO), f_hi, tl.load(st + S_GOAL))
+        cand = _search_candidates(lo, hi, passes, frac, inv_t, N_CAND, DTYPE, HAS_SOFTCAP, ACC)
         cnt, mass = _bracket_sums(
             row_ptr, tl.where(done, 0, V), stride_v, inv_t, inv_cap, m, lo, hi, cand, N_CAND,
             SEARCH_BLOCK, HAS_SOFTCAP, ACC,
