@@ -65,7 +65,7 @@ def bytes_moved(case: Case) -> int:
     one read forward (``E*e``), read, read, write with the backward (``3*E*e``), what
     fused_rl's top-k with ``k <= 64`` moves. Its top-k > 64 selects the k-th largest by
     radix select (2 reads of a bf16 / fp16 row, 4 fp32) and its top-p searches the
-    threshold (typically 4-6 reads of a flat row, one where the row's 64 largest values
+    threshold (typically 3-6 reads of a flat row, one where the row's 64 largest values
     already hold ``p``): their GB/s is then an effective rate, the time to do the plain
     op's job under the cut.
 

@@ -20,14 +20,17 @@ MAX_STREAMED_K = 64
 N_CAND = 16  # candidate thresholds per search pass: the key range shrinks 16-fold a pass
 # a search pass's step: 16 candidates against SEARCH_BLOCK columns of 16 bytes each (8 bf16 /
 # fp16 logits, 4 fp32, 2 fp64; kernels/vocab/truncated.py ``_bracket_sums``): 1 KiB a step
-# of 16-bit logits; 32 columns for wider ones, whose fp32 / fp64 values take more registers
-# (at 64, Triton 3.9's sm_90 cubin of an fp64 row's forward spilled to an 80-byte stack)
+# of 16-bit logits; 32 columns for wider ones, whose fp32 / fp64 values take more registers,
+# and 16 with the soft cap (its tanh's temporaries): the largest steps whose forward as
+# launched keeps every value in registers (Triton 3.9's sm_90 cubins: at 64 columns an fp64
+# row's forward spilled to an 80-byte stack, at 32 a soft-capped bf16 row's to 16 bytes)
 SEARCH_BLOCK = {16: 64, 32: 32, 64: 32}
+SOFTCAP_SEARCH_BLOCK = 16
 
 
-def search_block(dtype: torch.dtype) -> int:
-    """The search pass's ``SEARCH_BLOCK`` for ``dtype`` logits."""
-    return SEARCH_BLOCK[torch.finfo(dtype).bits]
+def search_block(dtype: torch.dtype, softcap: float | None) -> int:
+    """The search pass's ``SEARCH_BLOCK`` for ``dtype`` logits (with ``softcap`` or not)."""
+    return SEARCH_BLOCK[torch.finfo(dtype).bits] if softcap is None else SOFTCAP_SEARCH_BLOCK
 
 
 # search passes at most (kernels/vocab/truncated.py ``_search``): up to 3 on evenly spaced
@@ -106,7 +109,7 @@ def truncated_logprobs_fwd(
         *f32_pair(math.log1p(-top_p) if has_p else 0.0), top_k, ignore_index,
         TOPK_REG=0 < top_k <= MAX_STREAMED_K, SEARCH_K=top_k > MAX_STREAMED_K, TOP_P=has_p,
         HAS_SOFTCAP=softcap is not None,
-        BLOCK_V=block, SEARCH_BLOCK=search_block(logits3d.dtype), N_CAND=N_CAND,
+        BLOCK_V=block, SEARCH_BLOCK=search_block(logits3d.dtype, softcap), N_CAND=N_CAND,
         MAX_SEARCH_PASSES=max_search_passes(logits3d.dtype, softcap),
         ACC=triton_acc(logits3d.dtype),
         num_warps=NUM_WARPS, **COMPILE_OPTIONS,

@@ -198,7 +198,7 @@ def _search_step(x, state, sums, top, spec, narrow, stream, collect):
         x, state, sums, top, inner, vocab, *x.stride(),
         *scale_args(spec.temperature, spec.softcap), NARROW=narrow,
         STREAM=stream, COLLECT=collect, N_CAND=N_CAND,
-        SEARCH_BLOCK=search_block(x.dtype), BLOCK_V=_block(vocab),
+        SEARCH_BLOCK=search_block(x.dtype, spec.softcap), BLOCK_V=_block(vocab),
         MAX_SEARCH_PASSES=max_search_passes(x.dtype, spec.softcap),
         HAS_SOFTCAP=spec.softcap is not None, ACC=triton_acc(x.dtype), num_warps=NUM_WARPS,
         **COMPILE_OPTIONS,

@@ -281,14 +281,14 @@ def _search_pass_probe(row_ptr, out_ptr, n_read, stride_v, inv_t, m, lo, hi,
 
 def search_pass_instructions(search_block: int, n_cand: int, num_warps: int) -> float:
     """sm_90 SASS instructions (per warp) a logit of a top-p search pass costs, bf16 logits
-    at ``search_block`` columns of 8 logits a step, as launched on a row of unit stride: the
-    pass is compute-bound, so this is its time."""
+    at ``search_block`` columns of 8 logits a step, as launched (unit stride, 16-divisible row
+    pointer and length): the pass is compute-bound, so this is its time."""
     signature = {"row_ptr": "*bf16", "out_ptr": "*fp32", "n_read": "i32",
                  "stride_v": "constexpr", "inv_t": "fp32", "m": "fp32", "lo": "fp32",
                  "hi": "fp32", "N_CAND": "constexpr", "SEARCH_BLOCK": "constexpr"}  # fmt: skip
     source = ASTSource(fn=_search_pass_probe, signature=signature,
                        constexprs={"N_CAND": n_cand, "SEARCH_BLOCK": search_block, "stride_v": 1},
-                       attrs={(0,): [["tt.divisibility", 16]]})  # fmt: skip
+                       attrs={(i,): [["tt.divisibility", 16]] for i in (0, 2)})  # fmt: skip
     cubin = triton.compile(source, target=SM90, options=sm90_options(num_warps)).asm["cubin"]
     loops = innermost_loops(cubin)
     if len(loops) != 1:

@@ -17,6 +17,9 @@ import re
 
 import pytest
 import torch
+import triton
+import triton.language as tl
+from fused_rl.kernels.vocab.truncated import _candidates, _input_candidates
 from helpers import (
     F64_TOL,
     FP32_TOL,
@@ -601,6 +604,56 @@ def test_top_p_cut_in_a_bf16_tie_group(temperature, device):
     assert (passes <= 4).all(), passes
 
 
+@triton.jit
+def _candidates_probe(out_ptr, lo_ptr, hi_ptr, frac_ptr, N_CAND: tl.constexpr,
+                      INPUT_KEYS: tl.constexpr):  # fmt: skip
+    """A key-phase search pass's candidates (pass 3: no value spreading) for bracket ``i``:
+    on fp32 ``z`` keys, or (``INPUT_KEYS``) on bf16 logits' own keys at T = 1."""
+    i = tl.program_id(0)
+    lo = tl.load(lo_ptr + i)
+    hi = tl.load(hi_ptr + i)
+    frac = tl.load(frac_ptr + i)
+    if INPUT_KEYS:
+        cand = _input_candidates(lo, hi, 3, frac, 1.0, N_CAND, tl.uint16, tl.bfloat16,
+                                 tl.float32)  # fmt: skip
+    else:
+        cand = _candidates(lo, hi, 3, frac, N_CAND, tl.float32)
+    tl.store(out_ptr + i * N_CAND + tl.arange(0, N_CAND), cand)
+
+
+@pytest.mark.parametrize("keys", ("fp32", "bf16"))
+def test_search_candidates_near_the_estimate(keys, device):
+    """Every bracket of 1 - 139 keys and cut estimate (NaN, outside [0, 1], 0 ... 1): the
+    candidates lie in the bracket, the smallest its ``lo``; the largest gap between them
+    (and ``hi``) at most ``ceil(R / 16)`` keys, or ``ceil(R / 8) <= 16`` for 17 - 128 keys
+    with a usable estimate, whose consecutive keys around the estimate (three below to
+    three above) are each a candidate with the next key one too: the next pass closes any
+    such bracket (two passes either way), this one where the cut is by the estimate."""
+    fracs = [math.nan, -0.1, 0.0, 1e-9, 0.1, 0.37, 0.5, 0.9, 1 - 1e-7, 1.0, 1.1]
+    sizes = list(range(1, 140))
+    base = torch.tensor(1.0, dtype=torch.float32 if keys == "fp32" else torch.bfloat16)
+    int_t = torch.int32 if keys == "fp32" else torch.int16
+    k0 = int(base.view(int_t))
+    as_value = lambda k: torch.tensor(k, dtype=int_t).view(base.dtype).float()  # noqa: E731
+    rows = [(r, f) for r in sizes for f in fracs]
+    lo = torch.stack([as_value(k0) for _ in rows]).to(device)
+    hi = torch.stack([as_value(k0 + r) for r, _ in rows]).to(device)
+    frac = torch.tensor([f for _, f in rows], dtype=torch.float32, device=device)
+    out = torch.full((len(rows), 16), math.nan, device=device)
+    _candidates_probe[(len(rows),)](out, lo, hi, frac, N_CAND=16, INPUT_KEYS=keys == "bf16")
+    cand_keys = out.cpu().to(base.dtype).view(int_t).long() - k0  # exact: bf16 / fp32 values
+    for (r, f), ck in zip(rows, cand_keys.tolist(), strict=True):
+        got = sorted(set(ck))
+        assert got[0] == 0 and got[-1] < r, (r, f, ck)
+        gaps = [b - a for a, b in zip(got, [*got[1:], r], strict=True)]
+        usable = 16 < r <= 128 and 0.0 <= f <= 1.0
+        assert max(gaps) <= (math.ceil(r / 8) if usable else max(1, math.ceil(r / 16))), (r, f)
+        if usable:
+            est = r - math.ceil(r * f)
+            near = [k for k in range(est - 3, est + 4) if 0 < k < r]
+            assert all(k in got and (k + 1 in got or k + 1 == r) for k in near[:-1]), (r, f)
+
+
 def test_top_p_search_closes_on_the_estimated_key(device):
     """A flat bf16 row (Gaussian logits of deviation 2, V = 32768) at p = 0.9: after pass A
     and a pass over evenly spaced values the cut's bracket holds ~60 bf16 keys; the next
@@ -655,7 +708,7 @@ from triton.compiler import ASTSource
 from hopper_compile import (SM90, kernel_signature, narrow_offset_products,
                             search_pass_instructions, sm90_options, stack_bytes)
 from fused_rl._launch import vocab_launch
-from fused_rl._truncated_ops import N_CAND, NUM_WARPS, SEARCH_BLOCK, _block
+from fused_rl._truncated_ops import N_CAND, NUM_WARPS, SEARCH_BLOCK, SOFTCAP_SEARCH_BLOCK, _block
 SB16, SB64 = SEARCH_BLOCK[16], SEARCH_BLOCK[64]
 import fused_rl.kernels.vocab.truncated as k
 import fused_rl.kernels.vocab.truncated_shard as s
@@ -729,7 +782,7 @@ def as_launched(fn, logits, acc, warps, **flags):
     sig = dict(signature(fn, logits, acc), stride_v="constexpr")
     ACC = tl.float64 if logits == "*fp64" else tl.float32
     src = ASTSource(fn=fn, signature=sig, attrs=attrs, constexprs=dict(
-        stride_v=1, HAS_SOFTCAP=False, ACC=ACC, **flags))
+        {"HAS_SOFTCAP": False}, stride_v=1, ACC=ACC, **flags))
     return triton.compile(src, target=SM90, options=sm90_options(warps))
 
 # a bf16 row with unit stride and 16-aligned lengths: 128-bit loads (and stores backward)
@@ -743,16 +796,18 @@ for fn, flags, warps in ((k._truncated_logprobs_fwd_kernel,
     assert fn is k._truncated_logprobs_fwd_kernel or "st.global.v4" in ptx, fn.__name__
     count += 1
 # as launched at V = 151936: no register spilled (no stack frame in the cubin); the forward
-# in every logits dtype, each with its search block
+# in every logits dtype, with and without the soft cap, each with its search block
 bwd_launch = vocab_launch(151936, writes=True)
 launched = [(k._truncated_logprobs_fwd_kernel, "*bf16", _block(151936), NUM_WARPS,
              dict(TOPK_REG=reg, SEARCH_K=search, TOP_P=True, SEARCH_BLOCK=SB16, N_CAND=16,
                   MAX_SEARCH_PASSES=7)) for reg, search in ((True, False), (False, True))]
 launched += [(k._truncated_logprobs_fwd_kernel, logits, _block(151936), NUM_WARPS,
-              dict(TOPK_REG=False, SEARCH_K=search, TOP_P=True, N_CAND=16,
-                   SEARCH_BLOCK=SEARCH_BLOCK[bits], MAX_SEARCH_PASSES=passes))
-             for logits, bits, passes in (("*fp32", 32, 11), ("*fp64", 64, 22))
-             for search in (False, True)]
+              dict(TOPK_REG=False, SEARCH_K=search, TOP_P=True, N_CAND=16, HAS_SOFTCAP=cap,
+                   SEARCH_BLOCK=SOFTCAP_SEARCH_BLOCK if cap else SEARCH_BLOCK[bits],
+                   MAX_SEARCH_PASSES=passes))
+             for logits, bits, passes in (("*bf16", 16, 11), ("*fp32", 32, 11),
+                                          ("*fp64", 64, 22))
+             for search in (False, True) for cap in (False, True) if cap or bits > 16]
 launched.append((k._truncated_logprobs_bwd_kernel, "*bf16", bwd_launch["BLOCK_V"],
                  bwd_launch["num_warps"], dict(TARGET_KEPT=False)))
 launched += [(s._shard_partials_kernel, "*bf16", _block(151936), NUM_WARPS,
@@ -761,7 +816,10 @@ launched += [(s._shard_partials_kernel, "*bf16", _block(151936), NUM_WARPS,
              (s._shard_kth_kernel, "*bf16", _block(151936), NUM_WARPS, {}),
              (s._shard_search_kernel, "*bf16", _block(151936), NUM_WARPS,
               dict(NARROW=True, STREAM=True, COLLECT=False, N_CAND=16, SEARCH_BLOCK=SB16,
-                   MAX_SEARCH_PASSES=7))]
+                   MAX_SEARCH_PASSES=7)),
+             (s._shard_search_kernel, "*bf16", _block(151936), NUM_WARPS,
+              dict(NARROW=True, STREAM=True, COLLECT=False, N_CAND=16, HAS_SOFTCAP=True,
+                   SEARCH_BLOCK=SOFTCAP_SEARCH_BLOCK, MAX_SEARCH_PASSES=11))]
 for fn, logits, block, warps, flags in launched:
     acc = "*fp64" if logits == "*fp64" else "*fp32"
     c = as_launched(fn, logits, acc, warps, BLOCK_V=block, **flags)
@@ -777,11 +835,11 @@ print("compiled", count)
 @pytest.mark.no_poison
 def test_kernels_compile_for_sm90():
     """Every truncation kernel compiles for sm_90 (64-bit offsets, vector loads, no spills as
-    launched), and a top-p search pass costs at most 2.05 SASS instructions a logit (1.86
+    launched), and a top-p search pass costs at most 1.95 SASS instructions a logit (1.86
     with 8 bf16 logits a column a step, read as one vector; 2.2 with one, a step of 64; 6.5
     when each step of 128 logits reduced its 32 sums across the warp, 2026-11-29)."""
     pytest.importorskip("triton.backends.compiler")
     out = sm90_compile_output(_COMPILE_SCRIPT)
     assert out.endswith("compiled 54"), out
     per_logit = float(re.search(r"search pass ([0-9.]+)", out).group(1))
-    assert per_logit <= 2.05, f"a top-p search pass costs {per_logit:.2f} instructions a logit"
+    assert per_logit <= 1.95, f"a top-p search pass costs {per_logit:.2f} instructions a logit"

@@ -270,24 +270,27 @@ def _mass_fraction(f_lo, f_hi, goal):
 @triton.jit
 def _toward_estimate(ck, k_lo, k_hi, frac, N_CAND: tl.constexpr):
     """Keys ``ck`` spread evenly over a bracket of keys ``[k_lo, k_hi)``, or where that holds
-    ``N_CAND < R <= 8 N_CAND`` keys and ``frac`` (:func:`_mass_fraction`) is known: half of
-    them evenly over it, which shrinks it at least 8-fold, to ``<= N_CAND`` keys that the
-    next pass resolves (as the even 16-fold step would: two passes from any such bracket
-    either way), the other half at consecutive keys around ``k_est = k_hi - ceil(R frac)``
-    (three below, four above), the cut were the mass spread evenly over the keys: where the
-    cut is among them this pass resolves it. The mass of a row's values varies slowly over
+    ``N_CAND < R <= N_CAND^2 / 2`` keys and ``frac`` (:func:`_mass_fraction`) is known: half
+    of them evenly over it, which leaves a bracket of at most ``ceil(R / (N_CAND / 2)) <=
+    N_CAND`` keys that the next pass resolves (as the even step's ``ceil(R / N_CAND)``
+    would: two passes from any such bracket either way), the other half at consecutive keys
+    around ``k_est = k_hi - ceil(R frac)`` (from three below to four above, moved inside the
+    bracket at its ends), the cut were the mass spread evenly over the keys: where the cut
+    is among them this pass resolves it. The mass of a row's values varies slowly over
     a few dozen keys (bf16 logits at the cut of a flat row: ~60 keys to a bracket after the
     first pass), so the estimate is within a key or two there. Within the bracket, the
     smallest ``k_lo``; not sorted (:func:`_narrow` takes them in any order)."""
     j = tl.arange(0, N_CAND)
     HALF: tl.constexpr = N_CAND // 2
+    # fp64 keys: a bracket over most of the line overflows int64, to a negative r: not usable
     r = k_hi - k_lo
-    usable = (r > N_CAND) & (r <= 8 * N_CAND) & (frac >= 0.0) & (frac <= 1.0)  # NaN: not
+    usable = (r > N_CAND) & (r <= HALF * N_CAND) & (frac >= 0.0) & (frac <= 1.0)  # NaN: not
     above = tl.math.ceil(tl.where(usable, frac, 0.0) * r.to(tl.float32)).to(r.dtype)
+    first = (k_hi - above) - 3  # the window [first, first + HALF) inside (k_lo, k_hi)
+    first = tl.where(first > k_lo + 1, first, k_lo + 1)
+    first = tl.where(first < k_hi - HALF, first, k_hi - HALF)
     step = (r + HALF - 1) // HALF
-    mixed = tl.where(j < HALF, k_lo + step * j, (k_hi - above) + (j - HALF - 3))
-    mixed = tl.where(mixed < k_hi, mixed, k_hi - 1)
-    mixed = tl.where(mixed > k_lo, mixed, k_lo)
+    mixed = tl.where(j < HALF, k_lo + step * j, first + (j - HALF))
     return tl.where(usable, mixed, ck)
 
 
@@ -348,7 +351,7 @@ def _bracket_sums(
     instructions a (logit, candidate) pair (:func:`_column_sums`). Counts and masses
     accumulate per (candidate, column) cell, reduced across the columns once at the end: a
     reduction per step costs cross-lane shuffles for 32 sums (sm_90 SASS of the step,
-    2026-11-29: 2.3 instructions a logit at 64 columns, against 6.5 with a reduction per
+    2026-11-29: 2.2 instructions a logit at 64 columns, against 6.5 with a reduction per
     step at 128). A step reads 16 contiguous bytes a column (8 bf16 / fp16 logits, 4 fp32,
     2 fp64: one vector load a thread, split into single values in registers), so a
     one-warp row has that many times the bytes in flight as with one logit a column (128
@@ -387,7 +390,7 @@ def _halved(x, SEARCH_BLOCK: tl.constexpr, DEPTH: tl.constexpr):
 
 
 @triton.jit
-def _narrow(cand, cnt, mass, hi, c_hi, f_hi, goal, N_CAND: tl.constexpr, ACC: tl.constexpr):
+def _narrow(cand, cnt, mass, hi, c_hi, f_hi, goal, ACC: tl.constexpr):
     """The bracket after a search pass: ``[lo, hi)`` becomes the candidate interval that
     holds the answer (the largest candidate whose mass at or above it meets ``goal``, or
     ``lo``, the smallest, up to the next larger candidate). The candidates in any order
@@ -517,8 +520,7 @@ def _search(
             HAS_SOFTCAP, ACC,
         )  # fmt: skip
         passes += 1
-        lo, hi, c_hi, f_hi, f_lo, n_in = _narrow(cand, cnt, mass, hi, c_hi, f_hi, goal, N_CAND,
-                                                 ACC)  # fmt: skip
+        lo, hi, c_hi, f_hi, f_lo, n_in = _narrow(cand, cnt, mass, hi, c_hi, f_hi, goal, ACC)
         single = _one_value_left(lo, hi, inv_t, DTYPE, HAS_SOFTCAP, ACC)
         done = single | (n_in <= KS) | (passes >= MAX_SEARCH_PASSES)
     # <= 64 values left in [lo, hi): gather them and read the answer off

@@ -164,28 +164,30 @@ def _shard_search_kernel(
     hi = tl.load(st + S_HI)
     c_hi = tl.load(st + S_CHI)
     f_hi = tl.load(st + S_FHI)
+    f_lo = tl.load(st + S_FLO)
+    goal = tl.load(st + S_GOAL)
     m = tl.load(st + S_M)
     passes = tl.load(st + S_PASSES).to(tl.int32)
     done = tl.load(st + S_DONE) != 0.0
     j = tl.arange(0, N_CAND)
     sums = sums_ptr + row * (2 * N_CAND)
     if NARROW:  # the pass the ranks just summed: the same new bracket on every rank
-        goal = tl.load(st + S_GOAL)
         # the previous pass's candidates, from the bracket's masses before this narrowing
-        frac = _mass_fraction(tl.load(st + S_FLO), f_hi, goal)
+        frac = _mass_fraction(f_lo, f_hi, goal)
         cand = _search_candidates(lo, hi, passes - 1, frac, inv_t, N_CAND, DTYPE, HAS_SOFTCAP,
                                   ACC)  # fmt: skip
         cnt = tl.load(sums + j).to(tl.int64)
         mass = tl.load(sums + N_CAND + j)
         n_lo, n_hi, n_chi, n_fhi, n_flo, n_in = _narrow(
-            cand, cnt, mass, hi, c_hi.to(tl.int64), f_hi, goal, N_CAND, ACC
+            cand, cnt, mass, hi, c_hi.to(tl.int64), f_hi, goal, ACC
         )
         lo = tl.where(done, lo, n_lo)
         hi = tl.where(done, hi, n_hi)
         c_hi = tl.where(done, c_hi, n_chi.to(ACC))
         f_hi = tl.where(done, f_hi, n_fhi)
+        f_lo = tl.where(done, f_lo, n_flo)  # a row done already keeps its own
         single = _one_value_left(lo, hi, inv_t, DTYPE, HAS_SOFTCAP, ACC)
-        tl.store(st + S_FLO, n_flo, mask=done == 0)  # a row done already keeps its own
+        tl.store(st + S_FLO, f_lo)
         tl.store(st + S_SINGLE, single.to(ACC), mask=done == 0)
         done = done | single | (n_in <= KS) | (passes >= MAX_SEARCH_PASSES)
         tl.store(st + S_LO, lo)
@@ -194,7 +196,7 @@ def _shard_search_kernel(
         tl.store(st + S_FHI, f_hi)
         tl.store(st + S_DONE, done.to(ACC))
     if STREAM:
-        frac = _mass_fraction(tl.load(st + S_FLO), f_hi, tl.load(st + S_GOAL))
+        frac = _mass_fraction(f_lo, f_hi, goal)  # from registers: NARROW's stores not reread
         cand = _search_candidates(lo, hi, passes, frac, inv_t, N_CAND, DTYPE, HAS_SOFTCAP, ACC)
         cnt, mass = _bracket_sums(
             row_ptr, tl.where(done, 0, V), stride_v, inv_t, inv_cap, m, lo, hi, cand, N_CAND,
