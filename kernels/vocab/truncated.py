@@ -139,11 +139,12 @@ def _unkey(key, ACC: tl.constexpr):
 
 @triton.jit
 def _absorb(zs, top, thr, eqcnt, kk, BLOCK: tl.constexpr):
-    """Merge one block ``zs`` (``-inf`` where not a candidate; a NaN is never held: every
-    comparison with it is false, and ``tl.max`` drops it) into the running set
-    ``top`` of the ``kk`` largest values seen (unordered, in slots ``< kk``; ``-inf`` in
-    the others and in slots not filled yet), ``thr`` = the smallest held (the ``kk``-th
-    largest seen), ``eqcnt`` = how many values seen equal ``thr`` (held or not).
+    """Merge one block ``zs`` (``-inf`` where not a candidate) into the running set ``top``
+    of the ``kk`` largest values seen (unordered, in slots ``< kk``; ``-inf`` in the others
+    and in slots not filled yet), ``thr`` = the smallest held (the ``kk``-th largest seen),
+    ``eqcnt`` = how many values seen equal ``thr`` (held or not). Returns them and how many
+    of the block's groups hold a NaN (0 iff the block has none): such a group's values are
+    not held in the first round (the row's result is NaN whatever is held).
 
     The block is viewed as ``KS`` groups of ``BLOCK / KS``; each round takes the groups'
     maxima, inserts those above ``thr`` largest first (each replaces the smallest held value,
@@ -156,8 +157,14 @@ def _absorb(zs, top, thr, eqcnt, kk, BLOCK: tl.constexpr):
     top_old = top
     thr_old = thr
     work = tl.reshape(zs, (KS, G))
-    gm = tl.max(work, 1)
-    while tl.max(gm, 0) > thr:  # each round strikes >= 1 value: terminates
+    # the groups' maxima, NaN where one holds a NaN: the block's NaN test for the price of
+    # its maxima, where a compare and a count a value cost two more instructions
+    gm = tl.reduce(work, 1, nan_max)
+    nan_groups = tl.sum((gm != gm).to(tl.int32), 0)
+    gm = tl.where(gm == gm, gm, float("-inf"))
+    block_max = tl.max(gm, 0)
+    round_max = block_max
+    while round_max > thr:  # each round strikes >= 1 value: terminates
         cand = gm
         struck = slot < 0
         best = tl.max(cand, 0)
@@ -173,11 +180,16 @@ def _absorb(zs, top, thr, eqcnt, kk, BLOCK: tl.constexpr):
         first = tl.min(tl.where(work == gm[:, None], lane[None, :], G), 1)
         work = tl.where(struck[:, None] & (lane[None, :] == first[:, None]), float("-inf"), work)
         gm = tl.max(work, 1)
+        round_max = tl.max(gm, 0)
     # values equal to the new thr: a larger thr than before was held whole; an unchanged
-    # one carries its count; plus this block's own
+    # one carries its count; plus this block's own, counted only where its maximum reaches
+    # thr (once the set is full, a block rarely does)
     held = tl.sum((live & (top_old == thr)).to(tl.int32), 0)
-    eqcnt = tl.where(thr == thr_old, eqcnt, held) + tl.sum((zs == thr).to(tl.int32), 0)
-    return top, thr, eqcnt
+    ties = tl.zeros((), tl.int32)
+    if block_max >= thr:
+        ties = tl.sum((zs == thr).to(tl.int32), 0)
+    eqcnt = tl.where(thr == thr_old, eqcnt, held) + ties
+    return top, thr, eqcnt, nan_groups
 
 
 @triton.jit
@@ -208,15 +220,16 @@ def _pass_a(
         z = scaled_logits(x.to(ACC), inv_t, inv_cap, HAS_SOFTCAP)
         if HAS_SOFTCAP:  # the cap maps the -inf padding to -c / T: back to -inf
             z = tl.where(cols < n_read, z, float("-inf"))
-        # NaN kept: counted here, dropped by tl.max, never held (two selects a logit fewer)
-        n_nan += tl.sum((z != z).to(tl.int32), 0)
+        if not COLLECT:  # else counted by _absorb (its groups holding a NaN)
+            n_nan += tl.sum((z != z).to(tl.int32), 0)
         if NEED_SUM:
             m_new = nan_max(m, tl.max(z, 0))
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
             s = s * exp(m - m_ref) + tl.sum(exp(z - m_ref), 0)
             m = m_new
         if COLLECT:
-            top, thr, eqcnt = _absorb(z, top, thr, eqcnt, kk, BLOCK_V)
+            top, thr, eqcnt, nan_groups = _absorb(z, top, thr, eqcnt, kk, BLOCK_V)
+            n_nan += nan_groups
         if HIST:
             digit = (_bits_key(x, KEY) >> TOP_SHIFT).to(tl.int32)
             hist += tl.histogram(digit, BINS, mask=(cols < n_read) & (z == z))
@@ -426,7 +439,8 @@ def _collect(
         x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < n_read, other=0.0)
         z = scaled_logits(x.to(ACC), inv_t, inv_cap, HAS_SOFTCAP)
         inside = (cols < n_read) & (z >= lo) & (z < hi)
-        top, thr, eqcnt = _absorb(tl.where(inside, z, float("-inf")), top, thr, eqcnt, KS, BLOCK_V)
+        top, thr, eqcnt, _ = _absorb(tl.where(inside, z, float("-inf")), top, thr, eqcnt, KS,
+                                     BLOCK_V)  # fmt: skip
     return top
 
 
