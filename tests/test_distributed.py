@@ -1045,6 +1045,21 @@ def truncated_vocab_parallel(ctx):
     assert bwd.calls == [], bwd.calls
     assert torch.equal(lp, fused_rl.truncated_logprobs(local, targets, top_p=0.9,
                                                        process_group=ctx.group))  # fmt: skip
+    # flat bf16 rows whose cut the search closes by its estimate from the bracket's masses
+    # (a pass sooner: 2 search passes, 3 reads unsharded): the ranks search alike, one
+    # all-reduce a pass after the header's
+    import fused_rl._truncated_ops as T
+
+    wf = 4096
+    lo, hi = _shard_bounds([wf] * ctx.world, ctx.rank)
+    flat = (torch.randn(1, 2, wf * ctx.world, generator=ctx.gen(34)) * 2).bfloat16()
+    ft = flat.float().argmax(-1)
+    want, _, passes = T.truncated_logprobs_fwd_op.launcher(flat, ft, 0, 0.9, 1.0, None, -100)
+    assert passes.tolist() == [3, 3], passes
+    with _CountCollectives() as fwd:
+        got = fused_rl.truncated_logprobs(flat[..., lo:hi], ft, top_p=0.9, process_group=ctx.group)
+    assert_rel(got, want, 1e-5, "flat bf16 rows")
+    assert [c[0] for c in fwd.calls].count("all_reduce") == 1 + 2, fwd.calls
 
 
 @check
