@@ -199,11 +199,12 @@ def _pass_a(
     HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr, HIST: tl.constexpr = False,
 ):  # fmt: skip
     """Pass A over the row's first ``n_read`` logits: ``(m, s, n_nan, top, thr, eqcnt,
-    hist)``: the online max and ``sum exp(z - m)`` (``NEED_SUM``), the NaN count,
-    (``COLLECT``) the ``kk`` largest values held as :func:`_absorb` holds them, and
-    (``HIST``) the first pass of :func:`_kth_by_digits`: the histogram of the top digit of
-    the logits' keys. A NaN is counted in ``n_nan`` (which makes the row NaN), never held
-    and left out of ``hist``; ``s`` is NaN then."""
+    hist)``: the online max and ``sum exp(z - m)`` (``NEED_SUM``), ``n_nan`` (0 iff the row
+    has no NaN: with ``COLLECT`` the count of :func:`_absorb`'s groups holding one, else of
+    the NaNs), (``COLLECT``) the ``kk`` largest values held as :func:`_absorb` holds them,
+    and (``HIST``) the first pass of :func:`_kth_by_digits`: the histogram of the top digit
+    of the logits' keys. A NaN makes the row NaN; it is never held and left out of
+    ``hist``; ``s`` is NaN then."""
     KEY: tl.constexpr = tl.core.get_int_dtype(row_ptr.dtype.element_ty.primitive_bitwidth, False)
     TOP_SHIFT: tl.constexpr = KEY.primitive_bitwidth - DIGIT_BITS
     m = tl.full((), float("-inf"), ACC)
