@@ -11,9 +11,10 @@ Forward (``kernels/vocab/truncated_shard.py``):
    collective);
 2. the partials kernel reads each shard row once: its ``kk`` largest values (``kk = k`` for
    top-k ``<= 64``, else 64) with the count of ties at the ``kk``-th, and its max, sum,
-   NaN count and the owned target's logit; one **all-gather** of ``kk + 7`` floats a token
-   per rank (fp64 logits: 8 bytes a float); for top-k > 64 also the histogram of its
-   logits' top key digit (the radix select's first pass);
+   NaN test (0 iff the shard row has none) and the owned target's logit; one
+   **all-gather** of ``kk + 7`` floats a token per rank (fp64 logits: 8 bytes a float); for
+   top-k > 64 also the histogram of its logits' top key digit (the radix select's first
+   pass);
 3. every rank merges the gathered rows alike (:func:`_union_cut`, float64): the union of
    the ranks' slots holds every value at or above ``L``, the largest of the ranks' ``kk``-th
    values, so top-k ``<= 64`` (with or without top-p) and any cut at or above ``L`` is read

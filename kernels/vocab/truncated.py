@@ -24,8 +24,9 @@ Forward, one program per row (``_truncated_logprobs_fwd_kernel``):
   kept exactly (``eqcnt``: a larger ``thr`` than the block's previous one was held whole,
   an unchanged one carries its count), so the tokens tied AT the k-th value that did not
   fit a slot are counted and kept. Also per row: the online max and ``sum exp(z - m)``
-  (top-p alone / no truncation), a NaN count, and for top-k > 64 the histogram of the top
-  8-bit digit of the logits' keys (the radix select's first pass, below). With ``k <=
+  (top-p alone / no truncation), a NaN test (``n_nan``: how many of ``_absorb``'s groups
+  hold one), and for top-k > 64 the histogram of the top 8-bit digit of the logits' keys
+  (the radix select's first pass, below). With ``k <=
   64`` the kept set's mass is summed from the registers (plus ``extra * exp(tau_k - m)``
   for the uncounted ties) and the top-p cut is a 64 x 64 comparison of the same registers
   (the mass at or above each held value).

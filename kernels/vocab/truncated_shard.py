@@ -5,9 +5,9 @@
 ``kernels/vocab/truncated.py``): per row, the shard's ``kk`` largest tempered logits in
 ``KS = 64`` slots (unordered, ``-inf`` where empty), the count of values tied at the
 ``kk``-th that hold no slot, and the shard's max, ``sum exp(z - max)`` (``NEED_SUM``), NaN
-count and target logit (when it owns the target): one ``PART`` row of ``KS + 7`` floats (the
-sum 0 without its flag); for top-k > 64 also the histogram of the top digit of its logits'
-keys (``HIST``, the radix select's first pass). The union
+test (0 iff none) and target logit (when it owns the target): one ``PART`` row of ``KS + 7``
+floats (the sum 0 without its flag); for top-k > 64 also the histogram of the top digit of
+its logits' keys (``HIST``, the radix select's first pass). The union
 of every rank's slots holds, with multiplicity, every value of the row at or above the
 largest of the ranks' ``kk``-th values, so top-k with ``k <= 64`` and most top-p cuts are
 read off the gathered slots.
