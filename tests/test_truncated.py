@@ -623,14 +623,15 @@ def _candidates_probe(out_ptr, lo_ptr, hi_ptr, frac_ptr, N_CAND: tl.constexpr,
 
 @pytest.mark.parametrize("keys", ("fp32", "bf16"))
 def test_search_candidates_near_the_estimate(keys, device):
-    """Every bracket of 1 - 139 keys and cut estimate (NaN, outside [0, 1], 0 ... 1): the
-    candidates lie in the bracket, the smallest its ``lo``; the largest gap between them
-    (and ``hi``) at most ``ceil(R / 16)`` keys, or ``ceil(R / 8) <= 16`` for 17 - 128 keys
-    with a usable estimate, whose consecutive keys around the estimate (three below to
-    three above) are each a candidate with the next key one too: the next pass closes any
-    such bracket (two passes either way), this one where the cut is by the estimate."""
+    """Brackets of 1 - 139 keys (every size to 19, then those at the edges) and cut
+    estimates (NaN, outside [0, 1], 0 ... 1): the candidates lie in the bracket, the
+    smallest its ``lo``; the largest gap between them (and ``hi``) at most ``ceil(R / 16)``
+    keys, or ``ceil(R / 8) <= 16`` for 17 - 128 keys with a usable estimate, whose
+    consecutive keys around the estimate (three below to three above) are each a candidate
+    with the next key one too: the next pass closes any such bracket (two passes either
+    way), this one where the cut is by the estimate."""
     fracs = [math.nan, -0.1, 0.0, 1e-9, 0.1, 0.37, 0.5, 0.9, 1 - 1e-7, 1.0, 1.1]
-    sizes = list(range(1, 140))
+    sizes = [*range(1, 20), 31, 32, 33, 60, 63, 64, 65, 100, 127, 128, 129, 130, 139]
     base = torch.tensor(1.0, dtype=torch.float32 if keys == "fp32" else torch.bfloat16)
     int_t = torch.int32 if keys == "fp32" else torch.int16
     k0 = int(base.view(int_t))
