@@ -369,23 +369,25 @@ def test_softcap_bf16_and_infinite_logits(backend, device):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(("top_k", "top_p"), [(None, None), (3, None), (None, 0.5), (100, 0.9)])
 def test_nan_in_nan_out(top_k, top_p, backend, device):
-    """A NaN, a ``+inf`` or an all ``-inf`` row: NaN and a NaN gradient row; the other rows
-    exact; an ignored NaN row: 0 and zero gradient."""
+    """A NaN (in the first block, or a later one beside the row's largest value), a ``+inf``
+    or an all ``-inf`` row: NaN and a NaN gradient row; the other rows exact; an ignored NaN
+    row: 0 and zero gradient."""
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(5, 130, generator=g)
+    x = torch.randn(6, 1300, generator=g)
     x[0, 3] = float("nan")
     x[1, 5] = float("inf")
     x[2] = NEG_INF
     x[4, 7] = float("nan")
-    x = x.to(device).requires_grad_()
-    targets = torch.tensor([1, 2, 3, int(x[3].argmax()), -100], device=device)
+    x[5, 1201], x[5, 1202] = float("nan"), 9.0  # one group of a later block: NaN and the max
+    x = x[[0, 1, 2, 5, 3, 4]].to(device).requires_grad_()
+    targets = torch.tensor([1, 2, 3, 1202, int(x[4].argmax()), -100], device=device)
     out = fused_rl.truncated_logprobs(x, targets, top_k=top_k, top_p=top_p, backend=backend)
-    assert out[:3].isnan().all() and torch.isfinite(out[3]) and out[4] == 0
-    out.backward(torch.ones(5, device=device))
-    assert x.grad[:3].isnan().all() and torch.isfinite(x.grad[3]).all()
-    assert torch.equal(x.grad[4], torch.zeros_like(x.grad[4]))
-    want = oracle(x[3:4].detach(), targets[3:4], top_k=top_k, top_p=top_p)
-    assert_rel(out[3:4], want, FP32_TOL, "the clean row")
+    assert out[:4].isnan().all() and torch.isfinite(out[4]) and out[5] == 0
+    out.backward(torch.ones(6, device=device))
+    assert x.grad[:4].isnan().all() and torch.isfinite(x.grad[4]).all()
+    assert torch.equal(x.grad[5], torch.zeros_like(x.grad[5]))
+    want = oracle(x[4:5].detach(), targets[4:5], top_k=top_k, top_p=top_p)
+    assert_rel(out[4:5], want, FP32_TOL, "the clean row")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
