@@ -414,8 +414,9 @@ def _narrow(cand, cnt, mass, hi, c_hi, f_hi, goal, ACC: tl.constexpr):
     Returns ``(lo, hi, c_hi, f_hi, f_lo, n_in)``: the new bounds, the count / mass at or
     above each (``f_lo`` the mass at or above ``lo``) and the count of values inside."""
     kc = _key(cand, ACC)
-    meets = ((f_hi + mass) >= goal) | (kc == tl.min(kc, 0))
-    k_lo = tl.max(tl.where(meets, kc, tl.min(kc, 0)), 0)
+    k_min = tl.min(kc, 0)  # lo's key
+    meets = ((f_hi + mass) >= goal) | (kc == k_min)
+    k_lo = tl.max(tl.where(meets, kc, k_min), 0)
     new_lo = _unkey(k_lo, ACC)
     k_hi = tl.min(tl.where(kc > k_lo, kc, _key(hi, ACC)), 0)
     new_hi = _unkey(k_hi, ACC)
