@@ -91,3 +91,32 @@ def test_innermost_loops_of_a_listing():
     assert listing_innermost_loops(_LISTING) == [6]
     without_exit = _LISTING.replace("@P0 EXIT", "FADD R2, R2, R2")
     assert listing_innermost_loops(without_exit) == [6]
+    assert listing_innermost_loops(_LISTING, common_path=True) == [6]
+
+
+# a block loop with a uniform branch over two instructions of rarely-run work (the exact
+# KL's rescale to a new maximum), then the closing spin
+_BRANCHED = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   FMNMX R2, R2, R3, !PT ;
+        /*0020*/               @!P1 BRA P2, `(.L_x_1) ;
+        /*0030*/                   FMUL R4, R4, R5 ;
+        /*0040*/                   FMUL R6, R6, R5 ;
+.L_x_1:
+        /*0050*/                   FADD R4, R4, R2 ;
+        /*0060*/               @P0 BRA `(.L_x_0) ;
+        /*0070*/                   EXIT ;
+.L_x_2:
+        /*0080*/                   BRA `(.L_x_2) ;
+"""
+
+
+def test_common_path_of_a_listing():
+    """``common_path``: the loop's instructions on the path that takes its forward branch
+    (four: the max, the branch, the add, the branch back), against all six."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from hopper_compile import listing_innermost_loops
+
+    assert listing_innermost_loops(_BRANCHED) == [6]
+    assert listing_innermost_loops(_BRANCHED, common_path=True) == [4]

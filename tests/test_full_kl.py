@@ -207,6 +207,26 @@ def test_near_equal_reference_keeps_relative_accuracy(backend, spread, softcap):
     assert_rel(metrics["kl"].double(), o_metrics["kl"], tol, "kl")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("vocab", (1024, 1031))  # whole blocks only; a partial last one
+@pytest.mark.parametrize("rising", ("both", "policy", "reference"))
+def test_maxima_rising_block_by_block(backend, vocab, rising):
+    """The forward streams a row 512 columns a step (the whole blocks unmasked, then the
+    partial one) and moves its running sums only in a step that raises a maximum: rows
+    whose maximum rises in every block of the policy's row, of the reference's, or of
+    both, and a reference ``0.5`` a logit away (columns on both sides of the near-equal
+    polynomial's ``|log q - log p| <= 0.35``): the loss, every metric and the gradient
+    against the float64 oracle."""
+    logits, targets, adv, kw = _inputs(seed=31, V=vocab, spread=0.5)
+    ramp = torch.linspace(0.0, 12.0, vocab, device=logits.device)
+    ref = kw["ref_logits"]
+    if rising in ("both", "policy"):
+        logits = logits + ramp
+    if rising in ("both", "reference"):
+        ref = ref + ramp
+    _check(backend, logits, targets, adv, beta=0.3, **dict(kw, ref_logits=ref))
+
+
 def test_kl_is_the_distill_reverse_kl():
     """The same quantity as ``distill_loss(beta=1)`` (its own kernels and finalize)."""
     logits, targets, adv, kw = _inputs(seed=8, mask=False, ignore=False)

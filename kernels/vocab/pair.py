@@ -24,10 +24,10 @@ own per-column terms ``e^a expm1(b - a)`` (``log_ratio_of_sums``). Per column
 ``delta`` alike, a first-order change of 0 in every divergence.
 
 When a block raises a maximum by ``-d`` (``d = M_old - M_new <= 0``) the running sums are
-rescaled online: ``S <- e^d S``, ``W <- e^d (W + d S)``, and ``F`` / ``R`` also shift by the
-other stream's ``d``. A term whose weight ``e^a`` (``e^b``) is exactly 0 contributes 0
-(``0 * -inf`` guarded with a ``where`` that keeps NaN as NaN), so ``-inf`` logits give the
-finite limit; a NaN logit makes the row NaN.
+rescaled online, in that block only (a uniform branch): ``S <- e^d S``, ``W <- e^d (W + d
+S)``, and ``F`` / ``R`` also shift by the other stream's ``d``. A term whose weight
+``e^a`` (``e^b``) is exactly 0 contributes 0 (``0 * -inf`` guarded with a ``where`` that
+keeps NaN as NaN), so ``-inf`` logits give the finite limit; a NaN logit makes the row NaN.
 
 Gradient of the reverse KL through the softmax (``reverse_kl_grad``):
 ``dKL(p || q)/dz_v = p_v (log p_v - log q_v - KL(p || q)) = p_v (-delta_v - KL)``; 0 where
@@ -145,12 +145,13 @@ def gap_from(w, a, b, ref_z, ref_u):
     """``b - a`` (``a = z - M_z``, ``b = u - M_u``) from whichever operands are smaller:
     ``w - (M_u - M_z)`` with ``w = u - z`` formed from the logits themselves (exact for
     near-equal logits, so no ``ulp(a)`` of size ``ulp(log V)`` enters a difference of order
-    the student-teacher gap) where both parts are below ``max(|a|, |b|)``, else ``b - a``
-    (large offsets between the rows, infinities, NaN)."""
+    the student-teacher gap) where ``|M_u - M_z| <= max(|a|, |b|)`` (then ``|w| <= 3
+    max(|a|, |b|)``: either form is within a few roundings of that size), else ``b - a``
+    (large offsets between the rows' maxima, NaN). One compare a column: a test of ``|w|``
+    as well cost two more instructions of the exact KL's forward (sm_90)."""
     dm = ref_u - ref_z
     big = nan_max(tl.abs(a), tl.abs(b))  # NaN: not direct, b - a (NaN) is taken
-    direct = (tl.abs(w) <= big) & (tl.abs(dm) <= big)
-    return tl.where(direct, w - dm, b - a)
+    return tl.where(tl.abs(dm) <= big, w - dm, b - a)
 
 
 @triton.jit
@@ -241,63 +242,66 @@ def pair_columns(
 
 
 @triton.jit
-def pair_moments(
-    s_row, t_row, V, s_stride_v, t_stride_v, inv_temperature, n_cols,
-    BLOCK_V: tl.constexpr, ACC: tl.constexpr, inv_cap=1.0, HAS_SOFTCAP: tl.constexpr = False,
-    t_inv_temperature=1.0, t_inv_cap=1.0, SPLIT: tl.constexpr = False,
-    TEACHER_SOFTCAP: tl.constexpr = False,
+def expm1_small(v):
+    """``e^v - 1`` for ``|v| <= 0.35`` (:func:`pair_moments`' near-equal columns). fp32:
+    ``v P(v)``, ``P`` the degree-5 fit of ``expm1(v) / v`` on ``[-0.35, 0.35]`` (relative
+    fit error ``1.2e-8``), six multiply-adds where :func:`expm1_near` takes nine; within
+    about 2 units of fp32 roundoff of float64 (2.1 measured with fused multiply-adds, as
+    compiled). fp64: :func:`_expm1_by_log`."""
+    if v.dtype == tl.float64:
+        return _expm1_by_log(v)
+    c = 0.001388127662832549
+    c = c * v + 0.008369755452915623
+    c = c * v + 0.04166727095405895
+    c = c * v + 0.16666500072030996
+    c = c * v + 0.4999999765840719
+    c = c * v + 1.0000000112290428
+    return c * v
+
+
+@triton.jit
+def _pre_scale(x, valid, inv_cap, SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
+    """A row's values before its positive scale: ``x``, or with the soft cap ``tanh(x / c)``
+    (``MASKED``: ``-inf`` off ``valid``, as the cap maps the padding's ``-inf`` to ``-1``)."""
+    if SOFTCAP:
+        t, _ = tanh_and_sech2(x * inv_cap)
+        if MASKED:
+            t = tl.where(valid, t, -float("inf"))
+        return t
+    return x
+
+
+@triton.jit
+def _pair_step(
+    s_row, t_row, start, V, s_stride_v, t_stride_v, inv_temperature, inv_cap, t_scale,
+    t_inv_cap, m_x, m_y, s_z, s_u, w_z, w_u, fwd, rev, gap, BLOCK_V: tl.constexpr,
+    ACC: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    SPLIT: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
-    """Pass 1: stream both rows once (``n_cols`` = V, or 0 to read nothing). Returns
-    ``(M_z, log S_z, H(p), M_u, log S_u, H(q), KL(q || p), KL(p || q), log(S_z / S_u))``
-    (module docstring;
-    ``M`` is 0 for a row that is all ``-inf`` or empty). ``HAS_SOFTCAP``: both rows soft-capped,
-    ``z = c tanh(s x / c) / T`` (``layer1.scaled_logits``: ``inv_temperature`` carries ``c / T``,
-    ``inv_cap`` ``s / c``, the logit scale ``s`` folded in); ``b - a`` then from
-    :func:`capped_gap`. ``SPLIT``: the teacher's row has a transform of its own
-    (``t_inv_temperature``, ``t_inv_cap``, ``TEACHER_SOFTCAP``; the student's keeps
-    ``HAS_SOFTCAP``): each row through its own ``scaled_logits`` (:func:`split_values`) and
-    ``b - a`` from the two transformed values' difference ``u - z`` (:func:`gap_from`); the
-    near-cancellation forms above need one transform for both rows."""
-    # the seven running sums are kept a lane each (``lane_sums``; VEC: the student row's values
-    # a 16-byte load) and reduced across lanes after the loop: a shuffle tree a sum a block
-    # was 0.1 of the 1.57 sm_90 warp instructions a logit of the exact KL's forward
-    VEC: tl.constexpr = 128 // s_row.dtype.element_ty.primitive_bitwidth
-    LANES: tl.constexpr = min(32, BLOCK_V // VEC)
-    m_z = tl.full((), float("-inf"), ACC)
-    m_u = tl.full((), float("-inf"), ACC)
-    s_z = tl.zeros((LANES,), ACC)
-    s_u = tl.zeros((LANES,), ACC)
-    w_z = tl.zeros((LANES,), ACC)
-    w_u = tl.zeros((LANES,), ACC)
-    fwd = tl.zeros((LANES,), ACC)  # sum e^b (b - a)
-    rev = tl.zeros((LANES,), ACC)  # sum e^a (a - b)
-    gap = tl.zeros((LANES,), ACC)  # S_u - S_z, summed as its own terms e^b - e^a
-    for start in range(0, n_cols, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
+    """One block of :func:`pair_moments`' loop, from ``start``: the running maxima (before
+    the scale) and sums after it. ``MASKED``: the block runs past ``V``."""
+    cols = start + tl.arange(0, BLOCK_V)
+    if MASKED:  # the last, partial block (-inf past V)
         x = load_block(s_row, cols, V, s_stride_v, ACC)
         y = load_block(t_row, cols, V, t_stride_v, ACC)
-        if SPLIT:
-            z, u, _ = split_values(x, y, cols < V, inv_temperature, inv_cap, t_inv_temperature,
-                                   t_inv_cap, HAS_SOFTCAP, TEACHER_SOFTCAP)  # fmt: skip
-            new_z = nan_max(m_z, tl.max(z, 0))
-            new_u = nan_max(m_u, tl.max(u, 0))
-        elif HAS_SOFTCAP:  # the cap maps the padding lanes' -inf to -c / T: back to -inf
-            z = tl.where(cols < V, scaled_logits(x, inv_temperature, inv_cap, True), -float("inf"))
-            u = tl.where(cols < V, scaled_logits(y, inv_temperature, inv_cap, True), -float("inf"))
-            new_z = nan_max(m_z, tl.max(z, 0))
-            new_u = nan_max(m_u, tl.max(u, 0))
-        else:
-            z = x * inv_temperature
-            u = y * inv_temperature
-            # max(x) T^-1 is max(x T^-1) (a positive scale rounds monotonically): a multiply
-            # a value fewer, as z itself goes into a = z - M straight (one multiply-add)
-            new_z = nan_max(m_z, tl.max(x, 0) * inv_temperature)
-            new_u = nan_max(m_u, tl.max(y, 0) * inv_temperature)
-        ref_z = tl.where(new_z == float("-inf"), 0.0, new_z)
-        ref_u = tl.where(new_u == float("-inf"), 0.0, new_u)
+    else:  # a whole block: no mask, no -inf written into the padding's registers first
+        x = tl.load(s_row + cols.to(tl.int64) * s_stride_v).to(ACC)
+        y = tl.load(t_row + cols.to(tl.int64) * t_stride_v).to(ACC)
+    xs = _pre_scale(x, cols < V, inv_cap, HAS_SOFTCAP, MASKED)
+    if SPLIT:
+        ys = _pre_scale(y, cols < V, t_inv_cap, TEACHER_SOFTCAP, MASKED)
+    else:
+        ys = _pre_scale(y, cols < V, inv_cap, HAS_SOFTCAP, MASKED)
+    # max(x) s is max(x s) (a positive scale rounds monotonically): a multiply a block,
+    # not a value, and a = x s - M one multiply-add
+    new_x = nan_max(m_x, tl.max(xs, 0))
+    new_y = nan_max(m_y, tl.max(ys, 0))
+    ref_z = tl.where(new_x == float("-inf"), 0.0, new_x * inv_temperature)
+    ref_u = tl.where(new_y == float("-inf"), 0.0, new_y * t_scale)
+    if (new_x != m_x) | (new_y != m_y):
         # the running sums move to the new maxima (nothing to move while a stream is empty)
-        d_z = tl.where(m_z == float("-inf"), 0.0, m_z - ref_z)
-        d_u = tl.where(m_u == float("-inf"), 0.0, m_u - ref_u)
+        d_z = tl.where(m_x == float("-inf"), 0.0, m_x * inv_temperature - ref_z)
+        d_u = tl.where(m_y == float("-inf"), 0.0, m_y * t_scale - ref_u)
         alpha_z = exp(d_z)
         alpha_u = exp(d_u)
         w_z = alpha_z * (w_z + d_z * s_z)
@@ -308,29 +312,83 @@ def pair_moments(
         # alpha_u S_u - alpha_z S_z = alpha_z (gap + expm1(d_u - d_z) S_u)
         gap = alpha_z * (gap + expm1(d_u - d_z) * s_u)
         s_u = alpha_u * s_u
-        a = z - ref_z
-        b = u - ref_u
-        if SPLIT:
-            b_minus_a = gap_from(u - z, a, b, ref_z, ref_u)
-        elif HAS_SOFTCAP:
-            w = capped_gap(x, y, inv_temperature, inv_cap)
-            b_minus_a = gap_from(w, a, b, ref_z, ref_u)
-        else:
-            b_minus_a = logit_gap(x, y, a, b, inv_temperature, ref_z, ref_u)
-        e_a = exp(a)
-        e_b = exp(b)
-        s_z += lane_sums(e_a, LANES, VEC)
-        s_u += lane_sums(e_b, LANES, VEC)
-        w_z += lane_sums(e_a * lift_neg_inf(a), LANES, VEC)
-        w_u += lane_sums(e_b * lift_neg_inf(b), LANES, VEC)
-        near = (b_minus_a <= 1.0) & (b_minus_a >= -1.0)
-        gap_v = tl.where(near, e_a * expm1_near(tl.where(near, b_minus_a, 0.0)), e_b - e_a)
-        # e^a == 0 (a < -87.3): a near column's e^b is below 2^-124 too, a far one's is exact
-        gap += lane_sums(gap_v, LANES, VEC)
-        rev -= lane_sums(tl.where(e_a == 0, 0.0, e_a * b_minus_a), LANES, VEC)
-        fwd += lane_sums(tl.where(e_b == 0, 0.0, e_b * b_minus_a), LANES, VEC)
-        m_z = new_z
-        m_u = new_u
+    # in the block after the branch, so that each is one multiply-add
+    a = xs * inv_temperature - ref_z
+    b = ys * t_scale - ref_u
+    if SPLIT:
+        b_minus_a = gap_from(ys * t_scale - xs * inv_temperature, a, b, ref_z, ref_u)
+    elif HAS_SOFTCAP:
+        w = capped_gap(x, y, inv_temperature, inv_cap)
+        b_minus_a = gap_from(w, a, b, ref_z, ref_u)
+    else:
+        b_minus_a = logit_gap(x, y, a, b, inv_temperature, ref_z, ref_u)
+    e_a = exp(a)
+    e_b = exp(b)
+    s_z += lane_sums(e_a, LANES, VEC)
+    s_u += lane_sums(e_b, LANES, VEC)
+    w_z += lane_sums(e_a * lift_neg_inf(a), LANES, VEC)
+    w_u += lane_sums(e_b * lift_neg_inf(b), LANES, VEC)
+    # the polynomial of a far column's (even infinite or NaN) b - a is computed, not taken
+    near = (b_minus_a <= 0.35) & (b_minus_a >= -0.35)
+    gap_v = tl.where(near, e_a * expm1_small(b_minus_a), e_b - e_a)
+    # e^a == 0 (a < -87.3): a near column's e^b is below 2^-125 too, a far one's is exact
+    gap += lane_sums(gap_v, LANES, VEC)
+    rev -= lane_sums(tl.where(e_a == 0, 0.0, e_a * b_minus_a), LANES, VEC)
+    fwd += lane_sums(tl.where(e_b == 0, 0.0, e_b * b_minus_a), LANES, VEC)
+    return new_x, new_y, s_z, s_u, w_z, w_u, fwd, rev, gap
+
+
+@triton.jit
+def pair_moments(
+    s_row, t_row, V, s_stride_v, t_stride_v, inv_temperature, n_cols,
+    BLOCK_V: tl.constexpr, ACC: tl.constexpr, inv_cap=1.0, HAS_SOFTCAP: tl.constexpr = False,
+    t_inv_temperature=1.0, t_inv_cap=1.0, SPLIT: tl.constexpr = False,
+    TEACHER_SOFTCAP: tl.constexpr = False,
+):  # fmt: skip
+    """Pass 1: stream both rows once (``n_cols`` = V, or 0 to read nothing). Returns
+    ``(M_z, log S_z, H(p), M_u, log S_u, H(q), KL(q || p), KL(p || q), log(S_z / S_u))``
+    (module docstring; ``M`` is 0 for a row that is all ``-inf`` or empty). ``HAS_SOFTCAP``:
+    both rows soft-capped, ``z = c tanh(s x / c) / T`` (``layer1.scaled_logits``:
+    ``inv_temperature`` carries ``c / T``, ``inv_cap`` ``s / c``, the logit scale ``s``
+    folded in); ``b - a`` then from :func:`capped_gap`. ``SPLIT``: the teacher's row has a
+    transform of its own (``t_inv_temperature``, ``t_inv_cap``, ``TEACHER_SOFTCAP``; the
+    student's keeps ``HAS_SOFTCAP``): each row through its own scale and cap, and ``b - a``
+    from the two transformed values' difference ``u - z`` (:func:`gap_from`); the
+    near-cancellation forms above need one transform for both rows.
+
+    The running sums move to a new maximum only in a block that raises one (a uniform
+    branch, rarely taken after a row's first blocks)."""
+    # the seven running sums are kept a lane each (``lane_sums``; VEC: the student row's values
+    # a 16-byte load) and reduced across lanes after the loop: a shuffle tree a sum a block
+    # was 0.1 of the 1.57 sm_90 warp instructions a logit of the exact KL's forward
+    VEC: tl.constexpr = 128 // s_row.dtype.element_ty.primitive_bitwidth
+    LANES: tl.constexpr = min(32, BLOCK_V // VEC)
+    t_scale = inv_temperature
+    if SPLIT:
+        t_scale = t_inv_temperature
+    m_x = tl.full((), float("-inf"), ACC)  # the running maxima before the scale
+    m_y = tl.full((), float("-inf"), ACC)
+    s_z = tl.zeros((LANES,), ACC)
+    s_u = tl.zeros((LANES,), ACC)
+    w_z = tl.zeros((LANES,), ACC)
+    w_u = tl.zeros((LANES,), ACC)
+    fwd = tl.zeros((LANES,), ACC)  # sum e^b (b - a)
+    rev = tl.zeros((LANES,), ACC)  # sum e^a (a - b)
+    gap = tl.zeros((LANES,), ACC)  # S_u - S_z, summed as its own terms e^b - e^a
+    # whole blocks unmasked, then the partial one
+    n_whole = n_cols - n_cols % BLOCK_V
+    for start in range(0, n_whole, BLOCK_V):
+        m_x, m_y, s_z, s_u, w_z, w_u, fwd, rev, gap = _pair_step(
+            s_row, t_row, start, V, s_stride_v, t_stride_v, inv_temperature, inv_cap, t_scale,
+            t_inv_cap, m_x, m_y, s_z, s_u, w_z, w_u, fwd, rev, gap, BLOCK_V, ACC, LANES, VEC,
+            HAS_SOFTCAP, SPLIT, TEACHER_SOFTCAP, False,
+        )  # fmt: skip
+    if n_whole < n_cols:
+        m_x, m_y, s_z, s_u, w_z, w_u, fwd, rev, gap = _pair_step(
+            s_row, t_row, n_whole, V, s_stride_v, t_stride_v, inv_temperature, inv_cap, t_scale,
+            t_inv_cap, m_x, m_y, s_z, s_u, w_z, w_u, fwd, rev, gap, BLOCK_V, ACC, LANES, VEC,
+            HAS_SOFTCAP, SPLIT, TEACHER_SOFTCAP, True,
+        )  # fmt: skip
     s_z = tl.sum(s_z, 0)
     s_u = tl.sum(s_u, 0)
     w_z = tl.sum(w_z, 0)
@@ -338,8 +396,8 @@ def pair_moments(
     fwd = tl.sum(fwd, 0)
     rev = tl.sum(rev, 0)
     gap = tl.sum(gap, 0)
-    ref_z = tl.where(m_z == float("-inf"), 0.0, m_z)
-    ref_u = tl.where(m_u == float("-inf"), 0.0, m_u)
+    ref_z = tl.where(m_x == float("-inf"), 0.0, m_x * inv_temperature)
+    ref_u = tl.where(m_y == float("-inf"), 0.0, m_y * t_scale)
     log_s_z = tl.log(s_z)
     log_s_u = tl.log(s_u)
     h_z = log_s_z - w_z / s_z
