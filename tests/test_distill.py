@@ -392,8 +392,8 @@ def test_beta_near_one(eps, beta, backend, device):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
-    "shape", [(3, 1, 11), (2, 3, 5), (1, 2, 1), (7, 13), (1, 3, 5000)], ids=str
-)  # T = 1, V below one block, V = 1, packed (N, V), V above one block
+    "shape", [(3, 1, 11), (2, 3, 5), (1, 2, 1), (7, 13), (1, 3, 5000), (2, 1024)], ids=str
+)  # T = 1, V below one block, V = 1, packed (N, V), V above one block, whole blocks only
 def test_awkward_shapes(shape, backend, device):
     for beta in (0.0, 0.4, 1.0):
         s, t, _ = make(shape, seed=len(shape) + shape[-1], device=device)
@@ -789,10 +789,10 @@ WRITES = vocab_launch(151936, writes=True)
 LAUNCH = {k._distill_fwd_kernel: READS, k._distill_mixture_kernel: READS,
           k._distill_bwd_kernel: WRITES}
 # the JSD's sm_90 instructions a column, largest loop on its common path (the mixture pass;
-# measured 77.5 and 55 with Triton 3.9; the forward's two-row pass 44.5): compute-bound, so
+# measured 73.4 and 55 with Triton 3.9; the forward's two-row pass 44.5): compute-bound, so
 # their time; a change that brings back the series forms (135, 86) or a libdevice log fails
 # here
-CEILING = {k._distill_fwd_kernel: 80, k._distill_mixture_kernel: 80, k._distill_bwd_kernel: 58}
+CEILING = {k._distill_fwd_kernel: 76, k._distill_mixture_kernel: 76, k._distill_bwd_kernel: 58}
 
 count = 0
 for logits, acc, ACC in (("*bf16", "*fp32", tl.float32), ("*fp64", "*fp64", tl.float64)):

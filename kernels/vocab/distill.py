@@ -83,9 +83,11 @@ heavy=True)`` (one warp, 512 columns a step: no cross-warp reduction, no spill);
 backward writes the gradient row, ``vocab_launch(V, writes=True)``.
 
 Instructions a column of each loop (compiled for sm_90a and disassembled on the CPU,
-Triton 3.9, bf16; not timed): the forward's first pass 54 (every ``beta``; 58 before its
-running sums were kept a lane each, ``kernels.common.lane_sums``), the JSD's mixture pass
-80 (both kernels), the backward 40 / 28 / 55 (forward KL / reverse KL / JSD). The JSD's
+Triton 3.9, bf16; not timed): the forward's first pass 44.5 on a step that raises no
+maximum (every ``beta``; 54 with a rescale every step and a degree-8 ``expm1``, 58 before
+its running sums were kept a lane each, ``kernels.common.lane_sums``), the JSD's mixture
+pass 73.4 (both kernels; 77.5 with a shuffle tree a block for its two sums and every block
+masked), the backward 40 / 28 / 55 (forward KL / reverse KL / JSD). The JSD's
 were 135 and 86 with the series forms for the near columns (an ``expm1`` and two Taylor
 series a column, and one ``log1p`` shared by the near and far forms: ``pair.log1p_unit``
 for the far ones now), 224 and 130 before the two forms shared it; 71, 159, 48 / 30 / 94
@@ -98,7 +100,17 @@ leaves about 30 instructions a lane.
 import triton
 import triton.language as tl
 
-from ..common import as_weight, cast_for, exp, nan_max, nan_min, pair, row_pointer, token_offset
+from ..common import (
+    as_weight,
+    cast_for,
+    exp,
+    lane_sums,
+    nan_max,
+    nan_min,
+    pair,
+    row_pointer,
+    token_offset,
+)
 from ..modes import MIX_NEAR_DEGREE as _DEGREE
 from ..policy.finalize import AGG_SEQ_MEAN_TOKEN_MEAN, aggregated_loss
 from .pair import expm1_near, log1p, log1p_unit, pair_columns, pair_moments, reverse_kl_grad
@@ -275,20 +287,49 @@ def mixture_pass(
     logits' own difference plus one row constant, whose rounding only shifts every
     ``delta`` alike (a first-order change of ``0`` in the JSD); ``SPLIT``: the teacher's row
     through its own transform (``pair.pair_columns``)."""
-    jsd = tl.zeros((), ACC)
-    p_excess = tl.zeros((), ACC)
-    for start in range(0, n_cols, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        log_p, log_q, delta, _ = pair_columns(
-            s_row, t_row, cols, V, s_stride_v, t_stride_v, inv_temperature, inv_cap, m_z, m_u,
-            log_s_z, log_s_u, log_zu, HAS_SOFTCAP, ACC, t_inv_temperature, t_inv_cap, SPLIT,
-            TEACHER_SOFTCAP,
+    # the two sums kept a lane each (``lane_sums``), reduced once after the loop; the whole
+    # blocks read unmasked, then the partial one
+    VEC: tl.constexpr = 128 // s_row.dtype.element_ty.primitive_bitwidth
+    LANES: tl.constexpr = min(32, BLOCK_V // VEC)
+    jsd = tl.zeros((LANES,), ACC)
+    p_excess = tl.zeros((LANES,), ACC)
+    n_whole = n_cols - n_cols % BLOCK_V
+    for start in range(0, n_whole, BLOCK_V):
+        jsd, p_excess = _mixture_step(
+            s_row, t_row, start, V, s_stride_v, t_stride_v, inv_temperature, m_z, log_s_z, m_u,
+            log_s_u, log_zu, mix, jsd, p_excess, BLOCK_V, ACC, LANES, VEC, inv_cap, HAS_SOFTCAP,
+            t_inv_temperature, t_inv_cap, SPLIT, TEACHER_SOFTCAP, False,
         )  # fmt: skip
-        p = exp(log_p)
-        q = exp(log_q)
-        excess, f = mixture_terms(delta, p, q, mix, ACC)
-        p_excess += tl.sum(tl.where(p == 0, 0.0, p * excess), 0)
-        jsd += tl.sum(f, 0)
+    if n_whole < n_cols:
+        jsd, p_excess = _mixture_step(
+            s_row, t_row, n_whole, V, s_stride_v, t_stride_v, inv_temperature, m_z, log_s_z,
+            m_u, log_s_u, log_zu, mix, jsd, p_excess, BLOCK_V, ACC, LANES, VEC, inv_cap,
+            HAS_SOFTCAP, t_inv_temperature, t_inv_cap, SPLIT, TEACHER_SOFTCAP, True,
+        )  # fmt: skip
+    return tl.sum(jsd, 0), tl.sum(p_excess, 0)
+
+
+@triton.jit
+def _mixture_step(
+    s_row, t_row, start, V, s_stride_v, t_stride_v, inv_temperature, m_z, log_s_z, m_u,
+    log_s_u, log_zu, mix, jsd, p_excess, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    LANES: tl.constexpr, VEC: tl.constexpr, inv_cap, HAS_SOFTCAP: tl.constexpr,
+    t_inv_temperature, t_inv_cap, SPLIT: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
+    MASKED: tl.constexpr,
+):  # fmt: skip
+    """One block of :func:`mixture_pass` from ``start`` (``MASKED``: it runs past ``V``): the
+    lanes' running ``JSD`` and ``sum_v p_v L_v`` after it."""
+    cols = start + tl.arange(0, BLOCK_V)
+    log_p, log_q, delta, _ = pair_columns(
+        s_row, t_row, cols, V, s_stride_v, t_stride_v, inv_temperature, inv_cap, m_z, m_u,
+        log_s_z, log_s_u, log_zu, HAS_SOFTCAP, ACC, t_inv_temperature, t_inv_cap, SPLIT,
+        TEACHER_SOFTCAP, MASKED,
+    )  # fmt: skip
+    p = exp(log_p)
+    q = exp(log_q)
+    excess, f = mixture_terms(delta, p, q, mix, ACC)
+    p_excess += lane_sums(tl.where(p == 0, 0.0, p * excess), LANES, VEC)
+    jsd += lane_sums(f, LANES, VEC)
     return jsd, p_excess
 
 

@@ -128,8 +128,13 @@ def log_ratio_of_sums(s_z, s_u, gap):
 
 
 @triton.jit
-def load_block(row_ptr, cols, V, stride_v, ACC: tl.constexpr):
-    x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V, other=float("-inf"))
+def load_block(row_ptr, cols, V, stride_v, ACC: tl.constexpr, MASKED: tl.constexpr = True):
+    """A block of a row in ``ACC``, ``-inf`` past ``V``; ``MASKED=False``: a whole block,
+    loaded with no mask (no ``-inf`` written into the registers before the load)."""
+    if MASKED:
+        x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V, other=float("-inf"))
+    else:
+        x = tl.load(row_ptr + cols.to(tl.int64) * stride_v)
     return x.to(ACC)
 
 
@@ -208,17 +213,18 @@ def pair_columns(
     s_row, t_row, cols, n_valid, s_stride_v, t_stride_v, inv_temperature, inv_cap, m_z, m_u,
     log_s_z, log_s_u, log_zu, HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr,
     t_inv_temperature=1.0, t_inv_cap=1.0, SPLIT: tl.constexpr = False,
-    TEACHER_SOFTCAP: tl.constexpr = False,
+    TEACHER_SOFTCAP: tl.constexpr = False, MASKED: tl.constexpr = True,
 ):  # fmt: skip
     """One block of both rows against the row's statistics: ``(log p, log q, delta, dx)``
     with ``delta = log q - log p`` (``near_delta``; with ``HAS_SOFTCAP`` from
     :func:`capped_gap`) and ``dx`` what turns ``dD/dz`` times ``inv_temperature`` into the
     derivative on the raw logit (1; with the cap ``(1 - tanh^2(s x / c)) s / c``, as
     ``inv_temperature`` then carries ``c / T`` and ``inv_cap`` ``s / c``). Columns at or past
-    ``n_valid``: ``-inf``. ``SPLIT``: the teacher's row has its own transform
-    (:func:`split_values`), and ``u - z`` is formed from the two transformed values."""
-    x = load_block(s_row, cols, n_valid, s_stride_v, ACC)
-    y = load_block(t_row, cols, n_valid, t_stride_v, ACC)
+    ``n_valid``: ``-inf`` (``MASKED=False``: a block wholly before ``n_valid``, read with no
+    mask). ``SPLIT``: the teacher's row has its own transform (:func:`split_values`), and
+    ``u - z`` is formed from the two transformed values."""
+    x = load_block(s_row, cols, n_valid, s_stride_v, ACC, MASKED)
+    y = load_block(t_row, cols, n_valid, t_stride_v, ACC, MASKED)
     if SPLIT:
         z, u, dx = split_values(x, y, cols < n_valid, inv_temperature, inv_cap,
                                 t_inv_temperature, t_inv_cap, HAS_SOFTCAP,
@@ -285,8 +291,8 @@ def _pair_step(
         x = load_block(s_row, cols, V, s_stride_v, ACC)
         y = load_block(t_row, cols, V, t_stride_v, ACC)
     else:  # a whole block: no mask, no -inf written into the padding's registers first
-        x = tl.load(s_row + cols.to(tl.int64) * s_stride_v).to(ACC)
-        y = tl.load(t_row + cols.to(tl.int64) * t_stride_v).to(ACC)
+        x = load_block(s_row, cols, V, s_stride_v, ACC, False)
+        y = load_block(t_row, cols, V, t_stride_v, ACC, False)
     xs = _pre_scale(x, cols < V, inv_cap, HAS_SOFTCAP, MASKED)
     if SPLIT:
         ys = _pre_scale(y, cols < V, t_inv_cap, TEACHER_SOFTCAP, MASKED)
