@@ -789,7 +789,7 @@ WRITES = vocab_launch(151936, writes=True)
 LAUNCH = {k._distill_fwd_kernel: READS, k._distill_mixture_kernel: READS,
           k._distill_bwd_kernel: WRITES}
 # the JSD's sm_90 instructions a column, largest loop on its common path (the mixture pass;
-# measured 73.4 and 55 with Triton 3.9; the forward's two-row pass 44.5): compute-bound, so
+# measured 73.4 and 55 with Triton 3.9; the forward's two-row pass 43.5): compute-bound, so
 # their time; a change that brings back the series forms (135, 86) or a libdevice log fails
 # here
 CEILING = {k._distill_fwd_kernel: 76, k._distill_mixture_kernel: 76, k._distill_bwd_kernel: 58}

@@ -83,15 +83,15 @@ heavy=True)`` (one warp, 512 columns a step: no cross-warp reduction, no spill);
 backward writes the gradient row, ``vocab_launch(V, writes=True)``.
 
 Instructions a column of each loop (compiled for sm_90a and disassembled on the CPU,
-Triton 3.9, bf16; not timed): the forward's first pass 44.5 on a step that raises no
-maximum (every ``beta``; 54 with a rescale every step and a degree-8 ``expm1``, 58 before
-its running sums were kept a lane each, ``kernels.common.lane_sums``), the JSD's mixture
-pass 73.4 (both kernels; 77.5 with a shuffle tree a block for its two sums and every block
-masked), the backward 40 / 28 / 55 (forward KL / reverse KL / JSD). The JSD's
-were 135 and 86 with the series forms for the near columns (an ``expm1`` and two Taylor
-series a column, and one ``log1p`` shared by the near and far forms: ``pair.log1p_unit``
-for the far ones now), 224 and 130 before the two forms shared it; 71, 159, 48 / 30 / 94
-before ``kernels.common.exp``. Registers of the JSD's forward kernel at the launch's one
+Triton 3.9, bf16; not timed): the forward's first pass 43.5 on a step that raises no
+maximum (every ``beta``; 54 with a rescale every step, a degree-8 ``expm1`` and a sum of
+``e^b``, 58 before its running sums were kept a lane each, ``kernels.common.lane_sums``),
+the JSD's mixture pass 73.4 (both kernels; 77.5 with a shuffle tree a block for its two
+sums and every block masked), the backward 40 / 28 / 55 (forward KL / reverse KL / JSD).
+The JSD's were 135 and 86 with the series forms for the near columns (an ``expm1`` and two
+Taylor series a column, and one ``log1p`` shared by the near and far forms:
+``pair.log1p_unit`` for the far ones now), 224 and 130 before the two forms shared it; 71,
+159, 48 / 30 / 94 before ``kernels.common.exp``. Registers of the JSD's forward kernel at the launch's one
 warp: 96 (146 with the series forms). On an H200 (2026-11-27, the code before these
 counts) every divergence was compute-bound: a column of two bf16 rows read at the copy rate
 leaves about 30 instructions a lane.
