@@ -91,10 +91,10 @@ sums and every block masked), the backward 40 / 28 / 55 (forward KL / reverse KL
 The JSD's were 135 and 86 with the series forms for the near columns (an ``expm1`` and two
 Taylor series a column, and one ``log1p`` shared by the near and far forms:
 ``pair.log1p_unit`` for the far ones now), 224 and 130 before the two forms shared it; 71,
-159, 48 / 30 / 94 before ``kernels.common.exp``. Registers of the JSD's forward kernel at the launch's one
-warp: 96 (146 with the series forms). On an H200 (2026-11-27, the code before these
-counts) every divergence was compute-bound: a column of two bf16 rows read at the copy rate
-leaves about 30 instructions a lane.
+159, 48 / 30 / 94 before ``kernels.common.exp``. Registers of the JSD's forward kernel at
+the launch's one warp: 96 (146 with the series forms). On an H200 (2026-11-27, the code
+before these counts) every divergence was compute-bound: a column of two bf16 rows read at
+the copy rate leaves about 30 instructions a lane.
 """
 
 import triton
