@@ -274,7 +274,7 @@ def _search_pass_probe(row_ptr, out_ptr, n_read, stride_v, inv_t, m, lo, hi,
     kernel: its loop is the kernel's one loop."""
     j = tl.arange(0, N_CAND)
     cand = lo + (hi - lo) * j.to(tl.float32) / N_CAND
-    cnt, mass = _bracket_sums(row_ptr, n_read, stride_v, inv_t, inv_t, m, lo, hi, cand, N_CAND,
+    cnt, mass = _bracket_sums(row_ptr, n_read, stride_v, inv_t, inv_t, m, cand, N_CAND,
                               SEARCH_BLOCK, False, tl.float32)  # fmt: skip
     tl.store(out_ptr + j, mass + cnt.to(tl.float32))
 

@@ -838,11 +838,12 @@ print("compiled", count)
 @pytest.mark.no_poison
 def test_kernels_compile_for_sm90():
     """Every truncation kernel compiles for sm_90 (64-bit offsets, vector loads, no spills as
-    launched), and a top-p search pass costs at most 1.95 SASS instructions a logit (1.86
-    with 8 bf16 logits a column a step, read as one vector; 2.2 with one, a step of 64; 6.5
+    launched), and a top-p search pass costs at most 1.8 SASS instructions a logit (1.71
+    summing every value at or above each candidate; 1.86 with a test of the bracket's bounds
+    a value; 2.2 with one bf16 logit a column a step of 64, not 8 read as one vector; 6.5
     when each step of 128 logits reduced its 32 sums across the warp, 2026-11-29)."""
     pytest.importorskip("triton.backends.compiler")
     out = sm90_compile_output(_COMPILE_SCRIPT)
     assert out.endswith("compiled 54"), out
     per_logit = float(re.search(r"search pass ([0-9.]+)", out).group(1))
-    assert per_logit <= 1.95, f"a top-p search pass costs {per_logit:.2f} instructions a logit"
+    assert per_logit <= 1.8, f"a top-p search pass costs {per_logit:.2f} instructions a logit"

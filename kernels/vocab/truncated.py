@@ -80,7 +80,7 @@ Bytes per row (``E`` bytes per logit, ``V`` the vocabulary), forward:
   reads in bf16, 4 in fp32; ``k`` = 5000 with ``p`` = 0.95, 8 in bf16, 7 in fp32.
 
 A search pass is compute-heavier than pass A (16 compares, adds and multiply-adds per
-logit: ~1.9 sm_90 instructions a logit per warp, ``_bracket_sums``; a step reads 16
+logit: ~1.7 sm_90 instructions a logit per warp, ``_bracket_sums``; a step reads 16
 contiguous bytes a thread, so a one-warp row keeps 1 KiB of bf16 in flight); the search and
 its bracket bounds are in ``_search``. A radix pass is light (a key, a digit and a
 shared-memory histogram increment per logit). ``passes_ptr`` records each row's reads
@@ -355,12 +355,13 @@ def _column_sums(cnt, mass, z, e, cand, DEPTH: tl.constexpr):
 
 @triton.jit
 def _bracket_sums(
-    row_ptr, n_read, stride_v, inv_t, inv_cap, m, lo, hi, cand, N_CAND: tl.constexpr,
+    row_ptr, n_read, stride_v, inv_t, inv_cap, m, cand, N_CAND: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     """One search pass over the row's first ``n_read`` logits: per candidate, the count and
-    the mass ``exp(z - m)`` of the values in ``[lo, hi)`` at or above it (a 16-wide
-    comparison per logit).
+    the mass ``exp(z - m)`` of the row's values at or above it (a 16-wide comparison per
+    logit; every value, not those of the bracket alone: a test of the bracket's bounds
+    was two compares, an and and two selects a value, 8 % of the pass).
 
     The pass is compute-bound (16 candidates a logit), so its inner step is three
     instructions a (logit, candidate) pair (:func:`_column_sums`). Counts and masses
@@ -380,11 +381,14 @@ def _bracket_sums(
     tile = tl.reshape(tl.arange(0, STEP), (SEARCH_BLOCK, DEPTH))  # a column's values in a row
     for start in range(0, n_read, STEP):
         cols = start + tile
-        x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < n_read, other=0.0)
+        # past n_read: -inf, at or above no candidate, of mass 0 (the cap would map it to
+        # -c / T: put back). A searched row holds no NaN and no +inf (pass A).
+        x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < n_read,
+                    other=float("-inf"))  # fmt: skip
         z = scaled_logits(x.to(ACC), inv_t, inv_cap, HAS_SOFTCAP)
-        inside = (cols < n_read) & (z >= lo) & (z < hi)
-        e = tl.where(inside, exp(z - m), 0.0)
-        z = tl.where(inside, z, float("nan"))  # NaN: at or above no candidate
+        if HAS_SOFTCAP:
+            z = tl.where(cols < n_read, z, float("-inf"))
+        e = exp(z - m)
         cnt, mass = _column_sums(
             cnt, mass, _halved(z, SEARCH_BLOCK, DEPTH), _halved(e, SEARCH_BLOCK, DEPTH), cand,
             DEPTH,
@@ -406,24 +410,27 @@ def _halved(x, SEARCH_BLOCK: tl.constexpr, DEPTH: tl.constexpr):
 
 @triton.jit
 def _narrow(cand, cnt, mass, hi, c_hi, f_hi, goal, ACC: tl.constexpr):
-    """The bracket after a search pass: ``[lo, hi)`` becomes the candidate interval that
-    holds the answer (the largest candidate whose mass at or above it meets ``goal``, or
-    ``lo``, the smallest, up to the next larger candidate). The candidates in any order
-    (a repeated one has repeated sums), ordered by their keys (:func:`_key`: ``-0.0`` below
-    ``+0.0``, which compare equal, so a bracket closes on a zero's one key).
-    Returns ``(lo, hi, c_hi, f_hi, f_lo, n_in)``: the new bounds, the count / mass at or
-    above each (``f_lo`` the mass at or above ``lo``) and the count of values inside."""
+    """The bracket after a search pass (``cnt`` / ``mass``: the count / mass of the row's
+    values at or above each candidate, :func:`_bracket_sums`): ``[lo, hi)`` becomes the
+    candidate interval that holds the answer (the largest candidate whose mass meets
+    ``goal``, or ``lo``, the smallest, up to the next larger candidate, or ``hi`` with its
+    ``c_hi`` / ``f_hi``). The candidates in any order (a repeated one has repeated sums),
+    ordered by their keys (:func:`_key`: ``-0.0`` below ``+0.0``, which compare equal, so a
+    bracket closes on a zero's one key). Returns ``(lo, hi, c_hi, f_hi, f_lo, n_in)``: the
+    new bounds, the count / mass at or above each (``f_lo`` the mass at or above ``lo``) and
+    the count of values inside."""
     kc = _key(cand, ACC)
     k_min = tl.min(kc, 0)  # lo's key
-    meets = ((f_hi + mass) >= goal) | (kc == k_min)
+    meets = (mass >= goal) | (kc == k_min)
     k_lo = tl.max(tl.where(meets, kc, k_min), 0)
     new_lo = _unkey(k_lo, ACC)
     k_hi = tl.min(tl.where(kc > k_lo, kc, _key(hi, ACC)), 0)
     new_hi = _unkey(k_hi, ACC)
-    f_lo = f_hi + tl.max(tl.where(kc == k_lo, mass, 0.0), 0)
-    c_lo = c_hi + tl.max(tl.where(kc == k_lo, cnt, 0), 0)
-    c_hi += tl.max(tl.where(kc == k_hi, cnt, 0), 0)  # 0 when new_hi == hi (no candidate)
-    f_hi += tl.max(tl.where(kc == k_hi, mass, 0.0), 0)
+    f_lo = tl.max(tl.where(kc == k_lo, mass, 0.0), 0)
+    c_lo = tl.max(tl.where(kc == k_lo, cnt, 0), 0)
+    at_hi = tl.max((kc == k_hi).to(tl.int32), 0) > 0  # not when new_hi == hi
+    c_hi = tl.where(at_hi, tl.max(tl.where(kc == k_hi, cnt, 0), 0), c_hi)
+    f_hi = tl.where(at_hi, tl.max(tl.where(kc == k_hi, mass, 0.0), 0), f_hi)
     return new_lo, new_hi, c_hi, f_hi, f_lo, c_lo - c_hi
 
 
@@ -533,8 +540,8 @@ def _search(
         frac = _mass_fraction(f_lo, f_hi, goal)
         cand = _search_candidates(lo, hi, passes, frac, inv_t, N_CAND, DTYPE, HAS_SOFTCAP, ACC)
         cnt, mass = _bracket_sums(
-            row_ptr, V, stride_v, inv_t, inv_cap, m, lo, hi, cand, N_CAND, SEARCH_BLOCK,
-            HAS_SOFTCAP, ACC,
+            row_ptr, V, stride_v, inv_t, inv_cap, m, cand, N_CAND, SEARCH_BLOCK, HAS_SOFTCAP,
+            ACC,
         )  # fmt: skip
         passes += 1
         lo, hi, c_hi, f_hi, f_lo, n_in = _narrow(cand, cnt, mass, hi, c_hi, f_hi, goal, ACC)

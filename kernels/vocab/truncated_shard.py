@@ -199,7 +199,7 @@ def _shard_search_kernel(
         frac = _mass_fraction(f_lo, f_hi, goal)  # from registers: NARROW's stores not reread
         cand = _search_candidates(lo, hi, passes, frac, inv_t, N_CAND, DTYPE, HAS_SOFTCAP, ACC)
         cnt, mass = _bracket_sums(
-            row_ptr, tl.where(done, 0, V), stride_v, inv_t, inv_cap, m, lo, hi, cand, N_CAND,
+            row_ptr, tl.where(done, 0, V), stride_v, inv_t, inv_cap, m, cand, N_CAND,
             SEARCH_BLOCK, HAS_SOFTCAP, ACC,
         )  # fmt: skip
         tl.store(sums + j, cnt.to(ACC))
