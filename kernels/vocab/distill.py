@@ -83,9 +83,9 @@ heavy=True)`` (one warp, 512 columns a step: no cross-warp reduction, no spill);
 backward writes the gradient row, ``vocab_launch(V, writes=True)``.
 
 Instructions a column of each loop (compiled for sm_90a and disassembled on the CPU,
-Triton 3.9, bf16; not timed): the forward's first pass 43.5 on a step that raises no
-maximum (every ``beta``; 54 with a rescale every step, a degree-8 ``expm1`` and a sum of
-``e^b``, 58 before its running sums were kept a lane each, ``kernels.common.lane_sums``),
+Triton 3.9, bf16; not timed): the forward's first pass 44.5 on a step that raises no
+maximum (every ``beta``; 54 with a rescale every step and a degree-8 ``expm1``, 58 before
+its running sums were kept a lane each, ``kernels.common.lane_sums``),
 the JSD's mixture pass 73.4 (both kernels; 77.5 with a shuffle tree a block for its two
 sums and every block masked), the backward 40 / 28 / 55 (forward KL / reverse KL / JSD).
 The JSD's were 135 and 86 with the series forms for the near columns (an ``expm1`` and two

@@ -13,7 +13,6 @@ Notation, per row: ``a = z - M_z``, ``b = u - M_u`` (``M`` the running maxima),
 ``S_z = sum e^a``, ``S_u = sum e^b``, ``W_z = sum e^a a``, ``W_u = sum e^b b``,
 ``F = sum e^b (b - a)``, ``R = sum e^a (a - b)``. Then ``H(p) = log S_z - W_z / S_z``,
 ``KL(q || p) = F / S_u + log(S_z / S_u)``, ``KL(p || q) = R / S_z - log(S_z / S_u)``.
-The stream sums no ``e^b``: ``S_u = S_z + G`` with ``G`` below.
 
 Near-cancellation: when ``p`` is near ``q`` every divergence is of order ``delta^2``
 (``delta = log q - log p``) while ``a``, ``b``, ``log S`` are of order ``log V``, so nothing of
@@ -281,7 +280,7 @@ def _pre_scale(x, valid, inv_cap, SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
 @triton.jit
 def _pair_step(
     s_row, t_row, start, V, s_stride_v, t_stride_v, inv_temperature, inv_cap, t_scale,
-    t_inv_cap, m_x, m_y, s_z, w_z, w_u, fwd, rev, gap, BLOCK_V: tl.constexpr,
+    t_inv_cap, m_x, m_y, s_z, s_u, w_z, w_u, fwd, rev, gap, BLOCK_V: tl.constexpr,
     ACC: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     SPLIT: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
@@ -307,14 +306,13 @@ def _pair_step(
     ref_u = tl.where(new_y == float("-inf"), 0.0, new_y * t_scale)
     if (new_x != m_x) | (new_y != m_y):
         # the running sums move to the new maxima (nothing to move while a stream is empty)
-        s_u = s_z + gap
         d_z = tl.where(m_x == float("-inf"), 0.0, m_x * inv_temperature - ref_z)
         d_u = tl.where(m_y == float("-inf"), 0.0, m_y * t_scale - ref_u)
         alpha_z = exp(d_z)
         alpha_u = exp(d_u)
         # alpha_u S_u - alpha_z S_z = alpha_z (gap + expm1(d_u - d_z) S_u) while the two
         # maxima move alike (no cancellation); the plain difference where they part (an
-        # expm1 of +-1000 would be inf or -1, its product with alpha_z NaN)
+        # expm1 of 1000 would be inf, its product with alpha_z = 0 NaN)
         dd = d_u - d_z
         close = (dd <= 1.0) & (dd >= -1.0)
         gap = tl.where(close, alpha_z * (gap + expm1(dd) * s_u), alpha_u * s_u - alpha_z * s_z)
@@ -323,6 +321,7 @@ def _pair_step(
         s_z = alpha_z * s_z
         w_u = alpha_u * (w_u + d_u * s_u)
         fwd = alpha_u * (fwd + (d_u - d_z) * s_u)
+        s_u = alpha_u * s_u
     # in the block after the branch, so that each is one multiply-add
     a = xs * inv_temperature - ref_z
     b = ys * t_scale - ref_u
@@ -336,6 +335,7 @@ def _pair_step(
     e_a = exp(a)
     e_b = exp(b)
     s_z += lane_sums(e_a, LANES, VEC)
+    s_u += lane_sums(e_b, LANES, VEC)
     w_z += lane_sums(e_a * lift_neg_inf(a), LANES, VEC)
     w_u += lane_sums(e_b * lift_neg_inf(b), LANES, VEC)
     # the polynomial of a far column's (even infinite or NaN) b - a is computed, not taken
@@ -345,7 +345,7 @@ def _pair_step(
     gap += lane_sums(gap_v, LANES, VEC)
     rev -= lane_sums(tl.where(e_a == 0, 0.0, e_a * b_minus_a), LANES, VEC)
     fwd += lane_sums(tl.where(e_b == 0, 0.0, e_b * b_minus_a), LANES, VEC)
-    return new_x, new_y, s_z, w_z, w_u, fwd, rev, gap
+    return new_x, new_y, s_z, s_u, w_z, w_u, fwd, rev, gap
 
 
 @triton.jit
@@ -368,7 +368,7 @@ def pair_moments(
 
     The running sums move to a new maximum only in a block that raises one (a uniform
     branch, rarely taken after a row's first blocks)."""
-    # the six running sums are kept a lane each (``lane_sums``; VEC: the student row's values
+    # the seven running sums are kept a lane each (``lane_sums``; VEC: the student row's values
     # a 16-byte load) and reduced across lanes after the loop: a shuffle tree a sum a block
     # was 0.1 of the 1.57 sm_90 warp instructions a logit of the exact KL's forward
     VEC: tl.constexpr = 128 // s_row.dtype.element_ty.primitive_bitwidth
@@ -379,6 +379,9 @@ def pair_moments(
     m_x = tl.full((), float("-inf"), ACC)  # the running maxima before the scale
     m_y = tl.full((), float("-inf"), ACC)
     s_z = tl.zeros((LANES,), ACC)
+    # S_u summed, not S_z + gap: a flat row against a peaked one (S_z ~ V, S_u ~ 1) would
+    # leave it V times fp32's roundoff off
+    s_u = tl.zeros((LANES,), ACC)
     w_z = tl.zeros((LANES,), ACC)
     w_u = tl.zeros((LANES,), ACC)
     fwd = tl.zeros((LANES,), ACC)  # sum e^b (b - a)
@@ -387,24 +390,24 @@ def pair_moments(
     # whole blocks unmasked, then the partial one
     n_whole = n_cols - n_cols % BLOCK_V
     for start in range(0, n_whole, BLOCK_V):
-        m_x, m_y, s_z, w_z, w_u, fwd, rev, gap = _pair_step(
+        m_x, m_y, s_z, s_u, w_z, w_u, fwd, rev, gap = _pair_step(
             s_row, t_row, start, V, s_stride_v, t_stride_v, inv_temperature, inv_cap, t_scale,
-            t_inv_cap, m_x, m_y, s_z, w_z, w_u, fwd, rev, gap, BLOCK_V, ACC, LANES, VEC,
+            t_inv_cap, m_x, m_y, s_z, s_u, w_z, w_u, fwd, rev, gap, BLOCK_V, ACC, LANES, VEC,
             HAS_SOFTCAP, SPLIT, TEACHER_SOFTCAP, False,
         )  # fmt: skip
     if n_whole < n_cols:
-        m_x, m_y, s_z, w_z, w_u, fwd, rev, gap = _pair_step(
+        m_x, m_y, s_z, s_u, w_z, w_u, fwd, rev, gap = _pair_step(
             s_row, t_row, n_whole, V, s_stride_v, t_stride_v, inv_temperature, inv_cap, t_scale,
-            t_inv_cap, m_x, m_y, s_z, w_z, w_u, fwd, rev, gap, BLOCK_V, ACC, LANES, VEC,
+            t_inv_cap, m_x, m_y, s_z, s_u, w_z, w_u, fwd, rev, gap, BLOCK_V, ACC, LANES, VEC,
             HAS_SOFTCAP, SPLIT, TEACHER_SOFTCAP, True,
         )  # fmt: skip
     s_z = tl.sum(s_z, 0)
+    s_u = tl.sum(s_u, 0)
     w_z = tl.sum(w_z, 0)
     w_u = tl.sum(w_u, 0)
     fwd = tl.sum(fwd, 0)
     rev = tl.sum(rev, 0)
     gap = tl.sum(gap, 0)
-    s_u = s_z + gap  # S_u as S_z and the difference summed term by term: no sum of e^b
     ref_z = tl.where(m_x == float("-inf"), 0.0, m_x * inv_temperature)
     ref_u = tl.where(m_y == float("-inf"), 0.0, m_y * t_scale)
     log_s_z = tl.log(s_z)
