@@ -536,6 +536,10 @@ def stream_instructions() -> list[str]:
         if len(loops) != 1:
             problems.append(f"{label}: {len(loops)} innermost loops, not the one block loop")
             continue
+        # the common path skips rarely-run work (a rescale), never most of the step
+        (whole,) = innermost_loops(compiled.asm["cubin"])
+        if loops[0] < 0.8 * whole:
+            problems.append(f"{label}: its common path skips {whole - loops[0]} of {whole}")
         per_logit = loops[0] * launch["num_warps"] / launch["BLOCK_V"]
         print(f"{label}: {per_logit:.3f} sm_90 instructions a logit (ceiling {ceiling})")
         if per_logit > ceiling:

@@ -800,10 +800,11 @@ WRITES = vocab_launch(151936, writes=True)
 LAUNCH = {k._distill_fwd_kernel: READS, k._distill_mixture_kernel: READS,
           k._distill_bwd_kernel: WRITES}
 # the JSD's sm_90 instructions a column, largest loop on its common path (the mixture pass;
-# measured 73.4 and 55 with Triton 3.9; the forward's two-row pass 44.5): compute-bound, so
-# their time; a change that brings back the series forms (135, 86) or a libdevice log fails
-# here
-CEILING = {k._distill_fwd_kernel: 76, k._distill_mixture_kernel: 76, k._distill_bwd_kernel: 58}
+# measured 73.4 and 51 with Triton 3.9): compute-bound, so their time; a change that brings
+# back the series forms (135, 86) or a libdevice log fails here. The forward of the other
+# divergences (its two-row pass alone, 44.5) has its own.
+CEILING = {k._distill_fwd_kernel: 76, k._distill_mixture_kernel: 76, k._distill_bwd_kernel: 54}
+FIRST_PASS_CEILING = 47
 
 count = 0
 for logits, acc, ACC in (("*bf16", "*fp32", tl.float32), ("*fp64", "*fp64", tl.float64)):
@@ -855,6 +856,16 @@ for fn, flags in ((k._distill_fwd_kernel, dict(HAS_TARGETS=True, HAS_MASK=True))
     per_column = [n * launch["num_warps"] * 32 / launch["BLOCK_V"]
                   for n in innermost_loops(c.asm["cubin"], common_path=True)]
     assert max(per_column) <= CEILING[fn], (fn.__name__, per_column)
+fn, launch = k._distill_fwd_kernel, LAUNCH[k._distill_fwd_kernel]
+names = [p.name for p in fn.params if not p.is_constexpr]
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+         if n.endswith("_ptr") or n in aligned}
+for mode in (0, 1):
+    c = build(fn, dict(BLOCK_V=launch["BLOCK_V"], ACC=tl.float32, MODE=mode, HAS_TARGETS=True,
+              HAS_MASK=True), "*bf16", "*fp32", unit, attrs, launch["num_warps"])
+    per_column = [n * launch["num_warps"] * 32 / launch["BLOCK_V"]
+                  for n in innermost_loops(c.asm["cubin"], common_path=True)]
+    assert max(per_column) <= FIRST_PASS_CEILING, ("first pass", mode, per_column)
 # as launched at V = 151936, every divergence: no register spilled (no stack in the cubin)
 for mode in range(3):
     for fn, flags in ((k._distill_fwd_kernel, dict(HAS_TARGETS=True, HAS_MASK=True)),

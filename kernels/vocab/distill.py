@@ -87,7 +87,8 @@ Triton 3.9, bf16; not timed): the forward's first pass 44.5 on a step that raise
 maximum (every ``beta``; 54 with a rescale every step and a degree-8 ``expm1``, 58 before
 its running sums were kept a lane each, ``kernels.common.lane_sums``),
 the JSD's mixture pass 73.4 (both kernels; 77.5 with a shuffle tree a block for its two
-sums and every block masked), the backward 40 / 28 / 55 (forward KL / reverse KL / JSD).
+sums and every block masked), the backward 37 / 25 / 51 (forward KL / reverse KL / JSD;
+40 / 28 / 55 with two compares a column in ``pair.gap_from``).
 The JSD's were 135 and 86 with the series forms for the near columns (an ``expm1`` and two
 Taylor series a column, and one ``log1p`` shared by the near and far forms:
 ``pair.log1p_unit`` for the far ones now), 224 and 130 before the two forms shared it; 71,

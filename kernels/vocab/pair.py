@@ -153,7 +153,8 @@ def gap_from(w, a, b, ref_z, ref_u):
     the student-teacher gap) where ``|M_u - M_z| <= max(|a|, |b|)`` (then ``|w| <= 3
     max(|a|, |b|)``: either form is within a few roundings of that size), else ``b - a``
     (large offsets between the rows' maxima, NaN). One compare a column: a test of ``|w|``
-    as well cost two more instructions of the exact KL's forward (sm_90)."""
+    as well cost three more instructions a column of the exact KL's forward and backward
+    (sm_90)."""
     dm = ref_u - ref_z
     big = nan_max(tl.abs(a), tl.abs(b))  # NaN: not direct, b - a (NaN) is taken
     return tl.where(tl.abs(dm) <= big, w - dm, b - a)
@@ -251,9 +252,10 @@ def pair_columns(
 def expm1_small(v):
     """``e^v - 1`` for ``|v| <= 0.35`` (:func:`pair_moments`' near-equal columns). fp32:
     ``v P(v)``, ``P`` the degree-5 fit of ``expm1(v) / v`` on ``[-0.35, 0.35]`` (relative
-    fit error ``1.2e-8``), six multiply-adds where :func:`expm1_near` takes nine; within
-    about 2 units of fp32 roundoff of float64 (2.1 measured with fused multiply-adds, as
-    compiled). fp64: :func:`_expm1_by_log`."""
+    fit error ``1.2e-8``, ``2.3e-8`` with its coefficients rounded to fp32: a bias of that
+    size, below the rows' own rounding), six multiply-adds where :func:`expm1_near` takes
+    nine; within about 2 units of fp32 roundoff of float64 (2.2 measured, with or without
+    fused multiply-adds). fp64: :func:`_expm1_by_log`."""
     if v.dtype == tl.float64:
         return _expm1_by_log(v)
     c = 0.001388127662832549
