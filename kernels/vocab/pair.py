@@ -289,12 +289,8 @@ def _pair_step(
     """One block of :func:`pair_moments`' loop, from ``start``: the running maxima (before
     the scale) and sums after it. ``MASKED``: the block runs past ``V``."""
     cols = start + tl.arange(0, BLOCK_V)
-    if MASKED:  # the last, partial block (-inf past V)
-        x = load_block(s_row, cols, V, s_stride_v, ACC)
-        y = load_block(t_row, cols, V, t_stride_v, ACC)
-    else:  # a whole block: no mask, no -inf written into the padding's registers first
-        x = load_block(s_row, cols, V, s_stride_v, ACC, False)
-        y = load_block(t_row, cols, V, t_stride_v, ACC, False)
+    x = load_block(s_row, cols, V, s_stride_v, ACC, MASKED)
+    y = load_block(t_row, cols, V, t_stride_v, ACC, MASKED)
     xs = _pre_scale(x, cols < V, inv_cap, HAS_SOFTCAP, MASKED)
     if SPLIT:
         ys = _pre_scale(y, cols < V, t_inv_cap, TEACHER_SOFTCAP, MASKED)
