@@ -83,11 +83,12 @@ heavy=True)`` (one warp, 512 columns a step: no cross-warp reduction, no spill);
 backward writes the gradient row, ``vocab_launch(V, writes=True)``.
 
 Instructions a column of each loop (compiled for sm_90a and disassembled on the CPU,
-Triton 3.9, bf16; not timed): the forward's first pass 44.5 on a step that raises no
-maximum (every ``beta``; 54 with a rescale every step and a degree-8 ``expm1``, 58 before
-its running sums were kept a lane each, ``kernels.common.lane_sums``),
-the JSD's mixture pass 73.4 (both kernels; 77.5 with a shuffle tree a block for its two
-sums and every block masked), the backward 37 / 25 / 51 (forward KL / reverse KL / JSD;
+Triton 3.9, bf16; not timed): the forward's first pass 41.1 on a step that moves no
+reference (every ``beta``; 44.5 with each step's two maxima, 54 with a rescale every step
+and a degree-8 ``expm1``, 58 before its running sums were kept a lane each,
+``kernels.common.lane_sums``), the JSD's mixture pass 73.3 / 73.8 (its own kernel / the
+forward's; 77.5 with a shuffle tree a block for its two sums and every block masked), the
+backward 37 / 25 / 51 (forward KL / reverse KL / JSD;
 40 / 28 / 55 with two compares a column in ``pair.gap_from``).
 The JSD's were 135 and 86 with the series forms for the near columns (an ``expm1`` and two
 Taylor series a column, and one ``log1p`` shared by the near and far forms:
