@@ -93,6 +93,23 @@ def lift_neg_inf(x):
 
 
 @triton.jit
+def lower_pos_inf_drop_nan(x):
+    """``min(x, FLT_MAX)``, NaN taken to ``FLT_MAX``: ``w * lower_pos_inf_drop_nan(x)`` is 0
+    where a weight ``w`` is 0 and ``x`` is ``+inf`` or NaN (a ``0 log 0`` term), and stays
+    ``-inf`` where ``w > 0`` and ``x = -inf``; one instruction where a compare and a select
+    tested ``w``. For a term whose ``x`` can be NaN only where its weight is 0 (a row's own
+    NaN reaches its sums through the weights)."""
+    return tl.minimum(x, 3.4028234663852886e38, propagate_nan=tl.PropagateNan.NONE)
+
+
+@triton.jit
+def lift_neg_inf_drop_nan(x):
+    """``max(x, -FLT_MAX)``, NaN taken to ``-FLT_MAX``: :func:`lower_pos_inf_drop_nan`'s
+    mirror (``0`` for a zero weight times ``-inf`` or NaN, ``+inf`` kept)."""
+    return tl.maximum(x, -3.4028234663852886e38, propagate_nan=tl.PropagateNan.NONE)
+
+
+@triton.jit
 def nan_min(a, b):
     """``torch.minimum(a, b)``: NaN if either is NaN."""
     return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
@@ -120,6 +137,13 @@ def cast_for(x, ptr):
         return x.to(tl.float64)
     else:
         return x.to(tl.float32).to(ptr.dtype.element_ty)
+
+
+@triton.jit
+def lane_maxima(x, LANES: tl.constexpr, VEC: tl.constexpr):
+    """A one-warp block's values reduced to ``LANES`` maxima, one a lane, with no cross-lane
+    traffic (:func:`lane_sums`' layout)."""
+    return tl.max(tl.max(tl.reshape(x, (x.shape[0] // (LANES * VEC), LANES, VEC)), 2), 0)
 
 
 @triton.jit

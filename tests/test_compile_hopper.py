@@ -95,7 +95,7 @@ def test_innermost_loops_of_a_listing():
 
 
 # a block loop with a uniform branch over two instructions of rarely-run work (the exact
-# KL's rescale, which moves its references), then the closing spin
+# KL's rescale to a new maximum), then the closing spin
 _BRANCHED = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
 .L_x_0:

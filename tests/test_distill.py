@@ -432,15 +432,15 @@ def test_flat_student_peaked_teacher(beta, device):
     check_against_oracle(s.to(device), t.to(device), backend="triton", beta=beta)
 
 
-def _rows_behind_the_first_block(kind, vocab, gen):
+def _rows_above_the_first_block(kind, vocab, gen):
     """One student and one teacher row of ``vocab`` (four 512-column blocks and a partial
     one at 2051) whose later blocks reach past the first block's maximum."""
     s = torch.randn(1, 1, vocab, generator=gen, dtype=torch.float64)
     t = s + 0.5 * torch.randn(1, 1, vocab, generator=gen, dtype=torch.float64)
-    if kind == "a little above":  # kept on the first block's references (within log 4)
+    if kind == "a little above":
         s[..., :512] -= 1.3
         t[..., :512] -= 1.2
-    elif kind == "one value far above":  # one lane's sum passes the bound
+    elif kind == "one value far above":  # one lane of one block raises each maximum
         s[..., 1500] = s[..., :512].max() + 5.0
         t[..., 700] = t[..., :512].max() + 4.5
     elif kind == "rising by 100 a block":  # e^100 overflows fp32
@@ -458,21 +458,21 @@ def _rows_behind_the_first_block(kind, vocab, gen):
     "kind",
     ("a little above", "one value far above", "rising by 100 a block", "a peak in the last block"),
 )
-def test_references_behind_the_first_block(kind, vocab, beta, device):
-    """The forward sums a block against the references it finds (the maxima of the blocks
-    that moved them) while each term stays below ``4 n`` (``n`` values a lane), and moves
-    them otherwise (``kernels/vocab/pair.py``, ``RESCALE_PER_VALUE``): rows kept a little
-    behind their maxima, rows that move them once, every block, at the end. One row a call,
-    so every metric is that row's own, against the float64 oracle."""
-    s, t = _rows_behind_the_first_block(kind, vocab, torch.Generator().manual_seed(23))
+def test_maxima_above_the_first_block(kind, vocab, beta, device):
+    """The forward moves its running sums only in a block one of whose lanes holds a value
+    above a running maximum (``kernels/vocab/pair.py``: each lane's maxima, one flag a lane):
+    rows whose later blocks pass the first block's maxima a little, in one value of one
+    lane, by 100 a block (``e^100`` overflows fp32), in the last column. One row a call, so
+    every metric is that row's own, against the float64 oracle."""
+    s, t = _rows_above_the_first_block(kind, vocab, torch.Generator().manual_seed(23))
     check_against_oracle(s.to(device), t.to(device), backend="triton", beta=beta)
 
 
 @pytest.mark.parametrize("beta", (0.0, 0.5, 1.0))
 def test_no_value_in_the_first_block(beta, device):
-    """A first block of ``-inf`` in both rows, then values near ``-1000``: the references come
-    from the first values (from 0, every ``e^(z - 0)`` would be 0). Against the oracle on the
-    finite columns; the ``-inf`` columns' gradient is 0."""
+    """A first block of ``-inf`` in both rows, then values near ``-1000``: the running maxima
+    come from the first values (from 0, every ``e^(z - 0)`` would be 0). Against the oracle on
+    the finite columns; the ``-inf`` columns' gradient is 0."""
     gen = torch.Generator().manual_seed(29)
     s = torch.randn(1, 2, 1539, generator=gen) - 1000.0
     t = s + 0.5 * torch.randn(1, 2, 1539, generator=gen)
@@ -859,7 +859,7 @@ LAUNCH = {k._distill_fwd_kernel: READS, k._distill_mixture_kernel: READS,
 # the JSD's sm_90 instructions a column, largest loop on its common path (the mixture pass;
 # measured 73.4 and 51 with Triton 3.9): compute-bound, so their time; a change that brings
 # back the series forms (135, 86) or a libdevice log fails here. The forward of the other
-# divergences (its two-row pass alone, 41.1; 44.5 with the blocks' maxima a step) has its own.
+# divergences (its two-row pass alone, 40.1; 44.5 with two shuffle trees a step) has its own.
 CEILING = {k._distill_fwd_kernel: 76, k._distill_mixture_kernel: 76, k._distill_bwd_kernel: 54}
 FIRST_PASS_CEILING = 43
 

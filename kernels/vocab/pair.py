@@ -1,16 +1,15 @@
 """Two logits rows streamed together: the statistics of ``p = softmax(z)`` and
 ``q = softmax(u)`` (``z = x / T``, ``u = y / T``; soft-capped ``z = c tanh(s x / c) / T``, a
-logit scale ``s`` folded into the constants) in one pass, kept relative to a reference near
-each row's running maximum, and the divergences between them without cancellation. Both
-rows share one transform, except under ``SPLIT`` (distillation between models with their
-own logit scale or soft cap): each row then has its own (``split_values``).
+logit scale ``s`` folded into the constants) in one pass, kept relative to each row's
+running maximum, and the divergences between them without cancellation. Both rows share
+one transform, except under ``SPLIT`` (distillation between models with their own logit
+scale or soft cap): each row then has its own (``split_values``).
 
 Used by on-policy distillation (``kernels/vocab/distill.py``: student and teacher) and by
 the exact KL of the policy loss (``kernels/vocab/policy_fused.py``, ``kl_estimator="full"``:
 policy and reference, gradient in ``kernels/vocab/layer3.py``).
 
-Notation, per row: ``a = z - M_z``, ``b = u - M_u`` (``M`` the references: each row's
-maximum over the blocks that moved it, within ``log(4 n)`` below the running maximum, below),
+Notation, per row: ``a = z - M_z``, ``b = u - M_u`` (``M`` the running maxima),
 ``S_z = sum e^a``, ``S_u = sum e^b``, ``W_z = sum e^a a``, ``W_u = sum e^b b``,
 ``F = sum e^b (b - a)``, ``R = sum e^a (a - b)``. Then ``H(p) = log S_z - W_z / S_z``,
 ``KL(q || p) = F / S_u + log(S_z / S_u)``, ``KL(p || q) = R / S_z - log(S_z / S_u)``.
@@ -24,21 +23,19 @@ own per-column terms ``e^a expm1(b - a)`` (``log_ratio_of_sums``). Per column
 ``delta = (b - a) + log(S_z / S_u)`` (``near_delta``): a row constant's rounding moves every
 ``delta`` alike, a first-order change of 0 in every divergence.
 
-References: a block is summed against the references it finds unless a term may pass
-``4 n`` (``n = BLOCK_V / LANES`` values a lane: some lane's partial sum of ``e^a`` or
-``e^b`` does) or a row has had no value yet; then the references move to the maxima so far
-by ``-d`` (``d = M_old - M_new <= 0``), the running sums are rescaled, ``S <- e^d S``, ``W
-<- e^d (W + d S)``, ``F`` / ``R`` also shifted by the other stream's ``d``, and the block is
-summed anew (a uniform branch). A kept block's terms are at most ``4 n``, so a reference
-stays within ``log(4 n)`` (4.2 at ``n = 16``) below its row's running maximum: no overflow,
-``log S <= log V + 4.2``, the same statistics; a block whose values all lie within ``log 4``
-above the references is kept. Testing the lanes' sums, which the stream forms anyway, one
-flag a lane reduced as an integer (one instruction), takes neither the blocks' maxima nor
-their shuffle trees: 1.18 -> 1.08 sm_90 instructions a logit of the exact KL's forward.
+When a block raises a maximum by ``-d`` (``d = M_old - M_new <= 0``) the running sums are
+rescaled online, in that block only: ``S <- e^d S``, ``W <- e^d (W + d S)``, and ``F`` /
+``R`` also shift by the other stream's ``d``. The branch is uniform: each lane's maxima
+(no cross-lane traffic) give one integer flag a lane, reduced across the warp by one
+instruction (``REDUX``); the block's maxima across the lanes (two shuffle trees) are taken
+inside it, by the few blocks that raise one (3 to 22 of the 297 of a row of 151936
+Gaussian or Gumbel logits, by a NumPy model).
 
-A term whose weight ``e^a`` (``e^b``) is exactly 0 contributes 0 (``0 * -inf`` guarded with
-a ``where`` that keeps NaN as NaN), so ``-inf`` logits give the finite limit; a NaN logit
-makes the row NaN.
+A term whose weight ``e^a`` (``e^b``) is exactly 0 contributes 0, so ``-inf`` logits give
+the finite limit: ``e^a a`` as ``e^a max(a, -FLT_MAX)`` (NaN kept), ``e^a (b - a)`` as ``e^a
+min(b - a, FLT_MAX)`` (NaN dropped: ``b - a`` is NaN where both are ``-inf``, the block's
+tail), each one instruction where a compare and a select tested the weight. A NaN logit
+makes the row NaN through its sums.
 
 Gradient of the reverse KL through the softmax (``reverse_kl_grad``):
 ``dKL(p || q)/dz_v = p_v (log p_v - log q_v - KL(p || q)) = p_v (-delta_v - KL)``; 0 where
@@ -49,7 +46,16 @@ which makes every column's gradient non-finite, those columns NaN.
 import triton
 import triton.language as tl
 
-from ..common import exp, lane_sums, lift_neg_inf, nan_max, tanh_and_sech2
+from ..common import (
+    exp,
+    lane_maxima,
+    lane_sums,
+    lift_neg_inf,
+    lift_neg_inf_drop_nan,
+    lower_pos_inf_drop_nan,
+    nan_max,
+    tanh_and_sech2,
+)
 from .layer1 import scaled_logits
 
 
@@ -290,34 +296,15 @@ def _pre_scale(x, valid, inv_cap, SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
     return x
 
 
-# a kept block's terms are at most this times its values a lane (module docstring, References)
-RESCALE_PER_VALUE = tl.constexpr(4.0)
-
-
-@triton.jit
-def _pair_terms(xs, ys, ref_z, ref_u, inv_temperature, t_scale, LANES: tl.constexpr,
-                VEC: tl.constexpr):  # fmt: skip
-    """``(a, b, e^a, e^b)`` of a block against the references, and each lane's partial sums
-    of ``e^a`` and ``e^b``."""
-    # in the block of their use, so that each is one multiply-add
-    a = xs * inv_temperature - ref_z
-    b = ys * t_scale - ref_u
-    e_a = exp(a)
-    e_b = exp(b)
-    return a, b, e_a, e_b, lane_sums(e_a, LANES, VEC), lane_sums(e_b, LANES, VEC)
-
-
 @triton.jit
 def _pair_step(
     s_row, t_row, start, V, s_stride_v, t_stride_v, inv_temperature, inv_cap, t_scale,
-    t_inv_cap, m_x, m_y, ref_z, ref_u, s_z, s_u, w_z, w_u, fwd, rev, gap,
-    BLOCK_V: tl.constexpr, ACC: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr,
-    MASKED: tl.constexpr,
+    t_inv_cap, m_x, m_y, s_z, s_u, w_z, w_u, fwd, rev, gap, BLOCK_V: tl.constexpr,
+    ACC: tl.constexpr, LANES: tl.constexpr, VEC: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    SPLIT: tl.constexpr, TEACHER_SOFTCAP: tl.constexpr, MASKED: tl.constexpr,
 ):  # fmt: skip
-    """One block of :func:`pair_moments`' loop, from ``start``: the references (the maxima
-    before the scale ``m_x`` / ``m_y`` and after it ``ref_z`` / ``ref_u``) and the sums
-    after it. ``MASKED``: the block runs past ``V``."""
+    """One block of :func:`pair_moments`' loop, from ``start``: the running maxima (before
+    the scale) and sums after it. ``MASKED``: the block runs past ``V``."""
     cols = start + tl.arange(0, BLOCK_V)
     x = load_block(s_row, cols, V, s_stride_v, ACC, MASKED)
     y = load_block(t_row, cols, V, t_stride_v, ACC, MASKED)
@@ -326,28 +313,25 @@ def _pair_step(
         ys = _pre_scale(y, cols < V, t_inv_cap, TEACHER_SOFTCAP, MASKED)
     else:
         ys = _pre_scale(y, cols < V, inv_cap, HAS_SOFTCAP, MASKED)
-    a, b, e_a, e_b, part_z, part_u = _pair_terms(xs, ys, ref_z, ref_u, inv_temperature,
-                                                 t_scale, LANES, VEC)  # fmt: skip
-    # one flag a lane, reduced across the warp as an integer (one instruction); a NaN partial
-    # keeps the references (its row's sums are NaN whatever they are)
-    rescale_at = RESCALE_PER_VALUE * (BLOCK_V // LANES)
-    big = (tl.maximum(part_z, part_u) > rescale_at).to(tl.int32)
-    empty = (m_x == float("-inf")) | (m_y == float("-inf"))  # a stream with no values yet
-    if empty | (tl.max(big, 0) > 0):
-        # max(x) s is max(x s) (a positive scale rounds monotonically): a multiply a block,
-        # not a value
-        new_x = nan_max(m_x, tl.max(xs, 0))
-        new_y = nan_max(m_y, tl.max(ys, 0))
-        new_z = tl.where(new_x == float("-inf"), 0.0, new_x * inv_temperature)
-        new_u = tl.where(new_y == float("-inf"), 0.0, new_y * t_scale)
-        # the running sums move to the new references (nothing to move while a stream is
-        # empty: its sums are 0)
-        d_z = tl.where(m_x == float("-inf"), 0.0, ref_z - new_z)
-        d_u = tl.where(m_y == float("-inf"), 0.0, ref_u - new_u)
+    # each lane's maxima, and whether any lane raises a running maximum as one integer
+    # flag reduced across the warp (one instruction): the block's maxima across the lanes
+    # (two shuffle trees) only in a block that raises one. max(x) s is max(x s) (a positive
+    # scale rounds monotonically): a multiply a block, not a value
+    lane_x = lane_maxima(xs, LANES, VEC)
+    lane_y = lane_maxima(ys, LANES, VEC)
+    raised = ((lane_x > m_x) | (lane_y > m_y)).to(tl.int32)
+    if tl.max(raised, 0) > 0:
+        new_x = nan_max(m_x, tl.max(lane_x, 0))
+        new_y = nan_max(m_y, tl.max(lane_y, 0))
+        # the running sums move to the new maxima (nothing to move while a stream is empty)
+        ref_z = tl.where(new_x == float("-inf"), 0.0, new_x * inv_temperature)
+        ref_u = tl.where(new_y == float("-inf"), 0.0, new_y * t_scale)
+        d_z = tl.where(m_x == float("-inf"), 0.0, m_x * inv_temperature - ref_z)
+        d_u = tl.where(m_y == float("-inf"), 0.0, m_y * t_scale - ref_u)
         alpha_z = exp(d_z)
         alpha_u = exp(d_u)
         # alpha_u S_u - alpha_z S_z = alpha_z (gap + expm1(d_u - d_z) S_u) while the two
-        # references move alike (no cancellation); the plain difference where they part (an
+        # maxima move alike (no cancellation); the plain difference where they part (an
         # expm1 of 1000 would be inf, its product with alpha_z = 0 NaN)
         dd = d_u - d_z
         close = (dd <= 1.0) & (dd >= -1.0)
@@ -358,9 +342,12 @@ def _pair_step(
         w_u = alpha_u * (w_u + d_u * s_u)
         fwd = alpha_u * (fwd + (d_u - d_z) * s_u)
         s_u = alpha_u * s_u
-        m_x, m_y, ref_z, ref_u = new_x, new_y, new_z, new_u
-        a, b, e_a, e_b, part_z, part_u = _pair_terms(xs, ys, ref_z, ref_u, inv_temperature,
-                                                     t_scale, LANES, VEC)  # fmt: skip
+        m_x, m_y = new_x, new_y
+    ref_z = tl.where(m_x == float("-inf"), 0.0, m_x * inv_temperature)
+    ref_u = tl.where(m_y == float("-inf"), 0.0, m_y * t_scale)
+    # in the block after the branch, so that each is one multiply-add
+    a = xs * inv_temperature - ref_z
+    b = ys * t_scale - ref_u
     if SPLIT:
         b_minus_a = gap_from(ys * t_scale - xs * inv_temperature, a, b, ref_z, ref_u)
     elif HAS_SOFTCAP:
@@ -368,8 +355,10 @@ def _pair_step(
         b_minus_a = gap_from(w, a, b, ref_z, ref_u)
     else:
         b_minus_a = logit_gap(x, y, a, b, inv_temperature, ref_z, ref_u)
-    s_z += part_z
-    s_u += part_u
+    e_a = exp(a)
+    e_b = exp(b)
+    s_z += lane_sums(e_a, LANES, VEC)
+    s_u += lane_sums(e_b, LANES, VEC)
     w_z += lane_sums(e_a * lift_neg_inf(a), LANES, VEC)
     w_u += lane_sums(e_b * lift_neg_inf(b), LANES, VEC)
     # the polynomial of a far column's (even infinite or NaN) b - a is computed, not taken
@@ -377,9 +366,12 @@ def _pair_step(
     gap_v = tl.where(near, e_a * expm1_small(b_minus_a), e_b - e_a)
     # e^a == 0 (a < -87.3): a near column's e^b is below 2^-125 too, a far one's is exact
     gap += lane_sums(gap_v, LANES, VEC)
-    rev -= lane_sums(tl.where(e_a == 0, 0.0, e_a * b_minus_a), LANES, VEC)
-    fwd += lane_sums(tl.where(e_b == 0, 0.0, e_b * b_minus_a), LANES, VEC)
-    return m_x, m_y, ref_z, ref_u, s_z, s_u, w_z, w_u, fwd, rev, gap
+    # e^a (b - a) is 0 where e^a is: b - a is then +inf (a = -inf) or NaN (both -inf: the
+    # block's tail); it passes FLT_MAX only there (a and b are at most 0), and -inf where
+    # e^a > 0 stays, a KL of +inf. Likewise e^b (b - a)
+    rev -= lane_sums(e_a * lower_pos_inf_drop_nan(b_minus_a), LANES, VEC)
+    fwd += lane_sums(e_b * lift_neg_inf_drop_nan(b_minus_a), LANES, VEC)
+    return m_x, m_y, s_z, s_u, w_z, w_u, fwd, rev, gap
 
 
 @triton.jit
@@ -391,8 +383,7 @@ def pair_moments(
 ):  # fmt: skip
     """Pass 1: stream both rows once (``n_cols`` = V, or 0 to read nothing). Returns
     ``(M_z, log S_z, H(p), M_u, log S_u, H(q), KL(q || p), KL(p || q), log(S_z / S_u))``
-    (module docstring; ``M`` is 0 for a row that is all ``-inf`` or empty; ``M + log S`` the
-    log-normaliser). ``HAS_SOFTCAP``:
+    (module docstring; ``M`` is 0 for a row that is all ``-inf`` or empty). ``HAS_SOFTCAP``:
     both rows soft-capped, ``z = c tanh(s x / c) / T`` (``layer1.scaled_logits``:
     ``inv_temperature`` carries ``c / T``, ``inv_cap`` ``s / c``, the logit scale ``s``
     folded in); ``b - a`` then from :func:`capped_gap`. ``SPLIT``: the teacher's row has a
@@ -401,9 +392,8 @@ def pair_moments(
     from the two transformed values' difference ``u - z`` (:func:`gap_from`); the
     near-cancellation forms above need one transform for both rows.
 
-    ``M`` is a reference within ``log(4 n)`` below the row's maximum (module docstring):
-    the running sums move only in a block that would put a term above ``4 n``, or in a row's
-    first blocks (a uniform branch), and every statistic is relative to it."""
+    The running sums move to a new maximum only in a block that raises one (a uniform
+    branch, taken by few blocks after a row's first)."""
     # the seven running sums are kept a lane each (``lane_sums``; VEC: the student row's values
     # a 16-byte load) and reduced across lanes after the loop: a shuffle tree a sum a block
     # was 0.1 of the 1.57 sm_90 warp instructions a logit of the exact KL's forward
@@ -412,10 +402,8 @@ def pair_moments(
     t_scale = inv_temperature
     if SPLIT:
         t_scale = t_inv_temperature
-    m_x = tl.full((), float("-inf"), ACC)  # the references before the scale
+    m_x = tl.full((), float("-inf"), ACC)  # the running maxima before the scale
     m_y = tl.full((), float("-inf"), ACC)
-    ref_z = tl.zeros((), ACC)  # and after it (0 while a stream has no values)
-    ref_u = tl.zeros((), ACC)
     s_z = tl.zeros((LANES,), ACC)
     # S_u summed, not S_z + gap: a flat row against a peaked one (S_z ~ V, S_u ~ 1) would
     # leave it V times fp32's roundoff off
@@ -428,17 +416,15 @@ def pair_moments(
     # whole blocks unmasked, then the partial one
     n_whole = n_cols - n_cols % BLOCK_V
     for start in range(0, n_whole, BLOCK_V):
-        m_x, m_y, ref_z, ref_u, s_z, s_u, w_z, w_u, fwd, rev, gap = _pair_step(
+        m_x, m_y, s_z, s_u, w_z, w_u, fwd, rev, gap = _pair_step(
             s_row, t_row, start, V, s_stride_v, t_stride_v, inv_temperature, inv_cap, t_scale,
-            t_inv_cap, m_x, m_y, ref_z, ref_u, s_z, s_u, w_z, w_u, fwd, rev, gap, BLOCK_V, ACC,
-            LANES, VEC,
+            t_inv_cap, m_x, m_y, s_z, s_u, w_z, w_u, fwd, rev, gap, BLOCK_V, ACC, LANES, VEC,
             HAS_SOFTCAP, SPLIT, TEACHER_SOFTCAP, False,
         )  # fmt: skip
     if n_whole < n_cols:
-        m_x, m_y, ref_z, ref_u, s_z, s_u, w_z, w_u, fwd, rev, gap = _pair_step(
+        m_x, m_y, s_z, s_u, w_z, w_u, fwd, rev, gap = _pair_step(
             s_row, t_row, n_whole, V, s_stride_v, t_stride_v, inv_temperature, inv_cap, t_scale,
-            t_inv_cap, m_x, m_y, ref_z, ref_u, s_z, s_u, w_z, w_u, fwd, rev, gap, BLOCK_V, ACC,
-            LANES, VEC,
+            t_inv_cap, m_x, m_y, s_z, s_u, w_z, w_u, fwd, rev, gap, BLOCK_V, ACC, LANES, VEC,
             HAS_SOFTCAP, SPLIT, TEACHER_SOFTCAP, True,
         )  # fmt: skip
     s_z = tl.sum(s_z, 0)
@@ -448,6 +434,8 @@ def pair_moments(
     fwd = tl.sum(fwd, 0)
     rev = tl.sum(rev, 0)
     gap = tl.sum(gap, 0)
+    ref_z = tl.where(m_x == float("-inf"), 0.0, m_x * inv_temperature)
+    ref_u = tl.where(m_y == float("-inf"), 0.0, m_y * t_scale)
     log_s_z = tl.log(s_z)
     log_s_u = tl.log(s_u)
     h_z = log_s_z - w_z / s_z
