@@ -86,10 +86,12 @@ Instructions a column of each loop (compiled for sm_90a and disassembled on the 
 Triton 3.9, bf16; not timed): the forward's first pass 40.1 on a step that raises no
 maximum (every ``beta``; 44.5 with two shuffle trees a step, 54 with a rescale every step
 and a degree-8 ``expm1``, 58 before its running sums were kept a lane each,
-``kernels.common.lane_sums``), the JSD's mixture pass 73.4 (both kernels; 77.5 with a
-shuffle tree a block for its two sums and every block masked), the backward 37 / 25 / 51
+``kernels.common.lane_sums``), the JSD's mixture pass 70.8 (both kernels; 73.4 with a
+compare and a select guarding each of its three ``0 log 0`` products, where a NaN-dropping
+clamp takes one instruction, ``kernels.common.lower_pos_inf_drop_nan``; 77.5 with a
+shuffle tree a block for its two sums and every block masked), the backward 37 / 25 / 50
 (forward KL / reverse KL / JSD; 40 / 28 / 55 with two compares a column in
-``pair.gap_from``).
+``pair.gap_from``, the JSD's 51 with its guard).
 The JSD's were 135 and 86 with the series forms for the near columns (an ``expm1`` and two
 Taylor series a column, and one ``log1p`` shared by the near and far forms:
 ``pair.log1p_unit`` for the far ones now), 224 and 130 before the two forms shared it; 71,
@@ -623,7 +625,8 @@ def _distill_bwd_kernel(
             g = reverse_kl_grad(p, delta, c)
         else:
             excess = mixture_log(delta, mix, ACC)
-            g = tl.where(p == 0, c - c, p * (excess - c))  # 0, NaN if c is not finite
+            # L is +inf where p = 0 < q, NaN where both are 0: 0 there, NaN if c is not finite
+            g = p * (lower_pos_inf_drop_nan(excess) - c)
         g = tl.where(active, coef * g * dx, 0.0)
         tl.store(grad_row + cols, cast_for(g, grad_ptr), mask=cols < V)
 
