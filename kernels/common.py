@@ -140,10 +140,18 @@ def cast_for(x, ptr):
 
 
 @triton.jit
+def _max_dropping_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.NONE)
+
+
+@triton.jit
 def lane_maxima(x, LANES: tl.constexpr, VEC: tl.constexpr):
     """A one-warp block's values reduced to ``LANES`` maxima, one a lane, with no cross-lane
-    traffic (:func:`lane_sums`' layout)."""
-    return tl.max(tl.max(tl.reshape(x, (x.shape[0] // (LANES * VEC), LANES, VEC)), 2), 0)
+    traffic (:func:`lane_sums`' layout), in ``x``'s own dtype (``tl.max`` would widen bf16
+    to fp32 first: bf16 / fp16 pairs take one ``HMNMX2`` where fp32 takes two ``FMNMX``).
+    NaN is dropped (a NaN reaches a row's sums anyway)."""
+    blocks = tl.reshape(x, (x.shape[0] // (LANES * VEC), LANES, VEC))
+    return tl.reduce(tl.reduce(blocks, 2, _max_dropping_nan), 0, _max_dropping_nan)
 
 
 @triton.jit

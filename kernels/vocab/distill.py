@@ -83,7 +83,7 @@ heavy=True)`` (one warp, 512 columns a step: no cross-warp reduction, no spill);
 backward writes the gradient row, ``vocab_launch(V, writes=True)``.
 
 Instructions a column of each loop (compiled for sm_90a and disassembled on the CPU,
-Triton 3.9, bf16; not timed): the forward's first pass 40.1 on a step that raises no
+Triton 3.9, bf16; not timed): the forward's first pass 39.3 on a step that raises no
 maximum (every ``beta``; 44.5 with two shuffle trees a step, 54 with a rescale every step
 and a degree-8 ``expm1``, 58 before its running sums were kept a lane each,
 ``kernels.common.lane_sums``), the JSD's mixture pass 70.8 (both kernels; 73.4 with a

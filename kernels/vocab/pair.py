@@ -26,10 +26,11 @@ own per-column terms ``e^a expm1(b - a)`` (``log_ratio_of_sums``). Per column
 When a block raises a maximum by ``-d`` (``d = M_old - M_new <= 0``) the running sums are
 rescaled online, in that block only: ``S <- e^d S``, ``W <- e^d (W + d S)``, and ``F`` /
 ``R`` also shift by the other stream's ``d``. The branch is uniform: each lane's maxima
-(no cross-lane traffic) give one integer flag a lane, reduced across the warp by one
-instruction (``REDUX``); the block's maxima across the lanes (two shuffle trees) are taken
-inside it, by the few blocks that raise one (3 to 22 of the 297 of a row of 151936
-Gaussian or Gumbel logits, by a NumPy model).
+(no cross-lane traffic; an uncapped row's in its own dtype, bf16 pairs a max) give one
+integer flag a lane, reduced across the warp by one instruction (``REDUX``); the block's
+maxima across the lanes (two shuffle trees) are taken inside it, by the few blocks that
+raise one (3 to 22 of the 297 of a row of 151936 Gaussian or Gumbel logits, by a NumPy
+model).
 
 A term whose weight ``e^a`` (``e^b``) is exactly 0 contributes 0, so ``-inf`` logits give
 the finite limit: ``e^a a`` as ``e^a max(a, -FLT_MAX)`` (NaN kept), ``e^a (b - a)`` as ``e^a
@@ -145,14 +146,19 @@ def log_ratio_of_sums(s_z, s_u, gap):
 
 
 @triton.jit
-def load_block(row_ptr, cols, V, stride_v, ACC: tl.constexpr, MASKED: tl.constexpr = True):
-    """A block of a row in ``ACC``, ``-inf`` past ``V``; ``MASKED=False``: a whole block,
-    loaded with no mask (no ``-inf`` written into the registers before the load)."""
+def load_native(row_ptr, cols, V, stride_v, MASKED: tl.constexpr = True):
+    """A block of a row in its own dtype, ``-inf`` past ``V``; ``MASKED=False``: a whole
+    block, loaded with no mask (no ``-inf`` written into the registers before the load)."""
     if MASKED:
-        x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V, other=float("-inf"))
-    else:
-        x = tl.load(row_ptr + cols.to(tl.int64) * stride_v)
-    return x.to(ACC)
+        return tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V,
+                       other=float("-inf"))  # fmt: skip
+    return tl.load(row_ptr + cols.to(tl.int64) * stride_v)
+
+
+@triton.jit
+def load_block(row_ptr, cols, V, stride_v, ACC: tl.constexpr, MASKED: tl.constexpr = True):
+    """:func:`load_native`'s block in ``ACC``."""
+    return load_native(row_ptr, cols, V, stride_v, MASKED).to(ACC)
 
 
 @triton.jit
@@ -306,19 +312,20 @@ def _pair_step(
     """One block of :func:`pair_moments`' loop, from ``start``: the running maxima (before
     the scale) and sums after it. ``MASKED``: the block runs past ``V``."""
     cols = start + tl.arange(0, BLOCK_V)
-    x = load_block(s_row, cols, V, s_stride_v, ACC, MASKED)
-    y = load_block(t_row, cols, V, t_stride_v, ACC, MASKED)
+    x_native = load_native(s_row, cols, V, s_stride_v, MASKED)
+    y_native = load_native(t_row, cols, V, t_stride_v, MASKED)
+    x = x_native.to(ACC)
+    y = y_native.to(ACC)
     xs = _pre_scale(x, cols < V, inv_cap, HAS_SOFTCAP, MASKED)
-    if SPLIT:
-        ys = _pre_scale(y, cols < V, t_inv_cap, TEACHER_SOFTCAP, MASKED)
-    else:
-        ys = _pre_scale(y, cols < V, inv_cap, HAS_SOFTCAP, MASKED)
+    t_cap: tl.constexpr = TEACHER_SOFTCAP if SPLIT else HAS_SOFTCAP
+    ys = _pre_scale(y, cols < V, t_inv_cap if SPLIT else inv_cap, t_cap, MASKED)
     # each lane's maxima, and whether any lane raises a running maximum as one integer
     # flag reduced across the warp (one instruction): the block's maxima across the lanes
     # (two shuffle trees) only in a block that raises one. max(x) s is max(x s) (a positive
-    # scale rounds monotonically): a multiply a block, not a value
-    lane_x = lane_maxima(xs, LANES, VEC)
-    lane_y = lane_maxima(ys, LANES, VEC)
+    # scale rounds monotonically): a multiply a block, not a value; and an uncapped row's
+    # maxima are taken in its own dtype (widening is exact and monotone: bf16 pairs a max)
+    lane_x = lane_maxima(xs if HAS_SOFTCAP else x_native, LANES, VEC).to(ACC)
+    lane_y = lane_maxima(ys if t_cap else y_native, LANES, VEC).to(ACC)
     raised = ((lane_x > m_x) | (lane_y > m_y)).to(tl.int32)
     if tl.max(raised, 0) > 0:
         new_x = nan_max(m_x, tl.max(lane_x, 0))
