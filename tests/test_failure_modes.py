@@ -180,14 +180,13 @@ KERNELS = pathlib.Path(__file__).resolve().parents[1] / "kernels"
 
 def test_kernels_propagate_nan_in_min_max():
     """``tl.minimum``/``tl.maximum`` drop NaN by default; kernels must use
-    ``kernels.common.nan_min/nan_max/clamp`` (or pass ``propagate_nan`` themselves: ``NONE``
-    only where a NaN is meant to go, as in ``kernels.common.lower_pos_inf_drop_nan``)."""
+    ``kernels.common.nan_min/nan_max/clamp`` (or pass ``propagate_nan`` themselves)."""
     offenders = []
     for path in sorted(KERNELS.rglob("*.py")):
         for lineno, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#", 1)[0]
             for call in re.finditer(r"tl\.(minimum|maximum|clamp)\(", code):
-                if "propagate_nan=tl.PropagateNan." not in code[call.start() :]:
+                if "propagate_nan=tl.PropagateNan.ALL" not in code[call.start() :]:
                     offenders.append(f"{path.name}:{lineno}: {line.strip()}")
     assert not offenders, "NaN-dropping min/max in kernels:\n" + "\n".join(offenders)
 

@@ -83,15 +83,13 @@ heavy=True)`` (one warp, 512 columns a step: no cross-warp reduction, no spill);
 backward writes the gradient row, ``vocab_launch(V, writes=True)``.
 
 Instructions a column of each loop (compiled for sm_90a and disassembled on the CPU,
-Triton 3.9, bf16; not timed): the forward's first pass 39.3 on a step that raises no
-maximum (every ``beta``; 44.5 with two shuffle trees a step, 54 with a rescale every step
-and a degree-8 ``expm1``, 58 before its running sums were kept a lane each,
-``kernels.common.lane_sums``), the JSD's mixture pass 70.8 (both kernels; 73.4 with a
-compare and a select guarding each of its three ``0 log 0`` products, where a NaN-dropping
-clamp takes one instruction, ``kernels.common.lower_pos_inf_drop_nan``; 77.5 with a
-shuffle tree a block for its two sums and every block masked), the backward 37 / 25 / 50
-(forward KL / reverse KL / JSD; 40 / 28 / 55 with two compares a column in
-``pair.gap_from``, the JSD's 51 with its guard).
+Triton 3.9, bf16; not timed): the forward's first pass 42.1 on a step that raises no
+maximum (every ``beta``; 44.5 with two shuffle trees a step and bf16 widened by ``.to``,
+``kernels.common.widen``; 54 with a rescale every step and a degree-8 ``expm1``, 58 before
+its running sums were kept a lane each, ``kernels.common.lane_sums``), the JSD's mixture
+pass 72.3 (both kernels; 73.4 with ``.to``; 77.5 with a shuffle tree a block for its two
+sums and every block masked), the backward 36 / 24 / 50 (forward KL / reverse KL / JSD; 37
+/ 25 / 51 with ``.to``, 40 / 28 / 55 with two compares a column in ``pair.gap_from``).
 The JSD's were 135 and 86 with the series forms for the near columns (an ``expm1`` and two
 Taylor series a column, and one ``log1p`` shared by the near and far forms:
 ``pair.log1p_unit`` for the far ones now), 224 and 130 before the two forms shared it; 71,
@@ -109,8 +107,6 @@ from ..common import (
     cast_for,
     exp,
     lane_sums,
-    lift_neg_inf_drop_nan,
-    lower_pos_inf_drop_nan,
     nan_max,
     nan_min,
     pair,
@@ -275,10 +271,8 @@ def mixture_terms(delta, p, q, mix, ACC: tl.constexpr):
     near = (delta <= 1.0) & (delta >= -1.0)
     near_l, near_f = near_mixture(tl.where(near, delta, 0.0), beta, mix, ACC)
     far_l, log_q_over_m = far_mixture(delta, log_beta, log_1m_beta)
-    # 0 log 0 = 0: L is +inf where p = 0 < q and NaN where both are 0, log(q / m) -inf where
-    # q = 0 < p and NaN where both are (neither where its weight is positive)
-    term_p = p * lower_pos_inf_drop_nan(far_l)
-    term_q = q * lift_neg_inf_drop_nan(log_q_over_m)
+    term_p = tl.where(p == 0, 0.0, p * far_l)
+    term_q = tl.where(q == 0, 0.0, q * log_q_over_m)
     far_f = beta * term_q - one_m_beta * term_p
     return tl.where(near, near_l, far_l), tl.where(near, p * near_f, far_f)
 
@@ -336,7 +330,7 @@ def _mixture_step(
     p = exp(log_p)
     q = exp(log_q)
     excess, f = mixture_terms(delta, p, q, mix, ACC)
-    p_excess += lane_sums(p * lower_pos_inf_drop_nan(excess), LANES, VEC)  # as term_p
+    p_excess += lane_sums(tl.where(p == 0, 0.0, p * excess), LANES, VEC)
     jsd += lane_sums(f, LANES, VEC)
     return jsd, p_excess
 
@@ -625,8 +619,7 @@ def _distill_bwd_kernel(
             g = reverse_kl_grad(p, delta, c)
         else:
             excess = mixture_log(delta, mix, ACC)
-            # L is +inf where p = 0 < q, NaN where both are 0: 0 there, NaN if c is not finite
-            g = p * (lower_pos_inf_drop_nan(excess) - c)
+            g = tl.where(p == 0, c - c, p * (excess - c))  # 0, NaN if c is not finite
         g = tl.where(active, coef * g * dx, 0.0)
         tl.store(grad_row + cols, cast_for(g, grad_ptr), mask=cols < V)
 

@@ -18,7 +18,16 @@ stays exact to fp32 even for logits of magnitude 1e4.
 import triton
 import triton.language as tl
 
-from ..common import exp, lift_neg_inf, nan_max, pair, row_pointer, tanh_and_sech2, token_offset
+from ..common import (
+    exp,
+    lift_neg_inf,
+    nan_max,
+    pair,
+    row_pointer,
+    tanh_and_sech2,
+    token_offset,
+    widen,
+)
 
 
 @triton.jit
@@ -145,7 +154,7 @@ def row_pass(
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V, other=float("-inf"))
-        x = x.to(ACC)
+        x = widen(x, ACC)
         z = scaled_logits(x, inv_temperature, inv_cap, HAS_SOFTCAP)
         if HAS_SOFTCAP:  # the cap maps the padding lanes' -inf to -c / T: back to -inf
             z = tl.where(cols < V, z, float("-inf"))

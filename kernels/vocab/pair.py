@@ -26,17 +26,14 @@ own per-column terms ``e^a expm1(b - a)`` (``log_ratio_of_sums``). Per column
 When a block raises a maximum by ``-d`` (``d = M_old - M_new <= 0``) the running sums are
 rescaled online, in that block only: ``S <- e^d S``, ``W <- e^d (W + d S)``, and ``F`` /
 ``R`` also shift by the other stream's ``d``. The branch is uniform: each lane's maxima
-(no cross-lane traffic; an uncapped row's in its own dtype, bf16 pairs a max) give one
-integer flag a lane, reduced across the warp by one instruction (``REDUX``); the block's
-maxima across the lanes (two shuffle trees) are taken inside it, by the few blocks that
-raise one (3 to 22 of the 297 of a row of 151936 Gaussian or Gumbel logits, by a NumPy
-model).
+(no cross-lane traffic) give one integer flag a lane, reduced across the warp by one
+instruction (``REDUX``); the block's maxima across the lanes (two shuffle trees) are taken
+inside it, by the few blocks that raise one (3 to 22 of the 297 of a row of 151936
+Gaussian or Gumbel logits, by a NumPy model).
 
-A term whose weight ``e^a`` (``e^b``) is exactly 0 contributes 0, so ``-inf`` logits give
-the finite limit: ``e^a a`` as ``e^a max(a, -FLT_MAX)`` (NaN kept), ``e^a (b - a)`` as ``e^a
-min(b - a, FLT_MAX)`` (NaN dropped: ``b - a`` is NaN where both are ``-inf``, the block's
-tail), each one instruction where a compare and a select tested the weight. A NaN logit
-makes the row NaN through its sums.
+A term whose weight ``e^a`` (``e^b``) is exactly 0 contributes 0 (``0 * -inf`` guarded with
+a ``where`` that keeps NaN as NaN), so ``-inf`` logits give the finite limit; a NaN logit
+makes the row NaN.
 
 Gradient of the reverse KL through the softmax (``reverse_kl_grad``):
 ``dKL(p || q)/dz_v = p_v (log p_v - log q_v - KL(p || q)) = p_v (-delta_v - KL)``; 0 where
@@ -52,10 +49,9 @@ from ..common import (
     lane_maxima,
     lane_sums,
     lift_neg_inf,
-    lift_neg_inf_drop_nan,
-    lower_pos_inf_drop_nan,
     nan_max,
     tanh_and_sech2,
+    widen,
 )
 from .layer1 import scaled_logits
 
@@ -146,19 +142,15 @@ def log_ratio_of_sums(s_z, s_u, gap):
 
 
 @triton.jit
-def load_native(row_ptr, cols, V, stride_v, MASKED: tl.constexpr = True):
-    """A block of a row in its own dtype, ``-inf`` past ``V``; ``MASKED=False``: a whole
-    block, loaded with no mask (no ``-inf`` written into the registers before the load)."""
-    if MASKED:
-        return tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V,
-                       other=float("-inf"))  # fmt: skip
-    return tl.load(row_ptr + cols.to(tl.int64) * stride_v)
-
-
-@triton.jit
 def load_block(row_ptr, cols, V, stride_v, ACC: tl.constexpr, MASKED: tl.constexpr = True):
-    """:func:`load_native`'s block in ``ACC``."""
-    return load_native(row_ptr, cols, V, stride_v, MASKED).to(ACC)
+    """A block of a row in ``ACC`` (``kernels.common.widen``), ``-inf`` past ``V``;
+    ``MASKED=False``: a whole block, loaded with no mask (no ``-inf`` written into the
+    registers before the load)."""
+    if MASKED:
+        x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < V, other=float("-inf"))
+    else:
+        x = tl.load(row_ptr + cols.to(tl.int64) * stride_v)
+    return widen(x, ACC)
 
 
 @triton.jit
@@ -312,20 +304,19 @@ def _pair_step(
     """One block of :func:`pair_moments`' loop, from ``start``: the running maxima (before
     the scale) and sums after it. ``MASKED``: the block runs past ``V``."""
     cols = start + tl.arange(0, BLOCK_V)
-    x_native = load_native(s_row, cols, V, s_stride_v, MASKED)
-    y_native = load_native(t_row, cols, V, t_stride_v, MASKED)
-    x = x_native.to(ACC)
-    y = y_native.to(ACC)
+    x = load_block(s_row, cols, V, s_stride_v, ACC, MASKED)
+    y = load_block(t_row, cols, V, t_stride_v, ACC, MASKED)
     xs = _pre_scale(x, cols < V, inv_cap, HAS_SOFTCAP, MASKED)
-    t_cap: tl.constexpr = TEACHER_SOFTCAP if SPLIT else HAS_SOFTCAP
-    ys = _pre_scale(y, cols < V, t_inv_cap if SPLIT else inv_cap, t_cap, MASKED)
+    if SPLIT:
+        ys = _pre_scale(y, cols < V, t_inv_cap, TEACHER_SOFTCAP, MASKED)
+    else:
+        ys = _pre_scale(y, cols < V, inv_cap, HAS_SOFTCAP, MASKED)
     # each lane's maxima, and whether any lane raises a running maximum as one integer
     # flag reduced across the warp (one instruction): the block's maxima across the lanes
     # (two shuffle trees) only in a block that raises one. max(x) s is max(x s) (a positive
-    # scale rounds monotonically): a multiply a block, not a value; and an uncapped row's
-    # maxima are taken in its own dtype (widening is exact and monotone: bf16 pairs a max)
-    lane_x = lane_maxima(xs if HAS_SOFTCAP else x_native, LANES, VEC).to(ACC)
-    lane_y = lane_maxima(ys if t_cap else y_native, LANES, VEC).to(ACC)
+    # scale rounds monotonically): a multiply a block, not a value
+    lane_x = lane_maxima(xs, LANES, VEC)
+    lane_y = lane_maxima(ys, LANES, VEC)
     raised = ((lane_x > m_x) | (lane_y > m_y)).to(tl.int32)
     if tl.max(raised, 0) > 0:
         new_x = nan_max(m_x, tl.max(lane_x, 0))
@@ -373,11 +364,11 @@ def _pair_step(
     gap_v = tl.where(near, e_a * expm1_small(b_minus_a), e_b - e_a)
     # e^a == 0 (a < -87.3): a near column's e^b is below 2^-125 too, a far one's is exact
     gap += lane_sums(gap_v, LANES, VEC)
-    # e^a (b - a) is 0 where e^a is: b - a is then +inf (a = -inf) or NaN (both -inf: the
-    # block's tail); it passes FLT_MAX only there (a and b are at most 0), and -inf where
-    # e^a > 0 stays, a KL of +inf. Likewise e^b (b - a)
-    rev -= lane_sums(e_a * lower_pos_inf_drop_nan(b_minus_a), LANES, VEC)
-    fwd += lane_sums(e_b * lift_neg_inf_drop_nan(b_minus_a), LANES, VEC)
+    # e^a (b - a) is 0 where e^a is, whatever b - a: +inf (a = -inf), NaN (both -inf), or
+    # -inf where e^a underflows at a finite a opposite b = -inf (a clamp of b - a would make
+    # the last NaN, or, two-sided, a KL of +inf finite)
+    rev -= lane_sums(tl.where(e_a == 0, 0.0, e_a * b_minus_a), LANES, VEC)
+    fwd += lane_sums(tl.where(e_b == 0, 0.0, e_b * b_minus_a), LANES, VEC)
     return m_x, m_y, s_z, s_u, w_z, w_u, fwd, rev, gap
 
 

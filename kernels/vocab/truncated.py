@@ -106,6 +106,7 @@ from ..common import (
     tanh_and_sech2,
     target_column,
     token_offset,
+    widen,
 )
 from .layer1 import scaled_logits, target_logp
 from .select import BINS, DIGIT_BITS, _digit_histogram, _is_nan, _value
@@ -219,7 +220,7 @@ def _pass_a(
         cols = start + tl.arange(0, BLOCK_V)
         x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < n_read,
                     other=float("-inf"))  # fmt: skip
-        z = scaled_logits(x.to(ACC), inv_t, inv_cap, HAS_SOFTCAP)
+        z = scaled_logits(widen(x, ACC), inv_t, inv_cap, HAS_SOFTCAP)
         if HAS_SOFTCAP:  # the cap maps the -inf padding to -c / T: back to -inf
             z = tl.where(cols < n_read, z, float("-inf"))
         if not COLLECT:  # else counted by _absorb (its groups holding a NaN)
@@ -385,7 +386,7 @@ def _bracket_sums(
         # -c / T: put back). A searched row holds no NaN and no +inf (pass A).
         x = tl.load(row_ptr + cols.to(tl.int64) * stride_v, mask=cols < n_read,
                     other=float("-inf"))  # fmt: skip
-        z = scaled_logits(x.to(ACC), inv_t, inv_cap, HAS_SOFTCAP)
+        z = scaled_logits(widen(x, ACC), inv_t, inv_cap, HAS_SOFTCAP)
         if HAS_SOFTCAP:
             z = tl.where(cols < n_read, z, float("-inf"))
         e = exp(z - m)
