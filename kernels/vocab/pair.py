@@ -295,6 +295,13 @@ def _pre_scale(x, valid, inv_cap, SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _reference(m, scale):
+    """A row's running maximum ``m`` (before its positive scale) after it: ``M`` of the module
+    docstring, 0 while the row has no value (``m = -inf``)."""
+    return tl.where(m == float("-inf"), 0.0, m * scale)
+
+
+@triton.jit
 def _pair_step(
     s_row, t_row, start, V, s_stride_v, t_stride_v, inv_temperature, inv_cap, t_scale,
     t_inv_cap, m_x, m_y, s_z, s_u, w_z, w_u, fwd, rev, gap, BLOCK_V: tl.constexpr,
@@ -322,8 +329,8 @@ def _pair_step(
         new_x = nan_max(m_x, tl.max(lane_x, 0))
         new_y = nan_max(m_y, tl.max(lane_y, 0))
         # the running sums move to the new maxima (nothing to move while a stream is empty)
-        ref_z = tl.where(new_x == float("-inf"), 0.0, new_x * inv_temperature)
-        ref_u = tl.where(new_y == float("-inf"), 0.0, new_y * t_scale)
+        ref_z = _reference(new_x, inv_temperature)
+        ref_u = _reference(new_y, t_scale)
         d_z = tl.where(m_x == float("-inf"), 0.0, m_x * inv_temperature - ref_z)
         d_u = tl.where(m_y == float("-inf"), 0.0, m_y * t_scale - ref_u)
         alpha_z = exp(d_z)
@@ -341,8 +348,8 @@ def _pair_step(
         fwd = alpha_u * (fwd + (d_u - d_z) * s_u)
         s_u = alpha_u * s_u
         m_x, m_y = new_x, new_y
-    ref_z = tl.where(m_x == float("-inf"), 0.0, m_x * inv_temperature)
-    ref_u = tl.where(m_y == float("-inf"), 0.0, m_y * t_scale)
+    ref_z = _reference(m_x, inv_temperature)
+    ref_u = _reference(m_y, t_scale)
     # in the block after the branch, so that each is one multiply-add
     a = xs * inv_temperature - ref_z
     b = ys * t_scale - ref_u
@@ -432,8 +439,8 @@ def pair_moments(
     fwd = tl.sum(fwd, 0)
     rev = tl.sum(rev, 0)
     gap = tl.sum(gap, 0)
-    ref_z = tl.where(m_x == float("-inf"), 0.0, m_x * inv_temperature)
-    ref_u = tl.where(m_y == float("-inf"), 0.0, m_y * t_scale)
+    ref_z = _reference(m_x, inv_temperature)
+    ref_u = _reference(m_y, t_scale)
     log_s_z = tl.log(s_z)
     log_s_u = tl.log(s_u)
     h_z = log_s_z - w_z / s_z
